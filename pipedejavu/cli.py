@@ -1,0 +1,247 @@
+"""``pipedejavu`` command line: parse, call the API, print. Thin on purpose.
+
+Exit codes: 0 success; 2 bad input (one line on stderr); 3 no feasible plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import TextIO
+
+import numpy as np
+
+from .problem import InfeasibleProblemError, Plan, Problem, ProblemError, SUBMESH_SPACES
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors are bad input too
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "problem", help="a problem .npz, or an Alpa stage-profile .npy"
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="HxD",
+        help="hosts x devices per host Alpa was given (needed for an Alpa .npy)",
+    )
+    parser.add_argument(
+        "--num-microbatches",
+        "-B",
+        type=int,
+        metavar="B",
+        help="micro-batches (needed for an Alpa .npy; overrides a .npz's B)",
+    )
+    parser.add_argument(
+        "--submesh-space",
+        choices=[space for space in SUBMESH_SPACES if space != "manual"],
+        default="small_power_of_two",
+        help="Alpa's submesh_physical_shape_space for an Alpa .npy "
+        "(default: %(default)s)",
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pipedejavu",
+        description="Split a model into pipeline stages and map them onto "
+        "submeshes (Alpa's formulation).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    solve = commands.add_parser("solve", help="find a plan for a problem")
+    _add_problem_arguments(solve)
+    solve.add_argument("--method", default="dp", help="dp (default) or brute_force")
+    solve.add_argument(
+        "--alpa-compatible",
+        action="store_true",
+        help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap "
+        "included",
+    )
+    solve.add_argument(
+        "--json", action="store_true", help="print only the plan JSON on stdout"
+    )
+
+    inspect = commands.add_parser("inspect", help="sizes and coverage of a problem")
+    _add_problem_arguments(inspect)
+
+    convert = commands.add_parser(
+        "convert", help="turn an Alpa stage profile into a problem .npz"
+    )
+    _add_problem_arguments(convert)
+    convert.add_argument("output", help="the problem .npz to write")
+
+    demo = commands.add_parser(
+        "demo", help="solve the bundled real Alpa profiles and a generated instance"
+    )
+    demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Problem:
+    from .io import load_problem, parse_cluster
+
+    cluster = parse_cluster(args.cluster) if args.cluster else None
+    return load_problem(
+        args.problem,
+        cluster_shape=cluster,
+        num_microbatches=args.num_microbatches,
+        submesh_space=args.submesh_space,
+    )
+
+
+def format_plan(problem: Problem, plan: Plan) -> str:
+    """A readable plan table."""
+    lines = [
+        f"method {plan.method}: {plan.num_stages} stage(s) on "
+        f"{problem.cluster_shape[0]}x{problem.cluster_shape[1]} = "
+        f"{problem.num_devices} devices, B = {plan.num_microbatches}",
+        f"{'stage':>5}  {'layers':>9}  {'submesh':>7}  {'devices':>7}  "
+        f"{'config':>6}  {'latency (s)':>12}",
+    ]
+    for index, stage in enumerate(plan.stages):
+        layers = f"{stage.start}-{stage.stop - 1}"
+        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
+        lines.append(
+            f"{index:>5}  {layers:>9}  {submesh:>7}  {stage.num_devices:>7}  "
+            f"{stage.config_index:>6}  {stage.latency:>12.6f}"
+        )
+    latencies = [stage.latency for stage in plan.stages]
+    lines.append(
+        f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
+        f"= {plan.cost:.6f} s per iteration   (search {plan.search_time_s * 1e3:.1f} ms)"
+    )
+    return "\n".join(lines)
+
+
+def format_inspection(problem: Problem) -> str:
+    """Sizes, coverage and feasibility of a problem, one fact a line."""
+    from baselines.exact_dp import explain_infeasible, min_sum_plan
+
+    table = problem.compute_cost
+    upper = np.triu(np.ones((problem.num_layers,) * 2, dtype=bool))
+    entries = table[upper]
+    finite = np.isfinite(entries)
+    feasible = finite & (problem.max_n_succ_stages[upper] >= 0)
+    shapes = ", ".join(f"{h}x{d}" for h, d in problem.submesh_shapes.tolist())
+    plan_exists = np.isfinite(min_sum_plan(problem)[0])
+    lines = [
+        f"layers L = {problem.num_layers}, submeshes M = {problem.num_submeshes} "
+        f"({shapes}), configs K = {problem.num_configs}",
+        f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]} = "
+        f"{problem.num_devices} devices, micro-batches B = {problem.num_microbatches}",
+        f"stage entries (i <= j): {entries.size}",
+        f"  finite (profiled): {int(finite.sum())}",
+        f"  memory-feasible:   {int(feasible.sum())}",
+        f"  missing (inf):     {int((~finite).sum())}",
+    ]
+    if finite.any():
+        lines.append(
+            f"finite latency range: {entries[finite].min():.6g} .. "
+            f"{entries[finite].max():.6g} s"
+        )
+    lines.append(
+        "feasible plan: yes"
+        if plan_exists
+        else f"feasible plan: no ({explain_infeasible(problem)})"
+    )
+    return "\n".join(lines)
+
+
+def _demo(out: TextIO, as_json: bool) -> None:
+    from .api import solve
+    from .generate import random_problem
+    from .io import bundled_examples
+
+    cases = [(example.name, example.description, example.load) for example in
+             bundled_examples()]
+    cases.append(
+        (
+            "generated-gpt-32layers-2x8",
+            "generated GPT-like model, 32 layers, 2x8 cluster, power_of_two "
+            "submeshes, 2 configs, B = 32 (pipedejavu.generate.random_problem)",
+            lambda: random_problem(32, (2, 8), num_microbatches=32, seed=0),
+        )
+    )
+    for name, description, load in cases:
+        problem = load()
+        try:
+            plan = solve(problem, "dp")
+            alpa = solve(problem, "dp", alpa_compatible=True)
+        except InfeasibleProblemError as error:
+            if as_json:
+                print(json.dumps({"example": name, "infeasible": str(error)}), file=out)
+            else:
+                print(f"== {name}: {description}\nno feasible plan: {error}\n", file=out)
+            continue
+        if as_json:
+            print(json.dumps({"example": name, "plan": plan.to_json()}), file=out)
+            continue
+        same = [s.to_json() for s in plan.stages] == [s.to_json() for s in alpa.stages]
+        print(f"== {name}: {description}", file=out)
+        print(format_plan(problem, plan), file=out)
+        print(
+            f"Alpa's training_dp (alpa-compatible): "
+            f"{'same plan' if same else 'a different plan'}, cost {alpa.cost:.6f} s, "
+            f"{alpa.info['num_evaluated']} caps evaluated in "
+            f"{alpa.search_time_s * 1e3:.1f} ms vs {plan.info['num_evaluated']} in "
+            f"{plan.search_time_s * 1e3:.1f} ms\n",
+            file=out,
+        )
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
+    try:
+        if args.command == "solve":
+            from .api import solve
+
+            problem = _load(args)
+            options = {"alpa_compatible": True} if args.alpa_compatible else {}
+            plan = solve(problem, args.method, **options)
+            if args.json:
+                print(json.dumps(plan.to_json()))
+            else:
+                print(format_plan(problem, plan))
+        elif args.command == "inspect":
+            print(format_inspection(_load(args)))
+        elif args.command == "convert":
+            problem = _load(args)
+            problem.to_npz(args.output)
+            print(
+                f"wrote {args.output}: L = {problem.num_layers}, "
+                f"M = {problem.num_submeshes}, K = {problem.num_configs}, "
+                f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]}, "
+                f"B = {problem.num_microbatches}"
+            )
+        elif args.command == "demo":
+            _demo(sys.stdout, args.json)
+    except ProblemError as error:
+        print(f"pipedejavu: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except InfeasibleProblemError as error:
+        print(f"pipedejavu: no feasible plan: {error}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except OSError as error:
+        print(f"pipedejavu: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

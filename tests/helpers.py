@@ -1,0 +1,54 @@
+"""Random tiny instances shared by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipedejavu import Problem, get_submesh_choices
+
+UNLIMITED = 2**20
+
+
+def tiny_problem(
+    rng: np.random.Generator,
+    *,
+    max_layers: int = 6,
+    max_devices: int = 8,
+    p_missing: float = 0.2,
+    p_memory: float = 0.3,
+) -> Problem:
+    """L <= max_layers, D <= max_devices, 1-3 submeshes, 1-2 configs, inf entries
+    and memory limits; stage costs grow with length and shrink with devices."""
+    clusters = [
+        (h, d) for h in (1, 2) for d in (1, 2, 4) if h * d <= max_devices
+    ]
+    hosts, per_host = clusters[rng.integers(len(clusters))]
+    choices = list(get_submesh_choices(hosts, per_host, "all"))
+    count = int(rng.integers(1, min(3, len(choices)) + 1))
+    picked = sorted(rng.choice(len(choices), size=count, replace=False).tolist())
+    if 0 not in picked:  # keep (1, 1) so that the devices can always be covered
+        picked = [0] + picked[1:]
+    shapes = np.array([choices[i] for i in picked])
+    num_layers = int(rng.integers(1, max_layers + 1))
+    num_configs = int(rng.integers(1, 3))
+    shape = (num_layers, num_layers, len(picked), num_configs)
+    spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1
+    sizes = shapes[:, 0] * shapes[:, 1]
+    cost = (
+        rng.uniform(0.5, 2.0, size=shape)
+        * np.clip(spans, 1, None)[:, :, None, None]
+        / sizes[None, None, :, None] ** rng.uniform(0.5, 1.0)
+    )
+    cost[rng.random(shape) < p_missing] = np.inf
+    memory = np.where(
+        rng.random(shape) < p_memory,
+        rng.integers(-1, num_layers, size=shape),
+        UNLIMITED,
+    )
+    return Problem(
+        compute_cost=cost,
+        max_n_succ_stages=memory,
+        submesh_shapes=shapes,
+        cluster_shape=(hosts, per_host),
+        num_microbatches=int(rng.integers(1, 17)),
+    )

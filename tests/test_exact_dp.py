@@ -1,0 +1,142 @@
+"""The exact DP against the brute-force oracle and hand-built cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import tiny_problem
+
+from baselines import brute_force, exact_dp, min_sum_plan
+from pipedejavu import InfeasibleProblemError, Problem, evaluate
+from pipedejavu.generate import random_problem
+
+
+def _solve_or_none(solver, problem):
+    try:
+        return solver(problem)
+    except InfeasibleProblemError:
+        return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_equals_brute_force_on_random_tiny_instances(seed):
+    rng = np.random.default_rng(1000 + seed)
+    solved = 0
+    for _ in range(100):
+        problem = tiny_problem(rng)
+        oracle = _solve_or_none(brute_force, problem)
+        plan = _solve_or_none(exact_dp, problem)
+        assert (oracle is None) == (plan is None)
+        if plan is None:
+            continue
+        solved += 1
+        np.testing.assert_allclose(plan.cost, oracle.cost, rtol=1e-9)
+        assert plan.cost == evaluate(problem, plan)
+    assert solved >= 60  # most random instances have a plan: the test has teeth
+
+
+def test_dp_handles_tight_memory_like_brute_force():
+    rng = np.random.default_rng(7)
+    compared = 0
+    for _ in range(150):
+        problem = tiny_problem(rng, p_memory=0.9, p_missing=0.05)
+        oracle = _solve_or_none(brute_force, problem)
+        plan = _solve_or_none(exact_dp, problem)
+        assert (oracle is None) == (plan is None)
+        if plan is not None:
+            compared += 1
+            np.testing.assert_allclose(plan.cost, oracle.cost, rtol=1e-9)
+    assert compared >= 50
+
+
+def _two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
+    """Cluster 1x2, submeshes (1,1) and (1,2), one config."""
+    table = np.full((2, 2, 2, 1), np.inf)
+    for (start, end, submesh), value in costs.items():
+        table[start, end, submesh, 0] = value
+    return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)
+
+
+def test_near_tie_that_alpa_skips_is_found():
+    # Two 1-device stages (1.0 and 1.0000005 s) or one 2-device stage (1.9 s).
+    # B = 8: 2.0000005 + 7 * 1.0000005 = 9.000004 beats 8 * 1.9 = 15.2.
+    problem = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0000005,
+                                  (0, 1, 1): 1.9}, 8)
+    plan = exact_dp(problem)
+    np.testing.assert_allclose(plan.cost, 9.000004, rtol=1e-12)
+    assert [(s.start, s.stop, s.submesh) for s in plan.stages] == [
+        (0, 1, (1, 1)), (1, 2, (1, 1))]
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e-7, 1.0, 1e3, 1e9])
+def test_dp_is_unit_free(scale):
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        problem = tiny_problem(rng)
+        base = _solve_or_none(exact_dp, problem)
+        scaled = _solve_or_none(
+            exact_dp, problem.replace(compute_cost=problem.compute_cost * scale)
+        )
+        assert (base is None) == (scaled is None)
+        if base is not None:
+            np.testing.assert_allclose(scaled.cost, base.cost * scale, rtol=1e-9)
+
+
+def test_fewest_stages_among_equal_sums():
+    # Two 1.0 s stages or one 2.0 s stage: equal sums; the DP takes one stage.
+    problem = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 2.0}, 1)
+    total, stages = min_sum_plan(problem)
+    assert total == 2.0
+    assert stages == [(0, 2, 1, 0)]
+
+
+def test_memory_limit_changes_the_plan():
+    free = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 3.0}, 4)
+    assert exact_dp(free).num_stages == 2
+    memory = np.full((2, 2, 2, 1), 2**20)
+    memory[0, 0, 0, 0] = 0  # the first stage may not have a stage after it
+    tight = free.replace(max_n_succ_stages=memory)
+    plan = exact_dp(tight)
+    assert plan.num_stages == 1
+    assert plan.cost == pytest.approx(12.0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "memory_limit", "reason"),
+    [
+        ({(0, 1, 0): 1.0}, None, "exactly the 2 devices"),
+        ({(0, 0, 0): 1.0}, None, "covers all 2 layers"),
+        ({(0, 0, 0): 1.0, (1, 1, 0): 1.0}, 0, "memory"),
+        ({}, None, "no stage has a profiled"),
+    ],
+)
+def test_infeasible_problems_say_why(costs, memory_limit, reason):
+    problem = _two_layer_problem(costs, 4)
+    if memory_limit is not None:
+        problem = problem.replace(
+            max_n_succ_stages=np.full((2, 2, 2, 1), memory_limit)
+        )
+    with pytest.raises(InfeasibleProblemError, match=reason):
+        exact_dp(problem)
+
+
+@pytest.mark.parametrize("tightness", [None, 2.0])
+@pytest.mark.parametrize(("layers", "cluster"), [(8, (1, 4)), (12, (2, 4))])
+def test_dp_on_generated_instances_matches_exhaustive_caps(layers, cluster, tightness):
+    # A second exact reference for sizes brute force cannot reach: the min-sum
+    # DP under every distinct cap, as Alpa's scan would do without its gap.
+    problem = random_problem(
+        layers, cluster, num_microbatches=16, memory_tightness=tightness, seed=5
+    )
+    plan = exact_dp(problem)
+    table = problem.compute_cost
+    best = math.inf
+    for cap in np.unique(table[np.isfinite(table)]):
+        total, stages = min_sum_plan(problem, cap)
+        if stages is not None:
+            latencies = [table[a, b - 1, m, k] for a, b, m, k in stages]
+            best = min(best, sum(latencies) + 15 * max(latencies))
+    np.testing.assert_allclose(plan.cost, best, rtol=1e-12)
+    assert plan.info["num_evaluated"] < plan.info["num_candidates"]
