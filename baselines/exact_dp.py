@@ -33,8 +33,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass
-
 import numpy as np
 from numpy.typing import NDArray
 
@@ -52,29 +50,24 @@ __all__ = ["exact_dp", "explain_infeasible", "min_sum_plan"]
 _NO_COUNT = np.iinfo(np.int64).max // 4
 
 
-@dataclass(frozen=True)
-class _Buckets:
-    """Memory buckets: bucket b < lumped is "exactly b stages from here to the
-    end"; bucket ``lumped`` is "more than lumped - 1 stages"."""
-
-    num: int  # buckets 1..num; bucket 0 is the terminal state
-
-    @property
-    def lumped(self) -> int:
-        return self.num
-
-
-def _memory_buckets(problem: Problem, cost: NDArray[np.float64]) -> _Buckets:
+def _full_buckets(problem: Problem) -> int:
+    """Buckets for the exact memory rule: one per binding limit ``s = 1..R``, plus
+    the lumped bucket ``s > R`` (1 when no limit binds)."""
     max_stages = min(problem.num_layers, problem.num_devices)
-    limits = problem.max_n_succ_stages[np.isfinite(cost)] + 1  # largest admissible s
+    limits = problem.max_n_succ_stages[np.isfinite(problem.compute_cost)] + 1
     binding = limits[(limits >= 1) & (limits < max_stages)]
-    return _Buckets(num=int(binding.max()) + 1 if binding.size else 1)
+    return int(binding.max()) + 1 if binding.size else 1
 
 
 def _stage_tables(
-    problem: Problem, cap: float, buckets: _Buckets
+    problem: Problem, cap: float, num_buckets: int
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     """Cheapest admissible config per (bucket, start, end, submesh) under a cap.
+
+    Bucket ``b < num_buckets`` admits entries with ``max_n_succ_stages >= b - 1``
+    (exactly ``b`` stages from here); the last, lumped bucket stands for every
+    ``s >= num_buckets`` and admits ``max_n_succ_stages >= num_buckets - 1``,
+    which relaxes the rule unless ``num_buckets`` is :func:`_full_buckets`.
 
     Returns:
         cost: f64[NB + 1, L, L, M] seconds (index 0 unused); inf = none admissible.
@@ -83,11 +76,11 @@ def _stage_tables(
     table = problem.compute_cost
     memory = problem.max_n_succ_stages
     capped = np.where(table <= cap, table, np.inf)
-    shape = (buckets.num + 1, *table.shape[:3])
+    shape = (num_buckets + 1, *table.shape[:3])
     cost = np.full(shape, np.inf)
     config = np.zeros(shape, dtype=np.int64)
     previous_limit = None
-    for bucket in range(1, buckets.num + 1):
+    for bucket in range(1, num_buckets + 1):
         admissible = memory >= bucket - 1
         if previous_limit is not None and np.array_equal(admissible, previous_limit):
             cost[bucket], config[bucket] = cost[bucket - 1], config[bucket - 1]
@@ -103,7 +96,7 @@ def _dp(
     problem: Problem,
     stage_cost: NDArray[np.float64],
     stage_config: NDArray[np.int64],
-    buckets: _Buckets,
+    num_buckets: int,
     combine: np.ufunc,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None]:
     """One DP pass; ``combine`` is ``np.add`` (min-sum) or ``np.maximum`` (min-max).
@@ -113,7 +106,6 @@ def _dp(
     """
     num_layers, num_devices = problem.num_layers, problem.num_devices
     sizes = problem.submesh_sizes
-    num_buckets = buckets.num
     width = num_devices + 1
     shape = (num_buckets + 1, num_layers + 1, width)
     value = np.full(shape, np.inf)
@@ -210,6 +202,37 @@ def _dp(
     return float(finals.min()), plan
 
 
+def _memory_ok(problem: Problem, stages: list[tuple[int, int, int, int]]) -> bool:
+    memory = problem.max_n_succ_stages
+    return all(
+        len(stages) - 1 - index <= memory[start, stop - 1, submesh, config]
+        for index, (start, stop, submesh, config) in enumerate(stages)
+    )
+
+
+def _solve_cap(
+    problem: Problem, cap: float, full_buckets: int, combine: np.ufunc
+) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+    """The DP under one cap, deepening the memory relaxation only as needed.
+
+    With fewer buckets than :func:`_full_buckets` the lumped bucket relaxes the
+    memory rule, so its optimum is a lower bound; when that optimal plan obeys
+    the rule anyway it is optimal for the exact rule too (and fewest-stages among
+    equal values, since every exactly optimal plan is relaxed-optimal). Plans
+    rarely need many stages, so 1, 2, 4, ... buckets usually stop early.
+    """
+    num_buckets = 1
+    while True:
+        num_buckets = min(num_buckets, full_buckets)
+        tables = _stage_tables(problem, cap, num_buckets)
+        value, stages = _dp(problem, *tables, num_buckets, combine)
+        if stages is None or num_buckets == full_buckets or _memory_ok(
+            problem, stages
+        ):
+            return value, stages
+        num_buckets *= 2
+
+
 def min_sum_plan(
     problem: Problem, cap: float = math.inf
 ) -> tuple[float, list[tuple[int, int, int, int]] | None]:
@@ -218,9 +241,7 @@ def min_sum_plan(
     Returns:
         ``(sum seconds, [(start, stop, submesh, config), ...])`` or ``(inf, None)``.
     """
-    buckets = _memory_buckets(problem, problem.compute_cost)
-    tables = _stage_tables(problem, cap, buckets)
-    return _dp(problem, *tables, buckets, np.add)
+    return _solve_cap(problem, cap, _full_buckets(problem), np.add)
 
 
 def explain_infeasible(problem: Problem) -> str:
@@ -274,13 +295,8 @@ def exact_dp(problem: Problem) -> Plan:
     """
     started = time.perf_counter()
     num_microbatches = problem.num_microbatches
-    buckets = _memory_buckets(problem, problem.compute_cost)
-    smallest_cap, _ = _dp(
-        problem,
-        *_stage_tables(problem, math.inf, buckets),
-        buckets,
-        np.maximum,
-    )
+    buckets = _full_buckets(problem)
+    smallest_cap, _ = _solve_cap(problem, math.inf, buckets, np.maximum)
     if not math.isfinite(smallest_cap):
         raise InfeasibleProblemError(explain_infeasible(problem))
     table = problem.compute_cost
@@ -292,9 +308,7 @@ def exact_dp(problem: Problem) -> Plan:
     def solve_at(index: int) -> float:
         nonlocal best_cost, best_stages, best_cap
         cap = float(candidates[index])
-        total, stages = _dp(
-            problem, *_stage_tables(problem, cap, buckets), buckets, np.add
-        )
+        total, stages = _solve_cap(problem, cap, buckets, np.add)
         sums[index] = total
         if stages is not None:
             latencies = [table[a, b - 1, m, k] for a, b, m, k in stages]
