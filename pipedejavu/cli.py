@@ -200,13 +200,20 @@ def _demo(out: TextIO, as_json: bool) -> None:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
+    sys.stdout.flush()  # keep warnings next to the output they concern
     print(f"warning: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _build_parser().parse_args(argv)
-    warnings.showwarning = _show_warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "solve":
             from .api import solve

@@ -1,0 +1,226 @@
+"""The command line as a user meets it: outputs, JSON, exit codes, messages."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import numpy.lib.format as npy_format
+import pytest
+
+from pipedejavu import Plan, Problem, evaluate
+from pipedejavu.cli import main
+from pipedejavu.io import bundled_examples
+
+EXAMPLES = {example.name: example for example in bundled_examples()}
+B128 = EXAMPLES["gpt1.3b-6layers-B128"]
+B32_INFEASIBLE = EXAMPLES["gpt1.3b-6layers-B32"]
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _solve_args(example):
+    return ["--cluster", "1x4", "--num-microbatches", example.num_microbatches]
+
+
+def test_solve_json_is_exactly_the_plan(capsys):
+    code, out, err = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    assert code == 0
+    data = json.loads(out)  # nothing but the JSON on stdout
+    assert set(data) == {"method", "cost", "num_microbatches", "stages",
+                         "search_time_s"}
+    assert set(data["stages"][0]) == {"start", "stop", "submesh", "submesh_index",
+                                      "config_index", "latency"}
+    problem = B128.load()
+    assert data["cost"] == evaluate(problem, Plan.from_json(data))
+    assert data["stages"][0]["submesh"] == [1, 4]
+
+
+def test_solve_table(capsys):
+    code, out, _ = run(capsys, "solve", B128.path, *_solve_args(B128))
+    assert code == 0
+    assert "stage" in out and "latency" in out and "31.198233" in out
+
+
+def test_incomplete_records_warn_once_on_stderr(capsys):
+    code, _, err = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    assert code == 0
+    assert err.count("warning:") == 1
+    assert "66 of 77" in err
+
+
+def test_infeasible_profile_exits_3_with_reason(capsys):
+    code, out, err = run(capsys, "solve", B32_INFEASIBLE.path,
+                         *_solve_args(B32_INFEASIBLE))
+    assert code == 3
+    assert out == ""
+    assert "no feasible plan" in err and "memory" in err
+
+
+def test_alpa_compatible_flag(capsys):
+    code, out, _ = run(capsys, "solve", B128.path, *_solve_args(B128),
+                       "--alpa-compatible", "--json")
+    assert code == 0
+    assert json.loads(out)["method"] == "dp-alpa"
+
+
+def test_convert_then_solve_gives_the_same_plan(capsys, tmp_path):
+    target = tmp_path / "gpt.npz"
+    code, out, _ = run(capsys, "convert", B128.path, target, *_solve_args(B128))
+    assert code == 0 and target.exists()
+    _, direct, _ = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    code, converted, _ = run(capsys, "solve", target, "--json")
+    assert code == 0
+    first, second = json.loads(direct), json.loads(converted)
+    assert first["stages"] == second["stages"] and first["cost"] == second["cost"]
+
+
+def test_inspect(capsys):
+    code, out, _ = run(capsys, "inspect", B32_INFEASIBLE.path,
+                       *_solve_args(B32_INFEASIBLE))
+    assert code == 0
+    assert "finite (profiled): 17" in out
+    assert "memory-feasible:   0" in out
+    assert "feasible plan: no" in out
+
+
+def test_alpa_profile_needs_the_run_settings(capsys):
+    code, out, err = run(capsys, "solve", B128.path)
+    assert code == 2 and out == ""
+    assert "--cluster" in err and "--num-microbatches" in err
+    assert "Traceback" not in err
+
+
+def _write_problem(path, **changes):
+    cost = np.array([[[[1.0]], [[2.0]]], [[[np.inf]], [[1.5]]]])  # L=2, M=1, K=1
+    arrays = dict(
+        compute_cost=cost,
+        max_n_succ_stages=np.full(cost.shape, 10),
+        submesh_shapes=np.array([[1, 1]]),
+        cluster_shape=np.array([1, 2]),
+        num_microbatches=np.array(4),
+    )
+    arrays.update(changes)
+    np.savez(path, **arrays)
+    return path
+
+
+def test_npz_problem_solves(capsys, tmp_path):
+    code, out, _ = run(capsys, "solve", _write_problem(tmp_path / "p.npz"), "--json")
+    assert code == 0
+    assert json.loads(out)["cost"] == pytest.approx(2.5 + 3 * 1.5)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"compute_cost": np.full((2, 2, 1, 1), np.nan)}, "NaN"),
+        ({"compute_cost": np.ones((2, 3, 1, 1))}, "shape"),
+        ({"max_n_succ_stages": np.ones((3, 3, 1, 1))}, "max_n_succ_stages"),
+        ({"num_microbatches": np.array(0)}, "num_microbatches must be >= 1"),
+        ({"submesh_shapes": np.array([[1, 2]]), "cluster_shape": np.array([1, 3])},
+         "no combination of the submesh sizes"),
+        ({"submesh_shapes": np.array([[2, 1]])}, "does not fit"),
+    ],
+)
+def test_bad_problems_exit_2_naming_the_problem(capsys, tmp_path, changes, message):
+    path = _write_problem(tmp_path / "bad.npz", **changes)
+    code, out, err = run(capsys, "solve", path)
+    assert code == 2 and out == ""
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_microbatches_flag(capsys, tmp_path):
+    code, _, err = run(capsys, "solve", _write_problem(tmp_path / "p.npz"), "-B", "0")
+    assert code == 2 and "num_microbatches must be >= 1" in err
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _npy_with_payload(payload: bytes) -> bytes:
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(
+        header, {"descr": "|O", "fortran_order": False, "shape": ()}
+    )
+    return b"\x93NUMPY\x01\x00" + header.getvalue()[8:] + payload
+
+
+@pytest.mark.parametrize("wrap", ["npy", "pkl"])
+def test_code_running_pickle_is_refused(capsys, tmp_path, wrap):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({(0, 0, 0, 0): _Exploit(marker)}, protocol=4)
+    path = tmp_path / f"evil.{wrap}"
+    path.write_bytes(_npy_with_payload(payload) if wrap == "npy" else payload)
+    code, out, err = run(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
+    assert code == 2 and out == ""
+    assert not marker.exists()
+    if wrap == "npy":
+        assert "system" in err  # names the refused global
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"hello, I am text\n", b"\x80\x04\x95", None],
+    ids=["empty", "text", "truncated-pickle", "truncated-npy"],
+)
+def test_garbage_files_exit_2(capsys, tmp_path, content):
+    if content is None:
+        content = B128.path.read_bytes()[: 4000]
+    path = tmp_path / "garbage.npy"
+    path.write_bytes(content)
+    code, out, err = run(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
+    assert code == 2 and out == ""
+    assert str(path) in err or "garbage" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_file_and_bad_cluster(capsys, tmp_path):
+    code, _, err = run(capsys, "solve", tmp_path / "nope.npz")
+    assert code == 2 and "nope.npz" in err
+    code, _, err = run(capsys, "solve", B128.path, "--cluster", "4", "-B", "8")
+    assert code == 2 and "HOSTSxDEVICES_PER_HOST" in err
+
+
+def test_unknown_method(capsys, tmp_path):
+    code, _, err = run(capsys, "solve", _write_problem(tmp_path / "p.npz"),
+                       "--method", "magic")
+    assert code == 2 and "unknown method" in err
+
+
+def test_console_script_runs_the_demo():
+    result = subprocess.run(
+        [sys.executable, "-m", "pipedejavu.cli", "demo"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("== ") == 4
+    assert "no feasible plan" in result.stdout  # the 6-layer B=32 profile
+    assert "same plan" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_problem_file_round_trip(tmp_path):
+    problem = Problem.from_npz(_write_problem(tmp_path / "p.npz"))
+    problem.to_npz(tmp_path / "q.npz")
+    again = Problem.from_npz(tmp_path / "q.npz")
+    np.testing.assert_array_equal(again.compute_cost, problem.compute_cost)
+    np.testing.assert_array_equal(again.max_n_succ_stages, problem.max_n_succ_stages)
+    assert again.cluster_shape == problem.cluster_shape
+    assert again.num_microbatches == problem.num_microbatches
