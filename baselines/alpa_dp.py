@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -39,7 +40,7 @@ from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
 
 from .exact_dp import exact_dp, explain_infeasible
 
-__all__ = ["ALPA_GAP", "alpa_training_dp"]
+__all__ = ["ALPA_GAP", "ScanTimeout", "alpa_training_dp"]
 
 #: Alpa's absolute candidate gap, in the table's unit (Alpa: seconds).
 ALPA_GAP = 1e-6
@@ -130,12 +131,41 @@ def _dp_under_cap(
     return cost, stages
 
 
-def alpa_training_dp(problem: Problem, *, gap: float = ALPA_GAP) -> Plan:
+class ScanTimeout(TimeoutError):
+    """Alpa's cap scan ran past its time limit.
+
+    Attributes:
+        num_evaluated: caps solved before the limit.
+        num_candidates: distinct finite stage costs (Alpa's caps).
+        position: how far the scan got through the sorted candidates.
+    """
+
+    def __init__(self, num_evaluated: int, num_candidates: int, position: int,
+                 elapsed_s: float):
+        super().__init__(
+            f"Alpa's cap scan stopped after {elapsed_s:.1f} s: {num_evaluated} caps "
+            f"evaluated, {position} of {num_candidates} candidates passed"
+        )
+        self.num_evaluated = num_evaluated
+        self.num_candidates = num_candidates
+        self.position = position
+
+
+def alpa_training_dp(
+    problem: Problem,
+    *,
+    gap: float = ALPA_GAP,
+    time_limit_s: float | None = None,
+    progress_fn: Callable[[int, int, int], None] | None = None,
+) -> Plan:
     """Alpa's ``training_dp`` answer: same plan, same (float32-accumulated) cost.
 
     Args:
         problem: the instance (costs in seconds, as Alpa assumes for its gap).
         gap: Alpa's candidate gap (1e-6 in Alpa).
+        time_limit_s: stop with :class:`ScanTimeout` past this many seconds.
+        progress_fn: called after every evaluated cap with
+            ``(position, num_candidates, num_evaluated)``.
 
     Returns:
         Alpa's plan. ``plan.cost`` is the exact float64 objective of that plan;
@@ -146,9 +176,11 @@ def alpa_training_dp(problem: Problem, *, gap: float = ALPA_GAP) -> Plan:
     Raises:
         InfeasibleProblemError: Alpa finds no solution (also when the gap skip
             discards every cap that has one, e.g. all costs below 1e-6).
+        ScanTimeout: past ``time_limit_s``.
     """
     started = time.perf_counter()
     candidates = np.sort(np.unique(problem.compute_cost))
+    finite = int(np.isfinite(candidates).sum())
     best_cost, best_stages = math.inf, None
     last_cap = 0.0
     evaluated = skipped = 0
@@ -164,12 +196,16 @@ def alpa_training_dp(problem: Problem, *, gap: float = ALPA_GAP) -> Plan:
         if cost < best_cost:
             best_cost, best_stages = cost, stages
         last_cap = cap
+        if progress_fn is not None:
+            progress_fn(position, finite, evaluated)
+        elapsed = time.perf_counter() - started
+        if time_limit_s is not None and elapsed > time_limit_s:
+            raise ScanTimeout(evaluated, finite, position + 1, elapsed)
     else:
         position = len(candidates)
     if best_stages is None:
         reason = explain_infeasible_alpa(problem, candidates, gap)
         raise InfeasibleProblemError(reason)
-    finite = int(np.isfinite(candidates).sum())
     return make_plan(
         problem,
         best_stages,

@@ -286,7 +286,8 @@ def exact_dp(problem: Problem) -> Plan:
         problem: the instance; any cost unit works (no absolute gaps are used).
 
     Returns:
-        The plan, with ``info``: ``num_candidates`` (distinct stage costs),
+        The plan, with ``info``: ``num_candidates`` (distinct finite stage
+        costs, Alpa's caps),
         ``num_evaluated`` (caps solved with the min-sum DP), ``t_max`` (the cap
         that produced the plan).
 
@@ -300,7 +301,8 @@ def exact_dp(problem: Problem) -> Plan:
     if not math.isfinite(smallest_cap):
         raise InfeasibleProblemError(explain_infeasible(problem))
     table = problem.compute_cost
-    candidates = np.unique(table[np.isfinite(table) & (table >= smallest_cap)])
+    all_caps = np.unique(table[np.isfinite(table)])
+    candidates = all_caps[all_caps >= smallest_cap]
 
     sums: dict[int, float] = {}
     best_cost, best_stages, best_cap = math.inf, None, math.nan
@@ -353,7 +355,7 @@ def exact_dp(problem: Problem) -> Plan:
         method="dp",
         search_time_s=time.perf_counter() - started,
         info={
-            "num_candidates": int(len(candidates)),
+            "num_candidates": int(len(all_caps)),
             "num_evaluated": len(sums) + 1,
             "t_max": best_cap,
         },
