@@ -49,7 +49,8 @@ ALPA_GAP = 1e-6
 def _dp_under_cap(
     problem: Problem, cap: float
 ) -> tuple[float, list[tuple[int, int, int, int]] | None]:
-    """Alpa's ``training_dp_impl`` for one cap: (float64 cost, stages) or (inf, None)."""
+    """Alpa's ``training_dp_impl`` under one cap: (float64 cost, stages) or (inf,
+    None)."""
     num_layers, num_devices = problem.num_layers, problem.num_devices
     table, memory = problem.compute_cost, problem.max_n_succ_stages
     sizes = problem.submesh_sizes
@@ -57,7 +58,10 @@ def _dp_under_cap(
     # Alpa's candidate order per (s, i, j): k = end + 1 descending, m, config.
     order = np.lexsort((configs, submeshes, -ends, starts))
     starts, ends, submeshes, configs = (
-        starts[order], ends[order], submeshes[order], configs[order]
+        starts[order],
+        ends[order],
+        submeshes[order],
+        configs[order],
     )
     costs = table[starts, ends, submeshes, configs]
     limits = memory[starts, ends, submeshes, configs]
@@ -94,7 +98,9 @@ def _dp_under_cap(
             group_start,
             axis=0,
         )
-        later = (index > first[group]) & (candidates < rounded[group].astype(np.float64))
+        later = (index > first[group]) & (
+            candidates < rounded[group].astype(np.float64)
+        )
         winner = np.maximum.reduceat(np.where(later, index, -1), group_start, axis=0)
         winner = np.where(winner >= 0, winner, first)
         found = np.isfinite(rounded)
@@ -140,8 +146,9 @@ class ScanTimeout(TimeoutError):
         position: how far the scan got through the sorted candidates.
     """
 
-    def __init__(self, num_evaluated: int, num_candidates: int, position: int,
-                 elapsed_s: float):
+    def __init__(
+        self, num_evaluated: int, num_candidates: int, position: int, elapsed_s: float
+    ):
         super().__init__(
             f"Alpa's cap scan stopped after {elapsed_s:.1f} s: {num_evaluated} caps "
             f"evaluated, {position} of {num_candidates} candidates passed"

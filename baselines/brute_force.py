@@ -30,7 +30,9 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
     options = {
         (start, stop): [
             (int(m), int(k), float(table[start, stop - 1, m, k]))
-            for m, k in zip(*np.nonzero(np.isfinite(table[start, stop - 1])))
+            for m, k in zip(
+                *np.nonzero(np.isfinite(table[start, stop - 1])), strict=True
+            )
         ]
         for start in range(num_layers)
         for stop in range(start + 1, num_layers + 1)
@@ -68,6 +70,8 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
     if best[1] is None:
         raise InfeasibleProblemError("no plan satisfies the rules (brute force)")
     return make_plan(
-        problem, best[1], method="brute_force",
+        problem,
+        best[1],
+        method="brute_force",
         search_time_s=time.perf_counter() - started,
     )

@@ -33,14 +33,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
+
 import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.problem import (
+    UNLIMITED_SUCCEEDING_STAGES,
     InfeasibleProblemError,
     Plan,
     Problem,
-    UNLIMITED_SUCCEEDING_STAGES,
     make_plan,
     objective,
 )
@@ -139,7 +140,9 @@ def _dp(
         succ_count[lumped, layer] = np.where(
             better, count[lumped, layer], succ_count[lumped, layer]
         )
-        succ_bucket[lumped, layer] = np.where(better, lumped, succ_bucket[lumped, layer])
+        succ_bucket[lumped, layer] = np.where(
+            better, lumped, succ_bucket[lumped, layer]
+        )
 
     hand_over(num_layers)
     reachable_stop = np.isfinite(stage_cost[1:]).any(axis=(0, 3))  # [start, end]
@@ -226,9 +229,7 @@ def _solve_cap(
         num_buckets = min(num_buckets, full_buckets)
         tables = _stage_tables(problem, cap, num_buckets)
         value, stages = _dp(problem, *tables, num_buckets, combine)
-        if stages is None or num_buckets == full_buckets or _memory_ok(
-            problem, stages
-        ):
+        if stages is None or num_buckets == full_buckets or _memory_ok(problem, stages):
             return value, stages
         num_buckets *= 2
 

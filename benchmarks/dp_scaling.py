@@ -96,20 +96,35 @@ def format_row(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--devices", type=int, nargs="+", default=[8, 16, 32, 64],
-                        choices=sorted(CLUSTERS))
-    parser.add_argument("--memory", nargs="+", default=["none", "tight"],
-                        choices=["none", "tight"])
-    parser.add_argument("--alpa-budget", type=float, default=60.0,
-                        help="seconds for Alpa's scan per instance (default 60)")
-    parser.add_argument("--out", type=Path,
-                        default=Path("benchmarks/results/dp_scaling.json"))
+    parser.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64],
+        choices=sorted(CLUSTERS),
+    )
+    parser.add_argument(
+        "--memory", nargs="+", default=["none", "tight"], choices=["none", "tight"]
+    )
+    parser.add_argument(
+        "--alpa-budget",
+        type=float,
+        default=60.0,
+        help="seconds for Alpa's scan per instance (default 60)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/dp_scaling.json")
+    )
     args = parser.parse_args()
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-          f"{platform.processor() or 'cpu'}, python {platform.python_version()}")
-    print(f"{'L':>4} {'D':>4} {'memory':>6} {'caps':>7} {'exact s':>9} {'eval':>5} "
-          f"{'alpa s':>9} {'eval':>6} {'gap':>6} {'stopped':>7} {'alpa/ex':>8} "
-          f"{'cost':>8}")
+    print(
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+        f"{platform.processor() or 'cpu'}, python {platform.python_version()}"
+    )
+    print(
+        f"{'L':>4} {'D':>4} {'memory':>6} {'caps':>7} {'exact s':>9} {'eval':>5} "
+        f"{'alpa s':>9} {'eval':>6} {'gap':>6} {'stopped':>7} {'alpa/ex':>8} "
+        f"{'cost':>8}"
+    )
     rows = []
     for num_layers in args.layers:
         for num_devices in args.devices:

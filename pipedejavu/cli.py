@@ -14,7 +14,7 @@ from typing import TextIO
 
 import numpy as np
 
-from .problem import InfeasibleProblemError, Plan, Problem, ProblemError, SUBMESH_SPACES
+from .problem import SUBMESH_SPACES, InfeasibleProblemError, Plan, Problem, ProblemError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
 
@@ -26,9 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "problem", help="a problem .npz, or an Alpa stage-profile .npy"
-    )
+    parser.add_argument("problem", help="a problem .npz, or an Alpa stage-profile .npy")
     parser.add_argument(
         "--cluster",
         metavar="HxD",
@@ -64,8 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     solve.add_argument(
         "--alpa-compatible",
         action="store_true",
-        help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap "
-        "included",
+        help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap included",
     )
     solve.add_argument(
         "--json", action="store_true", help="print only the plan JSON on stdout"
@@ -118,7 +115,8 @@ def format_plan(problem: Problem, plan: Plan) -> str:
     latencies = [stage.latency for stage in plan.stages]
     lines.append(
         f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
-        f"= {plan.cost:.6f} s per iteration   (search {plan.search_time_s * 1e3:.1f} ms)"
+        f"= {plan.cost:.6f} s per iteration   "
+        f"(search {plan.search_time_s * 1e3:.1f} ms)"
     )
     return "\n".join(lines)
 
@@ -162,8 +160,10 @@ def _demo(out: TextIO, as_json: bool) -> None:
     from .generate import random_problem
     from .io import bundled_examples
 
-    cases = [(example.name, example.description, example.load) for example in
-             bundled_examples()]
+    cases = [
+        (example.name, example.description, example.load)
+        for example in bundled_examples()
+    ]
     cases.append(
         (
             "generated-gpt-32layers-2x8",
@@ -181,7 +181,9 @@ def _demo(out: TextIO, as_json: bool) -> None:
             if as_json:
                 print(json.dumps({"example": name, "infeasible": str(error)}), file=out)
             else:
-                print(f"== {name}: {description}\nno feasible plan: {error}\n", file=out)
+                print(
+                    f"== {name}: {description}\nno feasible plan: {error}\n", file=out
+                )
             continue
         if as_json:
             print(json.dumps({"example": name, "plan": plan.to_json()}), file=out)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import NDArray
 
 __all__ = [
     "InfeasibleProblemError",
@@ -159,8 +159,7 @@ class Problem:
         cost = np.asarray(self.compute_cost)
         if cost.ndim != 4 or cost.shape[0] != cost.shape[1]:
             raise ProblemError(
-                "compute_cost must have shape (L, L, M, K), got "
-                f"{tuple(cost.shape)}"
+                f"compute_cost must have shape (L, L, M, K), got {tuple(cost.shape)}"
             )
         if not (
             np.issubdtype(cost.dtype, np.floating)
@@ -200,8 +199,7 @@ class Problem:
                 finite = memory[np.isfinite(memory)]
                 if np.isnan(memory).any() or (finite != np.round(finite)).any():
                     raise ProblemError(
-                        "max_n_succ_stages must hold integers (or +inf for "
-                        "unlimited)"
+                        "max_n_succ_stages must hold integers (or +inf for unlimited)"
                     )
                 memory = np.where(
                     np.isposinf(memory), UNLIMITED_SUCCEEDING_STAGES, memory
@@ -241,9 +239,7 @@ class Problem:
                 )
         num_microbatches = _as_int(self.num_microbatches, "num_microbatches")
         if num_microbatches < 1:
-            raise ProblemError(
-                f"num_microbatches must be >= 1, got {num_microbatches}"
-            )
+            raise ProblemError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
         num_devices = num_hosts * devices_per_host
         sizes = shapes[:, 0] * shapes[:, 1]
@@ -326,12 +322,18 @@ class Problem:
         try:
             archive = np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError) as error:
-            raise ProblemError(f"cannot read {path} as a problem .npz: {error}") from None
+            raise ProblemError(
+                f"cannot read {path} as a problem .npz: {error}"
+            ) from None
         with archive:
             if not hasattr(archive, "files"):
                 raise ProblemError(f"{path} is a single array, not a problem .npz")
-            required = ("compute_cost", "submesh_shapes", "cluster_shape",
-                        "num_microbatches")
+            required = (
+                "compute_cost",
+                "submesh_shapes",
+                "cluster_shape",
+                "num_microbatches",
+            )
             missing = [key for key in required if key not in archive.files]
             if missing:
                 raise ProblemError(
@@ -541,8 +543,7 @@ def check_plan(problem: Problem, plan: Plan | Sequence[Stage]) -> None:
         raise PlanError(
             "devices",
             None,
-            f"the submeshes use {used} devices, the cluster has "
-            f"{problem.num_devices}",
+            f"the submeshes use {used} devices, the cluster has {problem.num_devices}",
         )
 
 

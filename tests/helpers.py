@@ -19,9 +19,7 @@ def tiny_problem(
 ) -> Problem:
     """L <= max_layers, D <= max_devices, 1-3 submeshes, 1-2 configs, inf entries
     and memory limits; stage costs grow with length and shrink with devices."""
-    clusters = [
-        (h, d) for h in (1, 2) for d in (1, 2, 4) if h * d <= max_devices
-    ]
+    clusters = [(h, d) for h in (1, 2) for d in (1, 2, 4) if h * d <= max_devices]
     hosts, per_host = clusters[rng.integers(len(clusters))]
     choices = list(get_submesh_choices(hosts, per_host, "all"))
     count = int(rng.integers(1, min(3, len(choices)) + 1))

@@ -24,9 +24,9 @@ def _cases():
 
 def _problem(case: dict) -> Problem:
     shape = case["shape"]
-    cost = np.array(
-        [np.inf if x is None else x for x in case["compute_cost"]]
-    ).reshape(shape)
+    cost = np.array([np.inf if x is None else x for x in case["compute_cost"]]).reshape(
+        shape
+    )
     return Problem(
         compute_cost=cost,
         max_n_succ_stages=np.array(case["max_n_succ_stages"]).reshape(shape),
@@ -57,8 +57,10 @@ def test_fixture_exercises_the_hard_parts():
     exact_costs = []
     for case in cases:
         problem = _problem(case)
-        exact_costs.append(exact_dp(problem).cost / evaluate(problem, [
-            _stage(problem, s) for s in case["alpa"]["stages"]]))
+        exact_costs.append(
+            exact_dp(problem).cost
+            / evaluate(problem, [_stage(problem, s) for s in case["alpa"]["stages"]])
+        )
     ratios = np.array(exact_costs)
     assert (ratios <= 1 + 1e-12).all()  # the exact DP is never worse than Alpa
     assert (ratios < 1 - 1e-3).sum() >= 3  # and Alpa's gap skip costs it somewhere
@@ -68,8 +70,14 @@ def _stage(problem, stage):
     from pipedejavu import Stage
 
     start, stop, submesh, config = stage
-    return Stage(start, stop, tuple(problem.submesh_shapes[submesh]), submesh, config,
-                 problem.stage_cost(start, stop, submesh, config))
+    return Stage(
+        start,
+        stop,
+        tuple(problem.submesh_shapes[submesh]),
+        submesh,
+        config,
+        problem.stage_cost(start, stop, submesh, config),
+    )
 
 
 def _two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
@@ -93,9 +101,7 @@ def test_gap_skip_returns_alpas_worse_plan():
 
 
 def test_all_costs_below_the_gap():
-    problem = _two_layer_problem(
-        {(0, 0, 0): 1e-7, (1, 1, 0): 2e-7, (0, 1, 1): 5e-7}, 8
-    )
+    problem = _two_layer_problem({(0, 0, 0): 1e-7, (1, 1, 0): 2e-7, (0, 1, 1): 5e-7}, 8)
     with pytest.raises(InfeasibleProblemError, match="below its 1e-06 candidate gap"):
         alpa_training_dp(problem)
     plan = exact_dp(problem)

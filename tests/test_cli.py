@@ -36,10 +36,21 @@ def test_solve_json_is_exactly_the_plan(capsys):
     code, out, err = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
     assert code == 0
     data = json.loads(out)  # nothing but the JSON on stdout
-    assert set(data) == {"method", "cost", "num_microbatches", "stages",
-                         "search_time_s"}
-    assert set(data["stages"][0]) == {"start", "stop", "submesh", "submesh_index",
-                                      "config_index", "latency"}
+    assert set(data) == {
+        "method",
+        "cost",
+        "num_microbatches",
+        "stages",
+        "search_time_s",
+    }
+    assert set(data["stages"][0]) == {
+        "start",
+        "stop",
+        "submesh",
+        "submesh_index",
+        "config_index",
+        "latency",
+    }
     with pytest.warns(UserWarning, match="66 of 77 stage-profile records"):
         problem = B128.load()
     assert data["cost"] == evaluate(problem, Plan.from_json(data))
@@ -60,16 +71,18 @@ def test_incomplete_records_warn_once_on_stderr(capsys):
 
 
 def test_infeasible_profile_exits_3_with_reason(capsys):
-    code, out, err = run(capsys, "solve", B32_INFEASIBLE.path,
-                         *_solve_args(B32_INFEASIBLE))
+    code, out, err = run(
+        capsys, "solve", B32_INFEASIBLE.path, *_solve_args(B32_INFEASIBLE)
+    )
     assert code == 3
     assert out == ""
     assert "no feasible plan" in err and "memory" in err
 
 
 def test_alpa_compatible_flag(capsys):
-    code, out, _ = run(capsys, "solve", B128.path, *_solve_args(B128),
-                       "--alpa-compatible", "--json")
+    code, out, _ = run(
+        capsys, "solve", B128.path, *_solve_args(B128), "--alpa-compatible", "--json"
+    )
     assert code == 0
     assert json.loads(out)["method"] == "dp-alpa"
 
@@ -86,8 +99,9 @@ def test_convert_then_solve_gives_the_same_plan(capsys, tmp_path):
 
 
 def test_inspect(capsys):
-    code, out, _ = run(capsys, "inspect", B32_INFEASIBLE.path,
-                       *_solve_args(B32_INFEASIBLE))
+    code, out, _ = run(
+        capsys, "inspect", B32_INFEASIBLE.path, *_solve_args(B32_INFEASIBLE)
+    )
     assert code == 0
     assert "finite (profiled): 17" in out
     assert "memory-feasible:   0" in out
@@ -128,8 +142,10 @@ def test_npz_problem_solves(capsys, tmp_path):
         ({"compute_cost": np.ones((2, 3, 1, 1))}, "shape"),
         ({"max_n_succ_stages": np.ones((3, 3, 1, 1))}, "max_n_succ_stages"),
         ({"num_microbatches": np.array(0)}, "num_microbatches must be >= 1"),
-        ({"submesh_shapes": np.array([[1, 2]]), "cluster_shape": np.array([1, 3])},
-         "no combination of the submesh sizes"),
+        (
+            {"submesh_shapes": np.array([[1, 2]]), "cluster_shape": np.array([1, 3])},
+            "no combination of the submesh sizes",
+        ),
         ({"submesh_shapes": np.array([[2, 1]])}, "does not fit"),
     ],
 )
@@ -183,7 +199,7 @@ def test_code_running_pickle_is_refused(capsys, tmp_path, wrap):
 )
 def test_garbage_files_exit_2(capsys, tmp_path, content):
     if content is None:
-        content = B128.path.read_bytes()[: 4000]
+        content = B128.path.read_bytes()[:4000]
     path = tmp_path / "garbage.npy"
     path.write_bytes(content)
     code, out, err = run(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
@@ -200,15 +216,18 @@ def test_missing_file_and_bad_cluster(capsys, tmp_path):
 
 
 def test_unknown_method(capsys, tmp_path):
-    code, _, err = run(capsys, "solve", _write_problem(tmp_path / "p.npz"),
-                       "--method", "magic")
+    code, _, err = run(
+        capsys, "solve", _write_problem(tmp_path / "p.npz"), "--method", "magic"
+    )
     assert code == 2 and "unknown method" in err
 
 
 def test_console_script_runs_the_demo():
     result = subprocess.run(
         [sys.executable, "-m", "pipedejavu.cli", "demo"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("== ") == 4

@@ -62,12 +62,15 @@ def _two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
 def test_near_tie_that_alpa_skips_is_found():
     # Two 1-device stages (1.0 and 1.0000005 s) or one 2-device stage (1.9 s).
     # B = 8: 2.0000005 + 7 * 1.0000005 = 9.000004 beats 8 * 1.9 = 15.2.
-    problem = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0000005,
-                                  (0, 1, 1): 1.9}, 8)
+    problem = _two_layer_problem(
+        {(0, 0, 0): 1.0, (1, 1, 0): 1.0000005, (0, 1, 1): 1.9}, 8
+    )
     plan = exact_dp(problem)
     np.testing.assert_allclose(plan.cost, 9.000004, rtol=1e-12)
     assert [(s.start, s.stop, s.submesh) for s in plan.stages] == [
-        (0, 1, (1, 1)), (1, 2, (1, 1))]
+        (0, 1, (1, 1)),
+        (1, 2, (1, 1)),
+    ]
 
 
 @pytest.mark.parametrize("scale", [1e-12, 1e-7, 1.0, 1e3, 1e9])
@@ -115,9 +118,7 @@ def test_memory_limit_changes_the_plan():
 def test_infeasible_problems_say_why(costs, memory_limit, reason):
     problem = _two_layer_problem(costs, 4)
     if memory_limit is not None:
-        problem = problem.replace(
-            max_n_succ_stages=np.full((2, 2, 2, 1), memory_limit)
-        )
+        problem = problem.replace(max_n_succ_stages=np.full((2, 2, 2, 1), memory_limit))
     with pytest.raises(InfeasibleProblemError, match=reason):
         exact_dp(problem)
 

@@ -30,8 +30,9 @@ def _problem(num_microbatches=4, memory=None):
     cost = rng.uniform(1, 2, size=(3, 3, 3, 2))
     cost[np.tril_indices(3, -1)] = np.inf
     cost[2, 2, 0, 1] = np.inf
-    return Problem(cost, memory, np.array([[1, 1], [1, 2], [1, 4]]), (1, 4),
-                   num_microbatches)
+    return Problem(
+        cost, memory, np.array([[1, 1], [1, 2], [1, 4]]), (1, 4), num_microbatches
+    )
 
 
 def test_stage_ranges_are_half_open_and_arrays_inclusive():
@@ -43,17 +44,27 @@ def test_stage_ranges_are_half_open_and_arrays_inclusive():
 
 def test_objective_is_sum_plus_b_minus_1_times_max():
     problem = _problem(num_microbatches=5)
-    plan = make_plan(problem, [(0, 1, 0, 0), (1, 2, 0, 1), (2, 3, 1, 0)],
-                     method="manual")
-    t = [problem.compute_cost[0, 0, 0, 0], problem.compute_cost[1, 1, 0, 1],
-         problem.compute_cost[2, 2, 1, 0]]
+    plan = make_plan(
+        problem, [(0, 1, 0, 0), (1, 2, 0, 1), (2, 3, 1, 0)], method="manual"
+    )
+    t = [
+        problem.compute_cost[0, 0, 0, 0],
+        problem.compute_cost[1, 1, 0, 1],
+        problem.compute_cost[2, 2, 1, 0],
+    ]
     assert plan.cost == pytest.approx(sum(t) + 4 * max(t), rel=1e-15)
     assert evaluate(problem, plan) == plan.cost
 
 
 def _stage(problem, start, stop, submesh, config, shape=None):
-    return Stage(start, stop, shape or tuple(problem.submesh_shapes[submesh]),
-                 submesh, config, 0.0)
+    return Stage(
+        start,
+        stop,
+        shape or tuple(problem.submesh_shapes[submesh]),
+        submesh,
+        config,
+        0.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,8 +84,10 @@ def _stage(problem, start, stop, submesh, config, shape=None):
 )
 def test_each_broken_rule_is_named_with_its_stage(stages, rule, stage):
     problem = _problem()
-    built = [_stage(problem, *s) if s[2] < 3 else Stage(s[0], s[1], (1, 8), 3, s[3],
-             0.0) for s in stages]
+    built = [
+        _stage(problem, *s) if s[2] < 3 else Stage(s[0], s[1], (1, 8), 3, s[3], 0.0)
+        for s in stages
+    ]
     with pytest.raises(PlanError) as error:
         evaluate(problem, built)
     assert error.value.rule == rule
@@ -113,13 +126,19 @@ def test_memory_rule_names_the_stage():
         ({"num_microbatches": 0}, "num_microbatches must be >= 1"),
         ({"num_microbatches": 2.5}, "num_microbatches must be an integer"),
         ({"cluster_shape": (0, 4)}, "cluster_shape must be positive"),
-        ({"submesh_shapes": np.array([[1, 2], [1, 2], [1, 2]]),
-          "cluster_shape": (1, 3)}, "no combination"),
+        (
+            {
+                "submesh_shapes": np.array([[1, 2], [1, 2], [1, 2]]),
+                "cluster_shape": (1, 3),
+            },
+            "no combination",
+        ),
     ],
 )
 def test_validation_names_the_argument(changes, message):
-    with pytest.raises(ProblemError, match=message.replace("(", r"\(").replace(
-            ")", r"\)")):
+    with pytest.raises(
+        ProblemError, match=message.replace("(", r"\(").replace(")", r"\)")
+    ):
         _problem().replace(**changes)
 
 
@@ -138,8 +157,9 @@ def test_problem_arrays_are_read_only():
 
 def test_plan_json_round_trip():
     problem = _problem()
-    plan = make_plan(problem, [(0, 2, 1, 0), (2, 3, 1, 1)], method="manual",
-                     search_time_s=0.25)
+    plan = make_plan(
+        problem, [(0, 2, 1, 0), (2, 3, 1, 1)], method="manual", search_time_s=0.25
+    )
     again = Plan.from_json(plan.to_json())
     assert again == plan
     with pytest.raises(ProblemError):
@@ -151,10 +171,16 @@ def test_plan_json_round_trip():
     [
         ((1, 4), "small_power_of_two", [(1, 1), (1, 2), (1, 4)]),
         ((4, 8), "all", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8)]),
-        ((8, 8), "power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8),
-                                  (8, 8)]),
-        ((8, 8), "small_power_of_two", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8),
-                                        (4, 8)]),
+        (
+            (8, 8),
+            "power_of_two",
+            [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8)],
+        ),
+        (
+            (8, 8),
+            "small_power_of_two",
+            [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8)],
+        ),
         ((3, 2), "power_of_two", [(1, 1), (1, 2), (2, 2)]),
         ((1, 1), "all", [(1, 1)]),
     ],
@@ -172,17 +198,24 @@ def test_submesh_choice_errors():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), memory=st.sampled_from([0.0, 0.3, 0.9]),
-       missing=st.sampled_from([0.0, 0.2, 0.5]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    memory=st.sampled_from([0.0, 0.3, 0.9]),
+    missing=st.sampled_from([0.0, 0.2, 0.5]),
+)
 def test_dp_plans_obey_every_rule(seed, memory, missing):
-    problem = tiny_problem(np.random.default_rng(seed), p_memory=memory,
-                           p_missing=missing)
+    problem = tiny_problem(
+        np.random.default_rng(seed), p_memory=memory, p_missing=missing
+    )
     try:
         plan = exact_dp(problem)
     except InfeasibleProblemError:
         return
     assert plan.stages[0].start == 0 and plan.stages[-1].stop == problem.num_layers
-    assert all(a.stop == b.start for a, b in zip(plan.stages, plan.stages[1:]))
+    assert all(
+        a.stop == b.start
+        for a, b in zip(plan.stages[:-1], plan.stages[1:], strict=True)
+    )
     assert sum(s.num_devices for s in plan.stages) == problem.num_devices
     assert plan.cost == evaluate(problem, plan)
     assert math.isfinite(plan.cost)
