@@ -7,7 +7,13 @@ import time
 
 import numpy as np
 
-from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
+from pipedejavu.problem import (
+    InfeasibleProblemError,
+    Plan,
+    Problem,
+    ProblemError,
+    make_plan,
+)
 
 __all__ = ["brute_force"]
 
@@ -21,7 +27,8 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules.
-        ValueError: more than ``max_plans`` partial plans would be visited.
+        ProblemError: more than ``max_plans`` partial plans would be visited
+            (the problem is too large to enumerate).
     """
     started = time.perf_counter()
     num_layers, num_devices = problem.num_layers, problem.num_devices
@@ -44,7 +51,10 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
         nonlocal visited
         visited += 1
         if visited > max_plans:
-            raise ValueError(f"brute force gave up after {max_plans} partial plans")
+            raise ProblemError(
+                f"too large for brute force: gave up after {max_plans} partial "
+                f"plans (L = {num_layers}); use the dp method"
+            )
         if layer == num_layers:
             if devices != num_devices:
                 return

@@ -10,11 +10,16 @@ from .problem import Plan, Problem, ProblemError
 __all__ = ["METHODS", "solve"]
 
 
-def _dp(problem: Problem, *, alpa_compatible: bool = False) -> Plan:
+def _dp(
+    problem: Problem,
+    *,
+    alpa_compatible: bool = False,
+    progress_fn: Callable[[int, int, int], None] | None = None,
+) -> Plan:
     if alpa_compatible:
         from baselines.alpa_dp import alpa_training_dp
 
-        return alpa_training_dp(problem)
+        return alpa_training_dp(problem, progress_fn=progress_fn)
     from baselines.exact_dp import exact_dp
 
     return exact_dp(problem)
@@ -30,7 +35,7 @@ def _brute_force(problem: Problem) -> Plan:
 METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
     "dp": (
         _dp,
-        frozenset({"alpa_compatible"}),
+        frozenset({"alpa_compatible", "progress_fn"}),
         "Alpa's inter-op DP, exact (alpa_compatible=True: Alpa's own answer)",
     ),
     "brute_force": (
@@ -47,7 +52,9 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
     Args:
         problem: the instance.
         method: one of :data:`METHODS` (``"dp"``, ``"brute_force"``).
-        **options: method options, e.g. ``alpa_compatible=True`` for ``"dp"``.
+        **options: method options. ``"dp"``: ``alpa_compatible=True`` for Alpa's
+            own answer (its full cap scan), and ``progress_fn(position,
+            num_candidates, num_evaluated)`` called after each cap of that scan.
 
     Returns:
         A valid :class:`Plan` whose ``cost`` equals ``evaluate(problem, plan)``.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from typing import TextIO
@@ -201,6 +202,25 @@ def _demo(out: TextIO, as_json: bool) -> None:
         )
 
 
+class _ScanProgress:
+    """Progress of Alpa's cap scan on stderr, every 2 s once it runs past 2 s."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.last = self.started
+
+    def __call__(self, position: int, total: int, evaluated: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= 2.0:
+            self.last = now
+            print(
+                f"alpa scan: cap {position + 1} of {total}, {evaluated} evaluated, "
+                f"{now - self.started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     sys.stdout.flush()  # keep warnings next to the output they concern
     print(f"warning: {message}", file=sys.stderr)
@@ -221,7 +241,11 @@ def _run(args: argparse.Namespace) -> int:
             from .api import solve
 
             problem = _load(args)
-            options = {"alpa_compatible": True} if args.alpa_compatible else {}
+            options = (
+                {"alpa_compatible": True, "progress_fn": _ScanProgress()}
+                if args.alpa_compatible
+                else {}
+            )
             plan = solve(problem, args.method, **options)
             if args.json:
                 print(json.dumps(plan.to_json()))

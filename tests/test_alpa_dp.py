@@ -139,3 +139,23 @@ def test_alpa_mode_is_near_exact_away_from_the_gap(seed):
         alpa = alpa_training_dp(problem)
         assert alpa.cost >= exact.cost * (1 - 1e-12)
         np.testing.assert_allclose(alpa.cost, exact.cost, rtol=1e-6)
+
+
+def test_progress_and_time_limit_of_the_scan():
+    from baselines.alpa_dp import ScanTimeout
+    from pipedejavu import solve
+    from pipedejavu.generate import random_problem
+
+    problem = random_problem(10, (1, 4), num_microbatches=8, seed=2)
+    calls = []
+    plan = solve(
+        problem,
+        "dp",
+        alpa_compatible=True,
+        progress_fn=lambda *args: calls.append(args),
+    )
+    assert len(calls) == plan.info["num_evaluated"]
+    assert [c[2] for c in calls] == list(range(1, len(calls) + 1))
+    assert all(c[1] == plan.info["num_candidates"] for c in calls)
+    with pytest.raises(ScanTimeout, match="caps evaluated"):
+        alpa_training_dp(problem, time_limit_s=0.0)

@@ -244,3 +244,12 @@ def test_problem_file_round_trip(tmp_path):
     np.testing.assert_array_equal(again.max_n_succ_stages, problem.max_n_succ_stages)
     assert again.cluster_shape == problem.cluster_shape
     assert again.num_microbatches == problem.num_microbatches
+
+
+def test_brute_force_refuses_big_problems(capsys, tmp_path):
+    from pipedejavu.generate import random_problem
+
+    path = tmp_path / "big.npz"
+    random_problem(24, (2, 8), seed=1).to_npz(path)
+    code, _, err = run(capsys, "solve", path, "--method", "brute_force")
+    assert code == 2 and "too large for brute force" in err
