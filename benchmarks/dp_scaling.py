@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from baselines.alpa_dp import ScanTimeout, alpa_training_dp
 from baselines.exact_dp import exact_dp
@@ -63,8 +66,9 @@ def run_instance(num_layers: int, num_devices: int, memory: str, budget: float):
     except ScanTimeout as stop:
         row.update(
             alpa_time_s=None,
+            alpa_budget_s=budget,
             alpa_evaluated=stop.num_evaluated,
-            alpa_note=f"> {budget:g} s budget, passed {stop.position} caps",
+            alpa_passed=stop.position,
         )
         return row
     alpa_time = time.perf_counter() - started
@@ -79,13 +83,25 @@ def run_instance(num_layers: int, num_devices: int, memory: str, budget: float):
     return row
 
 
+HEADER = (
+    f"{'L':>4} {'D':>4} {'memory':>6} {'caps':>7} {'exact s':>9} {'eval':>5} "
+    f"{'alpa s':>9} {'eval':>6} {'gap':>6} {'stopped':>7} {'alpa/ex':>8} {'cost':>8}"
+)
+
+
 def format_row(row: dict) -> str:
     head = (
         f"{row['L']:>4} {row['D']:>4} {row['memory']:>6} {row['candidates']:>7} "
         f"{row['exact_time_s']:>9.3f} {row['exact_evaluated']:>5}"
     )
-    if row["alpa_time_s"] is None:
-        return f"{head}   {row['alpa_note']} ({row['alpa_evaluated']} evaluated)"
+    if row["alpa_time_s"] is None:  # cut off: the ratio is a lower bound
+        budget = row["alpa_budget_s"]
+        ratio = budget / row["exact_time_s"]
+        return (
+            f"{head} {'>' + format(budget, '.0f'):>9} {row['alpa_evaluated']:>6} "
+            f"{'':>6} {'':>7} {'>' + format(ratio, '.0f'):>8} {'?':>8}"
+            f"  (cut off after {row['alpa_passed']} of {row['candidates']} caps)"
+        )
     return (
         f"{head} {row['alpa_time_s']:>9.3f} {row['alpa_evaluated']:>6} "
         f"{row['alpa_skipped_gap']:>6} {row['alpa_not_reached']:>7} "
@@ -115,16 +131,24 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/dp_scaling.json")
     )
+    parser.add_argument(
+        "--show", type=Path, metavar="JSON", help="only print the table of a saved run"
+    )
     args = parser.parse_args()
-    print(
+    if args.show:
+        saved = json.loads(args.show.read_text())
+        print(saved["header"])
+        print(HEADER)
+        for row in saved["rows"]:
+            print(format_row(row))
+        return
+    header = (
         f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{platform.processor() or 'cpu'}, python {platform.python_version()}"
+        f"{os.cpu_count()} cores, python {platform.python_version()}, "
+        f"numpy {np.__version__}"
     )
-    print(
-        f"{'L':>4} {'D':>4} {'memory':>6} {'caps':>7} {'exact s':>9} {'eval':>5} "
-        f"{'alpa s':>9} {'eval':>6} {'gap':>6} {'stopped':>7} {'alpa/ex':>8} "
-        f"{'cost':>8}"
-    )
+    print(header)
+    print(HEADER)
     rows = []
     for num_layers in args.layers:
         for num_devices in args.devices:
@@ -133,7 +157,7 @@ def main() -> None:
                 rows.append(row)
                 print(format_row(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     print(f"# wrote {args.out}")
 
 
