@@ -50,3 +50,14 @@ def tiny_problem(
         cluster_shape=(hosts, per_host),
         num_microbatches=int(rng.integers(1, 17)),
     )
+
+
+def two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
+    """L = 2 on a 1x2 cluster with submeshes (1,1) and (1,2), one config.
+
+    ``costs`` maps ``(start, end_inclusive, submesh)`` to seconds; the rest is inf.
+    """
+    table = np.full((2, 2, 2, 1), np.inf)
+    for (start, end, submesh), value in costs.items():
+        table[start, end, submesh, 0] = value
+    return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import tiny_problem
+from helpers import tiny_problem, two_layer_problem
 
 from baselines import exact_dp
 from baselines.alpa_dp import alpa_training_dp
@@ -80,16 +80,9 @@ def _stage(problem, stage):
     )
 
 
-def _two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
-    table = np.full((2, 2, 2, 1), np.inf)
-    for (start, end, submesh), value in costs.items():
-        table[start, end, submesh, 0] = value
-    return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)
-
-
 def test_gap_skip_returns_alpas_worse_plan():
     # Caps 1.0 (no plan), 1.0000005 (skipped: < 1e-6 above 1.0), 1.9 (one stage).
-    problem = _two_layer_problem(
+    problem = two_layer_problem(
         {(0, 0, 0): 1.0, (1, 1, 0): 1.0000005, (0, 1, 1): 1.9}, 8
     )
     alpa = alpa_training_dp(problem)
@@ -101,7 +94,7 @@ def test_gap_skip_returns_alpas_worse_plan():
 
 
 def test_all_costs_below_the_gap():
-    problem = _two_layer_problem({(0, 0, 0): 1e-7, (1, 1, 0): 2e-7, (0, 1, 1): 5e-7}, 8)
+    problem = two_layer_problem({(0, 0, 0): 1e-7, (1, 1, 0): 2e-7, (0, 1, 1): 5e-7}, 8)
     with pytest.raises(InfeasibleProblemError, match="below its 1e-06 candidate gap"):
         alpa_training_dp(problem)
     plan = exact_dp(problem)
@@ -114,7 +107,7 @@ def test_float32_sums_decide_alpas_plan():
     # 0.3 -> Alpa's cost float32(0.3). Cap 0.3: the one-stage plan (0.3) also
     # rounds to float32(0.3), is not strictly cheaper, so Alpa keeps two stages.
     # In float64 the one-stage plan is cheaper, which the exact DP returns.
-    problem = _two_layer_problem({(0, 0, 0): 0.1, (1, 1, 0): 0.2, (0, 1, 1): 0.3}, 1)
+    problem = two_layer_problem({(0, 0, 0): 0.1, (1, 1, 0): 0.2, (0, 1, 1): 0.3}, 1)
     alpa = alpa_training_dp(problem)
     assert [(s.start, s.stop) for s in alpa.stages] == [(0, 1), (1, 2)]
     assert alpa.info["alpa_cost"] == float(np.float32(0.3))

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from helpers import tiny_problem
+from helpers import tiny_problem, two_layer_problem
 
 from baselines import brute_force, exact_dp, min_sum_plan
-from pipedejavu import InfeasibleProblemError, Problem, evaluate
+from pipedejavu import InfeasibleProblemError, evaluate
 from pipedejavu.generate import random_problem
 
 
@@ -51,18 +51,10 @@ def test_dp_handles_tight_memory_like_brute_force():
     assert compared >= 50
 
 
-def _two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
-    """Cluster 1x2, submeshes (1,1) and (1,2), one config."""
-    table = np.full((2, 2, 2, 1), np.inf)
-    for (start, end, submesh), value in costs.items():
-        table[start, end, submesh, 0] = value
-    return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)
-
-
 def test_near_tie_that_alpa_skips_is_found():
     # Two 1-device stages (1.0 and 1.0000005 s) or one 2-device stage (1.9 s).
     # B = 8: 2.0000005 + 7 * 1.0000005 = 9.000004 beats 8 * 1.9 = 15.2.
-    problem = _two_layer_problem(
+    problem = two_layer_problem(
         {(0, 0, 0): 1.0, (1, 1, 0): 1.0000005, (0, 1, 1): 1.9}, 8
     )
     plan = exact_dp(problem)
@@ -89,14 +81,14 @@ def test_dp_is_unit_free(scale):
 
 def test_fewest_stages_among_equal_sums():
     # Two 1.0 s stages or one 2.0 s stage: equal sums; the DP takes one stage.
-    problem = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 2.0}, 1)
+    problem = two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 2.0}, 1)
     total, stages = min_sum_plan(problem)
     assert total == 2.0
     assert stages == [(0, 2, 1, 0)]
 
 
 def test_memory_limit_changes_the_plan():
-    free = _two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 3.0}, 4)
+    free = two_layer_problem({(0, 0, 0): 1.0, (1, 1, 0): 1.0, (0, 1, 1): 3.0}, 4)
     assert exact_dp(free).num_stages == 2
     memory = np.full((2, 2, 2, 1), 2**20)
     memory[0, 0, 0, 0] = 0  # the first stage may not have a stage after it
@@ -116,7 +108,7 @@ def test_memory_limit_changes_the_plan():
     ],
 )
 def test_infeasible_problems_say_why(costs, memory_limit, reason):
-    problem = _two_layer_problem(costs, 4)
+    problem = two_layer_problem(costs, 4)
     if memory_limit is not None:
         problem = problem.replace(max_n_succ_stages=np.full((2, 2, 2, 1), memory_limit))
     with pytest.raises(InfeasibleProblemError, match=reason):
