@@ -1,7 +1,28 @@
-"""The differentiable stage/mesh engine (softmax-relaxed assignments, optax).
+"""The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-Not built yet: it is the subject of its own issue. Nothing is exported, so
-nothing here pretends to work; ``pipedejavu.solve`` lists the methods that do.
+``search.exact`` (numpy only) is imported eagerly; the JAX engine is loaded on
+first use so that ``import baselines`` stays light.
 """
 
-__all__: list[str] = []
+from .exact import exact_dp as exact_dp
+
+_LAZY = {
+    "SearchConfig": "engine",
+    "SearchResult": "engine",
+    "differentiable": "engine",
+    "search": "engine",
+    "LinearStageModel": "linear",
+    "fit_linear_model": "linear",
+    "lower_bound": "bounds",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'search' has no attribute {name!r}")
+
+
+__all__ = ["exact_dp", *_LAZY]

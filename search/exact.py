@@ -1,0 +1,363 @@
+"""The exact stage-construction DP: Alpa's formulation, solved to the true optimum.
+
+Alpa's ``training_dp`` scans every distinct stage cost as a cap ``t_max`` on the
+slowest stage, solves a min-sum DP under each cap and keeps the best
+``sum + (B - 1) * max``. That is exact (the optimal plan's slowest stage is one of
+the candidates) except where Alpa's absolute ``1e-6`` candidate gap skips the
+candidate holding the optimum; this module keeps Alpa's model and answers but not
+that skip, and evaluates far fewer caps:
+
+* ``S(t)``, the least stage-latency sum with every stage ``<= t``, is
+  non-increasing in ``t``; the objective of any plan whose slowest stage lies in
+  ``[t_a, t_b]`` is at least ``S(t_b) + (B - 1) * t_a`` and at least ``B * t_a``.
+  A best-first branch and bound over the sorted candidates evaluates ``S`` only
+  where that bound can still beat the best plan found so far.
+* The smallest feasible cap comes from one min-max DP, not from a scan.
+* Each DP pass is vectorized over devices, submeshes, stage ends and memory
+  buckets; configs are reduced beforehand (only the cheapest admissible config
+  of a stage can matter).
+
+Memory: a stage with ``s - 1`` stages after it is admissible only if
+``s - 1 <= max_n_succ_stages``. Instead of Alpa's full ``s = 1..L`` axis the DP
+keeps one bucket per *binding* limit ``s = 1..R`` plus one bucket for every
+``s > R`` (where each entry is either always or never admissible); with no
+binding limit that is a single bucket.
+
+Ties: among plans of equal stage-latency sum under a cap the DP takes the fewest
+stages (as Alpa does), then the longer first stage, the smaller submesh index
+and the smaller config index (Alpa's loop order).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.problem import (
+    UNLIMITED_SUCCEEDING_STAGES,
+    InfeasibleProblemError,
+    Plan,
+    Problem,
+    make_plan,
+    objective,
+)
+
+__all__ = ["exact_dp", "explain_infeasible", "min_sum_plan"]
+
+_NO_COUNT = np.iinfo(np.int64).max // 4
+
+
+def _full_buckets(problem: Problem) -> int:
+    """Buckets for the exact memory rule: one per binding limit ``s = 1..R``, plus
+    the lumped bucket ``s > R`` (1 when no limit binds)."""
+    max_stages = min(problem.num_layers, problem.num_devices)
+    limits = problem.max_n_succ_stages[np.isfinite(problem.compute_cost)] + 1
+    binding = limits[(limits >= 1) & (limits < max_stages)]
+    return int(binding.max()) + 1 if binding.size else 1
+
+
+def _stage_tables(
+    problem: Problem, cap: float, num_buckets: int
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """Cheapest admissible config per (bucket, start, end, submesh) under a cap.
+
+    Bucket ``b < num_buckets`` admits entries with ``max_n_succ_stages >= b - 1``
+    (exactly ``b`` stages from here); the last, lumped bucket stands for every
+    ``s >= num_buckets`` and admits ``max_n_succ_stages >= num_buckets - 1``,
+    which relaxes the rule unless ``num_buckets`` is :func:`_full_buckets`.
+
+    Returns:
+        cost: f64[NB + 1, L, L, M] seconds (index 0 unused); inf = none admissible.
+        config: i64[NB + 1, L, L, M] the config index achieving it.
+    """
+    table = problem.compute_cost
+    memory = problem.max_n_succ_stages
+    capped = np.where(table <= cap, table, np.inf)
+    shape = (num_buckets + 1, *table.shape[:3])
+    cost = np.full(shape, np.inf)
+    config = np.zeros(shape, dtype=np.int64)
+    previous_limit = None
+    for bucket in range(1, num_buckets + 1):
+        admissible = memory >= bucket - 1
+        if previous_limit is not None and np.array_equal(admissible, previous_limit):
+            cost[bucket], config[bucket] = cost[bucket - 1], config[bucket - 1]
+            continue
+        masked = np.where(admissible, capped, np.inf)
+        config[bucket] = masked.argmin(axis=3)
+        cost[bucket] = np.take_along_axis(masked, config[bucket][..., None], 3)[..., 0]
+        previous_limit = admissible
+    return cost, config
+
+
+def _dp(
+    problem: Problem,
+    stage_cost: NDArray[np.float64],
+    stage_config: NDArray[np.int64],
+    num_buckets: int,
+    combine: np.ufunc,
+) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+    """One DP pass; ``combine`` is ``np.add`` (min-sum) or ``np.maximum`` (min-max).
+
+    Returns the optimal value from layer 0 with all devices and the plan as
+    ``(start, stop, submesh, config)`` tuples, or ``(inf, None)``.
+    """
+    num_layers, num_devices = problem.num_layers, problem.num_devices
+    sizes = problem.submesh_sizes
+    width = num_devices + 1
+    shape = (num_buckets + 1, num_layers + 1, width)
+    value = np.full(shape, np.inf)
+    count = np.full(shape, _NO_COUNT, dtype=np.int64)
+    choice_stop = np.zeros(shape, dtype=np.int64)
+    choice_submesh = np.zeros(shape, dtype=np.int64)
+    choice_next = np.zeros(shape, dtype=np.int64)
+    # succ_*[b, k, j]: best state a stage in bucket b can hand over to at layer k
+    # with j devices left (its value, stage count and bucket).
+    succ_value = np.full(shape, np.inf)
+    succ_count = np.full(shape, _NO_COUNT, dtype=np.int64)
+    succ_bucket = np.zeros(shape, dtype=np.int64)
+    value[0, num_layers, 0] = 0.0
+    count[0, num_layers, 0] = 0
+
+    def hand_over(layer: int) -> None:
+        # Buckets 1..NB-1 follow bucket b-1; the lumped bucket follows bucket
+        # NB-1 or itself, whichever is better (fewer stages on equal value).
+        for bucket in range(1, num_buckets + 1):
+            succ_value[bucket, layer] = value[bucket - 1, layer]
+            succ_count[bucket, layer] = count[bucket - 1, layer]
+            succ_bucket[bucket, layer] = bucket - 1
+        lumped = num_buckets
+        better = (value[lumped, layer] < succ_value[lumped, layer]) | (
+            (value[lumped, layer] == succ_value[lumped, layer])
+            & (count[lumped, layer] < succ_count[lumped, layer])
+        )
+        succ_value[lumped, layer] = np.where(
+            better, value[lumped, layer], succ_value[lumped, layer]
+        )
+        succ_count[lumped, layer] = np.where(
+            better, count[lumped, layer], succ_count[lumped, layer]
+        )
+        succ_bucket[lumped, layer] = np.where(
+            better, lumped, succ_bucket[lumped, layer]
+        )
+
+    hand_over(num_layers)
+    reachable_stop = np.isfinite(stage_cost[1:]).any(axis=(0, 3))  # [start, end]
+    for start in range(num_layers - 1, -1, -1):
+        # Candidate stage ends, longest stage first (Alpa's loop order).
+        stops = np.flatnonzero(reachable_stop[start])[::-1] + 1
+        if stops.size == 0:
+            hand_over(start)
+            continue
+        costs = stage_cost[1:, start, stops - 1, :]  # [NB, n_stops, M]
+        candidates = np.full((num_buckets, stops.size, len(sizes), width), np.inf)
+        counts = np.full(candidates.shape, _NO_COUNT, dtype=np.int64)
+        for submesh, size in enumerate(sizes.tolist()):
+            if size > num_devices:
+                continue
+            candidates[:, :, submesh, size:] = combine(
+                costs[:, :, submesh, None], succ_value[1:, stops, : width - size]
+            )
+            counts[:, :, submesh, size:] = succ_count[1:, stops, : width - size] + 1
+        candidates = candidates.reshape(num_buckets, -1, width)
+        counts = counts.reshape(num_buckets, -1, width)
+        best = candidates.min(axis=1)
+        tied = candidates == best[:, None, :]
+        pick = np.where(tied, counts, _NO_COUNT + 1).argmin(axis=1)  # first of fewest
+        found = np.isfinite(best)
+        stop_index, submesh = np.divmod(pick, len(sizes))
+        chosen_stop = stops[stop_index]
+        devices_left = np.arange(width)[None, :] - sizes[submesh]
+        rows = np.arange(num_buckets)[:, None] + 1
+        value[1:, start] = best
+        count[1:, start] = np.where(
+            found, np.take_along_axis(counts, pick[:, None, :], 1)[:, 0], _NO_COUNT
+        )
+        choice_stop[1:, start] = chosen_stop
+        choice_submesh[1:, start] = submesh
+        choice_next[1:, start] = np.where(
+            found,
+            succ_bucket[rows, chosen_stop, np.maximum(devices_left, 0)],
+            0,
+        )
+        hand_over(start)
+
+    finals = value[1:, 0, num_devices]
+    if not np.isfinite(finals).any():
+        return math.inf, None
+    final_counts = count[1:, 0, num_devices]
+    tied = finals == finals.min()
+    bucket = int(np.where(tied, final_counts, _NO_COUNT + 1).argmin()) + 1
+    plan = []
+    layer, devices = 0, num_devices
+    while bucket != 0:
+        stop = int(choice_stop[bucket, layer, devices])
+        submesh = int(choice_submesh[bucket, layer, devices])
+        config = int(stage_config[bucket, layer, stop - 1, submesh])
+        plan.append((layer, stop, submesh, config))
+        bucket = int(choice_next[bucket, layer, devices])
+        layer, devices = stop, devices - int(sizes[submesh])
+    if layer != num_layers or devices != 0:  # pragma: no cover - internal invariant
+        raise RuntimeError("DP backtracking did not end at the terminal state")
+    return float(finals.min()), plan
+
+
+def _memory_ok(problem: Problem, stages: list[tuple[int, int, int, int]]) -> bool:
+    memory = problem.max_n_succ_stages
+    return all(
+        len(stages) - 1 - index <= memory[start, stop - 1, submesh, config]
+        for index, (start, stop, submesh, config) in enumerate(stages)
+    )
+
+
+def _solve_cap(
+    problem: Problem, cap: float, full_buckets: int, combine: np.ufunc
+) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+    """The DP under one cap, deepening the memory relaxation only as needed.
+
+    With fewer buckets than :func:`_full_buckets` the lumped bucket relaxes the
+    memory rule, so its optimum is a lower bound; when that optimal plan obeys
+    the rule anyway it is optimal for the exact rule too (and fewest-stages among
+    equal values, since every exactly optimal plan is relaxed-optimal). Plans
+    rarely need many stages, so 1, 2, 4, ... buckets usually stop early.
+    """
+    num_buckets = 1
+    while True:
+        num_buckets = min(num_buckets, full_buckets)
+        tables = _stage_tables(problem, cap, num_buckets)
+        value, stages = _dp(problem, *tables, num_buckets, combine)
+        if stages is None or num_buckets == full_buckets or _memory_ok(problem, stages):
+            return value, stages
+        num_buckets *= 2
+
+
+def min_sum_plan(
+    problem: Problem, cap: float = math.inf
+) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+    """The least stage-latency sum over plans whose stages all take ``<= cap``.
+
+    Returns:
+        ``(sum seconds, [(start, stop, submesh, config), ...])`` or ``(inf, None)``.
+    """
+    return _solve_cap(problem, cap, _full_buckets(problem), np.add)
+
+
+def explain_infeasible(problem: Problem) -> str:
+    """Why a problem has no feasible plan, in one sentence."""
+    finite = np.isfinite(problem.compute_cost)
+    if not finite.any():
+        return "no stage has a profiled (finite) cost"
+    admissible = finite & (problem.max_n_succ_stages >= 0)
+    if not admissible.any():
+        return "every profiled stage is over its memory limit (max_n_succ_stages = -1)"
+    spans = finite.any(axis=(2, 3))
+    reach = np.zeros(problem.num_layers + 1, dtype=bool)
+    reach[0] = True
+    for start in range(problem.num_layers):
+        if reach[start]:
+            reach[start + 1 :] |= spans[start, start:]
+    if not reach[problem.num_layers]:
+        furthest = int(np.flatnonzero(reach).max())
+        return (
+            f"no chain of profiled stages covers all {problem.num_layers} layers: "
+            f"they reach layer {furthest} and no profiled stage starts there"
+        )
+    relaxed = problem.replace(
+        max_n_succ_stages=np.where(finite, UNLIMITED_SUCCEEDING_STAGES, -1)
+    )
+    if not math.isfinite(min_sum_plan(relaxed)[0]):
+        return (
+            "profiled stages cover all layers, but no chain of them uses exactly the "
+            f"{problem.num_devices} devices of the {problem.cluster_shape[0]}x"
+            f"{problem.cluster_shape[1]} cluster"
+        )
+    return (
+        "every plan that covers all layers with exactly all devices breaks a "
+        "memory limit (too many stages after a stage: max_n_succ_stages)"
+    )
+
+
+def exact_dp(problem: Problem) -> Plan:
+    """The optimal plan of Alpa's formulation, ``min sum + (B - 1) * max``.
+
+    Args:
+        problem: the instance; any cost unit works (no absolute gaps are used).
+
+    Returns:
+        The plan, with ``info``: ``num_candidates`` (distinct finite stage
+        costs, Alpa's caps),
+        ``num_evaluated`` (caps solved with the min-sum DP), ``t_max`` (the cap
+        that produced the plan).
+
+    Raises:
+        InfeasibleProblemError: no plan satisfies the rules; the message says why.
+    """
+    started = time.perf_counter()
+    num_microbatches = problem.num_microbatches
+    buckets = _full_buckets(problem)
+    smallest_cap, _ = _solve_cap(problem, math.inf, buckets, np.maximum)
+    if not math.isfinite(smallest_cap):
+        raise InfeasibleProblemError(explain_infeasible(problem))
+    table = problem.compute_cost
+    all_caps = np.unique(table[np.isfinite(table)])
+    candidates = all_caps[all_caps >= smallest_cap]
+
+    sums: dict[int, float] = {}
+    best_cost, best_stages, best_cap = math.inf, None, math.nan
+
+    def solve_at(index: int) -> float:
+        nonlocal best_cost, best_stages, best_cap
+        cap = float(candidates[index])
+        total, stages = _solve_cap(problem, cap, buckets, np.add)
+        sums[index] = total
+        if stages is not None:
+            latencies = [table[a, b - 1, m, k] for a, b, m, k in stages]
+            cost = objective(latencies, num_microbatches)
+            if cost < best_cost:
+                best_cost, best_stages, best_cap = cost, stages, cap
+        return total
+
+    solve_at(0)
+    # Caps with B * t >= best cannot help: every plan's cost is >= B * its max.
+    last = int(np.searchsorted(candidates, best_cost / num_microbatches, "left")) - 1
+    last = min(max(last, 0), len(candidates) - 1)
+    if last > 0:
+        solve_at(last)
+    heap: list[tuple[float, int, int]] = []
+
+    def push(low: int, high: int) -> None:
+        if high - low < 2:
+            return
+        floor_cap = float(candidates[low + 1])
+        bound = max(
+            sums[high] + (num_microbatches - 1) * floor_cap,
+            num_microbatches * floor_cap,
+        )
+        if bound < best_cost:
+            heapq.heappush(heap, (bound, low, high))
+
+    push(0, last)
+    while heap:
+        bound, low, high = heapq.heappop(heap)
+        if bound >= best_cost:
+            continue
+        middle = (low + high) // 2
+        solve_at(middle)
+        push(low, middle)
+        push(middle, high)
+
+    assert best_stages is not None  # the smallest feasible cap always yields a plan
+    return make_plan(
+        problem,
+        best_stages,
+        method="dp",
+        search_time_s=time.perf_counter() - started,
+        info={
+            "num_candidates": int(len(all_caps)),
+            "num_evaluated": len(sums) + 1,
+            "t_max": best_cap,
+        },
+    )
