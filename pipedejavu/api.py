@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,37 @@ def _dp(
     return exact_dp(problem)
 
 
+def _diff(
+    problem: Problem,
+    *,
+    config: Any = None,
+    num_restarts: int | None = None,
+    num_steps: int | None = None,
+    seed: int = 0,
+    key: Any = None,
+    progress_fn: Callable[[int, int, float], None] | None = None,
+) -> Plan:
+    import dataclasses
+
+    import jax
+
+    from search.engine import SearchConfig, differentiable
+
+    config = config or SearchConfig()
+    changes = {}
+    if num_restarts is not None:
+        changes["num_restarts"] = num_restarts
+    if num_steps is not None:
+        changes["num_steps"] = num_steps
+        changes["num_chunks"] = math.gcd(num_steps, config.num_chunks)
+    try:
+        config = dataclasses.replace(config, **changes)
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
+    key = jax.random.key(seed) if key is None else key
+    return differentiable(problem, config, key=key, progress_fn=progress_fn)
+
+
 def _brute_force(problem: Problem) -> Plan:
     from baselines.brute_force import brute_force
 
@@ -37,6 +69,13 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
         _dp,
         frozenset({"alpa_compatible", "progress_fn"}),
         "Alpa's inter-op DP, exact (alpa_compatible=True: Alpa's own answer)",
+    ),
+    "diff": (
+        _diff,
+        frozenset(
+            {"config", "num_restarts", "num_steps", "seed", "key", "progress_fn"}
+        ),
+        "the differentiable engine: relaxed search + exact polish, lower bound",
     ),
     "brute_force": (
         _brute_force,
@@ -51,10 +90,13 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
 
     Args:
         problem: the instance.
-        method: one of :data:`METHODS` (``"dp"``, ``"brute_force"``).
+        method: one of :data:`METHODS` (``"dp"``, ``"diff"``, ``"brute_force"``).
         **options: method options. ``"dp"``: ``alpa_compatible=True`` for Alpa's
             own answer (its full cap scan), and ``progress_fn(position,
             num_candidates, num_evaluated)`` called after each cap of that scan.
+            ``"diff"``: ``config`` (a ``search.SearchConfig``), ``num_restarts``,
+            ``num_steps``, ``seed`` (or a ``key``), ``progress_fn(steps done,
+            total, best relaxed loss)``.
 
     Returns:
         A valid :class:`Plan` whose ``cost`` equals ``evaluate(problem, plan)``.

@@ -59,7 +59,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     solve = commands.add_parser("solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
-    solve.add_argument("--method", default="dp", help="dp (default) or brute_force")
+    solve.add_argument(
+        "--method", default="dp", help="dp (default), diff or brute_force"
+    )
+    solve.add_argument(
+        "--restarts", type=int, help="diff: random restarts optimized at once"
+    )
+    solve.add_argument("--steps", type=int, help="diff: optimizer steps per restart")
+    solve.add_argument("--seed", type=int, default=0, help="diff: random seed")
     solve.add_argument(
         "--alpa-compatible",
         action="store_true",
@@ -114,6 +121,11 @@ def format_plan(problem: Problem, plan: Plan) -> str:
             f"{stage.config_index:>6}  {stage.latency:>12.6f}"
         )
     latencies = [stage.latency for stage in plan.stages]
+    if "lower_bound" in plan.info:
+        lines.append(
+            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
+            f"{100 * plan.info['gap']:.2f}% of the optimum"
+        )
     lines.append(
         f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
         f"= {plan.cost:.6f} s per iteration   "
@@ -221,6 +233,23 @@ class _ScanProgress:
             )
 
 
+class _SearchProgress:
+    """Progress of the differentiable search on stderr once it runs past 2 s."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __call__(self, done: int, total: int, best_loss: float) -> None:
+        elapsed = time.perf_counter() - self.started
+        if elapsed >= 2.0:
+            print(
+                f"diff: step {done} of {total}, best relaxed loss {best_loss:.4g}, "
+                f"{elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     sys.stdout.flush()  # keep warnings next to the output they concern
     print(f"warning: {message}", file=sys.stderr)
@@ -241,11 +270,17 @@ def _run(args: argparse.Namespace) -> int:
             from .api import solve
 
             problem = _load(args)
-            options = (
-                {"alpa_compatible": True, "progress_fn": _ScanProgress()}
-                if args.alpa_compatible
-                else {}
-            )
+            options: dict = {}
+            if args.alpa_compatible:
+                options = {"alpa_compatible": True, "progress_fn": _ScanProgress()}
+            if args.method == "diff":
+                options = {"seed": args.seed, "progress_fn": _SearchProgress()}
+                if args.restarts is not None:
+                    options["num_restarts"] = args.restarts
+                if args.steps is not None:
+                    options["num_steps"] = args.steps
+            elif args.restarts is not None or args.steps is not None:
+                raise ProblemError("--restarts and --steps apply to --method diff")
             plan = solve(problem, args.method, **options)
             if args.json:
                 print(json.dumps(plan.to_json()))

@@ -1,0 +1,306 @@
+"""The differentiable engine against the exact DP and Alpa's algorithm, side by side.
+
+Per instance it prints: the exact optimum and the exact DP's time, the engine's
+cost, cost ratio, cold time (compilation included) and warm time, the time
+ratio engine / exact DP, the engine's certified gap to its lower bound, and —
+where asked — Alpa's cap scan (our faithful reproduction) with a time budget.
+Results also go to JSON and CSV for the notebooks.
+
+Suites:
+  quality   the real profiles + generated instances: L in {16, 32, 64, 128},
+            clusters 1x4 .. 8x8, B in {8, 32, 128}, 10% entries missing, memory
+            unlimited or tight;
+  alpa      L = 64 on 16 and 32 devices: engine vs Alpa's scan (10x target);
+  scale     L = 512 on 128x8 devices: engine only, gap to the lower bound;
+  coarse    L = 256 on 32x8 and L = 512 on 128x8: the exact DP on layers merged
+            in groups (what a DP can finish in the engine's time) vs the engine,
+            both evaluated on the fine table.
+
+Usage::
+
+    python benchmarks/search_vs_dp.py [--suite quality alpa scale coarse]
+        [--alpa-budget 120] [--out benchmarks/results/search_vs_dp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from baselines.alpa_dp import ScanTimeout, alpa_training_dp
+from pipedejavu import Problem, make_plan
+from pipedejavu.generate import random_problem
+from pipedejavu.io import bundled_examples
+from search.engine import SearchConfig, search
+from search.exact import exact_dp
+
+CLUSTERS = [(1, 4), (2, 8), (4, 8), (8, 8)]
+
+
+def _engine(problem: Problem, config: SearchConfig) -> tuple[dict, float]:
+    cold = search(problem, config, key=jax.random.key(0))
+    started = time.perf_counter()
+    warm = search(problem, config, key=jax.random.key(0))
+    warm_time = time.perf_counter() - started
+    row = {
+        "engine_cost": cold.plan.cost,
+        "engine_stages": cold.plan.num_stages,
+        "engine_cold_s": cold.run_time_s,
+        "engine_compile_s": cold.compile_time_s,
+        "engine_warm_s": warm_time,
+        "lower_bound": cold.lower_bound,
+        "gap_to_bound": cold.plan.info["gap"],
+        "fraction_best": cold.fraction_best,
+    }
+    return row, warm.plan.cost
+
+
+def quality_instances():
+    for example in bundled_examples():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            problem = example.load()
+        yield example.name, problem
+    for layers in (16, 32, 64, 128):
+        for hosts, per_host in CLUSTERS:
+            for b in (8, 32, 128):
+                tight = (layers + hosts + b) % 2 == 0
+                name = (
+                    f"gen-L{layers}-{hosts}x{per_host}-B{b}{'-tight' if tight else ''}"
+                )
+                yield (
+                    name,
+                    random_problem(
+                        layers,
+                        (hosts, per_host),
+                        num_microbatches=b,
+                        missing=0.1,
+                        memory_tightness=2.0 if tight else None,
+                        seed=layers + 10 * hosts + b,
+                    ),
+                )
+
+
+def run_quality(config: SearchConfig) -> list[dict]:
+    rows = []
+    for name, problem in quality_instances():
+        row = {
+            "suite": "quality",
+            "instance": name,
+            "L": problem.num_layers,
+            "D": problem.num_devices,
+            "B": problem.num_microbatches,
+        }
+        started = time.perf_counter()
+        try:
+            exact = exact_dp(problem)
+        except Exception as error:  # an infeasible real profile
+            row["note"] = f"infeasible: {error}"
+            rows.append(row)
+            print(format_row(row), flush=True)
+            continue
+        row["exact_cost"] = exact.cost
+        row["exact_s"] = time.perf_counter() - started
+        engine, _ = _engine(problem, config)
+        row.update(engine)
+        row["cost_ratio"] = row["engine_cost"] / row["exact_cost"]
+        row["time_ratio_warm"] = row["engine_warm_s"] / row["exact_s"]
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def run_alpa(config: SearchConfig, budget: float) -> list[dict]:
+    rows = []
+    for hosts in (2, 4):
+        problem = random_problem(64, (hosts, 8), num_microbatches=32, seed=hosts)
+        row = {
+            "suite": "alpa",
+            "instance": f"gen-L64-{hosts}x8-B32",
+            "L": 64,
+            "D": hosts * 8,
+            "B": 32,
+        }
+        started = time.perf_counter()
+        exact = exact_dp(problem)
+        row.update(exact_cost=exact.cost, exact_s=time.perf_counter() - started)
+        engine, _ = _engine(problem, config)
+        row.update(engine)
+        row["cost_ratio"] = row["engine_cost"] / row["exact_cost"]
+        started = time.perf_counter()
+        try:
+            alpa_training_dp(problem, time_limit_s=budget)
+            row["alpa_s"] = time.perf_counter() - started
+            row["alpa_finished"] = True
+        except ScanTimeout:
+            row["alpa_s"] = time.perf_counter() - started
+            row["alpa_finished"] = False
+        row["alpa_over_engine_cold"] = row["alpa_s"] / row["engine_cold_s"]
+        row["alpa_over_engine_warm"] = row["alpa_s"] / row["engine_warm_s"]
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def coarsen(problem: Problem, group: int) -> tuple[Problem, np.ndarray]:
+    """Layers merged in groups of ``group`` (the last group may be shorter)."""
+    edges = np.r_[np.arange(0, problem.num_layers, group), problem.num_layers]
+    starts, stops = edges[:-1], edges[1:]
+    table = problem.compute_cost[starts[:, None], stops[None, :] - 1]
+    memory = problem.max_n_succ_stages[starts[:, None], stops[None, :] - 1]
+    coarse = Problem(
+        table,
+        memory,
+        problem.submesh_shapes,
+        problem.cluster_shape,
+        problem.num_microbatches,
+    )
+    return coarse, edges
+
+
+def run_scale_and_coarse(config: SearchConfig, suites: set[str]) -> list[dict]:
+    rows = []
+    cases = [(512, (128, 8))] if "scale" in suites else []
+    if "coarse" in suites:
+        cases = [(256, (32, 8)), *cases] if cases else [(256, (32, 8)), (512, (128, 8))]
+    for layers, cluster in cases:
+        problem = random_problem(
+            layers,
+            cluster,
+            num_microbatches=32,
+            seed=layers,
+            submesh_space="power_of_two",
+        )
+        row = {
+            "suite": "scale",
+            "instance": f"gen-L{layers}-{cluster[0]}x8-B32",
+            "L": layers,
+            "D": problem.num_devices,
+            "B": 32,
+        }
+        result = search(problem, config, key=jax.random.key(0))
+        row.update(
+            engine_cost=result.plan.cost,
+            engine_cold_s=result.run_time_s,
+            engine_compile_s=result.compile_time_s,
+            lower_bound=result.lower_bound,
+            gap_to_bound=result.plan.info["gap"],
+            engine_stages=result.plan.num_stages,
+        )
+        if "coarse" in suites:
+            # The finest grouping whose DP finishes within the engine's time:
+            # start coarse, refine while the DP stays within that budget.
+            for group in (32, 16, 8, 4, 2):
+                coarse, edges = coarsen(problem, group)
+                started = time.perf_counter()
+                plan = exact_dp(coarse)
+                elapsed = time.perf_counter() - started
+                if elapsed > result.run_time_s and "coarse_group" in row:
+                    break
+                fine = make_plan(
+                    problem,
+                    [
+                        (
+                            int(edges[s.start]),
+                            int(edges[s.stop]),
+                            s.submesh_index,
+                            s.config_index,
+                        )
+                        for s in plan.stages
+                    ],
+                    method="dp-coarse",
+                )
+                row.update(
+                    coarse_group=group,
+                    coarse_dp_s=elapsed,
+                    coarse_dp_cost=fine.cost,
+                    engine_speedup_vs_coarse=fine.cost / result.plan.cost - 1,
+                )
+                if elapsed > result.run_time_s:
+                    break
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    parts = [f"{row['instance']:<32}"]
+    for key, fmt in (
+        ("exact_cost", ".4f"),
+        ("exact_s", ".3f"),
+        ("engine_cost", ".4f"),
+        ("cost_ratio", ".5f"),
+        ("engine_cold_s", ".2f"),
+        ("engine_warm_s", ".2f"),
+        ("time_ratio_warm", ".1f"),
+        ("gap_to_bound", ".3%"),
+        ("alpa_s", ".1f"),
+        ("alpa_over_engine_warm", ".0f"),
+        ("coarse_group", "d"),
+        ("coarse_dp_s", ".1f"),
+        ("engine_speedup_vs_coarse", ".2%"),
+    ):
+        if key in row:
+            parts.append(f"{key}={format(row[key], fmt)}")
+    if "note" in row:
+        parts.append(row["note"])
+    return "  ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--suite", nargs="+", default=["quality", "alpa", "scale", "coarse"]
+    )
+    parser.add_argument("--alpa-budget", type=float, default=120.0)
+    parser.add_argument("--restarts", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/search_vs_dp")
+    )
+    args = parser.parse_args()
+    config = SearchConfig(num_restarts=args.restarts, num_steps=args.steps)
+    header = (
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+        f"{os.cpu_count()} cores, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, {config}"
+    )
+    print(header, flush=True)
+    rows: list[dict] = []
+    suites = set(args.suite)
+    if "quality" in suites:
+        rows += run_quality(config)
+        ratios = [r["cost_ratio"] for r in rows if "cost_ratio" in r]
+        print(
+            f"# quality: {len(ratios)} instances, cost/optimum max "
+            f"{max(ratios):.5f}, median {float(np.median(ratios)):.5f}",
+            flush=True,
+        )
+    if "alpa" in suites:
+        rows += run_alpa(config, args.alpa_budget)
+    if suites & {"scale", "coarse"}:
+        rows += run_scale_and_coarse(config, suites)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"header": header, "rows": rows}, indent=1, default=float)
+    )
+    keys = sorted({key for row in rows for key in row})
+    with args.out.with_suffix(".csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"# wrote {args.out}.json and .csv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""The differentiable engine: relax, optimize many restarts at once, round, polish.
+
+1. Fit the linear latency model (:mod:`search.linear`) to the problem's table.
+2. Optimize the relaxed objective (:mod:`search.relax`) with optax Adam for
+   ``num_restarts`` random initializations at once (``jax.vmap`` inside one
+   jitted ``lax.scan``; the restarts are sharded over all JAX devices when there
+   are several), annealing the boundary, slot and max temperatures and raising
+   the device-budget penalty geometrically.
+3. Round the best restarts to contiguous partitions (the soft stage ends,
+   rounded) and polish each exactly on the true table: the exact DP
+   (:mod:`search.exact`) restricted to plans whose stage boundaries lie within
+   ``polish_window`` layers of the current ones or of their stages' midpoints
+   (so boundaries move, stages split and merge), which also picks the optimal
+   submesh and config of every stage under the all-devices and memory rules;
+   re-centre on the result until it stops improving.
+4. Report the plan with a certified lower bound (:mod:`search.bounds`).
+
+The returned cost is always ``evaluate(problem, plan)`` on the true table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
+
+from .exact import exact_dp, explain_infeasible
+from .relax import RelaxedParams, RelaxedProblem, Temperatures, relaxed_loss
+
+__all__ = ["SearchConfig", "SearchResult", "differentiable", "search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """Static settings of the engine (hashable; validated on construction).
+
+    Attributes:
+        num_restarts: random initializations optimized at once (vmap).
+        num_steps: Adam steps per restart.
+        max_stages: stage slots S of the relaxation (None: min(L, D, 32)).
+        learning_rate: Adam step size on the logits.
+        boundary_temperature: (start, end) of the boundary sharpness, layers.
+        slot_temperature: (start, end) of the slot softmax temperature.
+        max_temperature: (start, end) of the smooth-max temperature, relative to
+            a typical stage latency.
+        penalty: (start, end) weight of the device-budget penalty.
+        num_polished: best rounded restarts polished exactly.
+        polish_window: layers a boundary may move in one polish round.
+        max_polish_rounds: polish rounds per restart at most.
+        num_chunks: the steps run in this many jitted chunks; progress is
+            reported between chunks.
+    """
+
+    num_restarts: int = 64
+    num_steps: int = 300
+    max_stages: int | None = None
+    learning_rate: float = 0.1
+    boundary_temperature: tuple[float, float] = (2.0, 0.05)
+    slot_temperature: tuple[float, float] = (1.0, 0.05)
+    max_temperature: tuple[float, float] = (0.3, 0.003)
+    penalty: tuple[float, float] = (1.0, 1000.0)
+    num_polished: int = 4
+    polish_window: int = 2
+    max_polish_rounds: int = 20
+    num_chunks: int = 10
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_restarts",
+            "num_steps",
+            "num_polished",
+            "num_chunks",
+            "max_polish_rounds",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.polish_window < 0:
+            raise ValueError(f"polish_window must be >= 0, got {self.polish_window}")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise ValueError(f"max_stages must be >= 1, got {self.max_stages}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name in (
+            "boundary_temperature",
+            "slot_temperature",
+            "max_temperature",
+            "penalty",
+        ):
+            pair = getattr(self, name)
+            if len(pair) != 2 or not all(x > 0 for x in pair):
+                raise ValueError(f"{name} must be two positive numbers, got {pair}")
+        if self.num_steps % self.num_chunks:
+            raise ValueError(
+                f"num_steps ({self.num_steps}) must be a multiple of num_chunks "
+                f"({self.num_chunks})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """A plan and how the search got there.
+
+    Attributes:
+        plan: the best plan (its ``info`` holds the scalar fields below too).
+        lower_bound: certified lower bound on the optimum (seconds).
+        loss_curve: f[num_steps] best relaxed loss over restarts at each step.
+        final_losses: f[num_restarts] relaxed loss of each restart at the end.
+        polished_costs: exact cost reached from each polished restart.
+        best_restart: index of the restart that produced the plan.
+        fraction_best: fraction of polished restarts that reached the best cost.
+        compile_time_s: tracing + XLA compilation (0 when cached).
+        run_time_s: total wall time of the search.
+    """
+
+    plan: Plan
+    lower_bound: float
+    loss_curve: np.ndarray
+    final_losses: np.ndarray
+    polished_costs: dict[int, float]
+    best_restart: int
+    fraction_best: float
+    compile_time_s: float
+    run_time_s: float
+
+
+def _geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
+    start, end = pair
+    return start * (end / start) ** fraction
+
+
+def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, np.ndarray, float]:
+    """Fit the linear model; returns the relaxed data (None when no slot could be
+    fitted), the slot list, the scale."""
+    from .linear import fit_linear_model
+
+    model = fit_linear_model(problem)
+    usable = np.asarray(model.usable)
+    slots = np.argwhere(usable)  # [C, 2] (submesh, config)
+    if slots.size == 0:  # too few profiled entries to fit any slot
+        return None, slots, 1.0
+    finite = problem.compute_cost[np.isfinite(problem.compute_cost)]
+    scale = float(np.median(finite)) if finite.size else 1.0
+    scale = scale if scale > 0 else 1.0
+    # Pad the slots to a power of two with slots too slow to pick, so problems
+    # of one size share one compiled function.
+    padded = max(4, 1 << (len(slots) - 1).bit_length())
+    per_layer = np.zeros((problem.num_layers, padded))
+    intercept = np.full(padded, 1e3)
+    devices = np.ones(padded)
+    per_layer[:, : len(slots)] = np.asarray(model.per_layer)[
+        :, slots[:, 0], slots[:, 1]
+    ]
+    per_layer[:, : len(slots)] /= scale
+    intercept[: len(slots)] = (
+        np.asarray(model.intercept)[slots[:, 0], slots[:, 1]] / scale
+    )
+    devices[: len(slots)] = problem.submesh_sizes[slots[:, 0]]
+    data = RelaxedProblem(
+        per_layer=jnp.asarray(per_layer, dtype=jnp.float32),
+        intercept=jnp.asarray(intercept, dtype=jnp.float32),
+        slot_devices=jnp.asarray(devices, jnp.float32),
+        num_devices=jnp.asarray(problem.num_devices, jnp.float32),
+        num_microbatches=jnp.asarray(problem.num_microbatches, jnp.float32),
+    )
+    return data, slots, scale
+
+
+def _initial_params(
+    key: jax.Array,
+    data: RelaxedProblem,
+    num_restarts: int,
+    num_stages: int,
+    num_slots: int,
+) -> tuple[RelaxedParams, jax.Array]:
+    """Random restarts, each with its own number (1..num_stages, log-uniform) of
+    active stage slots out of ``num_slots``; slot logits favour submeshes of
+    about D / (active stages) devices."""
+    key_count, key_boundary, key_slot = jax.random.split(key, 3)
+    uniform = jax.random.uniform(key_count, (num_restarts,))
+    active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
+    active = active.clip(1, num_stages)
+    mask = jnp.arange(num_slots)[None, :] < active[:, None]
+    boundary = 0.3 * jax.random.normal(key_boundary, (num_restarts, num_slots))
+    target = jnp.log2(data.num_devices / active)[:, None, None]
+    closeness = -2.0 * jnp.abs(jnp.log2(data.slot_devices)[None, None, :] - target)
+    noise = 0.5 * jax.random.normal(
+        key_slot, (num_restarts, num_slots, data.slot_devices.shape[0])
+    )
+    return RelaxedParams(boundary, closeness + noise), mask
+
+
+#: How often :func:`_run_chunk` has been traced (a test checks it stays put).
+TRACE_COUNT = [0]
+
+
+@partial(jax.jit, static_argnames=("chunk", "total", "config"))
+def _run_chunk(params, opt_state, first_step, data, mask, *, chunk, total, config):
+    TRACE_COUNT[0] += 1  # runs at trace time only
+    optimizer = optax.adam(config.learning_rate)
+
+    def total_loss(batched, temps):
+        losses = jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
+            batched, data, mask, temps
+        )
+        return jnp.sum(losses), losses
+
+    def step(carry, index):
+        params, opt_state = carry
+        fraction = index / max(total - 1, 1)
+        temps = Temperatures(
+            boundary=_geometric(config.boundary_temperature, fraction),
+            slot=_geometric(config.slot_temperature, fraction),
+            max=_geometric(config.max_temperature, fraction),
+            penalty=_geometric(config.penalty, fraction),
+        )
+        grads, losses = jax.grad(total_loss, has_aux=True)(params, temps)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), jnp.min(losses)
+
+    steps = first_step + jnp.arange(chunk)
+    (params, opt_state), best = jax.lax.scan(step, (params, opt_state), steps)
+    losses = jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
+        params,
+        data,
+        mask,
+        Temperatures(
+            boundary=jnp.float32(config.boundary_temperature[1]),
+            slot=jnp.float32(config.slot_temperature[1]),
+            max=jnp.float32(config.max_temperature[1]),
+            penalty=jnp.float32(config.penalty[1]),
+        ),
+    )
+    return params, opt_state, best, losses
+
+
+# Compiled optimization chunks, by (config, parameter and data shapes/shardings).
+_COMPILED: dict[Any, Any] = {}
+
+
+def _shard(tree: Any, num_restarts: int) -> Any:
+    """Split the restart axis over all devices (no-op on one device)."""
+    devices = jax.devices()
+    if len(devices) == 1 or num_restarts % len(devices):
+        return tree
+    mesh = jax.sharding.Mesh(np.array(devices), ("restarts",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("restarts"))
+    return jax.device_put(tree, sharding)
+
+
+def _rounded_boundaries(params: RelaxedParams, mask: np.ndarray, num_layers: int):
+    """Integer stage ends of one restart, and the soft stage each one closes."""
+    logits = np.where(mask, np.asarray(params.boundary_logits, np.float64), -1e4)
+    shares = np.exp(logits - logits.max())
+    ends = num_layers * np.cumsum(shares / shares.sum())
+    rounded = np.clip(np.rint(ends).astype(int), 0, num_layers)
+    rounded[-1] = num_layers
+    boundaries, closing = [0], []
+    for stage, end in enumerate(rounded):
+        if end > boundaries[-1]:
+            boundaries.append(int(end))
+            closing.append(stage)
+    return boundaries, closing
+
+
+def _neighbourhood(boundaries: list[int], num_layers: int, window: int) -> np.ndarray:
+    """bool[L, L]: spans (start, end inclusive) the polish DP may use."""
+    anchors = [boundaries[0]]
+    for left, right in zip(boundaries[:-1], boundaries[1:], strict=True):
+        if right - left >= 2:
+            anchors.append((left + right) // 2)
+        anchors.append(right)
+    groups = [
+        np.arange(max(a - window, 0), min(a + window, num_layers) + 1)
+        if 0 < a < num_layers
+        else np.array([a])
+        for a in anchors
+    ]
+    allowed = np.zeros((num_layers, num_layers), dtype=bool)
+    for first in range(len(groups)):
+        for last in range(first + 1, min(first + 5, len(groups))):
+            starts = groups[first][groups[first] < num_layers]
+            stops = groups[last][groups[last] > 0]
+            start_grid, stop_grid = np.meshgrid(starts, stops, indexing="ij")
+            keep = start_grid < stop_grid
+            allowed[start_grid[keep], stop_grid[keep] - 1] = True
+    return allowed
+
+
+def _polish(
+    problem: Problem, boundaries: list[int], config: SearchConfig
+) -> tuple[float, list[tuple[int, int, int, int]] | None, int]:
+    """Exact DP over the neighbourhood of the boundaries, re-centred on each
+    improvement. The window doubles (up to ``4 * polish_window``) when the
+    neighbourhood has no plan or no better one, to escape local optima; at its
+    widest, no improvement ends the polish."""
+    table = problem.compute_cost
+    best_cost, best_stages = math.inf, None
+    window, rounds = config.polish_window, 0
+    widest = max(4 * config.polish_window, 1)
+    while rounds < config.max_polish_rounds:
+        rounds += 1
+        allowed = _neighbourhood(boundaries, problem.num_layers, window)
+        restricted = problem.replace(
+            compute_cost=np.where(allowed[:, :, None, None], table, np.inf)
+        )
+        try:
+            plan = exact_dp(restricted)
+        except InfeasibleProblemError:
+            if window >= problem.num_layers:
+                break
+            window = max(2 * window, 1)
+            continue
+        stages = [
+            (s.start, s.stop, s.submesh_index, s.config_index) for s in plan.stages
+        ]
+        if plan.cost >= best_cost * (1 - 1e-12):
+            if window >= widest:
+                break
+            window = min(2 * window, widest)
+            continue
+        best_cost, best_stages = plan.cost, stages
+        boundaries = [0] + [s.stop for s in plan.stages]
+    return best_cost, best_stages, rounds
+
+
+def _optimize(
+    problem: Problem,
+    data: RelaxedProblem,
+    config: SearchConfig,
+    key: jax.Array,
+    progress_fn: Callable[[int, int, float], None] | None,
+) -> tuple[list[tuple[int, list[int]]], list[np.ndarray], np.ndarray, float]:
+    """Run the restarts; returns up to ``num_polished`` distinct rounded
+    partitions ``(restart, boundaries)`` best relaxed loss first, the loss
+    curve chunks, the final relaxed losses and the compile time."""
+    num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
+    num_stages = min(num_stages, problem.num_layers)
+    num_slots = 1 << (num_stages - 1).bit_length()  # padded: fewer compilations
+    params, mask = _initial_params(
+        key, data, config.num_restarts, num_stages, num_slots
+    )
+    params, mask = _shard((params, mask), config.num_restarts)
+    opt_state = optax.adam(config.learning_rate).init(params)
+    chunk = config.num_steps // config.num_chunks
+    signature = (
+        config,
+        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, str(x.sharding)), params),
+        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), data),
+    )
+    compile_time = 0.0
+    compiled = _COMPILED.get(signature)
+    if compiled is None:
+        compile_started = time.perf_counter()
+        compiled = _run_chunk.lower(
+            params,
+            opt_state,
+            jnp.int32(0),
+            data,
+            mask,
+            chunk=chunk,
+            total=config.num_steps,
+            config=config,
+        ).compile()
+        compile_time = time.perf_counter() - compile_started
+        _COMPILED[signature] = compiled
+    curve = []
+    for index in range(config.num_chunks):
+        params, opt_state, best, losses = compiled(
+            params, opt_state, jnp.int32(index * chunk), data, mask
+        )
+        curve.append(np.asarray(best))
+        if progress_fn is not None:
+            progress_fn((index + 1) * chunk, config.num_steps, float(np.min(best)))
+    final_losses = np.asarray(losses, dtype=np.float64)
+    host_params = jax.tree_util.tree_map(np.asarray, params)
+    host_mask = np.asarray(mask)
+    candidates, seen = [], set()
+    for restart in np.argsort(final_losses, kind="stable").tolist():
+        if len(candidates) >= config.num_polished:
+            break
+        one = RelaxedParams(
+            host_params.boundary_logits[restart], host_params.slot_logits[restart]
+        )
+        boundaries, _ = _rounded_boundaries(one, host_mask[restart], problem.num_layers)
+        if tuple(boundaries) not in seen:  # same rounding: same polish
+            seen.add(tuple(boundaries))
+            candidates.append((restart, boundaries))
+    return candidates, curve, final_losses, compile_time
+
+
+def search(
+    problem: Problem,
+    config: SearchConfig = SearchConfig(),
+    *,
+    key: jax.Array,
+    progress_fn: Callable[[int, int, float], None] | None = None,
+) -> SearchResult:
+    """Run the engine; see the module docstring.
+
+    Args:
+        problem: the instance.
+        config: static settings.
+        key: a ``jax.random`` key; the same key gives the same plan.
+        progress_fn: called after each chunk of steps with ``(steps done,
+            total steps, best relaxed loss)``.
+
+    Raises:
+        InfeasibleProblemError: no plan satisfies the rules; the message says why.
+    """
+    started = time.perf_counter()
+    data, slots, _ = _prepare(problem)
+    if data is None:  # nothing to relax: polish from one stage (window widens)
+        candidates, curve, final_losses, compile_time = (
+            [(0, [0, problem.num_layers])],
+            [],
+            [],
+            0.0,
+        )
+    else:
+        candidates, curve, final_losses, compile_time = _optimize(
+            problem, data, config, key, progress_fn
+        )
+    polished: dict[int, float] = {}
+    best_cost, best_stages, best_restart = math.inf, None, -1
+    for restart, boundaries in candidates:
+        cost, stages, _ = _polish(problem, boundaries, config)
+        polished[restart] = cost
+        if cost < best_cost:
+            best_cost, best_stages, best_restart = cost, stages, restart
+    if best_stages is None:
+        raise InfeasibleProblemError(explain_infeasible(problem))
+
+    from .bounds import lower_bound
+
+    bound = lower_bound(problem)
+    run_time = time.perf_counter() - started
+    reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
+    info = {
+        "lower_bound": bound,
+        "gap": best_cost / bound - 1 if bound > 0 else math.inf,
+        "best_restart": best_restart,
+        "fraction_best": len(reached) / len(polished),
+        "compile_time_s": compile_time,
+        "run_time_s": run_time,
+        "num_restarts": config.num_restarts,
+        "num_slots": int(len(slots)),
+    }
+    plan = make_plan(
+        problem, best_stages, method="diff", search_time_s=run_time, info=info
+    )
+    return SearchResult(
+        plan=plan,
+        lower_bound=bound,
+        loss_curve=np.concatenate(curve) if curve else np.zeros(0),
+        final_losses=np.asarray(final_losses, dtype=np.float64),
+        polished_costs=polished,
+        best_restart=best_restart,
+        fraction_best=info["fraction_best"],
+        compile_time_s=compile_time,
+        run_time_s=run_time,
+    )
+
+
+def differentiable(
+    problem: Problem,
+    config: SearchConfig = SearchConfig(),
+    *,
+    key: jax.Array,
+    progress_fn: Callable[[int, int, float], None] | None = None,
+) -> Plan:
+    """The engine's plan (``search(...).plan``); ``plan.info`` carries the lower
+    bound, gap, best restart, fraction of restarts at the best, and times."""
+    return search(problem, config, key=key, progress_fn=progress_fn).plan

@@ -1,0 +1,212 @@
+"""The differentiable engine: valid plans, optimality on tiny cases, gradients,
+jit/vmap/loop agreement, no retracing, determinism, multi-device restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_problem
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from baselines import brute_force, exact_dp
+from pipedejavu import InfeasibleProblemError, evaluate
+from pipedejavu.generate import random_problem
+from search import engine
+from search.engine import SearchConfig, differentiable, search
+from search.relax import (
+    RelaxedParams,
+    RelaxedProblem,
+    Temperatures,
+    relaxed_loss,
+    soft_assignment,
+)
+
+SMALL = SearchConfig(num_restarts=8, num_steps=40, num_chunks=2, num_polished=2)
+
+
+def _tiny(seed: int):
+    # Fixed L keeps the number of compiled shapes (and the test time) small.
+    return tiny_problem(np.random.default_rng(seed), max_layers=6)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(seed=st.integers(0, 10_000))
+def test_engine_plans_are_valid_and_never_beat_the_optimum(seed):
+    problem = _tiny(seed)
+    try:
+        optimum = brute_force(problem).cost
+    except InfeasibleProblemError:
+        with pytest.raises(InfeasibleProblemError):
+            differentiable(problem, SMALL, key=jax.random.key(seed))
+        return
+    plan = differentiable(problem, SMALL, key=jax.random.key(seed))
+    assert plan.cost == evaluate(problem, plan)
+    assert plan.cost >= optimum * (1 - 1e-12)
+    assert plan.info["lower_bound"] <= optimum * (1 + 1e-12)
+
+
+def test_engine_reaches_the_optimum_on_most_tiny_instances():
+    reached = total = 0
+    for seed in range(40):
+        problem = _tiny(100 + seed)
+        try:
+            optimum = brute_force(problem).cost
+        except InfeasibleProblemError:
+            continue
+        total += 1
+        plan = differentiable(problem, SMALL, key=jax.random.key(seed))
+        reached += plan.cost <= optimum * (1 + 1e-9)
+    assert total >= 25
+    assert reached / total >= 0.9
+
+
+@pytest.mark.parametrize(("layers", "cluster"), [(24, (2, 4)), (32, (2, 8))])
+@pytest.mark.parametrize("tightness", [None, 2.0])
+def test_engine_matches_the_dp_on_generated_instances(layers, cluster, tightness):
+    problem = random_problem(
+        layers, cluster, num_microbatches=16, memory_tightness=tightness, seed=11
+    )
+    plan = differentiable(problem, SMALL, key=jax.random.key(0))
+    optimum = exact_dp(problem).cost
+    assert plan.cost <= optimum * 1.01
+    assert plan.info["lower_bound"] <= optimum
+    assert 0 <= plan.info["gap"]
+
+
+def _relaxed_instance(num_layers=7, num_slots=3, num_stages=4, seed=0):
+    rng = np.random.default_rng(seed)
+    data = RelaxedProblem(
+        per_layer=jnp.asarray(rng.uniform(0.1, 1.0, (num_layers, num_slots))),
+        intercept=jnp.asarray(rng.uniform(0.0, 0.2, num_slots)),
+        slot_devices=jnp.asarray([1.0, 2.0, 4.0][:num_slots]),
+        num_devices=jnp.asarray(4.0),
+        num_microbatches=jnp.asarray(8.0),
+    )
+    params = RelaxedParams(
+        jnp.asarray(rng.normal(size=num_stages)),
+        jnp.asarray(rng.normal(size=(num_stages, num_slots))),
+    )
+    temps = Temperatures(*(jnp.asarray(x) for x in (0.7, 0.8, 0.3, 5.0)))
+    mask = jnp.asarray([True, True, True, False][:num_stages])
+    return params, data, mask, temps
+
+
+def test_gradients_match_finite_differences():
+    with jax.enable_x64(True):
+        params, data, mask, temps = _relaxed_instance()
+        params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+        check_grads(
+            lambda p: relaxed_loss(p, data, mask, temps),
+            (params,),
+            order=1,
+            modes=["rev"],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        grads = jax.grad(relaxed_loss)(params, data, mask, temps)
+        assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_soft_assignment_is_a_partition_of_layers():
+    ends = jnp.asarray([2.0, 2.0, 5.0, 8.0])  # an empty second stage
+    membership = soft_assignment(ends, 8, jnp.asarray(0.01))
+    np.testing.assert_allclose(membership.sum(axis=1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(membership.sum(axis=0), [2, 0, 3, 3], atol=1e-6)
+
+
+def test_jit_vmap_and_loop_agree():
+    params, data, mask, temps = _relaxed_instance()
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.5 * x, -x]), params)
+    masks = jnp.stack([mask, mask, jnp.ones_like(mask)])
+    vmapped = jax.jit(jax.vmap(relaxed_loss, in_axes=(0, None, 0, None)))(
+        batch, data, masks, temps
+    )
+    looped = []
+    for restart in range(3):
+        one = RelaxedParams(*(x[restart] for x in batch))
+        looped.append(relaxed_loss(one, data, masks[restart], temps))
+    np.testing.assert_allclose(vmapped, looped, rtol=1e-6)
+
+
+def test_the_jitted_step_traces_once():
+    problem = random_problem(12, (1, 4), num_microbatches=8, seed=1)
+    config = SearchConfig(
+        num_restarts=4, num_steps=30, num_chunks=3, num_polished=1, learning_rate=0.07
+    )
+    before = engine.TRACE_COUNT[0]
+    first = search(problem, config, key=jax.random.key(0))
+    assert engine.TRACE_COUNT[0] == before + 1  # three chunks, one trace
+    assert first.compile_time_s > 0
+    second = search(problem, config, key=jax.random.key(1))
+    assert engine.TRACE_COUNT[0] == before + 1
+    assert second.compile_time_s == 0.0
+    assert len(first.loss_curve) == 30
+
+
+def test_same_key_same_plan():
+    problem = random_problem(20, (2, 4), num_microbatches=8, seed=4)
+    a = differentiable(problem, SMALL, key=jax.random.key(7))
+    b = differentiable(problem, SMALL, key=jax.random.key(7))
+    assert [s.to_json() for s in a.stages] == [s.to_json() for s in b.stages]
+    assert a.cost == b.cost
+
+
+def test_search_result_reports_what_it_did():
+    problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
+    progress = []
+    result = search(
+        problem, SMALL, key=jax.random.key(0), progress_fn=lambda *a: progress.append(a)
+    )
+    assert [p[0] for p in progress] == [20, 40]
+    assert result.loss_curve.shape == (40,)
+    assert result.final_losses.shape == (8,)
+    assert 0 < result.fraction_best <= 1
+    assert result.best_restart in result.polished_costs
+    assert result.plan.info["lower_bound"] == result.lower_bound
+
+
+_MULTI = """
+import json, jax
+from pipedejavu.generate import random_problem
+from search.engine import SearchConfig, differentiable
+problem = random_problem(20, (2, 4), num_microbatches=8, seed=4)
+config = SearchConfig(num_restarts=8, num_steps=40, num_chunks=2, num_polished=2)
+plan = differentiable(problem, config, key=jax.random.key(3))
+print(json.dumps({"devices": jax.device_count(), "stages": [s.to_json() for s in
+      plan.stages], "cost": plan.cost, "best": plan.info["best_restart"]}))
+"""
+
+
+def test_restarts_sharded_over_devices_give_the_same_plan():
+    results = []
+    for count in (1, 4):
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={count}",
+            JAX_PLATFORMS="cpu",
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", _MULTI],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=True,
+        )
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert [r["devices"] for r in results] == [1, 4]
+    assert results[0]["stages"] == results[1]["stages"]
+    assert results[0]["cost"] == results[1]["cost"]
