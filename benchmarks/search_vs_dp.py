@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import platform
@@ -188,7 +189,8 @@ def run_scale_and_coarse(config: SearchConfig, suites: set[str]) -> list[dict]:
             "D": problem.num_devices,
             "B": 32,
         }
-        result = search(problem, config, key=jax.random.key(0))
+        budget = dataclasses.replace(config, time_budget_s=100.0)
+        result = search(problem, budget, key=jax.random.key(0))
         row.update(
             engine_cost=result.plan.cost,
             engine_cold_s=result.run_time_s,

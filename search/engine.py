@@ -34,7 +34,7 @@ import optax
 
 from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
 
-from .exact import exact_dp, explain_infeasible
+from .exact import cheaper_plan, explain_infeasible
 from .relax import RelaxedParams, RelaxedProblem, Temperatures, relaxed_loss
 
 __all__ = ["SearchConfig", "SearchResult", "differentiable", "search"]
@@ -59,6 +59,8 @@ class SearchConfig:
         max_polish_rounds: polish rounds per restart at most.
         num_chunks: the steps run in this many jitted chunks; progress is
             reported between chunks.
+        time_budget_s: once the search has run this long, polishing stops at
+            the next round (after at least one plan is found); None: no limit.
     """
 
     num_restarts: int = 64
@@ -73,8 +75,11 @@ class SearchConfig:
     polish_window: int = 2
     max_polish_rounds: int = 20
     num_chunks: int = 10
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s}")
         for name in (
             "num_restarts",
             "num_steps",
@@ -298,7 +303,10 @@ def _neighbourhood(boundaries: list[int], num_layers: int, window: int) -> np.nd
 
 
 def _polish(
-    problem: Problem, boundaries: list[int], config: SearchConfig
+    problem: Problem,
+    boundaries: list[int],
+    config: SearchConfig,
+    deadline: float = math.inf,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, int]:
     """Exact DP over the neighbourhood of the boundaries, re-centred on each
     improvement. The window doubles (up to ``4 * polish_window``) when the
@@ -309,28 +317,27 @@ def _polish(
     window, rounds = config.polish_window, 0
     widest = max(4 * config.polish_window, 1)
     while rounds < config.max_polish_rounds:
+        if best_stages is not None and time.perf_counter() > deadline:
+            break
         rounds += 1
         allowed = _neighbourhood(boundaries, problem.num_layers, window)
         restricted = problem.replace(
             compute_cost=np.where(allowed[:, :, None, None], table, np.inf)
         )
         try:
-            plan = exact_dp(restricted)
+            cost, stages, _ = cheaper_plan(restricted, best_cost)
         except InfeasibleProblemError:
             if window >= problem.num_layers:
                 break
             window = max(2 * window, 1)
             continue
-        stages = [
-            (s.start, s.stop, s.submesh_index, s.config_index) for s in plan.stages
-        ]
-        if plan.cost >= best_cost * (1 - 1e-12):
+        if stages is None:  # nothing cheaper in this neighbourhood
             if window >= widest:
                 break
             window = min(2 * window, widest)
             continue
-        best_cost, best_stages = plan.cost, stages
-        boundaries = [0] + [s.stop for s in plan.stages]
+        best_cost, best_stages = cost, stages
+        boundaries = [0] + [stop for _, stop, _, _ in stages]
     return best_cost, best_stages, rounds
 
 
@@ -431,10 +438,13 @@ def search(
         candidates, curve, final_losses, compile_time = _optimize(
             problem, data, config, key, progress_fn
         )
+    deadline = started + (config.time_budget_s or math.inf)
     polished: dict[int, float] = {}
     best_cost, best_stages, best_restart = math.inf, None, -1
     for restart, boundaries in candidates:
-        cost, stages, _ = _polish(problem, boundaries, config)
+        if best_stages is not None and time.perf_counter() > deadline:
+            break
+        cost, stages, _ = _polish(problem, boundaries, config, deadline)
         polished[restart] = cost
         if cost < best_cost:
             best_cost, best_stages, best_restart = cost, stages, restart

@@ -33,6 +33,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -46,7 +48,7 @@ from pipedejavu.problem import (
     objective,
 )
 
-__all__ = ["exact_dp", "explain_infeasible", "min_sum_plan"]
+__all__ = ["cheaper_plan", "exact_dp", "explain_infeasible", "min_sum_plan"]
 
 _NO_COUNT = np.iinfo(np.int64).max // 4
 
@@ -60,36 +62,100 @@ def _full_buckets(problem: Problem) -> int:
     return int(binding.max()) + 1 if binding.size else 1
 
 
+class _Entries(NamedTuple):
+    """The finite entries of a problem, grouped by (start, end, submesh).
+
+    Entries are in C order (start, end, submesh, config), so each group is a
+    run and ``group_first`` marks where it begins; ``start_pointer[i]`` is the
+    first group starting at layer ``i`` (groups of one start are contiguous).
+    """
+
+    cost: NDArray[np.float64]  # [E]
+    memory: NDArray[np.int64]  # [E]
+    config: NDArray[np.int64]  # [E]
+    group: NDArray[np.int64]  # [E] group of each entry
+    group_first: NDArray[np.int64]  # [G]
+    group_start: NDArray[np.int64]  # [G]
+    group_end: NDArray[np.int64]  # [G] inclusive
+    group_submesh: NDArray[np.int64]  # [G]
+    group_key: NDArray[np.int64]  # [G] sorted (start * L + end) * M + submesh
+    start_pointer: NDArray[np.int64]  # [L + 1]
+
+
+_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _entries(problem: Problem) -> _Entries:
+    cached = _ENTRIES.get(problem)
+    if cached is not None:
+        return cached
+    table = problem.compute_cost
+    starts, ends, submeshes, configs = np.nonzero(np.isfinite(table))
+    new_group = np.ones(starts.size, dtype=bool)
+    new_group[1:] = (
+        (starts[1:] != starts[:-1])
+        | (ends[1:] != ends[:-1])
+        | (submeshes[1:] != submeshes[:-1])
+    )
+    first = np.flatnonzero(new_group)
+    group_start = starts[first]
+    entries = _Entries(
+        cost=table[starts, ends, submeshes, configs],
+        memory=problem.max_n_succ_stages[starts, ends, submeshes, configs],
+        config=configs,
+        group=np.cumsum(new_group) - 1,
+        group_first=first,
+        group_start=group_start,
+        group_end=ends[first],
+        group_submesh=submeshes[first],
+        group_key=(group_start * problem.num_layers + ends[first])
+        * problem.num_submeshes
+        + submeshes[first],
+        start_pointer=np.searchsorted(group_start, np.arange(problem.num_layers + 1)),
+    )
+    _ENTRIES[problem] = entries
+    return entries
+
+
 def _stage_tables(
     problem: Problem, cap: float, num_buckets: int
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
-    """Cheapest admissible config per (bucket, start, end, submesh) under a cap.
+    """Cheapest admissible config per (bucket, stage group) under a cap.
 
     Bucket ``b < num_buckets`` admits entries with ``max_n_succ_stages >= b - 1``
     (exactly ``b`` stages from here); the last, lumped bucket stands for every
     ``s >= num_buckets`` and admits ``max_n_succ_stages >= num_buckets - 1``,
     which relaxes the rule unless ``num_buckets`` is :func:`_full_buckets`.
+    Work is proportional to the finite entries, not to L^2 M K.
 
     Returns:
-        cost: f64[NB + 1, L, L, M] seconds (index 0 unused); inf = none admissible.
-        config: i64[NB + 1, L, L, M] the config index achieving it.
+        cost: f64[NB + 1, G] seconds per group of :func:`_entries` (row 0
+            unused); inf = none admissible.
+        config: i64[NB + 1, G] the config index achieving it (smallest on ties).
     """
-    table = problem.compute_cost
-    memory = problem.max_n_succ_stages
-    capped = np.where(table <= cap, table, np.inf)
-    shape = (num_buckets + 1, *table.shape[:3])
-    cost = np.full(shape, np.inf)
-    config = np.zeros(shape, dtype=np.int64)
-    previous_limit = None
+    entries = _entries(problem)
+    num_groups = entries.group_first.size
+    cost = np.full((num_buckets + 1, num_groups), np.inf)
+    config = np.zeros((num_buckets + 1, num_groups), dtype=np.int64)
+    if num_groups == 0:
+        return cost, config
+    under = entries.cost <= cap
+    index = np.arange(entries.cost.size)
+    previous = None
     for bucket in range(1, num_buckets + 1):
-        admissible = memory >= bucket - 1
-        if previous_limit is not None and np.array_equal(admissible, previous_limit):
+        admissible = under & (entries.memory >= bucket - 1)
+        if previous is not None and np.array_equal(admissible, previous):
             cost[bucket], config[bucket] = cost[bucket - 1], config[bucket - 1]
             continue
-        masked = np.where(admissible, capped, np.inf)
-        config[bucket] = masked.argmin(axis=3)
-        cost[bucket] = np.take_along_axis(masked, config[bucket][..., None], 3)[..., 0]
-        previous_limit = admissible
+        values = np.where(admissible, entries.cost, np.inf)
+        least = np.minimum.reduceat(values, entries.group_first)
+        winner = np.minimum.reduceat(
+            np.where(values == least[entries.group], index, index.size),
+            entries.group_first,
+        )
+        cost[bucket] = least
+        config[bucket] = entries.config[np.minimum(winner, index.size - 1)]
+        previous = admissible
     return cost, config
 
 
@@ -145,14 +211,23 @@ def _dp(
         )
 
     hand_over(num_layers)
-    reachable_stop = np.isfinite(stage_cost[1:]).any(axis=(0, 3))  # [start, end]
+    entries = _entries(problem)
+    usable = np.isfinite(stage_cost[1:]).any(axis=0)  # [G]
     for start in range(num_layers - 1, -1, -1):
-        # Candidate stage ends, longest stage first (Alpa's loop order).
-        stops = np.flatnonzero(reachable_stop[start])[::-1] + 1
-        if stops.size == 0:
-            hand_over(start)
+        groups = np.arange(
+            entries.start_pointer[start], entries.start_pointer[start + 1]
+        )
+        groups = groups[usable[groups]]
+        if groups.size == 0:  # nothing starts here: the rows stay inf
             continue
-        costs = stage_cost[1:, start, stops - 1, :]  # [NB, n_stops, M]
+        # Candidate stage ends, longest stage first (Alpa's loop order).
+        ascending = np.unique(entries.group_end[groups]) + 1
+        stops = ascending[::-1]
+        position = (
+            stops.size - 1 - np.searchsorted(ascending, entries.group_end[groups] + 1)
+        )
+        costs = np.full((num_buckets, stops.size, len(sizes)), np.inf)
+        costs[:, position, entries.group_submesh[groups]] = stage_cost[1:, groups]
         candidates = np.full((num_buckets, stops.size, len(sizes), width), np.inf)
         counts = np.full(candidates.shape, _NO_COUNT, dtype=np.int64)
         for submesh, size in enumerate(sizes.tolist()):
@@ -196,7 +271,9 @@ def _dp(
     while bucket != 0:
         stop = int(choice_stop[bucket, layer, devices])
         submesh = int(choice_submesh[bucket, layer, devices])
-        config = int(stage_config[bucket, layer, stop - 1, submesh])
+        key = (layer * num_layers + stop - 1) * problem.num_submeshes + submesh
+        group = int(np.searchsorted(entries.group_key, key))
+        config = int(stage_config[bucket, group])
         plan.append((layer, stop, submesh, config))
         bucket = int(choice_next[bucket, layer, devices])
         layer, devices = stop, devices - int(sizes[submesh])
@@ -280,22 +357,20 @@ def explain_infeasible(problem: Problem) -> str:
     )
 
 
-def exact_dp(problem: Problem) -> Plan:
-    """The optimal plan of Alpa's formulation, ``min sum + (B - 1) * max``.
+def cheaper_plan(
+    problem: Problem, incumbent: float = math.inf
+) -> tuple[float, list[tuple[int, int, int, int]] | None, dict]:
+    """The optimal plan if it costs less than ``incumbent``, else ``None``.
 
-    Args:
-        problem: the instance; any cost unit works (no absolute gaps are used).
+    The branch and bound of :func:`exact_dp`, started from a known plan's cost
+    so that it prunes from the first cap on (the engine's polish uses this).
 
     Returns:
-        The plan, with ``info``: ``num_candidates`` (distinct finite stage
-        costs, Alpa's caps),
-        ``num_evaluated`` (caps solved with the min-sum DP), ``t_max`` (the cap
-        that produced the plan).
+        ``(cost, [(start, stop, submesh, config), ...] or None, stats)``.
 
     Raises:
-        InfeasibleProblemError: no plan satisfies the rules; the message says why.
+        InfeasibleProblemError: the problem has no feasible plan at all.
     """
-    started = time.perf_counter()
     num_microbatches = problem.num_microbatches
     buckets = _full_buckets(problem)
     smallest_cap, _ = _solve_cap(problem, math.inf, buckets, np.maximum)
@@ -306,7 +381,7 @@ def exact_dp(problem: Problem) -> Plan:
     candidates = all_caps[all_caps >= smallest_cap]
 
     sums: dict[int, float] = {}
-    best_cost, best_stages, best_cap = math.inf, None, math.nan
+    best_cost, best_stages, best_cap = incumbent, None, math.nan
 
     def solve_at(index: int) -> float:
         nonlocal best_cost, best_stages, best_cap
@@ -320,12 +395,14 @@ def exact_dp(problem: Problem) -> Plan:
                 best_cost, best_stages, best_cap = cost, stages, cap
         return total
 
-    solve_at(0)
     # Caps with B * t >= best cannot help: every plan's cost is >= B * its max.
     last = int(np.searchsorted(candidates, best_cost / num_microbatches, "left")) - 1
-    last = min(max(last, 0), len(candidates) - 1)
-    if last > 0:
-        solve_at(last)
+    if last >= 0:
+        solve_at(0)
+        last = int(np.searchsorted(candidates, best_cost / num_microbatches)) - 1
+        last = min(max(last, 0), len(candidates) - 1)
+        if last > 0:
+            solve_at(last)
     heap: list[tuple[float, int, int]] = []
 
     def push(low: int, high: int) -> None:
@@ -339,7 +416,8 @@ def exact_dp(problem: Problem) -> Plan:
         if bound < best_cost:
             heapq.heappush(heap, (bound, low, high))
 
-    push(0, last)
+    if last > 0:
+        push(0, last)
     while heap:
         bound, low, high = heapq.heappop(heap)
         if bound >= best_cost:
@@ -348,16 +426,35 @@ def exact_dp(problem: Problem) -> Plan:
         solve_at(middle)
         push(low, middle)
         push(middle, high)
+    stats = {
+        "num_candidates": int(len(all_caps)),
+        "num_evaluated": len(sums) + 1,
+        "t_max": best_cap,
+    }
+    return best_cost, best_stages, stats
 
+
+def exact_dp(problem: Problem) -> Plan:
+    """The optimal plan of Alpa's formulation, ``min sum + (B - 1) * max``.
+
+    Args:
+        problem: the instance; any cost unit works (no absolute gaps are used).
+
+    Returns:
+        The plan, with ``info``: ``num_candidates`` (distinct finite stage
+        costs, Alpa's caps), ``num_evaluated`` (caps solved with the min-sum DP,
+        plus the min-max DP), ``t_max`` (the cap that produced the plan).
+
+    Raises:
+        InfeasibleProblemError: no plan satisfies the rules; the message says why.
+    """
+    started = time.perf_counter()
+    _, best_stages, stats = cheaper_plan(problem)
     assert best_stages is not None  # the smallest feasible cap always yields a plan
     return make_plan(
         problem,
         best_stages,
         method="dp",
         search_time_s=time.perf_counter() - started,
-        info={
-            "num_candidates": int(len(all_caps)),
-            "num_evaluated": len(sums) + 1,
-            "t_max": best_cap,
-        },
+        info=stats,
     )

@@ -210,3 +210,15 @@ def test_restarts_sharded_over_devices_give_the_same_plan():
     assert [r["devices"] for r in results] == [1, 4]
     assert results[0]["stages"] == results[1]["stages"]
     assert results[0]["cost"] == results[1]["cost"]
+
+
+def test_time_budget_still_returns_a_valid_plan():
+    problem = random_problem(24, (2, 4), num_microbatches=8, seed=6)
+    config = SearchConfig(
+        num_restarts=8, num_steps=40, num_chunks=2, num_polished=4, time_budget_s=1e-6
+    )
+    result = search(problem, config, key=jax.random.key(0))
+    assert len(result.polished_costs) == 1  # stopped after the first candidate
+    assert result.plan.cost == evaluate(problem, result.plan)
+    with pytest.raises(ValueError, match="time_budget_s"):
+        SearchConfig(time_budget_s=0)
