@@ -199,6 +199,10 @@ def run_scale_and_coarse(config: SearchConfig, suites: set[str]) -> list[dict]:
             gap_to_bound=result.plan.info["gap"],
             engine_stages=result.plan.num_stages,
         )
+        started = time.perf_counter()
+        exact = exact_dp(problem)  # the crossover question: can the DP finish?
+        row.update(exact_cost=exact.cost, exact_s=time.perf_counter() - started)
+        row["cost_ratio"] = result.plan.cost / exact.cost
         if "coarse" in suites:
             # The finest grouping whose DP finishes within the engine's time:
             # start coarse, refine while the DP stays within that budget.

@@ -59,8 +59,10 @@ class SearchConfig:
         max_polish_rounds: polish rounds per restart at most.
         num_chunks: the steps run in this many jitted chunks; progress is
             reported between chunks.
-        time_budget_s: once the search has run this long, polishing stops at
-            the next round (after at least one plan is found); None: no limit.
+        time_budget_s: polishing starts no round that would (judging by the
+            previous round) end past this many seconds from the start, once a
+            plan is found; the fit, optimization and lower bound come on top.
+            None: no limit.
     """
 
     num_restarts: int = 64
@@ -316,8 +318,14 @@ def _polish(
     best_cost, best_stages = math.inf, None
     window, rounds = config.polish_window, 0
     widest = max(4 * config.polish_window, 1)
+    last_round, previous_start = 0.0, None
     while rounds < config.max_polish_rounds:
-        if best_stages is not None and time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if previous_start is not None:
+            last_round = now - previous_start
+        previous_start = now
+        # Stop when the next round (about as long as the last) would overrun.
+        if best_stages is not None and now + last_round > deadline:
             break
         rounds += 1
         allowed = _neighbourhood(boundaries, problem.num_layers, window)
