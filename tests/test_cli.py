@@ -253,3 +253,34 @@ def test_brute_force_refuses_big_problems(capsys, tmp_path):
     random_problem(24, (2, 8), seed=1).to_npz(path)
     code, _, err = run(capsys, "solve", path, "--method", "brute_force")
     assert code == 2 and "too large for brute force" in err
+
+
+def test_diff_method_from_the_command_line(capsys, tmp_path):
+    from pipedejavu.generate import random_problem
+
+    path = tmp_path / "gen.npz"
+    problem = random_problem(12, (1, 4), num_microbatches=8, seed=3)
+    problem.to_npz(path)
+    code, out, _ = run(
+        capsys, "solve", path, "--method", "diff", "--restarts", "8", "--steps", "40"
+    )
+    assert code == 0 and "lower bound" in out
+    code, out, _ = run(
+        capsys,
+        "solve",
+        path,
+        "--method",
+        "diff",
+        "--steps",
+        "40",
+        "--restarts",
+        "8",
+        "--json",
+    )
+    data = json.loads(out)
+    assert data["method"] == "diff"
+    assert data["cost"] == evaluate(problem, Plan.from_json(data))
+    code, _, err = run(capsys, "solve", path, "--restarts", "8")
+    assert code == 2 and "--method diff" in err
+    code, _, err = run(capsys, "solve", path, "--method", "diff", "--steps", "0")
+    assert code == 2 and "num_steps" in err
