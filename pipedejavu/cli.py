@@ -209,9 +209,19 @@ def _demo(out: TextIO, as_json: bool) -> None:
             f"{'same plan' if same else 'a different plan'}, cost {alpa.cost:.6f} s, "
             f"{alpa.info['num_evaluated']} caps evaluated in "
             f"{alpa.search_time_s * 1e3:.1f} ms vs {plan.info['num_evaluated']} in "
-            f"{plan.search_time_s * 1e3:.1f} ms\n",
+            f"{plan.search_time_s * 1e3:.1f} ms",
             file=out,
         )
+        if name.startswith("generated"):
+            engine = solve(problem, "diff", seed=0)
+            print(
+                f"differentiable engine (--method diff): cost {engine.cost:.6f} s "
+                f"({engine.cost / plan.cost:.5f} x the optimum), certified within "
+                f"{100 * engine.info['gap']:.3f}% of its lower bound, "
+                f"{engine.search_time_s:.1f} s (JAX compilation included)",
+                file=out,
+            )
+        print(file=out)
 
 
 class _ScanProgress:
