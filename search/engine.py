@@ -265,19 +265,21 @@ def _shard(tree: Any, num_restarts: int) -> Any:
     return jax.device_put(tree, sharding)
 
 
-def _rounded_boundaries(params: RelaxedParams, mask: np.ndarray, num_layers: int):
-    """Integer stage ends of one restart, and the soft stage each one closes."""
+def _rounded_boundaries(
+    params: RelaxedParams, mask: np.ndarray, num_layers: int
+) -> list[int]:
+    """Integer stage boundaries ``0 = b_0 < ... < b_S = L`` of one restart: its
+    soft ends rounded, empty stages dropped."""
     logits = np.where(mask, np.asarray(params.boundary_logits, np.float64), -1e4)
     shares = np.exp(logits - logits.max())
     ends = num_layers * np.cumsum(shares / shares.sum())
     rounded = np.clip(np.rint(ends).astype(int), 0, num_layers)
     rounded[-1] = num_layers
-    boundaries, closing = [0], []
-    for stage, end in enumerate(rounded):
+    boundaries = [0]
+    for end in rounded.tolist():
         if end > boundaries[-1]:
-            boundaries.append(int(end))
-            closing.append(stage)
-    return boundaries, closing
+            boundaries.append(end)
+    return boundaries
 
 
 def _neighbourhood(boundaries: list[int], num_layers: int, window: int) -> np.ndarray:
@@ -407,7 +409,7 @@ def _optimize(
         one = RelaxedParams(
             host_params.boundary_logits[restart], host_params.slot_logits[restart]
         )
-        boundaries, _ = _rounded_boundaries(one, host_mask[restart], problem.num_layers)
+        boundaries = _rounded_boundaries(one, host_mask[restart], problem.num_layers)
         if tuple(boundaries) not in seen:  # same rounding: same polish
             seen.add(tuple(boundaries))
             candidates.append((restart, boundaries))
