@@ -146,16 +146,16 @@ def _geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
     return start * (end / start) ** fraction
 
 
-def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, np.ndarray, float]:
+def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int]:
     """Fit the linear model; returns the relaxed data (None when no slot could be
-    fitted), the slot list, the scale."""
+    fitted) and the number of usable (submesh, config) slots."""
     from .linear import fit_linear_model
 
     model = fit_linear_model(problem)
     usable = np.asarray(model.usable)
     slots = np.argwhere(usable)  # [C, 2] (submesh, config)
     if slots.size == 0:  # too few profiled entries to fit any slot
-        return None, slots, 1.0
+        return None, 0
     finite = problem.compute_cost[np.isfinite(problem.compute_cost)]
     scale = float(np.median(finite)) if finite.size else 1.0
     scale = scale if scale > 0 else 1.0
@@ -180,7 +180,7 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, np.ndarray, float
         num_devices=jnp.asarray(problem.num_devices, jnp.float32),
         num_microbatches=jnp.asarray(problem.num_microbatches, jnp.float32),
     )
-    return data, slots, scale
+    return data, len(slots)
 
 
 def _initial_params(
@@ -436,7 +436,7 @@ def search(
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
     started = time.perf_counter()
-    data, slots, _ = _prepare(problem)
+    data, num_usable_slots = _prepare(problem)
     if data is None:  # nothing to relax: polish from one stage (window widens)
         candidates, curve, final_losses, compile_time = (
             [(0, [0, problem.num_layers])],
@@ -474,7 +474,7 @@ def search(
         "compile_time_s": compile_time,
         "run_time_s": run_time,
         "num_restarts": config.num_restarts,
-        "num_slots": int(len(slots)),
+        "num_slots": num_usable_slots,
     }
     plan = make_plan(
         problem, best_stages, method="diff", search_time_s=run_time, info=info
