@@ -1,0 +1,588 @@
+"""Hardware-aware stage construction: typed devices, placement, activation transfers.
+
+Alpa's formulation (``pipedejavu.problem``) counts devices and ignores links. Here:
+
+* ``compute_cost[i, j, m, k, t]``: the stage ``i..j`` (inclusive) on submesh ``m``,
+  config ``k``, running on devices of type ``t``;
+  ``max_n_succ_stages[i, j, m, k, t]`` the memory rule on that type.
+* ``boundary_bytes[b]``: bytes of the activation crossing the boundary after
+  layer ``b`` per micro-batch (the gradient sent back has the same size).
+* A plan places every stage physically: ``hosts`` (the hosts it occupies) and
+  ``first_device`` (its first device on a host, for a submesh smaller than a
+  host). Every device of the cluster is used exactly once (Alpa's rule).
+
+**Transfers.** Between stage ``s`` and ``s + 1`` the activation goes forward and
+its gradient comes back once per micro-batch: ``c_s = 2 * link.time(bytes)``, on
+the intra-host link when the two stages share a host, else on the inter-host
+link between the last host of ``s`` and the first host of ``s + 1``.
+
+**Objective.** Transfers are pipeline steps of their own (a link is busy while it
+moves a micro-batch, like a stage computing one), so::
+
+    T = sum_s t_s + sum_s c_s + (B - 1) * max(max_s t_s, max_s c_s)
+
+the critical path of one micro-batch through every stage and link, plus
+``B - 1`` times the bottleneck, stage or link. With free links it is Alpa's
+``sum + (B - 1) * max`` exactly. :mod:`pipedejavu.simulate` models the same.
+
+**Canonical placement** (:func:`place`): a plan given as
+``(start, stop, submesh, config, type)`` tuples is placed by packing the stages
+of each type, in pipeline order, onto that type's hosts in order (host-major
+device numbering). Consecutive stages of one type then share a host whenever
+the first ends inside one, so no placement has fewer inter-host hops. A stage
+must not straddle a host boundary (a ``(1, d)`` submesh lives on one host; an
+``(h, d)`` one starts at a host boundary). Solvers search over placements of
+this form; :func:`evaluate_hetero` accepts any valid explicit placement.
+
+Mixed stages: a stage whose hosts are of several types (only explicit
+placements, e.g. Alpa's, can make one) runs at its slowest type: its
+``device_type`` must be that type, and the memory rule holds for every type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .cluster import Cluster
+from .problem import (
+    UNLIMITED_SUCCEEDING_STAGES,
+    PlanError,
+    Problem,
+    ProblemError,
+)
+
+__all__ = [
+    "HeteroPlan",
+    "HeteroProblem",
+    "HeteroStage",
+    "check_hetero_plan",
+    "evaluate_hetero",
+    "hetero_objective",
+    "make_hetero_plan",
+    "place",
+    "transfer_times",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeteroProblem:
+    """Stage construction on a cluster of typed devices with costly links.
+
+    Args:
+        compute_cost: f64[L, L, M, K, T] seconds per micro-batch (forward +
+            backward) of layers ``i..j`` on submesh ``m``, config ``k``, device
+            type ``t``; inf = infeasible / unprofiled.
+        max_n_succ_stages: i64[L, L, M, K, T] Alpa's memory rule per type
+            (-1 = never feasible); ``None`` = memory never limits.
+        submesh_shapes: i64[M, 2] ``(hosts, devices per host)``.
+        cluster: the :class:`Cluster` (its shape is the devices' shape).
+        num_microbatches: B >= 1.
+        boundary_bytes: f64[L - 1] bytes per micro-batch crossing the boundary
+            after each layer (one direction); ``None`` = zeros.
+    """
+
+    compute_cost: NDArray[np.float64]
+    max_n_succ_stages: NDArray[np.int64] | None
+    submesh_shapes: NDArray[np.int64]
+    cluster: Cluster
+    num_microbatches: int
+    boundary_bytes: NDArray[np.float64] | None = None
+
+    def __post_init__(self) -> None:
+        cost = np.array(self.compute_cost, dtype=np.float64)
+        if cost.ndim != 5 or cost.shape[0] != cost.shape[1]:
+            raise ProblemError(
+                f"compute_cost must have shape (L, L, M, K, T), got {cost.shape}"
+            )
+        num_layers, _, num_submeshes, _, num_types = cost.shape
+        if np.isnan(cost).any() or (cost < 0).any():
+            raise ProblemError("compute_cost must be >= 0 or inf, with no NaN")
+        if num_types != self.cluster.num_types:
+            raise ProblemError(
+                f"compute_cost has {num_types} device types, the cluster "
+                f"{self.cluster.num_types}"
+            )
+        cost[np.tril_indices(num_layers, -1)] = np.inf
+        if self.max_n_succ_stages is None:
+            memory = np.full(cost.shape, UNLIMITED_SUCCEEDING_STAGES, dtype=np.int64)
+        else:
+            memory = np.array(self.max_n_succ_stages)
+            if memory.shape != cost.shape:
+                raise ProblemError(
+                    f"max_n_succ_stages must have shape {cost.shape}, "
+                    f"got {memory.shape}"
+                )
+            memory = memory.astype(np.int64)
+        shapes = np.array(self.submesh_shapes, dtype=np.int64)
+        if shapes.shape != (num_submeshes, 2) or (shapes < 1).any():
+            raise ProblemError(
+                f"submesh_shapes must be ({num_submeshes}, 2) positive integers, "
+                f"got {shapes.tolist()}"
+            )
+        dph = self.cluster.devices_per_host
+        for h, d in shapes.tolist():
+            if d > dph or (h > 1 and d != dph) or h > self.cluster.num_hosts:
+                raise ProblemError(
+                    f"submesh ({h}, {d}) does not fit hosts of {dph} devices "
+                    f"({self.cluster.num_hosts} hosts)"
+                )
+        if self.boundary_bytes is None:
+            boundary = np.zeros(max(num_layers - 1, 0))
+        else:
+            boundary = np.array(self.boundary_bytes, dtype=np.float64)
+            if boundary.shape != (num_layers - 1,):
+                raise ProblemError(
+                    f"boundary_bytes must have shape ({num_layers - 1},), "
+                    f"got {boundary.shape}"
+                )
+            if not np.isfinite(boundary).all() or (boundary < 0).any():
+                raise ProblemError("boundary_bytes must be finite and >= 0")
+        if isinstance(self.num_microbatches, bool) or int(self.num_microbatches) < 1:
+            raise ProblemError(
+                f"num_microbatches must be >= 1, got {self.num_microbatches!r}"
+            )
+        for array in (cost, memory, shapes, boundary):
+            array.flags.writeable = False
+        object.__setattr__(self, "compute_cost", cost)
+        object.__setattr__(self, "max_n_succ_stages", memory)
+        object.__setattr__(self, "submesh_shapes", shapes)
+        object.__setattr__(self, "boundary_bytes", boundary)
+        object.__setattr__(self, "num_microbatches", int(self.num_microbatches))
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def num_layers(self) -> int:
+        return self.compute_cost.shape[0]
+
+    @property
+    def num_submeshes(self) -> int:
+        return self.compute_cost.shape[2]
+
+    @property
+    def num_configs(self) -> int:
+        return self.compute_cost.shape[3]
+
+    @property
+    def num_types(self) -> int:
+        return self.compute_cost.shape[4]
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster.num_devices
+
+    @property
+    def submesh_sizes(self) -> NDArray[np.int64]:
+        return self.submesh_shapes[:, 0] * self.submesh_shapes[:, 1]
+
+    def replace(self, **changes: Any) -> HeteroProblem:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ conversions
+    @classmethod
+    def from_problem(
+        cls,
+        problem: Problem,
+        cluster: Cluster,
+        *,
+        boundary_bytes: Sequence[float] | NDArray[np.float64] | None = None,
+        num_microbatches: int | None = None,
+    ) -> HeteroProblem:
+        """Scale a profiled (reference-device) problem to typed devices.
+
+        ``compute_cost[..., t] = problem.compute_cost / speed_t``; the memory
+        rule is the profiled one on every type.
+        """
+        if cluster.shape != tuple(problem.cluster_shape):
+            raise ProblemError(
+                f"cluster shape {cluster.shape} differs from the problem's "
+                f"{tuple(problem.cluster_shape)}"
+            )
+        speeds = np.asarray(cluster.speeds)
+        cost = problem.compute_cost[..., None] / speeds
+        memory = np.repeat(problem.max_n_succ_stages[..., None], len(speeds), axis=-1)
+        return cls(
+            compute_cost=cost,
+            max_n_succ_stages=memory,
+            submesh_shapes=problem.submesh_shapes,
+            cluster=cluster,
+            num_microbatches=num_microbatches or problem.num_microbatches,
+            boundary_bytes=boundary_bytes,
+        )
+
+    def homogeneous_view(self, speed: float | None = None) -> Problem:
+        """Alpa's view: one device type at ``speed`` relative to type 0's table.
+
+        Default speed: the device-weighted mean speed of the cluster. Costs are
+        ``compute_cost[..., 0] * speed_0 / speed``; memory is the type-0 rule.
+        Links are dropped (Alpa ignores them).
+        """
+        speeds = np.asarray(self.cluster.speeds, dtype=np.float64)
+        counts = np.asarray(self.cluster.devices_of_type(), dtype=np.float64)
+        if speed is None:
+            speed = float((speeds * counts).sum() / counts.sum())
+        return Problem(
+            compute_cost=self.compute_cost[..., 0] * speeds[0] / speed,
+            max_n_succ_stages=self.max_n_succ_stages[..., 0],
+            submesh_shapes=self.submesh_shapes,
+            cluster_shape=self.cluster.shape,
+            num_microbatches=self.num_microbatches,
+        )
+
+    def to_npz(self, path: Any) -> None:
+        np.savez(
+            path,
+            compute_cost=self.compute_cost,
+            max_n_succ_stages=self.max_n_succ_stages,
+            submesh_shapes=self.submesh_shapes,
+            cluster_shape=np.asarray(self.cluster.shape, dtype=np.int64),
+            num_microbatches=np.int64(self.num_microbatches),
+            boundary_bytes=self.boundary_bytes,
+            cluster_json=np.asarray(json.dumps(self.cluster.to_json())),
+        )
+
+    @classmethod
+    def from_npz(cls, path: Any) -> HeteroProblem:
+        with np.load(path, allow_pickle=False) as data:
+            if "cluster_json" not in data:
+                raise ProblemError(
+                    f"{path}: not a heterogeneous problem (no cluster_json)"
+                )
+            return cls(
+                compute_cost=data["compute_cost"],
+                max_n_succ_stages=data["max_n_succ_stages"],
+                submesh_shapes=data["submesh_shapes"],
+                cluster=Cluster.from_json(json.loads(str(data["cluster_json"]))),
+                num_microbatches=int(data["num_microbatches"]),
+                boundary_bytes=data["boundary_bytes"],
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroStage:
+    """One stage, placed.
+
+    Args:
+        start, stop: half-open layer range.
+        submesh_index, config_index: indices into the tables.
+        device_type: the type whose table row prices it.
+        hosts: host indices it occupies (``submesh[0]`` of them).
+        first_device: first device on its host (0 for whole-host submeshes).
+        latency: seconds per micro-batch from the table.
+    """
+
+    start: int
+    stop: int
+    submesh: tuple[int, int]
+    submesh_index: int
+    config_index: int
+    device_type: int
+    hosts: tuple[int, ...]
+    first_device: int
+    latency: float
+
+    @property
+    def num_devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "stop": self.stop,
+            "submesh": list(self.submesh),
+            "submesh_index": self.submesh_index,
+            "config_index": self.config_index,
+            "device_type": self.device_type,
+            "hosts": list(self.hosts),
+            "first_device": self.first_device,
+            "latency": self.latency,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroPlan:
+    """A placed plan; ``cost`` is :func:`evaluate_hetero` of it, transfers included.
+
+    ``transfers[s]`` is the round-trip transfer time between stage ``s`` and
+    ``s + 1`` (seconds per micro-batch).
+    """
+
+    stages: tuple[HeteroStage, ...]
+    transfers: tuple[float, ...]
+    cost: float
+    num_microbatches: int
+    method: str
+    search_time_s: float = 0.0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def inter_host_hops(self, cluster: Cluster) -> int:
+        """Boundaries whose two stages share no host."""
+        return sum(
+            not set(a.hosts) & set(b.hosts)
+            for a, b in zip(self.stages, self.stages[1:], strict=False)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "cost": self.cost,
+            "num_microbatches": self.num_microbatches,
+            "stages": [s.to_json() for s in self.stages],
+            "transfers": list(self.transfers),
+            "search_time_s": self.search_time_s,
+        }
+
+
+def hetero_objective(
+    latencies: Sequence[float], transfers: Sequence[float], num_microbatches: int
+) -> float:
+    """``sum(t) + sum(c) + (B - 1) * max(max t, max c)`` in seconds."""
+    bottleneck = max(max(latencies), max(transfers, default=0.0))
+    return float(
+        math.fsum(latencies)
+        + math.fsum(transfers)
+        + (num_microbatches - 1) * bottleneck
+    )
+
+
+def place(
+    problem: HeteroProblem, stages: Sequence[tuple[int, int, int, int, int]]
+) -> list[tuple[tuple[int, ...], int]]:
+    """Canonical placement of ``(start, stop, submesh, config, type)`` stages.
+
+    Returns ``(hosts, first_device)`` per stage. Raises :class:`PlanError`
+    (rule ``"placement"`` or ``"devices"``) when a stage would straddle a host
+    boundary or a type's devices are not used exactly.
+    """
+    cluster = problem.cluster
+    dph = cluster.devices_per_host
+    hosts_by_type = [cluster.hosts_of_type(t) for t in range(cluster.num_types)]
+    used = [0] * cluster.num_types
+    placed = []
+    for index, (_, _, submesh, _, device_type) in enumerate(stages):
+        if not 0 <= device_type < cluster.num_types:
+            raise PlanError("indices", index, f"device type {device_type} out of range")
+        if not 0 <= submesh < problem.num_submeshes:
+            raise PlanError("indices", index, f"submesh {submesh} out of range")
+        h, d = (int(x) for x in problem.submesh_shapes[submesh])
+        offset = used[device_type]
+        host_slot, first = divmod(offset, dph)
+        if (h > 1 and first != 0) or first + d > dph:
+            raise PlanError(
+                "placement",
+                index,
+                f"a ({h}, {d}) submesh at device {first} of a host of {dph} would "
+                "straddle hosts",
+            )
+        mine = hosts_by_type[device_type]
+        if host_slot + h > len(mine):
+            raise PlanError(
+                "devices",
+                index,
+                f"type {cluster.device_types[device_type].name} has "
+                f"{len(mine) * dph} devices; the stages ask for more",
+            )
+        placed.append((tuple(mine[host_slot : host_slot + h]), first))
+        used[device_type] += h * d
+    wanted = cluster.devices_of_type()
+    if tuple(used) != wanted:
+        raise PlanError(
+            "devices",
+            None,
+            f"devices used per type {tuple(used)} must equal the cluster's {wanted}",
+        )
+    return placed
+
+
+def _stage_tuples(stages: Sequence[HeteroStage]) -> list[HeteroStage]:
+    return list(stages.stages if isinstance(stages, HeteroPlan) else stages)
+
+
+def check_hetero_plan(
+    problem: HeteroProblem, plan: HeteroPlan | Sequence[HeteroStage]
+) -> None:
+    """Every rule; raise :class:`PlanError` (rule name + stage) on the first break.
+
+    Rules: contiguity and coverage; indices and submesh shape; hosts exist, are
+    distinct, number ``submesh[0]``, and the devices fit on them; no device used
+    twice and every device used; ``device_type`` is the slowest type of the
+    stage's hosts; finite latency; the memory rule on every type it touches.
+    """
+    stages = _stage_tuples(plan)
+    if not stages:
+        raise PlanError("coverage", None, "a plan needs at least one stage")
+    cluster = problem.cluster
+    dph = cluster.devices_per_host
+    expected = 0
+    taken = np.zeros((cluster.num_hosts, dph), dtype=bool)
+    num_stages = len(stages)
+    for index, stage in enumerate(stages):
+        if stage.start != expected or stage.stop <= stage.start:
+            raise PlanError(
+                "contiguity",
+                index,
+                f"layers [{stage.start}, {stage.stop}) after {expected}",
+            )
+        expected = stage.stop
+        if stage.stop > problem.num_layers:
+            raise PlanError(
+                "coverage", index, f"stop {stage.stop} > {problem.num_layers}"
+            )
+        if not 0 <= stage.submesh_index < problem.num_submeshes:
+            raise PlanError(
+                "indices", index, f"submesh {stage.submesh_index} out of range"
+            )
+        if not 0 <= stage.config_index < problem.num_configs:
+            raise PlanError(
+                "indices", index, f"config {stage.config_index} out of range"
+            )
+        if not 0 <= stage.device_type < problem.num_types:
+            raise PlanError(
+                "indices", index, f"device type {stage.device_type} out of range"
+            )
+        h, d = (int(x) for x in problem.submesh_shapes[stage.submesh_index])
+        if tuple(stage.submesh) != (h, d):
+            raise PlanError(
+                "indices", index, f"submesh {stage.submesh} != table's ({h}, {d})"
+            )
+        hosts = tuple(stage.hosts)
+        if len(hosts) != h or len(set(hosts)) != h:
+            raise PlanError(
+                "placement", index, f"needs {h} distinct hosts, got {hosts}"
+            )
+        if any(not 0 <= x < cluster.num_hosts for x in hosts):
+            raise PlanError("placement", index, f"hosts {hosts} out of range")
+        if not 0 <= stage.first_device or stage.first_device + d > dph:
+            raise PlanError(
+                "placement",
+                index,
+                f"devices {stage.first_device}..+{d} exceed the host",
+            )
+        for host in hosts:
+            window = taken[host, stage.first_device : stage.first_device + d]
+            if window.any():
+                raise PlanError(
+                    "devices", index, f"a device of host {host} is used twice"
+                )
+            window[:] = True
+        types = {cluster.host_types[x] for x in hosts}
+        slowest = min(cluster.device_types[t].speed for t in types)
+        if cluster.device_types[stage.device_type].speed != slowest or (
+            stage.device_type not in types
+        ):
+            raise PlanError(
+                "device type",
+                index,
+                f"device_type {stage.device_type} must be the slowest type of "
+                f"hosts {hosts}",
+            )
+        key = (stage.start, stage.stop - 1, stage.submesh_index, stage.config_index)
+        if not math.isfinite(problem.compute_cost[key + (stage.device_type,)]):
+            raise PlanError("profiled", index, "no finite latency for this stage")
+        for t in types:
+            allowed = problem.max_n_succ_stages[key + (t,)]
+            if num_stages - 1 - index > allowed:
+                raise PlanError(
+                    "memory",
+                    index,
+                    f"{num_stages - 1 - index} stages follow; type "
+                    f"{cluster.device_types[t].name} allows {allowed}",
+                )
+    if expected != problem.num_layers:
+        raise PlanError(
+            "coverage", None, f"layers end at {expected}, not {problem.num_layers}"
+        )
+    if not taken.all():
+        raise PlanError("devices", None, f"{int((~taken).sum())} devices are unused")
+
+
+def transfer_times(
+    problem: HeteroProblem, stages: Sequence[HeteroStage]
+) -> list[float]:
+    """Round-trip transfer seconds per micro-batch between consecutive stages."""
+    stages = _stage_tuples(stages)
+    cluster = problem.cluster
+    times = []
+    for a, b in zip(stages, stages[1:], strict=False):
+        shared = [x for x in a.hosts if x in b.hosts]
+        link = (
+            cluster.link(shared[0], shared[0])
+            if shared
+            else cluster.link(a.hosts[-1], b.hosts[0])
+        )
+        times.append(2.0 * link.time(float(problem.boundary_bytes[a.stop - 1])))
+    return times
+
+
+def evaluate_hetero(
+    problem: HeteroProblem, plan: HeteroPlan | Sequence[HeteroStage]
+) -> float:
+    """The exact objective (module doc) after :func:`check_hetero_plan`."""
+    stages = _stage_tuples(plan)
+    check_hetero_plan(problem, stages)
+    latencies = [
+        float(
+            problem.compute_cost[
+                s.start, s.stop - 1, s.submesh_index, s.config_index, s.device_type
+            ]
+        )
+        for s in stages
+    ]
+    return hetero_objective(
+        latencies, transfer_times(problem, stages), problem.num_microbatches
+    )
+
+
+def make_hetero_plan(
+    problem: HeteroProblem,
+    stages: Sequence[tuple[int, int, int, int, int]],
+    *,
+    method: str,
+    placement: Sequence[tuple[tuple[int, ...], int]] | None = None,
+    search_time_s: float = 0.0,
+    info: dict[str, Any] | None = None,
+) -> HeteroPlan:
+    """A checked plan from ``(start, stop, submesh, config, type)`` tuples.
+
+    ``placement`` (``(hosts, first_device)`` per stage) defaults to
+    :func:`place`. Cost and transfers are computed, never taken from a solver.
+    """
+    stages = [tuple(int(x) for x in s) for s in stages]
+    if placement is None:
+        placement = place(problem, stages)
+    built = tuple(
+        HeteroStage(
+            start=start,
+            stop=stop,
+            submesh=tuple(int(x) for x in problem.submesh_shapes[m]),
+            submesh_index=m,
+            config_index=k,
+            device_type=t,
+            hosts=tuple(int(x) for x in hosts),
+            first_device=int(first),
+            latency=float(problem.compute_cost[start, stop - 1, m, k, t]),
+        )
+        for (start, stop, m, k, t), (hosts, first) in zip(
+            stages, placement, strict=True
+        )
+    )
+    cost = evaluate_hetero(problem, built)
+    return HeteroPlan(
+        stages=built,
+        transfers=tuple(transfer_times(problem, built)),
+        cost=cost,
+        num_microbatches=problem.num_microbatches,
+        method=method,
+        search_time_s=float(search_time_s),
+        info=dict(info or {}),
+    )
