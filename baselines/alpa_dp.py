@@ -178,7 +178,8 @@ def alpa_training_dp(
         Alpa's plan. ``plan.cost`` is the exact float64 objective of that plan;
         ``info["alpa_cost"]`` is the cost Alpa itself reports, and
         ``num_candidates`` / ``num_evaluated`` / ``num_skipped_gap`` /
-        ``num_not_reached`` count the cap scan.
+        ``num_not_reached`` count the cap scan; ``trace`` lists
+        ``(seconds, Alpa's cost)`` each time the scan found a cheaper plan.
 
     Raises:
         InfeasibleProblemError: Alpa finds no solution (also when the gap skip
@@ -189,6 +190,7 @@ def alpa_training_dp(
     candidates = np.sort(np.unique(problem.compute_cost))
     finite = int(np.isfinite(candidates).sum())
     best_cost, best_stages = math.inf, None
+    trace: list[tuple[float, float]] = []
     last_cap = 0.0
     evaluated = skipped = 0
     position = 0
@@ -202,6 +204,7 @@ def alpa_training_dp(
         evaluated += 1
         if cost < best_cost:
             best_cost, best_stages = cost, stages
+            trace.append((time.perf_counter() - started, cost))
         last_cap = cap
         if progress_fn is not None:
             progress_fn(position, finite, evaluated)
@@ -224,6 +227,7 @@ def alpa_training_dp(
             "num_evaluated": evaluated,
             "num_skipped_gap": skipped,
             "num_not_reached": max(finite - position, 0),
+            "trace": trace,
         },
     )
 

@@ -311,6 +311,7 @@ def _polish(
     boundaries: list[int],
     config: SearchConfig,
     deadline: float = math.inf,
+    improved_fn: Callable[[float], None] | None = None,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, int]:
     """Exact DP over the neighbourhood of the boundaries, re-centred on each
     improvement. The window doubles (up to ``4 * polish_window``) when the
@@ -347,6 +348,8 @@ def _polish(
             window = min(2 * window, widest)
             continue
         best_cost, best_stages = cost, stages
+        if improved_fn is not None:
+            improved_fn(cost)
         boundaries = [0] + [stop for _, stop, _, _ in stages]
     return best_cost, best_stages, rounds
 
@@ -451,10 +454,16 @@ def search(
     deadline = started + (config.time_budget_s or math.inf)
     polished: dict[int, float] = {}
     best_cost, best_stages, best_restart = math.inf, None, -1
+    trace: list[tuple[float, float]] = []
+
+    def improved(cost: float) -> None:
+        if not trace or cost < trace[-1][1]:
+            trace.append((time.perf_counter() - started, cost))
+
     for restart, boundaries in candidates:
         if best_stages is not None and time.perf_counter() > deadline:
             break
-        cost, stages, _ = _polish(problem, boundaries, config, deadline)
+        cost, stages, _ = _polish(problem, boundaries, config, deadline, improved)
         polished[restart] = cost
         if cost < best_cost:
             best_cost, best_stages, best_restart = cost, stages, restart
@@ -475,6 +484,7 @@ def search(
         "run_time_s": run_time,
         "num_restarts": config.num_restarts,
         "num_slots": num_usable_slots,
+        "trace": trace,
     }
     plan = make_plan(
         problem, best_stages, method="diff", search_time_s=run_time, info=info

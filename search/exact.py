@@ -358,12 +358,17 @@ def explain_infeasible(problem: Problem) -> str:
 
 
 def cheaper_plan(
-    problem: Problem, incumbent: float = math.inf
+    problem: Problem,
+    incumbent: float = math.inf,
+    *,
+    trace: list[tuple[float, float]] | None = None,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, dict]:
     """The optimal plan if it costs less than ``incumbent``, else ``None``.
 
     The branch and bound of :func:`exact_dp`, started from a known plan's cost
     so that it prunes from the first cap on (the engine's polish uses this).
+    ``trace``, if given, receives ``(seconds since the call, best cost)`` each
+    time a cheaper plan is found (the anytime curve).
 
     Returns:
         ``(cost, [(start, stop, submesh, config), ...] or None, stats)``.
@@ -371,6 +376,7 @@ def cheaper_plan(
     Raises:
         InfeasibleProblemError: the problem has no feasible plan at all.
     """
+    started = time.perf_counter()
     num_microbatches = problem.num_microbatches
     buckets = _full_buckets(problem)
     smallest_cap, _ = _solve_cap(problem, math.inf, buckets, np.maximum)
@@ -393,6 +399,8 @@ def cheaper_plan(
             cost = objective(latencies, num_microbatches)
             if cost < best_cost:
                 best_cost, best_stages, best_cap = cost, stages, cap
+                if trace is not None:
+                    trace.append((time.perf_counter() - started, cost))
         return total
 
     # Caps with B * t >= best cannot help: every plan's cost is >= B * its max.
@@ -443,14 +451,17 @@ def exact_dp(problem: Problem) -> Plan:
     Returns:
         The plan, with ``info``: ``num_candidates`` (distinct finite stage
         costs, Alpa's caps), ``num_evaluated`` (caps solved with the min-sum DP,
-        plus the min-max DP), ``t_max`` (the cap that produced the plan).
+        plus the min-max DP), ``t_max`` (the cap that produced the plan),
+        ``trace`` (``(seconds, best cost so far)`` at each improvement).
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
     started = time.perf_counter()
-    _, best_stages, stats = cheaper_plan(problem)
+    trace: list[tuple[float, float]] = []
+    _, best_stages, stats = cheaper_plan(problem, trace=trace)
     assert best_stages is not None  # the smallest feasible cap always yields a plan
+    stats["trace"] = trace
     return make_plan(
         problem,
         best_stages,
