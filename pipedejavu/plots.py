@@ -1,0 +1,160 @@
+"""Figures, one independent function each.
+
+matplotlib is imported inside each function (it is an optional dependency: the
+``plot`` extra), and every figure is drawn on its own ``Figure`` with the Agg
+canvas: no pyplot, no global backend switch, nothing left open.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .simulate import SimulationResult
+
+__all__ = ["plot_gantt"]
+
+_COLORS = {
+    "F": "#4c72b0",  # forward
+    "B": "#dd8452",  # backward
+    "TF": "#55a868",  # activation transfer (forward direction)
+    "TB": "#8172b3",  # gradient transfer (backward direction)
+}
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """A readable unit for an axis spanning ``seconds``."""
+    if seconds >= 1.0 or seconds == 0.0:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6
+
+
+def plot_gantt(
+    result: SimulationResult,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    show_microbatches: bool | None = None,
+    dpi: int = 120,
+) -> Path:
+    """Draw a simulated iteration as a Gantt chart and save it (PNG by default).
+
+    One row per stage (stage 0 on top), forwards and backwards in two colours;
+    each link's transfers (activations and gradients in two more colours) as a
+    thin row between the two stages it joins. The right margin gives each
+    stage's idle fraction.
+
+    Args:
+        result: a :class:`~pipedejavu.simulate.SimulationResult`.
+        path: the output file; its suffix picks the format (``.png``, ``.svg``...).
+        title: the figure title (default: schedule, S, B and iteration time).
+        show_microbatches: write the micro-batch index in each bar (default: when
+            there are at most 400 compute bars).
+        dpi: resolution of raster formats.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    num_stages = result.num_stages
+    count = result.num_microbatches
+    unit, scale = _time_unit(result.iteration_time)
+    if show_microbatches is None:
+        show_microbatches = num_stages * count <= 200
+    height = min(1.2 + 0.55 * num_stages, 16.0)
+    figure = Figure(figsize=(12.0, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    bar_height, link_height = 0.7, 0.16
+    edge = 0.4 if num_stages * count <= 2000 else 0.0
+
+    def draw(y, half, pieces, color):
+        spans = [(start * scale, (end - start) * scale) for start, end, _ in pieces]
+        if spans:
+            axes.broken_barh(
+                spans,
+                (y - half, 2 * half),
+                facecolors=color,
+                edgecolor="white",
+                linewidth=edge,
+            )
+
+    for s in range(num_stages):
+        for kind, start, end in (
+            ("F", result.forward_start, result.forward_end),
+            ("B", result.backward_start, result.backward_end),
+        ):
+            pieces = [(start[s, b], end[s, b], b) for b in range(count)]
+            draw(s, bar_height / 2, pieces, _COLORS[kind])
+            if show_microbatches:
+                for begin, finish, b in pieces:
+                    if finish > begin:
+                        axes.text(
+                            (begin + finish) / 2 * scale,
+                            s,
+                            str(b),
+                            ha="center",
+                            va="center",
+                            fontsize=7,
+                            color="white",
+                        )
+        axes.text(
+            1.005,
+            s,
+            f"idle {result.idle_fraction[s]:.0%}",
+            transform=axes.get_yaxis_transform(),
+            va="center",
+            fontsize=8,
+        )
+    for link in range(num_stages - 1):
+        for kind, start, end in (
+            ("TF", result.activation_start, result.activation_end),
+            ("TB", result.gradient_start, result.gradient_end),
+        ):
+            pieces = [
+                (start[link, b], end[link, b], b)
+                for b in range(count)
+                if start[link, b] == start[link, b]  # NaN: a free link
+            ]
+            draw(link + 0.5, link_height / 2, pieces, _COLORS[kind])
+
+    axes.set_ylim(num_stages - 0.5, -0.5)
+    axes.set_xlim(0.0, max(result.iteration_time, 1e-300) * scale * 1.002)
+    ticks = range(num_stages) if num_stages <= 32 else range(0, num_stages, 4)
+    axes.set_yticks(list(ticks), [f"stage {s}" for s in ticks])
+    axes.set_xlabel(f"time ({unit})")
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
+    handles = [
+        Patch(color=_COLORS["F"], label="forward"),
+        Patch(color=_COLORS["B"], label="backward"),
+    ]
+    if result.transfer.any():
+        handles += [
+            Patch(color=_COLORS["TF"], label="activation transfer"),
+            Patch(color=_COLORS["TB"], label="gradient transfer"),
+        ]
+    axes.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncols=len(handles),
+        frameon=False,
+        fontsize=8,
+    )
+    if title is None:
+        title = (
+            f"{result.schedule.upper()}: {num_stages} stages, {count} micro-batches, "
+            f"iteration {result.iteration_time * scale:.4g} {unit}"
+        )
+    figure.suptitle(title)
+    path = Path(path)
+    figure.savefig(path, dpi=dpi)
+    return path
