@@ -1,0 +1,271 @@
+"""Baselines for hardware-aware planning: Alpa's way, and brute force.
+
+**Alpa's way** (:func:`alpa_homogeneous`) is what Alpa would do on a mixed
+cluster: it sees ``num_hosts x devices_per_host`` identical devices of the mean
+speed and free links (:meth:`HeteroProblem.homogeneous_view`), finds the optimum
+of that model with the exact DP, then hands the stages to the hosts blind to
+their types. The plan is then priced on the true cluster: a stage on slow
+devices runs slowly, a multi-host stage across two types runs at its slowest
+type, transfers cost what the links cost.
+
+Placement, ``placement="pipeline"`` (default): the stages take the devices in
+pipeline order, host-major over the hosts as the cluster lists them (what a user
+launching Alpa with a host list gets when stages are laid out in order). When a
+stage would then straddle a host boundary (e.g. ``(1, 4), (1, 8), (1, 4)`` on
+8-device hosts) it falls back to Alpa's runtime rule.
+
+``placement="alpa"``: Alpa's runtime rule always. ``get_sliced_virtual_submeshes``
+(``alpa/pipeline_parallel/stage_construction.py``) sorts the submeshes by size
+(a stable argsort, walked in reverse: largest first, and among equal sizes the
+*later* stage first) and slices whole hosts for ``(h, D)`` submeshes, then
+device ranges of the current host for ``(1, d)`` ones. Stages of powers of two
+therefore never straddle, but consecutive stages may land on different hosts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from pipedejavu.hetero import (
+    HeteroPlan,
+    HeteroProblem,
+    hetero_objective,
+    make_hetero_plan,
+    place,
+)
+from pipedejavu.problem import (
+    InfeasibleProblemError,
+    PlanError,
+    ProblemError,
+)
+from search.exact import exact_dp
+
+__all__ = ["alpa_homogeneous", "alpa_placement", "hetero_brute_force"]
+
+PLACEMENTS = ("pipeline", "alpa")
+
+
+def _pipeline_order(
+    shapes: list[tuple[int, int]], num_hosts: int, dph: int
+) -> list[tuple[tuple[int, ...], int]] | None:
+    placed, offset = [], 0
+    for h, d in shapes:
+        host, first = divmod(offset, dph)
+        if (h > 1 and first != 0) or first + d > dph or host + h > num_hosts:
+            return None
+        placed.append((tuple(range(host, host + h)), first))
+        offset += h * d
+    return placed
+
+
+def _alpa_sorted(
+    shapes: list[tuple[int, int]], num_hosts: int, dph: int
+) -> list[tuple[tuple[int, ...], int]]:
+    sizes = [h * d for h, d in shapes]
+    order = np.argsort(sizes, kind="stable")[::-1].tolist()
+    placed: list = [None] * len(shapes)
+    host = device = 0
+    for index in order:
+        h, d = shapes[index]
+        if d == dph:
+            if device != 0 or host + h > num_hosts:
+                raise PlanError("placement", index, "Alpa's slicing runs out of hosts")
+            placed[index] = (tuple(range(host, host + h)), 0)
+            host += h
+        else:
+            if h != 1 or device + d > dph:
+                raise PlanError(
+                    "placement", index, "Alpa's slicing straddles a host boundary"
+                )
+            placed[index] = ((host,), device)
+            device += d
+            if device == dph:
+                host, device = host + 1, 0
+    return placed
+
+
+def alpa_placement(
+    problem: HeteroProblem,
+    submesh_indices: list[int],
+    placement: str = "pipeline",
+) -> tuple[list[tuple[tuple[int, ...], int]], str]:
+    """Type-blind ``(hosts, first_device)`` per stage, and the rule used.
+
+    Raises:
+        ValueError: unknown ``placement``.
+        PlanError: the stages do not fill the cluster the way Alpa slices it.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    shapes = [tuple(int(x) for x in problem.submesh_shapes[m]) for m in submesh_indices]
+    num_hosts, dph = problem.cluster.shape
+    if placement == "pipeline":
+        placed = _pipeline_order(shapes, num_hosts, dph)
+        if placed is not None:
+            return placed, "pipeline"
+    return _alpa_sorted(shapes, num_hosts, dph), "alpa"
+
+
+def _slowest_type(problem: HeteroProblem, hosts: tuple[int, ...]) -> int:
+    cluster = problem.cluster
+    types = sorted({cluster.host_types[h] for h in hosts})
+    return min(types, key=lambda t: cluster.device_types[t].speed)
+
+
+def alpa_homogeneous(
+    problem: HeteroProblem,
+    *,
+    placement: str = "pipeline",
+    memory: str = "tightest",
+) -> HeteroPlan:
+    """Alpa's plan for a mixed cluster, priced on the true cluster (module doc).
+
+    Args:
+        problem: the heterogeneous instance.
+        placement: ``"pipeline"`` (pipeline order, Alpa's rule when a stage
+            would straddle) or ``"alpa"`` (Alpa's runtime rule always).
+        memory: the memory rule Alpa's view uses: ``"tightest"`` (per entry, the
+            smallest ``max_n_succ_stages`` over the types, so the plan fits
+            wherever it lands) or ``"reference"`` (type 0's, as
+            ``homogeneous_view`` has it; the plan may then not fit).
+
+    Returns:
+        The placed plan; ``cost`` is the true heterogeneous objective. ``info``:
+        ``alpa_predicted_cost`` (Alpa's own objective on its view, seconds),
+        ``placement`` (the rule used), ``inter_host_hops``, ``mixed_stages``.
+
+    Raises:
+        InfeasibleProblemError: Alpa's view has no plan, or its plan breaks the
+            true memory rule (``memory="reference"``).
+    """
+    if memory not in ("tightest", "reference"):
+        raise ValueError(f"memory must be 'tightest' or 'reference', got {memory!r}")
+    started = time.perf_counter()
+    view = problem.homogeneous_view()
+    if memory == "tightest":
+        view = view.replace(max_n_succ_stages=problem.max_n_succ_stages.min(axis=-1))
+    alpa_plan = exact_dp(view)
+    placed, rule = alpa_placement(
+        problem, [s.submesh_index for s in alpa_plan.stages], placement
+    )
+    stages, mixed = [], 0
+    for stage, (hosts, _) in zip(alpa_plan.stages, placed, strict=True):
+        device_type = _slowest_type(problem, hosts)
+        mixed += len({problem.cluster.host_types[h] for h in hosts}) > 1
+        stages.append(
+            (
+                stage.start,
+                stage.stop,
+                stage.submesh_index,
+                stage.config_index,
+                device_type,
+            )
+        )
+    try:
+        plan = make_hetero_plan(
+            problem,
+            stages,
+            method="alpa_homogeneous",
+            placement=placed,
+            search_time_s=time.perf_counter() - started,
+        )
+    except PlanError as error:
+        raise InfeasibleProblemError(
+            f"Alpa's plan does not run on the true cluster: {error}"
+        ) from None
+    plan.info.update(
+        alpa_predicted_cost=alpa_plan.cost,
+        placement=rule,
+        inter_host_hops=plan.inter_host_hops(problem.cluster),
+        mixed_stages=mixed,
+        alpa_num_stages=alpa_plan.num_stages,
+    )
+    return plan
+
+
+def hetero_brute_force(
+    problem: HeteroProblem, *, max_plans: int = 2_000_000
+) -> HeteroPlan:
+    """Every partition x (submesh, config, type) per stage, placed canonically.
+
+    Independent of :func:`search.hetero_exact.hetero_exact` on purpose: plain
+    recursion, :func:`pipedejavu.hetero.place` for the placement and the module's
+    objective on the result. Only for tiny problems (L <= ~5, a few devices).
+
+    Raises:
+        InfeasibleProblemError: no canonical plan satisfies the rules.
+        ProblemError: more than ``max_plans`` partial plans would be visited.
+    """
+    started = time.perf_counter()
+    num_layers = problem.num_layers
+    cost, memory = problem.compute_cost, problem.max_n_succ_stages
+    sizes = problem.submesh_sizes.tolist()
+    capacity = problem.cluster.devices_of_type()
+    cluster = problem.cluster
+    best: list = [math.inf, None]
+    visited = 0
+
+    def score(chosen: list) -> None:
+        try:
+            placed = place(problem, chosen)
+        except PlanError:
+            return
+        num_stages = len(chosen)
+        for index, (a, b, m, k, t) in enumerate(chosen):
+            if num_stages - 1 - index > memory[a, b - 1, m, k, t]:
+                return
+        latencies = [float(cost[a, b - 1, m, k, t]) for a, b, m, k, t in chosen]
+        transfers = []
+        for (left, _), (right, _), stage in zip(
+            placed, placed[1:], chosen, strict=False
+        ):
+            shared = set(left) & set(right)
+            link = (
+                cluster.link(min(shared), min(shared))
+                if shared
+                else cluster.link(left[-1], right[0])
+            )
+            transfers.append(
+                2.0 * link.time(float(problem.boundary_bytes[stage[1] - 1]))
+            )
+        total = hetero_objective(latencies, transfers, problem.num_microbatches)
+        if total < best[0]:
+            best[0], best[1] = total, list(chosen)
+
+    def extend(layer: int, used: list[int], chosen: list) -> None:
+        nonlocal visited
+        visited += 1
+        if visited > max_plans:
+            raise ProblemError(
+                f"too large for brute force: gave up after {max_plans} partial plans"
+            )
+        if layer == num_layers:
+            if tuple(used) == capacity:
+                score(chosen)
+            return
+        for stop in range(layer + 1, num_layers + 1):
+            for m, k, t in zip(
+                *np.nonzero(np.isfinite(cost[layer, stop - 1])), strict=True
+            ):
+                if used[t] + sizes[m] > capacity[t]:
+                    continue
+                used[t] += sizes[m]
+                chosen.append((layer, stop, int(m), int(k), int(t)))
+                extend(stop, used, chosen)
+                chosen.pop()
+                used[t] -= sizes[m]
+
+    extend(0, [0] * problem.num_types, [])
+    if best[1] is None:
+        raise InfeasibleProblemError(
+            "no canonical plan satisfies the rules (brute force)"
+        )
+    return make_hetero_plan(
+        problem,
+        best[1],
+        method="hetero_brute_force",
+        search_time_s=time.perf_counter() - started,
+    )
