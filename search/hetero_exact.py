@@ -86,6 +86,7 @@ class _Setup(NamedTuple):
     widths: tuple[int, ...]  # [M]
     dph: int
     full_buckets: int
+    placeable: NDArray[np.bool_]  # [M, max N_t + 1] a stage on m may start at u
 
 
 class _Interrupted(Exception):
@@ -143,6 +144,14 @@ def _setup(problem: HeteroProblem, allowed: Any) -> _Setup:
     max_stages = min(num_layers, problem.num_devices)
     limits = problem.max_n_succ_stages[np.isfinite(table)] + 1
     binding = limits[(limits >= 1) & (limits < max_stages)]
+    dph = cluster.devices_per_host
+    offset = np.arange(max(cluster.devices_of_type()) + 1) % dph
+    heights, widths = problem.submesh_shapes[:, 0], problem.submesh_shapes[:, 1]
+    placeable = np.where(
+        heights[:, None] > 1,
+        offset[None, :] == 0,
+        offset[None, :] + widths[:, None] <= dph,
+    )
     return _Setup(
         table=table,
         memory=problem.max_n_succ_stages,
@@ -153,6 +162,7 @@ def _setup(problem: HeteroProblem, allowed: Any) -> _Setup:
         widths=tuple(int(x) for x in problem.submesh_shapes[:, 1]),
         dph=cluster.devices_per_host,
         full_buckets=int(binding.max()) + 1 if binding.size else 1,
+        placeable=placeable,
     )
 
 
@@ -171,10 +181,7 @@ def _stage_costs(setup: _Setup, cap: float, num_buckets: int) -> NDArray:
 
 def _placeable(setup: _Setup, m: int, length: int) -> NDArray[np.bool_]:
     """bool[length]: where a stage on submesh ``m`` may start (devices used)."""
-    offset = np.arange(length) % setup.dph
-    if setup.heights[m] > 1:
-        return offset == 0
-    return offset + setup.widths[m] <= setup.dph
+    return setup.placeable[m, :length]
 
 
 def _axis_shape(num_axes: int, axis: int, length: int) -> tuple[int, ...]:
@@ -288,7 +295,7 @@ class _Tracer:
                 size = setup.heights[m] * setup.widths[m]
                 if not math.isfinite(cost) or used[b] + size >= setup.grid[b]:
                     continue
-                if not _placeable(setup, m, used[b] + 1)[used[b]]:
+                if not setup.placeable[m, used[b]]:
                     continue
                 after = list(used)
                 after[b] += size
