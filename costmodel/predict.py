@@ -84,6 +84,7 @@ def profile_subset(
     *,
     seed: int,
     min_per_slot: int = 2,
+    complete_rank: bool = True,
 ) -> NDArray[np.bool_]:
     """Choose the entries to "profile": a per-slot random draw, completed so the
     drawn spans determine the additive model (see the module docstring).
@@ -94,6 +95,9 @@ def profile_subset(
         seed: seed of ``numpy.random.default_rng`` (same seed, same subset).
         min_per_slot: each slot keeps at least ``min(n, min_per_slot)`` entries
             (2, the least :func:`search.linear.fit_linear_model` fits a slot on).
+        complete_rank: add entries until the draw determines each slot's
+            additive model as well as all its entries do; ``False`` keeps the
+            plain draw (the fit is then the minimum-norm one).
 
     Returns:
         bool[L, L, M, K] the drawn entries, a subset of ``profiled``.
@@ -104,6 +108,8 @@ def profile_subset(
     fraction = _check_fraction(fraction)
     rng = np.random.default_rng(_check_seed(seed))
     min_per_slot = _check_count(min_per_slot, "min_per_slot")
+    if not isinstance(complete_rank, bool):
+        raise ValueError(f"complete_rank must be a bool, got {complete_rank!r}")
     profiled = np.asarray(profiled, dtype=bool)
     if profiled.ndim != 4 or profiled.shape[0] != profiled.shape[1]:
         raise ValueError(
@@ -120,7 +126,8 @@ def profile_subset(
             take = min(count, max(min_per_slot, math.ceil(fraction * count - 1e-9)))
             picked = np.zeros(count, dtype=bool)
             picked[rng.choice(count, size=take, replace=False)] = True
-            _complete_rank(picked, starts, ends, num_layers, rng)
+            if complete_rank:
+                _complete_rank(picked, starts, ends, num_layers, rng)
             chosen[starts[picked], ends[picked], m, k] = True
     return chosen
 
@@ -250,6 +257,7 @@ def predict_stage_costs(
     seed: int,
     memory_stats: MemoryStatsTable | None = None,
     min_per_slot: int = 2,
+    complete_rank: bool = True,
 ) -> PredictionResult:
     """Fit the cost (and memory) model to a drawn fraction and predict every entry.
 
@@ -260,7 +268,7 @@ def predict_stage_costs(
         memory_stats: the profiled memory statistics (e.g.
             :func:`costmodel.memory_model.memory_stats_table`); ``None``: no
             memory model.
-        min_per_slot: least entries drawn per slot.
+        min_per_slot, complete_rank: see :func:`profile_subset`.
 
     Returns:
         The :class:`PredictionResult`.
@@ -271,7 +279,13 @@ def predict_stage_costs(
     _check_inputs(problem, memory_stats)
     cost = problem.compute_cost
     profiled = np.isfinite(cost)
-    sampled = profile_subset(profiled, fraction, seed=seed, min_per_slot=min_per_slot)
+    sampled = profile_subset(
+        profiled,
+        fraction,
+        seed=seed,
+        min_per_slot=min_per_slot,
+        complete_rank=complete_rank,
+    )
     with jax.enable_x64(True):
         model = fit_linear_model(
             problem.replace(compute_cost=np.where(sampled, cost, np.inf))
