@@ -27,7 +27,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("problem", help="a problem .npz, or an Alpa stage-profile .npy")
+    parser.add_argument(
+        "problem",
+        help="a problem .npz, an Alpa stage-profile .npy, or a bundled example "
+        "name (pipedejavu inspect --examples lists them)",
+    )
     parser.add_argument(
         "--cluster",
         metavar="HxD",
@@ -85,6 +89,28 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_problem_arguments(convert)
     convert.add_argument("output", help="the problem .npz to write")
 
+    compare = commands.add_parser(
+        "compare", help="run several planners on one problem and measure them"
+    )
+    _add_problem_arguments(compare)
+    compare.add_argument(
+        "--methods",
+        default="dp,diff,greedy,uniform,anneal",
+        help="comma-separated methods (default: %(default)s)",
+    )
+    compare.add_argument("--repeats", type=int, default=3, help="timed runs each")
+    compare.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    compare.add_argument("--seed", type=int, default=0, help="base seed")
+    output = compare.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON")
+    output.add_argument("--csv", action="store_true", help="print CSV")
+    compare.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write PNGs to DIR: Gantt chart of the best plan's simulated 1F1B "
+        "schedule, anytime curves, the engine's loss curve (needs matplotlib)",
+    )
+
     demo = commands.add_parser(
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
@@ -93,8 +119,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Problem:
-    from .io import load_problem, parse_cluster
+    import os
 
+    from .io import example_names, load_example, load_problem, parse_cluster
+
+    if args.problem in example_names() and not os.path.exists(args.problem):
+        problem = load_example(args.problem)
+        if args.num_microbatches is not None:
+            problem = problem.replace(num_microbatches=args.num_microbatches)
+        return problem
     cluster = parse_cluster(args.cluster) if args.cluster else None
     return load_problem(
         args.problem,
@@ -307,6 +340,10 @@ def _run(args: argparse.Namespace) -> int:
                 f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]}, "
                 f"B = {problem.num_microbatches}"
             )
+        elif args.command == "compare":
+            from .commands import run_compare
+
+            run_compare(_load(args), args)
         elif args.command == "demo":
             _demo(sys.stdout, args.json)
     except ProblemError as error:

@@ -12,7 +12,10 @@ from .problem import Problem, ProblemError
 
 __all__ = [
     "BundledExample",
+    "GENERATED_EXAMPLE",
     "bundled_examples",
+    "example_names",
+    "load_example",
     "load_problem",
     "parse_cluster",
     "sniff_format",
@@ -166,4 +169,28 @@ def bundled_examples() -> tuple[BundledExample, ...]:
             (1, 4),
             32,
         ),
+    )
+
+
+#: The generated instance of ``pipedejavu demo`` / ``compare`` (no data file:
+#: ``random_problem`` is deterministic in its seed).
+GENERATED_EXAMPLE = "generated-gpt-32layers-2x8"
+
+
+def example_names() -> tuple[str, ...]:
+    """Names accepted wherever a problem path is: bundled profiles + generated."""
+    return tuple(e.name for e in bundled_examples()) + (GENERATED_EXAMPLE,)
+
+
+def load_example(name: str) -> Problem:
+    """A bundled example by name (see :func:`example_names`)."""
+    if name == GENERATED_EXAMPLE:
+        from .generate import random_problem
+
+        return random_problem(32, (2, 8), num_microbatches=32, seed=0)
+    for example in bundled_examples():
+        if example.name == name:
+            return example.load()
+    raise ProblemError(
+        f"no example named {name!r}; choose one of {', '.join(example_names())}"
     )

@@ -146,16 +146,17 @@ def _geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
     return start * (end / start) ** fraction
 
 
-def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int]:
+def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     """Fit the linear model; returns the relaxed data (None when no slot could be
-    fitted) and the number of usable (submesh, config) slots."""
+    fitted), the number of usable (submesh, config) slots and the latency scale
+    the relaxed quantities are divided by (seconds)."""
     from .linear import fit_linear_model
 
     model = fit_linear_model(problem)
     usable = np.asarray(model.usable)
     slots = np.argwhere(usable)  # [C, 2] (submesh, config)
     if slots.size == 0:  # too few profiled entries to fit any slot
-        return None, 0
+        return None, 0, 1.0
     finite = problem.compute_cost[np.isfinite(problem.compute_cost)]
     scale = float(np.median(finite)) if finite.size else 1.0
     scale = scale if scale > 0 else 1.0
@@ -180,7 +181,7 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int]:
         num_devices=jnp.asarray(problem.num_devices, jnp.float32),
         num_microbatches=jnp.asarray(problem.num_microbatches, jnp.float32),
     )
-    return data, len(slots)
+    return data, len(slots), scale
 
 
 def _initial_params(
@@ -439,7 +440,7 @@ def search(
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
     started = time.perf_counter()
-    data, num_usable_slots = _prepare(problem)
+    data, num_usable_slots, scale = _prepare(problem)
     if data is None:  # nothing to relax: polish from one stage (window widens)
         candidates, curve, final_losses, compile_time = (
             [(0, [0, problem.num_layers])],
@@ -485,6 +486,9 @@ def search(
         "num_restarts": config.num_restarts,
         "num_slots": num_usable_slots,
         "trace": trace,
+        # Best relaxed loss per step, in seconds (the relaxation's objective
+        # plus its device-budget penalty).
+        "loss_curve": (np.concatenate(curve) * scale).tolist() if curve else [],
     }
     plan = make_plan(
         problem, best_stages, method="diff", search_time_s=run_time, info=info

@@ -1,0 +1,102 @@
+"""The heavier ``pipedejavu`` sub-commands (compare, costmodel, profile).
+
+Kept apart from :mod:`pipedejavu.cli` so that the parser stays readable; each
+function takes the parsed arguments, calls the library and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .problem import Problem, ProblemError
+
+
+class _CompareProgress:
+    """One stderr line per run once the comparison has taken 2 s."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __call__(self, method: str, run: int, total: int) -> None:
+        elapsed = time.perf_counter() - self.started
+        if elapsed >= 2.0:
+            print(
+                f"compare: {method} run {run + 1} of {total}, {elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def run_compare(problem: Problem, args: argparse.Namespace) -> None:
+    from .compare import compare
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ProblemError("--methods needs at least one method")
+    result = compare(
+        problem,
+        methods,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        progress_fn=_CompareProgress(),
+    )
+    if args.json:
+        print(json.dumps(result.to_json()))
+    elif args.csv:
+        print(result.to_csv(), end="")
+    else:
+        print(result.format_table())
+    if args.plot:
+        for path in write_comparison_plots(problem, result, Path(args.plot)):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
+    """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
+    from . import plots
+    from .simulate import simulate
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ProblemError(
+            f"cannot create plot directory {directory}: {error}"
+        ) from None
+    written = []
+    planned = [r for r in result.results if r.plan is not None]
+    if not planned:
+        return written
+    best = min(planned, key=lambda r: r.plan.cost)
+    schedule = simulate(problem, best.plan, schedule="1f1b")
+    written.append(
+        plots.plot_gantt(
+            schedule,
+            directory / "gantt_1f1b.png",
+            title=f"{best.method} plan, simulated 1F1B",
+        )
+    )
+    traces = {
+        r.method: r.plan.info["trace"] for r in planned if r.plan.info.get("trace")
+    }
+    if traces:
+        written.append(plots.plot_anytime(traces, directory / "anytime.png"))
+    for r in planned:
+        if r.method == "diff" and r.plan.info.get("loss_curve"):
+            optimum = (
+                result.result("dp").plan.cost
+                if "dp" in {x.method for x in planned}
+                else None
+            )
+            written.append(
+                plots.plot_loss_curve(
+                    r.plan.info["loss_curve"],
+                    directory / "loss_curve.png",
+                    optimum=optimum,
+                )
+            )
+    return [Path(p) for p in written]
