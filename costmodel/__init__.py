@@ -16,8 +16,24 @@ from .alpa_profiles import stage_profile_tables as stage_profile_tables
 from .alpa_types import MeshProfilingResult as MeshProfilingResult
 from .alpa_types import ModuleProfileResult as ModuleProfileResult
 from .alpa_types import StageProfileResult as StageProfileResult
+from .layers import LayerSpec as LayerSpec
+from .layers import boundary_activation_bytes as boundary_activation_bytes
+from .layers import gpt_layers as gpt_layers
+from .layers import irregular_layers as irregular_layers
+from .synthesize import AlphaBetaComm as AlphaBetaComm
+from .synthesize import StageTables as StageTables
+from .synthesize import stage_cost_table as stage_cost_table
+from .synthesize import synthesize as synthesize
 
 __all__ = [
+    "AlphaBetaComm",
+    "LayerSpec",
+    "StageTables",
+    "boundary_activation_bytes",
+    "gpt_layers",
+    "irregular_layers",
+    "stage_cost_table",
+    "synthesize",
     "MeshProfilingResult",
     "ModuleProfileResult",
     "StageMemoryStats",

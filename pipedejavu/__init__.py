@@ -13,7 +13,21 @@ from .problem import make_plan as make_plan
 
 __version__ = "0.1.0"
 
-_LAZY = {"solve": "api", "load_problem": "io", "bundled_examples": "io"}
+_LAZY = {
+    "solve": "api",
+    "compare": "compare",
+    "load_problem": "io",
+    "bundled_examples": "io",
+    "load_example": "io",
+    "simulate": "simulate",
+    "simulate_plan": "simulate",
+    "Cluster": "cluster",
+    "DeviceType": "cluster",
+    "Link": "cluster",
+    "HeteroProblem": "hetero",
+    "HeteroPlan": "hetero",
+    "evaluate_hetero": "hetero",
+}
 
 
 def __getattr__(name: str):
@@ -28,7 +42,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Cluster",
+    "DeviceType",
+    "HeteroPlan",
+    "HeteroProblem",
     "InfeasibleProblemError",
+    "Link",
     "Plan",
     "PlanError",
     "Problem",
@@ -36,9 +55,14 @@ __all__ = [
     "Stage",
     "bundled_examples",
     "check_plan",
+    "compare",
     "evaluate",
+    "evaluate_hetero",
     "get_submesh_choices",
+    "load_example",
     "load_problem",
     "make_plan",
+    "simulate",
+    "simulate_plan",
     "solve",
 ]

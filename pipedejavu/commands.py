@@ -59,7 +59,7 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
 def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
     """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
     from . import plots
-    from .simulate import simulate
+    from .simulate import simulate_plan
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
     if not planned:
         return written
     best = min(planned, key=lambda r: r.plan.cost)
-    schedule = simulate(problem, best.plan, schedule="1f1b")
+    schedule = simulate_plan(problem, best.plan, schedule="1f1b")
     written.append(
         plots.plot_gantt(
             schedule,

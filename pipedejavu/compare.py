@@ -189,9 +189,9 @@ class Comparison:
 
 
 def _simulated(problem: Problem, plan: Plan) -> float:
-    from .simulate import simulate
+    from .simulate import simulate_plan
 
-    return float(simulate(problem, plan, schedule="1f1b").iteration_time)
+    return float(simulate_plan(problem, plan, schedule="1f1b").iteration_time)
 
 
 def compare(
