@@ -8,7 +8,7 @@ from typing import Any
 
 from .problem import Plan, Problem, ProblemError
 
-__all__ = ["METHODS", "solve"]
+__all__ = ["HETERO_METHODS", "METHODS", "solve"]
 
 
 def _dp(
@@ -85,12 +85,77 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
 }
 
 
+def _hetero_dp(problem: Any, *, time_limit_s: float | None = None, progress_fn=None):
+    from search.hetero_exact import hetero_exact
+
+    return hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
+
+
+def _hetero_diff(
+    problem: Any,
+    *,
+    config: Any = None,
+    seed: int = 0,
+    key: Any = None,
+    progress_fn: Callable | None = None,
+    time_budget_s: float | None = None,
+):
+    import jax
+
+    from search.hetero_engine import hetero_search
+
+    key = jax.random.key(seed) if key is None else key
+    return hetero_search(
+        problem, config, key=key, progress_fn=progress_fn, time_budget_s=time_budget_s
+    )
+
+
+def _hetero_alpa(problem: Any):
+    from baselines.hetero import alpa_homogeneous
+
+    return alpa_homogeneous(problem)
+
+
+def _hetero_brute_force(problem: Any):
+    from baselines.hetero import hetero_brute_force
+
+    return hetero_brute_force(problem)
+
+
+#: methods for a :class:`pipedejavu.HeteroProblem` (typed devices, links).
+HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
+    "dp": (
+        _hetero_dp,
+        frozenset({"time_limit_s", "progress_fn"}),
+        "exact oracle: DP over stages, device types and placement",
+    ),
+    "diff": (
+        _hetero_diff,
+        frozenset({"config", "seed", "key", "progress_fn", "time_budget_s"}),
+        "the differentiable engine with soft device-type placement",
+    ),
+    "alpa": (
+        _hetero_alpa,
+        frozenset(),
+        "Alpa's way: its DP at the average speed, no links, placed in host order",
+    ),
+    "brute_force": (
+        _hetero_brute_force,
+        frozenset(),
+        "every placed plan enumerated; tiny problems only",
+    ),
+}
+
+
 def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
     """Find a plan for ``problem`` with the named method.
 
     Args:
-        problem: the instance.
-        method: one of :data:`METHODS` (``"dp"``, ``"diff"``, ``"brute_force"``).
+        problem: the instance: a :class:`Problem` (Alpa's formulation; methods
+            :data:`METHODS`) or a :class:`pipedejavu.HeteroProblem` (typed
+            devices and links; methods :data:`HETERO_METHODS`, which return a
+            :class:`pipedejavu.HeteroPlan`).
+        method: a method name, e.g. ``"dp"``, ``"diff"``.
         **options: method options. ``"dp"``: ``alpa_compatible=True`` for Alpa's
             own answer (its full cap scan), and ``progress_fn(position,
             num_candidates, num_evaluated)`` called after each cap of that scan.
@@ -105,11 +170,15 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
         ProblemError: unknown method or option.
         InfeasibleProblemError: no feasible plan; the message says why.
     """
-    if method not in METHODS:
+    from .hetero import HeteroProblem
+
+    table = HETERO_METHODS if isinstance(problem, HeteroProblem) else METHODS
+    if method not in table:
+        kind = "a heterogeneous problem" if table is HETERO_METHODS else "a problem"
         raise ProblemError(
-            f"unknown method {method!r}; choose one of {', '.join(METHODS)}"
+            f"unknown method {method!r} for {kind}; choose one of {', '.join(table)}"
         )
-    solver, accepted, _ = METHODS[method]
+    solver, accepted, _ = table[method]
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise ProblemError(

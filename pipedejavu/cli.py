@@ -45,6 +45,13 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
         help="micro-batches (needed for an Alpa .npy; overrides a .npz's B)",
     )
     parser.add_argument(
+        "--cluster-file",
+        metavar="FILE",
+        help="a cluster of typed hosts and links (.json/.toml); makes the problem "
+        "heterogeneous: costs scaled by each type's speed, activation transfers "
+        "priced from the .npz's boundary_bytes (zero if absent)",
+    )
+    parser.add_argument(
         "--submesh-space",
         choices=[space for space in SUBMESH_SPACES if space != "manual"],
         default="small_power_of_two",
@@ -64,7 +71,10 @@ def _build_parser() -> argparse.ArgumentParser:
     solve = commands.add_parser("solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
     solve.add_argument(
-        "--method", default="dp", help="dp (default), diff or brute_force"
+        "--method",
+        default="dp",
+        help="dp (default), diff, brute_force, uniform, greedy, random, anneal; "
+        "with typed devices (--cluster-file): dp, diff, alpa, brute_force",
     )
     solve.add_argument(
         "--restarts", type=int, help="diff: random restarts optimized at once"
@@ -119,12 +129,41 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Problem:
+    problem = _load_base(args)
+    cluster_file = getattr(args, "cluster_file", None)
+    if cluster_file is None:
+        return problem
+    from .cluster import Cluster
+    from .hetero import HeteroProblem
+
+    if isinstance(problem, HeteroProblem):
+        raise ProblemError(
+            f"{args.problem} already describes its cluster; drop --cluster-file"
+        )
+    boundary = None
+    if str(args.problem).endswith(".npz"):
+        with np.load(args.problem, allow_pickle=False) as data:
+            if "boundary_bytes" in data:
+                boundary = data["boundary_bytes"]
+    return HeteroProblem.from_problem(
+        problem, Cluster.from_file(cluster_file), boundary_bytes=boundary
+    )
+
+
+def _load_base(args: argparse.Namespace) -> Problem:
     import os
 
     from .io import example_names, load_example, load_problem, parse_cluster
 
     if args.problem in example_names() and not os.path.exists(args.problem):
         problem = load_example(args.problem)
+        if args.num_microbatches is not None:
+            problem = problem.replace(num_microbatches=args.num_microbatches)
+        return problem
+    if os.path.exists(args.problem) and sniff_npz_hetero(args.problem):
+        from .hetero import HeteroProblem
+
+        problem = HeteroProblem.from_npz(args.problem)
         if args.num_microbatches is not None:
             problem = problem.replace(num_microbatches=args.num_microbatches)
         return problem
@@ -137,8 +176,56 @@ def _load(args: argparse.Namespace) -> Problem:
     )
 
 
+def sniff_npz_hetero(path: str) -> bool:
+    """Whether ``path`` is a heterogeneous problem ``.npz`` (has a cluster)."""
+    from .io import sniff_format
+
+    if sniff_format(path) != "npz":
+        return False
+    with np.load(path, allow_pickle=False) as data:
+        return "cluster_json" in data.files
+
+
+def format_hetero_plan(problem, plan) -> str:
+    """A readable table of a placed plan on typed devices."""
+    cluster = problem.cluster
+    lines = [
+        f"method {plan.method}: {plan.num_stages} stage(s) on {cluster.describe()}, "
+        f"B = {plan.num_microbatches}",
+        f"{'stage':>5}  {'layers':>9}  {'submesh':>7}  {'type':>8}  {'hosts':>9}  "
+        f"{'config':>6}  {'latency (s)':>12}  {'transfer (s)':>12}",
+    ]
+    for index, stage in enumerate(plan.stages):
+        layers = f"{stage.start}-{stage.stop - 1}"
+        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
+        hosts = ",".join(str(h) for h in stage.hosts)
+        kind = cluster.device_types[stage.device_type].name
+        transfer = (
+            f"{plan.transfers[index]:12.6f}" if index < len(plan.transfers) else ""
+        )
+        lines.append(
+            f"{index:>5}  {layers:>9}  {submesh:>7}  {kind:>8}  {hosts:>9}  "
+            f"{stage.config_index:>6}  {stage.latency:>12.6f}  {transfer:>12}"
+        )
+    if "lower_bound" in plan.info:
+        lines.append(
+            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
+            f"{100 * plan.info['gap']:.2f}% of the optimum"
+        )
+    lines.append(
+        f"total: {plan.cost:.6f} s per iteration (stages + transfers + (B-1) x "
+        f"bottleneck), {plan.inter_host_hops(cluster)} inter-host hop(s), "
+        f"search {plan.search_time_s * 1e3:.1f} ms"
+    )
+    return "\n".join(lines)
+
+
 def format_plan(problem: Problem, plan: Plan) -> str:
     """A readable plan table."""
+    from .hetero import HeteroPlan
+
+    if isinstance(plan, HeteroPlan):
+        return format_hetero_plan(problem, plan)
     lines = [
         f"method {plan.method}: {plan.num_stages} stage(s) on "
         f"{problem.cluster_shape[0]}x{problem.cluster_shape[1]} = "
@@ -315,14 +402,29 @@ def _run(args: argparse.Namespace) -> int:
             problem = _load(args)
             options: dict = {}
             if args.alpa_compatible:
+                if args.method != "dp":
+                    raise ProblemError("--alpa-compatible applies to --method dp")
                 options = {"alpa_compatible": True, "progress_fn": _ScanProgress()}
-            if args.method == "diff":
+            from .hetero import HeteroProblem
+
+            hetero = isinstance(problem, HeteroProblem)
+            if args.method == "diff" and hetero:
+                options = {"seed": args.seed}
+                if args.restarts is not None or args.steps is not None:
+                    raise ProblemError(
+                        "--restarts/--steps apply to the homogeneous engine only"
+                    )
+            elif args.method == "diff":
                 options = {"seed": args.seed, "progress_fn": _SearchProgress()}
                 if args.restarts is not None:
                     options["num_restarts"] = args.restarts
                 if args.steps is not None:
                     options["num_steps"] = args.steps
-            elif args.restarts is not None or args.steps is not None:
+            elif args.method in ("anneal", "random"):
+                options = {"seed": args.seed}
+            if args.method != "diff" and (
+                args.restarts is not None or args.steps is not None
+            ):
                 raise ProblemError("--restarts and --steps apply to --method diff")
             plan = solve(problem, args.method, **options)
             if args.json:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .simulate import SimulationResult
 
-__all__ = ["plot_gantt"]
+__all__ = ["plot_anytime", "plot_gantt", "plot_loss_curve", "plot_ratios"]
 
 _COLORS = {
     "F": "#4c72b0",  # forward
@@ -155,6 +155,119 @@ def plot_gantt(
             f"iteration {result.iteration_time * scale:.4g} {unit}"
         )
     figure.suptitle(title)
+    path = Path(path)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def _figure(width: float = 7.0, height: float = 4.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_anytime(
+    traces: dict[str, list[tuple[float, float]]],
+    path: str | os.PathLike[str],
+    *,
+    optimum: float | None = None,
+    title: str = "Best plan cost found so far",
+    dpi: int = 120,
+) -> Path:
+    """Anytime curves: best cost so far against elapsed search time.
+
+    Args:
+        traces: method -> ``[(seconds, best cost), ...]`` in time order (the
+            ``trace`` each solver leaves in ``plan.info``).
+        path: the PNG to write.
+        optimum: the exact optimum, drawn as a horizontal line.
+    """
+    figure = _figure()
+    axes = figure.add_subplot()
+    for method, trace in traces.items():
+        if not trace:
+            continue
+        times = [max(t, 1e-6) for t, _ in trace]
+        costs = [c for _, c in trace]
+        axes.step(times, costs, where="post", marker="o", markersize=3, label=method)
+    if optimum is not None:
+        axes.axhline(
+            optimum, color="black", linestyle="--", linewidth=1, label="optimum"
+        )
+    axes.set_xscale("log")
+    axes.set_xlabel("elapsed search time (s, log)")
+    axes.set_ylabel("best plan cost so far (s per iteration)")
+    axes.set_title(title)
+    axes.legend()
+    axes.grid(True, which="both", alpha=0.3)
+    path = Path(path)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def plot_loss_curve(
+    losses: list[float],
+    path: str | os.PathLike[str],
+    *,
+    optimum: float | None = None,
+    dpi: int = 120,
+) -> Path:
+    """The engine's best relaxed loss per optimizer step (seconds), against the
+    exact optimum of the discrete problem when given."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    axes.plot(range(1, len(losses) + 1), losses, label="best relaxed loss (restarts)")
+    if optimum is not None:
+        axes.axhline(
+            optimum, color="black", linestyle="--", linewidth=1, label="DP optimum"
+        )
+    axes.set_yscale("log")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("seconds per iteration (relaxed objective + penalty)")
+    axes.set_title("Differentiable engine: relaxed loss")
+    axes.legend()
+    axes.grid(True, which="both", alpha=0.3)
+    path = Path(path)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def plot_ratios(
+    rows: list[dict],
+    path: str | os.PathLike[str],
+    *,
+    x: str = "num_layers",
+    dpi: int = 120,
+) -> Path:
+    """Cost / optimum and search time / DP time against ``x``, one line a method.
+
+    Args:
+        rows: dicts with ``method``, ``x``, ``cost_ratio`` and ``time_ratio``
+            (e.g. from ``benchmarks/compare_methods.py``); rows with the same
+            method and ``x`` are averaged.
+    """
+    import numpy as np
+
+    figure = _figure(11.0, 4.2)
+    cost_axes, time_axes = figure.subplots(1, 2)
+    methods = sorted({r["method"] for r in rows})
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        xs = sorted({r[x] for r in mine})
+        for axes, key in ((cost_axes, "cost_ratio"), (time_axes, "time_ratio")):
+            ys = [float(np.mean([r[key] for r in mine if r[x] == v])) for v in xs]
+            axes.plot(xs, ys, marker="o", label=method)
+    cost_axes.set_ylabel("plan cost / exact optimum")
+    time_axes.set_ylabel("search time / exact DP time")
+    time_axes.set_yscale("log")
+    for axes in (cost_axes, time_axes):
+        axes.set_xlabel(x.replace("_", " "))
+        axes.set_xscale("log", base=2)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
     path = Path(path)
     figure.savefig(path, dpi=dpi)
     return path
