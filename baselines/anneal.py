@@ -6,13 +6,19 @@ proposal of score change ``delta`` with probability ``min(1, exp(-delta / T))``.
 
 Moves (each proposal picks one):
 
-* shift — move the boundary between two adjacent stages;
+* shift — move the boundary between two adjacent stages by one layer, or
+  to the cut that balances the pair best on the table;
 * rebuild (split / merge / re-cut) — replace a window of adjacent stages
   (mostly 1-3) by mostly one more, one fewer or as many stages (sometimes any
   count the window's devices allow) on the same layers and devices: a
-  uniformly random submesh sequence, random cuts;
+  uniformly random submesh sequence; random cuts, or balanced ones (two
+  stages: the best-balanced cut; more: layers in proportion to devices);
 * resize — give two stages new shapes with the same total devices;
 * config — switch one stage to another admissible config.
+
+The balanced cuts make this stronger than a plain random walk (without them
+the chain stalls on L = 64 instances where it must re-balance several stages
+at once); they are still local moves scored on the true table.
 
 A reshaped stage takes its cheapest admissible config (the best for the
 default objective; the config move explores the others), as do stages whose
@@ -112,8 +118,8 @@ class _Moves:
         self, start: int, stop: int, shapes: tuple[int, int], followers: int
     ) -> tuple | None:
         """Two stages ``start..cut-1`` and ``cut..stop-1`` on ``shapes``: half
-        the time at a random cut (next to ``old`` or anywhere), half the time at
-        the cut that balances them best (least max, then least sum)."""
+        the time at a random cut, half the time at the cut that balances them
+        best on the table (least max, then least sum)."""
         rng = self.rng
         if rng.random() < 0.5:
             cut = rng.randrange(start + 1, stop)
