@@ -54,6 +54,8 @@ __all__ = [
     "CommKey",
     "CommModel",
     "CommSeries",
+    "DEFAULT_FIT",
+    "Fallback",
     "GroupShape",
     "alpha_beta_time",
     "bandwidth_factor",
@@ -524,9 +526,8 @@ def bandwidth_factor(collective: str, group_size: int) -> float:
 
 
 @jax.jit
-def _predict_row(params: AlphaBeta, index, bytes_scale, num_bytes) -> jax.Array:
-    row = AlphaBeta(*(p[index] for p in params))
-    return alpha_beta_time(row, jnp.asarray(num_bytes) * bytes_scale)
+def _predict_row(params: AlphaBeta, index, num_bytes) -> jax.Array:
+    return alpha_beta_time(AlphaBeta(*(p[index] for p in params)), num_bytes)
 
 
 @functools.partial(
@@ -626,9 +627,9 @@ class CommModel:
                 f"dtype={dtype!r}) must match exactly one fitted curve, got "
                 f"{len(found)}; fitted (mesh and) group shapes: {options}"
             )
-        return _predict_row(self.params, found[0], 1.0, num_bytes)
+        return _predict_row(self.params, found[0], num_bytes)
 
-    def nearest(
+    def fallback(
         self,
         collective: str,
         num_devices: int,
@@ -636,19 +637,27 @@ class CommModel:
         crosses_hosts: bool | None = None,
         dtype: str = "f16",
         mesh: Sequence[int] | None = None,
-    ) -> tuple[int, float]:
-        """The curve :meth:`predict_collective` uses, and its bytes scale.
+    ) -> Fallback:
+        """Which curves :meth:`predict_collective` mixes, and how.
 
-        Rule: among the finite curves of ``collective``, keep those on ``mesh``,
-        then those with ``crosses_hosts``, then those of ``dtype`` (each filter
-        only if something passes it); pick the group size nearest to
-        ``num_devices`` in log2 (ties: the larger group), then the fewest
-        concurrent groups, the smaller mesh, the smaller stride. When the group
-        sizes differ (both >= 2), payload bytes are rescaled by
-        ``bandwidth_factor(num_devices) / bandwidth_factor(group_size)``.
+        Rule. Start from the finite curves of ``collective`` (without the
+        one-device curves, which time a local copy, when ``num_devices >= 2``
+        and others exist); keep those on ``mesh``, then those with
+        ``crosses_hosts``, then those of ``dtype``, each filter applied only if
+        something passes it. Then:
+
+        1. a curve of group size ``num_devices``: use it;
+        2. else fitted sizes below and above: interpolate the predicted times
+           geometrically in log(group size) between the nearest size below and
+           the nearest above;
+        3. else the nearest size ``g``, with the payload scaled by
+           ``bandwidth_factor(num_devices) / bandwidth_factor(g)``.
+
+        Among curves of one size, prefer the fewest concurrent groups, then the
+        smaller mesh, then the smaller stride.
 
         Returns:
-            ``(index, bytes_scale)``.
+            a :class:`Fallback`.
 
         Raises:
             ValueError: bad arguments, or no finite curve of ``collective``.
@@ -662,33 +671,46 @@ class CommModel:
         pool = [i for i in self.find(collective) if finite[i]]
         if not pool:
             raise ValueError(f"no finite fitted curve for {collective!r}")
-        filters = (
-            (mesh is not None, lambda k: k.mesh == tuple(mesh or ())),
-            (
-                crosses_hosts is not None,
-                lambda k: k.group.crosses_hosts == crosses_hosts,
-            ),
-            (True, lambda k: k.dtype == dtype),
-        )
-        for active, keep in filters:
-            kept = [i for i in pool if keep(self.keys[i])]
-            if active and kept:
-                pool = kept
+        filters = []
+        if num_devices >= 2:
+            filters.append(lambda k: k.group.group_size > 1)
+        if mesh is not None:
+            filters.append(lambda k: k.mesh == tuple(mesh))
+        if crosses_hosts is not None:
+            filters.append(lambda k: k.group.crosses_hosts == crosses_hosts)
+        filters.append(lambda k: k.dtype == dtype)
+        for keep in filters:
+            pool = [i for i in pool if keep(self.keys[i])] or pool
+        keys = self.keys
 
-        def rank(index: int) -> tuple:
-            key = self.keys[index]
-            size = key.group.group_size
-            distance = abs(math.log2(size) - math.log2(num_devices))
-            return (distance, -size, key.group.num_groups, key.mesh, key.group.stride)
-
-        best = min(pool, key=rank)
-        size = self.keys[best].group.group_size
-        scale = 1.0
-        if size != num_devices and min(size, num_devices) >= 2:
-            scale = bandwidth_factor(collective, num_devices) / bandwidth_factor(
-                collective, size
+        def best(group_size: int) -> int:
+            return min(
+                (i for i in pool if keys[i].group.group_size == group_size),
+                key=lambda i: (
+                    keys[i].group.num_groups,
+                    keys[i].mesh,
+                    keys[i].group.stride,
+                ),
             )
-        return best, scale
+
+        sizes = {keys[i].group.group_size for i in pool}
+        below = [g for g in sizes if g <= num_devices]
+        above = [g for g in sizes if g >= num_devices]
+        if below and above:
+            low, high = max(below), min(above)
+            weight = (
+                math.log(num_devices / low) / math.log(high / low)
+                if high > low
+                else 0.0
+            )
+            return Fallback((best(low), best(high)), (1.0 - weight, weight), (1.0, 1.0))
+        nearest = min(sizes, key=lambda g: (abs(math.log(g / num_devices)), -g))
+        index, scale = best(nearest), 1.0
+        if min(nearest, num_devices) >= 2:
+            scale = bandwidth_factor(collective, num_devices) / bandwidth_factor(
+                collective, nearest
+            )
+        return Fallback((index, index), (1.0, 0.0), (scale, scale))
 
     def predict_collective(
         self,
@@ -700,10 +722,10 @@ class CommModel:
         dtype: str = "f16",
         mesh: Sequence[int] | None = None,
     ) -> jax.Array:
-        """Seconds for a collective over ``num_devices``, from the nearest curve.
+        """Seconds for a collective over ``num_devices``, from the nearest curves.
 
-        For group sizes the database lacks; the choice rule is
-        :meth:`nearest`'s. Jitted and differentiable in ``num_bytes``.
+        For group shapes the database may lack; the rule is :meth:`fallback`'s.
+        Jitted and differentiable in ``num_bytes``.
 
         Args:
             collective: one of :data:`COLLECTIVES`.
@@ -716,10 +738,32 @@ class CommModel:
         Returns:
             f[...] seconds.
         """
-        index, scale = self.nearest(
+        choice = self.fallback(
             collective, num_devices, crosses_hosts=crosses_hosts, dtype=dtype, mesh=mesh
         )
-        return _predict_row(self.params, index, scale, num_bytes)
+        return _predict_mix(self.params, *choice, num_bytes)
+
+
+class Fallback(NamedTuple):
+    """Two curves mixed geometrically: ``prod_i t_i(b * scales[i]) ** weights[i]``.
+
+    ``indices`` into :attr:`CommModel.keys`; ``weights`` sum to 1.
+    """
+
+    indices: tuple[int, int]
+    weights: tuple[float, float]
+    scales: tuple[float, float]
+
+
+@jax.jit
+def _predict_mix(params: AlphaBeta, indices, weights, scales, num_bytes) -> jax.Array:
+    num_bytes = jnp.asarray(num_bytes)
+    log_time = 0.0
+    for index, weight, scale in zip(indices, weights, scales, strict=True):
+        row = AlphaBeta(*(p[index] for p in params))
+        time = jnp.maximum(alpha_beta_time(row, num_bytes * scale), 1e-30)
+        log_time = log_time + weight * jnp.log(time)
+    return jnp.exp(log_time)
 
 
 def _check_collective(collective: str) -> None:
