@@ -87,6 +87,10 @@ class _Setup(NamedTuple):
     dph: int
     full_buckets: int
     placeable: NDArray[np.bool_]  # [M, max N_t + 1] a stage on m may start at u
+    span_start: NDArray[np.int64]  # [P] spans with some finite entry
+    span_end: NDArray[np.int64]  # [P] inclusive
+    span_table: NDArray[np.float64]  # [P, M, K, T]
+    span_memory: NDArray[np.int64]  # [P, M, K, T]
 
 
 class _Interrupted(Exception):
@@ -144,6 +148,7 @@ def _setup(problem: HeteroProblem, allowed: Any) -> _Setup:
     max_stages = min(num_layers, problem.num_devices)
     limits = problem.max_n_succ_stages[np.isfinite(table)] + 1
     binding = limits[(limits >= 1) & (limits < max_stages)]
+    span_start, span_end = np.nonzero(np.isfinite(table).any(axis=(2, 3, 4)))
     dph = cluster.devices_per_host
     offset = np.arange(max(cluster.devices_of_type()) + 1) % dph
     heights, widths = problem.submesh_shapes[:, 0], problem.submesh_shapes[:, 1]
@@ -163,6 +168,10 @@ def _setup(problem: HeteroProblem, allowed: Any) -> _Setup:
         dph=cluster.devices_per_host,
         full_buckets=int(binding.max()) + 1 if binding.size else 1,
         placeable=placeable,
+        span_start=span_start,
+        span_end=span_end,
+        span_table=table[span_start, span_end],
+        span_memory=problem.max_n_succ_stages[span_start, span_end],
     )
 
 
@@ -171,11 +180,17 @@ def _stage_costs(setup: _Setup, cap: float, num_buckets: int) -> NDArray:
 
     Bucket ``s`` admits ``max_n_succ_stages >= s - 1``; the last, lumped bucket
     stands for every ``s >= num_buckets`` with the same threshold (a relaxation
-    unless ``num_buckets`` is ``full_buckets``)."""
-    table = np.where(setup.table <= cap, setup.table, np.inf)
-    cost = np.full((num_buckets + 1,) + table.shape[:3] + table.shape[4:], np.inf)
+    unless ``num_buckets`` is ``full_buckets``). Work is proportional to the
+    spans in use, not to L^2.
+    """
+    num_layers, _, num_submeshes, _, num_types = setup.table.shape
+    cost = np.full(
+        (num_buckets + 1, num_layers, num_layers, num_submeshes, num_types), np.inf
+    )
+    table = np.where(setup.span_table <= cap, setup.span_table, np.inf)
     for bucket in range(1, num_buckets + 1):
-        cost[bucket] = np.where(setup.memory >= bucket - 1, table, np.inf).min(axis=3)
+        admitted = np.where(setup.span_memory >= bucket - 1, table, np.inf)
+        cost[bucket, setup.span_start, setup.span_end] = admitted.min(axis=2)
     return cost
 
 
@@ -429,9 +444,11 @@ def explain_infeasible(problem: HeteroProblem, allowed_boundaries: Any = None) -
             f"{problem.num_layers} layers (they reach layer "
             f"{int(np.flatnonzero(reach).max())})"
         )
+    unlimited = np.iinfo(np.int64).max // 2
     relaxed = setup._replace(
         full_buckets=1,
-        memory=np.where(np.isfinite(setup.table), np.iinfo(np.int64).max // 2, -1),
+        memory=np.where(np.isfinite(setup.table), unlimited, -1),
+        span_memory=np.where(np.isfinite(setup.span_table), unlimited, -1),
     )
     if not math.isfinite(_solve_cap(relaxed, math.inf, np.maximum, math.inf)[0]):
         return (
