@@ -1,16 +1,25 @@
-"""Planners to measure against: Alpa's DP (exact and Alpa-compatible), oracles."""
+"""Planners to measure against: Alpa's DP (exact and Alpa-compatible), oracles,
+and the heuristics users would otherwise pick (uniform, greedy, random, anneal)."""
 
 from pipedejavu.problem import get_submesh_choices as get_submesh_choices
 
+from .anneal import anneal as anneal
 from .brute_force import brute_force as brute_force
 from .exact_dp import exact_dp as exact_dp
 from .exact_dp import explain_infeasible as explain_infeasible
 from .exact_dp import min_sum_plan as min_sum_plan
+from .heuristics import greedy as greedy
+from .heuristics import random_search as random_search
+from .heuristics import uniform as uniform
 
 __all__ = [
+    "anneal",
     "brute_force",
     "exact_dp",
     "explain_infeasible",
     "get_submesh_choices",
+    "greedy",
     "min_sum_plan",
+    "random_search",
+    "uniform",
 ]

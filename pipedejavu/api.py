@@ -63,6 +63,28 @@ def _brute_force(problem: Problem) -> Plan:
     return brute_force(problem)
 
 
+def _heuristic(name: str) -> Callable[..., Plan]:
+    def solver(problem: Problem, **options: Any) -> Plan:
+        if name == "anneal":
+            from baselines.anneal import anneal as planner
+        else:
+            from baselines import heuristics
+
+            planner = {
+                "uniform": heuristics.uniform,
+                "greedy": heuristics.greedy,
+                "random": heuristics.random_search,
+            }[name]
+        try:
+            return planner(problem, **options)
+        except ValueError as error:  # bad num_steps, temperature, ...
+            if isinstance(error, ProblemError):
+                raise
+            raise ProblemError(str(error)) from None
+
+    return solver
+
+
 #: method name -> (solver, accepted options, one-line description)
 METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
     "dp": (
@@ -81,6 +103,37 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
         _brute_force,
         frozenset(),
         "every plan enumerated; tiny problems only",
+    ),
+    "uniform": (
+        _heuristic("uniform"),
+        frozenset(),
+        "best plan with equal layers and devices per stage",
+    ),
+    "greedy": (
+        _heuristic("greedy"),
+        frozenset(),
+        "balanced layer partition by per-layer cost (heuristic)",
+    ),
+    "random": (
+        _heuristic("random"),
+        frozenset({"num_samples", "seed"}),
+        "best of random valid plans",
+    ),
+    "anneal": (
+        _heuristic("anneal"),
+        frozenset(
+            {
+                "num_steps",
+                "seed",
+                "initial",
+                "initial_temperature",
+                "final_temperature",
+                "score_fn",
+                "progress_fn",
+                "time_budget_s",
+            }
+        ),
+        "simulated annealing (MCMC) over plans; anytime trace in plan.info",
     ),
 }
 
@@ -161,7 +214,11 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
             num_candidates, num_evaluated)`` called after each cap of that scan.
             ``"diff"``: ``config`` (a ``search.SearchConfig``), ``num_restarts``,
             ``num_steps``, ``seed`` (or a ``key``), ``progress_fn(steps done,
-            total, best relaxed loss)``.
+            total, best relaxed loss)``. ``"random"``: ``num_samples``,
+            ``seed``. ``"anneal"``: ``num_steps``, ``seed``, ``initial``,
+            ``initial_temperature``, ``final_temperature``, ``score_fn(plan)``
+            (e.g. a simulator; default the objective), ``progress_fn``,
+            ``time_budget_s``.
 
     Returns:
         A valid :class:`Plan` whose ``cost`` equals ``evaluate(problem, plan)``.

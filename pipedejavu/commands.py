@@ -16,16 +16,22 @@ from .problem import Problem, ProblemError
 
 
 class _CompareProgress:
-    """One stderr line per run once the comparison has taken 2 s."""
+    """A stderr line per method (and every 5 s) once the comparison takes 2 s."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
+        self.last = self.started
+        self.method = None
 
     def __call__(self, method: str, run: int, total: int) -> None:
-        elapsed = time.perf_counter() - self.started
-        if elapsed >= 2.0:
+        now = time.perf_counter()
+        if now - self.started >= 2.0 and (
+            method != self.method or now - self.last >= 5.0
+        ):
+            self.last, self.method = now, method
             print(
-                f"compare: {method} run {run + 1} of {total}, {elapsed:.0f} s",
+                f"compare: {method} run {run + 1} of {total}, "
+                f"{now - self.started:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -80,23 +86,21 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
             title=f"{best.method} plan, simulated 1F1B",
         )
     )
+    methods = {r.method: r for r in planned}
+    optimum = methods["dp"].plan.cost if "dp" in methods else None
     traces = {
         r.method: r.plan.info["trace"] for r in planned if r.plan.info.get("trace")
     }
     if traces:
-        written.append(plots.plot_anytime(traces, directory / "anytime.png"))
-    for r in planned:
-        if r.method == "diff" and r.plan.info.get("loss_curve"):
-            optimum = (
-                result.result("dp").plan.cost
-                if "dp" in {x.method for x in planned}
-                else None
+        written.append(
+            plots.plot_anytime(traces, directory / "anytime.png", optimum=optimum)
+        )
+    if "diff" in methods and methods["diff"].plan.info.get("loss_curve"):
+        written.append(
+            plots.plot_loss_curve(
+                methods["diff"].plan.info["loss_curve"],
+                directory / "loss_curve.png",
+                optimum=optimum,
             )
-            written.append(
-                plots.plot_loss_curve(
-                    r.plan.info["loss_curve"],
-                    directory / "loss_curve.png",
-                    optimum=optimum,
-                )
-            )
+        )
     return [Path(p) for p in written]
