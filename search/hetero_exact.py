@@ -218,10 +218,10 @@ def _transfer_into(setup: _Setup, layer: int, a: int, b: int, cap: float):
 
 
 def _hand_over(w_layer: NDArray, num_buckets: int) -> NDArray:
-    """succ[s] = W[s - 1] for s < NB, min(W[NB - 1], W[NB]) for the lumped one."""
-    succ = np.full_like(w_layer, np.inf)
-    succ[1:num_buckets] = w_layer[0 : num_buckets - 1]
-    succ[num_buckets] = np.minimum(w_layer[num_buckets - 1], w_layer[num_buckets])
+    """Row ``s - 1`` (bucket ``s``): ``W[s - 1]`` for ``s < NB``, and
+    ``min(W[NB - 1], W[NB])`` for the lumped bucket ``NB``."""
+    succ = w_layer[:num_buckets].copy()
+    np.minimum(succ[-1], w_layer[num_buckets], out=succ[-1])
     return succ
 
 
@@ -233,14 +233,14 @@ def _dp(
     cap: float,
     deadline: float,
 ) -> tuple[NDArray, NDArray]:
-    """One DP pass. Returns ``succ`` f64[NB + 1, L + 1, *grid, T] (the value of
+    """One DP pass. Returns ``succ`` f64[NB, L + 1, *grid, T] (the value of
     the layers from ``l`` on with ``s`` stages, the previous stage of type ``a``
     ending at ``l``, transfer into ``l`` included; lumped as in
     :func:`_hand_over`) and ``v0`` f64[NB + 1, *grid, T] (stage at layer 0 of
     type ``b``, no transfer into it)."""
     num_layers = setup.table.shape[0]
     grid, num_types = setup.grid, len(setup.grid)
-    succ = np.full((num_buckets + 1, num_layers + 1) + grid + (num_types,), np.inf)
+    succ = np.full((num_buckets, num_layers + 1) + grid + (num_types,), np.inf)
     terminal = np.full((num_buckets + 1,) + grid + (num_types,), np.inf)
     terminal[(0,) + tuple(n - 1 for n in grid)] = 0.0
     succ[:, num_layers] = _hand_over(terminal, num_buckets)
@@ -250,7 +250,7 @@ def _dp(
             raise _Interrupted
         v_layer = np.full_like(v_layer, np.inf)
         for b in range(num_types):
-            succ_b = succ[1:, ..., b]  # [NB, L + 1, *grid]
+            succ_b = succ[..., b]  # [NB, L + 1, *grid] (row s - 1 = bucket s)
             target = v_layer[1:, ..., b]  # [NB, *grid]
             for m in range(len(setup.heights)):
                 size = setup.heights[m] * setup.widths[m]
@@ -314,7 +314,7 @@ class _Tracer:
                     continue
                 after = list(used)
                 after[b] += size
-                tail = self.succ[(bucket, end + 1) + tuple(after) + (b,)]
+                tail = self.succ[(bucket - 1, end + 1) + tuple(after) + (b,)]
                 yield float(self.combine(cost, tail)), end, m
 
     def stage_value(self, bucket, start, used, b) -> float:
@@ -343,7 +343,7 @@ class _Tracer:
             start, used = end + 1, tuple(after)
             if start == num_layers:
                 return plan
-            wanted = self.succ[(bucket, start) + used + (b,)]
+            wanted = self.succ[(bucket - 1, start) + used + (b,)]
             buckets = (
                 [bucket - 1] if bucket < num_buckets else [num_buckets - 1, bucket]
             )
