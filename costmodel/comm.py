@@ -2,31 +2,34 @@
 
 Alpa times each collective (all-gather, all-reduce, reduce-scatter, all-to-all) on
 every replica-group pattern of every mesh, for ``f16`` and ``f32``, at ``size = 0``
-and ``size = 2^i`` *elements* up to 4 GiB. The payload in bytes is ``size *
-itemsize``: the whole gathered / reduced array per device (the per-device buffer
-of an all-to-all holds ``size / group_size`` elements). One curve per
-``(cluster, mesh, collective, group shape, dtype)`` is fit with
+and ``size = 2^i`` *elements* up to 4 GiB (``alpa/mesh_profiling.py``). The payload
+in bytes is ``size * itemsize``: the whole gathered / reduced array per device (an
+all-to-all's per-device buffer holds ``size / group_size`` elements). One curve per
+``(cluster, mesh, collective, group shape, dtype)`` is fit with (:class:`AlphaBeta`)
 
-    t(b) = max(floor, alpha + beta * b)      [seconds; b in bytes],
+    t(b) = max(floor, line(b))      [seconds; b bytes]
 
-a latency floor for small messages, then the alpha-beta line; ``floor = 0`` when a
-plain line fits better (chosen by BIC). The breakpoint between the two regimes is
-chosen by least squares on the *relative* error ``(t_hat - t) / t``, because the
-times span six orders of magnitude: for each candidate breakpoint the points below
-it fit the floor, the points above it fit the line (weighted least squares), and
-the candidate with the smallest relative error of the full model wins.
+where ``line`` is the alpha-beta line ``alpha + beta * b`` or, where the data
+demand it, two lines joined continuously (an intermediate one, then a
+large-message one). Breakpoints are chosen by least squares on the *relative*
+error ``(t_hat - t) / t``, because the times span six orders of magnitude: every
+pair of cut points splits the sorted points into floor / intermediate / large
+parts, each part is fit by weighted least squares, and the split whose whole model
+has the lowest BIC wins (so the floor and the second line appear only when they
+pay for their parameters; exact alpha-beta data give one line).
 
 Which points are fitted: ``inf``/``nan`` times (failed profiling batches) are
 skipped and counted; so are *no-op* points, where Alpa ran no collective at all
 (size 0, or a per-device shard of zero elements: all-gather and reduce-scatter
 below ``group_size`` elements, all-to-all below ``group_size^2``), and the
 *artifacts* that Alpa's ``make_monotonic`` derived from them (it lowers each time
-to ``size / best bandwidth so far``; a time clamped to the bandwidth of a no-op
-point measures nothing). Times clamped to a real measurement are kept and counted
-as ``clamped``. :mod:`costmodel.comm_report` builds the per-fit report.
+to ``size / best bandwidth so far``; a time clamped to the rate of a no-op point
+measures nothing). Times clamped to a real measurement are kept and counted as
+``clamped``. :mod:`costmodel.comm_plots` reports on the fits.
 
-Everything downstream of the fit is plain JAX: :class:`CommModel` is a pytree and
-:meth:`CommModel.predict` is jitted and differentiable in ``num_bytes``.
+Downstream of the fit everything is plain JAX: :class:`CommModel` is a pytree,
+:meth:`CommModel.predict` is jitted and differentiable in ``num_bytes``, and
+:meth:`CommModel.predict_collective` covers group sizes the database lacks.
 """
 
 from __future__ import annotations
@@ -208,7 +211,7 @@ def _classify(collective: str, sizes: NDArray, times: NDArray, group_size: int):
     clamped = np.zeros(sizes.shape, dtype=bool)
     best, anchor = 0.0, -1  # make_monotonic's running max bandwidth, and its point
     for i, (size, time) in enumerate(zip(sizes, times, strict=True)):
-        if not (np.isfinite(time) and time >= 0):
+        if not (np.isfinite(time) and time > 0):
             kind[i] = INVALID
         elif _is_no_op(collective, size, group_size):
             kind[i] = NO_OP
@@ -391,12 +394,21 @@ def _fit_one(
     return fitted, regimes
 
 
+_BATCH = 8  # curves fit side by side (lax.map batch); batches are padded to it
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _fit_batch(num_bytes, seconds, mask, *, config):
     fit = functools.partial(_fit_one, config=config)
     return jax.lax.map(
-        lambda args: fit(*args), (num_bytes, seconds, mask), batch_size=8
+        lambda args: fit(*args), (num_bytes, seconds, mask), batch_size=_BATCH
     )
+
+
+def _padded(*arrays: np.ndarray) -> list[np.ndarray]:
+    """Pad [F, N] arrays to F a multiple of :data:`_BATCH` (one compile per N)."""
+    extra = -arrays[0].shape[0] % _BATCH
+    return [np.pad(a, ((0, extra), (0, 0)), constant_values=a.flat[0]) for a in arrays]
 
 
 def _sorted_rows(num_bytes, seconds, mask):
@@ -453,10 +465,14 @@ def fit_alpha_beta(
     num_bytes, seconds, mask, _ = _sorted_rows(num_bytes, seconds, mask)
     batch, size = seconds.shape[:-1], seconds.shape[-1]
     flat = [a.reshape(-1, size) for a in (num_bytes, seconds, mask)]
+    count = flat[0].shape[0]
+    flat[2] = np.concatenate([flat[2], np.zeros((-count % _BATCH, size), bool)])
     with jax.enable_x64(True):
-        params, regimes = _fit_batch(*flat, config=config)
-        params = AlphaBeta(*(np.asarray(p, np.float64).reshape(batch) for p in params))
-    return params, np.asarray(regimes, np.int64).reshape(batch)
+        params, regimes = _fit_batch(*_padded(*flat[:2]), flat[2], config=config)
+        params = AlphaBeta(
+            *(np.asarray(p, np.float64)[:count].reshape(batch) for p in params)
+        )
+    return params, np.asarray(regimes, np.int64)[:count].reshape(batch)
 
 
 @functools.partial(jax.jit, static_argnames=("num_folds", "config"))
@@ -499,11 +515,13 @@ def held_out_errors(
     num_bytes, seconds, mask = _checked(num_bytes, seconds, mask, ndim=2)
     num_bytes, seconds, mask, order = _sorted_rows(num_bytes, seconds, mask)
     fold = np.where(mask, (np.cumsum(mask, axis=1) - 1) % num_folds, -1)
+    count = mask.shape[0]
+    padded = _padded(num_bytes, seconds, mask & False, fold)
+    padded[2][:count] = mask
     with jax.enable_x64(True):
-        errors = _held_out_batch(
-            num_bytes, seconds, mask, fold, num_folds=num_folds, config=config
-        )
-        errors = np.where(mask, np.asarray(errors, dtype=np.float64), np.nan)
+        errors = _held_out_batch(*padded, num_folds=num_folds, config=config)
+        errors = np.asarray(errors, dtype=np.float64)[:count]
+        errors = np.where(mask, errors, np.nan)
     unsorted = np.empty_like(errors)
     np.put_along_axis(unsorted, order, errors, axis=1)
     return unsorted
@@ -541,10 +559,12 @@ class CommModel:
     through ``jax.jit``; :meth:`predict` is differentiable in ``num_bytes`` (and
     in ``params``).
 
+    :meth:`fallback` reads only ``keys``, so :meth:`predict_collective` works
+    under ``jax.jit`` with the model as an argument too.
+
     Attributes:
         keys: the F fitted curves.
-        params: :class:`AlphaBeta` of f[F] arrays (JAX's default float dtype);
-            ``nan`` for curves with fewer than 2 usable points.
+        params: :class:`AlphaBeta` of f[F] arrays (JAX's default float dtype).
     """
 
     keys: tuple[CommKey, ...]
@@ -640,7 +660,7 @@ class CommModel:
     ) -> Fallback:
         """Which curves :meth:`predict_collective` mixes, and how.
 
-        Rule. Start from the finite curves of ``collective`` (without the
+        Rule. Start from the curves of ``collective`` (without the
         one-device curves, which time a local copy, when ``num_devices >= 2``
         and others exist); keep those on ``mesh``, then those with
         ``crosses_hosts``, then those of ``dtype``, each filter applied only if
@@ -660,17 +680,16 @@ class CommModel:
             a :class:`Fallback`.
 
         Raises:
-            ValueError: bad arguments, or no finite curve of ``collective``.
+            ValueError: bad arguments, or no curve of ``collective``.
         """
         _check_collective(collective)
         if isinstance(num_devices, bool) or not isinstance(num_devices, int):
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         if num_devices < 1:
             raise ValueError(f"num_devices must be an int >= 1, got {num_devices}")
-        finite = np.isfinite(np.stack([np.asarray(p) for p in self.params])).all(0)
-        pool = [i for i in self.find(collective) if finite[i]]
+        pool = self.find(collective)
         if not pool:
-            raise ValueError(f"no finite fitted curve for {collective!r}")
+            raise ValueError(f"no fitted curve for {collective!r}")
         filters = []
         if num_devices >= 2:
             filters.append(lambda k: k.group.group_size > 1)
@@ -796,7 +815,9 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
         config: fit settings.
 
     Returns:
-        The :class:`CommModel` (parameters in JAX's default float dtype).
+        The :class:`CommModel` (parameters in JAX's default float dtype). Curves
+        with no fit (fewer than 2 usable points, e.g. a failed profiling batch)
+        are left out; :func:`~costmodel.comm_plots.comm_report` still lists them.
 
     Example:
         >>> model = fit_comm_model("prof_database.pkl")
@@ -804,8 +825,9 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
     """
     series = comm_series(prof_db, config=config)
     params, _ = fit_alpha_beta(*stack_series(series), config=config)
+    fitted = np.isfinite(np.stack(params)).all(axis=0)
     dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     return CommModel(
-        keys=tuple(s.key for s in series),
-        params=AlphaBeta(*(jnp.asarray(p, dtype=dtype) for p in params)),
+        keys=tuple(s.key for s, ok in zip(series, fitted, strict=True) if ok),
+        params=AlphaBeta(*(jnp.asarray(p[fitted], dtype=dtype) for p in params)),
     )

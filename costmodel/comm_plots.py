@@ -240,36 +240,51 @@ def _floor_until(fit: AlphaBeta) -> float:
     return float(max(both, 0.0))
 
 
+def _stat(values: np.ndarray, statistic) -> float | None:
+    values = values[np.isfinite(values)]
+    return float(statistic(values)) if values.size else None
+
+
 def summarize(rows: Sequence[FitRow]) -> dict[str, Any]:
-    """Aggregate quality of the fits (JSON-able; ``nan`` fits are not counted)."""
+    """Aggregate quality of the fits, JSON-able.
+
+    Fits without parameters (too few points) are counted, not averaged; a
+    statistic over no fit is ``None``.
+    """
     cv = np.array([r.cv_mape for r in rows], dtype=float)
     r2 = np.array([r.r2_linear for r in rows], dtype=float)
-    finite = np.isfinite(cv)
-    worst = max((r for r in rows if math.isfinite(r.cv_mape)), key=lambda r: r.cv_mape)
+    finite = [r for r in rows if math.isfinite(r.cv_mape)]
+    worst = max(finite, key=lambda r: r.cv_mape) if finite else None
     return {
         "num_fits": len(rows),
-        "num_without_fit": int((~finite).sum()),
+        "num_without_fit": sum(r.regimes == 0 for r in rows),
         "points_used": sum(r.num_used for r in rows),
         "points_skipped": sum(r.num_skipped for r in rows),
         "points_invalid": sum(r.num_invalid for r in rows),
-        "median_cv_mape": float(np.median(cv[finite])),
-        "mean_cv_mape": float(cv[finite].mean()),
-        "fraction_cv_mape_within_target": float((cv[finite] <= TARGET_CV_MAPE).mean()),
-        "median_r2_linear": float(np.nanmedian(r2)),
-        "fraction_r2_linear_within_target": float(
-            (r2[np.isfinite(r2)] >= TARGET_R2).mean()
+        "median_cv_mape": _stat(cv, np.median),
+        "mean_cv_mape": _stat(cv, np.mean),
+        "fraction_cv_mape_within_target": _stat(
+            cv, lambda v: np.mean(v <= TARGET_CV_MAPE)
+        ),
+        "median_r2_linear": _stat(r2, np.median),
+        "fraction_r2_linear_within_target": _stat(
+            r2, lambda v: np.mean(v >= TARGET_R2)
         ),
         "num_with_floor": sum(r.has_floor for r in rows),
         "num_with_two_lines": sum(
             r.regimes - r.has_floor == 2 for r in rows if r.regimes
         ),
-        "worst_cv_mape": worst.to_dict(),
+        "worst_cv_mape": None if worst is None else worst.to_dict(),
     }
 
 
 def rows_to_dicts(rows: Sequence[FitRow]) -> list[dict[str, Any]]:
     """JSON-able dicts of the rows (see :meth:`FitRow.to_dict`)."""
     return [row.to_dict() for row in rows]
+
+
+def _format(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def format_table(rows: Sequence[FitRow], *, summary: bool = True) -> str:
@@ -305,11 +320,13 @@ def format_table(rows: Sequence[FitRow], *, summary: bool = True) -> str:
             f"{s['num_with_two_lines']} with two lines; points used "
             f"{s['points_used']}, skipped {s['points_skipped']} "
             f"({s['points_invalid']} inf/nan).",
-            f"held-out median MAPE {s['median_cv_mape']:.1%} (target <= "
-            f"{TARGET_CV_MAPE:.0%}; {s['fraction_cv_mape_within_target']:.0%} of "
-            "fits within); median R^2 above the floor "
-            f"{s['median_r2_linear']:.4f} ("
-            f"{s['fraction_r2_linear_within_target']:.0%} of fits >= {TARGET_R2}).",
+            f"held-out median MAPE {_format(s['median_cv_mape'], '.1%')} (target "
+            f"<= {TARGET_CV_MAPE:.0%}; "
+            f"{_format(s['fraction_cv_mape_within_target'], '.0%')} of fits "
+            "within); median R^2 above the floor "
+            f"{_format(s['median_r2_linear'], '.4f')} ("
+            f"{_format(s['fraction_r2_linear_within_target'], '.0%')} of fits >= "
+            f"{TARGET_R2}).",
         ]
     return "\n".join(lines)
 

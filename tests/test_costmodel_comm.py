@@ -81,9 +81,9 @@ def test_fits_recover_exact_parameters():
 
 def test_fit_ignores_point_order_and_padding():
     order = np.random.default_rng(0).permutation(33)
-    bytes_ = np.concatenate([BYTES[order], np.zeros(5)])
-    seconds = np.concatenate([_clean()[2, order], np.full(5, np.inf)])
-    params, regimes = fit_alpha_beta(bytes_, seconds)
+    seconds = _clean()[2].copy()
+    seconds[[0, 10, 20]] = [np.inf, np.nan, -1.0]  # ignored, wherever they are
+    params, regimes = fit_alpha_beta(BYTES[order], seconds[order])
     assert regimes == 3
     np.testing.assert_allclose(
         [float(p) for p in params], [p[2] for p in TRUTH], rtol=1e-6
@@ -109,7 +109,7 @@ def test_floor_needs_enough_points_and_can_be_disabled():
     assert regimes == 1 and params.floor == 0.0
     # the best single line through a floor + line curve misses it
     assert np.max(np.abs(_times(params, BYTES) - clean) / clean) > 0.5
-    too_few = fit_alpha_beta(BYTES[:1], clean[:1])[0]
+    too_few = fit_alpha_beta(BYTES, clean, np.arange(33) == 5)[0]
     assert all(math.isnan(float(p)) for p in too_few)
 
 
@@ -237,7 +237,7 @@ def test_fallback_rule():
     np.testing.assert_allclose(predict(16), _row_time(model, 2, b * scale), rtol=1e-5)
     with pytest.raises(ValueError, match="num_devices"):
         model.predict_collective("all_reduce", 0, b)
-    with pytest.raises(ValueError, match="no finite"):
+    with pytest.raises(ValueError, match="no fitted curve"):
         model.predict_collective("all_to_all", 2, b)
 
 
@@ -259,6 +259,10 @@ def test_predict_is_jittable_and_differentiable():
     assert comm._predict_row._cache_size() == before
     grad = jax.grad(lambda b: model.predict_collective("all_reduce", 4, b))(1e9)
     assert np.isfinite(grad) and grad > 0
+    mixed = jax.jit(lambda m, b: m.predict_collective("all_reduce", 4, b))
+    np.testing.assert_allclose(
+        mixed(model, batch), model.predict_collective("all_reduce", 4, batch), rtol=1e-6
+    )
 
 
 def test_predict_needs_one_matching_curve():
@@ -306,7 +310,9 @@ def test_real_database_fit_quality(rows):
 
 def test_real_database_model_matches_report(rows):
     model = fit_comm_model(PROF_DB)
-    assert len(model.keys) == len(rows)
+    fitted = [r for r in rows if r.regimes > 0]
+    assert len(fitted) == len(rows) - 2  # the all-inf 4x8 all-reduce curves
+    assert list(model.keys) == [r.key for r in fitted]
     for row in rows[::17]:
         if not math.isfinite(row.alpha_s):
             continue
@@ -337,3 +343,17 @@ def test_plot_fits_writes_pngs(tmp_path):
     paths = plot_fits(database, comm_report(database, num_folds=4), tmp_path / "out")
     assert [p.name for p in paths] == ["comm_default_1x4.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_on_a_curve_without_fit():
+    database = _fake_database()
+    ((key, points),) = database["default", (1, 4)].all_gather_cost_dict.items()
+    failed = {key: [(size, np.inf) for size, _ in points]}
+    database = {("default", (1, 4)): MeshProfilingResult(all_gather_cost_dict=failed)}
+    (row,) = comm_report(database, num_folds=4)
+    assert (row.regimes, row.num_used, row.num_invalid) == (0, 0, 22)
+    assert math.isnan(row.alpha_s) and math.isnan(row.cv_mape)
+    summary = summarize([row])
+    assert summary["num_without_fit"] == 1 and summary["median_cv_mape"] is None
+    assert "n/a" in format_table([row])
+    assert fit_comm_model(database).keys == ()
