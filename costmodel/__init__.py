@@ -16,6 +16,9 @@ from .alpa_profiles import stage_profile_tables as stage_profile_tables
 from .alpa_types import MeshProfilingResult as MeshProfilingResult
 from .alpa_types import ModuleProfileResult as ModuleProfileResult
 from .alpa_types import StageProfileResult as StageProfileResult
+from .comm import CommModel as CommModel
+from .comm import fit_comm_model as fit_comm_model
+from .comm_plots import comm_report as comm_report
 from .layers import LayerSpec as LayerSpec
 from .layers import boundary_activation_bytes as boundary_activation_bytes
 from .layers import gpt_layers as gpt_layers
@@ -27,6 +30,9 @@ from .synthesize import synthesize as synthesize
 
 __all__ = [
     "AlphaBetaComm",
+    "CommModel",
+    "comm_report",
+    "fit_comm_model",
     "LayerSpec",
     "StageTables",
     "boundary_activation_bytes",

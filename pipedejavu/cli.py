@@ -121,6 +121,49 @@ def _build_parser() -> argparse.ArgumentParser:
         "schedule, anytime curves, the engine's loss curve (needs matplotlib)",
     )
 
+    costmodel = commands.add_parser(
+        "costmodel", help="fit and check the cost models on Alpa's profiles"
+    )
+    models = costmodel.add_subparsers(dest="costmodel_command", required=True)
+    report = models.add_parser(
+        "report", help="fit every collective of a prof_database.pkl, one row a fit"
+    )
+    report.add_argument(
+        "prof_db", help="Alpa's prof_database.pkl ('bundled' for the bundled one)"
+    )
+    report.add_argument("--json", action="store_true", help="print JSON")
+    report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
+    report.add_argument(
+        "--folds", type=int, default=5, help="k of the held-out k-fold error"
+    )
+    predict = models.add_parser(
+        "predict",
+        help="predict a stage profile from a fraction of it: held-out error and "
+        "plan regret",
+    )
+    predict.add_argument(
+        "stage_profile",
+        help="an Alpa stage-profile .npy, a problem .npz, or a bundled example name",
+    )
+    predict.add_argument(
+        "--fraction",
+        type=float,
+        action="append",
+        help="fraction of entries profiled (repeatable; default 0.1 0.25 0.5 1)",
+    )
+    predict.add_argument(
+        "--seeds", type=int, default=3, help="random draws per fraction"
+    )
+    predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
+    predict.add_argument("--num-microbatches", "-B", type=int, help="for an Alpa .npy")
+    predict.add_argument(
+        "--submesh-space",
+        choices=[space for space in SUBMESH_SPACES if space != "manual"],
+        default="small_power_of_two",
+        help="for an Alpa .npy (default: %(default)s)",
+    )
+    predict.add_argument("--json", action="store_true", help="print JSON")
+
     demo = commands.add_parser(
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
@@ -446,6 +489,10 @@ def _run(args: argparse.Namespace) -> int:
             from .commands import run_compare
 
             run_compare(_load(args), args)
+        elif args.command == "costmodel":
+            from .commands import run_costmodel
+
+            run_costmodel(args)
         elif args.command == "demo":
             _demo(sys.stdout, args.json)
     except ProblemError as error:

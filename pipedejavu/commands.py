@@ -104,3 +104,93 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
             )
         )
     return [Path(p) for p in written]
+
+
+def run_costmodel(args: argparse.Namespace) -> None:
+    if args.costmodel_command == "report":
+        _costmodel_report(args)
+    else:
+        _costmodel_predict(args)
+
+
+def _costmodel_report(args: argparse.Namespace) -> None:
+    import importlib.resources
+
+    from costmodel.comm_plots import (
+        comm_report,
+        format_table,
+        plot_fits,
+        rows_to_dicts,
+        summarize,
+    )
+
+    source = args.prof_db
+    if source == "bundled":
+        source = str(
+            importlib.resources.files("pipedejavu").joinpath(
+                "data", "prof_database.pkl"
+            )
+        )
+    elif not Path(source).is_file():
+        raise ProblemError(f"no such file: {source}")
+    if args.folds < 2:
+        raise ProblemError(f"--folds must be >= 2, got {args.folds}")
+    try:
+        rows = comm_report(source, num_folds=args.folds)
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
+    if args.json:
+        print(
+            json.dumps(
+                {"summary": summarize(rows), "fits": rows_to_dicts(rows)},
+                allow_nan=False,
+            )
+        )
+    else:
+        print(format_table(rows))
+    if args.plot:
+        for path in plot_fits(source, rows, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def _costmodel_predict(args: argparse.Namespace) -> None:
+    import os
+
+    from costmodel.predict_regret import format_predictor_report, predictor_report
+
+    from .io import bundled_examples, example_names, load_example, parse_cluster
+
+    fractions = tuple(args.fraction) if args.fraction else (0.1, 0.25, 0.5, 1.0)
+    if args.seeds < 1:
+        raise ProblemError(f"--seeds must be >= 1, got {args.seeds}")
+    settings: dict = {}
+    source = args.stage_profile
+    bundled = {e.name: e for e in bundled_examples()}
+    if source in bundled and not os.path.exists(source):
+        example = bundled[source]
+        source = str(example.path)
+        settings = {
+            "cluster_shape": example.cluster_shape,
+            "num_microbatches": example.num_microbatches,
+            "submesh_space": example.submesh_space,
+        }
+    elif source in example_names() and not os.path.exists(source):
+        source = load_example(source)
+    else:
+        if not os.path.exists(source):
+            raise ProblemError(f"no such file: {source}")
+        if args.cluster:
+            settings["cluster_shape"] = parse_cluster(args.cluster)
+        if args.num_microbatches is not None:
+            settings["num_microbatches"] = args.num_microbatches
+        settings["submesh_space"] = args.submesh_space
+    try:
+        report = predictor_report(
+            source, fractions=fractions, seeds=tuple(range(args.seeds)), **settings
+        )
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_predictor_report(report))

@@ -1,0 +1,63 @@
+"""``pipedejavu costmodel report|predict`` as a user meets them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pipedejavu.cli import main
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_report_json_lists_every_fit_and_meets_the_target(capsys, tmp_path):
+    code, out, err = run(
+        capsys, "costmodel", "report", "bundled", "--json", "--plot", tmp_path
+    )
+    assert code == 0
+    data = json.loads(out)
+    fits = data["fits"]
+    # 4 collectives x (group shapes x 2 dtypes) over 6 meshes: 248 curves.
+    assert len(fits) == 248
+    mapes = [f["cv_mape"] for f in fits if f.get("cv_mape") is not None]
+    assert len(mapes) >= 240
+    assert np.median(mapes) <= 0.10
+    np.testing.assert_allclose(data["summary"]["median_cv_mape"], np.median(mapes))
+    pngs = sorted(p.name for p in tmp_path.iterdir())
+    assert len(pngs) == 6 and all(name.endswith(".png") for name in pngs)
+
+
+def test_report_missing_file_is_bad_input(capsys, tmp_path):
+    code, _, err = run(capsys, "costmodel", "report", tmp_path / "nope.pkl")
+    assert code == 2 and "nope.pkl" in err
+
+
+def test_predict_generated_example_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "costmodel",
+        "predict",
+        "generated-gpt-32layers-2x8",
+        "--fraction",
+        "0.25",
+        "--seeds",
+        "2",
+        "--json",
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["optimum"] > 0
+    text = json.dumps(report)
+    assert "0.25" in text
+
+
+def test_predict_bad_fraction_is_bad_input(capsys):
+    code, _, err = run(
+        capsys, "costmodel", "predict", "generated-gpt-32layers-2x8", "--fraction", "2"
+    )
+    assert code == 2 and "fraction" in err
