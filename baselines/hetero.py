@@ -20,6 +20,15 @@ stage would then straddle a host boundary (e.g. ``(1, 4), (1, 8), (1, 4)`` on
 *later* stage first) and slices whole hosts for ``(h, D)`` submeshes, then
 device ranges of the current host for ``(1, d)`` ones. Stages of powers of two
 therefore never straddle, but consecutive stages may land on different hosts.
+Stages of equal size come out in reverse pipeline order, still host-contiguous:
+32 ``(1, 1)`` stages on 4 x 8 devices make 3 inter-host hops, the minimum (the
+5 hops reported in Alpa issue 752 do not come from this slicing rule).
+
+Alpa's placements need not be canonical (:func:`pipedejavu.hetero.place`), so
+on a homogeneous multi-host cluster Alpa's way can, rarely, beat the oracle of
+:mod:`search.hetero_exact` (e.g. ``(1, 4), (1, 8), (1, 4)`` on 8-device hosts has
+no canonical placement); with mixed device types it loses by about the ratio of
+the mean speed to the speed of the slowest type its stages land on.
 """
 
 from __future__ import annotations

@@ -513,9 +513,12 @@ def hetero_exact(
     sums: dict[int, float] = {}
     heap: list[tuple[float, int, int]] = []
     candidates = np.zeros(0)
+    # Bound of the caps not yet covered by the heap (the interval being solved,
+    # or before the bisection starts, every cap: each plan costs >= B * its max).
+    open_bound = -math.inf
 
     def lower_bound() -> float:
-        return min([best_cost] + [bound for bound, _, _ in heap])
+        return min([best_cost, open_bound] + [bound for bound, _, _ in heap])
 
     def finish(method_info: dict[str, Any]) -> HeteroPlan | None:
         if best_stages is None:
@@ -542,6 +545,7 @@ def hetero_exact(
                 explain_infeasible(problem, allowed_boundaries)
             )
         candidates = _candidates(setup, smallest)
+        open_bound = num_microbatches * float(candidates[0])
 
         def solve_at(index: int) -> None:
             nonlocal best_cost, best_stages, best_cap
@@ -583,14 +587,17 @@ def hetero_exact(
             if last > 0:
                 solve_at(last)
                 push(0, last)
+        open_bound = math.inf
         while heap:
             bound, low, high = heapq.heappop(heap)
             if bound >= best_cost:
                 continue
             middle = (low + high) // 2
+            open_bound = bound
             solve_at(middle)
             push(low, middle)
             push(middle, high)
+            open_bound = math.inf
     except _Interrupted:
         plan = finish(info())
         raise HeteroTimeoutError(
@@ -598,7 +605,7 @@ def hetero_exact(
             f"{len(sums)} of {candidates.size} candidate caps (best so far "
             f"{best_cost:.6g} s, lower bound {lower_bound():.6g} s)",
             best_plan=plan,
-            lower_bound=lower_bound() if candidates.size else -math.inf,
+            lower_bound=lower_bound(),
             caps_evaluated=len(sums),
             num_candidates=int(candidates.size),
         ) from None

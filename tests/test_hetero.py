@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -422,6 +423,18 @@ def test_time_limit_and_progress():
     with pytest.raises(HeteroTimeoutError, match="time limit") as caught:
         hetero_exact(problem, time_limit_s=0.0)
     assert isinstance(caught.value, TimeoutError)
+    assert caught.value.best_plan is None and caught.value.lower_bound == -math.inf
+    optimum = hetero_exact(problem).cost
+
+    def slow_progress(report):  # the deadline passes after the first cap
+        time.sleep(0.3)
+
+    with pytest.raises(HeteroTimeoutError) as caught:
+        hetero_exact(problem, time_limit_s=0.2, progress_fn=slow_progress)
+    partial = caught.value
+    assert partial.caps_evaluated == 1 and partial.best_plan is not None
+    assert partial.lower_bound <= optimum * (1 + 1e-12)
+    assert partial.best_plan.cost >= optimum * (1 - 1e-12)
     seen = []
     plan = hetero_exact(problem, progress_fn=seen.append)
     assert seen and seen[-1]["best_cost"] == pytest.approx(plan.cost)
