@@ -34,6 +34,7 @@ from pipedejavu.hetero_generate import (
 from pipedejavu.problem import (
     InfeasibleProblemError,
     PlanError,
+    Problem,
     ProblemError,
     get_submesh_choices,
 )
@@ -469,6 +470,23 @@ def test_homogeneous_reduction(seed, cluster_shape):
         np.testing.assert_allclose(plan.cost, alpa.cost, rtol=1e-9)
     else:
         assert plan.cost >= alpa.cost * (1 - 1e-9)
+
+
+def test_homogeneous_reduction_when_alpa_plan_does_not_pack():
+    """(1, 4), (1, 8), (1, 4) on two 8-device hosts is Alpa's optimum but has no
+    canonical placement: the oracle is worse; Alpa's slicing runs it."""
+    cost = np.full((3, 3, 2, 1), 10.0)
+    cost[0, 0, 0] = cost[1, 1, 1] = cost[2, 2, 0] = 1.0  # submeshes (1,4), (1,8)
+    base = Problem(cost, None, np.array([[1, 4], [1, 8]]), (2, 8), 4)
+    problem = HeteroProblem.from_problem(base, Cluster.homogeneous(2, 8))
+    alpa = exact_dp(base)
+    assert [s.submesh for s in alpa.stages] == [(1, 4), (1, 8), (1, 4)]
+    oracle = hetero_exact(problem)
+    assert oracle.cost > alpa.cost
+    np.testing.assert_allclose(oracle.cost, hetero_brute_force(problem).cost)
+    way = alpa_homogeneous(problem)
+    assert way.info["placement"] == "alpa"
+    np.testing.assert_allclose(way.cost, alpa.cost, rtol=1e-12)
 
 
 # -------------------------------------------------------------- Alpa's way
