@@ -1,0 +1,717 @@
+"""Measured layer costs: time the layers of a small flax GPT and build a Problem.
+
+The model (:class:`GPTConfig`, presets in :data:`MODEL_NAMES`) is cut into Alpa's
+pipeline layers: the embedding (token + position), each transformer block
+(pre-LayerNorm causal self-attention and a GELU MLP, both residual), and the head
+(final LayerNorm, LM projection and the mean cross-entropy loss). A layer's cost is
+what it costs inside a pipeline stage: one jitted call of ``jax.vjp`` of the layer
+at its real input activation, pulled back with the real gradient of its output,
+returning the output, the parameter gradients and (except for the embedding) the
+input gradient. Calls are timed wall-clock with ``jax.block_until_ready`` on
+whatever backend JAX sees, after warm-up calls, in rounds that visit every timed
+function once in a shuffled order (so load drifts on a shared machine hit all of
+them alike); a function's time is the median of its rounds.
+
+Stage model. A contiguous span ``i..j`` run as one jitted function is not the sum
+of its layers' calls: each call pays a fixed overhead (dispatch, thread wake-up,
+result buffers) and XLA fuses and overlaps work across layer boundaries. Both
+savings happen at the ``n - 1`` internal boundaries of an ``n``-layer span, so::
+
+    predicted(i..j) = sum_l t_l - (n - 1) * per_boundary_s
+                      - boundary_fraction * sum_{k=i..j-1} (t_k + t_{k+1}) / 2
+
+with ``per_boundary_s`` (the fixed per-call part) and ``boundary_fraction`` (the
+part that scales with the adjacent layers' work) fit by bounded least squares to
+spans timed as one function in the same rounds (:func:`fit_stage_overhead`).
+One-layer stages are the measurement itself.
+
+Devices. One device was measured. :func:`problem_from_layer_profile` defaults to
+a 1x1 cluster, where ``compute_cost`` is the measured model. Larger clusters need
+an explicit :class:`DataParallelScaling`, a stated assumption rather than a
+measurement: on a submesh of ``d`` devices each stage runs data-parallel with
+Amdahl scaling of the measured time, plus a ring all-reduce of its gradients once
+per iteration (alpha-beta), charged as ``1 / B`` of it per micro-batch.
+Units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from numpy.typing import NDArray
+from scipy.optimize import lsq_linear
+
+from pipedejavu.problem import UNLIMITED_SUCCEEDING_STAGES, Problem, get_submesh_choices
+
+__all__ = [
+    "MODEL_NAMES",
+    "DataParallelScaling",
+    "GPTConfig",
+    "LayerProfile",
+    "StageOverhead",
+    "fit_stage_overhead",
+    "gpt_config",
+    "gpt_layers",
+    "predict_span_time",
+    "problem_from_layer_profile",
+    "profile_model",
+    "profile_to_problem",
+]
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A GPT cut into ``num_blocks + 2`` pipeline layers; float32 throughout.
+
+    Args:
+        vocab_size: V tokens. hidden_size: h, a multiple of ``num_heads``.
+        num_heads: attention heads. num_blocks: transformer blocks.
+        seq_len: s tokens per sequence. batch_size: b sequences per micro-batch.
+        mlp_ratio: MLP width / h.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_blocks: int
+    seq_len: int
+    batch_size: int
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field.name} must be an integer >= 1, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size must be a multiple of num_heads={self.num_heads}, "
+                f"got {self.hidden_size}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        """L pipeline layers: embedding, blocks, head."""
+        return self.num_blocks + 2
+
+
+_PRESETS = {
+    # 2 blocks: profiles in a few seconds (tests, CLI smoke runs).
+    "gpt-micro": GPTConfig(256, 64, 2, 2, 32, 4),
+    "gpt-tiny": GPTConfig(512, 128, 4, 4, 64, 8),
+    "gpt-small": GPTConfig(1024, 192, 6, 6, 128, 4),
+}
+#: Names accepted by :func:`gpt_config` and :func:`profile_model`.
+MODEL_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def gpt_config(name: str) -> GPTConfig:
+    """The preset called ``name`` (one of :data:`MODEL_NAMES`)."""
+    if name not in _PRESETS:
+        raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)}, got {name!r}")
+    return _PRESETS[name]
+
+
+class Embedding(nn.Module):
+    """i32[b, s] token ids -> f32[b, s, h] token + learned position embeddings."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        table = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="tokens")
+        init = nn.initializers.normal(0.02)
+        positions = self.param("positions", init, (cfg.seq_len, cfg.hidden_size))
+        return table(tokens) + positions[: tokens.shape[1]]
+
+
+class Block(nn.Module):
+    """f32[b, s, h] -> f32[b, s, h]: pre-LN causal self-attention and MLP."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        attention = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads)
+        x = x + attention(nn.LayerNorm()(x), mask=mask)
+        hidden = nn.gelu(nn.Dense(cfg.mlp_ratio * cfg.hidden_size)(nn.LayerNorm()(x)))
+        return x + nn.Dense(cfg.hidden_size)(hidden)
+
+
+class Head(nn.Module):
+    """f32[b, s, h], i32[b, s] targets -> f32[] mean next-token cross-entropy."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        logits = nn.Dense(self.config.vocab_size)(nn.LayerNorm()(x))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def gpt_layers(config: GPTConfig) -> tuple[nn.Module, ...]:
+    """The L pipeline layers of ``config``: embedding, blocks, head."""
+    blocks = tuple(Block(config) for _ in range(config.num_blocks))
+    return (Embedding(config), *blocks, Head(config))
+
+
+def _layer_names(config: GPTConfig) -> tuple[str, ...]:
+    return ("embedding", *(f"block{i}" for i in range(config.num_blocks)), "head")
+
+
+@lru_cache(maxsize=64)
+def _span_step(config: GPTConfig, start: int, stop: int) -> Callable:
+    """The jitted forward + backward of layers ``start..stop-1`` (half-open).
+
+    ``step(params, x, targets, cotangent) -> (output, gradients)``: ``params`` a
+    tuple of the span's layer parameters, ``x`` the span's input (token ids when
+    ``start == 0``), ``cotangent`` the gradient of the span's output (1.0 when it
+    ends with the head). ``gradients`` holds the parameter gradients and, unless
+    ``start == 0``, the input gradient. Cached: spans of blocks of one config
+    share one compiled function.
+    """
+    layers = gpt_layers(config)
+    num_layers = len(layers)
+
+    def forward(params, x, targets):
+        for index in range(start, stop):
+            extra = (targets,) if index == num_layers - 1 else ()
+            x = layers[index].apply(params[index - start], x, *extra)
+        return x
+
+    def step(params, x, targets, cotangent):
+        if start == 0:  # integer token ids have no gradient
+            output, pullback = jax.vjp(lambda p: forward(p, x, targets), params)
+        else:
+            output, pullback = jax.vjp(lambda p, h: forward(p, h, targets), params, x)
+        return output, pullback(cotangent)
+
+    return jax.jit(step)
+
+
+def _nbytes(tree) -> int:
+    return int(sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in tree))
+
+
+def _stash_bytes(step_inputs: tuple, config: GPTConfig, index: int) -> int:
+    """Bytes the backward of layer ``index`` keeps from its forward (vjp
+    residuals), without the weights it merely references."""
+    layers = gpt_layers(config)
+
+    def residuals(params, x, targets):
+        extra = (targets,) if index == len(layers) - 1 else ()
+        if index == 0:
+            _, pullback = jax.vjp(lambda p: layers[0].apply(p, x), params)
+        else:
+            _, pullback = jax.vjp(
+                lambda p, h: layers[index].apply(p, h, *extra), params, x
+            )
+        weights = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
+        return [r for r in jax.tree_util.tree_leaves(pullback) if id(r) not in weights]
+
+    return _nbytes(jax.eval_shape(residuals, *step_inputs))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerProfile:
+    """Raw measurements of one model on one backend (one device).
+
+    Args:
+        model_name: preset name, or ``"custom"``. config: the profiled model.
+        layer_names: L names. backend: ``jax.default_backend()``.
+        device_kind: the device's ``device_kind``.
+        layer_times_s: f64[L] median seconds of one layer's forward + backward.
+        layer_samples_s: f64[L, R] every timed round.
+        spans: ``(start, stop)`` half-open multi-layer spans timed as one function.
+        span_times_s: f64[S] their median seconds. span_samples_s: f64[S, R].
+        activation_bytes: i64[L] each layer's output per micro-batch (what a
+            stage boundary after it sends; 4 for the loss).
+        stash_bytes: i64[L] what its backward keeps from its forward (inputs and
+            intermediates, not the weights), per micro-batch.
+        param_bytes: i64[L] its parameters.
+        repeats, warmup: timed rounds and untimed calls per function.
+        compile_s: seconds spent compiling and warming up.
+    """
+
+    model_name: str
+    config: GPTConfig
+    layer_names: tuple[str, ...]
+    backend: str
+    device_kind: str
+    layer_times_s: NDArray[np.float64]
+    layer_samples_s: NDArray[np.float64]
+    spans: tuple[tuple[int, int], ...]
+    span_times_s: NDArray[np.float64]
+    span_samples_s: NDArray[np.float64]
+    activation_bytes: NDArray[np.int64]
+    stash_bytes: NDArray[np.int64]
+    param_bytes: NDArray[np.int64]
+    repeats: int
+    warmup: int
+    compile_s: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+
+def _check_count(value: object, name: str, minimum: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_spans(spans: object, num_layers: int) -> tuple[tuple[int, int], ...]:
+    if isinstance(spans, str):
+        if spans != "auto":
+            raise ValueError(
+                f"spans must be 'auto' or (start, stop) pairs, got {spans!r}"
+            )
+        half = (num_layers + 1) // 2
+        spans = [(0, num_layers), (0, half), (num_layers // 2, num_layers), (1, 3)]
+        spans = [(a, b) for a, b in spans if b - a >= 2 and b <= num_layers]
+    checked: list[tuple[int, int]] = []
+    for span in spans:  # type: ignore[union-attr]
+        try:
+            start, stop = (int(x) for x in span)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"spans must hold (start, stop) pairs, got {span!r}"
+            ) from None
+        if not 0 <= start < stop - 1 < num_layers:
+            raise ValueError(
+                f"span {(start, stop)} must satisfy 0 <= start and start + 2 <= stop "
+                f"<= L = {num_layers} (half-open, at least two layers)"
+            )
+        if (start, stop) not in checked:
+            checked.append((start, stop))
+    return tuple(checked)
+
+
+def profile_model(
+    name_or_config: str | GPTConfig,
+    *,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    repeats: int = 10,
+    warmup: int = 2,
+    spans: str | Sequence[tuple[int, int]] = "auto",
+    seed: int = 0,
+    progress_fn: ProgressFn | None = None,
+) -> LayerProfile:
+    """Time every layer, and the multi-layer ``spans``, of a GPT on this backend.
+
+    Args:
+        name_or_config: a preset name (:data:`MODEL_NAMES`) or a :class:`GPTConfig`.
+        batch, seq_len: override the config's micro-batch size / sequence length.
+        repeats: timed rounds (>= 1); warmup: untimed calls per function (>= 0).
+        spans: ``(start, stop)`` half-open spans of >= 2 layers timed as one
+            function (the overhead fit's data), or ``"auto"``: the whole model,
+            both halves and layers 1..2.
+        seed: parameters and tokens.
+        progress_fn: called ``(done, total, what)`` after each compilation and
+            each timed round.
+
+    Returns:
+        The measurements; see :class:`LayerProfile`.
+    """
+    repeats = _check_count(repeats, "repeats", 1)
+    warmup = _check_count(warmup, "warmup", 0)
+    if isinstance(name_or_config, GPTConfig):
+        name, config = "custom", name_or_config
+    else:
+        name, config = name_or_config, gpt_config(name_or_config)
+    changes = {"batch_size": batch, "seq_len": seq_len}
+    config = dataclasses.replace(
+        config, **{k: v for k, v in changes.items() if v is not None}
+    )
+    num_layers = config.num_layers
+    spans = _check_spans(spans, num_layers)
+
+    rng = np.random.default_rng(seed)
+    shape = (config.batch_size, config.seq_len)
+    tokens = rng.integers(0, config.vocab_size, shape, dtype=np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    hidden = np.zeros((*shape, config.hidden_size), np.float32)
+    tokens, targets, zeros = jax.device_put((tokens, targets, hidden))
+    # numpy N(0, 0.02) parameters: timings do not depend on the values, and a
+    # jitted flax init costs one more XLA compilation per layer kind.
+    params = []
+    for index, layer in enumerate(gpt_layers(config)):
+        x = tokens if index == 0 else hidden
+        extra = (targets,) if index == num_layers - 1 else ()
+        abstract = jax.eval_shape(layer.init, jax.random.key(0), x, *extra)
+        normal = jax.tree_util.tree_map(
+            lambda leaf: rng.normal(0.0, 0.02, leaf.shape).astype(leaf.dtype),
+            abstract,
+        )
+        params.append(jax.device_put(normal))
+
+    def arguments(start: int, stop: int, cotangent) -> tuple:
+        return (tuple(params[start:stop]), inputs[start], targets, cotangent)
+
+    # Forward with zero output gradients for the real activations, then the real
+    # output gradients, head first; these calls compile the layer functions.
+    started = time.perf_counter()
+    cotangents: list = [zeros] * (num_layers - 1) + [jnp.ones((), jnp.float32)]
+    inputs, outputs = [tokens], [None] * num_layers
+    for index in range(num_layers - 1):
+        call = arguments(index, index + 1, cotangents[index])
+        inputs.append(_span_step(config, index, index + 1)(*call)[0])
+    total = num_layers + len(spans) + repeats
+    for index in reversed(range(num_layers)):
+        call = arguments(index, index + 1, cotangents[index])
+        outputs[index], gradients = _span_step(config, index, index + 1)(*call)
+        if index > 0:
+            cotangents[index - 1] = gradients[1]
+        if progress_fn is not None:
+            progress_fn(num_layers - index, total, f"compiled {index}")
+    timed = [(index, index + 1) for index in range(num_layers)] + list(spans)
+    calls = []
+    for count, (start, stop) in enumerate(timed):
+        function = _span_step(config, start, stop)
+        call = arguments(start, stop, cotangents[stop - 1])
+        for _ in range(warmup if count < num_layers else warmup + 1):
+            jax.block_until_ready(function(*call))
+        calls.append((function, call))
+        if progress_fn is not None and count >= num_layers:
+            progress_fn(count + 1, total, f"compiled span {start}..{stop - 1}")
+    compile_s = time.perf_counter() - started
+
+    samples = np.zeros((len(timed), repeats))
+    order_rng = np.random.default_rng(seed)
+    for round_index in range(repeats):
+        for which in order_rng.permutation(len(timed)):
+            function, call = calls[which]
+            began = time.perf_counter()
+            jax.block_until_ready(function(*call))
+            samples[which, round_index] = time.perf_counter() - began
+        if progress_fn is not None:
+            done = num_layers + len(spans) + round_index + 1
+            progress_fn(done, total, f"timed round {round_index + 1}/{repeats}")
+
+    medians = np.median(samples, axis=1)
+    device = jax.devices()[0]
+    return LayerProfile(
+        model_name=name,
+        config=config,
+        layer_names=_layer_names(config),
+        backend=jax.default_backend(),
+        device_kind=str(device.device_kind),
+        layer_times_s=medians[:num_layers],
+        layer_samples_s=samples[:num_layers],
+        spans=spans,
+        span_times_s=medians[num_layers:],
+        span_samples_s=samples[num_layers:].reshape(len(spans), repeats),
+        activation_bytes=np.array([_nbytes([out]) for out in outputs], np.int64),
+        stash_bytes=np.array(
+            [
+                _stash_bytes((params[i], inputs[i], targets), config, i)
+                for i in range(num_layers)
+            ],
+            np.int64,
+        ),
+        param_bytes=np.array(
+            [_nbytes(jax.tree_util.tree_leaves(p)) for p in params], np.int64
+        ),
+        repeats=repeats,
+        warmup=warmup,
+        compile_s=compile_s,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOverhead:
+    """What a span run as one function saves at each internal layer boundary.
+
+    Args:
+        per_boundary_s: the fixed per-call part, seconds per boundary.
+        boundary_fraction: the part proportional to the two adjacent layers'
+            mean time (fusion and overlap across the boundary).
+        num_spans: spans the fit used (0: no saving is modelled).
+    """
+
+    per_boundary_s: float = 0.0
+    boundary_fraction: float = 0.0
+    num_spans: int = 0
+
+
+def _span_features(times: NDArray[np.float64], start: int, stop: int) -> tuple:
+    """(sum of layer times, boundaries, sum of adjacent-pair mean times)."""
+    part = times[start:stop]
+    return part.sum(), stop - start - 1, ((part[:-1] + part[1:]) / 2).sum()
+
+
+def fit_stage_overhead(
+    profile: LayerProfile, spans: Sequence[tuple[int, int]] | None = None
+) -> StageOverhead:
+    """Fit :class:`StageOverhead` to the spans timed as one function.
+
+    Least squares on the *relative* error of the predicted span times, with
+    ``0 <= per_boundary_s <= min(layer time) / 2`` and
+    ``0 <= boundary_fraction <= 1/2`` (so predictions stay positive and never
+    exceed the plain sum: a span measured slower than its layers' sum fits to 0).
+
+    Args:
+        profile: the measurements. spans: a subset of ``profile.spans`` to fit
+            on (held-out checks); default all of them.
+    """
+    chosen = profile.spans if spans is None else tuple(tuple(s) for s in spans)
+    missing = [s for s in chosen if s not in profile.spans]
+    if missing:
+        raise ValueError(
+            f"spans must be among the profiled spans {list(profile.spans)}, "
+            f"got {missing}"
+        )
+    if not chosen:
+        return StageOverhead()
+    times = profile.layer_times_s
+    rows, targets = [], []
+    for start, stop in chosen:
+        measured = profile.span_times_s[profile.spans.index((start, stop))]
+        total, boundaries, adjacent = _span_features(times, start, stop)
+        rows.append([boundaries / measured, adjacent / measured])
+        targets.append((total - measured) / measured)
+    upper = [times.min() / 2, 0.5]
+    fit = lsq_linear(np.array(rows), np.array(targets), bounds=([0.0, 0.0], upper))
+    per_boundary, fraction = np.clip(fit.x, 0.0, upper)
+    return StageOverhead(float(per_boundary), float(fraction), len(chosen))
+
+
+def _stage_table(profile: LayerProfile, overhead: StageOverhead) -> NDArray[np.float64]:
+    """f64[L, L] predicted seconds of stage ``i..j`` (inclusive); inf for i > j."""
+    times = profile.layer_times_s
+    prefix = np.concatenate([[0.0], np.cumsum(times)])
+    pairs = np.concatenate([[0.0], np.cumsum((times[:-1] + times[1:]) / 2)])
+    first, last = np.indices((len(times), len(times)))
+    table = (
+        prefix[last + 1]
+        - prefix[first]
+        - overhead.per_boundary_s * (last - first)
+        - overhead.boundary_fraction * (pairs[np.maximum(last, first)] - pairs[first])
+    )
+    return np.where(last >= first, table, np.inf)
+
+
+def predict_span_time(
+    profile: LayerProfile,
+    start: int,
+    stop: int,
+    overhead: StageOverhead | None = None,
+) -> float:
+    """Predicted seconds of layers ``start..stop-1`` (half-open) as one stage.
+
+    ``overhead`` defaults to :func:`fit_stage_overhead` on all profiled spans.
+    """
+    if not 0 <= start < stop <= profile.num_layers:
+        raise ValueError(
+            f"span must satisfy 0 <= start < stop <= {profile.num_layers}, "
+            f"got {(start, stop)}"
+        )
+    overhead = fit_stage_overhead(profile) if overhead is None else overhead
+    return float(_stage_table(profile, overhead)[start, stop - 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelScaling:
+    """Assumed (not measured) cost of a stage on a submesh of ``d > 1`` devices.
+
+    Each micro-batch is split over the ``d`` devices (data parallelism):
+
+    * compute: ``t_1 * ((1 - parallel_fraction) + parallel_fraction / d)``
+      (Amdahl), ``t_1`` the measured one-device stage time;
+    * gradients: a ring all-reduce of the stage's parameter bytes ``P`` once per
+      iteration, ``2 (d - 1) * allreduce_latency_s + 2 (d - 1) / d * P / bw``
+      with ``bw`` the intra-host bandwidth on one host, the inter-host one
+      otherwise; charged ``1 / B`` of it per micro-batch.
+
+    Defaults are round numbers for a GPU server (NVLink-class 100 GB/s inside a
+    host, 100 Gb/s = 12.5 GB/s between hosts); set them for your cluster.
+    """
+
+    parallel_fraction: float = 0.95
+    allreduce_latency_s: float = 1e-5
+    intra_host_bandwidth: float = 100e9
+    inter_host_bandwidth: float = 12.5e9
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.parallel_fraction <= 1.0:
+            raise ValueError(
+                f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}"
+            )
+        for name in ("allreduce_latency_s", "intra_host_bandwidth"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(
+                    f"{name} must be finite and >= 0, got {getattr(self, name)}"
+                )
+        for name in ("intra_host_bandwidth", "inter_host_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"{name} must be > 0 bytes/s, got {getattr(self, name)}"
+                )
+
+    def stage_time(
+        self, one_device_s, param_bytes, hosts: int, devices: int, num_microbatches: int
+    ):
+        """Seconds per micro-batch on a ``hosts x devices`` submesh (arrays ok)."""
+        count = hosts * devices
+        if count == 1:
+            return one_device_s
+        fraction = self.parallel_fraction
+        compute = one_device_s * ((1 - fraction) + fraction / count)
+        bandwidth = (
+            self.intra_host_bandwidth if hosts == 1 else self.inter_host_bandwidth
+        )
+        allreduce = (
+            2
+            * (count - 1)
+            * (self.allreduce_latency_s + param_bytes / (count * bandwidth))
+        )
+        return compute + allreduce / num_microbatches
+
+
+def problem_from_layer_profile(
+    profile: LayerProfile,
+    cluster: tuple[int, int] = (1, 1),
+    *,
+    num_microbatches: int,
+    scaling: DataParallelScaling | None = None,
+    overhead: StageOverhead | None = None,
+    submesh_space: str = "power_of_two",
+    memory_budget_bytes: float | None = None,
+    weight_memory_factor: float = 4.0,
+) -> Problem:
+    """A one-config :class:`Problem` (K = 1) from measured layer times.
+
+    ``compute_cost[i, j, m, 0]`` is :func:`predict_span_time` of layers ``i..j``
+    (inclusive) on one device, scaled to submesh ``m`` by ``scaling``.
+
+    Args:
+        profile: the measurements. cluster: ``(num_hosts, devices_per_host)``.
+        num_microbatches: B.
+        scaling: required when the cluster has more than one device (only one
+            was measured); see :class:`DataParallelScaling`.
+        overhead: default :func:`fit_stage_overhead` of the profile.
+        submesh_space: Alpa's submesh space (:func:`get_submesh_choices`).
+        memory_budget_bytes: device memory for one stage; ``None`` = unlimited.
+            Otherwise ``max_n_succ_stages = floor((budget - weight_memory_factor
+            * params) / (stash / d)) - 1``: replicated weights, gradients and
+            optimizer state (4x the parameters for Adam), and the summed layer
+            stashes of each in-flight micro-batch split over ``d`` devices.
+
+    Raises:
+        ValueError: a multi-device cluster without ``scaling``, bad arguments.
+        ProblemError: from :class:`Problem` / :func:`get_submesh_choices`.
+    """
+    num_hosts, devices_per_host = (int(x) for x in cluster)
+    if num_hosts * devices_per_host > 1 and scaling is None:
+        raise ValueError(
+            f"cluster {(num_hosts, devices_per_host)} has "
+            f"{num_hosts * devices_per_host} devices but the profile measured one; "
+            "pass scaling=DataParallelScaling(...) to state how stages scale"
+        )
+    scaling = DataParallelScaling() if scaling is None else scaling
+    overhead = fit_stage_overhead(profile) if overhead is None else overhead
+    batches = _check_count(num_microbatches, "num_microbatches", 1)
+    shapes = get_submesh_choices(num_hosts, devices_per_host, submesh_space)
+    one_device = _stage_table(profile, overhead)
+
+    def span_sums(values: NDArray) -> NDArray[np.float64]:
+        prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+        return prefix[None, 1:] - prefix[:-1, None]  # [i, j] = sum values[i..j]
+
+    params = span_sums(profile.param_bytes)
+    cost = np.stack(
+        [scaling.stage_time(one_device, params, h, d, batches) for h, d in shapes],
+        axis=-1,
+    )[..., None]
+    memory = None
+    if memory_budget_bytes is not None:
+        if not (memory_budget_bytes > 0 and weight_memory_factor >= 0):
+            raise ValueError(
+                "memory_budget_bytes must be > 0 and weight_memory_factor >= 0, got "
+                f"{memory_budget_bytes} and {weight_memory_factor}"
+            )
+        stash = np.maximum(span_sums(profile.stash_bytes), 1.0)
+        free = memory_budget_bytes - weight_memory_factor * params
+        memory = np.stack(
+            [np.floor(free / (stash / (h * d))) - 1 for h, d in shapes], axis=-1
+        )
+        memory = np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
+        memory = memory[..., None]
+    return Problem(
+        compute_cost=cost,
+        max_n_succ_stages=memory,
+        submesh_shapes=np.asarray(shapes, dtype=np.int64),
+        cluster_shape=(num_hosts, devices_per_host),
+        num_microbatches=batches,
+    )
+
+
+def profile_to_problem(
+    model_name: str,
+    out_path: str | os.PathLike | None = None,
+    *,
+    cluster: tuple[int, int] = (1, 1),
+    num_microbatches: int = 8,
+    repeats: int = 10,
+    warmup: int = 2,
+    scaling: DataParallelScaling | None = None,
+    memory_budget_bytes: float | None = None,
+    progress_fn: ProgressFn | None = None,
+) -> tuple[Problem, LayerProfile]:
+    """Profile a preset and build its problem in one call (for the CLI).
+
+    With ``out_path`` the problem file is written (DESIGN section 2) with the
+    extra keys ``layer_names``, ``layer_times_s``, ``activation_bytes``,
+    ``stash_bytes``, ``param_bytes``, ``backend``, ``model_name``,
+    ``per_boundary_s`` and ``boundary_fraction`` (ignored by problem readers).
+    """
+    profile = profile_model(
+        model_name, repeats=repeats, warmup=warmup, progress_fn=progress_fn
+    )
+    overhead = fit_stage_overhead(profile)
+    problem = problem_from_layer_profile(
+        profile,
+        cluster,
+        num_microbatches=num_microbatches,
+        scaling=scaling,
+        overhead=overhead,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    if out_path is not None:
+        np.savez(
+            out_path,
+            compute_cost=problem.compute_cost,
+            max_n_succ_stages=problem.max_n_succ_stages,
+            submesh_shapes=problem.submesh_shapes,
+            cluster_shape=np.asarray(problem.cluster_shape, dtype=np.int64),
+            num_microbatches=np.asarray(problem.num_microbatches, dtype=np.int64),
+            layer_names=np.asarray(profile.layer_names),
+            layer_times_s=profile.layer_times_s,
+            activation_bytes=profile.activation_bytes,
+            stash_bytes=profile.stash_bytes,
+            param_bytes=profile.param_bytes,
+            backend=np.asarray(profile.backend),
+            model_name=np.asarray(profile.model_name),
+            per_boundary_s=np.asarray(overhead.per_boundary_s),
+            boundary_fraction=np.asarray(overhead.boundary_fraction),
+        )
+    return problem, profile
