@@ -52,7 +52,7 @@ from numpy.typing import NDArray
 from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
 from pipedejavu.problem import InfeasibleProblemError, ProblemError
 
-__all__ = ["HeteroTimeoutError", "hetero_exact"]
+__all__ = ["HeteroTimeoutError", "explain_infeasible", "hetero_exact"]
 
 StageTuple = tuple[int, int, int, int, int]
 
