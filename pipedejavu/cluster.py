@@ -319,7 +319,7 @@ class Cluster:
         for t in self.device_types:
             entry: dict[str, Any] = {"speed": t.speed}
             if t.memory_bytes is not None:
-                entry["memory_gb"] = t.memory_bytes / 1e9
+                entry["memory_bytes"] = t.memory_bytes
             types[t.name] = entry
         inter = {}
         for a in range(self.num_types):
@@ -355,18 +355,33 @@ class Cluster:
             if key not in data:
                 raise ProblemError(f"cluster: missing key {key!r}")
         types = []
-        for name, entry in dict(data["device_types"]).items():
-            extra = set(entry) - {"speed", "memory_gb"}
+        if not isinstance(data["device_types"], Mapping):
+            raise ProblemError("cluster: device_types must map names to objects")
+        for name, entry in data["device_types"].items():
+            if not isinstance(entry, Mapping):
+                raise ProblemError(
+                    f"device type {name!r} must be an object like "
+                    f'{{"speed": 1.0, "memory_gb": 40}}, got {entry!r}'
+                )
+            extra = set(entry) - {"speed", "memory_gb", "memory_bytes"}
             if extra:
                 raise ProblemError(
                     f"device type {name!r}: unknown keys {sorted(extra)}"
                 )
-            memory = entry.get("memory_gb")
+            if {"memory_gb", "memory_bytes"} <= set(entry):
+                raise ProblemError(f"device type {name!r}: give memory in one unit")
+            try:
+                memory = entry.get("memory_bytes")
+                if memory is None and entry.get("memory_gb") is not None:
+                    memory = float(entry["memory_gb"]) * 1e9
+                speed = float(entry.get("speed", 1.0))
+            except (TypeError, ValueError) as error:
+                raise ProblemError(f"device type {name!r}: {error}") from None
             types.append(
                 DeviceType(
                     name=str(name),
-                    speed=float(entry.get("speed", 1.0)),
-                    memory_bytes=None if memory is None else float(memory) * 1e9,
+                    speed=speed,
+                    memory_bytes=None if memory is None else float(memory),
                 )
             )
         intra = {

@@ -14,6 +14,10 @@ _LAZY = {
     "LinearStageModel": "linear",
     "fit_linear_model": "linear",
     "lower_bound": "bounds",
+    "hetero_exact": "hetero_exact",
+    "HeteroTimeoutError": "hetero_exact",
+    "hetero_search": "hetero_engine",
+    "hetero_lower_bound": "hetero_bounds",
 }
 
 
