@@ -105,8 +105,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_problem_arguments(compare)
     compare.add_argument(
         "--methods",
-        default="dp,diff,greedy,uniform,anneal",
-        help="comma-separated methods (default: %(default)s)",
+        help="comma-separated methods (default: dp,diff,greedy,uniform,anneal; "
+        "with typed devices: dp,diff,alpa)",
     )
     compare.add_argument("--repeats", type=int, default=3, help="timed runs each")
     compare.add_argument("--warmup", type=int, default=1, help="untimed runs first")

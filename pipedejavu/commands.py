@@ -40,9 +40,11 @@ class _CompareProgress:
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
     from .compare import compare
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods:
-        raise ProblemError("--methods needs at least one method")
+    methods = None
+    if args.methods is not None:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not methods:
+            raise ProblemError("--methods needs at least one method")
     result = compare(
         problem,
         methods,
@@ -65,7 +67,7 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
 def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
     """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
     from . import plots
-    from .simulate import simulate_plan
+    from .compare import simulate_schedule
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -78,7 +80,7 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
     if not planned:
         return written
     best = min(planned, key=lambda r: r.plan.cost)
-    schedule = simulate_plan(problem, best.plan, schedule="1f1b")
+    schedule = simulate_schedule(problem, best.plan)
     written.append(
         plots.plot_gantt(
             schedule,

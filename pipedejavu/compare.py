@@ -28,6 +28,8 @@ from .problem import InfeasibleProblemError, Plan, Problem, ProblemError
 __all__ = ["Comparison", "MethodResult", "compare", "DEFAULT_METHODS"]
 
 DEFAULT_METHODS = ("dp", "diff", "greedy", "uniform", "anneal")
+#: defaults for a :class:`pipedejavu.HeteroProblem` (typed devices and links).
+DEFAULT_HETERO_METHODS = ("dp", "diff", "alpa")
 _SEEDED = {"diff", "anneal", "random"}
 _PERCENTILES = (50, 90, 95, 99)
 
@@ -188,15 +190,31 @@ class Comparison:
         return "\n".join(lines)
 
 
-def _simulated(problem: Problem, plan: Plan) -> float:
-    from .simulate import simulate_plan
+def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
+    """The plan's simulated schedule (transfers included for placed plans)."""
+    from .hetero import HeteroPlan
+    from .simulate import simulate, simulate_plan, split_latencies
 
-    return float(simulate_plan(problem, plan, schedule="1f1b").iteration_time)
+    if isinstance(plan, HeteroPlan):
+        forward, backward = split_latencies([s.latency for s in plan.stages])
+        transfer = [c / 2 for c in plan.transfers] or None
+        return simulate(
+            forward,
+            backward,
+            plan.num_microbatches,
+            schedule=schedule,
+            transfer=transfer,
+        )
+    return simulate_plan(problem, plan, schedule=schedule)
+
+
+def _simulated(problem: Problem, plan: Plan) -> float:
+    return float(simulate_schedule(problem, plan).iteration_time)
 
 
 def compare(
     problem: Problem,
-    methods: Sequence[str] = DEFAULT_METHODS,
+    methods: Sequence[str] | None = None,
     *,
     repeats: int = 3,
     warmup: int = 1,
@@ -208,8 +226,10 @@ def compare(
     """Run every method on ``problem`` and measure it (module doc).
 
     Args:
-        problem: the instance.
-        methods: names from ``pipedejavu.METHODS``.
+        problem: the instance: a :class:`Problem` or a
+            :class:`pipedejavu.HeteroProblem`.
+        methods: names from ``pipedejavu.api.METHODS`` (or ``HETERO_METHODS``);
+            default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
         repeats: timed runs per method (>= 1).
         warmup: untimed runs first (>= 0).
         seed: base seed of the stochastic methods.
@@ -225,17 +245,23 @@ def compare(
     Raises:
         ProblemError: bad ``repeats``/``warmup``, unknown method or option.
     """
-    from .api import METHODS, solve
+    from .api import HETERO_METHODS, METHODS, solve
+    from .hetero import HeteroProblem
+
+    hetero = isinstance(problem, HeteroProblem)
+    table = HETERO_METHODS if hetero else METHODS
+    if methods is None:
+        methods = DEFAULT_HETERO_METHODS if hetero else DEFAULT_METHODS
 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ProblemError(f"repeats must be an integer >= 1, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ProblemError(f"warmup must be an integer >= 0, got {warmup!r}")
     methods = list(dict.fromkeys(methods))
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in table]
     if unknown:
         raise ProblemError(
-            f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+            f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(table)}"
         )
     options = dict(options or {})
     for name in options:
@@ -255,8 +281,8 @@ def compare(
             started = time.perf_counter()
             try:
                 plan = solve(problem, method, **call)
-            except InfeasibleProblemError as failure:
-                error = str(failure)
+            except (InfeasibleProblemError, TimeoutError) as failure:
+                error = str(failure) or type(failure).__name__
                 break
             elapsed = time.perf_counter() - started
             if run < warmup:
