@@ -5,12 +5,13 @@ For a problem whose finite entries are the stages Alpa profiled:
 
 1. **Profile a fraction.** :func:`profile_subset` draws, in every (submesh ``m``,
    config ``k``) slot, ``ceil(fraction * n)`` of the slot's ``n`` profiled entries
-   uniformly (at least ``min(n, min_per_slot)``), then, while the drawn spans
-   leave the slot's additive model less determined than all its profiled spans
-   do (a layer no drawn span covers, two layers always drawn together, the
-   intercept not separable), adds the shortest profiled entry that removes such
-   a freedom (random tie-break). The effective fraction is reported; it exceeds
-   the requested one on small profiles.
+   (at least ``min(n, min_per_slot)``), each with probability proportional to
+   ``1 / stage length`` (or uniformly; :class:`SubsetConfig`), then, while the
+   drawn spans leave the slot's additive model less determined than all its
+   profiled spans do (a layer no drawn span covers, two layers always drawn
+   together, the intercept not separable), adds the shortest profiled entry that
+   removes such a freedom (random tie-break). The effective fraction is
+   reported; it exceeds the requested one on small profiles.
 2. **Predict.** :func:`predict_stage_costs` fits the additive linear model of
    :mod:`search.linear` to the drawn entries and predicts every entry, and fits
    the memory model of :mod:`costmodel.memory_model` to their memory statistics
@@ -48,12 +49,14 @@ from .memory_model import MemoryStatsTable, fit_memory_model, predict_memory_sta
 
 __all__ = [
     "PredictionResult",
+    "SubsetConfig",
     "planning_problem",
     "predict_stage_costs",
     "profile_subset",
 ]
 
 SUPPORTS = ("profiled", "all")
+DESIGNS = ("short", "uniform")
 
 
 def _check_fraction(fraction: Any) -> float:
@@ -66,16 +69,50 @@ def _check_fraction(fraction: Any) -> float:
     return float(fraction)
 
 
-def _check_count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     return int(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubsetConfig:
+    """How :func:`profile_subset` chooses the entries to profile.
+
+    Attributes:
+        design: ``"short"`` (default) draws each entry with probability
+            proportional to ``1 / (number of layers)``: short stages pin the
+            per-layer coefficients best and are the cheapest to profile;
+            ``"uniform"`` draws every entry alike.
+        min_per_slot: each slot keeps at least ``min(n, min_per_slot)`` entries
+            (2, the least :func:`search.linear.fit_linear_model` fits a slot on).
+        complete_rank: add entries until the draw determines each slot's
+            additive model as well as all its entries do; ``False`` keeps the
+            plain draw (the fit is then the minimum-norm one).
+
+    Raises:
+        ValueError: an unknown design, a non-positive ``min_per_slot`` or a
+            non-bool ``complete_rank``.
+    """
+
+    design: str = "short"
+    min_per_slot: int = 2
+    complete_rank: bool = True
+
+    def __post_init__(self) -> None:
+        if self.design not in DESIGNS:
+            raise ValueError(f"design must be one of {DESIGNS}, got {self.design!r}")
+        value = self.min_per_slot
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Integral)
+            or value < 1
+        ):
+            raise ValueError(f"min_per_slot must be a positive integer, got {value!r}")
+        if not isinstance(self.complete_rank, bool):
+            raise ValueError(
+                f"complete_rank must be a bool, got {self.complete_rank!r}"
+            )
 
 
 def profile_subset(
@@ -83,8 +120,7 @@ def profile_subset(
     fraction: float,
     *,
     seed: int,
-    min_per_slot: int = 2,
-    complete_rank: bool = True,
+    config: SubsetConfig | None = None,
 ) -> NDArray[np.bool_]:
     """Choose the entries to "profile": a per-slot random draw, completed so the
     drawn spans determine the additive model (see the module docstring).
@@ -93,23 +129,20 @@ def profile_subset(
         profiled: bool[L, L, M, K] the entries that can be drawn (finite costs).
         fraction: share of each slot's entries to draw, in ``(0, 1]``.
         seed: seed of ``numpy.random.default_rng`` (same seed, same subset).
-        min_per_slot: each slot keeps at least ``min(n, min_per_slot)`` entries
-            (2, the least :func:`search.linear.fit_linear_model` fits a slot on).
-        complete_rank: add entries until the draw determines each slot's
-            additive model as well as all its entries do; ``False`` keeps the
-            plain draw (the fit is then the minimum-norm one).
+        config: the :class:`SubsetConfig`; default ``SubsetConfig()``.
 
     Returns:
         bool[L, L, M, K] the drawn entries, a subset of ``profiled``.
 
     Raises:
-        ValueError: bad ``fraction``, ``seed``, ``min_per_slot`` or shape.
+        ValueError: bad ``fraction``, ``seed``, ``config`` or shape.
     """
     fraction = _check_fraction(fraction)
     rng = np.random.default_rng(_check_seed(seed))
-    min_per_slot = _check_count(min_per_slot, "min_per_slot")
-    if not isinstance(complete_rank, bool):
-        raise ValueError(f"complete_rank must be a bool, got {complete_rank!r}")
+    if config is None:
+        config = SubsetConfig()
+    if not isinstance(config, SubsetConfig):
+        raise ValueError(f"config must be a SubsetConfig, got {config!r}")
     profiled = np.asarray(profiled, dtype=bool)
     if profiled.ndim != 4 or profiled.shape[0] != profiled.shape[1]:
         raise ValueError(
@@ -123,10 +156,16 @@ def profile_subset(
             count = starts.size
             if count == 0:
                 continue
-            take = min(count, max(min_per_slot, math.ceil(fraction * count - 1e-9)))
+            take = min(
+                count, max(config.min_per_slot, math.ceil(fraction * count - 1e-9))
+            )
+            weight = 1.0 / (ends - starts + 1)
+            if config.design == "uniform":
+                weight = np.ones(count)
             picked = np.zeros(count, dtype=bool)
-            picked[rng.choice(count, size=take, replace=False)] = True
-            if complete_rank:
+            drawn = rng.choice(count, size=take, replace=False, p=weight / weight.sum())
+            picked[drawn] = True
+            if config.complete_rank:
                 _complete_rank(picked, starts, ends, num_layers, rng)
             chosen[starts[picked], ends[picked], m, k] = True
     return chosen
@@ -256,8 +295,7 @@ def predict_stage_costs(
     *,
     seed: int,
     memory_stats: MemoryStatsTable | None = None,
-    min_per_slot: int = 2,
-    complete_rank: bool = True,
+    config: SubsetConfig | None = None,
 ) -> PredictionResult:
     """Fit the cost (and memory) model to a drawn fraction and predict every entry.
 
@@ -268,7 +306,8 @@ def predict_stage_costs(
         memory_stats: the profiled memory statistics (e.g.
             :func:`costmodel.memory_model.memory_stats_table`); ``None``: no
             memory model.
-        min_per_slot, complete_rank: see :func:`profile_subset`.
+        config: how the entries are drawn (:class:`SubsetConfig`; default
+            ``SubsetConfig()``).
 
     Returns:
         The :class:`PredictionResult`.
@@ -279,13 +318,7 @@ def predict_stage_costs(
     _check_inputs(problem, memory_stats)
     cost = problem.compute_cost
     profiled = np.isfinite(cost)
-    sampled = profile_subset(
-        profiled,
-        fraction,
-        seed=seed,
-        min_per_slot=min_per_slot,
-        complete_rank=complete_rank,
-    )
+    sampled = profile_subset(profiled, fraction, seed=seed, config=config)
     with jax.enable_x64(True):
         model = fit_linear_model(
             problem.replace(compute_cost=np.where(sampled, cost, np.inf))

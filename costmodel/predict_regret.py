@@ -44,6 +44,7 @@ from .memory_model import MemoryStatsTable, memory_stats_table
 from .predict import (
     SUPPORTS,
     PredictionResult,
+    SubsetConfig,
     planning_problem,
     predict_stage_costs,
 )
@@ -146,15 +147,14 @@ def plan_regret(
     memory_stats: MemoryStatsTable | None = None,
     support: str = "profiled",
     refine: bool = False,
-    min_per_slot: int = 2,
-    complete_rank: bool = True,
+    config: SubsetConfig | None = None,
     optimum: tuple[float | None, str] | None = None,
 ) -> RegretResult:
     """Plan on a fraction's predictions and score the plan on the true table.
 
     Args:
         problem: the true instance.
-        fraction, seed, memory_stats, min_per_slot, complete_rank: as in
+        fraction, seed, memory_stats, config: as in
             :func:`predict_stage_costs`.
         support: which entries the planner may use (``"profiled"``/``"all"``).
         refine: profile the plan's unmeasured stages and re-plan until the plan
@@ -178,8 +178,7 @@ def plan_regret(
         fraction,
         seed=seed,
         memory_stats=memory_stats,
-        min_per_slot=min_per_slot,
-        complete_rank=complete_rank,
+        config=config,
     )
     best, why = true_optimum(problem) if optimum is None else optimum
     result: dict[str, Any] = dict(prediction=prediction, support=support, optimum=best)
@@ -299,8 +298,7 @@ def predictor_report(
     cluster_shape: tuple[int, int] | None = None,
     num_microbatches: int | None = None,
     submesh_space: str = "small_power_of_two",
-    min_per_slot: int = 2,
-    complete_rank: bool = True,
+    config: SubsetConfig | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
     """Prediction error and plan regret over fractions x seeds, JSON-able.
@@ -309,7 +307,7 @@ def predictor_report(
         source: see :func:`load_instance`.
         fractions: shares of the profiled entries to draw, each in ``(0, 1]``.
         seeds: seeds of the draws (one run per fraction and seed).
-        support, refine, min_per_slot, complete_rank: see :func:`plan_regret`.
+        support, refine, config: see :func:`plan_regret`.
         memory_stats: memory statistics for a ``Problem`` source (e.g.
             :func:`costmodel.memory_model.synthetic_memory_stats`); stage
             profiles bring their own.
@@ -345,8 +343,7 @@ def predictor_report(
             memory_stats=memory,
             support=support,
             refine=refine,
-            min_per_slot=min_per_slot,
-            complete_rank=complete_rank,
+            config=config,
             optimum=optimum,
         ).to_json()
         for fraction in fractions
@@ -392,7 +389,7 @@ def predictor_report(
         "memory_model": "table" if memory is None else "fitted",
         "support": support,
         "refine": refine,
-        "complete_rank": complete_rank,
+        "subset": dataclasses.asdict(config or SubsetConfig()),
         "optimum": optimum[0],
         "infeasible_reason": optimum[1],
         "rows": rows,
@@ -413,7 +410,8 @@ def format_predictor_report(report: Mapping[str, Any]) -> str:
         f"{report['num_profiled_entries']} profiled entries; memory model "
         f"{report['memory_model']}, support {report['support']}"
         + (", refined" if report["refine"] else "")
-        + ("" if report["complete_rank"] else ", plain draw"),
+        + f", {report['subset']['design']} draw"
+        + ("" if report["subset"]["complete_rank"] else " without rank completion"),
     ]
     if report["optimum"] is None:
         lines.append(

@@ -18,7 +18,12 @@ from costmodel.memory_model import (
     predict_memory_stats,
     synthetic_memory_stats,
 )
-from costmodel.predict import planning_problem, predict_stage_costs, profile_subset
+from costmodel.predict import (
+    SubsetConfig,
+    planning_problem,
+    predict_stage_costs,
+    profile_subset,
+)
 from costmodel.predict_regret import (
     format_predictor_report,
     load_instance,
@@ -61,11 +66,14 @@ def real_profile(index):
 
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("seed", [0, 3])
-def test_subset_counts_rank_and_determinism(fraction, seed):
+@pytest.mark.parametrize("design", ["short", "uniform"])
+def test_subset_counts_rank_and_determinism(fraction, seed, design):
     problem = random_problem(12, (1, 4), missing=0.3, seed=seed)
     profiled = np.isfinite(problem.compute_cost)
-    chosen = profile_subset(profiled, fraction, seed=seed)
-    np.testing.assert_array_equal(chosen, profile_subset(profiled, fraction, seed=seed))
+    config = SubsetConfig(design=design)
+    chosen = profile_subset(profiled, fraction, seed=seed, config=config)
+    again = profile_subset(profiled, fraction, seed=seed, config=config)
+    np.testing.assert_array_equal(chosen, again)
     assert not (chosen & ~profiled).any()
     for m in range(problem.num_submeshes):
         for k in range(problem.num_configs):
@@ -78,6 +86,23 @@ def test_subset_counts_rank_and_determinism(fraction, seed):
             )
     if fraction == 1.0:
         np.testing.assert_array_equal(chosen, profiled)
+
+
+def test_short_design_prefers_short_stages():
+    profiled = np.isfinite(random_problem(32, (1, 4)).compute_cost)
+    lengths = np.arange(32)[None, :] - np.arange(32)[:, None] + 1
+
+    def mean_length(design):
+        chosen = profile_subset(
+            profiled, 0.1, seed=0, config=SubsetConfig(design=design)
+        )
+        return np.broadcast_to(lengths[:, :, None, None], chosen.shape)[chosen].mean()
+
+    # one draw over the 528 spans of L = 32: uniform, mean length (L + 2) / 3;
+    # weights 1 / length, 528 / ((L + 1) H_L - L) = 5.18
+    harmonic = np.sum(1 / np.arange(1, 33))
+    assert mean_length("uniform") == pytest.approx(34 / 3, rel=0.15)
+    assert mean_length("short") == pytest.approx(528 / (33 * harmonic - 32), rel=0.15)
 
 
 def test_subset_depends_on_seed():
@@ -100,7 +125,13 @@ def test_argument_validation():
     problem = additive_problem(6, (1, 2))
     profiled = np.isfinite(problem.compute_cost)
     with pytest.raises(ValueError, match="min_per_slot must be a positive integer"):
-        profile_subset(profiled, 0.5, seed=0, min_per_slot=0)
+        SubsetConfig(min_per_slot=0)
+    with pytest.raises(ValueError, match="design must be one of"):
+        SubsetConfig(design="greedy")
+    with pytest.raises(ValueError, match="complete_rank must be a bool"):
+        SubsetConfig(complete_rank=1)
+    with pytest.raises(ValueError, match="config must be a SubsetConfig"):
+        profile_subset(profiled, 0.5, seed=0, config={"design": "short"})
     with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         profile_subset(profiled, 0.5, seed=-1)
     with pytest.raises(ValueError, match="profiled must have shape"):
@@ -324,7 +355,8 @@ def test_real_profiles_feasible_and_infeasible():
     result = plan_regret(problem, 0.25, seed=0, memory_stats=stats)
     # 1-4 entries per slot: completing the rank profiles all of them
     assert result.prediction.effective_fraction == 1.0
-    result = plan_regret(problem, 0.25, seed=0, memory_stats=stats, complete_rank=False)
+    plain = SubsetConfig(complete_rank=False)
+    result = plan_regret(problem, 0.25, seed=0, memory_stats=stats, config=plain)
     assert result.status == "true-infeasible"
     assert result.optimum is None and result.regret is None
     assert "memory" in result.detail
