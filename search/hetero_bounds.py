@@ -1,0 +1,287 @@
+"""A certified lower bound for hardware-aware stage construction.
+
+:func:`hetero_lower_bound` is ``<=`` the objective
+``T = sum t + sum c + (B - 1) * max(max t, max c)`` of **every** plan that
+:func:`pipedejavu.hetero.check_hetero_plan` accepts (any explicit placement,
+mixed-type stages included), hence ``<=`` the optimum. Proof, for a plan with
+stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
+``n_s`` devices, priced type ``tau_s`` (the slowest type of its hosts):
+
+1. **Speed levels.** Every device of stage ``s`` is at least as fast as
+   ``tau_s``. So for each speed ``v`` the stages priced at speed ``>= v`` use
+   only devices of speed ``>= v``: ``sum_{s: speed(tau_s) >= v} n_s <= D_{>=v}``;
+   and ``sum_s n_s = D`` (every device used once). Let ``x_v`` be the devices of
+   the stages priced at speed exactly ``v``; the vector ``x`` obeys these
+   nested constraints. (Canonical plans use each type's devices exactly; they
+   satisfy them too.)
+2. **Stage costs.** ``t_s = cost[i_s, j_s, m_s, k_s, tau_s] >= a(i_s, j_s, m_s,
+   v)``, the least entry over the configs and the types of speed ``v =
+   speed(tau_s)`` admissible under memory (below).
+3. **Memory.** ``S - 1 - s <= max_n_succ[..., tau_s]`` and ``S - 1 - s >=
+   f(j_s + 1)``, the fewest spans with a finite entry covering layers
+   ``j_s + 1..L-1``; entries with ``max_n_succ < f(j + 1)`` are dropped.
+4. **Transfers.** ``c_s = 2 link.time(bytes[j_s])`` on some link of the
+   cluster, so ``c_s >= l(j_s)``, the least such time over all links (intra-host
+   links of the types present, inter-host links of host pairs present).
+   Moreover, if the cluster has ``H >= 2`` hosts and ``S >= 2``, some boundary is
+   inter-host: a multi-host stage uses every device of its hosts, so it shares
+   no host with a neighbour; if all stages are single-host and every neighbour
+   pair shared a host, all would sit on one host, leaving the others unused.
+   So ``sum_s c_s >= sum_s l(j_s) + delta`` with ``delta`` the least
+   ``(inter-host time - l)`` over boundaries (clipped at 0), and
+   ``max_s c_s >= gamma``, the least inter-host time over boundaries.
+5. **The max term, by caps** (as :mod:`search.exact`). Let ``r`` be the largest
+   of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
+   ``Q(cap)`` be the least ``sum a + sum l`` over the *relaxed plans*
+   (contiguous spans, levels and submeshes with the constraints of 1 and 3,
+   every ``a`` and ``l`` ``<= cap``): a DP over layers with the vector ``x`` as
+   state (:func:`_relaxed_dp`), exact for the relaxation. ``Q`` is
+   non-increasing, so a plan with ``r`` in ``(cap_a, cap_b]`` (consecutive
+   candidate caps ``cap_a < cap_a' <= cap_b``) and ``S >= 2`` stages has
+   ``T >= Q(cap_b) + delta + (B - 1) g`` and ``T >= B g`` with
+   ``g = max(cap_a', gamma)``; below the least feasible cap no plan exists,
+   and a plan with ``r`` above ``incumbent / B`` costs ``>= B r``. A best-first
+   bisection refines the weakest interval. A one-stage plan costs exactly
+   ``B t_0 >= B min a(0, L-1, .)``; the bound is the least of the two cases.
+
+The result is also at least :func:`search.bounds.lower_bound` of the
+homogeneous relaxation (costs the least over types, memory the largest over
+types, links dropped; valid by 2-4 with ``D`` devices in all), which is all
+that is returned when the time limit cuts the DP short. Floating point: the
+result is lowered by a relative ``16 (L + 4) eps``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+
+import numpy as np
+
+from pipedejavu.hetero import HeteroProblem
+from pipedejavu.problem import Problem, ProblemError
+
+from .bounds import _fewest_stages
+from .hetero_assign import links
+
+__all__ = ["hetero_lower_bound"]
+
+_EPS = float(np.finfo(np.float64).eps)
+
+
+class _Levels:
+    """The relaxation's data: entries by speed level, the ``x`` grid, links.
+
+    Attributes:
+        table: f64[L, L, M, V] least admissible entry per span, submesh, level.
+        grid: the flat grid of ``x`` (devices per level), its valid cells
+            (nested constraints hold), the accepting cells (all devices used),
+            and per (m, v) the source and target cells of placing submesh m.
+        low: f64[L + 1] ``l`` at the boundary before layer i (0 at i = 0).
+        delta: the inter-host surcharge of rule 4.
+        gamma: the least inter-host round trip at any boundary (rule 4: a plan
+            of several stages has one, so its bottleneck is at least this).
+    """
+
+    def __init__(self, problem: HeteroProblem):
+        cluster = problem.cluster
+        counts = np.asarray(cluster.devices_of_type())
+        present = counts > 0
+        speeds = np.asarray(cluster.speeds)
+        levels = np.unique(speeds[present])[::-1]  # fastest first
+        level_of = {
+            t: int(np.flatnonzero(levels == speeds[t])[0])
+            for t in np.flatnonzero(present).tolist()
+        }
+        # Devices of speed >= each level (the nested capacities).
+        per_level = np.asarray([counts[speeds == v].sum() for v in levels])
+        capacity = np.cumsum(per_level)
+        num_layers = problem.num_layers
+        spans = np.isfinite(problem.compute_cost).any(axis=(2, 3, 4))
+        followers = _fewest_stages(spans)[1:]  # [L] by end layer
+        admissible = problem.max_n_succ_stages >= followers[None, :, None, None, None]
+        cost = np.where(admissible, problem.compute_cost, np.inf).min(axis=3)
+        table = np.full(
+            (num_layers, num_layers, problem.num_submeshes, len(levels)), np.inf
+        )
+        for t, v in level_of.items():
+            table[..., v] = np.minimum(table[..., v], cost[..., t])
+        sizes = problem.submesh_sizes
+        # A stage priced at level v holds at most the devices of speed >= v.
+        too_big = sizes[:, None] > capacity[None, :]  # [M, V]
+        table[:, :, too_big] = np.inf
+        self.table = table
+        self.sizes = sizes
+        # The x grid, valid cells only (x only grows, so invalid cells never
+        # lead to an accepting one).
+        dims = tuple(int(c) + 1 for c in capacity)
+        grid = np.stack(np.unravel_index(np.arange(int(np.prod(dims))), dims), axis=1)
+        used = grid[(np.cumsum(grid, axis=1) <= capacity[None, :]).all(axis=1)]
+        strides = np.asarray([int(np.prod(dims[v + 1 :])) for v in range(len(dims))])
+        flat = used @ strides
+        self.accept = used.sum(axis=1) == capacity[-1]
+        self.moves = {}
+        for m, size in enumerate(sizes.tolist()):
+            for v in range(len(levels)):
+                moved = used.copy()
+                moved[:, v] += size
+                ok = (np.cumsum(moved, axis=1) <= capacity[None, :]).all(axis=1)
+                source = np.flatnonzero(ok)
+                target = np.searchsorted(flat, moved[ok] @ strides)
+                self.moves[m, v] = (source, target)
+        self.cells = len(used)
+        # Transfers: least time over every link present, and the inter-host one.
+        intra_latency, intra_bandwidth, inter_latency, inter_bandwidth = links(problem)
+        sent = problem.boundary_bytes  # [L - 1]
+        hosts = np.asarray([len(cluster.hosts_of_type(t)) for t in range(len(counts))])
+        intra = [
+            2.0 * (intra_latency[t] + sent / intra_bandwidth[t])
+            for t in np.flatnonzero(hosts > 0)
+        ]
+        inter = [
+            2.0 * (inter_latency[a, b] + sent / inter_bandwidth[a, b])
+            for a in range(len(hosts))
+            for b in range(len(hosts))
+            if hosts[a] > 0 and hosts[b] > (a == b)
+        ]
+        least = np.min(intra + inter, axis=0) if num_layers > 1 else np.zeros(0)
+        self.low = np.concatenate([[0.0], least, [0.0]])
+        self.delta = self.gamma = 0.0
+        if cluster.num_hosts >= 2 and num_layers > 1:
+            surcharge = np.min(inter, axis=0) - least
+            self.delta = max(float(surcharge.min()), 0.0)
+            self.gamma = float(np.min(inter))
+        # One stage holds all D devices, so it is priced at a level holding D.
+        whole = table[0, num_layers - 1][
+            np.ix_(sizes == capacity[-1], capacity >= capacity[-1])
+        ]
+        self.one_stage = float(whole.min(initial=np.inf))
+
+
+def _relaxed_dp(levels: _Levels, cap: float, combine: np.ufunc) -> float:
+    """``Q(cap)`` (``np.add``) or the least feasible cap (``np.maximum``)."""
+    table = np.where(levels.table <= cap, levels.table, np.inf)
+    low = np.where(levels.low <= cap, levels.low, np.inf)
+    num_layers, _, num_submeshes, num_levels = table.shape
+    value = np.full((num_layers + 1, levels.cells), np.inf)
+    value[0, 0] = 0.0
+    live = np.isfinite(table).any(axis=(2, 3))  # [start, end]
+    moves = [(m * num_levels + v, *move) for (m, v), move in levels.moves.items()]
+    for stop in range(1, num_layers + 1):
+        starts = np.flatnonzero(live[:stop, stop - 1] & np.isfinite(low[:stop]))
+        if starts.size == 0:
+            continue
+        entering = combine(value[starts], low[starts][:, None])  # [n, cells]
+        stage = table[starts, stop - 1].reshape(starts.size, -1)  # [n, M * V]
+        row = value[stop]
+        for column, source, target in moves:
+            finite = np.flatnonzero(np.isfinite(stage[:, column]))
+            if finite.size == 0 or source.size == 0:
+                continue
+            # Each (submesh, level) is finite on its own starts only.
+            if finite.size == starts.size:
+                best = combine(entering, stage[:, column, None]).min(axis=0)
+            else:
+                best = combine(entering[finite], stage[finite, column, None]).min(
+                    axis=0
+                )
+            row[target] = np.minimum(row[target], best[source])
+    return float(value[num_layers][levels.accept].min(initial=np.inf))
+
+
+def _homogeneous_bound(problem: HeteroProblem) -> float:
+    """:func:`search.bounds.lower_bound` of the homogeneous relaxation."""
+    from .bounds import lower_bound
+
+    try:
+        relaxed = Problem(
+            compute_cost=problem.compute_cost.min(axis=4),
+            max_n_succ_stages=problem.max_n_succ_stages.max(axis=4),
+            submesh_shapes=problem.submesh_shapes,
+            cluster_shape=problem.cluster.shape,
+            num_microbatches=problem.num_microbatches,
+        )
+    except ProblemError:  # no device combination fits: no plan at all
+        return math.inf
+    return lower_bound(relaxed)
+
+
+def hetero_lower_bound(
+    problem: HeteroProblem,
+    *,
+    incumbent_cost: float | None = None,
+    time_limit_s: float | None = 30.0,
+    max_caps: int = 40,
+    rtol: float = 1e-4,
+) -> float:
+    """A certified lower bound (s) on every plan's objective (module docstring).
+
+    Args:
+        problem: the instance.
+        incumbent_cost: seconds of a known plan: intervals whose bound reaches it
+            are not refined (the bound stays valid, it just stops improving).
+        time_limit_s: refinement stops past it; before the first two caps are
+            solved only the homogeneous bound is returned. None: no limit.
+        max_caps: most caps at which ``Q`` is solved.
+        rtol: the refinement stops when the weakest interval is within this
+            relative distance of the best point bound (or the incumbent).
+
+    Returns:
+        The bound in seconds; ``inf`` only when no plan can exist.
+    """
+    started = time.perf_counter()
+    deadline = math.inf if time_limit_s is None else started + time_limit_s
+    margin = 16.0 * (problem.num_layers + 4) * _EPS
+    simple = _homogeneous_bound(problem)
+    if not math.isfinite(simple):
+        return simple
+    levels = _Levels(problem)
+    batches = problem.num_microbatches
+    one_stage = batches * levels.one_stage
+    ceiling = math.inf if incumbent_cost is None else float(incumbent_cost)
+    # Plans whose largest relaxed term r exceeds ceiling / B cost > ceiling:
+    # the DP only needs the entries up to there (sparser, hence faster).
+    reach = ceiling / batches
+    smallest = _relaxed_dp(levels, reach, np.maximum)
+    values = np.concatenate([levels.table.ravel(), levels.low])
+    caps = np.unique(values[np.isfinite(values)])
+    above = caps[caps > reach]
+    tail = batches * float(above[0]) if above.size else math.inf
+    if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
+        return max(min(tail, one_stage), simple) * (1.0 - margin)
+    caps = caps[(caps >= smallest) & (caps <= reach)]
+    sums: dict[int, float] = {}
+    best_point = [math.inf]
+
+    def solve(index: int) -> None:
+        sums[index] = _relaxed_dp(levels, float(caps[index]), np.add)
+        cap = max(float(caps[index]), levels.gamma)
+        point = max(sums[index] + levels.delta + (batches - 1) * cap, batches * cap)
+        best_point[0] = min(best_point[0], point)
+
+    def interval(low: int, high: int) -> tuple[float, int, int]:
+        floor = max(float(caps[low + 1]), levels.gamma)
+        value = sums[high] + levels.delta + (batches - 1) * floor
+        return max(value, batches * floor), low, high
+
+    first, last = 0, len(caps) - 1
+    solve(first)
+    lowest = best_point[0]  # plans whose r is caps[first] exactly
+    heap = []
+    if last > first:
+        if time.perf_counter() > deadline:
+            return simple * (1.0 - margin)
+        solve(last)
+        heap.append(interval(first, last))
+    while heap and len(sums) < max_caps and time.perf_counter() < deadline:
+        weakest, low, high = heap[0]
+        if high - low < 2 or weakest >= (1.0 - rtol) * min(best_point[0], ceiling):
+            break
+        heapq.heappop(heap)
+        middle = (low + high) // 2
+        solve(middle)
+        for part in (interval(low, middle), interval(middle, high)):
+            heapq.heappush(heap, part)
+    relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
+    return max(min(relaxed, one_stage), simple) * (1.0 - margin)

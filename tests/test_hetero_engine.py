@@ -1,0 +1,277 @@
+"""The hardware-aware engine: exact sub-solvers vs brute force, valid plans that
+reach the oracle, a lower bound below every plan (mixed stages included),
+gradients, jit/vmap/loop agreement, no retracing, the homogeneous reduction."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from baselines.hetero import alpa_homogeneous, hetero_brute_force
+from pipedejavu import get_submesh_choices
+from pipedejavu.cluster import Cluster, DeviceType, Link
+from pipedejavu.generate import random_problem
+from pipedejavu.hetero import (
+    HeteroProblem,
+    check_hetero_plan,
+    evaluate_hetero,
+    make_hetero_plan,
+)
+from pipedejavu.hetero_generate import hetero_problem, two_type_cluster
+from pipedejavu.problem import InfeasibleProblemError
+from search import exact_dp, hetero_engine
+from search.hetero_assign import assign, partition, quick_cost
+from search.hetero_bounds import hetero_lower_bound
+from search.hetero_engine import HeteroSearchConfig, hetero_search
+from search.hetero_relax import (
+    HeteroRelaxedParams,
+    HeteroRelaxedProblem,
+    Temperatures,
+    hetero_relaxed_loss,
+)
+
+SMALL = HeteroSearchConfig(num_restarts=8, num_steps=40, num_chunks=2, num_polished=2)
+
+
+def _tiny(seed: int, *, three_types: bool = False, num_layers: int = 4):
+    """2-3 hosts of 2 devices, 2-3 types, random per-type tables with inf entries
+    and memory limits, random links (some free) and boundary bytes."""
+    rng = np.random.default_rng(seed)
+    if three_types:
+        hosts = ["fast", "slow", "mid"]
+        speeds = {"fast": 1.0, "slow": float(rng.uniform(0.3, 0.7)), "mid": 0.8}
+    else:
+        hosts = ["fast", "slow"] if rng.random() < 0.6 else ["fast", "slow", "slow"]
+        speeds = {"fast": 1.0, "slow": float(rng.uniform(0.3, 0.9))}
+    types = [DeviceType(name, speed) for name, speed in speeds.items()]
+    inter = Link(float(rng.uniform(0, 0.05)), float(rng.choice([np.inf, 20.0, 5.0])))
+    cluster = Cluster.from_types(
+        types, hosts, 2, intra_host=Link(0.001, 200.0), inter_host=inter
+    )
+    shapes = np.array(get_submesh_choices(len(hosts), 2, "all"))
+    sizes = shapes[:, 0] * shapes[:, 1]
+    shape = (num_layers, num_layers, len(shapes), 2)
+    spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1
+    base = (
+        rng.uniform(0.5, 2.0, shape)
+        * np.clip(spans, 1, None)[:, :, None, None]
+        / sizes[None, None, :, None] ** rng.uniform(0.6, 1.0)
+    )
+    speed = np.array([t.speed for t in types])
+    cost = base[..., None] / speed * rng.uniform(0.9, 1.1, (*shape, len(types)))
+    cost[rng.random(cost.shape) < 0.15] = np.inf
+    memory = np.where(
+        rng.random(cost.shape) < 0.3, rng.integers(-1, num_layers, cost.shape), 2**20
+    )
+    return HeteroProblem(
+        cost,
+        memory,
+        shapes,
+        cluster,
+        int(rng.integers(1, 17)),
+        boundary_bytes=rng.uniform(0, 10, num_layers - 1),
+    )
+
+
+def _all_boundaries(num_layers: int):
+    for cuts in itertools.product([False, True], repeat=num_layers - 1):
+        yield [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [num_layers]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_assign_and_partition_are_exact(seed):
+    problem = _tiny(seed, three_types=seed % 3 == 2)
+    optimum = hetero_brute_force(problem).cost
+    best = math.inf
+    for boundaries in _all_boundaries(problem.num_layers):
+        cost, stages = assign(problem, boundaries)
+        if stages is None:
+            continue
+        plan = make_hetero_plan(problem, stages, method="test")
+        np.testing.assert_allclose(cost, plan.cost, rtol=1e-12)
+        # The boundaries are optimal for the slots partition() is given.
+        again, better = partition(problem, [(s[2], s[4]) for s in stages])
+        assert again <= cost * (1 + 1e-12)
+        assert better is None or quick_cost(problem, better) == again
+        best = min(best, cost)
+    np.testing.assert_allclose(best, optimum, rtol=1e-12)
+
+
+def test_engine_plans_are_valid_reach_the_optimum_and_respect_the_bound():
+    reached, total = 0, 0
+    for seed in range(24):
+        problem = _tiny(1000 + seed, three_types=seed % 4 == 3)
+        try:
+            optimum = hetero_brute_force(problem).cost
+        except InfeasibleProblemError:
+            with pytest.raises(InfeasibleProblemError):
+                hetero_search(problem, SMALL, key=jax.random.key(seed))
+            continue
+        plan = hetero_search(problem, SMALL, key=jax.random.key(seed))
+        check_hetero_plan(problem, plan)
+        assert plan.cost == evaluate_hetero(problem, plan)
+        assert plan.method == "diff"
+        assert plan.cost >= optimum * (1 - 1e-12)
+        assert plan.info["lower_bound"] <= optimum * (1 + 1e-12)
+        assert plan.info["gap"] >= 0
+        total += 1
+        reached += plan.cost <= optimum * (1 + 1e-9)
+    assert total >= 20
+    assert reached / total >= 0.9  # measured: 40 of 40 on seeds 0..39
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lower_bound_is_below_the_optimum(seed):
+    problem = _tiny(2000 + seed, three_types=seed % 3 == 0)
+    optimum = hetero_brute_force(problem).cost
+    assert hetero_lower_bound(problem) <= optimum * (1 + 1e-12)
+    # A wrong incumbent only stops the refinement early; the bound stays valid.
+    for incumbent in (optimum, 0.5 * optimum):
+        bound = hetero_lower_bound(problem, incumbent_cost=incumbent)
+        assert bound <= optimum * (1 + 1e-12)
+
+
+def test_lower_bound_covers_mixed_stages():
+    # Slow links: one stage over all three hosts (priced at the slowest type)
+    # beats every canonical plan, and the bound is below it too.
+    problem = _tiny(39, three_types=True)
+    submesh = problem.submesh_shapes.tolist().index([3, 2])
+    slowest = int(np.argmin(problem.cluster.speeds))
+    config = int(np.argmin(problem.compute_cost[0, 3, submesh, :, slowest]))
+    mixed = make_hetero_plan(
+        problem,
+        [(0, 4, submesh, config, slowest)],
+        method="mixed",
+        placement=[((0, 1, 2), 0)],
+    )
+    canonical = hetero_brute_force(problem)
+    assert mixed.cost < 0.5 * canonical.cost
+    bound = hetero_lower_bound(problem)
+    assert bound <= mixed.cost * (1 + 1e-12)
+    np.testing.assert_allclose(bound, mixed.cost, rtol=1e-9)  # tight here
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lower_bound_is_below_alpas_placed_plan(seed):
+    problem = hetero_problem(
+        16, two_type_cluster(1, 2, 4, host_order="interleaved"), seed=seed
+    )
+    alpa = alpa_homogeneous(problem)
+    assert hetero_lower_bound(problem) <= alpa.cost * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)])
+def test_homogeneous_free_links_match_the_exact_dp(shape):
+    base = random_problem(16, shape, num_microbatches=8, seed=3)
+    problem = HeteroProblem.from_problem(base, Cluster.homogeneous(*shape))
+    plan = hetero_search(problem, SMALL, key=jax.random.key(0))
+    assert plan.cost <= exact_dp(base).cost * 1.01
+    assert plan.info["lower_bound"] <= exact_dp(base).cost * (1 + 1e-12)
+
+
+def test_engine_matches_the_oracle_on_a_generated_two_type_instance():
+    from search.hetero_exact import hetero_exact
+
+    problem = hetero_problem(
+        16,
+        two_type_cluster(1, 1, 8, inter_host_gbps=25, cross_type_gbps=10),
+        num_microbatches=16,
+        seed=5,
+    )
+    plan = hetero_search(problem, SMALL, key=jax.random.key(0))
+    optimum = hetero_exact(problem).cost
+    assert plan.cost <= optimum * 1.02
+    assert plan.info["lower_bound"] <= optimum
+    assert plan.cost < alpa_homogeneous(problem).cost
+
+
+def _relaxed_instance(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    num_layers, num_slots, num_types, num_stages = 7, 6, 2, 4
+    data = HeteroRelaxedProblem(
+        per_layer=jnp.asarray(rng.uniform(0.1, 1.0, (num_layers, num_slots))),
+        intercept=jnp.asarray(rng.uniform(0.0, 0.2, num_slots)),
+        slot_devices=jnp.asarray([1.0, 2.0, 4.0, 1.0, 2.0, 4.0]),
+        slot_types=jnp.asarray(np.repeat(np.eye(num_types), 3, axis=0)),
+        type_devices=jnp.asarray([4.0, 4.0]),
+        intra_time=jnp.asarray(rng.uniform(0, 0.1, (num_layers - 1, num_types))),
+        inter_time=jnp.asarray(
+            rng.uniform(0.1, 0.5, (num_layers - 1, num_types, num_types))
+        ),
+        devices_per_host=jnp.asarray(2.0),
+        num_microbatches=jnp.asarray(8.0),
+    )
+    params = HeteroRelaxedParams(
+        jnp.asarray(rng.normal(size=num_stages)),
+        jnp.asarray(rng.normal(size=(num_stages, num_slots))),
+    )
+    temps = Temperatures(*(jnp.asarray(x) for x in (0.7, 0.8, 0.3, 5.0)))
+    mask = jnp.asarray([True, True, True, False])
+    return params, data, mask, temps
+
+
+def test_relaxed_loss_has_finite_correct_gradients():
+    with jax.enable_x64(True):
+        params, data, mask, temps = _relaxed_instance()
+        data = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), data)
+        params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+        loss = jax.jit(lambda p: hetero_relaxed_loss(p, data, mask, temps))
+        check_grads(
+            loss,
+            (params,),
+            order=1,
+            modes=["rev"],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        grads = jax.jit(jax.grad(loss))(params)
+        assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_jit_vmap_and_loop_agree():
+    params, data, mask, temps = _relaxed_instance()
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.5 * x, -x]), params)
+    masks = jnp.stack([mask, mask, jnp.ones_like(mask)])
+    vmapped = jax.jit(jax.vmap(hetero_relaxed_loss, in_axes=(0, None, 0, None)))(
+        batch, data, masks, temps
+    )
+    single = jax.jit(hetero_relaxed_loss)
+    looped = [
+        single(HeteroRelaxedParams(*(x[r] for x in batch)), data, masks[r], temps)
+        for r in range(3)
+    ]
+    np.testing.assert_allclose(vmapped, looped, rtol=1e-5)
+
+
+def test_the_jitted_step_traces_once_and_the_same_key_gives_the_same_plan():
+    problem = _tiny(7)
+    config = HeteroSearchConfig(
+        num_restarts=4, num_steps=30, num_chunks=3, num_polished=1, learning_rate=0.07
+    )
+    before = hetero_engine.TRACE_COUNT[0]
+    first = hetero_search(problem, config, key=jax.random.key(0))
+    assert hetero_engine.TRACE_COUNT[0] == before + 1  # three chunks, one trace
+    # Polish and time settings do not recompile.
+    again = dataclasses.replace(config, num_polished=2, time_budget_s=10.0)
+    second = hetero_search(problem, again, key=jax.random.key(0))
+    assert hetero_engine.TRACE_COUNT[0] == before + 1
+    assert second.info["compile_time_s"] == 0.0
+    third = hetero_search(problem, config, key=jax.random.key(0))
+    assert [s.to_json() for s in first.stages] == [s.to_json() for s in third.stages]
+    assert len(first.info["loss_curve"]) == 30
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_exact_polished"):
+        HeteroSearchConfig(num_exact_polished=-1)
+    with pytest.raises(ValueError, match="exact_time_limit_s"):
+        HeteroSearchConfig(exact_time_limit_s=0)
+    with pytest.raises(ValueError, match="num_steps"):
+        HeteroSearchConfig(num_steps=10, num_chunks=3)
