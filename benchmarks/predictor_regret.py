@@ -163,7 +163,7 @@ def main() -> None:
         for line in format_rows(name, report):
             print(line, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"header": header, "reports": reports}, indent=1))
+    args.out.write_text(json.dumps({"header": header, "reports": reports}))
     print(f"# wrote {args.out}")
 
 
