@@ -14,23 +14,26 @@ them alike); a function's time is the median of its rounds.
 
 Stage model. A contiguous span ``i..j`` run as one jitted function is not the sum
 of its layers' calls: each call pays a fixed overhead (dispatch, thread wake-up,
-result buffers) and XLA fuses and overlaps work across layer boundaries. Both
-savings happen at the ``n - 1`` internal boundaries of an ``n``-layer span, so::
+result buffers), XLA fuses and overlaps work across layer boundaries, and a stage
+whose working set outgrows the caches slows down (measured on a 2-core CPU with
+a 32 MiB L3: gpt-small stages of three or more blocks run ~35% slower than the
+sum of their blocks, two blocks do not). So, for ``n`` layers::
 
-    predicted(i..j) = sum_l t_l - (n - 1) * per_boundary_s
+    predicted(i..j) = sum_l t_l * (1 + spill_fraction * [W(i..j) > spill_bytes])
+                      - (n - 1) * per_boundary_s
                       - boundary_fraction * sum_{k=i..j-1} (t_k + t_{k+1}) / 2
 
-with ``per_boundary_s`` (the fixed per-call part) and ``boundary_fraction`` (the
-part that scales with the adjacent layers' work) fit by bounded least squares to
-spans timed as one function in the same rounds (:func:`fit_stage_overhead`).
-One-layer stages are the measurement itself.
+with ``W`` the summed vjp stashes of the layers per device, and the four
+coefficients fit to spans timed as one function in the same rounds
+(:func:`fit_stage_overhead`). One-layer stages are the measurement itself.
 
 Devices. One device was measured. :func:`problem_from_layer_profile` defaults to
 a 1x1 cluster, where ``compute_cost`` is the measured model. Larger clusters need
 an explicit :class:`DataParallelScaling`, a stated assumption rather than a
 measurement: on a submesh of ``d`` devices each stage runs data-parallel with
-Amdahl scaling of the measured time, plus a ring all-reduce of its gradients once
-per iteration (alpha-beta), charged as ``1 / B`` of it per micro-batch.
+Amdahl scaling of the measured time (its working set split over the devices),
+plus a ring all-reduce of its gradients once per iteration (alpha-beta), charged
+as ``1 / B`` of it per micro-batch.
 Units: seconds and bytes.
 """
 
@@ -174,7 +177,6 @@ def _layer_names(config: GPTConfig) -> tuple[str, ...]:
     return ("embedding", *(f"block{i}" for i in range(config.num_blocks)), "head")
 
 
-@lru_cache(maxsize=64)
 def _span_step(config: GPTConfig, start: int, stop: int) -> Callable:
     """The jitted forward + backward of layers ``start..stop-1`` (half-open).
 
@@ -182,20 +184,25 @@ def _span_step(config: GPTConfig, start: int, stop: int) -> Callable:
     tuple of the span's layer parameters, ``x`` the span's input (token ids when
     ``start == 0``), ``cotangent`` the gradient of the span's output (1.0 when it
     ends with the head). ``gradients`` holds the parameter gradients and, unless
-    ``start == 0``, the input gradient. Cached: spans of blocks of one config
-    share one compiled function.
+    ``start == 0``, the input gradient. Blocks are identical, so spans with the
+    same layer kinds share one compiled function.
     """
-    layers = gpt_layers(config)
-    num_layers = len(layers)
+    last = config.num_layers - 1
+    kinds = tuple(0 if i == 0 else 2 if i == last else 1 for i in range(start, stop))
+    return _kinds_step(config, kinds)
+
+
+@lru_cache(maxsize=128)
+def _kinds_step(config: GPTConfig, kinds: tuple[int, ...]) -> Callable:
+    layers = [(Embedding, Block, Head)[kind](config) for kind in kinds]
 
     def forward(params, x, targets):
-        for index in range(start, stop):
-            extra = (targets,) if index == num_layers - 1 else ()
-            x = layers[index].apply(params[index - start], x, *extra)
+        for kind, layer, layer_params in zip(kinds, layers, params, strict=True):
+            x = layer.apply(layer_params, x, *((targets,) if kind == 2 else ()))
         return x
 
     def step(params, x, targets, cotangent):
-        if start == 0:  # integer token ids have no gradient
+        if kinds[0] == 0:  # integer token ids have no gradient
             output, pullback = jax.vjp(lambda p: forward(p, x, targets), params)
         else:
             output, pullback = jax.vjp(lambda p, h: forward(p, h, targets), params, x)
@@ -269,6 +276,20 @@ class LayerProfile:
     def num_layers(self) -> int:
         return len(self.layer_names)
 
+    def with_statistic(self, statistic: str) -> LayerProfile:
+        """A copy whose times are another statistic of the same samples:
+        ``"median"`` (the default) or ``"min"`` (the least-disturbed call, a
+        steadier estimate on a loaded machine)."""
+        reducers = {"median": np.median, "min": np.min}
+        if statistic not in reducers:
+            raise ValueError(f"statistic must be median or min, got {statistic!r}")
+        reduce = reducers[statistic]
+        return dataclasses.replace(
+            self,
+            layer_times_s=reduce(self.layer_samples_s, axis=1),
+            span_times_s=reduce(self.span_samples_s, axis=1),
+        )
+
 
 def _check_count(value: object, name: str, minimum: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
@@ -312,6 +333,7 @@ def profile_model(
     seq_len: int | None = None,
     repeats: int = 10,
     warmup: int = 2,
+    burst: int = 2,
     spans: str | Sequence[tuple[int, int]] = "auto",
     seed: int = 0,
     progress_fn: ProgressFn | None = None,
@@ -322,6 +344,9 @@ def profile_model(
         name_or_config: a preset name (:data:`MODEL_NAMES`) or a :class:`GPTConfig`.
         batch, seq_len: override the config's micro-batch size / sequence length.
         repeats: timed rounds (>= 1); warmup: untimed calls per function (>= 0).
+        burst: calls per sample, back to back, of which the last is timed (>= 1):
+            a stage runs micro-batch after micro-batch, so its caches are warm;
+            1 times each call right after other functions ran (cold).
         spans: ``(start, stop)`` half-open spans of >= 2 layers timed as one
             function (the overhead fit's data), or ``"auto"``: the whole model,
             both halves and layers 1..2.
@@ -334,6 +359,7 @@ def profile_model(
     """
     repeats = _check_count(repeats, "repeats", 1)
     warmup = _check_count(warmup, "warmup", 0)
+    burst = _check_count(burst, "burst", 1)
     if isinstance(name_or_config, GPTConfig):
         name, config = "custom", name_or_config
     else:
@@ -400,6 +426,8 @@ def profile_model(
     for round_index in range(repeats):
         for which in order_rng.permutation(len(timed)):
             function, call = calls[which]
+            for _ in range(burst - 1):  # the stage's steady state, cache warm
+                jax.block_until_ready(function(*call))
             began = time.perf_counter()
             jax.block_until_ready(function(*call))
             samples[which, round_index] = time.perf_counter() - began
@@ -439,24 +467,55 @@ def profile_model(
 
 @dataclasses.dataclass(frozen=True)
 class StageOverhead:
-    """What a span run as one function saves at each internal layer boundary.
+    """How a span run as one function differs from the sum of its layers' calls.
 
     Args:
-        per_boundary_s: the fixed per-call part, seconds per boundary.
-        boundary_fraction: the part proportional to the two adjacent layers'
-            mean time (fusion and overlap across the boundary).
-        num_spans: spans the fit used (0: no saving is modelled).
+        per_boundary_s: seconds saved per internal layer boundary, the fixed
+            per-call part (negative: a cost).
+        boundary_fraction: saved per boundary, as a fraction of the two adjacent
+            layers' mean time (fusion and overlap across the boundary).
+        spill_fraction: slowdown, as a fraction of the layers' sum, of a stage
+            whose working set exceeds ``spill_bytes``.
+        spill_bytes: working-set capacity (bytes of summed layer stashes per
+            device); ``inf``: no stage spills.
+        num_spans: spans the fit used (0: no effect is modelled).
     """
 
     per_boundary_s: float = 0.0
     boundary_fraction: float = 0.0
+    spill_fraction: float = 0.0
+    spill_bytes: float = math.inf
     num_spans: int = 0
 
 
-def _span_features(times: NDArray[np.float64], start: int, stop: int) -> tuple:
-    """(sum of layer times, boundaries, sum of adjacent-pair mean times)."""
-    part = times[start:stop]
-    return part.sum(), stop - start - 1, ((part[:-1] + part[1:]) / 2).sum()
+def _span_sums(values: NDArray) -> NDArray[np.float64]:
+    """f64[L, L]: ``[i, j]`` = sum of ``values[i..j]`` (meaningful for i <= j)."""
+    prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    return prefix[None, 1:] - prefix[:-1, None]
+
+
+def _features(profile: LayerProfile, devices: int = 1) -> tuple:
+    """f64[L, L] tables for stage ``i..j``: sum of layer times, internal
+    boundaries, sum of adjacent-pair mean times, working set per device."""
+    times = profile.layer_times_s
+    first, last = np.indices((len(times), len(times)))
+    pair_means = np.concatenate([(times[:-1] + times[1:]) / 2, [0.0]])
+    adjacent = _span_sums(pair_means) - pair_means[None, :]
+    working_set = _span_sums(profile.stash_bytes) / devices
+    return _span_sums(times), (last - first).astype(float), adjacent, working_set
+
+
+def _stage_table(
+    profile: LayerProfile, overhead: StageOverhead, devices: int = 1
+) -> NDArray[np.float64]:
+    """f64[L, L] predicted seconds of stage ``i..j`` (inclusive); inf for i > j."""
+    total, boundaries, adjacent, working_set = _features(profile, devices)
+    table = (
+        total * (1 + overhead.spill_fraction * (working_set > overhead.spill_bytes))
+        - overhead.per_boundary_s * boundaries
+        - overhead.boundary_fraction * adjacent
+    )
+    return np.where(boundaries >= 0, table, np.inf)
 
 
 def fit_stage_overhead(
@@ -464,10 +523,14 @@ def fit_stage_overhead(
 ) -> StageOverhead:
     """Fit :class:`StageOverhead` to the spans timed as one function.
 
-    Least squares on the *relative* error of the predicted span times, with
-    ``0 <= per_boundary_s <= min(layer time) / 2`` and
-    ``0 <= boundary_fraction <= 1/2`` (so predictions stay positive and never
-    exceed the plain sum: a span measured slower than its layers' sum fits to 0).
+    Least squares on the *relative* error of the predicted span times with
+    ``|per_boundary_s| <= min(layer time) / 2``, ``|boundary_fraction| <= 1/2``
+    (so predictions stay positive) and ``0 <= spill_fraction <= 2``. Negative
+    boundary terms are allowed: a span measured slower than its layers' sum
+    fits a boundary *cost*. ``spill_bytes`` is chosen among ``inf`` and the
+    geometric midpoints between the working sets of the fitted spans that lie
+    above the largest single layer's (every single layer is its measurement);
+    the best residual wins, ``inf`` on ties.
 
     Args:
         profile: the measurements. spans: a subset of ``profile.spans`` to fit
@@ -482,32 +545,31 @@ def fit_stage_overhead(
         )
     if not chosen:
         return StageOverhead()
-    times = profile.layer_times_s
-    rows, targets = [], []
-    for start, stop in chosen:
-        measured = profile.span_times_s[profile.spans.index((start, stop))]
-        total, boundaries, adjacent = _span_features(times, start, stop)
-        rows.append([boundaries / measured, adjacent / measured])
-        targets.append((total - measured) / measured)
-    upper = [times.min() / 2, 0.5]
-    fit = lsq_linear(np.array(rows), np.array(targets), bounds=([0.0, 0.0], upper))
-    per_boundary, fraction = np.clip(fit.x, 0.0, upper)
-    return StageOverhead(float(per_boundary), float(fraction), len(chosen))
-
-
-def _stage_table(profile: LayerProfile, overhead: StageOverhead) -> NDArray[np.float64]:
-    """f64[L, L] predicted seconds of stage ``i..j`` (inclusive); inf for i > j."""
-    times = profile.layer_times_s
-    prefix = np.concatenate([[0.0], np.cumsum(times)])
-    pairs = np.concatenate([[0.0], np.cumsum((times[:-1] + times[1:]) / 2)])
-    first, last = np.indices((len(times), len(times)))
-    table = (
-        prefix[last + 1]
-        - prefix[first]
-        - overhead.per_boundary_s * (last - first)
-        - overhead.boundary_fraction * (pairs[np.maximum(last, first)] - pairs[first])
+    starts, ends = (np.array(side) for side in zip(*chosen, strict=True))
+    ends = ends - 1
+    total, boundaries, adjacent, working_set = (
+        table[starts, ends] for table in _features(profile)
     )
-    return np.where(last >= first, table, np.inf)
+    measured = profile.span_times_s[[profile.spans.index(s) for s in chosen]]
+    target = (total - measured) / measured
+    largest_layer = float(profile.stash_bytes.max())
+    sizes = np.unique(
+        np.append(working_set[working_set > largest_layer], largest_layer)
+    )
+    upper = np.array([profile.layer_times_s.min() / 2, 0.5, 2.0])
+    best = (math.inf, StageOverhead(num_spans=len(chosen)))
+    for capacity in [math.inf, *np.sqrt(sizes[:-1] * sizes[1:])]:
+        spill = total * (working_set > capacity)
+        columns = [boundaries, adjacent, -spill][: 3 if spill.any() else 2]
+        rows = np.stack(columns, axis=1) / measured[:, None]
+        bound = upper[: len(columns)]
+        fit = lsq_linear(rows, target, bounds=(-bound * [1, 1, 0][: len(bound)], bound))
+        residual = float(np.sum((rows @ fit.x - target) ** 2))
+        if residual < best[0] * (1 - 1e-9) - 1e-15:
+            values = [*np.clip(fit.x, -bound, bound), 0.0][:3]
+            overhead = StageOverhead(*(float(v) for v in values), capacity, len(chosen))
+            best = (residual, overhead)
+    return best[1]
 
 
 def predict_span_time(
@@ -556,13 +618,13 @@ class DataParallelScaling:
             raise ValueError(
                 f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}"
             )
-        for name in ("allreduce_latency_s", "intra_host_bandwidth"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(
-                    f"{name} must be finite and >= 0, got {getattr(self, name)}"
-                )
+        latency = self.allreduce_latency_s
+        if not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(
+                f"allreduce_latency_s must be finite and >= 0, got {latency}"
+            )
         for name in ("intra_host_bandwidth", "inter_host_bandwidth"):
-            if not getattr(self, name) > 0:
+            if not getattr(self, name) > 0:  # inf: free communication
                 raise ValueError(
                     f"{name} must be > 0 bytes/s, got {getattr(self, name)}"
                 )
@@ -631,15 +693,14 @@ def problem_from_layer_profile(
     overhead = fit_stage_overhead(profile) if overhead is None else overhead
     batches = _check_count(num_microbatches, "num_microbatches", 1)
     shapes = get_submesh_choices(num_hosts, devices_per_host, submesh_space)
-    one_device = _stage_table(profile, overhead)
-
-    def span_sums(values: NDArray) -> NDArray[np.float64]:
-        prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
-        return prefix[None, 1:] - prefix[:-1, None]  # [i, j] = sum values[i..j]
-
-    params = span_sums(profile.param_bytes)
+    params = _span_sums(profile.param_bytes)
     cost = np.stack(
-        [scaling.stage_time(one_device, params, h, d, batches) for h, d in shapes],
+        [
+            scaling.stage_time(
+                _stage_table(profile, overhead, h * d), params, h, d, batches
+            )
+            for h, d in shapes
+        ],
         axis=-1,
     )[..., None]
     memory = None
@@ -649,7 +710,7 @@ def problem_from_layer_profile(
                 "memory_budget_bytes must be > 0 and weight_memory_factor >= 0, got "
                 f"{memory_budget_bytes} and {weight_memory_factor}"
             )
-        stash = np.maximum(span_sums(profile.stash_bytes), 1.0)
+        stash = np.maximum(_span_sums(profile.stash_bytes), 1.0)
         free = memory_budget_bytes - weight_memory_factor * params
         memory = np.stack(
             [np.floor(free / (stash / (h * d))) - 1 for h, d in shapes], axis=-1
