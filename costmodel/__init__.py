@@ -16,23 +16,51 @@ from .alpa_profiles import stage_profile_tables as stage_profile_tables
 from .alpa_types import MeshProfilingResult as MeshProfilingResult
 from .alpa_types import ModuleProfileResult as ModuleProfileResult
 from .alpa_types import StageProfileResult as StageProfileResult
-from .comm import CommModel as CommModel
-from .comm import fit_comm_model as fit_comm_model
-from .comm_plots import comm_report as comm_report
 from .layers import LayerSpec as LayerSpec
 from .layers import boundary_activation_bytes as boundary_activation_bytes
 from .layers import gpt_layers as gpt_layers
 from .layers import irregular_layers as irregular_layers
+from .memory_model import MemoryStatsTable as MemoryStatsTable
+from .memory_model import memory_stats_table as memory_stats_table
+from .memory_model import synthetic_memory_stats as synthetic_memory_stats
 from .synthesize import AlphaBetaComm as AlphaBetaComm
 from .synthesize import StageTables as StageTables
 from .synthesize import stage_cost_table as stage_cost_table
 from .synthesize import synthesize as synthesize
 
+# The JAX-based parts load on first use, so that reading Alpa's files (and
+# `import baselines`) does not pay for importing JAX.
+_LAZY = {
+    "CommModel": "comm",
+    "fit_comm_model": "comm",
+    "comm_report": "comm_plots",
+    "predict_stage_costs": "predict",
+    "SubsetConfig": "predict",
+    "PredictionResult": "predict",
+    "plan_regret": "predict_regret",
+    "predictor_report": "predict_regret",
+    "format_predictor_report": "predict_regret",
+    "RegretResult": "predict_regret",
+    "LayerProfile": "profiler",
+    "profile_model": "profiler",
+    "problem_from_layer_profile": "profiler",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'costmodel' has no attribute {name!r}")
+
+
 __all__ = [
     "AlphaBetaComm",
-    "CommModel",
-    "comm_report",
-    "fit_comm_model",
+    "MemoryStatsTable",
+    "memory_stats_table",
+    "synthetic_memory_stats",
+    *_LAZY,
     "LayerSpec",
     "StageTables",
     "boundary_activation_bytes",

@@ -162,6 +162,25 @@ def _build_parser() -> argparse.ArgumentParser:
         default="small_power_of_two",
         help="for an Alpa .npy (default: %(default)s)",
     )
+    predict.add_argument(
+        "--support",
+        choices=["profiled", "all"],
+        default="profiled",
+        help="stages the planner may use: those Alpa profiled (default), or all "
+        "the model predicts, filtered by the predicted memory limit",
+    )
+    predict.add_argument(
+        "--refine",
+        action="store_true",
+        help="profile the plan's predicted stages and re-plan until it uses "
+        "measured stages only (reports the extra entries)",
+    )
+    predict.add_argument(
+        "--design",
+        choices=["short", "uniform"],
+        default="short",
+        help="which entries to profile: favour short stages (default) or uniform",
+    )
     predict.add_argument("--json", action="store_true", help="print JSON")
 
     demo = commands.add_parser(

@@ -158,6 +158,7 @@ def _costmodel_report(args: argparse.Namespace) -> None:
 def _costmodel_predict(args: argparse.Namespace) -> None:
     import os
 
+    from costmodel.predict import SubsetConfig
     from costmodel.predict_regret import format_predictor_report, predictor_report
 
     from .io import bundled_examples, example_names, load_example, parse_cluster
@@ -188,7 +189,13 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
         settings["submesh_space"] = args.submesh_space
     try:
         report = predictor_report(
-            source, fractions=fractions, seeds=tuple(range(args.seeds)), **settings
+            source,
+            fractions=fractions,
+            seeds=tuple(range(args.seeds)),
+            support=args.support,
+            refine=args.refine,
+            config=SubsetConfig(design=args.design),
+            **settings,
         )
     except ValueError as error:
         raise ProblemError(str(error)) from None
