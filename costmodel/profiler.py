@@ -215,23 +215,19 @@ def _nbytes(tree) -> int:
     return int(sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in tree))
 
 
-def _stash_bytes(step_inputs: tuple, config: GPTConfig, index: int) -> int:
-    """Bytes the backward of layer ``index`` keeps from its forward (vjp
-    residuals), without the weights it merely references."""
-    layers = gpt_layers(config)
+def _stash_bytes(layer: nn.Module, params, x, *extra) -> int:
+    """Bytes the backward of ``layer`` keeps from its forward: the jaxpr-level
+    vjp residuals (an upper bound on what XLA keeps), without the weights."""
 
-    def residuals(params, x, targets):
-        extra = (targets,) if index == len(layers) - 1 else ()
-        if index == 0:
-            _, pullback = jax.vjp(lambda p: layers[0].apply(p, x), params)
+    def residuals(params, x, *extra):
+        if jnp.issubdtype(x.dtype, jnp.integer):  # token ids: no input gradient
+            _, pullback = jax.vjp(lambda p: layer.apply(p, x, *extra), params)
         else:
-            _, pullback = jax.vjp(
-                lambda p, h: layers[index].apply(p, h, *extra), params, x
-            )
+            _, pullback = jax.vjp(lambda p, h: layer.apply(p, h, *extra), params, x)
         weights = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
         return [r for r in jax.tree_util.tree_leaves(pullback) if id(r) not in weights]
 
-    return _nbytes(jax.eval_shape(residuals, *step_inputs))
+    return _nbytes(jax.eval_shape(residuals, params, x, *extra))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -249,9 +245,11 @@ class LayerProfile:
         activation_bytes: i64[L] each layer's output per micro-batch (what a
             stage boundary after it sends; 4 for the loss).
         stash_bytes: i64[L] what its backward keeps from its forward (inputs and
-            intermediates, not the weights), per micro-batch.
+            intermediates, not the weights), per micro-batch: jaxpr-level vjp
+            residuals, an upper bound on what XLA keeps.
         param_bytes: i64[L] its parameters.
-        repeats, warmup: timed rounds and untimed calls per function.
+        repeats, warmup, burst: timed rounds, untimed calls per function, calls
+            per sample (see :func:`profile_model`).
         compile_s: seconds spent compiling and warming up.
     """
 
@@ -270,6 +268,7 @@ class LayerProfile:
     param_bytes: NDArray[np.int64]
     repeats: int
     warmup: int
+    burst: int
     compile_s: float
 
     @property
@@ -451,8 +450,9 @@ def profile_model(
         activation_bytes=np.array([_nbytes([out]) for out in outputs], np.int64),
         stash_bytes=np.array(
             [
-                _stash_bytes((params[i], inputs[i], targets), config, i)
-                for i in range(num_layers)
+                _stash_bytes(layer, params[i], inputs[i], *extra)
+                for i, layer in enumerate(gpt_layers(config))
+                for extra in [(targets,) if i == num_layers - 1 else ()]
             ],
             np.int64,
         ),
@@ -461,6 +461,7 @@ def profile_model(
         ),
         repeats=repeats,
         warmup=warmup,
+        burst=burst,
         compile_s=compile_s,
     )
 
