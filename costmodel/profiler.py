@@ -64,7 +64,7 @@ __all__ = [
     "StageOverhead",
     "fit_stage_overhead",
     "gpt_config",
-    "gpt_layers",
+    "gpt_modules",
     "predict_span_time",
     "problem_from_layer_profile",
     "profile_model",
@@ -167,7 +167,7 @@ class Head(nn.Module):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def gpt_layers(config: GPTConfig) -> tuple[nn.Module, ...]:
+def gpt_modules(config: GPTConfig) -> tuple[nn.Module, ...]:
     """The L pipeline layers of ``config``: embedding, blocks, head."""
     blocks = tuple(Block(config) for _ in range(config.num_blocks))
     return (Embedding(config), *blocks, Head(config))
@@ -379,7 +379,7 @@ def profile_model(
     # numpy N(0, 0.02) parameters: timings do not depend on the values, and a
     # jitted flax init costs one more XLA compilation per layer kind.
     params = []
-    for index, layer in enumerate(gpt_layers(config)):
+    for index, layer in enumerate(gpt_modules(config)):
         x = tokens if index == 0 else hidden
         extra = (targets,) if index == num_layers - 1 else ()
         abstract = jax.eval_shape(layer.init, jax.random.key(0), x, *extra)
@@ -451,7 +451,7 @@ def profile_model(
         stash_bytes=np.array(
             [
                 _stash_bytes(layer, params[i], inputs[i], *extra)
-                for i, layer in enumerate(gpt_layers(config))
+                for i, layer in enumerate(gpt_modules(config))
                 for extra in [(targets,) if i == num_layers - 1 else ()]
             ],
             np.int64,

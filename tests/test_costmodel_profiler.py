@@ -27,7 +27,7 @@ from costmodel.profiler import (
     _span_step,
     fit_stage_overhead,
     gpt_config,
-    gpt_layers,
+    gpt_modules,
     predict_span_time,
     problem_from_layer_profile,
     profile_model,
@@ -124,7 +124,7 @@ def test_progress(micro_run):
 
 def test_timed_step_computes_the_real_gradients():
     config = gpt_config("gpt-micro")
-    layers = gpt_layers(config)
+    layers = gpt_modules(config)
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32))
     targets = jnp.roll(tokens, -1, axis=1)
