@@ -664,7 +664,8 @@ def problem_from_layer_profile(
     """A one-config :class:`Problem` (K = 1) from measured layer times.
 
     ``compute_cost[i, j, m, 0]`` is :func:`predict_span_time` of layers ``i..j``
-    (inclusive) on one device, scaled to submesh ``m`` by ``scaling``.
+    (inclusive), its working-set term taken per device, scaled to submesh ``m``
+    by ``scaling``.
 
     Args:
         profile: the measurements. cluster: ``(num_hosts, devices_per_host)``.
