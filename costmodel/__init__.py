@@ -44,6 +44,10 @@ _LAZY = {
     "LayerProfile": "profiler",
     "profile_model": "profiler",
     "problem_from_layer_profile": "profiler",
+    "profile_to_problem": "profiler",
+    "fit_stage_overhead": "profiler",
+    "DataParallelScaling": "profiler",
+    "StageOverhead": "profiler",
 }
 
 

@@ -49,7 +49,8 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a cluster of typed hosts and links (.json/.toml); makes the problem "
         "heterogeneous: costs scaled by each type's speed, activation transfers "
-        "priced from the .npz's boundary_bytes (zero if absent)",
+        "priced from the .npz's boundary_bytes or activation_bytes (zero if "
+        "absent)",
     )
     parser.add_argument(
         "--submesh-space",
@@ -183,6 +184,26 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--json", action="store_true", help="print JSON")
 
+    profile = commands.add_parser(
+        "profile",
+        help="time the layers of a flax GPT on this machine's JAX backend and "
+        "write the problem",
+    )
+    profile.add_argument(
+        "--model", default="gpt-tiny", help="gpt-micro, gpt-tiny (default), gpt-small"
+    )
+    profile.add_argument("--out", required=True, help="the problem .npz to write")
+    profile.add_argument(
+        "--cluster",
+        metavar="HxD",
+        default="1x1",
+        help="cluster to model (default 1x1: what was measured; more devices "
+        "are modelled as data parallelism, see costmodel.profiler)",
+    )
+    profile.add_argument("--num-microbatches", "-B", type=int, default=8)
+    profile.add_argument("--repeats", type=int, default=10, help="timed rounds")
+    profile.add_argument("--warmup", type=int, default=2, help="untimed calls")
+
     demo = commands.add_parser(
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
@@ -207,6 +228,8 @@ def _load(args: argparse.Namespace) -> Problem:
         with np.load(args.problem, allow_pickle=False) as data:
             if "boundary_bytes" in data:
                 boundary = data["boundary_bytes"]
+            elif "activation_bytes" in data:  # `pipedejavu profile` output
+                boundary = data["activation_bytes"][:-1].astype(np.float64)
     return HeteroProblem.from_problem(
         problem, Cluster.from_file(cluster_file), boundary_bytes=boundary
     )
@@ -512,6 +535,10 @@ def _run(args: argparse.Namespace) -> int:
             from .commands import run_costmodel
 
             run_costmodel(args)
+        elif args.command == "profile":
+            from .commands import run_profile
+
+            run_profile(args)
         elif args.command == "demo":
             _demo(sys.stdout, args.json)
     except ProblemError as error:

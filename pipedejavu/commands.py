@@ -203,3 +203,59 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
         print(json.dumps(report))
     else:
         print(format_predictor_report(report))
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from costmodel.profiler import MODEL_NAMES, DataParallelScaling, profile_to_problem
+
+    from .io import parse_cluster
+
+    if args.model not in MODEL_NAMES:
+        raise ProblemError(
+            f"unknown model {args.model!r}; choose one of {', '.join(MODEL_NAMES)}"
+        )
+    if args.repeats < 1 or args.warmup < 0 or args.num_microbatches < 1:
+        raise ProblemError("--repeats and -B must be >= 1, --warmup >= 0")
+    started = time.perf_counter()
+
+    def progress(done: int, total: int, what: str) -> None:
+        if time.perf_counter() - started >= 2.0:
+            print(f"profile: {done}/{total} {what}", file=sys.stderr, flush=True)
+
+    cluster = parse_cluster(args.cluster)
+    try:
+        problem, profile = profile_to_problem(
+            args.model,
+            args.out,
+            cluster=cluster,
+            # one device measured; more are modelled (an assumption, documented
+            # in costmodel.profiler.DataParallelScaling)
+            scaling=None if cluster == (1, 1) else DataParallelScaling(),
+            num_microbatches=args.num_microbatches,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            progress_fn=progress,
+        )
+    except ValueError as error:
+        if isinstance(error, ProblemError):
+            raise
+        raise ProblemError(str(error)) from None
+    print(
+        f"{args.model} on {profile.backend} ({profile.device_kind}): "
+        f"{len(profile.layer_names)} layers, forward + backward per micro-batch"
+    )
+    for name, seconds, activation in zip(
+        profile.layer_names,
+        profile.layer_times_s,
+        profile.activation_bytes,
+        strict=True,
+    ):
+        print(
+            f"  {name:<12} {seconds * 1e3:9.3f} ms   output {activation / 1e6:8.3f} MB"
+        )
+    print(
+        f"wrote {args.out}: L = {problem.num_layers}, cluster "
+        f"{problem.cluster_shape[0]}x{problem.cluster_shape[1]}, "
+        f"B = {problem.num_microbatches} "
+        f"({time.perf_counter() - started:.1f} s)"
+    )

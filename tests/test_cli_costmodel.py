@@ -1,4 +1,4 @@
-"""``pipedejavu costmodel report|predict`` as a user meets them."""
+"""``pipedejavu costmodel report|predict`` and ``profile`` as a user meets them."""
 
 from __future__ import annotations
 
@@ -61,3 +61,22 @@ def test_predict_bad_fraction_is_bad_input(capsys):
         capsys, "costmodel", "predict", "generated-gpt-32layers-2x8", "--fraction", "2"
     )
     assert code == 2 and "fraction" in err
+
+
+def test_profile_writes_a_solvable_problem(capsys, tmp_path):
+    out = tmp_path / "micro.npz"
+    code, text, _ = run(
+        capsys, "profile", "--model", "gpt-micro", "--out", out, "--repeats", "2"
+    )
+    assert code == 0 and "block0" in text
+    code, text, _ = run(capsys, "solve", out, "--json")
+    assert code == 0
+    plan = json.loads(text)
+    assert plan["stages"][-1]["stop"] == 4 and plan["cost"] > 0
+
+
+def test_profile_unknown_model_is_bad_input(capsys, tmp_path):
+    code, _, err = run(
+        capsys, "profile", "--model", "gpt-huge", "--out", tmp_path / "x.npz"
+    )
+    assert code == 2 and "gpt-tiny" in err
