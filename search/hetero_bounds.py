@@ -41,8 +41,9 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    ``T >= Q(cap_b) + delta + (B - 1) g`` and ``T >= B g`` with
    ``g = max(cap_a', gamma)``; below the least feasible cap no plan exists,
    and a plan with ``r`` above ``incumbent / B`` costs ``>= B r``. A best-first
-   bisection refines the weakest interval. A one-stage plan costs exactly
-   ``B t_0 >= B min a(0, L-1, .)``; the bound is the least of the two cases.
+   bisection (halving the cap values) refines the weakest interval. A
+   one-stage plan costs exactly ``B t_0 >= B min a(0, L-1, .)``; the bound is
+   the least of the two cases.
 
 The result is also at least :func:`search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
@@ -213,7 +214,7 @@ def hetero_lower_bound(
     incumbent_cost: float | None = None,
     time_limit_s: float | None = 30.0,
     max_caps: int = 40,
-    rtol: float = 1e-4,
+    rtol: float = 1e-3,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -279,7 +280,9 @@ def hetero_lower_bound(
         if high - low < 2 or weakest >= (1.0 - rtol) * min(best_point[0], ceiling):
             break
         heapq.heappop(heap)
-        middle = (low + high) // 2
+        # Bisect the cap values (an interval's slack is (B - 1) times its width).
+        halfway = 0.5 * (caps[low] + caps[high])
+        middle = int(np.clip(np.searchsorted(caps, halfway), low + 1, high - 1))
         solve(middle)
         for part in (interval(low, middle), interval(middle, high)):
             heapq.heappush(heap, part)

@@ -392,6 +392,7 @@ def hetero_search(
             stages,
             cost,
             window=config.polish_window,
+            widest=config.polish_window,
             max_rounds=config.max_polish_rounds,
             time_limit_s=config.exact_time_limit_s,
             deadline=deadline,

@@ -20,6 +20,7 @@ the arithmetic of :func:`pipedejavu.hetero.evaluate_hetero`):
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -67,42 +68,65 @@ def _shift_boundaries(
 
 
 def _boundary_moves(
-    problem: HeteroProblem, stages: Stages, cost: float, deadline: float
+    problem: HeteroProblem,
+    stages: Stages,
+    cost: float,
+    deadline: float,
+    splits: bool = True,
 ) -> tuple[float, Stages]:
     """Exact slots for the current boundaries and for every boundary list one
-    merge or one split (in halves or thirds) away; the best improvement wins."""
+    merge or one split (in halves or thirds) away; the first improvement wins."""
     bounds = boundaries_of(stages)
     trials = [bounds]
-    trials += [bounds[:i] + bounds[i + 1 :] for i in range(1, len(stages))]
-    for i in range(len(stages)):
-        start, stop = bounds[i], bounds[i + 1]
-        if stop - start >= 2:
-            trials.append(bounds[: i + 1] + [(start + stop) // 2] + bounds[i + 1 :])
-        if stop - start >= 3:
-            cuts = [start + (stop - start) // 3, start + 2 * (stop - start) // 3]
-            trials.append(bounds[: i + 1] + cuts + bounds[i + 1 :])
-    best, best_stages = cost, stages
+    if splits:
+        trials += [bounds[:i] + bounds[i + 1 :] for i in range(1, len(stages))]
+        for i in range(len(stages)):
+            start, stop = bounds[i], bounds[i + 1]
+            if stop - start >= 2:
+                middle = (start + stop) // 2
+                trials.append(bounds[: i + 1] + [middle] + bounds[i + 1 :])
+            if stop - start >= 3:
+                cuts = [start + (stop - start) // 3, start + 2 * (stop - start) // 3]
+                trials.append(bounds[: i + 1] + cuts + bounds[i + 1 :])
     for trial in trials:
         if time.perf_counter() > deadline:
             break
-        value, found = assign(problem, trial, best * _IMPROVES)
-        if found is not None:
-            best, best_stages = value, found
-    return best, best_stages
+        value, found = assign(problem, trial, cost * _IMPROVES)
+        if found is not None:  # first improvement: the caller starts over
+            return value, found
+    return cost, stages
 
 
 def _sequence_moves(
     problem: HeteroProblem, stages: Stages, cost: float, deadline: float
 ) -> tuple[float, Stages]:
     """Moves on the ``(submesh, type)`` sequence, each priced with its best
-    boundaries: swap two stages' slots, split a stage into two of half its
-    devices, merge two neighbours of one type; the best improvement wins."""
+    boundaries: reorder the runs of one type, swap two stages' slots, split a
+    stage into two of half its devices, merge two neighbours of one type; the
+    best improvement wins."""
     slots = [(m, t) for _, _, m, _, t in stages]
     sizes = problem.submesh_sizes.tolist()
     by_size: dict[int, list[int]] = {}
     for m, size in enumerate(sizes):
         by_size.setdefault(size, []).append(m)
-    trials = []
+    # Reorder whole runs of one type (e.g. reverse the pipeline's type order):
+    # single swaps cannot move a run of several stages at once.
+    runs: list[list[tuple[int, int]]] = []
+    for slot in slots:
+        if runs and runs[-1][-1][1] == slot[1]:
+            runs[-1].append(slot)
+        else:
+            runs.append([slot])
+    orders = (
+        itertools.permutations(range(len(runs)))
+        if len(runs) <= 4
+        else [tuple(range(len(runs)))[::-1]]
+    )
+    trials = [
+        [slot for index in order for slot in runs[index]]
+        for order in orders
+        if list(order) != sorted(order)
+    ]
     for i, (m, t) in enumerate(slots):
         for j in range(i + 1, len(slots)):
             if slots[i] != slots[j]:
@@ -152,10 +176,14 @@ def local_search(
         value, found = partition(problem, slots, cost * _IMPROVES)
         if found is not None:
             cost, stages = value, found
-        cost, stages = _boundary_moves(problem, stages, cost, deadline)
+        cost, stages = _boundary_moves(problem, stages, cost, deadline, False)
         if cost < before * _IMPROVES:
             continue
         cost, stages = _sequence_moves(problem, stages, cost, deadline)
+        if cost < before * _IMPROVES:
+            continue
+        # The costliest moves (an exact assignment each) only when all else fails.
+        cost, stages = _boundary_moves(problem, stages, cost, deadline)
         if not cost < before * _IMPROVES:
             break
     return cost, stages

@@ -1,0 +1,202 @@
+"""Hardware-aware planning: the engine vs Alpa's way vs the exact oracle.
+
+Per instance, measured side by side in one run: Alpa's way
+(:func:`baselines.hetero.alpa_homogeneous`: Alpa's exact DP on the
+mean-speed homogeneous view, placed blind to types, priced on the true
+cluster), the differentiable engine (:func:`search.hetero_engine.hetero_search`:
+cost, cold time with compilation, warm time, certified gap to its lower bound)
+and the exact oracle over canonical placements
+(:func:`search.hetero_exact.hetero_exact`, with a time limit). Ratios:
+``better = 1 - engine / alpa`` (issue target >= 15%) and
+``engine / oracle - 1`` (target <= 2%).
+
+Instances (:mod:`pipedejavu.hetero_generate`, GPT-3 6.7B-like, B = 32):
+  two_type    2 A100 (speed 1) + 2 V100 (speed 0.5) hosts x 8 devices, slow
+              inter-host links (25 Gb/s, 10 Gb/s between types); L = 32, 64,
+              128, seeds 0 and 1;
+  three_type  1 H100 + 1 A100 + 2 V100 hosts x 8 (L = 128, 256) and
+              2 + 2 + 4 hosts x 8 (L = 128); the engine must return in under a
+              minute with a certified gap.
+
+Usage::
+
+    python benchmarks/hetero_vs_alpa.py [--suite two_type three_type]
+        [--oracle-limit 300] [--out benchmarks/results/hetero_vs_alpa.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jax
+
+from baselines.hetero import alpa_homogeneous
+from pipedejavu.hetero import HeteroProblem, evaluate_hetero
+from pipedejavu.hetero_generate import (
+    hetero_problem,
+    three_type_cluster,
+    two_type_cluster,
+)
+from search.hetero_engine import HeteroSearchConfig, hetero_search
+from search.hetero_exact import HeteroTimeoutError, hetero_exact
+
+NUM_MICROBATCHES = 32
+
+
+def instances(suites: list[str]):
+    """``(suite, name, problem)`` triples."""
+    if "two_type" in suites:
+        cluster = two_type_cluster(2, 2, 8, inter_host_gbps=25, cross_type_gbps=10)
+        for layers in (32, 64, 128):
+            for seed in (0, 1):
+                problem = hetero_problem(
+                    layers, cluster, num_microbatches=NUM_MICROBATCHES, seed=seed
+                )
+                yield "two_type", f"2A100+2V100 L={layers} s={seed}", problem
+    if "three_type" in suites:
+        for hosts, layers in (((1, 1, 2), 128), ((1, 1, 2), 256), ((2, 2, 4), 128)):
+            cluster = three_type_cluster(hosts)
+            problem = hetero_problem(
+                layers, cluster, num_microbatches=NUM_MICROBATCHES, seed=0
+            )
+            name = f"{hosts[0]}H100+{hosts[1]}A100+{hosts[2]}V100 L={layers}"
+            yield "three_type", name, problem
+
+
+def measure(
+    suite: str,
+    name: str,
+    problem: HeteroProblem,
+    config: HeteroSearchConfig,
+    oracle_limit: float,
+) -> dict:
+    row: dict = {
+        "suite": suite,
+        "instance": name,
+        "cluster": problem.cluster.describe(),
+        "num_layers": problem.num_layers,
+        "num_devices": problem.num_devices,
+        "num_microbatches": problem.num_microbatches,
+    }
+    started = time.perf_counter()
+    alpa = alpa_homogeneous(problem)
+    row["alpa_s"] = time.perf_counter() - started
+    row["alpa_cost"] = alpa.cost
+    row["alpa_stages"] = alpa.num_stages
+    row["alpa_mixed_stages"] = alpa.info.get("mixed_stages")
+
+    started = time.perf_counter()
+    plan = hetero_search(problem, config, key=jax.random.key(0))
+    row["engine_cold_s"] = time.perf_counter() - started
+    assert plan.cost == evaluate_hetero(problem, plan)
+    started = time.perf_counter()
+    warm = hetero_search(problem, config, key=jax.random.key(0))
+    row["engine_warm_s"] = time.perf_counter() - started
+    row["engine_cost"] = plan.cost
+    row["engine_warm_cost"] = warm.cost
+    row["engine_stages"] = plan.num_stages
+    row["engine_types"] = [s.device_type for s in plan.stages]
+    row["lower_bound"] = plan.info["lower_bound"]
+    row["certified_gap"] = plan.info["gap"]
+    for key in (
+        "compile_time_s",
+        "optimize_time_s",
+        "polish_time_s",
+        "bound_time_s",
+        "fraction_best",
+    ):
+        row[key] = plan.info[key]
+    row["engine_first_best_s"] = plan.info["trace"][-1][0]
+    row["better_than_alpa"] = 1.0 - plan.cost / alpa.cost
+
+    started = time.perf_counter()
+    try:
+        oracle = hetero_exact(problem, time_limit_s=oracle_limit)
+        row["oracle_cost"] = oracle.cost
+        row["oracle_finished"] = True
+    except HeteroTimeoutError as error:
+        best = error.best_plan
+        row["oracle_cost"] = None if best is None else best.cost
+        row["oracle_finished"] = False
+    row["oracle_s"] = time.perf_counter() - started
+    if row["oracle_finished"]:
+        row["engine_vs_oracle"] = plan.cost / row["oracle_cost"] - 1.0
+        row["oracle_gap_to_bound"] = row["oracle_cost"] / row["lower_bound"] - 1.0
+    return row
+
+
+HEADER = (
+    f"{'instance':<30} {'alpa':>9} {'engine':>9} {'oracle':>9} {'better':>7} "
+    f"{'vs orc':>7} {'gap':>6} {'alpa s':>7} {'cold s':>7} {'warm s':>7} "
+    f"{'orc s':>7}"
+)
+
+
+def format_row(row: dict) -> str:
+    oracle = row["oracle_cost"]
+    versus = row.get("engine_vs_oracle")
+    return (
+        f"{row['instance']:<30} {row['alpa_cost']:9.4f} {row['engine_cost']:9.4f} "
+        f"{'-' if oracle is None else f'{oracle:.4f}':>9} "
+        f"{row['better_than_alpa']:7.1%} "
+        f"{'-' if versus is None else f'{versus:+.2%}':>7} "
+        f"{row['certified_gap']:6.2%} {row['alpa_s']:7.2f} "
+        f"{row['engine_cold_s']:7.1f} {row['engine_warm_s']:7.1f} "
+        f"{row['oracle_s']:7.1f}{'' if row['oracle_finished'] else '+'}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--suite",
+        nargs="+",
+        default=["two_type", "three_type"],
+        choices=["two_type", "three_type"],
+    )
+    parser.add_argument("--oracle-limit", type=float, default=300.0)
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/hetero_vs_alpa.json")
+    )
+    args = parser.parse_args()
+    config = HeteroSearchConfig()
+    print(
+        "costs: seconds per iteration; better = 1 - engine/alpa; vs orc = "
+        "engine/oracle - 1; gap = engine/lower bound - 1 (certified); cold "
+        "includes compilation; '+' = oracle hit its time limit"
+    )
+    print(HEADER)
+    rows = []
+    for suite, name, problem in instances(args.suite):
+        row = measure(suite, name, problem, config, args.oracle_limit)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    result = {
+        "benchmark": "hetero_vs_alpa",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "jax": jax.__version__,
+            "jax_devices": [str(d) for d in jax.devices()],
+        },
+        "engine_config": {
+            key: value for key, value in vars(config).items() if not key.startswith("_")
+        },
+        "oracle_limit_s": args.oracle_limit,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
