@@ -184,6 +184,7 @@ def main() -> None:
             "platform": platform.platform(),
             "processor": platform.processor(),
             "cpu_count": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),
             "jax": jax.__version__,
             "jax_devices": [str(d) for d in jax.devices()],
         },

@@ -275,3 +275,25 @@ def test_config_validation():
         HeteroSearchConfig(exact_time_limit_s=0)
     with pytest.raises(ValueError, match="num_steps"):
         HeteroSearchConfig(num_steps=10, num_chunks=3)
+
+
+def test_edge_cases_and_time_budget():
+    # One layer cannot cover two types' devices canonically: an answer, not a crash.
+    with pytest.raises(InfeasibleProblemError, match="packs exactly"):
+        hetero_search(_tiny(0, num_layers=1), SMALL, key=jax.random.key(0))
+    problem = _tiny(3, num_layers=2)
+    optimum = hetero_brute_force(problem).cost
+    plan = hetero_search(problem, SMALL, key=jax.random.key(0), time_budget_s=1e-6)
+    assert plan.cost == evaluate_hetero(problem, plan)
+    assert optimum <= plan.cost
+    # One host with costly links: every plan stays on it (no inter-host bound).
+    base = random_problem(6, (1, 4), num_microbatches=4, seed=1)
+    problem = HeteroProblem.from_problem(
+        base,
+        Cluster.homogeneous(1, 4, intra_host=Link(0.01, 100.0)),
+        boundary_bytes=np.full(5, 20.0),
+    )
+    plan = hetero_search(problem, SMALL, key=jax.random.key(0))
+    optimum = hetero_brute_force(problem).cost
+    np.testing.assert_allclose(plan.cost, optimum, rtol=1e-12)
+    assert plan.info["lower_bound"] <= optimum
