@@ -17,6 +17,7 @@ _LAZY = {
     "hetero_exact": "hetero_exact",
     "HeteroTimeoutError": "hetero_exact",
     "hetero_search": "hetero_engine",
+    "HeteroSearchConfig": "hetero_engine",
     "hetero_lower_bound": "hetero_bounds",
 }
 
