@@ -85,7 +85,7 @@ class _Levels:
             of several stages has one, so its bottleneck is at least this).
     """
 
-    def __init__(self, problem: HeteroProblem):
+    def __init__(self, problem: HeteroProblem, max_cells: int):
         cluster = problem.cluster
         counts = np.asarray(cluster.devices_of_type())
         present = counts > 0
@@ -114,24 +114,13 @@ class _Levels:
         table[:, :, too_big] = np.inf
         self.table = table
         self.sizes = sizes
-        # The x grid, valid cells only (x only grows, so invalid cells never
-        # lead to an accepting one).
+        self.capacity = capacity
         dims = tuple(int(c) + 1 for c in capacity)
-        grid = np.stack(np.unravel_index(np.arange(int(np.prod(dims))), dims), axis=1)
-        used = grid[(np.cumsum(grid, axis=1) <= capacity[None, :]).all(axis=1)]
-        strides = np.asarray([int(np.prod(dims[v + 1 :])) for v in range(len(dims))])
-        flat = used @ strides
-        self.accept = used.sum(axis=1) == capacity[-1]
-        self.moves = {}
-        for m, size in enumerate(sizes.tolist()):
-            for v in range(len(levels)):
-                moved = used.copy()
-                moved[:, v] += size
-                ok = (np.cumsum(moved, axis=1) <= capacity[None, :]).all(axis=1)
-                source = np.flatnonzero(ok)
-                target = np.searchsorted(flat, moved[ok] @ strides)
-                self.moves[m, v] = (source, target)
-        self.cells = len(used)
+        # Too many cells: the Lagrangian DP over total devices (grid not built).
+        self.cells = int(np.prod(dims))
+        self.exact = self.cells <= max_cells
+        if self.exact:
+            self._build_grid(dims)
         # Transfers: least time over every link present, and the inter-host one.
         intra_latency, intra_bandwidth, inter_latency, inter_bandwidth = links(problem)
         sent = problem.boundary_bytes  # [L - 1]
@@ -158,6 +147,27 @@ class _Levels:
             np.ix_(sizes == capacity[-1], capacity >= capacity[-1])
         ]
         self.one_stage = float(whole.min(initial=np.inf))
+
+    def _build_grid(self, dims: tuple[int, ...]) -> None:
+        """The valid cells of the ``x`` grid and the moves of every (m, v)."""
+        capacity, sizes = self.capacity, self.sizes
+        # The x grid, valid cells only (x only grows, so invalid cells never
+        # lead to an accepting one).
+        grid = np.stack(np.unravel_index(np.arange(int(np.prod(dims))), dims), axis=1)
+        used = grid[(np.cumsum(grid, axis=1) <= capacity[None, :]).all(axis=1)]
+        strides = np.asarray([int(np.prod(dims[v + 1 :])) for v in range(len(dims))])
+        flat = used @ strides
+        self.accept = used.sum(axis=1) == capacity[-1]
+        self.moves = {}
+        for m, size in enumerate(sizes.tolist()):
+            for v in range(len(capacity)):
+                moved = used.copy()
+                moved[:, v] += size
+                ok = (np.cumsum(moved, axis=1) <= capacity[None, :]).all(axis=1)
+                source = np.flatnonzero(ok)
+                target = np.searchsorted(flat, moved[ok] @ strides)
+                self.moves[m, v] = (source, target)
+        self.cells = len(used)
 
 
 def _relaxed_dp(levels: _Levels, cap: float, combine: np.ufunc) -> float:
@@ -191,6 +201,126 @@ def _relaxed_dp(levels: _Levels, cap: float, combine: np.ufunc) -> float:
     return float(value[num_layers][levels.accept].min(initial=np.inf))
 
 
+def _priced_dp(
+    levels: _Levels, cap: float, prices: np.ndarray, combine: np.ufunc = np.add
+) -> tuple[float, np.ndarray]:
+    """The relaxation with the nested constraints dropped (all ``D`` devices
+    still used exactly), a stage at level ``v`` paying ``size * prices[v]``: a
+    DP over layers with the total device count as state.
+
+    Returns:
+        The least ``sum (a + size * price) + sum l`` (``np.add``; with
+        ``np.maximum`` the least largest ``a`` or ``l``, prices ignored) and
+        i64[V] the devices per level of a best plan (zeros when none).
+    """
+    capped = np.where(levels.table <= cap, levels.table, np.inf)
+    low = np.where(levels.low <= cap, levels.low, np.inf)
+    if combine is np.add:
+        capped = capped + levels.sizes[None, None, :, None] * prices[None, None, None]
+    stage_cost = capped.min(axis=3)  # [L, L, M]
+    stage_level = capped.argmin(axis=3)
+    num_layers, _, num_submeshes = stage_cost.shape
+    total = int(levels.capacity[-1])
+    num_levels = len(levels.capacity)
+    value = np.full((num_layers + 1, total + 1), np.inf)
+    value[0, 0] = 0.0
+    counts = np.zeros((num_layers + 1, total + 1, num_levels), np.int64)
+    live = np.isfinite(stage_cost).any(axis=2)  # [start, end]
+    sizes = levels.sizes.tolist()
+    for stop in range(1, num_layers + 1):
+        starts = np.flatnonzero(live[:stop, stop - 1] & np.isfinite(low[:stop]))
+        if starts.size == 0:
+            continue
+        entering = combine(value[starts], low[starts][:, None])  # [n, D + 1]
+        for m in range(num_submeshes):
+            size = sizes[m]
+            column = stage_cost[starts, stop - 1, m]
+            finite = np.flatnonzero(np.isfinite(column))
+            if finite.size == 0 or size > total:
+                continue
+            trial = combine(entering[finite, : total + 1 - size], column[finite, None])
+            pick = trial.argmin(axis=0)  # [D + 1 - size]
+            best = trial[pick, np.arange(pick.size)]
+            better = np.flatnonzero(best < value[stop, size:])
+            if better.size == 0:
+                continue
+            origin = starts[finite[pick[better]]]
+            value[stop, size + better] = best[better]
+            added = np.zeros((better.size, num_levels), np.int64)
+            added[np.arange(better.size), stage_level[origin, stop - 1, m]] = size
+            counts[stop, size + better] = counts[origin, better] + added
+    return float(value[num_layers, total]), counts[num_layers, total]
+
+
+def _dual_bound(
+    levels: _Levels,
+    cap: float,
+    start: np.ndarray,
+    *,
+    enough: float,
+    deadline: float,
+    iterations: int = 12,
+    rtol: float = 1e-4,
+) -> tuple[float, np.ndarray]:
+    """A lower bound on ``Q(cap)`` by Lagrangian relaxation of the nested
+    constraints; the best prices found.
+
+    With multipliers ``lam_w >= 0`` on ``sum_{v <= w} x_v <= C_w`` (``w < V -
+    1``; ``C_w`` the devices of speed ``>=`` level ``w``), every relaxed plan
+    satisfying them costs ``>= sum (a + l) + sum_w lam_w (X_w - C_w)`` with
+    ``X_w = sum_{v <= w} x_v``; this is ``sum (a + size * p_v) + l - lam . C``
+    with ``p_v = sum_{w >= v} lam_w``, whose least value over plans using all
+    ``D`` devices (nested constraints dropped) is :func:`_priced_dp`: weak
+    duality gives ``phi(lam) <= Q(cap)`` for every ``lam >= 0``. ``phi`` is
+    concave with supergradient ``X_w - C_w`` at the DP's plan: maximised by
+    Kelley's cutting planes in a box (any ``lam`` found stays valid).
+
+    Args:
+        start: f64[V - 1] first multipliers (warm start).
+        enough: stop once ``phi`` reaches it.
+        deadline: ``time.perf_counter()`` past which no DP starts.
+    """
+    from scipy.optimize import linprog
+
+    capacity = levels.capacity[:-1].astype(np.float64)
+    lam = np.clip(np.asarray(start, np.float64), 0.0, None)
+    best, best_lam = -math.inf, lam
+    cuts: list[tuple[float, np.ndarray, np.ndarray]] = []
+    box = None
+    for _ in range(iterations if capacity.size else 1):
+        prices = np.concatenate([np.cumsum(lam[::-1])[::-1], [0.0]])
+        value, counts = _priced_dp(levels, cap, prices)
+        if not math.isfinite(value):
+            return math.inf, lam  # no relaxed plan at all: Q(cap) = inf
+        slack = np.cumsum(counts)[:-1] - capacity
+        phi = value - float(lam @ capacity)
+        if phi > best:
+            best, best_lam = phi, lam
+        # A plan meeting the constraints with complementary slackness: exact.
+        if best >= enough or ((slack <= 0).all() and float(lam @ slack) == 0.0):
+            break
+        if time.perf_counter() > deadline:
+            break
+        cuts.append((phi, slack.astype(np.float64), lam))
+        if box is None:  # a price above the plan's whole cost is never needed
+            box = max(abs(value), cap, 1e-30)
+        # Kelley: max z s.t. z <= phi_k + g_k (lam - lam_k), 0 <= lam <= box.
+        a_ub = np.array([np.concatenate([-g, [1.0]]) for _, g, _ in cuts])
+        b_ub = np.array([p - g @ point for p, g, point in cuts])
+        result = linprog(
+            np.concatenate([np.zeros(capacity.size), [-1.0]]),
+            A_ub=a_ub,
+            b_ub=b_ub,
+            bounds=[(0.0, box)] * capacity.size + [(None, None)],
+        )
+        if not result.success:
+            break
+        if -result.fun - best <= rtol * max(abs(best), 1e-30):
+            break
+        lam = np.asarray(result.x[:-1])
+    return best, best_lam
+
+
 def _homogeneous_bound(problem: HeteroProblem) -> float:
     """:func:`search.bounds.lower_bound` of the homogeneous relaxation."""
     from .bounds import lower_bound
@@ -215,6 +345,7 @@ def hetero_lower_bound(
     time_limit_s: float | None = 30.0,
     max_caps: int = 40,
     rtol: float = 1e-3,
+    max_cells: int = 20_000,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -227,6 +358,9 @@ def hetero_lower_bound(
         max_caps: most caps at which ``Q`` is solved.
         rtol: the refinement stops when the weakest interval is within this
             relative distance of the best point bound (or the incumbent).
+        max_cells: largest ``x`` grid solved exactly; past it ``Q`` is bounded
+            by the Lagrangian dual of the DP over total devices
+            (:func:`_dual_bound`).
 
     Returns:
         The bound in seconds; ``inf`` only when no plan can exist.
@@ -237,14 +371,17 @@ def hetero_lower_bound(
     simple = _homogeneous_bound(problem)
     if not math.isfinite(simple):
         return simple
-    levels = _Levels(problem)
+    levels = _Levels(problem, max_cells)
     batches = problem.num_microbatches
     one_stage = batches * levels.one_stage
     ceiling = math.inf if incumbent_cost is None else float(incumbent_cost)
     # Plans whose largest relaxed term r exceeds ceiling / B cost > ceiling:
     # the DP only needs the entries up to there (sparser, hence faster).
     reach = ceiling / batches
-    smallest = _relaxed_dp(levels, reach, np.maximum)
+    if levels.exact:
+        smallest = _relaxed_dp(levels, reach, np.maximum)
+    else:  # nested constraints dropped: a smaller cap, still a lower one
+        smallest = _priced_dp(levels, reach, np.zeros(0), np.maximum)[0]
     values = np.concatenate([levels.table.ravel(), levels.low])
     caps = np.unique(values[np.isfinite(values)])
     above = caps[caps > reach]
@@ -254,9 +391,17 @@ def hetero_lower_bound(
     caps = caps[(caps >= smallest) & (caps <= reach)]
     sums: dict[int, float] = {}
     best_point = [math.inf]
+    prices = [np.zeros(len(levels.capacity) - 1)]  # warm start of the duals
+    floor = max(float(caps[0]), levels.gamma) if caps.size else 0.0
+    enough = ceiling - levels.delta - (batches - 1) * floor
 
     def solve(index: int) -> None:
-        sums[index] = _relaxed_dp(levels, float(caps[index]), np.add)
+        if levels.exact:
+            sums[index] = _relaxed_dp(levels, float(caps[index]), np.add)
+        else:
+            sums[index], prices[0] = _dual_bound(
+                levels, float(caps[index]), prices[0], enough=enough, deadline=deadline
+            )
         cap = max(float(caps[index]), levels.gamma)
         point = max(sums[index] + levels.delta + (batches - 1) * cap, batches * cap)
         best_point[0] = min(best_point[0], point)

@@ -55,6 +55,11 @@ from .hetero_relax import (
 
 __all__ = ["HeteroSearchConfig", "hetero_search"]
 
+#: Share of the budget left after the optimization that the bound gets.
+_BOUND_SHARE = 0.3
+#: Least time (s) the bound gets when the polish used up the budget.
+_BOUND_FLOOR_S = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class HeteroSearchConfig(SearchConfig):
@@ -320,8 +325,10 @@ def hetero_search(
         key: a ``jax.random`` key; the same key gives the same plan.
         progress_fn: called after each chunk of optimization steps with
             ``(steps done, total steps, best relaxed loss)``.
-        time_budget_s: overrides ``config.time_budget_s``: no polish step starts
-            past it once a plan is found (the lower bound comes on top).
+        time_budget_s: overrides ``config.time_budget_s``: the whole search
+            (optimization, polish, bound) keeps to it, within the time of one
+            polish step: the polish stops at 70% of what the optimization
+            left, the bound stops at the budget (it gets at least 0.5 s).
 
     Returns:
         A :class:`HeteroPlan` (``method="diff"``) whose ``info`` holds
@@ -348,7 +355,9 @@ def hetero_search(
             problem, data, config, key, progress_fn
         )
     optimized = time.perf_counter()
-    deadline = started + (config.time_budget_s or math.inf)
+    budget_end = started + (config.time_budget_s or math.inf)
+    # The bound gets a share of what is left (it prunes with the incumbent).
+    deadline = budget_end - _BOUND_SHARE * max(budget_end - optimized, 0.0)
     trace: list[tuple[float, float]] = []
     best = [math.inf]
 
@@ -418,7 +427,12 @@ def hetero_search(
     best_cost, best_restart, _, best_stages = min(found, key=lambda r: r[0])
     finished_polish = time.perf_counter()
 
-    bound = hetero_lower_bound(problem, incumbent_cost=best_cost)
+    bound_limit = None
+    if math.isfinite(budget_end):  # what is left, at least a floor for the bound
+        bound_limit = max(budget_end - time.perf_counter(), _BOUND_FLOOR_S)
+    bound = hetero_lower_bound(
+        problem, incumbent_cost=best_cost, time_limit_s=bound_limit
+    )
     run_time = time.perf_counter() - started
     polished = {restart: cost for cost, restart, _, _ in results}
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
