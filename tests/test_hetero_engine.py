@@ -138,6 +138,43 @@ def test_lower_bound_is_below_the_optimum(seed):
         assert bound <= optimum * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_lagrangian_lower_bound_is_below_the_optimum(seed):
+    # max_cells=0 forces the Lagrangian dual over total devices everywhere.
+    problem = _tiny(2000 + seed, three_types=seed % 3 == 0)
+    optimum = hetero_brute_force(problem).cost
+    for incumbent in (None, optimum, 0.5 * optimum):
+        bound = hetero_lower_bound(problem, incumbent_cost=incumbent, max_cells=0)
+        assert bound <= optimum * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dual_is_below_the_exact_relaxation(seed):
+    # Weak duality, cap by cap: phi(lam) <= Q(cap) of the exact grid DP, and a
+    # single speed level has nothing to relax (the two agree).
+    from search.hetero_bounds import _dual_bound, _Levels, _relaxed_dp
+
+    problem = _tiny(3000 + seed, three_types=True, num_layers=5)
+    levels = _Levels(problem, max_cells=10**6)
+    caps = np.unique(levels.table[np.isfinite(levels.table)])
+    checked = 0
+    for cap in caps[:: max(len(caps) // 8, 1)].tolist():
+        exact = _relaxed_dp(levels, cap, np.add)
+        start = np.zeros(len(levels.capacity) - 1)
+        dual, _ = _dual_bound(levels, cap, start, enough=np.inf, deadline=np.inf)
+        assert dual <= exact * (1 + 1e-12) or (np.isinf(dual) and np.isinf(exact))
+        checked += np.isfinite(exact)
+    assert checked >= 2
+    flat = HeteroProblem.from_problem(
+        random_problem(5, (2, 2), num_microbatches=4, seed=seed),
+        Cluster.homogeneous(2, 2, intra_host=Link(0.001, 100.0)),
+    )
+    levels = _Levels(flat, max_cells=10**6)
+    for cap in np.unique(levels.table[np.isfinite(levels.table)])[::5].tolist():
+        dual, _ = _dual_bound(levels, cap, np.zeros(0), enough=np.inf, deadline=np.inf)
+        np.testing.assert_allclose(dual, _relaxed_dp(levels, cap, np.add), rtol=1e-12)
+
+
 def test_lower_bound_covers_mixed_stages():
     # Slow links: one stage over all three hosts (priced at the slowest type)
     # beats every canonical plan, and the bound is below it too.
