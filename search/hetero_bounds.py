@@ -45,6 +45,29 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    one-stage plan costs exactly ``B t_0 >= B min a(0, L-1, .)``; the bound is
    the least of the two cases.
 
+6. **Large grids: a Lagrangian dual.** When the ``x`` grid has more than
+   ``max_cells`` cells, ``Q(cap)`` is replaced by a lower bound on it
+   (:func:`_dual_bound`): the nested constraints ``X_w = sum_{v <= w} x_v <=
+   C_w`` (``w < V - 1``) are priced by ``lam_w >= 0``; for every relaxed plan
+   that meets them, ``sum a + sum l >= sum a + sum l + sum_w lam_w (X_w -
+   C_w)``, and the right side is ``>=`` its least value over the larger set of
+   plans that only use all ``D`` devices (a DP with the total device count as
+   state, :func:`_priced_dp`, exact for that set). So ``phi(lam) <= Q(cap)`` for
+   every ``lam >= 0`` (weak duality), whatever ``lam`` the cutting planes
+   reach; and the least feasible cap of that larger set is ``<=`` the
+   relaxation's. Step 5's interval arguments only need lower bounds on ``Q``.
+7. **Whole-host stages (large grids).** A submesh ``(h, d)`` with ``h > 1``
+   has ``d`` devices per host equal to the host's, and ``(1, d)`` with ``d``
+   the host's size is a whole host: a stage of ``n >= devices per host``
+   devices holds every device of its hosts, so its neighbours share no host
+   with it and both its boundaries are inter-host: ``c >= i(j)``, the least
+   inter-host round trip at that boundary (``inf`` with one host, where such a
+   stage is alone). The DP of rule 6 charges ``i(j)`` there and ``l(j)``
+   elsewhere (its state also says whether the last stage is whole-host), and
+   the candidate caps include the ``i`` values (``r`` is the largest charged
+   term). It drops the surcharge ``delta`` of rule 4 (an all-partial plan
+   may have its single inter-host hop anywhere).
+
 The result is also at least :func:`search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
 types, links dropped; valid by 2-4 with ``D`` devices in all), which is all
@@ -138,7 +161,12 @@ class _Levels:
         least = np.min(intra + inter, axis=0) if num_layers > 1 else np.zeros(0)
         self.low = np.concatenate([[0.0], least, [0.0]])
         self.delta = self.gamma = 0.0
+        # Next to a whole-host stage a boundary is inter-host (rule 7).
+        self.whole = cluster.devices_per_host
+        self.inter = np.full(num_layers + 1, np.inf)
+        self.inter[0] = 0.0
         if cluster.num_hosts >= 2 and num_layers > 1:
+            self.inter[1:num_layers] = np.min(inter, axis=0)
             surcharge = np.min(inter, axis=0) - least
             self.delta = max(float(surcharge.min()), 0.0)
             self.gamma = float(np.min(inter))
@@ -204,17 +232,20 @@ def _relaxed_dp(levels: _Levels, cap: float, combine: np.ufunc) -> float:
 def _priced_dp(
     levels: _Levels, cap: float, prices: np.ndarray, combine: np.ufunc = np.add
 ) -> tuple[float, np.ndarray]:
-    """The relaxation with the nested constraints dropped (all ``D`` devices
-    still used exactly), a stage at level ``v`` paying ``size * prices[v]``: a
-    DP over layers with the total device count as state.
+    """The relaxation of rule 6 (nested constraints dropped, all ``D`` devices
+    used exactly), a stage at level ``v`` paying ``size * prices[v]``, the
+    boundaries next to whole-host stages at the inter-host time (rule 7): a DP
+    over layers with the total device count and "the last stage is whole-host"
+    as state.
 
     Returns:
-        The least ``sum (a + size * price) + sum l`` (``np.add``; with
-        ``np.maximum`` the least largest ``a`` or ``l``, prices ignored) and
+        The least ``sum (a + size * price) + sum l'`` (``np.add``; with
+        ``np.maximum`` the least largest ``a`` or ``l'``, prices ignored) and
         i64[V] the devices per level of a best plan (zeros when none).
     """
     capped = np.where(levels.table <= cap, levels.table, np.inf)
     low = np.where(levels.low <= cap, levels.low, np.inf)
+    inter = np.where(levels.inter <= cap, levels.inter, np.inf)
     if combine is np.add:
         capped = capped + levels.sizes[None, None, :, None] * prices[None, None, None]
     stage_cost = capped.min(axis=3)  # [L, L, M]
@@ -222,34 +253,52 @@ def _priced_dp(
     num_layers, _, num_submeshes = stage_cost.shape
     total = int(levels.capacity[-1])
     num_levels = len(levels.capacity)
-    value = np.full((num_layers + 1, total + 1), np.inf)
-    value[0, 0] = 0.0
-    counts = np.zeros((num_layers + 1, total + 1, num_levels), np.int64)
+    value = np.full((num_layers + 1, 2, total + 1), np.inf)  # [stop, whole, D + 1]
+    value[0, 0, 0] = 0.0
+    counts = np.zeros((num_layers + 1, 2, total + 1, num_levels), np.int64)
     live = np.isfinite(stage_cost).any(axis=2)  # [start, end]
     sizes = levels.sizes.tolist()
+    cells = np.arange(total + 1)
     for stop in range(1, num_layers + 1):
-        starts = np.flatnonzero(live[:stop, stop - 1] & np.isfinite(low[:stop]))
+        starts = np.flatnonzero(live[:stop, stop - 1])
         if starts.size == 0:
             continue
-        entering = combine(value[starts], low[starts][:, None])  # [n, D + 1]
+        after_part = value[starts, 0]  # [n, D + 1], last stage not whole-host
+        after_whole = combine(value[starts, 1], inter[starts][:, None])
+        entering = {  # (value, came from a whole-host stage) by "this is whole"
+            True: (
+                np.minimum(combine(after_part, inter[starts][:, None]), after_whole),
+                combine(after_part, inter[starts][:, None]) > after_whole,
+            ),
+            False: (
+                np.minimum(combine(after_part, low[starts][:, None]), after_whole),
+                combine(after_part, low[starts][:, None]) > after_whole,
+            ),
+        }
         for m in range(num_submeshes):
             size = sizes[m]
             column = stage_cost[starts, stop - 1, m]
             finite = np.flatnonzero(np.isfinite(column))
             if finite.size == 0 or size > total:
                 continue
-            trial = combine(entering[finite, : total + 1 - size], column[finite, None])
+            whole = size >= levels.whole
+            enter, came = entering[whole]
+            trial = combine(enter[finite, : total + 1 - size], column[finite, None])
             pick = trial.argmin(axis=0)  # [D + 1 - size]
-            best = trial[pick, np.arange(pick.size)]
-            better = np.flatnonzero(best < value[stop, size:])
+            best = trial[pick, cells[: pick.size]]
+            better = np.flatnonzero(best < value[stop, int(whole), size:])
             if better.size == 0:
                 continue
             origin = starts[finite[pick[better]]]
-            value[stop, size + better] = best[better]
+            flag = came[finite[pick[better]], better].astype(np.int64)
+            value[stop, int(whole), size + better] = best[better]
             added = np.zeros((better.size, num_levels), np.int64)
             added[np.arange(better.size), stage_level[origin, stop - 1, m]] = size
-            counts[stop, size + better] = counts[origin, better] + added
-    return float(value[num_layers, total]), counts[num_layers, total]
+            counts[stop, int(whole), size + better] = (
+                counts[origin, flag, better] + added
+            )
+    last = int(np.argmin(value[num_layers, :, total]))
+    return float(value[num_layers, last, total]), counts[num_layers, last, total]
 
 
 def _dual_bound(
@@ -382,7 +431,7 @@ def hetero_lower_bound(
         smallest = _relaxed_dp(levels, reach, np.maximum)
     else:  # nested constraints dropped: a smaller cap, still a lower one
         smallest = _priced_dp(levels, reach, np.zeros(0), np.maximum)[0]
-    values = np.concatenate([levels.table.ravel(), levels.low])
+    values = np.concatenate([levels.table.ravel(), levels.low, levels.inter])
     caps = np.unique(values[np.isfinite(values)])
     above = caps[caps > reach]
     tail = batches * float(above[0]) if above.size else math.inf
@@ -393,7 +442,9 @@ def hetero_lower_bound(
     best_point = [math.inf]
     prices = [np.zeros(len(levels.capacity) - 1)]  # warm start of the duals
     floor = max(float(caps[0]), levels.gamma) if caps.size else 0.0
-    enough = ceiling - levels.delta - (batches - 1) * floor
+    # Rule 7 charges the inter-host hops itself: no surcharge on top of it.
+    delta = levels.delta if levels.exact else 0.0
+    enough = ceiling - delta - (batches - 1) * floor
 
     def solve(index: int) -> None:
         if levels.exact:
@@ -403,12 +454,12 @@ def hetero_lower_bound(
                 levels, float(caps[index]), prices[0], enough=enough, deadline=deadline
             )
         cap = max(float(caps[index]), levels.gamma)
-        point = max(sums[index] + levels.delta + (batches - 1) * cap, batches * cap)
+        point = max(sums[index] + delta + (batches - 1) * cap, batches * cap)
         best_point[0] = min(best_point[0], point)
 
     def interval(low: int, high: int) -> tuple[float, int, int]:
         floor = max(float(caps[low + 1]), levels.gamma)
-        value = sums[high] + levels.delta + (batches - 1) * floor
+        value = sums[high] + delta + (batches - 1) * floor
         return max(value, batches * floor), low, high
 
     first, last = 0, len(caps) - 1

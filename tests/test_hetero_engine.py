@@ -24,12 +24,17 @@ from pipedejavu.hetero import (
     evaluate_hetero,
     make_hetero_plan,
 )
-from pipedejavu.hetero_generate import hetero_problem, two_type_cluster
+from pipedejavu.hetero_generate import (
+    hetero_problem,
+    three_type_cluster,
+    two_type_cluster,
+)
 from pipedejavu.problem import InfeasibleProblemError
 from search import exact_dp, hetero_engine
 from search.hetero_assign import assign, partition, quick_cost
 from search.hetero_bounds import hetero_lower_bound
 from search.hetero_engine import HeteroSearchConfig, hetero_search
+from search.hetero_exact import hetero_exact
 from search.hetero_relax import (
     HeteroRelaxedParams,
     HeteroRelaxedProblem,
@@ -156,6 +161,7 @@ def test_dual_is_below_the_exact_relaxation(seed):
 
     problem = _tiny(3000 + seed, three_types=True, num_layers=5)
     levels = _Levels(problem, max_cells=10**6)
+    levels.whole = 10**9  # rule 7 off: the grid DP's relaxation, delta aside
     caps = np.unique(levels.table[np.isfinite(levels.table)])
     checked = 0
     for cap in caps[:: max(len(caps) // 8, 1)].tolist():
@@ -173,6 +179,19 @@ def test_dual_is_below_the_exact_relaxation(seed):
     for cap in np.unique(levels.table[np.isfinite(levels.table)])[::5].tolist():
         dual, _ = _dual_bound(levels, cap, np.zeros(0), enough=np.inf, deadline=np.inf)
         np.testing.assert_allclose(dual, _relaxed_dp(levels, cap, np.add), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_lagrangian_bound_on_generated_three_type_instances(seed):
+    # 4 hosts of 8 devices, 3 types, costly links: whole-host stages (rule 7)
+    # everywhere; the bound is below the oracle and within a few percent of it.
+    problem = hetero_problem(
+        24, three_type_cluster((1, 1, 2)), num_microbatches=32, seed=seed
+    )
+    optimum = hetero_exact(problem).cost
+    bound = hetero_lower_bound(problem, incumbent_cost=optimum, max_cells=0)
+    assert bound <= optimum * (1 + 1e-12)
+    assert bound >= 0.9 * optimum
 
 
 def test_lower_bound_covers_mixed_stages():
