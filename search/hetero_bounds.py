@@ -229,6 +229,22 @@ def _relaxed_dp(levels: _Levels, cap: float, combine: np.ufunc) -> float:
     return float(value[num_layers][levels.accept].min(initial=np.inf))
 
 
+def _capped_spans(levels: _Levels, cap: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per end layer, the starts of the spans with an entry ``<= cap`` and
+    their entries (others inf), f64[n, M, V]; the last cap's are cached."""
+    cached = getattr(levels, "_spans", None)
+    if cached is not None and cached[0] == cap:
+        return cached[1]
+    capped = np.where(levels.table <= cap, levels.table, np.inf)
+    live = np.isfinite(capped).any(axis=(2, 3))  # [start, end]
+    spans = []
+    for stop in range(1, capped.shape[0] + 1):
+        starts = np.flatnonzero(live[:stop, stop - 1])
+        spans.append((starts, capped[starts, stop - 1]))
+    levels._spans = (cap, spans)
+    return spans
+
+
 def _priced_dp(
     levels: _Levels, cap: float, prices: np.ndarray, combine: np.ufunc = np.add
 ) -> tuple[float, np.ndarray]:
@@ -243,59 +259,49 @@ def _priced_dp(
         ``np.maximum`` the least largest ``a`` or ``l'``, prices ignored) and
         i64[V] the devices per level of a best plan (zeros when none).
     """
-    capped = np.where(levels.table <= cap, levels.table, np.inf)
+    spans = _capped_spans(levels, cap)
     low = np.where(levels.low <= cap, levels.low, np.inf)
     inter = np.where(levels.inter <= cap, levels.inter, np.inf)
-    if combine is np.add:
-        capped = capped + levels.sizes[None, None, :, None] * prices[None, None, None]
-    stage_cost = capped.min(axis=3)  # [L, L, M]
-    stage_level = capped.argmin(axis=3)
-    num_layers, _, num_submeshes = stage_cost.shape
+    charge = levels.sizes[:, None] * prices[None, :] if combine is np.add else 0.0
+    num_layers, _, num_submeshes, _ = levels.table.shape
     total = int(levels.capacity[-1])
     num_levels = len(levels.capacity)
     value = np.full((num_layers + 1, 2, total + 1), np.inf)  # [stop, whole, D + 1]
     value[0, 0, 0] = 0.0
     counts = np.zeros((num_layers + 1, 2, total + 1, num_levels), np.int64)
-    live = np.isfinite(stage_cost).any(axis=2)  # [start, end]
     sizes = levels.sizes.tolist()
-    cells = np.arange(total + 1)
+    kind = (levels.sizes >= levels.whole).astype(np.int64)  # [M] whole-host
+    fitting = [m for m in range(num_submeshes) if sizes[m] <= total]
     for stop in range(1, num_layers + 1):
-        starts = np.flatnonzero(live[:stop, stop - 1])
+        starts, rows = spans[stop - 1]  # [n], f64[n, M, V]
         if starts.size == 0:
             continue
+        priced = rows + charge
+        stage_level = priced.argmin(axis=2)  # [n, M]
         after_part = value[starts, 0]  # [n, D + 1], last stage not whole-host
         after_whole = combine(value[starts, 1], inter[starts][:, None])
-        entering = {  # (value, came from a whole-host stage) by "this is whole"
-            True: (
-                np.minimum(combine(after_part, inter[starts][:, None]), after_whole),
-                combine(after_part, inter[starts][:, None]) > after_whole,
-            ),
-            False: (
-                np.minimum(combine(after_part, low[starts][:, None]), after_whole),
-                combine(after_part, low[starts][:, None]) > after_whole,
-            ),
-        }
-        for m in range(num_submeshes):
-            size = sizes[m]
-            column = stage_cost[starts, stop - 1, m]
-            finite = np.flatnonzero(np.isfinite(column))
-            if finite.size == 0 or size > total:
-                continue
-            whole = size >= levels.whole
-            enter, came = entering[whole]
-            trial = combine(enter[finite, : total + 1 - size], column[finite, None])
-            pick = trial.argmin(axis=0)  # [D + 1 - size]
-            best = trial[pick, cells[: pick.size]]
-            better = np.flatnonzero(best < value[stop, int(whole), size:])
+        # Entering a partial (0) or whole-host (1) stage: value, and whether
+        # the best way in comes after a whole-host stage.
+        ways = [combine(after_part, hop[starts][:, None]) for hop in (low, inter)]
+        enter = np.stack([np.minimum(way, after_whole) for way in ways])
+        came = np.stack([way > after_whole for way in ways]).astype(np.int64)
+        columns = priced.min(axis=2).T  # [M, n]
+        trial = combine(enter[kind], columns[:, :, None])  # [M, n, D + 1]
+        pick = trial.argmin(axis=1)  # [M, D + 1]
+        best = np.take_along_axis(trial, pick[:, None, :], axis=1)[:, 0]
+        for m in fitting:
+            size, whole = sizes[m], int(kind[m])
+            better = np.flatnonzero(
+                best[m, : total + 1 - size] < value[stop, whole, size:]
+            )
             if better.size == 0:
                 continue
-            origin = starts[finite[pick[better]]]
-            flag = came[finite[pick[better]], better].astype(np.int64)
-            value[stop, int(whole), size + better] = best[better]
+            chosen = pick[m, better]
+            value[stop, whole, size + better] = best[m, better]
             added = np.zeros((better.size, num_levels), np.int64)
-            added[np.arange(better.size), stage_level[origin, stop - 1, m]] = size
-            counts[stop, int(whole), size + better] = (
-                counts[origin, flag, better] + added
+            added[np.arange(better.size), stage_level[chosen, m]] = size
+            counts[stop, whole, size + better] = (
+                counts[starts[chosen], came[whole, chosen, better], better] + added
             )
     last = int(np.argmin(value[num_layers, :, total]))
     return float(value[num_layers, last, total]), counts[num_layers, last, total]
