@@ -56,7 +56,7 @@ from .hetero_relax import (
 __all__ = ["HeteroSearchConfig", "hetero_search"]
 
 #: Share of the budget left after the optimization that the bound gets.
-_BOUND_SHARE = 0.3
+_BOUND_SHARE = 0.4
 #: Least time (s) the bound gets when the polish used up the budget.
 _BOUND_FLOOR_S = 0.5
 
@@ -327,7 +327,7 @@ def hetero_search(
             ``(steps done, total steps, best relaxed loss)``.
         time_budget_s: overrides ``config.time_budget_s``: the whole search
             (optimization, polish, bound) keeps to it, within the time of one
-            polish step: the polish stops at 70% of what the optimization
+            polish step: the polish stops at 60% of what the optimization
             left, the bound stops at the budget (it gets at least 0.5 s).
 
     Returns:
