@@ -99,10 +99,15 @@ class _Levels:
 
     Attributes:
         table: f64[L, L, M, V] least admissible entry per span, submesh, level.
+        capacity: i64[V] devices of speed ``>=`` each level (fastest first).
+        exact: whether the ``x`` grid (``cells`` cells) is small enough for
+            the exact DP; otherwise rules 6-7 apply and no grid is built.
         grid: the flat grid of ``x`` (devices per level), its valid cells
             (nested constraints hold), the accepting cells (all devices used),
             and per (m, v) the source and target cells of placing submesh m.
         low: f64[L + 1] ``l`` at the boundary before layer i (0 at i = 0).
+        inter: f64[L + 1] ``i`` of rule 7 at the boundary before layer i (0 at
+            i = 0, inf with one host); whole: devices per host.
         delta: the inter-host surcharge of rule 4.
         gamma: the least inter-host round trip at any boundary (rule 4: a plan
             of several stages has one, so its bottleneck is at least this).
