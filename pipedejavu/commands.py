@@ -37,8 +37,20 @@ class _CompareProgress:
             )
 
 
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ProblemError(
+            "--plot needs matplotlib: pip install 'pipedejavu[plot]'"
+        ) from None
+
+
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
     from .compare import compare
+
+    if args.plot:
+        _need_matplotlib()  # before minutes of solving, not after
 
     methods = None
     if args.methods is not None:
@@ -137,6 +149,8 @@ def _costmodel_report(args: argparse.Namespace) -> None:
         raise ProblemError(f"no such file: {source}")
     if args.folds < 2:
         raise ProblemError(f"--folds must be >= 2, got {args.folds}")
+    if args.plot:
+        _need_matplotlib()
     try:
         rows = comm_report(source, num_folds=args.folds)
     except ValueError as error:
