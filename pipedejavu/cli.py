@@ -29,8 +29,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "problem",
-        help="a problem .npz, an Alpa stage-profile .npy, or a bundled example "
-        "name (pipedejavu inspect --examples lists them)",
+        help="a problem .npz, an Alpa stage-profile .npy, or a bundled example: "
+        "gpt1.3b-6layers-B32, gpt1.3b-6layers-B128, gpt1.3b-12layers-B32, "
+        "generated-gpt-32layers-2x8",
     )
     parser.add_argument(
         "--cluster",

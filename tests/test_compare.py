@@ -165,3 +165,14 @@ def test_solve_dispatches_the_heuristics(problem, method):
     assert plan.cost == evaluate(problem, plan)
     with pytest.raises(ProblemError, match="takes no option"):
         solve(problem, method, nonsense=1)
+
+
+def test_cli_help_names_every_example(capsys):
+    from pipedejavu.io import example_names
+
+    with pytest.raises(SystemExit):
+        main(["solve", "--help"])
+    out, _ = capsys.readouterr()
+    flat = " ".join(out.split())
+    for name in example_names():
+        assert name in flat
