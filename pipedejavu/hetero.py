@@ -59,6 +59,7 @@ from .problem import (
     PlanError,
     Problem,
     ProblemError,
+    memory_limits,
 )
 
 __all__ = [
@@ -122,21 +123,7 @@ class HeteroProblem:
                     f"max_n_succ_stages must have shape {cost.shape}, "
                     f"got {memory.shape}"
                 )
-            if np.issubdtype(memory.dtype, np.floating):
-                finite = memory[np.isfinite(memory)]
-                if np.isnan(memory).any() or (finite != np.round(finite)).any():
-                    raise ProblemError(
-                        "max_n_succ_stages must hold integers (or +inf for unlimited)"
-                    )
-                memory = np.where(
-                    np.isposinf(memory), UNLIMITED_SUCCEEDING_STAGES, memory
-                )
-                memory = np.where(np.isneginf(memory), -1, memory)
-            elif not np.issubdtype(memory.dtype, np.integer):
-                raise ProblemError(
-                    f"max_n_succ_stages must be integer, got dtype {memory.dtype}"
-                )
-            memory = np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
+            memory = memory_limits(memory)
         shapes = np.array(self.submesh_shapes, dtype=np.int64)
         if shapes.shape != (num_submeshes, 2) or (shapes < 1).any():
             raise ProblemError(

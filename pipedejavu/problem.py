@@ -127,6 +127,30 @@ def _as_int(value: Any, name: str) -> int:
     return int(array)
 
 
+def memory_limits(memory: NDArray[Any]) -> NDArray[np.int64]:
+    """``max_n_succ_stages`` as i64 in ``[-1, UNLIMITED_SUCCEEDING_STAGES]``.
+
+    Floats are accepted when they hold integers; ``+inf`` means unlimited and
+    ``-inf`` never feasible.
+
+    Raises:
+        ProblemError: NaN, fractions, or a non-numeric dtype.
+    """
+    if np.issubdtype(memory.dtype, np.floating):
+        finite = memory[np.isfinite(memory)]
+        if np.isnan(memory).any() or (finite != np.round(finite)).any():
+            raise ProblemError(
+                "max_n_succ_stages must hold integers (or +inf for unlimited)"
+            )
+        memory = np.where(np.isposinf(memory), UNLIMITED_SUCCEEDING_STAGES, memory)
+        memory = np.where(np.isneginf(memory), -1, memory)
+    elif not np.issubdtype(memory.dtype, np.integer):
+        raise ProblemError(
+            f"max_n_succ_stages must be integer, got dtype {memory.dtype}"
+        )
+    return np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Problem:
     """Alpa's stage-construction problem for one model on one cluster.
@@ -195,21 +219,7 @@ class Problem:
                     "max_n_succ_stages must have the shape of compute_cost "
                     f"{tuple(cost.shape)}, got {tuple(memory.shape)}"
                 )
-            if np.issubdtype(memory.dtype, np.floating):
-                finite = memory[np.isfinite(memory)]
-                if np.isnan(memory).any() or (finite != np.round(finite)).any():
-                    raise ProblemError(
-                        "max_n_succ_stages must hold integers (or +inf for unlimited)"
-                    )
-                memory = np.where(
-                    np.isposinf(memory), UNLIMITED_SUCCEEDING_STAGES, memory
-                )
-                memory = np.where(np.isneginf(memory), -1, memory)
-            elif not np.issubdtype(memory.dtype, np.integer):
-                raise ProblemError(
-                    f"max_n_succ_stages must be integer, got dtype {memory.dtype}"
-                )
-            memory = np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
+            memory = memory_limits(memory)
 
         shapes = np.asarray(self.submesh_shapes)
         if shapes.shape != (num_submeshes, 2) or not np.issubdtype(

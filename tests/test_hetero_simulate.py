@@ -73,3 +73,18 @@ def test_free_links_reduce_to_alpa_formula():
     np.testing.assert_allclose(plan.cost, expected, rtol=1e-12)
     simulated = simulate_schedule(problem, plan, "gpipe").iteration_time
     np.testing.assert_allclose(simulated, expected, rtol=1e-9)
+
+
+def test_float_memory_limits_with_inf_are_read_like_problem():
+    # +inf = unlimited, -inf = never, as pipedejavu.Problem reads them.
+    problem = _problem(1.0, 0)
+    memory = np.full(problem.compute_cost.shape, np.inf)
+    memory[0, 0] = -np.inf
+    memory[1, 1] = 3.0
+    typed = problem.replace(max_n_succ_stages=memory)
+    assert typed.max_n_succ_stages.dtype == np.int64
+    assert typed.max_n_succ_stages[0, 0].max() == -1
+    assert typed.max_n_succ_stages[1, 1].max() == 3
+    assert typed.max_n_succ_stages[2, 3].min() == 2**20
+    with pytest.raises(Exception, match="integers"):
+        problem.replace(max_n_succ_stages=memory * 0.5 + 0.25)
