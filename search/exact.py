@@ -34,6 +34,7 @@ import heapq
 import math
 import time
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -357,6 +358,64 @@ def explain_infeasible(problem: Problem) -> str:
     )
 
 
+def search_caps(
+    caps: NDArray[np.float64],
+    solve_at: Callable[[int], float],
+    best_cost: Callable[[], float],
+    num_microbatches: int,
+) -> dict[int, float]:
+    """Best-first branch and bound over sorted candidate caps on the max term.
+
+    ``solve_at(index)`` solves the min-sum problem under ``caps[index]``,
+    updates the caller's incumbent (read back through ``best_cost()``) and
+    returns the least sum (``inf`` when nothing fits). A plan whose max lies in
+    ``[caps[a], caps[b]]`` costs at least ``S(caps[b]) + (B - 1) caps[a]`` and
+    ``B caps[a]`` (``S``, the least sum under a cap, does not increase with
+    the cap), so an interval whose bound reaches the incumbent is dropped;
+    caps with ``B * cap >= best`` are never solved. Shared by the exact DP and
+    the hardware-aware sub-solvers.
+
+    Returns:
+        ``{index: least sum}`` for every cap solved.
+    """
+    sums: dict[int, float] = {}
+
+    def solve(index: int) -> None:
+        sums[index] = solve_at(index)
+
+    last = int(np.searchsorted(caps, best_cost() / num_microbatches, "left")) - 1
+    if last >= 0:
+        solve(0)
+        last = int(np.searchsorted(caps, best_cost() / num_microbatches)) - 1
+        last = min(max(last, 0), len(caps) - 1)
+        if last > 0:
+            solve(last)
+    heap: list[tuple[float, int, int]] = []
+
+    def push(low: int, high: int) -> None:
+        if high - low < 2:
+            return
+        floor_cap = float(caps[low + 1])
+        bound = max(
+            sums[high] + (num_microbatches - 1) * floor_cap,
+            num_microbatches * floor_cap,
+        )
+        if bound < best_cost():
+            heapq.heappush(heap, (bound, low, high))
+
+    if last > 0:
+        push(0, last)
+    while heap:
+        bound, low, high = heapq.heappop(heap)
+        if bound >= best_cost():
+            continue
+        middle = (low + high) // 2
+        solve(middle)
+        push(low, middle)
+        push(middle, high)
+    return sums
+
+
 def cheaper_plan(
     problem: Problem,
     incumbent: float = math.inf,
@@ -386,14 +445,12 @@ def cheaper_plan(
     all_caps = np.unique(table[np.isfinite(table)])
     candidates = all_caps[all_caps >= smallest_cap]
 
-    sums: dict[int, float] = {}
     best_cost, best_stages, best_cap = incumbent, None, math.nan
 
     def solve_at(index: int) -> float:
         nonlocal best_cost, best_stages, best_cap
         cap = float(candidates[index])
         total, stages = _solve_cap(problem, cap, buckets, np.add)
-        sums[index] = total
         if stages is not None:
             latencies = [table[a, b - 1, m, k] for a, b, m, k in stages]
             cost = objective(latencies, num_microbatches)
@@ -403,37 +460,7 @@ def cheaper_plan(
                     trace.append((time.perf_counter() - started, cost))
         return total
 
-    # Caps with B * t >= best cannot help: every plan's cost is >= B * its max.
-    last = int(np.searchsorted(candidates, best_cost / num_microbatches, "left")) - 1
-    if last >= 0:
-        solve_at(0)
-        last = int(np.searchsorted(candidates, best_cost / num_microbatches)) - 1
-        last = min(max(last, 0), len(candidates) - 1)
-        if last > 0:
-            solve_at(last)
-    heap: list[tuple[float, int, int]] = []
-
-    def push(low: int, high: int) -> None:
-        if high - low < 2:
-            return
-        floor_cap = float(candidates[low + 1])
-        bound = max(
-            sums[high] + (num_microbatches - 1) * floor_cap,
-            num_microbatches * floor_cap,
-        )
-        if bound < best_cost:
-            heapq.heappush(heap, (bound, low, high))
-
-    if last > 0:
-        push(0, last)
-    while heap:
-        bound, low, high = heapq.heappop(heap)
-        if bound >= best_cost:
-            continue
-        middle = (low + high) // 2
-        solve_at(middle)
-        push(low, middle)
-        push(middle, high)
+    sums = search_caps(candidates, solve_at, lambda: best_cost, num_microbatches)
     stats = {
         "num_candidates": int(len(all_caps)),
         "num_evaluated": len(sums) + 1,

@@ -22,7 +22,6 @@ least ``sum t + sum c``; a best-first branch and bound over the sorted caps
 
 from __future__ import annotations
 
-import heapq
 import math
 import weakref
 from collections.abc import Sequence
@@ -32,6 +31,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.hetero import HeteroProblem
+
+from .exact import search_caps
 
 __all__ = ["TypeGrid", "assign", "links", "quick_cost", "type_grid"]
 
@@ -247,13 +248,11 @@ def assign(
     values = np.concatenate([cost.ravel(), transfer.ravel()])
     caps = np.unique(values[np.isfinite(values) & (values >= smallest)])
     best: list = [incumbent, None]
-    sums: dict[int, float] = {}
 
-    def solve_at(index: int) -> None:
+    def solve_at(index: int) -> float:
         total, chosen = _pass(grid, cost, transfer, float(caps[index]), np.add)
-        sums[index] = total
         if chosen is None:
-            return
+            return total
         stages = [
             (bounds[s], bounds[s + 1], m, int(config[s, m, t]), t)
             for s, (m, t) in enumerate(chosen)
@@ -261,33 +260,9 @@ def assign(
         value = quick_cost(problem, stages)
         if value < best[0]:
             best[:] = [value, stages]
+        return total
 
-    last = int(np.searchsorted(caps, best[0] / num_microbatches)) - 1
-    last = min(max(last, 0), len(caps) - 1)
-    solve_at(0)
-    if last > 0:
-        solve_at(last)
-    heap: list[tuple[float, int, int]] = []
-
-    def push(low: int, high: int) -> None:
-        if high - low < 2:
-            return
-        floor = float(caps[low + 1])
-        bound = max(
-            sums[high] + (num_microbatches - 1) * floor, num_microbatches * floor
-        )
-        if bound < best[0]:
-            heapq.heappush(heap, (bound, low, high))
-
-    push(0, last)
-    while heap:
-        bound, low, high = heapq.heappop(heap)
-        if bound >= best[0]:
-            continue
-        middle = (low + high) // 2
-        solve_at(middle)
-        push(low, middle)
-        push(middle, high)
+    search_caps(caps, solve_at, lambda: best[0], num_microbatches)
     return best[0], best[1]
 
 
@@ -420,13 +395,11 @@ def partition(
     values = np.concatenate([stage_cost.ravel(), transfer.ravel()])
     caps = np.unique(values[np.isfinite(values) & (values >= smallest)])
     best: list = [incumbent, None]
-    sums: dict[int, float] = {}
 
-    def solve_at(index: int) -> None:
+    def solve_at(index: int) -> float:
         total, stops = _partition_pass(stage_cost, transfer, float(caps[index]), np.add)
-        sums[index] = total
         if stops is None:
-            return
+            return total
         starts = [0] + stops[:-1]
         stages = [
             (a, b, m, int(configs[s, a, b - 1]), t)
@@ -435,31 +408,7 @@ def partition(
         value = quick_cost(problem, stages)
         if value < best[0]:
             best[:] = [value, stages]
+        return total
 
-    last = int(np.searchsorted(caps, best[0] / num_microbatches)) - 1
-    last = min(max(last, 0), len(caps) - 1)
-    solve_at(0)
-    if last > 0:
-        solve_at(last)
-    heap: list[tuple[float, int, int]] = []
-
-    def push(low: int, high: int) -> None:
-        if high - low < 2:
-            return
-        floor = float(caps[low + 1])
-        bound = max(
-            sums[high] + (num_microbatches - 1) * floor, num_microbatches * floor
-        )
-        if bound < best[0]:
-            heapq.heappush(heap, (bound, low, high))
-
-    push(0, last)
-    while heap:
-        bound, low, high = heapq.heappop(heap)
-        if bound >= best[0]:
-            continue
-        middle = (low + high) // 2
-        solve_at(middle)
-        push(low, middle)
-        push(middle, high)
+    search_caps(caps, solve_at, lambda: best[0], num_microbatches)
     return best[0], best[1]
