@@ -355,6 +355,35 @@ def _polish(
     return best_cost, best_stages, rounds
 
 
+def compiled_chunk(
+    run_chunk: Any,
+    cache: dict,
+    static_key: Any,
+    operands: tuple,
+    **static: Any,
+) -> tuple[Any, float]:
+    """``run_chunk`` compiled ahead of time once per static settings, operand
+    shapes/dtypes and restart sharding; returns it and the compile seconds
+    (0 when cached). ``operands`` = ``(params, opt_state, data, mask)``; the
+    first step index is a traced int32. Shared with the hardware-aware engine.
+    """
+    params, opt_state, data, mask = operands
+    signature = (
+        static_key,
+        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, str(x.sharding)), params),
+        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), data),
+    )
+    compiled = cache.get(signature)
+    if compiled is not None:
+        return compiled, 0.0
+    started = time.perf_counter()
+    compiled = run_chunk.lower(
+        params, opt_state, jnp.int32(0), data, mask, **static
+    ).compile()
+    cache[signature] = compiled
+    return compiled, time.perf_counter() - started
+
+
 def _optimize(
     problem: Problem,
     data: RelaxedProblem,
@@ -374,27 +403,15 @@ def _optimize(
     params, mask = _shard((params, mask), config.num_restarts)
     opt_state = optax.adam(config.learning_rate).init(params)
     chunk = config.num_steps // config.num_chunks
-    signature = (
+    compiled, compile_time = compiled_chunk(
+        _run_chunk,
+        _COMPILED,
         config,
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, str(x.sharding)), params),
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), data),
+        (params, opt_state, data, mask),
+        chunk=chunk,
+        total=config.num_steps,
+        config=config,
     )
-    compile_time = 0.0
-    compiled = _COMPILED.get(signature)
-    if compiled is None:
-        compile_started = time.perf_counter()
-        compiled = _run_chunk.lower(
-            params,
-            opt_state,
-            jnp.int32(0),
-            data,
-            mask,
-            chunk=chunk,
-            total=config.num_steps,
-            config=config,
-        ).compile()
-        compile_time = time.perf_counter() - compile_started
-        _COMPILED[signature] = compiled
     curve = []
     for index in range(config.num_chunks):
         params, opt_state, best, losses = compiled(

@@ -42,7 +42,7 @@ import optax
 from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
 from pipedejavu.problem import InfeasibleProblemError, Problem, ProblemError
 
-from .engine import SearchConfig, _geometric, _shard
+from .engine import SearchConfig, _geometric, _shard, compiled_chunk
 from .hetero_assign import assign
 from .hetero_bounds import hetero_lower_bound
 from .hetero_polish import exact_polish, local_search
@@ -265,29 +265,15 @@ def _optimize(
     params, mask = _shard((params, mask), config.num_restarts)
     opt_state = optax.adam(config.learning_rate).init(params)
     chunk = config.num_steps // config.num_chunks
-    signature = (
-        _schedule(config),
-        config.num_steps,
-        config.num_chunks,
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, str(x.sharding)), params),
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), data),
+    compiled, compile_time = compiled_chunk(
+        _run_chunk,
+        _COMPILED,
+        (_schedule(config), config.num_steps, config.num_chunks),
+        (params, opt_state, data, mask),
+        chunk=chunk,
+        total=config.num_steps,
+        schedule=_schedule(config),
     )
-    compile_time = 0.0
-    compiled = _COMPILED.get(signature)
-    if compiled is None:
-        compile_started = time.perf_counter()
-        compiled = _run_chunk.lower(
-            params,
-            opt_state,
-            jnp.int32(0),
-            data,
-            mask,
-            chunk=chunk,
-            total=config.num_steps,
-            schedule=_schedule(config),
-        ).compile()
-        compile_time = time.perf_counter() - compile_started
-        _COMPILED[signature] = compiled
     curve = []
     for index in range(config.num_chunks):
         params, opt_state, best, losses = compiled(
