@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .relax import soft_assignment, stage_ends
+from .relax import soft_stages
 
 __all__ = [
     "HeteroRelaxedParams",
@@ -109,14 +109,7 @@ def hetero_relaxed_terms(
 ) -> dict[str, jax.Array]:
     """Stage latencies, transfers and the parts of the loss (all / ``scale``)."""
     num_layers = data.per_layer.shape[0]
-    ends, lengths = stage_ends(params, stage_mask, num_layers)
-    membership = soft_assignment(ends, num_layers, temps.boundary)  # [L, S]
-    presence = 1.0 - jnp.exp(-3.0 * lengths)  # ~1 for a stage of >= 1 layer
-    weights = jax.nn.softmax(params.slot_logits / temps.slot, axis=-1)  # [S, C]
-    layer_work = membership.T @ data.per_layer  # [S, C]
-    latency = jnp.sum(
-        weights * (presence[:, None] * data.intercept[None, :] + layer_work), axis=-1
-    )
+    ends, presence, weights, latency = soft_stages(params, data, stage_mask, temps)
     share = weights @ data.slot_types  # [S, T]
     devices = presence[:, None] * ((weights * data.slot_devices) @ data.slot_types)
     budget = (devices.sum(axis=0) - data.type_devices) / data.type_devices.sum()

@@ -24,7 +24,7 @@ stage latency) so one set of temperatures fits any unit.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,13 +90,21 @@ def soft_assignment(ends: jax.Array, num_layers: int, tau: jax.Array) -> jax.Arr
     return before_end - before_start
 
 
-def relaxed_terms(
-    params: RelaxedParams,
-    data: RelaxedProblem,
-    stage_mask: jax.Array,
-    temps: Temperatures,
-) -> dict[str, jax.Array]:
-    """Stage latencies and the parts of the relaxed objective (all / ``scale``)."""
+class SoftStages(NamedTuple):
+    """The relaxed stages of one restart (shared by both engines)."""
+
+    ends: jax.Array  # f[S] soft end of each stage (layers)
+    presence: jax.Array  # f[S] ~1 for a stage of >= 1 layer, ~0 if it vanished
+    weights: jax.Array  # f[S, C] softmax over the slots
+    latency: jax.Array  # f[S] expected latency (/ scale)
+
+
+def soft_stages(
+    params: Any, data: Any, stage_mask: jax.Array, temps: Temperatures
+) -> SoftStages:
+    """Soft stage ends, presence, slot weights and expected latencies from
+    ``params.boundary_logits`` / ``slot_logits`` and ``data.per_layer`` /
+    ``intercept`` (any relaxed problem with those fields)."""
     num_layers = data.per_layer.shape[0]
     ends, lengths = stage_ends(params, stage_mask, num_layers)
     membership = soft_assignment(ends, num_layers, temps.boundary)  # [L, S]
@@ -106,6 +114,17 @@ def relaxed_terms(
     latency = jnp.sum(
         weights * (presence[:, None] * data.intercept[None, :] + layer_work), axis=-1
     )
+    return SoftStages(ends, presence, weights, latency)
+
+
+def relaxed_terms(
+    params: RelaxedParams,
+    data: RelaxedProblem,
+    stage_mask: jax.Array,
+    temps: Temperatures,
+) -> dict[str, jax.Array]:
+    """Stage latencies and the parts of the relaxed objective (all / ``scale``)."""
+    _, presence, weights, latency = soft_stages(params, data, stage_mask, temps)
     devices = jnp.sum(presence * (weights @ data.slot_devices))
     smooth_max = temps.max * jax.nn.logsumexp(latency / temps.max)
     budget = (devices - data.num_devices) / data.num_devices
