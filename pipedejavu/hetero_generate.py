@@ -137,6 +137,41 @@ def _host_list(counts: Sequence[int], order: str) -> list[int]:
     raise ProblemError(f"host_order must be 'grouped' or 'interleaved', got {order!r}")
 
 
+def _typed_cluster(
+    names,
+    speeds,
+    memory_gb,
+    hosts,
+    devices_per_host,
+    intra_host_gbps,
+    inter_host_gbps,
+    cross_type_gbps,
+    intra_latency_us,
+    inter_latency_us,
+    host_order,
+) -> Cluster:
+    """The cluster of :func:`two_type_cluster` / :func:`three_type_cluster`."""
+    types = tuple(
+        DeviceType(n, s, None if g is None else g * 1e9)
+        for n, s, g in zip(names, speeds, memory_gb, strict=True)
+    )
+    intra, inter = _links(
+        names,
+        intra_host_gbps,
+        inter_host_gbps,
+        cross_type_gbps,
+        intra_latency_us,
+        inter_latency_us,
+    )
+    return Cluster.from_types(
+        types,
+        _host_list(hosts, host_order),
+        devices_per_host,
+        intra_host=intra,
+        inter_host=inter,
+    )
+
+
 def two_type_cluster(
     fast_hosts: int = 2,
     slow_hosts: int = 2,
@@ -172,24 +207,18 @@ def two_type_cluster(
             f"need fast_hosts, slow_hosts >= 0 and some host, got "
             f"{fast_hosts}, {slow_hosts}"
         )
-    types = tuple(
-        DeviceType(n, s, None if g is None else g * 1e9)
-        for n, s, g in zip(names, (1.0, slow_speed), memory_gb, strict=True)
-    )
-    intra, inter = _links(
+    return _typed_cluster(
         names,
+        (1.0, slow_speed),
+        memory_gb,
+        (fast_hosts, slow_hosts),
+        devices_per_host,
         intra_host_gbps,
         inter_host_gbps,
         cross_type_gbps,
         intra_latency_us,
         inter_latency_us,
-    )
-    return Cluster.from_types(
-        types,
-        _host_list((fast_hosts, slow_hosts), host_order),
-        devices_per_host,
-        intra_host=intra,
-        inter_host=inter,
+        host_order,
     )
 
 
@@ -211,24 +240,18 @@ def three_type_cluster(
     on); hosts of different generations talk over a slower fabric."""
     if len(hosts) != 3 or any(h < 0 for h in hosts) or sum(hosts) == 0:
         raise ProblemError(f"hosts must be three counts >= 0, not all 0, got {hosts}")
-    types = tuple(
-        DeviceType(n, s, None if g is None else g * 1e9)
-        for n, s, g in zip(names, speeds, memory_gb, strict=True)
-    )
-    intra, inter = _links(
+    return _typed_cluster(
         names,
+        speeds,
+        memory_gb,
+        hosts,
+        devices_per_host,
         intra_host_gbps,
         inter_host_gbps,
         cross_type_gbps,
         intra_latency_us,
         inter_latency_us,
-    )
-    return Cluster.from_types(
-        types,
-        _host_list(hosts, host_order),
-        devices_per_host,
-        intra_host=intra,
-        inter_host=inter,
+        host_order,
     )
 
 
