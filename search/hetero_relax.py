@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .relax import soft_stages
+from .relax import RelaxedParams, Temperatures, soft_stages
 
 __all__ = [
     "HeteroRelaxedParams",
@@ -76,21 +76,9 @@ class HeteroRelaxedProblem(NamedTuple):
     num_microbatches: jax.Array
 
 
-class HeteroRelaxedParams(NamedTuple):
-    """One restart: ``boundary_logits`` f[S], ``slot_logits`` f[S, C]."""
-
-    boundary_logits: jax.Array
-    slot_logits: jax.Array
-
-
-class Temperatures(NamedTuple):
-    """``boundary`` (layers), ``slot`` (logit units), ``max`` (relative latency),
-    ``penalty`` (weight of the device-budget term)."""
-
-    boundary: jax.Array
-    slot: jax.Array
-    max: jax.Array
-    penalty: jax.Array
+#: One restart: ``boundary_logits`` f[S], ``slot_logits`` f[S, C] (the slots
+#: are (submesh, config, type) here) -- the homogeneous engine's parameters.
+HeteroRelaxedParams = RelaxedParams
 
 
 def boundary_weights(ends: jax.Array, num_layers: int, tau: jax.Array) -> jax.Array:
