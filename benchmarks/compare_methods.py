@@ -20,7 +20,7 @@ import platform
 from pathlib import Path
 
 from pipedejavu import plots
-from pipedejavu.compare import compare
+from pipedejavu.comparison import compare
 from pipedejavu.generate import random_problem
 
 RESULTS = Path(__file__).parent / "results"

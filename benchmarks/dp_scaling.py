@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from baselines.alpa_dp import ScanTimeout, alpa_training_dp
-from baselines.exact_dp import exact_dp
+from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
+from pipedejavu.baselines.exact_dp import exact_dp
 from pipedejavu.generate import random_problem
 
 CLUSTERS = {8: (1, 8), 16: (2, 8), 32: (4, 8), 64: (8, 8)}

@@ -1,12 +1,12 @@
 """Hardware-aware planning: the engine vs Alpa's way vs the exact oracle.
 
 Per instance, measured side by side in one run: Alpa's way
-(:func:`baselines.hetero.alpa_homogeneous`: Alpa's exact DP on the
+(:func:`pipedejavu.baselines.hetero.alpa_homogeneous`: Alpa's exact DP on the
 mean-speed homogeneous view, placed blind to types, priced on the true
-cluster), the differentiable engine (:func:`search.hetero_engine.hetero_search`:
+cluster), the differentiable engine (:func:`pipedejavu.search.hetero_engine.hetero_search`:
 cost, cold time with compilation, warm time, certified gap to its lower bound)
 and the exact oracle over canonical placements
-(:func:`search.hetero_exact.hetero_exact`, with a time limit). Ratios:
+(:func:`pipedejavu.search.hetero_exact.hetero_exact`, with a time limit). Ratios:
 ``better = 1 - engine / alpa`` (issue target >= 15%) and
 ``engine / oracle - 1`` (target <= 2%).
 
@@ -41,15 +41,15 @@ from pathlib import Path
 
 import jax
 
-from baselines.hetero import alpa_homogeneous
+from pipedejavu.baselines.hetero import alpa_homogeneous
 from pipedejavu.hetero import HeteroProblem, evaluate_hetero
 from pipedejavu.hetero_generate import (
     hetero_problem,
     three_type_cluster,
     two_type_cluster,
 )
-from search.hetero_engine import HeteroSearchConfig, hetero_search
-from search.hetero_exact import HeteroTimeoutError, hetero_exact
+from pipedejavu.search.hetero_engine import HeteroSearchConfig, hetero_search
+from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
 
 NUM_MICROBATCHES = 32
 #: The large suite's engine budget (s): optimization + polish + bound.

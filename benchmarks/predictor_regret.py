@@ -1,7 +1,7 @@
 """Plan regret of planning on stage costs predicted from a fraction of a profile.
 
 For each instance, fraction (10, 25, 50, 100 % of the profiled entries) and seed,
-:func:`costmodel.predict_regret.plan_regret` draws the "profiled" entries, fits
+:func:`pipedejavu.costmodel.predict_regret.plan_regret` draws the "profiled" entries, fits
 the additive per-layer cost model and the memory model to them, solves the
 planner's view exactly, and scores that plan on the true table:
 ``regret = cost_on_true / optimum - 1``. The table shows per row the effective
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from costmodel.memory_model import synthetic_memory_stats
-from costmodel.predict import SubsetConfig
-from costmodel.predict_regret import predictor_report
+from pipedejavu.costmodel.memory_model import synthetic_memory_stats
+from pipedejavu.costmodel.predict import SubsetConfig
+from pipedejavu.costmodel.predict_regret import predictor_report
 from pipedejavu.generate import random_problem
 from pipedejavu.io import bundled_examples
 

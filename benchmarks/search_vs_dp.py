@@ -38,12 +38,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from baselines.alpa_dp import ScanTimeout, alpa_training_dp
 from pipedejavu import Problem, make_plan
+from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
 from pipedejavu.generate import random_problem
 from pipedejavu.io import bundled_examples
-from search.engine import SearchConfig, search
-from search.exact import exact_dp
+from pipedejavu.search.engine import SearchConfig, search
+from pipedejavu.search.exact import exact_dp
 
 CLUSTERS = [(1, 4), (2, 8), (4, 8), (8, 8)]
 

@@ -1,5 +1,21 @@
-"""pipedejavu: pipeline-stage search for large models, measured against Alpa's DP."""
+"""pipedejavu: pipeline-stage search for large models, measured against Alpa's DP.
 
+The vocabulary (problem, cluster, hetero) comes first; the API modules below it
+import only the vocabulary at load time and the solvers (`pipedejavu.search`,
+`pipedejavu.baselines`, `pipedejavu.costmodel`) when a call needs them, so
+`import pipedejavu` stays light (no JAX)."""
+
+from .api import solve as solve
+from .cluster import Cluster as Cluster
+from .cluster import DeviceType as DeviceType
+from .cluster import Link as Link
+from .comparison import compare as compare
+from .hetero import HeteroPlan as HeteroPlan
+from .hetero import HeteroProblem as HeteroProblem
+from .hetero import evaluate_hetero as evaluate_hetero
+from .io import bundled_examples as bundled_examples
+from .io import load_example as load_example
+from .io import load_problem as load_problem
 from .problem import InfeasibleProblemError as InfeasibleProblemError
 from .problem import Plan as Plan
 from .problem import PlanError as PlanError
@@ -10,36 +26,10 @@ from .problem import check_plan as check_plan
 from .problem import evaluate as evaluate
 from .problem import get_submesh_choices as get_submesh_choices
 from .problem import make_plan as make_plan
+from .simulation import simulate as simulate
+from .simulation import simulate_plan as simulate_plan
 
 __version__ = "0.1.0"
-
-_LAZY = {
-    "solve": "api",
-    "compare": "compare",
-    "load_problem": "io",
-    "bundled_examples": "io",
-    "load_example": "io",
-    "simulate": "simulate",
-    "simulate_plan": "simulate",
-    "Cluster": "cluster",
-    "DeviceType": "cluster",
-    "Link": "cluster",
-    "HeteroProblem": "hetero",
-    "HeteroPlan": "hetero",
-    "evaluate_hetero": "hetero",
-}
-
-
-def __getattr__(name: str):
-    # The solvers live in packages that import this vocabulary; loading them lazily
-    # keeps `import costmodel` / `import baselines` free of import cycles.
-    if name in _LAZY:
-        import importlib
-
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module 'pipedejavu' has no attribute {name!r}")
-
 
 __all__ = [
     "Cluster",

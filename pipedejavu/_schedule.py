@@ -1,4 +1,4 @@
-"""The run loops of :func:`pipedejavu.simulate.simulate`: one iteration's schedule.
+"""The run loops of :func:`pipedejavu.simulation.simulate`: one iteration's schedule.
 
 Both take per-stage op orders from :func:`_order` (op code ``b`` is ``F(s, b)``,
 ``B + b`` is ``B(s, b)``) and return eight grids of seconds, lists of
@@ -6,7 +6,7 @@ Both take per-stage op orders from :func:`_order` (op code ``b`` is ``F(s, b)``,
 start/end, activation transfer start/end, gradient transfer start/end (NaN where
 no transfer is modelled). :func:`_run_fixed_order` handles free links by
 sweeping the stages; :func:`_run_events` shares each link first come first served
-in a discrete-event loop. The model is :mod:`pipedejavu.simulate`'s.
+in a discrete-event loop. The model is :mod:`pipedejavu.simulation`'s.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ def _dp(
     progress_fn: Callable[[int, int, int], None] | None = None,
 ) -> Plan:
     if alpa_compatible:
-        from baselines.alpa_dp import alpa_training_dp
+        from pipedejavu.baselines.alpa_dp import alpa_training_dp
 
         return alpa_training_dp(problem, progress_fn=progress_fn)
-    from baselines.exact_dp import exact_dp
+    from pipedejavu.baselines.exact_dp import exact_dp
 
     return exact_dp(problem)
 
@@ -40,7 +40,7 @@ def _diff(
 
     import jax
 
-    from search.engine import SearchConfig, differentiable
+    from pipedejavu.search.engine import SearchConfig, differentiable
 
     config = config or SearchConfig()
     changes = {}
@@ -58,7 +58,7 @@ def _diff(
 
 
 def _brute_force(problem: Problem) -> Plan:
-    from baselines.brute_force import brute_force
+    from pipedejavu.baselines.brute_force import brute_force
 
     return brute_force(problem)
 
@@ -66,9 +66,9 @@ def _brute_force(problem: Problem) -> Plan:
 def _heuristic(name: str) -> Callable[..., Plan]:
     def solver(problem: Problem, **options: Any) -> Plan:
         if name == "anneal":
-            from baselines.anneal import anneal as planner
+            from pipedejavu.baselines.anneal import anneal as planner
         else:
-            from baselines import heuristics
+            from pipedejavu.baselines import heuristics
 
             planner = {
                 "uniform": heuristics.uniform,
@@ -139,7 +139,7 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
 
 
 def _hetero_dp(problem: Any, *, time_limit_s: float | None = None, progress_fn=None):
-    from search.hetero_exact import hetero_exact
+    from pipedejavu.search.hetero_exact import hetero_exact
 
     return hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
 
@@ -155,7 +155,7 @@ def _hetero_diff(
 ):
     import jax
 
-    from search.hetero_engine import hetero_search
+    from pipedejavu.search.hetero_engine import hetero_search
 
     key = jax.random.key(seed) if key is None else key
     return hetero_search(
@@ -164,13 +164,13 @@ def _hetero_diff(
 
 
 def _hetero_alpa(problem: Any):
-    from baselines.hetero import alpa_homogeneous
+    from pipedejavu.baselines.hetero import alpa_homogeneous
 
     return alpa_homogeneous(problem)
 
 
 def _hetero_brute_force(problem: Any):
-    from baselines.hetero import hetero_brute_force
+    from pipedejavu.baselines.hetero import hetero_brute_force
 
     return hetero_brute_force(problem)
 

@@ -342,7 +342,7 @@ def format_plan(problem: Problem, plan: Plan) -> str:
 
 def format_inspection(problem: Problem) -> str:
     """Sizes, coverage and feasibility of a problem, one fact a line."""
-    from baselines.exact_dp import explain_infeasible, min_sum_plan
+    from pipedejavu.baselines.exact_dp import explain_infeasible, min_sum_plan
 
     table = problem.compute_cost
     upper = np.triu(np.ones((problem.num_layers,) * 2, dtype=bool))

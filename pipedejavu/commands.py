@@ -47,7 +47,7 @@ def _need_matplotlib() -> None:
 
 
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
-    from .compare import compare
+    from .comparison import compare
 
     if args.plot:
         _need_matplotlib()  # before minutes of solving, not after
@@ -79,7 +79,7 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
 def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
     """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
     from . import plots
-    from .compare import simulate_schedule
+    from .comparison import simulate_schedule
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ def run_costmodel(args: argparse.Namespace) -> None:
 def _costmodel_report(args: argparse.Namespace) -> None:
     import importlib.resources
 
-    from costmodel.comm_plots import (
+    from pipedejavu.costmodel.comm_plots import (
         comm_report,
         format_table,
         plot_fits,
@@ -172,8 +172,11 @@ def _costmodel_report(args: argparse.Namespace) -> None:
 def _costmodel_predict(args: argparse.Namespace) -> None:
     import os
 
-    from costmodel.predict import SubsetConfig
-    from costmodel.predict_regret import format_predictor_report, predictor_report
+    from pipedejavu.costmodel.predict import SubsetConfig
+    from pipedejavu.costmodel.predict_regret import (
+        format_predictor_report,
+        predictor_report,
+    )
 
     from .io import bundled_examples, example_names, load_example, parse_cluster
 
@@ -220,7 +223,11 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from costmodel.profiler import MODEL_NAMES, DataParallelScaling, profile_to_problem
+    from pipedejavu.costmodel.profiler import (
+        MODEL_NAMES,
+        DataParallelScaling,
+        profile_to_problem,
+    )
 
     from .io import parse_cluster
 

@@ -23,7 +23,7 @@ moves a micro-batch, like a stage computing one), so::
 
 the critical path of one micro-batch through every stage and link, plus
 ``B - 1`` times the bottleneck, stage or link. With free links it is Alpa's
-``sum + (B - 1) * max`` exactly. :mod:`pipedejavu.simulate` puts the same
+``sum + (B - 1) * max`` exactly. :mod:`pipedejavu.simulation` puts the same
 ``c_s`` on a link resource between the stages (``transfer = c_s / 2`` per
 direction); its GPipe schedule equals this formula when the links are never or
 always the bottleneck, while 1F1B can differ either way (its tests show where).

@@ -106,7 +106,7 @@ def load_problem(
             f"{path} is an Alpa stage profile: say what Alpa was told with "
             "--cluster HxD and --num-microbatches B"
         )
-    from costmodel import problem_from_stage_profile
+    from pipedejavu.costmodel import problem_from_stage_profile
 
     return problem_from_stage_profile(
         path,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .simulate import SimulationResult
+    from .simulation import SimulationResult
 
 __all__ = ["plot_anytime", "plot_gantt", "plot_loss_curve", "plot_ratios"]
 
@@ -49,7 +49,7 @@ def plot_gantt(
     stage's idle fraction.
 
     Args:
-        result: a :class:`~pipedejavu.simulate.SimulationResult`.
+        result: a :class:`~pipedejavu.simulation.SimulationResult`.
         path: the output file; its suffix picks the format (``.png``, ``.svg``...).
         title: the figure title (default: schedule, S, B and iteration time).
         show_microbatches: write the micro-batch index in each bar (default: when

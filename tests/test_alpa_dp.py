@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import tiny_problem, two_layer_problem
 
-from baselines import exact_dp
-from baselines.alpa_dp import alpa_training_dp
 from pipedejavu import InfeasibleProblemError, Problem, evaluate
+from pipedejavu.baselines import exact_dp
+from pipedejavu.baselines.alpa_dp import alpa_training_dp
 
 FIXTURE = Path(__file__).parent / "fixtures" / "alpa_reference.json"
 
@@ -135,8 +135,8 @@ def test_alpa_mode_is_near_exact_away_from_the_gap(seed):
 
 
 def test_progress_and_time_limit_of_the_scan():
-    from baselines.alpa_dp import ScanTimeout
     from pipedejavu import solve
+    from pipedejavu.baselines.alpa_dp import ScanTimeout
     from pipedejavu.generate import random_problem
 
     problem = random_problem(10, (1, 4), num_microbatches=8, seed=2)

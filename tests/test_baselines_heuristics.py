@@ -11,10 +11,15 @@ from helpers import tiny_problem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baselines import brute_force, exact_dp
-from baselines.anneal import anneal
-from baselines.heuristics import greedy, linear_partition, random_search, uniform
 from pipedejavu import InfeasibleProblemError, Problem, evaluate
+from pipedejavu.baselines import brute_force, exact_dp
+from pipedejavu.baselines.anneal import anneal
+from pipedejavu.baselines.heuristics import (
+    greedy,
+    linear_partition,
+    random_search,
+    uniform,
+)
 from pipedejavu.generate import random_problem
 from pipedejavu.problem import PlanError, check_plan, objective
 

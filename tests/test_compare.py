@@ -11,10 +11,10 @@ import pytest
 
 from pipedejavu import ProblemError, evaluate, solve
 from pipedejavu.cli import main
-from pipedejavu.compare import compare
+from pipedejavu.comparison import compare
 from pipedejavu.generate import random_problem
-from pipedejavu.simulate import simulate_plan
-from search.exact import exact_dp
+from pipedejavu.search.exact import exact_dp
+from pipedejavu.simulation import simulate_plan
 
 FAST = {"anneal": {"num_steps": 3000}, "random": {"num_samples": 300}}
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import costmodel.comm as comm
-from costmodel import MeshProfilingResult, read_prof_database
-from costmodel.comm import (
+import pipedejavu.costmodel.comm as comm
+from pipedejavu.costmodel import MeshProfilingResult, read_prof_database
+from pipedejavu.costmodel.comm import (
     ARTIFACT,
     INVALID,
     NO_OP,
@@ -30,7 +30,7 @@ from costmodel.comm import (
     group_shape_of,
     held_out_errors,
 )
-from costmodel.comm_plots import (
+from pipedejavu.costmodel.comm_plots import (
     comm_report,
     format_table,
     plot_fits,

@@ -9,8 +9,12 @@ import warnings
 import numpy as np
 import pytest
 
-from costmodel import read_stage_profile, stage_memory_stats, stage_profile_tables
-from costmodel.memory_model import (
+from pipedejavu.costmodel import (
+    read_stage_profile,
+    stage_memory_stats,
+    stage_profile_tables,
+)
+from pipedejavu.costmodel.memory_model import (
     MemoryStatsTable,
     alpa_max_n_succ_stages,
     fit_memory_model,
@@ -18,13 +22,13 @@ from costmodel.memory_model import (
     predict_memory_stats,
     synthetic_memory_stats,
 )
-from costmodel.predict import (
+from pipedejavu.costmodel.predict import (
     SubsetConfig,
     planning_problem,
     predict_stage_costs,
     profile_subset,
 )
-from costmodel.predict_regret import (
+from pipedejavu.costmodel.predict_regret import (
     format_predictor_report,
     load_instance,
     plan_regret,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from costmodel.profiler import (
+from pipedejavu.costmodel.profiler import (
     MODEL_NAMES,
     DataParallelScaling,
     GPTConfig,
@@ -34,7 +34,7 @@ from costmodel.profiler import (
     profile_to_problem,
 )
 from pipedejavu.problem import UNLIMITED_SUCCEEDING_STAGES, Problem, evaluate
-from search.exact import exact_dp
+from pipedejavu.search.exact import exact_dp
 
 MICRO_SPANS = [(0, 4), (1, 3), (0, 2)]
 

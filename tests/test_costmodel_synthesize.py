@@ -8,20 +8,20 @@ import time
 import numpy as np
 import pytest
 
-from costmodel.layers import (
+from pipedejavu.costmodel.layers import (
     LayerSpec,
     boundary_activation_bytes,
     gpt_layers,
     irregular_layers,
 )
-from costmodel.synthesize import AlphaBetaComm, stage_cost_table, synthesize
+from pipedejavu.costmodel.synthesize import AlphaBetaComm, stage_cost_table, synthesize
 from pipedejavu.problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     InfeasibleProblemError,
     Problem,
     evaluate,
 )
-from search.exact import exact_dp
+from pipedejavu.search.exact import exact_dp
 
 SMALL_GPT = dict(hidden=64, seq_len=32, micro_batch=2, vocab=100)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from helpers import tiny_problem, two_layer_problem
 
-from baselines import brute_force, exact_dp, min_sum_plan
 from pipedejavu import InfeasibleProblemError, evaluate
+from pipedejavu.baselines import brute_force, exact_dp, min_sum_plan
 from pipedejavu.generate import random_problem
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from baselines.hetero import (
+from pipedejavu.baselines.hetero import (
     alpa_homogeneous,
     alpa_placement,
     hetero_brute_force,
@@ -38,8 +38,8 @@ from pipedejavu.problem import (
     ProblemError,
     get_submesh_choices,
 )
-from search.exact import exact_dp
-from search.hetero_exact import HeteroTimeoutError, hetero_exact
+from pipedejavu.search.exact import exact_dp
+from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
 
 UNLIMITED = 2**20
 

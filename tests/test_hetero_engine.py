@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from baselines.hetero import alpa_homogeneous, hetero_brute_force
 from pipedejavu import get_submesh_choices
+from pipedejavu.baselines.hetero import alpa_homogeneous, hetero_brute_force
 from pipedejavu.cluster import Cluster, DeviceType, Link
 from pipedejavu.generate import random_problem
 from pipedejavu.hetero import (
@@ -30,12 +30,12 @@ from pipedejavu.hetero_generate import (
     two_type_cluster,
 )
 from pipedejavu.problem import InfeasibleProblemError
-from search import exact_dp, hetero_engine
-from search.hetero_assign import assign, partition, quick_cost
-from search.hetero_bounds import hetero_lower_bound
-from search.hetero_engine import HeteroSearchConfig, hetero_search
-from search.hetero_exact import hetero_exact
-from search.hetero_relax import (
+from pipedejavu.search import exact_dp, hetero_engine
+from pipedejavu.search.hetero_assign import assign, partition, quick_cost
+from pipedejavu.search.hetero_bounds import hetero_lower_bound
+from pipedejavu.search.hetero_engine import HeteroSearchConfig, hetero_search
+from pipedejavu.search.hetero_exact import hetero_exact
+from pipedejavu.search.hetero_relax import (
     HeteroRelaxedParams,
     HeteroRelaxedProblem,
     Temperatures,
@@ -157,7 +157,7 @@ def test_lagrangian_lower_bound_is_below_the_optimum(seed):
 def test_dual_is_below_the_exact_relaxation(seed):
     # Weak duality, cap by cap: phi(lam) <= Q(cap) of the exact grid DP, and a
     # single speed level has nothing to relax (the two agree).
-    from search.hetero_bounds import _dual_bound, _Levels, _relaxed_dp
+    from pipedejavu.search.hetero_bounds import _dual_bound, _Levels, _relaxed_dp
 
     problem = _tiny(3000 + seed, three_types=True, num_layers=5)
     levels = _Levels(problem, max_cells=10**6)
@@ -233,7 +233,7 @@ def test_homogeneous_free_links_match_the_exact_dp(shape):
 
 
 def test_engine_matches_the_oracle_on_a_generated_two_type_instance():
-    from search.hetero_exact import hetero_exact
+    from pipedejavu.search.hetero_exact import hetero_exact
 
     problem = hetero_problem(
         16,

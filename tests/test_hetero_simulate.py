@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipedejavu.cluster import Cluster, DeviceType, Link
-from pipedejavu.compare import simulate_schedule
+from pipedejavu.comparison import simulate_schedule
 from pipedejavu.generate import random_problem
 from pipedejavu.hetero import HeteroProblem, evaluate_hetero, make_hetero_plan
 

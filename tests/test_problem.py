@@ -10,7 +10,6 @@ from helpers import tiny_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baselines import exact_dp
 from pipedejavu import (
     InfeasibleProblemError,
     Plan,
@@ -22,6 +21,7 @@ from pipedejavu import (
     get_submesh_choices,
     make_plan,
 )
+from pipedejavu.baselines import exact_dp
 
 
 def _problem(num_microbatches=4, memory=None):

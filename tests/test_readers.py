@@ -26,8 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import costmodel
-from costmodel import ModuleProfileResult, StageProfileResult, UnsafePickleError
+from pipedejavu import costmodel
+from pipedejavu.costmodel import (
+    ModuleProfileResult,
+    StageProfileResult,
+    UnsafePickleError,
+)
 from pipedejavu.problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     ProblemError,
@@ -368,7 +372,7 @@ def test_object_array_pickles_are_checked_before_numpy_sees_them(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, costmodel, pipedejavu\n"
+            "import sys\nimport pipedejavu\nfrom pipedejavu import costmodel\n"
             "try:\n    costmodel.load_alpa_pickle(sys.argv[1])\n"
             "except pipedejavu.ProblemError as e:\n    print('refused:', e)\n",
             str(path),

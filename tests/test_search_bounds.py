@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from helpers import tiny_problem, two_layer_problem
 
-from baselines import exact_dp
 from pipedejavu import InfeasibleProblemError, Problem
+from pipedejavu.baselines import exact_dp
 from pipedejavu.generate import random_problem
-from search.bounds import bound_details, lower_bound
+from pipedejavu.search.bounds import bound_details, lower_bound
 
 
 def _optimum(problem: Problem) -> float | None:

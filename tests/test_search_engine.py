@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from baselines import brute_force, exact_dp
 from pipedejavu import InfeasibleProblemError, evaluate
+from pipedejavu.baselines import brute_force, exact_dp
 from pipedejavu.generate import random_problem
-from search import engine
-from search.engine import SearchConfig, differentiable, search
-from search.relax import (
+from pipedejavu.search import engine
+from pipedejavu.search.engine import SearchConfig, differentiable, search
+from pipedejavu.search.relax import (
     RelaxedParams,
     RelaxedProblem,
     Temperatures,
@@ -181,7 +181,7 @@ def test_search_result_reports_what_it_did():
 _MULTI = """
 import json, jax
 from pipedejavu.generate import random_problem
-from search.engine import SearchConfig, differentiable
+from pipedejavu.search.engine import SearchConfig, differentiable
 problem = random_problem(20, (2, 4), num_microbatches=8, seed=4)
 config = SearchConfig(num_restarts=8, num_steps=40, num_chunks=2, num_polished=2)
 plan = differentiable(problem, config, key=jax.random.key(3))

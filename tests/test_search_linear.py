@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import search.linear as linear
+import pipedejavu.search.linear as linear
 from pipedejavu import Problem
 from pipedejavu.generate import random_problem
-from search.linear import fit_linear_model, predict_spans, predict_table
+from pipedejavu.search.linear import fit_linear_model, predict_spans, predict_table
 
 
 def _linear_problem(

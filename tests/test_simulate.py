@@ -11,7 +11,8 @@ import pytest
 
 from pipedejavu import Plan, PlanError
 from pipedejavu.generate import random_problem
-from pipedejavu.simulate import (
+from pipedejavu.search.exact import exact_dp
+from pipedejavu.simulation import (
     _order,
     _run_events,
     _run_fixed_order,
@@ -22,7 +23,6 @@ from pipedejavu.simulate import (
     split_latencies,
     transfer_aware_formula,
 )
-from search.exact import exact_dp
 
 SCHEDULES = ("gpipe", "1f1b")
 

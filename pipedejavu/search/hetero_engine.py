@@ -1,25 +1,25 @@
 """The differentiable engine on typed devices with costly links (method "diff").
 
-The homogeneous engine's discipline (:mod:`search.engine`), extended:
+The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
 
-1. Fit the linear latency model (:mod:`search.linear`) per device type, giving
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) per device type, giving
    one ``(submesh, config, type)`` slot per fitted table column.
-2. Optimize the relaxed objective of :mod:`search.hetero_relax` (soft
+2. Optimize the relaxed objective of :mod:`pipedejavu.search.hetero_relax` (soft
    boundaries, a softmax over slots per stage, per-type device budgets as an
    annealed penalty, soft transfers on the soft boundaries, smooth max over
    stages and transfers) with optax Adam for ``num_restarts`` initializations at
    once: ``jax.vmap`` inside one jitted ``lax.scan``, compiled ahead of time and
    cached, the restarts sharded over the JAX devices when there are several.
 3. Round the ``num_polished`` best distinct restarts' soft ends to boundaries
-   and repair them exactly: :func:`search.hetero_assign.assign` picks every
+   and repair them exactly: :func:`pipedejavu.search.hetero_assign.assign` picks every
    stage's submesh, config and type (an exact knapsack per type under the
    canonical placement, transfers and the max term included).
-4. Polish on the true objective (:mod:`search.hetero_polish`): a local search
+4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a local search
    alternating exact sub-solvers (best boundaries for the stages' slots, best
    slots for the boundaries, merges, splits, swaps) from every repaired
-   restart; then :func:`search.hetero_exact.hetero_exact` restricted to spans
+   restart; then :func:`pipedejavu.search.hetero_exact.hetero_exact` restricted to spans
    near the best local optimum's boundaries and midpoints, from its cost.
-5. Certify: :func:`search.hetero_bounds.hetero_lower_bound`; ``plan.info``
+5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound`; ``plan.info``
    carries the bound and the gap ``cost / bound - 1``.
 
 The plan's cost is always :func:`pipedejavu.hetero.evaluate_hetero` of it.
@@ -63,7 +63,7 @@ _BOUND_FLOOR_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class HeteroSearchConfig(SearchConfig):
-    """:class:`search.engine.SearchConfig`, retuned, plus the polish's settings.
+    """:class:`pipedejavu.search.engine.SearchConfig`, retuned, plus the polish's settings.
 
     Attributes:
         penalty: (start, end) weight of the per-type device-budget penalty

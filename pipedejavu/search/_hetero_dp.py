@@ -1,4 +1,4 @@
-"""One cap of :func:`search.hetero_exact.hetero_exact`: tables, DP pass, backtracking.
+"""One cap of :func:`pipedejavu.search.hetero_exact.hetero_exact`: tables, DP pass, backtracking.
 
 :func:`_setup` turns a :class:`~pipedejavu.hetero.HeteroProblem` into the tables
 the DP reads (restricted stage costs, transfer times by whether the previous stage
@@ -7,7 +7,7 @@ runs the backward DP over states ``(s, i, u, a)`` with every stage and transfer
 ``<= cap`` (``combine = np.add``: min-sum; ``np.maximum``: min-max), backtracks
 the optimal plan by recomputation, and deepens the memory buckets until the plan
 obeys Alpa's memory rule. The state space and its cost are described in
-:mod:`search.hetero_exact`.
+:mod:`pipedejavu.search.hetero_exact`.
 """
 
 from __future__ import annotations

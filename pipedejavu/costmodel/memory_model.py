@@ -1,7 +1,7 @@
 """Predicting Alpa's memory limit ``max_n_succ_stages`` for unprofiled stages.
 
 Alpa derives a stage's memory limit from four numbers of its profile
-(:func:`costmodel.stage_memory_stats`, all bytes per device)::
+(:func:`pipedejavu.costmodel.stage_memory_stats`, all bytes per device)::
 
     max_n_succ_stages = floor((available - peak - initial) / intermediate) - 1
 
@@ -131,7 +131,7 @@ def memory_stats_table(
 
     Args:
         profile_results: ``{(start, end_inclusive, submesh, config):
-            StageProfileResult}`` as :func:`costmodel.read_stage_profile` returns.
+            StageProfileResult}`` as :func:`pipedejavu.costmodel.read_stage_profile` returns.
         shape: ``(L, L, M, K)`` of the tables, e.g. ``problem.compute_cost.shape``.
 
     Returns:

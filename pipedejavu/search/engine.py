@@ -1,19 +1,19 @@
 """The differentiable engine: relax, optimize many restarts at once, round, polish.
 
-1. Fit the linear latency model (:mod:`search.linear`) to the problem's table.
-2. Optimize the relaxed objective (:mod:`search.relax`) with optax Adam for
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) to the problem's table.
+2. Optimize the relaxed objective (:mod:`pipedejavu.search.relax`) with optax Adam for
    ``num_restarts`` random initializations at once (``jax.vmap`` inside one
    jitted ``lax.scan``; the restarts are sharded over all JAX devices when there
    are several), annealing the boundary, slot and max temperatures and raising
    the device-budget penalty geometrically.
 3. Round the best restarts to contiguous partitions (the soft stage ends,
    rounded) and polish each exactly on the true table: the exact DP
-   (:mod:`search.exact`) restricted to plans whose stage boundaries lie within
+   (:mod:`pipedejavu.search.exact`) restricted to plans whose stage boundaries lie within
    ``polish_window`` layers of the current ones or of their stages' midpoints
    (so boundaries move, stages split and merge), which also picks the optimal
    submesh and config of every stage under the all-devices and memory rules;
    re-centre on the result until it stops improving.
-4. Report the plan with a certified lower bound (:mod:`search.bounds`).
+4. Report the plan with a certified lower bound (:mod:`pipedejavu.search.bounds`).
 
 The returned cost is always ``evaluate(problem, plan)`` on the true table.
 """

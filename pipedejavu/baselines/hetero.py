@@ -26,7 +26,7 @@ Stages of equal size come out in reverse pipeline order, still host-contiguous:
 
 Alpa's placements need not be canonical (:func:`pipedejavu.hetero.place`), so
 on a homogeneous multi-host cluster Alpa's way can, rarely, beat the oracle of
-:mod:`search.hetero_exact` (e.g. ``(1, 4), (1, 8), (1, 4)`` on 8-device hosts has
+:mod:`pipedejavu.search.hetero_exact` (e.g. ``(1, 4), (1, 8), (1, 4)`` on 8-device hosts has
 no canonical placement); with mixed device types it loses by about the ratio of
 the mean speed to the speed of the slowest type its stages land on.
 """
@@ -50,7 +50,7 @@ from pipedejavu.problem import (
     PlanError,
     ProblemError,
 )
-from search.exact import exact_dp
+from pipedejavu.search.exact import exact_dp
 
 __all__ = ["alpa_homogeneous", "alpa_placement", "hetero_brute_force"]
 
@@ -200,7 +200,7 @@ def hetero_brute_force(
 ) -> HeteroPlan:
     """Every partition x (submesh, config, type) per stage, placed canonically.
 
-    Independent of :func:`search.hetero_exact.hetero_exact` on purpose: plain
+    Independent of :func:`pipedejavu.search.hetero_exact.hetero_exact` on purpose: plain
     recursion, :func:`pipedejavu.hetero.place` for the placement and the module's
     objective on the result. Only for tiny problems (L <= ~5, a few devices).
 

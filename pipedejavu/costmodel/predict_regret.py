@@ -1,9 +1,9 @@
 """Plan regret of planning on predicted stage costs, and its report.
 
 :func:`plan_regret` draws a fraction of the profiled entries
-(:func:`costmodel.predict.predict_stage_costs`), solves the planner's view of the
-problem (:func:`costmodel.predict.planning_problem`) exactly with
-:func:`search.exact.exact_dp`, re-evaluates that plan on the true table and
+(:func:`pipedejavu.costmodel.predict.predict_stage_costs`), solves the planner's view of the
+problem (:func:`pipedejavu.costmodel.predict.planning_problem`) exactly with
+:func:`pipedejavu.search.exact.exact_dp`, re-evaluates that plan on the true table and
 compares it with the true optimum: ``regret = cost_on_true / optimum - 1``. A
 plan that uses a stage the true table has as ``inf``, or breaks a true memory
 limit, is a *failure*: counted, never folded into the regret. A true problem
@@ -37,7 +37,7 @@ from pipedejavu.problem import (
     Problem,
     evaluate,
 )
-from search.exact import exact_dp
+from pipedejavu.search.exact import exact_dp
 
 from .alpa_profiles import problem_from_stage_profile, read_stage_profile
 from .memory_model import MemoryStatsTable, memory_stats_table
@@ -238,10 +238,10 @@ def load_instance(
     Args:
         source: a :class:`~pipedejavu.problem.Problem` (no memory statistics), a
             problem file (``.npz``), an Alpa stage profile (``.npy``) or its
-            records as :func:`costmodel.read_stage_profile` returns them.
+            records as :func:`pipedejavu.costmodel.read_stage_profile` returns them.
         cluster_shape, num_microbatches, submesh_space: the run's settings,
             needed for stage profiles (see
-            :func:`costmodel.problem_from_stage_profile`).
+            :func:`pipedejavu.costmodel.problem_from_stage_profile`).
 
     Returns:
         ``(problem, memory_stats or None)``.
@@ -309,7 +309,7 @@ def predictor_report(
         seeds: seeds of the draws (one run per fraction and seed).
         support, refine, config: see :func:`plan_regret`.
         memory_stats: memory statistics for a ``Problem`` source (e.g.
-            :func:`costmodel.memory_model.synthetic_memory_stats`); stage
+            :func:`pipedejavu.costmodel.memory_model.synthetic_memory_stats`); stage
             profiles bring their own.
         cluster_shape, num_microbatches, submesh_space: for stage profiles.
         name: the instance's name in the report; default the path or

@@ -13,8 +13,8 @@ For a problem whose finite entries are the stages Alpa profiled:
    removes such a freedom (random tie-break). The effective fraction is
    reported; it exceeds the requested one on small profiles.
 2. **Predict.** :func:`predict_stage_costs` fits the additive linear model of
-   :mod:`search.linear` to the drawn entries and predicts every entry, and fits
-   the memory model of :mod:`costmodel.memory_model` to their memory statistics
+   :mod:`pipedejavu.search.linear` to the drawn entries and predicts every entry, and fits
+   the memory model of :mod:`pipedejavu.costmodel.memory_model` to their memory statistics
    to predict Alpa's ``max_n_succ_stages``. Held-out error: MAPE over the
    profiled entries that were not drawn; memory disagreement: how often
    ``predicted limit >= 0`` differs from Alpa's on them.
@@ -28,7 +28,7 @@ For a problem whose finite entries are the stages Alpa profiled:
    :class:`~pipedejavu.problem.Problem`) the problem's own ``max_n_succ_stages``
    stands in for the memory model.
 
-Plan regret on the true table: :mod:`costmodel.predict_regret`.
+Plan regret on the true table: :mod:`pipedejavu.costmodel.predict_regret`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.problem import Problem
-from search.linear import fit_linear_model, predict_table
+from pipedejavu.search.linear import fit_linear_model, predict_table
 
 from .memory_model import MemoryStatsTable, fit_memory_model, predict_memory_stats
 
@@ -85,7 +85,7 @@ class SubsetConfig:
             per-layer coefficients best and are the cheapest to profile;
             ``"uniform"`` draws every entry alike.
         min_per_slot: each slot keeps at least ``min(n, min_per_slot)`` entries
-            (2, the least :func:`search.linear.fit_linear_model` fits a slot on).
+            (2, the least :func:`pipedejavu.search.linear.fit_linear_model` fits a slot on).
         complete_rank: add entries until the draw determines each slot's
             additive model as well as all its entries do; ``False`` keeps the
             plain draw (the fit is then the minimum-norm one).
@@ -304,7 +304,7 @@ def predict_stage_costs(
         fraction: share of them to draw, in ``(0, 1]`` (see :func:`profile_subset`).
         seed: seed of the draw.
         memory_stats: the profiled memory statistics (e.g.
-            :func:`costmodel.memory_model.memory_stats_table`); ``None``: no
+            :func:`pipedejavu.costmodel.memory_model.memory_stats_table`); ``None``: no
             memory model.
         config: how the entries are drawn (:class:`SubsetConfig`; default
             ``SubsetConfig()``).

@@ -5,7 +5,7 @@ whose devices come from :func:`pipedejavu.hetero.place` (each type's stages pack
 in pipeline order onto its hosts, no stage straddling a host boundary, every
 device used), priced by ``T = sum t + sum c + (B - 1) * max(max t, max c)``.
 
-**The DP** (:mod:`search._hetero_dp`). Going backward over layers, a state is
+**The DP** (:mod:`pipedejavu.search._hetero_dp`). Going backward over layers, a state is
 ``(s, i, u, a)``: ``s`` stages still to place from layer ``i`` (Alpa's memory rule
 ``s - 1 <= max_n_succ``; a single lumped bucket when no limit binds), ``u`` the
 devices already used of every type (a grid of ``prod_t (N_t + 1)`` cells, the axis
@@ -22,7 +22,7 @@ transfer times gets a min-sum DP with every stage and transfer ``<= t``;
 ``T(t) = S(t) + (B - 1) t`` bounds the plans whose bottleneck is ``<= t`` and is
 attained at the optimum's bottleneck. ``S`` is non-increasing, so plans with
 bottleneck in ``[t_a, t_b]`` cost ``>= max(S(t_b) + (B - 1) t_a, B t_a)``; a
-best-first bisection over the caps (as :mod:`search.exact`) solves only caps
+best-first bisection over the caps (as :mod:`pipedejavu.search.exact`) solves only caps
 whose bound can still beat the best plan. The smallest feasible cap comes from
 one min-max DP. Memory buckets deepen 1, 2, 4, ... until the plan obeys the rule.
 
@@ -35,7 +35,7 @@ generated GPT instances: 2 + 2 hosts x 8 at L = 128 in 1-3 s; three types on
 **Homogeneous reduction.** On ``Cluster.homogeneous(H, D)`` with free links (or
 zero ``boundary_bytes``) the plan space is the subset of Alpa's plans whose
 stages pack in pipeline order without straddling, so the optimum is ``>=``
-:func:`search.exact.exact_dp`'s, with equality on one host (everything packs)
+:func:`pipedejavu.search.exact.exact_dp`'s, with equality on one host (everything packs)
 and whenever some optimal Alpa plan packs.
 """
 
@@ -168,7 +168,7 @@ def hetero_exact(
         allowed_boundaries: restrict where stages may end: stage stops (half-open,
             in ``1..L - 1``; the stop ``L`` is always allowed, stages start at 0
             or an allowed stop), or a bool[L, L] mask of allowed spans
-            ``[start, end]`` (inclusive, like :mod:`search.engine`'s
+            ``[start, end]`` (inclusive, like :mod:`pipedejavu.search.engine`'s
             neighbourhood). The result is optimal within the restriction.
         incumbent_cost: seconds of a known plan; only cheaper plans are sought.
         time_limit_s: wall-clock budget; past it :class:`HeteroTimeoutError`.

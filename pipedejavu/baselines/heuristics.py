@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
-from search.exact import explain_infeasible, min_sum_plan
+from pipedejavu.search.exact import explain_infeasible, min_sum_plan
 
 __all__ = ["greedy", "random_search", "uniform"]
 

@@ -1,4 +1,4 @@
-"""Report on the collective fits of :mod:`costmodel.comm`: rows, tables, plots.
+"""Report on the collective fits of :mod:`pipedejavu.costmodel.comm`: rows, tables, plots.
 
 One call gives everything the CLI prints::
 
@@ -7,7 +7,7 @@ One call gives everything the CLI prints::
     json.dumps([row.to_dict() for row in rows])   # or rows_to_dicts(rows)
     plot_fits("prof_database.pkl", rows, "plots/")  # one log-log PNG per mesh
 
-Quality measures per fit (all on the *used* points, see :mod:`costmodel.comm`):
+Quality measures per fit (all on the *used* points, see :mod:`pipedejavu.costmodel.comm`):
 ``mape`` the in-sample mean absolute percentage error; ``cv_mape`` the same on
 k-fold held-out predictions (folds interleaved by size); ``r2_linear`` the
 coefficient of determination of the seconds on the *linear regime*, the points

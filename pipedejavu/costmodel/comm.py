@@ -1,9 +1,9 @@
 """Collective-communication latency: alpha-beta fits to Alpa's ``prof_database.pkl``.
 
 :func:`fit_comm_model` reads every collective curve of a profiling database
-(:mod:`costmodel.comm_data`: which points count, :func:`comm_series`) and fits
+(:mod:`pipedejavu.costmodel.comm_data`: which points count, :func:`comm_series`) and fits
 each with ``t(b) = max(floor, line(b))`` seconds for ``b`` bytes, ``line`` one
-alpha-beta line or two joined continuously (:mod:`costmodel.comm_fit`:
+alpha-beta line or two joined continuously (:mod:`pipedejavu.costmodel.comm_fit`:
 :class:`AlphaBeta`, :func:`fit_alpha_beta`). The public names of both modules
 are re-exported here.
 

@@ -193,7 +193,7 @@ class Comparison:
 def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
     """The plan's simulated schedule (transfers included for placed plans)."""
     from .hetero import HeteroPlan
-    from .simulate import simulate, simulate_plan, split_latencies
+    from .simulation import simulate, simulate_plan, split_latencies
 
     if isinstance(plan, HeteroPlan):
         forward, backward = split_latencies([s.latency for s in plan.stages])

@@ -6,7 +6,7 @@
   :func:`problem_from_stage_profile` (a :class:`~pipedejavu.problem.Problem`).
 
 The tables follow Alpa's ``interpret_profile_result_training_2d`` and its
-liveness-based memory estimate (:mod:`costmodel.alpa_memory`), with one
+liveness-based memory estimate (:mod:`pipedejavu.costmodel.alpa_memory`), with one
 deliberate difference: Alpa crashes on a record whose module was never profiled,
 we count it as unprofiled (``inf`` cost, ``-1`` stages) and warn once.
 

@@ -56,7 +56,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'costmodel' has no attribute {name!r}")
+    raise AttributeError(f"module 'pipedejavu.costmodel' has no attribute {name!r}")
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Measured layer costs: time the layers of a small flax GPT and build a Problem.
 
 The model (:class:`GPTConfig`, presets in :data:`MODEL_NAMES`, defined in
-:mod:`costmodel.gpt_model` and re-exported here) is cut into Alpa's pipeline
+:mod:`pipedejavu.costmodel.gpt_model` and re-exported here) is cut into Alpa's pipeline
 layers: the embedding (token + position), each transformer block (pre-LayerNorm
 causal self-attention and a GELU MLP, both residual), and the head (final
 LayerNorm, LM projection and the mean cross-entropy loss). A layer's cost is

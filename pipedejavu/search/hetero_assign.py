@@ -17,7 +17,7 @@ decides the link to the next stage (intra-host if the next stage has the same
 type and stage ``s`` ends mid-host, else the inter-host link of the two types).
 For a cap on every stage and transfer time, one pass over the stages gives the
 least ``sum t + sum c``; a best-first branch and bound over the sorted caps
-(as in :func:`search.exact.cheaper_plan`) finds the optimum of the objective.
+(as in :func:`pipedejavu.search.exact.cheaper_plan`) finds the optimum of the objective.
 """
 
 from __future__ import annotations

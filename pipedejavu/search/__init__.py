@@ -1,6 +1,6 @@
 """The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-``search.exact`` (numpy only) is imported eagerly; the JAX engine is loaded on
+``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is loaded on
 first use so that ``import baselines`` stays light.
 """
 
@@ -27,7 +27,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'search' has no attribute {name!r}")
+    raise AttributeError(f"module 'pipedejavu.search' has no attribute {name!r}")
 
 
 __all__ = ["exact_dp", *_LAZY]

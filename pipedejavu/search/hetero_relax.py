@@ -1,11 +1,11 @@
 """The relaxed objective of hardware-aware stage construction.
 
-The homogeneous relaxation (:mod:`search.relax`) extended to typed devices and
+The homogeneous relaxation (:mod:`pipedejavu.search.relax`) extended to typed devices and
 costly links. One restart has two parameter arrays:
 
 * ``boundary_logits`` f[S]: stage lengths ``L * softmax``, soft ends
   ``c_s = cumsum`` (contiguity by construction; stages may vanish), sigmoid
-  membership ``P[l, s]`` (:func:`search.relax.soft_assignment`).
+  membership ``P[l, s]`` (:func:`pipedejavu.search.relax.soft_assignment`).
 * ``slot_logits`` f[S, C]: a softmax over the C usable ``(submesh, config,
   type)`` slots per stage, so a stage's type share is ``pi[s, t] = sum of its
   weights over the slots of type t``.

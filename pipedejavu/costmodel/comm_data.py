@@ -7,7 +7,7 @@ in bytes is ``size * itemsize``: the whole gathered / reduced array per device (
 all-to-all's per-device buffer holds ``size / group_size`` elements). Each
 ``(cluster, mesh, collective, group shape, dtype)`` (a :class:`CommKey`, its
 replica groups described by a :class:`GroupShape`) gives one :class:`CommSeries`,
-the points that :mod:`costmodel.comm_fit` fits one curve to.
+the points that :mod:`pipedejavu.costmodel.comm_fit` fits one curve to.
 
 Which points are fitted: ``inf``/``nan`` times (failed profiling batches) are
 skipped and counted; so are *no-op* points, where Alpa ran no collective at all
@@ -16,7 +16,7 @@ below ``group_size`` elements, all-to-all below ``group_size^2``), and the
 *artifacts* that Alpa's ``make_monotonic`` derived from them (it lowers each time
 to ``size / best bandwidth so far``; a time clamped to the rate of a no-op point
 measures nothing). Times clamped to a real measurement are kept and counted as
-``clamped``. :mod:`costmodel.comm_plots` reports on the fits.
+``clamped``. :mod:`pipedejavu.costmodel.comm_plots` reports on the fits.
 """
 
 from __future__ import annotations

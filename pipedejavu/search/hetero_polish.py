@@ -1,6 +1,6 @@
 """Polishing placed plans on the true objective: local moves and exact windows.
 
-Two phases, both exact on the true cost (:func:`search.hetero_assign.quick_cost`,
+Two phases, both exact on the true cost (:func:`pipedejavu.search.hetero_assign.quick_cost`,
 the arithmetic of :func:`pipedejavu.hetero.evaluate_hetero`):
 
 * :func:`local_search` (milliseconds per pass), until no move improves:
@@ -11,9 +11,9 @@ the arithmetic of :func:`pipedejavu.hetero.evaluate_hetero`):
   submesh or config, swap types, re-pack); and sequence moves priced with their
   best boundaries (swap two stages' slots, split a stage into two of half its
   devices, merge two neighbours of one type).
-* :func:`exact_polish`: :func:`search.hetero_exact.hetero_exact` restricted to
+* :func:`exact_polish`: :func:`pipedejavu.search.hetero_exact.hetero_exact` restricted to
   spans near the current boundaries and stage midpoints
-  (:func:`search.engine._neighbourhood`), started from the incumbent's cost;
+  (:func:`pipedejavu.search.engine._neighbourhood`), started from the incumbent's cost;
   after an improvement the local search runs again; the window doubles (up to
   ``widest``) when the DP finds nothing better.
 """

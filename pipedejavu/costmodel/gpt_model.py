@@ -6,7 +6,7 @@ transformer block (pre-LayerNorm causal self-attention and a GELU MLP, both
 residual), and the head (final LayerNorm, LM projection and the mean
 cross-entropy loss). :func:`_span_step` builds the jitted forward + backward
 (``jax.vjp``) of a contiguous span of layers, the function
-:mod:`costmodel.profiler` times.
+:mod:`pipedejavu.costmodel.profiler` times.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ _PRESETS = {
     "gpt-small": GPTConfig(1024, 192, 6, 6, 128, 4),
 }
 #: Names accepted by :func:`gpt_config` and
-#: :func:`costmodel.profiler.profile_model`.
+#: :func:`pipedejavu.costmodel.profiler.profile_model`.
 MODEL_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 

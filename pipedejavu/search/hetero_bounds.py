@@ -30,7 +30,7 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    So ``sum_s c_s >= sum_s l(j_s) + delta`` with ``delta`` the least
    ``(inter-host time - l)`` over boundaries (clipped at 0), and
    ``max_s c_s >= gamma``, the least inter-host time over boundaries.
-5. **The max term, by caps** (as :mod:`search.exact`). Let ``r`` be the largest
+5. **The max term, by caps** (as :mod:`pipedejavu.search.exact`). Let ``r`` be the largest
    of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
    ``Q(cap)`` be the least ``sum a + sum l`` over the *relaxed plans*
    (contiguous spans, levels and submeshes with the constraints of 1 and 3,
@@ -68,7 +68,7 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    term). It drops the surcharge ``delta`` of rule 4 (an all-partial plan
    may have its single inter-host hop anywhere).
 
-The result is also at least :func:`search.bounds.lower_bound` of the
+The result is also at least :func:`pipedejavu.search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
 types, links dropped; valid by 2-4 with ``D`` devices in all), which is all
 that is returned when the time limit cuts the DP short. Floating point: the
@@ -382,7 +382,7 @@ def _dual_bound(
 
 
 def _homogeneous_bound(problem: HeteroProblem) -> float:
-    """:func:`search.bounds.lower_bound` of the homogeneous relaxation."""
+    """:func:`pipedejavu.search.bounds.lower_bound` of the homogeneous relaxation."""
     from .bounds import lower_bound
 
     try:

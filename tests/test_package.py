@@ -1,0 +1,66 @@
+"""The installed package: one top-level name, public functions that stay functions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipedejavu as pdj
+
+_RUN = (
+    "import pipedejavu as pdj\n"
+    "plan = pdj.solve(pdj.load_example('gpt1.3b-6layers-B128'))\n"
+    "print(len(plan.stages))\n"
+)
+
+
+@pytest.mark.parametrize("name", ["search", "baselines", "costmodel"])
+def test_user_module_of_a_part_name_does_not_shadow_the_package(tmp_path, name):
+    # A user's own search.py (or baselines.py, costmodel.py) in the working folder
+    # must not replace the planner's engines: they live inside `pipedejavu`.
+    (tmp_path / f"{name}.py").write_text("x = 1\n")
+    (tmp_path / "run.py").write_text(_RUN)
+    child = subprocess.run(
+        [sys.executable, "run.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "1"
+
+
+def test_package_claims_one_top_level_name():
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    packages = config["tool"]["setuptools"]["packages"]
+    assert {name.split(".")[0] for name in packages} == {"pipedejavu"}, packages
+    # Every package folder of the source tree is listed (nothing left out).
+    on_disk = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / "pipedejavu").rglob("__init__.py")
+    }
+    assert on_disk <= set(packages), on_disk - set(packages)
+
+
+def test_public_functions_stay_functions_after_their_modules_load():
+    problem = pdj.load_example("generated-gpt-32layers-2x8")
+    plan = pdj.solve(problem)
+    pdj.simulate_plan(problem, plan=plan)
+    pdj.compare(problem, ["dp", "greedy"], repeats=1, warmup=0)
+    for name in ("solve", "compare", "simulate", "simulate_plan", "load_example"):
+        assert callable(getattr(pdj, name)), name
+        assert not isinstance(getattr(pdj, name), type(sys)), name
+    assert callable(pdj.compare) and callable(pdj.simulate)
+
+
+def test_dir_lists_the_public_names():
+    names = dir(pdj)
+    for name in pdj.__all__:
+        assert name in names, name
+    assert {"solve", "compare", "load_example", "simulate"} <= set(names)
