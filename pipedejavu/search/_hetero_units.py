@@ -31,7 +31,15 @@ from numpy.typing import NDArray
 from pipedejavu.hetero import HeteroProblem
 from pipedejavu.problem import ProblemError
 
-__all__ = ["Setup", "Whole", "build", "by_length", "span_mask", "stage_table"]
+__all__ = [
+    "Setup",
+    "Whole",
+    "build",
+    "by_length",
+    "candidate_caps",
+    "span_mask",
+    "stage_table",
+]
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -73,7 +81,8 @@ class Setup(NamedTuple):
         inter: f64[L + 1, T, T] the same on the inter-host links.
         conflict: bool[L + 1, T] the intra-host link is strictly slower than
             the inter-host link between two hosts of the type there.
-        mask: bool[L, L] usable spans by (start, length - 1).
+        mask: bool[L, L] usable spans by (start, length - 1); ``spans`` its
+            nonzero (start, length - 1) indices.
         block_move: per type i64[dph, G] the state a block of width ``W``
             (row ``W - 1``) lands on from each cell, ending on the type.
         whole_move: per whole unit i64[G] the cell it lands on (-1: none).
@@ -96,6 +105,7 @@ class Setup(NamedTuple):
     mask: NDArray[np.bool_]
     block_move: dict[int, NDArray[np.int64]]
     whole_move: tuple[NDArray[np.int64], ...]
+    spans: tuple[NDArray[np.int64], NDArray[np.int64]]
 
     @property
     def sentinel(self) -> int:
@@ -225,7 +235,8 @@ def build(problem: HeteroProblem, allowed: Any = None) -> Setup:
         _CACHE[problem] = setup
     if allowed is None:
         return setup
-    return setup._replace(mask=by_length(span_mask(problem, allowed), False))
+    mask = by_length(span_mask(problem, allowed), False)
+    return setup._replace(mask=mask, spans=np.nonzero(mask))
 
 
 def _build(problem: HeteroProblem) -> Setup:
@@ -284,6 +295,7 @@ def _build(problem: HeteroProblem) -> Setup:
         mask=mask,
         block_move=block_move,
         whole_move=whole_move,
+        spans=np.nonzero(mask),
     )
 
 
@@ -294,10 +306,33 @@ def stage_table(
     memory rule ``>= threshold`` and cost ``<= cap`` (inf: none), and
     i64[L, L] the config."""
     cost, _ = setup.unit_cost[key]
+    memory = setup.unit_memory[key]
+    starts, lengths = setup.spans
+    if starts.size * 4 < setup.mask.size:  # few spans: only those
+        entries = cost[starts, lengths]
+        admitted = np.where(
+            (memory[starts, lengths] >= threshold) & (entries <= cap), entries, np.inf
+        )
+        table = np.full(setup.mask.shape, np.inf)
+        config = np.zeros(setup.mask.shape, dtype=np.int64)
+        config[starts, lengths] = admitted.argmin(axis=1)
+        table[starts, lengths] = admitted.min(axis=1)
+        return table, config
     admitted = np.where(
-        setup.mask[:, :, None] & (setup.unit_memory[key] >= threshold) & (cost <= cap),
-        cost,
-        np.inf,
+        setup.mask[:, :, None] & (memory >= threshold) & (cost <= cap), cost, np.inf
     )
     config = admitted.argmin(axis=2)
     return np.take_along_axis(admitted, config[..., None], 2)[..., 0], config
+
+
+def candidate_caps(setup: Setup, smallest: float) -> NDArray[np.float64]:
+    """Sorted distinct stage costs and link times ``>= smallest``: every plan's
+    bottleneck is one of them."""
+    values = [
+        cost[setup.mask[:, :, None] & np.isfinite(cost)]
+        for cost, _ in setup.unit_cost.values()
+    ]
+    values += [setup.intra[np.isfinite(setup.intra)]]
+    values += [setup.inter[np.isfinite(setup.inter)]]
+    values = np.unique(np.concatenate(values))
+    return values[values >= smallest]

@@ -68,6 +68,13 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    term). It drops the surcharge ``delta`` of rule 4 (an all-partial plan
    may have its single inter-host hop anywhere).
 
+8. **The block relaxation.** On device grids up to ``max_relaxed_cells``
+   cells, the result is also at least the bound of
+   :mod:`pipedejavu.search._hetero_rbound`: the relaxation R of the exact
+   oracle (every valid plan at its exact cost, only the packing of partial
+   stages onto hosts forgotten) under the cap branch and bound. It equals the
+   optimum whenever R's optimal plan packs, which is usual.
+
 The result is also at least :func:`pipedejavu.search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
 types, links dropped; valid by 2-4 with ``D`` devices in all), which is all
@@ -406,6 +413,7 @@ def hetero_lower_bound(
     max_caps: int = 40,
     rtol: float = 1e-3,
     max_cells: int = 20_000,
+    max_relaxed_cells: int = 20_000,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -421,6 +429,9 @@ def hetero_lower_bound(
         max_cells: largest ``x`` grid solved exactly; past it ``Q`` is bounded
             by the Lagrangian dual of the DP over total devices
             (:func:`_dual_bound`).
+        max_relaxed_cells: largest device grid ``prod_t (N_t dph + 1)`` on which
+            the block relaxation's bound (rule 8) is also computed, in the time
+            left.
 
     Returns:
         The bound in seconds; ``inf`` only when no plan can exist.
@@ -447,7 +458,9 @@ def hetero_lower_bound(
     above = caps[caps > reach]
     tail = batches * float(above[0]) if above.size else math.inf
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
-        return max(min(tail, one_stage), simple) * (1.0 - margin)
+        bound = max(min(tail, one_stage), simple)
+        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells)
+        return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     sums: dict[int, float] = {}
     best_point = [math.inf]
@@ -494,4 +507,19 @@ def hetero_lower_bound(
         for part in (interval(low, middle), interval(middle, high)):
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
-    return max(min(relaxed, one_stage), simple) * (1.0 - margin)
+    bound = max(min(relaxed, one_stage), simple)
+    return max(bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells)) * (
+        1.0 - margin
+    )
+
+
+def _block_bound(problem, ceiling, deadline, max_cells) -> float:
+    """Rule 8, when the device grid is small enough and time is left."""
+    cells = 1
+    for count in problem.cluster.devices_of_type():
+        cells *= count + 1
+    if cells > max_cells or time.perf_counter() > deadline:
+        return -math.inf
+    from ._hetero_rbound import relaxed_bound
+
+    return relaxed_bound(problem, incumbent=ceiling, deadline=deadline)

@@ -353,38 +353,40 @@ def hetero_search(
             trace.append((time.perf_counter() - started, cost))
 
     # Round and repair every candidate, then the cheap local search.
-    results = []  # (cost, restart, boundaries, stages)
+    results = []  # [cost, restart, boundaries, stages, placement]
     for restart, boundaries in candidates:
         if math.isfinite(best[0]) and time.perf_counter() > deadline:
             break
-        cost, stages = assign(problem, boundaries)
+        cost, stages, placement = assign(problem, boundaries)
         if stages is not None:
-            cost, stages = local_search(
+            cost, stages, placement = local_search(
                 problem,
                 stages,
+                placement,
                 cost,
                 window=4 * max(config.polish_window, 1),
                 deadline=deadline,
             )
             record(cost)
-        results.append([cost, restart, boundaries, stages])
+        results.append([cost, restart, boundaries, stages, placement])
     # The windowed exact DP on the best distinct local optima.
     results.sort(key=lambda r: r[0])
     seen = set()
     for result in results:
         if len(seen) >= config.num_exact_polished:
             break
-        cost, _, boundaries, stages = result
-        signature = None if stages is None else tuple(stages)
+        cost, _, boundaries, stages, placement = result
+        signature = None if stages is None else (tuple(stages), tuple(placement))
         if signature in seen:
             continue
         seen.add(signature)
         if math.isfinite(best[0]) and time.perf_counter() > deadline:
             break
-        result[0], result[3] = exact_polish(
+        result[0], result[3], result[4] = exact_polish(
             problem,
             boundaries,
             stages,
+            placement,
             cost,
             window=config.polish_window,
             widest=config.polish_window,
@@ -396,9 +398,10 @@ def hetero_search(
             record(result[0])
     found = [r for r in results if r[3] is not None]
     if not found:  # nothing rounded to a plan: the exact DP from one stage
-        cost, stages = exact_polish(
+        cost, stages, placement = exact_polish(
             problem,
             [0, problem.num_layers],
+            None,
             None,
             math.inf,
             window=max(config.polish_window, 1),
@@ -408,9 +411,11 @@ def hetero_search(
             from .hetero_exact import explain_infeasible
 
             raise InfeasibleProblemError(explain_infeasible(problem))
-        found = [[cost, candidates[0][0], candidates[0][1], stages]]
+        found = [[cost, candidates[0][0], candidates[0][1], stages, placement]]
         record(cost)
-    best_cost, best_restart, _, best_stages = min(found, key=lambda r: r[0])
+    best_cost, best_restart, _, best_stages, best_placement = min(
+        found, key=lambda r: r[0]
+    )
     finished_polish = time.perf_counter()
 
     bound_limit = None
@@ -420,7 +425,7 @@ def hetero_search(
         problem, incumbent_cost=best_cost, time_limit_s=bound_limit
     )
     run_time = time.perf_counter() - started
-    polished = {restart: cost for cost, restart, _, _ in results}
+    polished = {restart: cost for cost, restart, _, _, _ in results}
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
     info = {
         "lower_bound": bound,
@@ -437,7 +442,12 @@ def hetero_search(
         "loss_curve": curve.tolist(),
     }
     plan = make_hetero_plan(
-        problem, best_stages, method="diff", search_time_s=run_time, info=info
+        problem,
+        best_stages,
+        method="diff",
+        placement=best_placement,
+        search_time_s=run_time,
+        info=info,
     )
     plan.info["gap"] = plan.cost / bound - 1 if bound > 0 else math.inf
     return plan

@@ -61,7 +61,7 @@ from pipedejavu.problem import InfeasibleProblemError
 
 from ._hetero_dp import Interrupted, Unit, solve_relaxed
 from ._hetero_place import astar, realize, stage_tuples
-from ._hetero_units import Setup, build, span_mask
+from ._hetero_units import Setup, build, candidate_caps, span_mask
 from .exact import search_caps
 
 __all__ = ["HeteroTimeoutError", "explain_infeasible", "hetero_exact"]
@@ -217,17 +217,6 @@ def explain_infeasible(problem: HeteroProblem, allowed_boundaries: Any = None) -
     )
 
 
-def _candidates(setup: Setup, smallest: float) -> NDArray[np.float64]:
-    values = [
-        cost[setup.mask[:, :, None] & np.isfinite(cost)]
-        for cost, _ in setup.unit_cost.values()
-    ]
-    values += [setup.intra[np.isfinite(setup.intra)]]
-    values += [setup.inter[np.isfinite(setup.inter)]]
-    values = np.unique(np.concatenate(values))
-    return values[values >= smallest]
-
-
 def _lower_bound(
     sums: dict[int, float], caps: NDArray, best: float, batches: int
 ) -> float:
@@ -331,7 +320,7 @@ def hetero_exact(
             raise InfeasibleProblemError(
                 explain_infeasible(problem, allowed_boundaries)
             )
-        caps = _candidates(setup, smallest)
+        caps = candidate_caps(setup, smallest)
         if batches * smallest >= best["cost"]:
             return None
 
