@@ -224,15 +224,22 @@ def _load(args: argparse.Namespace) -> Problem:
         raise ProblemError(
             f"{args.problem} already describes its cluster; drop --cluster-file"
         )
-    boundary = None
+    boundary = layer_memory = None
     if str(args.problem).endswith(".npz"):
         with np.load(args.problem, allow_pickle=False) as data:
             if "boundary_bytes" in data:
                 boundary = data["boundary_bytes"]
             elif "activation_bytes" in data:  # `pipedejavu profile` output
                 boundary = data["activation_bytes"][:-1].astype(np.float64)
+            if "param_bytes" in data and "stash_bytes" in data:  # device memory
+                from .hetero import LayerMemory
+
+                layer_memory = LayerMemory(data["param_bytes"], data["stash_bytes"])
     return HeteroProblem.from_problem(
-        problem, Cluster.from_file(cluster_file), boundary_bytes=boundary
+        problem,
+        Cluster.from_file(cluster_file),
+        boundary_bytes=boundary,
+        layer_memory=layer_memory,
     )
 
 

@@ -112,7 +112,7 @@ def _stage_table(problem, m, price_types, memory_types, followers):
     return best, arg
 
 
-def brute_force_all(problem: HeteroProblem, *, max_placements: int = 200_000):
+def brute_force_all(problem: HeteroProblem, *, max_placements: int = 2_000_000):
     """The optimum over every valid plan and one optimal plan.
 
     Returns:
@@ -182,8 +182,9 @@ def brute_force_all(problem: HeteroProblem, *, max_placements: int = 200_000):
                     chosen = cluster.inter_host[link[1]][link[2]]
                 size = sent[stops[:, s] - 1]
                 transfer[:, s] = 2.0 * (chosen.latency_s + size / chosen.bandwidth)
+            finite = np.isfinite(latency).all(axis=1)
             bottleneck = np.maximum(
-                latency.max(axis=1),
+                np.where(finite, latency.max(axis=1), 0.0),
                 transfer.max(axis=1) if num_stages > 1 else 0.0,
             )
             total = (
@@ -191,7 +192,7 @@ def brute_force_all(problem: HeteroProblem, *, max_placements: int = 200_000):
                 + transfer.sum(axis=1)
                 + (problem.num_microbatches - 1) * bottleneck
             )
-            total = np.where(np.isfinite(latency).all(axis=1), total, np.inf)
+            total = np.where(finite, total, np.inf)
             if not np.isfinite(total).any():
                 continue
             p = int(np.argmin(total))
@@ -296,3 +297,35 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
         num_microbatches=int(rng.integers(1, 9)),
         boundary_bytes=rng.uniform(0, 4, max(num_layers - 1, 0)),
     )
+
+
+def canonical_optimum(problem: HeteroProblem) -> float:
+    """The optimum over canonically placed plans only (every stage on one
+    type, each type's stages packed in pipeline order by
+    :func:`pipedejavu.hetero.place`): what the oracle searched before it
+    covered every valid plan. inf when none."""
+    from pipedejavu.hetero import evaluate_hetero, make_hetero_plan
+    from pipedejavu.problem import PlanError
+
+    num_layers = problem.num_layers
+    best = math.inf
+    options = [
+        (m, k, t)
+        for m in range(problem.num_submeshes)
+        for k in range(problem.num_configs)
+        for t in range(problem.num_types)
+    ]
+    for num_stages in range(1, num_layers + 1):
+        for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+            bounds = [0, *cuts, num_layers]
+            for choice in itertools.product(options, repeat=num_stages):
+                stages = [
+                    (bounds[s], bounds[s + 1], m, k, t)
+                    for s, (m, k, t) in enumerate(choice)
+                ]
+                try:
+                    plan = make_hetero_plan(problem, stages, method="canonical")
+                except PlanError:
+                    continue
+                best = min(best, evaluate_hetero(problem, plan))
+    return best

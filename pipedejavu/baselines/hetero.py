@@ -24,11 +24,19 @@ Stages of equal size come out in reverse pipeline order, still host-contiguous:
 32 ``(1, 1)`` stages on 4 x 8 devices make 3 inter-host hops, the minimum (the
 5 hops reported in Alpa issue 752 do not come from this slicing rule).
 
-Alpa's placements need not be canonical (:func:`pipedejavu.hetero.place`), so
-on a homogeneous multi-host cluster Alpa's way can, rarely, beat the oracle of
-:mod:`pipedejavu.search.hetero_exact` (e.g. ``(1, 4), (1, 8), (1, 4)`` on 8-device hosts has
-no canonical placement); with mixed device types it loses by about the ratio of
-the mean speed to the speed of the slowest type its stages land on.
+On hosts whose size is not a power of two, Alpa's runtime can fail to slice
+its own plan (e.g. two ``(1, 2)`` stages on hosts of 3 devices: the second
+does not fit the one device left on the first host, and
+``get_sliced_virtual_submeshes`` asserts); Alpa's way then raises
+:class:`~pipedejavu.problem.InfeasibleProblemError` saying so. Every failure of
+Alpa's way is that error, with the reason.
+
+Alpa's plan, placed, is a valid plan, so the exact oracle
+(:mod:`pipedejavu.search.hetero_exact`, over every valid plan) is never worse;
+with mixed device types Alpa's way loses by about the ratio of the mean speed to
+the speed of the slowest type its stages land on.
+
+**Brute force** (:func:`hetero_brute_force`): every valid plan, enumerated.
 """
 
 from __future__ import annotations
@@ -81,13 +89,22 @@ def _alpa_sorted(
         h, d = shapes[index]
         if d == dph:
             if device != 0 or host + h > num_hosts:
-                raise PlanError("placement", index, "Alpa's slicing runs out of hosts")
+                raise PlanError(
+                    "placement",
+                    index,
+                    f"Alpa's runtime slicing has no {h} free whole host(s) left for "
+                    f"the ({h}, {d}) submesh",
+                )
             placed[index] = (tuple(range(host, host + h)), 0)
             host += h
         else:
             if h != 1 or device + d > dph:
                 raise PlanError(
-                    "placement", index, "Alpa's slicing straddles a host boundary"
+                    "placement",
+                    index,
+                    f"Alpa's runtime slicing puts the ({h}, {d}) submesh at device "
+                    f"{device} of host {host}, which has {dph} devices: it would "
+                    "straddle two hosts (get_sliced_virtual_submeshes asserts)",
                 )
             placed[index] = ((host,), device)
             device += d
@@ -118,10 +135,15 @@ def alpa_placement(
     return _alpa_sorted(shapes, num_hosts, dph), "alpa"
 
 
-def _slowest_type(problem: HeteroProblem, hosts: tuple[int, ...]) -> int:
+def _slowest_type(problem: HeteroProblem, hosts: tuple[int, ...], stage) -> int:
+    """The type pricing a stage on ``hosts``: its slowest type (the cheapest
+    one for this stage among types tied on speed)."""
     cluster = problem.cluster
     types = sorted({cluster.host_types[h] for h in hosts})
-    return min(types, key=lambda t: cluster.device_types[t].speed)
+    slowest = min(cluster.device_types[t].speed for t in types)
+    tied = [t for t in types if cluster.device_types[t].speed == slowest]
+    key = (stage.start, stage.stop - 1, stage.submesh_index, stage.config_index)
+    return min(tied, key=lambda t: problem.compute_cost[key + (t,)])
 
 
 def alpa_homogeneous(
@@ -147,22 +169,37 @@ def alpa_homogeneous(
         ``placement`` (the rule used), ``inter_host_hops``, ``mixed_stages``.
 
     Raises:
-        InfeasibleProblemError: Alpa's view has no plan, or its plan breaks the
-            true memory rule (``memory="reference"``).
+        InfeasibleProblemError: the only failure, with the reason: Alpa's view
+            has no plan, Alpa's runtime cannot slice its plan onto the hosts, or
+            the plan breaks the true memory rule (``memory="reference"``).
     """
     if memory not in ("tightest", "reference"):
         raise ValueError(f"memory must be 'tightest' or 'reference', got {memory!r}")
     started = time.perf_counter()
-    view = problem.homogeneous_view()
-    if memory == "tightest":
-        view = view.replace(max_n_succ_stages=problem.max_n_succ_stages.min(axis=-1))
+    try:
+        view = problem.homogeneous_view()
+        if memory == "tightest":
+            view = view.replace(
+                max_n_succ_stages=problem.max_n_succ_stages.min(axis=-1)
+            )
+    except ProblemError as error:
+        raise InfeasibleProblemError(
+            f"Alpa's homogeneous view of this cluster is not a valid problem: {error}"
+        ) from None
     alpa_plan = exact_dp(view)
-    placed, rule = alpa_placement(
-        problem, [s.submesh_index for s in alpa_plan.stages], placement
-    )
+    try:
+        placed, rule = alpa_placement(
+            problem, [s.submesh_index for s in alpa_plan.stages], placement
+        )
+    except PlanError as error:
+        raise InfeasibleProblemError(
+            f"Alpa's plan ({', '.join(str(s.submesh) for s in alpa_plan.stages)}) "
+            f"cannot be placed on hosts of {problem.cluster.devices_per_host} "
+            f"devices: {error}"
+        ) from None
     stages, mixed = [], 0
     for stage, (hosts, _) in zip(alpa_plan.stages, placed, strict=True):
-        device_type = _slowest_type(problem, hosts)
+        device_type = _slowest_type(problem, hosts, stage)
         mixed += len({problem.cluster.host_types[h] for h in hosts}) > 1
         stages.append(
             (
