@@ -329,3 +329,130 @@ def canonical_optimum(problem: HeteroProblem) -> float:
                     continue
                 best = min(best, evaluate_hetero(problem, plan))
     return best
+
+
+def _reprice(problem: HeteroProblem, places):
+    """HeteroStages for ``(start, stop, m, hosts, first)`` places: each stage's
+    cheapest config and tied slowest type under the memory rule of every type
+    it touches; None when some stage has none."""
+    cluster = problem.cluster
+    speeds = np.asarray(cluster.speeds)
+    stages = []
+    for index, (start, stop, m, hosts, first) in enumerate(places):
+        types = sorted({cluster.host_types[x] for x in hosts})
+        price = [t for t in types if speeds[t] == min(speeds[types])]
+        table, arg = _stage_table(problem, m, price, types, len(places) - 1 - index)
+        if not math.isfinite(table[start, stop - 1]):
+            return None
+        k, t = (int(x) for x in arg[start, stop - 1])
+        stages.append(
+            HeteroStage(
+                start=start,
+                stop=stop,
+                submesh=tuple(int(x) for x in problem.submesh_shapes[m]),
+                submesh_index=m,
+                config_index=k,
+                device_type=t,
+                hosts=tuple(hosts),
+                first_device=first,
+                latency=float(problem.compute_cost[start, stop - 1, m, k, t]),
+            )
+        )
+    return stages
+
+
+def _neighbours(problem: HeteroProblem, places):
+    index_of = {tuple(s): m for m, s in enumerate(problem.submesh_shapes.tolist())}
+    dph = problem.cluster.devices_per_host
+    count = len(places)
+    for i in range(count - 1):  # shift a boundary
+        for delta in (-3, -2, -1, 1, 2, 3):
+            stop = places[i][1] + delta
+            if places[i][0] < stop < places[i + 1][1]:
+                trial = list(places)
+                trial[i] = (places[i][0], stop, *places[i][2:])
+                trial[i + 1] = (stop, places[i + 1][1], *places[i + 1][2:])
+                yield trial
+    for i in range(count):
+        for j in range(i + 1, count):  # swap two stages' devices
+            trial = list(places)
+            trial[i] = places[i][:2] + places[j][2:]
+            trial[j] = places[j][:2] + places[i][2:]
+            yield trial
+        start, stop, m, hosts, first = places[i]
+        h, d = (int(x) for x in problem.submesh_shapes[m])
+        if h > 1:  # another first or last host
+            for a in range(h):
+                for b in range(h):
+                    if a != b:
+                        rest = [x for k, x in enumerate(hosts) if k not in (a, b)]
+                        order = (hosts[a], *rest, hosts[b])
+                        if order != hosts:
+                            trial = list(places)
+                            trial[i] = (start, stop, m, order, first)
+                            yield trial
+        if stop - start >= 2:  # split in two
+            middle = (start + stop) // 2
+            if h == 1 and d % 2 == 0 and (1, d // 2) in index_of:
+                half = index_of[1, d // 2]
+                yield (
+                    places[:i]
+                    + [
+                        (start, middle, half, hosts, first),
+                        (middle, stop, half, hosts, first + d // 2),
+                    ]
+                    + places[i + 1 :]
+                )
+            for cut in range(1, h):
+                if (cut, d) in index_of and (h - cut, d) in index_of:
+                    yield (
+                        places[:i]
+                        + [
+                            (start, middle, index_of[cut, d], hosts[:cut], 0),
+                            (middle, stop, index_of[h - cut, d], hosts[cut:], 0),
+                        ]
+                        + places[i + 1 :]
+                    )
+        if i + 1 < count:  # merge with the next stage
+            _, stop2, m2, hosts2, first2 = places[i + 1]
+            h2, d2 = (int(x) for x in problem.submesh_shapes[m2])
+            merged = None
+            if h == h2 == 1 and hosts == hosts2 and d + d2 < dph:
+                low = min(first, first2)
+                if max(first, first2) == low + (d if first < first2 else d2):
+                    if (1, d + d2) in index_of:
+                        merged = (start, stop2, index_of[1, d + d2], hosts, low)
+            elif d == d2 == dph and (h + h2, dph) in index_of:
+                merged = (start, stop2, index_of[h + h2, dph], hosts + hosts2, 0)
+            if merged is not None:
+                yield places[:i] + [merged] + places[i + 2 :]
+
+
+def local_search_all(problem: HeteroProblem, stages, *, max_steps: int = 50):
+    """Best-improvement hill climbing from a plan over the neighbourhood above,
+    every trial checked and priced by :func:`pipedejavu.hetero.evaluate_hetero`.
+    Returns ``(cost, stages)`` of the local optimum reached."""
+    from pipedejavu.hetero import evaluate_hetero
+    from pipedejavu.problem import PlanError
+
+    places = [
+        (s.start, s.stop, s.submesh_index, s.hosts, s.first_device) for s in stages
+    ]
+    current = _reprice(problem, places)
+    cost = evaluate_hetero(problem, current)
+    for _ in range(max_steps):
+        best = (cost, None)
+        for trial in _neighbours(problem, places):
+            priced = _reprice(problem, trial)
+            if priced is None:
+                continue
+            try:
+                value = evaluate_hetero(problem, priced)
+            except PlanError:
+                continue
+            if value < best[0] * (1 - 1e-12):
+                best = (value, (trial, priced))
+        if best[1] is None:
+            return cost, current
+        cost, (places, current) = best[0], best[1]
+    return cost, current

@@ -30,8 +30,8 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    So ``sum_s c_s >= sum_s l(j_s) + delta`` with ``delta`` the least
    ``(inter-host time - l)`` over boundaries (clipped at 0), and
    ``max_s c_s >= gamma``, the least inter-host time over boundaries.
-5. **The max term, by caps** (as :mod:`pipedejavu.search.exact`). Let ``r`` be the largest
-   of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
+5. **The max term, by caps** (as :mod:`pipedejavu.search.exact`). Let ``r`` be
+   the largest of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
    ``Q(cap)`` be the least ``sum a + sum l`` over the *relaxed plans*
    (contiguous spans, levels and submeshes with the constraints of 1 and 3,
    every ``a`` and ``l`` ``<= cap``): a DP over layers with the vector ``x`` as
@@ -414,6 +414,7 @@ def hetero_lower_bound(
     rtol: float = 1e-3,
     max_cells: int = 20_000,
     max_relaxed_cells: int = 20_000,
+    plan_fn=None,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -432,6 +433,8 @@ def hetero_lower_bound(
         max_relaxed_cells: largest device grid ``prod_t (N_t dph + 1)`` on which
             the block relaxation's bound (rule 8) is also computed, in the time
             left.
+        plan_fn: receives the valid plans rule 8 finds on the way
+            (:class:`~pipedejavu.hetero.HeteroPlan`; the engine keeps the best).
 
     Returns:
         The bound in seconds; ``inf`` only when no plan can exist.
@@ -459,7 +462,7 @@ def hetero_lower_bound(
     tail = batches * float(above[0]) if above.size else math.inf
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
         bound = max(min(tail, one_stage), simple)
-        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells)
+        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
         return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     sums: dict[int, float] = {}
@@ -508,12 +511,12 @@ def hetero_lower_bound(
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
     bound = max(min(relaxed, one_stage), simple)
-    return max(bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells)) * (
-        1.0 - margin
-    )
+    return max(
+        bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+    ) * (1.0 - margin)
 
 
-def _block_bound(problem, ceiling, deadline, max_cells) -> float:
+def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
     """Rule 8, when the device grid is small enough and time is left."""
     cells = 1
     for count in problem.cluster.devices_of_type():
@@ -522,4 +525,4 @@ def _block_bound(problem, ceiling, deadline, max_cells) -> float:
         return -math.inf
     from ._hetero_rbound import relaxed_bound
 
-    return relaxed_bound(problem, incumbent=ceiling, deadline=deadline)
+    return relaxed_bound(problem, incumbent=ceiling, deadline=deadline, plan_fn=plan_fn)

@@ -2,8 +2,10 @@
 
 The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
 
-1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) per device type, giving
-   one ``(submesh, config, type)`` slot per fitted table column.
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) per device
+   type, giving one ``(submesh, config, type)`` slot per fitted table column,
+   plus a slot per config of every whole-host submesh over hosts of several
+   types (its slowest type's model, its devices shared by type).
 2. Optimize the relaxed objective of :mod:`pipedejavu.search.hetero_relax` (soft
    boundaries, a softmax over slots per stage, per-type device budgets as an
    annealed penalty, soft transfers on the soft boundaries, smooth max over
@@ -11,16 +13,22 @@ The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
    once: ``jax.vmap`` inside one jitted ``lax.scan``, compiled ahead of time and
    cached, the restarts sharded over the JAX devices when there are several.
 3. Round the ``num_polished`` best distinct restarts' soft ends to boundaries
-   and repair them exactly: :func:`pipedejavu.search.hetero_assign.assign` picks every
-   stage's submesh, config and type (an exact knapsack per type under the
-   canonical placement, transfers and the max term included).
-4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a local search
-   alternating exact sub-solvers (best boundaries for the stages' slots, best
-   slots for the boundaries, merges, splits, swaps) from every repaired
-   restart; then :func:`pipedejavu.search.hetero_exact.hetero_exact` restricted to spans
-   near the best local optimum's boundaries and midpoints, from its cost.
-5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound`; ``plan.info``
-   carries the bound and the gap ``cost / bound - 1``.
+   and repair them exactly: :func:`pipedejavu.search.hetero_assign.assign`
+   picks every stage's submesh, config, type and hosts over every valid plan
+   (the exact oracle on exactly those spans).
+4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a
+   local search alternating exact sub-solvers (best boundaries for the stages'
+   places, best places for the boundaries, merges, splits, swaps) from every
+   repaired restart; then :func:`pipedejavu.search.hetero_exact.hetero_exact`
+   restricted to spans near the best local optimum's boundaries and midpoints,
+   from its cost. Every step searches the oracle's space: any placement, stages
+   over hosts of several types.
+5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound` (valid
+   over every valid plan); ``plan.info`` carries the bound and the gap
+   ``cost / bound - 1``. On device grids small enough for its block relaxation
+   (rule 8), the relaxation's optimal plans under each cap that pack onto the
+   hosts are valid plans too; the best of them replaces the polished plan when
+   cheaper (``info["from_bound"]``).
 
 The plan's cost is always :func:`pipedejavu.hetero.evaluate_hetero` of it.
 """
@@ -43,7 +51,7 @@ from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
 from pipedejavu.problem import InfeasibleProblemError, Problem, ProblemError
 
 from .engine import SearchConfig, _geometric, _shard, compiled_chunk
-from .hetero_assign import assign
+from .hetero_assign import assign, split
 from .hetero_bounds import hetero_lower_bound
 from .hetero_polish import exact_polish, local_search
 from .hetero_relax import (
@@ -63,7 +71,8 @@ _BOUND_FLOOR_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class HeteroSearchConfig(SearchConfig):
-    """:class:`pipedejavu.search.engine.SearchConfig`, retuned, plus the polish's settings.
+    """:class:`pipedejavu.search.engine.SearchConfig`, retuned, plus the polish's
+    settings.
 
     Attributes:
         penalty: (start, end) weight of the per-type device-budget penalty
@@ -100,7 +109,8 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
     from .linear import fit_linear_model
 
     counts = np.asarray(problem.cluster.devices_of_type())
-    slots, per_layer, intercept = [], [], []
+    slots, per_layer, intercept = [], [], []  # slot: (m, k, type share f[T])
+    models = {}
     for t in range(problem.num_types):
         try:
             view = Problem(
@@ -112,14 +122,27 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
             )
         except ProblemError:  # no device combination fits: nothing to relax
             return None, 0
-        model = fit_linear_model(view)
+        model = models[t] = fit_linear_model(view)
         usable = np.asarray(model.usable) & (
             problem.submesh_sizes[:, None] <= counts[t]
         )
         for m, k in np.argwhere(usable).tolist():
-            slots.append((m, k, t))
+            slots.append((m, k, np.eye(problem.num_types)[t]))
             per_layer.append(np.asarray(model.per_layer[:, m, k], np.float64))
             intercept.append(float(model.intercept[m, k]))
+    # Whole-host stages over several types: the slowest type's model, devices
+    # shared by the composition.
+    from ._hetero_units import build
+
+    for unit in build(problem).wholes:
+        if len(unit.present) < 2:
+            continue
+        model = models[unit.price[0]]
+        share = np.asarray(unit.composition, np.float64) / sum(unit.composition)
+        for k in np.flatnonzero(np.asarray(model.usable)[unit.m]).tolist():
+            slots.append((unit.m, k, share))
+            per_layer.append(np.asarray(model.per_layer[:, unit.m, k], np.float64))
+            intercept.append(float(model.intercept[unit.m, k]))
     if not slots:
         return None, 0
     finite = problem.compute_cost[np.isfinite(problem.compute_cost)]
@@ -134,9 +157,9 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
     offsets[: len(slots)] = np.asarray(intercept) / scale
     devices = np.ones(padded)
     types = np.zeros((padded, num_types))
-    for index, (m, _, t) in enumerate(slots):
+    for index, (m, _, share) in enumerate(slots):
         devices[index] = problem.submesh_sizes[m]
-        types[index, t] = 1.0
+        types[index] = share
     from .hetero_assign import links
 
     intra_latency, intra_bandwidth, inter_latency, inter_bandwidth = links(problem)
@@ -323,8 +346,9 @@ def hetero_search(
         ``polished_costs`` (restart -> cost), ``compile_time_s``,
         ``optimize_time_s``, ``polish_time_s``, ``bound_time_s``,
         ``num_restarts``, ``num_slots``, ``trace`` ((seconds, best cost) at each
-        improvement) and ``loss_curve`` (best relaxed loss per step, in units of
-        a typical stage latency).
+        improvement), ``loss_curve`` (best relaxed loss per step, in units of
+        a typical stage latency) and ``from_bound`` (the plan came from the
+        bound's relaxation, module docstring step 5).
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
@@ -421,9 +445,18 @@ def hetero_search(
     bound_limit = None
     if math.isfinite(budget_end):  # what is left, at least a floor for the bound
         bound_limit = max(budget_end - time.perf_counter(), _BOUND_FLOOR_S)
+    from_bound: list = []  # valid plans the bound's relaxation finds
+
+    def keep(found) -> None:
+        if found.cost < min([best_cost] + [p.cost for p in from_bound]):
+            from_bound.append(found)
+            record(found.cost)
+
     bound = hetero_lower_bound(
-        problem, incumbent_cost=best_cost, time_limit_s=bound_limit
+        problem, incumbent_cost=best_cost, time_limit_s=bound_limit, plan_fn=keep
     )
+    if from_bound:  # the relaxation's plan packed and beat the polish
+        best_stages, best_placement = split(from_bound[-1].stages)
     run_time = time.perf_counter() - started
     polished = {restart: cost for cost, restart, _, _, _ in results}
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
@@ -440,6 +473,7 @@ def hetero_search(
         "num_slots": num_slots,
         "trace": trace,
         "loss_curve": curve.tolist(),
+        "from_bound": bool(from_bound),
     }
     plan = make_hetero_plan(
         problem,
