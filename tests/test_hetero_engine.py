@@ -103,7 +103,10 @@ def test_assign_and_partition_are_exact(seed):
         np.testing.assert_allclose(cost, plan.cost, rtol=1e-12)
         assert quick_cost(problem, stages, placement) == plan.cost
         # The boundaries are optimal for the places partition() is given.
-        slots = [(s[2], hosts, first) for s, (hosts, first) in zip(stages, placement)]
+        slots = [
+            (s[2], hosts, first)
+            for s, (hosts, first) in zip(stages, placement, strict=True)
+        ]
         again, better, where = partition(problem, slots)
         assert again <= cost * (1 + 1e-12)
         assert better is None or quick_cost(problem, better, where) == again
