@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ._hetero_units import Setup, stage_table
+from ._hetero_units import Setup, layer_row, layer_rows, num_rows, stage_table
 
 __all__ = ["Relaxed", "Tables", "Unit", "relaxed_tables", "solve_relaxed"]
 
@@ -321,7 +321,8 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
             elif lo > hi:
                 continue
             source, target = tables.slices["b", t, width]
-            rows = grid[(after, slice(start + lo + 1, start + hi + 2)) + target + (t,)]
+            layers = layer_rows(setup, start + lo + 1, start + hi + 2)
+            rows = grid[(after, layers) + target + (t,)]
             cost = stack.table[r, start, lo : hi + 1].reshape((-1,) + ones)
             view = best[(first,) + source + (t,)]
             np.minimum(view, combine(cost, rows).min(axis=0), out=view)
@@ -336,7 +337,8 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
             elif lo > hi:
                 continue
             source, target = tables.slices["w", index]
-            rows = grid[(after, slice(start + lo + 1, start + hi + 2)) + target + (y,)]
+            layers = layer_rows(setup, start + lo + 1, start + hi + 2)
+            rows = grid[(after, layers) + target + (y,)]
             cost = stack.table[r, start, lo : hi + 1].reshape((-1,) + ones)
             candidate = combine(cost, rows).min(axis=0)
             for x in tables.entries_of[index, y]:
@@ -346,16 +348,16 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
 
 
 def _pass(setup: Setup, tables: Tables, deadline: float):
-    """The backward pass: ``values`` f64[NB + 1, L + 1, G T + 1] (before layer
-    i, next stage in bucket b, state ``cell * T + a``: previous unit ending on
+    """The backward pass: ``values`` f64[NB + 1, rows, G T + 1] (row of layer i
+    by :func:`~._hetero_units.layer_row`: before layer i, next stage in bucket b, state ``cell * T + a``: previous unit ending on
     type a; the transfer into layer i included; the last state always inf) and
     the root values f64[NB + 1, T] (first stage in bucket b, first type x)."""
     combine = tables.combine
     num_layers, num_types = setup.num_layers, setup.num_types
     num_buckets, num_cells = tables.num_buckets, setup.num_cells
-    values = np.full((num_buckets + 1, num_layers + 1, setup.sentinel + 1), np.inf)
+    values = np.full((num_buckets + 1, num_rows(setup), setup.sentinel + 1), np.inf)
     full = (num_cells - 1) * num_types
-    values[0, num_layers, full : full + num_types] = 0.0
+    values[0, layer_row(setup, num_layers), full : full + num_types] = 0.0
     root = np.full((num_buckets + 1, num_types), np.inf)
     for start in np.flatnonzero(setup.mask.any(axis=1))[::-1].tolist():
         if time.perf_counter() > deadline:
@@ -365,9 +367,9 @@ def _pass(setup: Setup, tables: Tables, deadline: float):
             root = best[:, 0, :]
             break
         entered = combine(best[:, :, None, :], tables.inter[start][None, None])
-        values[:, start, : setup.sentinel] = entered.min(axis=-1).reshape(
-            num_buckets + 1, -1
-        )
+        values[:, layer_row(setup, start), : setup.sentinel] = entered.min(
+            axis=-1
+        ).reshape(num_buckets + 1, -1)
     return values, root
 
 
@@ -388,7 +390,7 @@ def _options(setup: Setup, tables: Tables, values, start: int, cell: int):
         if window is None:
             continue
         lo, hi = window
-        rows = values[after, start + lo + 1 : start + hi + 2]
+        rows = values[after, layer_rows(setup, start + lo + 1, start + hi + 2)]
         for r, width in enumerate(widths.tolist()):
             candidate = combine(
                 stack.table[r, start, lo : hi + 1], rows[:, stack.targets[r, cell]]
@@ -399,7 +401,7 @@ def _options(setup: Setup, tables: Tables, values, start: int, cell: int):
         if window is None:
             continue
         lo, hi = window
-        rows = values[after, start + lo + 1 : start + hi + 2]
+        rows = values[after, layer_rows(setup, start + lo + 1, start + hi + 2)]
         for r, (index, y) in enumerate(rows_of):
             candidate = combine(
                 stack.table[r, start, lo : hi + 1], rows[:, stack.targets[r, cell]]
@@ -445,7 +447,7 @@ def _trace(setup: Setup, tables: Tables, values, root) -> list[Unit]:
         start, cell = end + 1, int(landed)
         if start == setup.num_layers:
             return units
-        target = float(values[after, start, cell * num_types + y])
+        target = float(values[after, layer_row(setup, start), cell * num_types + y])
         best = np.full(num_types, np.inf)
         for _, _, first, _, xx, _, _, candidate in _options(
             setup, tables, values, start, cell

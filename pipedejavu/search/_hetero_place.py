@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ._hetero_dp import Interrupted, Relaxed, Unit, following, trace_block, whole_unit
-from ._hetero_units import Setup
+from ._hetero_units import Setup, layer_row
 
 __all__ = ["astar", "realize", "stage_tuples"]
 
@@ -234,7 +234,7 @@ def _expand(setup: Setup, relaxed: Relaxed, state, g, node, push) -> None:
                 for d in lengths.tolist():
                     end = start + d
                     g2 = combine(combine(g, enter), block[start, d])
-                    h = values[after, end + 1, landed]
+                    h = values[after, layer_row(setup, end + 1), landed]
                     new_state = (end + 1, after, new_fills, t, (t, fill + width))
                     step = ("block", t, first, width, after, start, end, fill)
                     push(new_state, g2, h, node, step)
@@ -261,7 +261,7 @@ def _expand(setup: Setup, relaxed: Relaxed, state, g, node, push) -> None:
                 for d in usable.tolist():
                     end = start + d
                     g2 = combine(combine(g, enter), row[d])
-                    h = values[after, end + 1, landed + y]
+                    h = values[after, layer_row(setup, end + 1), landed + y]
                     new_state = (end + 1, after, new_fills, y, None)
                     step = ("whole", index, bucket, x, y, after, start, end)
                     push(new_state, g2, h, node, step)

@@ -37,6 +37,9 @@ __all__ = [
     "build",
     "by_length",
     "candidate_caps",
+    "layer_row",
+    "layer_rows",
+    "num_rows",
     "span_mask",
     "stage_table",
 ]
@@ -83,6 +86,13 @@ class Setup(NamedTuple):
             the inter-host link between two hosts of the type there.
         mask: bool[L, L] usable spans by (start, length - 1); ``spans`` its
             nonzero (start, length - 1) indices.
+        rows: None, or for a sparse mask i64[L + 1] the row of the DP's value
+            table holding each layer: only layers where a usable span starts
+            or ends after are stored (and L); the others share one row that
+            stays inf (see :func:`layer_rows`).
+        full_buckets: memory buckets that make the lumped rule exact (one more
+            than the largest binding ``max_n_succ_stages + 1`` below the most
+            stages a plan can have).
         block_move: per type i64[dph, G] the state a block of width ``W``
             (row ``W - 1``) lands on from each cell, ending on the type.
         whole_move: per whole unit i64[G] the cell it lands on (-1: none).
@@ -106,6 +116,8 @@ class Setup(NamedTuple):
     block_move: dict[int, NDArray[np.int64]]
     whole_move: tuple[NDArray[np.int64], ...]
     spans: tuple[NDArray[np.int64], NDArray[np.int64]]
+    rows: NDArray[np.int64] | None
+    full_buckets: int
 
     @property
     def sentinel(self) -> int:
@@ -236,7 +248,43 @@ def build(problem: HeteroProblem, allowed: Any = None) -> Setup:
     if allowed is None:
         return setup
     mask = by_length(span_mask(problem, allowed), False)
-    return setup._replace(mask=mask, spans=np.nonzero(mask))
+    starts, lengths = np.nonzero(mask)
+    rows = None
+    if starts.size * 4 < mask.size:
+        kept = np.unique(
+            np.concatenate([starts, starts + lengths + 1, [mask.shape[0]]])
+        )
+        rows = np.full(mask.shape[0] + 1, kept.size, dtype=np.int64)
+        rows[kept] = np.arange(kept.size)
+    return setup._replace(mask=mask, spans=(starts, lengths), rows=rows)
+
+
+def layer_rows(setup: Setup, first: int, last: int):
+    """Index of the value rows of layers ``first..last - 1``: a slice when
+    every layer is stored, else an array (a copy when read)."""
+    if setup.rows is None:
+        return slice(first, last)
+    return setup.rows[first:last]
+
+
+def layer_row(setup: Setup, layer: int) -> int:
+    return layer if setup.rows is None else int(setup.rows[layer])
+
+
+def num_rows(setup: Setup) -> int:
+    return setup.num_layers + 1 if setup.rows is None else int(setup.rows.max()) + 1
+
+
+def _full_buckets(problem: HeteroProblem, unit_cost, unit_memory) -> int:
+    max_stages = min(problem.num_layers, problem.num_devices)
+    limits = [
+        unit_memory[key][np.isfinite(cost)] + 1 for key, (cost, _) in unit_cost.items()
+    ]
+    if not limits:
+        return 1
+    limits = np.concatenate(limits)
+    binding = limits[(limits >= 1) & (limits < max_stages)]
+    return int(binding.max()) + 1 if binding.size else 1
 
 
 def _build(problem: HeteroProblem) -> Setup:
@@ -296,6 +344,8 @@ def _build(problem: HeteroProblem) -> Setup:
         block_move=block_move,
         whole_move=whole_move,
         spans=np.nonzero(mask),
+        rows=None,
+        full_buckets=_full_buckets(problem, unit_cost, unit_memory),
     )
 
 
@@ -328,10 +378,15 @@ def stage_table(
 def candidate_caps(setup: Setup, smallest: float) -> NDArray[np.float64]:
     """Sorted distinct stage costs and link times ``>= smallest``: every plan's
     bottleneck is one of them."""
-    values = [
-        cost[setup.mask[:, :, None] & np.isfinite(cost)]
-        for cost, _ in setup.unit_cost.values()
-    ]
+    if setup.rows is None:
+        values = [
+            cost[setup.mask[:, :, None] & np.isfinite(cost)]
+            for cost, _ in setup.unit_cost.values()
+        ]
+    else:
+        starts, lengths = setup.spans
+        values = [cost[starts, lengths].ravel() for cost, _ in setup.unit_cost.values()]
+        values = [v[np.isfinite(v)] for v in values]
     values += [setup.intra[np.isfinite(setup.intra)]]
     values += [setup.inter[np.isfinite(setup.inter)]]
     values = np.unique(np.concatenate(values))

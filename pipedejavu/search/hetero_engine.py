@@ -19,16 +19,17 @@ The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
 4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a
    local search alternating exact sub-solvers (best boundaries for the stages'
    places, best places for the boundaries, merges, splits, swaps) from every
-   repaired restart; then :func:`pipedejavu.search.hetero_exact.hetero_exact`
-   restricted to spans near the best local optimum's boundaries and midpoints,
-   from its cost. Every step searches the oracle's space: any placement, stages
-   over hosts of several types.
+   repaired restart. Every step searches the oracle's space: any placement,
+   stages over hosts of several types.
 5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound` (valid
    over every valid plan); ``plan.info`` carries the bound and the gap
    ``cost / bound - 1``. On device grids small enough for its block relaxation
    (rule 8), the relaxation's optimal plans under each cap that pack onto the
    hosts are valid plans too; the best of them replaces the polished plan when
    cheaper (``info["from_bound"]``).
+6. While the certified gap is open: :func:`pipedejavu.search.hetero_exact.hetero_exact`
+   restricted to spans near the best local optimum's boundaries and midpoints,
+   from its cost (:func:`pipedejavu.search.hetero_polish.exact_polish`).
 
 The plan's cost is always :func:`pipedejavu.hetero.evaluate_hetero` of it.
 """
@@ -336,8 +337,9 @@ def hetero_search(
             ``(steps done, total steps, best relaxed loss)``.
         time_budget_s: overrides ``config.time_budget_s``: the whole search
             (optimization, polish, bound) keeps to it, within the time of one
-            polish step: the polish stops at 60% of what the optimization
-            left, the bound stops at the budget (it gets at least 0.5 s).
+            polish step: the local search stops at 60% of what the
+            optimization left, the bound gets 40% of what is then left (at
+            least 0.5 s), the windowed exact polish stops at the budget.
 
     Returns:
         A :class:`HeteroPlan` (``method="diff"``) whose ``info`` holds
@@ -393,33 +395,7 @@ def hetero_search(
             )
             record(cost)
         results.append([cost, restart, boundaries, stages, placement])
-    # The windowed exact DP on the best distinct local optima.
     results.sort(key=lambda r: r[0])
-    seen = set()
-    for result in results:
-        if len(seen) >= config.num_exact_polished:
-            break
-        cost, _, boundaries, stages, placement = result
-        signature = None if stages is None else (tuple(stages), tuple(placement))
-        if signature in seen:
-            continue
-        seen.add(signature)
-        if math.isfinite(best[0]) and time.perf_counter() > deadline:
-            break
-        result[0], result[3], result[4] = exact_polish(
-            problem,
-            boundaries,
-            stages,
-            placement,
-            cost,
-            window=config.polish_window,
-            widest=config.polish_window,
-            max_rounds=config.max_polish_rounds,
-            time_limit_s=config.exact_time_limit_s,
-            deadline=deadline,
-        )
-        if result[3] is not None:
-            record(result[0])
     found = [r for r in results if r[3] is not None]
     if not found:  # nothing rounded to a plan: the exact DP from one stage
         cost, stages, placement = exact_polish(
@@ -437,28 +413,59 @@ def hetero_search(
             raise InfeasibleProblemError(explain_infeasible(problem))
         found = [[cost, candidates[0][0], candidates[0][1], stages, placement]]
         record(cost)
-    best_cost, best_restart, _, best_stages, best_placement = min(
-        found, key=lambda r: r[0]
-    )
-    finished_polish = time.perf_counter()
+    best_cost, best_restart, _, best_stages, best_placement = found[0]
+    polished = {restart: cost for cost, restart, _, _, _ in results}
+    searched = time.perf_counter()
 
+    # Certify (the bound's relaxation may hand over a cheaper valid plan).
     bound_limit = None
-    if math.isfinite(budget_end):  # what is left, at least a floor for the bound
-        bound_limit = max(budget_end - time.perf_counter(), _BOUND_FLOOR_S)
-    from_bound: list = []  # valid plans the bound's relaxation finds
+    if math.isfinite(budget_end):  # a share of what is left, at least a floor
+        bound_limit = max(_BOUND_SHARE * (budget_end - searched), _BOUND_FLOOR_S)
+    from_bound: list = []
 
-    def keep(found) -> None:
-        if found.cost < min([best_cost] + [p.cost for p in from_bound]):
-            from_bound.append(found)
-            record(found.cost)
+    def keep(plan) -> None:
+        if plan.cost < min([best_cost] + [p.cost for p in from_bound]):
+            from_bound.append(plan)
+            record(plan.cost)
 
     bound = hetero_lower_bound(
         problem, incumbent_cost=best_cost, time_limit_s=bound_limit, plan_fn=keep
     )
-    if from_bound:  # the relaxation's plan packed and beat the polish
+    if from_bound:
+        best_cost = from_bound[-1].cost
         best_stages, best_placement = split(from_bound[-1].stages)
+    bounded = time.perf_counter()
+
+    # The windowed exact DP on the best distinct local optima, while the
+    # certified gap is open.
+    seen = set()
+    for result in found:
+        if best_cost <= bound * (1 + 1e-9) or len(seen) >= config.num_exact_polished:
+            break
+        cost, _, boundaries, stages, placement = result
+        signature = (tuple(stages), tuple(placement))
+        if signature in seen:
+            continue
+        seen.add(signature)
+        if time.perf_counter() > budget_end:
+            break
+        cost, stages, placement = exact_polish(
+            problem,
+            boundaries,
+            stages,
+            placement,
+            cost,
+            window=config.polish_window,
+            widest=config.polish_window,
+            max_rounds=config.max_polish_rounds,
+            time_limit_s=config.exact_time_limit_s,
+            deadline=budget_end,
+        )
+        if cost < best_cost:
+            best_cost, best_stages, best_placement = cost, stages, placement
+            record(cost)
+    finished_polish = time.perf_counter()
     run_time = time.perf_counter() - started
-    polished = {restart: cost for cost, restart, _, _, _ in results}
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
     info = {
         "lower_bound": bound,
@@ -467,8 +474,8 @@ def hetero_search(
         "polished_costs": polished,
         "compile_time_s": compile_time,
         "optimize_time_s": optimized - started,
-        "polish_time_s": finished_polish - optimized,
-        "bound_time_s": run_time - (finished_polish - started),
+        "polish_time_s": (searched - optimized) + (finished_polish - bounded),
+        "bound_time_s": bounded - searched,
         "num_restarts": config.num_restarts,
         "num_slots": num_slots,
         "trace": trace,

@@ -92,22 +92,6 @@ class HeteroTimeoutError(TimeoutError):
         self.num_candidates = num_candidates
 
 
-def _full_buckets(problem: HeteroProblem, setup: Setup) -> int:
-    """Buckets that make the lumped memory rule exact: one more than the
-    largest binding ``max_n_succ_stages + 1`` (below the most stages a plan
-    can have)."""
-    max_stages = min(problem.num_layers, problem.num_devices)
-    limits = []
-    for key, memory in setup.unit_memory.items():
-        finite = np.isfinite(setup.unit_cost[key][0])
-        limits.append(memory[finite] + 1)
-    if not limits:
-        return 1
-    limits = np.concatenate(limits)
-    binding = limits[(limits >= 1) & (limits < max_stages)]
-    return int(binding.max()) + 1 if binding.size else 1
-
-
 def _memory_ok(setup: Setup, units: list[Unit]) -> bool:
     """Alpa's memory rule on every stage of a relaxed plan."""
     keys = []
@@ -277,7 +261,7 @@ def hetero_exact(
     deadline = math.inf if time_limit_s is None else started + float(time_limit_s)
     setup = build(problem, allowed_boundaries)
     batches = problem.num_microbatches
-    full = _full_buckets(problem, setup)
+    full = setup.full_buckets
     best: dict[str, Any] = {
         "cost": math.inf if incumbent_cost is None else float(incumbent_cost),
         "plan": None,
