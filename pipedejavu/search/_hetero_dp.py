@@ -348,9 +348,10 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
 
 
 def _pass(setup: Setup, tables: Tables, deadline: float):
-    """The backward pass: ``values`` f64[NB + 1, rows, G T + 1] (row of layer i
-    by :func:`~._hetero_units.layer_row`: before layer i, next stage in bucket b, state ``cell * T + a``: previous unit ending on
-    type a; the transfer into layer i included; the last state always inf) and
+    """The backward pass: ``values`` f64[NB + 1, rows, G T + 1] (the row of
+    layer i by :func:`~._hetero_units.layer_row`: before layer i, next stage in
+    bucket b, state ``cell * T + a``: previous unit ending on type a; the
+    transfer into layer i included; the last state always inf) and
     the root values f64[NB + 1, T] (first stage in bucket b, first type x)."""
     combine = tables.combine
     num_layers, num_types = setup.num_layers, setup.num_types
