@@ -34,6 +34,7 @@ from pipedejavu.hetero_generate import (
     two_type_cluster,
 )
 from pipedejavu.problem import InfeasibleProblemError
+from pipedejavu.search.hetero_bounds import hetero_lower_bound
 from pipedejavu.search.hetero_exact import hetero_exact
 
 
@@ -46,7 +47,8 @@ def _solve(problem):
 
 @pytest.mark.parametrize("block", range(8))
 def test_oracle_equals_brute_force_over_every_valid_plan(block):
-    """50 instances per block (400 in all): equal optima, equal infeasibility."""
+    """50 instances per block (400 in all): equal optima, equal infeasibility;
+    the certified lower bound is below every optimum."""
     searched = feasible = infeasible = 0
     for seed in range(50 * block, 50 * (block + 1)):
         problem = random_instance(np.random.default_rng(seed))
@@ -66,8 +68,38 @@ def test_oracle_equals_brute_force_over_every_valid_plan(block):
             evaluate_hetero(problem, reference_plan), expected, rtol=1e-12
         )
         searched += plan.info["num_searched"] > 0
+        bound = hetero_lower_bound(problem, time_limit_s=None)
+        assert bound <= expected * (1 + 1e-12), seed
     assert feasible >= 35 and infeasible >= 1
     assert searched >= 1  # some relaxed optima did not pack: A* was exercised
+
+
+def test_random_instances_cover_the_hard_cases():
+    """The 400 instances above hold every case the plan space must handle."""
+    seen = dict.fromkeys(
+        [
+            "hosts of 3",
+            "speed tie",
+            "type without hosts",
+            "slow intra links",
+            "3 types",
+        ],
+        0,
+    )
+    for seed in range(400):
+        problem = random_instance(np.random.default_rng(seed))
+        cluster = problem.cluster
+        present = [t for t in range(cluster.num_types) if cluster.hosts_of_type(t)]
+        speeds = [cluster.speeds[t] for t in present]
+        seen["hosts of 3"] += cluster.devices_per_host == 3
+        seen["speed tie"] += len(set(speeds)) < len(speeds)
+        seen["type without hosts"] += len(present) < cluster.num_types
+        seen["3 types"] += len(present) == 3
+        seen["slow intra links"] += any(
+            cluster.intra_host[t].bandwidth < cluster.inter_host[t][t].bandwidth
+            for t in present
+        )
+    assert min(seen.values()) >= 15, seen
 
 
 @pytest.mark.parametrize("seed", range(30))
