@@ -15,6 +15,7 @@ from typing import TextIO
 
 import numpy as np
 
+from . import cli_init_search
 from .problem import SUBMESH_SPACES, InfeasibleProblemError, Plan, Problem, ProblemError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
@@ -209,6 +210,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
     demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    cli_init_search.add_parser(commands)
     return parser
 
 
@@ -481,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "init-search":
+        return cli_init_search.run(args)
     try:
         if args.command == "solve":
             from .api import solve
