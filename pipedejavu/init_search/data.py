@@ -119,7 +119,7 @@ def load_digits(path: Path | str | None = None) -> Dataset:
             None: the copy inside the package.
 
     Returns:
-        1,077 training, 359 validation and 359 test images.
+        1,079 training, 359 validation and 359 test images.
 
     Raises:
         ProblemError: the file is missing, unreadable or has the wrong layout.

@@ -13,7 +13,12 @@ from .train import METRICS
 
 __all__ = ["plot_candidates", "plot_compute"]
 
-_COLORS = {"single": "#4c72b0", "best_of_n": "#dd8452", "refine": "#55a868"}
+_COLORS = {
+    "single": "#4c72b0",
+    "best_of_n": "#dd8452",
+    "refine": "#55a868",
+    "refine_random": "#c44e52",
+}
 
 
 def _figure(width: float, height: float):

@@ -51,9 +51,19 @@ from .train import (
     train_epochs,
 )
 
-__all__ = ["STRATEGY_NAMES", "InitSearchConfig", "StrategyResult", "run_strategies"]
+__all__ = [
+    "ABLATION_NAMES",
+    "STRATEGY_NAMES",
+    "InitSearchConfig",
+    "StrategyResult",
+    "run_strategies",
+]
 
 STRATEGY_NAMES = ("single", "best_of_n", "refine")
+#: ``refine_random``: ``refine`` with the survivors of every round drawn at
+#: random instead of by score (same rounds, resampling and compute): what the
+#: scores themselves are worth.
+ABLATION_NAMES = ("refine_random",)
 
 #: ``progress_fn(strategy, evaluations done, budget, current best validation loss)``
 ProgressFn = Callable[[str, int, int, float], None]
@@ -146,6 +156,7 @@ class StrategyResult:
         sequential_steps: optimizer steps in a row when the N workers train
             the candidates of a phase side by side (wall-clock proxy).
         compute: i64[P] gradient evaluations spent at each curve point.
+        sequential: i64[P] sequential steps taken at each curve point.
         curve: f64[P, 5] the pick's metrics (:data:`METRICS` order) there.
         picked: id of the final pick (candidate ids: round * N + index).
         survivors: ids of the models trained to the end.
@@ -160,6 +171,7 @@ class StrategyResult:
     gradient_evaluations: int
     sequential_steps: int
     compute: np.ndarray
+    sequential: np.ndarray
     curve: np.ndarray
     picked: int
     survivors: tuple[int, ...]
@@ -190,6 +202,7 @@ class StrategyResult:
         if curve:
             out["curve"] = {
                 "gradient_evaluations": self.compute.tolist(),
+                "sequential_steps": self.sequential.tolist(),
                 **{name: self.curve[:, i].tolist() for i, name in enumerate(METRICS)},
             }
         return out
@@ -210,6 +223,7 @@ class _Recorder:
         self.patience, self.progress_fn = config.patience, progress_fn
         self.spent = self.sequential = 0
         self.compute: list[int] = []
+        self.steps_taken: list[int] = []
         self.curve: list[np.ndarray] = []
         self.picks: list[int] = []
         self.trajectories: dict[int, list[np.ndarray]] = {}
@@ -238,6 +252,7 @@ class _Recorder:
             self.spent += len(ids) * self.steps
             self.sequential += self.steps
             self.compute.append(self.spent)
+            self.steps_taken.append(self.sequential)
             self.curve.append(rows[pick])
             self.picks.append(all_ids[pick])
             if validation[pick] < self.best:
@@ -257,6 +272,7 @@ class _Recorder:
             gradient_evaluations=self.spent,
             sequential_steps=self.sequential,
             compute=np.asarray(self.compute, dtype=np.int64),
+            sequential=np.asarray(self.steps_taken, dtype=np.int64),
             curve=np.asarray(self.curve, dtype=np.float64),
             picked=self.picks[-1],
             survivors=tuple(int(s) for s in survivors),
@@ -307,6 +323,8 @@ def _refine(
     train_config: TrainConfig,
     config: InitSearchConfig,
     recorder: _Recorder,
+    *,
+    by_score: bool = True,
 ) -> tuple[list[int], tuple[dict[str, Any], ...]]:
     init_key, data_key, resample_key = keys
     num, keep = config.num_workers, config.keep
@@ -351,7 +369,11 @@ def _refine(
             last = np.concatenate([kept["last"], last])
             population = _concat(kept["population"], population)
             inits = _concat(kept["inits"], inits)
-        chosen = np.asarray(select_top_k(jnp.asarray(scores), k=keep))
+        if by_score:
+            chosen = np.asarray(select_top_k(jnp.asarray(scores), k=keep))
+        else:  # the ablation: survivors drawn uniformly
+            draw = jax.random.fold_in(resample_key, config.rounds + round_index)
+            chosen = np.asarray(jax.random.permutation(draw, len(scores))[:keep])
         kept = {
             "ids": [ids[i] for i in chosen],
             "scores": scores[chosen],
@@ -398,17 +420,17 @@ def run_strategies(
         key: a ``jax.random`` key; the same key gives the same results. The
             strategies share their draws: ``single`` starts from ``best_of_n``'s
             first initialization and ``refine``'s round 0 is ``best_of_n``'s N.
-        strategies: which of :data:`STRATEGY_NAMES` to run, in order.
+        strategies: which of :data:`STRATEGY_NAMES` (and :data:`ABLATION_NAMES`)
+            to run, in order.
         progress_fn: called after each jitted chunk (see :data:`ProgressFn`).
 
     Returns:
         Strategy name -> :class:`StrategyResult`.
     """
-    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
+    known = STRATEGY_NAMES + ABLATION_NAMES
+    unknown = [s for s in strategies if s not in known]
     if unknown:
-        raise ValueError(
-            f"strategies must be among {', '.join(STRATEGY_NAMES)}, got {unknown}"
-        )
+        raise ValueError(f"strategies must be among {', '.join(known)}, got {unknown}")
     data = device_data(dataset)
     steps = steps_per_epoch(train_config, len(dataset.train.labels))
     budget = config.budget(steps)
@@ -419,13 +441,14 @@ def run_strategies(
         started = time.perf_counter()
         recorder = _Recorder(name, budget, steps, config, progress_fn)
         rounds: tuple = ()
-        if name == "refine":
+        if name in ("refine", "refine_random"):
             survivors, rounds = _refine(
                 (init_key, data_key, resample_key),
                 data,
                 train_config,
                 config,
                 recorder,
+                by_score=name == "refine",
             )
         else:
             count, epochs = (

@@ -39,11 +39,15 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": count}
 
 
-def time_to_target(result: StrategyResult, target: float) -> int | None:
-    """Gradient evaluations until the pick's validation loss first reaches
-    ``target`` (<=), or None if it never does within the budget."""
+def time_to_target(
+    result: StrategyResult, target: float, *, sequential: bool = False
+) -> int | None:
+    """Gradient evaluations (or, with ``sequential``, sequential steps: the
+    wall-clock view when the N workers run side by side) until the pick's
+    validation loss first reaches ``target`` (<=); None if it never does."""
     hits = np.flatnonzero(result.curve[:, VALIDATION_LOSS] <= target)
-    return int(result.compute[hits[0]]) if hits.size else None
+    axis = result.sequential if sequential else result.compute
+    return int(axis[hits[0]]) if hits.size else None
 
 
 def summarize(
@@ -60,8 +64,9 @@ def summarize(
         ``{"strategies": {name: {...}}, "paired_differences": {...}}``; each
         strategy's ``final_*`` and ``gradient_evaluations`` are means over the
         runs, ``ci95`` their intervals, ``per_seed`` the values, and
-        ``time_to_target[str(target)]`` the mean over the runs that reached it
-        with ``reached`` counting them.
+        ``time_to_target[str(target)]`` (gradient evaluations) and
+        ``sequential_steps_to_target[...]`` the mean over the runs that reached
+        it, with ``reached`` counting them.
     """
     names = list(runs[0])
     out: dict[str, Any] = {"strategies": {}, "paired_differences": {}}
@@ -85,17 +90,24 @@ def summarize(
         entry["budget"] = rows[0]["budget"]
         entry["ci95"] = intervals
         entry["per_seed"] = per_seed
-        entry["time_to_target"] = {}
-        for target in targets:
-            hits = [time_to_target(run[name], target) for run in runs]
-            stats = mean_ci(hits)
-            entry["time_to_target"][repr(float(target))] = {
-                "mean": stats["mean"],
-                "ci95": stats["ci95"],
-                "reached": stats["n"],
-                "runs": len(runs),
-                "per_seed": hits,
-            }
+        for field, sequential in (
+            ("time_to_target", False),
+            ("sequential_steps_to_target", True),
+        ):
+            entry[field] = {}
+            for target in targets:
+                hits = [
+                    time_to_target(run[name], target, sequential=sequential)
+                    for run in runs
+                ]
+                stats = mean_ci(hits)
+                entry[field][repr(float(target))] = {
+                    "mean": stats["mean"],
+                    "ci95": stats["ci95"],
+                    "reached": stats["n"],
+                    "runs": len(runs),
+                    "per_seed": hits,
+                }
         out["strategies"][name] = entry
     for other in [n for n in names if n != "refine"]:
         if "refine" not in names:
