@@ -93,6 +93,10 @@ def test_bad_digits_file_fails_with_one_clear_line(tmp_path):
         load_digits(path)
     with pytest.raises(ProblemError, match="missing.npz"):
         load_digits(tmp_path / "missing.npz")
+    path = tmp_path / "huge.npz"  # compresses to a few KB, 4 MB once read
+    np.savez_compressed(path, images=np.zeros(1 << 22, np.uint8), labels=np.zeros(1))
+    with pytest.raises(ProblemError, match=r"huge\.npz: holds a \d+-byte array"):
+        load_digits(path)
 
 
 def test_vmapped_training_equals_a_python_loop_over_the_same_keys(dataset):

@@ -11,6 +11,7 @@ scored and picked on ``validation``, and the final numbers are reported on
 from __future__ import annotations
 
 import importlib.resources
+import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +25,8 @@ __all__ = ["Dataset", "Split", "load_digits", "split_dataset"]
 #: Seed of the one permutation that defines the split (a constant of the data set).
 SPLIT_SEED = 20261123
 NUM_PIXELS, NUM_CLASSES, NUM_IMAGES = 64, 10, 1797
+# The images take 115,008 bytes (+ the .npy header): room to spare, no more.
+_MAX_ARRAY_BYTES = 1 << 20
 
 
 class Split(NamedTuple):
@@ -52,7 +55,18 @@ class Dataset(NamedTuple):
 
 
 def _read(path: Path | str) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
-    """The images and labels of a digits ``.npz``, checked (no pickles)."""
+    """The images and labels of a digits ``.npz``, checked (no pickles, and no
+    array is decompressed before its stored size is known to be small)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            largest = max((info.file_size for info in archive.infolist()), default=0)
+    except (OSError, zipfile.BadZipFile) as error:
+        raise ProblemError(f"{path}: not a readable digits .npz ({error})") from None
+    if largest > _MAX_ARRAY_BYTES:
+        raise ProblemError(
+            f"{path}: holds a {largest}-byte array; the digits need at most "
+            f"{_MAX_ARRAY_BYTES} bytes per array"
+        )
     try:
         with np.load(path, allow_pickle=False) as data:
             if set(data.files) != {"images", "labels"}:
