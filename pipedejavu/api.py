@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
-from .problem import Plan, Problem, ProblemError
+from .errors import ProblemError
+from .hetero import HeteroPlan, HeteroProblem
+from .io import load_problem
+from .problem import Plan, Problem
 
 __all__ = ["HETERO_METHODS", "METHODS", "solve"]
 
@@ -200,14 +204,20 @@ HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
 }
 
 
-def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
+def solve(
+    problem: Problem | HeteroProblem | str | os.PathLike,
+    method: str = "dp",
+    **options: Any,
+) -> Plan | HeteroPlan:
     """Find a plan for ``problem`` with the named method.
 
     Args:
         problem: the instance: a :class:`Problem` (Alpa's formulation; methods
             :data:`METHODS`) or a :class:`pipedejavu.HeteroProblem` (typed
             devices and links; methods :data:`HETERO_METHODS`, which return a
-            :class:`pipedejavu.HeteroPlan`).
+            :class:`pipedejavu.HeteroPlan`); or a problem file or example name,
+            read with :func:`pipedejavu.load_problem` (an Alpa ``.npy`` needs
+            its run settings: load it with ``load_problem`` first).
         method: a method name, e.g. ``"dp"``, ``"diff"``.
         **options: method options. ``"dp"``: ``alpa_compatible=True`` for Alpa's
             own answer (its full cap scan), and ``progress_fn(position,
@@ -224,12 +234,23 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
         A valid :class:`Plan` whose ``cost`` equals ``evaluate(problem, plan)``.
 
     Raises:
-        ProblemError: unknown method or option.
+        ProblemError: unknown method or option, or an unreadable file.
         InfeasibleProblemError: no feasible plan; the message says why.
     """
-    from .hetero import HeteroProblem
-
-    table = HETERO_METHODS if isinstance(problem, HeteroProblem) else METHODS
+    if isinstance(problem, (str, os.PathLike)):
+        problem = load_problem(problem)
+    elif not isinstance(problem, (Problem, HeteroProblem)):
+        raise ProblemError(
+            "problem must be a Problem, a HeteroProblem, or a problem file path "
+            f"or example name, got {type(problem).__name__}"
+        )
+    hetero = isinstance(problem, HeteroProblem)
+    if hetero and "alpa_compatible" in options and method == "dp":
+        raise ProblemError(
+            "alpa_compatible reproduces Alpa's training_dp on a homogeneous "
+            "Problem; for a HeteroProblem use method 'alpa' (Alpa's way)"
+        )
+    table = HETERO_METHODS if hetero else METHODS
     if method not in table:
         kind = "a heterogeneous problem" if table is HETERO_METHODS else "a problem"
         raise ProblemError(

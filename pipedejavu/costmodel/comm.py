@@ -332,7 +332,8 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
     """Fit one :class:`AlphaBeta` curve per collective, mesh, group and dtype.
 
     Args:
-        prof_db: a path to ``prof_database.pkl`` or the dict from
+        prof_db: a path to ``prof_database.pkl``, ``"bundled"`` for the one
+            shipped with the package, or the dict from
             :func:`~costmodel.read_prof_database`.
         config: fit settings.
 
@@ -342,7 +343,7 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
         are left out; :func:`~costmodel.comm_plots.comm_report` still lists them.
 
     Example:
-        >>> model = fit_comm_model("prof_database.pkl")
+        >>> model = fit_comm_model("bundled")  # or a path to prof_database.pkl
         >>> model.predict("all_reduce", (1, 4), (1, 4), "f16", 2.0**20)
     """
     series = comm_series(prof_db, config=config)
