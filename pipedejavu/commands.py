@@ -105,8 +105,9 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
     )
     methods = {r.method: r for r in planned}
     optimum = methods["dp"].plan.cost if "dp" in methods else None
-    traces = {
-        r.method: r.plan.info["trace"] for r in planned if r.plan.info.get("trace")
+    traces = {  # a method without an anytime trace is its one answer
+        r.method: r.plan.info.get("trace") or [(r.plan.search_time_s, r.plan.cost)]
+        for r in planned
     }
     if traces:
         written.append(
@@ -118,6 +119,7 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
                 methods["diff"].plan.info["loss_curve"],
                 directory / "loss_curve.png",
                 optimum=optimum,
+                plan_cost=methods["diff"].plan.cost,
             )
         )
     return [Path(p) for p in written]
@@ -222,20 +224,21 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
+    from .io import parse_cluster
+
+    output = npz_output_path(args.out)  # before loading JAX and profiling
+    cluster = parse_cluster(args.cluster)
+
     from pipedejavu.costmodel.profiler import (
         MODEL_NAMES,
         DataParallelScaling,
         profile_to_problem,
     )
 
-    from .io import parse_cluster
-
     if args.model not in MODEL_NAMES:
         raise ProblemError(
             f"unknown model {args.model!r}; choose one of {', '.join(MODEL_NAMES)}"
         )
-    output = npz_output_path(args.out)  # before minutes of profiling
-    cluster = parse_cluster(args.cluster)
     started = time.perf_counter()
 
     def progress(done: int, total: int, what: str) -> None:

@@ -3,8 +3,8 @@
 A pickle can name any importable callable and call it while loading (``os.system``
 through ``__reduce__`` is the classic). :class:`_AlpaUnpickler` resolves only an
 allow-list of names: the three Alpa classes (mapped to the plain stand-ins of
-:mod:`pipedejavu.costmodel.alpa_types`) and the few numpy/builtins globals that Alpa's files
-actually use, as listed by ``pickletools`` on the real files (protocol 3):
+:mod:`pipedejavu.costmodel.alpa_types`) and the few numpy/builtins globals that
+Alpa's files actually use, as listed by ``pickletools`` on the real files (protocol 3):
 
 * ``prof_database.pkl``: ``collections.defaultdict``, ``builtins.list`` (its
   default factory), ``numpy.core.multiarray.scalar`` and ``numpy.dtype``

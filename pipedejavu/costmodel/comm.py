@@ -1,11 +1,11 @@
 """Collective-communication latency: alpha-beta fits to Alpa's ``prof_database.pkl``.
 
 :func:`fit_comm_model` reads every collective curve of a profiling database
-(:mod:`pipedejavu.costmodel.comm_data`: which points count, :func:`comm_series`) and fits
-each with ``t(b) = max(floor, line(b))`` seconds for ``b`` bytes, ``line`` one
-alpha-beta line or two joined continuously (:mod:`pipedejavu.costmodel.comm_fit`:
-:class:`AlphaBeta`, :func:`fit_alpha_beta`). The public names of both modules
-are re-exported here.
+(:mod:`pipedejavu.costmodel.comm_data`: which points count, :func:`comm_series`)
+and fits each with ``t(b) = max(floor, line(b))`` seconds for ``b`` bytes,
+``line`` one alpha-beta line or two joined continuously
+(:mod:`pipedejavu.costmodel.comm_fit`: :class:`AlphaBeta`,
+:func:`fit_alpha_beta`). The public names of both modules are re-exported here.
 
 Downstream of the fit everything is plain JAX: :class:`CommModel` is a pytree,
 :meth:`CommModel.predict` is jitted and differentiable in ``num_bytes``, and
