@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
 from typing import Any
 
+from .baselines.alpa_dp import alpa_training_dp
+from .baselines.anneal import anneal
+from .baselines.brute_force import brute_force
+from .baselines.exact_dp import exact_dp
+from .baselines.hetero import alpa_homogeneous, hetero_brute_force
+from .baselines.heuristics import greedy, random_search, uniform
 from .errors import ProblemError
 from .hetero import HeteroPlan, HeteroProblem
 from .io import load_problem
 from .problem import Plan, Problem
+from .search.hetero_exact import hetero_exact
 
 __all__ = ["HETERO_METHODS", "METHODS", "solve"]
 
@@ -22,11 +30,7 @@ def _dp(
     progress_fn: Callable[[int, int, int], None] | None = None,
 ) -> Plan:
     if alpa_compatible:
-        from pipedejavu.baselines.alpa_dp import alpa_training_dp
-
         return alpa_training_dp(problem, progress_fn=progress_fn)
-    from pipedejavu.baselines.exact_dp import exact_dp
-
     return exact_dp(problem)
 
 
@@ -40,11 +44,9 @@ def _diff(
     key: Any = None,
     progress_fn: Callable[[int, int, float], None] | None = None,
 ) -> Plan:
-    import dataclasses
+    import jax  # the engine needs JAX; `import pipedejavu` does not
 
-    import jax
-
-    from pipedejavu.search.engine import SearchConfig, differentiable
+    from .search.engine import SearchConfig, differentiable
 
     config = config or SearchConfig()
     changes = {}
@@ -62,23 +64,17 @@ def _diff(
 
 
 def _brute_force(problem: Problem) -> Plan:
-    from pipedejavu.baselines.brute_force import brute_force
-
     return brute_force(problem)
 
 
 def _heuristic(name: str) -> Callable[..., Plan]:
     def solver(problem: Problem, **options: Any) -> Plan:
-        if name == "anneal":
-            from pipedejavu.baselines.anneal import anneal as planner
-        else:
-            from pipedejavu.baselines import heuristics
-
-            planner = {
-                "uniform": heuristics.uniform,
-                "greedy": heuristics.greedy,
-                "random": heuristics.random_search,
-            }[name]
+        planner = {
+            "anneal": anneal,
+            "uniform": uniform,
+            "greedy": greedy,
+            "random": random_search,
+        }[name]
         try:
             return planner(problem, **options)
         except ValueError as error:  # bad num_steps, temperature, ...
@@ -143,8 +139,6 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
 
 
 def _hetero_dp(problem: Any, *, time_limit_s: float | None = None, progress_fn=None):
-    from pipedejavu.search.hetero_exact import hetero_exact
-
     return hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
 
 
@@ -157,9 +151,9 @@ def _hetero_diff(
     progress_fn: Callable | None = None,
     time_budget_s: float | None = None,
 ):
-    import jax
+    import jax  # the engine needs JAX; `import pipedejavu` does not
 
-    from pipedejavu.search.hetero_engine import hetero_search
+    from .search.hetero_engine import hetero_search
 
     key = jax.random.key(seed) if key is None else key
     return hetero_search(
@@ -168,14 +162,10 @@ def _hetero_diff(
 
 
 def _hetero_alpa(problem: Any):
-    from pipedejavu.baselines.hetero import alpa_homogeneous
-
     return alpa_homogeneous(problem)
 
 
 def _hetero_brute_force(problem: Any):
-    from pipedejavu.baselines.hetero import hetero_brute_force
-
     return hetero_brute_force(problem)
 
 

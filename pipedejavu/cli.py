@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .api import solve
 from .errors import InfeasibleProblemError, ProblemError
 from .formatting import format_inspection, format_plan
 from .hetero import HeteroProblem
@@ -414,8 +415,6 @@ def _solve_options(args: argparse.Namespace, hetero: bool) -> dict[str, Any]:
 
 
 def _run_solve(args: argparse.Namespace) -> None:
-    from .api import solve
-
     problem = _load(args)
     options = _solve_options(args, isinstance(problem, HeteroProblem))
     plan = solve(problem, args.method, **options)

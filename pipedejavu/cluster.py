@@ -5,7 +5,9 @@ free links. This module says what the devices are and what moving bytes costs:
 
 * every host holds ``devices_per_host`` devices of one :class:`DeviceType`
   (a relative ``speed``: stage latency on it is the reference latency divided by
-  ``speed``; and ``memory_bytes`` per device, informative);
+  ``speed``; and ``memory_bytes`` per device, which
+  :mod:`pipedejavu.hetero_generate` sizes each type's memory limits with; a
+  problem read from a file carries its own profiled memory rule instead);
 * a :class:`Link` per device type for transfers inside a host, and one per pair
   of types for transfers between hosts (symmetric);
 * ``Cluster.homogeneous(H, D)`` is the ``HxD`` shorthand, with free links.
@@ -24,6 +26,15 @@ Files: JSON, or TOML on Python >= 3.11 (``Cluster.from_file``)::
 Bandwidths are in gigabits per second in files (``bandwidth_gbps``, what network
 specs quote) and bytes per second in Python; latencies in microseconds in files
 and seconds in Python. Units inside the library: seconds and bytes.
+
+A file must describe every link the cluster has (:meth:`Cluster.from_types`):
+inside every host type, and between the types of any two hosts (``"default"``
+covers the pairs not named). A link left out is an error, never free; a free
+link is written ``"bandwidth_gbps": "inf"``. Errors name the key, its unit and
+the value as the file gave it (``inter_host['default'].bandwidth_gbps must be >
+0 (gigabits per second), got -5``). Files are untrusted: larger than
+:data:`MAX_CLUSTER_FILE_BYTES`, not UTF-8, or nested too deeply, they are
+refused with a :class:`~pipedejavu.errors.ProblemError` naming the file.
 """
 
 from __future__ import annotations

@@ -13,7 +13,23 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from . import plots
+from .api import solve
+from .comparison import compare, simulate_schedule
+from .costmodel.alpa_profiles import prof_database_path
 from .errors import InfeasibleProblemError, ProblemError
+from .formatting import format_plan
+from .hetero import HeteroProblem
+from .io import (
+    GENERATED_EXAMPLE,
+    HETERO_EXAMPLE,
+    bundled_examples,
+    example_description,
+    load_example,
+    load_problem,
+    parse_cluster,
+    sniff_format,
+)
 from .npzfile import npz_output_path
 from .problem import Problem
 
@@ -50,8 +66,6 @@ def _need_matplotlib() -> None:
 
 
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
-    from .comparison import compare
-
     if args.plot:
         _need_matplotlib()  # before minutes of solving, not after
 
@@ -81,9 +95,6 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
 
 def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
     """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
-    from . import plots
-    from .comparison import simulate_schedule
-
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -133,8 +144,7 @@ def run_costmodel(args: argparse.Namespace) -> None:
 
 
 def _costmodel_report(args: argparse.Namespace) -> None:
-    from pipedejavu.costmodel.alpa_profiles import prof_database_path
-    from pipedejavu.costmodel.comm_plots import (
+    from .costmodel.comm_plots import (  # JAX
         comm_report,
         format_table,
         plot_fits,
@@ -170,14 +180,11 @@ def _costmodel_report(args: argparse.Namespace) -> None:
 def _costmodel_predict(args: argparse.Namespace) -> None:
     import os
 
-    from pipedejavu.costmodel.predict import SubsetConfig
-    from pipedejavu.costmodel.predict_regret import (
+    from .costmodel.predict import SubsetConfig  # JAX
+    from .costmodel.predict_regret import (
         format_predictor_report,
         predictor_report,
     )
-
-    from .hetero import HeteroProblem
-    from .io import bundled_examples, load_problem, parse_cluster, sniff_format
 
     fractions = tuple(args.fraction) if args.fraction else (0.1, 0.25, 0.5, 1.0)
     settings: dict = {}
@@ -224,12 +231,10 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from .io import parse_cluster
-
     output = npz_output_path(args.out)  # before loading JAX and profiling
     cluster = parse_cluster(args.cluster)
 
-    from pipedejavu.costmodel.profiler import (
+    from .costmodel.profiler import (  # JAX
         MODEL_NAMES,
         DataParallelScaling,
         profile_to_problem,
@@ -289,16 +294,6 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
     Alpa's own algorithm runs on every real profile; on the generated 32-layer
     instance only with ``alpa_scan`` (it takes about a minute there).
     """
-    from .api import solve
-    from .formatting import format_plan
-    from .io import (
-        GENERATED_EXAMPLE,
-        HETERO_EXAMPLE,
-        bundled_examples,
-        example_description,
-        load_example,
-    )
-
     names = [example.name for example in bundled_examples()]
     for name in names + [GENERATED_EXAMPLE, HETERO_EXAMPLE]:
         problem = load_example(name)

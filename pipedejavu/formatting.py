@@ -6,6 +6,7 @@ import numpy as np
 
 from .hetero import HeteroPlan, HeteroProblem
 from .problem import Plan, Problem
+from .search.exact import explain_infeasible, min_sum_plan
 
 __all__ = [
     "format_hetero_inspection",
@@ -83,8 +84,6 @@ def format_plan(problem: Problem | HeteroProblem, plan: Plan | HeteroPlan) -> st
 
 def format_inspection(problem: Problem | HeteroProblem) -> str:
     """Sizes, coverage and feasibility of a problem, one fact a line."""
-    from pipedejavu.search.exact import explain_infeasible, min_sum_plan
-
     if isinstance(problem, HeteroProblem):
         return format_hetero_inspection(problem)
 

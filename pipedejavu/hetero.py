@@ -56,7 +56,7 @@ from numpy.typing import NDArray
 
 from .cluster import Cluster, parse_json
 from .npzfile import read_npz, write_npz
-from .problem import PlanError, Problem, ProblemError, certificate
+from .problem import PlanError, Problem, ProblemError, certificate, objective
 from .tables import (
     MAX_MICROBATCHES,
     as_count,
@@ -442,13 +442,9 @@ class HeteroPlan:
 def hetero_objective(
     latencies: Sequence[float], transfers: Sequence[float], num_microbatches: int
 ) -> float:
-    """``sum(t) + sum(c) + (B - 1) * max(max t, max c)`` in seconds."""
-    bottleneck = max(max(latencies), max(transfers, default=0.0))
-    return float(
-        math.fsum(latencies)
-        + math.fsum(transfers)
-        + (num_microbatches - 1) * bottleneck
-    )
+    """``sum(t) + sum(c) + (B - 1) * max(max t, max c)`` in seconds
+    (:func:`pipedejavu.problem.objective` with transfers)."""
+    return objective(latencies, num_microbatches, tuple(transfers))
 
 
 def place(

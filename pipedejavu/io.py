@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .cluster import Cluster, parse_json
+from .costmodel.alpa_profiles import problem_from_stage_profile
 from .errors import ProblemError
 from .generate import random_problem
 from .hetero import HeteroPlan, HeteroProblem
@@ -226,9 +227,9 @@ _GENERATED: dict[str, str] = {
     GPT_4X8_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, 4x8 A100-class "
     "devices (40 GB), 2 configs, B = 32, 16.8 MB activations per boundary "
     "(pipedejavu.hetero_generate); give it a 4x8 cluster file",
-    HETERO_EXAMPLE: "the same model on the bundled cluster a100-v100-4x8 "
-    "(2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, 10 Gb/s across "
-    "types; memory per type from the cluster file)",
+    HETERO_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, on the bundled "
+    "cluster a100-v100-4x8 (2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, "
+    "10 Gb/s across types; memory limits per type from its memory_gb), B = 32",
 }
 
 
@@ -320,8 +321,6 @@ def _read_file(
                 f"{source} is an Alpa stage profile: say what Alpa was told with "
                 "--cluster HxD and --num-microbatches B"
             )
-        from pipedejavu.costmodel import problem_from_stage_profile
-
         problem = problem_from_stage_profile(
             path,
             cluster_shape=cluster_shape,

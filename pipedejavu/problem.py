@@ -509,9 +509,22 @@ def check_plan(problem: Problem, plan: Plan | Sequence[Stage]) -> None:
         )
 
 
-def objective(latencies: Sequence[float], num_microbatches: int) -> float:
-    """Alpa's pipeline latency ``sum(t) + (B - 1) * max(t)`` in seconds."""
-    return float(math.fsum(latencies) + (num_microbatches - 1) * max(latencies))
+def objective(
+    latencies: Sequence[float],
+    num_microbatches: int,
+    transfers: Sequence[float] = (),
+) -> float:
+    """The pipeline latency in seconds: Alpa's ``sum(t) + (B - 1) * max(t)``,
+    and with transfers between stages (``pipedejavu.hetero``)
+    ``sum(t) + sum(c) + (B - 1) * max(max t, max c)``."""
+    if not transfers:
+        return float(math.fsum(latencies) + (num_microbatches - 1) * max(latencies))
+    bottleneck = max(max(latencies), max(transfers))
+    return float(
+        math.fsum(latencies)
+        + math.fsum(transfers)
+        + (num_microbatches - 1) * bottleneck
+    )
 
 
 def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
