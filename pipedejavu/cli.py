@@ -16,12 +16,12 @@ from typing import Any
 
 from . import __version__
 from .api import solve
-from .errors import InfeasibleProblemError, ProblemError
+from .errors import InfeasibleProblemError, PlanError, ProblemError
 from .formatting import format_inspection, format_plan
-from .hetero import HeteroProblem
-from .io import example_names, load_problem, parse_cluster
+from .hetero import HeteroPlan, HeteroProblem, evaluate_hetero
+from .io import example_names, load_plan, load_problem, parse_cluster
 from .npzfile import npz_output_path
-from .problem import SUBMESH_SPACES, Problem
+from .problem import SUBMESH_SPACES, Problem, evaluate
 from .tables import MAX_MICROBATCHES
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
@@ -174,6 +174,15 @@ def _build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "output", help="the problem .npz to write (.npz is appended if missing)"
     )
+
+    evaluate = _subparser(
+        commands,
+        "evaluate",
+        help="check a plan JSON (from solve --json or elsewhere) against a "
+        "problem and price it exactly",
+    )
+    _add_problem_arguments(evaluate)
+    evaluate.add_argument("plan", help="the plan JSON file")
 
     compare = _subparser(
         commands, "compare", help="run several planners on one problem and measure"
@@ -438,6 +447,30 @@ def _run_convert(args: argparse.Namespace) -> None:
     )
 
 
+def _run_evaluate(args: argparse.Namespace) -> None:
+    problem = _load(args)
+    plan = load_plan(args.plan)
+    hetero = isinstance(problem, HeteroProblem)
+    if hetero and not isinstance(plan, HeteroPlan):
+        raise ProblemError(
+            f"{args.plan} holds a plan without device types and hosts; "
+            f"{args.problem} has typed devices and needs a placed plan"
+        )
+    if not hetero and isinstance(plan, HeteroPlan):
+        raise ProblemError(
+            f"{args.plan} holds a placed plan (device types, hosts); "
+            f"{args.problem} is a homogeneous problem"
+        )
+    try:
+        cost = evaluate_hetero(problem, plan) if hetero else evaluate(problem, plan)
+    except PlanError as error:
+        raise ProblemError(f"{args.plan}: {error}") from None
+    print(
+        f"{args.plan}: a valid plan of {len(plan.stages)} stage(s), "
+        f"{cost:.6f} s per iteration (the file says {plan.cost:.6f} s)"
+    )
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     sys.stdout.flush()  # keep warnings next to the output they concern
     print(f"warning: {message}", file=sys.stderr)
@@ -469,6 +502,8 @@ def _run(args: argparse.Namespace) -> int:
             print(format_inspection(_load(args)))
         elif args.command == "convert":
             _run_convert(args)
+        elif args.command == "evaluate":
+            _run_evaluate(args)
         elif args.command == "compare":
             from .commands import run_compare
 

@@ -417,7 +417,7 @@ def test_plan_json_round_trips_and_names_bad_fields(tmp_path):
 
 
 # ------------------------------------------------------- the command line
-_READERS = ["npz", "hetero-npz", "npy", "pkl", "cluster"]
+_READERS = ["npz", "hetero-npz", "npy", "pkl", "cluster", "plan"]
 
 
 @FUZZ
@@ -433,9 +433,12 @@ def test_command_line_gives_one_line_naming_the_file(tmp_path, capsys, data):
         valid = bundled_examples()[1].path.read_bytes()
     elif reader == "pkl":
         valid = pickle.dumps({("default", (1, 1)): [1.0, 2.0]}, protocol=4)
+    elif reader == "plan":
+        valid = json.dumps(solve(_SMALL).to_json()).encode()
     else:
         valid = json.dumps(_cluster_json()).encode()
-    path = tmp_path / f"fuzzed.{'json' if reader == 'cluster' else reader[-3:]}"
+    suffix = "json" if reader in ("cluster", "plan") else reader[-3:]
+    path = tmp_path / f"fuzzed.{suffix}"
     path.write_bytes(_mutate_bytes(valid, data.draw))
     if reader in ("npz", "hetero-npz"):
         code, err = _cli(capsys, "convert", path, tmp_path / "out.npz")
@@ -447,6 +450,8 @@ def test_command_line_gives_one_line_naming_the_file(tmp_path, capsys, data):
         )
     elif reader == "pkl":
         code, err = _cli(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
+    elif reader == "plan":
+        code, err = _cli(capsys, "evaluate", problem_path, path)
     else:
         big = random_problem(4, (4, 8), num_microbatches=4, seed=0)
         code, err = _cli(
@@ -473,3 +478,23 @@ def test_every_command_refuses_a_damaged_npz(tmp_path, capsys, command, damage):
     assert len(err.strip().splitlines()) == 1
     with pytest.raises(ProblemError, match="damaged.npz"):
         load_problem(path)
+
+
+def test_evaluate_checks_a_plan_file(tmp_path, capsys):
+    problem_path = _SMALL.to_npz(tmp_path / "p.npz")
+    plan = solve(_SMALL)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    code = main(["evaluate", str(problem_path), str(path)])
+    out, _ = capsys.readouterr()
+    assert code == 0 and f"{plan.cost:.6f} s per iteration" in out
+    broken = plan.to_json()
+    broken["stages"][0]["stop"] = 1  # no longer covers the layers
+    path.write_text(json.dumps(broken))
+    code, err = _cli(capsys, "evaluate", problem_path, path)
+    assert code == 2 and "plan.json" in err and "rule" in err
+    hetero = _hetero_problem()
+    placed = solve(hetero)
+    path.write_text(json.dumps(placed.to_json()))
+    code, err = _cli(capsys, "evaluate", problem_path, path)
+    assert code == 2 and "placed plan" in err

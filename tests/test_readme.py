@@ -27,7 +27,7 @@ def _command_lines() -> list[str]:
     lines = []
     for block in BASH_BLOCKS:
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("#")[0].strip()
+            line = line.split("#")[0].split(" > ")[0].strip()  # no comment, no >
             if line.startswith("pipedejavu ") and "[" not in line:
                 lines.append(line)
     return lines
