@@ -498,3 +498,13 @@ def test_evaluate_checks_a_plan_file(tmp_path, capsys):
     path.write_text(json.dumps(placed.to_json()))
     code, err = _cli(capsys, "evaluate", problem_path, path)
     assert code == 2 and "placed plan" in err
+
+
+def test_alpa_files_are_read_up_to_a_size_limit(tmp_path, monkeypatch):
+    from pipedejavu.costmodel import _unpickle, read_prof_database
+
+    path = tmp_path / "big.pkl"
+    path.write_bytes(pickle.dumps(list(range(1000))))
+    monkeypatch.setattr(_unpickle, "MAX_ALPA_FILE_BYTES", 100)
+    with pytest.raises(ProblemError, match="big.pkl is larger than 100 bytes"):
+        read_prof_database(path)
