@@ -136,7 +136,12 @@ class HeteroProblem:
         if self.boundary_bytes is None:
             boundary = np.zeros(max(num_layers - 1, 0))
         else:
-            boundary = np.array(self.boundary_bytes, dtype=np.float64)
+            boundary = np.asarray(self.boundary_bytes)
+            if boundary.dtype.kind not in "iuf":
+                raise ProblemError(
+                    f"boundary_bytes must be numbers, got dtype {boundary.dtype}"
+                )
+            boundary = boundary.astype(np.float64)
             if boundary.shape != (num_layers - 1,):
                 raise ProblemError(
                     f"boundary_bytes must have shape ({num_layers - 1},), "

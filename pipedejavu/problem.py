@@ -33,6 +33,7 @@ from .tables import (
     UNLIMITED_SUCCEEDING_STAGES,
     as_count,
     cost_table,
+    describe,
     freeze,
     json_field,
     json_float,
@@ -151,7 +152,7 @@ class Problem:
         if cluster.shape != (2,) or not np.issubdtype(cluster.dtype, np.integer):
             raise ProblemError(
                 f"cluster_shape must be two integers (hosts, devices per host), "
-                f"got {self.cluster_shape!r}"
+                f"got {describe(self.cluster_shape)}"
             )
         num_hosts, devices_per_host = (int(x) for x in cluster)
         if num_hosts < 1 or devices_per_host < 1:

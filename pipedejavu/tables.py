@@ -23,6 +23,7 @@ __all__ = [
     "UNLIMITED_SUCCEEDING_STAGES",
     "as_count",
     "cost_table",
+    "describe",
     "freeze",
     "json_field",
     "json_float",
@@ -43,6 +44,14 @@ MAX_DEVICES = 2**20
 
 #: Largest number of micro-batches (fits every integer type the solvers use).
 MAX_MICROBATCHES = 2**31 - 1
+
+
+def describe(value: Any) -> str:
+    """A short one-line description of a value for an error message."""
+    if isinstance(value, np.ndarray) and value.ndim:
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def as_count(
@@ -67,7 +76,7 @@ def as_count(
             if math.isfinite(as_float) and as_float.is_integer():
                 number = int(as_float)
     if number is None:
-        raise ProblemError(f"{name} must be an integer, got {value!r:.60}")
+        raise ProblemError(f"{name} must be an integer, got {describe(value)}")
     if number < minimum:
         raise ProblemError(f"{name} must be >= {minimum}, got {number}")
     if maximum is not None and number > maximum:

@@ -233,6 +233,9 @@ def test_problem_npz_with_wrong_types_gives_problem_error(tmp_path, data):
         arrays["cluster_json"] = np.asarray(
             json.dumps(data.draw(JSON_VALUES)) if data.draw(st.booleans()) else "["
         )
+    for key in ("boundary_bytes", "activation_bytes"):
+        if data.draw(st.booleans()):
+            arrays[key] = np.full(4, 1e6)
     for key in data.draw(st.lists(st.sampled_from(sorted(arrays)), max_size=3)):
         if data.draw(st.integers(0, 5)) == 0:
             arrays.pop(key, None)
@@ -242,6 +245,8 @@ def test_problem_npz_with_wrong_types_gives_problem_error(tmp_path, data):
     np.savez(path, **arrays)
     for read in (Problem.from_npz, HeteroProblem.from_npz, load_problem):
         _only_problem_errors(read, path)
+    cluster = {**_cluster_json(), "hosts": ["a100"], "devices_per_host": 4}
+    _only_problem_errors(load_problem, path, cluster=Cluster.from_json(cluster))
 
 
 def _npz_with_header(path: Path, shape, *, declared_size=None, deflate=False):
@@ -433,8 +438,8 @@ def test_command_line_gives_one_line_naming_the_file(tmp_path, capsys, data):
         valid = bundled_examples()[1].path.read_bytes()
     elif reader == "pkl":
         valid = pickle.dumps({("default", (1, 1)): [1.0, 2.0]}, protocol=4)
-    elif reader == "plan":
-        valid = json.dumps(solve(_SMALL).to_json()).encode()
+    elif reader == "plan":  # fixed bytes: no search time in it
+        valid = json.dumps({**solve(_SMALL).to_json(), "search_time_s": 0}).encode()
     else:
         valid = json.dumps(_cluster_json()).encode()
     suffix = "json" if reader in ("cluster", "plan") else reader[-3:]
