@@ -56,13 +56,20 @@ from numpy.typing import NDArray
 
 from .cluster import Cluster, parse_json
 from .npzfile import read_npz, write_npz
-from .problem import PlanError, Problem, ProblemError, certificate, objective
+from .problem import (
+    PlanError,
+    Problem,
+    ProblemError,
+    certificate,
+    objective,
+    plan_fields,
+    stage_fields,
+)
 from .tables import (
     MAX_MICROBATCHES,
     as_count,
     cost_table,
     freeze,
-    json_field,
     json_float,
     json_int,
     json_list,
@@ -402,45 +409,24 @@ class HeteroPlan:
         stages = []
         for index, entry in enumerate(json_list(data, "stages", source)):
             where = f"{source}: stages[{index}]"
-            submesh = json_list(entry, "submesh", where, length=2)
             hosts = json_list(entry, "hosts", where)
             stages.append(
                 HeteroStage(
-                    start=json_int(entry, "start", where),
-                    stop=json_int(entry, "stop", where),
-                    submesh=(
-                        as_count(submesh[0], f"{where}.submesh[0]"),
-                        as_count(submesh[1], f"{where}.submesh[1]"),
-                    ),
-                    submesh_index=json_int(entry, "submesh_index", where),
-                    config_index=json_int(entry, "config_index", where),
+                    **stage_fields(entry, where),
                     device_type=json_int(entry, "device_type", where),
                     hosts=tuple(
                         as_count(host, f"{where}.hosts[{i}]", minimum=0)
                         for i, host in enumerate(hosts)
                     ),
                     first_device=json_int(entry, "first_device", where),
-                    latency=json_float(entry, "latency", where),
                 )
             )
-        transfers = json_list(data, "transfers", source)
-        method = json_field(data, "method", source)
-        if not isinstance(method, str):
-            raise ProblemError(f"{source}.method must be text, got {method!r:.60}")
+        transfers = tuple(
+            json_float({"transfer": t}, "transfer", f"{source}: transfers[{i}]")
+            for i, t in enumerate(json_list(data, "transfers", source))
+        )
         return cls(
-            stages=tuple(stages),
-            transfers=tuple(
-                json_float({"transfer": t}, "transfer", f"{source}: transfers[{i}]")
-                for i, t in enumerate(transfers)
-            ),
-            cost=json_float(data, "cost", source),
-            num_microbatches=json_int(data, "num_microbatches", source, minimum=1),
-            method=method,
-            search_time_s=(
-                json_float(data, "search_time_s", source)
-                if "search_time_s" in data
-                else 0.0
-            ),
+            stages=tuple(stages), transfers=transfers, **plan_fields(data, source)
         )
 
 

@@ -377,37 +377,45 @@ class Plan:
                 the wrong kind. (Whether the plan obeys a problem's rules is
                 :func:`check_plan`'s question.)
         """
-        stages = []
-        for index, entry in enumerate(json_list(data, "stages", source)):
-            where = f"{source}: stages[{index}]"
-            submesh = json_list(entry, "submesh", where, length=2)
-            stages.append(
-                Stage(
-                    start=json_int(entry, "start", where),
-                    stop=json_int(entry, "stop", where),
-                    submesh=(
-                        as_count(submesh[0], f"{where}.submesh[0]"),
-                        as_count(submesh[1], f"{where}.submesh[1]"),
-                    ),
-                    submesh_index=json_int(entry, "submesh_index", where),
-                    config_index=json_int(entry, "config_index", where),
-                    latency=json_float(entry, "latency", where),
-                )
-            )
-        method = json_field(data, "method", source)
-        if not isinstance(method, str):
-            raise ProblemError(f"{source}.method must be text, got {method!r:.60}")
-        return cls(
-            stages=tuple(stages),
-            cost=json_float(data, "cost", source),
-            num_microbatches=json_int(data, "num_microbatches", source, minimum=1),
-            method=method,
-            search_time_s=(
-                json_float(data, "search_time_s", source)
-                if "search_time_s" in data
-                else 0.0
-            ),
+        stages = tuple(
+            Stage(**stage_fields(entry, f"{source}: stages[{index}]"))
+            for index, entry in enumerate(json_list(data, "stages", source))
         )
+        return cls(stages=stages, **plan_fields(data, source))
+
+
+def stage_fields(entry: Any, where: str) -> dict[str, Any]:
+    """The fields every stage JSON has (start, stop, submesh, indices,
+    latency), checked; shared by :class:`Plan` and placed plans."""
+    submesh = json_list(entry, "submesh", where, length=2)
+    return {
+        "start": json_int(entry, "start", where),
+        "stop": json_int(entry, "stop", where),
+        "submesh": (
+            as_count(submesh[0], f"{where}.submesh[0]"),
+            as_count(submesh[1], f"{where}.submesh[1]"),
+        ),
+        "submesh_index": json_int(entry, "submesh_index", where),
+        "config_index": json_int(entry, "config_index", where),
+        "latency": json_float(entry, "latency", where),
+    }
+
+
+def plan_fields(data: Any, source: str) -> dict[str, Any]:
+    """The plan-level fields of a plan JSON (cost, B, method, search time)."""
+    method = json_field(data, "method", source)
+    if not isinstance(method, str):
+        raise ProblemError(f"{source}.method must be text, got {describe(method)}")
+    return {
+        "cost": json_float(data, "cost", source),
+        "num_microbatches": json_int(data, "num_microbatches", source, minimum=1),
+        "method": method,
+        "search_time_s": (
+            json_float(data, "search_time_s", source)
+            if "search_time_s" in data
+            else 0.0
+        ),
+    }
 
 
 def certificate(info: dict[str, Any]) -> dict[str, float]:
