@@ -292,7 +292,7 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
     """The bundled real Alpa profiles and the generated instances, solved.
 
     Alpa's own algorithm runs on every real profile; on the generated 32-layer
-    instance only with ``alpa_scan`` (it takes about a minute there).
+    instance only with ``alpa_scan`` (about 40 s there on 2 cores).
     """
     names = [example.name for example in bundled_examples()]
     for name in names + [GENERATED_EXAMPLE, HETERO_EXAMPLE]:
@@ -338,7 +338,7 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
             )
         else:
             print(
-                f"Alpa's training_dp: skipped here (about a minute; the exact DP "
+                f"Alpa's training_dp: skipped here (about 40 s; the exact DP "
                 f"evaluated {plan.info['num_evaluated']} caps in "
                 f"{plan.search_time_s * 1e3:.1f} ms); pipedejavu demo --alpa-scan "
                 "runs it",
