@@ -209,6 +209,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
     demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    from .cli_goodput import add_parsers as add_goodput_parsers
+
+    add_goodput_parsers(commands)  # goodput fit|optimize, elastic
     return parser
 
 
@@ -542,6 +545,10 @@ def _run(args: argparse.Namespace) -> int:
             run_profile(args)
         elif args.command == "demo":
             _demo(sys.stdout, args.json)
+        elif args.command in ("goodput", "elastic"):
+            from .cli_goodput import run as run_goodput
+
+            return run_goodput(args)
     except ProblemError as error:
         print(f"pipedejavu: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -242,6 +242,28 @@ def get_valid_gpus(batch_size, micro_batches, min_valid_gpus, max_valid_gpus) ->
     return sorted(valid)
 
 
+def is_valid_world_size(
+    batch_size: int,
+    micro_batches: Sequence[int],
+    num_gpus: int,
+    model_parallel_size: int = 1,
+) -> bool:
+    """Whether ``num_gpus`` GPUs can run the global batch ``batch_size``.
+
+    DeepSpeed's rule with model parallelism: the GPUs form ``num_gpus /
+    model_parallel_size`` data-parallel replicas (which must be a whole number),
+    and some micro-batch size ``mb`` must split the batch evenly over them
+    (``batch_size % (mb * replicas) == 0``). With ``model_parallel_size = 1`` this
+    is membership in ``get_valid_gpus(batch_size, micro_batches, 1, inf)``, and
+    version 0.2's data-parallel sizes follow the same rule. For a pipeline plan
+    ``model_parallel_size`` is tensor-parallel size x pipeline stages.
+    """
+    if num_gpus < 1 or model_parallel_size < 1 or num_gpus % model_parallel_size:
+        return False
+    replicas = num_gpus // model_parallel_size
+    return any(batch_size % (mb * replicas) == 0 for mb in micro_batches)
+
+
 def get_best_candidates(
     candidate_batch_sizes, micro_batches, min_gpus, max_gpus, prefer_larger
 ) -> tuple:

@@ -227,6 +227,25 @@ def test_valid_gpus_equals_brute_force(batch, micro, low, width):
     assert get_valid_gpus(batch, micro, low, high) == expected
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 600),
+    micro=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    mp=st.sampled_from([1, 2, 4, 8]),
+)
+def test_is_valid_world_size_agrees_with_deepspeed(batch, micro, mp):
+    # mp = 1: the same counts as get_valid_gpus over the whole range.
+    valid = set(get_valid_gpus(batch, micro, 1, batch))
+    assert {
+        n for n in range(1, batch + 1) if elastic.is_valid_world_size(batch, micro, n)
+    } == valid
+    # With model parallelism, v0.2's data-parallel sizes for one GPU per
+    # replica per node (num_gpus_per_node = mp): n GPUs valid iff n / mp is.
+    for n in range(mp, 4 * mp + 1):
+        expected = n % mp == 0 and (n // mp) in valid
+        assert elastic.is_valid_world_size(batch, micro, n, mp) == expected
+
+
 def test_errors_say_what_is_wrong():
     assert issubclass(ElasticityConfigError, ElasticityError)
     assert issubclass(ElasticityIncompatibleWorldSize, ElasticityError)
