@@ -230,7 +230,8 @@ def test_hand_computed_optimize():
     # Accumulation with one replica: at least one extra step for every candidate
     # past the initial batch (its gradient statistics need two micro-batches).
     with jax.enable_x64(True):
-        sampled = model.candidate_configs(10.0, 1.0, 1000.0, 1.0, 1000.0, True)
+        sample = jax.jit(model.candidate_configs, static_argnums=5)
+        sampled = sample(10.0, 1.0, 1000.0, 1.0, 1000.0, True)
         atomic, accum = (np.asarray(a) for a in sampled)
     batch = np.geomspace(10, 1000)
     np.testing.assert_array_equal(accum >= 1, batch > 10 + 1e-8)
@@ -351,10 +352,14 @@ def test_goodput_from_step_time_equals_pollux_with_its_own_step_time():
     fn = _function(_GOODPUT[5])
     nodes, replicas, atomic, accum = 2, 8, 37, 3
     with jax.enable_x64(True):
-        step = model.predict_step_time(fn.perf_params, nodes, replicas, atomic, accum)
-        value = model.goodput_from_step_time(
-            fn.grad_params, fn.init_batch_size, replicas * atomic * (accum + 1), step
-        )
+
+        @jax.jit
+        def from_step_time(perf, grad):
+            step = model.predict_step_time(perf, nodes, replicas, atomic, accum)
+            batch = replicas * atomic * (accum + 1)
+            return model.goodput_from_step_time(grad, fn.init_batch_size, batch, step)
+
+        value = from_step_time(fn.perf_params, fn.grad_params)
     np.testing.assert_allclose(
         value, fn.evaluate(nodes, replicas, atomic, accum), rtol=1e-14
     )

@@ -288,7 +288,7 @@ def fit_perf_params(
         data = tuple(jnp.asarray(a) for a in _padded(arrays))
 
         def fun(x: np.ndarray) -> tuple[float, np.ndarray]:
-            value, grad = _value_and_grad(jnp.asarray(x), data)
+            value, grad = jax.device_get(_value_and_grad(x, data))
             return float(value), np.asarray(grad, dtype=np.float64)
 
         starts = [x0]
