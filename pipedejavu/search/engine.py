@@ -1,6 +1,6 @@
 """The differentiable engine: relax, optimize many restarts at once, round, polish.
 
-1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) to the problem's table.
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) to the table.
 2. Optimize the relaxed objective (:mod:`pipedejavu.search.relax`) with optax Adam for
    ``num_restarts`` random initializations at once (``jax.vmap`` inside one
    jitted ``lax.scan``; the restarts are sharded over all JAX devices when there
@@ -8,8 +8,8 @@
    the device-budget penalty geometrically.
 3. Round the best restarts to contiguous partitions (the soft stage ends,
    rounded) and polish each exactly on the true table: the exact DP
-   (:mod:`pipedejavu.search.exact`) restricted to plans whose stage boundaries lie within
-   ``polish_window`` layers of the current ones or of their stages' midpoints
+   (:mod:`pipedejavu.search.exact`) restricted to plans whose stage boundaries lie
+   within ``polish_window`` layers of the current ones or of their stages' midpoints
    (so boundaries move, stages split and merge), which also picks the optimal
    submesh and config of every stage under the all-devices and memory rules;
    re-centre on the result until it stops improving.
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +122,9 @@ class SearchResult:
     Attributes:
         plan: the best plan (its ``info`` holds the scalar fields below too).
         lower_bound: certified lower bound on the optimum (seconds).
-        loss_curve: f[num_steps] best relaxed loss over restarts at each step.
+        loss_curve: f[num_steps] seconds: the best relaxed loss over all
+            restarts so far, at the final temperatures and penalty (the loss
+            that is rounded); never rises.
         final_losses: f[num_restarts] relaxed loss of each restart at the end.
         polished_costs: exact cost reached from each polished restart.
         best_restart: index of the restart that produced the plan.
@@ -146,10 +149,20 @@ def _geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
     return start * (end / start) ** fraction
 
 
+def bucket(size: int) -> int:
+    """The padded size shared by similar sizes: the next of 4, 6, 8, 12, 16,
+    24, 32, 48, ... (at most 1.5x the size), so compiled code is reused."""
+    padded = 4
+    while padded < size:
+        padded = padded * 3 // 2 if padded & (padded - 1) == 0 else padded * 4 // 3
+    return padded
+
+
 def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     """Fit the linear model; returns the relaxed data (None when no slot could be
     fitted), the number of usable (submesh, config) slots and the latency scale
-    the relaxed quantities are divided by (seconds)."""
+    the relaxed quantities are divided by (seconds). The layer axis is padded
+    to :func:`bucket` rows."""
     from .linear import fit_linear_model
 
     model = fit_linear_model(problem)
@@ -163,13 +176,14 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     # Pad the slots to a power of two with slots too slow to pick, so problems
     # of one size share one compiled function.
     padded = max(4, 1 << (len(slots) - 1).bit_length())
-    per_layer = np.zeros((problem.num_layers, padded))
+    per_layer = np.zeros((bucket(problem.num_layers), padded))
     intercept = np.full(padded, 1e3)
     devices = np.ones(padded)
-    per_layer[:, : len(slots)] = np.asarray(model.per_layer)[
+    num_layers = problem.num_layers
+    per_layer[:num_layers, : len(slots)] = np.asarray(model.per_layer)[
         :, slots[:, 0], slots[:, 1]
     ]
-    per_layer[:, : len(slots)] /= scale
+    per_layer[:num_layers, : len(slots)] /= scale
     intercept[: len(slots)] = (
         np.asarray(model.intercept)[slots[:, 0], slots[:, 1]] / scale
     )
@@ -180,10 +194,12 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
         slot_devices=jnp.asarray(devices, jnp.float32),
         num_devices=jnp.asarray(problem.num_devices, jnp.float32),
         num_microbatches=jnp.asarray(problem.num_microbatches, jnp.float32),
+        num_layers=jnp.asarray(num_layers, jnp.float32),
     )
     return data, len(slots), scale
 
 
+@partial(jax.jit, static_argnames=("num_restarts", "num_stages", "num_slots"))
 def _initial_params(
     key: jax.Array,
     data: RelaxedProblem,
@@ -193,7 +209,8 @@ def _initial_params(
 ) -> tuple[RelaxedParams, jax.Array]:
     """Random restarts, each with its own number (1..num_stages, log-uniform) of
     active stage slots out of ``num_slots``; slot logits favour submeshes of
-    about D / (active stages) devices."""
+    about D / (active stages) devices. Jitted: one compiled function (cached on
+    disk) instead of a dozen eager operations compiled one by one."""
     key_count, key_boundary, key_slot = jax.random.split(key, 3)
     uniform = jax.random.uniform(key_count, (num_restarts,))
     active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
@@ -206,6 +223,29 @@ def _initial_params(
         key_slot, (num_restarts, num_slots, data.slot_devices.shape[0])
     )
     return RelaxedParams(boundary, closeness + noise), mask
+
+
+@partial(jax.jit, static_argnames=("num_restarts", "num_stages", "num_slots"))
+def _start(key, data, *, num_restarts, num_stages, num_slots):
+    """Initial restarts and Adam state in one compiled function."""
+    params, mask = _initial_params(key, data, num_restarts, num_stages, num_slots)
+    return params, mask, optax.adam(1.0).init(params)  # the rate is not state
+
+
+class _Schedule(NamedTuple):
+    """The settings the compiled optimization depends on (its static key):
+    other fields of :class:`SearchConfig` do not cause a compilation."""
+
+    num_steps: int
+    learning_rate: float
+    boundary_temperature: tuple[float, float]
+    slot_temperature: tuple[float, float]
+    max_temperature: tuple[float, float]
+    penalty: tuple[float, float]
+
+    @classmethod
+    def of(cls, config: SearchConfig) -> _Schedule:
+        return cls(*(getattr(config, name) for name in cls._fields))
 
 
 #: How often :func:`_run_chunk` has been traced (a test checks it stays put).
@@ -223,6 +263,18 @@ def _run_chunk(params, opt_state, first_step, data, mask, *, chunk, total, confi
         )
         return jnp.sum(losses), losses
 
+    final = Temperatures(
+        boundary=jnp.float32(config.boundary_temperature[1]),
+        slot=jnp.float32(config.slot_temperature[1]),
+        max=jnp.float32(config.max_temperature[1]),
+        penalty=jnp.float32(config.penalty[1]),
+    )
+
+    def final_losses(batched):
+        return jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
+            batched, data, mask, final
+        )
+
     def step(carry, index):
         params, opt_state = carry
         fraction = index / max(total - 1, 1)
@@ -232,24 +284,15 @@ def _run_chunk(params, opt_state, first_step, data, mask, *, chunk, total, confi
             max=_geometric(config.max_temperature, fraction),
             penalty=_geometric(config.penalty, fraction),
         )
-        grads, losses = jax.grad(total_loss, has_aux=True)(params, temps)
+        grads, _ = jax.grad(total_loss, has_aux=True)(params, temps)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), jnp.min(losses)
+        params = optax.apply_updates(params, updates)
+        # The loss that is rounded: at the final temperatures and penalty.
+        return (params, opt_state), jnp.min(final_losses(params))
 
     steps = first_step + jnp.arange(chunk)
     (params, opt_state), best = jax.lax.scan(step, (params, opt_state), steps)
-    losses = jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
-        params,
-        data,
-        mask,
-        Temperatures(
-            boundary=jnp.float32(config.boundary_temperature[1]),
-            slot=jnp.float32(config.slot_temperature[1]),
-            max=jnp.float32(config.max_temperature[1]),
-            penalty=jnp.float32(config.penalty[1]),
-        ),
-    )
-    return params, opt_state, best, losses
+    return params, opt_state, best, final_losses(params)
 
 
 # Compiled optimization chunks, by (config, parameter and data shapes/shardings).
@@ -313,11 +356,13 @@ def _polish(
     config: SearchConfig,
     deadline: float = math.inf,
     improved_fn: Callable[[float], None] | None = None,
+    proven: float = -math.inf,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, int]:
     """Exact DP over the neighbourhood of the boundaries, re-centred on each
     improvement. The window doubles (up to ``4 * polish_window``) when the
     neighbourhood has no plan or no better one, to escape local optima; at its
-    widest, no improvement ends the polish."""
+    widest, no improvement ends the polish, and so does a plan costing at most
+    ``proven`` (a lower bound: nothing is cheaper)."""
     table = problem.compute_cost
     best_cost, best_stages = math.inf, None
     window, rounds = config.polish_window, 0
@@ -351,6 +396,8 @@ def _polish(
         best_cost, best_stages = cost, stages
         if improved_fn is not None:
             improved_fn(cost)
+        if cost <= proven:
+            break
         boundaries = [0] + [stop for _, stop, _, _ in stages]
     return best_cost, best_stages, rounds
 
@@ -390,36 +437,57 @@ def _optimize(
     config: SearchConfig,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None,
+    scale: float,
 ) -> tuple[list[tuple[int, list[int]]], list[np.ndarray], np.ndarray, float]:
     """Run the restarts; returns up to ``num_polished`` distinct rounded
     partitions ``(restart, boundaries)`` best relaxed loss first, the loss
-    curve chunks, the final relaxed losses and the compile time."""
+    curve chunks (per step, the best loss over restarts at the final
+    temperatures, / ``scale``), the final relaxed losses and the compile time
+    (every compilation, of the initialization and the steps)."""
+    from . import _jax_cache
+
     num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
     num_stages = min(num_stages, problem.num_layers)
     num_slots = 1 << (num_stages - 1).bit_length()  # padded: fewer compilations
-    params, mask = _initial_params(
-        key, data, config.num_restarts, num_stages, num_slots
-    )
-    params, mask = _shard((params, mask), config.num_restarts)
-    opt_state = optax.adam(config.learning_rate).init(params)
-    chunk = config.num_steps // config.num_chunks
-    compiled, compile_time = compiled_chunk(
-        _run_chunk,
-        _COMPILED,
-        config,
-        (params, opt_state, data, mask),
-        chunk=chunk,
-        total=config.num_steps,
-        config=config,
-    )
-    curve = []
+    started = time.perf_counter()
+    known = _start._cache_size()
+    with _jax_cache.compiling():
+        params, mask, opt_state = _start(
+            key,
+            data,
+            num_restarts=config.num_restarts,
+            num_stages=num_stages,
+            num_slots=num_slots,
+        )
+        sharded = _shard((params, mask), config.num_restarts)
+        if sharded[0] is not params:  # several devices: state follows the params
+            params, mask = sharded
+            opt_state = optax.adam(1.0).init(params)
+        jax.block_until_ready(params)
+        # Compilation (or a disk-cache load) only when the shapes were new.
+        start_time = (
+            time.perf_counter() - started if _start._cache_size() > known else 0.0
+        )
+        chunk = config.num_steps // config.num_chunks
+        schedule = _Schedule.of(config)
+        compiled, compile_time = compiled_chunk(
+            _run_chunk,
+            _COMPILED,
+            schedule,
+            (params, opt_state, data, mask),
+            chunk=chunk,
+            total=config.num_steps,
+            config=schedule,
+        )
+    curve, best_so_far = [], math.inf
     for index in range(config.num_chunks):
         params, opt_state, best, losses = compiled(
             params, opt_state, jnp.int32(index * chunk), data, mask
         )
         curve.append(np.asarray(best))
+        best_so_far = min(best_so_far, float(np.min(curve[-1])))
         if progress_fn is not None:
-            progress_fn((index + 1) * chunk, config.num_steps, float(np.min(best)))
+            progress_fn((index + 1) * chunk, config.num_steps, best_so_far * scale)
     final_losses = np.asarray(losses, dtype=np.float64)
     host_params = jax.tree_util.tree_map(np.asarray, params)
     host_mask = np.asarray(mask)
@@ -434,7 +502,7 @@ def _optimize(
         if tuple(boundaries) not in seen:  # same rounding: same polish
             seen.add(tuple(boundaries))
             candidates.append((restart, boundaries))
-    return candidates, curve, final_losses, compile_time
+    return candidates, curve, final_losses, compile_time + start_time
 
 
 def search(
@@ -443,6 +511,7 @@ def search(
     *,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> SearchResult:
     """Run the engine; see the module docstring.
 
@@ -451,13 +520,22 @@ def search(
         config: static settings.
         key: a ``jax.random`` key; the same key gives the same plan.
         progress_fn: called after each chunk of steps with ``(steps done,
-            total steps, best relaxed loss)``.
+            total steps, best relaxed loss so far in seconds)``.
+        cache_dir: where compiled code is kept between processes
+            (:mod:`pipedejavu.search._jax_cache`): a folder, ``False`` for
+            none, ``None`` for ``$PIPEDEJAVU_CACHE_DIR`` or the user's cache
+            folder. The first call in a process decides.
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
+    from . import _jax_cache
+    from .bounds import lower_bound
+
     started = time.perf_counter()
-    data, num_usable_slots, scale = _prepare(problem)
+    _jax_cache.enable(cache_dir)
+    with _jax_cache.compiling():
+        data, num_usable_slots, scale = _prepare(problem)
     if data is None:  # nothing to relax: polish from one stage (window widens)
         candidates, curve, final_losses, compile_time = (
             [(0, [0, problem.num_layers])],
@@ -467,8 +545,11 @@ def search(
         )
     else:
         candidates, curve, final_losses, compile_time = _optimize(
-            problem, data, config, key, progress_fn
+            problem, data, config, key, progress_fn, scale
         )
+    # The bound first: a plan that reaches it is optimal, and polishing stops.
+    bound = lower_bound(problem)
+    proven = bound * (1 + 1e-9)
     deadline = started + (config.time_budget_s or math.inf)
     polished: dict[int, float] = {}
     best_cost, best_stages, best_restart = math.inf, None, -1
@@ -479,23 +560,32 @@ def search(
             trace.append((time.perf_counter() - started, cost))
 
     for restart, boundaries in candidates:
-        if best_stages is not None and time.perf_counter() > deadline:
+        if best_stages is not None and (
+            time.perf_counter() > deadline or best_cost <= proven
+        ):
             break
-        cost, stages, _ = _polish(problem, boundaries, config, deadline, improved)
+        cost, stages, _ = _polish(
+            problem, boundaries, config, deadline, improved, proven
+        )
         polished[restart] = cost
         if cost < best_cost:
             best_cost, best_stages, best_restart = cost, stages, restart
     if best_stages is None:
         raise InfeasibleProblemError(explain_infeasible(problem))
 
-    from .bounds import lower_bound
-
-    bound = lower_bound(problem)
     run_time = time.perf_counter() - started
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
+    # Per step: the best relaxed loss so far over all restarts, at the final
+    # temperatures and penalty (what is rounded), in seconds; never rises.
+    losses = (
+        np.minimum.accumulate(np.concatenate(curve)).astype(np.float64) * scale
+        if curve
+        else np.zeros(0)
+    )
     info = {
         "lower_bound": bound,
         "gap": best_cost / bound - 1 if bound > 0 else math.inf,
+        "proven_optimal": bool(best_cost <= proven),
         "best_restart": best_restart,
         "fraction_best": len(reached) / len(polished),
         "compile_time_s": compile_time,
@@ -503,9 +593,7 @@ def search(
         "num_restarts": config.num_restarts,
         "num_slots": num_usable_slots,
         "trace": trace,
-        # Best relaxed loss per step, in seconds (the relaxation's objective
-        # plus its device-budget penalty).
-        "loss_curve": (np.concatenate(curve) * scale).tolist() if curve else [],
+        "loss_curve": losses.tolist(),
     }
     plan = make_plan(
         problem, best_stages, method="diff", search_time_s=run_time, info=info
@@ -513,7 +601,7 @@ def search(
     return SearchResult(
         plan=plan,
         lower_bound=bound,
-        loss_curve=np.concatenate(curve) if curve else np.zeros(0),
+        loss_curve=losses,
         final_losses=np.asarray(final_losses, dtype=np.float64),
         polished_costs=polished,
         best_restart=best_restart,
