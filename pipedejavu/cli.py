@@ -450,20 +450,30 @@ class _ScanProgress:
 
 
 class _SearchProgress:
-    """Progress of the differentiable search on stderr once it runs past 2 s."""
+    """Progress of the differentiable search on stderr once it runs past 2 s
+    (and at once when its restarts run in batches: a long run)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
 
     def __call__(self, done: int, total: int, best_loss: float) -> None:
         elapsed = time.perf_counter() - self.started
-        if elapsed >= 2.0:
+        if done == 0:
             print(
-                f"diff: step {done} of {total}, best relaxed loss {best_loss:.4g}, "
-                f"{elapsed:.0f} s",
+                f"diff: {total} steps in memory-limited batches of restarts",
                 file=sys.stderr,
                 flush=True,
             )
+        elif elapsed >= 2.0:
+            print(
+                f"diff: step {done} of {total}, best relaxed loss so far "
+                f"{best_loss:.4g} s, {elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def message(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -501,13 +511,17 @@ def _run(args: argparse.Namespace) -> int:
                         "--restarts/--steps apply to the homogeneous engine only"
                     )
             elif args.method == "diff":
-                options = {"seed": args.seed, "progress_fn": _SearchProgress()}
+                progress = _SearchProgress()
+                options = {"seed": args.seed, "progress_fn": progress}
+                options["message_fn"] = progress.message
                 if args.restarts is not None:
                     options["num_restarts"] = args.restarts
                 if args.steps is not None:
                     options["num_steps"] = args.steps
             elif args.method in ("anneal", "random"):
                 options = {"seed": args.seed}
+            elif args.method == "dp" and not hetero and not args.alpa_compatible:
+                options = {"progress_fn": lambda line: print(line, file=sys.stderr)}
             if args.method != "diff" and (
                 args.restarts is not None or args.steps is not None
             ):

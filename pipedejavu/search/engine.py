@@ -33,9 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
+from pipedejavu.problem import (
+    InfeasibleProblemError,
+    Plan,
+    Problem,
+    ProblemError,
+    make_plan,
+)
 
-from .exact import cheaper_plan, explain_infeasible
+from ._labels import label_dp
+from .exact import explain_infeasible
 from .relax import RelaxedParams, RelaxedProblem, Temperatures, relaxed_loss
 
 __all__ = ["SearchConfig", "SearchResult", "differentiable", "search"]
@@ -64,6 +71,9 @@ class SearchConfig:
             previous round) end past this many seconds from the start, once a
             plan is found; the fit, optimization and lower bound come on top.
             None: no limit.
+        memory_limit_gb: the restarts run in batches that each need at most
+            this much memory (estimated by :func:`restart_bytes`); their
+            parameters, all kept at once, must fit in it too.
     """
 
     num_restarts: int = 64
@@ -79,8 +89,11 @@ class SearchConfig:
     max_polish_rounds: int = 20
     num_chunks: int = 10
     time_budget_s: float | None = None
+    memory_limit_gb: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.memory_limit_gb > 0:
+            raise ValueError(f"memory_limit_gb must be > 0, got {self.memory_limit_gb}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s}")
         for name in (
@@ -124,7 +137,8 @@ class SearchResult:
         lower_bound: certified lower bound on the optimum (seconds).
         loss_curve: f[num_steps] seconds: the best relaxed loss over all
             restarts so far, at the final temperatures and penalty (the loss
-            that is rounded); never rises.
+            that is rounded), evaluated after each chunk of steps and held over
+            the chunk; never rises.
         final_losses: f[num_restarts] relaxed loss of each restart at the end.
         polished_costs: exact cost reached from each polished restart.
         best_restart: index of the restart that produced the plan.
@@ -199,7 +213,6 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     return data, len(slots), scale
 
 
-@partial(jax.jit, static_argnames=("num_restarts", "num_stages", "num_slots"))
 def _initial_params(
     key: jax.Array,
     data: RelaxedProblem,
@@ -209,8 +222,7 @@ def _initial_params(
 ) -> tuple[RelaxedParams, jax.Array]:
     """Random restarts, each with its own number (1..num_stages, log-uniform) of
     active stage slots out of ``num_slots``; slot logits favour submeshes of
-    about D / (active stages) devices. Jitted: one compiled function (cached on
-    disk) instead of a dozen eager operations compiled one by one."""
+    about D / (active stages) devices."""
     key_count, key_boundary, key_slot = jax.random.split(key, 3)
     uniform = jax.random.uniform(key_count, (num_restarts,))
     active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
@@ -227,9 +239,15 @@ def _initial_params(
 
 @partial(jax.jit, static_argnames=("num_restarts", "num_stages", "num_slots"))
 def _start(key, data, *, num_restarts, num_stages, num_slots):
-    """Initial restarts and Adam state in one compiled function."""
-    params, mask = _initial_params(key, data, num_restarts, num_stages, num_slots)
-    return params, mask, optax.adam(1.0).init(params)  # the rate is not state
+    """Initial restarts in one compiled function (cached on disk) instead of a
+    dozen eager operations compiled one by one."""
+    return _initial_params(key, data, num_restarts, num_stages, num_slots)
+
+
+@jax.jit
+def _fresh_state(params: RelaxedParams) -> Any:
+    """Adam's initial state (the learning rate is not part of it)."""
+    return optax.adam(1.0).init(params)
 
 
 class _Schedule(NamedTuple):
@@ -286,13 +304,14 @@ def _run_chunk(params, opt_state, first_step, data, mask, *, chunk, total, confi
         )
         grads, _ = jax.grad(total_loss, has_aux=True)(params, temps)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # The loss that is rounded: at the final temperatures and penalty.
-        return (params, opt_state), jnp.min(final_losses(params))
+        return (optax.apply_updates(params, updates), opt_state), None
 
     steps = first_step + jnp.arange(chunk)
-    (params, opt_state), best = jax.lax.scan(step, (params, opt_state), steps)
-    return params, opt_state, best, final_losses(params)
+    (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), steps)
+    # The loss that is rounded (final temperatures and penalty) costs about two
+    # steps to evaluate: once per chunk, its best held over the chunk's steps.
+    losses = final_losses(params)
+    return params, opt_state, jnp.full(chunk, jnp.min(losses)), losses
 
 
 # Compiled optimization chunks, by (config, parameter and data shapes/shardings).
@@ -381,9 +400,9 @@ def _polish(
         restricted = problem.replace(
             compute_cost=np.where(allowed[:, :, None, None], table, np.inf)
         )
-        try:
-            cost, stages, _ = cheaper_plan(restricted, best_cost)
-        except InfeasibleProblemError:
+        found = label_dp(restricted, incumbent=best_cost)
+        cost, stages = found.cost, found.stages
+        if stages is None and best_stages is None:  # no plan at all here
             if window >= problem.num_layers:
                 break
             window = max(2 * window, 1)
@@ -431,6 +450,40 @@ def compiled_chunk(
     return compiled, time.perf_counter() - started
 
 
+def restart_bytes(num_rows: int, num_slots: int, num_choices: int) -> tuple[int, int]:
+    """Memory of one restart (bytes): while its steps run, and for its
+    parameters and Adam state alone (kept for all restarts at once).
+
+    ``num_rows`` padded layers, ``num_slots`` stage slots, ``num_choices``
+    (submesh, config) slots, float32. The working set counts the soft
+    assignment (``rows x slots``) and the slot tables (``slots x choices``)
+    with their temporaries and gradients; the factors (about 5.3 and 11 floats)
+    were fitted to the peak resident memory of 8k-32k restarts at L = 32 and
+    L = 64 on CPU (25 and 36 KB per restart) and rounded up.
+    """
+    state = 4 * 3 * num_slots * (1 + num_choices)  # params, Adam mu and nu
+    work = 4 * (6 * num_rows * num_slots + 12 * num_slots * num_choices)
+    return state + work, state
+
+
+def _batches(config: SearchConfig, per_restart: int, state: int) -> int:
+    """How many batches the restarts run in to stay within the memory limit.
+
+    Raises:
+        ProblemError: the restarts' parameters alone exceed the limit.
+    """
+    limit = config.memory_limit_gb * 2**30
+    if state * config.num_restarts > limit:
+        raise ProblemError(
+            f"num_restarts = {config.num_restarts} needs "
+            f"{state * config.num_restarts / 2**30:.1f} GiB for the restarts' "
+            f"parameters alone, over the limit memory_limit_gb = "
+            f"{config.memory_limit_gb:g} (SearchConfig); use fewer restarts"
+        )
+    per_batch = max(1, int(limit // per_restart))
+    return -(-config.num_restarts // per_batch)
+
+
 def _optimize(
     problem: Problem,
     data: RelaxedProblem,
@@ -443,54 +496,87 @@ def _optimize(
     partitions ``(restart, boundaries)`` best relaxed loss first, the loss
     curve chunks (per step, the best loss over restarts at the final
     temperatures, / ``scale``), the final relaxed losses and the compile time
-    (every compilation, of the initialization and the steps)."""
+    (every compilation, of the initialization and the steps).
+
+    Restarts whose working memory together exceeds ``config.memory_limit_gb``
+    run in equal batches, one after the other, through one compiled function.
+    """
     from . import _jax_cache
 
     num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
     num_stages = min(num_stages, problem.num_layers)
     num_slots = 1 << (num_stages - 1).bit_length()  # padded: fewer compilations
+    per_restart, state = restart_bytes(
+        data.per_layer.shape[0], num_slots, data.per_layer.shape[1]
+    )
+    num_batches = _batches(config, per_restart, state)
+    batch = -(-config.num_restarts // num_batches)
+    total_steps = num_batches * config.num_steps
+    if num_batches > 1 and progress_fn is not None:
+        progress_fn(0, total_steps, math.inf)  # a long run: say so at once
     started = time.perf_counter()
     known = _start._cache_size()
     with _jax_cache.compiling():
-        params, mask, opt_state = _start(
+        everything, all_masks = _start(
             key,
             data,
             num_restarts=config.num_restarts,
             num_stages=num_stages,
             num_slots=num_slots,
         )
-        sharded = _shard((params, mask), config.num_restarts)
-        if sharded[0] is not params:  # several devices: state follows the params
-            params, mask = sharded
-            opt_state = optax.adam(1.0).init(params)
-        jax.block_until_ready(params)
+        jax.block_until_ready(everything)
         # Compilation (or a disk-cache load) only when the shapes were new.
-        start_time = (
+        compile_time = (
             time.perf_counter() - started if _start._cache_size() > known else 0.0
         )
-        chunk = config.num_steps // config.num_chunks
-        schedule = _Schedule.of(config)
-        compiled, compile_time = compiled_chunk(
-            _run_chunk,
-            _COMPILED,
-            schedule,
-            (params, opt_state, data, mask),
-            chunk=chunk,
-            total=config.num_steps,
-            config=schedule,
-        )
-    curve, best_so_far = [], math.inf
-    for index in range(config.num_chunks):
-        params, opt_state, best, losses = compiled(
-            params, opt_state, jnp.int32(index * chunk), data, mask
-        )
-        curve.append(np.asarray(best))
-        best_so_far = min(best_so_far, float(np.min(curve[-1])))
-        if progress_fn is not None:
-            progress_fn((index + 1) * chunk, config.num_steps, best_so_far * scale)
-    final_losses = np.asarray(losses, dtype=np.float64)
-    host_params = jax.tree_util.tree_map(np.asarray, params)
-    host_mask = np.asarray(mask)
+    chunk = config.num_steps // config.num_chunks
+    schedule = _Schedule.of(config)
+    curve = np.full(config.num_steps, np.inf)
+    best_so_far = math.inf
+    final_losses = np.zeros(config.num_restarts)
+    host_params = RelaxedParams(
+        np.zeros(everything.boundary_logits.shape, np.float32),
+        np.zeros(everything.slot_logits.shape, np.float32),
+    )
+    for number in range(num_batches):
+        # The last batch is topped up with the first restarts (results dropped).
+        index = np.arange(number * batch, (number + 1) * batch) % config.num_restarts
+        if num_batches == 1:
+            params, mask = everything, all_masks
+        else:
+            params = RelaxedParams(
+                everything.boundary_logits[index], everything.slot_logits[index]
+            )
+            mask = all_masks[index]
+        params, mask = _shard((params, mask), batch)
+        with _jax_cache.compiling():
+            opt_state = _fresh_state(params)
+            compiled, seconds = compiled_chunk(
+                _run_chunk,
+                _COMPILED,
+                schedule,
+                (params, opt_state, data, mask),
+                chunk=chunk,
+                total=config.num_steps,
+                config=schedule,
+            )
+        compile_time += seconds
+        for step in range(config.num_chunks):
+            params, opt_state, best, losses = compiled(
+                params, opt_state, jnp.int32(step * chunk), data, mask
+            )
+            part = slice(step * chunk, (step + 1) * chunk)
+            curve[part] = np.minimum(curve[part], np.asarray(best))
+            best_so_far = min(best_so_far, float(np.min(curve[part])))
+            if progress_fn is not None:
+                done = number * config.num_steps + (step + 1) * chunk
+                progress_fn(done, total_steps, best_so_far * scale)
+        own = slice(number * batch, min((number + 1) * batch, config.num_restarts))
+        count = own.stop - own.start
+        final_losses[own] = np.asarray(losses, dtype=np.float64)[:count]
+        host_params.boundary_logits[own] = np.asarray(params.boundary_logits)[:count]
+        host_params.slot_logits[own] = np.asarray(params.slot_logits)[:count]
+    host_mask = np.asarray(all_masks)
     candidates, seen = [], set()
     for restart in np.argsort(final_losses, kind="stable").tolist():
         if len(candidates) >= config.num_polished:
@@ -502,7 +588,7 @@ def _optimize(
         if tuple(boundaries) not in seen:  # same rounding: same polish
             seen.add(tuple(boundaries))
             candidates.append((restart, boundaries))
-    return candidates, curve, final_losses, compile_time + start_time
+    return candidates, [curve], final_losses, compile_time
 
 
 def search(
@@ -511,6 +597,7 @@ def search(
     *,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
     cache_dir: str | os.PathLike | bool | None = None,
 ) -> SearchResult:
     """Run the engine; see the module docstring.
@@ -520,7 +607,10 @@ def search(
         config: static settings.
         key: a ``jax.random`` key; the same key gives the same plan.
         progress_fn: called after each chunk of steps with ``(steps done,
-            total steps, best relaxed loss so far in seconds)``.
+            total steps, best relaxed loss so far in seconds)``; once with
+            ``(0, total, inf)`` first when the restarts run in batches.
+        message_fn: receives a line about the polish (restart, best plan,
+            lower bound) about every 1.5 s once the polish takes that long.
         cache_dir: where compiled code is kept between processes
             (:mod:`pipedejavu.search._jax_cache`): a folder, ``False`` for
             none, ``None`` for ``$PIPEDEJAVU_CACHE_DIR`` or the user's cache
@@ -555,11 +645,22 @@ def search(
     best_cost, best_stages, best_restart = math.inf, None, -1
     trace: list[tuple[float, float]] = []
 
+    from .exact import _Reporter
+
+    report = _Reporter(message_fn)
+    polishing = [0]  # the candidate being polished (1-based)
+
     def improved(cost: float) -> None:
         if not trace or cost < trace[-1][1]:
             trace.append((time.perf_counter() - started, cost))
+        report(
+            lambda: (
+                f"diff: polishing candidate {polishing[0]} of {len(candidates)}, "
+                f"best plan {trace[-1][1]:.6g} s, lower bound {bound:.6g} s"
+            )
+        )
 
-    for restart, boundaries in candidates:
+    for polishing[0], (restart, boundaries) in enumerate(candidates, start=1):
         if best_stages is not None and (
             time.perf_counter() > deadline or best_cost <= proven
         ):
@@ -576,7 +677,8 @@ def search(
     run_time = time.perf_counter() - started
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
     # Per step: the best relaxed loss so far over all restarts, at the final
-    # temperatures and penalty (what is rounded), in seconds; never rises.
+    # temperatures and penalty (what is rounded; evaluated after each chunk),
+    # in seconds; never rises.
     losses = (
         np.minimum.accumulate(np.concatenate(curve)).astype(np.float64) * scale
         if curve
@@ -617,7 +719,16 @@ def differentiable(
     *,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> Plan:
     """The engine's plan (``search(...).plan``); ``plan.info`` carries the lower
     bound, gap, best restart, fraction of restarts at the best, and times."""
-    return search(problem, config, key=key, progress_fn=progress_fn).plan
+    return search(
+        problem,
+        config,
+        key=key,
+        progress_fn=progress_fn,
+        message_fn=message_fn,
+        cache_dir=cache_dir,
+    ).plan
