@@ -623,6 +623,20 @@ def search(
     from .bounds import lower_bound
 
     started = time.perf_counter()
+    # Refuse hopeless restart counts before any fitting or compiling (the
+    # slots are at most M K, padded).
+    num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
+    most_slots = max(
+        4, 1 << (problem.num_submeshes * problem.num_configs - 1).bit_length()
+    )
+    _batches(
+        config,
+        *restart_bytes(
+            bucket(problem.num_layers),
+            1 << (min(num_stages, problem.num_layers) - 1).bit_length(),
+            most_slots,
+        ),
+    )
     _jax_cache.enable(cache_dir)
     with _jax_cache.compiling():
         data, num_usable_slots, scale = _prepare(problem)
