@@ -122,32 +122,30 @@ class _Tables(NamedTuple):
 
 def _tables(problem: Problem, groups: _Groups) -> _Tables:
     num_layers, num_devices = problem.num_layers, problem.num_devices
-    num_submeshes = problem.num_submeshes
     width = num_devices + 1
-    least_sum = np.full((num_layers + 1, width), np.inf)
-    least_max = np.full((num_layers + 1, width), np.inf)
-    least_sum[0, 0] = least_max[0, 0] = 0.0
-    # dense[m, end, start]: cheapest config with a follower (inf: none).
-    cost, _ = _cheapest(groups.cost, groups.limit, 1)
-    dense = np.full((num_submeshes, num_layers, num_layers), np.inf)
-    dense[groups.submesh, groups.end, groups.start] = cost
-    finite = np.isfinite(dense)
-    # Per (submesh, end): the first start with a finite entry (L: none).
-    first = np.where(finite.any(axis=2), finite.argmax(axis=2), num_layers)
-    sizes = problem.submesh_sizes.tolist()
+    sizes = problem.submesh_sizes
+    pad = int(sizes.max())
+    # Column pad + r of the padded tables is r devices (columns < pad: inf).
+    least_sum = np.full((num_layers + 1, pad + width), np.inf)
+    least_max = np.full((num_layers + 1, pad + width), np.inf)
+    least_sum[0, pad] = least_max[0, pad] = 0.0
+    cost, _ = _cheapest(groups.cost, groups.limit, 1)  # a follower: >= 1
+    usable = np.isfinite(cost)
+    stride = pad + width
+    columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
+    # flat[g]: where group g's prefix row, shifted by its devices, begins.
+    flat = groups.start * stride
+    sums, maxes = least_sum.reshape(-1), least_max.reshape(-1)
     for end in range(num_layers):
-        sums, maxes = least_sum[end + 1], least_max[end + 1]
-        for submesh, size in enumerate(sizes):
-            low = int(first[submesh, end])
-            if low > end or size > num_devices:
-                continue
-            column = dense[submesh, end, low : end + 1, None]
-            before = least_sum[low : end + 1, : width - size]
-            np.minimum(sums[size:], (before + column).min(axis=0), out=sums[size:])
-            before = least_max[low : end + 1, : width - size]
-            np.minimum(
-                maxes[size:], np.maximum(before, column).min(axis=0), out=maxes[size:]
-            )
+        first, last = groups.by_end[end], groups.by_end[end + 1]
+        keep = np.flatnonzero(usable[first:last]) + first
+        if keep.size == 0:
+            continue
+        index = flat[keep, None] + columns[groups.submesh[keep]]  # [G, W]
+        costs = cost[keep, None]
+        least_sum[end + 1, pad:] = (sums.take(index) + costs).min(axis=0)
+        least_max[end + 1, pad:] = np.maximum(maxes.take(index), costs).min(axis=0)
+    least_sum, least_max = least_sum[:, pad:], least_max[:, pad:]
     # The last stage (no follower) on top of every prefix.
     first, last = groups.by_end[num_layers - 1], groups.by_end[num_layers]
     final, _ = _cheapest(groups.cost[first:last], groups.limit[first:last], 0)
@@ -400,17 +398,17 @@ def label_dp(
     everything = _groups(problem)
     full = _tables(problem, everything)
     factor = problem.num_microbatches - 1
-    costs = np.unique(everything.cost[np.isfinite(everything.cost)])
-    ceiling = (problem.num_layers + factor + 1) * float(costs.max(initial=0.0))
+    finite = everything.cost[np.isfinite(everything.cost)]
+    ceiling = (problem.num_layers + factor + 1) * float(finite.max(initial=0.0))
     ceiling = min(ceiling * (1 + 1e-9), incumbent)
     passes = labels = 0
-    lower = full.lower  # the optimum is >= lower (> once a cap failed)
+    lower = full.lower
 
-    def screen(cap: float) -> tuple[_Tables, float]:
-        """Tables for the cap, and a lower bound > cap if they prove that no
-        plan costs at most the cap (else inf)."""
+    def screen(cap: float) -> tuple[_Tables, bool]:
+        """Tables for the cap, and whether they prove that no plan costs at
+        most the cap (their ``lower`` is then a guess of the optimum)."""
         tables, theta = full, math.inf
-        for _ in range(3):  # every plan within the cap has its stages <= theta
+        for _ in range(2):  # every plan within the cap has its stages <= theta
             tighter = (cap - tables.sigma) / factor if factor else cap
             if tighter >= theta * (1 - 1e-3):
                 break
@@ -420,19 +418,22 @@ def label_dp(
             )
             if tables.lower > cap:
                 break
-        # Plans with a stage above theta cost more than the cap.
-        above = costs[np.searchsorted(costs, theta * (1 + 1e-9), "right") :]
-        slowest = float(above[0]) if above.size else math.inf
-        beyond = full.sigma + factor * slowest if factor else max(full.sigma, slowest)
-        return tables, min(tables.lower, beyond) if tables.lower > cap else math.inf
+        return tables, tables.lower > cap
 
-    step = growth
+    # The optimum is >= lower, and > lower once a cap was ruled out. The caps
+    # grow geometrically (the step doubling), or jump to the tables' bound when
+    # that rules a cap out by more (a guess: plans with stages above theta are
+    # only known to cost more than the cap).
+    step, cap = growth, lower
     while math.isfinite(lower) and lower <= ceiling:
-        # Raise the cap geometrically until a pass finds a plan.
-        cap = min(lower * (1 + step), ceiling)
-        tables, proof = screen(cap)
-        if math.isfinite(proof):
-            lower, step = max(lower, cap), 2 * step
+        cap = min(cap, ceiling)
+        tables, ruled_out = screen(cap)
+        if ruled_out:
+            lower = max(lower, cap)
+            if tables.lower > cap * (1 + step):
+                cap = tables.lower * (1 + growth)
+            else:
+                cap, step = cap * (1 + step), 2 * step
             continue
         outcome = _run_pass(problem, tables, cap, progress_fn)
         passes += 1
@@ -450,5 +451,5 @@ def label_dp(
         if cap >= ceiling:
             break
         # Passes just below the optimum are cheap, far above it costly.
-        lower, step = cap, growth * 2.0**passes
+        lower, cap = cap, cap * (1 + growth * 2.0**passes)
     return LabelResult(math.inf, None, passes, labels, lower)
