@@ -149,7 +149,11 @@ def _plan_or_none(problem, method):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_labels_and_caps_return_the_same_plan(seed):
+def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
+    from pipedejavu.search import _labels
+
+    if seed:  # follower levels in the prefix tables from the first pass on
+        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
     # Half the instances have costs rounded to 0.5 s, so that equal costs (and
     # the tie-breaking: fewest stages, then Alpa's loop order) are common.
     rng = np.random.default_rng(2000 + seed)
@@ -201,8 +205,14 @@ def _memory_tight(num_layers, cluster, seed, never_fit=0.6):
     return base.replace(max_n_succ_stages=memory)
 
 
+@pytest.mark.parametrize("levels_at_once", [False, True])
 @pytest.mark.parametrize(("layers", "seed"), [(24, 0), (24, 1), (32, 0), (32, 2)])
-def test_labels_match_caps_when_memory_binds(layers, seed):
+def test_labels_match_caps_when_memory_binds(layers, seed, levels_at_once, monkeypatch):
+    from pipedejavu.search import _labels
+
+    if levels_at_once:  # prefix tables with follower levels from the first pass
+        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+        monkeypatch.setattr(_labels, "MAX_LEVELS", 3)
     problem = _memory_tight(layers, (2, 8), seed)
     caps = exact_dp(problem, method="caps")
     labels = exact_dp(problem)
@@ -242,3 +252,26 @@ def test_progress_lines(method, monkeypatch):
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="method must be one of"):
         exact_dp(random_problem(4, (1, 2), seed=0), method="scan")
+
+
+def test_follower_levels_prove_infeasibility(monkeypatch):
+    # Instance 38 of this stream has plans under the one-level relaxation but
+    # none under the exact memory rule (it once made the cap loop spin).
+    from pipedejavu.search import _labels
+
+    monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+    rng = np.random.default_rng(11)
+    infeasible = 0
+    for index in range(40):
+        problem = tiny_problem(rng, p_memory=0.7)
+        if index % 2:
+            problem = problem.replace(
+                compute_cost=np.round(problem.compute_cost * 2) / 2
+            )
+        caps = _plan_or_none(problem, "caps")
+        labels = _plan_or_none(problem, "labels")
+        assert (caps is None) == (labels is None)
+        infeasible += caps is None
+        if caps is not None:
+            assert labels.stages == caps.stages
+    assert infeasible >= 5

@@ -104,36 +104,64 @@ def _cheapest(
     return allowed[np.arange(config.size), config], config
 
 
+#: Prefix tables built per cap (each lowers theta further).
+THETA_ROUNDS = 1
+
+#: Labels in a failed pass above which the tables add follower levels (0:
+#: from the first pass on).
+MANY_LABELS = 2000
+
+#: Most follower levels the prefix tables distinguish (the last one lumps
+#: every larger count); their cost grows linearly with it.
+MAX_LEVELS = 8
+
+
+def _levels(problem: Problem, groups: _Groups) -> int:
+    """Follower levels that matter: one per binding memory limit (limits below
+    the largest possible follower count), plus one, at most MAX_LEVELS."""
+    most = min(problem.num_layers, problem.num_devices) - 1
+    limits = groups.limit[np.isfinite(groups.cost)]
+    binding = limits[limits < most]
+    return int(min(binding.max() + 2, MAX_LEVELS)) if binding.size else 1
+
+
 class _Tables(NamedTuple):
     """Prefix covers under a ``theta`` and the bounds they give.
 
-    ``least_sum[i, r]`` / ``least_max[i, r]``: least sum / least slowest stage
-    (seconds) of a cover of layers ``0..i-1`` with exactly ``r`` devices, every
-    stage followed by at least one stage; ``sigma``: least stage-latency sum of
-    a whole plan; ``lower``: least cost of a whole plan (both relaxed, inf: none).
+    ``least_sum[k, i, r]`` / ``least_max[k, i, r]``: least sum / least slowest
+    stage (seconds) of a cover of layers ``0..i-1`` with exactly ``r`` devices
+    whose last stage has at least ``k + 1`` stages after it, the one before it
+    ``k + 2``, and so on (level ``R - 1`` lumps every count ``>= R``), each
+    stage with the cheapest config its memory admits; ``sigma``: least
+    stage-latency sum of a whole plan; ``lower``: least cost of a whole plan
+    (both relaxed, inf: none).
     """
 
     groups: _Groups
-    least_sum: NDArray[np.float64]  # [L + 1, D + 1]
-    least_max: NDArray[np.float64]  # [L + 1, D + 1]
+    least_sum: NDArray[np.float64]  # [R, L + 1, D + 1]
+    least_max: NDArray[np.float64]  # [R, L + 1, D + 1]
     sigma: float
     lower: float
 
 
-def _tables(problem: Problem, groups: _Groups) -> _Tables:
+def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
     num_layers, num_devices = problem.num_layers, problem.num_devices
     width = num_devices + 1
     sizes = problem.submesh_sizes
     pad = int(sizes.max())
-    # Column pad + r of the padded tables is r devices (columns < pad: inf).
-    least_sum = np.full((num_layers + 1, pad + width), np.inf)
-    least_max = np.full((num_layers + 1, pad + width), np.inf)
-    least_sum[0, pad] = least_max[0, pad] = 0.0
-    cost, _ = _cheapest(groups.cost, groups.limit, 1)  # a follower: >= 1
-    usable = np.isfinite(cost)
     stride = pad + width
+    # Column pad + r of the padded tables is r devices (columns < pad: inf).
+    shape = (levels, num_layers + 1, stride)
+    least_sum, least_max = np.full(shape, np.inf), np.full(shape, np.inf)
+    least_sum[:, 0, pad] = least_max[:, 0, pad] = 0.0
+    # cost[k, g]: with k + 1 followers; the stage before follows at level k + 1.
+    cost = np.stack(
+        [_cheapest(groups.cost, groups.limit, k + 1)[0] for k in range(levels)]
+    )
+    usable = np.isfinite(cost).any(axis=0)
+    following = np.minimum(np.arange(levels) + 1, levels - 1)  # [R]
+    base = (following * (num_layers + 1) * stride)[:, None, None]  # [R, 1, 1]
     columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
-    # flat[g]: where group g's prefix row, shifted by its devices, begins.
     flat = groups.start * stride
     sums, maxes = least_sum.reshape(-1), least_max.reshape(-1)
     for end in range(num_layers):
@@ -141,19 +169,19 @@ def _tables(problem: Problem, groups: _Groups) -> _Tables:
         keep = np.flatnonzero(usable[first:last]) + first
         if keep.size == 0:
             continue
-        index = flat[keep, None] + columns[groups.submesh[keep]]  # [G, W]
-        costs = cost[keep, None]
-        least_sum[end + 1, pad:] = (sums.take(index) + costs).min(axis=0)
-        least_max[end + 1, pad:] = np.maximum(maxes.take(index), costs).min(axis=0)
-    least_sum, least_max = least_sum[:, pad:], least_max[:, pad:]
+        index = base + (flat[keep, None] + columns[groups.submesh[keep]])  # [R, G, W]
+        costs = cost[:, keep, None]  # [R, G, 1]
+        least_sum[:, end + 1, pad:] = (sums.take(index) + costs).min(axis=1)
+        least_max[:, end + 1, pad:] = np.maximum(maxes.take(index), costs).min(axis=1)
+    least_sum, least_max = least_sum[:, :, pad:], least_max[:, :, pad:]
     # The last stage (no follower) on top of every prefix.
     first, last = groups.by_end[num_layers - 1], groups.by_end[num_layers]
     final, _ = _cheapest(groups.cost[first:last], groups.limit[first:last], 0)
     left = num_devices - groups.size[first:last]
     ok = left >= 0
     start, left, final = groups.start[first:last][ok], left[ok], final[ok]
-    sums = final + least_sum[start, left]
-    slowest = np.maximum(final, least_max[start, left])
+    sums = final + least_sum[0, start, left]
+    slowest = np.maximum(final, least_max[0, start, left])
     lowers = sums + _times(problem.num_microbatches - 1, slowest)
     return _Tables(
         groups,
@@ -239,10 +267,11 @@ def _run_pass(
         left = np.maximum(num_devices - devices, 0)
         total = current.total[label] + cost
         slowest = np.maximum(current.slowest[label], cost)
+        level = min(followers, tables.least_sum.shape[0] - 1)  # prefix: >= +1
         bound = (
             total
-            + tables.least_sum[start, left]
-            + _times(factor, np.maximum(slowest, tables.least_max[start, left]))
+            + tables.least_sum[level, start, left]
+            + _times(factor, np.maximum(slowest, tables.least_max[level, start, left]))
         )
         bound = np.where(devices <= num_devices, bound, np.inf)
         keep = bound <= cap
@@ -396,7 +425,11 @@ def label_dp(
     """
     started = time.perf_counter()
     everything = _groups(problem)
-    full = _tables(problem, everything)
+    # One follower level until a pass keeps many labels: then the memory rule
+    # is what the relaxation misses, and the tables distinguish more levels.
+    memory_levels = _levels(problem, everything)
+    levels = memory_levels if MANY_LABELS == 0 else 1
+    full = _tables(problem, everything, 1)
     factor = problem.num_microbatches - 1
     finite = everything.cost[np.isfinite(everything.cost)]
     ceiling = (problem.num_layers + factor + 1) * float(finite.max(initial=0.0))
@@ -408,13 +441,15 @@ def label_dp(
         """Tables for the cap, and whether they prove that no plan costs at
         most the cap (their ``lower`` is then a guess of the optimum)."""
         tables, theta = full, math.inf
-        for _ in range(2):  # every plan within the cap has its stages <= theta
+        for _ in range(THETA_ROUNDS):  # plans within the cap: stages <= theta
             tighter = (cap - tables.sigma) / factor if factor else cap
             if tighter >= theta * (1 - 1e-3):
                 break
             theta = tighter
             tables = _tables(
-                problem, everything.below(theta * (1 + 1e-9), problem.num_layers)
+                problem,
+                everything.below(theta * (1 + 1e-9), problem.num_layers),
+                levels,
             )
             if tables.lower > cap:
                 break
@@ -430,6 +465,8 @@ def label_dp(
         tables, ruled_out = screen(cap)
         if ruled_out:
             lower = max(lower, cap)
+            if cap >= ceiling:  # not even the costliest plan: none exists
+                break
             if tables.lower > cap * (1 + step):
                 cap = tables.lower * (1 + growth)
             else:
@@ -452,4 +489,6 @@ def label_dp(
             break
         # Passes just below the optimum are cheap, far above it costly.
         lower, cap = cap, cap * (1 + growth * 2.0**passes)
+        if outcome.num_labels >= MANY_LABELS:
+            levels = memory_levels
     return LabelResult(math.inf, None, passes, labels, lower)
