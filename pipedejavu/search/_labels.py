@@ -21,10 +21,14 @@ above ``theta`` are dropped, and ``Sigma`` recomputed without them tightens
 ``theta`` again. A label is dropped when ``sum + P_sum + (B - 1) max(max, P_max)
 > cap``, with ``P_sum`` / ``P_max`` the least sum / least slowest stage of any
 cover of the remaining prefix with exactly the remaining devices by entries
-``<= theta`` (memory relaxed to "a stage follows"). Every plan of cost at most
-the cap therefore survives (or a label as good as its suffix does), so a pass
-whose cap reaches the optimum returns it; a pass that fails proves the optimum
-above the least bound it dropped, which sets the next cap.
+``<= theta`` (memory relaxed to "a stage follows"; once a pass keeps many
+labels, the tables also follow the memory rule along the prefix: its last stage
+has at least ``s + 1`` stages after it, the one before ``s + 2``, and so on, up
+to :data:`MAX_LEVELS` levels). Every plan of cost at most the cap therefore
+survives (or a label as good as its suffix does), so a pass whose cap reaches
+the optimum returns it; a pass that fails proves the optimum above its cap.
+The caps start at the tables' bound and grow geometrically, or jump to the
+bound of the tables built for a cap when that bound rules the cap out.
 """
 
 from __future__ import annotations
