@@ -291,3 +291,12 @@ def test_bucketed_layers_share_compiled_code():
             random_problem(layers, (1, 4), seed=layers), SMALL, key=jax.random.key(0)
         )
     assert engine.TRACE_COUNT[0] - before <= 1
+
+
+def test_a_plan_no_neighbourhood_holds_comes_from_the_exact_dp():
+    # Four one-layer stages on four devices: roundings of fewer stages have too
+    # few anchors for the polish to reach it (found by hypothesis).
+    problem = tiny_problem(np.random.default_rng(3697), max_layers=6)
+    plan = differentiable(problem, SMALL, key=jax.random.key(3697))
+    assert plan.num_stages == 4
+    np.testing.assert_allclose(plan.cost, brute_force(problem).cost, rtol=1e-12)

@@ -62,7 +62,8 @@ class SearchConfig:
         max_temperature: (start, end) of the smooth-max temperature, relative to
             a typical stage latency.
         penalty: (start, end) weight of the device-budget penalty.
-        num_polished: best rounded restarts polished exactly.
+        num_polished: best rounded restarts polished exactly (up to as many
+            again while the lower bound does not prove the best plan optimal).
         polish_window: layers a boundary may move in one polish round.
         max_polish_rounds: polish rounds per restart at most.
         num_chunks: the steps run in this many jitted chunks; progress is
@@ -579,7 +580,7 @@ def _optimize(
     host_mask = np.asarray(all_masks)
     candidates, seen = [], set()
     for restart in np.argsort(final_losses, kind="stable").tolist():
-        if len(candidates) >= config.num_polished:
+        if len(candidates) >= 2 * config.num_polished:
             break
         one = RelaxedParams(
             host_params.boundary_logits[restart], host_params.slot_logits[restart]
@@ -679,6 +680,8 @@ def search(
             time.perf_counter() > deadline or best_cost <= proven
         ):
             break
+        # Candidates beyond num_polished (up to as many again) are polished
+        # only while the bound leaves a gap (the check above).
         cost, stages, _ = _polish(
             problem, boundaries, config, deadline, improved, proven
         )
@@ -686,7 +689,13 @@ def search(
         if cost < best_cost:
             best_cost, best_stages, best_restart = cost, stages, restart
     if best_stages is None:
-        raise InfeasibleProblemError(explain_infeasible(problem))
+        # No neighbourhood held a plan (e.g. one that needs more stages than
+        # the roundings had anchors for): the exact DP on the whole problem.
+        found = label_dp(problem)
+        if found.stages is None:
+            raise InfeasibleProblemError(explain_infeasible(problem))
+        best_cost, best_stages = found.cost, found.stages
+        improved(best_cost)
 
     run_time = time.perf_counter() - started
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
