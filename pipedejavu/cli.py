@@ -451,7 +451,7 @@ class _ScanProgress:
 
 class _SearchProgress:
     """Progress of the differentiable search on stderr once it runs past 2 s
-    (and at once when its restarts run in batches: a long run)."""
+    (and at once when it has many restarts: a long run)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
@@ -460,7 +460,7 @@ class _SearchProgress:
         elapsed = time.perf_counter() - self.started
         if done == 0:
             print(
-                f"diff: {total} steps in memory-limited batches of restarts",
+                f"diff: {total} steps for many restarts (compiling first)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -268,7 +268,8 @@ def _optimize(
     num_batches = _batches(config, per_restart, state)
     batch = -(-config.num_restarts // num_batches)
     total_steps = num_batches * config.num_steps
-    if num_batches > 1 and progress_fn is not None:
+    big = num_batches > 1 or per_restart * config.num_restarts > 2**28
+    if big and progress_fn is not None:
         progress_fn(0, total_steps, math.inf)  # a long run: say so at once
     started = time.perf_counter()
     known = _start._cache_size()

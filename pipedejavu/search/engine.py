@@ -299,7 +299,8 @@ def search(
         key: a ``jax.random`` key; the same key gives the same plan.
         progress_fn: called after each chunk of steps with ``(steps done,
             total steps, best relaxed loss so far in seconds)``; once with
-            ``(0, total, inf)`` first when the restarts run in batches.
+            ``(0, total, inf)`` first when the restarts need over 256 MiB or
+            run in batches (a long run).
         message_fn: receives a line about the polish (restart, best plan,
             lower bound) about every 1.5 s once the polish takes that long.
         cache_dir: where compiled code is kept between processes
