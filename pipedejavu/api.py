@@ -27,11 +27,12 @@ def _dp(
     problem: Problem,
     *,
     alpa_compatible: bool = False,
-    progress_fn: Callable[[int, int, int], None] | None = None,
+    progress_fn: Callable[..., None] | None = None,
 ) -> Plan:
+    # progress_fn: (position, caps, evaluated) for Alpa's scan, a line for ours.
     if alpa_compatible:
         return alpa_training_dp(problem, progress_fn=progress_fn)
-    return exact_dp(problem)
+    return exact_dp(problem, progress_fn=progress_fn)
 
 
 def _diff(
@@ -43,6 +44,8 @@ def _diff(
     seed: int = 0,
     key: Any = None,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
+    cache_dir: Any = None,
 ) -> Plan:
     import jax  # the engine needs JAX; `import pipedejavu` does not
 
@@ -60,7 +63,14 @@ def _diff(
     except ValueError as error:
         raise ProblemError(str(error)) from None
     key = jax.random.key(seed) if key is None else key
-    return differentiable(problem, config, key=key, progress_fn=progress_fn)
+    return differentiable(
+        problem,
+        config,
+        key=key,
+        progress_fn=progress_fn,
+        message_fn=message_fn,
+        cache_dir=cache_dir,
+    )
 
 
 def _brute_force(problem: Problem) -> Plan:
@@ -95,7 +105,16 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
     "diff": (
         _diff,
         frozenset(
-            {"config", "num_restarts", "num_steps", "seed", "key", "progress_fn"}
+            {
+                "config",
+                "num_restarts",
+                "num_steps",
+                "seed",
+                "key",
+                "progress_fn",
+                "message_fn",
+                "cache_dir",
+            }
         ),
         "the differentiable engine: relaxed search + exact polish, lower bound",
     ),

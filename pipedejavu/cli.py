@@ -378,20 +378,30 @@ class _ScanProgress:
 
 
 class _SearchProgress:
-    """Progress of the differentiable search on stderr once it runs past 2 s."""
+    """Progress of the differentiable search on stderr once it runs past 2 s
+    (and at once when it has many restarts: a long run)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
 
     def __call__(self, done: int, total: int, best_loss: float) -> None:
         elapsed = time.perf_counter() - self.started
-        if elapsed >= 2.0:
+        if done == 0:
             print(
-                f"diff: step {done} of {total}, best relaxed loss {best_loss:.4g}, "
-                f"{elapsed:.0f} s",
+                f"diff: {total} steps for many restarts (compiling first)",
                 file=sys.stderr,
                 flush=True,
             )
+        elif elapsed >= 2.0:
+            print(
+                f"diff: step {done} of {total}, best relaxed loss so far "
+                f"{best_loss:.4g} s, {elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def message(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _solve_options(args: argparse.Namespace, hetero: bool) -> dict[str, Any]:
@@ -415,7 +425,12 @@ def _solve_options(args: argparse.Namespace, hetero: bool) -> dict[str, Any]:
             )
         return {"seed": args.seed}
     if args.method == "diff":
-        options: dict[str, Any] = {"seed": args.seed, "progress_fn": _SearchProgress()}
+        progress = _SearchProgress()
+        options: dict[str, Any] = {
+            "seed": args.seed,
+            "progress_fn": progress,
+            "message_fn": progress.message,
+        }
         if args.restarts is not None:
             options["num_restarts"] = args.restarts
         if args.steps is not None:
@@ -423,6 +438,8 @@ def _solve_options(args: argparse.Namespace, hetero: bool) -> dict[str, Any]:
         return options
     if args.method in ("anneal", "random"):
         return {"seed": args.seed}
+    if args.method == "dp" and not hetero:
+        return {"progress_fn": lambda line: print(line, file=sys.stderr, flush=True)}
     return {}
 
 
