@@ -209,6 +209,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo", help="solve the bundled real Alpa profiles and a generated instance"
     )
     demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    from .cli_megatron import add_parsers
+
+    add_parsers(commands)
     return parser
 
 
@@ -542,6 +545,10 @@ def _run(args: argparse.Namespace) -> int:
             run_profile(args)
         elif args.command == "demo":
             _demo(sys.stdout, args.json)
+        else:
+            from .cli_megatron import run
+
+            return run(args)
     except ProblemError as error:
         print(f"pipedejavu: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
