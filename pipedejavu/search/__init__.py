@@ -1,7 +1,7 @@
 """The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is loaded on
-first use so that ``import baselines`` stays light.
+``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is
+loaded on first use so that ``import pipedejavu.baselines`` stays light.
 """
 
 from .exact import exact_dp as exact_dp
