@@ -15,7 +15,7 @@ from .problem import ProblemError
 
 __all__ = ["COMMANDS", "add_parsers", "format_prediction", "run"]
 
-COMMANDS = ("predict",)
+COMMANDS = ("predict", "plan")
 GB = 1e9
 
 
@@ -42,6 +42,48 @@ def add_parsers(commands: Any) -> None:
         "network/, configs/); default: the bundled copy",
     )
     predict.add_argument("--json", action="store_true", help="print JSON")
+
+    plan = commands.add_parser(
+        "plan",
+        help="find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, "
+        "GPU type) for a model, a global batch and a GPU pool",
+    )
+    plan.add_argument("--model", required=True, help="e.g. OPT-350, GPT-Neo-2.7")
+    plan.add_argument(
+        "--gpus",
+        action="append",
+        required=True,
+        metavar="TYPE:COUNT",
+        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types)",
+    )
+    plan.add_argument(
+        "--global-batch", type=int, required=True, help="samples per iteration"
+    )
+    plan.add_argument("--profiles", metavar="DIR", help="as for predict")
+    plan.add_argument(
+        "--method",
+        choices=["dp", "diff"],
+        default="dp",
+        help="dp: exact (default); diff: the differentiable engine per "
+        "configuration, with a certified gap",
+    )
+    plan.add_argument(
+        "--per-stage-tp",
+        action="store_true",
+        help="allow a TP degree per stage (not launchable with Megatron-LM, "
+        "DeepSpeed or torchtitan)",
+    )
+    plan.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="use every GPU of each type used (default: fewer when faster)",
+    )
+    plan.add_argument(
+        "--export",
+        choices=["megatron", "deepspeed", "torchtitan", "alpa", "sailor"],
+        help="also print the plan for this framework",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _data(directory: str | None):
@@ -104,8 +146,72 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_training_plan(result) -> str:
+    """The text report of ``pipedejavu plan``."""
+    plan, prediction = result.plan, result.prediction
+    used, available = result.gpus_used, result.gpus_available
+    lines = [
+        f"model {plan.model}, global batch {plan.gbs}, GPUs {available}",
+        f"plan: {plan.describe()}",
+        "  stages: "
+        + ", ".join(
+            f"layers {s.start}-{s.stop - 1} (tp {s.replicas[0].tp})"
+            for s in plan.stages
+        ),
+    ]
+    if sum(used.values()) < sum(available.values()):
+        lines.append(f"  uses fewer GPUs than available: {used}")
+    lines += [
+        f"predicted iteration time: {prediction.iteration_time_s:.4f} s",
+        f"planning objective: {result.objective_s:.4f} s; optimum "
+        f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
+        f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
+        f"{result.configurations} configurations solved)",
+        f"search time: {result.search_time_s:.3f} s",
+        format_prediction(plan, prediction).split("\n", 1)[1],
+    ]
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import sys
+
+    from .megatron_api import plan_training
+    from .megatron_export import export_plan
+
+    print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
+    result = plan_training(
+        args.model,
+        args.gpus,
+        args.global_batch,
+        profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
+    )
+    exported = None
+    if args.export:
+        gpn = None
+        if args.export == "alpa":
+            gpu = result.plan.stages[0].replicas[0].gpu_type
+            gpn = _data(args.profiles).gpu_spec(gpu).gpus_per_node
+        exported = export_plan(result.plan, args.export, gpus_per_node=gpn)
+    if args.json:
+        out = result.to_json()
+        if exported is not None:
+            out["export"] = {"target": args.export, "text": exported}
+        print(json.dumps(out))
+    else:
+        print(format_training_plan(result))
+        if exported is not None:
+            print(f"\n--- {args.export} ---\n{exported}", end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a subcommand of :data:`COMMANDS`; errors propagate to the CLI."""
     if args.command == "predict":
         return _predict(args)
+    if args.command == "plan":
+        return _plan(args)
     raise ProblemError(f"unknown command {args.command!r}")  # pragma: no cover

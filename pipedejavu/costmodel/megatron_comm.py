@@ -42,6 +42,7 @@ __all__ = [
     "node_key",
     "p2p_time",
     "ring_allreduce_time",
+    "ring_hops",
 ]
 
 
@@ -99,11 +100,39 @@ def p2p_time(
     return total / fit.bandwidth(piece) + gather
 
 
+def ring_hops(
+    network: NetworkTables,
+    replicas: Sequence[Replica],
+    nodes: Sequence[Hashable],
+) -> list[tuple[object, float]]:
+    """The distinct hops of a ring: ``(fit, streams)`` pairs, where a hop moving
+    ``chunk`` bytes per GPU takes ``streams * chunk / fit.bandwidth(chunk)``."""
+    count = len(replicas)
+    per_node: dict[Hashable, int] = {}
+    for replica, node in zip(replicas, nodes, strict=True):
+        per_node[node] = per_node.get(node, 0) + replica.tp
+    hops = {}
+    for j in range(count):
+        a, b = replicas[j], replicas[(j + 1) % count]
+        streams = min(a.tp, b.tp)
+        if nodes[j] == nodes[(j + 1) % count]:
+            gpus = per_node[nodes[j]]
+            # per stream: the node's aggregate over the gpus / 2 pairs it measured
+            key = (network.intra(a.gpu_type, gpus), 1.0 / max(gpus / 2.0, 1.0))
+        else:
+            fit = network.inter(a.zone, a.gpu_type, b.zone, b.gpu_type, streams)
+            key = (fit, float(streams))
+        hops[key] = None
+    return list(hops)
+
+
 def ring_allreduce_time(
     network: NetworkTables,
     replicas: Sequence[Replica],
     nodes: Sequence[Hashable],
     nbytes: float,
+    *,
+    hops: list[tuple[object, float]] | None = None,
 ) -> float:
     """Seconds of one ring all-reduce of ``nbytes`` per GPU over the replicas.
 
@@ -113,25 +142,13 @@ def ring_allreduce_time(
             ``tp`` rings run side by side).
         nodes: the node of each member (see :func:`node_key`).
         nbytes: bytes each GPU contributes (its gradient shard of the bucket).
+        hops: :func:`ring_hops` of the same ring, when already known.
     """
     count = len(replicas)
     if count <= 1 or nbytes <= 0:
         return 0.0
     chunk = nbytes / count
-    per_node: dict[Hashable, int] = {}
-    for replica, node in zip(replicas, nodes, strict=True):
-        per_node[node] = per_node.get(node, 0) + replica.tp
-    slowest = 0.0
-    for j in range(count):
-        a, b = replicas[j], replicas[(j + 1) % count]
-        streams = min(a.tp, b.tp)
-        if nodes[j] == nodes[(j + 1) % count]:
-            gpus = per_node[nodes[j]]
-            fit = network.intra(a.gpu_type, gpus)
-            # per stream: the node's aggregate over the gpus / 2 pairs it measured
-            hop = chunk / (fit.bandwidth(chunk) / max(gpus / 2.0, 1.0))
-        else:
-            fit = network.inter(a.zone, a.gpu_type, b.zone, b.gpu_type, streams)
-            hop = streams * chunk / fit.bandwidth(chunk)
-        slowest = max(slowest, hop)
+    if hops is None:
+        hops = ring_hops(network, replicas, nodes)
+    slowest = max(streams * chunk / fit.bandwidth(chunk) for fit, streams in hops)
     return 2 * (count - 1) * slowest

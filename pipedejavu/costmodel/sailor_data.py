@@ -183,6 +183,17 @@ class BandwidthFit:
         fitted = (a * x * x + b * x + c) * 1e9
         return max(min(fitted, self.max_bytes_per_s), 1e-3 * self.max_bytes_per_s)
 
+    def bandwidths(self, message_bytes: NDArray[np.float64]) -> NDArray[np.float64]:
+        """:meth:`bandwidth` of each entry (vectorized)."""
+        low, high = FIT_LOG2_MB_RANGE
+        x = np.log2(np.maximum(message_bytes, 1.0) / 1e6)
+        x = np.clip(x, low, high)
+        a, b, c = self.coeffs
+        fitted = (a * x * x + b * x + c) * 1e9
+        return np.maximum(
+            np.minimum(fitted, self.max_bytes_per_s), 1e-3 * self.max_bytes_per_s
+        )
+
     def time(self, total_bytes: float, message_bytes: float | None = None) -> float:
         """Seconds to move ``total_bytes`` in messages of ``message_bytes``."""
         if total_bytes <= 0:
@@ -451,14 +462,23 @@ def _parse_profile(data: Any, path: Path) -> dict[tuple[int, int], LayerTimes]:
 def _affine_fit(mbs: NDArray[np.float64], times: NDArray[np.float64]):
     """``times ~ a + b * mbs`` with ``a, b >= 0``, least squares on relative error;
     returns the fitted times (zeros stay zeros)."""
-    from scipy.optimize import nnls
-
     positive = times > 0
     if positive.sum() < 3:
         return times.copy()
     weights = 1.0 / times[positive]
     design = np.stack([weights, mbs[positive] * weights], axis=1)
-    (a, b), _ = nnls(design, np.ones(int(positive.sum())))
+    target = np.ones(int(positive.sum()))
+    # Two variables: the unconstrained solution, else the best one-sided one.
+    (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if a < 0 or b < 0:
+        options = []
+        for column in (0, 1):
+            x = design[:, column]
+            value = max(float(x @ target) / float(x @ x), 0.0)
+            coefficients = [0.0, 0.0]
+            coefficients[column] = value
+            options.append((float(np.sum((x * value - target) ** 2)), coefficients))
+        a, b = min(options)[1]
     fitted = a + b * mbs
     return np.where(positive, fitted, times)
 

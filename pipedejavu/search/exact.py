@@ -484,6 +484,10 @@ def exact_dp(problem: Problem) -> Plan:
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
+    if problem.stage_tail_cost is not None:  # + max tail: a loop around this DP
+        from .tail import exact_dp_with_tail
+
+        return exact_dp_with_tail(problem)
     started = time.perf_counter()
     trace: list[tuple[float, float]] = []
     _, best_stages, stats = cheaper_plan(problem, trace=trace)
