@@ -138,16 +138,26 @@ def plan_to_sailor(plan: Plan3D, *, zone: str | None = None) -> dict[str, Any]:
     """The ``plan_config`` object of a plan (no measured fields).
 
     ``N`` counts distinct nodes: replicas with ``node=None`` count one each.
-    ``gpus_used_on_that_node`` is the replica's ``gpus_on_node`` or its ``tp``.
+    ``gpus_used_on_that_node`` is, for a placed replica, the GPUs the plan uses on
+    its node; otherwise the replica's ``gpus_on_node`` or its ``tp``. (The format
+    has no node identities: a file read back places every replica on a node of
+    its own, so ``N`` of a plan that packs replicas does not survive the round
+    trip; stages, replicas, TP, GPU types, mbs and gbs do.)
     """
-    nodes = set()
+    nodes: dict[int, int] = {}
     anonymous = 0
     for stage in plan.stages:
         for replica in stage.replicas:
             if replica.node is None:
                 anonymous += 1
             else:
-                nodes.add(replica.node)
+                nodes[replica.node] = nodes.get(replica.node, 0) + replica.tp
+
+    def gpus(replica) -> int:
+        if replica.node is not None:
+            return nodes[replica.node]
+        return replica.gpus_on_node or replica.tp
+
     first_zone = zone or plan.stages[0].replicas[0].zone or DEFAULT_ZONE
     return {
         "zone": first_zone,
@@ -160,7 +170,7 @@ def plan_to_sailor(plan: Plan3D, *, zone: str | None = None) -> dict[str, Any]:
                 "tmp_per_stage": [
                     [
                         [
-                            [[r.gpu_type, r.gpus_on_node or r.tp, r.zone]],
+                            [[r.gpu_type, gpus(r), r.zone]],
                             r.tp,
                         ]
                         for r in stage.replicas

@@ -27,6 +27,27 @@ def _splits(num_layers: int, num_stages: int) -> Iterator[tuple[int, ...]]:
         yield (0, *cuts, num_layers)
 
 
+def _tables(cache, data, model, constants, gpu, mbs, dp, steps, tps, pipeline_gpus):
+    """The stage tables with the search's placement rule: one node, or
+    boundaries priced as crossing nodes."""
+    one = dp * pipeline_gpus <= data.gpu_spec(gpu).gpus_per_node
+    key = (gpu, mbs, dp, one)
+    if key not in cache:
+        cache[key] = compile_tables(
+            data,
+            model,
+            constants,
+            gpu_type=gpu,
+            mbs=mbs,
+            dp=dp,
+            num_microbatches=steps,
+            tps=tps,
+            zone=DEFAULT_ZONE,
+            pipeline_gpus=pipeline_gpus if one else None,
+        )
+    return cache[key]
+
+
 def enumerate_plans(
     data: SailorData,
     model: str,
@@ -42,6 +63,7 @@ def enumerate_plans(
     info = data.model_info(model)
     layers = info.num_layers
     count = 0
+    cache: dict = {}
     for gpu, available in gpus.items():
         spec = data.gpu_spec(gpu)
         table = data.profile(model, gpu)
@@ -57,17 +79,6 @@ def enumerate_plans(
                 if (global_batch // mbs) % dp or not tps:
                     continue
                 steps = global_batch // (mbs * dp)
-                tables = compile_tables(
-                    data,
-                    model,
-                    constants,
-                    gpu_type=gpu,
-                    mbs=mbs,
-                    dp=dp,
-                    num_microbatches=steps,
-                    tps=tps,
-                    zone=DEFAULT_ZONE,
-                )
                 budget = available // dp
                 for num_stages in range(1, min(layers, budget) + 1):
                     degree_sets = (
@@ -78,6 +89,18 @@ def enumerate_plans(
                     for degrees in degree_sets:
                         if sum(degrees) > budget:
                             continue
+                        tables = _tables(
+                            cache,
+                            data,
+                            model,
+                            constants,
+                            gpu,
+                            mbs,
+                            dp,
+                            steps,
+                            tps,
+                            sum(degrees),
+                        )
                         for split in _splits(layers, num_stages):
                             count += 1
                             if count > max_plans:

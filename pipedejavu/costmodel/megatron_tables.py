@@ -152,8 +152,15 @@ def compile_tables(
     num_microbatches: int,
     tps: Sequence[int],
     zone: str,
+    pipeline_gpus: int | None = None,
 ) -> StageTables:
     """The tables of one configuration (module docstring).
+
+    ``pipeline_gpus``: GPUs of one pipeline, when known. A stage of ``dp x tp <
+    GPUs per node`` shares its node with its neighbours only while the whole
+    pipeline's ``dp x pipeline_gpus`` fit on one node; beyond that some of its
+    boundaries cross nodes, and the tables price every boundary as crossing
+    (the predictor re-scores the exact placement).
 
     Raises:
         ProblemError: a TP degree or the mbs has no profile entry.
@@ -182,8 +189,9 @@ def compile_tables(
         busy = prefix[ends + 1] - prefix[starts] + 2 * overhead
         # Boundary b (after layer b): the transfer a stage takes part in.
         replica = Replica(gpu_type, tp, zone=zone)
-        whole_nodes = dp * tp >= gpn
-        concurrent = min(dp, max(gpn // tp, 1)) if whole_nodes else dp
+        one_node = pipeline_gpus is not None and dp * pipeline_gpus <= gpn
+        whole_nodes = dp * tp >= gpn or not one_node
+        concurrent = min(dp, max(gpn // tp, 1))
         boundary = np.zeros(num_layers)
         for b in range(num_layers - 1):
             nbytes = float(info.act_output[tp][b]) * FLOAT_BYTES * mbs

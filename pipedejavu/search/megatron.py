@@ -38,18 +38,22 @@ from typing import Any
 import numpy as np
 
 from pipedejavu.costmodel.megatron import (
+    FLOAT_BYTES,
     Prediction,
     PredictorConstants,
     _profiling_params,
     predict_plan,
 )
+from pipedejavu.costmodel.megatron_comm import p2p_time, ring_hops
 from pipedejavu.costmodel.megatron_tables import (
     StageTables,
+    _ring_times,
+    canonical_nodes,
     compile_tables,
     plan_from_stages,
 )
 from pipedejavu.costmodel.sailor_data import SailorData
-from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D, Replica
 from pipedejavu.problem import InfeasibleProblemError, Problem, ProblemError
 
 from .tail import cheaper_plan_with_tail
@@ -71,8 +75,9 @@ class MegatronSearchConfig:
             within this fraction of the best planning objective.
         method: ``"dp"`` (exact) or ``"diff"`` (the differentiable engine per
             configuration, with its certified lower bound).
-        diff_configs: with ``"diff"``, how many configurations (best bound
-            first) the engine solves.
+        diff_configs: with ``"diff"``, after how many configurations with a plan
+            (best bound first) the engine stops; the bound of the first
+            configuration left enters the certified lower bound.
     """
 
     uniform_tp: bool = True
@@ -81,7 +86,7 @@ class MegatronSearchConfig:
     max_stages: int | None = None
     rescore_tolerance: float = 0.02
     method: str = "dp"
-    diff_configs: int = 4
+    diff_configs: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):
@@ -151,6 +156,38 @@ def _configs(
     table = data.profile(model, gpu)
     max_stages = min(info.num_layers, config.max_stages or info.num_layers)
     overhead = constants.op_overhead_s
+    cache: dict[tuple[int, int], list] = {}
+
+    def hops(tp: int, dp: int) -> list:
+        if (tp, dp) not in cache:
+            nodes = canonical_nodes([tp], dp, spec.gpus_per_node)[0]
+            replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
+            cache[(tp, dp)] = ring_hops(data.network, replicas, nodes) if dp > 1 else []
+        return cache[(tp, dp)]
+
+    least_output = min(float(v[:-1].min()) for v in info.act_output.values())
+
+    def boundary(mbs: int, tp: int, dp: int) -> float:
+        """The least blocking transfer a boundary costs each of its two stages
+        (twice: activation and gradient), as the tables price it."""
+        nbytes = least_output * FLOAT_BYTES * mbs
+        if nbytes / tp <= constants.buffered_message_bytes:
+            return 0.0
+        gpn = spec.gpus_per_node
+        replica = Replica(gpu, tp, zone=DEFAULT_ZONE)
+        concurrent = min(dp, max(gpn // tp, 1))
+        return min(
+            p2p_time(
+                data.network,
+                replica,
+                replica,
+                nbytes,
+                same_node=same,
+                concurrent=concurrent,
+            )
+            for same in (False, True)
+        )
+
     mbs_all = sorted({m for m, _ in table})
     if config.mbs_values is not None:
         mbs_all = [m for m in mbs_all if m in config.mbs_values]
@@ -165,13 +202,14 @@ def _configs(
         ]
         if not tps:
             continue
-        layer, optimizer = {}, {}
+        layer, optimizer, total_params = {}, {}, {}
         for t in tps:
             times = data.layer_times(
                 model, gpu, mbs, t, smooth=constants.smooth_profiles
             )
             layer[t] = times.forward + times.backward
             params = float(info.params[t].sum()) - info.tied_params(t)
+            total_params[t] = params
             optimizer[t] = float(times.update[0]) * params / _profiling_params(info, t)
         work_all = np.min([t * layer[t] for t in tps], axis=0).sum()
         for dp in range(1, count // min(tps) + 1):
@@ -193,10 +231,21 @@ def _configs(
                         # 2 S overheads, max c >= sum c / S, and the largest
                         # optimizer step >= the average one.
                         stages = gpus // small
-                        total = float(layer[small].sum()) + 2 * stages * overhead
+                        total = (
+                            float(layer[small].sum())
+                            + 2 * stages * overhead
+                            + 4 * (stages - 1) * boundary(mbs, small, dp)
+                        )
                         bound = total * (stages + steps - 1) / stages
                         bound = max(bound, steps * float(layer[small].max()))
-                        bound += optimizer[small] / stages
+                        # The stage with the most parameters holds >= 1/S of
+                        # them; its all-reduce and step cost at least as much
+                        # as for exactly 1/S (ring time grows with bytes).
+                        share = total_params[small] / stages * FLOAT_BYTES
+                        bound += (
+                            optimizer[small] / stages
+                            + _ring_times(hops(small, dp), dp, np.array([share]))[0]
+                        )
                     else:
                         # sum c >= the fastest layers' time, max c >= W / G.
                         fastest = float(
@@ -300,11 +349,13 @@ def search_megatron(
         item = heapq.heappop(configs)
         limit = best * tolerance if config.method == "dp" else best
         if item.bound >= limit or (
-            config.method == "diff" and solved >= config.diff_configs
+            config.method == "diff" and len(found) >= config.diff_configs
         ):
             lower = min(lower, item.bound)
             break
-        key = (item.gpu, item.mbs, item.dp)
+        gpn = data.gpu_spec(item.gpu).gpus_per_node
+        one_node = item.dp * item.gpus <= gpn
+        key = (item.gpu, item.mbs, item.dp, one_node)
         if key not in tables:
             spec = data.gpu_spec(item.gpu)
             tps = tuple(
@@ -323,6 +374,7 @@ def search_megatron(
                 num_microbatches=global_batch // (item.mbs * item.dp),
                 tps=tps,
                 zone=DEFAULT_ZONE,
+                pipeline_gpus=item.gpus if one_node else None,
             )
         try:
             problem = _problem(tables[key], item.tps, item.gpus)
