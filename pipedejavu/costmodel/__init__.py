@@ -48,6 +48,10 @@ _LAZY = {
     "fit_stage_overhead": "profiler",
     "DataParallelScaling": "profiler",
     "StageOverhead": "profiler",
+    "GoodputFunction": "goodput",
+    "PerfParams": "goodput",
+    "GradParams": "goodput",
+    "fit_perf_params": "goodput",
 }
 
 
