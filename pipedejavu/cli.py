@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__, cli_goodput, cli_init_search
+from . import __version__, cli_goodput, cli_init_search, cli_megatron
 from .api import solve
 from .errors import InfeasibleProblemError, PlanError, ProblemError
 from .formatting import format_inspection, format_plan
@@ -271,6 +271,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     cli_init_search.add_parser(commands)
     cli_goodput.add_parsers(commands)  # goodput fit|optimize, elastic
+    cli_megatron.add_parsers(commands)
     return parser
 
 
@@ -544,6 +545,8 @@ def _run(args: argparse.Namespace) -> int:
             run_demo(sys.stdout, as_json=args.json, alpa_scan=args.alpa_scan)
         elif args.command in ("goodput", "elastic"):
             return cli_goodput.run(args)
+        elif args.command in cli_megatron.COMMANDS:
+            return cli_megatron.run(args)
     except ProblemError as error:
         print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -337,7 +337,13 @@ def _read_file(
         path,
         required=(),
         optional=PROBLEM_KEYS
-        + ("max_n_succ_stages", "cluster_json", "boundary_bytes", "activation_bytes"),
+        + (
+            "max_n_succ_stages",
+            "cluster_json",
+            "boundary_bytes",
+            "activation_bytes",
+            "stage_tail_cost",
+        ),
     )
     if "cluster_json" in arrays:
         problem: Problem | HeteroProblem = HeteroProblem.from_arrays(arrays, source)

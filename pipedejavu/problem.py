@@ -42,6 +42,7 @@ from .tables import (
     memory_limits,
     memory_table,
     submesh_table,
+    tail_table,
 )
 
 __all__ = [
@@ -133,6 +134,10 @@ class Problem:
             submesh choice.
         cluster_shape: ``(num_hosts, devices_per_host)``.
         num_microbatches: B >= 1.
+        stage_tail_cost: f64[L, L, M, K] seconds a stage adds once per iteration
+            after the pipeline (a Megatron-style plan's data-parallel gradient
+            all-reduce and optimizer step); the objective adds the largest tail
+            of the plan's stages. ``None`` (Alpa's formulation): no tail.
 
     Raises:
         ProblemError: naming the argument, what was expected and what arrived.
@@ -143,6 +148,7 @@ class Problem:
     submesh_shapes: NDArray[np.int64]
     cluster_shape: tuple[int, int]
     num_microbatches: int
+    stage_tail_cost: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         cost = cost_table(self.compute_cost, with_types=False)
@@ -181,6 +187,9 @@ class Problem:
                 f"{num_devices} devices of the {num_hosts}x{devices_per_host} cluster"
             )
         freeze(self, compute_cost=cost, max_n_succ_stages=memory, submesh_shapes=shapes)
+        tail = tail_table(self.stage_tail_cost, cost)
+        if tail is not None:
+            freeze(self, stage_tail_cost=tail)
         object.__setattr__(self, "cluster_shape", (num_hosts, devices_per_host))
         object.__setattr__(self, "num_microbatches", num_microbatches)
 
@@ -214,6 +223,12 @@ class Problem:
         """Latency (s) of the stage holding layers ``start..stop-1`` (half-open)."""
         return float(self.compute_cost[start, stop - 1, submesh, config])
 
+    def stage_tail(self, start: int, stop: int, submesh: int, config: int) -> float:
+        """Tail (s) of the stage holding layers ``start..stop-1`` (0 without tails)."""
+        if self.stage_tail_cost is None:
+            return 0.0
+        return float(self.stage_tail_cost[start, stop - 1, submesh, config])
+
     def replace(self, **changes: Any) -> Problem:
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -234,6 +249,11 @@ class Problem:
                 "submesh_shapes": self.submesh_shapes,
                 "cluster_shape": np.asarray(self.cluster_shape, dtype=np.int64),
                 "num_microbatches": np.asarray(self.num_microbatches, dtype=np.int64),
+                **(
+                    {}
+                    if self.stage_tail_cost is None
+                    else {"stage_tail_cost": self.stage_tail_cost}
+                ),
             },
         )
 
@@ -258,6 +278,7 @@ class Problem:
                 submesh_shapes=arrays["submesh_shapes"],
                 cluster_shape=_cluster_shape(arrays["cluster_shape"]),
                 num_microbatches=arrays["num_microbatches"],
+                stage_tail_cost=arrays.get("stage_tail_cost"),
             )
         except ProblemError as error:
             raise ProblemError(f"{source}: {error}") from None
@@ -274,7 +295,7 @@ class Problem:
         arrays = read_npz(
             path,
             required=PROBLEM_KEYS,
-            optional=("max_n_succ_stages", "cluster_json"),
+            optional=("max_n_succ_stages", "cluster_json", "stage_tail_cost"),
         )
         return cls.from_arrays(arrays, str(path))
 
@@ -541,7 +562,8 @@ def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
 
     Checks every rule first (:func:`check_plan`), then returns
     ``sum_s t_s + (B - 1) * max_s t_s`` with ``t_s`` read from
-    ``problem.compute_cost`` (never from the plan's recorded latencies).
+    ``problem.compute_cost`` (never from the plan's recorded latencies), plus
+    ``max_s tail_s`` when the problem has ``stage_tail_cost``.
 
     Raises:
         PlanError: naming the broken rule and the stage.
@@ -552,7 +574,11 @@ def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
         problem.stage_cost(s.start, s.stop, s.submesh_index, s.config_index)
         for s in stages
     ]
-    return objective(latencies, problem.num_microbatches)
+    tail = max(
+        problem.stage_tail(s.start, s.stop, s.submesh_index, s.config_index)
+        for s in stages
+    )
+    return objective(latencies, problem.num_microbatches) + tail
 
 
 def make_plan(

@@ -128,6 +128,40 @@ def cost_table(compute_cost: Any, *, with_types: bool) -> NDArray[np.float64]:
     return cost
 
 
+def tail_table(
+    stage_tail_cost: Any, cost: NDArray[np.float64]
+) -> NDArray[np.float64] | None:
+    """``stage_tail_cost`` as a fresh f64 array of ``cost``'s shape, or ``None``.
+
+    The tail of a stage is paid once per iteration after the pipeline (e.g. its
+    data-parallel gradient all-reduce and optimizer step); entries where ``cost``
+    is ``inf`` describe no usable stage and are stored as 0.
+
+    Raises:
+        ProblemError: wrong shape or dtype, NaN, inf or a negative where the
+            stage exists.
+    """
+    if stage_tail_cost is None:
+        return None
+    tail = np.asarray(stage_tail_cost)
+    if tail.shape != cost.shape:
+        raise ProblemError(
+            f"stage_tail_cost must have the shape of compute_cost {cost.shape}, "
+            f"got {tuple(tail.shape)}"
+        )
+    if tail.dtype.kind not in "iuf":
+        raise ProblemError(f"stage_tail_cost must be numeric, got dtype {tail.dtype}")
+    tail = np.where(np.isfinite(cost), tail.astype(np.float64), 0.0)
+    bad = ~np.isfinite(tail) | (tail < 0)
+    if bad.any():
+        where = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise ProblemError(
+            f"stage_tail_cost must be finite and >= 0 seconds where the stage "
+            f"exists, got {tail[where]} at {where}"
+        )
+    return tail
+
+
 def memory_limits(memory: NDArray[Any]) -> NDArray[np.int64]:
     """``max_n_succ_stages`` as i64 in ``[-1, UNLIMITED_SUCCEEDING_STAGES]``.
 

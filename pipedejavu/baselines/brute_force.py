@@ -74,6 +74,7 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
     num_layers, num_devices = problem.num_layers, problem.num_devices
     sizes = problem.submesh_sizes.tolist()
     table, memory = problem.compute_cost, problem.max_n_succ_stages
+    tails = problem.stage_tail_cost
     options = {
         (start, stop): [
             (int(m), int(k), float(table[start, stop - 1, m, k]))
@@ -106,6 +107,10 @@ def brute_force(problem: Problem, *, max_plans: int = 5_000_000) -> Plan:
             cost = math.fsum(latencies) + (problem.num_microbatches - 1) * max(
                 latencies
             )
+            if tails is not None:  # Megatron-style plans: + the largest tail
+                cost += max(
+                    tails[start, stop - 1, m, k] for start, stop, m, k, _ in chosen
+                )
             if cost < best[0]:
                 best[0], best[1] = cost, [c[:4] for c in chosen]
             return

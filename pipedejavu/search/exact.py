@@ -559,6 +559,10 @@ def exact_dp(
     """
     if method not in EXACT_METHODS:
         raise ValueError(f"method must be one of {EXACT_METHODS}, got {method!r}")
+    if problem.stage_tail_cost is not None:  # + max tail: a loop around this DP
+        from .tail import exact_dp_with_tail
+
+        return exact_dp_with_tail(problem)
     started = time.perf_counter()
     trace: list[tuple[float, float]] = []
     if method == "caps":
