@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
-from pipedejavu.baselines.exact_dp import exact_dp
+from pipedejavu.baselines.dp import exact_dp
 from pipedejavu.generate import random_problem
 from pipedejavu.problem import UNLIMITED_SUCCEEDING_STAGES, Problem
 

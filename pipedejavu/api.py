@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .baselines.alpa_dp import alpa_training_dp
-from .baselines.anneal import anneal
-from .baselines.brute_force import brute_force
-from .baselines.exact_dp import exact_dp
+from .baselines.annealing import anneal
+from .baselines.brute import brute_force
+from .baselines.dp import exact_dp
 from .baselines.hetero import alpa_homogeneous, hetero_brute_force
 from .baselines.heuristics import greedy, random_search, uniform
 from .errors import ProblemError

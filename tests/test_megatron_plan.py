@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_problem
 
 from pipedejavu import InfeasibleProblemError, Problem, ProblemError, evaluate
-from pipedejavu.baselines.brute_force import brute_force
+from pipedejavu.baselines.brute import brute_force
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
 from pipedejavu.costmodel.megatron import predict_plan
 from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C

@@ -325,7 +325,7 @@ def test_brute_force_counts_its_visits_before_enumerating():
     import pipedejavu.baselines  # noqa: F401  (the module, not the function)
     from pipedejavu.generate import random_problem
 
-    module = sys.modules["pipedejavu.baselines.brute_force"]
+    module = sys.modules["pipedejavu.baselines.brute"]
     for seed in range(4):
         problem = random_problem(
             4 + seed % 3, (2, 2), num_microbatches=4, missing=0.3, seed=seed
