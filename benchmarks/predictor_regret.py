@@ -1,8 +1,8 @@
 """Plan regret of planning on stage costs predicted from a fraction of a profile.
 
 For each instance, fraction (10, 25, 50, 100 % of the profiled entries) and seed,
-:func:`pipedejavu.costmodel.predict_regret.plan_regret` draws the "profiled" entries, fits
-the additive per-layer cost model and the memory model to them, solves the
+:func:`pipedejavu.costmodel.predict_regret.plan_regret` draws the "profiled"
+entries, fits the additive per-layer cost model and the memory model to them, solves the
 planner's view exactly, and scores that plan on the true table:
 ``regret = cost_on_true / optimum - 1``. The table shows per row the effective
 fraction drawn, the held-out entries, their MAPE (median over seeds), the

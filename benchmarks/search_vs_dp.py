@@ -15,10 +15,15 @@ Suites:
   coarse    L = 256 on 32x8 and L = 512 on 128x8: the exact DP on layers merged
             in groups (what a DP can finish in the engine's time) vs the engine,
             both evaluated on the fine table.
+  startup   whole ``pipedejavu solve FILE --method diff`` processes at L = 32
+            and 64 on 16 and 32 devices: cold (an empty compilation cache),
+            warm cache (a new process after the first), and the in-process
+            warm search (a second ``search`` call in one process), beside the
+            exact DP's whole process, with the machine's load average.
 
 Usage::
 
-    python benchmarks/search_vs_dp.py [--suite quality alpa scale coarse]
+    python benchmarks/search_vs_dp.py [--suite quality alpa scale coarse startup]
         [--alpa-budget 120] [--out benchmarks/results/search_vs_dp]
 """
 
@@ -30,6 +35,10 @@ import dataclasses
 import json
 import os
 import platform
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from datetime import datetime, timezone
@@ -239,6 +248,87 @@ def run_scale_and_coarse(config: SearchConfig, suites: set[str]) -> list[dict]:
     return rows
 
 
+STARTUP = [
+    ("gpt-L32-2x8-B64-14pct", 32, (2, 8), 64, 0.86),
+    ("gpt-L32-4x8-B128", 32, (4, 8), 128, 0.0),
+    ("gpt-L64-2x8-B32", 64, (2, 8), 32, 0.0),
+    ("gpt-L64-4x8-B32", 64, (4, 8), 32, 0.0),
+]
+
+_IN_PROCESS = """
+import json, sys, time, jax
+from pipedejavu.io import load_problem
+from pipedejavu.search.engine import search
+problem = load_problem(sys.argv[1])
+search(problem, key=jax.random.key(0))
+started = time.perf_counter()
+result = search(problem, key=jax.random.key(0))
+print(json.dumps({"warm_s": time.perf_counter() - started,
+                  "cost": result.plan.cost}))
+"""
+
+
+def _process(args: list[str], cache: Path) -> tuple[float, float]:
+    """Wall time and CPU time (user + system) of one whole process, start-up
+    included. On a shared machine the CPU time is the steadier of the two."""
+    env = dict(os.environ, PIPEDEJAVU_CACHE_DIR=str(cache))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run(args, env=env, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def run_startup() -> list[dict]:
+    rows = []
+    folder = Path(tempfile.mkdtemp(prefix="pdj-startup-"))
+    cli = [sys.executable, "-m", "pipedejavu.cli", "solve"]
+    for name, layers, cluster, batches, missing in STARTUP:
+        problem = random_problem(
+            layers, cluster, num_microbatches=batches, missing=missing, seed=layers
+        )
+        path = folder / f"{name}.npz"
+        problem.to_npz(path)
+        cache = folder / f"cache-{name}"  # empty: the first run is cold
+        row = {
+            "suite": "startup",
+            "instance": name,
+            "L": layers,
+            "D": problem.num_devices,
+            "B": batches,
+            "load_before": os.getloadavg()[0],
+        }
+        row["dp_process_s"], row["dp_process_cpu_s"] = _process(
+            [*cli, str(path)], cache
+        )
+        row["engine_cold_process_s"], row["engine_cold_process_cpu_s"] = _process(
+            [*cli, str(path), "--method", "diff"], cache
+        )
+        (
+            row["engine_warm_cache_process_s"],
+            row["engine_warm_cache_process_cpu_s"],
+        ) = _process([*cli, str(path), "--method", "diff"], cache)
+        out = subprocess.run(
+            [sys.executable, "-c", _IN_PROCESS, str(path)],
+            env=dict(os.environ, PIPEDEJAVU_CACHE_DIR=str(cache)),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        row["engine_warm_in_process_s"] = json.loads(out.stdout.splitlines()[-1])[
+            "warm_s"
+        ]
+        row["python_jax_import_s"], _ = _process(
+            [sys.executable, "-c", "import jax, pipedejavu.search.engine"], cache
+        )
+        row["load_after"] = os.getloadavg()[0]
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
 def format_row(row: dict) -> str:
     parts = [f"{row['instance']:<32}"]
     for key, fmt in (
@@ -255,6 +345,14 @@ def format_row(row: dict) -> str:
         ("coarse_group", "d"),
         ("coarse_dp_s", ".1f"),
         ("engine_speedup_vs_coarse", ".2%"),
+        ("dp_process_s", ".2f"),
+        ("engine_cold_process_s", ".2f"),
+        ("engine_warm_cache_process_s", ".2f"),
+        ("engine_warm_cache_process_cpu_s", ".2f"),
+        ("engine_warm_in_process_s", ".2f"),
+        ("python_jax_import_s", ".2f"),
+        ("load_before", ".1f"),
+        ("load_after", ".1f"),
     ):
         if key in row:
             parts.append(f"{key}={format(row[key], fmt)}")
@@ -296,6 +394,8 @@ def main() -> None:
         rows += run_alpa(config, args.alpa_budget)
     if suites & {"scale", "coarse"}:
         rows += run_scale_and_coarse(config, suites)
+    if "startup" in suites:
+        rows += run_startup()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(
         json.dumps({"header": header, "rows": rows}, indent=1, default=float)

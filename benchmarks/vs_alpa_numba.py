@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pipedejavu.baselines.alpa_dp import alpa_training_dp
-from pipedejavu.baselines.exact_dp import exact_dp
+from pipedejavu.baselines.dp import exact_dp
 from pipedejavu.generate import random_problem
 
 if importlib.util.find_spec("numba") is None:

@@ -16,7 +16,9 @@ from .hetero import LayerMemory as LayerMemory
 from .hetero import check_hetero_plan as check_hetero_plan
 from .hetero import evaluate_hetero as evaluate_hetero
 from .io import bundled_examples as bundled_examples
+from .io import load_cluster as load_cluster
 from .io import load_example as load_example
+from .io import load_plan as load_plan
 from .io import load_problem as load_problem
 from .problem import InfeasibleProblemError as InfeasibleProblemError
 from .problem import Plan as Plan
@@ -53,7 +55,9 @@ __all__ = [
     "evaluate",
     "evaluate_hetero",
     "get_submesh_choices",
+    "load_cluster",
     "load_example",
+    "load_plan",
     "load_problem",
     "make_plan",
     "simulate",

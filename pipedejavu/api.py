@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
-from .problem import Plan, Problem, ProblemError
+from .baselines.alpa_dp import alpa_training_dp
+from .baselines.annealing import anneal
+from .baselines.brute import brute_force
+from .baselines.dp import exact_dp
+from .baselines.hetero import alpa_homogeneous, hetero_brute_force
+from .baselines.heuristics import greedy, random_search, uniform
+from .errors import ProblemError
+from .hetero import HeteroPlan, HeteroProblem
+from .io import load_problem
+from .problem import Plan, Problem
+from .search.hetero_exact import hetero_exact
 
 __all__ = ["HETERO_METHODS", "METHODS", "solve"]
 
@@ -15,15 +27,12 @@ def _dp(
     problem: Problem,
     *,
     alpa_compatible: bool = False,
-    progress_fn: Callable[[int, int, int], None] | None = None,
+    progress_fn: Callable[..., None] | None = None,
 ) -> Plan:
+    # progress_fn: (position, caps, evaluated) for Alpa's scan, a line for ours.
     if alpa_compatible:
-        from pipedejavu.baselines.alpa_dp import alpa_training_dp
-
         return alpa_training_dp(problem, progress_fn=progress_fn)
-    from pipedejavu.baselines.exact_dp import exact_dp
-
-    return exact_dp(problem)
+    return exact_dp(problem, progress_fn=progress_fn)
 
 
 def _diff(
@@ -35,12 +44,12 @@ def _diff(
     seed: int = 0,
     key: Any = None,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
+    cache_dir: Any = None,
 ) -> Plan:
-    import dataclasses
+    import jax  # the engine needs JAX; `import pipedejavu` does not
 
-    import jax
-
-    from pipedejavu.search.engine import SearchConfig, differentiable
+    from .search.engine import SearchConfig, differentiable
 
     config = config or SearchConfig()
     changes = {}
@@ -54,27 +63,28 @@ def _diff(
     except ValueError as error:
         raise ProblemError(str(error)) from None
     key = jax.random.key(seed) if key is None else key
-    return differentiable(problem, config, key=key, progress_fn=progress_fn)
+    return differentiable(
+        problem,
+        config,
+        key=key,
+        progress_fn=progress_fn,
+        message_fn=message_fn,
+        cache_dir=cache_dir,
+    )
 
 
 def _brute_force(problem: Problem) -> Plan:
-    from pipedejavu.baselines.brute_force import brute_force
-
     return brute_force(problem)
 
 
 def _heuristic(name: str) -> Callable[..., Plan]:
     def solver(problem: Problem, **options: Any) -> Plan:
-        if name == "anneal":
-            from pipedejavu.baselines.anneal import anneal as planner
-        else:
-            from pipedejavu.baselines import heuristics
-
-            planner = {
-                "uniform": heuristics.uniform,
-                "greedy": heuristics.greedy,
-                "random": heuristics.random_search,
-            }[name]
+        planner = {
+            "anneal": anneal,
+            "uniform": uniform,
+            "greedy": greedy,
+            "random": random_search,
+        }[name]
         try:
             return planner(problem, **options)
         except ValueError as error:  # bad num_steps, temperature, ...
@@ -95,7 +105,16 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
     "diff": (
         _diff,
         frozenset(
-            {"config", "num_restarts", "num_steps", "seed", "key", "progress_fn"}
+            {
+                "config",
+                "num_restarts",
+                "num_steps",
+                "seed",
+                "key",
+                "progress_fn",
+                "message_fn",
+                "cache_dir",
+            }
         ),
         "the differentiable engine: relaxed search + exact polish, lower bound",
     ),
@@ -139,8 +158,6 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
 
 
 def _hetero_dp(problem: Any, *, time_limit_s: float | None = None, progress_fn=None):
-    from pipedejavu.search.hetero_exact import hetero_exact
-
     return hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
 
 
@@ -153,9 +170,9 @@ def _hetero_diff(
     progress_fn: Callable | None = None,
     time_budget_s: float | None = None,
 ):
-    import jax
+    import jax  # the engine needs JAX; `import pipedejavu` does not
 
-    from pipedejavu.search.hetero_engine import hetero_search
+    from .search.hetero_engine import hetero_search
 
     key = jax.random.key(seed) if key is None else key
     return hetero_search(
@@ -164,14 +181,10 @@ def _hetero_diff(
 
 
 def _hetero_alpa(problem: Any):
-    from pipedejavu.baselines.hetero import alpa_homogeneous
-
     return alpa_homogeneous(problem)
 
 
 def _hetero_brute_force(problem: Any):
-    from pipedejavu.baselines.hetero import hetero_brute_force
-
     return hetero_brute_force(problem)
 
 
@@ -200,14 +213,20 @@ HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
 }
 
 
-def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
+def solve(
+    problem: Problem | HeteroProblem | str | os.PathLike,
+    method: str = "dp",
+    **options: Any,
+) -> Plan | HeteroPlan:
     """Find a plan for ``problem`` with the named method.
 
     Args:
         problem: the instance: a :class:`Problem` (Alpa's formulation; methods
             :data:`METHODS`) or a :class:`pipedejavu.HeteroProblem` (typed
             devices and links; methods :data:`HETERO_METHODS`, which return a
-            :class:`pipedejavu.HeteroPlan`).
+            :class:`pipedejavu.HeteroPlan`); or a problem file or example name,
+            read with :func:`pipedejavu.load_problem` (an Alpa ``.npy`` needs
+            its run settings: load it with ``load_problem`` first).
         method: a method name, e.g. ``"dp"``, ``"diff"``.
         **options: method options. ``"dp"``: ``alpa_compatible=True`` for Alpa's
             own answer (its full cap scan), and ``progress_fn(position,
@@ -224,12 +243,23 @@ def solve(problem: Problem, method: str = "dp", **options: Any) -> Plan:
         A valid :class:`Plan` whose ``cost`` equals ``evaluate(problem, plan)``.
 
     Raises:
-        ProblemError: unknown method or option.
+        ProblemError: unknown method or option, or an unreadable file.
         InfeasibleProblemError: no feasible plan; the message says why.
     """
-    from .hetero import HeteroProblem
-
-    table = HETERO_METHODS if isinstance(problem, HeteroProblem) else METHODS
+    if isinstance(problem, (str, os.PathLike)):
+        problem = load_problem(problem)
+    elif not isinstance(problem, (Problem, HeteroProblem)):
+        raise ProblemError(
+            "problem must be a Problem, a HeteroProblem, or a problem file path "
+            f"or example name, got {type(problem).__name__}"
+        )
+    hetero = isinstance(problem, HeteroProblem)
+    if hetero and "alpa_compatible" in options and method == "dp":
+        raise ProblemError(
+            "alpa_compatible reproduces Alpa's training_dp on a homogeneous "
+            "Problem; for a HeteroProblem use method 'alpa' (Alpa's way)"
+        )
+    table = HETERO_METHODS if hetero else METHODS
     if method not in table:
         kind = "a heterogeneous problem" if table is HETERO_METHODS else "a problem"
         raise ProblemError(

@@ -1,6 +1,7 @@
 """``pipedejavu`` command line: parse, call the API, print. Thin on purpose.
 
-Exit codes: 0 success; 2 bad input (one line on stderr); 3 no feasible plan.
+Exit codes: 0 success; 2 bad input (one line on stderr naming the file or the
+argument); 3 no feasible plan (with the reason).
 """
 
 from __future__ import annotations
@@ -11,108 +12,196 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any
 
-import numpy as np
-
-from .problem import SUBMESH_SPACES, InfeasibleProblemError, Plan, Problem, ProblemError
+from . import __version__, cli_goodput, cli_init_search, cli_megatron
+from .api import solve
+from .errors import InfeasibleProblemError, PlanError, ProblemError
+from .formatting import format_inspection, format_plan
+from .hetero import HeteroPlan, HeteroProblem, evaluate_hetero
+from .io import example_names, load_plan, load_problem, parse_cluster
+from .npzfile import npz_output_path
+from .problem import SUBMESH_SPACES, Problem, evaluate
+from .tables import MAX_MICROBATCHES
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # usage errors are bad input too
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+        self.exit(
+            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
+        )
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, when it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" not in text
+            and not any(default is x for x in (None, False, argparse.SUPPRESS))
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _count(name: str, minimum: int = 1, maximum: int | None = None):
+    """An argparse type: an integer in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an integer, got {text!r:.40}"
+            ) from None
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(
+                f"{name} must be >= {minimum}{upper}, got {text:.40}"
+            )
+        return value
+
+    return parse
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "problem",
         help="a problem .npz, an Alpa stage-profile .npy, or a bundled example: "
-        "gpt1.3b-6layers-B32, gpt1.3b-6layers-B128, gpt1.3b-12layers-B32, "
-        "generated-gpt-32layers-2x8",
+        + ", ".join(example_names()),
     )
     parser.add_argument(
         "--cluster",
         metavar="HxD",
-        help="hosts x devices per host Alpa was given (needed for an Alpa .npy)",
+        help="hosts x devices per host Alpa was given (needed for an Alpa .npy; "
+        "checked against a .npz or an example)",
     )
     parser.add_argument(
         "--num-microbatches",
         "-B",
-        type=int,
+        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
         metavar="B",
-        help="micro-batches (needed for an Alpa .npy; overrides a .npz's B)",
+        help="micro-batches (needed for an Alpa .npy; replaces a .npz's or an "
+        "example's B)",
     )
     parser.add_argument(
         "--cluster-file",
         metavar="FILE",
-        help="a cluster of typed hosts and links (.json/.toml); makes the problem "
-        "heterogeneous: costs scaled by each type's speed, activation transfers "
-        "priced from the .npz's boundary_bytes or activation_bytes (zero if "
-        "absent)",
+        help="a cluster of typed hosts and links (.json/.toml, or the bundled "
+        "a100-v100-4x8); makes the problem heterogeneous: costs scaled by each "
+        "type's speed, activation transfers priced from the .npz's "
+        "boundary_bytes or activation_bytes (zero if absent)",
     )
     parser.add_argument(
         "--submesh-space",
         choices=[space for space in SUBMESH_SPACES if space != "manual"],
-        default="small_power_of_two",
-        help="Alpa's submesh_physical_shape_space for an Alpa .npy "
-        "(default: %(default)s)",
+        help="Alpa's submesh_physical_shape_space of an Alpa .npy "
+        "(small_power_of_two when not given)",
     )
+
+
+def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    return commands.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pipedejavu",
         description="Split a model into pipeline stages and map them onto "
-        "submeshes (Alpa's formulation).",
+        "submeshes (Alpa's formulation; typed devices and links with a cluster "
+        "file).",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"pipedejavu {__version__}"
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    solve = commands.add_parser("solve", help="find a plan for a problem")
+    solve = _subparser(commands, "solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
     solve.add_argument(
         "--method",
         default="dp",
-        help="dp (default), diff, brute_force, uniform, greedy, random, anneal; "
-        "with typed devices (--cluster-file): dp, diff, alpa, brute_force",
+        help="dp, diff, brute_force, uniform, greedy, random, anneal; with typed "
+        "devices (a --cluster-file or a heterogeneous problem): dp, diff, alpa, "
+        "brute_force",
     )
     solve.add_argument(
-        "--restarts", type=int, help="diff: random restarts optimized at once"
+        "--restarts",
+        type=_count("--restarts"),
+        help="diff: random restarts optimized at once (the engine's default "
+        "when not given)",
     )
-    solve.add_argument("--steps", type=int, help="diff: optimizer steps per restart")
-    solve.add_argument("--seed", type=int, default=0, help="diff: random seed")
+    solve.add_argument(
+        "--steps",
+        type=_count("--steps"),
+        help="diff: optimizer steps per restart (the engine's default when not given)",
+    )
+    solve.add_argument(
+        "--seed",
+        type=_count("--seed", 0, 2**32 - 1),
+        default=0,
+        help="random seed of diff, anneal and random",
+    )
     solve.add_argument(
         "--alpa-compatible",
         action="store_true",
-        help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap included",
+        help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap "
+        "included (homogeneous problems; with typed devices use --method alpa)",
     )
     solve.add_argument(
-        "--json", action="store_true", help="print only the plan JSON on stdout"
+        "--json",
+        action="store_true",
+        help="print only the plan JSON on stdout (with lower_bound and gap when "
+        "the method certifies its plan)",
     )
 
-    inspect = commands.add_parser("inspect", help="sizes and coverage of a problem")
+    inspect = _subparser(commands, "inspect", help="sizes and coverage of a problem")
     _add_problem_arguments(inspect)
 
-    convert = commands.add_parser(
-        "convert", help="turn an Alpa stage profile into a problem .npz"
+    convert = _subparser(
+        commands,
+        "convert",
+        help="write a problem .npz: from an Alpa stage profile, an example, or "
+        "with a cluster file (a heterogeneous problem)",
     )
     _add_problem_arguments(convert)
-    convert.add_argument("output", help="the problem .npz to write")
+    convert.add_argument(
+        "output", help="the problem .npz to write (.npz is appended if missing)"
+    )
 
-    compare = commands.add_parser(
-        "compare", help="run several planners on one problem and measure them"
+    evaluate = _subparser(
+        commands,
+        "evaluate",
+        help="check a plan JSON (from solve --json or elsewhere) against a "
+        "problem and price it exactly",
+    )
+    _add_problem_arguments(evaluate)
+    evaluate.add_argument("plan", help="the plan JSON file")
+
+    compare = _subparser(
+        commands, "compare", help="run several planners on one problem and measure"
     )
     _add_problem_arguments(compare)
     compare.add_argument(
         "--methods",
-        help="comma-separated methods (default: dp,diff,greedy,uniform,anneal; "
-        "with typed devices: dp,diff,alpa)",
+        help="comma-separated methods (dp,diff,greedy,uniform,anneal when not "
+        "given; with typed devices: dp,diff,alpa)",
     )
-    compare.add_argument("--repeats", type=int, default=3, help="timed runs each")
-    compare.add_argument("--warmup", type=int, default=1, help="untimed runs first")
-    compare.add_argument("--seed", type=int, default=0, help="base seed")
+    compare.add_argument(
+        "--repeats", type=_count("--repeats"), default=3, help="timed runs each"
+    )
+    compare.add_argument(
+        "--warmup", type=_count("--warmup", 0), default=1, help="untimed runs first"
+    )
+    compare.add_argument(
+        "--seed", type=_count("--seed", 0, 2**32 - 1), default=0, help="base seed"
+    )
     output = compare.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
     output.add_argument("--csv", action="store_true", help="print CSV")
@@ -123,12 +212,75 @@ def _build_parser() -> argparse.ArgumentParser:
         "schedule, anytime curves, the engine's loss curve (needs matplotlib)",
     )
 
-    costmodel = commands.add_parser(
-        "costmodel", help="fit and check the cost models on Alpa's profiles"
+    _add_costmodel_parsers(
+        _subparser(
+            commands,
+            "costmodel",
+            help="fit and check the cost models on Alpa's profiles",
+        )
     )
+
+    profile = _subparser(
+        commands,
+        "profile",
+        help="time the layers of a flax GPT on this machine's JAX backend and "
+        "write the problem",
+    )
+    profile.add_argument(
+        "--model", default="gpt-tiny", help="gpt-micro, gpt-tiny or gpt-small"
+    )
+    profile.add_argument(
+        "--out",
+        required=True,
+        help="the problem .npz to write (.npz is appended if missing)",
+    )
+    profile.add_argument(
+        "--cluster",
+        metavar="HxD",
+        default="1x1",
+        help="cluster to model (1x1 is what was measured; more devices are "
+        "modelled as data parallelism, see costmodel.profiler)",
+    )
+    profile.add_argument(
+        "--num-microbatches",
+        "-B",
+        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        default=8,
+        metavar="B",
+        help="micro-batches B stored in the problem",
+    )
+    profile.add_argument(
+        "--repeats", type=_count("--repeats"), default=10, help="timed rounds"
+    )
+    profile.add_argument(
+        "--warmup", type=_count("--warmup", 0), default=2, help="untimed calls"
+    )
+
+    demo = _subparser(
+        commands,
+        "demo",
+        help="solve the bundled real Alpa profiles and generated instances",
+    )
+    demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    demo.add_argument(
+        "--alpa-scan",
+        action="store_true",
+        help="also run Alpa's own algorithm on the generated 32-layer instance "
+        "(about 40 s on 2 cores: it evaluates 2,699 caps where the exact DP "
+        "needs 20)",
+    )
+    cli_init_search.add_parser(commands)
+    cli_goodput.add_parsers(commands)  # goodput fit|optimize, elastic
+    cli_megatron.add_parsers(commands)
+    return parser
+
+
+def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     models = costmodel.add_subparsers(dest="costmodel_command", required=True)
-    report = models.add_parser(
-        "report", help="fit every collective of a prof_database.pkl, one row a fit"
+    report = _subparser(
+        models,
+        "report",
+        help="fit every collective of a prof_database.pkl, one row a fit",
     )
     report.add_argument(
         "prof_db", help="Alpa's prof_database.pkl ('bundled' for the bundled one)"
@@ -136,9 +288,13 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print JSON")
     report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
     report.add_argument(
-        "--folds", type=int, default=5, help="k of the held-out k-fold error"
+        "--folds",
+        type=_count("--folds", 2),
+        default=5,
+        help="k of the held-out k-fold error (at most the points of a curve)",
     )
-    predict = models.add_parser(
+    predict = _subparser(
+        models,
         "predict",
         help="predict a stage profile from a fraction of it: held-out error and "
         "plan regret",
@@ -151,25 +307,31 @@ def _build_parser() -> argparse.ArgumentParser:
         "--fraction",
         type=float,
         action="append",
-        help="fraction of entries profiled (repeatable; default 0.1 0.25 0.5 1)",
+        help="fraction of entries profiled (repeatable; 0.1 0.25 0.5 1 when not given)",
     )
     predict.add_argument(
-        "--seeds", type=int, default=3, help="random draws per fraction"
+        "--seeds", type=_count("--seeds"), default=3, help="random draws per fraction"
     )
     predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
-    predict.add_argument("--num-microbatches", "-B", type=int, help="for an Alpa .npy")
+    predict.add_argument(
+        "--num-microbatches",
+        "-B",
+        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        metavar="B",
+        help="for an Alpa .npy",
+    )
     predict.add_argument(
         "--submesh-space",
         choices=[space for space in SUBMESH_SPACES if space != "manual"],
         default="small_power_of_two",
-        help="for an Alpa .npy (default: %(default)s)",
+        help="for an Alpa .npy",
     )
     predict.add_argument(
         "--support",
         choices=["profiled", "all"],
         default="profiled",
-        help="stages the planner may use: those Alpa profiled (default), or all "
-        "the model predicts, filtered by the predicted memory limit",
+        help="stages the planner may use: those Alpa profiled, or all the model "
+        "predicts, filtered by the predicted memory limit",
     )
     predict.add_argument(
         "--refine",
@@ -181,260 +343,20 @@ def _build_parser() -> argparse.ArgumentParser:
         "--design",
         choices=["short", "uniform"],
         default="short",
-        help="which entries to profile: favour short stages (default) or uniform",
+        help="which entries to profile: favour short stages, or uniform",
     )
     predict.add_argument("--json", action="store_true", help="print JSON")
 
-    profile = commands.add_parser(
-        "profile",
-        help="time the layers of a flax GPT on this machine's JAX backend and "
-        "write the problem",
-    )
-    profile.add_argument(
-        "--model", default="gpt-tiny", help="gpt-micro, gpt-tiny (default), gpt-small"
-    )
-    profile.add_argument("--out", required=True, help="the problem .npz to write")
-    profile.add_argument(
-        "--cluster",
-        metavar="HxD",
-        default="1x1",
-        help="cluster to model (default 1x1: what was measured; more devices "
-        "are modelled as data parallelism, see costmodel.profiler)",
-    )
-    profile.add_argument("--num-microbatches", "-B", type=int, default=8)
-    profile.add_argument("--repeats", type=int, default=10, help="timed rounds")
-    profile.add_argument("--warmup", type=int, default=2, help="untimed calls")
 
-    demo = commands.add_parser(
-        "demo", help="solve the bundled real Alpa profiles and a generated instance"
-    )
-    demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
-    return parser
-
-
-def _load(args: argparse.Namespace) -> Problem:
-    problem = _load_base(args)
-    cluster_file = getattr(args, "cluster_file", None)
-    if cluster_file is None:
-        return problem
-    from .cluster import Cluster
-    from .hetero import HeteroProblem
-
-    if isinstance(problem, HeteroProblem):
-        raise ProblemError(
-            f"{args.problem} already describes its cluster; drop --cluster-file"
-        )
-    boundary = layer_memory = None
-    if str(args.problem).endswith(".npz"):
-        with np.load(args.problem, allow_pickle=False) as data:
-            if "boundary_bytes" in data:
-                boundary = data["boundary_bytes"]
-            elif "activation_bytes" in data:  # `pipedejavu profile` output
-                boundary = data["activation_bytes"][:-1].astype(np.float64)
-            if "param_bytes" in data and "stash_bytes" in data:  # device memory
-                from .hetero import LayerMemory
-
-                layer_memory = LayerMemory(data["param_bytes"], data["stash_bytes"])
-    return HeteroProblem.from_problem(
-        problem,
-        Cluster.from_file(cluster_file),
-        boundary_bytes=boundary,
-        layer_memory=layer_memory,
-    )
-
-
-def _load_base(args: argparse.Namespace) -> Problem:
-    import os
-
-    from .io import example_names, load_example, load_problem, parse_cluster
-
-    if args.problem in example_names() and not os.path.exists(args.problem):
-        problem = load_example(args.problem)
-        if args.num_microbatches is not None:
-            problem = problem.replace(num_microbatches=args.num_microbatches)
-        return problem
-    if os.path.exists(args.problem) and sniff_npz_hetero(args.problem):
-        from .hetero import HeteroProblem
-
-        problem = HeteroProblem.from_npz(args.problem)
-        if args.num_microbatches is not None:
-            problem = problem.replace(num_microbatches=args.num_microbatches)
-        return problem
-    cluster = parse_cluster(args.cluster) if args.cluster else None
+def _load(args: argparse.Namespace) -> Problem | HeteroProblem:
+    """The problem the arguments name (file or example, with a cluster file)."""
     return load_problem(
         args.problem,
-        cluster_shape=cluster,
+        cluster_shape=parse_cluster(args.cluster) if args.cluster else None,
         num_microbatches=args.num_microbatches,
         submesh_space=args.submesh_space,
+        cluster=args.cluster_file,
     )
-
-
-def sniff_npz_hetero(path: str) -> bool:
-    """Whether ``path`` is a heterogeneous problem ``.npz`` (has a cluster)."""
-    from .io import sniff_format
-
-    if sniff_format(path) != "npz":
-        return False
-    with np.load(path, allow_pickle=False) as data:
-        return "cluster_json" in data.files
-
-
-def format_hetero_plan(problem, plan) -> str:
-    """A readable table of a placed plan on typed devices."""
-    cluster = problem.cluster
-    lines = [
-        f"method {plan.method}: {plan.num_stages} stage(s) on {cluster.describe()}, "
-        f"B = {plan.num_microbatches}",
-        f"{'stage':>5}  {'layers':>9}  {'submesh':>7}  {'type':>8}  {'hosts':>9}  "
-        f"{'config':>6}  {'latency (s)':>12}  {'transfer (s)':>12}",
-    ]
-    for index, stage in enumerate(plan.stages):
-        layers = f"{stage.start}-{stage.stop - 1}"
-        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
-        hosts = ",".join(str(h) for h in stage.hosts)
-        kind = cluster.device_types[stage.device_type].name
-        transfer = (
-            f"{plan.transfers[index]:12.6f}" if index < len(plan.transfers) else ""
-        )
-        lines.append(
-            f"{index:>5}  {layers:>9}  {submesh:>7}  {kind:>8}  {hosts:>9}  "
-            f"{stage.config_index:>6}  {stage.latency:>12.6f}  {transfer:>12}"
-        )
-    if "lower_bound" in plan.info:
-        lines.append(
-            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
-            f"{100 * plan.info['gap']:.2f}% of the optimum"
-        )
-    lines.append(
-        f"total: {plan.cost:.6f} s per iteration (stages + transfers + (B-1) x "
-        f"bottleneck), {plan.inter_host_hops(cluster)} inter-host hop(s), "
-        f"search {plan.search_time_s * 1e3:.1f} ms"
-    )
-    return "\n".join(lines)
-
-
-def format_plan(problem: Problem, plan: Plan) -> str:
-    """A readable plan table."""
-    from .hetero import HeteroPlan
-
-    if isinstance(plan, HeteroPlan):
-        return format_hetero_plan(problem, plan)
-    lines = [
-        f"method {plan.method}: {plan.num_stages} stage(s) on "
-        f"{problem.cluster_shape[0]}x{problem.cluster_shape[1]} = "
-        f"{problem.num_devices} devices, B = {plan.num_microbatches}",
-        f"{'stage':>5}  {'layers':>9}  {'submesh':>7}  {'devices':>7}  "
-        f"{'config':>6}  {'latency (s)':>12}",
-    ]
-    for index, stage in enumerate(plan.stages):
-        layers = f"{stage.start}-{stage.stop - 1}"
-        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
-        lines.append(
-            f"{index:>5}  {layers:>9}  {submesh:>7}  {stage.num_devices:>7}  "
-            f"{stage.config_index:>6}  {stage.latency:>12.6f}"
-        )
-    latencies = [stage.latency for stage in plan.stages]
-    if "lower_bound" in plan.info:
-        lines.append(
-            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
-            f"{100 * plan.info['gap']:.2f}% of the optimum"
-        )
-    lines.append(
-        f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
-        f"= {plan.cost:.6f} s per iteration   "
-        f"(search {plan.search_time_s * 1e3:.1f} ms)"
-    )
-    return "\n".join(lines)
-
-
-def format_inspection(problem: Problem) -> str:
-    """Sizes, coverage and feasibility of a problem, one fact a line."""
-    from pipedejavu.baselines.exact_dp import explain_infeasible, min_sum_plan
-
-    table = problem.compute_cost
-    upper = np.triu(np.ones((problem.num_layers,) * 2, dtype=bool))
-    entries = table[upper]
-    finite = np.isfinite(entries)
-    feasible = finite & (problem.max_n_succ_stages[upper] >= 0)
-    shapes = ", ".join(f"{h}x{d}" for h, d in problem.submesh_shapes.tolist())
-    plan_exists = np.isfinite(min_sum_plan(problem)[0])
-    lines = [
-        f"layers L = {problem.num_layers}, submeshes M = {problem.num_submeshes} "
-        f"({shapes}), configs K = {problem.num_configs}",
-        f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]} = "
-        f"{problem.num_devices} devices, micro-batches B = {problem.num_microbatches}",
-        f"stage entries (i <= j): {entries.size}",
-        f"  finite (profiled): {int(finite.sum())}",
-        f"  memory-feasible:   {int(feasible.sum())}",
-        f"  missing (inf):     {int((~finite).sum())}",
-    ]
-    if finite.any():
-        lines.append(
-            f"finite latency range: {entries[finite].min():.6g} .. "
-            f"{entries[finite].max():.6g} s"
-        )
-    lines.append(
-        "feasible plan: yes"
-        if plan_exists
-        else f"feasible plan: no ({explain_infeasible(problem)})"
-    )
-    return "\n".join(lines)
-
-
-def _demo(out: TextIO, as_json: bool) -> None:
-    from .api import solve
-    from .generate import random_problem
-    from .io import bundled_examples
-
-    cases = [
-        (example.name, example.description, example.load)
-        for example in bundled_examples()
-    ]
-    cases.append(
-        (
-            "generated-gpt-32layers-2x8",
-            "generated GPT-like model, 32 layers, 2x8 cluster, power_of_two "
-            "submeshes, 2 configs, B = 32 (pipedejavu.generate.random_problem)",
-            lambda: random_problem(32, (2, 8), num_microbatches=32, seed=0),
-        )
-    )
-    for name, description, load in cases:
-        problem = load()
-        try:
-            plan = solve(problem, "dp")
-            alpa = solve(problem, "dp", alpa_compatible=True)
-        except InfeasibleProblemError as error:
-            if as_json:
-                print(json.dumps({"example": name, "infeasible": str(error)}), file=out)
-            else:
-                print(
-                    f"== {name}: {description}\nno feasible plan: {error}\n", file=out
-                )
-            continue
-        if as_json:
-            print(json.dumps({"example": name, "plan": plan.to_json()}), file=out)
-            continue
-        same = [s.to_json() for s in plan.stages] == [s.to_json() for s in alpa.stages]
-        print(f"== {name}: {description}", file=out)
-        print(format_plan(problem, plan), file=out)
-        print(
-            f"Alpa's training_dp (alpa-compatible): "
-            f"{'same plan' if same else 'a different plan'}, cost {alpa.cost:.6f} s, "
-            f"{alpa.info['num_evaluated']} caps evaluated in "
-            f"{alpa.search_time_s * 1e3:.1f} ms vs {plan.info['num_evaluated']} in "
-            f"{plan.search_time_s * 1e3:.1f} ms",
-            file=out,
-        )
-        if name.startswith("generated"):
-            engine = solve(problem, "diff", seed=0)
-            print(
-                f"differentiable engine (--method diff): cost {engine.cost:.6f} s "
-                f"({engine.cost / plan.cost:.5f} x the optimum), certified within "
-                f"{100 * engine.info['gap']:.3f}% of its lower bound, "
-                f"{engine.search_time_s:.1f} s (JAX compilation included)",
-                file=out,
-            )
-        print(file=out)
 
 
 class _ScanProgress:
@@ -457,20 +379,117 @@ class _ScanProgress:
 
 
 class _SearchProgress:
-    """Progress of the differentiable search on stderr once it runs past 2 s."""
+    """Progress of the differentiable search on stderr once it runs past 2 s
+    (and at once when it has many restarts: a long run)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
 
     def __call__(self, done: int, total: int, best_loss: float) -> None:
         elapsed = time.perf_counter() - self.started
-        if elapsed >= 2.0:
+        if done == 0:
             print(
-                f"diff: step {done} of {total}, best relaxed loss {best_loss:.4g}, "
-                f"{elapsed:.0f} s",
+                f"diff: {total} steps for many restarts (compiling first)",
                 file=sys.stderr,
                 flush=True,
             )
+        elif elapsed >= 2.0:
+            print(
+                f"diff: step {done} of {total}, best relaxed loss so far "
+                f"{best_loss:.4g} s, {elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def message(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _solve_options(args: argparse.Namespace, hetero: bool) -> dict[str, Any]:
+    """``solve`` options from the flags; flags that do not apply are refused."""
+    if args.alpa_compatible:
+        if hetero:
+            raise ProblemError(
+                "--alpa-compatible reproduces Alpa's training_dp on a homogeneous "
+                "problem; with typed devices use --method alpa (Alpa's way)"
+            )
+        if args.method != "dp":
+            raise ProblemError("--alpa-compatible applies to --method dp")
+        return {"alpa_compatible": True, "progress_fn": _ScanProgress()}
+    tuned = args.restarts is not None or args.steps is not None
+    if args.method != "diff" and tuned:
+        raise ProblemError("--restarts and --steps apply to --method diff")
+    if args.method == "diff" and hetero:
+        if tuned:
+            raise ProblemError(
+                "--restarts/--steps apply to the homogeneous engine only"
+            )
+        return {"seed": args.seed}
+    if args.method == "diff":
+        progress = _SearchProgress()
+        options: dict[str, Any] = {
+            "seed": args.seed,
+            "progress_fn": progress,
+            "message_fn": progress.message,
+        }
+        if args.restarts is not None:
+            options["num_restarts"] = args.restarts
+        if args.steps is not None:
+            options["num_steps"] = args.steps
+        return options
+    if args.method in ("anneal", "random"):
+        return {"seed": args.seed}
+    if args.method == "dp" and not hetero:
+        return {"progress_fn": lambda line: print(line, file=sys.stderr, flush=True)}
+    return {}
+
+
+def _run_solve(args: argparse.Namespace) -> None:
+    problem = _load(args)
+    options = _solve_options(args, isinstance(problem, HeteroProblem))
+    plan = solve(problem, args.method, **options)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(format_plan(problem, plan))
+
+
+def _run_convert(args: argparse.Namespace) -> None:
+    output = npz_output_path(args.output)  # before any work
+    problem = _load(args)
+    written = problem.to_npz(output)
+    if isinstance(problem, HeteroProblem):
+        where = f"cluster {problem.cluster.describe()}"
+    else:
+        where = f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]}"
+    print(
+        f"wrote {written}: L = {problem.num_layers}, M = {problem.num_submeshes}, "
+        f"K = {problem.num_configs}, {where}, B = {problem.num_microbatches}"
+    )
+
+
+def _run_evaluate(args: argparse.Namespace) -> None:
+    problem = _load(args)
+    plan = load_plan(args.plan)
+    hetero = isinstance(problem, HeteroProblem)
+    if hetero and not isinstance(plan, HeteroPlan):
+        raise ProblemError(
+            f"{args.plan} holds a plan without device types and hosts; "
+            f"{args.problem} has typed devices and needs a placed plan"
+        )
+    if not hetero and isinstance(plan, HeteroPlan):
+        raise ProblemError(
+            f"{args.plan} holds a placed plan (device types, hosts); "
+            f"{args.problem} is a homogeneous problem"
+        )
+    try:
+        cost = evaluate_hetero(problem, plan) if hetero else evaluate(problem, plan)
+    except PlanError as error:
+        raise ProblemError(f"{args.plan}: {error}") from None
+    print(
+        f"{args.plan}: a valid plan of {len(plan.stages)} stage(s), "
+        f"{cost:.6f} s per iteration (the file says {plan.cost:.6f} s)"
+    )
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -480,61 +499,34 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = _build_parser().parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help and --version exit 0; bad usage returns
+        if stop.code == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT
+        raise
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = _show_warning
         return _run(args)
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "init-search":
+        return cli_init_search.run(args)
     try:
         if args.command == "solve":
-            from .api import solve
-
-            problem = _load(args)
-            options: dict = {}
-            if args.alpa_compatible:
-                if args.method != "dp":
-                    raise ProblemError("--alpa-compatible applies to --method dp")
-                options = {"alpa_compatible": True, "progress_fn": _ScanProgress()}
-            from .hetero import HeteroProblem
-
-            hetero = isinstance(problem, HeteroProblem)
-            if args.method == "diff" and hetero:
-                options = {"seed": args.seed}
-                if args.restarts is not None or args.steps is not None:
-                    raise ProblemError(
-                        "--restarts/--steps apply to the homogeneous engine only"
-                    )
-            elif args.method == "diff":
-                options = {"seed": args.seed, "progress_fn": _SearchProgress()}
-                if args.restarts is not None:
-                    options["num_restarts"] = args.restarts
-                if args.steps is not None:
-                    options["num_steps"] = args.steps
-            elif args.method in ("anneal", "random"):
-                options = {"seed": args.seed}
-            if args.method != "diff" and (
-                args.restarts is not None or args.steps is not None
-            ):
-                raise ProblemError("--restarts and --steps apply to --method diff")
-            plan = solve(problem, args.method, **options)
-            if args.json:
-                print(json.dumps(plan.to_json()))
-            else:
-                print(format_plan(problem, plan))
+            _run_solve(args)
         elif args.command == "inspect":
             print(format_inspection(_load(args)))
         elif args.command == "convert":
-            problem = _load(args)
-            problem.to_npz(args.output)
-            print(
-                f"wrote {args.output}: L = {problem.num_layers}, "
-                f"M = {problem.num_submeshes}, K = {problem.num_configs}, "
-                f"cluster {problem.cluster_shape[0]}x{problem.cluster_shape[1]}, "
-                f"B = {problem.num_microbatches}"
-            )
+            _run_convert(args)
+        elif args.command == "evaluate":
+            _run_evaluate(args)
         elif args.command == "compare":
             from .commands import run_compare
 
@@ -548,15 +540,21 @@ def _run(args: argparse.Namespace) -> int:
 
             run_profile(args)
         elif args.command == "demo":
-            _demo(sys.stdout, args.json)
+            from .commands import run_demo
+
+            run_demo(sys.stdout, as_json=args.json, alpa_scan=args.alpa_scan)
+        elif args.command in ("goodput", "elastic"):
+            return cli_goodput.run(args)
+        elif args.command in cli_megatron.COMMANDS:
+            return cli_megatron.run(args)
     except ProblemError as error:
-        print(f"pipedejavu: error: {error}", file=sys.stderr)
+        print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except InfeasibleProblemError as error:
-        print(f"pipedejavu: no feasible plan: {error}", file=sys.stderr)
+        print(f"pipedejavu: no feasible plan: {_one_line(error)}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except OSError as error:
-        print(f"pipedejavu: error: {error}", file=sys.stderr)
+        print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_OK
 

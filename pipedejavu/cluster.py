@@ -5,7 +5,9 @@ free links. This module says what the devices are and what moving bytes costs:
 
 * every host holds ``devices_per_host`` devices of one :class:`DeviceType`
   (a relative ``speed``: stage latency on it is the reference latency divided by
-  ``speed``; and ``memory_bytes`` per device, informative);
+  ``speed``; and ``memory_bytes`` per device, which
+  :mod:`pipedejavu.hetero_generate` sizes each type's memory limits with; a
+  problem read from a file carries its own profiled memory rule instead);
 * a :class:`Link` per device type for transfers inside a host, and one per pair
   of types for transfers between hosts (symmetric);
 * ``Cluster.homogeneous(H, D)`` is the ``HxD`` shorthand, with free links.
@@ -24,6 +26,15 @@ Files: JSON, or TOML on Python >= 3.11 (``Cluster.from_file``)::
 Bandwidths are in gigabits per second in files (``bandwidth_gbps``, what network
 specs quote) and bytes per second in Python; latencies in microseconds in files
 and seconds in Python. Units inside the library: seconds and bytes.
+
+A file must describe every link the cluster has (:meth:`Cluster.from_types`):
+inside every host type, and between the types of any two hosts (``"default"``
+covers the pairs not named). A link left out is an error, never free; a free
+link is written ``"bandwidth_gbps": "inf"``. Errors name the key, its unit and
+the value as the file gave it (``inter_host['default'].bandwidth_gbps must be >
+0 (gigabits per second), got -5``). Files are untrusted: larger than
+:data:`MAX_CLUSTER_FILE_BYTES`, not UTF-8, or nested too deeply, they are
+refused with a :class:`~pipedejavu.errors.ProblemError` naming the file.
 """
 
 from __future__ import annotations
@@ -36,9 +47,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .problem import ProblemError
+from .errors import ProblemError
+from .tables import MAX_DEVICES
 
-__all__ = ["Cluster", "DeviceType", "Link", "FREE_LINK"]
+__all__ = ["Cluster", "DeviceType", "FREE_LINK", "Link", "parse_json"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,44 +109,214 @@ class Link:
         """Seconds to move ``num_bytes`` bytes in one message."""
         return self.latency_s + num_bytes / self.bandwidth
 
-    def to_json(self) -> dict[str, float]:
-        """SI keys (exact round trip); a free bandwidth is left out."""
-        data = {"latency_s": self.latency_s}
-        if math.isfinite(self.bandwidth):
-            data["bandwidth_bytes_per_s"] = self.bandwidth
-        return data
+    def to_json(self) -> dict[str, Any]:
+        """SI keys (exact round trip); a free bandwidth is written ``"inf"``."""
+        bandwidth = self.bandwidth if math.isfinite(self.bandwidth) else "inf"
+        return {"latency_s": self.latency_s, "bandwidth_bytes_per_s": bandwidth}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str) -> Link:
-        """Keys: ``latency_us`` or ``latency_s``; ``bandwidth_gbps`` (gigabits
-        per second) or ``bandwidth_bytes_per_s``; absent = 0 / free."""
+        """A link described in a file, in one unit per quantity:
+
+        * latency: ``latency_us`` (microseconds) or ``latency_s``, >= 0;
+        * bandwidth: ``bandwidth_gbps`` (gigabits per second) or
+          ``bandwidth_bytes_per_s``, > 0; the text ``"inf"`` for a free link.
+
+        Both are required: a link the file does not describe is an error, never
+        free by default.
+
+        Raises:
+            ProblemError: naming ``where``, the key, its unit and the value.
+        """
         if not isinstance(data, Mapping):
-            raise ProblemError(f"{where}: a link must be an object, got {data!r}")
+            raise ProblemError(
+                f"{where}: a link must be an object like "
+                f'{{"latency_us": 5, "bandwidth_gbps": 100}}, got {data!r:.60}'
+            )
         keys = {"latency_us", "latency_s", "bandwidth_gbps", "bandwidth_bytes_per_s"}
         unknown = set(data) - keys
         if unknown:
             raise ProblemError(f"{where}: unknown keys {sorted(unknown)}")
-        if {"latency_us", "latency_s"} <= set(data) or {
-            "bandwidth_gbps",
-            "bandwidth_bytes_per_s",
-        } <= set(data):
+        latency_keys = [k for k in ("latency_us", "latency_s") if k in data]
+        bandwidth_keys = [
+            k for k in ("bandwidth_gbps", "bandwidth_bytes_per_s") if k in data
+        ]
+        if len(latency_keys) > 1 or len(bandwidth_keys) > 1:
             raise ProblemError(f"{where}: give each quantity in one unit only")
-        try:
-            if "latency_s" in data:
-                latency = float(data["latency_s"])
-            else:
-                latency = float(data.get("latency_us", 0.0)) / 1e6
-            if "bandwidth_bytes_per_s" in data:
-                bandwidth = float(data["bandwidth_bytes_per_s"])
-            else:
-                bandwidth = float(data.get("bandwidth_gbps", math.inf)) * 1e9 / 8
-        except (TypeError, ValueError) as error:
-            raise ProblemError(f"{where}: {error}") from None
+        if not latency_keys or not bandwidth_keys:
+            missing = "latency_us" if not latency_keys else "bandwidth_gbps"
+            raise ProblemError(
+                f"{where}: missing {missing} (a link must state its latency and "
+                'bandwidth; "bandwidth_gbps": "inf" for a free link)'
+            )
+        latency_key, bandwidth_key = latency_keys[0], bandwidth_keys[0]
+        latency = _number(data[latency_key], f"{where}.{latency_key}")
+        bandwidth = _number(
+            data[bandwidth_key], f"{where}.{bandwidth_key}", allow_inf=True
+        )
+        unit = {"latency_us": "microseconds", "latency_s": "seconds"}[latency_key]
+        if not (math.isfinite(latency) and latency >= 0):
+            raise ProblemError(
+                f"{where}.{latency_key} must be finite and >= 0 ({unit}), "
+                f"got {data[latency_key]!r}"
+            )
+        unit = {
+            "bandwidth_gbps": "gigabits per second",
+            "bandwidth_bytes_per_s": "bytes per second",
+        }[bandwidth_key]
+        if not bandwidth > 0:
+            raise ProblemError(
+                f"{where}.{bandwidth_key} must be > 0 ({unit}), "
+                f"got {data[bandwidth_key]!r}"
+            )
+        if latency_key == "latency_us":
+            latency /= 1e6
+        if bandwidth_key == "bandwidth_gbps":
+            bandwidth *= 1e9 / 8
         return cls(latency_s=latency, bandwidth=bandwidth)
+
+
+def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
+    """A number from a file (``int``/``float``; ``"inf"`` when allowed)."""
+    if allow_inf and value in ("inf", "Infinity"):
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProblemError(f"{where} must be a number, got {value!r:.60}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ProblemError(f"{where} is too large: {value!r:.60}") from None
+    if math.isnan(number):
+        raise ProblemError(f"{where} must be a number, got nan")
+    return number
+
+
+def parse_json(text: str, source: str) -> Any:
+    """``json.loads`` whose every failure is a one-line :class:`ProblemError`.
+
+    Raises:
+        ProblemError: invalid JSON, nesting too deep, or a number too long.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProblemError(f"{source}: invalid JSON: {error}") from None
+    except RecursionError:
+        raise ProblemError(f"{source}: JSON nested too deeply") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise ProblemError(f"{source}: invalid JSON: {error}") from None
+
+
+#: Largest cluster file read (bytes); a description of 100,000 hosts fits.
+MAX_CLUSTER_FILE_BYTES = 16 * 2**20
 
 
 #: A link that costs nothing (Alpa's assumption).
 FREE_LINK = Link()
+
+
+def _intra_links(
+    links: Mapping[str, Link] | Link, names: list[str], hosts_per_type: list[int]
+) -> tuple[Link, ...]:
+    if isinstance(links, Link):
+        return (links,) * len(names)
+    unknown = set(links) - set(names) - {"default"}
+    if unknown:
+        raise ProblemError(f"intra_host names unknown types {sorted(unknown)}")
+    default = links.get("default")
+    chosen = []
+    for name, count in zip(names, hosts_per_type, strict=True):
+        link = links.get(name, default)
+        if link is None:
+            if count:
+                raise ProblemError(
+                    f"intra_host does not describe the link inside a {name!r} host; "
+                    f'give intra_host["{name}"] or intra_host["default"]'
+                )
+            link = FREE_LINK  # no host of this type: never used
+        chosen.append(link)
+    return tuple(chosen)
+
+
+def _inter_links(
+    links: Mapping[str, Link] | Link, names: list[str], hosts_per_type: list[int]
+) -> tuple[tuple[Link, ...], ...]:
+    num_types = len(names)
+    if isinstance(links, Link):
+        return tuple((links,) * num_types for _ in range(num_types))
+    index = {n: i for i, n in enumerate(names)}
+    matrix: list[list[Link | None]] = [[None] * num_types for _ in range(num_types)]
+    given: dict[tuple[int, int], str] = {}
+    for key, link in links.items():
+        if key == "default":
+            continue
+        parts = key.split("-")
+        if len(parts) != 2 or any(p not in index for p in parts):
+            raise ProblemError(
+                f"inter_host key {key!r} must be 'default' or 'a-b' with a, b "
+                f"in {names}"
+            )
+        a, b = sorted((index[parts[0]], index[parts[1]]))
+        if (a, b) in given:
+            raise ProblemError(
+                f"inter_host gives the {names[a]}-{names[b]} link twice "
+                f"({given[(a, b)]!r} and {key!r})"
+            )
+        given[(a, b)] = key
+        matrix[a][b] = matrix[b][a] = link
+    default = links.get("default")
+    for a in range(num_types):
+        for b in range(a, num_types):
+            if matrix[a][b] is not None:
+                continue
+            needed = (
+                hosts_per_type[a] >= 2
+                if a == b
+                else hosts_per_type[a] >= 1 and hosts_per_type[b] >= 1
+            )
+            if default is None and needed:
+                raise ProblemError(
+                    f"inter_host does not describe the link between a {names[a]!r} "
+                    f'and a {names[b]!r} host; give inter_host["{names[a]}-'
+                    f'{names[b]}"] or inter_host["default"]'
+                )
+            matrix[a][b] = matrix[b][a] = default if default is not None else FREE_LINK
+    return tuple(tuple(row) for row in matrix)  # type: ignore[arg-type]
+
+
+def _device_type(name: str, entry: Any) -> DeviceType:
+    """A :class:`DeviceType` from its file entry (``speed``, ``memory_gb`` or
+    ``memory_bytes``)."""
+    where = f"device_types[{name!r}]"
+    if not isinstance(entry, Mapping):
+        raise ProblemError(
+            f"{where} must be an object like "
+            f'{{"speed": 1.0, "memory_gb": 40}}, got {entry!r:.60}'
+        )
+    extra = set(entry) - {"speed", "memory_gb", "memory_bytes"}
+    if extra:
+        raise ProblemError(f"{where}: unknown keys {sorted(extra)}")
+    if {"memory_gb", "memory_bytes"} <= set(entry):
+        raise ProblemError(f"{where}: give memory in one unit")
+    speed = _number(entry.get("speed", 1.0), f"{where}.speed")
+    if not (math.isfinite(speed) and speed > 0):
+        raise ProblemError(
+            f"{where}.speed must be finite and > 0 (relative to the profiled "
+            f"device), got {entry.get('speed')!r}"
+        )
+    memory = None
+    for key, scale, unit in (
+        ("memory_gb", 1e9, "gigabytes"),
+        ("memory_bytes", 1.0, "bytes"),
+    ):
+        if key in entry:
+            value = _number(entry[key], f"{where}.{key}")
+            if not (math.isfinite(value) and value > 0):
+                raise ProblemError(
+                    f"{where}.{key} must be finite and > 0 ({unit}), got {entry[key]!r}"
+                )
+            memory = value * scale
+    return DeviceType(name=name, speed=speed, memory_bytes=memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +355,11 @@ class Cluster:
             raise ProblemError(
                 "devices_per_host must be an integer >= 1, "
                 f"got {self.devices_per_host!r}"
+            )
+        if len(self.host_types) * self.devices_per_host > MAX_DEVICES:
+            raise ProblemError(
+                f"a cluster of {len(self.host_types)} hosts x "
+                f"{self.devices_per_host} devices has more than {MAX_DEVICES} devices"
             )
         if len(self.intra_host) != num_types:
             raise ProblemError(
@@ -265,8 +452,16 @@ class Cluster:
     ) -> Cluster:
         """Build from names: ``hosts`` lists each host's type name (or index).
 
-        ``intra_host`` maps a type name to its link (or one link for all);
-        ``inter_host`` maps ``"a-b"`` pairs (and ``"default"``) to links.
+        ``intra_host`` maps a type name (or ``"default"``) to its link, or is one
+        link for all types; ``inter_host`` maps ``"a-b"`` pairs (and
+        ``"default"``) to links, or is one link for every pair. With a mapping,
+        every link the cluster has must be described: the intra-host link of
+        every type that has hosts, and the inter-host link of every pair of
+        types with hosts on both ends (``"a-a"`` when type ``a`` has two or more
+        hosts); a missing one is an error, not a free link.
+
+        Raises:
+            ProblemError: unknown names, a pair given twice, or a link missing.
         """
         names = [t.name for t in device_types]
         index = {n: i for i, n in enumerate(names)}
@@ -276,40 +471,20 @@ class Cluster:
                 if host not in index:
                     raise ProblemError(f"host type {host!r} is not one of {names}")
                 return index[host]
-            return int(host)
+            if isinstance(host, bool) or not isinstance(host, int):
+                raise ProblemError(
+                    f"a host must be a type name or index, got {host!r:.60}"
+                )
+            return host
 
-        num_types = len(names)
-        if isinstance(intra_host, Link):
-            intra = (intra_host,) * num_types
-        else:
-            unknown = set(intra_host) - set(names) - {"default"}
-            if unknown:
-                raise ProblemError(f"intra_host names unknown types {sorted(unknown)}")
-            default = intra_host.get("default", FREE_LINK)
-            intra = tuple(intra_host.get(n, default) for n in names)
-        if isinstance(inter_host, Link):
-            inter = tuple((inter_host,) * num_types for _ in range(num_types))
-        else:
-            default = inter_host.get("default", FREE_LINK)
-            matrix = [[default] * num_types for _ in range(num_types)]
-            for key, link in inter_host.items():
-                if key == "default":
-                    continue
-                parts = key.split("-")
-                if len(parts) != 2 or any(p not in index for p in parts):
-                    raise ProblemError(
-                        f"inter_host key {key!r} must be 'default' or 'a-b' with a, b "
-                        f"in {names}"
-                    )
-                a, b = index[parts[0]], index[parts[1]]
-                matrix[a][b] = matrix[b][a] = link
-            inter = tuple(tuple(row) for row in matrix)
+        host_types = tuple(type_index(h) for h in hosts)
+        hosts_per_type = [host_types.count(t) for t in range(len(names))]
         return cls(
             device_types=tuple(device_types),
-            host_types=tuple(type_index(h) for h in hosts),
+            host_types=host_types,
             devices_per_host=devices_per_host,
-            intra_host=intra,
-            inter_host=inter,
+            intra_host=_intra_links(intra_host, names, hosts_per_type),
+            inter_host=_inter_links(inter_host, names, hosts_per_type),
         )
 
     # -------------------------------------------------------------------- files
@@ -338,6 +513,11 @@ class Cluster:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Cluster:
+        """A cluster from its JSON object (format in the module doc).
+
+        Raises:
+            ProblemError: naming the key, its unit and the value at fault.
+        """
         if not isinstance(data, Mapping):
             raise ProblemError(
                 f"a cluster must be a JSON object, got {type(data).__name__}"
@@ -354,59 +534,60 @@ class Cluster:
         for key in ("devices_per_host", "device_types", "hosts"):
             if key not in data:
                 raise ProblemError(f"cluster: missing key {key!r}")
-        types = []
         if not isinstance(data["device_types"], Mapping):
             raise ProblemError("cluster: device_types must map names to objects")
-        for name, entry in data["device_types"].items():
-            if not isinstance(entry, Mapping):
-                raise ProblemError(
-                    f"device type {name!r} must be an object like "
-                    f'{{"speed": 1.0, "memory_gb": 40}}, got {entry!r}'
-                )
-            extra = set(entry) - {"speed", "memory_gb", "memory_bytes"}
-            if extra:
-                raise ProblemError(
-                    f"device type {name!r}: unknown keys {sorted(extra)}"
-                )
-            if {"memory_gb", "memory_bytes"} <= set(entry):
-                raise ProblemError(f"device type {name!r}: give memory in one unit")
-            try:
-                memory = entry.get("memory_bytes")
-                if memory is None and entry.get("memory_gb") is not None:
-                    memory = float(entry["memory_gb"]) * 1e9
-                speed = float(entry.get("speed", 1.0))
-            except (TypeError, ValueError) as error:
-                raise ProblemError(f"device type {name!r}: {error}") from None
-            types.append(
-                DeviceType(
-                    name=str(name),
-                    speed=speed,
-                    memory_bytes=None if memory is None else float(memory),
-                )
+        types = [
+            _device_type(str(name), entry)
+            for name, entry in data["device_types"].items()
+        ]
+        hosts = data["hosts"]
+        if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+            raise ProblemError(
+                f"cluster: hosts must be a list of device type names, got {hosts!r:.60}"
             )
-        intra = {
-            str(k): Link.from_json(v, f"intra_host[{k!r}]")
-            for k, v in dict(data.get("intra_host", {})).items()
-        }
-        inter = {
-            str(k): Link.from_json(v, f"inter_host[{k!r}]")
-            for k, v in dict(data.get("inter_host", {})).items()
-        }
+        links = {}
+        for key in ("intra_host", "inter_host"):
+            entries = data.get(key, {})
+            if not isinstance(entries, Mapping):
+                raise ProblemError(
+                    f"cluster: {key} must map names to links, got {entries!r:.60}"
+                )
+            links[key] = {
+                str(k): Link.from_json(v, f"{key}[{str(k)!r}]")
+                for k, v in entries.items()
+            }
         dph = data["devices_per_host"]
         if isinstance(dph, bool) or not isinstance(dph, int):
-            raise ProblemError(f"devices_per_host must be an integer, got {dph!r}")
-        return cls.from_types(
-            types, list(data["hosts"]), dph, intra_host=intra, inter_host=inter
-        )
+            raise ProblemError(f"devices_per_host must be an integer, got {dph!r:.60}")
+        return cls.from_types(types, hosts, dph, **links)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Cluster:
-        """Read a ``.json`` or ``.toml`` cluster file (format in the module doc)."""
+        """Read a ``.json`` or ``.toml`` cluster file (format in the module doc).
+
+        Raises:
+            ProblemError: one line naming the file: unreadable, larger than
+                :data:`MAX_CLUSTER_FILE_BYTES`, not UTF-8 text, invalid or too
+                deeply nested JSON/TOML, or invalid contents.
+        """
         path = Path(path)
         try:
-            text = path.read_text()
+            with open(path, "rb") as handle:
+                raw = handle.read(MAX_CLUSTER_FILE_BYTES + 1)
         except OSError as error:
-            raise ProblemError(f"cannot read cluster file {path}: {error}") from None
+            raise ProblemError(
+                f"cannot read cluster file {path}: {error.strerror or error}"
+            ) from None
+        if len(raw) > MAX_CLUSTER_FILE_BYTES:
+            raise ProblemError(
+                f"cluster file {path} is larger than {MAX_CLUSTER_FILE_BYTES} bytes"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProblemError(
+                f"cluster file {path} is not UTF-8 text (a binary file?)"
+            ) from None
         if path.suffix.lower() == ".toml":
             try:
                 import tomllib
@@ -416,12 +597,14 @@ class Cluster:
                 data = tomllib.loads(text)
             except tomllib.TOMLDecodeError as error:
                 raise ProblemError(f"{path}: invalid TOML: {error}") from None
+            except RecursionError:
+                raise ProblemError(f"{path}: TOML nested too deeply") from None
         else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ProblemError(f"{path}: invalid JSON: {error}") from None
-        return cls.from_json(data)
+            data = parse_json(text, str(path))
+        try:
+            return cls.from_json(data)
+        except ProblemError as error:
+            raise ProblemError(f"{path}: {error}") from None
 
     def describe(self) -> str:
         """One line, e.g. ``2x8 a100 (speed 1) + 2x8 v100 (speed 0.5)``."""

@@ -11,8 +11,27 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
-from .problem import Problem, ProblemError
+from . import plots
+from .api import solve
+from .comparison import compare, simulate_schedule
+from .costmodel.alpa_profiles import prof_database_path
+from .errors import InfeasibleProblemError, ProblemError
+from .formatting import format_plan
+from .hetero import HeteroProblem
+from .io import (
+    GENERATED_EXAMPLE,
+    HETERO_EXAMPLE,
+    bundled_examples,
+    example_description,
+    load_example,
+    load_problem,
+    parse_cluster,
+    sniff_format,
+)
+from .npzfile import npz_output_path
+from .problem import Problem
 
 
 class _CompareProgress:
@@ -47,8 +66,6 @@ def _need_matplotlib() -> None:
 
 
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
-    from .comparison import compare
-
     if args.plot:
         _need_matplotlib()  # before minutes of solving, not after
 
@@ -78,9 +95,6 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
 
 def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Path]:
     """Gantt of the best plan's 1F1B schedule, anytime curves, loss curve."""
-    from . import plots
-    from .comparison import simulate_schedule
-
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -102,8 +116,9 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
     )
     methods = {r.method: r for r in planned}
     optimum = methods["dp"].plan.cost if "dp" in methods else None
-    traces = {
-        r.method: r.plan.info["trace"] for r in planned if r.plan.info.get("trace")
+    traces = {  # a method without an anytime trace is its one answer
+        r.method: r.plan.info.get("trace") or [(r.plan.search_time_s, r.plan.cost)]
+        for r in planned
     }
     if traces:
         written.append(
@@ -115,6 +130,7 @@ def write_comparison_plots(problem: Problem, result, directory: Path) -> list[Pa
                 methods["diff"].plan.info["loss_curve"],
                 directory / "loss_curve.png",
                 optimum=optimum,
+                plan_cost=methods["diff"].plan.cost,
             )
         )
     return [Path(p) for p in written]
@@ -128,9 +144,7 @@ def run_costmodel(args: argparse.Namespace) -> None:
 
 
 def _costmodel_report(args: argparse.Namespace) -> None:
-    import importlib.resources
-
-    from pipedejavu.costmodel.comm_plots import (
+    from .costmodel.comm_plots import (  # JAX
         comm_report,
         format_table,
         plot_fits,
@@ -138,23 +152,17 @@ def _costmodel_report(args: argparse.Namespace) -> None:
         summarize,
     )
 
-    source = args.prof_db
-    if source == "bundled":
-        source = str(
-            importlib.resources.files("pipedejavu").joinpath(
-                "data", "prof_database.pkl"
-            )
-        )
-    elif not Path(source).is_file():
+    source = prof_database_path(args.prof_db)  # "bundled": the shipped one
+    if not Path(source).is_file():
         raise ProblemError(f"no such file: {source}")
-    if args.folds < 2:
-        raise ProblemError(f"--folds must be >= 2, got {args.folds}")
     if args.plot:
         _need_matplotlib()
     try:
         rows = comm_report(source, num_folds=args.folds)
     except ValueError as error:
-        raise ProblemError(str(error)) from None
+        if isinstance(error, ProblemError):
+            raise
+        raise ProblemError(f"{source}: {error}") from None
     if args.json:
         print(
             json.dumps(
@@ -172,33 +180,33 @@ def _costmodel_report(args: argparse.Namespace) -> None:
 def _costmodel_predict(args: argparse.Namespace) -> None:
     import os
 
-    from pipedejavu.costmodel.predict import SubsetConfig
-    from pipedejavu.costmodel.predict_regret import (
+    from .costmodel.predict import SubsetConfig  # JAX
+    from .costmodel.predict_regret import (
         format_predictor_report,
         predictor_report,
     )
 
-    from .io import bundled_examples, example_names, load_example, parse_cluster
-
     fractions = tuple(args.fraction) if args.fraction else (0.1, 0.25, 0.5, 1.0)
-    if args.seeds < 1:
-        raise ProblemError(f"--seeds must be >= 1, got {args.seeds}")
     settings: dict = {}
     source = args.stage_profile
     bundled = {e.name: e for e in bundled_examples()}
     if source in bundled and not os.path.exists(source):
-        example = bundled[source]
+        example = bundled[source]  # the .npy itself: its memory records count
         source = str(example.path)
         settings = {
             "cluster_shape": example.cluster_shape,
             "num_microbatches": example.num_microbatches,
             "submesh_space": example.submesh_space,
         }
-    elif source in example_names() and not os.path.exists(source):
-        source = load_example(source)
+    elif not os.path.exists(source) or sniff_format(source) == "npz":
+        source = load_problem(source)  # an example by name, or a problem .npz
+        if isinstance(source, HeteroProblem):
+            raise ProblemError(
+                f"{args.stage_profile} is a heterogeneous problem (typed devices); "
+                "costmodel predict takes an Alpa stage profile or a homogeneous "
+                "problem"
+            )
     else:
-        if not os.path.exists(source):
-            raise ProblemError(f"no such file: {source}")
         if args.cluster:
             settings["cluster_shape"] = parse_cluster(args.cluster)
         if args.num_microbatches is not None:
@@ -223,31 +231,29 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from pipedejavu.costmodel.profiler import (
+    output = npz_output_path(args.out)  # before loading JAX and profiling
+    cluster = parse_cluster(args.cluster)
+
+    from .costmodel.profiler import (  # JAX
         MODEL_NAMES,
         DataParallelScaling,
         profile_to_problem,
     )
 
-    from .io import parse_cluster
-
     if args.model not in MODEL_NAMES:
         raise ProblemError(
             f"unknown model {args.model!r}; choose one of {', '.join(MODEL_NAMES)}"
         )
-    if args.repeats < 1 or args.warmup < 0 or args.num_microbatches < 1:
-        raise ProblemError("--repeats and -B must be >= 1, --warmup >= 0")
     started = time.perf_counter()
 
     def progress(done: int, total: int, what: str) -> None:
         if time.perf_counter() - started >= 2.0:
             print(f"profile: {done}/{total} {what}", file=sys.stderr, flush=True)
 
-    cluster = parse_cluster(args.cluster)
     try:
         problem, profile = profile_to_problem(
             args.model,
-            args.out,
+            output,
             cluster=cluster,
             # one device measured; more are modelled (an assumption, documented
             # in costmodel.profiler.DataParallelScaling)
@@ -275,8 +281,76 @@ def run_profile(args: argparse.Namespace) -> None:
             f"  {name:<12} {seconds * 1e3:9.3f} ms   output {activation / 1e6:8.3f} MB"
         )
     print(
-        f"wrote {args.out}: L = {problem.num_layers}, cluster "
+        f"wrote {output}: L = {problem.num_layers}, cluster "
         f"{problem.cluster_shape[0]}x{problem.cluster_shape[1]}, "
         f"B = {problem.num_microbatches} "
         f"({time.perf_counter() - started:.1f} s)"
     )
+
+
+def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> None:
+    """The bundled real Alpa profiles and the generated instances, solved.
+
+    Alpa's own algorithm runs on every real profile; on the generated 32-layer
+    instance only with ``alpa_scan`` (about 40 s there on 2 cores).
+    """
+    names = [example.name for example in bundled_examples()]
+    for name in names + [GENERATED_EXAMPLE, HETERO_EXAMPLE]:
+        problem = load_example(name)
+        hetero = name == HETERO_EXAMPLE
+        try:
+            plan = solve(problem, "dp")
+        except InfeasibleProblemError as error:
+            if as_json:
+                print(json.dumps({"example": name, "infeasible": str(error)}), file=out)
+            else:
+                print(
+                    f"== {name}: {example_description(name)}\n"
+                    f"no feasible plan: {error}\n",
+                    file=out,
+                )
+            continue
+        if as_json:
+            print(json.dumps({"example": name, "plan": plan.to_json()}), file=out)
+            continue
+        print(f"== {name}: {example_description(name)}", file=out)
+        print(format_plan(problem, plan), file=out)
+        if hetero:
+            alpa = solve(problem, "alpa")
+            print(
+                f"Alpa's way (--method alpa: its DP at the average speed, links "
+                f"free, placed in host order): cost {alpa.cost:.6f} s, "
+                f"{alpa.cost / plan.cost:.3f} x the optimum",
+                file=out,
+            )
+        elif name in names or alpa_scan:
+            alpa = solve(problem, "dp", alpa_compatible=True)
+            same = [s.to_json() for s in plan.stages] == [
+                s.to_json() for s in alpa.stages
+            ]
+            print(
+                f"Alpa's training_dp (alpa-compatible): "
+                f"{'same plan' if same else 'a different plan'}, cost "
+                f"{alpa.cost:.6f} s, {alpa.info['num_evaluated']} caps evaluated in "
+                f"{alpa.search_time_s * 1e3:.1f} ms vs {plan.info['num_evaluated']} "
+                f"in {plan.search_time_s * 1e3:.1f} ms",
+                file=out,
+            )
+        else:
+            print(
+                f"Alpa's training_dp: skipped here (about 40 s; the exact DP "
+                f"evaluated {plan.info['num_evaluated']} caps in "
+                f"{plan.search_time_s * 1e3:.1f} ms); pipedejavu demo --alpa-scan "
+                "runs it",
+                file=out,
+            )
+        if name == GENERATED_EXAMPLE:
+            engine = solve(problem, "diff", seed=0)
+            print(
+                f"differentiable engine (--method diff): cost {engine.cost:.6f} s "
+                f"({engine.cost / plan.cost:.5f} x the optimum), certified within "
+                f"{100 * engine.info['gap']:.3f}% of its lower bound, "
+                f"{engine.search_time_s:.1f} s (JAX compilation included)",
+                file=out,
+            )
+        print(file=out)

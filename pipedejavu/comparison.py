@@ -23,7 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from .api import HETERO_METHODS, METHODS, solve
+from .hetero import HeteroPlan, HeteroProblem
 from .problem import InfeasibleProblemError, Plan, Problem, ProblemError
+from .simulation import simulate, simulate_plan, split_latencies
 
 __all__ = ["Comparison", "MethodResult", "compare", "DEFAULT_METHODS"]
 
@@ -192,9 +195,6 @@ class Comparison:
 
 def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
     """The plan's simulated schedule (transfers included for placed plans)."""
-    from .hetero import HeteroPlan
-    from .simulation import simulate, simulate_plan, split_latencies
-
     if isinstance(plan, HeteroPlan):
         forward, backward = split_latencies([s.latency for s in plan.stages])
         transfer = [c / 2 for c in plan.transfers] or None
@@ -245,9 +245,6 @@ def compare(
     Raises:
         ProblemError: bad ``repeats``/``warmup``, unknown method or option.
     """
-    from .api import HETERO_METHODS, METHODS, solve
-    from .hetero import HeteroProblem
-
     hetero = isinstance(problem, HeteroProblem)
     table = HETERO_METHODS if hetero else METHODS
     if methods is None:

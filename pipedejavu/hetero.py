@@ -62,18 +62,34 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .cluster import Cluster
+from .cluster import Cluster, parse_json
+from .npzfile import read_npz, write_npz
 from .problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     PlanError,
     Problem,
     ProblemError,
-    memory_limits,
+    certificate,
+    objective,
+    plan_fields,
+    stage_fields,
+)
+from .tables import (
+    MAX_MICROBATCHES,
+    as_count,
+    cost_table,
+    freeze,
+    json_float,
+    json_int,
+    json_list,
+    memory_table,
+    submesh_table,
 )
 
 __all__ = [
@@ -88,6 +104,11 @@ __all__ = [
     "place",
     "transfer_times",
 ]
+
+
+#: The keys a heterogeneous problem file must hold (besides the optional
+#: ``max_n_succ_stages`` and ``boundary_bytes``).
+_HETERO_KEYS = ("cluster_json", "compute_cost", "submesh_shapes", "num_microbatches")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -184,36 +205,19 @@ class HeteroProblem:
     boundary_bytes: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
-        cost = np.array(self.compute_cost, dtype=np.float64)
-        if cost.ndim != 5 or cost.shape[0] != cost.shape[1]:
+        if not isinstance(self.cluster, Cluster):
             raise ProblemError(
-                f"compute_cost must have shape (L, L, M, K, T), got {cost.shape}"
+                f"cluster must be a Cluster, got {type(self.cluster).__name__}"
             )
+        cost = cost_table(self.compute_cost, with_types=True)
         num_layers, _, num_submeshes, _, num_types = cost.shape
-        if np.isnan(cost).any() or (cost < 0).any():
-            raise ProblemError("compute_cost must be >= 0 or inf, with no NaN")
         if num_types != self.cluster.num_types:
             raise ProblemError(
                 f"compute_cost has {num_types} device types, the cluster "
                 f"{self.cluster.num_types}"
             )
-        cost[np.tril_indices(num_layers, -1)] = np.inf
-        if self.max_n_succ_stages is None:
-            memory = np.full(cost.shape, UNLIMITED_SUCCEEDING_STAGES, dtype=np.int64)
-        else:
-            memory = np.array(self.max_n_succ_stages)
-            if memory.shape != cost.shape:
-                raise ProblemError(
-                    f"max_n_succ_stages must have shape {cost.shape}, "
-                    f"got {memory.shape}"
-                )
-            memory = memory_limits(memory)
-        shapes = np.array(self.submesh_shapes, dtype=np.int64)
-        if shapes.shape != (num_submeshes, 2) or (shapes < 1).any():
-            raise ProblemError(
-                f"submesh_shapes must be ({num_submeshes}, 2) positive integers, "
-                f"got {shapes.tolist()}"
-            )
+        memory = memory_table(self.max_n_succ_stages, cost.shape)
+        shapes = submesh_table(self.submesh_shapes, num_submeshes)
         dph = self.cluster.devices_per_host
         for h, d in shapes.tolist():
             if d > dph or (h > 1 and d != dph) or h > self.cluster.num_hosts:
@@ -224,7 +228,12 @@ class HeteroProblem:
         if self.boundary_bytes is None:
             boundary = np.zeros(max(num_layers - 1, 0))
         else:
-            boundary = np.array(self.boundary_bytes, dtype=np.float64)
+            boundary = np.asarray(self.boundary_bytes)
+            if boundary.dtype.kind not in "iuf":
+                raise ProblemError(
+                    f"boundary_bytes must be numbers, got dtype {boundary.dtype}"
+                )
+            boundary = boundary.astype(np.float64)
             if boundary.shape != (num_layers - 1,):
                 raise ProblemError(
                     f"boundary_bytes must have shape ({num_layers - 1},), "
@@ -232,17 +241,17 @@ class HeteroProblem:
                 )
             if not np.isfinite(boundary).all() or (boundary < 0).any():
                 raise ProblemError("boundary_bytes must be finite and >= 0")
-        if isinstance(self.num_microbatches, bool) or int(self.num_microbatches) < 1:
-            raise ProblemError(
-                f"num_microbatches must be >= 1, got {self.num_microbatches!r}"
-            )
-        for array in (cost, memory, shapes, boundary):
-            array.flags.writeable = False
-        object.__setattr__(self, "compute_cost", cost)
-        object.__setattr__(self, "max_n_succ_stages", memory)
-        object.__setattr__(self, "submesh_shapes", shapes)
-        object.__setattr__(self, "boundary_bytes", boundary)
-        object.__setattr__(self, "num_microbatches", int(self.num_microbatches))
+        num_microbatches = as_count(
+            self.num_microbatches, "num_microbatches", maximum=MAX_MICROBATCHES
+        )
+        freeze(
+            self,
+            compute_cost=cost,
+            max_n_succ_stages=memory,
+            submesh_shapes=shapes,
+            boundary_bytes=boundary,
+        )
+        object.__setattr__(self, "num_microbatches", num_microbatches)
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -369,33 +378,76 @@ class HeteroProblem:
             num_microbatches=self.num_microbatches,
         )
 
-    def to_npz(self, path: Any) -> None:
-        np.savez(
+    def to_npz(self, path: Any) -> Path:
+        """Write a problem file that also holds ``boundary_bytes`` and the
+        cluster (``cluster_json``); returns the path written (``.npz`` appended
+        when missing). Homogeneous readers refuse it by its ``cluster_json``.
+        """
+        return write_npz(
             path,
-            compute_cost=self.compute_cost,
-            max_n_succ_stages=self.max_n_succ_stages,
-            submesh_shapes=self.submesh_shapes,
-            cluster_shape=np.asarray(self.cluster.shape, dtype=np.int64),
-            num_microbatches=np.int64(self.num_microbatches),
-            boundary_bytes=self.boundary_bytes,
-            cluster_json=np.asarray(json.dumps(self.cluster.to_json())),
+            {
+                "compute_cost": self.compute_cost,
+                "max_n_succ_stages": self.max_n_succ_stages,
+                "submesh_shapes": self.submesh_shapes,
+                "cluster_shape": np.asarray(self.cluster.shape, dtype=np.int64),
+                "num_microbatches": np.int64(self.num_microbatches),
+                "boundary_bytes": self.boundary_bytes,
+                "cluster_json": np.asarray(json.dumps(self.cluster.to_json())),
+            },
         )
 
     @classmethod
-    def from_npz(cls, path: Any) -> HeteroProblem:
-        with np.load(path, allow_pickle=False) as data:
-            if "cluster_json" not in data:
+    def from_arrays(cls, arrays: dict[str, Any], source: str) -> HeteroProblem:
+        """A problem from the arrays of its file (see :meth:`to_npz`).
+
+        Raises:
+            ProblemError: invalid contents, the message prefixed by ``source``.
+        """
+        if "cluster_json" not in arrays:
+            raise ProblemError(
+                f"{source}: not a heterogeneous problem (no cluster_json); give "
+                "a cluster file to make one"
+            )
+        missing = [key for key in _HETERO_KEYS if key not in arrays]
+        if missing:
+            raise ProblemError(
+                f"{source} lacks the key(s) {', '.join(missing)} of a "
+                "heterogeneous problem .npz"
+            )
+        try:
+            text = arrays["cluster_json"]
+            if text.shape != () or text.dtype.kind != "U":
                 raise ProblemError(
-                    f"{path}: not a heterogeneous problem (no cluster_json)"
+                    f"cluster_json must be one text value, got {text.dtype} "
+                    f"{tuple(text.shape)}"
                 )
             return cls(
-                compute_cost=data["compute_cost"],
-                max_n_succ_stages=data["max_n_succ_stages"],
-                submesh_shapes=data["submesh_shapes"],
-                cluster=Cluster.from_json(json.loads(str(data["cluster_json"]))),
-                num_microbatches=int(data["num_microbatches"]),
-                boundary_bytes=data["boundary_bytes"],
+                compute_cost=arrays["compute_cost"],
+                max_n_succ_stages=arrays.get("max_n_succ_stages"),
+                submesh_shapes=arrays["submesh_shapes"],
+                cluster=Cluster.from_json(parse_json(str(text), "cluster_json")),
+                num_microbatches=arrays["num_microbatches"],
+                boundary_bytes=arrays.get("boundary_bytes"),
             )
+        except ProblemError as error:
+            raise ProblemError(f"{source}: {error}") from None
+
+    @classmethod
+    def from_npz(cls, path: Any) -> HeteroProblem:
+        """Read a file written by :meth:`to_npz`.
+
+        Raises:
+            ProblemError: one line naming the file (see
+                :func:`pipedejavu.npzfile.read_npz`), also when the file has no
+                cluster (a homogeneous problem).
+        """
+        arrays = read_npz(
+            path,
+            required=(),
+            optional=_HETERO_KEYS + ("max_n_succ_stages", "boundary_bytes"),
+            what="a heterogeneous problem .npz",
+        )
+        return cls.from_arrays(arrays, str(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,19 +526,47 @@ class HeteroPlan:
             "stages": [s.to_json() for s in self.stages],
             "transfers": list(self.transfers),
             "search_time_s": self.search_time_s,
+            **certificate(self.info),
         }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan JSON") -> HeteroPlan:
+        """The plan of a placed-plan JSON object (as :meth:`to_json` writes it).
+
+        Raises:
+            ProblemError: naming ``source`` and the field that is missing or of
+                the wrong kind (the rules are :func:`check_hetero_plan`'s).
+        """
+        stages = []
+        for index, entry in enumerate(json_list(data, "stages", source)):
+            where = f"{source}: stages[{index}]"
+            hosts = json_list(entry, "hosts", where)
+            stages.append(
+                HeteroStage(
+                    **stage_fields(entry, where),
+                    device_type=json_int(entry, "device_type", where),
+                    hosts=tuple(
+                        as_count(host, f"{where}.hosts[{i}]", minimum=0)
+                        for i, host in enumerate(hosts)
+                    ),
+                    first_device=json_int(entry, "first_device", where),
+                )
+            )
+        transfers = tuple(
+            json_float({"transfer": t}, "transfer", f"{source}: transfers[{i}]")
+            for i, t in enumerate(json_list(data, "transfers", source))
+        )
+        return cls(
+            stages=tuple(stages), transfers=transfers, **plan_fields(data, source)
+        )
 
 
 def hetero_objective(
     latencies: Sequence[float], transfers: Sequence[float], num_microbatches: int
 ) -> float:
-    """``sum(t) + sum(c) + (B - 1) * max(max t, max c)`` in seconds."""
-    bottleneck = max(max(latencies), max(transfers, default=0.0))
-    return float(
-        math.fsum(latencies)
-        + math.fsum(transfers)
-        + (num_microbatches - 1) * bottleneck
-    )
+    """``sum(t) + sum(c) + (B - 1) * max(max t, max c)`` in seconds
+    (:func:`pipedejavu.problem.objective` with transfers)."""
+    return objective(latencies, num_microbatches, tuple(transfers))
 
 
 def place(

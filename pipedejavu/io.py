@@ -1,4 +1,12 @@
-"""Files in and out: problem files, Alpa stage profiles, the bundled examples."""
+"""Files in and out: problem files, Alpa stage profiles, cluster files, plans,
+and the bundled examples.
+
+Wherever a problem is read (the API's :func:`load_problem` and ``solve``, every
+CLI command), the source is a path or the name of a bundled example, and a
+cluster (a :class:`~pipedejavu.cluster.Cluster`, a cluster file, or a bundled
+cluster's name) turns a homogeneous problem into a
+:class:`~pipedejavu.hetero.HeteroProblem`.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +14,39 @@ import dataclasses
 import importlib.resources
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from .problem import Problem, ProblemError
+import numpy as np
+
+from .cluster import Cluster, parse_json
+from .costmodel.alpa_profiles import problem_from_stage_profile
+from .errors import ProblemError
+from .generate import random_problem
+from .hetero import HeteroPlan, HeteroProblem, LayerMemory
+from .hetero_generate import hetero_problem, model_memory_limits
+from .npzfile import read_npz
+from .problem import PROBLEM_KEYS, Plan, Problem
 
 __all__ = [
+    "BUNDLED_CLUSTERS",
     "BundledExample",
     "GENERATED_EXAMPLE",
     "bundled_examples",
     "example_names",
+    "load_cluster",
     "load_example",
+    "load_plan",
     "load_problem",
     "parse_cluster",
     "sniff_format",
 ]
 
-_CLUSTER = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_CLUSTER = re.compile(r"^\s*(\d{1,7})\s*[xX]\s*(\d{1,7})\s*$")
+
+#: Largest plan JSON file read (bytes).
+MAX_PLAN_FILE_BYTES = 16 * 2**20
 
 
 def parse_cluster(text: str) -> tuple[int, int]:
@@ -34,7 +59,7 @@ def parse_cluster(text: str) -> tuple[int, int]:
     if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
         raise ProblemError(
             f"cluster must look like HOSTSxDEVICES_PER_HOST, e.g. 1x4 or 2x8; "
-            f"got {text!r}"
+            f"got {text!r:.60}"
         )
     return int(match.group(1)), int(match.group(2))
 
@@ -63,59 +88,74 @@ def sniff_format(path: str | os.PathLike) -> str:
     )
 
 
-def load_problem(
-    path: str | os.PathLike,
-    *,
-    cluster_shape: tuple[int, int] | None = None,
-    num_microbatches: int | None = None,
-    submesh_space: str = "small_power_of_two",
-) -> Problem:
-    """Read a problem ``.npz`` or an Alpa stage-profile ``.npy``.
+# ------------------------------------------------------------------- clusters
+#: Cluster files shipped in ``pipedejavu/data/``, by name.
+BUNDLED_CLUSTERS = {"a100-v100-4x8": "cluster-a100-v100-4x8.json"}
 
-    Args:
-        path: the file; its kind is read from its first bytes, not its name.
-        cluster_shape: for an Alpa profile, the ``(hosts, devices per host)``
-            Alpa was given (required); for a ``.npz`` it must match the file.
-        num_microbatches: for an Alpa profile, the B Alpa was given (required);
-            for a ``.npz`` it overrides the stored B.
-        submesh_space: for an Alpa profile, Alpa's
-            ``submesh_physical_shape_space``.
+
+def _data_path(filename: str) -> Path:
+    return Path(str(importlib.resources.files("pipedejavu").joinpath("data", filename)))
+
+
+def load_cluster(source: Cluster | str | os.PathLike) -> Cluster:
+    """A :class:`Cluster`, read from a ``.json``/``.toml`` file or, when no
+    such file exists, a bundled cluster by name (:data:`BUNDLED_CLUSTERS`).
 
     Raises:
-        ProblemError: unreadable or invalid input, or a missing setting.
+        ProblemError: one line naming the file and what is wrong in it.
     """
-    kind = sniff_format(path)
-    if kind == "npz":
-        problem = Problem.from_npz(path)
-        if cluster_shape is not None and tuple(cluster_shape) != problem.cluster_shape:
-            raise ProblemError(
-                f"{path} is a problem for a {problem.cluster_shape[0]}x"
-                f"{problem.cluster_shape[1]} cluster, not {cluster_shape[0]}x"
-                f"{cluster_shape[1]} (its submesh table is fixed)"
-            )
-        if num_microbatches is not None:
-            problem = problem.replace(num_microbatches=num_microbatches)
-        return problem
-    if kind == "pickle":
-        raise ProblemError(
-            f"{path} is a pickle (an Alpa prof_database.pkl?), not a stage problem; "
-            "give a problem .npz or an Alpa stage-profile .npy"
+    if isinstance(source, Cluster):
+        return source
+    if str(source) in BUNDLED_CLUSTERS and not os.path.exists(source):
+        return Cluster.from_file(_data_path(BUNDLED_CLUSTERS[str(source)]))
+    return Cluster.from_file(source)
+
+
+def _with_cluster(
+    problem: Problem,
+    cluster: Cluster | str | os.PathLike,
+    boundary_bytes: Any,
+    source: str,
+    *,
+    layer_memory: LayerMemory | None = None,
+    memory_rule: Callable[[Cluster], np.ndarray] | None = None,
+) -> HeteroProblem:
+    """``problem`` (reference-device costs) on a typed cluster.
+
+    Device memory (``memory_gb``) bounds each type's stages through
+    ``layer_memory`` (per-layer bytes, as ``pipedejavu profile`` writes them)
+    or ``memory_rule`` (the cluster -> i64[L, L, M, K, T] rule of a generated
+    model); without either, a cluster that sets it is refused
+    (:meth:`HeteroProblem.from_problem`) rather than silently ignored.
+    """
+    typed = load_cluster(cluster)
+    label = "the cluster" if isinstance(cluster, Cluster) else os.fspath(cluster)
+    try:
+        rule = None
+        if memory_rule is not None and typed.shape == tuple(problem.cluster_shape):
+            rule = memory_rule(typed)
+        return HeteroProblem.from_problem(
+            problem,
+            typed,
+            boundary_bytes=boundary_bytes,
+            layer_memory=layer_memory,
+            max_n_succ_stages=rule,
         )
-    if cluster_shape is None or num_microbatches is None:
-        raise ProblemError(
-            f"{path} is an Alpa stage profile: say what Alpa was told with "
-            "--cluster HxD and --num-microbatches B"
-        )
-    from pipedejavu.costmodel import problem_from_stage_profile
-
-    return problem_from_stage_profile(
-        path,
-        cluster_shape=cluster_shape,
-        num_microbatches=num_microbatches,
-        submesh_space=submesh_space,
-    )
+    except ProblemError as error:
+        raise ProblemError(f"{source} with {label}: {error}") from None
 
 
+def _layer_memory(arrays: dict[str, np.ndarray], source: str) -> LayerMemory | None:
+    """The per-layer memory bytes a ``pipedejavu profile`` file carries."""
+    if "param_bytes" not in arrays or "stash_bytes" not in arrays:
+        return None
+    try:
+        return LayerMemory(arrays["param_bytes"], arrays["stash_bytes"])
+    except ProblemError as error:
+        raise ProblemError(f"{source}: {error}") from None
+
+
+# ------------------------------------------------------------------- examples
 @dataclasses.dataclass(frozen=True)
 class BundledExample:
     """A real Alpa stage profile shipped with the package, with its run settings."""
@@ -129,17 +169,15 @@ class BundledExample:
 
     @property
     def path(self) -> Path:
-        return Path(
-            str(importlib.resources.files("pipedejavu").joinpath("data", self.filename))
-        )
+        return _data_path(self.filename)
 
     def load(self) -> Problem:
-        return load_problem(
+        return _read_file(
             self.path,
             cluster_shape=self.cluster_shape,
             num_microbatches=self.num_microbatches,
             submesh_space=self.submesh_space,
-        )
+        )[0]
 
 
 _GPT = "GPT-1.3B (24 blocks, hidden 2048, seq 1024), global batch 1024"
@@ -175,22 +213,310 @@ def bundled_examples() -> tuple[BundledExample, ...]:
 #: The generated instance of ``pipedejavu demo`` / ``compare`` (no data file:
 #: ``random_problem`` is deterministic in its seed).
 GENERATED_EXAMPLE = "generated-gpt-32layers-2x8"
+#: A GPT-6.7B-like model on 4 hosts x 8 reference (A100-class) devices, with
+#: activation sizes: any 4 x 8 cluster file makes it heterogeneous.
+GPT_4X8_EXAMPLE = "generated-gpt-32layers-4x8"
+#: The same model planned for the bundled cluster ``a100-v100-4x8``.
+HETERO_EXAMPLE = "hetero-gpt-32layers-a100-v100"
+
+
+def _gpt_4x8() -> tuple[Problem, np.ndarray]:
+    """The reference-device problem: :func:`hetero_problem`'s model on one
+    device type (the A100-class reference, 40 GB), viewed homogeneously."""
+    cluster = load_cluster("a100-v100-4x8")
+    reference = dataclasses.replace(
+        cluster, host_types=(0,) * cluster.num_hosts
+    )  # every host of the reference type, same links
+    typed = hetero_problem(32, reference, num_microbatches=32, seed=0)
+    return typed.homogeneous_view(speed=1.0), typed.boundary_bytes
+
+
+def _gpt_4x8_memory(problem: Problem) -> Callable[[Cluster], np.ndarray]:
+    """The 4 x 8 example's memory rule per type of a cluster: its model's
+    limits on each type's ``memory_bytes`` (as :func:`hetero_problem` sets
+    them), the reference (40 GB) rule on types without."""
+
+    def rule(cluster: Cluster) -> np.ndarray:
+        per_type = [
+            problem.max_n_succ_stages
+            if kind.memory_bytes is None
+            else np.broadcast_to(
+                model_memory_limits(
+                    problem.num_layers, problem.submesh_sizes, kind.memory_bytes
+                )[..., None],
+                problem.compute_cost.shape,
+            )
+            for kind in cluster.device_types
+        ]
+        return np.stack(per_type, axis=-1)
+
+    return rule
+
+
+def _generated(name: str) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
+    if name == GENERATED_EXAMPLE:
+        return random_problem(32, (2, 8), num_microbatches=32, seed=0), None
+    if name == GPT_4X8_EXAMPLE:
+        return _gpt_4x8()
+    cluster = load_cluster("a100-v100-4x8")
+    return hetero_problem(32, cluster, num_microbatches=32, seed=0), None
+
+
+_GENERATED: dict[str, str] = {
+    GENERATED_EXAMPLE: "generated GPT-like model, 32 layers, 2x8 cluster, "
+    "power_of_two submeshes, 2 configs, B = 32 (pipedejavu.generate.random_problem)",
+    GPT_4X8_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, 4x8 A100-class "
+    "devices (40 GB), 2 configs, B = 32, 16.8 MB activations per boundary "
+    "(pipedejavu.hetero_generate); give it a 4x8 cluster file",
+    HETERO_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, on the bundled "
+    "cluster a100-v100-4x8 (2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, "
+    "10 Gb/s across types; memory limits per type from its memory_gb), B = 32",
+}
 
 
 def example_names() -> tuple[str, ...]:
     """Names accepted wherever a problem path is: bundled profiles + generated."""
-    return tuple(e.name for e in bundled_examples()) + (GENERATED_EXAMPLE,)
+    return tuple(e.name for e in bundled_examples()) + tuple(_GENERATED)
 
 
-def load_example(name: str) -> Problem:
-    """A bundled example by name (see :func:`example_names`)."""
-    if name == GENERATED_EXAMPLE:
-        from .generate import random_problem
-
-        return random_problem(32, (2, 8), num_microbatches=32, seed=0)
+def example_description(name: str) -> str:
+    """One line on what the example is."""
     for example in bundled_examples():
         if example.name == name:
-            return example.load()
+            return example.description
+    if name in _GENERATED:
+        return _GENERATED[name]
     raise ProblemError(
         f"no example named {name!r}; choose one of {', '.join(example_names())}"
     )
+
+
+def load_example(
+    name: str,
+    *,
+    num_microbatches: int | None = None,
+    cluster_shape: tuple[int, int] | None = None,
+    cluster: Cluster | str | os.PathLike | None = None,
+) -> Problem | HeteroProblem:
+    """A bundled example by name (see :func:`example_names`).
+
+    Args:
+        name: the example.
+        num_microbatches: replaces the example's B.
+        cluster_shape: checked against the example's (which is fixed).
+        cluster: a :class:`Cluster`, a cluster file or a bundled cluster name:
+            the example's costs are scaled to its typed devices (its shape must
+            be the example's).
+
+    Raises:
+        ProblemError: unknown name, or settings that do not fit the example.
+    """
+    boundary = None
+    for example in bundled_examples():
+        if example.name == name:
+            problem = example.load()
+            break
+    else:
+        example_description(name)  # raises for an unknown name
+        problem, boundary = _generated(name)
+    shape = (
+        problem.cluster.shape
+        if isinstance(problem, HeteroProblem)
+        else problem.cluster_shape
+    )
+    if cluster_shape is not None and tuple(cluster_shape) != shape:
+        raise ProblemError(
+            f"example {name} is fixed to a {shape[0]}x{shape[1]} cluster; "
+            f"--cluster {cluster_shape[0]}x{cluster_shape[1]} does not apply"
+        )
+    if cluster is not None:
+        if isinstance(problem, HeteroProblem):
+            raise ProblemError(
+                f"example {name} already describes its cluster; drop the cluster"
+            )
+        rule = _gpt_4x8_memory(problem) if name == GPT_4X8_EXAMPLE else None
+        problem = _with_cluster(
+            problem, cluster, boundary, f"example {name}", memory_rule=rule
+        )
+    if num_microbatches is not None:
+        problem = problem.replace(num_microbatches=num_microbatches)
+    return problem
+
+
+# ------------------------------------------------------------------- problems
+def _read_file(
+    path: str | os.PathLike,
+    *,
+    cluster_shape: tuple[int, int] | None,
+    num_microbatches: int | None,
+    submesh_space: str | None,
+) -> tuple[Problem | HeteroProblem, np.ndarray | None, LayerMemory | None]:
+    """The problem in a file, its activation bytes per boundary and its
+    per-layer memory bytes (each if any)."""
+    kind = sniff_format(path)
+    source = os.fspath(path)
+    if kind == "pickle":
+        raise ProblemError(
+            f"{source} is a pickle (an Alpa prof_database.pkl?), not a stage "
+            "problem; give a problem .npz or an Alpa stage-profile .npy"
+        )
+    if kind == "npy":
+        if cluster_shape is None or num_microbatches is None:
+            raise ProblemError(
+                f"{source} is an Alpa stage profile: say what Alpa was told with "
+                "--cluster HxD and --num-microbatches B"
+            )
+        problem = problem_from_stage_profile(
+            path,
+            cluster_shape=cluster_shape,
+            num_microbatches=num_microbatches,
+            submesh_space=submesh_space or "small_power_of_two",
+        )
+        return problem, None, None
+    if submesh_space is not None:
+        raise ProblemError(
+            f"{source} is a problem .npz: its submeshes are fixed, so a submesh "
+            "space (--submesh-space) does not apply"
+        )
+    arrays = read_npz(
+        path,
+        required=(),
+        optional=PROBLEM_KEYS
+        + (
+            "max_n_succ_stages",
+            "cluster_json",
+            "boundary_bytes",
+            "activation_bytes",
+            "stage_tail_cost",
+            "param_bytes",
+            "stash_bytes",
+        ),
+    )
+    if "cluster_json" in arrays:
+        problem: Problem | HeteroProblem = HeteroProblem.from_arrays(arrays, source)
+        shape = problem.cluster.shape
+    else:
+        missing = [key for key in PROBLEM_KEYS if key not in arrays]
+        if missing:
+            raise ProblemError(
+                f"{source} lacks the key(s) {', '.join(missing)} of a problem file"
+            )
+        problem = Problem.from_arrays(arrays, source)
+        shape = problem.cluster_shape
+    if cluster_shape is not None and tuple(cluster_shape) != shape:
+        raise ProblemError(
+            f"{source} is a problem for a {shape[0]}x{shape[1]} cluster, not "
+            f"{cluster_shape[0]}x{cluster_shape[1]} (its submesh table is fixed)"
+        )
+    if num_microbatches is not None:
+        problem = problem.replace(num_microbatches=num_microbatches)
+    boundary = arrays.get("boundary_bytes")
+    if boundary is None and "activation_bytes" in arrays:  # `pipedejavu profile`
+        activations = arrays["activation_bytes"]
+        if activations.ndim != 1 or activations.dtype.kind not in "iuf":
+            raise ProblemError(
+                f"{source}: activation_bytes must be a vector of numbers, got "
+                f"{activations.dtype} {tuple(activations.shape)}"
+            )
+        boundary = activations[:-1].astype(np.float64)
+    return problem, boundary, _layer_memory(arrays, source)
+
+
+def load_problem(
+    source: str | os.PathLike,
+    *,
+    cluster_shape: tuple[int, int] | None = None,
+    num_microbatches: int | None = None,
+    submesh_space: str | None = None,
+    cluster: Cluster | str | os.PathLike | None = None,
+) -> Problem | HeteroProblem:
+    """Read a problem ``.npz`` (homogeneous or heterogeneous), an Alpa
+    stage-profile ``.npy``, or a bundled example by name.
+
+    Args:
+        source: the file (its kind is read from its first bytes, not its name),
+            or the name of a bundled example (:func:`example_names`) when no
+            such file exists.
+        cluster_shape: for an Alpa profile, the ``(hosts, devices per host)``
+            Alpa was given (required); otherwise it must match the problem's.
+        num_microbatches: for an Alpa profile, the B Alpa was given (required);
+            otherwise it replaces the stored B.
+        submesh_space: for an Alpa profile, Alpa's
+            ``submesh_physical_shape_space`` (default ``"small_power_of_two"``);
+            refused for a ``.npz``, whose submeshes are fixed.
+        cluster: a :class:`Cluster`, a ``.json``/``.toml`` cluster file or a
+            bundled cluster name (:data:`BUNDLED_CLUSTERS`): scales the
+            (reference-device) costs to typed devices and prices activation
+            transfers from the file's ``boundary_bytes`` (or the
+            ``activation_bytes`` that ``pipedejavu profile`` writes; zero if
+            absent). Refused for a problem that already has a cluster.
+
+    Returns:
+        A :class:`Problem`, or a :class:`HeteroProblem` for a heterogeneous
+        file or when ``cluster`` is given.
+
+    Raises:
+        ProblemError: one line naming the file: unreadable, truncated, corrupt,
+            too large, invalid, or a setting that does not apply.
+    """
+    name = os.fspath(source)
+    if name in example_names() and not os.path.exists(name):
+        if submesh_space is not None:
+            raise ProblemError(
+                f"example {name} has fixed submeshes; --submesh-space does not apply"
+            )
+        return load_example(
+            name,
+            num_microbatches=num_microbatches,
+            cluster_shape=cluster_shape,
+            cluster=cluster,
+        )
+    problem, boundary, layer_memory = _read_file(
+        source,
+        cluster_shape=cluster_shape,
+        num_microbatches=num_microbatches,
+        submesh_space=submesh_space,
+    )
+    if cluster is None:
+        return problem
+    if isinstance(problem, HeteroProblem):
+        raise ProblemError(
+            f"{name} already describes its cluster; drop the cluster file"
+        )
+    return _with_cluster(problem, cluster, boundary, name, layer_memory=layer_memory)
+
+
+# ---------------------------------------------------------------------- plans
+def load_plan(path: str | os.PathLike) -> Plan | HeteroPlan:
+    """Read a plan JSON file (as ``pipedejavu solve --json`` prints it): a
+    :class:`HeteroPlan` when its stages are placed (have ``hosts``), else a
+    :class:`Plan`. Check it against a problem with ``evaluate``.
+
+    Raises:
+        ProblemError: one line naming the file: unreadable, too large, not
+            UTF-8, invalid or too deeply nested JSON, or a missing/bad field.
+    """
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_PLAN_FILE_BYTES + 1)
+    except OSError as error:
+        raise ProblemError(f"cannot read {source}: {error.strerror or error}") from None
+    if len(raw) > MAX_PLAN_FILE_BYTES:
+        raise ProblemError(f"{source} is larger than {MAX_PLAN_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProblemError(f"{source} is not UTF-8 text (a binary file?)") from None
+    data = parse_json(text, source)
+    stages = data.get("stages") if isinstance(data, dict) else None
+    placed = (
+        isinstance(stages, list)
+        and bool(stages)
+        and isinstance(stages[0], dict)
+        and "hosts" in stages[0]
+    )
+    reader: Callable[..., Plan | HeteroPlan] = (
+        HeteroPlan.from_json if placed else Plan.from_json
+    )
+    return reader(data, source)

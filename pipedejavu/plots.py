@@ -181,24 +181,48 @@ def plot_anytime(
 
     Args:
         traces: method -> ``[(seconds, best cost), ...]`` in time order (the
-            ``trace`` each solver leaves in ``plan.info``).
+            ``trace`` each solver leaves in ``plan.info``); a method that only
+            returns its final answer (the exact DP, Alpa's way) is one point,
+            drawn as a marker.
         path: the PNG to write.
         optimum: the exact optimum, drawn as a horizontal line.
     """
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     figure = _figure()
     axes = figure.add_subplot()
+    times_seen = []
+    markers = iter("sD^vP*X")
     for method, trace in traces.items():
         if not trace:
             continue
         times = [max(t, 1e-6) for t, _ in trace]
         costs = [c for _, c in trace]
-        axes.step(times, costs, where="post", marker="o", markersize=3, label=method)
+        times_seen += times
+        if len(trace) == 1:
+            axes.plot(
+                times,
+                costs,
+                marker=next(markers, "o"),
+                ls="",
+                ms=8,
+                label=f"{method} (one answer)",
+            )
+        else:
+            axes.step(
+                times, costs, where="post", marker="o", markersize=3, label=method
+            )
     if optimum is not None:
         axes.axhline(
             optimum, color="black", linestyle="--", linewidth=1, label="optimum"
         )
-    axes.set_xscale("log")
-    axes.set_xlabel("elapsed search time (s, log)")
+    if times_seen and max(times_seen) / min(times_seen) >= 10:
+        axes.set_xscale("log")
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axes.xaxis.set_minor_formatter(NullFormatter())  # no crowded minor labels
+        axes.set_xlabel("elapsed search time (s, log scale)")
+    else:
+        axes.set_xlabel("elapsed search time (s)")
     axes.set_ylabel("best plan cost so far (s per iteration)")
     axes.set_title(title)
     axes.legend()
@@ -213,21 +237,51 @@ def plot_loss_curve(
     path: str | os.PathLike[str],
     *,
     optimum: float | None = None,
+    plan_cost: float | None = None,
     dpi: int = 120,
 ) -> Path:
-    """The engine's best relaxed loss per optimizer step (seconds), against the
-    exact optimum of the discrete problem when given."""
+    """The engine's relaxed loss per optimizer step, best over its restarts.
+
+    The relaxed loss is a smooth surrogate of the objective (a soft maximum, a
+    soft device-budget penalty, the linear latency model), not the cost of any
+    plan: it can sit above or below the optimum, and it can rise as the
+    temperatures anneal. The figure says so; the exact optimum and the cost of
+    the engine's rounded and polished plan are drawn for reference (the
+    certified gap is ``plan.info["gap"]``).
+    """
     figure = _figure()
     axes = figure.add_subplot()
-    axes.plot(range(1, len(losses) + 1), losses, label="best relaxed loss (restarts)")
+    axes.plot(
+        range(1, len(losses) + 1),
+        losses,
+        label="relaxed loss (best restart at each step)",
+    )
     if optimum is not None:
         axes.axhline(
             optimum, color="black", linestyle="--", linewidth=1, label="DP optimum"
         )
+    if plan_cost is not None:
+        axes.axhline(
+            plan_cost,
+            color="C3",
+            linestyle=":",
+            linewidth=1.5,
+            label="engine's plan, exact cost",
+        )
     axes.set_yscale("log")
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel("seconds per iteration (relaxed objective + penalty)")
-    axes.set_title("Differentiable engine: relaxed loss")
+    axes.set_ylabel("relaxed objective + penalty (s, log scale)")
+    axes.set_title("Differentiable engine: relaxed loss (a surrogate, not a plan cost)")
+    axes.text(
+        0.02,
+        0.3,
+        "The surrogate smooths the max and the device budget; its level is not "
+        "a plan's cost.\nPlans are rounded, polished and priced exactly after "
+        "the search.",
+        transform=axes.transAxes,
+        fontsize=7,
+        va="bottom",
+    )
     axes.legend()
     axes.grid(True, which="both", alpha=0.3)
     path = Path(path)
@@ -244,6 +298,11 @@ def plot_ratios(
 ) -> Path:
     """Cost / optimum and search time / DP time against ``x``, one line a method.
 
+    Methods that tie (several optimal planners all at cost ratio 1) would draw
+    on top of each other: each method gets its own marker and dash pattern and
+    is shifted slightly along ``x`` (by at most 11%, on the log axis), so every
+    method's markers stay visible.
+
     Args:
         rows: dicts with ``method``, ``x``, ``cost_ratio`` and ``time_ratio``
             (e.g. from ``benchmarks/compare_methods.py``); rows with the same
@@ -254,13 +313,24 @@ def plot_ratios(
     figure = _figure(11.0, 4.2)
     cost_axes, time_axes = figure.subplots(1, 2)
     methods = sorted({r["method"] for r in rows})
-    for method in methods:
+    styles = ["-", "--", "-.", ":"]
+    markers = "osD^vP*X"
+    for index, method in enumerate(methods):
         mine = [r for r in rows if r["method"] == method]
         xs = sorted({r[x] for r in mine})
+        shift = 2.0 ** (0.3 * (index - (len(methods) - 1) / 2) / max(len(methods), 1))
         for axes, key in ((cost_axes, "cost_ratio"), (time_axes, "time_ratio")):
             ys = [float(np.mean([r[key] for r in mine if r[x] == v])) for v in xs]
-            axes.plot(xs, ys, marker="o", label=method)
+            axes.plot(
+                [v * shift for v in xs],
+                ys,
+                marker=markers[index % len(markers)],
+                linestyle=styles[index % len(styles)],
+                markerfacecolor="none",
+                label=method,
+            )
     cost_axes.set_ylabel("plan cost / exact optimum")
+    cost_axes.set_title("cost (1 = optimal; tied methods shifted along x)", fontsize=9)
     time_axes.set_ylabel("search time / exact DP time")
     time_axes.set_yscale("log")
     for axes in (cost_axes, time_axes):

@@ -1,6 +1,8 @@
 """The vocabulary: a stage-construction problem, a plan, and its exact objective.
 
-This module imports nothing else of the project; every other package builds on it.
+Besides its own helpers (:mod:`pipedejavu.errors`, :mod:`pipedejavu.tables`,
+:mod:`pipedejavu.npzfile`) this module imports nothing of the project; every
+other package builds on it.
 
 Conventions (stated once, used everywhere):
 
@@ -17,10 +19,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+from .errors import InfeasibleProblemError, PlanError, ProblemError
+from .npzfile import read_npz, write_npz
+from .tables import (
+    MAX_DEVICES,
+    MAX_MICROBATCHES,
+    UNLIMITED_SUCCEEDING_STAGES,
+    as_count,
+    cost_table,
+    describe,
+    freeze,
+    json_field,
+    json_float,
+    json_int,
+    json_list,
+    memory_limits,
+    memory_table,
+    submesh_table,
+    tail_table,
+)
 
 __all__ = [
     "InfeasibleProblemError",
@@ -34,37 +57,14 @@ __all__ = [
     "evaluate",
     "get_submesh_choices",
     "make_plan",
+    "memory_limits",
     "objective",
 ]
 
 SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two", "manual")
 
-#: Value of ``max_n_succ_stages`` meaning "memory never limits this stage"
-#: (Alpa's ``INFINITY_N_STAGES``).
-UNLIMITED_SUCCEEDING_STAGES = 2**20
-
-
-class ProblemError(ValueError):
-    """The input does not describe a valid problem (bad shapes, NaNs, ...)."""
-
-
-class InfeasibleProblemError(Exception):
-    """A valid problem that has no feasible plan; the message says why."""
-
-
-class PlanError(ValueError):
-    """A plan breaks one of the problem's rules.
-
-    Attributes:
-        rule: short name of the broken rule, e.g. ``"contiguity"``, ``"memory"``.
-        stage: index of the offending stage, or ``None`` for whole-plan rules.
-    """
-
-    def __init__(self, rule: str, stage: int | None, message: str):
-        where = "plan" if stage is None else f"stage {stage}"
-        super().__init__(f"{where} breaks the {rule} rule: {message}")
-        self.rule = rule
-        self.stage = stage
+#: The keys of a problem file (DESIGN section 2); ``max_n_succ_stages`` optional.
+PROBLEM_KEYS = ("compute_cost", "submesh_shapes", "cluster_shape", "num_microbatches")
 
 
 def get_submesh_choices(
@@ -117,40 +117,6 @@ def get_submesh_choices(
     return tuple(choices)
 
 
-def _as_int(value: Any, name: str) -> int:
-    array = np.asarray(value)
-    if array.shape != () or not np.issubdtype(array.dtype, np.integer):
-        if array.shape == () and np.issubdtype(array.dtype, np.floating):
-            if math.isfinite(float(array)) and float(array).is_integer():
-                return int(array)
-        raise ProblemError(f"{name} must be an integer, got {value!r}")
-    return int(array)
-
-
-def memory_limits(memory: NDArray[Any]) -> NDArray[np.int64]:
-    """``max_n_succ_stages`` as i64 in ``[-1, UNLIMITED_SUCCEEDING_STAGES]``.
-
-    Floats are accepted when they hold integers; ``+inf`` means unlimited and
-    ``-inf`` never feasible.
-
-    Raises:
-        ProblemError: NaN, fractions, or a non-numeric dtype.
-    """
-    if np.issubdtype(memory.dtype, np.floating):
-        finite = memory[np.isfinite(memory)]
-        if np.isnan(memory).any() or (finite != np.round(finite)).any():
-            raise ProblemError(
-                "max_n_succ_stages must hold integers (or +inf for unlimited)"
-            )
-        memory = np.where(np.isposinf(memory), UNLIMITED_SUCCEEDING_STAGES, memory)
-        memory = np.where(np.isneginf(memory), -1, memory)
-    elif not np.issubdtype(memory.dtype, np.integer):
-        raise ProblemError(
-            f"max_n_succ_stages must be integer, got dtype {memory.dtype}"
-        )
-    return np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Problem:
     """Alpa's stage-construction problem for one model on one cluster.
@@ -168,6 +134,10 @@ class Problem:
             submesh choice.
         cluster_shape: ``(num_hosts, devices_per_host)``.
         num_microbatches: B >= 1.
+        stage_tail_cost: f64[L, L, M, K] seconds a stage adds once per iteration
+            after the pipeline (a Megatron-style plan's data-parallel gradient
+            all-reduce and optimizer step); the objective adds the largest tail
+            of the plan's stages. ``None`` (Alpa's formulation): no tail.
 
     Raises:
         ProblemError: naming the argument, what was expected and what arrived.
@@ -178,68 +148,27 @@ class Problem:
     submesh_shapes: NDArray[np.int64]
     cluster_shape: tuple[int, int]
     num_microbatches: int
+    stage_tail_cost: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
-        cost = np.asarray(self.compute_cost)
-        if cost.ndim != 4 or cost.shape[0] != cost.shape[1]:
-            raise ProblemError(
-                f"compute_cost must have shape (L, L, M, K), got {tuple(cost.shape)}"
-            )
-        if not (
-            np.issubdtype(cost.dtype, np.floating)
-            or np.issubdtype(cost.dtype, np.integer)
-        ):
-            raise ProblemError(f"compute_cost must be numeric, got dtype {cost.dtype}")
-        cost = cost.astype(np.float64, copy=True)
-        num_layers, _, num_submeshes, num_configs = cost.shape
-        if num_layers < 1 or num_submeshes < 1 or num_configs < 1:
-            raise ProblemError(
-                f"compute_cost must have L, M, K >= 1, got {tuple(cost.shape)}"
-            )
-        below = np.tril(np.ones((num_layers, num_layers), dtype=bool), k=-1)
-        cost[below] = np.inf
-        if np.isnan(cost).any():
-            where = tuple(int(x) for x in np.argwhere(np.isnan(cost))[0])
-            raise ProblemError(
-                f"compute_cost has {int(np.isnan(cost).sum())} NaN entries "
-                f"(first at {where}); use inf for unprofiled entries"
-            )
-        if (cost < 0).any():
-            where = tuple(int(x) for x in np.argwhere(cost < 0)[0])
-            raise ProblemError(
-                f"compute_cost must be >= 0 seconds, got {cost[where]} at {where}"
-            )
-
-        if self.max_n_succ_stages is None:
-            memory = np.full(cost.shape, UNLIMITED_SUCCEEDING_STAGES, dtype=np.int64)
-        else:
-            memory = np.asarray(self.max_n_succ_stages)
-            if memory.shape != cost.shape:
-                raise ProblemError(
-                    "max_n_succ_stages must have the shape of compute_cost "
-                    f"{tuple(cost.shape)}, got {tuple(memory.shape)}"
-                )
-            memory = memory_limits(memory)
-
-        shapes = np.asarray(self.submesh_shapes)
-        if shapes.shape != (num_submeshes, 2) or not np.issubdtype(
-            shapes.dtype, np.integer
-        ):
-            raise ProblemError(
-                f"submesh_shapes must be integer with shape (M, 2) = "
-                f"({num_submeshes}, 2), got {shapes.dtype} {tuple(shapes.shape)}"
-            )
-        shapes = shapes.astype(np.int64)
+        cost = cost_table(self.compute_cost, with_types=False)
+        memory = memory_table(self.max_n_succ_stages, cost.shape)
+        shapes = submesh_table(self.submesh_shapes, cost.shape[2])
         cluster = np.asarray(self.cluster_shape)
         if cluster.shape != (2,) or not np.issubdtype(cluster.dtype, np.integer):
             raise ProblemError(
                 f"cluster_shape must be two integers (hosts, devices per host), "
-                f"got {self.cluster_shape!r}"
+                f"got {describe(self.cluster_shape)}"
             )
         num_hosts, devices_per_host = (int(x) for x in cluster)
         if num_hosts < 1 or devices_per_host < 1:
             raise ProblemError(
                 f"cluster_shape must be positive, got {(num_hosts, devices_per_host)}"
+            )
+        if num_hosts * devices_per_host > MAX_DEVICES:
+            raise ProblemError(
+                f"cluster_shape {num_hosts}x{devices_per_host} has more than "
+                f"{MAX_DEVICES} devices"
             )
         for index, (hosts, devices) in enumerate(shapes.tolist()):
             if not (1 <= hosts <= num_hosts and 1 <= devices <= devices_per_host):
@@ -247,32 +176,20 @@ class Problem:
                     f"submesh {index} has shape {(hosts, devices)}, which does not "
                     f"fit the {num_hosts}x{devices_per_host} cluster"
                 )
-        num_microbatches = _as_int(self.num_microbatches, "num_microbatches")
-        if num_microbatches < 1:
-            raise ProblemError(f"num_microbatches must be >= 1, got {num_microbatches}")
-
+        num_microbatches = as_count(
+            self.num_microbatches, "num_microbatches", maximum=MAX_MICROBATCHES
+        )
         num_devices = num_hosts * devices_per_host
-        sizes = shapes[:, 0] * shapes[:, 1]
-        reachable = np.zeros(num_devices + 1, dtype=bool)
-        reachable[0] = True
-        for total in range(1, num_devices + 1):
-            reachable[total] = any(
-                size <= total and reachable[total - size] for size in sizes.tolist()
-            )
-        if not reachable[num_devices]:
+        sizes = sorted(set((shapes[:, 0] * shapes[:, 1]).tolist()))
+        if not _reachable(sizes, num_devices):
             raise ProblemError(
-                f"no combination of the submesh sizes {sorted(set(sizes.tolist()))} "
-                f"uses exactly the {num_devices} devices of the "
-                f"{num_hosts}x{devices_per_host} cluster"
+                f"no combination of the submesh sizes {sizes} uses exactly the "
+                f"{num_devices} devices of the {num_hosts}x{devices_per_host} cluster"
             )
-
-        for name, value in (
-            ("compute_cost", cost),
-            ("max_n_succ_stages", memory),
-            ("submesh_shapes", shapes),
-        ):
-            value.setflags(write=False)
-            object.__setattr__(self, name, value)
+        freeze(self, compute_cost=cost, max_n_succ_stages=memory, submesh_shapes=shapes)
+        tail = tail_table(self.stage_tail_cost, cost)
+        if tail is not None:
+            freeze(self, stage_tail_cost=tail)
         object.__setattr__(self, "cluster_shape", (num_hosts, devices_per_host))
         object.__setattr__(self, "num_microbatches", num_microbatches)
 
@@ -306,70 +223,103 @@ class Problem:
         """Latency (s) of the stage holding layers ``start..stop-1`` (half-open)."""
         return float(self.compute_cost[start, stop - 1, submesh, config])
 
+    def stage_tail(self, start: int, stop: int, submesh: int, config: int) -> float:
+        """Tail (s) of the stage holding layers ``start..stop-1`` (0 without tails)."""
+        if self.stage_tail_cost is None:
+            return 0.0
+        return float(self.stage_tail_cost[start, stop - 1, submesh, config])
+
     def replace(self, **changes: Any) -> Problem:
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
 
     # Files -----------------------------------------------------------------
-    def to_npz(self, path: Any) -> None:
-        """Write the problem file of DESIGN section 2 (``numpy.savez``)."""
-        np.savez(
+    def to_npz(self, path: Any) -> Path:
+        """Write the problem file of DESIGN section 2; returns the path written
+        (``.npz`` is appended when ``path`` lacks it, as ``numpy.savez`` does).
+
+        Raises:
+            ProblemError: the file cannot be written.
+        """
+        return write_npz(
             path,
-            compute_cost=self.compute_cost,
-            max_n_succ_stages=self.max_n_succ_stages,
-            submesh_shapes=self.submesh_shapes,
-            cluster_shape=np.asarray(self.cluster_shape, dtype=np.int64),
-            num_microbatches=np.asarray(self.num_microbatches, dtype=np.int64),
+            {
+                "compute_cost": self.compute_cost,
+                "max_n_succ_stages": self.max_n_succ_stages,
+                "submesh_shapes": self.submesh_shapes,
+                "cluster_shape": np.asarray(self.cluster_shape, dtype=np.int64),
+                "num_microbatches": np.asarray(self.num_microbatches, dtype=np.int64),
+                **(
+                    {}
+                    if self.stage_tail_cost is None
+                    else {"stage_tail_cost": self.stage_tail_cost}
+                ),
+            },
         )
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any], source: str) -> Problem:
+        """A problem from the arrays of a problem file (:data:`PROBLEM_KEYS`).
+
+        Raises:
+            ProblemError: invalid contents, the message prefixed by ``source``;
+                also for a heterogeneous problem file (it has ``cluster_json``).
+        """
+        if "cluster_json" in arrays:
+            raise ProblemError(
+                f"{source} is a heterogeneous problem (typed devices and links); "
+                "this reader needs Alpa's homogeneous problem (use "
+                "pipedejavu.load_problem or HeteroProblem.from_npz)"
+            )
+        try:
+            return cls(
+                compute_cost=arrays["compute_cost"],
+                max_n_succ_stages=arrays.get("max_n_succ_stages"),
+                submesh_shapes=arrays["submesh_shapes"],
+                cluster_shape=_cluster_shape(arrays["cluster_shape"]),
+                num_microbatches=arrays["num_microbatches"],
+                stage_tail_cost=arrays.get("stage_tail_cost"),
+            )
+        except ProblemError as error:
+            raise ProblemError(f"{source}: {error}") from None
 
     @classmethod
     def from_npz(cls, path: Any) -> Problem:
         """Read a problem file; extra keys are ignored.
 
         Raises:
-            ProblemError: the file is not a readable ``.npz`` or lacks a key.
+            ProblemError: one line naming the file: unreadable, truncated or
+                corrupt, a missing key, declared sizes over the reading limit
+                (:func:`pipedejavu.npzfile.read_npz`), or invalid contents.
         """
-        try:
-            archive = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as error:
-            raise ProblemError(
-                f"cannot read {path} as a problem .npz: {error}"
-            ) from None
-        with archive:
-            if not hasattr(archive, "files"):
-                raise ProblemError(f"{path} is a single array, not a problem .npz")
-            required = (
-                "compute_cost",
-                "submesh_shapes",
-                "cluster_shape",
-                "num_microbatches",
-            )
-            missing = [key for key in required if key not in archive.files]
-            if missing:
-                raise ProblemError(
-                    f"{path} lacks the key(s) {', '.join(missing)} of a problem file"
-                )
-            try:
-                arrays = {key: archive[key] for key in required}
-                memory = (
-                    archive["max_n_succ_stages"]
-                    if "max_n_succ_stages" in archive.files
-                    else None
-                )
-            except (ValueError, OSError) as error:
-                raise ProblemError(f"cannot read {path}: {error}") from None
-        cluster = arrays["cluster_shape"]
-        if cluster.shape != (2,):
-            raise ProblemError(
-                f"cluster_shape must have shape (2,), got {tuple(cluster.shape)}"
-            )
-        return cls(
-            compute_cost=arrays["compute_cost"],
-            max_n_succ_stages=memory,
-            submesh_shapes=arrays["submesh_shapes"],
-            cluster_shape=tuple(int(x) for x in cluster),
-            num_microbatches=arrays["num_microbatches"],
+        arrays = read_npz(
+            path,
+            required=PROBLEM_KEYS,
+            optional=("max_n_succ_stages", "cluster_json", "stage_tail_cost"),
         )
+        return cls.from_arrays(arrays, str(path))
+
+
+def _cluster_shape(value: Any) -> tuple[int, int]:
+    cluster = np.asarray(value)
+    if cluster.shape != (2,) or not np.issubdtype(cluster.dtype, np.integer):
+        raise ProblemError(
+            f"cluster_shape must be two integers (hosts, devices per host), got "
+            f"{cluster.dtype} {tuple(cluster.shape)}"
+        )
+    return (int(cluster[0]), int(cluster[1]))
+
+
+def _reachable(sizes: Sequence[int], total: int) -> bool:
+    """Whether some multiset of ``sizes`` sums to exactly ``total`` (vectorized
+    unbounded coin change: once ``n`` is reachable, so is ``n + size``)."""
+    reachable = np.zeros(total + 1, dtype=bool)
+    reachable[0] = True
+    for size in sizes:
+        for residue in range(min(size, total + 1)):
+            column = reachable[residue::size]
+            np.logical_or.accumulate(column, out=column)
+    return bool(reachable[total])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,38 +378,70 @@ class Plan:
         return len(self.stages)
 
     def to_json(self) -> dict[str, Any]:
-        """The plan JSON of DESIGN section 2."""
+        """The plan JSON of DESIGN section 2, plus ``lower_bound`` and ``gap``
+        when the solver certified the plan (``info`` has them)."""
         return {
             "method": self.method,
             "cost": self.cost,
             "num_microbatches": self.num_microbatches,
             "stages": [stage.to_json() for stage in self.stages],
             "search_time_s": self.search_time_s,
+            **certificate(self.info),
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Plan:
-        try:
-            stages = tuple(
-                Stage(
-                    start=int(s["start"]),
-                    stop=int(s["stop"]),
-                    submesh=(int(s["submesh"][0]), int(s["submesh"][1])),
-                    submesh_index=int(s["submesh_index"]),
-                    config_index=int(s["config_index"]),
-                    latency=float(s["latency"]),
-                )
-                for s in data["stages"]
-            )
-            return cls(
-                stages=stages,
-                cost=float(data["cost"]),
-                num_microbatches=int(data["num_microbatches"]),
-                method=str(data["method"]),
-                search_time_s=float(data.get("search_time_s", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as error:
-            raise ProblemError(f"not a plan JSON object: {error!r}") from None
+    def from_json(cls, data: Any, source: str = "plan JSON") -> Plan:
+        """The plan of a plan JSON object (as :meth:`to_json` writes it).
+
+        Raises:
+            ProblemError: naming ``source`` and the field that is missing or of
+                the wrong kind. (Whether the plan obeys a problem's rules is
+                :func:`check_plan`'s question.)
+        """
+        stages = tuple(
+            Stage(**stage_fields(entry, f"{source}: stages[{index}]"))
+            for index, entry in enumerate(json_list(data, "stages", source))
+        )
+        return cls(stages=stages, **plan_fields(data, source))
+
+
+def stage_fields(entry: Any, where: str) -> dict[str, Any]:
+    """The fields every stage JSON has (start, stop, submesh, indices,
+    latency), checked; shared by :class:`Plan` and placed plans."""
+    submesh = json_list(entry, "submesh", where, length=2)
+    return {
+        "start": json_int(entry, "start", where),
+        "stop": json_int(entry, "stop", where),
+        "submesh": (
+            as_count(submesh[0], f"{where}.submesh[0]"),
+            as_count(submesh[1], f"{where}.submesh[1]"),
+        ),
+        "submesh_index": json_int(entry, "submesh_index", where),
+        "config_index": json_int(entry, "config_index", where),
+        "latency": json_float(entry, "latency", where),
+    }
+
+
+def plan_fields(data: Any, source: str) -> dict[str, Any]:
+    """The plan-level fields of a plan JSON (cost, B, method, search time)."""
+    method = json_field(data, "method", source)
+    if not isinstance(method, str):
+        raise ProblemError(f"{source}.method must be text, got {describe(method)}")
+    return {
+        "cost": json_float(data, "cost", source),
+        "num_microbatches": json_int(data, "num_microbatches", source, minimum=1),
+        "method": method,
+        "search_time_s": (
+            json_float(data, "search_time_s", source)
+            if "search_time_s" in data
+            else 0.0
+        ),
+    }
+
+
+def certificate(info: dict[str, Any]) -> dict[str, float]:
+    """``lower_bound`` and ``gap`` of a plan's ``info``, when a solver set them."""
+    return {key: float(info[key]) for key in ("lower_bound", "gap") if key in info}
 
 
 def check_plan(problem: Problem, plan: Plan | Sequence[Stage]) -> None:
@@ -557,9 +539,22 @@ def check_plan(problem: Problem, plan: Plan | Sequence[Stage]) -> None:
         )
 
 
-def objective(latencies: Sequence[float], num_microbatches: int) -> float:
-    """Alpa's pipeline latency ``sum(t) + (B - 1) * max(t)`` in seconds."""
-    return float(math.fsum(latencies) + (num_microbatches - 1) * max(latencies))
+def objective(
+    latencies: Sequence[float],
+    num_microbatches: int,
+    transfers: Sequence[float] = (),
+) -> float:
+    """The pipeline latency in seconds: Alpa's ``sum(t) + (B - 1) * max(t)``,
+    and with transfers between stages (``pipedejavu.hetero``)
+    ``sum(t) + sum(c) + (B - 1) * max(max t, max c)``."""
+    if not transfers:
+        return float(math.fsum(latencies) + (num_microbatches - 1) * max(latencies))
+    bottleneck = max(max(latencies), max(transfers))
+    return float(
+        math.fsum(latencies)
+        + math.fsum(transfers)
+        + (num_microbatches - 1) * bottleneck
+    )
 
 
 def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
@@ -567,7 +562,8 @@ def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
 
     Checks every rule first (:func:`check_plan`), then returns
     ``sum_s t_s + (B - 1) * max_s t_s`` with ``t_s`` read from
-    ``problem.compute_cost`` (never from the plan's recorded latencies).
+    ``problem.compute_cost`` (never from the plan's recorded latencies), plus
+    ``max_s tail_s`` when the problem has ``stage_tail_cost``.
 
     Raises:
         PlanError: naming the broken rule and the stage.
@@ -578,7 +574,11 @@ def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
         problem.stage_cost(s.start, s.stop, s.submesh_index, s.config_index)
         for s in stages
     ]
-    return objective(latencies, problem.num_microbatches)
+    tail = max(
+        problem.stage_tail(s.start, s.stop, s.submesh_index, s.config_index)
+        for s in stages
+    )
+    return objective(latencies, problem.num_microbatches) + tail
 
 
 def make_plan(

@@ -24,6 +24,10 @@ Model:
   in the *same* micro-batch order ``B(s, 0..B-1)``. ``"1f1b"`` (Megatron /
   PipeDream-flush, non-interleaved): ``w = min(S - s, B)`` warm-up forwards, then
   alternately one backward and one forward, then the remaining backwards.
+  ``"deepspeed"``: the same compute order as DeepSpeed's pipeline engine issues
+  it, with its *blocking* transfers: a transfer starts when both stages reach it
+  and keeps both busy (no overlap of a stage's compute with its own sends and
+  receives); see :mod:`pipedejavu._deepspeed_schedule`.
 * **In flight** at a stage: forwards done minus backwards done (activations
   stashed); its peak depends on the order only: ``B`` for GPipe and
   ``min(S - s, B)`` for 1F1B.
@@ -74,6 +78,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ._deepspeed_schedule import run_deepspeed
 from ._schedule import _order, _run_events, _run_fixed_order
 from .problem import Plan, Problem, check_plan, objective
 
@@ -89,7 +94,7 @@ __all__ = [
     "transfer_aware_formula",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "deepspeed")
 
 
 class Event(NamedTuple):
@@ -111,7 +116,7 @@ class SimulationResult:
     """The timed schedule of one iteration.
 
     Attributes:
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"deepspeed"``.
         num_microbatches: B.
         iteration_time: seconds until the last event ends.
         forward, backward: f64[S] seconds per micro-batch of each stage.
@@ -308,6 +313,8 @@ def simulate(
     schedule: str = "1f1b",
     transfer: ArrayLike | None = None,
     memory_per_microbatch: ArrayLike | None = None,
+    gradient_transfer: ArrayLike | None = None,
+    blocking: bool | ArrayLike = True,
 ) -> SimulationResult:
     """Simulate one training iteration of a pipeline (see the module docstring).
 
@@ -315,9 +322,17 @@ def simulate(
         forward: f64[S] seconds per micro-batch of each stage's forward pass.
         backward: f64[S] seconds per micro-batch of each stage's backward pass.
         num_microbatches: B >= 1.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"deepspeed"``.
         transfer: f64[S - 1] seconds per micro-batch per direction over each link
             (``None``: free links).
+        gradient_transfer: f64[S - 1] seconds of the gradient transfer back over
+            each link when it differs from ``transfer`` (``"deepspeed"`` only;
+            ``None``: ``transfer``).
+        blocking: ``"deepspeed"`` only: per link (or one bool for all) whether a
+            transfer is a rendezvous that keeps both stages busy (``True``) or is
+            buffered: the sender hands the tensor over at once and the receiver
+            waits only for its arrival (a tensor that fits in the communication
+            library's buffer).
         memory_per_microbatch: f64[S] bytes each in-flight micro-batch holds at
             each stage (``None``: no memory report).
 
@@ -356,6 +371,32 @@ def simulate(
         else _times(memory_per_microbatch, "memory_per_microbatch", num_stages)
     )
 
+    if schedule != "deepspeed" and (
+        gradient_transfer is not None or blocking is not True
+    ):
+        raise ValueError(
+            "gradient_transfer and blocking apply to the deepspeed schedule only"
+        )
+    if schedule == "deepspeed":
+        back = (
+            transfer
+            if gradient_transfer is None
+            else _times(gradient_transfer, "gradient_transfer", num_stages - 1)
+        )
+        modes = np.broadcast_to(np.asarray(blocking), (num_stages - 1,))
+        if modes.dtype != np.bool_:
+            raise ValueError(f"blocking must be bools, got dtype {modes.dtype}")
+        orders, grids = run_deepspeed(
+            forward.tolist(),
+            backward.tolist(),
+            transfer.tolist(),
+            back.tolist(),
+            modes.tolist(),
+            count,
+        )
+        return _result(
+            schedule, count, forward, backward, transfer, memory, orders, grids
+        )
     orders = [_order(schedule, s, num_stages, count) for s in range(num_stages)]
     args = (forward.tolist(), backward.tolist())
     if transfer.any():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pipedejavu import InfeasibleProblemError, Problem, evaluate
 from pipedejavu.baselines import brute_force, exact_dp
-from pipedejavu.baselines.anneal import anneal
+from pipedejavu.baselines.annealing import anneal
 from pipedejavu.baselines.heuristics import (
     greedy,
     linear_partition,

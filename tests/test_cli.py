@@ -13,7 +13,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 import pytest
 
-from pipedejavu import Plan, Problem, evaluate
+from pipedejavu import Plan, Problem, ProblemError, evaluate
 from pipedejavu.cli import main
 from pipedejavu.io import bundled_examples
 
@@ -159,7 +159,8 @@ def test_bad_problems_exit_2_naming_the_problem(capsys, tmp_path, changes, messa
 
 def test_bad_microbatches_flag(capsys, tmp_path):
     code, _, err = run(capsys, "solve", _write_problem(tmp_path / "p.npz"), "-B", "0")
-    assert code == 2 and "num_microbatches must be >= 1" in err
+    assert code == 2 and "--num-microbatches must be >= 1" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 class _Exploit:
@@ -230,7 +231,8 @@ def test_console_script_runs_the_demo():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("== ") == 4
+    assert result.stdout.count("== ") == 5
+    assert "Alpa's way" in result.stdout  # the heterogeneous example
     assert "no feasible plan" in result.stdout  # the 6-layer B=32 profile
     assert "same plan" in result.stdout
     assert "Traceback" not in result.stderr
@@ -280,7 +282,149 @@ def test_diff_method_from_the_command_line(capsys, tmp_path):
     data = json.loads(out)
     assert data["method"] == "diff"
     assert data["cost"] == evaluate(problem, Plan.from_json(data))
+    assert 0 < data["lower_bound"] <= data["cost"]  # the certificate is kept
+    assert data["gap"] == pytest.approx(data["cost"] / data["lower_bound"] - 1)
     code, _, err = run(capsys, "solve", path, "--restarts", "8")
     assert code == 2 and "--method diff" in err
     code, _, err = run(capsys, "solve", path, "--method", "diff", "--steps", "0")
-    assert code == 2 and "num_steps" in err
+    assert code == 2 and "--steps must be >= 1" in err
+
+
+# --- issue 10: what a new user hit ------------------------------------------------
+def _cluster_file(tmp_path, hosts=("a100", "v100"), memory=True):
+    types = {"a100": {"speed": 1.0}, "v100": {"speed": 0.5}}
+    if memory:
+        types["a100"]["memory_gb"], types["v100"]["memory_gb"] = 40, 16
+    path = tmp_path / "c.json"
+    path.write_text(
+        json.dumps(
+            {
+                "devices_per_host": 8,
+                "device_types": types,
+                "hosts": list(hosts),
+                "intra_host": {"default": {"latency_us": 5, "bandwidth_gbps": 2400}},
+                "inter_host": {"default": {"latency_us": 20, "bandwidth_gbps": 25}},
+            }
+        )
+    )
+    return path
+
+
+def _generated_npz(tmp_path, layers=8):
+    from pipedejavu.generate import random_problem
+
+    return random_problem(layers, (2, 8), num_microbatches=8, seed=0).to_npz(
+        tmp_path / "gen.npz"
+    )
+
+
+def test_heterogeneous_convert_and_inspect(capsys, tmp_path):
+    gen, cluster = _generated_npz(tmp_path), _cluster_file(tmp_path, memory=False)
+    code, out, err = run(
+        capsys, "convert", gen, tmp_path / "het", "--cluster-file", cluster
+    )
+    assert code == 0, err
+    assert f"wrote {tmp_path / 'het.npz'}:" in out  # the file numpy wrote
+    assert "1x8 a100 (speed 1) + 1x8 v100 (speed 0.5)" in out
+    for argv in (["het.npz"], ["gen.npz", "--cluster-file", str(cluster)]):
+        code, out, err = run(capsys, "inspect", tmp_path / argv[0], *argv[1:])
+        assert code == 0, err
+        assert "device types T = 2" in out and "type v100 (1 hosts, speed 0.5" in out
+        assert "link between hosts a100-v100: latency 20 us, bandwidth 25 Gb/s" in out
+    code, out, err = run(capsys, "solve", tmp_path / "het.npz", "--method", "alpa")
+    assert code == 0 and "inter-host hop" in out
+
+
+def test_convert_names_the_file_it_wrote(capsys, tmp_path):
+    code, out, _ = run(
+        capsys, "convert", "generated-gpt-32layers-2x8", tmp_path / "out"
+    )
+    assert code == 0 and (tmp_path / "out.npz").exists()
+    assert out.startswith(f"wrote {tmp_path / 'out.npz'}:")
+    code, _, err = run(
+        capsys, "convert", "generated-gpt-32layers-2x8", tmp_path / "no" / "out.npz"
+    )
+    assert code == 2 and "no folder" in err
+
+
+def test_options_that_cannot_apply_are_refused(capsys, tmp_path):
+    gen, cluster = _generated_npz(tmp_path), _cluster_file(tmp_path, memory=False)
+    for argv, message in (
+        (
+            ["solve", gen, "--cluster-file", cluster, "--alpa-compatible"],
+            "with typed devices use --method alpa",
+        ),
+        (
+            ["solve", "gpt1.3b-6layers-B128", "--cluster", "2x8"],
+            "fixed to a 1x4 cluster",
+        ),
+        (["solve", gen, "--cluster", "1x4"], "a problem for a 2x8 cluster"),
+        (["solve", gen, "--submesh-space", "all"], "--submesh-space"),
+        (
+            ["solve", "generated-gpt-32layers-2x8", "--submesh-space", "all"],
+            "--submesh-space does not apply",
+        ),
+        (["solve", gen, "-B", "99999999999999999999"], "<= 2147483647"),
+    ):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "", argv
+        assert message in err, (argv, err)
+        lines = [x for x in err.splitlines() if not x.startswith("warning")]
+        assert len(lines) == 1, err
+    with pytest.raises(ProblemError, match="for a HeteroProblem use method 'alpa'"):
+        from pipedejavu import load_problem, solve
+
+        typed = load_problem(gen, cluster=cluster)
+        solve(typed, "dp", alpa_compatible=True)
+
+
+def test_costmodel_predict_refuses_a_heterogeneous_file_clearly(capsys, tmp_path):
+    gen, cluster = _generated_npz(tmp_path), _cluster_file(tmp_path, memory=False)
+    run(capsys, "convert", gen, tmp_path / "het.npz", "--cluster-file", cluster)
+    code, _, err = run(capsys, "costmodel", "predict", tmp_path / "het.npz")
+    assert code == 2 and "het.npz is a heterogeneous problem" in err
+    assert "compute_cost must have shape" not in err
+
+
+def test_version_and_help_show_defaults(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    out, _ = capsys.readouterr()
+    assert stop.value.code == 0 and out.strip() == "pipedejavu 0.1.0"
+    for argv, expected in (
+        (["solve", "--help"], ["(default: dp)", "(default: 0)"]),
+        (["compare", "--help"], ["(default: 3)", "(default: 1)"]),
+        (
+            ["profile", "--help"],
+            ["micro-batches B stored in the problem", "(default: 8)"],
+        ),
+        (["costmodel", "report", "--help"], ["(default: 5)"]),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        flat = " ".join(capsys.readouterr()[0].split())
+        for text in expected:
+            assert text in flat, (argv, text)
+
+
+def test_profile_checks_the_output_path_before_profiling(capsys, tmp_path, monkeypatch):
+    from pipedejavu.costmodel import profiler
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled before checking --out")
+
+    monkeypatch.setattr(profiler, "profile_to_problem", must_not_run)
+    code, _, err = run(
+        capsys, "profile", "--model", "gpt-micro", "--out", tmp_path / "no" / "x.npz"
+    )
+    assert code == 2 and "no folder" in err
+
+
+def test_solve_takes_a_path(tmp_path):
+    from pipedejavu import solve
+
+    gen = _generated_npz(tmp_path)
+    assert solve(gen).cost == solve(Problem.from_npz(gen)).cost
+    assert solve("generated-gpt-32layers-2x8").method == "dp"
+    with pytest.raises(ProblemError, match="must be a Problem"):
+        solve(42)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import jax
@@ -31,6 +32,7 @@ from pipedejavu.costmodel.comm import (
     held_out_errors,
 )
 from pipedejavu.costmodel.comm_plots import (
+    TABLE_LEGEND,
     comm_report,
     format_table,
     plot_fits,
@@ -330,7 +332,9 @@ def test_real_database_model_matches_report(rows):
 
 def test_table_and_json(rows):
     table = format_table(rows)
-    assert len(table.splitlines()) == len(rows) + 5
+    legend = textwrap.wrap(TABLE_LEGEND, width=len(table.splitlines()[0]))
+    assert len(table.splitlines()) == len(rows) + 6 + len(legend)  # blank lines
+    assert "stride = device-id step" in " ".join(table.split())
     assert "held-out median MAPE" in table
     dicts = rows_to_dicts(rows)
     json.dumps(dicts, allow_nan=False)
@@ -357,3 +361,36 @@ def test_report_on_a_curve_without_fit():
     assert summary["num_without_fit"] == 1 and summary["median_cv_mape"] is None
     assert "n/a" in format_table([row])
     assert fit_comm_model(database).keys == ()
+
+
+def test_table_rows_are_labelled_uniquely(rows):
+    """Two curves differing only in their group's device stride (2x2 groups of
+    devices (0,1),(2,3) vs (0,2),(1,3)) used to print the same label."""
+    labels = [line.split()[:6] for line in format_table(rows).splitlines()[2:250]]
+    assert len(labels) == len(rows) == len({tuple(label) for label in labels})
+    header = format_table(rows).splitlines()[0].split()
+    assert header[:6] == ["collective", "mesh", "groups", "stride", "X", "dt"]
+
+
+def test_folds_are_capped_at_the_points_of_a_curve(monkeypatch):
+    """k beyond a curve's used points assigns the same folds (leave-one-out);
+    the fit must not run thousands of empty folds."""
+    from pipedejavu.costmodel import comm_fit
+
+    seen = []
+    real = comm_fit._held_out_batch
+
+    def spy(*args, num_folds, **kwargs):
+        seen.append(num_folds)
+        return real(*args, num_folds=num_folds, **kwargs)
+
+    monkeypatch.setattr(comm_fit, "_held_out_batch", spy)
+    (capped,) = comm_report(_fake_database(), num_folds=10_000)
+    (exact,) = comm_report(_fake_database(), num_folds=12)  # 12 used points
+    assert seen == [12, 12]
+    assert capped.cv_mape == exact.cv_mape and capped.cv_max_ape == exact.cv_max_ape
+
+
+def test_bundled_database_by_name():
+    bundled = read_prof_database("bundled")
+    assert bundled.keys() == read_prof_database(PROF_DB).keys()

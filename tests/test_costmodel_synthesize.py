@@ -14,7 +14,7 @@ from pipedejavu.costmodel.layers import (
     gpt_layers,
     irregular_layers,
 )
-from pipedejavu.costmodel.synthesize import AlphaBetaComm, stage_cost_table, synthesize
+from pipedejavu.costmodel.synthesis import AlphaBetaComm, stage_cost_table, synthesize
 from pipedejavu.problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     InfeasibleProblemError,

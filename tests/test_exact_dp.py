@@ -20,14 +20,15 @@ def _solve_or_none(solver, problem):
         return None
 
 
+@pytest.mark.parametrize("method", ["labels", "caps"])
 @pytest.mark.parametrize("seed", range(4))
-def test_dp_equals_brute_force_on_random_tiny_instances(seed):
+def test_dp_equals_brute_force_on_random_tiny_instances(seed, method):
     rng = np.random.default_rng(1000 + seed)
     solved = 0
     for _ in range(100):
         problem = tiny_problem(rng)
         oracle = _solve_or_none(brute_force, problem)
-        plan = _solve_or_none(exact_dp, problem)
+        plan = _solve_or_none(lambda p: exact_dp(p, method=method), problem)
         assert (oracle is None) == (plan is None)
         if plan is None:
             continue
@@ -37,13 +38,14 @@ def test_dp_equals_brute_force_on_random_tiny_instances(seed):
     assert solved >= 60  # most random instances have a plan: the test has teeth
 
 
-def test_dp_handles_tight_memory_like_brute_force():
+@pytest.mark.parametrize("method", ["labels", "caps"])
+def test_dp_handles_tight_memory_like_brute_force(method):
     rng = np.random.default_rng(7)
     compared = 0
     for _ in range(150):
         problem = tiny_problem(rng, p_memory=0.9, p_missing=0.05)
         oracle = _solve_or_none(brute_force, problem)
-        plan = _solve_or_none(exact_dp, problem)
+        plan = _solve_or_none(lambda p: exact_dp(p, method=method), problem)
         assert (oracle is None) == (plan is None)
         if plan is not None:
             compared += 1
@@ -123,7 +125,8 @@ def test_dp_on_generated_instances_matches_exhaustive_caps(layers, cluster, tigh
     problem = random_problem(
         layers, cluster, num_microbatches=16, memory_tightness=tightness, seed=5
     )
-    plan = exact_dp(problem)
+    plan = exact_dp(problem, method="caps")
+    assert exact_dp(problem).stages == plan.stages
     table = problem.compute_cost
     best = math.inf
     for cap in np.unique(table[np.isfinite(table)]):
@@ -133,3 +136,142 @@ def test_dp_on_generated_instances_matches_exhaustive_caps(layers, cluster, tigh
             best = min(best, sum(latencies) + 15 * max(latencies))
     np.testing.assert_allclose(plan.cost, best, rtol=1e-12)
     assert plan.info["num_evaluated"] < plan.info["num_candidates"]
+
+
+# --- The label-setting DP (the default) against the cap scan -----------------
+
+
+def _plan_or_none(problem, method):
+    try:
+        return exact_dp(problem, method=method)
+    except InfeasibleProblemError:
+        return None
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
+    from pipedejavu.search import _labels
+
+    if seed:  # follower levels in the prefix tables from the first pass on
+        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+    # Half the instances have costs rounded to 0.5 s, so that equal costs (and
+    # the tie-breaking: fewest stages, then Alpa's loop order) are common.
+    rng = np.random.default_rng(2000 + seed)
+    compared = ties = 0
+    for index in range(150):
+        problem = tiny_problem(rng, p_memory=0.5)
+        if index % 2:
+            problem = problem.replace(
+                compute_cost=np.round(problem.compute_cost * 2) / 2
+            )
+        caps = _plan_or_none(problem, "caps")
+        labels = _plan_or_none(problem, "labels")
+        assert (caps is None) == (labels is None)
+        if caps is None:
+            continue
+        compared += 1
+        ties += index % 2
+        assert labels.cost == caps.cost
+        assert labels.stages == caps.stages
+        assert labels.info["method"] == "labels"
+    assert compared >= 90 and ties >= 40
+
+
+def _memory_tight(num_layers, cluster, seed, never_fit=0.6):
+    """Parameters sharded over a config-dependent share of the devices,
+    small activations, a capacity that ``never_fit`` of the entries exceed:
+    memory binds (the model of ``memory_tight_problem`` in
+    benchmarks/dp_scaling.py, at test sizes)."""
+    base = random_problem(num_layers, cluster, num_microbatches=32, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    params = np.where(np.arange(num_layers) == 0, 3.0, 1.0) * rng.uniform(
+        0.8, 1.2, num_layers
+    )
+    acts = 0.06 * rng.uniform(0.8, 1.2, num_layers)
+    starts, ends = np.triu_indices(num_layers)
+    param_prefix, act_prefix = np.cumsum(np.r_[0, params]), np.cumsum(np.r_[0, acts])
+    span_params = param_prefix[ends + 1] - param_prefix[starts]
+    span_acts = act_prefix[ends + 1] - act_prefix[starts]
+    sizes = base.submesh_sizes.astype(float)
+    shard = sizes[:, None] ** np.array([1.0, 0.5])[None, :]  # [M, K]
+    stage_params = span_params[:, None, None] / shard[None]
+    stage_acts = span_acts[:, None, None] / sizes[None, :, None]
+    need = stage_params + stage_acts
+    capacity = np.quantile(need, 1 - never_fit)
+    limit = np.floor((capacity - stage_params) / stage_acts) - 1
+    limit = np.where(need > capacity, -1, np.minimum(limit, 2**20)).astype(np.int64)
+    memory = np.full(base.compute_cost.shape, -1, dtype=np.int64)
+    memory[starts, ends] = limit
+    return base.replace(max_n_succ_stages=memory)
+
+
+@pytest.mark.parametrize("levels_at_once", [False, True])
+@pytest.mark.parametrize(("layers", "seed"), [(24, 0), (24, 1), (32, 0), (32, 2)])
+def test_labels_match_caps_when_memory_binds(layers, seed, levels_at_once, monkeypatch):
+    from pipedejavu.search import _labels
+
+    if levels_at_once:  # prefix tables with follower levels from the first pass
+        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+        monkeypatch.setattr(_labels, "MAX_LEVELS", 3)
+    problem = _memory_tight(layers, (2, 8), seed)
+    caps = exact_dp(problem, method="caps")
+    labels = exact_dp(problem)
+    assert labels.stages == caps.stages
+    assert labels.cost == caps.cost
+    # Memory binds: the optimum of the problem without limits is cheaper.
+    free = exact_dp(problem.replace(max_n_succ_stages=None))
+    assert free.cost < labels.cost
+
+
+def test_label_dp_with_an_incumbent():
+    from pipedejavu.search._labels import label_dp
+
+    problem = random_problem(12, (2, 4), num_microbatches=16, seed=9)
+    optimum = exact_dp(problem)
+    above = label_dp(problem, incumbent=optimum.cost * 1.01)
+    assert above.cost == optimum.cost
+    assert label_dp(problem, incumbent=optimum.cost).stages is None  # not cheaper
+    assert label_dp(problem, incumbent=optimum.cost * 0.99).stages is None
+
+
+@pytest.mark.parametrize("method", ["labels", "caps"])
+def test_progress_lines(method, monkeypatch):
+    from pipedejavu.search import exact
+
+    class Eager(exact._Reporter):
+        def __init__(self, progress_fn, every=0.0):
+            super().__init__(progress_fn, 0.0)
+
+    monkeypatch.setattr(exact, "_Reporter", Eager)
+    lines = []
+    problem = _memory_tight(24, (2, 8), 0)
+    exact_dp(problem, method=method, progress_fn=lines.append)
+    assert lines and all(line.startswith(f"exact DP ({method})") for line in lines)
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="method must be one of"):
+        exact_dp(random_problem(4, (1, 2), seed=0), method="scan")
+
+
+def test_follower_levels_prove_infeasibility(monkeypatch):
+    # Instance 38 of this stream has plans under the one-level relaxation but
+    # none under the exact memory rule (it once made the cap loop spin).
+    from pipedejavu.search import _labels
+
+    monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+    rng = np.random.default_rng(11)
+    infeasible = 0
+    for index in range(40):
+        problem = tiny_problem(rng, p_memory=0.7)
+        if index % 2:
+            problem = problem.replace(
+                compute_cost=np.round(problem.compute_cost * 2) / 2
+            )
+        caps = _plan_or_none(problem, "caps")
+        labels = _plan_or_none(problem, "labels")
+        assert (caps is None) == (labels is None)
+        infeasible += caps is None
+        if caps is not None:
+            assert labels.stages == caps.stages
+    assert infeasible >= 5

@@ -286,7 +286,10 @@ def test_cluster_file_memory_bounds_stages_in_the_cli(tmp_path, capsys):
                         "b": {"speed": 0.5, "memory_gb": gb},
                     },
                     "hosts": ["a", "b"],
-                    "inter_host": {"default": {"bandwidth_gbps": 100}},
+                    "intra_host": {
+                        "default": {"latency_us": 0, "bandwidth_gbps": "inf"}
+                    },
+                    "inter_host": {"default": {"latency_us": 0, "bandwidth_gbps": 100}},
                 }
             )
         )

@@ -64,3 +64,21 @@ def test_dir_lists_the_public_names():
     for name in pdj.__all__:
         assert name in names, name
     assert {"solve", "compare", "load_example", "simulate"} <= set(names)
+
+
+def test_no_public_name_is_also_a_submodule():
+    """A function and a submodule sharing a name flip between the two as
+    modules load; every package keeps them apart."""
+    import importlib
+    import pkgutil
+
+    for package_name in (
+        "pipedejavu",
+        "pipedejavu.search",
+        "pipedejavu.costmodel",
+        "pipedejavu.baselines",
+    ):
+        package = importlib.import_module(package_name)
+        submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        clash = set(getattr(package, "__all__", ())) & submodules
+        assert not clash, (package_name, sorted(clash))

@@ -219,3 +219,122 @@ def test_dp_plans_obey_every_rule(seed, memory, missing):
     assert sum(s.num_devices for s in plan.stages) == problem.num_devices
     assert plan.cost == evaluate(problem, plan)
     assert math.isfinite(plan.cost)
+
+
+# --- shared validation and files (issue 10) -----------------------------------
+def _small() -> Problem:
+    from pipedejavu.generate import random_problem
+
+    return random_problem(5, (1, 4), num_microbatches=4, seed=0)
+
+
+def _reachable_by_loop(sizes, total):
+    reachable = [True] + [False] * total
+    for value in range(1, total + 1):
+        reachable[value] = any(s <= value and reachable[value - s] for s in sizes)
+    return reachable[total]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5, unique=True),
+    total=st.integers(1, 200),
+)
+def test_vectorized_device_reachability_equals_the_plain_loop(sizes, total):
+    from pipedejavu.problem import _reachable
+
+    assert _reachable(sorted(sizes), total) == _reachable_by_loop(sizes, total)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (10**20, "num_microbatches must be <= 2147483647"),
+        (True, "must be an integer"),
+        ("4", "must be an integer"),
+        (2.5, "must be an integer"),
+        (np.array([4]), "must be an integer"),
+    ],
+)
+def test_num_microbatches_range_and_type(value, message):
+    problem = _small()
+    with pytest.raises(ProblemError, match=message):
+        problem.replace(num_microbatches=value)
+    assert problem.replace(num_microbatches=np.float64(8.0)).num_microbatches == 8
+
+
+def test_a_cluster_too_large_to_be_real_is_refused_before_any_work():
+    problem = _small()
+    with pytest.raises(ProblemError, match="more than 1048576 devices"):
+        problem.replace(cluster_shape=(2**20, 8))
+
+
+def test_problem_and_hetero_problem_validate_alike():
+    from pipedejavu import Cluster, HeteroProblem
+
+    problem = _small()
+    cluster = Cluster.homogeneous(*problem.cluster_shape)
+    hetero = HeteroProblem.from_problem(problem, cluster)
+    bad = problem.compute_cost[..., None].copy()
+    bad[0, 0, 0, 0, 0] = np.nan
+    for make, cost in (
+        (lambda c: problem.replace(compute_cost=c), bad[..., 0]),
+        (lambda c: hetero.replace(compute_cost=c), bad),
+    ):
+        with pytest.raises(ProblemError, match=r"1 NaN entries \(first at \(0, 0"):
+            make(cost)
+    with pytest.raises(ProblemError, match="num_microbatches must be an integer"):
+        hetero.replace(num_microbatches=1.5)  # was silently truncated to 1
+    with pytest.raises(ProblemError, match="submesh_shapes must be integer"):
+        hetero.replace(submesh_shapes=problem.submesh_shapes.astype(float) + 0.5)
+
+
+def test_homogeneous_reader_names_a_heterogeneous_file(tmp_path):
+    from pipedejavu import Cluster, HeteroProblem
+
+    problem = _small()
+    hetero = HeteroProblem.from_problem(
+        problem, Cluster.homogeneous(*problem.cluster_shape)
+    )
+    path = hetero.to_npz(tmp_path / "het")
+    assert path.name == "het.npz"
+    with pytest.raises(ProblemError, match="het.npz is a heterogeneous problem"):
+        Problem.from_npz(path)
+
+
+def test_plan_json_keeps_the_certificate():
+    problem = _small()
+    plan = exact_dp(problem)
+    assert "lower_bound" not in plan.to_json()
+    certified = Plan(
+        plan.stages,
+        plan.cost,
+        plan.num_microbatches,
+        "diff",
+        info={"lower_bound": plan.cost * 0.9, "gap": 1 / 0.9 - 1, "trace": []},
+    )
+    data = certified.to_json()
+    assert data["lower_bound"] == pytest.approx(plan.cost * 0.9)
+    assert "trace" not in data
+    assert Plan.from_json(data).stages == plan.stages
+
+
+def test_brute_force_counts_its_visits_before_enumerating():
+    import sys
+
+    import pipedejavu.baselines  # noqa: F401  (the module, not the function)
+    from pipedejavu.generate import random_problem
+
+    module = sys.modules["pipedejavu.baselines.brute"]
+    for seed in range(4):
+        problem = random_problem(
+            4 + seed % 3, (2, 2), num_microbatches=4, missing=0.3, seed=seed
+        )
+        visits = module.count_partial_plans(problem)
+        module.brute_force(problem, max_plans=int(visits))  # exactly enough
+        with pytest.raises(ProblemError, match="too large for brute force"):
+            module.brute_force(problem, max_plans=int(visits) - 1)
+    big = random_problem(24, (2, 8), seed=1)
+    assert module.count_partial_plans(big, limit=5e6) > 5e6
+    with pytest.raises(ProblemError, match=r"would visit .* partial plans"):
+        module.brute_force(big)  # refused up front, not after minutes

@@ -3,6 +3,7 @@ jit/vmap/loop agreement, no retracing, determinism, multi-device restarts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from pipedejavu import InfeasibleProblemError, evaluate
+from pipedejavu import InfeasibleProblemError, ProblemError, evaluate
 from pipedejavu.baselines import brute_force, exact_dp
 from pipedejavu.generate import random_problem
 from pipedejavu.search import engine
@@ -222,3 +223,80 @@ def test_time_budget_still_returns_a_valid_plan():
     assert result.plan.cost == evaluate(problem, result.plan)
     with pytest.raises(ValueError, match="time_budget_s"):
         SearchConfig(time_budget_s=0)
+
+
+def test_restarts_in_memory_limited_batches_give_the_same_plan():
+    # The shapes of test_search_result_reports_what_it_did: compiled once.
+    problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
+    whole = search(problem, SMALL, key=jax.random.key(2))
+    per_restart, _ = engine.restart_bytes(16, 8, 8)
+    progress = []
+    limited = dataclasses.replace(SMALL, memory_limit_gb=4.5 * per_restart / 2**30)
+    batched = search(
+        problem,
+        limited,
+        key=jax.random.key(2),
+        progress_fn=lambda *a: progress.append(a),
+    )
+    assert [p[0] for p in progress][:2] == [0, 20]  # the early line, then steps
+    assert progress[-1][:2] == (80, 80)  # 8 restarts in batches of 4
+    assert batched.final_losses.shape == (8,)
+    np.testing.assert_allclose(batched.final_losses, whole.final_losses, rtol=1e-4)
+    assert batched.plan.cost == whole.plan.cost
+
+
+def test_too_many_restarts_are_refused_before_compiling(capsys):
+    from pipedejavu.cli import main
+
+    problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
+    config = dataclasses.replace(SMALL, num_restarts=10**6, memory_limit_gb=0.5)
+    with pytest.raises(ProblemError, match="memory_limit_gb = 0.5"):
+        search(problem, config, key=jax.random.key(0))
+    code = main(
+        ["solve", "generated-gpt-32layers-2x8", "--method", "diff", "--restarts",
+         "100000000"]
+    )  # fmt: skip
+    assert code == 2
+    assert "memory_limit_gb" in capsys.readouterr().err
+
+
+def test_loss_curve_is_in_seconds_and_never_rises():
+    problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
+    progress = []
+    result = search(
+        problem, SMALL, key=jax.random.key(0), progress_fn=lambda *a: progress.append(a)
+    )
+    curve = result.loss_curve
+    assert np.all(np.diff(curve) <= 0)
+    assert curve.tolist() == result.plan.info["loss_curve"]
+    # Progress reports the same numbers, in the same unit as the plan's cost.
+    assert [p[2] for p in progress] == [curve[19], curve[39]]
+    assert 0.3 < curve[-1] / result.plan.cost < 3
+
+
+def test_polish_stops_once_the_bound_proves_the_plan_optimal():
+    problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
+    config = dataclasses.replace(SMALL, num_polished=4)
+    result = search(problem, config, key=jax.random.key(0))
+    assert result.plan.info["proven_optimal"]
+    assert result.plan.cost <= result.lower_bound * (1 + 1e-9)
+    assert len(result.polished_costs) == 1  # the others were not needed
+    np.testing.assert_allclose(result.plan.cost, exact_dp(problem).cost, rtol=1e-12)
+
+
+def test_bucketed_layers_share_compiled_code():
+    before = engine.TRACE_COUNT[0]
+    for layers in (13, 15):  # both pad to 16 layers
+        search(
+            random_problem(layers, (1, 4), seed=layers), SMALL, key=jax.random.key(0)
+        )
+    assert engine.TRACE_COUNT[0] - before <= 1
+
+
+def test_a_plan_no_neighbourhood_holds_comes_from_the_exact_dp():
+    # Four one-layer stages on four devices: roundings of fewer stages have too
+    # few anchors for the polish to reach it (found by hypothesis).
+    problem = tiny_problem(np.random.default_rng(3697), max_layers=6)
+    plan = differentiable(problem, SMALL, key=jax.random.key(3697))
+    assert plan.num_stages == 4
+    np.testing.assert_allclose(plan.cost, brute_force(problem).cost, rtol=1e-12)

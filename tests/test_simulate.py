@@ -374,7 +374,10 @@ def test_simulate_plan_splits_the_table_latencies():
         ({"transfer": [1.0, 1.0]}, r"transfer must have shape \(1,\), got \(2,\)"),
         ({"transfer": [-0.5]}, r"transfer must be finite and >= 0"),
         ({"memory_per_microbatch": [1.0]}, r"memory_per_microbatch must have shape"),
-        ({"schedule": "zb"}, r"schedule must be one of \('gpipe', '1f1b'\), got 'zb'"),
+        (
+            {"schedule": "zb"},
+            r"schedule must be one of \('gpipe', '1f1b', 'deepspeed'\), got 'zb'",
+        ),
         ({"num_microbatches": 0}, r"num_microbatches must be >= 1, got 0"),
         ({"num_microbatches": 2.0}, r"num_microbatches must be an int, got 2.0"),
         ({"num_microbatches": True}, r"num_microbatches must be an int"),

@@ -3,11 +3,11 @@ and the heuristics users would otherwise pick (uniform, greedy, random, anneal).
 
 from pipedejavu.problem import get_submesh_choices as get_submesh_choices
 
-from .anneal import anneal as anneal
-from .brute_force import brute_force as brute_force
-from .exact_dp import exact_dp as exact_dp
-from .exact_dp import explain_infeasible as explain_infeasible
-from .exact_dp import min_sum_plan as min_sum_plan
+from .annealing import anneal as anneal
+from .brute import brute_force as brute_force
+from .dp import exact_dp as exact_dp
+from .dp import explain_infeasible as explain_infeasible
+from .dp import min_sum_plan as min_sum_plan
 from .hetero import alpa_homogeneous as alpa_homogeneous
 from .hetero import hetero_brute_force as hetero_brute_force
 from .heuristics import greedy as greedy

@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
 
-from .exact_dp import exact_dp, explain_infeasible
+from .dp import exact_dp, explain_infeasible
 
 __all__ = ["ALPA_GAP", "ScanTimeout", "alpa_training_dp"]
 

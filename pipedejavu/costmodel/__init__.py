@@ -23,10 +23,10 @@ from .layers import irregular_layers as irregular_layers
 from .memory_model import MemoryStatsTable as MemoryStatsTable
 from .memory_model import memory_stats_table as memory_stats_table
 from .memory_model import synthetic_memory_stats as synthetic_memory_stats
-from .synthesize import AlphaBetaComm as AlphaBetaComm
-from .synthesize import StageTables as StageTables
-from .synthesize import stage_cost_table as stage_cost_table
-from .synthesize import synthesize as synthesize
+from .synthesis import AlphaBetaComm as AlphaBetaComm
+from .synthesis import StageTables as StageTables
+from .synthesis import stage_cost_table as stage_cost_table
+from .synthesis import synthesize as synthesize
 
 # The JAX-based parts load on first use, so that reading Alpa's files (and
 # `import baselines`) does not pay for importing JAX.
@@ -48,6 +48,10 @@ _LAZY = {
     "fit_stage_overhead": "profiler",
     "DataParallelScaling": "profiler",
     "StageOverhead": "profiler",
+    "GoodputFunction": "goodput",
+    "PerfParams": "goodput",
+    "GradParams": "goodput",
+    "fit_perf_params": "goodput",
 }
 
 

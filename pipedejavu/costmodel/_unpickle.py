@@ -3,8 +3,8 @@
 A pickle can name any importable callable and call it while loading (``os.system``
 through ``__reduce__`` is the classic). :class:`_AlpaUnpickler` resolves only an
 allow-list of names: the three Alpa classes (mapped to the plain stand-ins of
-:mod:`pipedejavu.costmodel.alpa_types`) and the few numpy/builtins globals that Alpa's files
-actually use, as listed by ``pickletools`` on the real files (protocol 3):
+:mod:`pipedejavu.costmodel.alpa_types`) and the few numpy/builtins globals that
+Alpa's files actually use, as listed by ``pickletools`` on the real files (protocol 3):
 
 * ``prof_database.pkl``: ``collections.defaultdict``, ``builtins.list`` (its
   default factory), ``numpy.core.multiarray.scalar`` and ``numpy.dtype``
@@ -199,12 +199,22 @@ def _prescan(data: bytes) -> None:
             raise _Refused(f"frame of {arg} bytes at byte {position} overruns")
 
 
+#: Largest Alpa file read (bytes). The bundled ones are 0.3-3.5 MB; the
+#: unpickled objects are bounded by a small multiple of the file's size.
+MAX_ALPA_FILE_BYTES = 2**30
+
+
 def _read_bytes(path: PathLike) -> bytes:
     try:
         with open(path, "rb") as file:
-            data = file.read()
+            data = file.read(MAX_ALPA_FILE_BYTES + 1)
     except OSError as error:
         raise ProblemError(f"cannot read {path}: {error.strerror or error}") from None
+    if len(data) > MAX_ALPA_FILE_BYTES:
+        raise ProblemError(
+            f"{path} is larger than {MAX_ALPA_FILE_BYTES} bytes; Alpa's profile "
+            "files are a few megabytes"
+        )
     if not data:
         raise ProblemError(f"{path} is empty, not an Alpa profile file")
     return data

@@ -16,8 +16,11 @@ stage holding layers ``start..end``, both included. Units: seconds and bytes.
 
 from __future__ import annotations
 
+import importlib.resources
+import os
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,8 @@ from .alpa_memory import checked_modules, is_int, stage_memory_stats
 from .alpa_types import MeshProfilingResult, StageProfileResult
 
 __all__ = [
+    "BUNDLED",
+    "prof_database_path",
     "problem_from_stage_profile",
     "read_prof_database",
     "read_stage_profile",
@@ -40,11 +45,30 @@ StageKey = tuple[int, int, int, int]
 MeshKey = tuple[str, tuple[int, int]]
 
 
+#: The name that stands for the ``prof_database.pkl`` shipped in
+#: ``pipedejavu/data/`` (see its ``ATTRIBUTION.md``) wherever a path is taken.
+BUNDLED = "bundled"
+
+
+def prof_database_path(path: PathLike) -> PathLike:
+    """``path``, or the bundled database's path for :data:`BUNDLED` (when no
+    file of that name exists)."""
+    if os.fspath(path) == BUNDLED and not os.path.exists(path):
+        return Path(
+            str(importlib.resources.files("pipedejavu").joinpath("data", _BUNDLED_PKL))
+        )
+    return path
+
+
+_BUNDLED_PKL = "prof_database.pkl"
+
+
 def read_prof_database(path: PathLike) -> dict[MeshKey, MeshProfilingResult]:
     """Read Alpa's mesh-profiling database (``prof_database.pkl``).
 
     Args:
-        path: the pickle file; loaded with the restricted unpickler.
+        path: the pickle file, loaded with the restricted unpickler; or
+            ``"bundled"`` for the one shipped with the package.
 
     Returns:
         ``{(cluster_key, (num_hosts, devices_per_host)): MeshProfilingResult}``,
@@ -54,6 +78,7 @@ def read_prof_database(path: PathLike) -> dict[MeshKey, MeshProfilingResult]:
         UnsafePickleError: the file names a non-allowed global.
         ProblemError: unreadable, or not a dict of that shape.
     """
+    path = prof_database_path(path)
     data = load_alpa_pickle(path)
     if not isinstance(data, dict):
         raise ProblemError(

@@ -1,8 +1,8 @@
 """Plain stand-ins for the Alpa classes found in Alpa's profile files.
 
 Alpa pickles three classes into its profiling outputs. We never import Alpa: the
-restricted unpickler (:mod:`pipedejavu.costmodel._unpickle`) maps exactly these names to the
-classes below, which hold data and nothing else.
+restricted unpickler (:mod:`pipedejavu.costmodel._unpickle`) maps exactly these
+names to the classes below, which hold data and nothing else.
 
 * ``alpa.mesh_profiling.MeshProfilingResult`` -> :class:`MeshProfilingResult`
   (values of ``prof_database.pkl``; built with ``NEWOBJ`` + ``BUILD`` from a state

@@ -1,11 +1,11 @@
 """Collective-communication latency: alpha-beta fits to Alpa's ``prof_database.pkl``.
 
 :func:`fit_comm_model` reads every collective curve of a profiling database
-(:mod:`pipedejavu.costmodel.comm_data`: which points count, :func:`comm_series`) and fits
-each with ``t(b) = max(floor, line(b))`` seconds for ``b`` bytes, ``line`` one
-alpha-beta line or two joined continuously (:mod:`pipedejavu.costmodel.comm_fit`:
-:class:`AlphaBeta`, :func:`fit_alpha_beta`). The public names of both modules
-are re-exported here.
+(:mod:`pipedejavu.costmodel.comm_data`: which points count, :func:`comm_series`)
+and fits each with ``t(b) = max(floor, line(b))`` seconds for ``b`` bytes,
+``line`` one alpha-beta line or two joined continuously
+(:mod:`pipedejavu.costmodel.comm_fit`: :class:`AlphaBeta`,
+:func:`fit_alpha_beta`). The public names of both modules are re-exported here.
 
 Downstream of the fit everything is plain JAX: :class:`CommModel` is a pytree,
 :meth:`CommModel.predict` is jitted and differentiable in ``num_bytes``, and
@@ -332,7 +332,8 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
     """Fit one :class:`AlphaBeta` curve per collective, mesh, group and dtype.
 
     Args:
-        prof_db: a path to ``prof_database.pkl`` or the dict from
+        prof_db: a path to ``prof_database.pkl``, ``"bundled"`` for the one
+            shipped with the package, or the dict from
             :func:`~costmodel.read_prof_database`.
         config: fit settings.
 
@@ -342,7 +343,7 @@ def fit_comm_model(prof_db: Any, *, config: CommFitConfig = DEFAULT_FIT) -> Comm
         are left out; :func:`~costmodel.comm_plots.comm_report` still lists them.
 
     Example:
-        >>> model = fit_comm_model("prof_database.pkl")
+        >>> model = fit_comm_model("bundled")  # or a path to prof_database.pkl
         >>> model.predict("all_reduce", (1, 4), (1, 4), "f16", 2.0**20)
     """
     series = comm_series(prof_db, config=config)

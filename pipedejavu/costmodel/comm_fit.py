@@ -296,7 +296,8 @@ def held_out_errors(
 
     Args:
         num_bytes: f[F, N] bytes; seconds: f[F, N]; mask: bool[F, N] used points.
-        num_folds: k >= 2.
+        num_folds: k >= 2; capped at the most used points of any curve (a
+            larger k assigns the same folds: leave-one-out).
         config: fit settings.
 
     Returns:
@@ -306,6 +307,9 @@ def held_out_errors(
     if isinstance(num_folds, bool) or not isinstance(num_folds, int) or num_folds < 2:
         raise ValueError(f"num_folds must be an integer >= 2, got {num_folds!r}")
     num_bytes, seconds, mask = _checked(num_bytes, seconds, mask, ndim=2)
+    # Folds past a curve's number of used points are empty: with k at least the
+    # most points of any curve, every k assigns the same folds (leave-one-out).
+    num_folds = max(2, min(num_folds, int(mask.sum(axis=1).max(initial=0))))
     num_bytes, seconds, mask, order = _sorted_rows(num_bytes, seconds, mask)
     fold = np.where(mask, (np.cumsum(mask, axis=1) - 1) % num_folds, -1)
     count = mask.shape[0]

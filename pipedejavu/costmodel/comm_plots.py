@@ -1,4 +1,5 @@
-"""Report on the collective fits of :mod:`pipedejavu.costmodel.comm`: rows, tables, plots.
+"""Report on the collective fits of :mod:`pipedejavu.costmodel.comm`: rows,
+tables, plots.
 
 One call gives everything the CLI prints::
 
@@ -7,7 +8,8 @@ One call gives everything the CLI prints::
     json.dumps([row.to_dict() for row in rows])   # or rows_to_dicts(rows)
     plot_fits("prof_database.pkl", rows, "plots/")  # one log-log PNG per mesh
 
-Quality measures per fit (all on the *used* points, see :mod:`pipedejavu.costmodel.comm`):
+Quality measures per fit (all on the *used* points, see
+:mod:`pipedejavu.costmodel.comm`):
 ``mape`` the in-sample mean absolute percentage error; ``cv_mape`` the same on
 k-fold held-out predictions (folds interleaved by size); ``r2_linear`` the
 coefficient of determination of the seconds on the *linear regime*, the points
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,14 @@ from .comm import (
     stack_series,
 )
 
-__all__ = ["FitRow", "comm_report", "format_table", "plot_fits", "rows_to_dicts"]
+__all__ = [
+    "TABLE_LEGEND",
+    "FitRow",
+    "comm_report",
+    "format_table",
+    "plot_fits",
+    "rows_to_dicts",
+]
 
 #: Targets the report checks (median held-out MAPE; R^2 of the linear regime).
 TARGET_CV_MAPE = 0.10
@@ -287,30 +297,47 @@ def _format(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def format_table(rows: Sequence[FitRow], *, summary: bool = True) -> str:
-    """A fixed-width text table of the rows, plus summary lines.
+#: What the columns of :func:`format_table` mean (printed under the table).
+TABLE_LEGEND = (
+    "columns: mesh = hosts x devices profiled; groups = replica groups x devices "
+    "per group; stride = device-id step inside a group (1: neighbours; 2x2 "
+    "groups with stride 1 and 2 are different curves); X = a group spans hosts; "
+    "dt = dtype; used / skip = points fitted / skipped (inf, no-op, clamped "
+    "copies of a no-op); reg = the fit's regimes (F: a latency floor, then 1 or "
+    "2 lines); floor_us = the floor, alpha_us = the large-message line's "
+    "intercept (microseconds); midGB/s, GB/s = bandwidth of the intermediate and "
+    "the large-message line; R2lin = R^2 of the points above the floor; MAPE% = "
+    "in-sample error; cv% = held-out k-fold error."
+)
 
-    Columns: mesh and groups as ``hosts x devices`` and ``groups x size``; ``X``
-    marks groups spanning hosts; ``reg`` the regimes (``F`` floor, ``1``/``2``
-    lines); bandwidths of the intermediate and the large-message line.
+
+def format_table(rows: Sequence[FitRow], *, summary: bool = True) -> str:
+    """A fixed-width text table of the rows, plus a legend and summary lines.
+
+    Columns (:data:`TABLE_LEGEND`): mesh and groups as ``hosts x devices`` and
+    ``groups x size`` with the group's device stride (rows differing only in
+    stride are different curves); ``X`` marks groups spanning hosts; ``reg``
+    the regimes (``F`` floor, ``1``/``2`` lines); bandwidths of the
+    intermediate and the large-message line.
     """
     header = (
-        f"{'collective':<15}{'mesh':>5}{'groups':>8}{'X':>2}{'dt':>4}{'used':>5}"
-        f"{'skip':>5}{'reg':>4}{'floor_us':>9}{'alpha_us':>9}{'midGB/s':>8}"
-        f"{'GB/s':>8}{'R2lin':>8}{'MAPE%':>6}{'cv%':>6}"
+        f"{'collective':<15}{'mesh':>5}{'groups':>8}{'stride':>7}{'X':>2}{'dt':>4}"
+        f"{'used':>5}{'skip':>5}{'reg':>4}{'floor_us':>9}{'alpha_us':>9}"
+        f"{'midGB/s':>8}{'GB/s':>8}{'R2lin':>8}{'MAPE%':>6}{'cv%':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         shape = f"{r.num_groups}x{r.group_size}"
         regimes = ("F" if r.has_floor else "") + str(r.regimes - r.has_floor)
         lines.append(
-            f"{r.collective:<15}{r.mesh[0]:>3}x{r.mesh[1]:<1}{shape:>8}"
+            f"{r.collective:<15}{r.mesh[0]:>3}x{r.mesh[1]:<1}{shape:>8}{r.stride:>7}"
             f"{'X' if r.crosses_hosts else '-':>2}{r.dtype:>4}{r.num_used:>5}"
             f"{r.num_skipped:>5}{regimes if r.regimes else '-':>4}"
             f"{r.floor_s * 1e6:>9.1f}{r.alpha_s * 1e6:>9.1f}"
             f"{r.bandwidth_mid_gbps:>8.2f}{r.bandwidth_gbps:>8.2f}"
             f"{r.r2_linear:>8.4f}{r.mape * 100:>6.1f}{r.cv_mape * 100:>6.1f}"
         )
+    lines += ["", *textwrap.wrap(TABLE_LEGEND, width=len(header))]
     if summary and rows:
         s = summarize(rows)
         lines += [
@@ -340,8 +367,11 @@ def plot_fits(
 ) -> list[Path]:
     """Log-log PNGs of data vs fit: one per mesh, a panel per collective.
 
-    Colours are group shapes; filled circles f16, crosses f32 (used points),
-    grey dots the skipped points; lines the fits (dashed for f32).
+    Colours are replica-group shapes (``groups x devices``, the device-id
+    stride inside a group, whether a group spans hosts); circles f16 and
+    crosses f32 points used in the fit; grey dots the points left out (inf,
+    no-op sizes, values Alpa's ``make_monotonic`` clamped); lines the fits
+    (dashed for f32). The legend says all of this.
 
     Args:
         prof_db: the database the rows were fitted on (path or dict).
@@ -353,6 +383,7 @@ def plot_fits(
         The PNG paths, one per ``(cluster, mesh)``.
     """
     from matplotlib.figure import Figure  # lazy: plotting is optional
+    from matplotlib.lines import Line2D
 
     config = DEFAULT_FIT if config is None else config
     by_key = {row.key: row for row in rows}
@@ -367,7 +398,8 @@ def plot_fits(
         figure = Figure(figsize=(12, 9), layout="constrained")
         axes = figure.subplots(2, 2).ravel()
         shapes = sorted({tuple(c.key.group) for c in curves})
-        colors = {s: f"C{i % 10}" for i, s in enumerate(shapes)}
+        palette = [f"C{i}" for i in range(10) if i != 7]  # C7 is the skipped grey
+        colors = {s: palette[i % len(palette)] for i, s in enumerate(shapes)}
         for ax, collective in zip(axes, COLLECTIVES, strict=True):
             for curve in (c for c in curves if c.key.collective == collective):
                 _plot_curve(
@@ -378,10 +410,30 @@ def plot_fits(
             )
             ax.set(xlabel="payload bytes", ylabel="seconds")
         handles = [
-            axes[0].plot([], [], color=colors[s], label=_shape_label(s))[0]
-            for s in shapes
+            Line2D([], [], color=colors[s], label=_shape_label(s)) for s in shapes
         ]
-        figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+        handles += [
+            Line2D([], [], color="0.3", marker="o", ls="-", label="f16 points, fit"),
+            Line2D([], [], color="0.3", marker="x", ls="--", label="f32 points, fit"),
+            Line2D(
+                [],
+                [],
+                color="0.6",
+                marker=".",
+                ls="",
+                label="skipped (inf, no-op,\nclamped by Alpa)",
+            ),
+        ]
+        figure.legend(
+            handles=handles,
+            loc="outside right upper",
+            fontsize="small",
+            title="replica groups\n(groups x devices)",
+        )
+        figure.suptitle(
+            f"Alpa's collective timings on the {mesh[0]}x{mesh[1]} mesh "
+            f"({cluster}) and the fitted curves"
+        )
         path = out_dir / f"comm_{cluster}_{mesh[0]}x{mesh[1]}.png"
         figure.savefig(path, dpi=80)
         paths.append(path)
@@ -389,8 +441,11 @@ def plot_fits(
 
 
 def _shape_label(shape: tuple) -> str:
+    """E.g. ``2x4, stride 2, across hosts``: 2 groups of 4 devices, every
+    other device id, each group spanning hosts."""
     num_groups, group_size, crosses, stride = shape
-    return f"{num_groups}x{group_size}{' hosts' if crosses else ''} s{stride}"
+    where = ", across hosts" if crosses else ""
+    return f"{num_groups}x{group_size}, stride {stride}{where}"
 
 
 def _plot_curve(ax: Any, curve: CommSeries, row: FitRow, color: str) -> None:

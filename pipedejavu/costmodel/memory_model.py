@@ -131,7 +131,8 @@ def memory_stats_table(
 
     Args:
         profile_results: ``{(start, end_inclusive, submesh, config):
-            StageProfileResult}`` as :func:`pipedejavu.costmodel.read_stage_profile` returns.
+            StageProfileResult}`` as
+            :func:`pipedejavu.costmodel.read_stage_profile` returns.
         shape: ``(L, L, M, K)`` of the tables, e.g. ``problem.compute_cost.shape``.
 
     Returns:

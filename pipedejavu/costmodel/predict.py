@@ -13,11 +13,11 @@ For a problem whose finite entries are the stages Alpa profiled:
    removes such a freedom (random tie-break). The effective fraction is
    reported; it exceeds the requested one on small profiles.
 2. **Predict.** :func:`predict_stage_costs` fits the additive linear model of
-   :mod:`pipedejavu.search.linear` to the drawn entries and predicts every entry, and fits
-   the memory model of :mod:`pipedejavu.costmodel.memory_model` to their memory statistics
-   to predict Alpa's ``max_n_succ_stages``. Held-out error: MAPE over the
-   profiled entries that were not drawn; memory disagreement: how often
-   ``predicted limit >= 0`` differs from Alpa's on them.
+   :mod:`pipedejavu.search.linear` to the drawn entries and predicts every
+   entry, and fits the memory model of :mod:`pipedejavu.costmodel.memory_model`
+   to their memory statistics to predict Alpa's ``max_n_succ_stages``. Held-out
+   error: MAPE over the profiled entries that were not drawn; memory
+   disagreement: how often ``predicted limit >= 0`` differs from Alpa's on them.
 3. **The planner's view.** :func:`planning_problem`: measured values on the
    drawn entries, predictions elsewhere. Which entries exist (``support``)?
    ``"profiled"`` (default): only the stages the true table has finite, i.e.
@@ -85,7 +85,8 @@ class SubsetConfig:
             per-layer coefficients best and are the cheapest to profile;
             ``"uniform"`` draws every entry alike.
         min_per_slot: each slot keeps at least ``min(n, min_per_slot)`` entries
-            (2, the least :func:`pipedejavu.search.linear.fit_linear_model` fits a slot on).
+            (2, the least :func:`pipedejavu.search.linear.fit_linear_model`
+            fits a slot on).
         complete_rank: add entries until the draw determines each slot's
             additive model as well as all its entries do; ``False`` keeps the
             plain draw (the fit is then the minimum-norm one).

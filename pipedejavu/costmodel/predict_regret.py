@@ -1,8 +1,8 @@
 """Plan regret of planning on predicted stage costs, and its report.
 
 :func:`plan_regret` draws a fraction of the profiled entries
-(:func:`pipedejavu.costmodel.predict.predict_stage_costs`), solves the planner's view of the
-problem (:func:`pipedejavu.costmodel.predict.planning_problem`) exactly with
+(:func:`pipedejavu.costmodel.predict.predict_stage_costs`), solves the planner's
+view of the problem (:func:`pipedejavu.costmodel.predict.planning_problem`) exactly with
 :func:`pipedejavu.search.exact.exact_dp`, re-evaluates that plan on the true table and
 compares it with the true optimum: ``regret = cost_on_true / optimum - 1``. A
 plan that uses a stage the true table has as ``inf``, or breaks a true memory

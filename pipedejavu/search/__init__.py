@@ -1,7 +1,9 @@
 """The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is loaded on
-first use so that ``import baselines`` stays light.
+``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is
+loaded on first use so that ``import pipedejavu.baselines`` stays light. The
+heterogeneous oracle is ``pipedejavu.search.hetero_exact.hetero_exact`` (its
+module keeps the name, so the package does not re-export the function).
 """
 
 from .exact import exact_dp as exact_dp
@@ -14,7 +16,6 @@ _LAZY = {
     "LinearStageModel": "linear",
     "fit_linear_model": "linear",
     "lower_bound": "bounds",
-    "hetero_exact": "hetero_exact",
     "HeteroTimeoutError": "hetero_exact",
     "hetero_search": "hetero_engine",
     "HeteroSearchConfig": "hetero_engine",

@@ -1,6 +1,6 @@
 """The differentiable engine: relax, optimize many restarts at once, round, polish.
 
-1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) to the problem's table.
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) to the table.
 2. Optimize the relaxed objective (:mod:`pipedejavu.search.relax`) with optax Adam for
    ``num_restarts`` random initializations at once (``jax.vmap`` inside one
    jitted ``lax.scan``; the restarts are sharded over all JAX devices when there
@@ -8,8 +8,8 @@
    the device-budget penalty geometrically.
 3. Round the best restarts to contiguous partitions (the soft stage ends,
    rounded) and polish each exactly on the true table: the exact DP
-   (:mod:`pipedejavu.search.exact`) restricted to plans whose stage boundaries lie within
-   ``polish_window`` layers of the current ones or of their stages' midpoints
+   (:mod:`pipedejavu.search.exact`) restricted to plans whose stage boundaries lie
+   within ``polish_window`` layers of the current ones or of their stages' midpoints
    (so boundaries move, stages split and merge), which also picks the optimal
    submesh and config of every stage under the all-devices and memory rules;
    re-centre on the result until it stops improving.
@@ -22,20 +22,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
-from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
+from pipedejavu.problem import (
+    InfeasibleProblemError,
+    Plan,
+    Problem,
+    make_plan,
+)
 
-from .exact import cheaper_plan, explain_infeasible
-from .relax import RelaxedParams, RelaxedProblem, Temperatures, relaxed_loss
+from . import _restarts
+from ._labels import label_dp
+from ._restarts import _batches, _optimize, bucket, restart_bytes
+from .exact import explain_infeasible
+from .relax import RelaxedProblem
+
+# The relaxed phase lives in _restarts; the hardware-aware engine and the tests
+# reach these through this module.
+TRACE_COUNT = _restarts.TRACE_COUNT
+_COMPILED = _restarts._COMPILED
+_geometric = _restarts._geometric
+_shard = _restarts._shard
+compiled_chunk = _restarts.compiled_chunk
 
 __all__ = ["SearchConfig", "SearchResult", "differentiable", "search"]
 
@@ -54,7 +68,8 @@ class SearchConfig:
         max_temperature: (start, end) of the smooth-max temperature, relative to
             a typical stage latency.
         penalty: (start, end) weight of the device-budget penalty.
-        num_polished: best rounded restarts polished exactly.
+        num_polished: best rounded restarts polished exactly (up to as many
+            again while the lower bound does not prove the best plan optimal).
         polish_window: layers a boundary may move in one polish round.
         max_polish_rounds: polish rounds per restart at most.
         num_chunks: the steps run in this many jitted chunks; progress is
@@ -63,6 +78,9 @@ class SearchConfig:
             previous round) end past this many seconds from the start, once a
             plan is found; the fit, optimization and lower bound come on top.
             None: no limit.
+        memory_limit_gb: the restarts run in batches that each need at most
+            this much memory (estimated by :func:`restart_bytes`); their
+            parameters, all kept at once, must fit in it too.
     """
 
     num_restarts: int = 64
@@ -78,8 +96,11 @@ class SearchConfig:
     max_polish_rounds: int = 20
     num_chunks: int = 10
     time_budget_s: float | None = None
+    memory_limit_gb: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.memory_limit_gb > 0:
+            raise ValueError(f"memory_limit_gb must be > 0, got {self.memory_limit_gb}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s}")
         for name in (
@@ -121,7 +142,10 @@ class SearchResult:
     Attributes:
         plan: the best plan (its ``info`` holds the scalar fields below too).
         lower_bound: certified lower bound on the optimum (seconds).
-        loss_curve: f[num_steps] best relaxed loss over restarts at each step.
+        loss_curve: f[num_steps] seconds: the best relaxed loss over all
+            restarts so far, at the final temperatures and penalty (the loss
+            that is rounded), evaluated after each chunk of steps and held over
+            the chunk; never rises.
         final_losses: f[num_restarts] relaxed loss of each restart at the end.
         polished_costs: exact cost reached from each polished restart.
         best_restart: index of the restart that produced the plan.
@@ -141,15 +165,11 @@ class SearchResult:
     run_time_s: float
 
 
-def _geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
-    start, end = pair
-    return start * (end / start) ** fraction
-
-
 def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     """Fit the linear model; returns the relaxed data (None when no slot could be
     fitted), the number of usable (submesh, config) slots and the latency scale
-    the relaxed quantities are divided by (seconds)."""
+    the relaxed quantities are divided by (seconds). The layer axis is padded
+    to :func:`bucket` rows."""
     from .linear import fit_linear_model
 
     model = fit_linear_model(problem)
@@ -163,13 +183,14 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     # Pad the slots to a power of two with slots too slow to pick, so problems
     # of one size share one compiled function.
     padded = max(4, 1 << (len(slots) - 1).bit_length())
-    per_layer = np.zeros((problem.num_layers, padded))
+    per_layer = np.zeros((bucket(problem.num_layers), padded))
     intercept = np.full(padded, 1e3)
     devices = np.ones(padded)
-    per_layer[:, : len(slots)] = np.asarray(model.per_layer)[
+    num_layers = problem.num_layers
+    per_layer[:num_layers, : len(slots)] = np.asarray(model.per_layer)[
         :, slots[:, 0], slots[:, 1]
     ]
-    per_layer[:, : len(slots)] /= scale
+    per_layer[:num_layers, : len(slots)] /= scale
     intercept[: len(slots)] = (
         np.asarray(model.intercept)[slots[:, 0], slots[:, 1]] / scale
     )
@@ -180,107 +201,9 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
         slot_devices=jnp.asarray(devices, jnp.float32),
         num_devices=jnp.asarray(problem.num_devices, jnp.float32),
         num_microbatches=jnp.asarray(problem.num_microbatches, jnp.float32),
+        num_layers=jnp.asarray(num_layers, jnp.float32),
     )
     return data, len(slots), scale
-
-
-def _initial_params(
-    key: jax.Array,
-    data: RelaxedProblem,
-    num_restarts: int,
-    num_stages: int,
-    num_slots: int,
-) -> tuple[RelaxedParams, jax.Array]:
-    """Random restarts, each with its own number (1..num_stages, log-uniform) of
-    active stage slots out of ``num_slots``; slot logits favour submeshes of
-    about D / (active stages) devices."""
-    key_count, key_boundary, key_slot = jax.random.split(key, 3)
-    uniform = jax.random.uniform(key_count, (num_restarts,))
-    active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
-    active = active.clip(1, num_stages)
-    mask = jnp.arange(num_slots)[None, :] < active[:, None]
-    boundary = 0.3 * jax.random.normal(key_boundary, (num_restarts, num_slots))
-    target = jnp.log2(data.num_devices / active)[:, None, None]
-    closeness = -2.0 * jnp.abs(jnp.log2(data.slot_devices)[None, None, :] - target)
-    noise = 0.5 * jax.random.normal(
-        key_slot, (num_restarts, num_slots, data.slot_devices.shape[0])
-    )
-    return RelaxedParams(boundary, closeness + noise), mask
-
-
-#: How often :func:`_run_chunk` has been traced (a test checks it stays put).
-TRACE_COUNT = [0]
-
-
-@partial(jax.jit, static_argnames=("chunk", "total", "config"))
-def _run_chunk(params, opt_state, first_step, data, mask, *, chunk, total, config):
-    TRACE_COUNT[0] += 1  # runs at trace time only
-    optimizer = optax.adam(config.learning_rate)
-
-    def total_loss(batched, temps):
-        losses = jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
-            batched, data, mask, temps
-        )
-        return jnp.sum(losses), losses
-
-    def step(carry, index):
-        params, opt_state = carry
-        fraction = index / max(total - 1, 1)
-        temps = Temperatures(
-            boundary=_geometric(config.boundary_temperature, fraction),
-            slot=_geometric(config.slot_temperature, fraction),
-            max=_geometric(config.max_temperature, fraction),
-            penalty=_geometric(config.penalty, fraction),
-        )
-        grads, losses = jax.grad(total_loss, has_aux=True)(params, temps)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), jnp.min(losses)
-
-    steps = first_step + jnp.arange(chunk)
-    (params, opt_state), best = jax.lax.scan(step, (params, opt_state), steps)
-    losses = jax.vmap(relaxed_loss, in_axes=(0, None, 0, None))(
-        params,
-        data,
-        mask,
-        Temperatures(
-            boundary=jnp.float32(config.boundary_temperature[1]),
-            slot=jnp.float32(config.slot_temperature[1]),
-            max=jnp.float32(config.max_temperature[1]),
-            penalty=jnp.float32(config.penalty[1]),
-        ),
-    )
-    return params, opt_state, best, losses
-
-
-# Compiled optimization chunks, by (config, parameter and data shapes/shardings).
-_COMPILED: dict[Any, Any] = {}
-
-
-def _shard(tree: Any, num_restarts: int) -> Any:
-    """Split the restart axis over all devices (no-op on one device)."""
-    devices = jax.devices()
-    if len(devices) == 1 or num_restarts % len(devices):
-        return tree
-    mesh = jax.sharding.Mesh(np.array(devices), ("restarts",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("restarts"))
-    return jax.device_put(tree, sharding)
-
-
-def _rounded_boundaries(
-    params: RelaxedParams, mask: np.ndarray, num_layers: int
-) -> list[int]:
-    """Integer stage boundaries ``0 = b_0 < ... < b_S = L`` of one restart: its
-    soft ends rounded, empty stages dropped."""
-    logits = np.where(mask, np.asarray(params.boundary_logits, np.float64), -1e4)
-    shares = np.exp(logits - logits.max())
-    ends = num_layers * np.cumsum(shares / shares.sum())
-    rounded = np.clip(np.rint(ends).astype(int), 0, num_layers)
-    rounded[-1] = num_layers
-    boundaries = [0]
-    for end in rounded.tolist():
-        if end > boundaries[-1]:
-            boundaries.append(end)
-    return boundaries
 
 
 def _neighbourhood(boundaries: list[int], num_layers: int, window: int) -> np.ndarray:
@@ -313,11 +236,13 @@ def _polish(
     config: SearchConfig,
     deadline: float = math.inf,
     improved_fn: Callable[[float], None] | None = None,
+    proven: float = -math.inf,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, int]:
     """Exact DP over the neighbourhood of the boundaries, re-centred on each
     improvement. The window doubles (up to ``4 * polish_window``) when the
     neighbourhood has no plan or no better one, to escape local optima; at its
-    widest, no improvement ends the polish."""
+    widest, no improvement ends the polish, and so does a plan costing at most
+    ``proven`` (a lower bound: nothing is cheaper)."""
     table = problem.compute_cost
     best_cost, best_stages = math.inf, None
     window, rounds = config.polish_window, 0
@@ -336,9 +261,9 @@ def _polish(
         restricted = problem.replace(
             compute_cost=np.where(allowed[:, :, None, None], table, np.inf)
         )
-        try:
-            cost, stages, _ = cheaper_plan(restricted, best_cost)
-        except InfeasibleProblemError:
+        found = label_dp(restricted, incumbent=best_cost)
+        cost, stages = found.cost, found.stages
+        if stages is None and best_stages is None:  # no plan at all here
             if window >= problem.num_layers:
                 break
             window = max(2 * window, 1)
@@ -351,90 +276,10 @@ def _polish(
         best_cost, best_stages = cost, stages
         if improved_fn is not None:
             improved_fn(cost)
+        if cost <= proven:
+            break
         boundaries = [0] + [stop for _, stop, _, _ in stages]
     return best_cost, best_stages, rounds
-
-
-def compiled_chunk(
-    run_chunk: Any,
-    cache: dict,
-    static_key: Any,
-    operands: tuple,
-    **static: Any,
-) -> tuple[Any, float]:
-    """``run_chunk`` compiled ahead of time once per static settings, operand
-    shapes/dtypes and restart sharding; returns it and the compile seconds
-    (0 when cached). ``operands`` = ``(params, opt_state, data, mask)``; the
-    first step index is a traced int32. Shared with the hardware-aware engine.
-    """
-    params, opt_state, data, mask = operands
-    signature = (
-        static_key,
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, str(x.sharding)), params),
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), data),
-    )
-    compiled = cache.get(signature)
-    if compiled is not None:
-        return compiled, 0.0
-    started = time.perf_counter()
-    compiled = run_chunk.lower(
-        params, opt_state, jnp.int32(0), data, mask, **static
-    ).compile()
-    cache[signature] = compiled
-    return compiled, time.perf_counter() - started
-
-
-def _optimize(
-    problem: Problem,
-    data: RelaxedProblem,
-    config: SearchConfig,
-    key: jax.Array,
-    progress_fn: Callable[[int, int, float], None] | None,
-) -> tuple[list[tuple[int, list[int]]], list[np.ndarray], np.ndarray, float]:
-    """Run the restarts; returns up to ``num_polished`` distinct rounded
-    partitions ``(restart, boundaries)`` best relaxed loss first, the loss
-    curve chunks, the final relaxed losses and the compile time."""
-    num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
-    num_stages = min(num_stages, problem.num_layers)
-    num_slots = 1 << (num_stages - 1).bit_length()  # padded: fewer compilations
-    params, mask = _initial_params(
-        key, data, config.num_restarts, num_stages, num_slots
-    )
-    params, mask = _shard((params, mask), config.num_restarts)
-    opt_state = optax.adam(config.learning_rate).init(params)
-    chunk = config.num_steps // config.num_chunks
-    compiled, compile_time = compiled_chunk(
-        _run_chunk,
-        _COMPILED,
-        config,
-        (params, opt_state, data, mask),
-        chunk=chunk,
-        total=config.num_steps,
-        config=config,
-    )
-    curve = []
-    for index in range(config.num_chunks):
-        params, opt_state, best, losses = compiled(
-            params, opt_state, jnp.int32(index * chunk), data, mask
-        )
-        curve.append(np.asarray(best))
-        if progress_fn is not None:
-            progress_fn((index + 1) * chunk, config.num_steps, float(np.min(best)))
-    final_losses = np.asarray(losses, dtype=np.float64)
-    host_params = jax.tree_util.tree_map(np.asarray, params)
-    host_mask = np.asarray(mask)
-    candidates, seen = [], set()
-    for restart in np.argsort(final_losses, kind="stable").tolist():
-        if len(candidates) >= config.num_polished:
-            break
-        one = RelaxedParams(
-            host_params.boundary_logits[restart], host_params.slot_logits[restart]
-        )
-        boundaries = _rounded_boundaries(one, host_mask[restart], problem.num_layers)
-        if tuple(boundaries) not in seen:  # same rounding: same polish
-            seen.add(tuple(boundaries))
-            candidates.append((restart, boundaries))
-    return candidates, curve, final_losses, compile_time
 
 
 def search(
@@ -443,6 +288,8 @@ def search(
     *,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> SearchResult:
     """Run the engine; see the module docstring.
 
@@ -451,13 +298,40 @@ def search(
         config: static settings.
         key: a ``jax.random`` key; the same key gives the same plan.
         progress_fn: called after each chunk of steps with ``(steps done,
-            total steps, best relaxed loss)``.
+            total steps, best relaxed loss so far in seconds)``; once with
+            ``(0, total, inf)`` first when the restarts need over 256 MiB or
+            run in batches (a long run).
+        message_fn: receives a line about the polish (restart, best plan,
+            lower bound) about every 1.5 s once the polish takes that long.
+        cache_dir: where compiled code is kept between processes
+            (:mod:`pipedejavu.search._jax_cache`): a folder, ``False`` for
+            none, ``None`` for ``$PIPEDEJAVU_CACHE_DIR`` or the user's cache
+            folder. The first call in a process decides.
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
+    from . import _jax_cache
+    from .bounds import lower_bound
+
     started = time.perf_counter()
-    data, num_usable_slots, scale = _prepare(problem)
+    # Refuse hopeless restart counts before any fitting or compiling (the
+    # slots are at most M K, padded).
+    num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
+    most_slots = max(
+        4, 1 << (problem.num_submeshes * problem.num_configs - 1).bit_length()
+    )
+    _batches(
+        config,
+        *restart_bytes(
+            bucket(problem.num_layers),
+            1 << (min(num_stages, problem.num_layers) - 1).bit_length(),
+            most_slots,
+        ),
+    )
+    _jax_cache.enable(cache_dir)
+    with _jax_cache.compiling():
+        data, num_usable_slots, scale = _prepare(problem)
     if data is None:  # nothing to relax: polish from one stage (window widens)
         candidates, curve, final_losses, compile_time = (
             [(0, [0, problem.num_layers])],
@@ -467,35 +341,67 @@ def search(
         )
     else:
         candidates, curve, final_losses, compile_time = _optimize(
-            problem, data, config, key, progress_fn
+            problem, data, config, key, progress_fn, scale
         )
+    # The bound first: a plan that reaches it is optimal, and polishing stops.
+    bound = lower_bound(problem)
+    proven = bound * (1 + 1e-9)
     deadline = started + (config.time_budget_s or math.inf)
     polished: dict[int, float] = {}
     best_cost, best_stages, best_restart = math.inf, None, -1
     trace: list[tuple[float, float]] = []
 
+    from .exact import _Reporter
+
+    report = _Reporter(message_fn)
+    polishing = [0]  # the candidate being polished (1-based)
+
     def improved(cost: float) -> None:
         if not trace or cost < trace[-1][1]:
             trace.append((time.perf_counter() - started, cost))
+        report(
+            lambda: (
+                f"diff: polishing candidate {polishing[0]} of {len(candidates)}, "
+                f"best plan {trace[-1][1]:.6g} s, lower bound {bound:.6g} s"
+            )
+        )
 
-    for restart, boundaries in candidates:
-        if best_stages is not None and time.perf_counter() > deadline:
+    for polishing[0], (restart, boundaries) in enumerate(candidates, start=1):
+        if best_stages is not None and (
+            time.perf_counter() > deadline or best_cost <= proven
+        ):
             break
-        cost, stages, _ = _polish(problem, boundaries, config, deadline, improved)
+        # Candidates beyond num_polished (up to as many again) are polished
+        # only while the bound leaves a gap (the check above).
+        cost, stages, _ = _polish(
+            problem, boundaries, config, deadline, improved, proven
+        )
         polished[restart] = cost
         if cost < best_cost:
             best_cost, best_stages, best_restart = cost, stages, restart
     if best_stages is None:
-        raise InfeasibleProblemError(explain_infeasible(problem))
+        # No neighbourhood held a plan (e.g. one that needs more stages than
+        # the roundings had anchors for): the exact DP on the whole problem.
+        found = label_dp(problem)
+        if found.stages is None:
+            raise InfeasibleProblemError(explain_infeasible(problem))
+        best_cost, best_stages = found.cost, found.stages
+        improved(best_cost)
 
-    from .bounds import lower_bound
-
-    bound = lower_bound(problem)
     run_time = time.perf_counter() - started
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
+    # Per step: the best relaxed loss so far over all restarts, at the final
+    # temperatures and penalty (what is rounded; evaluated after each chunk),
+    # in seconds; never rises.
+    losses = (
+        np.minimum.accumulate(np.concatenate(curve)).astype(np.float64) * scale
+        if curve
+        else np.zeros(0)
+    )
     info = {
         "lower_bound": bound,
         "gap": best_cost / bound - 1 if bound > 0 else math.inf,
+        "proven_optimal": bool(best_cost <= proven),
         "best_restart": best_restart,
         "fraction_best": len(reached) / len(polished),
         "compile_time_s": compile_time,
@@ -503,9 +409,7 @@ def search(
         "num_restarts": config.num_restarts,
         "num_slots": num_usable_slots,
         "trace": trace,
-        # Best relaxed loss per step, in seconds (the relaxation's objective
-        # plus its device-budget penalty).
-        "loss_curve": (np.concatenate(curve) * scale).tolist() if curve else [],
+        "loss_curve": losses.tolist(),
     }
     plan = make_plan(
         problem, best_stages, method="diff", search_time_s=run_time, info=info
@@ -513,7 +417,7 @@ def search(
     return SearchResult(
         plan=plan,
         lower_bound=bound,
-        loss_curve=np.concatenate(curve) if curve else np.zeros(0),
+        loss_curve=losses,
         final_losses=np.asarray(final_losses, dtype=np.float64),
         polished_costs=polished,
         best_restart=best_restart,
@@ -529,7 +433,16 @@ def differentiable(
     *,
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
+    message_fn: Callable[[str], None] | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> Plan:
     """The engine's plan (``search(...).plan``); ``plan.info`` carries the lower
     bound, gap, best restart, fraction of restarts at the best, and times."""
-    return search(problem, config, key=key, progress_fn=progress_fn).plan
+    return search(
+        problem,
+        config,
+        key=key,
+        progress_fn=progress_fn,
+        message_fn=message_fn,
+        cache_dir=cache_dir,
+    ).plan

@@ -363,6 +363,8 @@ def search_caps(
     solve_at: Callable[[int], float],
     best_cost: Callable[[], float],
     num_microbatches: int,
+    *,
+    keep_ties: bool = False,
 ) -> dict[int, float]:
     """Best-first branch and bound over sorted candidate caps on the max term.
 
@@ -373,20 +375,25 @@ def search_caps(
     ``B caps[a]`` (``S``, the least sum under a cap, does not increase with
     the cap), so an interval whose bound reaches the incumbent is dropped;
     caps with ``B * cap >= best`` are never solved. Shared by the exact DP and
-    the hardware-aware sub-solvers.
+    the hardware-aware sub-solvers. ``keep_ties``: drop only intervals whose
+    bound exceeds the incumbent, so that plans tied with it are still seen.
 
     Returns:
         ``{index: least sum}`` for every cap solved.
     """
     sums: dict[int, float] = {}
+    side = "right" if keep_ties else "left"
 
     def solve(index: int) -> None:
         sums[index] = solve_at(index)
 
-    last = int(np.searchsorted(caps, best_cost() / num_microbatches, "left")) - 1
+    def beaten(bound: float) -> bool:
+        return bound > best_cost() if keep_ties else bound >= best_cost()
+
+    last = int(np.searchsorted(caps, best_cost() / num_microbatches, side)) - 1
     if last >= 0:
         solve(0)
-        last = int(np.searchsorted(caps, best_cost() / num_microbatches)) - 1
+        last = int(np.searchsorted(caps, best_cost() / num_microbatches, side)) - 1
         last = min(max(last, 0), len(caps) - 1)
         if last > 0:
             solve(last)
@@ -400,14 +407,14 @@ def search_caps(
             sums[high] + (num_microbatches - 1) * floor_cap,
             num_microbatches * floor_cap,
         )
-        if bound < best_cost():
+        if not beaten(bound):
             heapq.heappush(heap, (bound, low, high))
 
     if last > 0:
         push(0, last)
     while heap:
         bound, low, high = heapq.heappop(heap)
-        if bound >= best_cost():
+        if beaten(bound):
             continue
         middle = (low + high) // 2
         solve(middle)
@@ -416,18 +423,29 @@ def search_caps(
     return sums
 
 
+def _tie_key(stages: list[tuple[int, int, int, int]]) -> tuple:
+    """Preference among plans of equal cost: fewest stages, then Alpa's loop
+    order (longer first stage, smaller submesh, smaller config, and so on)."""
+    order = [(-stop, submesh, config) for _, stop, submesh, config in stages]
+    return len(stages), order
+
+
 def cheaper_plan(
     problem: Problem,
     incumbent: float = math.inf,
     *,
     trace: list[tuple[float, float]] | None = None,
+    progress_fn: Callable[[str], None] | None = None,
+    keep_ties: bool = False,
 ) -> tuple[float, list[tuple[int, int, int, int]] | None, dict]:
     """The optimal plan if it costs less than ``incumbent``, else ``None``.
 
-    The branch and bound of :func:`exact_dp`, started from a known plan's cost
-    so that it prunes from the first cap on (the engine's polish uses this).
+    The cap scan's branch and bound, started from a known plan's cost so that
+    it prunes from the first cap on (the engine's polish uses this).
     ``trace``, if given, receives ``(seconds since the call, best cost)`` each
-    time a cheaper plan is found (the anytime curve).
+    time a cheaper plan is found (the anytime curve). ``keep_ties``: among
+    plans of equal cost return the one :func:`_tie_key` prefers (what
+    :func:`exact_dp` needs for answers independent of the method).
 
     Returns:
         ``(cost, [(start, stop, submesh, config), ...] or None, stats)``.
@@ -446,6 +464,7 @@ def cheaper_plan(
     candidates = all_caps[all_caps >= smallest_cap]
 
     best_cost, best_stages, best_cap = incumbent, None, math.nan
+    report = _Reporter(progress_fn)
 
     def solve_at(index: int) -> float:
         nonlocal best_cost, best_stages, best_cap
@@ -454,13 +473,29 @@ def cheaper_plan(
         if stages is not None:
             latencies = [table[a, b - 1, m, k] for a, b, m, k in stages]
             cost = objective(latencies, num_microbatches)
-            if cost < best_cost:
+            tied = (
+                keep_ties
+                and cost == best_cost
+                and best_stages is not None
+                and _tie_key(stages) < _tie_key(best_stages)
+            )
+            if cost < best_cost or tied:
                 best_cost, best_stages, best_cap = cost, stages, cap
                 if trace is not None:
                     trace.append((time.perf_counter() - started, cost))
+        report(
+            lambda: (
+                f"exact DP (caps): {len(sums_seen)} of {len(candidates)} caps "
+                f"solved, cap {cap:.6g} s, best {best_cost:.6g} s"
+            )
+        )
+        sums_seen.append(index)
         return total
 
-    sums = search_caps(candidates, solve_at, lambda: best_cost, num_microbatches)
+    sums_seen: list[int] = []
+    sums = search_caps(
+        candidates, solve_at, lambda: best_cost, num_microbatches, keep_ties=keep_ties
+    )
     stats = {
         "num_candidates": int(len(all_caps)),
         "num_evaluated": len(sums) + 1,
@@ -469,25 +504,90 @@ def cheaper_plan(
     return best_cost, best_stages, stats
 
 
-def exact_dp(problem: Problem) -> Plan:
+class _Reporter:
+    """Calls ``progress_fn`` with a line at most every ``every`` seconds (and
+    only once the run has taken that long); the line is built lazily."""
+
+    def __init__(self, progress_fn: Callable[[str], None] | None, every: float = 1.5):
+        self.progress_fn, self.every = progress_fn, every
+        self.last = time.perf_counter()
+
+    def __call__(self, line: Callable[[], str]) -> None:
+        if self.progress_fn is None:
+            return
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self.progress_fn(line())
+
+
+#: ``exact_dp`` methods: the label-setting DP and the cap scan.
+EXACT_METHODS = ("labels", "caps")
+
+
+def exact_dp(
+    problem: Problem,
+    *,
+    method: str = "labels",
+    progress_fn: Callable[[str], None] | None = None,
+) -> Plan:
     """The optimal plan of Alpa's formulation, ``min sum + (B - 1) * max``.
+
+    Two exact methods give the same plan (ties: fewest stages, then Alpa's
+    loop order): ``"labels"`` (default; :mod:`pipedejavu.search._labels`), a
+    label-setting DP over Pareto sets of (sum, slowest stage) whose work does
+    not grow with the number of memory limits, and ``"caps"``, the branch and
+    bound over caps on the slowest stage (module docstring), kept as a second,
+    independent solver.
 
     Args:
         problem: the instance; any cost unit works (no absolute gaps are used).
+        method: ``"labels"`` or ``"caps"``.
+        progress_fn: receives a line of progress (caps or labels, bounds, best
+            cost) about every 1.5 s once the run takes that long.
 
     Returns:
-        The plan, with ``info``: ``num_candidates`` (distinct finite stage
-        costs, Alpa's caps), ``num_evaluated`` (caps solved with the min-sum DP,
-        plus the min-max DP), ``t_max`` (the cap that produced the plan),
-        ``trace`` (``(seconds, best cost so far)`` at each improvement).
+        The plan, with ``info``: ``method``; ``num_candidates`` (distinct
+        finite stage costs, Alpa's caps); ``num_evaluated`` (caps solved by the
+        cap scan, plus its min-max DP; passes of the label DP); ``num_labels``
+        (label DP); ``t_max`` (the plan's slowest stage); ``trace`` (``(seconds,
+        best cost so far)`` at each improvement).
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
+        ValueError: an unknown ``method``.
     """
+    if method not in EXACT_METHODS:
+        raise ValueError(f"method must be one of {EXACT_METHODS}, got {method!r}")
+    if problem.stage_tail_cost is not None:  # + max tail: a loop around this DP
+        from .tail import exact_dp_with_tail
+
+        return exact_dp_with_tail(problem)
     started = time.perf_counter()
     trace: list[tuple[float, float]] = []
-    _, best_stages, stats = cheaper_plan(problem, trace=trace)
+    if method == "caps":
+        _, best_stages, stats = cheaper_plan(
+            problem, trace=trace, progress_fn=progress_fn, keep_ties=True
+        )
+        stats["num_labels"] = 0
+    else:
+        from ._labels import label_dp
+
+        report = _Reporter(progress_fn)
+        result = label_dp(problem, progress_fn=lambda line: report(lambda: line))
+        if result.stages is None:
+            raise InfeasibleProblemError(explain_infeasible(problem))
+        best_stages = result.stages
+        trace.append((time.perf_counter() - started, result.cost))
+        table = problem.compute_cost
+        stats = {
+            "num_candidates": int(np.unique(table[np.isfinite(table)]).size),
+            "num_evaluated": result.num_passes,
+            "num_labels": result.num_labels,
+            "t_max": max(table[a, b - 1, m, k] for a, b, m, k in best_stages),
+        }
     assert best_stages is not None  # the smallest feasible cap always yields a plan
+    stats["method"] = method
     stats["trace"] = trace
     return make_plan(
         problem,

@@ -74,12 +74,15 @@ class LinearStageModel(NamedTuple):
     relative_rms: jax.Array
 
 
-def _fit_slot(weight: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _fit_slot(
+    weight: jax.Array, target: jax.Array, real_layers: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Solve one slot's weighted normal equations.
 
     Args:
         weight: f64[L, L] ``1 / c^2`` on fitted entries ``[i, j]``, else 0.
         target: f64[L, L] ``1 / c`` on fitted entries, else 0.
+        real_layers: the layers before padding (sets the ridge).
 
     Returns:
         f64[L] per-layer seconds (uncovered layers: median of the covered ones)
@@ -102,7 +105,7 @@ def _fit_slot(weight: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Arra
     )
     rhs = jnp.concatenate([jnp.diagonal(spans_over(target)), target.sum()[None]])
     trace = jnp.trace(gram)
-    ridge = jnp.where(trace > 0, _RIDGE * trace / (num_layers + 1), 1.0)
+    ridge = jnp.where(trace > 0, _RIDGE * trace / (real_layers + 1), 1.0)
     factor = jax.scipy.linalg.cho_factor(gram + ridge * jnp.eye(num_layers + 1))
     solution = jax.scipy.linalg.cho_solve(factor, rhs)
     for _ in range(_REFINEMENTS):
@@ -116,9 +119,15 @@ def _fit_slot(weight: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("max_entries", "out_dtype"))
 def _fit(
-    cost: jax.Array, key: jax.Array, *, max_entries: int | None, out_dtype: type
+    cost: jax.Array,
+    key: jax.Array,
+    *,
+    max_entries: int | None,
+    out_dtype: type,
+    real_layers: jax.Array,
 ) -> LinearStageModel:
-    """The jitted fit; ``cost`` f64[L, L, M, K] seconds, inf = unprofiled."""
+    """The jitted fit; ``cost`` f64[Lp, Lp, M, K] seconds, inf = unprofiled,
+    of which the first ``real_layers`` (traced) are the problem's layers."""
     global _fit_traces
     _fit_traces += 1
     num_layers, _, num_submeshes, num_configs = cost.shape
@@ -133,7 +142,9 @@ def _fit(
         fitted = fitted & (draws <= threshold[:, None, None])
     safe = jnp.where(fitted, slots, 1.0)
     inverse = jnp.where(fitted, 1.0 / safe, 0.0)
-    per_layer, intercept = jax.vmap(_fit_slot)(inverse**2, inverse)  # [S, L], [S]
+    per_layer, intercept = jax.vmap(_fit_slot, in_axes=(0, 0, None))(
+        inverse**2, inverse, real_layers
+    )  # [S, L], [S]
     count = fitted.sum(axis=(1, 2))
     usable = count >= MIN_ENTRIES
     prefix = jnp.concatenate(
@@ -192,16 +203,34 @@ def fit_linear_model(
     if key is None:
         key = jr.key(0)
     out_dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    # Unprofiled padding layers (a layer count shared by similar sizes) let
+    # problems of similar sizes share one compiled fit; they cover no entry, so
+    # they change no fitted value and are cut off again.
+    num_layers = problem.num_layers
+    # (A subsample draws over the table's shape: left unpadded, it stays the
+    # same draw for a given key.)
+    padded = num_layers if max_entries_per_slot is not None else _bucket(num_layers)
+    cost = np.full((padded, padded, *problem.compute_cost.shape[2:]), np.inf)
+    cost[:num_layers, :num_layers] = problem.compute_cost
     with jax.enable_x64(True):
-        cost = jnp.asarray(problem.compute_cost, dtype=jnp.float64)
-        return _fit(
-            cost,
+        model = _fit(
+            jnp.asarray(cost, dtype=jnp.float64),
             key,
             max_entries=None
             if max_entries_per_slot is None
             else int(max_entries_per_slot),
             out_dtype=out_dtype,
+            real_layers=num_layers,
         )
+    return model._replace(per_layer=model.per_layer[:num_layers])
+
+
+def _bucket(size: int) -> int:
+    """The next of 4, 6, 8, 12, 16, 24, 32, 48, ... (at most 1.5x ``size``)."""
+    padded = 4
+    while padded < size:
+        padded = padded * 3 // 2 if padded & (padded - 1) == 0 else padded * 4 // 3
+    return padded
 
 
 def predict_spans(

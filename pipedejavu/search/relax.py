@@ -39,6 +39,9 @@ class RelaxedProblem(NamedTuple):
         slot_devices: f[C] devices of each slot's submesh.
         num_devices: f[] D.
         num_microbatches: f[] B.
+        num_layers: f[] L when ``per_layer`` has padding rows (zeros) after the
+            L layers, so that problems of similar sizes share compiled code;
+            None: ``per_layer.shape[0]``.
     """
 
     per_layer: jax.Array
@@ -46,6 +49,7 @@ class RelaxedProblem(NamedTuple):
     slot_devices: jax.Array
     num_devices: jax.Array
     num_microbatches: jax.Array
+    num_layers: jax.Array | None = None
 
 
 class RelaxedParams(NamedTuple):
@@ -68,8 +72,9 @@ class Temperatures(NamedTuple):
 _MASKED = -1e4  # logit of a switched-off stage slot
 
 
-def stage_ends(params: RelaxedParams, stage_mask: jax.Array, num_layers: int):
-    """Soft stage ends ``c_1..c_S`` (f[S], layers) and lengths (f[S])."""
+def stage_ends(params: RelaxedParams, stage_mask: jax.Array, num_layers: Any):
+    """Soft stage ends ``c_1..c_S`` (f[S], layers) and lengths (f[S]);
+    ``num_layers`` may be traced."""
     logits = jnp.where(stage_mask, params.boundary_logits, _MASKED)
     lengths = num_layers * jax.nn.softmax(logits)
     return jnp.cumsum(lengths), lengths
@@ -105,9 +110,13 @@ def soft_stages(
     """Soft stage ends, presence, slot weights and expected latencies from
     ``params.boundary_logits`` / ``slot_logits`` and ``data.per_layer`` /
     ``intercept`` (any relaxed problem with those fields)."""
-    num_layers = data.per_layer.shape[0]
-    ends, lengths = stage_ends(params, stage_mask, num_layers)
-    membership = soft_assignment(ends, num_layers, temps.boundary)  # [L, S]
+    rows = data.per_layer.shape[0]  # L, or L plus zero padding rows
+    num_layers = getattr(data, "num_layers", None)
+    ends, lengths = stage_ends(
+        params, stage_mask, rows if num_layers is None else num_layers
+    )
+    # Padding rows lie past every end: they belong to no stage.
+    membership = soft_assignment(ends, rows, temps.boundary)  # [rows, S]
     presence = 1.0 - jnp.exp(-3.0 * lengths)  # ~1 for a stage of >= 1 layer
     weights = jax.nn.softmax(params.slot_logits / temps.slot, axis=-1)  # [S, C]
     layer_work = membership.T @ data.per_layer  # [S, C]

@@ -1,0 +1,217 @@
+"""``pipedejavu predict``: Megatron/DeepSpeed 3D plans on per-layer GPU profiles.
+
+Registered by :mod:`pipedejavu.cli`; exit codes as there (0 ok, 2 bad input,
+3 no feasible plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from typing import Any
+
+from .problem import ProblemError
+
+__all__ = ["COMMANDS", "add_parsers", "format_prediction", "run"]
+
+COMMANDS = ("predict", "plan")
+GB = 1e9
+
+
+def add_parsers(commands: Any) -> None:
+    """Add the subcommands to the CLI's subparsers."""
+    predict = commands.add_parser(
+        "predict",
+        help="predict the iteration time and memory of a Megatron/DeepSpeed 3D "
+        "plan from per-layer GPU profiles",
+    )
+    predict.add_argument(
+        "plan",
+        metavar="PLAN.json",
+        help="a 3D plan in our JSON (names its model; what `pipedejavu plan "
+        "--json` writes) or a Sailor plan_config file (needs --model)",
+    )
+    predict.add_argument(
+        "--model", help="the model's folder under DIR/profiles, e.g. OPT-350"
+    )
+    predict.add_argument(
+        "--profiles",
+        metavar="DIR",
+        help="a folder laid out like Sailor's data (profiles/, llm_info.json, "
+        "network/, configs/); default: the bundled copy",
+    )
+    predict.add_argument("--json", action="store_true", help="print JSON")
+
+    plan = commands.add_parser(
+        "plan",
+        help="find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, "
+        "GPU type) for a model, a global batch and a GPU pool",
+    )
+    plan.add_argument("--model", required=True, help="e.g. OPT-350, GPT-Neo-2.7")
+    plan.add_argument(
+        "--gpus",
+        action="append",
+        required=True,
+        metavar="TYPE:COUNT",
+        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types)",
+    )
+    plan.add_argument(
+        "--global-batch", type=int, required=True, help="samples per iteration"
+    )
+    plan.add_argument("--profiles", metavar="DIR", help="as for predict")
+    plan.add_argument(
+        "--method",
+        choices=["dp", "diff"],
+        default="dp",
+        help="dp: exact (default); diff: the differentiable engine per "
+        "configuration, with a certified gap",
+    )
+    plan.add_argument(
+        "--per-stage-tp",
+        action="store_true",
+        help="allow a TP degree per stage (not launchable with Megatron-LM, "
+        "DeepSpeed or torchtitan)",
+    )
+    plan.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="use every GPU of each type used (default: fewer when faster)",
+    )
+    plan.add_argument(
+        "--export",
+        choices=["megatron", "deepspeed", "torchtitan", "alpa", "sailor"],
+        help="also print the plan for this framework",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _data(directory: str | None):
+    from .costmodel.sailor_data import load_sailor_data
+
+    return load_sailor_data(directory)
+
+
+def format_prediction(plan, prediction) -> str:
+    """The text report of ``pipedejavu predict``."""
+    breakdown = prediction.to_json()["breakdown"]
+    lines = [
+        f"plan: {plan.model}, {plan.describe()}, "
+        f"{prediction.num_microbatches} micro-batches per pipeline",
+        f"iteration time: {prediction.iteration_time_s:.4f} s",
+        f"  pipeline (1F1B, DeepSpeed order): {breakdown['pipeline_s']:.4f} s, "
+        f"bubble {100 * breakdown['bubble_fraction']:.1f}%",
+        f"  tied-embedding all-reduce: {breakdown['tied_allreduce_s']:.4f} s",
+        f"  data-parallel all-reduce (slowest stage): "
+        f"{breakdown['dp_allreduce_s']:.4f} s",
+        f"  optimizer step (largest): {breakdown['optimizer_s']:.4f} s",
+        "peak memory per GPU:",
+    ]
+    limits = prediction.memory_limit_bytes.min(axis=1)
+    for s, stage in enumerate(plan.stages):
+        used = prediction.stage_memory_bytes[s]
+        lines.append(
+            f"  stage {s} (layers {stage.start}-{stage.stop - 1}, "
+            f"{prediction.peak_in_flight[s]} in flight): {used / GB:.2f} GB of "
+            f"{limits[s] / GB:.2f} GB" + ("" if used <= limits[s] else "  EXCEEDS")
+        )
+    return "\n".join(lines)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from .costmodel.megatron import predict_plan
+    from .plan3d import load_plan3d
+
+    plan, _ = load_plan3d(args.plan, model=args.model)
+    if plan.model is None:
+        raise ProblemError(
+            f"{args.plan} names no model; give --model (a folder under "
+            "DIR/profiles, e.g. OPT-350)"
+        )
+    prediction = predict_plan(plan, _data(args.profiles))
+    if not prediction.fits_memory:
+        peak = prediction.peak_memory_bytes / GB
+        limits = [round(x / GB, 2) for x in prediction.memory_limit_bytes.min(axis=1)]
+        warnings.warn(
+            f"the plan exceeds device memory: peak {peak:.2f} GB on a GPU "
+            f"(limits per stage {limits} GB)",
+            stacklevel=1,
+        )
+    if args.json:
+        out = {"model": plan.model, "plan": plan.describe()}
+        out.update(prediction.to_json())
+        print(json.dumps(out))
+    else:
+        print(format_prediction(plan, prediction))
+    return 0
+
+
+def format_training_plan(result) -> str:
+    """The text report of ``pipedejavu plan``."""
+    plan, prediction = result.plan, result.prediction
+    used, available = result.gpus_used, result.gpus_available
+    lines = [
+        f"model {plan.model}, global batch {plan.gbs}, GPUs {available}",
+        f"plan: {plan.describe()}",
+        "  stages: "
+        + ", ".join(
+            f"layers {s.start}-{s.stop - 1} (tp {s.replicas[0].tp})"
+            for s in plan.stages
+        ),
+    ]
+    if sum(used.values()) < sum(available.values()):
+        lines.append(f"  uses fewer GPUs than available: {used}")
+    lines += [
+        f"predicted iteration time: {prediction.iteration_time_s:.4f} s",
+        f"planning objective: {result.objective_s:.4f} s; optimum "
+        f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
+        f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
+        f"{result.configurations} configurations solved)",
+        f"search time: {result.search_time_s:.3f} s",
+        format_prediction(plan, prediction).split("\n", 1)[1],
+    ]
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import sys
+
+    from .megatron_api import plan_training
+    from .megatron_export import export_plan
+
+    print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
+    result = plan_training(
+        args.model,
+        args.gpus,
+        args.global_batch,
+        profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
+    )
+    exported = None
+    if args.export:
+        gpn = None
+        if args.export == "alpa":
+            gpu = result.plan.stages[0].replicas[0].gpu_type
+            gpn = _data(args.profiles).gpu_spec(gpu).gpus_per_node
+        exported = export_plan(result.plan, args.export, gpus_per_node=gpn)
+    if args.json:
+        out = result.to_json()
+        if exported is not None:
+            out["export"] = {"target": args.export, "text": exported}
+        print(json.dumps(out))
+    else:
+        print(format_training_plan(result))
+        if exported is not None:
+            print(f"\n--- {args.export} ---\n{exported}", end="")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a subcommand of :data:`COMMANDS`; errors propagate to the CLI."""
+    if args.command == "predict":
+        return _predict(args)
+    if args.command == "plan":
+        return _plan(args)
+    raise ProblemError(f"unknown command {args.command!r}")  # pragma: no cover

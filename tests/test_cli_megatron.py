@@ -1,0 +1,86 @@
+"""``pipedejavu predict`` as a user meets it: outputs, JSON, exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pipedejavu.cli import main
+from pipedejavu.costmodel.megatron import predict_plan
+from pipedejavu.costmodel.sailor_data import bundled_sailor_dir
+from pipedejavu.plan3d import load_plan3d
+
+MEASURED = bundled_sailor_dir() / "measured"
+GH = MEASURED / "gh200-opt350" / "plan_config_N16_D4.json"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_predict_text_and_json(capsys):
+    code, out, err = run(capsys, "predict", GH, "--model", "OPT-350")
+    assert code == 0 and err == ""
+    assert "iteration time:" in out and "stage 3 (layers 19-25" in out
+    code, out, err = run(capsys, "predict", GH, "--model", "OPT-350", "--json")
+    data = json.loads(out)
+    plan, _ = load_plan3d(GH, model="OPT-350")
+    expected = predict_plan(plan)
+    assert data["iteration_time_s"] == pytest.approx(expected.iteration_time_s)
+    assert data["peak_memory_bytes"] == pytest.approx(expected.peak_memory_bytes)
+    assert data["fits_memory"] is True
+    assert len(data["memory_per_stage_bytes"]) == 4
+
+
+def test_predict_our_format_and_profiles_dir(capsys, tmp_path):
+    plan, _ = load_plan3d(GH, model="OPT-350")
+    ours = tmp_path / "plan.json"
+    ours.write_text(json.dumps(plan.to_json()))
+    copy = tmp_path / "data"
+    shutil.copytree(bundled_sailor_dir(), copy)
+    code, out, _ = run(capsys, "predict", ours, "--profiles", copy, "--json")
+    assert code == 0
+    direct = json.loads(run(capsys, "predict", GH, "--model", "OPT-350", "--json")[1])
+    assert json.loads(out)["iteration_time_s"] == direct["iteration_time_s"]
+
+
+def _sailor(tmp_path, **changes):
+    data = json.loads(GH.read_text())
+    data.update(changes)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([GH], "names no model; give --model"),
+        ([GH, "--model", "GPT-Neo-2.7"], "has 34 profile layers"),
+        ([GH, "--model", "OPT-350", "--profiles", "/nonexistent"], "does not exist"),
+        (["missing.json", "--model", "OPT-350"], "cannot read missing.json"),
+    ],
+)
+def test_bad_input_exits_2(capsys, argv, message):
+    code, out, err = run(capsys, "predict", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_missing_profile_entry_exits_2(capsys, tmp_path):
+    code, _, err = run(
+        capsys, "predict", _sailor(tmp_path, mbs=3), "--model", "OPT-350"
+    )
+    assert code == 2 and "no entry for mbs 3, tp 4" in err
+
+
+def test_over_memory_still_predicted(capsys, tmp_path):
+    path = _sailor(tmp_path, mbs=128, gbs=4096)
+    code, out, err = run(capsys, "predict", path, "--model", "OPT-350", "--json")
+    assert code == 0
+    assert json.loads(out)["fits_memory"] is False
+    assert "warning: the plan exceeds device memory" in err

@@ -1,0 +1,274 @@
+"""Cluster files: every link described, values named with their units, the
+bundled cluster and examples, and device memory never silently dropped."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import pipedejavu as pdj
+from pipedejavu import Cluster, DeviceType, Link, ProblemError
+from pipedejavu.cli import main
+from pipedejavu.cluster import FREE_LINK
+from pipedejavu.io import BUNDLED_CLUSTERS, example_names, load_cluster
+
+A100_V100 = {
+    "devices_per_host": 8,
+    "device_types": {
+        "a100": {"speed": 1.0, "memory_gb": 40},
+        "v100": {"speed": 0.5, "memory_gb": 16},
+    },
+    "hosts": ["a100", "a100", "v100", "v100"],
+    "intra_host": {
+        "a100": {"latency_us": 5, "bandwidth_gbps": 2400},
+        "v100": {"latency_us": 5, "bandwidth_gbps": 1200},
+    },
+    "inter_host": {
+        "default": {"latency_us": 20, "bandwidth_gbps": 25},
+        "a100-v100": {"latency_us": 20, "bandwidth_gbps": 10},
+    },
+}
+
+
+def _without(section: str, key: str) -> dict:
+    data = json.loads(json.dumps(A100_V100))
+    del data[section][key]
+    return data
+
+
+def test_the_readme_cluster_is_the_bundled_one():
+    bundled = load_cluster("a100-v100-4x8")
+    assert bundled == Cluster.from_json(A100_V100)
+    assert bundled.shape == (4, 8) and set(BUNDLED_CLUSTERS) == {"a100-v100-4x8"}
+    assert bundled.link(0, 2).bandwidth == pytest.approx(10e9 / 8)  # a100-v100
+    assert bundled.link(2, 3).bandwidth == pytest.approx(25e9 / 8)  # default
+    assert bundled.link(2, 2).latency_s == pytest.approx(5e-6)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "message"),
+    [
+        ("inter_host", "default", "between a 'a100' and a 'a100' host"),
+        ("intra_host", "v100", "inside a 'v100' host"),
+    ],
+)
+def test_an_undescribed_link_is_an_error_not_free(section, key, message):
+    with pytest.raises(ProblemError, match=message):
+        Cluster.from_json(_without(section, key))
+
+
+def test_links_that_cannot_occur_need_no_description():
+    data = _without("inter_host", "default")
+    data["hosts"] = ["a100", "v100"]  # one host of each: no a100-a100 link
+    cluster = Cluster.from_json(data)
+    assert cluster.link(0, 1).bandwidth == pytest.approx(10e9 / 8)
+    one_host = {
+        "devices_per_host": 4,
+        "device_types": {"a": {"speed": 1.0}, "unused": {"speed": 2.0}},
+        "hosts": ["a"],
+        "intra_host": {"a": {"latency_us": 1, "bandwidth_gbps": 100}},
+    }
+    assert Cluster.from_json(one_host).num_hosts == 1
+    with pytest.raises(ProblemError, match="inside a 'a' host"):
+        Cluster.from_json({**one_host, "intra_host": {}})
+
+
+def test_a_link_must_state_latency_and_bandwidth_and_inf_is_free():
+    data = json.loads(json.dumps(A100_V100))
+    data["inter_host"]["default"] = {"latency_us": 20}
+    with pytest.raises(ProblemError, match=r"inter_host\['default'\]: missing"):
+        Cluster.from_json(data)
+    data["inter_host"]["default"] = {"latency_us": 0, "bandwidth_gbps": "inf"}
+    assert Cluster.from_json(data).link(0, 1).bandwidth == math.inf
+
+
+def test_a_pair_given_twice_is_an_error():
+    data = json.loads(json.dumps(A100_V100))
+    data["inter_host"]["v100-a100"] = {"latency_us": 1, "bandwidth_gbps": 1}
+    with pytest.raises(ProblemError, match="a100-v100 link twice"):
+        Cluster.from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (
+            ("inter_host", "default", "bandwidth_gbps"),
+            -5,
+            r"inter_host\['default'\].bandwidth_gbps must be > 0 \(gigabits per "
+            r"second\), got -5",
+        ),
+        (
+            ("intra_host", "a100", "latency_us"),
+            -1,
+            r"intra_host\['a100'\].latency_us must be finite and >= 0 "
+            r"\(microseconds\), got -1",
+        ),
+        (
+            ("device_types", "v100", "speed"),
+            0,
+            r"device_types\['v100'\].speed must be finite and > 0",
+        ),
+        (
+            ("device_types", "v100", "memory_gb"),
+            -16,
+            r"device_types\['v100'\].memory_gb must be finite and > 0 \(gigabytes\)",
+        ),
+        (
+            ("device_types", "v100", "speed"),
+            "fast",
+            r"device_types\['v100'\].speed must be a number, got 'fast'",
+        ),
+        (
+            ("inter_host", "default", "latency_us"),
+            True,
+            r"inter_host\['default'\].latency_us must be a number, got True",
+        ),
+    ],
+)
+def test_value_errors_name_the_key_and_the_users_unit(tmp_path, path, value, message):
+    data = json.loads(json.dumps(A100_V100))
+    data[path[0]][path[1]][path[2]] = value
+    with pytest.raises(ProblemError, match=message):
+        Cluster.from_json(data)
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps(data))
+    with pytest.raises(ProblemError, match=f"c.json: {message}"):
+        Cluster.from_file(file)
+
+
+def test_structural_errors_are_problem_errors():
+    for broken in (
+        {**A100_V100, "hosts": "a100"},
+        {**A100_V100, "hosts": [1, 2]},
+        {**A100_V100, "intra_host": ["a100"]},
+        {**A100_V100, "devices_per_host": 2**30},
+        {**A100_V100, "device_types": {"a100": 1}},
+    ):
+        with pytest.raises(ProblemError):
+            Cluster.from_json(broken)
+
+
+def test_python_api_mappings_are_strict_single_links_are_not():
+    fast, slow = DeviceType("fast"), DeviceType("slow", 0.5)
+    with pytest.raises(ProblemError, match="inter_host does not describe"):
+        Cluster.from_types(
+            [fast, slow],
+            ["fast", "slow"],
+            2,
+            intra_host=FREE_LINK,
+            inter_host={"fast-fast": Link(1.0, 1.0)},
+        )
+    cluster = Cluster.from_types([fast, slow], ["fast", "slow"], 2)  # free, stated
+    assert cluster.link(0, 1) == FREE_LINK
+
+
+def test_free_links_round_trip_through_json(tmp_path):
+    cluster = Cluster.homogeneous(2, 4)
+    data = json.loads(json.dumps(cluster.to_json()))  # standard JSON, no Infinity
+    assert Cluster.from_json(data) == cluster
+
+
+def test_cluster_file_memory_is_applied_or_refused(tmp_path, capsys):
+    """memory_gb bounds each type's stages where the problem carries what that
+    needs (per-layer bytes, or the generated example's model); otherwise the
+    cluster is refused in one line, never silently ignored."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(A100_V100))
+    # the generated 4 x 8 example: its model's limits on each type's memory
+    typed = pdj.load_problem("generated-gpt-32layers-4x8", cluster=path)
+    bundled = pdj.load_example("hetero-gpt-32layers-a100-v100")
+    np.testing.assert_array_equal(typed.max_n_succ_stages, bundled.max_n_succ_stages)
+    # a problem file with one profiled memory rule: refused, one line
+    gen = tmp_path / "gen.npz"
+    pdj.load_example("generated-gpt-32layers-4x8").to_npz(gen)
+    with pytest.raises(ProblemError, match=r"gen\.npz with .*c\.json: device memory"):
+        pdj.load_problem(gen, cluster=path)
+    code = main(["inspect", str(gen), "--cluster-file", str(path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "memory_gb" in err
+    # ... accepted once memory_gb is left out: the profiled rule on every type
+    no_memory = json.loads(json.dumps(A100_V100))
+    for entry in no_memory["device_types"].values():
+        del entry["memory_gb"]
+    path.write_text(json.dumps(no_memory))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = pdj.load_problem(gen, cluster=path)
+    for t in range(2):
+        np.testing.assert_array_equal(
+            plain.max_n_succ_stages[..., t],
+            pdj.load_problem(gen).max_n_succ_stages,
+        )
+    code = main(["inspect", str(gen), "--cluster-file", str(path)])
+    _, err = capsys.readouterr()
+    assert code == 0 and "warning" not in err
+
+
+def test_cluster_file_memory_uses_the_profiled_layer_bytes(tmp_path):
+    """A ``pipedejavu profile``-style .npz (param_bytes, stash_bytes): each
+    type gets Alpa's rule for its own memory (LayerMemory)."""
+    base = pdj.load_example("generated-gpt-32layers-4x8")
+    gen = tmp_path / "prof.npz"
+    layers = base.num_layers
+    params, stash = np.full(layers, 2e9), np.full(layers, 3e8)
+    np.savez(
+        gen,
+        compute_cost=base.compute_cost,
+        max_n_succ_stages=base.max_n_succ_stages,
+        submesh_shapes=base.submesh_shapes,
+        cluster_shape=np.asarray(base.cluster_shape),
+        num_microbatches=np.int64(base.num_microbatches),
+        param_bytes=params,
+        stash_bytes=stash,
+    )
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(A100_V100))
+    typed = pdj.load_problem(gen, cluster=path)
+    memory = pdj.LayerMemory(params, stash)
+    for t, gb in enumerate((40, 16)):
+        expected = memory.max_n_succ_stages(base.submesh_sizes, gb * 1e9)
+        np.testing.assert_array_equal(typed.max_n_succ_stages[..., 0, t], expected)
+    # the v100 (16 GB) type is bounded more tightly somewhere
+    assert (typed.max_n_succ_stages[..., 1] < typed.max_n_succ_stages[..., 0]).any()
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **{**dict(np.load(gen)), "param_bytes": np.full(layers, -1.0)})
+    with pytest.raises(ProblemError, match=r"bad\.npz: layer_memory bytes"):
+        pdj.load_problem(bad, cluster=path)
+
+
+def test_bundled_examples_and_cluster_work_together(capsys):
+    assert {"generated-gpt-32layers-4x8", "hetero-gpt-32layers-a100-v100"} <= set(
+        example_names()
+    )
+    hetero = pdj.load_example("hetero-gpt-32layers-a100-v100")
+    assert isinstance(hetero, pdj.HeteroProblem)
+    assert hetero.cluster == load_cluster("a100-v100-4x8")
+    assert (hetero.boundary_bytes > 0).all()
+    # memory per type comes from the cluster file's memory_gb: v100 is tighter
+    a100, v100 = (hetero.max_n_succ_stages[..., t] for t in range(2))
+    upper = np.triu(np.ones(a100.shape[:2], dtype=bool))
+    assert (v100[upper] <= a100[upper]).all() and (v100[upper] < a100[upper]).any()
+    code = main(
+        [
+            "solve",
+            "generated-gpt-32layers-4x8",
+            "--cluster-file",
+            "a100-v100-4x8",
+            "--method",
+            "alpa",
+            "--json",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    plan = json.loads(out)
+    assert {s["device_type"] for s in plan["stages"]} == {0, 1}
+    assert any(t > 0 for t in plan["transfers"])  # activations priced
+    code = main(["solve", "hetero-gpt-32layers-a100-v100", "--cluster-file", "x.json"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "already describes its cluster" in err

@@ -1,0 +1,128 @@
+"""The simulator's DeepSpeed schedule against closed forms and the 1F1B order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipedejavu._deepspeed_schedule import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    SEND_ACT,
+    compute_order,
+    deepspeed_commands,
+)
+from pipedejavu._schedule import _order
+from pipedejavu.simulation import simulate
+
+SIZES = [(s, b) for s in (1, 2, 3, 4, 7) for b in (1, 2, 3, 5, 8)]
+
+
+@pytest.mark.parametrize("stages, count", SIZES)
+def test_compute_order_is_1f1b(stages, count):
+    for s in range(stages):
+        commands = deepspeed_commands(s, stages, count)
+        assert compute_order(commands, count) == _order("1f1b", s, stages, count)
+        # Every micro-batch is received before its forward, sent after it.
+        for b in range(count):
+            forward = commands.index((FORWARD, b))
+            if s:
+                assert commands.index((RECV_ACT, b)) < forward
+            if s < stages - 1:
+                assert commands.index((SEND_ACT, b)) > forward
+                assert commands.index((BACKWARD, b)) > commands.index((SEND_ACT, b))
+
+
+@pytest.mark.parametrize("stages, count", SIZES)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_equal_stages_free_links(stages, count, blocking):
+    """(S + B - 1)(f + b): the 1F1B closed form, whatever the link mode."""
+    result = simulate(
+        [1.5] * stages,
+        [2.5] * stages,
+        count,
+        schedule="deepspeed",
+        transfer=np.zeros(stages - 1),
+        blocking=blocking,
+    )
+    assert result.iteration_time == pytest.approx((stages + count - 1) * 4.0)
+    expected = [min(stages - s, count) for s in range(stages)]
+    assert result.peak_in_flight.tolist() == expected
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 6, 11])
+def test_one_stage(count):
+    result = simulate([0.3], [0.7], count, schedule="deepspeed")
+    assert result.iteration_time == pytest.approx(count * 1.0)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("f, b, x", [(1.0, 2.0, 0.5), (2.0, 1.0, 3.0), (1.0, 1.0, 1.0)])
+def test_two_equal_stages_rendezvous(count, f, b, x):
+    """Two stages, blocking links: ``(B + 1)(f + b) + 2 B x``.
+
+    Hand trace (B = 1): F0 [0, f]; activation [f, f + x]; stage 1 runs F0, B0;
+    gradient [2f + x + b, 2f + 2x + b]; stage 0 B0 ends at 2(f + b) + 2x. Each
+    further micro-batch adds one forward and one backward on the critical stage
+    and two rendezvous transfers it must take part in: (f + b) + 2x.
+    """
+    result = simulate([f, f], [b, b], count, schedule="deepspeed", transfer=[x])
+    assert result.iteration_time == pytest.approx((count + 1) * (f + b) + 2 * count * x)
+    # Both ends are busy during every transfer: the link never overlaps compute.
+    ends = np.concatenate([result.activation_end[0], result.gradient_end[0]])
+    starts = np.concatenate([result.activation_start[0], result.gradient_start[0]])
+    for s in range(2):
+        for start, end in zip(starts, ends, strict=True):
+            overlap = np.minimum(result.forward_end[s], end) - np.maximum(
+                result.forward_start[s], start
+            )
+            assert (overlap <= 1e-12).all()
+
+
+def test_buffered_links_hide_a_fast_link():
+    """A buffered link faster than the compute costs only its latency once per
+    direction, on the critical path: ``2(f + b) + 2x`` for B = 1 and, for more
+    micro-batches, never more than the blocking time."""
+    f, b, x = 1.0, 2.0, 0.25
+    for count in (1, 4, 8):
+        buffered = simulate(
+            [f, f], [b, b], count, schedule="deepspeed", transfer=[x], blocking=False
+        ).iteration_time
+        blocking = simulate(
+            [f, f], [b, b], count, schedule="deepspeed", transfer=[x]
+        ).iteration_time
+        assert buffered <= blocking + 1e-12
+        if count == 1:
+            assert buffered == pytest.approx(2 * (f + b) + 2 * x)
+
+
+def test_slow_buffered_link_binds():
+    """A link slower than everything is the bottleneck: one message per direction
+    at a time, so ``B`` activations take at least ``B x`` after the first forward."""
+    f, b, x = 0.1, 0.1, 5.0
+    for count in (2, 5):
+        result = simulate(
+            [f, f], [b, b], count, schedule="deepspeed", transfer=[x], blocking=False
+        )
+        assert result.iteration_time >= f + count * x + f + b + x + b - 1e-9
+
+
+def test_gradient_transfer_and_validation():
+    fast = simulate([1.0] * 3, [1.0] * 3, 4, schedule="deepspeed", transfer=[1.0, 1.0])
+    slow_back = simulate(
+        [1.0] * 3,
+        [1.0] * 3,
+        4,
+        schedule="deepspeed",
+        transfer=[1.0, 1.0],
+        gradient_transfer=[3.0, 3.0],
+    )
+    assert slow_back.iteration_time > fast.iteration_time
+    np.testing.assert_allclose(
+        slow_back.gradient_end - slow_back.gradient_start, 3.0 * np.ones((2, 4))
+    )
+    with pytest.raises(ValueError, match="deepspeed schedule only"):
+        simulate([1.0, 1.0], [1.0, 1.0], 2, gradient_transfer=[1.0])
+    with pytest.raises(ValueError, match="blocking must be bools"):
+        simulate([1.0, 1.0], [1.0, 1.0], 2, schedule="deepspeed", blocking=[0.5])

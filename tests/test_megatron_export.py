@@ -1,0 +1,360 @@
+"""Exports checked against each target's documented syntax and rules.
+
+None of the targets is installable here (they need PyTorch, CUDA or an old
+jaxlib), so each test re-states the target's rules as its documentation and
+source give them (versions in :mod:`pipedejavu.megatron_export`) and checks
+the export against those rules, not against our own exporter's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+
+import pytest
+
+from pipedejavu.cli import main
+from pipedejavu.costmodel.megatron_tables import plan_from_stages
+from pipedejavu.megatron_export import (
+    export_plan,
+    to_alpa,
+    to_deepspeed,
+    to_megatron,
+    to_torchtitan,
+)
+from pipedejavu.plan3d import Plan3D, Replica, Stage3D, load_plan3d
+from pipedejavu.problem import ProblemError
+from pipedejavu.sailor_plan import plan_from_sailor, plan_to_sailor
+
+
+def _plan(bounds, tp=2, dp=2, mbs=2, gbs=64, gpn=4):
+    return plan_from_stages(
+        [(a, b, tp) for a, b in zip(bounds, bounds[1:], strict=False)],
+        gpu_type="GH-96",
+        dp=dp,
+        mbs=mbs,
+        gbs=gbs,
+        model="OPT-350",
+        gpus_per_node=gpn,
+        zone="us-central1-a",
+    )
+
+
+PLANS = {
+    "one stage": _plan((0, 26)),
+    "even": _plan((0, 7, 13, 19, 26)),  # 6 transformer layers per stage
+    "first and last": _plan((0, 5, 13, 21, 26)),  # 4, 8, 8, 4
+    "two uneven": _plan((0, 9, 26)),  # 8, 16
+    "irregular": _plan((0, 3, 13, 16, 26), tp=1, dp=4),  # 2, 10, 3, 9
+}
+
+
+# ------------------------------------------------------------- Megatron-LM
+def _megatron_parser() -> argparse.ArgumentParser:
+    """The options the export uses, with Megatron-LM's types
+    (megatron/training/arguments.py, core 0.20)."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    for name in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--num-layers",
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+    ):
+        parser.add_argument(name, type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
+    return parser
+
+
+def _layout_stages(text: str) -> list[list[str]]:
+    """Megatron's layout grammar: commas are cosmetic, ``(..)*n`` and ``x*n``
+    repeat, ``|`` separates stages, E/L/t/m are the layer kinds."""
+    text = text.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    stages = [list(stage) for stage in text.split("|")]
+    assert all(ch in "ELtm" for stage in stages for ch in stage)
+    return stages
+
+
+def _megatron_stage_layers(args: argparse.Namespace) -> list[int]:
+    """Transformer layers per stage under Megatron's rules."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if args.pipeline_model_parallel_layout is not None:
+        assert args.decoder_first_pipeline_num_layers is None
+        stages = _layout_stages(args.pipeline_model_parallel_layout)
+        assert len(stages) % pp == 0 and len(stages) == pp  # no virtual stages
+        flat = [ch for stage in stages for ch in stage]
+        assert flat[0] == "E" and flat[-1] == "L"
+        assert flat.count("E") == 1 and flat.count("L") == 1
+        assert flat.count("t") == layers
+        return [stage.count("t") for stage in stages]
+    first, last = (
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+    )
+    if first is None and last is None:
+        assert layers % pp == 0
+        return [layers // pp] * pp
+    middle_layers, middle_stages = layers, pp
+    for value in (first, last):
+        if value is not None:
+            assert value > 0
+            middle_layers -= value
+            middle_stages -= 1
+    assert bool(middle_layers) == bool(middle_stages)
+    each = middle_layers // middle_stages if middle_stages else 0
+    assert not middle_stages or middle_layers % middle_stages == 0
+    counts = [each] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_megatron_arguments(name):
+    plan = PLANS[name]
+    args = _megatron_parser().parse_args(to_megatron(plan))
+    assert args.tensor_model_parallel_size == plan.stages[0].replicas[0].tp
+    assert args.pipeline_model_parallel_size == plan.num_stages
+    assert (args.micro_batch_size, args.global_batch_size) == (plan.mbs, plan.gbs)
+    # Megatron derives DP from the world size; the global batch must divide.
+    assert args.global_batch_size % (args.micro_batch_size * plan.dp) == 0
+    expected = [
+        sum(1 for layer in range(s.start, s.stop) if 0 < layer < 25)
+        for s in plan.stages
+    ]
+    assert _megatron_stage_layers(args) == expected
+    text = export_plan(plan, "megatron")
+    assert f"launch {plan.num_gpus} processes" in text
+    assert shlex.split(text.splitlines()[1]) == to_megatron(plan)
+
+
+def test_megatron_uses_the_simplest_arguments():
+    assert "--pipeline-model-parallel-layout" not in to_megatron(
+        PLANS["first and last"]
+    )
+    assert "--decoder-first-pipeline-num-layers" not in to_megatron(PLANS["even"])
+    layout = to_megatron(PLANS["irregular"])
+    assert layout[-2:] == ["--pipeline-model-parallel-layout", "Et*2|t*10|t*3|t*9L"]
+
+
+# ------------------------------------------------------------- DeepSpeed
+@pytest.mark.parametrize("name", PLANS)
+def test_deepspeed_partition(name):
+    plan = PLANS[name]
+    out = to_deepspeed(plan)
+    parts = out["pipeline_module"]["parts"]
+    layers = out["pipeline_module"]["layers"]
+    assert len(parts) == plan.num_stages + 1 == out["pipeline_module"]["num_stages"] + 1
+    assert parts[0] == 0 and parts[-1] == len(layers) == 26
+    assert all(a < b for a, b in zip(parts, parts[1:], strict=False))
+    for stage, a, b in zip(plan.stages, parts, parts[1:], strict=False):
+        assert (a, b) == (stage.start, stage.stop)
+    config = out["ds_config"]
+    # DeepSpeed's batch rule (runtime/config.py): train = micro x gas x dp.
+    assert config["train_batch_size"] == (
+        config["train_micro_batch_size_per_gpu"]
+        * config["gradient_accumulation_steps"]
+        * out["data_parallel_size"]
+    )
+    assert out["world_size"] == (
+        out["data_parallel_size"] * out["model_parallel_size"] * plan.num_stages
+    )
+
+
+# ------------------------------------------------------------- torchtitan
+#: The [parallelism] fields of torchtitan v0.2.2 (torchtitan/config/job_config.py).
+TORCHTITAN_PARALLELISM = {
+    "data_parallel_replicate_degree": int,
+    "data_parallel_shard_degree": int,
+    "tensor_parallel_degree": int,
+    "pipeline_parallel_degree": int,
+    "module_fqns_per_model_part": list,
+    "pipeline_parallel_schedule": str,
+    "pipeline_parallel_microbatch_size": int,
+}
+TORCHTITAN_TRAINING = {"local_batch_size": int, "global_batch_size": int}
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_torchtitan_toml(name):
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    plan = PLANS[name]
+    config = tomllib.loads(to_torchtitan(plan))
+    assert set(config) == {"training", "parallelism"}
+    for section, fields in (
+        ("parallelism", TORCHTITAN_PARALLELISM),
+        ("training", TORCHTITAN_TRAINING),
+    ):
+        for key, value in config[section].items():
+            assert isinstance(value, fields[key]), key
+    par = config["parallelism"]
+    world = (
+        par["data_parallel_replicate_degree"]
+        * par["data_parallel_shard_degree"]
+        * par["tensor_parallel_degree"]
+        * par["pipeline_parallel_degree"]
+    )
+    assert world == plan.num_gpus
+    assert par["pipeline_parallel_schedule"] == "1F1B"
+    parts = par["module_fqns_per_model_part"]
+    assert len(parts) == par["pipeline_parallel_degree"]
+    flat = [name for part in parts for name in part]
+    assert flat == ["tok_embeddings"] + [f"layers.{i}" for i in range(24)] + [
+        "norm",
+        "output",
+    ]
+    training = config["training"]
+    assert training["global_batch_size"] == plan.gbs
+    assert (
+        training["local_batch_size"] * par["data_parallel_replicate_degree"] == plan.gbs
+    )
+
+
+# ------------------------------------------------------------------ Alpa
+@pytest.mark.parametrize("name", PLANS)
+def test_alpa_manual_stage_option(name):
+    plan = PLANS[name]
+    option = to_alpa(plan, gpus_per_host=4)
+    ids = option["forward_stage_layer_ids"]
+    assert [i for stage in ids for i in stage] == list(range(26))
+    fields = (
+        "submesh_physical_shapes",
+        "submesh_logical_shapes",
+        "submesh_autosharding_option_dicts",
+    )
+    assert all(len(option[f]) == len(ids) for f in fields)
+    for stage, physical, logical in zip(
+        plan.stages,
+        option["submesh_physical_shapes"],
+        option["submesh_logical_shapes"],
+        strict=True,
+    ):
+        devices = stage.dp * stage.replicas[0].tp
+        assert physical[0] * physical[1] == logical[0] * logical[1] == devices
+        assert physical[0] == 1 or physical[1] == 4  # whole hosts, Alpa's rule
+        assert logical == [stage.dp, stage.replicas[0].tp]
+
+
+# ----------------------------------------------------------------- Sailor
+@pytest.mark.parametrize("name", PLANS)
+def test_sailor_round_trip(name):
+    plan = PLANS[name]
+    back = plan_from_sailor(json.loads(export_plan(plan, "sailor")), model="OPT-350")
+    assert [(s.start, s.stop, s.dp) for s in back.stages] == [
+        (s.start, s.stop, s.dp) for s in plan.stages
+    ]
+    assert [[r.tp for r in s.replicas] for s in back.stages] == [
+        [r.tp for r in s.replicas] for s in plan.stages
+    ]
+    assert (back.mbs, back.gbs) == (plan.mbs, plan.gbs)
+    # The format has no node identities: everything but N survives, and a
+    # plan read from a file is a fixed point.
+    exported, again = plan_to_sailor(plan), plan_to_sailor(back)
+    assert {k: v for k, v in exported.items() if k != "N"} == {
+        k: v for k, v in again.items() if k != "N"
+    }
+    assert plan_from_sailor(again, model="OPT-350") == back
+    used = exported["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][1]
+    assert used == min(4, plan.stages[0].dp * plan.stages[0].replicas[0].tp)
+
+
+def test_per_stage_tp_is_refused_by_single_degree_runtimes():
+    plan = Plan3D(
+        (
+            Stage3D(0, 13, (Replica("GH-96", 2),)),
+            Stage3D(13, 26, (Replica("GH-96", 4),)),
+        ),
+        mbs=1,
+        gbs=8,
+        model="OPT-350",
+    )
+    for target in ("megatron", "deepspeed", "torchtitan"):
+        with pytest.raises(ProblemError, match="one tensor-parallel degree"):
+            export_plan(plan, target)
+    assert export_plan(plan, "alpa") and export_plan(plan, "sailor")
+    with pytest.raises(ProblemError, match="export must be one of"):
+        export_plan(plan, "jax")
+
+
+# ------------------------------------------------------------------- CLI
+def test_cli_plan_json_is_accepted_by_predict(capsys, tmp_path):
+    code = main(
+        [
+            "plan",
+            "--model",
+            "OPT-350",
+            "--gpus",
+            "GH-96:16",
+            "--global-batch",
+            "64",
+            "--json",
+            "--export",
+            "megatron",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and "planning OPT-350" in err
+    data = json.loads(out)
+    for key in (
+        "iteration_time_s",
+        "memory_per_stage_bytes",
+        "lower_bound_s",
+        "gap",
+        "search_time_s",
+        "model",
+        "stages",
+        "export",
+    ):
+        assert key in data
+    path = tmp_path / "plan.json"
+    path.write_text(out)
+    assert load_plan3d(path)[0].model == "OPT-350"
+    assert main(["predict", str(path), "--json"]) == 0
+    predicted = json.loads(capsys.readouterr()[0])
+    assert predicted["iteration_time_s"] == data["iteration_time_s"]
+
+
+def test_cli_plan_text_and_errors(capsys):
+    code = main(
+        [
+            "plan",
+            "--model",
+            "OPT-350",
+            "--gpus",
+            "RTX-2080:4",
+            "--global-batch",
+            "8",
+            "--export",
+            "torchtitan",
+        ]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0 and "pp 2" in out and "[parallelism]" in out
+    assert (
+        main(["plan", "--model", "OPT-350", "--gpus", "GH96", "--global-batch", "8"])
+        == 2
+    )
+    assert "TYPE:COUNT" in capsys.readouterr()[1]
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "GPT-Neo-2.7",
+                "--gpus",
+                "V100-16:2",
+                "--global-batch",
+                "8",
+            ]
+        )
+        == 3
+    )
+    assert "no feasible plan" in capsys.readouterr()[1]
