@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .cluster import Cluster, parse_json
+from .cluster import Cluster
+from .files import parse_json
 from .npzfile import read_npz, write_npz
 from .problem import (
     PlanError,
