@@ -15,15 +15,16 @@ maximum batch, the GPU range, the GPUs per node and the model-parallel size.
 2. for each model-parallel size ``mp`` that DeepSpeed v0.2 allows (a divisor of
    the GPUs per node), each ``prefer_larger_batch`` and each maximum batch (the
    given one and every per-count best batch: where a user would set
-   ``max_train_batch_size``), the batch ``B_mp`` its rule returns, kept if it is
-   valid for every count of the range (``n / mp`` among its data-parallel
-   sizes);
-3. every count planned at each kept ``B_mp`` (:func:`~pipedejavu.megatron_api.
+   ``max_train_batch_size``), the batch ``B_mp`` its rule returns,
+   with the counts it is valid for (``n / mp`` among its data-parallel sizes);
+3. every count planned at each ``B_mp`` (:func:`~pipedejavu.megatron_api.
    plan_training`); each plan is checked against DeepSpeed's rule with its own
    model-parallel size (TP x pipeline stages) on the GPUs it uses
    (:func:`~pipedejavu.elastic.is_valid_world_size`) and must fit in memory;
-4. the common batch is the kept ``B_mp`` of largest mean goodput ratio to the
-   per-count best; its *price* is ``1 -`` that ratio (mean and worst count).
+4. the common batch is the ``B_mp`` valid for the most counts (all, when one
+   is), then of largest mean goodput ratio to the per-count best; its *price*
+   is ``1 -`` that ratio (mean and worst count). Counts it is not valid for are
+   flagged (``deepspeed_valid``).
 
 Plots (:func:`plot_elastic`) need matplotlib (``pip install pipedejavu[plot]``).
 """
@@ -99,6 +100,8 @@ class ElasticRow:
         common_goodput: its goodput (throughput x efficiency), samples/s.
         common_valid: DeepSpeed's rule holds for the common batch on the GPUs
             the plan uses with its model-parallel size (TP x stages).
+        deepspeed_valid: the count itself is among those DeepSpeed's rule made
+            the common batch valid for (with the rule's model-parallel size).
     """
 
     gpus: int
@@ -106,6 +109,7 @@ class ElasticRow:
     common: Any
     common_goodput: float
     common_valid: bool
+    deepspeed_valid: bool
 
     @property
     def common_throughput(self) -> float:
@@ -125,6 +129,7 @@ class CommonBatch:
         batch: the batch it returns, samples.
         valid_dp_sizes: the data-parallel sizes it is valid for.
         valid_for_all: valid for every count of the range.
+        valid_counts: how many counts of the range it is valid for.
         mean_ratio: mean over counts of goodput at ``batch`` / per-count best
             (``None`` where not planned).
     """
@@ -135,6 +140,7 @@ class CommonBatch:
     batch: int
     valid_dp_sizes: tuple[int, ...]
     valid_for_all: bool
+    valid_counts: int
     mean_ratio: float | None = None
 
 
@@ -150,7 +156,9 @@ class ElasticPlan:
         grad_params, init_batch: the gradient statistics (``None``: throughput).
         rows: one :class:`ElasticRow` per count.
         candidates: DeepSpeed's batch per model-parallel size.
-        common_batch: the chosen common batch (``None`` if none is valid).
+        common_batch: the chosen common batch (``None``: DeepSpeed's rule gave
+            no batch).
+        common_choice: the DeepSpeed setting that gave it.
     """
 
     model: str
@@ -163,6 +171,7 @@ class ElasticPlan:
     rows: tuple[ElasticRow, ...]
     candidates: tuple[CommonBatch, ...]
     common_batch: int | None
+    common_choice: CommonBatch | None = None
 
     def price(self) -> tuple[float, float]:
         """(mean, worst) fraction of the per-count best goodput lost."""
@@ -180,6 +189,9 @@ class ElasticPlan:
             "grad_params": None if self.grad_params is None else list(self.grad_params),
             "init_batch": self.init_batch,
             "common_batch": self.common_batch,
+            "common_valid_for_all": None
+            if self.common_choice is None
+            else self.common_choice.valid_for_all,
             "price_mean": mean,
             "price_worst": worst,
             "deepspeed_candidates": [dataclasses.asdict(c) for c in self.candidates],
@@ -199,6 +211,7 @@ class ElasticPlan:
                     "common_throughput": r.common_throughput,
                     "common_goodput": r.common_goodput,
                     "common_valid": r.common_valid,
+                    "deepspeed_valid": r.deepspeed_valid,
                     "common_fits_memory": None
                     if r.common is None
                     else bool(r.common.prediction.fits_memory),
@@ -337,9 +350,13 @@ def plan_elastic(
         if found is None:
             continue
         batch, dp_sizes = found
-        ok = all(n % mp == 0 and n // mp in dp_sizes for n in counts)
-        candidates.append(CommonBatch(limit, mp, prefer_larger, batch, dp_sizes, ok))
-        if ok and batch not in plans_at:
+        valid = sum(n % mp == 0 and n // mp in dp_sizes for n in counts)
+        candidates.append(
+            CommonBatch(
+                limit, mp, prefer_larger, batch, dp_sizes, valid == len(counts), valid
+            )
+        )
+        if batch not in plans_at:
             plans_at[batch] = [
                 _plan_or_none(
                     plan_training, model, {gpu_type: n}, batch, profiles, mbs, constants
@@ -362,7 +379,13 @@ def plan_elastic(
     candidates = [
         dataclasses.replace(c, mean_ratio=ratios.get(c.batch)) for c in candidates
     ]
-    common = max(ratios, key=lambda b: (ratios[b], -b)) if ratios else None
+    # Valid for every count first (else for the most), then the best mean ratio.
+    choice = (
+        max(candidates, key=lambda c: (c.valid_counts, c.mean_ratio, -c.batch))
+        if candidates
+        else None
+    )
+    common = None if choice is None else choice.batch
     rows = []
     for i, (n, best) in enumerate(zip(counts, rows_best, strict=True)):
         plan = None if common is None else plans_at[common][i]
@@ -372,7 +395,9 @@ def plan_elastic(
         valid = plan is not None and is_valid_world_size(
             common, mbs, plan.plan.num_gpus, _model_parallel(plan)
         )
-        rows.append(ElasticRow(n, best, plan, value, bool(valid)))
+        mp = 0 if choice is None else choice.model_parallel_size
+        listed = mp and n % mp == 0 and n // mp in choice.valid_dp_sizes
+        rows.append(ElasticRow(n, best, plan, value, bool(valid), bool(listed)))
     return ElasticPlan(
         model=model,
         gpu_type=gpu_type,
@@ -384,6 +409,7 @@ def plan_elastic(
         rows=tuple(rows),
         candidates=tuple(candidates),
         common_batch=common,
+        common_choice=choice,
     )
 
 
@@ -395,25 +421,29 @@ def format_elastic(result: ElasticPlan) -> str:
         f"({result.gpus_per_node} per node), micro-batch sizes "
         f"{list(result.micro_batch_sizes)}, max global batch {result.max_global_batch}"
     ]
+    best_of: dict[int, CommonBatch] = {}
     for c in result.candidates:
-        lines.append(
-            f"  DeepSpeed v0.2, max batch {c.max_train_batch_size}, "
-            f"model-parallel size {c.model_parallel_size}, "
-            f"prefer_larger_batch {c.prefer_larger}: batch "
-            f"{c.batch}, "
-            + (
-                "valid for every count"
-                if c.valid_for_all
-                else "not valid for every count"
-            )
+        if c.batch not in best_of or c.valid_counts > best_of[c.batch].valid_counts:
+            best_of[c.batch] = c
+    for batch, c in sorted(best_of.items()):
+        ratio = (
+            "" if c.mean_ratio is None else f", mean {unit} ratio {c.mean_ratio:.3f}"
         )
-    if result.common_batch is None:
-        lines.append("no DeepSpeed batch is valid for every count")
+        lines.append(
+            f"  DeepSpeed v0.2 batch {batch} (max {c.max_train_batch_size}, "
+            f"model-parallel size {c.model_parallel_size}): valid for "
+            f"{c.valid_counts} of {len(result.rows)} counts{ratio}"
+        )
+    choice = result.common_choice
+    if choice is None:
+        lines.append("DeepSpeed's rule gives no batch for this range")
     else:
         mean, worst = result.price()
         lines.append(
-            f"common batch {result.common_batch}: price {100 * mean:.1f}% of "
-            f"{unit} on average, {100 * worst:.1f}% at worst"
+            f"common batch {result.common_batch}"
+            + ("" if choice.valid_for_all else " (NOT valid for every count)")
+            + f": price {100 * mean:.1f}% of {unit} on average, "
+            f"{100 * worst:.1f}% at worst"
         )
     lines.append(
         f"{'GPUs':>5} {'best B':>7} {'best ' + unit:>16}  {'common ' + unit:>18}  "

@@ -37,7 +37,7 @@ def test_common_batch_valid_for_every_count(result):
     batch = result.common_batch
     assert batch is not None and batch <= result.max_global_batch
     chosen = [c for c in result.candidates if c.batch == batch and c.valid_for_all]
-    assert chosen
+    assert chosen and result.common_choice in chosen
     gpn = result.gpus_per_node
     for c in chosen:
         mp = c.model_parallel_size
@@ -55,7 +55,7 @@ def test_common_batch_valid_for_every_count(result):
     for row in result.rows:
         plan = row.common
         assert plan is not None and plan.plan.gbs == batch
-        assert row.common_valid
+        assert row.common_valid and row.deepspeed_valid
         stages_tp = plan.plan.num_stages * plan.plan.stages[0].replicas[0].tp
         assert is_valid_world_size(
             batch, result.micro_batch_sizes, plan.plan.num_gpus, stages_tp
