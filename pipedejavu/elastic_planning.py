@@ -445,15 +445,17 @@ def format_elastic(result: ElasticPlan) -> str:
             + f": price {100 * mean:.1f}% of {unit} on average, "
             f"{100 * worst:.1f}% at worst"
         )
+    lines.append("DS: DeepSpeed's rule makes the common batch valid for the count")
     lines.append(
         f"{'GPUs':>5} {'best B':>7} {'best ' + unit:>16}  {'common ' + unit:>18}  "
-        "best plan | plan at common batch"
+        "DS  best plan | plan at common batch"
     )
     for r in result.rows:
         common = "-" if r.common is None else r.common.plan.describe()
         lines.append(
             f"{r.gpus:>5} {r.best.global_batch:>7} {r.best.goodput:>16.2f}  "
-            f"{r.common_goodput:>18.2f}  {r.best.training.plan.describe()} | {common}"
+            f"{r.common_goodput:>18.2f}  {'yes' if r.deepspeed_valid else 'no ':3} "
+            f"{r.best.training.plan.describe()} | {common}"
         )
     return "\n".join(lines)
 
