@@ -106,3 +106,19 @@ def test_parse_range_and_counts():
     assert elastic_counts(6, 17, 4) == [8, 12, 16]
     with pytest.raises(ProblemError, match="multiple of 4"):
         elastic_counts(5, 7, 4)
+
+
+def test_range_without_a_batch_valid_everywhere_is_flagged():
+    result = plan_elastic("OPT-350", "GH-96", [4, 12, 20], 48, batch_multiple=16)
+    choice = result.common_choice
+    assert choice is not None and not choice.valid_for_all
+    # DeepSpeed's priority: the most valid counts (no candidate has all three).
+    assert choice.valid_counts == max(c.valid_counts for c in result.candidates) < 3
+    mp = choice.model_parallel_size
+    flags = [r.deepspeed_valid for r in result.rows]
+    assert flags == [
+        n % mp == 0 and n // mp in choice.valid_dp_sizes for n in [4, 12, 20]
+    ]
+    assert sum(flags) == choice.valid_counts
+    assert "NOT valid for every count" in format_elastic(result)
+    assert result.to_json()["common_valid_for_all"] is False
