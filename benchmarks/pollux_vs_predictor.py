@@ -1,6 +1,7 @@
 """Pollux's throughput model fitted to step times our predictor generates.
 
-Pollux (AdaptDL) fits seven parameters (:class:`PerfParams`) to observed step
+The comparison of :mod:`pipedejavu.throughput_compare`. Pollux (AdaptDL) fits
+seven parameters (:class:`PerfParams`) to observed step
 times of *data-parallel* jobs and predicts the time of any (nodes, replicas,
 atomic batch, accumulation steps). Here the "observations" are our predictor's
 (:func:`pipedejavu.costmodel.megatron.predict_plan`, validated on the measured
@@ -29,9 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import os
 import platform
 import time
@@ -39,84 +38,16 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pipedejavu.costmodel.goodput import fit_perf_params
-from pipedejavu.costmodel.goodput_model import predict_step_time
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_tables import plan_from_stages
 from pipedejavu.costmodel.sailor_data import load_sailor_data
-from pipedejavu.plan3d import DEFAULT_ZONE
+from pipedejavu.throughput_compare import heldout_errors, predictor_observations
 
 GPU = "GH-96"
 MODELS = ("OPT-350", "GPT-Neo-2.7")
 
 
-def _stages(num_layers: int, count: int) -> list[tuple[int, int, int]]:
-    bounds = np.linspace(0, num_layers, count + 1).round().astype(int)
-    return [(int(a), int(b), 1) for a, b in itertools.pairwise(bounds)]
-
-
-def observations(data, model, num_stages, dps, mbss, micro_counts):
-    """Our predictor's times for every fitting plan, as Pollux would observe them."""
-    layers = data.model_info(model).num_layers
-    gpn = data.gpu_spec(GPU).gpus_per_node
-    rows = []
-    for dp, mbs, m in itertools.product(dps, mbss, micro_counts):
-        plan = plan_from_stages(
-            _stages(layers, num_stages),
-            gpu_type=GPU,
-            dp=dp,
-            mbs=mbs,
-            gbs=dp * mbs * m,
-            model=model,
-            gpus_per_node=gpn,
-            zone=DEFAULT_ZONE,
-        )
-        try:
-            prediction = predict_plan(plan, data)
-        except Exception:  # (mbs, tp) not profiled
-            continue
-        if not prediction.fits_memory:
-            continue
-        total = prediction.iteration_time_s
-        accum = prediction.to_json()["breakdown"]["pipeline_s"] / m
-        rows.append(
-            {
-                "model": model,
-                "stages": num_stages,
-                "nodes": math.ceil(num_stages * dp / gpn),
-                "replicas": dp,
-                "mbs": mbs,
-                "microbatches": m,
-                "accum_step_time": accum,
-                "optim_step_time": total - (m - 1) * accum,
-                "iteration_s": total,
-            }
-        )
-    return rows
-
-
-def _arrays(rows, *keys):
-    return [np.array([r[k] for r in rows], dtype=np.float64) for k in keys]
-
-
 def evaluate(name, train, test):
-    """Fit Pollux on ``train``; its relative error against our predictor on
-    ``test`` (and on ``train``, for reference)."""
-    nodes, reps, mbs, acc, opt = _arrays(
-        train, "nodes", "replicas", "mbs", "accum_step_time", "optim_step_time"
-    )
-    started = time.perf_counter()
-    params = fit_perf_params(nodes, reps, mbs, acc, opt)
-    fit_s = time.perf_counter() - started
-
-    def errors(rows):
-        n, r, a, m, t = _arrays(
-            rows, "nodes", "replicas", "mbs", "microbatches", "iteration_s"
-        )
-        pred = np.asarray(predict_step_time(params, n, r, a, m - 1))
-        return np.abs(pred / t - 1)
-
-    held, seen = errors(test), errors(train)
+    """Fit Pollux on ``train``; its error against our predictor on ``test``."""
+    params, seen, held, fit_s = heldout_errors(train, test)
     out = {
         "experiment": name,
         "train": len(train),
@@ -152,7 +83,9 @@ def main() -> None:
     results = []
     mbss, counts = (1, 2, 4, 8, 16), (1, 2, 4, 8)
     for model in MODELS:
-        dp_rows = observations(data, model, 1, (1, 2, 4, 8, 16, 32), mbss, counts)
+        dp_rows = predictor_observations(
+            model, GPU, 1, (1, 2, 4, 8, 16, 32), mbss, counts, data=data
+        )
         train, test = _halves(dp_rows, 0)
         results.append(evaluate(f"{model} dp-random", train, test))
         small = [r for r in dp_rows if r["replicas"] <= 8]
@@ -160,7 +93,9 @@ def main() -> None:
         results.append(evaluate(f"{model} dp-extrapolate", small, large))
         mixed = []
         for stages in (2, 4):
-            rows = observations(data, model, stages, (1, 2, 4, 8), mbss, (1, 4, 8, 16))
+            rows = predictor_observations(
+                model, GPU, stages, (1, 2, 4, 8), mbss, (1, 4, 8, 16), data=data
+            )
             mixed += rows
             train, test = _halves(rows, 0)
             results.append(evaluate(f"{model} pipeline-{stages}", train, test))
