@@ -99,6 +99,11 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
                 "mode, or --elastic)"
             )
         return None
+    if args.export:
+        raise ProblemError(
+            "--export takes a fixed --global-batch (plan the batch goodput or "
+            "elastic mode chose again with --export)"
+        )
     grad = parse_grad(args.goodput_grad) if goodput else None
     if goodput and args.init_batch is None:
         raise ProblemError("--goodput-grad needs --init-batch N")
@@ -172,6 +177,9 @@ def _run_elastic(args, grad, high) -> int:
         init_batch=args.init_batch,
         batch_multiple=args.batch_multiple,
         profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
         progress_fn=_progress,
     )
     if args.plot:

@@ -255,11 +255,9 @@ def _deepspeed_batch(
     return int(batch), tuple(int(d) for d in dp_sizes)
 
 
-def _plan_or_none(plan_training, model, pool, batch, profiles, mbs, constants):
+def _plan_or_none(plan_training, model, pool, batch, options):
     try:
-        return plan_training(
-            model, pool, batch, profiles=profiles, mbs_values=mbs, constants=constants
-        )
+        return plan_training(model, pool, batch, **options)
     except InfeasibleProblemError:
         return None
 
@@ -276,6 +274,9 @@ def plan_elastic(
     mbs_values: Sequence[int] | None = None,
     profiles: Any = None,
     constants: Any = None,
+    method: str = "dp",
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
     progress_fn: Callable[[str], None] | None = None,
 ) -> ElasticPlan:
     """Best plan per GPU count, and DeepSpeed's common batch (module docstring).
@@ -290,7 +291,8 @@ def plan_elastic(
         batch_multiple: step of the per-count candidates (default: the GPUs
             per node).
         mbs_values: micro-batch sizes (default: every profiled one).
-        profiles, constants: as for :func:`~pipedejavu.megatron_api.plan_training`.
+        profiles, constants, method, uniform_tp, allow_fewer_gpus: as for
+            :func:`~pipedejavu.megatron_api.plan_training`.
         progress_fn: called with a line per planned count.
 
     Raises:
@@ -315,6 +317,14 @@ def plan_elastic(
     init = init_batch or step
     grad = THROUGHPUT_ONLY if grad_params is None else grad_params
     say = progress_fn or (lambda line: None)
+    options = dict(
+        profiles=profiles,
+        mbs_values=mbs,
+        constants=constants,
+        method=method,
+        uniform_tp=uniform_tp,
+        allow_fewer_gpus=allow_fewer_gpus,
+    )
 
     rows_best = []
     for n in counts:
@@ -325,9 +335,7 @@ def plan_elastic(
             init,
             max_global_batch,
             batch_multiple=step,
-            profiles=profiles,
-            mbs_values=mbs,
-            constants=constants,
+            **options,
         )
         say(
             f"{n} GPUs: best batch {best.global_batch}, {best.training.plan.describe()}"
@@ -358,9 +366,7 @@ def plan_elastic(
         )
         if batch not in plans_at:
             plans_at[batch] = [
-                _plan_or_none(
-                    plan_training, model, {gpu_type: n}, batch, profiles, mbs, constants
-                )
+                _plan_or_none(plan_training, model, {gpu_type: n}, batch, options)
                 for n in counts
             ]
             say(f"DeepSpeed batch {batch} (model-parallel size {mp}) planned")

@@ -53,6 +53,7 @@ def test_elastic_mode_text_json_and_plot(capsys, tmp_path):
         (["--goodput-grad", "1,2", "--init-batch", "4"], "--max-global-batch"),
         (["--elastic", "--global-batch", "8"], "TYPE:LOW..HIGH"),
         (["--global-batch", "8", "--plot", "x.png"], "--plot needs --elastic"),
+        (["--goodput-grad", "1,2", "--export", "megatron"], "--export takes"),
     ],
 )
 def test_bad_input_exits_2(capsys, extra, message):
