@@ -15,6 +15,9 @@ import math
 import sys
 from pathlib import Path
 
+from .errors import ProblemError
+from .files import read_bytes, read_json
+
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_CSV_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -114,13 +117,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _read_bounded(path: str, limit: int) -> bytes:
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
-    if len(data) > limit:
-        raise InputError(f"{path}: larger than {limit} bytes")
-    return data
+        return read_bytes(path, limit)
+    except ProblemError as error:
+        raise InputError(str(error)) from None
 
 
 def read_steps_csv(path: str) -> dict[str, list[float]]:
@@ -319,9 +318,9 @@ def _run_elastic(args: argparse.Namespace) -> None:
 
     path = args.config
     try:
-        config = json.loads(_read_bounded(path, MAX_CONFIG_BYTES))
-    except (ValueError, RecursionError) as error:
-        raise InputError(f"{path}: not valid JSON ({str(error)[:80]})") from None
+        config = read_json(path, MAX_CONFIG_BYTES, "DeepSpeed config")
+    except ProblemError as error:
+        raise InputError(str(error)) from None
     try:
         result = compute_elastic_config(
             config, args.deepspeed_version, world_size=args.world_size

@@ -57,7 +57,9 @@ def add_parsers(commands: Any) -> None:
         help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types)",
     )
     plan.add_argument(
-        "--global-batch", type=int, required=True, help="samples per iteration"
+        "--global-batch",
+        type=int,
+        help="samples per iteration (required unless --goodput-grad or --elastic)",
     )
     plan.add_argument("--profiles", metavar="DIR", help="as for predict")
     plan.add_argument(
@@ -84,6 +86,9 @@ def add_parsers(commands: Any) -> None:
         help="also print the plan for this framework",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
+    from .cli_batch import add_plan_options  # goodput and elastic modes
+
+    add_plan_options(plan)
 
 
 def _data(directory: str | None):
@@ -176,8 +181,13 @@ def format_training_plan(result) -> str:
 def _plan(args: argparse.Namespace) -> int:
     import sys
 
+    from .cli_batch import run_batch_modes
     from .megatron_api import plan_training
     from .megatron_export import export_plan
+
+    handled = run_batch_modes(args)  # goodput or elastic mode
+    if handled is not None:
+        return handled
 
     print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
     result = plan_training(

@@ -40,7 +40,6 @@ refused with a :class:`~pipedejavu.errors.ProblemError` naming the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ProblemError
+from .files import parse_json, read_text
 from .tables import MAX_DEVICES
 
 __all__ = ["Cluster", "DeviceType", "FREE_LINK", "Link", "parse_json"]
@@ -189,22 +189,6 @@ def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
     if math.isnan(number):
         raise ProblemError(f"{where} must be a number, got nan")
     return number
-
-
-def parse_json(text: str, source: str) -> Any:
-    """``json.loads`` whose every failure is a one-line :class:`ProblemError`.
-
-    Raises:
-        ProblemError: invalid JSON, nesting too deep, or a number too long.
-    """
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ProblemError(f"{source}: invalid JSON: {error}") from None
-    except RecursionError:
-        raise ProblemError(f"{source}: JSON nested too deeply") from None
-    except ValueError as error:  # e.g. an integer of more than 4300 digits
-        raise ProblemError(f"{source}: invalid JSON: {error}") from None
 
 
 #: Largest cluster file read (bytes); a description of 100,000 hosts fits.
@@ -571,23 +555,7 @@ class Cluster:
                 deeply nested JSON/TOML, or invalid contents.
         """
         path = Path(path)
-        try:
-            with open(path, "rb") as handle:
-                raw = handle.read(MAX_CLUSTER_FILE_BYTES + 1)
-        except OSError as error:
-            raise ProblemError(
-                f"cannot read cluster file {path}: {error.strerror or error}"
-            ) from None
-        if len(raw) > MAX_CLUSTER_FILE_BYTES:
-            raise ProblemError(
-                f"cluster file {path} is larger than {MAX_CLUSTER_FILE_BYTES} bytes"
-            )
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProblemError(
-                f"cluster file {path} is not UTF-8 text (a binary file?)"
-            ) from None
+        text = read_text(path, MAX_CLUSTER_FILE_BYTES, "cluster file")
         if path.suffix.lower() == ".toml":
             try:
                 import tomllib

@@ -68,7 +68,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .cluster import Cluster, parse_json
+from .cluster import Cluster
+from .files import parse_json
 from .npzfile import read_npz, write_npz
 from .problem import (
     UNLIMITED_SUCCEEDING_STAGES,

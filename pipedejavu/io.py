@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import Cluster, parse_json
+from .cluster import Cluster
 from .costmodel.alpa_profiles import problem_from_stage_profile
 from .errors import ProblemError
+from .files import read_json
 from .generate import random_problem
 from .hetero import HeteroPlan, HeteroProblem, LayerMemory
 from .hetero_generate import hetero_problem, model_memory_limits
@@ -497,18 +498,7 @@ def load_plan(path: str | os.PathLike) -> Plan | HeteroPlan:
             UTF-8, invalid or too deeply nested JSON, or a missing/bad field.
     """
     source = os.fspath(path)
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_PLAN_FILE_BYTES + 1)
-    except OSError as error:
-        raise ProblemError(f"cannot read {source}: {error.strerror or error}") from None
-    if len(raw) > MAX_PLAN_FILE_BYTES:
-        raise ProblemError(f"{source} is larger than {MAX_PLAN_FILE_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProblemError(f"{source} is not UTF-8 text (a binary file?)") from None
-    data = parse_json(text, source)
+    data = read_json(path, MAX_PLAN_FILE_BYTES, "plan file")
     stages = data.get("stages") if isinstance(data, dict) else None
     placed = (
         isinstance(stages, list)

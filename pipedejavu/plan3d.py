@@ -35,12 +35,12 @@ This module imports only :mod:`pipedejavu.problem` (for :class:`ProblemError`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from .files import read_json
 from .problem import ProblemError
 
 __all__ = [
@@ -331,21 +331,7 @@ class Plan3D:
 
 
 def _read_json(path: str | os.PathLike) -> Any:
-    try:
-        size = os.path.getsize(path)
-    except OSError as error:
-        raise ProblemError(f"cannot read {path}: {error.strerror}") from None
-    if size > MAX_PLAN_FILE_BYTES:
-        raise ProblemError(
-            f"{path} is {size} bytes; plan files are limited to {MAX_PLAN_FILE_BYTES}"
-        )
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except OSError as error:
-        raise ProblemError(f"cannot read {path}: {error.strerror}") from None
-    except (ValueError, RecursionError) as error:
-        raise ProblemError(f"{path} is not valid JSON: {error}") from None
+    return read_json(path, MAX_PLAN_FILE_BYTES, "plan file")
 
 
 def load_plan3d(

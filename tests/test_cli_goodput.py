@@ -59,10 +59,10 @@ def test_elastic_prints_deepspeeds_answer(tmp_path, capsys):
 @pytest.mark.parametrize(
     "text,expected",
     [
-        ('{"elasticity": 3', "not valid JSON"),
+        ('{"elasticity": 3', "invalid JSON"),
         ('{"train_batch_size": 8}', "'elasticity' is missing"),
         ('{"elasticity": {"enabled": true}}', "missing max_train_batch_size"),
-        ("[" * 100_000, "not valid JSON"),
+        ("[" * 100_000, "nested too deeply"),
     ],
 )
 def test_elastic_bad_config_is_one_line_and_exit_2(tmp_path, capsys, text, expected):

@@ -62,7 +62,7 @@ def _sailor(tmp_path, **changes):
         ([GH], "names no model; give --model"),
         ([GH, "--model", "GPT-Neo-2.7"], "has 34 profile layers"),
         ([GH, "--model", "OPT-350", "--profiles", "/nonexistent"], "does not exist"),
-        (["missing.json", "--model", "OPT-350"], "cannot read missing.json"),
+        (["missing.json", "--model", "OPT-350"], "cannot read plan file missing.json"),
     ],
 )
 def test_bad_input_exits_2(capsys, argv, message):

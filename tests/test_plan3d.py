@@ -139,7 +139,7 @@ def test_unreadable_files(tmp_path):
         load_plan3d(missing)
     broken = tmp_path / "broken.json"
     broken.write_text("{")
-    with pytest.raises(ProblemError, match="not valid JSON"):
+    with pytest.raises(ProblemError, match="invalid JSON"):
         load_plan3d(broken)
     wrong = tmp_path / "wrong.json"
     wrong.write_text('{"stages": [{"layers": [0]}]}')

@@ -143,7 +143,7 @@ def test_bad_files_name_the_file(tmp_path):
     with pytest.raises(ProblemError, match="finite"):
         SailorData(root).profile("OPT-350", "GH-96")
     (root / "llm_info.json").write_text("[1, 2")
-    with pytest.raises(ProblemError, match="llm_info.json is not valid JSON"):
+    with pytest.raises(ProblemError, match="llm_info.json: invalid JSON"):
         SailorData(root).model_info("OPT-350")
     with pytest.raises(ProblemError, match="does not exist"):
         SailorData(tmp_path / "nowhere")

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.lib.format as npy_format
 
+from pipedejavu.files import read_bytes
 from pipedejavu.problem import ProblemError
 
 from . import alpa_types
@@ -205,16 +206,7 @@ MAX_ALPA_FILE_BYTES = 2**30
 
 
 def _read_bytes(path: PathLike) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_ALPA_FILE_BYTES + 1)
-    except OSError as error:
-        raise ProblemError(f"cannot read {path}: {error.strerror or error}") from None
-    if len(data) > MAX_ALPA_FILE_BYTES:
-        raise ProblemError(
-            f"{path} is larger than {MAX_ALPA_FILE_BYTES} bytes; Alpa's profile "
-            "files are a few megabytes"
-        )
+    data = read_bytes(path, MAX_ALPA_FILE_BYTES, "Alpa profile file")
     if not data:
         raise ProblemError(f"{path} is empty, not an Alpa profile file")
     return data

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ..files import read_json
 from ..problem import ProblemError
 
 __all__ = [
@@ -59,21 +59,7 @@ def bundled_sailor_dir() -> Path:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        size = path.stat().st_size
-    except OSError as error:
-        raise ProblemError(f"cannot read {path}: {error.strerror}") from None
-    if size > MAX_DATA_FILE_BYTES:
-        raise ProblemError(
-            f"{path} is {size} bytes; data files are limited to {MAX_DATA_FILE_BYTES}"
-        )
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except OSError as error:
-        raise ProblemError(f"cannot read {path}: {error.strerror}") from None
-    except (ValueError, RecursionError) as error:
-        raise ProblemError(f"{path} is not valid JSON: {error}") from None
+    return read_json(path, MAX_DATA_FILE_BYTES, "data file")
 
 
 def _number(value: Any, path: Path, where: str) -> float:
