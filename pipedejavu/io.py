@@ -450,7 +450,12 @@ def load_problem(
             (reference-device) costs to typed devices and prices activation
             transfers from the file's ``boundary_bytes`` (or the
             ``activation_bytes`` that ``pipedejavu profile`` writes; zero if
-            absent). Refused for a problem that already has a cluster.
+            absent). A type's ``memory_gb`` bounds its stages through the
+            file's ``param_bytes``/``stash_bytes`` (:class:`LayerMemory`; the
+            generated 4 x 8 example uses its model's limits); a problem
+            without them is refused with it (ProblemError), never silently
+            given the profiled rule. Refused for a problem that already has a
+            cluster.
 
     Returns:
         A :class:`Problem`, or a :class:`HeteroProblem` for a heterogeneous
