@@ -3,12 +3,15 @@
 Per instance, measured side by side in one run: Alpa's way
 (:func:`pipedejavu.baselines.hetero.alpa_homogeneous`: Alpa's exact DP on the
 mean-speed homogeneous view, placed blind to types, priced on the true
-cluster), the differentiable engine (:func:`pipedejavu.search.hetero_engine.hetero_search`:
-cost, cold time with compilation, warm time, certified gap to its lower bound)
-and the exact oracle over canonical placements
-(:func:`pipedejavu.search.hetero_exact.hetero_exact`, with a time limit). Ratios:
-``better = 1 - engine / alpa`` (issue target >= 15%) and
-``engine / oracle - 1`` (target <= 2%).
+cluster), the differentiable engine
+(:func:`pipedejavu.search.hetero_engine.hetero_search`: cost, cold time with
+compilation, warm time, certified gap to its lower bound), the exact oracle
+over every valid plan (:func:`pipedejavu.search.hetero_exact.hetero_exact`,
+with a time limit) and, for comparison, the oracle as it was before issue 17,
+over canonical placements only (``hetero_canonical.py``, same limit): its
+optimum and its time. Ratios: ``better = 1 - engine / alpa``,
+``engine / oracle - 1`` (issue 17 target <= 1%), ``oracle time / canonical
+oracle time`` (target <= 2).
 
 Instances (:mod:`pipedejavu.hetero_generate`, GPT-3 6.7B-like, B = 32):
   two_type    2 A100 (speed 1) + 2 V100 (speed 0.5) hosts x 8 devices, slow
@@ -21,6 +24,11 @@ Instances (:mod:`pipedejavu.hetero_generate`, GPT-3 6.7B-like, B = 32):
               256: the engine with ``time_budget_s=50`` (cold run only), the
               oracle with ``--oracle-limit`` (reported as '> limit' when cut
               off); results in ``benchmarks/results/hetero_vs_alpa_large.json``.
+  placement   (``--suite placement``) 200 random small instances (1-3 types,
+              speed ties, 1-4 hosts of 2-4 devices, links free, slow inside
+              or between hosts, L <= 6): how often and by how much the true
+              optimum beats the canonical one, and both oracles' times;
+              results in ``benchmarks/results/hetero_placement.json``.
 
 Usage::
 
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -40,20 +49,111 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import jax
+import numpy as np
+from hetero_canonical import CanonicalTimeoutError, canonical_exact  # noqa: I001
 
 from pipedejavu.baselines.hetero import alpa_homogeneous
+from pipedejavu.cluster import Cluster, DeviceType, Link
 from pipedejavu.hetero import HeteroProblem, evaluate_hetero
 from pipedejavu.hetero_generate import (
     hetero_problem,
     three_type_cluster,
     two_type_cluster,
 )
+from pipedejavu.problem import InfeasibleProblemError, get_submesh_choices
 from pipedejavu.search.hetero_engine import HeteroSearchConfig, hetero_search
 from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
 
 NUM_MICROBATCHES = 32
 #: The large suite's engine budget (s): optimization + polish + bound.
 LARGE_BUDGET_S = 50.0
+
+
+def _random_small(rng: np.random.Generator) -> HeteroProblem:
+    """A small instance that stresses placement (see the module docstring)."""
+    num_types = int(rng.integers(1, 4))
+    speeds = rng.choice([0.5, 0.7, 1.0, 1.0], num_types)
+    types = [DeviceType(f"t{i}", float(v)) for i, v in enumerate(speeds)]
+    dph = int(rng.choice([2, 2, 3, 4]))
+    num_hosts = int(rng.integers(1, 5 if dph == 2 else 4))
+    hosts = rng.integers(0, num_types, num_hosts).tolist()
+
+    def link() -> Link:
+        if rng.random() < 0.25:
+            return Link()
+        return Link(float(rng.uniform(0, 0.3)), float(rng.choice([0.5, 2.0, 20.0])))
+
+    cluster = Cluster.from_types(
+        types,
+        hosts,
+        dph,
+        intra_host={t.name: link() for t in types},
+        inter_host={"default": link()},
+    )
+    if dph == 3:
+        shapes = [(1, 1), (1, 2), (1, 3)] + [(h, 3) for h in range(2, num_hosts + 1)]
+    else:
+        shapes = list(get_submesh_choices(num_hosts, dph, "all"))
+    shapes = np.array(shapes)
+    num_layers = int(rng.integers(2, 7))
+    shape = (num_layers, num_layers, len(shapes), 2, num_types)
+    spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1
+    cost = (
+        rng.uniform(0.5, 2.0, shape)
+        * np.clip(spans, 1, None)[:, :, None, None, None]
+        / (shapes[:, 0] * shapes[:, 1])[None, None, :, None, None] ** 0.8
+        / np.asarray(cluster.speeds)
+    )
+    cost[rng.random(shape) < 0.15] = np.inf
+    limits = np.where(
+        rng.random(shape) < 0.3, rng.integers(-1, num_layers, shape), 2**20
+    )
+    return HeteroProblem(
+        cost,
+        limits,
+        shapes,
+        cluster,
+        int(rng.integers(1, 9)),
+        boundary_bytes=rng.uniform(0, 4, num_layers - 1),
+    )
+
+
+def placement_suite(count: int) -> dict:
+    """True vs canonical optimum on ``count`` random small instances."""
+    rows = []
+    for seed in range(count):
+        problem = _random_small(np.random.default_rng([17, seed]))
+        row = {"seed": seed, "num_layers": problem.num_layers}
+        for name, solve in (("oracle", hetero_exact), ("canonical", canonical_exact)):
+            started = time.perf_counter()
+            try:
+                plan = solve(problem)
+                row[name] = plan.cost
+                if name == "oracle":
+                    row["searched"] = plan.info["num_searched"] > 0
+            except InfeasibleProblemError:
+                row[name] = math.inf
+            row[f"{name}_s"] = time.perf_counter() - started
+        rows.append(row)
+    feasible = [r for r in rows if math.isfinite(r["oracle"])]
+    cheaper = [r for r in feasible if r["oracle"] < r["canonical"] * (1 - 1e-9)]
+    ratios = [
+        r["oracle"] / r["canonical"] for r in cheaper if math.isfinite(r["canonical"])
+    ]
+    summary = {
+        "instances": count,
+        "feasible": len(feasible),
+        "cheaper_than_canonical": len(cheaper),
+        "canonical_infeasible_only": sum(
+            1 for r in cheaper if not math.isfinite(r["canonical"])
+        ),
+        "ratio_median": float(np.median(ratios)) if ratios else None,
+        "ratio_min": float(np.min(ratios)) if ratios else None,
+        "oracle_s_total": sum(r["oracle_s"] for r in rows),
+        "canonical_s_total": sum(r["canonical_s"] for r in rows),
+        "searched_by_astar": sum(1 for r in rows if r.get("searched")),
+    }
+    return {"summary": summary, "rows": rows}
 
 
 def instances(suites: list[str]):
@@ -154,13 +254,29 @@ def measure(
     if row["oracle_finished"]:
         row["engine_vs_oracle"] = plan.cost / row["oracle_cost"] - 1.0
         row["oracle_gap_to_bound"] = row["oracle_cost"] / row["lower_bound"] - 1.0
+        row["alpa_vs_optimum"] = alpa.cost / row["oracle_cost"]
+        row["oracle_info"] = {k: v for k, v in oracle.info.items() if k != "t_max"}
+    started = time.perf_counter()
+    try:
+        canonical = canonical_exact(problem, time_limit_s=oracle_limit)
+        row["canonical_cost"] = canonical.cost
+        row["canonical_finished"] = True
+    except CanonicalTimeoutError as error:
+        best = error.best_plan
+        row["canonical_cost"] = None if best is None else best.cost
+        row["canonical_finished"] = False
+    row["canonical_s"] = time.perf_counter() - started
+    if row["oracle_finished"] and row["canonical_finished"]:
+        row["oracle_time_ratio"] = row["oracle_s"] / row["canonical_s"]
+        row["optimum_vs_canonical"] = row["oracle_cost"] / row["canonical_cost"]
+    row["load_average"] = os.getloadavg()
     return row
 
 
 HEADER = (
-    f"{'instance':<30} {'alpa':>9} {'engine':>9} {'oracle':>9} {'better':>7} "
-    f"{'vs orc':>7} {'gap':>6} {'alpa s':>7} {'cold s':>7} {'warm s':>7} "
-    f"{'orc s':>7}"
+    f"{'instance':<30} {'alpa':>9} {'engine':>9} {'oracle':>9} {'canon':>9} "
+    f"{'better':>7} {'vs orc':>7} {'gap':>6} {'alpa s':>7} {'cold s':>7} "
+    f"{'warm s':>7} {'orc s':>7} {'can s':>7} {'ratio':>6} {'load':>5}"
 )
 
 
@@ -173,14 +289,18 @@ def format_row(row: dict) -> str:
         if row["oracle_finished"]
         else (f"{'> ' + format(row['oracle_s'], '.0f'):>7}")
     )
+    canonical = row["canonical_cost"]
+    ratio = row.get("oracle_time_ratio")
     return (
         f"{row['instance']:<30} {row['alpa_cost']:9.4f} {row['engine_cost']:9.4f} "
         f"{'-' if oracle is None else f'{oracle:.4f}':>9} "
+        f"{'-' if canonical is None else f'{canonical:.4f}':>9} "
         f"{row['better_than_alpa']:7.1%} "
         f"{'-' if versus is None else f'{versus:+.2%}':>7} "
         f"{row['certified_gap']:6.2%} {row['alpa_s']:7.2f} "
         f"{row['engine_cold_s']:7.1f} {'-' if warm is None else f'{warm:.1f}':>7} "
-        f"{timed}"
+        f"{timed} {row['canonical_s']:7.1f} "
+        f"{'-' if ratio is None else f'{ratio:.2f}':>6} {row['load_average'][0]:5.1f}"
     )
 
 
@@ -190,8 +310,9 @@ def main() -> None:
         "--suite",
         nargs="+",
         default=["two_type", "three_type"],
-        choices=["two_type", "three_type", "large"],
+        choices=["two_type", "three_type", "large", "placement"],
     )
+    parser.add_argument("--count", type=int, default=200, help="placement suite")
     parser.add_argument("--oracle-limit", type=float, default=300.0)
     parser.add_argument(
         "--out",
@@ -201,14 +322,39 @@ def main() -> None:
         "(hetero_vs_alpa_large.json for --suite large alone)",
     )
     args = parser.parse_args()
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "jax": jax.__version__,
+        "jax_devices": [str(d) for d in jax.devices()],
+    }
+    if args.suite == ["placement"]:
+        out = args.out or Path("benchmarks/results/hetero_placement.json")
+        result = placement_suite(args.count)
+        machine["load_average_at_end"] = os.getloadavg()
+        result = {
+            "benchmark": "hetero_placement",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine,
+            **result,
+        }
+        print(json.dumps(result["summary"], indent=1))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     if args.out is None:
         stem = "hetero_vs_alpa_large" if args.suite == ["large"] else "hetero_vs_alpa"
         args.out = Path(f"benchmarks/results/{stem}.json")
     config = HeteroSearchConfig()
     print(
-        "costs: seconds per iteration; better = 1 - engine/alpa; vs orc = "
-        "engine/oracle - 1; gap = engine/lower bound - 1 (certified); cold "
-        "includes compilation; '> t' = oracle cut off at its time limit t"
+        "costs: seconds per iteration; oracle: every valid plan; canon: the "
+        "canonical-placement oracle before issue 17; better = 1 - engine/alpa; "
+        "vs orc = engine/oracle - 1; gap = engine/lower bound - 1 (certified); "
+        "cold includes compilation; '> t' = cut off at the time limit t; ratio "
+        "= oracle time / canonical oracle time; load = 1-minute load average"
     )
     print(HEADER)
     rows = []
@@ -228,14 +374,7 @@ def main() -> None:
     result = {
         "benchmark": "hetero_vs_alpa",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "load_average_at_end": os.getloadavg(),
-            "jax": jax.__version__,
-            "jax_devices": [str(d) for d in jax.devices()],
-        },
+        "machine": {**machine, "load_average_at_end": os.getloadavg()},
         "engine_config": {
             key: value for key, value in vars(config).items() if not key.startswith("_")
         },

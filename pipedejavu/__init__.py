@@ -12,6 +12,8 @@ from .cluster import Link as Link
 from .comparison import compare as compare
 from .hetero import HeteroPlan as HeteroPlan
 from .hetero import HeteroProblem as HeteroProblem
+from .hetero import LayerMemory as LayerMemory
+from .hetero import check_hetero_plan as check_hetero_plan
 from .hetero import evaluate_hetero as evaluate_hetero
 from .io import bundled_examples as bundled_examples
 from .io import load_cluster as load_cluster
@@ -39,6 +41,7 @@ __all__ = [
     "HeteroPlan",
     "HeteroProblem",
     "InfeasibleProblemError",
+    "LayerMemory",
     "Link",
     "Plan",
     "PlanError",
@@ -46,6 +49,7 @@ __all__ = [
     "ProblemError",
     "Stage",
     "bundled_examples",
+    "check_hetero_plan",
     "check_plan",
     "compare",
     "evaluate",

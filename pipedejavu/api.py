@@ -193,12 +193,12 @@ HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
     "dp": (
         _hetero_dp,
         frozenset({"time_limit_s", "progress_fn"}),
-        "exact oracle: DP over stages, device types and placement",
+        "exact oracle over every valid plan (any placement, mixed-type stages)",
     ),
     "diff": (
         _hetero_diff,
         frozenset({"config", "seed", "key", "progress_fn", "time_budget_s"}),
-        "the differentiable engine with soft device-type placement",
+        "the differentiable engine over the same space, certified lower bound",
     ),
     "alpa": (
         _hetero_alpa,
@@ -208,7 +208,7 @@ HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
     "brute_force": (
         _hetero_brute_force,
         frozenset(),
-        "every placed plan enumerated; tiny problems only",
+        "every valid plan enumerated; tiny problems only",
     ),
 }
 

@@ -28,18 +28,32 @@ the critical path of one micro-batch through every stage and link, plus
 direction); its GPipe schedule equals this formula when the links are never or
 always the bottleneck, while 1F1B can differ either way (its tests show where).
 
-**Canonical placement** (:func:`place`): a plan given as
-``(start, stop, submesh, config, type)`` tuples is placed by packing the stages
-of each type, in pipeline order, onto that type's hosts in order (host-major
-device numbering). Consecutive stages of one type then share a host whenever
-the first ends inside one, so no placement has fewer inter-host hops. A stage
-must not straddle a host boundary (a ``(1, d)`` submesh lives on one host; an
-``(h, d)`` one starts at a host boundary). Solvers search over placements of
-this form; :func:`evaluate_hetero` accepts any valid explicit placement.
+**The plan space** (what :func:`check_hetero_plan` accepts, and what the exact
+oracle, the engine and the brute force search): contiguous stages covering
+every layer; stage ``s`` runs submesh ``(h, d)`` on ``h`` distinct hosts of any
+types, using the ``d`` devices ``first_device .. first_device + d - 1`` of each
+(an ``(h, d)`` submesh with ``h > 1`` has ``d = devices_per_host``: whole
+hosts); every device of the cluster is used exactly once. Stages share a host
+only as partial ``(1, d < devices_per_host)`` stages; whether two consecutive
+stages share one is a choice of the placement, priced by the links above (on
+slow intra-host links the best plans avoid it).
 
-Mixed stages: a stage whose hosts are of several types (only explicit
-placements, e.g. Alpa's, can make one) runs at its slowest type: its
-``device_type`` must be that type, and the memory rule holds for every type.
+**Stages over several types** run at their slowest devices: ``device_type``
+must be a type of the stage's hosts whose speed is the least among them; when
+several of its types tie for that speed the plan may name any of them (solvers
+take the cheapest), and the memory rule must hold for *every* type the stage
+touches.
+
+**Canonical placement** (:func:`place`, the default of :func:`make_hetero_plan`)
+is a convenience for plans given as ``(start, stop, submesh, config, type)``
+tuples: each type's stages packed in pipeline order onto that type's hosts. It
+is one valid placement among many; solvers return explicit placements.
+
+**Device memory.** Solvers read the memory rule ``max_n_succ_stages[..., t]``
+of each type; ``DeviceType.memory_bytes`` reaches them through it:
+:mod:`pipedejavu.hetero_generate` derives each type's rule from its memory, and
+:meth:`HeteroProblem.from_problem` does with :class:`LayerMemory` (and refuses a
+``memory_bytes`` it has no way to apply).
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ from .cluster import Cluster
 from .files import parse_json
 from .npzfile import read_npz, write_npz
 from .problem import (
+    UNLIMITED_SUCCEEDING_STAGES,
     PlanError,
     Problem,
     ProblemError,
@@ -82,6 +97,7 @@ __all__ = [
     "HeteroPlan",
     "HeteroProblem",
     "HeteroStage",
+    "LayerMemory",
     "check_hetero_plan",
     "evaluate_hetero",
     "hetero_objective",
@@ -94,6 +110,75 @@ __all__ = [
 #: The keys a heterogeneous problem file must hold (besides the optional
 #: ``max_n_succ_stages`` and ``boundary_bytes``).
 _HETERO_KEYS = ("cluster_json", "compute_cost", "submesh_shapes", "num_microbatches")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerMemory:
+    """Per-layer bytes that let each device type's memory bound the stages.
+
+    Alpa's rule on a device of ``capacity`` bytes, for a stage on layers
+    ``i..j`` over ``n`` devices (the rule of
+    :func:`pipedejavu.costmodel.profiler.problem_from_layer_profile`)::
+
+        max_n_succ_stages = floor((capacity - weight_factor * params) /
+                                  (stash / n)) - 1
+
+    ``params``, ``stash``: the span's summed ``param_bytes`` and
+    ``stash_bytes``; weights, gradients and optimizer state are replicated
+    over the stage's devices (``weight_factor`` bytes per parameter byte), each
+    in-flight micro-batch's stash is split over them. ``-1``: never fits.
+
+    Args:
+        param_bytes: f64[L] parameter bytes of each layer.
+        stash_bytes: f64[L] bytes each layer keeps per micro-batch in flight.
+        weight_factor: bytes held per parameter byte (4: Adam, fp32).
+    """
+
+    param_bytes: NDArray[np.float64]
+    stash_bytes: NDArray[np.float64]
+    weight_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        params = np.array(self.param_bytes, dtype=np.float64)
+        stash = np.array(self.stash_bytes, dtype=np.float64)
+        if params.ndim != 1 or stash.shape != params.shape:
+            raise ProblemError(
+                "layer_memory needs param_bytes and stash_bytes of shape (L,), got "
+                f"{params.shape} and {stash.shape}"
+            )
+        if not (np.isfinite(params).all() and np.isfinite(stash).all()) or (
+            (params < 0).any() or (stash < 0).any()
+        ):
+            raise ProblemError("layer_memory bytes must be finite and >= 0")
+        if not (math.isfinite(self.weight_factor) and self.weight_factor >= 0):
+            raise ProblemError(
+                f"layer_memory weight_factor must be >= 0, got {self.weight_factor}"
+            )
+        object.__setattr__(self, "param_bytes", params)
+        object.__setattr__(self, "stash_bytes", stash)
+
+    def max_n_succ_stages(
+        self, submesh_sizes: NDArray[np.int64], capacity: float
+    ) -> NDArray[np.int64]:
+        """i64[L, L, M] the rule on devices of ``capacity`` bytes (lower
+        triangle: -1)."""
+        num_layers = self.param_bytes.shape[0]
+        params = _span_sums(self.param_bytes)
+        stash = np.maximum(_span_sums(self.stash_bytes), 1.0)
+        sizes = np.asarray(submesh_sizes, dtype=np.float64)
+        free = capacity - self.weight_factor * params
+        with np.errstate(divide="ignore", invalid="ignore"):
+            limit = np.floor(free[..., None] / (stash[..., None] / sizes)) - 1
+        limit = np.where(free[..., None] < 0, -1, limit)
+        limit = np.clip(limit, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
+        limit[np.tril_indices(num_layers, -1)] = -1
+        return limit
+
+
+def _span_sums(values: NDArray[np.float64]) -> NDArray[np.float64]:
+    """f64[L, L]: ``[i, j]`` = sum of ``values[i..j]`` (meaningful for i <= j)."""
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return prefix[None, 1:] - prefix[:-1, None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -206,11 +291,25 @@ class HeteroProblem:
         *,
         boundary_bytes: Sequence[float] | NDArray[np.float64] | None = None,
         num_microbatches: int | None = None,
+        max_n_succ_stages: NDArray[np.int64] | None = None,
+        layer_memory: LayerMemory | None = None,
     ) -> HeteroProblem:
         """Scale a profiled (reference-device) problem to typed devices.
 
-        ``compute_cost[..., t] = problem.compute_cost / speed_t``; the memory
-        rule is the profiled one on every type.
+        ``compute_cost[..., t] = problem.compute_cost / speed_t``. The memory
+        rule per type, in order of precedence:
+
+        * ``max_n_succ_stages`` i64[L, L, M, K, T], when given;
+        * from ``layer_memory`` for each type with ``memory_bytes``
+          (:meth:`LayerMemory.max_n_succ_stages`; the same on every config),
+          the profiled rule for types without;
+        * the profiled rule on every type, when no type sets ``memory_bytes``.
+
+        Raises:
+            ProblemError: the cluster's shape differs from the problem's; or a
+                device type sets ``memory_bytes`` that neither argument lets
+                bound stages (the profiled rule was measured on one device;
+                applying it to a type with other memory would be wrong).
         """
         if cluster.shape != tuple(problem.cluster_shape):
             raise ProblemError(
@@ -219,7 +318,39 @@ class HeteroProblem:
             )
         speeds = np.asarray(cluster.speeds)
         cost = problem.compute_cost[..., None] / speeds
-        memory = np.repeat(problem.max_n_succ_stages[..., None], len(speeds), axis=-1)
+        memory = max_n_succ_stages
+        if memory is None:
+            per_type = []
+            sized = [t for t in cluster.device_types if t.memory_bytes is not None]
+            if sized and layer_memory is None:
+                names = ", ".join(
+                    f"{t.name!r} ({t.memory_bytes / 1e9:g} GB)" for t in sized
+                )
+                raise ProblemError(
+                    f"device memory is set for {names} but the problem carries one "
+                    "memory rule (max_n_succ_stages) measured on its profiling "
+                    "device: give per-layer parameter and stash bytes "
+                    "(layer_memory; a `pipedejavu profile` .npz has them) or "
+                    "per-type max_n_succ_stages so device memory bounds the "
+                    "stages, or leave memory_gb out of the cluster to use the "
+                    "profiled rule on every type"
+                )
+            for kind in cluster.device_types:
+                if kind.memory_bytes is None:
+                    per_type.append(problem.max_n_succ_stages)
+                    continue
+                rule = layer_memory.max_n_succ_stages(
+                    problem.submesh_sizes, kind.memory_bytes
+                )
+                if rule.shape[0] != problem.num_layers:
+                    raise ProblemError(
+                        f"layer_memory covers {rule.shape[0]} layers, the problem "
+                        f"{problem.num_layers}"
+                    )
+                per_type.append(
+                    np.broadcast_to(rule[..., None], problem.compute_cost.shape)
+                )
+            memory = np.stack(per_type, axis=-1)
         return cls(
             compute_cost=cost,
             max_n_succ_stages=memory,
@@ -442,7 +573,9 @@ def hetero_objective(
 def place(
     problem: HeteroProblem, stages: Sequence[tuple[int, int, int, int, int]]
 ) -> list[tuple[tuple[int, ...], int]]:
-    """Canonical placement of ``(start, stop, submesh, config, type)`` stages.
+    """Canonical placement of ``(start, stop, submesh, config, type)`` stages:
+    each type's stages packed in pipeline order onto that type's hosts (a
+    convenience, not the space solvers search; module docstring).
 
     Returns ``(hosts, first_device)`` per stage. Raises :class:`PlanError`
     (rule ``"placement"`` or ``"devices"``) when a stage would straddle a host
@@ -499,8 +632,9 @@ def check_hetero_plan(
 
     Rules: contiguity and coverage; indices and submesh shape; hosts exist, are
     distinct, number ``submesh[0]``, and the devices fit on them; no device used
-    twice and every device used; ``device_type`` is the slowest type of the
-    stage's hosts; finite latency; the memory rule on every type it touches.
+    twice and every device used; ``device_type`` is a type of the stage's hosts
+    whose speed is the least among them (any of the types tied for it); finite
+    latency; the memory rule on every type the stage touches.
     """
     stages = _stage_tuples(plan)
     if not stages:

@@ -40,7 +40,13 @@ from .generate import random_problem
 from .hetero import HeteroProblem
 from .problem import UNLIMITED_SUCCEEDING_STAGES, ProblemError
 
-__all__ = ["GPTSpec", "hetero_problem", "three_type_cluster", "two_type_cluster"]
+__all__ = [
+    "GPTSpec",
+    "hetero_problem",
+    "model_memory_limits",
+    "three_type_cluster",
+    "two_type_cluster",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +286,37 @@ def _memory_limits(
     return np.clip(limit, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
 
 
+def model_memory_limits(
+    num_layers: int,
+    submesh_sizes: np.ndarray,
+    memory_bytes: float,
+    *,
+    model: GPTSpec = GPTSpec(),
+    usable_memory_fraction: float = 0.9,
+) -> np.ndarray:
+    """i64[L, L, M] the model's ``max_n_succ_stages`` on devices of
+    ``memory_bytes`` (module doc), as :func:`hetero_problem` sets it per type.
+
+    Entries below the diagonal (no span) are unlimited, as in
+    :func:`hetero_problem`.
+    """
+    if not 0 < usable_memory_fraction <= 1:
+        raise ProblemError(
+            f"usable_memory_fraction must be in (0, 1], got {usable_memory_fraction}"
+        )
+    sizes = np.asarray(submesh_sizes, dtype=np.float64)
+    memory = np.full(
+        (num_layers, num_layers, sizes.shape[0]),
+        UNLIMITED_SUCCEEDING_STAGES,
+        dtype=np.int64,
+    )
+    starts, ends = np.triu_indices(num_layers)
+    memory[starts, ends] = _memory_limits(
+        model, num_layers, sizes, usable_memory_fraction * memory_bytes
+    )
+    return memory
+
+
 def hetero_problem(
     num_layers: int,
     cluster: Cluster,
@@ -338,16 +375,18 @@ def hetero_problem(
     speeds = np.asarray(cluster.speeds)
     cost = reference.compute_cost[..., None] * seconds / speeds
     cost = cost * (1.0 + type_noise * rng.uniform(-1, 1, cost.shape))
-    sizes = reference.submesh_sizes.astype(np.float64)
-    starts, ends = np.triu_indices(num_layers)
     memory = np.full(cost.shape, UNLIMITED_SUCCEEDING_STAGES, dtype=np.int64)
     for t, kind in enumerate(cluster.device_types):
         if kind.memory_bytes is None:
             continue
-        limits = _memory_limits(
-            model, num_layers, sizes, usable_memory_fraction * kind.memory_bytes
+        limits = model_memory_limits(
+            num_layers,
+            reference.submesh_sizes,
+            kind.memory_bytes,
+            model=model,
+            usable_memory_fraction=usable_memory_fraction,
         )
-        memory[starts, ends, :, :, t] = limits[:, :, None]
+        memory[..., t] = limits[..., None]
     return HeteroProblem(
         compute_cost=cost,
         max_n_succ_stages=memory,

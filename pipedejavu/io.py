@@ -14,7 +14,6 @@ import dataclasses
 import importlib.resources
 import os
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from .costmodel.alpa_profiles import problem_from_stage_profile
 from .errors import ProblemError
 from .files import read_json
 from .generate import random_problem
-from .hetero import HeteroPlan, HeteroProblem
-from .hetero_generate import hetero_problem
+from .hetero import HeteroPlan, HeteroProblem, LayerMemory
+from .hetero_generate import hetero_problem, model_memory_limits
 from .npzfile import read_npz
 from .problem import PROBLEM_KEYS, Plan, Problem
 
@@ -118,23 +117,43 @@ def _with_cluster(
     cluster: Cluster | str | os.PathLike,
     boundary_bytes: Any,
     source: str,
+    *,
+    layer_memory: LayerMemory | None = None,
+    memory_rule: Callable[[Cluster], np.ndarray] | None = None,
 ) -> HeteroProblem:
-    """``problem`` (reference-device costs) on a typed cluster."""
+    """``problem`` (reference-device costs) on a typed cluster.
+
+    Device memory (``memory_gb``) bounds each type's stages through
+    ``layer_memory`` (per-layer bytes, as ``pipedejavu profile`` writes them)
+    or ``memory_rule`` (the cluster -> i64[L, L, M, K, T] rule of a generated
+    model); without either, a cluster that sets it is refused
+    (:meth:`HeteroProblem.from_problem`) rather than silently ignored.
+    """
     typed = load_cluster(cluster)
     label = "the cluster" if isinstance(cluster, Cluster) else os.fspath(cluster)
-    limited = [t.name for t in typed.device_types if t.memory_bytes is not None]
-    if limited:
-        warnings.warn(
-            f"{label}: the device memory of {', '.join(limited)} is not used: "
-            f"{source} carries one memory rule (max_n_succ_stages, as profiled), "
-            "applied to every device type",
-            UserWarning,
-            stacklevel=3,
-        )
     try:
-        return HeteroProblem.from_problem(problem, typed, boundary_bytes=boundary_bytes)
+        rule = None
+        if memory_rule is not None and typed.shape == tuple(problem.cluster_shape):
+            rule = memory_rule(typed)
+        return HeteroProblem.from_problem(
+            problem,
+            typed,
+            boundary_bytes=boundary_bytes,
+            layer_memory=layer_memory,
+            max_n_succ_stages=rule,
+        )
     except ProblemError as error:
         raise ProblemError(f"{source} with {label}: {error}") from None
+
+
+def _layer_memory(arrays: dict[str, np.ndarray], source: str) -> LayerMemory | None:
+    """The per-layer memory bytes a ``pipedejavu profile`` file carries."""
+    if "param_bytes" not in arrays or "stash_bytes" not in arrays:
+        return None
+    try:
+        return LayerMemory(arrays["param_bytes"], arrays["stash_bytes"])
+    except ProblemError as error:
+        raise ProblemError(f"{source}: {error}") from None
 
 
 # ------------------------------------------------------------------- examples
@@ -211,6 +230,28 @@ def _gpt_4x8() -> tuple[Problem, np.ndarray]:
     )  # every host of the reference type, same links
     typed = hetero_problem(32, reference, num_microbatches=32, seed=0)
     return typed.homogeneous_view(speed=1.0), typed.boundary_bytes
+
+
+def _gpt_4x8_memory(problem: Problem) -> Callable[[Cluster], np.ndarray]:
+    """The 4 x 8 example's memory rule per type of a cluster: its model's
+    limits on each type's ``memory_bytes`` (as :func:`hetero_problem` sets
+    them), the reference (40 GB) rule on types without."""
+
+    def rule(cluster: Cluster) -> np.ndarray:
+        per_type = [
+            problem.max_n_succ_stages
+            if kind.memory_bytes is None
+            else np.broadcast_to(
+                model_memory_limits(
+                    problem.num_layers, problem.submesh_sizes, kind.memory_bytes
+                )[..., None],
+                problem.compute_cost.shape,
+            )
+            for kind in cluster.device_types
+        ]
+        return np.stack(per_type, axis=-1)
+
+    return rule
 
 
 def _generated(name: str) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
@@ -294,7 +335,10 @@ def load_example(
             raise ProblemError(
                 f"example {name} already describes its cluster; drop the cluster"
             )
-        problem = _with_cluster(problem, cluster, boundary, f"example {name}")
+        rule = _gpt_4x8_memory(problem) if name == GPT_4X8_EXAMPLE else None
+        problem = _with_cluster(
+            problem, cluster, boundary, f"example {name}", memory_rule=rule
+        )
     if num_microbatches is not None:
         problem = problem.replace(num_microbatches=num_microbatches)
     return problem
@@ -307,8 +351,9 @@ def _read_file(
     cluster_shape: tuple[int, int] | None,
     num_microbatches: int | None,
     submesh_space: str | None,
-) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
-    """The problem in a file, and its activation bytes per boundary if any."""
+) -> tuple[Problem | HeteroProblem, np.ndarray | None, LayerMemory | None]:
+    """The problem in a file, its activation bytes per boundary and its
+    per-layer memory bytes (each if any)."""
     kind = sniff_format(path)
     source = os.fspath(path)
     if kind == "pickle":
@@ -328,7 +373,7 @@ def _read_file(
             num_microbatches=num_microbatches,
             submesh_space=submesh_space or "small_power_of_two",
         )
-        return problem, None
+        return problem, None, None
     if submesh_space is not None:
         raise ProblemError(
             f"{source} is a problem .npz: its submeshes are fixed, so a submesh "
@@ -344,6 +389,8 @@ def _read_file(
             "boundary_bytes",
             "activation_bytes",
             "stage_tail_cost",
+            "param_bytes",
+            "stash_bytes",
         ),
     )
     if "cluster_json" in arrays:
@@ -373,7 +420,7 @@ def _read_file(
                 f"{activations.dtype} {tuple(activations.shape)}"
             )
         boundary = activations[:-1].astype(np.float64)
-    return problem, boundary
+    return problem, boundary, _layer_memory(arrays, source)
 
 
 def load_problem(
@@ -403,7 +450,12 @@ def load_problem(
             (reference-device) costs to typed devices and prices activation
             transfers from the file's ``boundary_bytes`` (or the
             ``activation_bytes`` that ``pipedejavu profile`` writes; zero if
-            absent). Refused for a problem that already has a cluster.
+            absent). A type's ``memory_gb`` bounds its stages through the
+            file's ``param_bytes``/``stash_bytes`` (:class:`LayerMemory`; the
+            generated 4 x 8 example uses its model's limits); a problem
+            without them is refused with it (ProblemError), never silently
+            given the profiled rule. Refused for a problem that already has a
+            cluster.
 
     Returns:
         A :class:`Problem`, or a :class:`HeteroProblem` for a heterogeneous
@@ -425,7 +477,7 @@ def load_problem(
             cluster_shape=cluster_shape,
             cluster=cluster,
         )
-    problem, boundary = _read_file(
+    problem, boundary, layer_memory = _read_file(
         source,
         cluster_shape=cluster_shape,
         num_microbatches=num_microbatches,
@@ -437,7 +489,7 @@ def load_problem(
         raise ProblemError(
             f"{name} already describes its cluster; drop the cluster file"
         )
-    return _with_cluster(problem, cluster, boundary, name)
+    return _with_cluster(problem, cluster, boundary, name, layer_memory=layer_memory)
 
 
 # ---------------------------------------------------------------------- plans

@@ -173,23 +173,72 @@ def test_free_links_round_trip_through_json(tmp_path):
     assert Cluster.from_json(data) == cluster
 
 
-def test_cluster_file_memory_is_not_silently_ignored(tmp_path, capsys):
-    problem = pdj.load_example("generated-gpt-32layers-4x8")
+def test_cluster_file_memory_is_applied_or_refused(tmp_path, capsys):
+    """memory_gb bounds each type's stages where the problem carries what that
+    needs (per-layer bytes, or the generated example's model); otherwise the
+    cluster is refused in one line, never silently ignored."""
     path = tmp_path / "c.json"
     path.write_text(json.dumps(A100_V100))
-    with pytest.warns(UserWarning, match="device memory of a100, v100 is not used"):
-        typed = pdj.load_problem("generated-gpt-32layers-4x8", cluster=path)
-    assert typed.cluster.shape == problem.cluster_shape
+    # the generated 4 x 8 example: its model's limits on each type's memory
+    typed = pdj.load_problem("generated-gpt-32layers-4x8", cluster=path)
+    bundled = pdj.load_example("hetero-gpt-32layers-a100-v100")
+    np.testing.assert_array_equal(typed.max_n_succ_stages, bundled.max_n_succ_stages)
+    # a problem file with one profiled memory rule: refused, one line
+    gen = tmp_path / "gen.npz"
+    pdj.load_example("generated-gpt-32layers-4x8").to_npz(gen)
+    with pytest.raises(ProblemError, match=r"gen\.npz with .*c\.json: device memory"):
+        pdj.load_problem(gen, cluster=path)
+    code = main(["inspect", str(gen), "--cluster-file", str(path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "memory_gb" in err
+    # ... accepted once memory_gb is left out: the profiled rule on every type
     no_memory = json.loads(json.dumps(A100_V100))
     for entry in no_memory["device_types"].values():
         del entry["memory_gb"]
     path.write_text(json.dumps(no_memory))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pdj.load_problem("generated-gpt-32layers-4x8", cluster=path)
-    code = main(["inspect", "generated-gpt-32layers-4x8", "--cluster-file", str(path)])
+        plain = pdj.load_problem(gen, cluster=path)
+    for t in range(2):
+        np.testing.assert_array_equal(
+            plain.max_n_succ_stages[..., t],
+            pdj.load_problem(gen).max_n_succ_stages,
+        )
+    code = main(["inspect", str(gen), "--cluster-file", str(path)])
     _, err = capsys.readouterr()
     assert code == 0 and "warning" not in err
+
+
+def test_cluster_file_memory_uses_the_profiled_layer_bytes(tmp_path):
+    """A ``pipedejavu profile``-style .npz (param_bytes, stash_bytes): each
+    type gets Alpa's rule for its own memory (LayerMemory)."""
+    base = pdj.load_example("generated-gpt-32layers-4x8")
+    gen = tmp_path / "prof.npz"
+    layers = base.num_layers
+    params, stash = np.full(layers, 2e9), np.full(layers, 3e8)
+    np.savez(
+        gen,
+        compute_cost=base.compute_cost,
+        max_n_succ_stages=base.max_n_succ_stages,
+        submesh_shapes=base.submesh_shapes,
+        cluster_shape=np.asarray(base.cluster_shape),
+        num_microbatches=np.int64(base.num_microbatches),
+        param_bytes=params,
+        stash_bytes=stash,
+    )
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(A100_V100))
+    typed = pdj.load_problem(gen, cluster=path)
+    memory = pdj.LayerMemory(params, stash)
+    for t, gb in enumerate((40, 16)):
+        expected = memory.max_n_succ_stages(base.submesh_sizes, gb * 1e9)
+        np.testing.assert_array_equal(typed.max_n_succ_stages[..., 0, t], expected)
+    # the v100 (16 GB) type is bounded more tightly somewhere
+    assert (typed.max_n_succ_stages[..., 1] < typed.max_n_succ_stages[..., 0]).any()
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **{**dict(np.load(gen)), "param_bytes": np.full(layers, -1.0)})
+    with pytest.raises(ProblemError, match=r"bad\.npz: layer_memory bytes"):
+        pdj.load_problem(bad, cluster=path)
 
 
 def test_bundled_examples_and_cluster_work_together(capsys):

@@ -24,15 +24,24 @@ Stages of equal size come out in reverse pipeline order, still host-contiguous:
 32 ``(1, 1)`` stages on 4 x 8 devices make 3 inter-host hops, the minimum (the
 5 hops reported in Alpa issue 752 do not come from this slicing rule).
 
-Alpa's placements need not be canonical (:func:`pipedejavu.hetero.place`), so
-on a homogeneous multi-host cluster Alpa's way can, rarely, beat the oracle of
-:mod:`pipedejavu.search.hetero_exact` (e.g. ``(1, 4), (1, 8), (1, 4)`` on 8-device hosts has
-no canonical placement); with mixed device types it loses by about the ratio of
-the mean speed to the speed of the slowest type its stages land on.
+On hosts whose size is not a power of two, Alpa's runtime can fail to slice
+its own plan (e.g. two ``(1, 2)`` stages on hosts of 3 devices: the second
+does not fit the one device left on the first host, and
+``get_sliced_virtual_submeshes`` asserts); Alpa's way then raises
+:class:`~pipedejavu.problem.InfeasibleProblemError` saying so. Every failure of
+Alpa's way is that error, with the reason.
+
+Alpa's plan, placed, is a valid plan, so the exact oracle
+(:mod:`pipedejavu.search.hetero_exact`, over every valid plan) is never worse;
+with mixed device types Alpa's way loses by about the ratio of the mean speed to
+the speed of the slowest type its stages land on.
+
+**Brute force** (:func:`hetero_brute_force`): every valid plan, enumerated.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -43,7 +52,6 @@ from pipedejavu.hetero import (
     HeteroProblem,
     hetero_objective,
     make_hetero_plan,
-    place,
 )
 from pipedejavu.problem import (
     InfeasibleProblemError,
@@ -81,13 +89,22 @@ def _alpa_sorted(
         h, d = shapes[index]
         if d == dph:
             if device != 0 or host + h > num_hosts:
-                raise PlanError("placement", index, "Alpa's slicing runs out of hosts")
+                raise PlanError(
+                    "placement",
+                    index,
+                    f"Alpa's runtime slicing has no {h} free whole host(s) left for "
+                    f"the ({h}, {d}) submesh",
+                )
             placed[index] = (tuple(range(host, host + h)), 0)
             host += h
         else:
             if h != 1 or device + d > dph:
                 raise PlanError(
-                    "placement", index, "Alpa's slicing straddles a host boundary"
+                    "placement",
+                    index,
+                    f"Alpa's runtime slicing puts the ({h}, {d}) submesh at device "
+                    f"{device} of host {host}, which has {dph} devices: it would "
+                    "straddle two hosts (get_sliced_virtual_submeshes asserts)",
                 )
             placed[index] = ((host,), device)
             device += d
@@ -118,10 +135,15 @@ def alpa_placement(
     return _alpa_sorted(shapes, num_hosts, dph), "alpa"
 
 
-def _slowest_type(problem: HeteroProblem, hosts: tuple[int, ...]) -> int:
+def _slowest_type(problem: HeteroProblem, hosts: tuple[int, ...], stage) -> int:
+    """The type pricing a stage on ``hosts``: its slowest type (the cheapest
+    one for this stage among types tied on speed)."""
     cluster = problem.cluster
     types = sorted({cluster.host_types[h] for h in hosts})
-    return min(types, key=lambda t: cluster.device_types[t].speed)
+    slowest = min(cluster.device_types[t].speed for t in types)
+    tied = [t for t in types if cluster.device_types[t].speed == slowest]
+    key = (stage.start, stage.stop - 1, stage.submesh_index, stage.config_index)
+    return min(tied, key=lambda t: problem.compute_cost[key + (t,)])
 
 
 def alpa_homogeneous(
@@ -147,22 +169,37 @@ def alpa_homogeneous(
         ``placement`` (the rule used), ``inter_host_hops``, ``mixed_stages``.
 
     Raises:
-        InfeasibleProblemError: Alpa's view has no plan, or its plan breaks the
-            true memory rule (``memory="reference"``).
+        InfeasibleProblemError: the only failure, with the reason: Alpa's view
+            has no plan, Alpa's runtime cannot slice its plan onto the hosts, or
+            the plan breaks the true memory rule (``memory="reference"``).
     """
     if memory not in ("tightest", "reference"):
         raise ValueError(f"memory must be 'tightest' or 'reference', got {memory!r}")
     started = time.perf_counter()
-    view = problem.homogeneous_view()
-    if memory == "tightest":
-        view = view.replace(max_n_succ_stages=problem.max_n_succ_stages.min(axis=-1))
+    try:
+        view = problem.homogeneous_view()
+        if memory == "tightest":
+            view = view.replace(
+                max_n_succ_stages=problem.max_n_succ_stages.min(axis=-1)
+            )
+    except ProblemError as error:
+        raise InfeasibleProblemError(
+            f"Alpa's homogeneous view of this cluster is not a valid problem: {error}"
+        ) from None
     alpa_plan = exact_dp(view)
-    placed, rule = alpa_placement(
-        problem, [s.submesh_index for s in alpa_plan.stages], placement
-    )
+    try:
+        placed, rule = alpa_placement(
+            problem, [s.submesh_index for s in alpa_plan.stages], placement
+        )
+    except PlanError as error:
+        raise InfeasibleProblemError(
+            f"Alpa's plan ({', '.join(str(s.submesh) for s in alpa_plan.stages)}) "
+            f"cannot be placed on hosts of {problem.cluster.devices_per_host} "
+            f"devices: {error}"
+        ) from None
     stages, mixed = [], 0
     for stage, (hosts, _) in zip(alpa_plan.stages, placed, strict=True):
-        device_type = _slowest_type(problem, hosts)
+        device_type = _slowest_type(problem, hosts, stage)
         mixed += len({problem.cluster.host_types[h] for h in hosts}) > 1
         stages.append(
             (
@@ -195,56 +232,92 @@ def alpa_homogeneous(
     return plan
 
 
+def _stage_latency(problem: HeteroProblem, stage, followers: int):
+    """Least latency of a placed stage over its configs and tied slowest
+    types (the memory rule holding on every type of its hosts): ``(latency,
+    config, type)`` or None."""
+    start, stop, m, hosts = stage
+    cluster = problem.cluster
+    types = sorted({cluster.host_types[x] for x in hosts})
+    slowest = min(cluster.device_types[t].speed for t in types)
+    best = None
+    for k in range(problem.num_configs):
+        limits = problem.max_n_succ_stages[start, stop - 1, m, k]
+        if any(followers > limits[t] for t in types):
+            continue
+        for t in types:
+            if cluster.device_types[t].speed != slowest:
+                continue
+            latency = float(problem.compute_cost[start, stop - 1, m, k, t])
+            if math.isfinite(latency) and (best is None or latency < best[0]):
+                best = (latency, k, t)
+    return best
+
+
 def hetero_brute_force(
     problem: HeteroProblem, *, max_plans: int = 2_000_000
 ) -> HeteroPlan:
-    """Every partition x (submesh, config, type) per stage, placed canonically.
+    """The optimum over every plan :func:`pipedejavu.hetero.check_hetero_plan`
+    accepts, by enumeration.
 
-    Independent of :func:`pipedejavu.search.hetero_exact.hetero_exact` on purpose: plain
-    recursion, :func:`pipedejavu.hetero.place` for the placement and the module's
-    objective on the result. Only for tiny problems (L <= ~5, a few devices).
+    Every partition of the layers, every submesh per stage and every host
+    assignment (partial stages on any host with room, whole stages on any
+    ordered choice of free hosts) that uses every device; each stage's devices
+    sit side by side on its hosts in pipeline order (windows never change a
+    cost). Per plan, each stage takes its cheapest config and tied slowest type
+    that satisfy the memory rule -- the objective only grows with a stage's
+    latency, so that choice is optimal. Independent of
+    :func:`pipedejavu.search.hetero_exact.hetero_exact` on purpose; only for
+    tiny problems (L <= ~5, a few hosts).
 
     Raises:
-        InfeasibleProblemError: no canonical plan satisfies the rules.
+        InfeasibleProblemError: no plan satisfies the rules.
         ProblemError: more than ``max_plans`` partial plans would be visited.
     """
     started = time.perf_counter()
-    num_layers = problem.num_layers
-    cost, memory = problem.compute_cost, problem.max_n_succ_stages
-    sizes = problem.submesh_sizes.tolist()
-    capacity = problem.cluster.devices_of_type()
     cluster = problem.cluster
+    num_layers, dph = problem.num_layers, cluster.devices_per_host
+    shapes = problem.submesh_shapes.tolist()
+    finite = np.isfinite(problem.compute_cost).any(axis=(3, 4))  # [L, L, M]
+    used = [0] * cluster.num_hosts
+    chosen: list = []  # (start, stop, m, hosts, first_device)
     best: list = [math.inf, None]
     visited = 0
 
-    def score(chosen: list) -> None:
-        try:
-            placed = place(problem, chosen)
-        except PlanError:
-            return
+    def score() -> None:
         num_stages = len(chosen)
-        for index, (a, b, m, k, t) in enumerate(chosen):
-            if num_stages - 1 - index > memory[a, b - 1, m, k, t]:
+        picks = []
+        for index, (start, stop, m, hosts, _) in enumerate(chosen):
+            pick = _stage_latency(
+                problem, (start, stop, m, hosts), num_stages - 1 - index
+            )
+            if pick is None:
                 return
-        latencies = [float(cost[a, b - 1, m, k, t]) for a, b, m, k, t in chosen]
+            picks.append(pick)
         transfers = []
-        for (left, _), (right, _), stage in zip(
-            placed, placed[1:], chosen, strict=False
-        ):
-            shared = set(left) & set(right)
+        for left, right in zip(chosen, chosen[1:], strict=False):
+            shared = [x for x in left[3] if x in right[3]]
             link = (
-                cluster.link(min(shared), min(shared))
+                cluster.link(shared[0], shared[0])
                 if shared
-                else cluster.link(left[-1], right[0])
+                else cluster.link(left[3][-1], right[3][0])
             )
             transfers.append(
-                2.0 * link.time(float(problem.boundary_bytes[stage[1] - 1]))
+                2.0 * link.time(float(problem.boundary_bytes[left[1] - 1]))
             )
-        total = hetero_objective(latencies, transfers, problem.num_microbatches)
+        total = hetero_objective(
+            [p[0] for p in picks], transfers, problem.num_microbatches
+        )
         if total < best[0]:
-            best[0], best[1] = total, list(chosen)
+            best[0] = total
+            best[1] = [
+                ((start, stop, m, k, t), (hosts, first))
+                for (start, stop, m, hosts, first), (_, k, t) in zip(
+                    chosen, picks, strict=True
+                )
+            ]
 
-    def extend(layer: int, used: list[int], chosen: list) -> None:
+    def extend(layer: int) -> None:
         nonlocal visited
         visited += 1
         if visited > max_plans:
@@ -252,29 +325,35 @@ def hetero_brute_force(
                 f"too large for brute force: gave up after {max_plans} partial plans"
             )
         if layer == num_layers:
-            if tuple(used) == capacity:
-                score(chosen)
+            if all(u == dph for u in used):
+                score()
             return
         for stop in range(layer + 1, num_layers + 1):
-            for m, k, t in zip(
-                *np.nonzero(np.isfinite(cost[layer, stop - 1])), strict=True
-            ):
-                if used[t] + sizes[m] > capacity[t]:
-                    continue
-                used[t] += sizes[m]
-                chosen.append((layer, stop, int(m), int(k), int(t)))
-                extend(stop, used, chosen)
-                chosen.pop()
-                used[t] -= sizes[m]
+            for m in np.flatnonzero(finite[layer, stop - 1]).tolist():
+                h, d = shapes[m]
+                if d < dph:
+                    options = [
+                        ((x,), used[x]) for x in range(len(used)) if used[x] + d <= dph
+                    ]
+                else:
+                    free = [x for x in range(len(used)) if used[x] == 0]
+                    options = [(hosts, 0) for hosts in itertools.permutations(free, h)]
+                for hosts, first in options:
+                    for x in hosts:
+                        used[x] += d
+                    chosen.append((layer, stop, m, hosts, first))
+                    extend(stop)
+                    chosen.pop()
+                    for x in hosts:
+                        used[x] -= d
 
-    extend(0, [0] * problem.num_types, [])
+    extend(0)
     if best[1] is None:
-        raise InfeasibleProblemError(
-            "no canonical plan satisfies the rules (brute force)"
-        )
+        raise InfeasibleProblemError("no valid plan satisfies the rules (brute force)")
     return make_hetero_plan(
         problem,
-        best[1],
+        [stage for stage, _ in best[1]],
         method="hetero_brute_force",
+        placement=[where for _, where in best[1]],
         search_time_s=time.perf_counter() - started,
     )

@@ -30,8 +30,8 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    So ``sum_s c_s >= sum_s l(j_s) + delta`` with ``delta`` the least
    ``(inter-host time - l)`` over boundaries (clipped at 0), and
    ``max_s c_s >= gamma``, the least inter-host time over boundaries.
-5. **The max term, by caps** (as :mod:`pipedejavu.search.exact`). Let ``r`` be the largest
-   of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
+5. **The max term, by caps** (as :mod:`pipedejavu.search.exact`). Let ``r`` be
+   the largest of the plan's ``a`` and ``l`` values: ``max(max t, max c) >= r``. Let
    ``Q(cap)`` be the least ``sum a + sum l`` over the *relaxed plans*
    (contiguous spans, levels and submeshes with the constraints of 1 and 3,
    every ``a`` and ``l`` ``<= cap``): a DP over layers with the vector ``x`` as
@@ -67,6 +67,13 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    the candidate caps include the ``i`` values (``r`` is the largest charged
    term). It drops the surcharge ``delta`` of rule 4 (an all-partial plan
    may have its single inter-host hop anywhere).
+
+8. **The block relaxation.** On device grids up to ``max_relaxed_cells``
+   cells, the result is also at least the bound of
+   :mod:`pipedejavu.search._hetero_rbound`: the relaxation R of the exact
+   oracle (every valid plan at its exact cost, only the packing of partial
+   stages onto hosts forgotten) under the cap branch and bound. It equals the
+   optimum whenever R's optimal plan packs, which is usual.
 
 The result is also at least :func:`pipedejavu.search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
@@ -406,6 +413,8 @@ def hetero_lower_bound(
     max_caps: int = 40,
     rtol: float = 1e-3,
     max_cells: int = 20_000,
+    max_relaxed_cells: int = 20_000,
+    plan_fn=None,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -421,6 +430,11 @@ def hetero_lower_bound(
         max_cells: largest ``x`` grid solved exactly; past it ``Q`` is bounded
             by the Lagrangian dual of the DP over total devices
             (:func:`_dual_bound`).
+        max_relaxed_cells: largest device grid ``prod_t (N_t dph + 1)`` on which
+            the block relaxation's bound (rule 8) is also computed, in the time
+            left.
+        plan_fn: receives the valid plans rule 8 finds on the way
+            (:class:`~pipedejavu.hetero.HeteroPlan`; the engine keeps the best).
 
     Returns:
         The bound in seconds; ``inf`` only when no plan can exist.
@@ -447,7 +461,9 @@ def hetero_lower_bound(
     above = caps[caps > reach]
     tail = batches * float(above[0]) if above.size else math.inf
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
-        return max(min(tail, one_stage), simple) * (1.0 - margin)
+        bound = max(min(tail, one_stage), simple)
+        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+        return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     sums: dict[int, float] = {}
     best_point = [math.inf]
@@ -494,4 +510,19 @@ def hetero_lower_bound(
         for part in (interval(low, middle), interval(middle, high)):
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
-    return max(min(relaxed, one_stage), simple) * (1.0 - margin)
+    bound = max(min(relaxed, one_stage), simple)
+    return max(
+        bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+    ) * (1.0 - margin)
+
+
+def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
+    """Rule 8, when the device grid is small enough and time is left."""
+    cells = 1
+    for count in problem.cluster.devices_of_type():
+        cells *= count + 1
+    if cells > max_cells or time.perf_counter() > deadline:
+        return -math.inf
+    from ._hetero_rbound import relaxed_bound
+
+    return relaxed_bound(problem, incumbent=ceiling, deadline=deadline, plan_fn=plan_fn)

@@ -2,8 +2,10 @@
 
 The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
 
-1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) per device type, giving
-   one ``(submesh, config, type)`` slot per fitted table column.
+1. Fit the linear latency model (:mod:`pipedejavu.search.linear`) per device
+   type, giving one ``(submesh, config, type)`` slot per fitted table column,
+   plus a slot per config of every whole-host submesh over hosts of several
+   types (its slowest type's model, its devices shared by type).
 2. Optimize the relaxed objective of :mod:`pipedejavu.search.hetero_relax` (soft
    boundaries, a softmax over slots per stage, per-type device budgets as an
    annealed penalty, soft transfers on the soft boundaries, smooth max over
@@ -11,16 +13,23 @@ The homogeneous engine's discipline (:mod:`pipedejavu.search.engine`), extended:
    once: ``jax.vmap`` inside one jitted ``lax.scan``, compiled ahead of time and
    cached, the restarts sharded over the JAX devices when there are several.
 3. Round the ``num_polished`` best distinct restarts' soft ends to boundaries
-   and repair them exactly: :func:`pipedejavu.search.hetero_assign.assign` picks every
-   stage's submesh, config and type (an exact knapsack per type under the
-   canonical placement, transfers and the max term included).
-4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a local search
-   alternating exact sub-solvers (best boundaries for the stages' slots, best
-   slots for the boundaries, merges, splits, swaps) from every repaired
-   restart; then :func:`pipedejavu.search.hetero_exact.hetero_exact` restricted to spans
-   near the best local optimum's boundaries and midpoints, from its cost.
-5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound`; ``plan.info``
-   carries the bound and the gap ``cost / bound - 1``.
+   and repair them exactly: :func:`pipedejavu.search.hetero_assign.assign`
+   picks every stage's submesh, config, type and hosts over every valid plan
+   (the exact oracle on exactly those spans).
+4. Polish on the true objective (:mod:`pipedejavu.search.hetero_polish`): a
+   local search alternating exact sub-solvers (best boundaries for the stages'
+   places, best places for the boundaries, merges, splits, swaps) from every
+   repaired restart. Every step searches the oracle's space: any placement,
+   stages over hosts of several types.
+5. Certify: :func:`pipedejavu.search.hetero_bounds.hetero_lower_bound` (valid
+   over every valid plan); ``plan.info`` carries the bound and the gap
+   ``cost / bound - 1``. On device grids small enough for its block relaxation
+   (rule 8), the relaxation's optimal plans under each cap that pack onto the
+   hosts are valid plans too; the best of them replaces the polished plan when
+   cheaper (``info["from_bound"]``).
+6. While the certified gap is open: :func:`pipedejavu.search.hetero_exact.hetero_exact`
+   restricted to spans near the best local optimum's boundaries and midpoints,
+   from its cost (:func:`pipedejavu.search.hetero_polish.exact_polish`).
 
 The plan's cost is always :func:`pipedejavu.hetero.evaluate_hetero` of it.
 """
@@ -43,7 +52,7 @@ from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
 from pipedejavu.problem import InfeasibleProblemError, Problem, ProblemError
 
 from .engine import SearchConfig, _geometric, _shard, compiled_chunk
-from .hetero_assign import assign
+from .hetero_assign import assign, split
 from .hetero_bounds import hetero_lower_bound
 from .hetero_polish import exact_polish, local_search
 from .hetero_relax import (
@@ -63,7 +72,8 @@ _BOUND_FLOOR_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class HeteroSearchConfig(SearchConfig):
-    """:class:`pipedejavu.search.engine.SearchConfig`, retuned, plus the polish's settings.
+    """:class:`pipedejavu.search.engine.SearchConfig`, retuned, plus the polish's
+    settings.
 
     Attributes:
         penalty: (start, end) weight of the per-type device-budget penalty
@@ -100,7 +110,8 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
     from .linear import fit_linear_model
 
     counts = np.asarray(problem.cluster.devices_of_type())
-    slots, per_layer, intercept = [], [], []
+    slots, per_layer, intercept = [], [], []  # slot: (m, k, type share f[T])
+    models = {}
     for t in range(problem.num_types):
         try:
             view = Problem(
@@ -112,14 +123,27 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
             )
         except ProblemError:  # no device combination fits: nothing to relax
             return None, 0
-        model = fit_linear_model(view)
+        model = models[t] = fit_linear_model(view)
         usable = np.asarray(model.usable) & (
             problem.submesh_sizes[:, None] <= counts[t]
         )
         for m, k in np.argwhere(usable).tolist():
-            slots.append((m, k, t))
+            slots.append((m, k, np.eye(problem.num_types)[t]))
             per_layer.append(np.asarray(model.per_layer[:, m, k], np.float64))
             intercept.append(float(model.intercept[m, k]))
+    # Whole-host stages over several types: the slowest type's model, devices
+    # shared by the composition.
+    from ._hetero_units import build
+
+    for unit in build(problem).wholes:
+        if len(unit.present) < 2:
+            continue
+        model = models[unit.price[0]]
+        share = np.asarray(unit.composition, np.float64) / sum(unit.composition)
+        for k in np.flatnonzero(np.asarray(model.usable)[unit.m]).tolist():
+            slots.append((unit.m, k, share))
+            per_layer.append(np.asarray(model.per_layer[:, unit.m, k], np.float64))
+            intercept.append(float(model.intercept[unit.m, k]))
     if not slots:
         return None, 0
     finite = problem.compute_cost[np.isfinite(problem.compute_cost)]
@@ -134,9 +158,9 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
     offsets[: len(slots)] = np.asarray(intercept) / scale
     devices = np.ones(padded)
     types = np.zeros((padded, num_types))
-    for index, (m, _, t) in enumerate(slots):
+    for index, (m, _, share) in enumerate(slots):
         devices[index] = problem.submesh_sizes[m]
-        types[index, t] = 1.0
+        types[index] = share
     from .hetero_assign import links
 
     intra_latency, intra_bandwidth, inter_latency, inter_bandwidth = links(problem)
@@ -313,8 +337,9 @@ def hetero_search(
             ``(steps done, total steps, best relaxed loss)``.
         time_budget_s: overrides ``config.time_budget_s``: the whole search
             (optimization, polish, bound) keeps to it, within the time of one
-            polish step: the polish stops at 60% of what the optimization
-            left, the bound stops at the budget (it gets at least 0.5 s).
+            polish step: the local search stops at 60% of what the
+            optimization left, the bound gets 40% of what is then left (at
+            least 0.5 s), the windowed exact polish stops at the budget.
 
     Returns:
         A :class:`HeteroPlan` (``method="diff"``) whose ``info`` holds
@@ -323,8 +348,9 @@ def hetero_search(
         ``polished_costs`` (restart -> cost), ``compile_time_s``,
         ``optimize_time_s``, ``polish_time_s``, ``bound_time_s``,
         ``num_restarts``, ``num_slots``, ``trace`` ((seconds, best cost) at each
-        improvement) and ``loss_curve`` (best relaxed loss per step, in units of
-        a typical stage latency).
+        improvement), ``loss_curve`` (best relaxed loss per step, in units of
+        a typical stage latency) and ``from_bound`` (the plan came from the
+        bound's relaxation, module docstring step 5).
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
@@ -353,52 +379,29 @@ def hetero_search(
             trace.append((time.perf_counter() - started, cost))
 
     # Round and repair every candidate, then the cheap local search.
-    results = []  # (cost, restart, boundaries, stages)
+    results = []  # [cost, restart, boundaries, stages, placement]
     for restart, boundaries in candidates:
         if math.isfinite(best[0]) and time.perf_counter() > deadline:
             break
-        cost, stages = assign(problem, boundaries)
+        cost, stages, placement = assign(problem, boundaries)
         if stages is not None:
-            cost, stages = local_search(
+            cost, stages, placement = local_search(
                 problem,
                 stages,
+                placement,
                 cost,
                 window=4 * max(config.polish_window, 1),
                 deadline=deadline,
             )
             record(cost)
-        results.append([cost, restart, boundaries, stages])
-    # The windowed exact DP on the best distinct local optima.
+        results.append([cost, restart, boundaries, stages, placement])
     results.sort(key=lambda r: r[0])
-    seen = set()
-    for result in results:
-        if len(seen) >= config.num_exact_polished:
-            break
-        cost, _, boundaries, stages = result
-        signature = None if stages is None else tuple(stages)
-        if signature in seen:
-            continue
-        seen.add(signature)
-        if math.isfinite(best[0]) and time.perf_counter() > deadline:
-            break
-        result[0], result[3] = exact_polish(
-            problem,
-            boundaries,
-            stages,
-            cost,
-            window=config.polish_window,
-            widest=config.polish_window,
-            max_rounds=config.max_polish_rounds,
-            time_limit_s=config.exact_time_limit_s,
-            deadline=deadline,
-        )
-        if result[3] is not None:
-            record(result[0])
     found = [r for r in results if r[3] is not None]
     if not found:  # nothing rounded to a plan: the exact DP from one stage
-        cost, stages = exact_polish(
+        cost, stages, placement = exact_polish(
             problem,
             [0, problem.num_layers],
+            None,
             None,
             math.inf,
             window=max(config.polish_window, 1),
@@ -408,19 +411,61 @@ def hetero_search(
             from .hetero_exact import explain_infeasible
 
             raise InfeasibleProblemError(explain_infeasible(problem))
-        found = [[cost, candidates[0][0], candidates[0][1], stages]]
+        found = [[cost, candidates[0][0], candidates[0][1], stages, placement]]
         record(cost)
-    best_cost, best_restart, _, best_stages = min(found, key=lambda r: r[0])
-    finished_polish = time.perf_counter()
+    best_cost, best_restart, _, best_stages, best_placement = found[0]
+    polished = {restart: cost for cost, restart, _, _, _ in results}
+    searched = time.perf_counter()
 
+    # Certify (the bound's relaxation may hand over a cheaper valid plan).
     bound_limit = None
-    if math.isfinite(budget_end):  # what is left, at least a floor for the bound
-        bound_limit = max(budget_end - time.perf_counter(), _BOUND_FLOOR_S)
+    if math.isfinite(budget_end):  # a share of what is left, at least a floor
+        bound_limit = max(_BOUND_SHARE * (budget_end - searched), _BOUND_FLOOR_S)
+    from_bound: list = []
+
+    def keep(plan) -> None:
+        if plan.cost < min([best_cost] + [p.cost for p in from_bound]):
+            from_bound.append(plan)
+            record(plan.cost)
+
     bound = hetero_lower_bound(
-        problem, incumbent_cost=best_cost, time_limit_s=bound_limit
+        problem, incumbent_cost=best_cost, time_limit_s=bound_limit, plan_fn=keep
     )
+    if from_bound:
+        best_cost = from_bound[-1].cost
+        best_stages, best_placement = split(from_bound[-1].stages)
+    bounded = time.perf_counter()
+
+    # The windowed exact DP on the best distinct local optima, while the
+    # certified gap is open.
+    seen = set()
+    for result in found:
+        if best_cost <= bound * (1 + 1e-9) or len(seen) >= config.num_exact_polished:
+            break
+        cost, _, boundaries, stages, placement = result
+        signature = (tuple(stages), tuple(placement))
+        if signature in seen:
+            continue
+        seen.add(signature)
+        if time.perf_counter() > budget_end:
+            break
+        cost, stages, placement = exact_polish(
+            problem,
+            boundaries,
+            stages,
+            placement,
+            cost,
+            window=config.polish_window,
+            widest=config.polish_window,
+            max_rounds=config.max_polish_rounds,
+            time_limit_s=config.exact_time_limit_s,
+            deadline=budget_end,
+        )
+        if cost < best_cost:
+            best_cost, best_stages, best_placement = cost, stages, placement
+            record(cost)
+    finished_polish = time.perf_counter()
     run_time = time.perf_counter() - started
-    polished = {restart: cost for cost, restart, _, _ in results}
     reached = [c for c in polished.values() if c <= best_cost * (1 + 1e-9)]
     info = {
         "lower_bound": bound,
@@ -429,15 +474,21 @@ def hetero_search(
         "polished_costs": polished,
         "compile_time_s": compile_time,
         "optimize_time_s": optimized - started,
-        "polish_time_s": finished_polish - optimized,
-        "bound_time_s": run_time - (finished_polish - started),
+        "polish_time_s": (searched - optimized) + (finished_polish - bounded),
+        "bound_time_s": bounded - searched,
         "num_restarts": config.num_restarts,
         "num_slots": num_slots,
         "trace": trace,
         "loss_curve": curve.tolist(),
+        "from_bound": bool(from_bound),
     }
     plan = make_hetero_plan(
-        problem, best_stages, method="diff", search_time_s=run_time, info=info
+        problem,
+        best_stages,
+        method="diff",
+        placement=best_placement,
+        search_time_s=run_time,
+        info=info,
     )
     plan.info["gap"] = plan.cost / bound - 1 if bound > 0 else math.inf
     return plan

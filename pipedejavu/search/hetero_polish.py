@@ -1,21 +1,25 @@
 """Polishing placed plans on the true objective: local moves and exact windows.
 
-Two phases, both exact on the true cost (:func:`pipedejavu.search.hetero_assign.quick_cost`,
-the arithmetic of :func:`pipedejavu.hetero.evaluate_hetero`):
+Both phases search the space of :func:`pipedejavu.hetero.check_hetero_plan`
+(any placement, stages over hosts of several types) and price every move
+exactly (:func:`pipedejavu.search.hetero_assign.quick_cost`, the arithmetic of
+:func:`pipedejavu.hetero.evaluate_hetero`):
 
 * :func:`local_search` (milliseconds per pass), until no move improves:
-  boundary hill climbing with every stage's slot fixed; the best boundaries for
-  the current ``(submesh, type)`` sequence (:func:`~search.hetero_assign.partition`);
-  the best slots for the current boundaries, and for one merge, one split in two
-  or in three (:func:`~search.hetero_assign.assign`: change a stage's type,
-  submesh or config, swap types, re-pack); and sequence moves priced with their
-  best boundaries (swap two stages' slots, split a stage into two of half its
-  devices, merge two neighbours of one type).
-* :func:`exact_polish`: :func:`pipedejavu.search.hetero_exact.hetero_exact` restricted to
-  spans near the current boundaries and stage midpoints
-  (:func:`pipedejavu.search.engine._neighbourhood`), started from the incumbent's cost;
-  after an improvement the local search runs again; the window doubles (up to
-  ``widest``) when the DP finds nothing better.
+  boundary hill climbing with every stage's place fixed; the best boundaries
+  for the current sequence of places (:func:`~.hetero_assign.partition`); the
+  best submeshes, configs, types and placement for the current boundaries and
+  for one merge or one split in two or three (:func:`~.hetero_assign.assign`,
+  the exact oracle on those spans); and moves on the sequence of places, each
+  priced with its best boundaries: reorder runs of one host type, swap two
+  stages' places, split a stage's devices in two (a partial stage into two
+  halves of its window, a whole stage into two groups of its hosts), merge two
+  neighbours whose devices together form a submesh.
+* :func:`exact_polish`: :func:`pipedejavu.search.hetero_exact.hetero_exact`
+  restricted to spans near the current boundaries and stage midpoints
+  (:func:`pipedejavu.search.engine._neighbourhood`), started from the
+  incumbent's cost; after an improvement the local search runs again; the
+  window doubles (up to ``widest``) when the DP finds nothing better.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pipedejavu.hetero import HeteroProblem
 from pipedejavu.problem import InfeasibleProblemError
 
 from .engine import _neighbourhood
-from .hetero_assign import Stages, assign, partition, quick_cost
+from .hetero_assign import Placement, Slot, Stages, assign, partition, quick_cost, split
 
 __all__ = ["exact_polish", "local_search"]
 
@@ -40,11 +44,16 @@ def boundaries_of(stages: Stages) -> list[int]:
     return [stages[0][0]] + [stop for _, stop, _, _, _ in stages]
 
 
-def _shift_boundaries(
-    problem: HeteroProblem, stages: Stages, cost: float, window: int
-) -> tuple[float, Stages]:
+def slots_of(stages: Stages, placement: Placement) -> list[Slot]:
+    return [
+        (s[2], hosts, first)
+        for s, (hosts, first) in zip(stages, placement, strict=True)
+    ]
+
+
+def _shift_boundaries(problem, stages, placement, cost, window):
     """Move one boundary at a time to its best position within ``window``
-    layers, every stage keeping its slot, until no move improves."""
+    layers, every stage keeping its place, until no move improves."""
     improved = True
     while improved:
         improved = False
@@ -59,7 +68,7 @@ def _shift_boundaries(
                 trial = list(stages)
                 trial[index] = (left[0], stop, *left[2:])
                 trial[index + 1] = (stop, right[1], *right[2:])
-                value = quick_cost(problem, trial)
+                value = quick_cost(problem, trial, placement)
                 if value < best:
                     best, best_trial = value, trial
             if best_trial is not None and best < cost * _IMPROVES:
@@ -67,14 +76,8 @@ def _shift_boundaries(
     return cost, stages
 
 
-def _boundary_moves(
-    problem: HeteroProblem,
-    stages: Stages,
-    cost: float,
-    deadline: float,
-    splits: bool = True,
-) -> tuple[float, Stages]:
-    """Exact slots for the current boundaries and for every boundary list one
+def _boundary_moves(problem, stages, placement, cost, deadline, splits=True):
+    """Exact places for the current boundaries and for every boundary list one
     merge or one split (in halves or thirds) away; the first improvement wins."""
     bounds = boundaries_of(stages)
     trials = [bounds]
@@ -89,113 +92,150 @@ def _boundary_moves(
                 cuts = [start + (stop - start) // 3, start + 2 * (stop - start) // 3]
                 trials.append(bounds[: i + 1] + cuts + bounds[i + 1 :])
     for trial in trials:
-        if time.perf_counter() > deadline:
+        left = deadline - time.perf_counter()
+        if left <= 0:
             break
-        value, found = assign(problem, trial, cost * _IMPROVES)
+        value, found, where = assign(problem, trial, cost * _IMPROVES)
         if found is not None:  # first improvement: the caller starts over
-            return value, found
-    return cost, stages
+            return value, found, where
+    return cost, stages, placement
 
 
-def _sequence_moves(
-    problem: HeteroProblem, stages: Stages, cost: float, deadline: float
-) -> tuple[float, Stages]:
-    """Moves on the ``(submesh, type)`` sequence, each priced with its best
-    boundaries: reorder the runs of one type, swap two stages' slots, split a
-    stage into two of half its devices, merge two neighbours of one type; the
-    best improvement wins."""
-    slots = [(m, t) for _, _, m, _, t in stages]
-    sizes = problem.submesh_sizes.tolist()
-    by_size: dict[int, list[int]] = {}
-    for m, size in enumerate(sizes):
-        by_size.setdefault(size, []).append(m)
-    # Reorder whole runs of one type (e.g. reverse the pipeline's type order):
-    # single swaps cannot move a run of several stages at once.
-    runs: list[list[tuple[int, int]]] = []
+def _submesh_index(problem: HeteroProblem) -> dict[tuple[int, int], int]:
+    return {tuple(s): m for m, s in enumerate(problem.submesh_shapes.tolist())}
+
+
+def _split_slot(problem, slot: Slot, index_of) -> list[list[Slot]]:
+    """Ways to run a stage's devices as two stages."""
+    m, hosts, first = slot
+    h, d = (int(x) for x in problem.submesh_shapes[m])
+    ways = []
+    if h == 1 and d % 2 == 0 and (1, d // 2) in index_of:
+        half = index_of[1, d // 2]
+        ways.append([(half, hosts, first), (half, hosts, first + d // 2)])
+    if h > 1:
+        for cut in range(1, h):
+            if (cut, d) in index_of and (h - cut, d) in index_of:
+                ways.append(
+                    [
+                        (index_of[cut, d], hosts[:cut], 0),
+                        (index_of[h - cut, d], hosts[cut:], 0),
+                    ]
+                )
+    return ways
+
+
+def _merge_slots(problem, left: Slot, right: Slot, index_of) -> Slot | None:
+    """One stage on the devices of two neighbours, when they form a submesh."""
+    (m1, hosts1, first1), (m2, hosts2, first2) = left, right
+    h1, d1 = (int(x) for x in problem.submesh_shapes[m1])
+    h2, d2 = (int(x) for x in problem.submesh_shapes[m2])
+    dph = problem.cluster.devices_per_host
+    if h1 == h2 == 1 and hosts1 == hosts2 and d1 + d2 < dph:
+        low, high = sorted([(first1, d1), (first2, d2)])
+        if low[0] + low[1] == high[0] and (1, d1 + d2) in index_of:
+            return (index_of[1, d1 + d2], hosts1, low[0])
+    if d1 == d2 == dph and (h1 + h2, dph) in index_of:
+        return (index_of[h1 + h2, dph], hosts1 + hosts2, 0)
+    return None
+
+
+def _sequence_moves(problem, stages, placement, cost, deadline):
+    """Moves on the sequence of places, each priced with its best boundaries
+    (module docstring); the best improvement wins."""
+    slots = slots_of(stages, placement)
+    host_types = problem.cluster.host_types
+    index_of = _submesh_index(problem)
+    # Reorder whole runs of one host type (e.g. reverse the pipeline's type
+    # order): single swaps cannot move a run of several stages at once.
+    runs: list[list[Slot]] = []
     for slot in slots:
-        if runs and runs[-1][-1][1] == slot[1]:
-            runs[-1].append(slot)
+        kind = tuple(sorted({host_types[x] for x in slot[1]}))
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(slot)
         else:
-            runs.append([slot])
+            runs.append((kind, [slot]))
     orders = (
         itertools.permutations(range(len(runs)))
         if len(runs) <= 4
         else [tuple(range(len(runs)))[::-1]]
     )
     trials = [
-        [slot for index in order for slot in runs[index]]
+        [slot for index in order for slot in runs[index][1]]
         for order in orders
         if list(order) != sorted(order)
     ]
-    for i, (m, t) in enumerate(slots):
+    for i in range(len(slots)):
         for j in range(i + 1, len(slots)):
             if slots[i] != slots[j]:
                 trial = list(slots)
                 trial[i], trial[j] = trial[j], trial[i]
                 trials.append(trial)
-        if sizes[m] % 2 == 0:
-            for half in by_size.get(sizes[m] // 2, []):
-                trials.append(slots[:i] + [(half, t), (half, t)] + slots[i + 1 :])
-        if i + 1 < len(slots) and slots[i + 1][1] == t:
-            for merged in by_size.get(sizes[m] + sizes[slots[i + 1][0]], []):
-                trials.append(slots[:i] + [(merged, t)] + slots[i + 2 :])
-    best, best_stages = cost, stages
+        for pair in _split_slot(problem, slots[i], index_of):
+            trials.append(slots[:i] + pair + slots[i + 1 :])
+        if i + 1 < len(slots):
+            merged = _merge_slots(problem, slots[i], slots[i + 1], index_of)
+            if merged is not None:
+                trials.append(slots[:i] + [merged] + slots[i + 2 :])
+    best = (cost, stages, placement)
     for trial in trials:
         if time.perf_counter() > deadline:
             break
-        value, found = partition(problem, trial, best * _IMPROVES)
+        value, found, where = partition(problem, trial, best[0] * _IMPROVES)
         if found is not None:
-            best, best_stages = value, found
-    return best, best_stages
+            best = (value, found, where)
+    return best
 
 
 def local_search(
     problem: HeteroProblem,
     stages: Stages,
+    placement: Placement,
     cost: float,
     *,
     window: int = 8,
     deadline: float = math.inf,
-) -> tuple[float, Stages]:
+) -> tuple[float, Stages, Placement]:
     """The local moves of the module docstring until none improves.
 
     Args:
         problem: the instance.
-        stages: a valid plan as ``(start, stop, submesh, config, type)`` tuples.
+        stages, placement: a valid placed plan.
         cost: its objective (seconds).
         window: layers a boundary may move in one hill-climbing step.
         deadline: ``time.perf_counter()`` value after which no pass starts.
 
     Returns:
-        ``(cost, stages)`` of a plan no worse than the input.
+        ``(cost, stages, placement)`` of a plan no worse than the input.
     """
     while time.perf_counter() < deadline:
         before = cost
-        cost, stages = _shift_boundaries(problem, stages, cost, window)
-        slots = [(m, t) for _, _, m, _, t in stages]
-        value, found = partition(problem, slots, cost * _IMPROVES)
+        cost, stages = _shift_boundaries(problem, stages, placement, cost, window)
+        value, found, where = partition(
+            problem, slots_of(stages, placement), cost * _IMPROVES
+        )
         if found is not None:
-            cost, stages = value, found
-        cost, stages = _boundary_moves(problem, stages, cost, deadline, False)
+            cost, stages, placement = value, found, where
+        cost, stages, placement = _boundary_moves(
+            problem, stages, placement, cost, deadline, False
+        )
         if cost < before * _IMPROVES:
             continue
-        cost, stages = _sequence_moves(problem, stages, cost, deadline)
+        cost, stages, placement = _sequence_moves(
+            problem, stages, placement, cost, deadline
+        )
         if cost < before * _IMPROVES:
             continue
         # The costliest moves (an exact assignment each) only when all else fails.
-        cost, stages = _boundary_moves(problem, stages, cost, deadline)
+        cost, stages, placement = _boundary_moves(
+            problem, stages, placement, cost, deadline
+        )
         if not cost < before * _IMPROVES:
             break
-    return cost, stages
+    return cost, stages, placement
 
 
-def _exact_window(
-    problem: HeteroProblem,
-    boundaries: list[int],
-    window: int,
-    incumbent: float,
-    time_limit: float,
-) -> tuple[float, Stages | None, bool]:
+def _exact_window(problem, boundaries, window, incumbent, time_limit):
     """The exact DP on spans near the boundaries and stage midpoints: the best
     plan there if cheaper than ``incumbent``, and whether the DP finished."""
     from .hetero_exact import HeteroTimeoutError, hetero_exact
@@ -212,20 +252,17 @@ def _exact_window(
     except HeteroTimeoutError as error:
         plan, finished = error.best_plan, False
     except InfeasibleProblemError:
-        return incumbent, None, True
+        return incumbent, None, None, True
     if plan is None or not plan.cost < incumbent:
-        return incumbent, None, finished
-    stages = [
-        (s.start, s.stop, s.submesh_index, s.config_index, s.device_type)
-        for s in plan.stages
-    ]
-    return plan.cost, stages, finished
+        return incumbent, None, None, finished
+    return plan.cost, *split(plan.stages), finished
 
 
 def exact_polish(
     problem: HeteroProblem,
     boundaries: list[int],
     stages: Stages | None,
+    placement: Placement | None,
     cost: float,
     *,
     window: int = 2,
@@ -233,14 +270,14 @@ def exact_polish(
     max_rounds: int = 20,
     time_limit_s: float = 20.0,
     deadline: float = math.inf,
-) -> tuple[float, Stages | None]:
+) -> tuple[float, Stages | None, Placement | None]:
     """Windowed exact DPs around the plan (or around ``boundaries`` while no plan
     is known: then the window widens up to ``L``, i.e. the full DP).
 
     Args:
         problem: the instance.
         boundaries: where to centre the first window when ``stages`` is None.
-        stages, cost: the incumbent (None, inf: none yet).
+        stages, placement, cost: the incumbent (None, None, inf: none yet).
         window: the first window (layers).
         widest: the window doubles up to this (default ``2 * window``) while
             the DP finds nothing better.
@@ -249,7 +286,8 @@ def exact_polish(
         deadline: no call starts past it once a plan is known.
 
     Returns:
-        ``(cost, stages)``; ``stages`` is None only if no plan was found.
+        ``(cost, stages, placement)``; ``stages`` is None only if no plan was
+        found.
     """
     widest = max(2 * window if widest is None else widest, window, 1)
     for _ in range(max_rounds):
@@ -258,13 +296,17 @@ def exact_polish(
             break
         anchor = boundaries if stages is None else boundaries_of(stages)
         limit = time_limit_s if stages is None else min(time_limit_s, left)
-        value, found, finished = _exact_window(problem, anchor, window, cost, limit)
+        value, found, where, finished = _exact_window(
+            problem, anchor, window, cost, limit
+        )
         if found is not None:
-            cost, stages = local_search(problem, found, value, deadline=deadline)
+            cost, stages, placement = local_search(
+                problem, found, where, value, deadline=deadline
+            )
             continue
         if not finished or window >= (
             widest if stages is not None else problem.num_layers
         ):
             break
         window = max(2 * window, 1)
-    return cost, stages
+    return cost, stages, placement

@@ -1,31 +1,35 @@
 """The relaxed objective of hardware-aware stage construction.
 
-The homogeneous relaxation (:mod:`pipedejavu.search.relax`) extended to typed devices and
-costly links. One restart has two parameter arrays:
+The homogeneous relaxation (:mod:`pipedejavu.search.relax`) extended to typed
+devices and costly links. One restart has two parameter arrays:
 
 * ``boundary_logits`` f[S]: stage lengths ``L * softmax``, soft ends
   ``c_s = cumsum`` (contiguity by construction; stages may vanish), sigmoid
   membership ``P[l, s]`` (:func:`pipedejavu.search.relax.soft_assignment`).
-* ``slot_logits`` f[S, C]: a softmax over the C usable ``(submesh, config,
-  type)`` slots per stage, so a stage's type share is ``pi[s, t] = sum of its
-  weights over the slots of type t``.
+* ``slot_logits`` f[S, C]: a softmax over the C usable slots per stage: a
+  ``(submesh, config, type)``, or a whole-host submesh over hosts of several
+  types (priced by its slowest type's model); ``share[c, t]`` is the fraction of
+  slot c's devices of type t (one-hot for one type), and a stage's type share
+  is ``pi[s, t] = sum_c W[s, c] share[c, t]``.
 
 Terms (all divided by ``scale``, a typical stage latency):
 
 * Stage latency from the linear model fitted per slot:
   ``t_s = sum_c W[s, c] (presence_s a_c + sum_l P[l, s] b[l, c])``.
-* Devices per type ``n[s, t] = presence_s sum_{c of type t} W[s, c] size_c``;
+* Devices per type ``n[s, t] = presence_s sum_c W[s, c] size_c share[c, t]``;
   the budget penalty ``sum_t ((sum_s n[s, t] - D_t) / D)^2`` is annealed up.
 * Transfer after stage s: the soft end ``c_s`` puts weight
   ``w[s, b] = sigmoid((c_s - b + 1/2) / tau) - sigmoid((c_s - b - 1/2) / tau)``
   on boundary ``b`` (after layer ``b - 1``), so the expected round trip on a
   link is ``sum_b w[s, b] time_link(bytes[b - 1])`` (no weight at ``L``: the
   last stage sends nothing). Types pair as ``pi[s] x pi[s + 1]``; two stages of
-  one type share a host (intra-host link) when the first ends mid-host, which
-  the canonical placement decides from the type's cumulative devices ``U``:
-  ``mid = tanh(kappa sin^2(pi U / devices_per_host))`` (0 at host boundaries,
-  ~1 elsewhere), else they use the inter-host link of their types. The transfer
-  is weighted by the next stage's presence.
+  one type are taken to share a host (intra-host link) when the first ends
+  mid-host as packing in pipeline order would place it (the type's cumulative
+  devices ``U``: ``mid = tanh(kappa sin^2(pi U / devices_per_host))``, 0 at host
+  boundaries, ~1 elsewhere), else to use the inter-host link of their types.
+  This is a smooth guide only: the rounding and the polish choose placements
+  exactly over every valid plan. The transfer is weighted by the next stage's
+  presence.
 * The bottleneck: ``tau_max * logsumexp`` over stage latencies and transfers.
 
 ``loss = sum t + sum c + (B - 1) smooth_max + penalty * budget``.
@@ -56,7 +60,8 @@ class HeteroRelaxedProblem(NamedTuple):
         per_layer: f[L, C] seconds per layer on each slot, / ``scale``.
         intercept: f[C] seconds per stage on each slot, / ``scale``.
         slot_devices: f[C] devices of each slot's submesh.
-        slot_types: f[C, T] one-hot type of each slot (zero rows: padding).
+        slot_types: f[C, T] the share of each type in a slot's devices
+            (one-hot for one type; zero rows: padding).
         type_devices: f[T] devices of each type ``D_t``.
         intra_time: f[L - 1, T] round trip after each layer on the intra-host
             link of each type, / ``scale``.
