@@ -83,6 +83,7 @@ from .problem import (
 )
 from .tables import (
     MAX_MICROBATCHES,
+    StageTableSizes,
     as_count,
     cost_table,
     freeze,
@@ -182,7 +183,7 @@ def _span_sums(values: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class HeteroProblem:
+class HeteroProblem(StageTableSizes):
     """Stage construction on a cluster of typed devices with costly links.
 
     Args:
@@ -254,33 +255,16 @@ class HeteroProblem:
         )
         object.__setattr__(self, "num_microbatches", num_microbatches)
 
-    # ------------------------------------------------------------------ shapes
-    @property
-    def num_layers(self) -> int:
-        return self.compute_cost.shape[0]
-
-    @property
-    def num_submeshes(self) -> int:
-        return self.compute_cost.shape[2]
-
-    @property
-    def num_configs(self) -> int:
-        return self.compute_cost.shape[3]
-
+    # ----------------------------------------- shapes (more in StageTableSizes)
     @property
     def num_types(self) -> int:
+        """T, the device types of the cluster."""
         return self.compute_cost.shape[4]
 
     @property
     def num_devices(self) -> int:
+        """D, the devices of the whole cluster."""
         return self.cluster.num_devices
-
-    @property
-    def submesh_sizes(self) -> NDArray[np.int64]:
-        return self.submesh_shapes[:, 0] * self.submesh_shapes[:, 1]
-
-    def replace(self, **changes: Any) -> HeteroProblem:
-        return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------ conversions
     @classmethod

@@ -31,6 +31,7 @@ from .tables import (
     MAX_DEVICES,
     MAX_MICROBATCHES,
     UNLIMITED_SUCCEEDING_STAGES,
+    StageTableSizes,
     as_count,
     cost_table,
     describe,
@@ -118,7 +119,7 @@ def get_submesh_choices(
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Problem:
+class Problem(StageTableSizes):
     """Alpa's stage-construction problem for one model on one cluster.
 
     Args:
@@ -193,31 +194,12 @@ class Problem:
         object.__setattr__(self, "cluster_shape", (num_hosts, devices_per_host))
         object.__setattr__(self, "num_microbatches", num_microbatches)
 
-    # Sizes -----------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        """L, the number of (clustered) layers."""
-        return self.compute_cost.shape[0]
-
-    @property
-    def num_submeshes(self) -> int:
-        """M, the number of submesh choices."""
-        return self.compute_cost.shape[2]
-
-    @property
-    def num_configs(self) -> int:
-        """K, the number of autosharding config slots per submesh."""
-        return self.compute_cost.shape[3]
-
+    # Sizes (num_layers, num_submeshes, num_configs, submesh_sizes and
+    # replace() come from StageTableSizes) ----------------------------------
     @property
     def num_devices(self) -> int:
         """D, the devices of the whole cluster."""
         return self.cluster_shape[0] * self.cluster_shape[1]
-
-    @property
-    def submesh_sizes(self) -> NDArray[np.int64]:
-        """i64[M] devices in each submesh choice."""
-        return self.submesh_shapes[:, 0] * self.submesh_shapes[:, 1]
 
     def stage_cost(self, start: int, stop: int, submesh: int, config: int) -> float:
         """Latency (s) of the stage holding layers ``start..stop-1`` (half-open)."""
@@ -228,10 +210,6 @@ class Problem:
         if self.stage_tail_cost is None:
             return 0.0
         return float(self.stage_tail_cost[start, stop - 1, submesh, config])
-
-    def replace(self, **changes: Any) -> Problem:
-        """A copy with some fields replaced (validated again)."""
-        return dataclasses.replace(self, **changes)
 
     # Files -----------------------------------------------------------------
     def to_npz(self, path: Any) -> Path:

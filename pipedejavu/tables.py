@@ -9,8 +9,9 @@ name the argument, what was expected and what arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_MICROBATCHES",
     "UNLIMITED_SUCCEEDING_STAGES",
+    "StageTableSizes",
     "as_count",
     "cost_table",
     "describe",
@@ -44,6 +46,43 @@ MAX_DEVICES = 2**20
 
 #: Largest number of micro-batches (fits every integer type the solvers use).
 MAX_MICROBATCHES = 2**31 - 1
+
+
+_P = TypeVar("_P", bound="StageTableSizes")
+
+
+class StageTableSizes:
+    """Sizes read off the stage table ``compute_cost[i, j, m, k(, t)]`` and the
+    ``submesh_shapes`` of a (frozen dataclass) problem; one definition serves
+    :class:`~pipedejavu.problem.Problem` and :class:`~pipedejavu.hetero.HeteroProblem`.
+    """
+
+    compute_cost: NDArray[np.float64]
+    submesh_shapes: NDArray[np.int64]
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of (clustered) layers."""
+        return self.compute_cost.shape[0]
+
+    @property
+    def num_submeshes(self) -> int:
+        """M, the number of submesh choices."""
+        return self.compute_cost.shape[2]
+
+    @property
+    def num_configs(self) -> int:
+        """K, the number of autosharding config slots per submesh."""
+        return self.compute_cost.shape[3]
+
+    @property
+    def submesh_sizes(self) -> NDArray[np.int64]:
+        """i64[M] devices in each submesh choice."""
+        return self.submesh_shapes[:, 0] * self.submesh_shapes[:, 1]
+
+    def replace(self: _P, **changes: Any) -> _P:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 def describe(value: Any) -> str:
