@@ -20,7 +20,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
-from pipedejavu.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.problem import InfeasibleProblemError
+from pipedejavu.search._hetero_units import span_mask
+from pipedejavu.search.hetero_exact import HeteroTimeoutError
 
 __all__ = ["canonical_exact"]
 
@@ -49,35 +51,9 @@ class _Interrupted(Exception):
     """The deadline passed during a DP pass."""
 
 
-def _span_mask(problem: HeteroProblem, allowed: Any) -> NDArray[np.bool_]:
-    """bool[L, L] spans ``[start, end]`` (inclusive) the search may use."""
-    num_layers = problem.num_layers
-    if allowed is None:
-        return np.ones((num_layers, num_layers), dtype=bool)
-    if isinstance(allowed, np.ndarray) and allowed.dtype == bool:
-        if allowed.shape != (num_layers, num_layers):
-            raise ProblemError(
-                f"allowed_boundaries as a span mask must have shape "
-                f"({num_layers}, {num_layers}), got {allowed.shape}"
-            )
-        return allowed
-    stops = np.zeros(num_layers + 1, dtype=bool)
-    for stop in allowed:
-        if isinstance(stop, bool) or int(stop) != stop or not 0 <= stop <= num_layers:
-            raise ProblemError(
-                f"allowed_boundaries must hold stage stops in 0..{num_layers}, "
-                f"got {stop!r}"
-            )
-        stops[int(stop)] = True
-    stops[num_layers] = True
-    starts = stops.copy()
-    starts[0] = True
-    return starts[:num_layers, None] & stops[None, 1:]
-
-
 def _setup(problem: HeteroProblem, allowed: Any) -> _Setup:
     cluster = problem.cluster
-    mask = _span_mask(problem, allowed)
+    mask = span_mask(problem, allowed)
     table = np.where(
         mask[:, :, None, None, None] & (problem.max_n_succ_stages >= 0),
         problem.compute_cost,
@@ -355,29 +331,9 @@ def _solve_cap(
         num_buckets *= 2
 
 
-class CanonicalTimeoutError(TimeoutError):
-    """``time_limit_s`` passed; carries what was found so far.
-
-    Attributes:
-        best_plan: the best plan found (``None`` if none beat the incumbent).
-        lower_bound: seconds; no plan costs less (``-inf`` if unknown yet).
-        caps_evaluated, num_candidates: progress of the cap search.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        best_plan: HeteroPlan | None,
-        lower_bound: float,
-        caps_evaluated: int,
-        num_candidates: int,
-    ):
-        super().__init__(message)
-        self.best_plan = best_plan
-        self.lower_bound = lower_bound
-        self.caps_evaluated = caps_evaluated
-        self.num_candidates = num_candidates
+class CanonicalTimeoutError(HeteroTimeoutError):
+    """``time_limit_s`` passed in the canonical oracle; carries what was found
+    so far (the attributes of the package's :class:`HeteroTimeoutError`)."""
 
 
 def _plan_cost(setup: _Setup, problem: HeteroProblem, stages) -> float:
@@ -400,7 +356,7 @@ def explain_infeasible(problem: HeteroProblem, allowed_boundaries: Any = None) -
     restricted = "" if allowed_boundaries is None else " within allowed_boundaries"
     finite = np.isfinite(
         np.where(
-            _span_mask(problem, allowed_boundaries)[:, :, None, None, None],
+            span_mask(problem, allowed_boundaries)[:, :, None, None, None],
             problem.compute_cost,
             np.inf,
         )
