@@ -85,7 +85,8 @@ def _groups(problem: Problem) -> _Groups:
     memory = problem.max_n_succ_stages
     fits = np.isfinite(table) & (memory >= 0)
     starts, ends, submeshes = np.nonzero(fits.any(axis=3))
-    order = np.argsort(ends, kind="stable")
+    # By end, then submesh size: the groups a label has room for are a prefix.
+    order = np.lexsort((problem.submesh_sizes[submeshes], ends))
     starts, ends, submeshes = starts[order], ends[order], submeshes[order]
     return _Groups(
         start=starts,
@@ -106,6 +107,22 @@ def _cheapest(
     allowed = np.where(limit >= followers, cost, np.inf)
     config = allowed.argmin(axis=1)
     return allowed[np.arange(config.size), config], config
+
+
+class _CheapestByFollowers:
+    """:func:`_cheapest` of a group set per follower count, computed once per
+    distinct answer (it changes only where a memory limit is crossed)."""
+
+    def __init__(self, groups: _Groups):
+        self.groups = groups
+        self.limits = np.unique(groups.limit[np.isfinite(groups.cost)])
+        self.known: dict[int, tuple[NDArray[np.float64], NDArray[np.int64]]] = {}
+
+    def __call__(self, followers: int) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+        key = int(np.searchsorted(self.limits, followers))  # limits below it
+        if key not in self.known:
+            self.known[key] = _cheapest(self.groups.cost, self.groups.limit, followers)
+        return self.known[key]
 
 
 #: Prefix tables built per cap (each lowers theta further).
@@ -280,23 +297,37 @@ def _run_pass(
     seen_state = np.zeros(0, np.int64)
     seen_total, seen_slowest = np.zeros(0), np.zeros(0)
     least_dropped, num_labels = math.inf, 0
-    spans = np.diff(groups.by_end)
+    # fitting[e, r]: groups ending at layer e with at most r devices.
+    keys = groups.end * width + groups.size
+    fitting = (
+        np.searchsorted(
+            keys, (np.arange(num_layers)[:, None] * width + np.arange(width)), "right"
+        )
+        - groups.by_end[:-1, None]
+    )  # [L, W]
+    cheapest = _CheapestByFollowers(groups)
     for followers in range(min(num_layers, num_devices)):
         live = current.layer > 0
         if not live.any():
             break
-        # Every (label, group ending just before the label's first layer) pair.
+        # Every (label, group ending just before the label's first layer and
+        # fitting in the devices left) pair.
         label = np.flatnonzero(live)
-        count = spans[current.layer[label] - 1]
+        before = current.layer[label] - 1
+        count = fitting[before, num_devices - current.devices[label]]
+        first = groups.by_end[before]
         label = np.repeat(label, count)
         offsets = np.cumsum(count) - count
-        first = groups.by_end[current.layer[np.flatnonzero(live)] - 1]
         group = np.repeat(first - offsets, count) + np.arange(count.sum())
-        cost, config = _cheapest(groups.cost, groups.limit, followers)
-        cost, config = cost[group], config[group]
+        cost, config = cheapest(followers)
+        cost = cost[group]
+        allowed = cost < np.inf
+        if not allowed.all():
+            label, group, cost = label[allowed], group[allowed], cost[allowed]
+        config = config[group]
         devices = current.devices[label] + groups.size[group]
         start = groups.start[group]
-        left = np.maximum(num_devices - devices, 0)
+        left = num_devices - devices
         total = current.total[label] + cost
         slowest = np.maximum(current.slowest[label], cost)
         level = min(followers, tables.least_sum.shape[0] - 1)  # prefix: >= +1
@@ -305,7 +336,6 @@ def _run_pass(
             + tables.least_sum[level, start, left]
             + _times(factor, np.maximum(slowest, tables.least_max[level, start, left]))
         )
-        bound = np.where(devices <= num_devices, bound, np.inf)
         keep = bound <= cap
         dropped = bound[~keep]
         if dropped.size:
