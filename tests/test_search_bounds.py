@@ -135,3 +135,21 @@ def test_memory_can_force_a_slower_config():
     assert optimum == 3.5 + 3 * 1.5
     np.testing.assert_allclose(lower_bound(problem), optimum, rtol=1e-12)
     assert lower_bound(problem) <= optimum
+
+
+def test_progress_lines_report_valid_bounds(monkeypatch):
+    """With every progress call let through, each line's "bound so far" never
+    exceeds the final bound, which the lines do not change."""
+    import re
+
+    import pipedejavu.search.bounds as bounds
+
+    problem = random_problem(24, (2, 8), num_microbatches=16, seed=3)
+    quiet = lower_bound(problem)
+    monkeypatch.setattr(bounds, "_REPORT_EVERY_S", 0.0)
+    lines: list[str] = []
+    assert lower_bound(problem, progress_fn=lines.append) == quiet
+    assert lines and all(line.startswith("lower bound: ") for line in lines)
+    so_far = [float(re.search(r"bound so far (\S+) s", line)[1]) for line in lines]
+    assert all(0 < value <= quiet * (1 + 1e-6) for value in so_far)
+    assert so_far == sorted(so_far)

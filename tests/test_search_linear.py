@@ -10,7 +10,12 @@ import pytest
 import pipedejavu.search.linear as linear
 from pipedejavu import Problem
 from pipedejavu.generate import random_problem
-from pipedejavu.search.linear import fit_linear_model, predict_spans, predict_table
+from pipedejavu.search.linear import (
+    fit_linear_model,
+    fit_linear_numpy,
+    predict_spans,
+    predict_table,
+)
 
 
 def _linear_problem(
@@ -202,3 +207,24 @@ def test_dtype_follows_the_x64_setting():
         model = fit_linear_model(problem)
         assert model.per_layer.dtype == jnp.float64
         assert model.intercept.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("missing", [0.0, 0.5, 0.97])
+def test_numpy_fit_agrees_with_the_jax_fit(missing):
+    """The engine's NumPy fit (no tracing at start-up) against the JAX fit, on
+    noisy tables with unprofiled entries and slots too sparse to fit."""
+    rng = np.random.default_rng(11)
+    problem, _, _ = _linear_problem(rng, 20, missing=missing, noise=0.1)
+    model = fit_linear_model(problem)
+    per_layer, intercept, usable = fit_linear_numpy(problem)
+    np.testing.assert_array_equal(usable, np.asarray(model.usable))
+    # fit_linear_model returns float32 here (x64 off): agree to its rounding
+    # on the entries the data determine (a nearly empty slot's parameters are
+    # set by the ridge, so there the predictions of fitted entries are compared).
+    prefix = np.concatenate([np.zeros((1, *intercept.shape)), per_layer.cumsum(0)])
+    table = intercept + prefix[None, 1:] - prefix[:-1, None]
+    fitted = np.isfinite(problem.compute_cost) & usable
+    np.testing.assert_allclose(table[fitted], predict_table(model)[fitted], rtol=1e-5)
+    if missing <= 0.5:
+        np.testing.assert_allclose(per_layer, model.per_layer, rtol=2e-6, atol=1e-9)
+        np.testing.assert_allclose(intercept, model.intercept, rtol=2e-6, atol=1e-9)

@@ -85,7 +85,8 @@ def _groups(problem: Problem) -> _Groups:
     memory = problem.max_n_succ_stages
     fits = np.isfinite(table) & (memory >= 0)
     starts, ends, submeshes = np.nonzero(fits.any(axis=3))
-    order = np.argsort(ends, kind="stable")
+    # By end, then submesh size: the groups a label has room for are a prefix.
+    order = np.lexsort((problem.submesh_sizes[submeshes], ends))
     starts, ends, submeshes = starts[order], ends[order], submeshes[order]
     return _Groups(
         start=starts,
@@ -108,12 +109,32 @@ def _cheapest(
     return allowed[np.arange(config.size), config], config
 
 
+class _CheapestByFollowers:
+    """:func:`_cheapest` of a group set per follower count, computed once per
+    distinct answer (it changes only where a memory limit is crossed)."""
+
+    def __init__(self, groups: _Groups):
+        self.groups = groups
+        self.limits = np.unique(groups.limit[np.isfinite(groups.cost)])
+        self.known: dict[int, tuple[NDArray[np.float64], NDArray[np.int64]]] = {}
+
+    def __call__(self, followers: int) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+        key = int(np.searchsorted(self.limits, followers))  # limits below it
+        if key not in self.known:
+            self.known[key] = _cheapest(self.groups.cost, self.groups.limit, followers)
+        return self.known[key]
+
+
 #: Prefix tables built per cap (each lowers theta further).
 THETA_ROUNDS = 1
 
 #: Labels in a failed pass above which the tables add follower levels (0:
 #: from the first pass on).
 MANY_LABELS = 2000
+
+#: Multi-level tables are built for caps this much above the asked one and
+#: reused by the passes below it.
+LEVEL_SLACK = 0.04
 
 #: Most follower levels the prefix tables distinguish (the last one lumps
 #: every larger count); their cost grows linearly with it.
@@ -152,31 +173,55 @@ def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
     num_layers, num_devices = problem.num_layers, problem.num_devices
     width = num_devices + 1
     sizes = problem.submesh_sizes
+    num_submeshes = sizes.size
     pad = int(sizes.max())
-    stride = pad + width
-    # Column pad + r of the padded tables is r devices (columns < pad: inf).
-    shape = (levels, num_layers + 1, stride)
+    # least_*[k, i, pad + r]: r devices (columns < pad: inf).
+    shape = (levels, num_layers + 1, pad + width)
     least_sum, least_max = np.full(shape, np.inf), np.full(shape, np.inf)
     least_sum[:, 0, pad] = least_max[:, 0, pad] = 0.0
+    # Row (m, i) of shifted_*[k] is least_*[k, i] shifted right by submesh m's
+    # size: column r holds r - size(m) devices, so a stage on m that starts at
+    # layer i reads its prefix row as one contiguous gather.
+    shifted_sum = np.full((levels, num_submeshes * (num_layers + 1), width), np.inf)
+    shifted_max = np.full_like(shifted_sum, np.inf)
+    shifted_sum[:, np.arange(num_submeshes) * (num_layers + 1)] = np.where(
+        np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
+    )[None]
+    shifted_max[:, np.arange(num_submeshes) * (num_layers + 1)] = shifted_sum[
+        :, np.arange(num_submeshes) * (num_layers + 1)
+    ]
+    columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
+    rows_of = np.arange(num_submeshes) * (num_layers + 1)  # [M]
     # cost[k, g]: with k + 1 followers; the stage before follows at level k + 1.
     cost = np.stack(
         [_cheapest(groups.cost, groups.limit, k + 1)[0] for k in range(levels)]
     )
     usable = np.isfinite(cost).any(axis=0)
-    following = np.minimum(np.arange(levels) + 1, levels - 1)  # [R]
-    base = (following * (num_layers + 1) * stride)[:, None, None]  # [R, 1, 1]
-    columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
-    flat = groups.start * stride
-    sums, maxes = least_sum.reshape(-1), least_max.reshape(-1)
+    row = groups.submesh * (num_layers + 1) + groups.start  # [G]
+    # Level k reads level k + 1 (the last level reads itself).
+    src_sum = shifted_sum[1:] if levels > 1 else shifted_sum
+    src_max = shifted_max[1:] if levels > 1 else shifted_max
     for end in range(num_layers):
         first, last = groups.by_end[end], groups.by_end[end + 1]
         keep = np.flatnonzero(usable[first:last]) + first
         if keep.size == 0:
             continue
-        index = base + (flat[keep, None] + columns[groups.submesh[keep]])  # [R, G, W]
+        index = row[keep]
         costs = cost[:, keep, None]  # [R, G, 1]
-        least_sum[:, end + 1, pad:] = (sums.take(index) + costs).min(axis=1)
-        least_max[:, end + 1, pad:] = np.maximum(maxes.take(index), costs).min(axis=1)
+        sums = np.take(src_sum, index, axis=1)  # [R', G, W]
+        maxes = np.take(src_max, index, axis=1)
+        out_sum, out_max = least_sum[:, end + 1, pad:], least_max[:, end + 1, pad:]
+        if levels > 1:
+            out_sum[:-1] = (sums + costs[:-1]).min(axis=1)
+            out_max[:-1] = np.maximum(maxes, costs[:-1]).min(axis=1)
+            out_sum[-1] = (sums[-1] + costs[-1]).min(axis=0)
+            out_max[-1] = np.maximum(maxes[-1], costs[-1]).min(axis=0)
+        else:
+            out_sum[:] = (sums + costs).min(axis=1)
+            out_max[:] = np.maximum(maxes, costs).min(axis=1)
+        target = rows_of + end + 1
+        shifted_sum[:, target] = least_sum[:, end + 1][:, columns]
+        shifted_max[:, target] = least_max[:, end + 1][:, columns]
     least_sum, least_max = least_sum[:, :, pad:], least_max[:, :, pad:]
     # The last stage (no follower) on top of every prefix.
     first, last = groups.by_end[num_layers - 1], groups.by_end[num_layers]
@@ -252,23 +297,37 @@ def _run_pass(
     seen_state = np.zeros(0, np.int64)
     seen_total, seen_slowest = np.zeros(0), np.zeros(0)
     least_dropped, num_labels = math.inf, 0
-    spans = np.diff(groups.by_end)
+    # fitting[e, r]: groups ending at layer e with at most r devices.
+    keys = groups.end * width + groups.size
+    fitting = (
+        np.searchsorted(
+            keys, (np.arange(num_layers)[:, None] * width + np.arange(width)), "right"
+        )
+        - groups.by_end[:-1, None]
+    )  # [L, W]
+    cheapest = _CheapestByFollowers(groups)
     for followers in range(min(num_layers, num_devices)):
         live = current.layer > 0
         if not live.any():
             break
-        # Every (label, group ending just before the label's first layer) pair.
+        # Every (label, group ending just before the label's first layer and
+        # fitting in the devices left) pair.
         label = np.flatnonzero(live)
-        count = spans[current.layer[label] - 1]
+        before = current.layer[label] - 1
+        count = fitting[before, num_devices - current.devices[label]]
+        first = groups.by_end[before]
         label = np.repeat(label, count)
         offsets = np.cumsum(count) - count
-        first = groups.by_end[current.layer[np.flatnonzero(live)] - 1]
         group = np.repeat(first - offsets, count) + np.arange(count.sum())
-        cost, config = _cheapest(groups.cost, groups.limit, followers)
-        cost, config = cost[group], config[group]
+        cost, config = cheapest(followers)
+        cost = cost[group]
+        allowed = cost < np.inf
+        if not allowed.all():
+            label, group, cost = label[allowed], group[allowed], cost[allowed]
+        config = config[group]
         devices = current.devices[label] + groups.size[group]
         start = groups.start[group]
-        left = np.maximum(num_devices - devices, 0)
+        left = num_devices - devices
         total = current.total[label] + cost
         slowest = np.maximum(current.slowest[label], cost)
         level = min(followers, tables.least_sum.shape[0] - 1)  # prefix: >= +1
@@ -277,7 +336,6 @@ def _run_pass(
             + tables.least_sum[level, start, left]
             + _times(factor, np.maximum(slowest, tables.least_max[level, start, left]))
         )
-        bound = np.where(devices <= num_devices, bound, np.inf)
         keep = bound <= cap
         dropped = bound[~keep]
         if dropped.size:
@@ -441,12 +499,21 @@ def label_dp(
     passes = labels = 0
     lower = full.lower
 
+    built: list = [math.nan, None]  # the multi-level tables' cap, the tables
+
     def screen(cap: float) -> tuple[_Tables, bool]:
         """Tables for the cap, and whether they prove that no plan costs at
-        most the cap (their ``lower`` is then a guess of the optimum)."""
+        most the cap (their ``lower`` is then a guess of the optimum).
+
+        Multi-level tables cost several times more, so they are built for a
+        cap ``1 + LEVEL_SLACK`` above the asked one and reused while the caps
+        stay below it (tables for a larger cap bound every smaller one)."""
+        if levels > 1 and cap <= built[0]:
+            return built[1], built[1].lower > cap
+        reach = cap * (1 + LEVEL_SLACK) if levels > 1 else cap
         tables, theta = full, math.inf
         for _ in range(THETA_ROUNDS):  # plans within the cap: stages <= theta
-            tighter = (cap - tables.sigma) / factor if factor else cap
+            tighter = (reach - tables.sigma) / factor if factor else reach
             if tighter >= theta * (1 - 1e-3):
                 break
             theta = tighter
@@ -455,8 +522,10 @@ def label_dp(
                 everything.below(theta * (1 + 1e-9), problem.num_layers),
                 levels,
             )
-            if tables.lower > cap:
+            if tables.lower > reach:
                 break
+        if levels > 1 and tables.lower <= cap:
+            built[:] = [reach, tables]
         return tables, tables.lower > cap
 
     # The optimum is >= lower, and > lower once a cap was ruled out. The caps

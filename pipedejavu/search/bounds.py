@@ -54,6 +54,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -202,6 +203,10 @@ def _full_buckets(problem: Problem, usable: NDArray[np.bool_]) -> int:
     return int(binding.max()) + 2 if binding.size else 1
 
 
+#: Seconds between progress lines of a long bound computation.
+_REPORT_EVERY_S = 1.5
+
+
 class _Relaxation:
     """The relaxed problem: packed bucket tables, feasibility and dual values.
 
@@ -326,6 +331,7 @@ def bound_details(
     max_caps: int = 48,
     max_buckets: int = 8,
     rtol: float = 1e-4,
+    progress_fn: Callable[[str], None] | None = None,
 ) -> BoundDetails:
     """The lower bound of the module docstring, with its parts.
 
@@ -335,6 +341,8 @@ def bound_details(
         max_buckets: most follower buckets ``R`` (cost grows linearly with it;
             fewer only weakens the memory part of the bound).
         rtol: relative gap at which the dual search and the cap refinement stop.
+        progress_fn: receives a line (caps evaluated, the bound proven so far,
+            seconds) about every 1.5 s once the computation takes that long.
 
     Returns:
         :class:`BoundDetails`; ``bound <= T`` of every feasible plan.
@@ -342,6 +350,21 @@ def bound_details(
     started = time.perf_counter()
     num_microbatches = problem.num_microbatches
     relax = _Relaxation(problem, max_buckets)
+    proven = [0.0]  # the bound so far (every part found is a valid bound)
+
+    def report(what: str) -> None:
+        if progress_fn is None:
+            return
+        now = time.perf_counter()
+        if now - reported[0] >= _REPORT_EVERY_S:
+            reported[0] = now
+            progress_fn(
+                f"lower bound: {what}, {len(values)} caps evaluated, bound so far "
+                f"{proven[0] * (1.0 - 2.0 * relax.margin):.6g} s, "
+                f"{now - started:.1f} s"
+            )
+
+    reported = [started]
 
     def details(bound: float, *parts: float) -> BoundDetails:
         bound *= 1.0 - 2.0 * relax.margin
@@ -368,6 +391,7 @@ def bound_details(
     free_sum, _, _ = relax.path(relax.table.min(axis=1))
     bottleneck = num_microbatches * bottleneck_cap
     device_free = free_sum + (num_microbatches - 1) * bottleneck_cap
+    proven[0] = max(bottleneck, device_free)
 
     # Every relaxed plan's slowest stage is one of these (all buckets: memory can
     # force a config that is not the cheapest).
@@ -376,6 +400,7 @@ def bound_details(
         return details(math.inf, bottleneck, device_free, math.inf)
     low, high = int(np.searchsorted(caps, bottleneck_cap)), len(caps) - 1
     while low < high:  # the smallest feasible cap (feasibility is monotone)
+        report(f"smallest feasible cap, {high - low} candidates left")
         middle = (low + high) // 2
         if relax.feasible(float(caps[middle])):
             high = middle
@@ -392,6 +417,7 @@ def bound_details(
         lam = 0.0 if nearest is None else lams[nearest]
         values[index], lams[index] = relax.max_dual(float(caps[index]), lam, step, rtol)
         cap = float(caps[index])
+        report(f"cap {len(values)} of at most {max_caps}")
         return max(num_microbatches * cap, (num_microbatches - 1) * cap + values[index])
 
     def interval(low: int, high: int) -> tuple[float, int, int]:
@@ -408,6 +434,7 @@ def bound_details(
         heap.append(interval(first, last))
     while heap and heap[0][0] < point and len(values) < max_caps:
         weakest, low, high = heap[0]
+        proven[0] = max(min(point, weakest), bottleneck, device_free)
         if high - low < 2 or weakest >= (1.0 - rtol) * ceiling:
             break
         heapq.heappop(heap)
@@ -424,7 +451,9 @@ def bound_details(
     )
 
 
-def lower_bound(problem: Problem) -> float:
+def lower_bound(
+    problem: Problem, *, progress_fn: Callable[[str], None] | None = None
+) -> float:
     """A certified lower bound (s) on the optimal ``T`` of ``problem``.
 
     ``lower_bound(problem) <= sum_s t_s + (B - 1) * max_s t_s`` for every
@@ -433,8 +462,9 @@ def lower_bound(problem: Problem) -> float:
 
     Args:
         problem: the instance; any time unit.
+        progress_fn: receives progress lines (see :func:`bound_details`).
 
     Returns:
         The bound, in the unit of ``problem.compute_cost``.
     """
-    return bound_details(problem).bound
+    return bound_details(problem, progress_fn=progress_fn).bound

@@ -170,10 +170,14 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     fitted), the number of usable (submesh, config) slots and the latency scale
     the relaxed quantities are divided by (seconds). The layer axis is padded
     to :func:`bucket` rows."""
-    from .linear import fit_linear_model
+    from .linear import fit_linear_numpy
 
-    model = fit_linear_model(problem)
-    usable = np.asarray(model.usable)
+    # The NumPy fit: a new process traces and compiles nothing for it. Its
+    # values are rounded to JAX's default float dtype, as fit_linear_model's.
+    model_per_layer, model_intercept, usable = fit_linear_numpy(problem)
+    out_dtype = np.float64 if jax.config.jax_enable_x64 else np.float32
+    model_per_layer = model_per_layer.astype(out_dtype).astype(np.float64)
+    model_intercept = model_intercept.astype(out_dtype).astype(np.float64)
     slots = np.argwhere(usable)  # [C, 2] (submesh, config)
     if slots.size == 0:  # too few profiled entries to fit any slot
         return None, 0, 1.0
@@ -187,13 +191,9 @@ def _prepare(problem: Problem) -> tuple[RelaxedProblem | None, int, float]:
     intercept = np.full(padded, 1e3)
     devices = np.ones(padded)
     num_layers = problem.num_layers
-    per_layer[:num_layers, : len(slots)] = np.asarray(model.per_layer)[
-        :, slots[:, 0], slots[:, 1]
-    ]
+    per_layer[:num_layers, : len(slots)] = model_per_layer[:, slots[:, 0], slots[:, 1]]
     per_layer[:num_layers, : len(slots)] /= scale
-    intercept[: len(slots)] = (
-        np.asarray(model.intercept)[slots[:, 0], slots[:, 1]] / scale
-    )
+    intercept[: len(slots)] = model_intercept[slots[:, 0], slots[:, 1]] / scale
     devices[: len(slots)] = problem.submesh_sizes[slots[:, 0]]
     data = RelaxedProblem(
         per_layer=jnp.asarray(per_layer, dtype=jnp.float32),
@@ -344,7 +344,12 @@ def search(
             problem, data, config, key, progress_fn, scale
         )
     # The bound first: a plan that reaches it is optimal, and polishing stops.
-    bound = lower_bound(problem)
+    bound = lower_bound(
+        problem,
+        progress_fn=None
+        if message_fn is None
+        else lambda line: message_fn(f"diff: {line}"),
+    )
     proven = bound * (1 + 1e-9)
     deadline = started + (config.time_budget_s or math.inf)
     polished: dict[int, float] = {}

@@ -286,3 +286,71 @@ def predict_table(model: LinearStageModel) -> NDArray[np.float64]:
     table[lower] = np.inf
     table[:, :, ~np.asarray(model.usable)] = np.inf
     return table
+
+
+def fit_linear_numpy(
+    problem: Problem,
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.bool_]]:
+    """The fit of :func:`fit_linear_model` (all entries) in NumPy, float64.
+
+    The same normal equations, ridge, refinement and median fill; no JAX, so
+    nothing is traced or compiled (a new process pays for neither: the
+    engine's start-up uses this). It agrees with :func:`fit_linear_model` to
+    rounding (LU instead of Cholesky on the same definite system).
+
+    Returns:
+        per_layer f64[L, M, K] seconds, intercept f64[M, K] seconds and
+        usable bool[M, K] (unusable slots: zero parameters).
+    """
+    cost = problem.compute_cost
+    num_layers, _, num_submeshes, num_configs = cost.shape
+    slots = np.moveaxis(cost.reshape(num_layers, num_layers, -1), 2, 0)  # [S, L, L]
+    upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))
+    with np.errstate(invalid="ignore"):
+        fitted = np.isfinite(slots) & (slots > 0) & upper
+    inverse = np.where(fitted, 1.0 / np.where(fitted, slots, 1.0), 0.0)
+    weight, target = inverse**2, inverse
+
+    def spans_over(values: NDArray[np.float64]) -> NDArray[np.float64]:
+        # C[s, p, q] = sum_{i <= p, j >= q} values[s, i, j]
+        return np.cumsum(np.cumsum(values, axis=1)[:, :, ::-1], axis=2)[:, :, ::-1]
+
+    cumulative = spans_over(weight)  # [S, L, L]
+    coverage = np.diagonal(cumulative, axis1=1, axis2=2)  # [S, L]
+    upper_part = np.triu(cumulative)
+    size = num_layers + 1
+    gram = np.zeros((slots.shape[0], size, size))
+    gram[:, :-1, :-1] = upper_part + np.swapaxes(np.triu(cumulative, 1), 1, 2)
+    gram[:, :-1, -1] = coverage
+    gram[:, -1, :-1] = coverage
+    gram[:, -1, -1] = weight.sum(axis=(1, 2))
+    rhs = np.concatenate(
+        [
+            np.diagonal(spans_over(target), axis1=1, axis2=2),
+            target.sum(axis=(1, 2))[:, None],
+        ],
+        axis=1,
+    )[..., None]  # [S, L + 1, 1]
+    trace = np.trace(gram, axis1=1, axis2=2)
+    ridge = np.where(trace > 0, _RIDGE * trace / (num_layers + 1), 1.0)
+    system = gram + ridge[:, None, None] * np.eye(size)
+    solution = np.linalg.solve(system, rhs)
+    for _ in range(_REFINEMENTS):
+        solution = solution + np.linalg.solve(system, rhs - gram @ solution)
+    solution = solution[..., 0]
+    per_layer, intercept = solution[:, :-1], solution[:, -1]
+    covered = coverage > 0
+    filled = np.zeros(per_layer.shape[0])
+    for slot in np.flatnonzero(covered.any(axis=1)):
+        filled[slot] = np.median(per_layer[slot, covered[slot]])
+    per_layer = np.where(covered, per_layer, filled[:, None])
+    count = fitted.sum(axis=(1, 2))
+    usable = count >= MIN_ENTRIES
+    per_layer = np.where(usable[:, None], per_layer, 0.0)
+    intercept = np.where(usable, intercept, 0.0)
+    shape = (num_submeshes, num_configs)
+    return (
+        per_layer.T.reshape(num_layers, *shape),
+        intercept.reshape(shape),
+        usable.reshape(shape),
+    )
