@@ -172,10 +172,24 @@ def format_training_plan(result) -> str:
         f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
         f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
         f"{result.configurations} configurations solved)",
+        _proof_line(result),
         f"search time: {result.search_time_s:.3f} s",
         format_prediction(plan, prediction).split("\n", 1)[1],
     ]
     return "\n".join(lines)
+
+
+def _proof_line(result) -> str:
+    """What is proven about the predicted time."""
+    bound = result.predicted_lower_bound_s
+    if result.proven:
+        return "proven optimal under the predictor over the search space"
+    if bound == bound:  # certified, not proven
+        return (
+            f"predicted time certified within {100 * result.predicted_gap:.2f}% "
+            f"of the best plan (lower bound {bound:.4f} s)"
+        )
+    return "predicted time not certified (the engine certifies the objective only)"
 
 
 def _plan(args: argparse.Namespace) -> int:

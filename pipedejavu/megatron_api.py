@@ -62,6 +62,11 @@ class TrainingPlan:
         search_time_s: wall-clock seconds of the search.
         method: ``"dp"`` or ``"diff"``.
         configurations, solved: search-space size and configurations solved.
+        predicted_lower_bound_s: certified lower bound on the predicted
+            iteration time of every plan of the search space that fits in
+            memory (``nan`` with ``method="diff"``).
+        proven: the plan is the predictor's optimum over the search space
+            (brute-force agreement is tested on small settings).
     """
 
     plan: Plan3D
@@ -75,6 +80,15 @@ class TrainingPlan:
     method: str
     configurations: int
     solved: int
+    predicted_lower_bound_s: float = float("nan")
+    proven: bool = False
+
+    @property
+    def predicted_gap(self) -> float:
+        """Certified relative gap of the predicted time (``nan``: none)."""
+        if not self.predicted_lower_bound_s > 0:
+            return float("nan")
+        return self.iteration_time_s / self.predicted_lower_bound_s - 1.0
 
     @property
     def iteration_time_s(self) -> float:
@@ -100,6 +114,9 @@ class TrainingPlan:
             optimum_s=self.optimum_s,
             lower_bound_s=self.lower_bound_s,
             gap=self.gap,
+            predicted_lower_bound_s=_finite_or_none(self.predicted_lower_bound_s),
+            predicted_gap=_finite_or_none(self.predicted_gap),
+            proven_optimal=self.proven,
             method=self.method,
             search_time_s=self.search_time_s,
             configurations=self.configurations,
@@ -174,4 +191,11 @@ def plan_training(
         method=result.method,
         configurations=result.configurations,
         solved=result.solved,
+        predicted_lower_bound_s=result.predicted_lower_bound_s,
+        proven=result.proven,
     )
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: ``None`` for a value that is not a number."""
+    return value if value == value else None

@@ -141,6 +141,50 @@ def _ring_times(hops, count: int, nbytes: NDArray[np.float64]) -> NDArray[np.flo
     return np.where(nbytes > 0, 2 * (count - 1) * slowest, 0.0)
 
 
+def span_allreduce(
+    hops,
+    dp: int,
+    params: NDArray[np.float64],
+    tied: float,
+    held: NDArray[np.float64],
+    starts: NDArray[np.int64],
+    ends: NDArray[np.int64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Seconds of the bucketed ring all-reduce over ``dp`` replicas (ring
+    ``hops``) of each span ``starts[n]..ends[n]`` (inclusive; ``held``: its
+    parameters), and its largest bucket (elements): DeepSpeed's buckets, whole
+    layers added until a bucket holds more than ``BUCKET_ELEMENTS``."""
+    num_layers = len(params)
+    if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
+        return _ring_times(hops, dp, held * FLOAT_BYTES), held
+    closed_sizes, closed_span = [], []
+    open_size, largest = np.zeros(len(starts)), np.zeros(len(starts))
+    pairs = zip(starts.tolist(), ends.tolist(), strict=True)
+    index = {(i, j): n for n, (i, j) in enumerate(pairs)}
+    for i in range(num_layers):
+        current, biggest = 0.0, 0.0
+        done: list[float] = []
+        for j in range(i, num_layers):
+            size = float(params[j])
+            if i == 0 and j == num_layers - 1:
+                size -= tied
+            current += size
+            if current > BUCKET_ELEMENTS:
+                done.append(current)
+                biggest = max(biggest, current)
+                current = 0.0
+            n = index[(i, j)]
+            closed_sizes += done
+            closed_span += [n] * len(done)
+            open_size[n] = current
+            largest[n] = max(biggest, current)
+    allreduce = _ring_times(hops, dp, open_size * FLOAT_BYTES)
+    if closed_sizes:
+        closed = _ring_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
+        np.add.at(allreduce, np.array(closed_span), closed)
+    return allreduce, largest
+
+
 def compile_tables(
     data: SailorData,
     model: str,
@@ -234,35 +278,7 @@ def compile_tables(
             network, [replica, replica], pair_nodes, tied * FLOAT_BYTES
         )
         has_tie = (starts == 0) != (ends == num_layers - 1)
-        if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
-            largest = held
-            allreduce = _ring_times(hops, dp, held * FLOAT_BYTES)
-        else:  # DeepSpeed's buckets, filled layer by layer from each start
-            closed_sizes, closed_span, open_size = [], [], np.zeros(len(starts))
-            largest = np.zeros(len(starts))
-            pairs = zip(starts.tolist(), ends.tolist(), strict=True)
-            index = {(i, j): n for n, (i, j) in enumerate(pairs)}
-            for i in range(num_layers):
-                current, biggest = 0.0, 0.0
-                done: list[float] = []
-                for j in range(i, num_layers):
-                    size = float(params[j])
-                    if i == 0 and j == num_layers - 1:
-                        size -= tied
-                    current += size
-                    if current > BUCKET_ELEMENTS:
-                        done.append(current)
-                        biggest = max(biggest, current)
-                        current = 0.0
-                    n = index[(i, j)]
-                    closed_sizes += done
-                    closed_span += [n] * len(done)
-                    open_size[n] = current
-                    largest[n] = max(biggest, current)
-            allreduce = _ring_times(hops, dp, open_size * FLOAT_BYTES)
-            if closed_sizes:
-                closed = _ring_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
-                np.add.at(allreduce, np.array(closed_span), closed)
+        allreduce, largest = span_allreduce(hops, dp, params, tied, held, starts, ends)
         tail[starts, ends, m, 0] = (
             allreduce + optimizer_rate * held + np.where(has_tie, tied_time, 0.0)
         )

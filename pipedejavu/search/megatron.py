@@ -17,6 +17,11 @@ best plan found (with ``rescore_tolerance``: the best plan times ``1 +
 tolerance``). The result is the proven optimum of the planning objective over
 the search space. The configurations' optima within the tolerance are then
 re-scored by the predictor (the simulation), and the best predicted is chosen.
+Finally (``certify``) a branch and bound on the predictor itself
+(:mod:`pipedejavu.search.megatron_certify`) proves that plan the predictor's
+optimum over the whole search space, or replaces it by a better one it finds,
+or, when its prediction budget runs out, certifies a lower bound on the
+predicted time.
 
 Search space: stages of contiguous layers; per stage a TP degree that divides
 the GPUs of a node and has a profile entry at the mbs (one degree for all
@@ -78,6 +83,11 @@ class MegatronSearchConfig:
         diff_configs: with ``"diff"``, after how many configurations with a plan
             (best bound first) the engine stops; the bound of the first
             configuration left enters the certified lower bound.
+        certify: with ``"dp"``, prove the chosen plan the predictor's optimum
+            (:mod:`pipedejavu.search.megatron_certify`; a better plan it finds
+            is chosen instead).
+        certify_max_plans: most predictor calls the proof may spend; beyond,
+            it certifies a lower bound on the predicted time instead.
     """
 
     uniform_tp: bool = True
@@ -87,6 +97,8 @@ class MegatronSearchConfig:
     rescore_tolerance: float = 0.02
     method: str = "dp"
     diff_configs: int = 8
+    certify: bool = True
+    certify_max_plans: int = 3000
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):
@@ -99,6 +111,10 @@ class MegatronSearchConfig:
             raise ValueError(f"max_stages must be >= 1, got {self.max_stages}")
         if self.diff_configs < 1:
             raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
+        if self.certify_max_plans < 0:
+            raise ValueError(
+                f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,7 +132,14 @@ class MegatronSearchResult:
         configurations: configurations in the search space.
         solved: configurations whose optimum was computed.
         candidates: ``(plan, objective, predicted)`` of the re-scored optima.
-        search_time_s: wall-clock seconds.
+        search_time_s: wall-clock seconds (the proof included).
+        predicted_lower_bound_s: certified lower bound on the predicted time of
+            every plan of the search space that fits (``nan`` when not
+            certified: ``method="diff"`` or ``certify=False``).
+        proven: the plan is the predictor's optimum over the search space.
+        certificate: the proof's record
+            (:class:`~pipedejavu.search.megatron_certify.PredictedCertificate`),
+            or ``None``.
     """
 
     plan: Plan3D
@@ -130,6 +153,16 @@ class MegatronSearchResult:
     candidates: tuple[tuple[Plan3D, float, float], ...]
     search_time_s: float
     method: str
+    predicted_lower_bound_s: float = math.nan
+    proven: bool = False
+    certificate: Any = None
+
+    @property
+    def predicted_gap(self) -> float:
+        """Certified relative gap of the predicted time (``nan``: none)."""
+        if not self.predicted_lower_bound_s > 0:
+            return math.nan
+        return self.prediction.iteration_time_s / self.predicted_lower_bound_s - 1
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -420,6 +453,28 @@ def search_megatron(
         prediction = predict_plan(plan, data, constants=constants)
         candidates.append((plan, value, prediction))
     chosen = min(candidates, key=lambda c: (c[2].iteration_time_s, c[1]))
+    certificate = None
+    if config.method == "dp" and config.certify:
+        from .megatron_certify import certify_predicted
+
+        certificate = certify_predicted(
+            data,
+            model,
+            gpus,
+            global_batch,
+            constants,
+            chosen[0],
+            uniform_tp=config.uniform_tp,
+            allow_fewer_gpus=config.allow_fewer_gpus,
+            mbs_values=config.mbs_values,
+            max_stages=config.max_stages,
+            max_plans=config.certify_max_plans,
+        )
+        if certificate.improved:
+            plan = certificate.plan
+            value = _objective(data, model, constants, plan)
+            chosen = (plan, value, certificate.prediction)
+            candidates.append(chosen)
     return MegatronSearchResult(
         plan=chosen[0],
         prediction=chosen[2],
@@ -432,4 +487,41 @@ def search_megatron(
         candidates=tuple((p, v, r.iteration_time_s) for p, v, r in candidates),
         search_time_s=time.perf_counter() - started,
         method=config.method,
+        predicted_lower_bound_s=(
+            math.nan if certificate is None else certificate.lower_bound_s
+        ),
+        proven=certificate is not None and certificate.proven,
+        certificate=certificate,
     )
+
+
+def _objective(
+    data: SailorData, model: str, constants: PredictorConstants, plan: Plan3D
+) -> float:
+    """The planning objective of a canonically placed one-type plan, on the
+    search's tables."""
+    gpu = plan.stages[0].replicas[0].gpu_type
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    degrees = [stage.replicas[0].tp for stage in plan.stages]
+    one_node = plan.dp * sum(degrees) <= gpn
+    tps = tuple(sorted(set(degrees)))
+    tables = compile_tables(
+        data,
+        model,
+        constants,
+        gpu_type=gpu,
+        mbs=plan.mbs,
+        dp=plan.dp,
+        num_microbatches=plan.num_microbatches,
+        tps=tps,
+        zone=DEFAULT_ZONE,
+        pipeline_gpus=sum(degrees) if one_node else None,
+    )
+    spans = [
+        (stage.start, stage.stop - 1, tps.index(stage.replicas[0].tp))
+        for stage in plan.stages
+    ]
+    costs = [tables.compute_cost[a, b, m, 0] for a, b, m in spans]
+    tails = [tables.stage_tail_cost[a, b, m, 0] for a, b, m in spans]
+    steps = plan.num_microbatches
+    return float(math.fsum(costs) + (steps - 1) * max(costs) + max(tails))

@@ -1,0 +1,472 @@
+"""Prove a Megatron-style plan optimal under the predictor itself.
+
+The search (:mod:`pipedejavu.search.megatron`) proves the optimum of the planning
+objective (the closed-form pipeline) and re-scores its best plans with the
+predictor (:func:`pipedejavu.costmodel.megatron.predict_plan`, a simulation).
+The two can disagree, so the plan with the least *predicted* time might lie
+elsewhere. This module closes that gap by a branch and bound on the predictor:
+
+**A lower bound per plan.** For a plan with stages ``s`` over layers
+``[a_s, b_s)``, ``B`` micro-batches and the predictor's quantities (module
+docstring of :mod:`pipedejavu.costmodel.megatron`):
+
+* a stage starts its first forward no earlier than the forwards of the stages
+  before it took, ``F(a_s)`` (their layers' forward times plus one instruction
+  overhead at least; transfers only add), and is then busy ``B x busy_s``
+  (its layers' forward and backward plus two overheads per micro-batch;
+  blocking transfers only add): its last backward ends at ``>= F(a_s) + B busy_s``;
+* the last backward of stage ``s - 1`` follows the gradient of the micro-batch
+  whose backward ends last on stage ``s``, so stage 0 ends ``>= F(a_s) + B
+  busy_s + G(a_s)`` (``G``: the backward times of the layers before, plus an
+  overhead);
+* a stage's optimizer step (exact: it depends on its parameters only) and its
+  data-parallel all-reduce (at least its least value over every offset the
+  stage's replicas can have within a node in Megatron's rank order) follow its
+  last backward; the tied-embedding all-reduce only adds.
+
+So ``predicted(plan) >= max_s w(a_s, b_s, tp_s)`` with ``w = max(F + B busy +
+tail, F + B busy + G)``. Memory: DeepSpeed's 1F1B warm-up keeps at least
+``min(stages after + 1, B)`` micro-batches in flight on a stage at its peak (the
+simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it), so
+a stage whose model state, largest bucket, reserve and that many stashes exceed
+its GPU is in no plan that fits.
+
+**Per configuration** (GPU type, mbs, dp, TP, GPUs: the search's space), the
+least ``max_s w`` over its chains of stages is a bottleneck path, solved exactly
+by a DP over (GPUs used, layers covered). A configuration whose least bound
+reaches the incumbent's predicted time holds no better plan. The others are
+settled by enumerating their chains whose every stage has ``w`` below the
+incumbent (depth first, pruned by the DP's bound on the rest) and predicting
+each; a better plan that fits in memory becomes the incumbent. Configurations
+are taken in increasing order of bound. When every configuration is settled the
+incumbent is the predictor's optimum over the search space (``proven``);
+otherwise (``max_plans`` predictions spent) the least bound of the unsettled
+configurations is a certified lower bound on every plan's predicted time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.costmodel.megatron import (
+    BYTES_PER_PARAM,
+    FLOAT_BYTES,
+    Prediction,
+    PredictorConstants,
+    _profiling_params,
+    predict_plan,
+)
+from pipedejavu.costmodel.megatron_comm import p2p_time, ring_hops
+from pipedejavu.costmodel.megatron_tables import plan_from_stages, span_allreduce
+from pipedejavu.costmodel.sailor_data import SailorData
+from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D, Replica
+
+__all__ = ["PredictedCertificate", "certify_predicted"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PredictedCertificate:
+    """What the branch and bound on the predictor established.
+
+    Attributes:
+        plan: the best plan known (the incumbent, or a better one found).
+        prediction: its prediction.
+        lower_bound_s: certified lower bound on the predicted iteration time of
+            every plan of the search space that fits in memory.
+        proven: every configuration settled: ``plan`` is the predictor's
+            optimum (``lower_bound_s == prediction.iteration_time_s``).
+        configurations: configurations of the search space.
+        pruned: configurations settled by their bound alone.
+        enumerated: configurations settled by predicting their remaining plans.
+        open: configurations left unsettled (prediction budget spent).
+        plans_predicted: predictor calls.
+        improved: the incumbent was beaten.
+        time_s: wall-clock seconds.
+    """
+
+    plan: Plan3D
+    prediction: Prediction
+    lower_bound_s: float
+    proven: bool
+    configurations: int
+    pruned: int
+    enumerated: int
+    open: int
+    plans_predicted: int
+    improved: bool
+    time_s: float
+
+    @property
+    def gap(self) -> float:
+        """Certified relative gap of the plan's predicted time."""
+        best = self.prediction.iteration_time_s
+        return best / self.lower_bound_s - 1.0 if self.lower_bound_s > 0 else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Configurations sharing (GPU type, mbs, dp) and a set of TP degrees."""
+
+    gpu: str
+    mbs: int
+    dp: int
+    steps: int
+    tps: tuple[int, ...]
+    sizes: tuple[int, ...]  # pipeline GPUs (sum of stage TP degrees) allowed
+
+
+def _groups(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    gbs: int,
+    *,
+    uniform_tp: bool,
+    allow_fewer_gpus: bool,
+    mbs_values: tuple[int, ...] | None,
+    max_stages: int | None,
+) -> list[_Group]:
+    """The search space of :func:`pipedejavu.search.megatron.search_megatron`,
+    grouped (its ``_configs``, without their bounds)."""
+    info = data.model_info(model)
+    out = []
+    for gpu, count in gpus.items():
+        spec = data.gpu_spec(gpu)
+        table = data.profile(model, gpu)
+        stages_cap = min(info.num_layers, max_stages or info.num_layers)
+        for mbs in sorted({m for m, _ in table}):
+            if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+                continue
+            tps = [
+                t
+                for t in info.tp_values
+                if (mbs, t) in table and spec.gpus_per_node % t == 0 and t <= count
+            ]
+            if not tps:
+                continue
+            for dp in range(1, count // min(tps) + 1):
+                if (gbs // mbs) % dp:
+                    continue
+                budget = count // dp
+                sets = [(t,) for t in tps] if uniform_tp else [tuple(tps)]
+                for tp_set in sets:
+                    small = min(tp_set)
+                    low = small if allow_fewer_gpus else budget
+                    high = min(budget, stages_cap * max(tp_set))
+                    sizes = tuple(
+                        g
+                        for g in range(low, high + 1)
+                        if not uniform_tp or g % small == 0
+                    )
+                    usable = tuple(t for t in tp_set if t <= high)
+                    if sizes and usable:
+                        out.append(
+                            _Group(gpu, mbs, dp, gbs // (mbs * dp), usable, sizes)
+                        )
+    return out
+
+
+def _blocking_transfers(
+    data: SailorData, model: str, constants: PredictorConstants, group: _Group
+) -> tuple[dict[int, NDArray[np.float64]], dict[int, NDArray[np.float64]]]:
+    """``(sends, receives)``: ``{tp: f64[L - 1]}``, per boundary after layer
+    ``k``, the least time a stage at degree ``tp`` spends per micro-batch in the
+    blocking transfers (activation and gradient: a rendezvous keeps both stages
+    busy) of that boundary as its sender / its receiver: the least over the
+    other stage's degree, both node relations and every count of replicas
+    sharing the node pair; 0 where the message may be buffered."""
+    info = data.model_info(model)
+    gpn = data.gpu_spec(group.gpu).gpus_per_node
+    boundaries = info.num_layers - 1
+    crowd = range(1, min(group.dp, gpn) + 1)
+
+    def blocked(a: int, b: int, k: int) -> float:
+        """Stage at degree ``a`` sends to one at ``b`` over boundary ``k``."""
+        nbytes = float(info.act_output[a][k]) * FLOAT_BYTES * group.mbs
+        if nbytes / min(a, b) <= constants.buffered_message_bytes:
+            return 0.0
+        sender = Replica(group.gpu, a, zone=DEFAULT_ZONE)
+        receiver = Replica(group.gpu, b, zone=DEFAULT_ZONE)
+        return min(
+            p2p_time(
+                data.network, sender, receiver, nbytes, same_node=same, concurrent=n
+            )
+            + p2p_time(
+                data.network, receiver, sender, nbytes, same_node=same, concurrent=n
+            )
+            for same in (False, True)
+            for n in crowd
+        )
+
+    pairs = {
+        (a, b): np.array([blocked(a, b, k) for k in range(boundaries)])
+        for a in group.tps
+        for b in group.tps
+    }
+    sends = {a: np.min([pairs[(a, b)] for b in group.tps], axis=0) for a in group.tps}
+    receives = {
+        b: np.min([pairs[(a, b)] for a in group.tps], axis=0) for b in group.tps
+    }
+    return sends, receives
+
+
+def _stage_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: _Group,
+) -> dict[int, NDArray[np.float64]]:
+    """``{tp: (w, cap)}``: for a stage of layers ``a..b-1`` at each TP degree of
+    the group, ``w[a, b]`` the lower bound of the module docstring (``inf`` off
+    the upper triangle) and ``cap[a, b]`` how many micro-batches in flight fit
+    in its GPUs' memory beside its model state (at most ``B``; ``-1``: not even
+    the model state)."""
+    info = data.model_info(model)
+    spec = data.gpu_spec(group.gpu)
+    num_layers = info.num_layers
+    overhead = constants.op_overhead_s
+    times = {
+        t: data.layer_times(
+            model, group.gpu, group.mbs, t, smooth=constants.smooth_profiles
+        )
+        for t in group.tps
+    }
+    # Forward/backward of the layers before a stage, at the fastest degree.
+    fastest_f = np.min([times[t].forward for t in group.tps], axis=0)
+    fastest_b = np.min([times[t].backward for t in group.tps], axis=0)
+    before_f = np.concatenate([[0.0], np.cumsum(fastest_f)])
+    before_b = np.concatenate([[0.0], np.cumsum(fastest_b)])
+    before_f[1:] += overhead
+    before_b[1:] += overhead
+    starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
+    stops = ends + 1
+    sends, receives = _blocking_transfers(data, model, constants, group)
+    out = {}
+    for t in group.tps:
+        entry = times[t]
+        layer = np.concatenate([[0.0], np.cumsum(entry.forward + entry.backward)])
+        busy = layer[stops] - layer[starts] + 2 * overhead
+        busy += np.where(starts > 0, receives[t][np.maximum(starts - 1, 0)], 0.0)
+        busy += np.where(
+            stops < num_layers, sends[t][np.minimum(ends, num_layers - 2)], 0.0
+        )
+        params = info.params[t]
+        pprefix = np.concatenate([[0.0], np.cumsum(params)])
+        held = pprefix[stops] - pprefix[starts]
+        tied = info.tied_params(t)
+        held = held - np.where((starts == 0) & (stops == num_layers), tied, 0.0)
+        # The least all-reduce over the offsets the stage can have in a node.
+        replicas = [Replica(group.gpu, t, zone=DEFAULT_ZONE)] * group.dp
+        allreduce, largest = None, None
+        seen = set()
+        for offset in range(spec.gpus_per_node):
+            nodes = [(offset + j * t) // spec.gpus_per_node for j in range(group.dp)]
+            hops = ring_hops(data.network, replicas, nodes) if group.dp > 1 else []
+            key = tuple(hops)
+            if key in seen:
+                continue
+            seen.add(key)
+            times_o, largest = span_allreduce(
+                hops, group.dp, params, tied, held, starts, ends
+            )
+            allreduce = times_o if allreduce is None else np.minimum(allreduce, times_o)
+        rate = float(entry.update[0]) / _profiling_params(info, t)
+        tail = allreduce + rate * held
+        # How many micro-batches' stashes fit beside the model state.
+        act = np.concatenate([[0.0], np.cumsum(info.act_mem[t])]) * FLOAT_BYTES
+        received = np.where(
+            starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
+        )
+        stash = (act[stops] - act[starts] + received * FLOAT_BYTES) * group.mbs
+        room = (
+            spec.memory_bytes
+            - BYTES_PER_PARAM * held
+            - FLOAT_BYTES * largest
+            - constants.reserve(group.gpu)
+        )
+        per_microbatch = (1.0 + constants.activation_overhead) * stash
+        fits = np.where(
+            room < 0,
+            -1.0,
+            np.floor(room / np.maximum(per_microbatch, 1e-30)),
+        )
+        head = before_f[starts] + group.steps * busy
+        w = np.full((num_layers + 1, num_layers + 1), np.inf)
+        w[starts, stops] = np.maximum(head + tail, head + before_b[starts])
+        cap = np.full((num_layers + 1, num_layers + 1), -1.0)
+        cap[starts, stops] = np.minimum(fits, float(group.steps))
+        out[t] = (w, cap)
+    return out
+
+
+def _in_flight(group: _Group, tp: int, left: int) -> int:
+    """The fewest micro-batches a stage at degree ``tp`` holds at its peak when
+    it and the stages after it have ``left`` GPUs: ``min(stages after + 1,
+    B)`` (DeepSpeed's 1F1B warm-up), with at least ``(left - tp) / max tp``
+    stages after it."""
+    after = -(-(left - tp) // max(group.tps))
+    return min(after + 1, group.steps)
+
+
+def _bottleneck(group: _Group, bounds: dict, most_gpus: int) -> NDArray[np.float64]:
+    """``g[u, p]``: the least ``max w`` over chains of stages covering layers
+    ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP degrees)
+    whose memory holds their micro-batches in flight (:func:`_in_flight`)."""
+    size = next(iter(bounds.values()))[0].shape[0]
+    g = np.full((most_gpus + 1, size), np.inf)
+    g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
+    for u in range(1, most_gpus + 1):
+        best = g[u]
+        for t, (w, cap) in bounds.items():
+            if t <= u:
+                # a stage a..b-1 at degree t, then the rest from b on u - t GPUs
+                stage = np.where(cap >= _in_flight(group, t, u), w, np.inf)
+                rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
+                best = np.minimum(best, rest)
+        g[u] = best
+    return g
+
+
+def certify_predicted(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    incumbent: Plan3D,
+    *,
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mbs_values: tuple[int, ...] | None = None,
+    max_stages: int | None = None,
+    max_plans: int = 3000,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> PredictedCertificate:
+    """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
+    the search space of :func:`~pipedejavu.search.megatron.search_megatron` with
+    the same settings, or certify a lower bound (module docstring).
+
+    Args:
+        data, model, gpus, global_batch, constants: as for the search.
+        incumbent: the plan to prove (it must fit in memory).
+        uniform_tp, allow_fewer_gpus, mbs_values, max_stages: the search space.
+        max_plans: most predictor calls in the enumeration.
+        progress_fn: called with a dict after each configuration settled.
+    """
+    started = time.perf_counter()
+    best_prediction = predict_plan(incumbent, data, constants=constants)
+    best_plan = incumbent
+    best = best_prediction.iteration_time_s if best_prediction.fits_memory else math.inf
+    groups = _groups(
+        data,
+        model,
+        gpus,
+        global_batch,
+        uniform_tp=uniform_tp,
+        allow_fewer_gpus=allow_fewer_gpus,
+        mbs_values=mbs_values,
+        max_stages=max_stages,
+    )
+    # (bound, order, group, gpus, stage bounds, bottleneck table)
+    items = []
+    for group in groups:
+        bounds = _stage_bounds(data, model, constants, group)
+        g = _bottleneck(group, bounds, max(group.sizes))
+        for size in group.sizes:
+            value = float(g[size, 0])
+            if math.isfinite(value):
+                items.append((value, len(items), group, size, bounds, g))
+    items.sort(key=lambda item: (item[0], item[1]))
+    pruned = enumerated = left_open = predicted = 0
+    lower = math.inf
+    improved = False
+    for value, _, group, size, bounds, g in items:
+        if value >= best:
+            pruned += 1
+            continue
+        if predicted >= max_plans:
+            left_open += 1
+            lower = min(lower, value)
+            continue
+        spec = data.gpu_spec(group.gpu)
+        complete = True
+        best_ref = [best]
+        for stages in _chains(group, bounds, g, size, best_ref):
+            if predicted >= max_plans:
+                complete = False
+                break
+            plan = plan_from_stages(
+                stages,
+                gpu_type=group.gpu,
+                dp=group.dp,
+                mbs=group.mbs,
+                gbs=global_batch,
+                model=model,
+                gpus_per_node=spec.gpus_per_node,
+                zone=DEFAULT_ZONE,
+            )
+            prediction = predict_plan(plan, data, constants=constants)
+            predicted += 1
+            if prediction.fits_memory and prediction.iteration_time_s < best:
+                best, best_plan, best_prediction = (
+                    prediction.iteration_time_s,
+                    plan,
+                    prediction,
+                )
+                best_ref[0] = best
+                improved = True
+        if complete:
+            enumerated += 1
+        else:
+            left_open += 1
+            lower = min(lower, value)
+        if progress_fn is not None:
+            progress_fn(
+                {"settled": pruned + enumerated, "open": left_open, "best": best}
+            )
+    if not math.isfinite(best):
+        raise ValueError("the incumbent does not fit in memory")
+    return PredictedCertificate(
+        plan=best_plan,
+        prediction=best_prediction,
+        lower_bound_s=min(lower, best),
+        proven=left_open == 0,
+        configurations=len(items),
+        pruned=pruned,
+        enumerated=enumerated,
+        open=left_open,
+        plans_predicted=predicted,
+        improved=improved,
+        time_s=time.perf_counter() - started,
+    )
+
+
+def _chains(group: _Group, bounds: dict, g, size: int, best_ref: list[float]):
+    """Chains of ``(start, stop, tp)`` stages on exactly ``size`` GPUs whose every
+    stage bound, and the bound of the rest, stay below ``best_ref[0]`` (read at
+    each step: it falls as better plans are found)."""
+    last = g.shape[1] - 1
+    stack: list[tuple[int, int, tuple, float]] = [(0, size, (), float(g[size, 0]))]
+    while stack:
+        start, left, stages, bound = stack.pop()
+        if bound >= best_ref[0]:
+            continue
+        if start == last:
+            if left == 0:
+                yield list(stages)
+            continue
+        for t, (w, cap) in bounds.items():
+            if t > left:
+                continue
+            stage = np.where(cap[start] >= _in_flight(group, t, left), w[start], np.inf)
+            row = np.maximum(stage, g[left - t])
+            for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
+                chain = (*stages, (start, stop, t))
+                stack.append((stop, left - t, chain, max(bound, float(stage[stop]))))

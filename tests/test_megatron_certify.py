@@ -1,0 +1,162 @@
+"""The proof of optimality under the predictor (``search/megatron_certify.py``):
+its per-stage bounds never exceed the predicted time of a plan that fits, the
+schedule fact it rests on, and its answer against brute force over every plan
+scored by the predictor."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from pipedejavu.baselines.megatron_brute import enumerate_plans
+from pipedejavu.costmodel.megatron import predict_plan
+from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.sailor_data import SailorData
+from pipedejavu.search import megatron_certify as mc
+from pipedejavu.search.megatron import MegatronSearchConfig, search_megatron
+from pipedejavu.simulation import simulate
+
+DATA = SailorData()
+
+
+@functools.cache
+def _every_plan(model, pool, gbs, uniform):
+    """(plan, prediction) of every plan of the search space (``pool``: a tuple
+    of (type, count))."""
+    return [
+        (plan, predict_plan(plan, DATA, constants=C))
+        for plan, _ in enumerate_plans(
+            DATA, model, dict(pool), gbs, C, uniform_tp=uniform
+        )
+    ]
+
+
+SMALL = [
+    ("OPT-350", (("RTX-2080", 4),), 8, False),  # the closed form's pick is 0.06% off
+    ("OPT-350", (("RTX-2080", 4),), 8, True),
+    ("OPT-350", (("RTX-2080", 2), ("RTX-3090", 2)), 16, True),
+    ("GPT-Neo-2.7", (("A100-40", 4),), 16, True),
+]
+
+
+def test_warm_up_keeps_stages_in_flight():
+    """DeepSpeed's 1F1B schedule holds at least min(S - s, B) micro-batches on
+    stage s at its peak, whatever the times and transfers."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        stages, count = int(rng.integers(1, 7)), int(rng.integers(1, 12))
+        transfer = rng.uniform(0, 1, stages - 1) * rng.integers(0, 2)
+        result = simulate(
+            rng.uniform(0.1, 2, stages),
+            rng.uniform(0.1, 4, stages),
+            count,
+            schedule="deepspeed",
+            transfer=transfer,
+            gradient_transfer=transfer * rng.uniform(0.5, 2, stages - 1),
+            blocking=rng.integers(0, 2, stages - 1).astype(bool),
+        )
+        expected = np.minimum(stages - np.arange(stages), count)
+        assert (result.peak_in_flight >= expected).all()
+
+
+@pytest.mark.parametrize("model, pool, gbs, uniform", SMALL)
+def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
+    """For every plan that fits: the largest stage bound <= its predicted time,
+    and every stage passes the memory test the plan's position asks for."""
+    groups = mc._groups(
+        DATA,
+        model,
+        dict(pool),
+        gbs,
+        uniform_tp=uniform,
+        allow_fewer_gpus=True,
+        mbs_values=None,
+        max_stages=None,
+    )
+    bounds = {}
+    for group in groups:
+        table = mc._stage_bounds(DATA, model, C, group)
+        for tp in group.tps:
+            bounds[(group.gpu, group.mbs, group.dp, tp)] = (group, table)
+    checked = tight = 0
+    for plan, prediction in _every_plan(model, pool, gbs, uniform):
+        if not prediction.fits_memory:
+            continue
+        first = plan.stages[0].replicas[0]
+        group, table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
+        left = sum(stage.replicas[0].tp for stage in plan.stages)
+        largest = -math.inf
+        for stage in plan.stages:
+            tp = stage.replicas[0].tp
+            w, cap = table[tp]
+            assert cap[stage.start, stage.stop] >= mc._in_flight(group, tp, left)
+            largest = max(largest, w[stage.start, stage.stop])
+            left -= tp
+        assert largest <= prediction.iteration_time_s * (1 + 1e-12)
+        checked += 1
+        tight += largest >= 0.9 * prediction.iteration_time_s
+    assert checked >= 5 and tight > checked / 4  # plans, and bounds that bite
+
+
+@pytest.mark.parametrize("model, pool, gbs, uniform", SMALL)
+def test_proven_plan_is_the_brute_force_optimum(model, pool, gbs, uniform):
+    """Every plan scored by the predictor: the search proves the least predicted
+    time, and a proof cut short still certifies a valid lower bound."""
+    best = min(
+        (
+            p.iteration_time_s
+            for _, p in _every_plan(model, pool, gbs, uniform)
+            if p.fits_memory
+        ),
+        default=math.inf,
+    )
+    pool = dict(pool)
+    result = search_megatron(
+        DATA, model, pool, gbs, C, MegatronSearchConfig(uniform_tp=uniform)
+    )
+    assert result.proven and result.certificate.open == 0
+    assert result.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert result.predicted_lower_bound_s == pytest.approx(best, rel=1e-12)
+    assert result.prediction.fits_memory
+    cut = search_megatron(
+        DATA,
+        model,
+        pool,
+        gbs,
+        C,
+        MegatronSearchConfig(uniform_tp=uniform, certify_max_plans=0),
+    )
+    assert cut.predicted_lower_bound_s <= best * (1 + 1e-12)
+    assert cut.proven == (cut.certificate.open == 0)
+    assert cut.prediction.iteration_time_s >= best * (1 - 1e-12)
+    plain = search_megatron(
+        DATA,
+        model,
+        pool,
+        gbs,
+        C,
+        MegatronSearchConfig(uniform_tp=uniform, certify=False),
+    )
+    assert plain.prediction.iteration_time_s >= best * (1 - 1e-12)
+    assert result.certificate.improved == (
+        plain.prediction.iteration_time_s > best * (1 + 1e-12)
+    )
+
+
+def test_proof_beats_the_closed_form_pick():
+    """On this setting the closed form's optimum is not the predictor's; the
+    proof finds the better plan."""
+    pool = {"RTX-2080": 4}
+    config = MegatronSearchConfig(uniform_tp=False)
+    plain = search_megatron(
+        DATA, "OPT-350", pool, 8, C, dataclasses.replace(config, certify=False)
+    )
+    proven = search_megatron(DATA, "OPT-350", pool, 8, C, config)
+    assert proven.certificate.improved and proven.proven
+    ratio = plain.prediction.iteration_time_s / proven.prediction.iteration_time_s
+    assert ratio > 1.0001
+    assert proven.objective_s >= proven.optimum_s  # priced on the same tables
