@@ -266,6 +266,11 @@ def _profiling_params(info: ModelInfo, tp: int) -> float:
     return float(params[0] + params[1] + params[2] + params[-1]) - info.tied_params(tp)
 
 
+def _kind(replica) -> tuple:
+    """What a transfer's price reads of a replica (not its node)."""
+    return (replica.gpu_type, replica.tp, replica.zone)
+
+
 def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
     info = data.model_info(model)
     if plan.num_layers != info.num_layers:
@@ -363,6 +368,7 @@ def predict_plan(
     activation = np.zeros((max(num_stages - 1, 0), dp))
     gradient = np.zeros_like(activation)
     blocking = np.ones_like(activation, dtype=bool)
+    transfers: dict[tuple, tuple[float, float]] = {}
     for s in range(num_stages - 1):
         a_stage, b_stage = plan.stages[s], plan.stages[s + 1]
         pairs: dict[tuple[Hashable, Hashable], int] = {}
@@ -377,12 +383,27 @@ def predict_plan(
             blocking[s, j] = piece > constants.buffered_message_bytes
             same = nodes[s][j] == nodes[s + 1][j]
             shared = pairs[(nodes[s][j], nodes[s + 1][j])]
-            activation[s, j] = p2p_time(
-                network, sender, receiver, nbytes, same_node=same, concurrent=shared
-            )
-            gradient[s, j] = p2p_time(
-                network, receiver, sender, nbytes, same_node=same, concurrent=shared
-            )
+            key = (_kind(sender), _kind(receiver), nbytes, same, shared)
+            if key not in transfers:  # replicas alike move tensors alike
+                transfers[key] = (
+                    p2p_time(
+                        network,
+                        sender,
+                        receiver,
+                        nbytes,
+                        same_node=same,
+                        concurrent=shared,
+                    ),
+                    p2p_time(
+                        network,
+                        receiver,
+                        sender,
+                        nbytes,
+                        same_node=same,
+                        concurrent=shared,
+                    ),
+                )
+            activation[s, j], gradient[s, j] = transfers[key]
 
     ends = np.zeros((num_stages, dp))
     busy = 0.0
@@ -413,12 +434,16 @@ def predict_plan(
     ready = ends.copy()
     if num_stages > 1:
         first, last = plan.stages[0], plan.stages[-1]
+        rings: dict[tuple, float] = {}
         for j in range(dp):
             a, b = first.replicas[j], last.replicas[j]
             nbytes = info.tied_params(a.tp) * FLOAT_BYTES
-            tied[j] = ring_allreduce_time(
-                network, [a, b], [nodes[0][j], nodes[-1][j]], nbytes
-            )
+            key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
+            if key not in rings:  # the time depends on whether they share a node
+                rings[key] = ring_allreduce_time(
+                    network, [a, b], [nodes[0][j], nodes[-1][j]], nbytes
+                )
+            tied[j] = rings[key]
             start = max(ends[0, j], ends[-1, j])
             ready[0, j] = ready[-1, j] = start + tied[j]
 

@@ -174,7 +174,11 @@ def _groups(
 
 
 def _blocking_transfers(
-    data: SailorData, model: str, constants: PredictorConstants, group: _Group
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: _Group,
+    cache: dict,
 ) -> tuple[dict[int, NDArray[np.float64]], dict[int, NDArray[np.float64]]]:
     """``(sends, receives)``: ``{tp: f64[L - 1]}``, per boundary after layer
     ``k``, the least time a stage at degree ``tp`` spends per micro-batch in the
@@ -192,6 +196,12 @@ def _blocking_transfers(
         nbytes = float(info.act_output[a][k]) * FLOAT_BYTES * group.mbs
         if nbytes / min(a, b) <= constants.buffered_message_bytes:
             return 0.0
+        key = ("p2p", group.gpu, a, b, nbytes, len(crowd))
+        if key not in cache:
+            cache[key] = least(a, b, nbytes)
+        return cache[key]
+
+    def least(a: int, b: int, nbytes: float) -> float:
         sender = Replica(group.gpu, a, zone=DEFAULT_ZONE)
         receiver = Replica(group.gpu, b, zone=DEFAULT_ZONE)
         return min(
@@ -222,12 +232,14 @@ def _stage_bounds(
     model: str,
     constants: PredictorConstants,
     group: _Group,
+    cache: dict | None = None,
 ) -> dict[int, NDArray[np.float64]]:
-    """``{tp: (w, cap)}``: for a stage of layers ``a..b-1`` at each TP degree of
-    the group, ``w[a, b]`` the lower bound of the module docstring (``inf`` off
-    the upper triangle) and ``cap[a, b]`` how many micro-batches in flight fit
-    in its GPUs' memory beside its model state (at most ``B``; ``-1``: not even
-    the model state)."""
+    """``{tp: (w, cap, late, fwd)}``: for a stage of layers ``a..b-1`` at each TP
+    degree of the group, ``w[a, b]`` the first lower bound of the module
+    docstring (``inf`` off the upper triangle), ``cap[a, b]`` how many
+    micro-batches in flight fit in its GPUs' memory beside its model state (at
+    most ``B``; ``-1``: not even the model state), and the parts of the warm-up
+    bound: ``late - k fwd`` with ``k`` forwards before the first backward."""
     info = data.model_info(model)
     spec = data.gpu_spec(group.gpu)
     num_layers = info.num_layers
@@ -245,14 +257,21 @@ def _stage_bounds(
     before_b = np.concatenate([[0.0], np.cumsum(fastest_b)])
     before_f[1:] += overhead
     before_b[1:] += overhead
+    # Forward and backward of the layers after a stage (overheads counted apart).
+    fastest = np.min([times[t].forward + times[t].backward for t in group.tps], axis=0)
+    after_fb = np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
-    sends, receives = _blocking_transfers(data, model, constants, group)
+    cache = {} if cache is None else cache  # shared by the groups of one call
+    sends, receives = _blocking_transfers(data, model, constants, group, cache)
     out = {}
     for t in group.tps:
         entry = times[t]
         layer = np.concatenate([[0.0], np.cumsum(entry.forward + entry.backward)])
-        busy = layer[stops] - layer[starts] + 2 * overhead
+        forward = np.concatenate([[0.0], np.cumsum(entry.forward)])
+        stage_f = forward[stops] - forward[starts] + overhead
+        compute = layer[stops] - layer[starts] + 2 * overhead
+        busy = compute.copy()
         busy += np.where(starts > 0, receives[t][np.maximum(starts - 1, 0)], 0.0)
         busy += np.where(
             stops < num_layers, sends[t][np.minimum(ends, num_layers - 2)], 0.0
@@ -263,20 +282,12 @@ def _stage_bounds(
         tied = info.tied_params(t)
         held = held - np.where((starts == 0) & (stops == num_layers), tied, 0.0)
         # The least all-reduce over the offsets the stage can have in a node.
-        replicas = [Replica(group.gpu, t, zone=DEFAULT_ZONE)] * group.dp
-        allreduce, largest = None, None
-        seen = set()
-        for offset in range(spec.gpus_per_node):
-            nodes = [(offset + j * t) // spec.gpus_per_node for j in range(group.dp)]
-            hops = ring_hops(data.network, replicas, nodes) if group.dp > 1 else []
-            key = tuple(hops)
-            if key in seen:
-                continue
-            seen.add(key)
-            times_o, largest = span_allreduce(
-                hops, group.dp, params, tied, held, starts, ends
+        key = ("allreduce", group.gpu, t, group.dp)
+        if key not in cache:
+            cache[key] = _least_allreduce(
+                data, group.gpu, t, group.dp, params, tied, held, starts, ends
             )
-            allreduce = times_o if allreduce is None else np.minimum(allreduce, times_o)
+        allreduce, largest = cache[key]
         rate = float(entry.update[0]) / _profiling_params(info, t)
         tail = allreduce + rate * held
         # How many micro-batches' stashes fit beside the model state.
@@ -298,40 +309,97 @@ def _stage_bounds(
             np.floor(room / np.maximum(per_microbatch, 1e-30)),
         )
         head = before_f[starts] + group.steps * busy
-        w = np.full((num_layers + 1, num_layers + 1), np.inf)
-        w[starts, stops] = np.maximum(head + tail, head + before_b[starts])
-        cap = np.full((num_layers + 1, num_layers + 1), -1.0)
+        last = np.maximum(tail, before_b[starts])
+        shape = (num_layers + 1, num_layers + 1)
+        w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
+        late, fwd = np.full(shape, np.inf), np.zeros(shape)
+        w[starts, stops] = head + last
         cap[starts, stops] = np.minimum(fits, float(group.steps))
-        out[t] = (w, cap)
+        # The warm-up bound less k forwards (see _StageBounds.weights).
+        late[starts, stops] = (
+            before_f[starts] + stage_f + after_fb[stops] + group.steps * compute + last
+        )
+        fwd[starts, stops] = stage_f
+        out[t] = (w, cap, late, fwd)
     return out
+
+
+def _least_allreduce(data, gpu, tp, dp, params, tied, held, starts, ends):
+    """The bucketed all-reduce of every span, least over the offsets of its
+    replicas within a node, and its largest bucket."""
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
+    allreduce, largest, seen = None, None, set()
+    for offset in range(gpn):
+        nodes = [(offset + j * tp) // gpn for j in range(dp)]
+        hops = ring_hops(data.network, replicas, nodes) if dp > 1 else []
+        if tuple(hops) in seen:
+            continue
+        seen.add(tuple(hops))
+        times, largest = span_allreduce(hops, dp, params, tied, held, starts, ends)
+        allreduce = times if allreduce is None else np.minimum(allreduce, times)
+    return allreduce, largest
+
+
+def _stages_after(group: _Group, tp: int, left: int) -> tuple[int, int]:
+    """Least and most stages after a stage at degree ``tp`` when it and the
+    stages after it have ``left`` GPUs."""
+    rest = left - tp
+    return -(-rest // max(group.tps)), rest // min(group.tps)
 
 
 def _in_flight(group: _Group, tp: int, left: int) -> int:
     """The fewest micro-batches a stage at degree ``tp`` holds at its peak when
     it and the stages after it have ``left`` GPUs: ``min(stages after + 1,
-    B)`` (DeepSpeed's 1F1B warm-up), with at least ``(left - tp) / max tp``
-    stages after it."""
-    after = -(-(left - tp) // max(group.tps))
-    return min(after + 1, group.steps)
+    B)`` (DeepSpeed's 1F1B warm-up)."""
+    return min(_stages_after(group, tp, left)[0] + 1, group.steps)
 
 
-def _bottleneck(group: _Group, bounds: dict, most_gpus: int) -> NDArray[np.float64]:
-    """``g[u, p]``: the least ``max w`` over chains of stages covering layers
-    ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP degrees)
-    whose memory holds their micro-batches in flight (:func:`_in_flight`)."""
-    size = next(iter(bounds.values()))[0].shape[0]
-    g = np.full((most_gpus + 1, size), np.inf)
-    g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
-    for u in range(1, most_gpus + 1):
-        best = g[u]
-        for t, (w, cap) in bounds.items():
-            if t <= u:
-                # a stage a..b-1 at degree t, then the rest from b on u - t GPUs
-                stage = np.where(cap >= _in_flight(group, t, u), w, np.inf)
-                rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
-                best = np.minimum(best, rest)
-        g[u] = best
-    return g
+class _StageBounds:
+    """A group's stage bounds for a stage with ``left`` GPUs for it and the
+    stages after it (memory and the warm-up depend on how many follow)."""
+
+    def __init__(self, group: _Group, tables: dict, overhead: float) -> None:
+        self.group, self.tables, self.overhead = group, tables, overhead
+        self._cache: dict[tuple[int, int], NDArray[np.float64]] = {}
+
+    def weights(self, tp: int, left: int) -> NDArray[np.float64]:
+        """``w[a, b]`` of a stage at degree ``tp`` followed by ``left - tp``
+        GPUs of stages: ``inf`` where its memory cannot hold the micro-batches
+        in flight. The warm-up bound: the stage's first backward waits for one
+        micro-batch's forward to it (``F``), its own forward and the forward and
+        backward of every layer after it (an overhead each per stage); before it
+        the stage runs at most ``k = min(stages after + 1, B)`` forwards (the
+        schedule's peak in flight), so ``B`` backwards and ``B - k`` forwards
+        follow."""
+        key = (tp, left)
+        if key not in self._cache:
+            w, cap, late, fwd = self.tables[tp]
+            fewest, most = _stages_after(self.group, tp, left)
+            k = min(most + 1, self.group.steps)
+            warm = late + 2 * self.overhead * fewest - k * fwd
+            bound = np.maximum(w, warm)
+            fits = cap >= min(fewest + 1, self.group.steps)
+            self._cache[key] = np.where(fits, bound, np.inf)
+        return self._cache[key]
+
+    def bottleneck(self, most_gpus: int) -> NDArray[np.float64]:
+        """``g[u, p]``: the least ``max w`` over chains of stages covering
+        layers ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP
+        degrees)."""
+        size = next(iter(self.tables.values()))[0].shape[0]
+        g = np.full((most_gpus + 1, size), np.inf)
+        g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
+        for u in range(1, most_gpus + 1):
+            best = g[u]
+            for t in self.tables:
+                if t <= u:
+                    # a stage a..b-1 at degree t, the rest from b on u - t GPUs
+                    stage = self.weights(t, u)
+                    rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
+                    best = np.minimum(best, rest)
+            g[u] = best
+        return g
 
 
 def certify_predicted(
@@ -376,9 +444,14 @@ def certify_predicted(
     )
     # (bound, order, group, gpus, stage bounds, bottleneck table)
     items = []
+    cache: dict = {}
     for group in groups:
-        bounds = _stage_bounds(data, model, constants, group)
-        g = _bottleneck(group, bounds, max(group.sizes))
+        bounds = _StageBounds(
+            group,
+            _stage_bounds(data, model, constants, group, cache),
+            constants.op_overhead_s,
+        )
+        g = bounds.bottleneck(max(group.sizes))
         for size in group.sizes:
             value = float(g[size, 0])
             if math.isfinite(value):
@@ -398,7 +471,7 @@ def certify_predicted(
         spec = data.gpu_spec(group.gpu)
         complete = True
         best_ref = [best]
-        for stages in _chains(group, bounds, g, size, best_ref):
+        for stages in _chains(bounds, g, size, best_ref):
             if predicted >= max_plans:
                 complete = False
                 break
@@ -448,7 +521,7 @@ def certify_predicted(
     )
 
 
-def _chains(group: _Group, bounds: dict, g, size: int, best_ref: list[float]):
+def _chains(bounds: _StageBounds, g, size: int, best_ref: list[float]):
     """Chains of ``(start, stop, tp)`` stages on exactly ``size`` GPUs whose every
     stage bound, and the bound of the rest, stay below ``best_ref[0]`` (read at
     each step: it falls as better plans are found)."""
@@ -462,10 +535,10 @@ def _chains(group: _Group, bounds: dict, g, size: int, best_ref: list[float]):
             if left == 0:
                 yield list(stages)
             continue
-        for t, (w, cap) in bounds.items():
+        for t in bounds.tables:
             if t > left:
                 continue
-            stage = np.where(cap[start] >= _in_flight(group, t, left), w[start], np.inf)
+            stage = bounds.weights(t, left)[start]
             row = np.maximum(stage, g[left - t])
             for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
                 chain = (*stages, (start, stop, t))
