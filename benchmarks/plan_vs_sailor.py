@@ -4,11 +4,12 @@ Settings (the issue's): OPT-350M on 16, 32, 64, 128 GH-96 GPUs with gbs 64, 512,
 1024, 1024; GPT-Neo-2.7B on 64, 128, 256 GH-96 GPUs with gbs 1024; OPT-350M on
 the RTX cluster of the measured runs (8 RTX-3090, 16 Titan-RTX, 24 RTX-2080)
 with gbs 256 and 288. For each: our plan (exact method), its predicted time,
-the planning optimum and bound, our search time (cold: first call in the
-process, profiles read; warm: again); Sailor's chosen plan where the issue gives
-it, predicted by our predictor, and Sailor's own predicted time and search time
-from the issue; the measured runs of the same setting in the bundled data (each
-predicted by us, and the best measured time).
+the planning optimum and bound, whether the plan is proven the predictor's
+optimum (or its certified gap), our search time with the proof (cold: first
+call in the process, profiles read; warm: again); Sailor's chosen plan where
+the issue gives it, predicted by our predictor, and Sailor's own predicted
+time and search time from the issue; the measured runs of the same setting in
+the bundled data (each predicted by us, and the best measured time).
 
 Usage::
 
@@ -94,6 +95,9 @@ def main() -> None:
                 "optimum_s": ours.optimum_s,
                 "lower_bound_s": ours.lower_bound_s,
                 "gap": ours.gap,
+                "proven_optimal_under_predictor": ours.proven,
+                "predicted_lower_bound_s": ours.predicted_lower_bound_s,
+                "predicted_gap": ours.predicted_gap,
                 "fits_memory": ours.prediction.fits_memory,
                 "peak_memory_gb": ours.prediction.peak_memory_bytes / 1e9,
                 "search_time_cold_s": cold,
@@ -106,7 +110,9 @@ def main() -> None:
             f"{model:11s} {str(pool):60s} gbs {gbs:5d} | ours {ours.plan.describe()} "
             f"{[s.num_layers for s in ours.plan.stages]}: "
             f"{ours.iteration_time_s:.3f} s "
-            f"(search {cold:.2f} s cold, {warm:.2f} s warm)"
+            f"({'proven optimal' if ours.proven else 'gap'}"
+            f"{'' if ours.proven else f' {100 * ours.predicted_gap:.2f}%'}; "
+            f"search {cold:.2f} s cold, {warm:.2f} s warm)"
         )
         if sailor is not None:
             stages, tp, dp, mbs = sailor
@@ -159,9 +165,15 @@ def main() -> None:
                 "objective_s": diff.objective_s,
                 "lower_bound_s": diff.lower_bound_s,
                 "gap": diff.gap,
+                "proven_optimal_under_predictor": diff.proven,
+                "predicted_gap": diff.predicted_gap,
                 "search_time_s": diff.search_time_s,
             }
-            line += f" | diff gap {100 * diff.gap:.2f}% ({diff.search_time_s:.1f} s)"
+            line += (
+                f" | diff: objective gap {100 * diff.gap:.2f}%, predicted "
+                f"{diff.iteration_time_s:.3f} s, predicted gap "
+                f"{100 * diff.predicted_gap:.2f}% ({diff.search_time_s:.1f} s)"
+            )
         print(line, flush=True)
         rows.append(row)
     result = {

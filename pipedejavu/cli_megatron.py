@@ -189,7 +189,7 @@ def _proof_line(result) -> str:
             f"predicted time certified within {100 * result.predicted_gap:.2f}% "
             f"of the best plan (lower bound {bound:.4f} s)"
         )
-    return "predicted time not certified (the engine certifies the objective only)"
+    return "predicted time not certified"
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -64,7 +64,7 @@ class TrainingPlan:
         configurations, solved: search-space size and configurations solved.
         predicted_lower_bound_s: certified lower bound on the predicted
             iteration time of every plan of the search space that fits in
-            memory (``nan`` with ``method="diff"``).
+            memory.
         proven: the plan is the predictor's optimum over the search space
             (brute-force agreement is tested on small settings).
     """

@@ -83,9 +83,9 @@ class MegatronSearchConfig:
         diff_configs: with ``"diff"``, after how many configurations with a plan
             (best bound first) the engine stops; the bound of the first
             configuration left enters the certified lower bound.
-        certify: with ``"dp"``, prove the chosen plan the predictor's optimum
-            (:mod:`pipedejavu.search.megatron_certify`; a better plan it finds
-            is chosen instead).
+        certify: prove the chosen plan (of either method) the predictor's
+            optimum (:mod:`pipedejavu.search.megatron_certify`; a better plan it
+            finds is chosen instead).
         certify_max_plans: most predictor calls the proof may spend; beyond,
             it certifies a lower bound on the predicted time instead.
     """
@@ -134,8 +134,8 @@ class MegatronSearchResult:
         candidates: ``(plan, objective, predicted)`` of the re-scored optima.
         search_time_s: wall-clock seconds (the proof included).
         predicted_lower_bound_s: certified lower bound on the predicted time of
-            every plan of the search space that fits (``nan`` when not
-            certified: ``method="diff"`` or ``certify=False``).
+            every plan of the search space that fits (``nan`` with
+            ``certify=False``).
         proven: the plan is the predictor's optimum over the search space.
         certificate: the proof's record
             (:class:`~pipedejavu.search.megatron_certify.PredictedCertificate`),
@@ -454,7 +454,7 @@ def search_megatron(
         candidates.append((plan, value, prediction))
     chosen = min(candidates, key=lambda c: (c[2].iteration_time_s, c[1]))
     certificate = None
-    if config.method == "dp" and config.certify:
+    if config.certify:
         from .megatron_certify import certify_predicted
 
         certificate = certify_predicted(
