@@ -177,53 +177,50 @@ def _blocking_transfers(
     data: SailorData,
     model: str,
     constants: PredictorConstants,
-    group: _Group,
+    kinds: list[tuple[str, int]],
+    mbs: int,
+    dp: int,
     cache: dict,
-) -> tuple[dict[int, NDArray[np.float64]], dict[int, NDArray[np.float64]]]:
-    """``(sends, receives)``: ``{tp: f64[L - 1]}``, per boundary after layer
-    ``k``, the least time a stage at degree ``tp`` spends per micro-batch in the
-    blocking transfers (activation and gradient: a rendezvous keeps both stages
-    busy) of that boundary as its sender / its receiver: the least over the
-    other stage's degree, both node relations and every count of replicas
+) -> tuple[dict, dict]:
+    """``(sends, receives)``: ``{(gpu, tp): f64[L - 1]}``, per boundary after
+    layer ``k``, the least time a stage of that kind spends per micro-batch in
+    the blocking transfers (activation and gradient: a rendezvous keeps both
+    stages busy) of that boundary as its sender / its receiver: the least over
+    the other stage's kind, both node relations and every count of replicas
     sharing the node pair; 0 where the message may be buffered."""
     info = data.model_info(model)
-    gpn = data.gpu_spec(group.gpu).gpus_per_node
+    gpn = max(data.gpu_spec(gpu).gpus_per_node for gpu, _ in kinds)
     boundaries = info.num_layers - 1
-    crowd = range(1, min(group.dp, gpn) + 1)
+    crowd = range(1, min(dp, gpn) + 1)
 
-    def blocked(a: int, b: int, k: int) -> float:
-        """Stage at degree ``a`` sends to one at ``b`` over boundary ``k``."""
-        nbytes = float(info.act_output[a][k]) * FLOAT_BYTES * group.mbs
-        if nbytes / min(a, b) <= constants.buffered_message_bytes:
+    def blocked(a: tuple[str, int], b: tuple[str, int], k: int) -> float:
+        """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
+        nbytes = float(info.act_output[a[1]][k]) * FLOAT_BYTES * mbs
+        if nbytes / min(a[1], b[1]) <= constants.buffered_message_bytes:
             return 0.0
-        key = ("p2p", group.gpu, a, b, nbytes, len(crowd))
+        key = ("p2p", a, b, nbytes, len(crowd))
         if key not in cache:
-            cache[key] = least(a, b, nbytes)
+            sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
+            receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
+            cache[key] = min(
+                p2p_time(
+                    data.network, sender, receiver, nbytes, same_node=same, concurrent=n
+                )
+                + p2p_time(
+                    data.network, receiver, sender, nbytes, same_node=same, concurrent=n
+                )
+                for same in (False, True)
+                for n in crowd
+            )
         return cache[key]
-
-    def least(a: int, b: int, nbytes: float) -> float:
-        sender = Replica(group.gpu, a, zone=DEFAULT_ZONE)
-        receiver = Replica(group.gpu, b, zone=DEFAULT_ZONE)
-        return min(
-            p2p_time(
-                data.network, sender, receiver, nbytes, same_node=same, concurrent=n
-            )
-            + p2p_time(
-                data.network, receiver, sender, nbytes, same_node=same, concurrent=n
-            )
-            for same in (False, True)
-            for n in crowd
-        )
 
     pairs = {
         (a, b): np.array([blocked(a, b, k) for k in range(boundaries)])
-        for a in group.tps
-        for b in group.tps
+        for a in kinds
+        for b in kinds
     }
-    sends = {a: np.min([pairs[(a, b)] for b in group.tps], axis=0) for a in group.tps}
-    receives = {
-        b: np.min([pairs[(a, b)] for a in group.tps], axis=0) for b in group.tps
-    }
+    sends = {a: np.min([pairs[(a, b)] for b in kinds], axis=0) for a in kinds}
+    receives = {b: np.min([pairs[(a, b)] for a in kinds], axis=0) for b in kinds}
     return sends, receives
 
 
@@ -233,48 +230,67 @@ def _stage_bounds(
     constants: PredictorConstants,
     group: _Group,
     cache: dict | None = None,
-) -> dict[int, NDArray[np.float64]]:
-    """``{tp: (w, cap, late, fwd)}``: for a stage of layers ``a..b-1`` at each TP
-    degree of the group, ``w[a, b]`` the first lower bound of the module
-    docstring (``inf`` off the upper triangle), ``cap[a, b]`` how many
-    micro-batches in flight fit in its GPUs' memory beside its model state (at
-    most ``B``; ``-1``: not even the model state), and the parts of the warm-up
-    bound: ``late - k fwd`` with ``k`` forwards before the first backward."""
+) -> dict:
+    """``{tp: (w, cap, late, fwd)}`` of the group's GPU type
+    (:func:`_kind_bounds`)."""
+    kinds = [(group.gpu, t) for t in group.tps]
+    out = _kind_bounds(
+        data, model, constants, kinds, group.mbs, group.dp, group.steps, cache
+    )
+    return {t: out[(group.gpu, t)] for t in group.tps}
+
+
+def _kind_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    kinds: list[tuple[str, int]],
+    mbs: int,
+    dp: int,
+    steps: int,
+    cache: dict | None = None,
+) -> dict:
+    """``{(gpu, tp): (w, cap, late, fwd)}``: for a stage of layers ``a..b-1`` of
+    each kind (GPU type, TP degree) that stages of a plan may have,
+    ``w[a, b]`` the first lower bound of the module docstring (``inf`` off the
+    upper triangle), ``cap[a, b]`` how many micro-batches in flight fit in its
+    GPUs' memory beside its model state (at most ``B``; ``-1``: not even the
+    model state), and the parts of the warm-up bound: ``late - k fwd`` with
+    ``k`` forwards before the first backward. The layers before and after a
+    stage are counted at the fastest kind."""
     info = data.model_info(model)
-    spec = data.gpu_spec(group.gpu)
     num_layers = info.num_layers
     overhead = constants.op_overhead_s
     times = {
-        t: data.layer_times(
-            model, group.gpu, group.mbs, t, smooth=constants.smooth_profiles
-        )
-        for t in group.tps
+        (gpu, t): data.layer_times(model, gpu, mbs, t, smooth=constants.smooth_profiles)
+        for gpu, t in kinds
     }
-    # Forward/backward of the layers before a stage, at the fastest degree.
-    fastest_f = np.min([times[t].forward for t in group.tps], axis=0)
-    fastest_b = np.min([times[t].backward for t in group.tps], axis=0)
+    fastest_f = np.min([x.forward for x in times.values()], axis=0)
+    fastest_b = np.min([x.backward for x in times.values()], axis=0)
     before_f = np.concatenate([[0.0], np.cumsum(fastest_f)])
     before_b = np.concatenate([[0.0], np.cumsum(fastest_b)])
     before_f[1:] += overhead
     before_b[1:] += overhead
     # Forward and backward of the layers after a stage (overheads counted apart).
-    fastest = np.min([times[t].forward + times[t].backward for t in group.tps], axis=0)
+    fastest = np.min([x.forward + x.backward for x in times.values()], axis=0)
     after_fb = np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = {} if cache is None else cache  # shared by the groups of one call
-    sends, receives = _blocking_transfers(data, model, constants, group, cache)
+    sends, receives = _blocking_transfers(data, model, constants, kinds, mbs, dp, cache)
     out = {}
-    for t in group.tps:
-        entry = times[t]
+    for kind in kinds:
+        gpu, t = kind
+        spec = data.gpu_spec(gpu)
+        entry = times[kind]
         layer = np.concatenate([[0.0], np.cumsum(entry.forward + entry.backward)])
         forward = np.concatenate([[0.0], np.cumsum(entry.forward)])
         stage_f = forward[stops] - forward[starts] + overhead
         compute = layer[stops] - layer[starts] + 2 * overhead
         busy = compute.copy()
-        busy += np.where(starts > 0, receives[t][np.maximum(starts - 1, 0)], 0.0)
+        busy += np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
         busy += np.where(
-            stops < num_layers, sends[t][np.minimum(ends, num_layers - 2)], 0.0
+            stops < num_layers, sends[kind][np.minimum(ends, num_layers - 2)], 0.0
         )
         params = info.params[t]
         pprefix = np.concatenate([[0.0], np.cumsum(params)])
@@ -282,10 +298,10 @@ def _stage_bounds(
         tied = info.tied_params(t)
         held = held - np.where((starts == 0) & (stops == num_layers), tied, 0.0)
         # The least all-reduce over the offsets the stage can have in a node.
-        key = ("allreduce", group.gpu, t, group.dp)
+        key = ("allreduce", gpu, t, dp)
         if key not in cache:
             cache[key] = _least_allreduce(
-                data, group.gpu, t, group.dp, params, tied, held, starts, ends
+                data, gpu, t, dp, params, tied, held, starts, ends
             )
         allreduce, largest = cache[key]
         rate = float(entry.update[0]) / _profiling_params(info, t)
@@ -295,12 +311,12 @@ def _stage_bounds(
         received = np.where(
             starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
         )
-        stash = (act[stops] - act[starts] + received * FLOAT_BYTES) * group.mbs
+        stash = (act[stops] - act[starts] + received * FLOAT_BYTES) * mbs
         room = (
             spec.memory_bytes
             - BYTES_PER_PARAM * held
             - FLOAT_BYTES * largest
-            - constants.reserve(group.gpu)
+            - constants.reserve(gpu)
         )
         per_microbatch = (1.0 + constants.activation_overhead) * stash
         fits = np.where(
@@ -308,19 +324,19 @@ def _stage_bounds(
             -1.0,
             np.floor(room / np.maximum(per_microbatch, 1e-30)),
         )
-        head = before_f[starts] + group.steps * busy
+        head = before_f[starts] + steps * busy
         last = np.maximum(tail, before_b[starts])
         shape = (num_layers + 1, num_layers + 1)
         w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
         late, fwd = np.full(shape, np.inf), np.zeros(shape)
         w[starts, stops] = head + last
-        cap[starts, stops] = np.minimum(fits, float(group.steps))
+        cap[starts, stops] = np.minimum(fits, float(steps))
         # The warm-up bound less k forwards (see _StageBounds.weights).
         late[starts, stops] = (
-            before_f[starts] + stage_f + after_fb[stops] + group.steps * compute + last
+            before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
         )
         fwd[starts, stops] = stage_f
-        out[t] = (w, cap, late, fwd)
+        out[kind] = (w, cap, late, fwd)
     return out
 
 
