@@ -30,7 +30,7 @@ links). The predictor prices each plan with its exact placement.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -47,7 +47,13 @@ from .megatron import (
 from .megatron_comm import p2p_time, ring_allreduce_time, ring_hops
 from .sailor_data import SailorData
 
-__all__ = ["StageTables", "canonical_nodes", "compile_tables", "plan_from_stages"]
+__all__ = [
+    "StageTables",
+    "canonical_nodes",
+    "compile_tables",
+    "plan_from_mixed_stages",
+    "plan_from_stages",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,6 +121,39 @@ def plan_from_stages(
         gbs=gbs,
         model=model,
     )
+
+
+def plan_from_mixed_stages(
+    stages: Sequence[tuple[int, int, int, str]],
+    *,
+    dp: int,
+    mbs: int,
+    gbs: int,
+    model: str,
+    pool: Mapping[str, int],
+    gpus_per_node: Mapping[str, int],
+    zone: str,
+) -> Plan3D:
+    """A :class:`Plan3D` from ``(start, stop, tp, gpu_type)`` stages whose types
+    may differ: each type's stages take its GPUs in Megatron's rank order (TP
+    innermost, then data, then pipeline) on nodes of their own; the nodes are
+    numbered type after type in the pool's order (``ceil(count / gpus per
+    node)`` per type)."""
+    bases, offset = {}, 0
+    for gpu, count in pool.items():
+        bases[gpu] = offset
+        offset += -(-count // gpus_per_node[gpu])
+    used = dict.fromkeys(pool, 0)
+    out = []
+    for start, stop, tp, gpu in stages:
+        gpn = gpus_per_node[gpu]
+        replicas = tuple(
+            Replica(gpu, tp, zone=zone, node=bases[gpu] + (used[gpu] + j * tp) // gpn)
+            for j in range(dp)
+        )
+        used[gpu] += dp * tp
+        out.append(Stage3D(start, stop, replicas))
+    return Plan3D(stages=tuple(out), mbs=mbs, gbs=gbs, model=model)
 
 
 def _buckets(sizes: NDArray[np.float64]) -> list[float]:

@@ -47,6 +47,7 @@ configurations is a certified lower bound on every plan's predicted time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -64,9 +65,14 @@ from pipedejavu.costmodel.megatron import (
     predict_plan,
 )
 from pipedejavu.costmodel.megatron_comm import p2p_time, ring_hops
-from pipedejavu.costmodel.megatron_tables import plan_from_stages, span_allreduce
+from pipedejavu.costmodel.megatron_tables import (
+    plan_from_mixed_stages,
+    plan_from_stages,
+    span_allreduce,
+)
 from pipedejavu.costmodel.sailor_data import SailorData
 from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D, Replica
+from pipedejavu.problem import ProblemError
 
 __all__ = ["PredictedCertificate", "certify_predicted"]
 
@@ -181,47 +187,74 @@ def _blocking_transfers(
     mbs: int,
     dp: int,
     cache: dict,
-) -> tuple[dict, dict]:
-    """``(sends, receives)``: ``{(gpu, tp): f64[L - 1]}``, per boundary after
-    layer ``k``, the least time a stage of that kind spends per micro-batch in
-    the blocking transfers (activation and gradient: a rendezvous keeps both
-    stages busy) of that boundary as its sender / its receiver: the least over
-    the other stage's kind, both node relations and every count of replicas
-    sharing the node pair; 0 where the message may be buffered."""
+) -> tuple[dict, dict, dict]:
+    """``(sends, receives, pairs)``: per boundary after layer ``k``
+    (``f64[L - 1]``), the least time per micro-batch that a stage of a kind
+    ``(gpu, tp)`` spends in the blocking transfers (activation and gradient: a
+    rendezvous keeps both stages busy) of that boundary: ``receives[kind]`` as
+    the receiver in any pipeline, ``sends[kind]`` as the sender in the pipeline
+    whose node pair carries the most pipelines, ``pairs[(kind, next kind)]``
+    the same for a known next kind. The least is over the other stage's kind,
+    both node relations (two types never share a node) and every count of
+    pipelines sharing the node pair that is possible: a stage's replicas sit on
+    nondecreasing nodes in rank order, so ``dp`` pipelines use at most ``nodes
+    of the sender + nodes of the receiver - 1`` node pairs and the most crowded
+    carries at least ``dp`` over that many. 0 where the message may be buffered;
+    ``inf`` where no link fit prices it (no plan the predictor prices has it)."""
     info = data.model_info(model)
-    gpn = max(data.gpu_spec(gpu).gpus_per_node for gpu, _ in kinds)
     boundaries = info.num_layers - 1
-    crowd = range(1, min(dp, gpn) + 1)
+    most = min(dp, max(data.gpu_spec(gpu).gpus_per_node for gpu, _ in kinds))
 
-    def blocked(a: tuple[str, int], b: tuple[str, int], k: int) -> float:
-        """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
+    def span(kind: tuple[str, int]) -> int:
+        """Most nodes the ``dp`` replicas of a stage of this kind can sit on."""
+        gpn = data.gpu_spec(kind[0]).gpus_per_node
+        return min(dp, -(-dp * kind[1] // gpn) + 1)
+
+    def blocked(a: tuple[str, int], b: tuple[str, int], k: int, fewest: int) -> float:
+        """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``,
+        ``fewest`` or more pipelines sharing the node pair."""
         nbytes = float(info.act_output[a[1]][k]) * FLOAT_BYTES * mbs
         if nbytes / min(a[1], b[1]) <= constants.buffered_message_bytes:
             return 0.0
-        key = ("p2p", a, b, nbytes, len(crowd))
+        key = ("p2p", a, b, nbytes, fewest, most)
         if key not in cache:
             sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
             receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
-            cache[key] = min(
-                p2p_time(
-                    data.network, sender, receiver, nbytes, same_node=same, concurrent=n
-                )
-                + p2p_time(
-                    data.network, receiver, sender, nbytes, same_node=same, concurrent=n
-                )
-                for same in (False, True)
-                for n in crowd
-            )
+            least = math.inf  # no link fit at all: the two cannot be neighbours
+            for same in (False, True) if a[0] == b[0] else (False,):
+                for n in range(fewest, max(most, fewest) + 1):
+                    try:
+                        there = p2p_time(
+                            data.network,
+                            sender,
+                            receiver,
+                            nbytes,
+                            same_node=same,
+                            concurrent=n,
+                        )
+                        back = p2p_time(
+                            data.network,
+                            receiver,
+                            sender,
+                            nbytes,
+                            same_node=same,
+                            concurrent=n,
+                        )
+                    except ProblemError:  # no fit: no plan the predictor prices
+                        continue
+                    least = min(least, there + back)
+            cache[key] = least
         return cache[key]
 
-    pairs = {
-        (a, b): np.array([blocked(a, b, k) for k in range(boundaries)])
-        for a in kinds
-        for b in kinds
-    }
+    def row(a, b, crowded: bool) -> NDArray[np.float64]:
+        fewest = -(-dp // min(dp, span(a) + span(b) - 1)) if crowded else 1
+        return np.array([blocked(a, b, k, fewest) for k in range(boundaries)])
+
+    pairs = {(a, b): row(a, b, True) for a in kinds for b in kinds}
+    anyone = {(a, b): row(a, b, False) for a in kinds for b in kinds}
     sends = {a: np.min([pairs[(a, b)] for b in kinds], axis=0) for a in kinds}
-    receives = {b: np.min([pairs[(a, b)] for a in kinds], axis=0) for b in kinds}
-    return sends, receives
+    receives = {b: np.min([anyone[(a, b)] for a in kinds], axis=0) for b in kinds}
+    return sends, receives, pairs
 
 
 def _stage_bounds(
@@ -249,6 +282,8 @@ def _kind_bounds(
     dp: int,
     steps: int,
     cache: dict | None = None,
+    *,
+    with_sends: bool = True,
 ) -> dict:
     """``{(gpu, tp): (w, cap, late, fwd)}``: for a stage of layers ``a..b-1`` of
     each kind (GPU type, TP degree) that stages of a plan may have,
@@ -277,7 +312,11 @@ def _kind_bounds(
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = {} if cache is None else cache  # shared by the groups of one call
-    sends, receives = _blocking_transfers(data, model, constants, kinds, mbs, dp, cache)
+    sends, receives, pairs = _blocking_transfers(
+        data, model, constants, kinds, mbs, dp, cache
+    )
+    if not with_sends:  # the caller adds the send to the stage that follows
+        sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
     out = {}
     for kind in kinds:
         gpu, t = kind
@@ -340,6 +379,25 @@ def _kind_bounds(
     return out
 
 
+def _send_rows(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    kinds: list[tuple[str, int]],
+    mbs: int,
+    dp: int,
+    steps: int,
+    cache: dict,
+) -> dict:
+    """``{(kind, next kind): f64[L + 1]}``: ``B`` x the least blocking transfer
+    time over the boundary at each stop ``b`` (0 at ``b = L``) that a stage pays
+    when the next stage is of the given kind."""
+    pairs = _blocking_transfers(data, model, constants, kinds, mbs, dp, cache)[2]
+    return {
+        pair: steps * np.concatenate([[0.0], row, [0.0]]) for pair, row in pairs.items()
+    }
+
+
 def _least_allreduce(data, gpu, tp, dp, params, tied, held, starts, ends):
     """The bucketed all-reduce of every span, least over the offsets of its
     replicas within a node, and its largest bucket."""
@@ -379,7 +437,9 @@ class _StageBounds:
         self.group, self.tables, self.overhead = group, tables, overhead
         self._cache: dict[tuple[int, int], NDArray[np.float64]] = {}
 
-    def weights(self, tp: int, left: int) -> NDArray[np.float64]:
+    def weights(
+        self, tp: int, left: int, send: tuple[Any, NDArray[np.float64]] | None = None
+    ) -> NDArray[np.float64]:
         """``w[a, b]`` of a stage at degree ``tp`` followed by ``left - tp``
         GPUs of stages: ``inf`` where its memory cannot hold the micro-batches
         in flight. The warm-up bound: the stage's first backward waits for one
@@ -387,14 +447,15 @@ class _StageBounds:
         backward of every layer after it (an overhead each per stage); before it
         the stage runs at most ``k = min(stages after + 1, B)`` forwards (the
         schedule's peak in flight), so ``B`` backwards and ``B - k`` forwards
-        follow."""
-        key = (tp, left)
+        follow. ``send``: ``(name, row)``, a blocking transfer to the next stage
+        at each stop, added to the first bound."""
+        key = (tp, left, None if send is None else send[0])
         if key not in self._cache:
             w, cap, late, fwd = self.tables[tp]
             fewest, most = _stages_after(self.group, tp, left)
             k = min(most + 1, self.group.steps)
             warm = late + 2 * self.overhead * fewest - k * fwd
-            bound = np.maximum(w, warm)
+            bound = np.maximum(w if send is None else w + send[1][None, :], warm)
             fits = cap >= min(fewest + 1, self.group.steps)
             self._cache[key] = np.where(fits, bound, np.inf)
         return self._cache[key]
@@ -431,6 +492,7 @@ def certify_predicted(
     mbs_values: tuple[int, ...] | None = None,
     max_stages: int | None = None,
     max_plans: int = 3000,
+    mixed_types: bool = True,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -442,6 +504,8 @@ def certify_predicted(
         incumbent: the plan to prove (it must fit in memory).
         uniform_tp, allow_fewer_gpus, mbs_values, max_stages: the search space.
         max_plans: most predictor calls in the enumeration.
+        mixed_types: with several GPU types (and ``uniform_tp``), also plans
+            whose stages run on different types (module docstring).
         progress_fn: called with a dict after each configuration settled.
     """
     started = time.perf_counter()
@@ -458,8 +522,8 @@ def certify_predicted(
         mbs_values=mbs_values,
         max_stages=max_stages,
     )
-    # (bound, order, group, gpus, stage bounds, bottleneck table)
-    items = []
+    # (bound, order, plans: best_ref -> the configuration's plans to predict)
+    items: list[tuple[float, int, Callable]] = []
     cache: dict = {}
     for group in groups:
         bounds = _StageBounds(
@@ -471,12 +535,57 @@ def certify_predicted(
         for size in group.sizes:
             value = float(g[size, 0])
             if math.isfinite(value):
-                items.append((value, len(items), group, size, bounds, g))
+                plans = functools.partial(
+                    _single_plans, data, model, global_batch, group, bounds, g, size
+                )
+                items.append((value, len(items), plans))
+    if mixed_types and uniform_tp and len(gpus) > 1:
+        for mix in _mixes(data, model, gpus, global_batch, mbs_values, max_stages):
+            kinds = [(gpu, mix.tp) for gpu, _ in mix.caps]
+            tables = _kind_bounds(
+                data,
+                model,
+                constants,
+                kinds,
+                mix.mbs,
+                mix.dp,
+                mix.steps,
+                cache,
+                with_sends=False,
+            )
+            sends = _send_rows(
+                data, model, constants, kinds, mix.mbs, mix.dp, mix.steps, cache
+            )
+            bounds = {
+                gpu: _StageBounds(
+                    _Group(gpu, mix.mbs, mix.dp, mix.steps, (mix.tp,), ()),
+                    {mix.tp: tables[(gpu, mix.tp)]},
+                    constants.op_overhead_s,
+                )
+                for gpu, _ in mix.caps
+            }
+            g = _mixed_bottleneck(mix, bounds, sends)
+            for count in range(2, mix.max_stages + 1):
+                value = min(float(table[count, 0]) for table in g.values())
+                if math.isfinite(value):
+                    plans = functools.partial(
+                        _mixed_plans,
+                        data,
+                        model,
+                        gpus,
+                        global_batch,
+                        mix,
+                        bounds,
+                        sends,
+                        g,
+                        count,
+                    )
+                    items.append((value, len(items), plans))
     items.sort(key=lambda item: (item[0], item[1]))
     pruned = enumerated = left_open = predicted = 0
     lower = math.inf
     improved = False
-    for value, _, group, size, bounds, g in items:
+    for value, _, plans in items:
         if value >= best:
             pruned += 1
             continue
@@ -484,25 +593,17 @@ def certify_predicted(
             left_open += 1
             lower = min(lower, value)
             continue
-        spec = data.gpu_spec(group.gpu)
         complete = True
         best_ref = [best]
-        for stages in _chains(bounds, g, size, best_ref):
+        for plan in plans(best_ref):
             if predicted >= max_plans:
                 complete = False
                 break
-            plan = plan_from_stages(
-                stages,
-                gpu_type=group.gpu,
-                dp=group.dp,
-                mbs=group.mbs,
-                gbs=global_batch,
-                model=model,
-                gpus_per_node=spec.gpus_per_node,
-                zone=DEFAULT_ZONE,
-            )
-            prediction = predict_plan(plan, data, constants=constants)
             predicted += 1
+            try:
+                prediction = predict_plan(plan, data, constants=constants)
+            except ProblemError:  # a link the network tables do not price
+                continue
             if prediction.fits_memory and prediction.iteration_time_s < best:
                 best, best_plan, best_prediction = (
                     prediction.iteration_time_s,
@@ -559,3 +660,136 @@ def _chains(bounds: _StageBounds, g, size: int, best_ref: list[float]):
             for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
                 chain = (*stages, (start, stop, t))
                 stack.append((stop, left - t, chain, max(bound, float(stage[stop]))))
+
+
+def _single_plans(data, model, gbs, group, bounds, g, size, best_ref):
+    """The plans of a one-type configuration left to predict."""
+    spec = data.gpu_spec(group.gpu)
+    for stages in _chains(bounds, g, size, best_ref):
+        yield plan_from_stages(
+            stages,
+            gpu_type=group.gpu,
+            dp=group.dp,
+            mbs=group.mbs,
+            gbs=gbs,
+            model=model,
+            gpus_per_node=spec.gpus_per_node,
+            zone=DEFAULT_ZONE,
+        )
+
+
+# ------------------------------------------------------------ mixed GPU types
+@dataclasses.dataclass(frozen=True)
+class _Mix:
+    """Plans whose stages may run on different GPU types: one mbs, dp and TP
+    degree; ``caps``: (type, most stages of that type) for each usable type."""
+
+    mbs: int
+    dp: int
+    steps: int
+    tp: int
+    caps: tuple[tuple[str, int], ...]
+    max_stages: int
+
+
+def _mixes(data, model, gpus, gbs, mbs_values, max_stages) -> list[_Mix]:
+    """The (mbs, dp, TP) settings at which two types or more can hold stages."""
+    info = data.model_info(model)
+    profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
+    out = []
+    for mbs in sorted({m for table in profiles.values() for m, _ in table}):
+        if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+            continue
+        for tp in info.tp_values:
+            usable = {
+                gpu: count
+                for gpu, count in gpus.items()
+                if (mbs, tp) in profiles[gpu]
+                and data.gpu_spec(gpu).gpus_per_node % tp == 0
+                and count >= tp
+            }
+            if len(usable) < 2:
+                continue
+            for dp in range(1, max(usable.values()) // tp + 1):
+                if (gbs // mbs) % dp:
+                    continue
+                caps = tuple(
+                    (gpu, count // dp // tp)
+                    for gpu, count in usable.items()
+                    if count // dp // tp >= 1
+                )
+                if len(caps) < 2:
+                    continue
+                most = min(
+                    info.num_layers,
+                    max_stages or info.num_layers,
+                    sum(c for _, c in caps),
+                )
+                out.append(_Mix(mbs, dp, gbs // (mbs * dp), tp, caps, most))
+    return out
+
+
+def _mixed_bottleneck(mix: _Mix, bounds: dict, sends: dict) -> dict:
+    """``{type: g[k, p]}``: the least ``max w`` over chains of ``k`` stages of
+    any types covering layers ``p..`` to the end whose first stage is of that
+    type (each stage's bound counts its blocking transfers to the next one; the
+    per-type stage counts are left to the enumeration: a relaxation)."""
+    types = list(bounds)
+    size = bounds[types[0]].tables[mix.tp][0].shape[0]
+    g = {gpu: np.full((mix.max_stages + 1, size), np.inf) for gpu in types}
+    for gpu in types:
+        g[gpu][0, size - 1] = -np.inf
+    for k in range(1, mix.max_stages + 1):
+        for gpu in types:
+            best = g[gpu][k]
+            for after in types:
+                stage = _mixed_weights(mix, bounds, sends, gpu, after, k)
+                rest = np.maximum(stage, g[after][k - 1][None, :]).min(axis=1)
+                best = np.minimum(best, rest)
+            g[gpu][k] = best
+    return g
+
+
+def _mixed_weights(mix, bounds, sends, gpu, after, k):
+    """Bounds of a stage of type ``gpu`` followed by ``k - 1`` stages, the next
+    of type ``after``."""
+    row = sends[((gpu, mix.tp), (after, mix.tp))]
+    return bounds[gpu].weights(mix.tp, k * mix.tp, send=(after, row))
+
+
+def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, count, best_ref):
+    """The plans of ``count`` stages on two types or more (one-type plans belong
+    to the one-type configurations) whose stage bounds and rest bound stay below
+    ``best_ref[0]``, within each type's GPUs."""
+    caps = dict(mix.caps)
+    gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in gpus}
+    last = next(iter(g.values())).shape[1] - 1
+    # (start, stages left, type of the next stage, stages so far, bound)
+    stack = [(0, count, gpu, (), float(g[gpu][count, 0])) for gpu in bounds]
+    stack.sort(key=lambda item: -item[4])
+    while stack:
+        start, left, gpu, stages, bound = stack.pop()
+        if bound >= best_ref[0]:
+            continue
+        if left == 0:
+            if start == last and len({stage[3] for stage in stages}) > 1:
+                yield plan_from_mixed_stages(
+                    stages,
+                    dp=mix.dp,
+                    mbs=mix.mbs,
+                    gbs=gbs,
+                    model=model,
+                    pool=gpus,
+                    gpus_per_node=gpn,
+                    zone=DEFAULT_ZONE,
+                )
+            continue
+        if sum(1 for stage in stages if stage[3] == gpu) >= caps[gpu]:
+            continue
+        for after in bounds:
+            stage = _mixed_weights(mix, bounds, sends, gpu, after, left)[start]
+            row = np.maximum(stage, g[after][left - 1])
+            for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
+                chain = (*stages, (start, stop, mix.tp, gpu))
+                value = max(bound, float(row[stop]))
+                stack.append((stop, left - 1, after, chain, value))
