@@ -76,6 +76,12 @@ def add_parsers(commands: Any) -> None:
         "DeepSpeed or torchtitan)",
     )
     plan.add_argument(
+        "--mixed-types",
+        action="store_true",
+        help="with several --gpus types, also plans whose stages run on "
+        "different types (searched by the proof under the predictor; slower)",
+    )
+    plan.add_argument(
         "--all-gpus",
         action="store_true",
         help="use every GPU of each type used (default: fewer when faster)",
@@ -212,6 +218,7 @@ def _plan(args: argparse.Namespace) -> int:
         method=args.method,
         uniform_tp=not args.per_stage_tp,
         allow_fewer_gpus=not args.all_gpus,
+        mixed_types=args.mixed_types,
     )
     exported = None
     if args.export:

@@ -139,6 +139,7 @@ def plan_training(
     allow_fewer_gpus: bool = True,
     mbs_values: Sequence[int] | None = None,
     constants: Any = None,
+    mixed_types: bool = False,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -154,6 +155,8 @@ def plan_training(
         allow_fewer_gpus: plans may leave GPUs idle when that is faster.
         mbs_values: micro-batch sizes to consider (``None``: all profiled).
         constants: predictor constants (``None``: the fitted ones).
+        mixed_types: plans may run stages on different GPU types of the pool
+            (searched by the proof under the predictor).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -172,6 +175,7 @@ def plan_training(
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=None if mbs_values is None else tuple(mbs_values),
             method=method,
+            mixed_types=mixed_types,
         )
     except ValueError as error:
         raise ProblemError(str(error)) from None

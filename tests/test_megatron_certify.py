@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.costmodel.megatron import predict_plan
 from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.sailor_data import SailorData
+from pipedejavu.problem import ProblemError
 from pipedejavu.search import megatron_certify as mc
 from pipedejavu.search.megatron import MegatronSearchConfig, search_megatron
 from pipedejavu.simulation import simulate
@@ -161,3 +163,62 @@ def test_proof_beats_the_closed_form_pick():
     ratio = plain.prediction.iteration_time_s / proven.prediction.iteration_time_s
     assert ratio > 1.0001
     assert proven.objective_s >= proven.optimum_s  # priced on the same tables
+
+
+def test_mixed_types_against_brute_force():
+    """Plans whose stages run on different GPU types (``mixed_types``): every
+    such plan of a small setting (two or three stages, mbs 1 or 2) predicted;
+    the search returns the best of those and of the one-type plans, proven."""
+    from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
+
+    pool, gbs, model = {"Titan-RTX": 4, "RTX-2080": 4}, 32, "OPT-350"
+    info = DATA.model_info(model)
+    layers = info.num_layers
+    gpn = {gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool}
+    best_mixed = math.inf
+    for mbs, tp, dp in itertools.product((1, 2), info.tp_values, (1, 2, 4)):
+        if (gbs // mbs) % dp or any(
+            (mbs, tp) not in DATA.profile(model, gpu) or gpn[gpu] % tp for gpu in pool
+        ):
+            continue
+        for count in (2, 3):
+            for types in itertools.product(pool, repeat=count):
+                if len(set(types)) < 2 or any(
+                    types.count(gpu) * tp * dp > pool[gpu] for gpu in pool
+                ):
+                    continue
+                for cuts in itertools.combinations(range(1, layers), count - 1):
+                    bounds = (0, *cuts, layers)
+                    plan = plan_from_mixed_stages(
+                        [
+                            (a, b, tp, gpu)
+                            for a, b, gpu in zip(
+                                bounds, bounds[1:], types, strict=False
+                            )
+                        ],
+                        dp=dp,
+                        mbs=mbs,
+                        gbs=gbs,
+                        model=model,
+                        pool=pool,
+                        gpus_per_node=gpn,
+                        zone="us-central1-a",
+                    )
+                    try:
+                        prediction = predict_plan(plan, DATA, constants=C)
+                    except ProblemError:  # no link fit between the two
+                        continue
+                    if prediction.fits_memory:
+                        best_mixed = min(best_mixed, prediction.iteration_time_s)
+    config = MegatronSearchConfig(mbs_values=(1, 2), max_stages=3)
+    single = search_megatron(DATA, model, pool, gbs, C, config)
+    mixed = search_megatron(
+        DATA, model, pool, gbs, C, dataclasses.replace(config, mixed_types=True)
+    )
+    assert single.proven and mixed.proven
+    assert math.isfinite(best_mixed)
+    expected = min(best_mixed, single.prediction.iteration_time_s)
+    assert mixed.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    assert len(mixed.plan.gpus_by_type()) == (
+        2 if best_mixed < expected * (1 + 1e-12) else 1
+    )

@@ -28,7 +28,9 @@ the GPUs of a node and has a profile entry at the mbs (one degree for all
 stages with ``uniform_tp``); ``dp`` replicas of every stage on GPUs of one type;
 ``mbs`` from the profile; at most the GPUs available (fewer when that is
 faster; ``allow_fewer_gpus``). Pools of several GPU types: the plan uses one
-type (each type is searched, and the best kept; see :func:`search_megatron`).
+type (each type is searched, and the best kept; see :func:`search_megatron`),
+or with ``mixed_types`` a type per stage, searched by the proof's branch and
+bound only.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class MegatronSearchConfig:
             finds is chosen instead).
         certify_max_plans: most predictor calls the proof may spend; beyond,
             it certifies a lower bound on the predicted time instead.
+        mixed_types: with several GPU types and ``uniform_tp``, also plans whose
+            stages run on different types (``dp`` replicas of one type per
+            stage); the proof's branch and bound searches them
+            (:mod:`pipedejavu.search.megatron_certify`), so it needs ``certify``.
     """
 
     uniform_tp: bool = True
@@ -99,6 +105,7 @@ class MegatronSearchConfig:
     diff_configs: int = 8
     certify: bool = True
     certify_max_plans: int = 3000
+    mixed_types: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):
@@ -111,6 +118,8 @@ class MegatronSearchConfig:
             raise ValueError(f"max_stages must be >= 1, got {self.max_stages}")
         if self.diff_configs < 1:
             raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
+        if self.mixed_types and not self.certify:
+            raise ValueError("mixed_types needs certify (the proof searches them)")
         if self.certify_max_plans < 0:
             raise ValueError(
                 f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
@@ -469,6 +478,7 @@ def search_megatron(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             max_plans=config.certify_max_plans,
+            mixed_types=config.mixed_types,
         )
         if certificate.improved:
             plan = certificate.plan

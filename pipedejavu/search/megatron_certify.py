@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -192,63 +193,88 @@ def _blocking_transfers(
     (``f64[L - 1]``), the least time per micro-batch that a stage of a kind
     ``(gpu, tp)`` spends in the blocking transfers (activation and gradient: a
     rendezvous keeps both stages busy) of that boundary: ``receives[kind]`` as
-    the receiver in any pipeline, ``sends[kind]`` as the sender in the pipeline
-    whose node pair carries the most pipelines, ``pairs[(kind, next kind)]``
-    the same for a known next kind. The least is over the other stage's kind,
-    both node relations (two types never share a node) and every count of
-    pipelines sharing the node pair that is possible: a stage's replicas sit on
-    nondecreasing nodes in rank order, so ``dp`` pipelines use at most ``nodes
-    of the sender + nodes of the receiver - 1`` node pairs and the most crowded
-    carries at least ``dp`` over that many. 0 where the message may be buffered;
-    ``inf`` where no link fit prices it (no plan the predictor prices has it)."""
+    the receiver in any of its pipelines, ``sends[kind]`` as the sender in its
+    dearest pipeline, ``pairs[(kind, next kind)]`` the same for a known next
+    kind. The least is over the other stage's kind and over the placements the
+    plans can have: in Megatron's rank order a type's stages start at multiples
+    of ``dp x`` the gcd of its degrees within its nodes, the next stage of the
+    same type takes the next ranks, a stage of another type sits on nodes of its
+    own; each placement fixes, per pipeline, whether the two replicas share a
+    node and how many pipelines share their node pair (what ``p2p_time``
+    reads). 0 where the message may be buffered; ``inf`` where no link fit
+    prices it (no plan the predictor prices has it)."""
     info = data.model_info(model)
     boundaries = info.num_layers - 1
-    most = min(dp, max(data.gpu_spec(gpu).gpus_per_node for gpu, _ in kinds))
+    step = {}  # a type's stages start at multiples of dp x gcd(its degrees)
+    for gpu, t in kinds:
+        step[gpu] = math.gcd(step.get(gpu, 0), dp * t)
 
-    def span(kind: tuple[str, int]) -> int:
-        """Most nodes the ``dp`` replicas of a stage of this kind can sit on."""
-        gpn = data.gpu_spec(kind[0]).gpus_per_node
-        return min(dp, -(-dp * kind[1] // gpn) + 1)
+    def offsets(gpu: str) -> list[int]:
+        gpn = data.gpu_spec(gpu).gpus_per_node
+        return sorted({(m * step[gpu]) % gpn for m in range(gpn)})
 
-    def blocked(a: tuple[str, int], b: tuple[str, int], k: int, fewest: int) -> float:
-        """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``,
-        ``fewest`` or more pipelines sharing the node pair."""
+    def price(a, b, nbytes) -> tuple[float, float]:
+        """(least over placements of the dearest pipeline's transfer, least of
+        any pipeline's) from a stage of kind ``a`` to the next of kind ``b``."""
+        sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
+        receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
+        gpn_a = data.gpu_spec(a[0]).gpus_per_node
+        gpn_b = data.gpu_spec(b[0]).gpus_per_node
+        if a[0] == b[0]:  # the next stage takes the type's next ranks
+            combos = [(o, o + dp * a[1]) for o in offsets(a[0])]
+        else:  # nodes of their own
+            combos = [(o, r) for o in offsets(a[0]) for r in offsets(b[0])]
+        times: dict[tuple[bool, int], float] = {}
+        worst, anyone = math.inf, math.inf
+        for o, r in combos:
+            nodes = [
+                ((o + j * a[1]) // gpn_a, (r + j * b[1]) // gpn_b) for j in range(dp)
+            ]
+            crowd: dict = {}
+            for pair in nodes:
+                crowd[pair] = crowd.get(pair, 0) + 1
+            each = []
+            for pair in nodes:
+                key = (a[0] == b[0] and pair[0] == pair[1], crowd[pair])
+                if key not in times:
+                    try:
+                        times[key] = p2p_time(
+                            data.network,
+                            sender,
+                            receiver,
+                            nbytes,
+                            same_node=key[0],
+                            concurrent=key[1],
+                        ) + p2p_time(
+                            data.network,
+                            receiver,
+                            sender,
+                            nbytes,
+                            same_node=key[0],
+                            concurrent=key[1],
+                        )
+                    except ProblemError:  # no fit: the predictor cannot price it
+                        times[key] = math.inf
+                each.append(times[key])
+            if max(each) < math.inf:
+                worst = min(worst, max(each))
+                anyone = min(anyone, min(each))
+        return worst, anyone
+
+    def blocked(a: tuple[str, int], b: tuple[str, int], k: int) -> tuple:
+        """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
         nbytes = float(info.act_output[a[1]][k]) * FLOAT_BYTES * mbs
         if nbytes / min(a[1], b[1]) <= constants.buffered_message_bytes:
-            return 0.0
-        key = ("p2p", a, b, nbytes, fewest, most)
+            return 0.0, 0.0
+        key = ("p2p", a, b, nbytes, dp, step[a[0]], step[b[0]])
         if key not in cache:
-            sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
-            receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
-            least = math.inf  # no link fit at all: the two cannot be neighbours
-            for same in (False, True) if a[0] == b[0] else (False,):
-                for n in range(fewest, max(most, fewest) + 1):
-                    try:
-                        there = p2p_time(
-                            data.network,
-                            sender,
-                            receiver,
-                            nbytes,
-                            same_node=same,
-                            concurrent=n,
-                        )
-                        back = p2p_time(
-                            data.network,
-                            receiver,
-                            sender,
-                            nbytes,
-                            same_node=same,
-                            concurrent=n,
-                        )
-                    except ProblemError:  # no fit: no plan the predictor prices
-                        continue
-                    least = min(least, there + back)
-            cache[key] = least
+            cache[key] = price(a, b, nbytes)
         return cache[key]
 
     def row(a, b, crowded: bool) -> NDArray[np.float64]:
-        fewest = -(-dp // min(dp, span(a) + span(b) - 1)) if crowded else 1
-        return np.array([blocked(a, b, k, fewest) for k in range(boundaries)])
+        return np.array(
+            [blocked(a, b, k)[0 if crowded else 1] for k in range(boundaries)]
+        )
 
     pairs = {(a, b): row(a, b, True) for a in kinds for b in kinds}
     anyone = {(a, b): row(a, b, False) for a in kinds for b in kinds}
@@ -493,6 +519,7 @@ def certify_predicted(
     max_stages: int | None = None,
     max_plans: int = 3000,
     mixed_types: bool = True,
+    mixed_state_limit: int = 4000,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -539,6 +566,8 @@ def certify_predicted(
                     _single_plans, data, model, global_batch, group, bounds, g, size
                 )
                 items.append((value, len(items), plans))
+    skipped_mixes = 0
+    lower = math.inf
     if mixed_types and uniform_tp and len(gpus) > 1:
         for mix in _mixes(data, model, gpus, global_batch, mbs_values, max_stages):
             kinds = [(gpu, mix.tp) for gpu, _ in mix.caps]
@@ -564,26 +593,36 @@ def certify_predicted(
                 )
                 for gpu, _ in mix.caps
             }
-            g = _mixed_bottleneck(mix, bounds, sends)
-            for count in range(2, mix.max_stages + 1):
-                value = min(float(table[count, 0]) for table in g.values())
-                if math.isfinite(value):
-                    plans = functools.partial(
-                        _mixed_plans,
-                        data,
-                        model,
-                        gpus,
-                        global_batch,
-                        mix,
-                        bounds,
-                        sends,
-                        g,
-                        count,
-                    )
-                    items.append((value, len(items), plans))
+            g = _mixed_bottleneck(mix, bounds, sends, limit=mixed_state_limit)
+            if g is None:  # too many count vectors: a coarser bound, left open
+                value = _coarse_mixed_bound(mix, bounds)
+                if value < best:
+                    skipped_mixes += 1
+                    lower = min(lower, value)
+                continue
+            least: dict = {}  # counts -> least bound over the first stage's type
+            for (counts, _), row in g.items():
+                if sum(1 for c in counts if c) >= 2:  # one type: see above
+                    least[counts] = min(least.get(counts, math.inf), float(row[0]))
+            for counts, value in least.items():
+                if not math.isfinite(value):
+                    continue
+                plans = functools.partial(
+                    _mixed_plans,
+                    data,
+                    model,
+                    gpus,
+                    global_batch,
+                    mix,
+                    bounds,
+                    sends,
+                    g,
+                    counts,
+                )
+                items.append((value, len(items), plans))
     items.sort(key=lambda item: (item[0], item[1]))
-    pruned = enumerated = left_open = predicted = 0
-    lower = math.inf
+    pruned = enumerated = predicted = 0
+    left_open = skipped_mixes
     improved = False
     for value, _, plans in items:
         if value >= best:
@@ -729,25 +768,59 @@ def _mixes(data, model, gpus, gbs, mbs_values, max_stages) -> list[_Mix]:
     return out
 
 
-def _mixed_bottleneck(mix: _Mix, bounds: dict, sends: dict) -> dict:
-    """``{type: g[k, p]}``: the least ``max w`` over chains of ``k`` stages of
-    any types covering layers ``p..`` to the end whose first stage is of that
-    type (each stage's bound counts its blocking transfers to the next one; the
-    per-type stage counts are left to the enumeration: a relaxation)."""
-    types = list(bounds)
+def _mixed_bottleneck(mix: _Mix, bounds: dict, sends: dict, limit: int) -> dict:
+    """``{(counts, type): g[p]}``: the least ``max w`` over chains covering
+    layers ``p..`` to the end with ``counts[i]`` stages of the ``i``-th type of
+    ``mix.caps`` and the first stage of ``type`` (each stage's bound counts its
+    blocking transfers to the next one). Built for count vectors with up to
+    ``mix.max_stages`` stages, in increasing total; ``None`` if more than
+    ``limit`` vectors would be needed."""
+    types = [gpu for gpu, _ in mix.caps]
+    caps = [cap for _, cap in mix.caps]
+    vectors = [
+        c
+        for c in itertools.product(*(range(cap + 1) for cap in caps))
+        if sum(c) <= mix.max_stages
+    ]
+    if len(vectors) > limit:
+        return None
+    vectors.sort(key=sum)
     size = bounds[types[0]].tables[mix.tp][0].shape[0]
-    g = {gpu: np.full((mix.max_stages + 1, size), np.inf) for gpu in types}
-    for gpu in types:
-        g[gpu][0, size - 1] = -np.inf
-    for k in range(1, mix.max_stages + 1):
-        for gpu in types:
-            best = g[gpu][k]
+    end = np.full(size, np.inf)
+    end[size - 1] = -np.inf
+    g: dict = {}
+    for c in vectors:
+        k = sum(c)
+        if k == 0:
+            continue
+        for i, gpu in enumerate(types):
+            if c[i] == 0:
+                continue
+            rest = c[:i] + (c[i] - 1,) + c[i + 1 :]
+            best = np.full(size, np.inf)
             for after in types:
+                tail = end if k == 1 else g.get((rest, after))
+                if tail is None or (k == 1 and after != gpu):
+                    continue
                 stage = _mixed_weights(mix, bounds, sends, gpu, after, k)
-                rest = np.maximum(stage, g[after][k - 1][None, :]).min(axis=1)
-                best = np.minimum(best, rest)
-            g[gpu][k] = best
+                best = np.minimum(best, np.maximum(stage, tail[None, :]).min(axis=1))
+            g[(c, gpu)] = best
     return g
+
+
+def _coarse_mixed_bound(mix: _Mix, bounds: dict) -> float:
+    """A lower bound on every mixed plan of ``mix`` that ignores the per-type
+    stage counts and the transfers to the next stage."""
+    size = next(iter(bounds.values())).tables[mix.tp][0].shape[0]
+    g = np.full(size, np.inf)
+    g[size - 1] = -np.inf
+    least = math.inf
+    for k in range(1, mix.max_stages + 1):
+        stage = np.min([b.weights(mix.tp, k * mix.tp) for b in bounds.values()], axis=0)
+        g = np.maximum(stage, g[None, :]).min(axis=1)
+        if k >= 2:
+            least = min(least, float(g[0]))
+    return least
 
 
 def _mixed_weights(mix, bounds, sends, gpu, after, k):
@@ -757,22 +830,28 @@ def _mixed_weights(mix, bounds, sends, gpu, after, k):
     return bounds[gpu].weights(mix.tp, k * mix.tp, send=(after, row))
 
 
-def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, count, best_ref):
-    """The plans of ``count`` stages on two types or more (one-type plans belong
-    to the one-type configurations) whose stage bounds and rest bound stay below
-    ``best_ref[0]``, within each type's GPUs."""
-    caps = dict(mix.caps)
+def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, counts, best_ref):
+    """The plans with ``counts`` stages per type whose stage bounds and rest
+    bound stay below ``best_ref[0]``."""
+    types = [gpu for gpu, _ in mix.caps]
     gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in gpus}
-    last = next(iter(g.values())).shape[1] - 1
-    # (start, stages left, type of the next stage, stages so far, bound)
-    stack = [(0, count, gpu, (), float(g[gpu][count, 0])) for gpu in bounds]
+    size = next(iter(g.values())).shape[0]
+    last = size - 1
+    end = np.full(size, np.inf)
+    end[last] = -np.inf
+    # (start, counts left, type of the next stage, stages so far, bound)
+    stack = [
+        (0, counts, gpu, (), float(g[(counts, gpu)][0]))
+        for gpu in types
+        if (counts, gpu) in g
+    ]
     stack.sort(key=lambda item: -item[4])
     while stack:
         start, left, gpu, stages, bound = stack.pop()
         if bound >= best_ref[0]:
             continue
-        if left == 0:
-            if start == last and len({stage[3] for stage in stages}) > 1:
+        if sum(left) == 0:
+            if start == last:
                 yield plan_from_mixed_stages(
                     stages,
                     dp=mix.dp,
@@ -784,12 +863,16 @@ def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, count, best_ref)
                     zone=DEFAULT_ZONE,
                 )
             continue
-        if sum(1 for stage in stages if stage[3] == gpu) >= caps[gpu]:
-            continue
-        for after in bounds:
-            stage = _mixed_weights(mix, bounds, sends, gpu, after, left)[start]
-            row = np.maximum(stage, g[after][left - 1])
+        i = types.index(gpu)
+        rest = left[:i] + (left[i] - 1,) + left[i + 1 :]
+        k = sum(left)
+        for after in types:
+            tail = end if k == 1 else g.get((rest, after))
+            if tail is None or (k == 1 and after != gpu):
+                continue
+            stage = _mixed_weights(mix, bounds, sends, gpu, after, k)[start]
+            row = np.maximum(stage, tail)
             for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
                 chain = (*stages, (start, stop, mix.tp, gpu))
                 value = max(bound, float(row[stop]))
-                stack.append((stop, left - 1, after, chain, value))
+                stack.append((stop, rest, after, chain, value))
