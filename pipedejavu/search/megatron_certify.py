@@ -224,8 +224,8 @@ def _blocking_transfers(
             combos = [(o, o + dp * a[1]) for o in offsets(a[0])]
         else:  # nodes of their own
             combos = [(o, r) for o in offsets(a[0]) for r in offsets(b[0])]
-        times: dict[tuple[bool, int], float] = {}
-        worst, anyone = math.inf, math.inf
+        times: dict[tuple[bool, int], tuple[float, float]] = {}
+        worst = anyone = dear_there = dear_back = math.inf
         for o, r in combos:
             nodes = [
                 ((o + j * a[1]) // gpn_a, (r + j * b[1]) // gpn_b) for j in range(dp)
@@ -238,49 +238,55 @@ def _blocking_transfers(
                 key = (a[0] == b[0] and pair[0] == pair[1], crowd[pair])
                 if key not in times:
                     try:
-                        times[key] = p2p_time(
-                            data.network,
-                            sender,
-                            receiver,
-                            nbytes,
-                            same_node=key[0],
-                            concurrent=key[1],
-                        ) + p2p_time(
-                            data.network,
-                            receiver,
-                            sender,
-                            nbytes,
-                            same_node=key[0],
-                            concurrent=key[1],
+                        times[key] = (
+                            p2p_time(
+                                data.network,
+                                sender,
+                                receiver,
+                                nbytes,
+                                same_node=key[0],
+                                concurrent=key[1],
+                            ),
+                            p2p_time(
+                                data.network,
+                                receiver,
+                                sender,
+                                nbytes,
+                                same_node=key[0],
+                                concurrent=key[1],
+                            ),
                         )
                     except ProblemError:  # no fit: the predictor cannot price it
-                        times[key] = math.inf
+                        times[key] = (math.inf, math.inf)
                 each.append(times[key])
-            if max(each) < math.inf:
-                worst = min(worst, max(each))
-                anyone = min(anyone, min(each))
-        return worst, anyone
+            both = [x + y for x, y in each]
+            if max(both) < math.inf:
+                worst = min(worst, max(both))
+                anyone = min(anyone, min(both))
+                dear_there = min(dear_there, max(x for x, _ in each))
+                dear_back = min(dear_back, max(y for _, y in each))
+        return worst, anyone, dear_there, dear_back
 
     def blocked(a: tuple[str, int], b: tuple[str, int], k: int) -> tuple:
         """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
         nbytes = float(info.act_output[a[1]][k]) * FLOAT_BYTES * mbs
-        if nbytes / min(a[1], b[1]) <= constants.buffered_message_bytes:
-            return 0.0, 0.0
         key = ("p2p", a, b, nbytes, dp, step[a[0]], step[b[0]])
         if key not in cache:
             cache[key] = price(a, b, nbytes)
-        return cache[key]
+        worst, anyone, there, back = cache[key]
+        if nbytes / min(a[1], b[1]) <= constants.buffered_message_bytes:
+            return 0.0, 0.0, there, back  # buffered: nobody waits in a rendezvous
+        return worst, anyone, there, back
 
-    def row(a, b, crowded: bool) -> NDArray[np.float64]:
-        return np.array(
-            [blocked(a, b, k)[0 if crowded else 1] for k in range(boundaries)]
-        )
+    def row(a, b, part: int) -> NDArray[np.float64]:
+        return np.array([blocked(a, b, k)[part] for k in range(boundaries)])
 
-    pairs = {(a, b): row(a, b, True) for a in kinds for b in kinds}
-    anyone = {(a, b): row(a, b, False) for a in kinds for b in kinds}
+    pairs = {(a, b): row(a, b, 0) for a in kinds for b in kinds}
+    anyone = {(a, b): row(a, b, 1) for a in kinds for b in kinds}
+    links = {(a, b): (row(a, b, 2), row(a, b, 3)) for a in kinds for b in kinds}
     sends = {a: np.min([pairs[(a, b)] for b in kinds], axis=0) for a in kinds}
     receives = {b: np.min([anyone[(a, b)] for a in kinds], axis=0) for b in kinds}
-    return sends, receives, pairs
+    return sends, receives, pairs, links
 
 
 def _stage_bounds(
@@ -326,22 +332,15 @@ def _kind_bounds(
         (gpu, t): data.layer_times(model, gpu, mbs, t, smooth=constants.smooth_profiles)
         for gpu, t in kinds
     }
-    fastest_f = np.min([x.forward for x in times.values()], axis=0)
-    fastest_b = np.min([x.backward for x in times.values()], axis=0)
-    before_f = np.concatenate([[0.0], np.cumsum(fastest_f)])
-    before_b = np.concatenate([[0.0], np.cumsum(fastest_b)])
-    before_f[1:] += overhead
-    before_b[1:] += overhead
-    # Forward and backward of the layers after a stage (overheads counted apart).
-    fastest = np.min([x.forward + x.backward for x in times.values()], axis=0)
-    after_fb = np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
+    before_f, before_b, after_fb = _layer_bounds(times, overhead)
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = {} if cache is None else cache  # shared by the groups of one call
-    sends, receives, pairs = _blocking_transfers(
+    sends, receives, _, links = _blocking_transfers(
         data, model, constants, kinds, mbs, dp, cache
     )
-    if not with_sends:  # the caller adds the send to the stage that follows
+    link_rows = _link_rows(links, before_f, before_b, after_fb, times, steps)
+    if not with_sends:  # the caller adds what depends on the next stage
         sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
     out = {}
     for kind in kinds:
@@ -395,6 +394,9 @@ def _kind_bounds(
         w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
         late, fwd = np.full(shape, np.inf), np.zeros(shape)
         w[starts, stops] = head + last
+        if with_sends:  # the boundary after the stage, least over the next kind
+            least = np.min([link_rows[(kind, other)] for other in kinds], axis=0)
+            w = np.maximum(w, least[None, :])
         cap[starts, stops] = np.minimum(fits, float(steps))
         # The warm-up bound less k forwards (see _StageBounds.weights).
         late[starts, stops] = (
@@ -415,13 +417,67 @@ def _send_rows(
     steps: int,
     cache: dict,
 ) -> dict:
-    """``{(kind, next kind): f64[L + 1]}``: ``B`` x the least blocking transfer
-    time over the boundary at each stop ``b`` (0 at ``b = L``) that a stage pays
-    when the next stage is of the given kind."""
-    pairs = _blocking_transfers(data, model, constants, kinds, mbs, dp, cache)[2]
-    return {
-        pair: steps * np.concatenate([[0.0], row, [0.0]]) for pair, row in pairs.items()
+    """``{(kind, next kind): (add, link)}``, each ``f64[L + 1]`` by the stage's
+    stop ``b`` (0 at ``b = L``): ``add``, ``B`` x the least blocking transfer
+    time over that boundary, which the stage's busy time gains; ``link``, the
+    bound the boundary's link alone gives (:func:`_link_rows`)."""
+    _, _, pairs, links = _blocking_transfers(
+        data, model, constants, kinds, mbs, dp, cache
+    )
+    times = {
+        (gpu, t): data.layer_times(model, gpu, mbs, t, smooth=constants.smooth_profiles)
+        for gpu, t in kinds
     }
+    before_f, before_b, after_fb = _layer_bounds(times, constants.op_overhead_s)
+    link_rows = _link_rows(links, before_f, before_b, after_fb, times, steps)
+    return {
+        pair: (steps * np.concatenate([[0.0], row, [0.0]]), link_rows[pair])
+        for pair, row in pairs.items()
+    }
+
+
+def _layer_bounds(times: dict, overhead: float) -> tuple:
+    """``(before_f, before_b, after_fb)`` by layer index, at the fastest kind:
+    the forward (backward) of the layers before, plus an overhead, and the
+    forward and backward of the layers from there on."""
+    fastest_f = np.min([x.forward for x in times.values()], axis=0)
+    fastest_b = np.min([x.backward for x in times.values()], axis=0)
+    before_f = np.concatenate([[0.0], np.cumsum(fastest_f)])
+    before_b = np.concatenate([[0.0], np.cumsum(fastest_b)])
+    before_f[1:] += overhead
+    before_b[1:] += overhead
+    fastest = np.min([x.forward + x.backward for x in times.values()], axis=0)
+    after_fb = np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
+    return before_f, before_b, after_fb
+
+
+def _link_rows(links, before_f, before_b, after_fb, times, steps) -> dict:
+    """``{(kind, next kind): f64[L + 1]}`` by stop ``b``: a bound on the
+    predicted time from the boundary's link alone (``inf`` off, 0 at ``b =
+    L``). In each direction a pipeline's messages cross one at a time (a
+    rendezvous, or a buffered message the sender hands over only once the
+    previous one was taken), so the last of ``B`` activations arrives
+    ``(B - 1) x`` after the first, which waits for the forwards before ``b``;
+    that micro-batch then runs forward and backward through the layers from
+    ``b`` on and backward through those before. The gradients alike: the first
+    follows every forward and the backwards from ``b`` on, the last comes
+    ``(B - 1)`` gradient transfers later and then runs back through the layers
+    before ``b``. ``x``: the dearest pipeline's transfer, least over the
+    placements."""
+    fastest_b = np.min([x.backward for x in times.values()], axis=0)
+    after_b = np.concatenate([np.cumsum(fastest_b[::-1])[::-1], [0.0]])
+    out = {}
+    for pair, (there, back) in links.items():
+        stops = np.arange(1, len(there) + 1)
+        forward = (
+            before_f[stops] + (steps - 1) * there + after_fb[stops] + before_b[stops]
+        )
+        gradient = before_f[-1] + after_b[stops] + (steps - 1) * back + before_b[stops]
+        row = np.zeros(len(there) + 2)
+        row[1:-1] = np.maximum(forward, gradient)
+        row[0] = np.inf
+        out[pair] = row
+    return out
 
 
 def _least_allreduce(data, gpu, tp, dp, params, tied, held, starts, ends):
@@ -473,15 +529,20 @@ class _StageBounds:
         backward of every layer after it (an overhead each per stage); before it
         the stage runs at most ``k = min(stages after + 1, B)`` forwards (the
         schedule's peak in flight), so ``B`` backwards and ``B - k`` forwards
-        follow. ``send``: ``(name, row)``, a blocking transfer to the next stage
-        at each stop, added to the first bound."""
+        follow. ``send``: ``(name, (add, link))`` for a known next stage: its
+        blocking transfers added to the first bound, and its link's bound
+        (:func:`_send_rows`)."""
         key = (tp, left, None if send is None else send[0])
         if key not in self._cache:
             w, cap, late, fwd = self.tables[tp]
             fewest, most = _stages_after(self.group, tp, left)
             k = min(most + 1, self.group.steps)
             warm = late + 2 * self.overhead * fewest - k * fwd
-            bound = np.maximum(w if send is None else w + send[1][None, :], warm)
+            if send is None:
+                bound = np.maximum(w, warm)
+            else:
+                add, link = send[1]
+                bound = np.maximum(np.maximum(w + add[None, :], warm), link[None, :])
             fits = cap >= min(fewest + 1, self.group.steps)
             self._cache[key] = np.where(fits, bound, np.inf)
         return self._cache[key]
