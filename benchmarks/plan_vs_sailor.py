@@ -9,7 +9,9 @@ optimum (or its certified gap), our search time with the proof (cold: first
 call in the process, profiles read; warm: again); Sailor's chosen plan where
 the issue gives it, predicted by our predictor, and Sailor's own predicted
 time and search time from the issue; the measured runs of the same setting in
-the bundled data (each predicted by us, and the best measured time).
+the bundled data (each predicted by us, and the best measured time); on the
+pools of several types, also the plan with ``mixed_types`` (stages on different
+types), its certified gap and search time.
 
 Usage::
 
@@ -157,6 +159,23 @@ def main() -> None:
             ]
             best = min(measured, key=lambda r: r.time_s)
             line += f" | best measured {best.name}: {best.time_s:.3f} s"
+        if len(pool) > 1:  # plans whose stages run on different GPU types
+            mixed = plan_training(model, pool, gbs, mixed_types=True)
+            row["mixed_types"] = {
+                "plan": mixed.plan.describe(),
+                "layers_per_stage": [s.num_layers for s in mixed.plan.stages],
+                "predicted_s": mixed.iteration_time_s,
+                "proven_optimal_under_predictor": mixed.proven,
+                "predicted_lower_bound_s": mixed.predicted_lower_bound_s,
+                "predicted_gap": mixed.predicted_gap,
+                "search_time_s": mixed.search_time_s,
+                "over_one_type": mixed.iteration_time_s / ours.iteration_time_s,
+            }
+            line += (
+                f" | mixed types: {mixed.plan.describe()} "
+                f"{mixed.iteration_time_s:.3f} s, gap "
+                f"{100 * mixed.predicted_gap:.1f}% ({mixed.search_time_s:.1f} s)"
+            )
         if args.diff:
             diff = plan_training(model, pool, gbs, method="diff")
             row["diff"] = {
