@@ -49,6 +49,7 @@ from .sailor_data import SailorData
 
 __all__ = [
     "StageTables",
+    "usable_degrees",
     "canonical_nodes",
     "compile_tables",
     "plan_from_mixed_stages",
@@ -79,6 +80,21 @@ class StageTables:
     max_n_succ_stages: NDArray[np.int64]
     stage_tail_cost: NDArray[np.float64]
     work: NDArray[np.float64]
+
+
+def usable_degrees(
+    data: SailorData, model: str, gpu: str, mbs: int, count: int
+) -> list[int]:
+    """The TP degrees a stage of ``model`` may have on ``gpu`` at ``mbs`` with
+    ``count`` GPUs: profiled at that mbs, dividing the GPUs of a node, at most
+    ``count``."""
+    table = data.profile(model, gpu)
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    return [
+        t
+        for t in data.model_info(model).tp_values
+        if (mbs, t) in table and gpn % t == 0 and t <= count
+    ]
 
 
 def canonical_nodes(stage_tps: Sequence[int], dp: int, gpus_per_node: int) -> list:

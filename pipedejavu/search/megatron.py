@@ -58,6 +58,7 @@ from pipedejavu.costmodel.megatron_tables import (
     canonical_nodes,
     compile_tables,
     plan_from_stages,
+    usable_degrees,
 )
 from pipedejavu.costmodel.sailor_data import SailorData
 from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D, Replica
@@ -237,11 +238,7 @@ def _configs(
     for mbs in mbs_all:
         if gbs % mbs:
             continue
-        tps = [
-            t
-            for t in info.tp_values
-            if (mbs, t) in table and spec.gpus_per_node % t == 0 and t <= count
-        ]
+        tps = usable_degrees(data, model, gpu, mbs, count)
         if not tps:
             continue
         layer, optimizer, total_params = {}, {}, {}

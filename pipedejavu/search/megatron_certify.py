@@ -70,6 +70,7 @@ from pipedejavu.costmodel.megatron_tables import (
     plan_from_mixed_stages,
     plan_from_stages,
     span_allreduce,
+    usable_degrees,
 )
 from pipedejavu.costmodel.sailor_data import SailorData
 from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D, Replica
@@ -145,17 +146,12 @@ def _groups(
     info = data.model_info(model)
     out = []
     for gpu, count in gpus.items():
-        spec = data.gpu_spec(gpu)
         table = data.profile(model, gpu)
         stages_cap = min(info.num_layers, max_stages or info.num_layers)
         for mbs in sorted({m for m, _ in table}):
             if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
                 continue
-            tps = [
-                t
-                for t in info.tp_values
-                if (mbs, t) in table and spec.gpus_per_node % t == 0 and t <= count
-            ]
+            tps = usable_degrees(data, model, gpu, mbs, count)
             if not tps:
                 continue
             for dp in range(1, count // min(tps) + 1):
