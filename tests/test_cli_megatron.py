@@ -84,3 +84,24 @@ def test_over_memory_still_predicted(capsys, tmp_path):
     assert code == 0
     assert json.loads(out)["fits_memory"] is False
     assert "warning: the plan exceeds device memory" in err
+
+
+def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
+    """``plan --mixed-types --json``: a plan on two GPU types, proven under the
+    predictor, that ``predict`` prices the same from the JSON as it is."""
+    argv = ["plan", "--model", "OPT-350", "--gpus", "Titan-RTX:4", "--gpus"]
+    argv += ["RTX-2080:4", "--global-batch", "32", "--mixed-types", "--json"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    data = json.loads(out)
+    assert data["proven_optimal"] is True and data["predicted_gap"] == 0.0
+    assert set(data["gpus_used"]) == {"Titan-RTX", "RTX-2080"}
+    path = tmp_path / "plan.json"
+    path.write_text(out)
+    code, out, _ = run(capsys, "predict", path, "--json")
+    assert code == 0
+    assert json.loads(out)["iteration_time_s"] == pytest.approx(
+        data["iteration_time_s"], rel=1e-12
+    )
+    code, out, _ = run(capsys, *argv[:-1])  # the text report says it
+    assert "proven optimal under the predictor" in out
