@@ -341,3 +341,36 @@ def test_no_local_move_improves_the_oracle_on_mid_size_instances(name):
     stages, placement = split(plan.stages)
     again, _, _ = local_search(problem, stages, placement, plan.cost)
     assert again >= plan.cost * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("limit", [1e-4, 1e-3, 1e-2])
+def test_bound_cut_short_is_valid_and_at_least_the_cheap_bound(limit):
+    """A bound cut off by a tiny time limit stays below the brute-force optimum
+    and never below the cheap bound (time limit 0); uncut, it is at least as
+    strong as both."""
+    checked = 0
+    for seed in range(40):
+        problem = random_instance(np.random.default_rng(seed))
+        expected, _ = brute_force_all(problem)
+        if not math.isfinite(expected):
+            continue
+        checked += 1
+        cheap = hetero_lower_bound(problem, time_limit_s=0.0)
+        cut = hetero_lower_bound(problem, time_limit_s=limit)
+        full = hetero_lower_bound(problem, time_limit_s=None)
+        assert 0 < cheap <= cut <= expected * (1 + 1e-12), seed
+        assert cheap <= full <= expected * (1 + 1e-12), seed
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.01, 0.05, 0.2])
+def test_bound_cut_short_on_a_mid_size_instance(limit):
+    """32 devices, L = 64: cut-short bounds stay below the oracle's optimum and
+    at or above the cheap one (with or without an incumbent)."""
+    cluster = two_type_cluster(2, 2, 8, inter_host_gbps=25, cross_type_gbps=10)
+    problem = hetero_problem(64, cluster, num_microbatches=32, seed=0)
+    optimum = hetero_exact(problem).cost
+    for incumbent in (None, 1.05 * optimum):
+        cheap = hetero_lower_bound(problem, incumbent_cost=incumbent, time_limit_s=0)
+        cut = hetero_lower_bound(problem, incumbent_cost=incumbent, time_limit_s=limit)
+        assert 0 < cheap <= cut <= optimum * (1 + 1e-12)

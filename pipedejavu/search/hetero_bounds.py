@@ -77,9 +77,18 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
 
 The result is also at least :func:`pipedejavu.search.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
-types, links dropped; valid by 2-4 with ``D`` devices in all), which is all
-that is returned when the time limit cuts the DP short. Floating point: the
-result is lowered by a relative ``16 (L + 4) eps``.
+types, links dropped; valid by 2-4 with ``D`` devices in all).
+
+9. **Anytime.** The least feasible cap ``r_0`` (step 5's ``np.maximum`` DP) is
+   computed first, before the time limit is looked at: every plan of several
+   stages with ``r <= incumbent / B`` costs ``>= B r_0`` (one with a larger
+   ``r``, ``>= B r_+``, ``r_+`` the least candidate value above ``incumbent /
+   B``), so the *cheap bound* ``max(min(B r_0, B r_+, one-stage cost),
+   homogeneous bound)`` holds at once.
+   Every later result is ``max``-ed with it: a bound cut short by the time
+   limit is never below the cheap one (after one solved cap, plans with a
+   larger ``r`` cost ``>= B`` times the next cap). Floating point: the result
+   is lowered by a relative ``16 (L + 4) eps``.
 """
 
 from __future__ import annotations
@@ -422,8 +431,9 @@ def hetero_lower_bound(
         problem: the instance.
         incumbent_cost: seconds of a known plan: intervals whose bound reaches it
             are not refined (the bound stays valid, it just stops improving).
-        time_limit_s: refinement stops past it; before the first two caps are
-            solved only the homogeneous bound is returned. None: no limit.
+        time_limit_s: refinement stops past it (0: the cheap bound of rule 9
+            only); a bound cut short is still ``>=`` the cheap bound. None: no
+            limit.
         max_caps: most caps at which ``Q`` is solved.
         rtol: the refinement stops when the weakest interval is within this
             relative distance of the best point bound (or the incumbent).
@@ -465,6 +475,9 @@ def hetero_lower_bound(
         block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
         return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
+    # The cheap bound, before any cap is solved: every plan of several stages
+    # has r >= smallest (or r > reach); one stage costs one_stage.
+    cheap = max(min(batches * float(caps[0]), tail, one_stage), simple)
     sums: dict[int, float] = {}
     best_point = [math.inf]
     prices = [np.zeros(len(levels.capacity) - 1)]  # warm start of the duals
@@ -490,12 +503,16 @@ def hetero_lower_bound(
         return max(value, batches * floor), low, high
 
     first, last = 0, len(caps) - 1
+    if time.perf_counter() > deadline:
+        return cheap * (1.0 - margin)
     solve(first)
     lowest = best_point[0]  # plans whose r is caps[first] exactly
     heap = []
     if last > first:
-        if time.perf_counter() > deadline:
-            return simple * (1.0 - margin)
+        if time.perf_counter() > deadline:  # r above caps[first]: B r at least
+            above_first = batches * max(float(caps[first + 1]), levels.gamma)
+            relaxed = min(lowest, above_first, tail)
+            return max(min(relaxed, one_stage), cheap) * (1.0 - margin)
         solve(last)
         heap.append(interval(first, last))
     while heap and len(sums) < max_caps and time.perf_counter() < deadline:
@@ -510,7 +527,7 @@ def hetero_lower_bound(
         for part in (interval(low, middle), interval(middle, high)):
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
-    bound = max(min(relaxed, one_stage), simple)
+    bound = max(min(relaxed, one_stage), cheap)
     return max(
         bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
     ) * (1.0 - margin)

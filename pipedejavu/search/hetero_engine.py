@@ -64,7 +64,8 @@ from .hetero_relax import (
 
 __all__ = ["HeteroSearchConfig", "hetero_search"]
 
-#: Share of the budget left after the optimization that the bound gets.
+#: Share of the budget left after the optimization that the polish leaves to
+#: the bound (and the windowed exact polish after it).
 _BOUND_SHARE = 0.4
 #: Least time (s) the bound gets when the polish used up the budget.
 _BOUND_FLOOR_S = 0.5
@@ -338,8 +339,10 @@ def hetero_search(
         time_budget_s: overrides ``config.time_budget_s``: the whole search
             (optimization, polish, bound) keeps to it, within the time of one
             polish step: the local search stops at 60% of what the
-            optimization left, the bound gets 40% of what is then left (at
-            least 0.5 s), the windowed exact polish stops at the budget.
+            optimization left, the bound may use all that is then left (at
+            least 0.5 s; it stops once within its tolerance of the plan), the
+            windowed exact polish gets what the bound leaves and stops at the
+            budget.
 
     Returns:
         A :class:`HeteroPlan` (``method="diff"``) whose ``info`` holds
@@ -417,10 +420,14 @@ def hetero_search(
     polished = {restart: cost for cost, restart, _, _, _ in results}
     searched = time.perf_counter()
 
-    # Certify (the bound's relaxation may hand over a cheaper valid plan).
+    # Certify (the bound's relaxation may hand over a cheaper valid plan). The
+    # bound gets all that is left, at least a floor: it stops by itself once
+    # within its tolerance of the incumbent, and what it leaves goes to the
+    # windowed exact polish (cut short, the bound falls back to coarser pieces
+    # that are much weaker than the polish can gain).
     bound_limit = None
-    if math.isfinite(budget_end):  # a share of what is left, at least a floor
-        bound_limit = max(_BOUND_SHARE * (budget_end - searched), _BOUND_FLOOR_S)
+    if math.isfinite(budget_end):
+        bound_limit = max(budget_end - searched, _BOUND_FLOOR_S)
     from_bound: list = []
 
     def keep(plan) -> None:
