@@ -83,19 +83,32 @@ class _Groups(NamedTuple):
 def _groups(problem: Problem) -> _Groups:
     table = problem.compute_cost
     memory = problem.max_n_succ_stages
+    num_layers, num_submeshes = problem.num_layers, problem.num_submeshes
+    sizes = problem.submesh_sizes
     fits = np.isfinite(table) & (memory >= 0)
-    starts, ends, submeshes = np.nonzero(fits.any(axis=3))
     # By end, then submesh size: the groups a label has room for are a prefix.
-    order = np.lexsort((problem.submesh_sizes[submeshes], ends))
-    starts, ends, submeshes = starts[order], ends[order], submeshes[order]
+    by_size = np.argsort(sizes, kind="stable")
+    if np.unique(sizes).size == sizes.size:
+        # Distinct sizes: (end, size, start) order straight from nonzero.
+        ends, ranks, starts = np.nonzero(
+            fits.any(axis=3).transpose(1, 2, 0)[:, by_size]
+        )
+        submeshes = by_size[ranks]
+    else:
+        starts, ends, submeshes = np.nonzero(fits.any(axis=3))
+        order = np.lexsort((sizes[submeshes], ends))
+        starts, ends, submeshes = starts[order], ends[order], submeshes[order]
+    flat = (starts * num_layers + ends) * num_submeshes + submeshes
+    num_configs = problem.num_configs
+    fitting = fits.reshape(-1, num_configs)[flat]
     return _Groups(
         start=starts,
         end=ends,
         submesh=submeshes,
-        size=problem.submesh_sizes[submeshes],
-        cost=np.where(fits, table, np.inf)[starts, ends, submeshes],
-        limit=memory[starts, ends, submeshes],
-        by_end=np.searchsorted(ends, np.arange(problem.num_layers + 1)),
+        size=sizes[submeshes],
+        cost=np.where(fitting, table.reshape(-1, num_configs)[flat], np.inf),
+        limit=memory.reshape(-1, num_configs)[flat],
+        by_end=np.searchsorted(ends, np.arange(num_layers + 1)),
     )
 
 
@@ -169,27 +182,27 @@ class _Tables(NamedTuple):
     lower: float
 
 
-def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
+def _level_prefix_tables(
+    problem: Problem, groups: _Groups, levels: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """``least_sum`` and ``least_max`` of :class:`_Tables` (f64[R, L + 1, D + 1])."""
     num_layers, num_devices = problem.num_layers, problem.num_devices
     width = num_devices + 1
     sizes = problem.submesh_sizes
     num_submeshes = sizes.size
     pad = int(sizes.max())
     # least_*[k, i, pad + r]: r devices (columns < pad: inf).
-    shape = (levels, num_layers + 1, pad + width)
-    least_sum, least_max = np.full(shape, np.inf), np.full(shape, np.inf)
-    least_sum[:, 0, pad] = least_max[:, 0, pad] = 0.0
-    # Row (m, i) of shifted_*[k] is least_*[k, i] shifted right by submesh m's
+    shape = (2, levels, num_layers + 1, pad + width)
+    # [0]: least sums, [1]: least maxes (one array: one gather serves both).
+    least = np.full(shape, np.inf)
+    least[:, :, 0, pad] = 0.0
+    # Row (m, i) of shifted[:, k] is least[:, k, i] shifted right by submesh m's
     # size: column r holds r - size(m) devices, so a stage on m that starts at
     # layer i reads its prefix row as one contiguous gather.
-    shifted_sum = np.full((levels, num_submeshes * (num_layers + 1), width), np.inf)
-    shifted_max = np.full_like(shifted_sum, np.inf)
-    shifted_sum[:, np.arange(num_submeshes) * (num_layers + 1)] = np.where(
+    shifted = np.full((2, levels, num_submeshes * (num_layers + 1), width), np.inf)
+    shifted[:, :, np.arange(num_submeshes) * (num_layers + 1)] = np.where(
         np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
-    )[None]
-    shifted_max[:, np.arange(num_submeshes) * (num_layers + 1)] = shifted_sum[
-        :, np.arange(num_submeshes) * (num_layers + 1)
-    ]
+    )[None, None]
     columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
     rows_of = np.arange(num_submeshes) * (num_layers + 1)  # [M]
     # cost[k, g]: with k + 1 followers; the stage before follows at level k + 1.
@@ -199,18 +212,16 @@ def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
     usable = np.isfinite(cost).any(axis=0)
     row = groups.submesh * (num_layers + 1) + groups.start  # [G]
     # Level k reads level k + 1 (the last level reads itself).
-    src_sum = shifted_sum[1:] if levels > 1 else shifted_sum
-    src_max = shifted_max[1:] if levels > 1 else shifted_max
+    source = shifted[:, 1:] if levels > 1 else shifted
     for end in range(num_layers):
         first, last = groups.by_end[end], groups.by_end[end + 1]
         keep = np.flatnonzero(usable[first:last]) + first
         if keep.size == 0:
             continue
-        index = row[keep]
         costs = cost[:, keep, None]  # [R, G, 1]
-        sums = np.take(src_sum, index, axis=1)  # [R', G, W]
-        maxes = np.take(src_max, index, axis=1)
-        out_sum, out_max = least_sum[:, end + 1, pad:], least_max[:, end + 1, pad:]
+        both = np.take(source, row[keep], axis=2)  # [2, R', G, W]
+        sums, maxes = both[0], both[1]
+        out_sum, out_max = least[0, :, end + 1, pad:], least[1, :, end + 1, pad:]
         if levels > 1:
             out_sum[:-1] = (sums + costs[:-1]).min(axis=1)
             out_max[:-1] = np.maximum(maxes, costs[:-1]).min(axis=1)
@@ -219,10 +230,54 @@ def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
         else:
             out_sum[:] = (sums + costs).min(axis=1)
             out_max[:] = np.maximum(maxes, costs).min(axis=1)
-        target = rows_of + end + 1
-        shifted_sum[:, target] = least_sum[:, end + 1][:, columns]
-        shifted_max[:, target] = least_max[:, end + 1][:, columns]
-    least_sum, least_max = least_sum[:, :, pad:], least_max[:, :, pad:]
+        shifted[:, :, rows_of + end + 1] = least[:, :, end + 1][..., columns]
+    least_sum, least_max = least[0], least[1]
+    return least_sum[:, :, pad:], least_max[:, :, pad:]
+
+
+def _plain_prefix_tables(
+    problem: Problem, groups: _Groups
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """:func:`_level_prefix_tables` with one level (f64[1, L + 1, D + 1]); the
+    sum and slowest-stage tables are stacked so each end layer is a few calls."""
+    num_layers, num_devices = problem.num_layers, problem.num_devices
+    width = num_devices + 1
+    sizes = problem.submesh_sizes
+    num_submeshes = sizes.size
+    pad = int(sizes.max())
+    # least[0 / 1, i, pad + r]: least sum / slowest stage (columns < pad: inf).
+    least = np.full((2, num_layers + 1, pad + width), np.inf)
+    least[:, 0, pad] = 0.0
+    # Row (m, i) of shifted[t] is least[t, i] shifted right by submesh m's size.
+    rows_of = np.arange(num_submeshes) * (num_layers + 1)  # [M]
+    shifted = np.full((2, num_submeshes * (num_layers + 1), width), np.inf)
+    shifted[:, rows_of] = np.where(
+        np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
+    )[None]
+    columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
+    cost, _ = _cheapest(groups.cost, groups.limit, 1)
+    usable = np.flatnonzero(np.isfinite(cost))
+    cost = cost[usable, None]  # [G, 1]
+    row = (groups.submesh * (num_layers + 1) + groups.start)[usable]  # [G]
+    by_end = np.searchsorted(groups.end[usable], np.arange(num_layers + 1))
+    for end in range(num_layers):
+        first, last = by_end[end], by_end[end + 1]
+        if first == last:
+            continue
+        prefix = shifted.take(row[first:last], axis=1)  # [2, G, W]
+        np.add(prefix[0], cost[first:last], out=prefix[0])
+        np.maximum(prefix[1], cost[first:last], out=prefix[1])
+        prefix.min(axis=1, out=least[:, end + 1, pad:])
+        shifted[:, rows_of + end + 1] = least[:, end + 1][:, columns]
+    return least[:1, :, pad:], least[1:, :, pad:]
+
+
+def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
+    if levels == 1:
+        least_sum, least_max = _plain_prefix_tables(problem, groups)
+    else:
+        least_sum, least_max = _level_prefix_tables(problem, groups, levels)
+    num_layers, num_devices = problem.num_layers, problem.num_devices
     # The last stage (no follower) on top of every prefix.
     first, last = groups.by_end[num_layers - 1], groups.by_end[num_layers]
     final, _ = _cheapest(groups.cost[first:last], groups.limit[first:last], 0)
