@@ -248,18 +248,21 @@ def _plain_prefix_tables(
     # least[0 / 1, i, pad + r]: least sum / slowest stage (columns < pad: inf).
     least = np.full((2, num_layers + 1, pad + width), np.inf)
     least[:, 0, pad] = 0.0
-    # Row (m, i) of shifted[t] is least[t, i] shifted right by submesh m's size.
-    rows_of = np.arange(num_submeshes) * (num_layers + 1)  # [M]
-    shifted = np.full((2, num_submeshes * (num_layers + 1), width), np.inf)
-    shifted[:, rows_of] = np.where(
+    # Row i * M + m of shifted[t] is least[t, i] shifted right by submesh m's
+    # size (column r holds r - size(m) devices): a stage on m that starts at
+    # layer i reads its prefix as one row, and a finished layer's rows are one
+    # contiguous block.
+    shifted = np.full((2, (num_layers + 1) * num_submeshes, width), np.inf)
+    shifted[:, :num_submeshes] = np.where(
         np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
     )[None]
-    columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
+    columns = (np.arange(width)[None, :] + pad - sizes[:, None]).ravel()  # [M * W]
     cost, _ = _cheapest(groups.cost, groups.limit, 1)
     usable = np.flatnonzero(np.isfinite(cost))
     cost = cost[usable, None]  # [G, 1]
-    row = (groups.submesh * (num_layers + 1) + groups.start)[usable]  # [G]
-    by_end = np.searchsorted(groups.end[usable], np.arange(num_layers + 1))
+    row = (groups.start * num_submeshes + groups.submesh)[usable]  # [G]
+    by_end = np.searchsorted(groups.end[usable], np.arange(num_layers + 1)).tolist()
+    block = shifted.reshape(2, num_layers + 1, num_submeshes * width)
     for end in range(num_layers):
         first, last = by_end[end], by_end[end + 1]
         if first == last:
@@ -268,7 +271,7 @@ def _plain_prefix_tables(
         np.add(prefix[0], cost[first:last], out=prefix[0])
         np.maximum(prefix[1], cost[first:last], out=prefix[1])
         prefix.min(axis=1, out=least[:, end + 1, pad:])
-        shifted[:, rows_of + end + 1] = least[:, end + 1][:, columns]
+        np.take(least[:, end + 1], columns, axis=1, out=block[:, end + 1], mode="clip")
     return least[:1, :, pad:], least[1:, :, pad:]
 
 
