@@ -66,16 +66,16 @@ class _Groups(NamedTuple):
 
     def below(self, theta: float, num_layers: int) -> _Groups:
         """The groups with configs costing at most ``theta`` seconds."""
-        cost = np.where(self.cost <= theta, self.cost, np.inf)
-        keep = np.isfinite(cost).any(axis=1)
-        end = self.end[keep]
+        keep = np.flatnonzero(_row_min(self.cost)[0] <= theta)
+        cost = self.cost.take(keep, axis=0)
+        end = self.end.take(keep)
         return _Groups(
-            self.start[keep],
+            self.start.take(keep),
             end,
-            self.submesh[keep],
-            self.size[keep],
-            cost[keep],
-            self.limit[keep],
+            self.submesh.take(keep),
+            self.size.take(keep),
+            np.where(cost <= theta, cost, np.inf),
+            self.limit.take(keep, axis=0),
             np.searchsorted(end, np.arange(num_layers + 1)),
         )
 
@@ -86,30 +86,50 @@ def _groups(problem: Problem) -> _Groups:
     num_layers, num_submeshes = problem.num_layers, problem.num_submeshes
     sizes = problem.submesh_sizes
     fits = np.isfinite(table) & (memory >= 0)
+    # Any config fits (an or over the few configs: faster than any(axis=3)).
+    fits_any = fits[..., 0].copy()
+    for config in range(1, problem.num_configs):
+        fits_any |= fits[..., config]
     # By end, then submesh size: the groups a label has room for are a prefix.
     by_size = np.argsort(sizes, kind="stable")
     if np.unique(sizes).size == sizes.size:
         # Distinct sizes: (end, size, start) order straight from nonzero.
-        ends, ranks, starts = np.nonzero(
-            fits.any(axis=3).transpose(1, 2, 0)[:, by_size]
-        )
+        ends, ranks, starts = np.nonzero(fits_any.transpose(1, 2, 0)[:, by_size])
         submeshes = by_size[ranks]
     else:
-        starts, ends, submeshes = np.nonzero(fits.any(axis=3))
+        starts, ends, submeshes = np.nonzero(fits_any)
         order = np.lexsort((sizes[submeshes], ends))
         starts, ends, submeshes = starts[order], ends[order], submeshes[order]
     flat = (starts * num_layers + ends) * num_submeshes + submeshes
     num_configs = problem.num_configs
-    fitting = fits.reshape(-1, num_configs)[flat]
+    fitting = fits.reshape(-1, num_configs).take(flat, axis=0)
     return _Groups(
         start=starts,
         end=ends,
         submesh=submeshes,
         size=sizes[submeshes],
-        cost=np.where(fitting, table.reshape(-1, num_configs)[flat], np.inf),
-        limit=memory.reshape(-1, num_configs)[flat],
+        cost=np.where(
+            fitting, table.reshape(-1, num_configs).take(flat, axis=0), np.inf
+        ),
+        limit=memory.reshape(-1, num_configs).take(flat, axis=0),
         by_end=np.searchsorted(ends, np.arange(num_layers + 1)),
     )
+
+
+def _row_min(
+    values: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """Least entry of each row of f64[G, K] and its column (i64[G], smallest on
+    ties, as ``argmin``): a loop over the few columns, much faster than a
+    reduction along a short last axis."""
+    least = values[:, 0].copy()
+    column = np.zeros(values.shape[0], np.int64)
+    for index in range(1, values.shape[1]):
+        candidate = values[:, index]
+        better = candidate < least
+        least = np.where(better, candidate, least)
+        column[better] = index
+    return least, column
 
 
 def _cheapest(
@@ -117,9 +137,7 @@ def _cheapest(
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     """Cheapest config with ``followers`` stages after it (f64[G] seconds, inf:
     none fits) and that config (i64[G], smallest on ties)."""
-    allowed = np.where(limit >= followers, cost, np.inf)
-    config = allowed.argmin(axis=1)
-    return allowed[np.arange(config.size), config], config
+    return _row_min(np.where(limit >= followers, cost, np.inf))
 
 
 class _CheapestByFollowers:
