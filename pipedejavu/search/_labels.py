@@ -382,6 +382,9 @@ def _run_pass(
         - groups.by_end[:-1, None]
     )  # [L, W]
     cheapest = _CheapestByFollowers(groups)
+    # Flat views of the tables: one take per lookup.
+    least_sum = tables.least_sum.reshape(tables.least_sum.shape[0], -1)
+    least_max = tables.least_max.reshape(tables.least_max.shape[0], -1)
     for followers in range(min(num_layers, num_devices)):
         live = current.layer > 0
         if not live.any():
@@ -396,21 +399,21 @@ def _run_pass(
         offsets = np.cumsum(count) - count
         group = np.repeat(first - offsets, count) + np.arange(count.sum())
         cost, config = cheapest(followers)
-        cost = cost[group]
+        cost = cost.take(group)
         allowed = cost < np.inf
         if not allowed.all():
             label, group, cost = label[allowed], group[allowed], cost[allowed]
-        config = config[group]
-        devices = current.devices[label] + groups.size[group]
-        start = groups.start[group]
-        left = num_devices - devices
-        total = current.total[label] + cost
-        slowest = np.maximum(current.slowest[label], cost)
+        config = config.take(group)
+        devices = current.devices.take(label) + groups.size.take(group)
+        start = groups.start.take(group)
+        cell = start * width + (num_devices - devices)  # (start, devices left)
+        total = current.total.take(label) + cost
+        slowest = np.maximum(current.slowest.take(label), cost)
         level = min(followers, tables.least_sum.shape[0] - 1)  # prefix: >= +1
         bound = (
             total
-            + tables.least_sum[level, start, left]
-            + _times(factor, np.maximum(slowest, tables.least_max[level, start, left]))
+            + least_sum[level].take(cell)
+            + _times(factor, np.maximum(slowest, least_max[level].take(cell)))
         )
         keep = bound <= cap
         dropped = bound[~keep]
