@@ -210,17 +210,20 @@ def _level_prefix_tables(
     num_submeshes = sizes.size
     pad = int(sizes.max())
     # least_*[k, i, pad + r]: r devices (columns < pad: inf).
-    shape = (2, levels, num_layers + 1, pad + width)
-    # [0]: least sums, [1]: least maxes (one array: one gather serves both).
-    least = np.full(shape, np.inf)
-    least[:, :, 0, pad] = 0.0
-    # Row (m, i) of shifted[:, k] is least[:, k, i] shifted right by submesh m's
+    shape = (levels, num_layers + 1, pad + width)
+    least_sum, least_max = np.full(shape, np.inf), np.full(shape, np.inf)
+    least_sum[:, 0, pad] = least_max[:, 0, pad] = 0.0
+    # Row (m, i) of shifted_*[k] is least_*[k, i] shifted right by submesh m's
     # size: column r holds r - size(m) devices, so a stage on m that starts at
     # layer i reads its prefix row as one contiguous gather.
-    shifted = np.full((2, levels, num_submeshes * (num_layers + 1), width), np.inf)
-    shifted[:, :, np.arange(num_submeshes) * (num_layers + 1)] = np.where(
+    shifted_sum = np.full((levels, num_submeshes * (num_layers + 1), width), np.inf)
+    shifted_max = np.full_like(shifted_sum, np.inf)
+    shifted_sum[:, np.arange(num_submeshes) * (num_layers + 1)] = np.where(
         np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
-    )[None, None]
+    )[None]
+    shifted_max[:, np.arange(num_submeshes) * (num_layers + 1)] = shifted_sum[
+        :, np.arange(num_submeshes) * (num_layers + 1)
+    ]
     columns = np.arange(width)[None, :] + pad - sizes[:, None]  # [M, W]
     rows_of = np.arange(num_submeshes) * (num_layers + 1)  # [M]
     # cost[k, g]: with k + 1 followers; the stage before follows at level k + 1.
@@ -230,16 +233,18 @@ def _level_prefix_tables(
     usable = np.isfinite(cost).any(axis=0)
     row = groups.submesh * (num_layers + 1) + groups.start  # [G]
     # Level k reads level k + 1 (the last level reads itself).
-    source = shifted[:, 1:] if levels > 1 else shifted
+    src_sum = shifted_sum[1:] if levels > 1 else shifted_sum
+    src_max = shifted_max[1:] if levels > 1 else shifted_max
     for end in range(num_layers):
         first, last = groups.by_end[end], groups.by_end[end + 1]
         keep = np.flatnonzero(usable[first:last]) + first
         if keep.size == 0:
             continue
+        index = row[keep]
         costs = cost[:, keep, None]  # [R, G, 1]
-        both = np.take(source, row[keep], axis=2)  # [2, R', G, W]
-        sums, maxes = both[0], both[1]
-        out_sum, out_max = least[0, :, end + 1, pad:], least[1, :, end + 1, pad:]
+        sums = np.take(src_sum, index, axis=1)  # [R', G, W]
+        maxes = np.take(src_max, index, axis=1)
+        out_sum, out_max = least_sum[:, end + 1, pad:], least_max[:, end + 1, pad:]
         if levels > 1:
             out_sum[:-1] = (sums + costs[:-1]).min(axis=1)
             out_max[:-1] = np.maximum(maxes, costs[:-1]).min(axis=1)
@@ -248,8 +253,9 @@ def _level_prefix_tables(
         else:
             out_sum[:] = (sums + costs).min(axis=1)
             out_max[:] = np.maximum(maxes, costs).min(axis=1)
-        shifted[:, :, rows_of + end + 1] = least[:, :, end + 1][..., columns]
-    least_sum, least_max = least[0], least[1]
+        target = rows_of + end + 1
+        shifted_sum[:, target] = least_sum[:, end + 1][:, columns]
+        shifted_max[:, target] = least_max[:, end + 1][:, columns]
     return least_sum[:, :, pad:], least_max[:, :, pad:]
 
 
