@@ -275,3 +275,60 @@ def test_follower_levels_prove_infeasibility(monkeypatch):
         if caps is not None:
             assert labels.stages == caps.stages
     assert infeasible >= 5
+
+
+@pytest.mark.parametrize("memory", ["unlimited", "random"])
+@pytest.mark.parametrize("seed", range(3))
+def test_plain_prefix_tables_match_the_level_tables(memory, seed):
+    """The one-level fast path of the label DP's prefix tables gives exactly
+    the general (multi-level) code's tables at one level, with all groups and
+    with those below a theta."""
+    from pipedejavu.search import _labels
+
+    rng = np.random.default_rng(3000 + seed)
+    for index in range(20):
+        if index % 4 == 0:
+            problem = random_problem(
+                int(rng.integers(8, 24)),
+                (2, 4),
+                missing=0.3,
+                seed=int(rng.integers(1e6)),
+            )
+        else:
+            problem = tiny_problem(rng, p_memory=0.5)
+        if memory == "unlimited":
+            problem = problem.replace(max_n_succ_stages=None)
+        groups = _labels._groups(problem)
+        finite = groups.cost[np.isfinite(groups.cost)]
+        thetas = [math.inf] + ([float(np.median(finite))] if finite.size else [])
+        for theta in thetas:
+            subset = groups.below(theta, problem.num_layers)
+            plain = _labels._plain_prefix_tables(problem, subset)
+            general = _labels._level_prefix_tables(problem, subset, 1)
+            np.testing.assert_array_equal(plain[0], general[0])
+            np.testing.assert_array_equal(plain[1], general[1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_groups_are_ordered_by_end_then_size(seed):
+    """Groups come sorted by (end, submesh size, start, submesh), with repeated
+    submesh sizes (tiny problems) and distinct ones alike, and the row minima
+    match ``argmin``."""
+    from pipedejavu.search import _labels
+
+    rng = np.random.default_rng(4000 + seed)
+    for _ in range(30):
+        problem = tiny_problem(rng, p_memory=0.5)
+        groups = _labels._groups(problem)
+        fits = np.isfinite(problem.compute_cost) & (problem.max_n_succ_stages >= 0)
+        starts, ends, submeshes = np.nonzero(fits.any(axis=3))
+        order = np.lexsort((problem.submesh_sizes[submeshes], ends))
+        np.testing.assert_array_equal(groups.start, starts[order])
+        np.testing.assert_array_equal(groups.end, ends[order])
+        np.testing.assert_array_equal(groups.submesh, submeshes[order])
+        cost = np.where(fits, problem.compute_cost, np.inf)
+        expected = cost[starts[order], ends[order], submeshes[order]]
+        np.testing.assert_array_equal(groups.cost, expected)
+        least, column = _labels._row_min(groups.cost)
+        np.testing.assert_array_equal(column, groups.cost.argmin(axis=1))
+        np.testing.assert_array_equal(least, groups.cost.min(axis=1))

@@ -66,16 +66,16 @@ class _Groups(NamedTuple):
 
     def below(self, theta: float, num_layers: int) -> _Groups:
         """The groups with configs costing at most ``theta`` seconds."""
-        cost = np.where(self.cost <= theta, self.cost, np.inf)
-        keep = np.isfinite(cost).any(axis=1)
-        end = self.end[keep]
+        keep = np.flatnonzero(_row_min(self.cost)[0] <= theta)
+        cost = self.cost.take(keep, axis=0)
+        end = self.end.take(keep)
         return _Groups(
-            self.start[keep],
+            self.start.take(keep),
             end,
-            self.submesh[keep],
-            self.size[keep],
-            cost[keep],
-            self.limit[keep],
+            self.submesh.take(keep),
+            self.size.take(keep),
+            np.where(cost <= theta, cost, np.inf),
+            self.limit.take(keep, axis=0),
             np.searchsorted(end, np.arange(num_layers + 1)),
         )
 
@@ -83,20 +83,53 @@ class _Groups(NamedTuple):
 def _groups(problem: Problem) -> _Groups:
     table = problem.compute_cost
     memory = problem.max_n_succ_stages
+    num_layers, num_submeshes = problem.num_layers, problem.num_submeshes
+    sizes = problem.submesh_sizes
     fits = np.isfinite(table) & (memory >= 0)
-    starts, ends, submeshes = np.nonzero(fits.any(axis=3))
+    # Any config fits (an or over the few configs: faster than any(axis=3)).
+    fits_any = fits[..., 0].copy()
+    for config in range(1, problem.num_configs):
+        fits_any |= fits[..., config]
     # By end, then submesh size: the groups a label has room for are a prefix.
-    order = np.lexsort((problem.submesh_sizes[submeshes], ends))
-    starts, ends, submeshes = starts[order], ends[order], submeshes[order]
+    by_size = np.argsort(sizes, kind="stable")
+    if np.unique(sizes).size == sizes.size:
+        # Distinct sizes: (end, size, start) order straight from nonzero.
+        ends, ranks, starts = np.nonzero(fits_any.transpose(1, 2, 0)[:, by_size])
+        submeshes = by_size[ranks]
+    else:
+        starts, ends, submeshes = np.nonzero(fits_any)
+        order = np.lexsort((sizes[submeshes], ends))
+        starts, ends, submeshes = starts[order], ends[order], submeshes[order]
+    flat = (starts * num_layers + ends) * num_submeshes + submeshes
+    num_configs = problem.num_configs
+    fitting = fits.reshape(-1, num_configs).take(flat, axis=0)
     return _Groups(
         start=starts,
         end=ends,
         submesh=submeshes,
-        size=problem.submesh_sizes[submeshes],
-        cost=np.where(fits, table, np.inf)[starts, ends, submeshes],
-        limit=memory[starts, ends, submeshes],
-        by_end=np.searchsorted(ends, np.arange(problem.num_layers + 1)),
+        size=sizes[submeshes],
+        cost=np.where(
+            fitting, table.reshape(-1, num_configs).take(flat, axis=0), np.inf
+        ),
+        limit=memory.reshape(-1, num_configs).take(flat, axis=0),
+        by_end=np.searchsorted(ends, np.arange(num_layers + 1)),
     )
+
+
+def _row_min(
+    values: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """Least entry of each row of f64[G, K] and its column (i64[G], smallest on
+    ties, as ``argmin``): a loop over the few columns, much faster than a
+    reduction along a short last axis."""
+    least = values[:, 0].copy()
+    column = np.zeros(values.shape[0], np.int64)
+    for index in range(1, values.shape[1]):
+        candidate = values[:, index]
+        better = candidate < least
+        least = np.where(better, candidate, least)
+        column[better] = index
+    return least, column
 
 
 def _cheapest(
@@ -104,9 +137,7 @@ def _cheapest(
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     """Cheapest config with ``followers`` stages after it (f64[G] seconds, inf:
     none fits) and that config (i64[G], smallest on ties)."""
-    allowed = np.where(limit >= followers, cost, np.inf)
-    config = allowed.argmin(axis=1)
-    return allowed[np.arange(config.size), config], config
+    return _row_min(np.where(limit >= followers, cost, np.inf))
 
 
 class _CheapestByFollowers:
@@ -169,7 +200,10 @@ class _Tables(NamedTuple):
     lower: float
 
 
-def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
+def _level_prefix_tables(
+    problem: Problem, groups: _Groups, levels: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """``least_sum`` and ``least_max`` of :class:`_Tables` (f64[R, L + 1, D + 1])."""
     num_layers, num_devices = problem.num_layers, problem.num_devices
     width = num_devices + 1
     sizes = problem.submesh_sizes
@@ -222,7 +256,55 @@ def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
         target = rows_of + end + 1
         shifted_sum[:, target] = least_sum[:, end + 1][:, columns]
         shifted_max[:, target] = least_max[:, end + 1][:, columns]
-    least_sum, least_max = least_sum[:, :, pad:], least_max[:, :, pad:]
+    return least_sum[:, :, pad:], least_max[:, :, pad:]
+
+
+def _plain_prefix_tables(
+    problem: Problem, groups: _Groups
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """:func:`_level_prefix_tables` with one level (f64[1, L + 1, D + 1]); the
+    sum and slowest-stage tables are stacked so each end layer is a few calls."""
+    num_layers, num_devices = problem.num_layers, problem.num_devices
+    width = num_devices + 1
+    sizes = problem.submesh_sizes
+    num_submeshes = sizes.size
+    pad = int(sizes.max())
+    # least[0 / 1, i, pad + r]: least sum / slowest stage (columns < pad: inf).
+    least = np.full((2, num_layers + 1, pad + width), np.inf)
+    least[:, 0, pad] = 0.0
+    # Row i * M + m of shifted[t] is least[t, i] shifted right by submesh m's
+    # size (column r holds r - size(m) devices): a stage on m that starts at
+    # layer i reads its prefix as one row, and a finished layer's rows are one
+    # contiguous block.
+    shifted = np.full((2, (num_layers + 1) * num_submeshes, width), np.inf)
+    shifted[:, :num_submeshes] = np.where(
+        np.arange(width)[None, :] == sizes[:, None], 0.0, np.inf
+    )[None]
+    columns = (np.arange(width)[None, :] + pad - sizes[:, None]).ravel()  # [M * W]
+    cost, _ = _cheapest(groups.cost, groups.limit, 1)
+    usable = np.flatnonzero(np.isfinite(cost))
+    cost = cost[usable, None]  # [G, 1]
+    row = (groups.start * num_submeshes + groups.submesh)[usable]  # [G]
+    by_end = np.searchsorted(groups.end[usable], np.arange(num_layers + 1)).tolist()
+    block = shifted.reshape(2, num_layers + 1, num_submeshes * width)
+    for end in range(num_layers):
+        first, last = by_end[end], by_end[end + 1]
+        if first == last:
+            continue
+        prefix = shifted.take(row[first:last], axis=1)  # [2, G, W]
+        np.add(prefix[0], cost[first:last], out=prefix[0])
+        np.maximum(prefix[1], cost[first:last], out=prefix[1])
+        prefix.min(axis=1, out=least[:, end + 1, pad:])
+        np.take(least[:, end + 1], columns, axis=1, out=block[:, end + 1], mode="clip")
+    return least[:1, :, pad:], least[1:, :, pad:]
+
+
+def _tables(problem: Problem, groups: _Groups, levels: int) -> _Tables:
+    if levels == 1:
+        least_sum, least_max = _plain_prefix_tables(problem, groups)
+    else:
+        least_sum, least_max = _level_prefix_tables(problem, groups, levels)
+    num_layers, num_devices = problem.num_layers, problem.num_devices
     # The last stage (no follower) on top of every prefix.
     first, last = groups.by_end[num_layers - 1], groups.by_end[num_layers]
     final, _ = _cheapest(groups.cost[first:last], groups.limit[first:last], 0)
@@ -306,6 +388,9 @@ def _run_pass(
         - groups.by_end[:-1, None]
     )  # [L, W]
     cheapest = _CheapestByFollowers(groups)
+    # Flat views of the tables: one take per lookup.
+    least_sum = tables.least_sum.reshape(tables.least_sum.shape[0], -1)
+    least_max = tables.least_max.reshape(tables.least_max.shape[0], -1)
     for followers in range(min(num_layers, num_devices)):
         live = current.layer > 0
         if not live.any():
@@ -320,21 +405,21 @@ def _run_pass(
         offsets = np.cumsum(count) - count
         group = np.repeat(first - offsets, count) + np.arange(count.sum())
         cost, config = cheapest(followers)
-        cost = cost[group]
+        cost = cost.take(group)
         allowed = cost < np.inf
         if not allowed.all():
             label, group, cost = label[allowed], group[allowed], cost[allowed]
-        config = config[group]
-        devices = current.devices[label] + groups.size[group]
-        start = groups.start[group]
-        left = num_devices - devices
-        total = current.total[label] + cost
-        slowest = np.maximum(current.slowest[label], cost)
+        config = config.take(group)
+        devices = current.devices.take(label) + groups.size.take(group)
+        start = groups.start.take(group)
+        cell = start * width + (num_devices - devices)  # (start, devices left)
+        total = current.total.take(label) + cost
+        slowest = np.maximum(current.slowest.take(label), cost)
         level = min(followers, tables.least_sum.shape[0] - 1)  # prefix: >= +1
         bound = (
             total
-            + tables.least_sum[level, start, left]
-            + _times(factor, np.maximum(slowest, tables.least_max[level, start, left]))
+            + least_sum[level].take(cell)
+            + _times(factor, np.maximum(slowest, least_max[level].take(cell)))
         )
         keep = bound <= cap
         dropped = bound[~keep]
