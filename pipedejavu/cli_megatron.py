@@ -174,7 +174,7 @@ def format_training_plan(result) -> str:
         lines.append(f"  uses fewer GPUs than available: {used}")
     lines += [
         f"predicted iteration time: {prediction.iteration_time_s:.4f} s",
-        f"planning objective: {result.objective_s:.4f} s; optimum "
+        f"planning objective: {_seconds(result.objective_s)}; optimum "
         f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
         f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
         f"{result.configurations} configurations solved)",
@@ -183,6 +183,10 @@ def format_training_plan(result) -> str:
         format_prediction(plan, prediction).split("\n", 1)[1],
     ]
     return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.4f} s" if value == value else "n/a (GPU types mixed)"
 
 
 def _proof_line(result) -> str:

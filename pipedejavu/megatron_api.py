@@ -54,7 +54,8 @@ class TrainingPlan:
         plan: the plan (names its model; GPUs placed in Megatron's rank order).
         prediction: the predictor's view (:class:`~pipedejavu.costmodel.megatron.
             Prediction`); ``prediction.iteration_time_s`` is the plan's time.
-        objective_s: the plan's planning objective (closed-form pipeline).
+        objective_s: the plan's planning objective (closed-form pipeline;
+            ``nan`` for a plan mixing GPU types).
         optimum_s: the least planning objective over the search space.
         lower_bound_s: certified lower bound on it (equal for ``method="dp"``).
         gap: ``optimum_s / lower_bound_s - 1``.
@@ -110,7 +111,7 @@ class TrainingPlan:
             fits_memory=predicted["fits_memory"],
             memory_per_stage_bytes=predicted["memory_per_stage_bytes"],
             breakdown=predicted["breakdown"],
-            objective_s=self.objective_s,
+            objective_s=_finite_or_none(self.objective_s),
             optimum_s=self.optimum_s,
             lower_bound_s=self.lower_bound_s,
             gap=self.gap,

@@ -96,6 +96,7 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     data = json.loads(out)
     assert data["proven_optimal"] is True and data["predicted_gap"] == 0.0
     assert set(data["gpus_used"]) == {"Titan-RTX", "RTX-2080"}
+    assert data["objective_s"] is None  # no one-type table prices a mixed plan
     path = tmp_path / "plan.json"
     path.write_text(out)
     code, out, _ = run(capsys, "predict", path, "--json")
@@ -105,3 +106,4 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     )
     code, out, _ = run(capsys, *argv[:-1])  # the text report says it
     assert "proven optimal under the predictor" in out
+    assert "planning objective: n/a (GPU types mixed)" in out

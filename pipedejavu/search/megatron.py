@@ -134,7 +134,8 @@ class MegatronSearchResult:
     Attributes:
         plan: the chosen plan (canonically placed).
         prediction: the predictor's view of it.
-        objective_s: its planning objective (closed form).
+        objective_s: its planning objective (closed form; ``nan`` for a plan
+            mixing GPU types).
         optimum_s: the least planning objective found.
         lower_bound_s: a certified lower bound on the planning objective over
             the whole search space (``== optimum_s`` for the exact method).
@@ -506,7 +507,9 @@ def _objective(
     data: SailorData, model: str, constants: PredictorConstants, plan: Plan3D
 ) -> float:
     """The planning objective of a canonically placed one-type plan, on the
-    search's tables."""
+    search's tables (``nan`` for a plan mixing GPU types: no table prices it)."""
+    if len(plan.gpus_by_type()) > 1:
+        return math.nan
     gpu = plan.stages[0].replicas[0].gpu_type
     gpn = data.gpu_spec(gpu).gpus_per_node
     degrees = [stage.replicas[0].tp for stage in plan.stages]
