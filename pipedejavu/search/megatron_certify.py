@@ -889,7 +889,8 @@ def _mixed_weights(mix, bounds, sends, gpu, after, k):
 
 def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, counts, best_ref):
     """The plans with ``counts`` stages per type whose stage bounds and rest
-    bound stay below ``best_ref[0]``."""
+    bound stay below ``best_ref[0]``, depth first and, among the children of a
+    node, least bound first."""
     types = [gpu for gpu, _ in mix.caps]
     gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in gpus}
     size = next(iter(g.values())).shape[0]
@@ -923,13 +924,18 @@ def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, counts, best_ref
         i = types.index(gpu)
         rest = left[:i] + (left[i] - 1,) + left[i + 1 :]
         k = sum(left)
+        children = []
         for after in types:
             tail = end if k == 1 else g.get((rest, after))
             if tail is None or (k == 1 and after != gpu):
                 continue
             stage = _mixed_weights(mix, bounds, sends, gpu, after, k)[start]
             row = np.maximum(stage, tail)
-            for stop in np.flatnonzero(row < best_ref[0]).tolist()[::-1]:
+            for stop in np.flatnonzero(row < best_ref[0]).tolist():
                 chain = (*stages, (start, stop, mix.tp, gpu))
                 value = max(bound, float(row[stop]))
-                stack.append((stop, rest, after, chain, value))
+                children.append((stop, rest, after, chain, value))
+        # Best first: the child of least bound is taken next, so good plans
+        # come early and lower the incumbent that prunes the rest.
+        children.sort(key=lambda child: -child[4])
+        stack.extend(children)
