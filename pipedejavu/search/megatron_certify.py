@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import time
@@ -176,6 +177,63 @@ def _groups(
     return out
 
 
+def _pipeline_transfers(
+    data: SailorData,
+    a: tuple[str, int],
+    b: tuple[str, int],
+    nbytes: float,
+    dp: int,
+    first: int,
+    second: int,
+    memo: dict,
+) -> list[tuple[float, float]]:
+    """Per pipeline ``j``, (activation, gradient) seconds over the boundary
+    from a stage of kind ``a`` whose replicas start at rank ``first`` of its
+    type to the next of kind ``b`` starting at rank ``second`` of its type (TP
+    innermost, then data: replica ``j`` at ``first + j x tp``). The placement
+    fixes whether the two replicas share a node (one type) and how many
+    pipelines share their node pair (what ``p2p_time`` reads); ``inf`` where no
+    link fit prices it. ``memo``: shared by calls with the same kinds and
+    bytes."""
+    gpn_a = data.gpu_spec(a[0]).gpus_per_node
+    gpn_b = data.gpu_spec(b[0]).gpus_per_node
+    nodes = [
+        ((first + j * a[1]) // gpn_a, (second + j * b[1]) // gpn_b) for j in range(dp)
+    ]
+    crowd: dict = {}
+    for pair in nodes:
+        crowd[pair] = crowd.get(pair, 0) + 1
+    out = []
+    for pair in nodes:
+        key = (a[0] == b[0] and pair[0] == pair[1], crowd[pair])
+        if key not in memo:
+            sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
+            receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
+            try:
+                memo[key] = (
+                    p2p_time(
+                        data.network,
+                        sender,
+                        receiver,
+                        nbytes,
+                        same_node=key[0],
+                        concurrent=key[1],
+                    ),
+                    p2p_time(
+                        data.network,
+                        receiver,
+                        sender,
+                        nbytes,
+                        same_node=key[0],
+                        concurrent=key[1],
+                    ),
+                )
+            except ProblemError:  # no fit: the predictor cannot price it
+                memo[key] = (math.inf, math.inf)
+        out.append(memo[key])
+    return out
+
+
 def _blocking_transfers(
     data: SailorData,
     model: str,
@@ -212,49 +270,14 @@ def _blocking_transfers(
     def price(a, b, nbytes) -> tuple[float, float]:
         """(least over placements of the dearest pipeline's transfer, least of
         any pipeline's) from a stage of kind ``a`` to the next of kind ``b``."""
-        sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
-        receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
-        gpn_a = data.gpu_spec(a[0]).gpus_per_node
-        gpn_b = data.gpu_spec(b[0]).gpus_per_node
         if a[0] == b[0]:  # the next stage takes the type's next ranks
             combos = [(o, o + dp * a[1]) for o in offsets(a[0])]
         else:  # nodes of their own
             combos = [(o, r) for o in offsets(a[0]) for r in offsets(b[0])]
-        times: dict[tuple[bool, int], tuple[float, float]] = {}
+        memo: dict = {}
         worst = anyone = dear_there = dear_back = math.inf
         for o, r in combos:
-            nodes = [
-                ((o + j * a[1]) // gpn_a, (r + j * b[1]) // gpn_b) for j in range(dp)
-            ]
-            crowd: dict = {}
-            for pair in nodes:
-                crowd[pair] = crowd.get(pair, 0) + 1
-            each = []
-            for pair in nodes:
-                key = (a[0] == b[0] and pair[0] == pair[1], crowd[pair])
-                if key not in times:
-                    try:
-                        times[key] = (
-                            p2p_time(
-                                data.network,
-                                sender,
-                                receiver,
-                                nbytes,
-                                same_node=key[0],
-                                concurrent=key[1],
-                            ),
-                            p2p_time(
-                                data.network,
-                                receiver,
-                                sender,
-                                nbytes,
-                                same_node=key[0],
-                                concurrent=key[1],
-                            ),
-                        )
-                    except ProblemError:  # no fit: the predictor cannot price it
-                        times[key] = (math.inf, math.inf)
-                each.append(times[key])
+            each = _pipeline_transfers(data, a, b, nbytes, dp, o, r, memo)
             both = [x + y for x, y in each]
             if max(both) < math.inf:
                 worst = min(worst, max(both))
@@ -312,6 +335,7 @@ def _kind_bounds(
     cache: dict | None = None,
     *,
     with_sends: bool = True,
+    placed: Mapping[str, int] | None = None,
 ) -> dict:
     """``{(gpu, tp): (w, cap, late, fwd)}``: for a stage of layers ``a..b-1`` of
     each kind (GPU type, TP degree) that stages of a plan may have,
@@ -320,7 +344,10 @@ def _kind_bounds(
     GPUs' memory beside its model state (at most ``B``; ``-1``: not even the
     model state), and the parts of the warm-up bound: ``late - k fwd`` with
     ``k`` forwards before the first backward. The layers before and after a
-    stage are counted at the fastest kind."""
+    stage are counted at the fastest kind. ``placed``: ``{type: rank}`` where a
+    type's stage starts (its all-reduce priced there exactly); ``w`` then
+    leaves out the blocking transfers on both sides, which the caller adds for
+    known neighbours."""
     info = data.model_info(model)
     num_layers = info.num_layers
     overhead = constants.op_overhead_s
@@ -336,8 +363,10 @@ def _kind_bounds(
         data, model, constants, kinds, mbs, dp, cache
     )
     link_rows = _link_rows(links, before_f, before_b, after_fb, times, steps)
-    if not with_sends:  # the caller adds what depends on the next stage
+    if not with_sends or placed is not None:  # the caller adds them
         sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
+    if placed is not None:
+        receives = {kind: np.zeros_like(row) for kind, row in receives.items()}
     out = {}
     for kind in kinds:
         gpu, t = kind
@@ -357,11 +386,13 @@ def _kind_bounds(
         held = pprefix[stops] - pprefix[starts]
         tied = info.tied_params(t)
         held = held - np.where((starts == 0) & (stops == num_layers), tied, 0.0)
-        # The least all-reduce over the offsets the stage can have in a node.
-        key = ("allreduce", gpu, t, dp)
+        # The least all-reduce over the offsets the stage can have in a node
+        # (or at the one it has).
+        spots = None if placed is None else (placed[gpu] % spec.gpus_per_node,)
+        key = ("allreduce", gpu, t, dp, spots)
         if key not in cache:
             cache[key] = _least_allreduce(
-                data, gpu, t, dp, params, tied, held, starts, ends
+                data, gpu, t, dp, params, tied, held, starts, ends, spots
             )
         allreduce, largest = cache[key]
         rate = float(entry.update[0]) / _profiling_params(info, t)
@@ -476,13 +507,14 @@ def _link_rows(links, before_f, before_b, after_fb, times, steps) -> dict:
     return out
 
 
-def _least_allreduce(data, gpu, tp, dp, params, tied, held, starts, ends):
+def _least_allreduce(data, gpu, tp, dp, params, tied, held, starts, ends, spots):
     """The bucketed all-reduce of every span, least over the offsets of its
-    replicas within a node, and its largest bucket."""
+    replicas within a node (``spots``; ``None``: every offset), and its
+    largest bucket."""
     gpn = data.gpu_spec(gpu).gpus_per_node
     replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
     allreduce, largest, seen = None, None, set()
-    for offset in range(gpn):
+    for offset in range(gpn) if spots is None else spots:
         nodes = [(offset + j * tp) // gpn for j in range(dp)]
         hops = ring_hops(data.network, replicas, nodes) if dp > 1 else []
         if tuple(hops) in seen:
@@ -606,8 +638,9 @@ def certify_predicted(
         mbs_values=mbs_values,
         max_stages=max_stages,
     )
-    # (bound, order, plans: best_ref -> the configuration's plans to predict)
-    items: list[tuple[float, int, Callable]] = []
+    # (bound, order, plans: best_ref -> the configuration's plans to predict,
+    # or, with True, a mixed item's refinement: () -> (bound, plans))
+    items: list[tuple[float, int, Callable, bool]] = []
     cache: dict = {}
     for group in groups:
         bounds = _StageBounds(
@@ -622,7 +655,7 @@ def certify_predicted(
                 plans = functools.partial(
                     _single_plans, data, model, global_batch, group, bounds, g, size
                 )
-                items.append((value, len(items), plans))
+                items.append((value, len(items), plans, False))
     skipped_mixes = 0
     lower = math.inf
     if mixed_types and uniform_tp and len(gpus) > 1:
@@ -657,33 +690,32 @@ def certify_predicted(
                     skipped_mixes += 1
                     lower = min(lower, value)
                 continue
+            placed = _PlacedMix(data, model, constants, mix, cache)
             least: dict = {}  # counts -> least bound over the first stage's type
             for (counts, _), row in g.items():
                 if sum(1 for c in counts if c) >= 2:  # one type: see above
                     least[counts] = min(least.get(counts, math.inf), float(row[0]))
             for counts, value in least.items():
-                if not math.isfinite(value):
-                    continue
-                plans = functools.partial(
-                    _mixed_plans,
-                    data,
-                    model,
-                    gpus,
-                    global_batch,
-                    mix,
-                    bounds,
-                    sends,
-                    g,
-                    counts,
-                )
-                items.append((value, len(items), plans))
-    items.sort(key=lambda item: (item[0], item[1]))
+                if math.isfinite(value):
+                    refine = functools.partial(
+                        _refine, placed, gpus, global_batch, counts
+                    )
+                    items.append((value, len(items), refine, True))
+    # Least bound first; a mixed item carries a coarse bound until it is first
+    # taken, then its exact-placement bound (_PlacedMix) and goes back.
+    configurations = len(items)
+    heapq.heapify(items)
     pruned = enumerated = predicted = 0
     left_open = skipped_mixes
     improved = False
-    for value, _, plans in items:
+    while items:
+        value, order, plans, coarse = heapq.heappop(items)
         if value >= best:
             pruned += 1
+            continue
+        if coarse:
+            refined, plans = plans()
+            heapq.heappush(items, (max(value, refined), order, plans, False))
             continue
         if predicted >= max_plans:
             left_open += 1
@@ -724,7 +756,7 @@ def certify_predicted(
         prediction=best_prediction,
         lower_bound_s=min(lower, best),
         proven=left_open == 0,
-        configurations=len(items),
+        configurations=configurations,
         pruned=pruned,
         enumerated=enumerated,
         open=left_open,
@@ -887,55 +919,241 @@ def _mixed_weights(mix, bounds, sends, gpu, after, k):
     return bounds[gpu].weights(mix.tp, k * mix.tp, send=(after, row))
 
 
-def _mixed_plans(data, model, gpus, gbs, mix, bounds, sends, g, counts, best_ref):
-    """The plans with ``counts`` stages per type whose stage bounds and rest
-    bound stay below ``best_ref[0]``, depth first and, among the children of a
-    node, least bound first."""
-    types = [gpu for gpu, _ in mix.caps]
-    gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in gpus}
-    size = next(iter(g.values())).shape[0]
-    last = size - 1
-    end = np.full(size, np.inf)
-    end[last] = -np.inf
-    # (start, counts left, type of the next stage, stages so far, bound)
-    stack = [
-        (0, counts, gpu, (), float(g[(counts, gpu)][0]))
-        for gpu in types
-        if (counts, gpu) in g
-    ]
-    stack.sort(key=lambda item: -item[4])
-    while stack:
-        start, left, gpu, stages, bound = stack.pop()
-        if bound >= best_ref[0]:
-            continue
-        if sum(left) == 0:
-            if start == last:
-                yield plan_from_mixed_stages(
-                    stages,
-                    dp=mix.dp,
-                    mbs=mix.mbs,
-                    gbs=gbs,
-                    model=model,
-                    pool=gpus,
-                    gpus_per_node=gpn,
-                    zone=DEFAULT_ZONE,
-                )
-            continue
-        i = types.index(gpu)
-        rest = left[:i] + (left[i] - 1,) + left[i + 1 :]
-        k = sum(left)
-        children = []
-        for after in types:
-            tail = end if k == 1 else g.get((rest, after))
-            if tail is None or (k == 1 and after != gpu):
+def _refine(placed: _PlacedMix, gpus, gbs, counts):
+    """A mixed item's exact-placement bound and its plans left to predict."""
+    value, g = placed.value(counts)
+    return value, functools.partial(placed.plans, gpus, gbs, counts, g)
+
+
+class _PlacedMix:
+    """Exact-placement bounds of the mixed plans of one :class:`_Mix` with a
+    given number of stages per type (``counts``, one entry per ``mix.caps``).
+
+    With the counts fixed, every stage's placement is known from its type and
+    how many stages of its type come before it (Megatron's rank order:
+    :func:`~pipedejavu.costmodel.megatron_tables.plan_from_mixed_stages`), so
+    a stage's bound can price, exactly:
+
+    * its data-parallel all-reduce at the offset its replicas have in a node;
+    * the blocking transfers over both its boundaries, with the actual
+      neighbour kinds and placements: in pipeline ``j`` a stage is busy for
+      ``R_j + S_j`` per micro-batch beside its layers (``R``: the boundary
+      before, ``S``: after), and ``max_j (R_j + S_j) >= max(min R + max S,
+      max R + min S)``;
+    * the link bound of the boundary after it (:func:`_link_rows`) at the
+      actual placements.
+
+    The state of the bottleneck DP is (stages left per type, type of the next
+    stage, type of the stage before it): the index of each stage in its type
+    follows from the counts. Tables are shared by the count vectors of one
+    mix (``self._weights``); DP rows are per count vector."""
+
+    def __init__(self, data, model, constants, mix: _Mix, cache: dict) -> None:
+        self.data, self.model, self.constants = data, model, constants
+        self.mix, self.cache = mix, cache
+        self.types = [gpu for gpu, _ in mix.caps]
+        self.kinds = [(gpu, mix.tp) for gpu in self.types]
+        info = data.model_info(model)
+        self.layers = info.num_layers
+        self.nbytes = np.asarray(info.act_output[mix.tp], dtype=float)[
+            : self.layers - 1
+        ] * (FLOAT_BYTES * mix.mbs)
+        times = {
+            kind: data.layer_times(
+                model, kind[0], mix.mbs, mix.tp, smooth=constants.smooth_profiles
+            )
+            for kind in self.kinds
+        }
+        self._layer = (*_layer_bounds(times, constants.op_overhead_s), times)
+        self._tables: dict = {}
+        self._pairs: dict = {}
+        self._weights: dict = {}
+
+    def _rank(self, gpu: str, index: int) -> int:
+        return index * self.mix.dp * self.mix.tp
+
+    def _table(self, gpu: str, index: int) -> tuple:
+        """``(w, cap, late, fwd)`` of a stage of ``gpu``, ``index``-th of its
+        type: no transfers in ``w``, the all-reduce at its placement."""
+        spot = self._rank(gpu, index) % self.data.gpu_spec(gpu).gpus_per_node
+        key = (gpu, spot)
+        if key not in self._tables:
+            out = _kind_bounds(
+                self.data,
+                self.model,
+                self.constants,
+                self.kinds,
+                self.mix.mbs,
+                self.mix.dp,
+                self.mix.steps,
+                self.cache,
+                with_sends=False,
+                placed={g: (spot if g == gpu else 0) for g in self.types},
+            )
+            self._tables[key] = out[(gpu, self.mix.tp)]
+        return self._tables[key]
+
+    def _pair(self, a: tuple[str, int], b: tuple[str, int]) -> tuple:
+        """Over the boundaries between stage ``a = (type, index)`` and the next,
+        ``b``: ``(least, dearest)`` blocking time per micro-batch of any
+        pipeline (``f64[L - 1]``, 0 where buffered) and the link bound by the
+        first stage's stop (``f64[L + 1]``)."""
+        if (a, b) not in self._pairs:
+            mix = self.mix
+            first, second = self._rank(*a), self._rank(*b)
+            ka, kb = (a[0], mix.tp), (b[0], mix.tp)
+            rows = np.empty((self.layers - 1, mix.dp, 2))
+            memo: dict = {}
+            for k, nbytes in enumerate(self.nbytes.tolist()):
+                if nbytes not in memo:
+                    memo[nbytes] = _pipeline_transfers(
+                        self.data, ka, kb, nbytes, mix.dp, first, second, {}
+                    )
+                rows[k] = memo[nbytes]
+            both = rows.sum(axis=2)
+            both[self.nbytes / mix.tp <= self.constants.buffered_message_bytes] = 0.0
+            before_f, before_b, after_fb, times = self._layer
+            link = _link_rows(
+                {0: (rows[:, :, 0].max(axis=1), rows[:, :, 1].max(axis=1))},
+                before_f,
+                before_b,
+                after_fb,
+                times,
+                mix.steps,
+            )[0]
+            self._pairs[(a, b)] = (both.min(axis=1), both.max(axis=1), link)
+        return self._pairs[(a, b)]
+
+    def weights(self, stage, before, after, count: int) -> NDArray[np.float64]:
+        """``w[a, b]`` of ``stage = (type, index)`` with ``before`` and
+        ``after`` its neighbours (``None`` at the ends: ``a`` must then be 0,
+        ``b`` must be ``L``) and ``count`` stages from it to the end."""
+        key = (stage, before, after, count)
+        if key in self._weights:
+            return self._weights[key]
+        if len(self._weights) > 20_000:  # about 20,000 x (L + 1)^2 floats at most
+            self._weights.clear()
+        steps, size = self.mix.steps, self.layers + 1
+        w, cap, late, fwd = self._table(*stage)
+        low_r = high_r = np.zeros(size)
+        if before is not None:
+            least, dear, _ = self._pair(before, stage)
+            low_r = np.concatenate([[np.inf], steps * least, [np.inf]])
+            high_r = np.concatenate([[np.inf], steps * dear, [np.inf]])
+        if after is None:
+            low_s = high_s = np.full(size, np.inf)
+            low_s[-1] = high_s[-1] = 0.0
+            link = np.zeros(size)
+        else:
+            least, dear, link = self._pair(stage, after)
+            low_s = np.concatenate([[np.inf], steps * least, [np.inf]])
+            high_s = np.concatenate([[np.inf], steps * dear, [np.inf]])
+        busy = np.maximum(
+            low_r[:, None] + high_s[None, :], high_r[:, None] + low_s[None, :]
+        )
+        warm = late + 2 * self.constants.op_overhead_s * (count - 1)
+        warm = warm - min(count, steps) * fwd
+        bound = np.maximum(np.maximum(w + busy, warm), link[None, :])
+        bound = np.where(cap >= min(count, steps), bound, np.inf)
+        self._weights[key] = bound
+        return bound
+
+    def bottleneck(self, counts: tuple[int, ...]) -> dict:
+        """``{(left, type, before): g[p]}`` for every state reachable from
+        ``counts``: the least ``max w`` over chains covering layers ``p..``
+        with ``left`` stages per type, the first of ``type``, the stage before
+        it of type ``before`` (``None``: it is the first stage)."""
+        g: dict = {}
+        size = self.layers + 1
+
+        def index(left, i):
+            return counts[i] - left[i]
+
+        def solve(left, i, before):
+            key = (left, i, before)
+            if key in g:
+                return g[key]
+            stage = (self.types[i], index(left, i))
+            prev = None
+            if before is not None:
+                prev = (self.types[before], index(left, before) - 1)
+            total = sum(left)
+            rest = left[:i] + (left[i] - 1,) + left[i + 1 :]
+            best = np.full(size, np.inf)
+            if total == 1:
+                best = self.weights(stage, prev, None, 1)[:, -1].copy()
+            else:
+                for j, n in enumerate(rest):
+                    if n == 0:
+                        continue
+                    nxt = (self.types[j], index(rest, j))
+                    tail = solve(rest, j, i)
+                    w = self.weights(stage, prev, nxt, total)
+                    best = np.minimum(best, np.maximum(w, tail[None, :]).min(axis=1))
+            g[key] = best
+            return best
+
+        for i, n in enumerate(counts):
+            if n:
+                solve(counts, i, None)
+        return g
+
+    def value(self, counts: tuple[int, ...]) -> tuple[float, dict]:
+        g = self.bottleneck(counts)
+        least = min(
+            (float(g[(counts, i, None)][0]) for i, n in enumerate(counts) if n),
+            default=math.inf,
+        )
+        return least, g
+
+    def plans(self, gpus, gbs, counts, g, best_ref):
+        """The plans with ``counts`` stages per type whose stage bounds and
+        rest bound stay below ``best_ref[0]``, depth first and, among the
+        children of a node, least bound first."""
+        data, mix = self.data, self.mix
+        gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in gpus}
+        last = self.layers
+        stack = [
+            (0, counts, i, None, (), float(g[(counts, i, None)][0]))
+            for i, n in enumerate(counts)
+            if n
+        ]
+        stack.sort(key=lambda item: -item[5])
+        while stack:
+            start, left, i, before, stages, bound = stack.pop()
+            if bound >= best_ref[0]:
                 continue
-            stage = _mixed_weights(mix, bounds, sends, gpu, after, k)[start]
-            row = np.maximum(stage, tail)
-            for stop in np.flatnonzero(row < best_ref[0]).tolist():
-                chain = (*stages, (start, stop, mix.tp, gpu))
-                value = max(bound, float(row[stop]))
-                children.append((stop, rest, after, chain, value))
-        # Best first: the child of least bound is taken next, so good plans
-        # come early and lower the incumbent that prunes the rest.
-        children.sort(key=lambda child: -child[4])
-        stack.extend(children)
+            gpu = self.types[i]
+            stage = (gpu, counts[i] - left[i])
+            prev = None
+            if before is not None:
+                prev = (self.types[before], counts[before] - left[before] - 1)
+            total = sum(left)
+            if total == 1:
+                value = max(bound, float(self.weights(stage, prev, None, 1)[start, -1]))
+                if value < best_ref[0]:
+                    yield plan_from_mixed_stages(
+                        [*stages, (start, last, mix.tp, gpu)],
+                        dp=mix.dp,
+                        mbs=mix.mbs,
+                        gbs=gbs,
+                        model=self.model,
+                        pool=gpus,
+                        gpus_per_node=gpn,
+                        zone=DEFAULT_ZONE,
+                    )
+                continue
+            rest = left[:i] + (left[i] - 1,) + left[i + 1 :]
+            children = []
+            for j, n in enumerate(rest):
+                if n == 0:
+                    continue
+                nxt = (self.types[j], counts[j] - rest[j])
+                w = self.weights(stage, prev, nxt, total)[start]
+                row = np.maximum(w, g[(rest, j, i)])
+                for stop in np.flatnonzero(row < best_ref[0]).tolist():
+                    chain = (*stages, (start, stop, mix.tp, gpu))
+                    value = max(bound, float(row[stop]))
+                    children.append((stop, rest, j, i, chain, value))
+            children.sort(key=lambda child: -child[5])
+            stack.extend(children)
