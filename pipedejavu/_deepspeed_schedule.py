@@ -32,6 +32,7 @@ stage's own rendezvous. (Contrast the ``"1f1b"`` schedule of
 
 from __future__ import annotations
 
+import functools
 import math
 
 # Command codes.
@@ -117,7 +118,7 @@ def run_deepspeed(
     """
     count = num_microbatches
     num_stages = len(forward)
-    streams = [deepspeed_commands(s, num_stages, count) for s in range(num_stages)]
+    streams, orders = _streams(num_stages, count)
 
     def grid(rows):
         return [[math.nan] * count for _ in range(rows)]
@@ -190,5 +191,16 @@ def run_deepspeed(
             raise RuntimeError("the DeepSpeed schedule deadlocked")
         remaining -= progressed
         sweep += 1
-    orders = [compute_order(stream, count) for stream in streams]
+    orders = [list(order) for order in orders]
     return orders, (f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end)
+
+
+@functools.lru_cache(maxsize=64)
+def _streams(num_stages: int, count: int) -> tuple[tuple, tuple]:
+    """Every stage's command stream and compute order (they depend on the
+    shape alone; a search simulates many plans of the same shape)."""
+    streams = tuple(
+        tuple(deepspeed_commands(s, num_stages, count)) for s in range(num_stages)
+    )
+    orders = tuple(tuple(compute_order(list(x), count)) for x in streams)
+    return streams, orders
