@@ -161,14 +161,17 @@ def format_training_plan(result) -> str:
     """The text report of ``pipedejavu plan``."""
     plan, prediction = result.plan, result.prediction
     used, available = result.gpus_used, result.gpus_available
+    mixed = len({s.replicas[0].gpu_type for s in plan.stages}) > 1
+
+    def where(stage) -> str:
+        first = stage.replicas[0]
+        return f"{first.gpu_type}, tp {first.tp}" if mixed else f"tp {first.tp}"
+
     lines = [
         f"model {plan.model}, global batch {plan.gbs}, GPUs {available}",
         f"plan: {plan.describe()}",
         "  stages: "
-        + ", ".join(
-            f"layers {s.start}-{s.stop - 1} (tp {s.replicas[0].tp})"
-            for s in plan.stages
-        ),
+        + ", ".join(f"layers {s.start}-{s.stop - 1} ({where(s)})" for s in plan.stages),
     ]
     if sum(used.values()) < sum(available.values()):
         lines.append(f"  uses fewer GPUs than available: {used}")
@@ -202,6 +205,37 @@ def _proof_line(result) -> str:
     return "predicted time not certified"
 
 
+class _PlanProgress:
+    """A line on stderr at most every 2 s: configurations solved, then the
+    proof under the predictor (plans predicted, best, bound)."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self._every = every_s
+        self._last = self._clock()
+
+    def __call__(self, state: dict) -> None:
+        import sys
+
+        now = self._clock()
+        if now - self._last < self._every:
+            return
+        self._last = now
+        if state.get("phase") == "proof":
+            line = (
+                f"proof: {state['predicted']} plans predicted, best "
+                f"{state['best']:.4f} s, lower bound {state['bound']:.4f} s"
+            )
+        else:
+            line = (
+                f"search: {state['solved']} configurations solved, best "
+                f"objective {state['best']:.4f} s"
+            )
+        print(line, file=sys.stderr, flush=True)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import sys
 
@@ -223,6 +257,7 @@ def _plan(args: argparse.Namespace) -> int:
         uniform_tp=not args.per_stage_tp,
         allow_fewer_gpus=not args.all_gpus,
         mixed_types=args.mixed_types,
+        progress_fn=_PlanProgress(),
     )
     exported = None
     if args.export:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .plan3d import Plan3D
@@ -141,6 +141,7 @@ def plan_training(
     mbs_values: Sequence[int] | None = None,
     constants: Any = None,
     mixed_types: bool = False,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -158,6 +159,8 @@ def plan_training(
         constants: predictor constants (``None``: the fitted ones).
         mixed_types: plans may run stages on different GPU types of the pool
             (searched by the proof under the predictor).
+        progress_fn: called with a dict as the search goes
+            (:func:`~pipedejavu.search.megatron.search_megatron`).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -182,7 +185,13 @@ def plan_training(
         raise ProblemError(str(error)) from None
     data = load_sailor_data(profiles)
     result = search_megatron(
-        data, model, pool, global_batch, constants or FITTED_CONSTANTS, config
+        data,
+        model,
+        pool,
+        global_batch,
+        constants or FITTED_CONSTANTS,
+        config,
+        progress_fn=progress_fn,
     )
     return TrainingPlan(
         plan=result.plan,

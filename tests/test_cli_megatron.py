@@ -107,3 +107,4 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     code, out, _ = run(capsys, *argv[:-1])  # the text report says it
     assert "proven optimal under the predictor" in out
     assert "planning objective: n/a (GPU types mixed)" in out
+    assert "Titan-RTX, tp" in out and "RTX-2080, tp" in out  # each stage's type

@@ -165,6 +165,24 @@ def test_proof_beats_the_closed_form_pick():
     assert proven.objective_s >= proven.optimum_s  # priced on the same tables
 
 
+def test_proof_reports_progress_with_valid_bounds():
+    """The proof's progress: plans predicted so far, the incumbent, and a
+    bound that never exceeds the final optimum."""
+    states = []
+    config = MegatronSearchConfig(mbs_values=(1, 2), max_stages=3, mixed_types=True)
+    pool = {"Titan-RTX": 4, "RTX-2080": 4}
+    result = search_megatron(
+        DATA, "OPT-350", pool, 32, C, config, progress_fn=states.append
+    )
+    proof = [state for state in states if state.get("phase") == "proof"]
+    assert proof and result.proven
+    best = result.prediction.iteration_time_s
+    for state in proof:
+        assert state["bound"] <= best * (1 + 1e-12) <= state["best"] * (1 + 1e-12)
+    assert proof[-1]["predicted"] == result.certificate.plans_predicted
+    assert proof[-1]["best"] == pytest.approx(best, rel=1e-12)
+
+
 def test_mixed_types_against_brute_force():
     """Plans whose stages run on different GPU types (``mixed_types``): every
     such plan of a small setting (two or three stages, mbs 1 or 2) predicted;

@@ -90,7 +90,10 @@ class MegatronSearchConfig:
             optimum (:mod:`pipedejavu.search.megatron_certify`; a better plan it
             finds is chosen instead).
         certify_max_plans: most predictor calls the proof may spend; beyond,
-            it certifies a lower bound on the predicted time instead.
+            it certifies a lower bound on the predicted time instead (``None``:
+            3000, or 10000 with ``mixed_types``, whose plans have more stages
+            and whose proof needs more predictions: 3,600-5,000 on the RTX
+            cluster of the measured runs).
         mixed_types: with several GPU types and ``uniform_tp``, also plans whose
             stages run on different types (``dp`` replicas of one type per
             stage); the proof's branch and bound searches them
@@ -105,7 +108,7 @@ class MegatronSearchConfig:
     method: str = "dp"
     diff_configs: int = 8
     certify: bool = True
-    certify_max_plans: int = 3000
+    certify_max_plans: int | None = None
     mixed_types: bool = False
 
     def __post_init__(self) -> None:
@@ -121,10 +124,17 @@ class MegatronSearchConfig:
             raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
         if self.mixed_types and not self.certify:
             raise ValueError("mixed_types needs certify (the proof searches them)")
-        if self.certify_max_plans < 0:
+        if self.certify_max_plans is not None and self.certify_max_plans < 0:
             raise ValueError(
                 f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
             )
+
+    @property
+    def proof_budget(self) -> int:
+        """``certify_max_plans``, its default filled in."""
+        if self.certify_max_plans is not None:
+            return self.certify_max_plans
+        return 10_000 if self.mixed_types else 3000
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -352,7 +362,10 @@ def search_megatron(
         global_batch: samples per iteration (gbs).
         constants: the predictor's constants.
         config: settings (:class:`MegatronSearchConfig`).
-        progress_fn: called with a dict after each configuration solved.
+        progress_fn: called with a dict after each configuration solved
+            (``{"solved", "best", "bound"}``), then during the proof
+            (``{"phase": "proof", ...}``: :func:`~pipedejavu.search.
+            megatron_certify.certify_predicted`).
 
     Raises:
         ProblemError: unknown model or GPU type, bad counts.
@@ -475,8 +488,9 @@ def search_megatron(
             allow_fewer_gpus=config.allow_fewer_gpus,
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
-            max_plans=config.certify_max_plans,
+            max_plans=config.proof_budget,
             mixed_types=config.mixed_types,
+            progress_fn=progress_fn,
         )
         if certificate.improved:
             plan = certificate.plan

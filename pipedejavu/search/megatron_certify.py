@@ -622,7 +622,11 @@ def certify_predicted(
         max_plans: most predictor calls in the enumeration.
         mixed_types: with several GPU types (and ``uniform_tp``), also plans
             whose stages run on different types (module docstring).
-        progress_fn: called with a dict after each configuration settled.
+        progress_fn: called with ``{"phase": "proof", "settled", "open",
+            "predicted", "best", "bound"}`` after each configuration settled
+            and at least every second while one is enumerated (``bound``: the
+            least bound of the configurations not settled, so ``min(bound,
+            best)`` is a lower bound on every plan at that moment).
     """
     started = time.perf_counter()
     best_prediction = predict_plan(incumbent, data, constants=constants)
@@ -708,6 +712,23 @@ def certify_predicted(
     pruned = enumerated = predicted = 0
     left_open = skipped_mixes
     improved = False
+    reported = time.perf_counter()
+
+    def report(bound: float) -> None:
+        nonlocal reported
+        reported = time.perf_counter()
+        if progress_fn is not None:
+            progress_fn(
+                {
+                    "phase": "proof",
+                    "settled": pruned + enumerated,
+                    "open": left_open,
+                    "predicted": predicted,
+                    "best": best,
+                    "bound": min(bound, lower, best),
+                }
+            )
+
     while items:
         value, order, plans, coarse = heapq.heappop(items)
         if value >= best:
@@ -728,6 +749,8 @@ def certify_predicted(
                 complete = False
                 break
             predicted += 1
+            if time.perf_counter() - reported > 1.0:
+                report(value)
             try:
                 prediction = predict_plan(plan, data, constants=constants)
             except ProblemError:  # a link the network tables do not price
@@ -745,10 +768,7 @@ def certify_predicted(
         else:
             left_open += 1
             lower = min(lower, value)
-        if progress_fn is not None:
-            progress_fn(
-                {"settled": pruned + enumerated, "open": left_open, "best": best}
-            )
+        report(items[0][0] if items else math.inf)
     if not math.isfinite(best):
         raise ValueError("the incumbent does not fit in memory")
     return PredictedCertificate(
