@@ -622,6 +622,9 @@ def certify_predicted(
         max_plans: most predictor calls in the enumeration.
         mixed_types: with several GPU types (and ``uniform_tp``), also plans
             whose stages run on different types (module docstring).
+        mixed_state_limit: most stage-count vectors a mixed configuration's
+            DP may visit; a configuration over it stays open at a coarser
+            bound.
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -702,7 +705,7 @@ def certify_predicted(
             for counts, value in least.items():
                 if math.isfinite(value):
                     refine = functools.partial(
-                        _refine, placed, gpus, global_batch, counts
+                        _refine, placed, gpus, global_batch, counts, mixed_state_limit
                     )
                     items.append((value, len(items), refine, True))
     # Least bound first; a mixed item carries a coarse bound until it is first
@@ -738,7 +741,7 @@ def certify_predicted(
             refined, plans = plans()
             heapq.heappush(items, (max(value, refined), order, plans, False))
             continue
-        if predicted >= max_plans:
+        if predicted >= max_plans or plans is None:
             left_open += 1
             lower = min(lower, value)
             continue
@@ -939,8 +942,12 @@ def _mixed_weights(mix, bounds, sends, gpu, after, k):
     return bounds[gpu].weights(mix.tp, k * mix.tp, send=(after, row))
 
 
-def _refine(placed: _PlacedMix, gpus, gbs, counts):
-    """A mixed item's exact-placement bound and its plans left to predict."""
+def _refine(placed: _PlacedMix, gpus, gbs, counts, limit: int):
+    """A mixed item's exact-placement bound and its plans left to predict;
+    ``(-inf, None)`` (left open at its coarse bound) when its DP would have
+    more than ``limit`` count vectors."""
+    if math.prod(c + 1 for c in counts) > limit:
+        return -math.inf, None
     value, g = placed.value(counts)
     return value, functools.partial(placed.plans, gpus, gbs, counts, g)
 
