@@ -42,6 +42,15 @@ are taken in increasing order of bound. When every configuration is settled the
 incumbent is the predictor's optimum over the search space (``proven``);
 otherwise (``max_plans`` predictions spent) the least bound of the unsettled
 configurations is a certified lower bound on every plan's predicted time.
+
+**Mixed GPU types** (``mixed_types``: one mbs, dp and TP degree, a type per
+stage). Per (mbs, dp, TP) a coarse DP over (layers covered, stages left per
+type, the next stage's type) bounds every vector of stage counts per type
+(placements and the previous neighbour taken at their cheapest). A vector
+taken off the queue for the first time gets an exact-placement bound
+(:class:`_PlacedMix`: with the counts fixed, every stage's ranks follow from
+its type and the stages of its type before it) and goes back at that bound;
+taken again, its chains are enumerated least bound first and predicted.
 """
 
 from __future__ import annotations
