@@ -196,7 +196,13 @@ def _proof_line(result) -> str:
     """What is proven about the predicted time."""
     bound = result.predicted_lower_bound_s
     if result.proven:
-        return "proven optimal under the predictor over the search space"
+        line = "proven optimal under the predictor over the search space"
+        if len(result.gpus_available) > 1 and not result.mixed_types:
+            line += (
+                " (one GPU type per plan; --mixed-types also searches plans "
+                "whose stages run on different types)"
+            )
+        return line
     if bound == bound:  # certified, not proven
         return (
             f"predicted time certified within {100 * result.predicted_gap:.2f}% "

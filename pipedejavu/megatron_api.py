@@ -68,6 +68,8 @@ class TrainingPlan:
             memory.
         proven: the plan is the predictor's optimum over the search space
             (brute-force agreement is tested on small settings).
+        mixed_types: the search space held plans whose stages run on
+            different GPU types (else one type per plan).
     """
 
     plan: Plan3D
@@ -83,6 +85,7 @@ class TrainingPlan:
     solved: int
     predicted_lower_bound_s: float = float("nan")
     proven: bool = False
+    mixed_types: bool = False
 
     @property
     def predicted_gap(self) -> float:
@@ -118,6 +121,7 @@ class TrainingPlan:
             predicted_lower_bound_s=_finite_or_none(self.predicted_lower_bound_s),
             predicted_gap=_finite_or_none(self.predicted_gap),
             proven_optimal=self.proven,
+            mixed_types_searched=self.mixed_types,
             method=self.method,
             search_time_s=self.search_time_s,
             configurations=self.configurations,
@@ -207,6 +211,7 @@ def plan_training(
         solved=result.solved,
         predicted_lower_bound_s=result.predicted_lower_bound_s,
         proven=result.proven,
+        mixed_types=mixed_types and len(pool) > 1,
     )
 
 

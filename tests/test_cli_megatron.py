@@ -97,6 +97,7 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     assert data["proven_optimal"] is True and data["predicted_gap"] == 0.0
     assert set(data["gpus_used"]) == {"Titan-RTX", "RTX-2080"}
     assert data["objective_s"] is None  # no one-type table prices a mixed plan
+    assert data["mixed_types_searched"] is True
     path = tmp_path / "plan.json"
     path.write_text(out)
     code, out, _ = run(capsys, "predict", path, "--json")
@@ -108,3 +109,6 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     assert "proven optimal under the predictor" in out
     assert "planning objective: n/a (GPU types mixed)" in out
     assert "Titan-RTX, tp" in out and "RTX-2080, tp" in out  # each stage's type
+    one_type = [item for item in argv[:-1] if item != "--mixed-types"]
+    code, out, _ = run(capsys, *one_type)  # says what it did not search
+    assert code == 0 and "one GPU type per plan; --mixed-types also" in out
