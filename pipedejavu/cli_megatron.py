@@ -253,6 +253,11 @@ def _plan(args: argparse.Namespace) -> int:
     if handled is not None:
         return handled
 
+    if args.mixed_types and args.per_stage_tp:
+        raise ProblemError(
+            "--mixed-types and --per-stage-tp cannot be combined: plans mixing "
+            "GPU types use one TP degree for all stages"
+        )
     print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
     result = plan_training(
         args.model,

@@ -109,6 +109,8 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     assert "proven optimal under the predictor" in out
     assert "planning objective: n/a (GPU types mixed)" in out
     assert "Titan-RTX, tp" in out and "RTX-2080, tp" in out  # each stage's type
+    code, _, err = run(capsys, *argv, "--per-stage-tp")
+    assert code == 2 and "cannot be combined" in err
     one_type = [item for item in argv[:-1] if item != "--mixed-types"]
     code, out, _ = run(capsys, *one_type)  # says what it did not search
     assert code == 0 and "one GPU type per plan; --mixed-types also" in out

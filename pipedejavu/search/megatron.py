@@ -97,7 +97,9 @@ class MegatronSearchConfig:
         mixed_types: with several GPU types and ``uniform_tp``, also plans whose
             stages run on different types (``dp`` replicas of one type per
             stage); the proof's branch and bound searches them
-            (:mod:`pipedejavu.search.megatron_certify`), so it needs ``certify``.
+            (:mod:`pipedejavu.search.megatron_certify`), so it needs
+            ``certify``, and ``uniform_tp`` (a TP degree per stage together
+            with mixed types is not searched).
     """
 
     uniform_tp: bool = True
@@ -124,6 +126,11 @@ class MegatronSearchConfig:
             raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
         if self.mixed_types and not self.certify:
             raise ValueError("mixed_types needs certify (the proof searches them)")
+        if self.mixed_types and not self.uniform_tp:
+            raise ValueError(
+                "mixed_types needs one TP degree for all stages (uniform_tp; "
+                "plans mixing GPU types and TP degrees are not searched)"
+            )
         if self.certify_max_plans is not None and self.certify_max_plans < 0:
             raise ValueError(
                 f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
