@@ -118,20 +118,76 @@ def run_deepspeed(
     """
     count = num_microbatches
     num_stages = len(forward)
-    streams, orders = _streams(num_stages, count)
+    program, orders = _program(num_stages, count, tuple(bool(x) for x in blocking))
 
     def grid(rows):
         return [[math.nan] * count for _ in range(rows)]
 
     f_start, f_end, b_start, b_end = (grid(num_stages) for _ in range(4))
     a_start, a_end, g_start, g_end = (grid(num_stages - 1) for _ in range(4))
-    pointer = [0] * num_stages
+    grids = {0: (a_start, a_end), 1: (g_start, g_end)}
+    seconds = {0: transfer, 1: gradient_transfer}
     clock = [0.0] * num_stages
-    # Buffered links, per link and direction (0: activations, 1: gradients):
-    # arrival time of each sent micro-batch, and when the last message was taken.
-    arrival = [[{}, {}] for _ in range(num_stages - 1)]
-    taken = [[0.0, 0.0] for _ in range(num_stages - 1)]
-    pending = [[False, False] for _ in range(num_stages - 1)]
+    # Buffered links, per (link, direction): arrival time of each message sent,
+    # and when the last message was taken.
+    arrival: dict = {}
+    taken: dict = {}
+    for op in program:
+        kind, s, b = op[0], op[1], op[2]
+        if kind == _FORWARD_OP:
+            start = clock[s]
+            clock[s] = start + forward[s]
+            f_start[s][b], f_end[s][b] = start, clock[s]
+        elif kind == _BACKWARD_OP:
+            start = clock[s]
+            clock[s] = start + backward[s]
+            b_start[s][b], b_end[s][b] = start, clock[s]
+        elif kind == _RENDEZVOUS_OP:
+            _, s, b, peer, link, direction = op
+            start = max(clock[s], clock[peer])
+            end = start + seconds[direction][link]
+            starts, ends = grids[direction]
+            starts[link][b], ends[link][b] = start, end
+            clock[s] = clock[peer] = end
+        elif kind == _SEND_OP:
+            _, s, b, link, direction = op
+            start = max(clock[s], taken.get((link, direction), 0.0))
+            clock[s] = start
+            end = start + seconds[direction][link]
+            starts, ends = grids[direction]
+            starts[link][b], ends[link][b] = start, end
+            arrival[(link, direction, b)] = end
+        else:  # _RECEIVE_OP
+            _, s, b, link, direction = op
+            clock[s] = max(clock[s], arrival.pop((link, direction, b)))
+            taken[(link, direction)] = clock[s]
+    orders = [list(order) for order in orders]
+    return orders, (f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end)
+
+
+# Ops of a compiled program (:func:`_program`).
+_FORWARD_OP, _BACKWARD_OP, _RENDEZVOUS_OP, _SEND_OP, _RECEIVE_OP = range(5)
+
+
+@functools.lru_cache(maxsize=128)
+def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
+    """The order in which the command streams advance, as a flat program.
+
+    Which command can go next depends only on the streams' positions (a
+    rendezvous waits for the peer to reach its match; a buffered send waits for
+    the previous message in its direction to be taken, a receive for its
+    message to be sent), never on the times, so a sweep over the stages
+    (alternating direction, each stage as far as it can go) gives an order in
+    which every op comes after what it waits for. Running that order with the
+    times (:func:`run_deepspeed`) computes each op's start as the max of its
+    stage's clock and what it waits for, exactly as the event-by-event sweep
+    would. Returns ``(ops, compute orders)``; cached by shape and link modes.
+    """
+    streams, orders = _streams(num_stages, count)
+    pointer = [0] * num_stages
+    sent: set = set()  # (link, direction, micro-batch) sent, not yet received
+    pending: set = set()  # (link, direction) whose buffer holds a message
+    program: list[tuple] = []
     remaining = sum(len(stream) for stream in streams)
     sweep = 0
     while remaining:
@@ -142,36 +198,27 @@ def run_deepspeed(
             while pointer[s] < len(stream):
                 code, b = stream[pointer[s]]
                 if code == FORWARD or code == BACKWARD:
-                    start = clock[s]
-                    if code == FORWARD:
-                        clock[s] = start + forward[s]
-                        f_start[s][b], f_end[s][b] = start, clock[s]
-                    else:
-                        clock[s] = start + backward[s]
-                        b_start[s][b], b_end[s][b] = start, clock[s]
+                    op = _FORWARD_OP if code == FORWARD else _BACKWARD_OP
+                    program.append((op, s, b))
                     pointer[s] += 1
                     progressed += 1
                     continue
                 peer = s + 1 if code in (SEND_ACT, RECV_GRAD) else s - 1
                 link = min(s, peer)
                 direction = 0 if code in (SEND_ACT, RECV_ACT) else 1
-                seconds = (transfer if direction == 0 else gradient_transfer)[link]
-                starts, ends = (a_start, a_end) if direction == 0 else (g_start, g_end)
                 if not blocking[link]:
                     if code in (SEND_ACT, SEND_GRAD):
-                        if pending[link][direction]:
+                        if (link, direction) in pending:
                             break  # the previous message still fills the buffer
-                        clock[s] = max(clock[s], taken[link][direction])
-                        starts[link][b] = clock[s]
-                        ends[link][b] = clock[s] + seconds
-                        arrival[link][direction][b] = ends[link][b]
-                        pending[link][direction] = True
+                        pending.add((link, direction))
+                        sent.add((link, direction, b))
+                        program.append((_SEND_OP, s, b, link, direction))
                     else:
-                        if b not in arrival[link][direction]:
+                        if (link, direction, b) not in sent:
                             break  # not sent yet
-                        clock[s] = max(clock[s], arrival[link][direction].pop(b))
-                        taken[link][direction] = clock[s]
-                        pending[link][direction] = False
+                        sent.discard((link, direction, b))
+                        pending.discard((link, direction))
+                        program.append((_RECEIVE_OP, s, b, link, direction))
                     pointer[s] += 1
                     progressed += 1
                     continue
@@ -181,9 +228,7 @@ def run_deepspeed(
                     b,
                 ):
                     break  # wait: the peer matches when it reaches its command
-                start = max(clock[s], clock[peer])
-                starts[link][b], ends[link][b] = start, start + seconds
-                clock[s] = clock[peer] = start + seconds
+                program.append((_RENDEZVOUS_OP, s, b, peer, link, direction))
                 pointer[s] += 1
                 pointer[peer] += 1
                 progressed += 2
@@ -191,8 +236,7 @@ def run_deepspeed(
             raise RuntimeError("the DeepSpeed schedule deadlocked")
         remaining -= progressed
         sweep += 1
-    orders = [list(order) for order in orders]
-    return orders, (f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end)
+    return tuple(program), orders
 
 
 @functools.lru_cache(maxsize=64)
