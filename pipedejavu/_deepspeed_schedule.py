@@ -118,7 +118,11 @@ def run_deepspeed(
     """
     count = num_microbatches
     num_stages = len(forward)
-    program, orders = _program(num_stages, count, tuple(bool(x) for x in blocking))
+    modes = tuple(bool(x) for x in blocking)
+    if num_stages * count <= _CACHED_SIZE:
+        program, orders = _cached_program(num_stages, count, modes)
+    else:  # large: built for this call only (a program holds ~6 S B ops)
+        program, orders = _program(num_stages, count, modes)
 
     def grid(rows):
         return [[math.nan] * count for _ in range(rows)]
@@ -169,7 +173,11 @@ def run_deepspeed(
 _FORWARD_OP, _BACKWARD_OP, _RENDEZVOUS_OP, _SEND_OP, _RECEIVE_OP = range(5)
 
 
-@functools.lru_cache(maxsize=128)
+# Shapes up to this many (stage, micro-batch) pairs keep their program cached
+# (at most 16 programs of about 6 x 8192 ops: under 100 MB).
+_CACHED_SIZE = 8192
+
+
 def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
     """The order in which the command streams advance, as a flat program.
 
@@ -181,9 +189,12 @@ def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
     which every op comes after what it waits for. Running that order with the
     times (:func:`run_deepspeed`) computes each op's start as the max of its
     stage's clock and what it waits for, exactly as the event-by-event sweep
-    would. Returns ``(ops, compute orders)``; cached by shape and link modes.
+    would. Returns ``(ops, compute orders)``.
     """
-    streams, orders = _streams(num_stages, count)
+    streams = tuple(
+        tuple(deepspeed_commands(s, num_stages, count)) for s in range(num_stages)
+    )
+    orders = tuple(tuple(compute_order(list(x), count)) for x in streams)
     pointer = [0] * num_stages
     sent: set = set()  # (link, direction, micro-batch) sent, not yet received
     pending: set = set()  # (link, direction) whose buffer holds a message
@@ -239,12 +250,4 @@ def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
     return tuple(program), orders
 
 
-@functools.lru_cache(maxsize=64)
-def _streams(num_stages: int, count: int) -> tuple[tuple, tuple]:
-    """Every stage's command stream and compute order (they depend on the
-    shape alone; a search simulates many plans of the same shape)."""
-    streams = tuple(
-        tuple(deepspeed_commands(s, num_stages, count)) for s in range(num_stages)
-    )
-    orders = tuple(tuple(compute_order(list(x), count)) for x in streams)
-    return streams, orders
+_cached_program = functools.lru_cache(maxsize=16)(_program)
