@@ -42,6 +42,20 @@ that version's documentation and source; no code copied):
 
 Megatron-LM, DeepSpeed and torchtitan run one TP degree for every stage; a plan
 with per-stage degrees is refused with a :class:`ProblemError`.
+
+**Plans on several GPU types.** The three launch the same rank order: TP
+fastest, then data parallelism, then the pipeline stage (Megatron Core's
+default ``tp-cp-ep-dp-pp``; DeepSpeed's ``PipeModelDataParallelTopology`` axes
+``pipe, data, model``; torchtitan's mesh ``pp, dp_replicate, dp_shard, cp,
+tp``), so replica ``j`` of stage ``s`` is global ranks ``(s dp + j) tp`` to
+``(s dp + j + 1) tp - 1``. When a plan's GPUs are of several types the export
+says which rank blocks need which type (:func:`gpu_types_by_rank`): a comment in
+the Megatron arguments and the torchtitan TOML, a ``gpu_types_by_rank`` entry in
+the DeepSpeed JSON. Order the hosts so that those ranks land on them; a block
+that does not fill whole hosts needs per-host process counts (DeepSpeed's
+hostfile ``slots``). Alpa's ``ManualStageOption`` has no way to name GPU types,
+so such a plan is refused for Alpa (the Sailor ``plan_config`` names the type of
+every replica).
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ from .sailor_plan import plan_to_sailor
 __all__ = [
     "EXPORTS",
     "export_plan",
+    "gpu_types_by_rank",
     "to_alpa",
     "to_deepspeed",
     "to_megatron",
@@ -73,6 +88,45 @@ def _uniform_tp(plan: Plan3D, target: str) -> int:
             f"uses {sorted(tps)} (plan with uniform TP)"
         )
     return tps.pop()
+
+
+def gpu_types_by_rank(plan: Plan3D) -> list[dict[str, Any]]:
+    """Consecutive global-rank blocks of one GPU type (module docstring):
+    ``{"ranks": [first, last], "gpu_type", "stages": [first, last]}``."""
+    tp = _uniform_tp(plan, "the launch rank order")
+    blocks: list[dict[str, Any]] = []
+    for index, stage in enumerate(plan.stages):
+        for j, replica in enumerate(stage.replicas):
+            first = (index * plan.dp + j) * tp
+            last = first + tp - 1
+            if blocks and blocks[-1]["gpu_type"] == replica.gpu_type:
+                blocks[-1]["ranks"][1] = last
+                blocks[-1]["stages"][1] = index
+            else:
+                blocks.append(
+                    {
+                        "ranks": [first, last],
+                        "gpu_type": replica.gpu_type,
+                        "stages": [index, index],
+                    }
+                )
+    return blocks
+
+
+def _type_comment(plan: Plan3D) -> str:
+    """Comment lines naming each rank block's GPU type (several types only)."""
+    if len(plan.gpus_by_type()) < 2:
+        return ""
+    lines = ["# GPU types by global rank (TP fastest, then data, then pipeline):"]
+    for block in gpu_types_by_rank(plan):
+        (r0, r1), (s0, s1) = block["ranks"], block["stages"]
+        stages = f"stage {s0}" if s0 == s1 else f"stages {s0}-{s1}"
+        lines.append(f"#   ranks {r0}-{r1}: {block['gpu_type']} ({stages})")
+    lines.append(
+        "#   order the hosts so these ranks land on GPUs of that type (a block "
+        "that does not fill whole hosts needs per-host process counts)"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _transformer_layers(plan: Plan3D) -> list[int]:
@@ -125,7 +179,7 @@ def to_megatron(plan: Plan3D) -> list[str]:
 def to_deepspeed(plan: Plan3D) -> dict[str, Any]:
     """DeepSpeed's partition and engine config (module docstring)."""
     _uniform_tp(plan, "DeepSpeed")
-    return {
+    out = {
         "target": "DeepSpeed 0.16.5 PipelineModule",
         "pipeline_module": {
             "num_stages": plan.num_stages,
@@ -143,6 +197,9 @@ def to_deepspeed(plan: Plan3D) -> dict[str, Any]:
         "model_parallel_size": plan.stages[0].replicas[0].tp,
         "data_parallel_size": plan.dp,
     }
+    if len(plan.gpus_by_type()) > 1:
+        out["gpu_types_by_rank"] = gpu_types_by_rank(plan)
+    return out
 
 
 def _fqns(plan: Plan3D) -> list[list[str]]:
@@ -167,7 +224,8 @@ def to_torchtitan(plan: Plan3D) -> str:
     fqns = ",\n    ".join(json.dumps(part) for part in _fqns(plan))
     return (
         "# torchtitan v0.2.2 job config fragment (pipedejavu plan)\n"
-        "[training]\n"
+        + _type_comment(plan)
+        + "[training]\n"
         f"local_batch_size = {plan.gbs // plan.dp}\n"
         f"global_batch_size = {plan.gbs}\n"
         "\n[parallelism]\n"
@@ -183,6 +241,12 @@ def to_torchtitan(plan: Plan3D) -> str:
 
 def to_alpa(plan: Plan3D, gpus_per_host: int | None = None) -> dict[str, Any]:
     """Alpa's ``ManualStageOption`` fields (module docstring)."""
+    if len(plan.gpus_by_type()) > 1:
+        raise ProblemError(
+            "Alpa's ManualStageOption cannot name GPU types; this plan uses "
+            f"{', '.join(plan.gpus_by_type())} (export it to Sailor's plan_config, "
+            "Megatron-LM, DeepSpeed or torchtitan instead)"
+        )
     physical, logical = [], []
     for stage in plan.stages:
         tp = max(r.tp for r in stage.replicas)
@@ -217,7 +281,7 @@ def export_plan(plan: Plan3D, target: str, *, gpus_per_node: int | None = None) 
         world = plan.num_gpus
         return (
             f"# Megatron-LM (core 0.20): launch {world} processes "
-            f"(TP x PP x DP = {world})\n" + " ".join(args) + "\n"
+            f"(TP x PP x DP = {world})\n" + _type_comment(plan) + " ".join(args) + "\n"
         )
     if target == "deepspeed":
         return json.dumps(to_deepspeed(plan), indent=1) + "\n"

@@ -358,3 +358,51 @@ def test_cli_plan_text_and_errors(capsys):
         == 3
     )
     assert "no feasible plan" in capsys.readouterr()[1]
+
+
+def test_plans_on_several_gpu_types_name_each_rank_block():
+    """A plan whose stages run on two types: the rank order the three launchers
+    share (TP fastest, then data, then pipeline stage) gives each block of
+    global ranks its type; the Megatron arguments and the torchtitan TOML
+    carry it as comments, DeepSpeed's JSON as ``gpu_types_by_rank``, Alpa
+    refuses (its options name no GPU types), and one-type plans say nothing."""
+    from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
+    from pipedejavu.megatron_export import gpu_types_by_rank
+
+    tomllib = pytest.importorskip("tomllib")
+    kinds = ["Titan-RTX", "Titan-RTX", "RTX-2080", "Titan-RTX"]
+    plan = plan_from_mixed_stages(
+        [
+            (a, b, 2, gpu)
+            for a, b, gpu in zip((0, 5, 12, 20), (5, 12, 20, 26), kinds, strict=True)
+        ],
+        dp=2,
+        mbs=1,
+        gbs=16,
+        model="OPT-350",
+        pool={"Titan-RTX": 16, "RTX-2080": 8},
+        gpus_per_node={"Titan-RTX": 8, "RTX-2080": 8},
+        zone="us-central1-a",
+    )
+    # Replica j of stage s is ranks (2s + j) x 2 .. + 1.
+    expected = [
+        {"ranks": [0, 7], "gpu_type": "Titan-RTX", "stages": [0, 1]},
+        {"ranks": [8, 11], "gpu_type": "RTX-2080", "stages": [2, 2]},
+        {"ranks": [12, 15], "gpu_type": "Titan-RTX", "stages": [3, 3]},
+    ]
+    assert gpu_types_by_rank(plan) == expected
+    text = export_plan(plan, "megatron")
+    assert "#   ranks 8-11: RTX-2080 (stage 2)" in text
+    assert "#   ranks 0-7: Titan-RTX (stages 0-1)" in text
+    args = [line for line in text.splitlines() if not line.startswith("#")]
+    assert len(args) == 1 and args[0].startswith("--tensor-model-parallel-size 2")
+    assert to_deepspeed(plan)["gpu_types_by_rank"] == expected
+    toml = to_torchtitan(plan)
+    assert "#   ranks 12-15: Titan-RTX (stage 3)" in toml
+    assert tomllib.loads(toml)["parallelism"]["pipeline_parallel_degree"] == 4
+    with pytest.raises(ProblemError, match="cannot name GPU types"):
+        to_alpa(plan, gpus_per_host=8)
+    one_type = PLANS["even"]
+    assert "ranks" not in export_plan(one_type, "megatron")
+    assert "gpu_types_by_rank" not in to_deepspeed(one_type)
+    assert "ranks" not in to_torchtitan(one_type)
