@@ -961,6 +961,11 @@ def _refine(placed: _PlacedMix, gpus, gbs, counts, limit: int):
     return value, functools.partial(placed.plans, gpus, gbs, counts, g)
 
 
+# Most (L + 1) x (L + 1) weight tables the mixes of one proof keep at once
+# (about 170 MB at L = 26, 300 MB at L = 35); beyond, they are recomputed.
+_WEIGHT_TABLES = 30_000
+
+
 class _PlacedMix:
     """Exact-placement bounds of the mixed plans of one :class:`_Mix` with a
     given number of stages per type (``counts``, one entry per ``mix.caps``).
@@ -1004,6 +1009,9 @@ class _PlacedMix:
         self._tables: dict = {}
         self._pairs: dict = {}
         self._weights: dict = {}
+        # Every mix's weight tables, to bound them together (see weights).
+        self._all_weights = cache.setdefault("placed mix weights", [])
+        self._all_weights.append(self._weights)
 
     def _rank(self, gpu: str, index: int) -> int:
         return index * self.mix.dp * self.mix.tp
@@ -1067,8 +1075,9 @@ class _PlacedMix:
         key = (stage, before, after, count)
         if key in self._weights:
             return self._weights[key]
-        if len(self._weights) > 20_000:  # about 20,000 x (L + 1)^2 floats at most
-            self._weights.clear()
+        if sum(len(table) for table in self._all_weights) > _WEIGHT_TABLES:
+            for table in self._all_weights:
+                table.clear()
         steps, size = self.mix.steps, self.layers + 1
         w, cap, late, fwd = self._table(*stage)
         low_r = high_r = np.zeros(size)
