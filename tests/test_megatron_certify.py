@@ -183,18 +183,27 @@ def test_proof_reports_progress_with_valid_bounds():
     assert proof[-1]["best"] == pytest.approx(best, rel=1e-12)
 
 
-def test_mixed_types_against_brute_force():
+MIXED_SETTINGS = [
+    # (pool, gbs, mbs values, stages of the best mixed plan): two stages ...
+    ({"Titan-RTX": 4, "RTX-2080": 4}, 32, (1, 2), 2),
+    # ... three, two of them on RTX-2080 at different places in its nodes
+    ({"Titan-RTX": 4, "RTX-2080": 8}, 64, (1,), 3),
+]
+
+
+@pytest.mark.parametrize("pool, gbs, mbs_values, stages", MIXED_SETTINGS)
+def test_mixed_types_against_brute_force(pool, gbs, mbs_values, stages):
     """Plans whose stages run on different GPU types (``mixed_types``): every
-    such plan of a small setting (two or three stages, mbs 1 or 2) predicted;
-    the search returns the best of those and of the one-type plans, proven."""
+    such plan of a small setting (two or three stages) predicted; the search
+    returns the best of those and of the one-type plans, proven."""
     from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
 
-    pool, gbs, model = {"Titan-RTX": 4, "RTX-2080": 4}, 32, "OPT-350"
+    model = "OPT-350"
     info = DATA.model_info(model)
     layers = info.num_layers
     gpn = {gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool}
-    best_mixed = math.inf
-    for mbs, tp, dp in itertools.product((1, 2), info.tp_values, (1, 2, 4)):
+    best_mixed, best_stages = math.inf, 0
+    for mbs, tp, dp in itertools.product(mbs_values, info.tp_values, (1, 2, 4, 8)):
         if (gbs // mbs) % dp or any(
             (mbs, tp) not in DATA.profile(model, gpu) or gpn[gpu] % tp for gpu in pool
         ):
@@ -226,9 +235,13 @@ def test_mixed_types_against_brute_force():
                         prediction = predict_plan(plan, DATA, constants=C)
                     except ProblemError:  # no link fit between the two
                         continue
-                    if prediction.fits_memory:
-                        best_mixed = min(best_mixed, prediction.iteration_time_s)
-    config = MegatronSearchConfig(mbs_values=(1, 2), max_stages=3)
+                    if (
+                        prediction.fits_memory
+                        and prediction.iteration_time_s < best_mixed
+                    ):
+                        best_mixed = prediction.iteration_time_s
+                        best_stages = count
+    config = MegatronSearchConfig(mbs_values=mbs_values, max_stages=3)
     single = search_megatron(DATA, model, pool, gbs, C, config)
     mixed = search_megatron(
         DATA, model, pool, gbs, C, dataclasses.replace(config, mixed_types=True)
@@ -240,6 +253,7 @@ def test_mixed_types_against_brute_force():
     assert len(mixed.plan.gpus_by_type()) == (
         2 if best_mixed < expected * (1 + 1e-12) else 1
     )
+    assert best_stages == stages == mixed.plan.num_stages  # the setting's point
 
 
 def test_placed_mixed_bounds_are_below_every_prediction():
