@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 # Command codes.
 FORWARD, BACKWARD, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = range(6)
@@ -89,7 +90,9 @@ def deepspeed_commands(
     return commands
 
 
-def compute_order(commands: list[tuple[int, int]], num_microbatches: int) -> list[int]:
+def compute_order(
+    commands: Sequence[tuple[int, int]], num_microbatches: int
+) -> list[int]:
     """The compute commands as op codes of :mod:`pipedejavu._schedule`
     (``b`` = forward of ``b``, ``B + b`` = backward of ``b``)."""
     return [
@@ -195,7 +198,7 @@ def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
     streams = tuple(
         tuple(deepspeed_commands(s, num_stages, count)) for s in range(num_stages)
     )
-    orders = tuple(tuple(compute_order(list(x), count)) for x in streams)
+    orders = tuple(tuple(compute_order(x, count)) for x in streams)
     pointer = [0] * num_stages
     sent: set = set()  # (link, direction, micro-batch) sent, not yet received
     pending: set = set()  # (link, direction) whose buffer holds a message

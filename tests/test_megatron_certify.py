@@ -16,6 +16,7 @@ import pytest
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.costmodel.megatron import predict_plan
 from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
 from pipedejavu.costmodel.sailor_data import SailorData
 from pipedejavu.problem import ProblemError
 from pipedejavu.search import megatron_certify as mc
@@ -183,6 +184,28 @@ def test_proof_reports_progress_with_valid_bounds():
     assert proof[-1]["best"] == pytest.approx(best, rel=1e-12)
 
 
+def _mixed_plan(edges, types, tp, dp, mbs, gbs, pool, model="OPT-350"):
+    """A plan with a stage per pair of ``edges`` on ``types``, in Megatron's
+    rank order, and its prediction (``None`` where no link fit prices it)."""
+    plan = plan_from_mixed_stages(
+        [
+            (a, b, tp, gpu)
+            for a, b, gpu in zip(edges[:-1], edges[1:], types, strict=True)
+        ],
+        dp=dp,
+        mbs=mbs,
+        gbs=gbs,
+        model=model,
+        pool=pool,
+        gpus_per_node={gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool},
+        zone="us-central1-a",
+    )
+    try:
+        return plan, predict_plan(plan, DATA, constants=C)
+    except ProblemError:  # no link fit between two of the types
+        return plan, None
+
+
 MIXED_SETTINGS = [
     # (pool, gbs, mbs values, stages of the best mixed plan): two stages ...
     ({"Titan-RTX": 4, "RTX-2080": 4}, 32, (1, 2), 2),
@@ -196,8 +219,6 @@ def test_mixed_types_against_brute_force(pool, gbs, mbs_values, stages):
     """Plans whose stages run on different GPU types (``mixed_types``): every
     such plan of a small setting (two or three stages) predicted; the search
     returns the best of those and of the one-type plans, proven."""
-    from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
-
     model = "OPT-350"
     info = DATA.model_info(model)
     layers = info.num_layers
@@ -215,28 +236,11 @@ def test_mixed_types_against_brute_force(pool, gbs, mbs_values, stages):
                 ):
                     continue
                 for cuts in itertools.combinations(range(1, layers), count - 1):
-                    bounds = (0, *cuts, layers)
-                    plan = plan_from_mixed_stages(
-                        [
-                            (a, b, tp, gpu)
-                            for a, b, gpu in zip(
-                                bounds, bounds[1:], types, strict=False
-                            )
-                        ],
-                        dp=dp,
-                        mbs=mbs,
-                        gbs=gbs,
-                        model=model,
-                        pool=pool,
-                        gpus_per_node=gpn,
-                        zone="us-central1-a",
-                    )
-                    try:
-                        prediction = predict_plan(plan, DATA, constants=C)
-                    except ProblemError:  # no link fit between the two
-                        continue
+                    edges = (0, *cuts, layers)
+                    _, prediction = _mixed_plan(edges, types, tp, dp, mbs, gbs, pool)
                     if (
-                        prediction.fits_memory
+                        prediction is not None
+                        and prediction.fits_memory
                         and prediction.iteration_time_s < best_mixed
                     ):
                         best_mixed = prediction.iteration_time_s
@@ -261,14 +265,11 @@ def test_placed_mixed_bounds_are_below_every_prediction():
     types, with the placement Megatron's rank order gives each stage, the
     largest stage bound and the bottleneck DP of the plan's stage counts never
     exceed its predicted time, and they bite."""
-    from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
-
     model, gbs = "OPT-350", 32
     pool = {"Titan-RTX": 8, "RTX-2080": 8, "RTX-3090": 8}
     types = list(pool)
     info = DATA.model_info(model)
     layers = info.num_layers
-    gpn = {gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool}
     rng = np.random.default_rng(7)
     cache: dict = {}
     placed_by_setting: dict = {}
@@ -286,25 +287,8 @@ def test_placed_mixed_bounds_are_below_every_prediction():
             continue
         cuts = sorted(rng.choice(np.arange(1, layers), count - 1, replace=False))
         edges = (0, *map(int, cuts), layers)
-        stages = [
-            (a, b, tp, gpu)
-            for a, b, gpu in zip(edges[:-1], edges[1:], kinds, strict=True)
-        ]
-        plan = plan_from_mixed_stages(
-            stages,
-            dp=dp,
-            mbs=mbs,
-            gbs=gbs,
-            model=model,
-            pool=pool,
-            gpus_per_node=gpn,
-            zone="us-central1-a",
-        )
-        try:
-            prediction = predict_plan(plan, DATA, constants=C)
-        except ProblemError:  # no link fit between two of the types
-            continue
-        if not prediction.fits_memory:
+        _, prediction = _mixed_plan(edges, kinds, tp, dp, mbs, gbs, pool, model)
+        if prediction is None or not prediction.fits_memory:
             continue
         key = (mbs, tp, dp)
         if key not in placed_by_setting:
@@ -314,11 +298,11 @@ def test_placed_mixed_bounds_are_below_every_prediction():
         placed = placed_by_setting[key]
         seen = dict.fromkeys(types, 0)
         order = []
-        for _, _, _, gpu in stages:
+        for gpu in kinds:
             order.append((gpu, seen[gpu]))
             seen[gpu] += 1
         largest = -math.inf
-        for s, (a, b, _, _) in enumerate(stages):
+        for s, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
             before = order[s - 1] if s > 0 else None
             after = order[s + 1] if s + 1 < count else None
             w = placed.weights(order[s], before, after, count - s)

@@ -218,24 +218,12 @@ def _pipeline_transfers(
         if key not in memo:
             sender = Replica(a[0], a[1], zone=DEFAULT_ZONE)
             receiver = Replica(b[0], b[1], zone=DEFAULT_ZONE)
-            try:
-                memo[key] = (
+            try:  # (activation: sender -> receiver, gradient: back)
+                memo[key] = tuple(
                     p2p_time(
-                        data.network,
-                        sender,
-                        receiver,
-                        nbytes,
-                        same_node=key[0],
-                        concurrent=key[1],
-                    ),
-                    p2p_time(
-                        data.network,
-                        receiver,
-                        sender,
-                        nbytes,
-                        same_node=key[0],
-                        concurrent=key[1],
-                    ),
+                        data.network, x, y, nbytes, same_node=key[0], concurrent=key[1]
+                    )
+                    for x, y in ((sender, receiver), (receiver, sender))
                 )
             except ProblemError:  # no fit: the predictor cannot price it
                 memo[key] = (math.inf, math.inf)
