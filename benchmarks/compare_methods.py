@@ -19,9 +19,9 @@ import json
 import platform
 from pathlib import Path
 
-from pipedejavu import plots
-from pipedejavu.comparison import compare
-from pipedejavu.generate import random_problem
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.planning import plots
+from pipedejavu.planning.compare import compare
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ["dp", "diff", "greedy", "uniform", "random", "anneal"]

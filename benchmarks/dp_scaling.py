@@ -1,7 +1,7 @@
 """How the exact DP scales, side by side with our cap scan and Alpa's own scan.
 
 ``--suite grid`` (default): generated GPT-like instances
-(``pipedejavu.generate.random_problem``) with L in {16, 32, 64, 128} layers on
+(``pipedejavu.costmodel.stage.generate.random_problem``) with L in {16, 32, 64, 128} layers on
 D in {8, 16, 32, 64} devices (1x8 .. 8x8, power_of_two submeshes, 2 configs,
 B = 32), with memory unlimited and tight. Per instance: the distinct stage
 costs (Alpa's candidate caps), the exact DP's wall time (the default label
@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
-from pipedejavu.baselines.dp import exact_dp
-from pipedejavu.generate import random_problem
-from pipedejavu.problem import UNLIMITED_SUCCEEDING_STAGES, Problem
+from pipedejavu.core.problem import UNLIMITED_SUCCEEDING_STAGES, Problem
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.alpa.exact import exact_dp
 
 CLUSTERS = {8: (1, 8), 16: (2, 8), 32: (4, 8), 64: (8, 8)}
 
@@ -63,7 +63,7 @@ def memory_tight_problem(
     """A GPT-like instance whose memory limits bind hard and whose optimum
     needs many stages (about 8-16 at L = 128 on 64 devices).
 
-    Costs are :func:`pipedejavu.generate.random_problem`'s. Memory per device of
+    Costs are :func:`pipedejavu.costmodel.stage.generate.random_problem`'s. Memory per device of
     a stage of layers ``i..j`` on ``n`` devices with config ``k``: parameters
     ``P(i..j) / n^(1 - k / K)`` (config 0 shards them over all ``n`` devices,
     higher configs over fewer, as data parallelism replicates them) plus

@@ -25,9 +25,10 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from pipedejavu.batch_planning import grad_params_from_noise_scale
-from pipedejavu.elastic_planning import format_elastic, plan_elastic, plot_elastic
-from pipedejavu.problem import ProblemError
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.planning.batch import grad_params_from_noise_scale
+from pipedejavu.planning.elastic import plan_elastic
+from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
 
 MODELS = ("OPT-350", "GPT-Neo-2.7")
 COUNTS = list(range(16, 129, 16))

@@ -33,14 +33,14 @@ import platform
 import time
 from datetime import datetime, timezone
 
-from pipedejavu.batch_planning import (
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.planning.batch import (
     candidate_batches,
     efficiency,
     grad_params_from_noise_scale,
     plan_goodput,
 )
-from pipedejavu.megatron_api import plan_training
-from pipedejavu.problem import InfeasibleProblemError
+from pipedejavu.planning.training import plan_training
 
 SEQUENCE = 2048  # tokens per sample of both models (Sailor's training configs)
 B_STAR_TOKENS = 2e8  # Kaplan et al. 2020, eq. 1.4

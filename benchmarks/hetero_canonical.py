@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
-from pipedejavu.problem import InfeasibleProblemError
-from pipedejavu.search._hetero_units import span_mask
-from pipedejavu.search.hetero_exact import HeteroTimeoutError
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.search.hetero.exact import HeteroTimeoutError
+from pipedejavu.search.hetero.units import span_mask
 
 __all__ = ["canonical_exact"]
 
@@ -421,7 +421,7 @@ def canonical_exact(
         allowed_boundaries: restrict where stages may end: stage stops (half-open,
             in ``1..L - 1``; the stop ``L`` is always allowed, stages start at 0
             or an allowed stop), or a bool[L, L] mask of allowed spans
-            ``[start, end]`` (inclusive, like :mod:`pipedejavu.search.engine`'s
+            ``[start, end]`` (inclusive, like :mod:`pipedejavu.search.engine.driver`'s
             neighbourhood). The result is optimal within the restriction.
         incumbent_cost: seconds of a known plan; only cheaper plans are sought.
         time_limit_s: wall-clock budget; past it :class:`CanonicalTimeoutError`.

@@ -20,8 +20,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipedejavu.hetero_generate import hetero_problem, three_type_cluster
-from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
+from pipedejavu.costmodel.stage.hetero_generate import (
+    hetero_problem,
+    three_type_cluster,
+)
+from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
 
 def main() -> None:

@@ -4,16 +4,16 @@ Per instance, measured side by side in one run: Alpa's way
 (:func:`pipedejavu.baselines.hetero.alpa_homogeneous`: Alpa's exact DP on the
 mean-speed homogeneous view, placed blind to types, priced on the true
 cluster), the differentiable engine
-(:func:`pipedejavu.search.hetero_engine.hetero_search`: cost, cold time with
+(:func:`pipedejavu.search.hetero.engine.hetero_search`: cost, cold time with
 compilation, warm time, certified gap to its lower bound), the exact oracle
-over every valid plan (:func:`pipedejavu.search.hetero_exact.hetero_exact`,
+over every valid plan (:func:`pipedejavu.search.hetero.exact.hetero_exact`,
 with a time limit) and, for comparison, the oracle as it was before issue 17,
 over canonical placements only (``hetero_canonical.py``, same limit): its
 optimum and its time. Ratios: ``better = 1 - engine / alpa``,
 ``engine / oracle - 1`` (issue 17 target <= 1%), ``oracle time / canonical
 oracle time`` (target <= 2).
 
-Instances (:mod:`pipedejavu.hetero_generate`, GPT-3 6.7B-like, B = 32):
+Instances (:mod:`pipedejavu.costmodel.stage.hetero_generate`, GPT-3 6.7B-like, B = 32):
   two_type    2 A100 (speed 1) + 2 V100 (speed 0.5) hosts x 8 devices, slow
               inter-host links (25 Gb/s, 10 Gb/s between types); L = 32, 64,
               128, seeds 0 and 1;
@@ -53,16 +53,16 @@ import numpy as np
 from hetero_canonical import CanonicalTimeoutError, canonical_exact  # noqa: I001
 
 from pipedejavu.baselines.hetero import alpa_homogeneous
-from pipedejavu.cluster import Cluster, DeviceType, Link
-from pipedejavu.hetero import HeteroProblem, evaluate_hetero
-from pipedejavu.hetero_generate import (
+from pipedejavu.core.cluster import Cluster, DeviceType, Link
+from pipedejavu.core.hetero import HeteroProblem, evaluate_hetero
+from pipedejavu.core.problem import InfeasibleProblemError, get_submesh_choices
+from pipedejavu.costmodel.stage.hetero_generate import (
     hetero_problem,
     three_type_cluster,
     two_type_cluster,
 )
-from pipedejavu.problem import InfeasibleProblemError, get_submesh_choices
-from pipedejavu.search.hetero_engine import HeteroSearchConfig, hetero_search
-from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
+from pipedejavu.search.hetero.engine import HeteroSearchConfig, hetero_search
+from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
 NUM_MICROBATCHES = 32
 #: The large suite's engine budget (s): optimization + polish + bound.

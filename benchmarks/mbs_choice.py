@@ -23,11 +23,11 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_fit import load_measured_runs
-from pipedejavu.costmodel.sailor_data import load_sailor_data
-from pipedejavu.megatron_api import plan_training
-from pipedejavu.problem import InfeasibleProblemError
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.costmodel.megatron.fit import load_measured_runs
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.planning.training import plan_training
 
 
 def main() -> None:

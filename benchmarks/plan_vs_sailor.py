@@ -28,12 +28,13 @@ import platform
 import time
 from datetime import datetime, timezone
 
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS, load_measured_runs
-from pipedejavu.costmodel.megatron_tables import plan_from_stages
-from pipedejavu.costmodel.sailor_data import load_sailor_data
-from pipedejavu.megatron_api import plan_training
-from pipedejavu.plan3d import DEFAULT_ZONE
+from pipedejavu.core.plan3d import DEFAULT_ZONE
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.fit import load_measured_runs
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.planning.training import plan_training
 
 RTX = {"RTX-3090": 8, "Titan-RTX": 16, "RTX-2080": 24}
 #: (model, pool, gbs, Sailor's plan: (stages as (start, stop), tp, dp, mbs),

@@ -1,10 +1,10 @@
 """Pollux's throughput model fitted to step times our predictor generates.
 
-The comparison of :mod:`pipedejavu.throughput_compare`. Pollux (AdaptDL) fits
+The comparison of :mod:`pipedejavu.planning.throughput_compare`. Pollux (AdaptDL) fits
 seven parameters (:class:`PerfParams`) to observed step
 times of *data-parallel* jobs and predicts the time of any (nodes, replicas,
 atomic batch, accumulation steps). Here the "observations" are our predictor's
-(:func:`pipedejavu.costmodel.megatron.predict_plan`, validated on the measured
+(:func:`pipedejavu.costmodel.megatron.predictor.predict_plan`, validated on the measured
 runs) for Megatron-style plans on GH-96 GPUs, in AdaptDL's terms: with ``m``
 micro-batches per iteration, ``accum_step_time`` = the compute of one
 micro-batch (the predicted pipeline time / m) and ``optim_step_time`` = the
@@ -12,7 +12,7 @@ iteration time minus ``m - 1`` of them (the last micro-step, the gradient
 all-reduce and the optimizer). Pollux's prediction of the iteration is
 ``predict_step_time(params, nodes, replicas, mbs, m - 1)``.
 
-Each experiment fits :func:`~pipedejavu.costmodel.goodput.fit_perf_params` on one
+Each experiment fits :func:`~pipedejavu.costmodel.goodput.function.fit_perf_params` on one
 part of the plans and reports the error against our predictor on the rest:
 
 * ``dp-random``: data-parallel plans (1 stage, TP 1), random half / half;
@@ -38,8 +38,11 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pipedejavu.costmodel.sailor_data import load_sailor_data
-from pipedejavu.throughput_compare import heldout_errors, predictor_observations
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.planning.throughput_compare import (
+    heldout_errors,
+    predictor_observations,
+)
 
 GPU = "GH-96"
 MODELS = ("OPT-350", "GPT-Neo-2.7")

@@ -28,13 +28,10 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_fit import (
-    FITTED_CONSTANTS,
-    leave_one_out,
-    load_measured_runs,
-)
-from pipedejavu.costmodel.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.fit import leave_one_out, load_measured_runs
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 
 #: The issue's anchor: Sailor's simulator on these files (median / max |error|).
 PUBLISHED_ANCHOR = {

@@ -1,7 +1,7 @@
 """Plan regret of planning on stage costs predicted from a fraction of a profile.
 
 For each instance, fraction (10, 25, 50, 100 % of the profiled entries) and seed,
-:func:`pipedejavu.costmodel.predict_regret.plan_regret` draws the "profiled"
+:func:`pipedejavu.planning.predict_regret.plan_regret` draws the "profiled"
 entries, fits the additive per-layer cost model and the memory model to them, solves the
 planner's view exactly, and scores that plan on the true table:
 ``regret = cost_on_true / optimum - 1``. The table shows per row the effective
@@ -45,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipedejavu.costmodel.memory_model import synthetic_memory_stats
-from pipedejavu.costmodel.predict import SubsetConfig
-from pipedejavu.costmodel.predict_regret import predictor_report
-from pipedejavu.generate import random_problem
-from pipedejavu.io import bundled_examples
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.costmodel.stage.memory_model import synthetic_memory_stats
+from pipedejavu.costmodel.stage.predict import SubsetConfig
+from pipedejavu.planning.inputs import bundled_examples
+from pipedejavu.planning.predict_regret import predictor_report
 
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 

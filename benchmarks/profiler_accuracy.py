@@ -36,7 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pipedejavu.costmodel.profiler import (
+from pipedejavu.costmodel.profiling.profiler import (
     MODEL_NAMES,
     LayerProfile,
     fit_stage_overhead,

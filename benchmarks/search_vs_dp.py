@@ -49,10 +49,11 @@ import numpy as np
 
 from pipedejavu import Problem, make_plan
 from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
-from pipedejavu.generate import random_problem
-from pipedejavu.io import bundled_examples
-from pipedejavu.search.engine import SearchConfig, search
-from pipedejavu.search.exact import exact_dp
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.planning.inputs import bundled_examples
+from pipedejavu.search.alpa.exact import exact_dp
+from pipedejavu.search.engine.config import SearchConfig
+from pipedejavu.search.engine.driver import search
 
 CLUSTERS = [(1, 4), (2, 8), (4, 8), (8, 8)]
 
@@ -260,8 +261,8 @@ WARM_PROCESSES = 3
 
 _IN_PROCESS = """
 import json, sys, time, jax
-from pipedejavu.io import load_problem
-from pipedejavu.search.engine import search
+from pipedejavu.planning.inputs import load_problem
+from pipedejavu.search.engine.driver import search
 problem = load_problem(sys.argv[1])
 search(problem, key=jax.random.key(0))
 started = time.perf_counter()
@@ -287,7 +288,7 @@ def _process(args: list[str], cache: Path) -> tuple[float, float]:
 def run_startup() -> list[dict]:
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="pdj-startup-"))
-    cli = [sys.executable, "-m", "pipedejavu.cli", "solve"]
+    cli = [sys.executable, "-m", "pipedejavu.cli.main", "solve"]
     for name, layers, cluster, batches, missing in STARTUP:
         problem = random_problem(
             layers, cluster, num_microbatches=batches, missing=missing, seed=layers
@@ -327,7 +328,7 @@ def run_startup() -> list[dict]:
             "warm_s"
         ]
         row["python_jax_import_s"], _ = _process(
-            [sys.executable, "-c", "import jax, pipedejavu.search.engine"], cache
+            [sys.executable, "-c", "import jax, pipedejavu.search.engine.driver"], cache
         )
         row["load_after"] = os.getloadavg()[0]
         rows.append(row)

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from pipedejavu.baselines.alpa_dp import alpa_training_dp
-from pipedejavu.baselines.dp import exact_dp
-from pipedejavu.generate import random_problem
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.alpa.exact import exact_dp
 
 if importlib.util.find_spec("numba") is None:
     sys.exit("this benchmark needs numba (pip install numba)")

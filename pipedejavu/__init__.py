@@ -5,35 +5,34 @@ import only the vocabulary at load time and the solvers (`pipedejavu.search`,
 `pipedejavu.baselines`, `pipedejavu.costmodel`) when a call needs them, so
 `import pipedejavu` stays light (no JAX)."""
 
-from .api import solve as solve
-from .cluster import Cluster as Cluster
-from .cluster import DeviceType as DeviceType
-from .cluster import Link as Link
-from .comparison import compare as compare
-from .hetero import HeteroPlan as HeteroPlan
-from .hetero import HeteroProblem as HeteroProblem
-from .hetero import LayerMemory as LayerMemory
-from .hetero import check_hetero_plan as check_hetero_plan
-from .hetero import evaluate_hetero as evaluate_hetero
-from .io import bundled_examples as bundled_examples
-from .io import load_cluster as load_cluster
-from .io import load_example as load_example
-from .io import load_plan as load_plan
-from .io import load_problem as load_problem
-from .problem import InfeasibleProblemError as InfeasibleProblemError
-from .problem import Plan as Plan
-from .problem import PlanError as PlanError
-from .problem import Problem as Problem
-from .problem import ProblemError as ProblemError
-from .problem import Stage as Stage
-from .problem import check_plan as check_plan
-from .problem import evaluate as evaluate
-from .problem import get_submesh_choices as get_submesh_choices
-from .problem import make_plan as make_plan
-from .simulation import simulate as simulate
-from .simulation import simulate_plan as simulate_plan
-
-__version__ = "0.1.0"
+from pipedejavu.core.cluster import Cluster as Cluster
+from pipedejavu.core.cluster import DeviceType as DeviceType
+from pipedejavu.core.cluster import Link as Link
+from pipedejavu.core.hetero import HeteroPlan as HeteroPlan
+from pipedejavu.core.hetero import HeteroProblem as HeteroProblem
+from pipedejavu.core.hetero import LayerMemory as LayerMemory
+from pipedejavu.core.hetero import check_hetero_plan as check_hetero_plan
+from pipedejavu.core.hetero import evaluate_hetero as evaluate_hetero
+from pipedejavu.core.problem import InfeasibleProblemError as InfeasibleProblemError
+from pipedejavu.core.problem import Plan as Plan
+from pipedejavu.core.problem import PlanError as PlanError
+from pipedejavu.core.problem import Problem as Problem
+from pipedejavu.core.problem import ProblemError as ProblemError
+from pipedejavu.core.problem import Stage as Stage
+from pipedejavu.core.problem import check_plan as check_plan
+from pipedejavu.core.problem import evaluate as evaluate
+from pipedejavu.core.problem import get_submesh_choices as get_submesh_choices
+from pipedejavu.core.problem import make_plan as make_plan
+from pipedejavu.core.version import __version__ as __version__
+from pipedejavu.planning.compare import compare as compare
+from pipedejavu.planning.inputs import bundled_examples as bundled_examples
+from pipedejavu.planning.inputs import load_cluster as load_cluster
+from pipedejavu.planning.inputs import load_example as load_example
+from pipedejavu.planning.inputs import load_plan as load_plan
+from pipedejavu.planning.inputs import load_problem as load_problem
+from pipedejavu.planning.solve import solve as solve
+from pipedejavu.simulation.simulate import simulate as simulate
+from pipedejavu.simulation.simulate import simulate_plan as simulate_plan
 
 __all__ = [
     "Cluster",

@@ -1,7 +1,7 @@
 """An independent brute force over every valid heterogeneous plan (tests only).
 
-Written from the rules of :mod:`pipedejavu.hetero` (module docstring and
-:func:`pipedejavu.hetero.check_hetero_plan`), sharing no code with the solvers:
+Written from the rules of :mod:`pipedejavu.core.hetero` (module docstring and
+:func:`pipedejavu.core.hetero.check_hetero_plan`), sharing no code with the solvers:
 
 * stages cover layers ``0..L-1`` contiguously; stage ``s`` runs submesh
   ``(h, d)`` on ``h`` distinct hosts, ``d`` devices of each (a window of the
@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from pipedejavu.hetero import HeteroProblem, HeteroStage
+from pipedejavu.core.hetero import HeteroProblem, HeteroStage
 
 
 def _placements(problem: HeteroProblem, sequence: tuple[int, ...]):
@@ -235,8 +235,8 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
     (hosts of 3 use manual submeshes), some submesh shapes missing, links that
     are free, slow inside hosts or slow between them, inf entries and memory
     limits."""
-    from pipedejavu.cluster import Cluster, DeviceType, Link
-    from pipedejavu.problem import get_submesh_choices
+    from pipedejavu.core.cluster import Cluster, DeviceType, Link
+    from pipedejavu.core.problem import get_submesh_choices
 
     num_types = int(rng.integers(1, 4))
     speeds = rng.choice([0.5, 0.7, 1.0, 1.0], num_types)
@@ -302,10 +302,10 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
 def canonical_optimum(problem: HeteroProblem) -> float:
     """The optimum over canonically placed plans only (every stage on one
     type, each type's stages packed in pipeline order by
-    :func:`pipedejavu.hetero.place`): what the oracle searched before it
+    :func:`pipedejavu.core.hetero.place`): what the oracle searched before it
     covered every valid plan. inf when none."""
-    from pipedejavu.hetero import evaluate_hetero, make_hetero_plan
-    from pipedejavu.problem import PlanError
+    from pipedejavu.core.hetero import evaluate_hetero, make_hetero_plan
+    from pipedejavu.core.problem import PlanError
 
     num_layers = problem.num_layers
     best = math.inf
@@ -430,10 +430,10 @@ def _neighbours(problem: HeteroProblem, places):
 
 def local_search_all(problem: HeteroProblem, stages, *, max_steps: int = 50):
     """Best-improvement hill climbing from a plan over the neighbourhood above,
-    every trial checked and priced by :func:`pipedejavu.hetero.evaluate_hetero`.
+    every trial checked and priced by :func:`pipedejavu.core.hetero.evaluate_hetero`.
     Returns ``(cost, stages)`` of the local optimum reached."""
-    from pipedejavu.hetero import evaluate_hetero
-    from pipedejavu.problem import PlanError
+    from pipedejavu.core.hetero import evaluate_hetero
+    from pipedejavu.core.problem import PlanError
 
     places = [
         (s.start, s.stop, s.submesh_index, s.hosts, s.first_device) for s in stages

@@ -137,7 +137,7 @@ def test_alpa_mode_is_near_exact_away_from_the_gap(seed):
 def test_progress_and_time_limit_of_the_scan():
     from pipedejavu import solve
     from pipedejavu.baselines.alpa_dp import ScanTimeout
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     problem = random_problem(10, (1, 4), num_microbatches=8, seed=2)
     calls = []

@@ -20,8 +20,8 @@ from pipedejavu.baselines.heuristics import (
     random_search,
     uniform,
 )
-from pipedejavu.generate import random_problem
-from pipedejavu.problem import PlanError, check_plan, objective
+from pipedejavu.core.problem import PlanError, check_plan, objective
+from pipedejavu.costmodel.stage.generate import random_problem
 
 
 def _planners(seed: int = 0):

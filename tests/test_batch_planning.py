@@ -1,4 +1,4 @@
-"""Goodput mode (pipedejavu.batch_planning): bound and prune equals enumeration."""
+"""Goodput mode (pipedejavu.planning.batch): bound and prune equals enumeration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from pipedejavu.batch_planning import (
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.planning.batch import (
     candidate_batches,
     efficiency,
     grad_params_from_noise_scale,
@@ -15,8 +16,7 @@ from pipedejavu.batch_planning import (
     plan_goodput,
     throughput_upper_bound,
 )
-from pipedejavu.megatron_api import plan_training
-from pipedejavu.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.planning.training import plan_training
 
 POOL = {"GH-96": 4}
 BATCHES = [4, 8, 16, 24, 32, 48, 64]

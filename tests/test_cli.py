@@ -14,8 +14,8 @@ import numpy.lib.format as npy_format
 import pytest
 
 from pipedejavu import Plan, Problem, ProblemError, evaluate
-from pipedejavu.cli import main
-from pipedejavu.io import bundled_examples
+from pipedejavu.cli.main import main
+from pipedejavu.planning.inputs import bundled_examples
 
 EXAMPLES = {example.name: example for example in bundled_examples()}
 B128 = EXAMPLES["gpt1.3b-6layers-B128"]
@@ -225,7 +225,7 @@ def test_unknown_method(capsys, tmp_path):
 
 def test_console_script_runs_the_demo():
     result = subprocess.run(
-        [sys.executable, "-m", "pipedejavu.cli", "demo"],
+        [sys.executable, "-m", "pipedejavu.cli.main", "demo"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -249,7 +249,7 @@ def test_problem_file_round_trip(tmp_path):
 
 
 def test_brute_force_refuses_big_problems(capsys, tmp_path):
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     path = tmp_path / "big.npz"
     random_problem(24, (2, 8), seed=1).to_npz(path)
@@ -258,7 +258,7 @@ def test_brute_force_refuses_big_problems(capsys, tmp_path):
 
 
 def test_diff_method_from_the_command_line(capsys, tmp_path):
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     path = tmp_path / "gen.npz"
     problem = random_problem(12, (1, 4), num_microbatches=8, seed=3)
@@ -311,7 +311,7 @@ def _cluster_file(tmp_path, hosts=("a100", "v100"), memory=True):
 
 
 def _generated_npz(tmp_path, layers=8):
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     return random_problem(layers, (2, 8), num_microbatches=8, seed=0).to_npz(
         tmp_path / "gen.npz"
@@ -408,7 +408,7 @@ def test_version_and_help_show_defaults(capsys):
 
 
 def test_profile_checks_the_output_path_before_profiling(capsys, tmp_path, monkeypatch):
-    from pipedejavu.costmodel import profiler
+    from pipedejavu.costmodel.profiling import profiler
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("profiled before checking --out")

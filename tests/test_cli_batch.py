@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipedejavu.batch_planning import plan_goodput
-from pipedejavu.cli import main
+from pipedejavu.cli.main import main
+from pipedejavu.planning.batch import plan_goodput
 
 
 def run(capsys, *argv):

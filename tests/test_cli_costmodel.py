@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from pipedejavu.cli import main
+from pipedejavu.cli.main import main
 
 
 def run(capsys, *argv):

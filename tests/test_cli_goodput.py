@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from pipedejavu.cli import main
-from pipedejavu.costmodel.goodput import GoodputFunction
-from pipedejavu.elastic import compute_elastic_config
+from pipedejavu.cli.main import main
+from pipedejavu.costmodel.goodput.function import GoodputFunction
+from pipedejavu.planning.deepspeed_elastic import compute_elastic_config
 
 _STEPS = """num_nodes,num_replicas,atomic_bsz,accum_step_time,optim_step_time,note
 1,1,32,0.11,0.12,a
@@ -215,7 +215,7 @@ def test_goodput_fit_bad_csv_is_one_line_and_exit_2(tmp_path, capsys, text, expe
 
 
 def test_goodput_fit_bounds_the_file_size(tmp_path, capsys, monkeypatch):
-    import pipedejavu.cli_goodput as cli_goodput
+    import pipedejavu.cli.goodput as cli_goodput
 
     monkeypatch.setattr(cli_goodput, "MAX_CSV_BYTES", 100)
     path = tmp_path / "steps.csv"

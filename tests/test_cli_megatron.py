@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from pipedejavu.cli import main
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.sailor_data import bundled_sailor_dir
-from pipedejavu.plan3d import load_plan3d
+from pipedejavu.cli.main import main
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
+from pipedejavu.io.sailor_plan import load_plan3d
 
 MEASURED = bundled_sailor_dir() / "measured"
 GH = MEASURED / "gh200-opt350" / "plan_config_N16_D4.json"

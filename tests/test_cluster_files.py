@@ -12,9 +12,9 @@ import pytest
 
 import pipedejavu as pdj
 from pipedejavu import Cluster, DeviceType, Link, ProblemError
-from pipedejavu.cli import main
-from pipedejavu.cluster import FREE_LINK
-from pipedejavu.io import BUNDLED_CLUSTERS, example_names, load_cluster
+from pipedejavu.cli.main import main
+from pipedejavu.core.cluster import FREE_LINK
+from pipedejavu.planning.inputs import BUNDLED_CLUSTERS, example_names, load_cluster
 
 A100_V100 = {
     "devices_per_host": 8,

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from pipedejavu import ProblemError, evaluate, solve
-from pipedejavu.cli import main
-from pipedejavu.comparison import compare
-from pipedejavu.generate import random_problem
-from pipedejavu.search.exact import exact_dp
-from pipedejavu.simulation import simulate_plan
+from pipedejavu.cli.main import main
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.planning.compare import compare
+from pipedejavu.search.alpa.exact import exact_dp
+from pipedejavu.simulation.simulate import simulate_plan
 
 FAST = {"anneal": {"num_steps": 3000}, "random": {"num_samples": 300}}
 
@@ -168,7 +168,7 @@ def test_solve_dispatches_the_heuristics(problem, method):
 
 
 def test_cli_help_names_every_example(capsys):
-    from pipedejavu.io import example_names
+    from pipedejavu.planning.inputs import example_names
 
     with pytest.raises(SystemExit):
         main(["solve", "--help"])

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pipedejavu.costmodel.comm as comm
+import pipedejavu.costmodel.alpa.comm as comm
 from pipedejavu.costmodel import MeshProfilingResult, read_prof_database
-from pipedejavu.costmodel.comm import (
+from pipedejavu.costmodel.alpa.comm import (
     ARTIFACT,
     INVALID,
     NO_OP,
@@ -31,7 +31,7 @@ from pipedejavu.costmodel.comm import (
     group_shape_of,
     held_out_errors,
 )
-from pipedejavu.costmodel.comm_plots import (
+from pipedejavu.costmodel.alpa.comm_plots import (
     TABLE_LEGEND,
     comm_report,
     format_table,
@@ -375,7 +375,7 @@ def test_table_rows_are_labelled_uniquely(rows):
 def test_folds_are_capped_at_the_points_of_a_curve(monkeypatch):
     """k beyond a curve's used points assigns the same folds (leave-one-out);
     the fit must not run thousands of empty folds."""
-    from pipedejavu.costmodel import comm_fit
+    from pipedejavu.costmodel.alpa import comm_fit
 
     seen = []
     real = comm_fit._held_out_batch

@@ -14,7 +14,8 @@ from pipedejavu.costmodel import (
     stage_memory_stats,
     stage_profile_tables,
 )
-from pipedejavu.costmodel.memory_model import (
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.costmodel.stage.memory_model import (
     MemoryStatsTable,
     alpa_max_n_succ_stages,
     fit_memory_model,
@@ -22,21 +23,20 @@ from pipedejavu.costmodel.memory_model import (
     predict_memory_stats,
     synthetic_memory_stats,
 )
-from pipedejavu.costmodel.predict import (
+from pipedejavu.costmodel.stage.predict import (
     SubsetConfig,
     planning_problem,
     predict_stage_costs,
     profile_subset,
 )
-from pipedejavu.costmodel.predict_regret import (
+from pipedejavu.planning.inputs import bundled_examples
+from pipedejavu.planning.predict_regret import (
     format_predictor_report,
     load_instance,
     plan_regret,
     predictor_report,
     true_optimum,
 )
-from pipedejavu.generate import random_problem
-from pipedejavu.io import bundled_examples
 
 
 def additive_problem(num_layers=16, cluster=(2, 4), seed=0, **kwargs):

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.profiler import (
+from pipedejavu.core.problem import UNLIMITED_SUCCEEDING_STAGES, Problem, evaluate
+from pipedejavu.costmodel.profiling.profiler import (
     MODEL_NAMES,
     DataParallelScaling,
     GPTConfig,
     LayerProfile,
     StageOverhead,
-    _span_step,
     fit_stage_overhead,
     gpt_config,
     gpt_modules,
@@ -32,9 +32,9 @@ from pipedejavu.costmodel.profiler import (
     problem_from_layer_profile,
     profile_model,
     profile_to_problem,
+    span_step,
 )
-from pipedejavu.problem import UNLIMITED_SUCCEEDING_STAGES, Problem, evaluate
-from pipedejavu.search.exact import exact_dp
+from pipedejavu.search.alpa.exact import exact_dp
 
 MICRO_SPANS = [(0, 4), (1, 3), (0, 2)]
 
@@ -148,7 +148,7 @@ def test_timed_step_computes_the_real_gradients():
         return layers[-1].apply(all_params[-1], x, targets)
 
     expected = jax.jit(jax.grad(loss))(params)
-    step = _span_step(config, 0, 4)
+    step = span_step(config, 0, 4)
     value, (gradients,) = step(params, tokens, targets, jnp.ones((), jnp.float32))
     np.testing.assert_allclose(value, jax.jit(loss)(params), rtol=1e-5)
     for got, want in zip(
@@ -156,7 +156,7 @@ def test_timed_step_computes_the_real_gradients():
     ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     # identical blocks share one compiled function
-    assert _span_step(config, 1, 2) is _span_step(config, 2, 3)
+    assert span_step(config, 1, 2) is span_step(config, 2, 3)
 
 
 def test_problem_on_one_device_is_valid_and_exact_dp_solves_it(micro):

@@ -8,20 +8,24 @@ import time
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.layers import (
-    LayerSpec,
-    boundary_activation_bytes,
-    gpt_layers,
-    irregular_layers,
-)
-from pipedejavu.costmodel.synthesis import AlphaBetaComm, stage_cost_table, synthesize
-from pipedejavu.problem import (
+from pipedejavu.core.problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     InfeasibleProblemError,
     Problem,
     evaluate,
 )
-from pipedejavu.search.exact import exact_dp
+from pipedejavu.costmodel.stage.layers import (
+    LayerSpec,
+    boundary_activation_bytes,
+    gpt_layers,
+    irregular_layers,
+)
+from pipedejavu.costmodel.stage.synthesis import (
+    AlphaBetaComm,
+    stage_cost_table,
+    synthesize,
+)
+from pipedejavu.search.alpa.exact import exact_dp
 
 SMALL_GPT = dict(hidden=64, seq_len=32, micro_batch=2, vocab=100)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipedejavu._deepspeed_schedule import (
+from pipedejavu.simulation.deepspeed import (
     BACKWARD,
     FORWARD,
     RECV_ACT,
@@ -13,8 +13,8 @@ from pipedejavu._deepspeed_schedule import (
     compute_order,
     deepspeed_commands,
 )
-from pipedejavu._schedule import _order
-from pipedejavu.simulation import simulate
+from pipedejavu.simulation.schedules import command_order
+from pipedejavu.simulation.simulate import simulate
 
 SIZES = [(s, b) for s in (1, 2, 3, 4, 7) for b in (1, 2, 3, 5, 8)]
 
@@ -23,7 +23,7 @@ SIZES = [(s, b) for s in (1, 2, 3, 4, 7) for b in (1, 2, 3, 5, 8)]
 def test_compute_order_is_1f1b(stages, count):
     for s in range(stages):
         commands = deepspeed_commands(s, stages, count)
-        assert compute_order(commands, count) == _order("1f1b", s, stages, count)
+        assert compute_order(commands, count) == command_order("1f1b", s, stages, count)
         # Every micro-batch is received before its forward, sent after it.
         for b in range(count):
             forward = commands.index((FORWARD, b))

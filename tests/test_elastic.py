@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipedejavu import elastic
-from pipedejavu.elastic import (
+from pipedejavu.planning import deepspeed_elastic as elastic
+from pipedejavu.planning.deepspeed_elastic import (
     ElasticityConfigError,
     ElasticityError,
     ElasticityIncompatibleWorldSize,
@@ -277,7 +277,9 @@ def test_errors_say_what_is_wrong():
 
 
 def test_elastic_does_not_import_jax():
-    code = "import pipedejavu.elastic, sys; print('jax' in sys.modules)"
+    code = (
+        "import pipedejavu.planning.deepspeed_elastic, sys; print('jax' in sys.modules)"
+    )
     child = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )

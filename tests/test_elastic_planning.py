@@ -1,4 +1,4 @@
-"""Elastic mode (pipedejavu.elastic_planning)."""
+"""Elastic mode (pipedejavu.planning.elastic)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,10 @@ import json
 
 import pytest
 
-from pipedejavu.elastic import get_valid_gpus, is_valid_world_size
-from pipedejavu.elastic_planning import (
-    elastic_counts,
-    format_elastic,
-    parse_gpu_range,
-    plan_elastic,
-    plot_elastic,
-)
-from pipedejavu.problem import ProblemError
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.planning.deepspeed_elastic import get_valid_gpus, is_valid_world_size
+from pipedejavu.planning.elastic import elastic_counts, parse_gpu_range, plan_elastic
+from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
 
 COUNTS = [4, 8, 12]
 

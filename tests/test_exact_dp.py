@@ -10,7 +10,7 @@ from helpers import tiny_problem, two_layer_problem
 
 from pipedejavu import InfeasibleProblemError, evaluate
 from pipedejavu.baselines import brute_force, exact_dp, min_sum_plan
-from pipedejavu.generate import random_problem
+from pipedejavu.costmodel.stage.generate import random_problem
 
 
 def _solve_or_none(solver, problem):
@@ -150,7 +150,7 @@ def _plan_or_none(problem, method):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
-    from pipedejavu.search import _labels
+    from pipedejavu.search.alpa import labels as _labels
 
     if seed:  # follower levels in the prefix tables from the first pass on
         monkeypatch.setattr(_labels, "MANY_LABELS", 0)
@@ -208,7 +208,7 @@ def _memory_tight(num_layers, cluster, seed, never_fit=0.6):
 @pytest.mark.parametrize("levels_at_once", [False, True])
 @pytest.mark.parametrize(("layers", "seed"), [(24, 0), (24, 1), (32, 0), (32, 2)])
 def test_labels_match_caps_when_memory_binds(layers, seed, levels_at_once, monkeypatch):
-    from pipedejavu.search import _labels
+    from pipedejavu.search.alpa import labels as _labels
 
     if levels_at_once:  # prefix tables with follower levels from the first pass
         monkeypatch.setattr(_labels, "MANY_LABELS", 0)
@@ -224,7 +224,7 @@ def test_labels_match_caps_when_memory_binds(layers, seed, levels_at_once, monke
 
 
 def test_label_dp_with_an_incumbent():
-    from pipedejavu.search._labels import label_dp
+    from pipedejavu.search.alpa.labels import label_dp
 
     problem = random_problem(12, (2, 4), num_microbatches=16, seed=9)
     optimum = exact_dp(problem)
@@ -236,13 +236,9 @@ def test_label_dp_with_an_incumbent():
 
 @pytest.mark.parametrize("method", ["labels", "caps"])
 def test_progress_lines(method, monkeypatch):
-    from pipedejavu.search import exact
+    from pipedejavu.search.alpa import caps
 
-    class Eager(exact._Reporter):
-        def __init__(self, progress_fn, every=0.0):
-            super().__init__(progress_fn, 0.0)
-
-    monkeypatch.setattr(exact, "_Reporter", Eager)
+    monkeypatch.setattr(caps, "REPORT_EVERY_S", 0.0)
     lines = []
     problem = _memory_tight(24, (2, 8), 0)
     exact_dp(problem, method=method, progress_fn=lines.append)
@@ -257,7 +253,7 @@ def test_unknown_method_is_refused():
 def test_follower_levels_prove_infeasibility(monkeypatch):
     # Instance 38 of this stream has plans under the one-level relaxation but
     # none under the exact memory rule (it once made the cap loop spin).
-    from pipedejavu.search import _labels
+    from pipedejavu.search.alpa import labels as _labels
 
     monkeypatch.setattr(_labels, "MANY_LABELS", 0)
     rng = np.random.default_rng(11)
@@ -283,7 +279,7 @@ def test_plain_prefix_tables_match_the_level_tables(memory, seed):
     """The one-level fast path of the label DP's prefix tables gives exactly
     the general (multi-level) code's tables at one level, with all groups and
     with those below a theta."""
-    from pipedejavu.search import _labels
+    from pipedejavu.search.alpa import labels as _labels
 
     rng = np.random.default_rng(3000 + seed)
     for index in range(20):
@@ -314,7 +310,7 @@ def test_groups_are_ordered_by_end_then_size(seed):
     """Groups come sorted by (end, submesh size, start, submesh), with repeated
     submesh sizes (tiny problems) and distinct ones alike, and the row minima
     match ``argmin``."""
-    from pipedejavu.search import _labels
+    from pipedejavu.search.alpa import labels as _labels
 
     rng = np.random.default_rng(4000 + seed)
     for _ in range(30):

@@ -43,10 +43,10 @@ from pipedejavu import (
     load_problem,
     solve,
 )
-from pipedejavu.cli import main
-from pipedejavu.generate import random_problem
-from pipedejavu.io import bundled_examples, load_example
-from pipedejavu.npzfile import read_npz
+from pipedejavu.cli.main import main
+from pipedejavu.core.npzfile import read_npz
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.planning.inputs import bundled_examples, load_example
 
 FUZZ = settings(
     max_examples=30,
@@ -506,7 +506,8 @@ def test_evaluate_checks_a_plan_file(tmp_path, capsys):
 
 
 def test_alpa_files_are_read_up_to_a_size_limit(tmp_path, monkeypatch):
-    from pipedejavu.costmodel import _unpickle, read_prof_database
+    from pipedejavu.costmodel import read_prof_database
+    from pipedejavu.io import alpa_pickle as _unpickle
 
     path = tmp_path / "big.pkl"
     path.write_bytes(pickle.dumps(list(range(1000))))

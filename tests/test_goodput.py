@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel import goodput_model as model
-from pipedejavu.costmodel.goodput import (
+from pipedejavu.costmodel.goodput import model
+from pipedejavu.costmodel.goodput.function import (
     GoodputFunction,
     GoodputInputError,
     GradParams,

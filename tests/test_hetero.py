@@ -15,9 +15,8 @@ from pipedejavu.baselines.hetero import (
     alpa_placement,
     hetero_brute_force,
 )
-from pipedejavu.cluster import FREE_LINK, Cluster, DeviceType, Link
-from pipedejavu.generate import random_problem
-from pipedejavu.hetero import (
+from pipedejavu.core.cluster import FREE_LINK, Cluster, DeviceType, Link
+from pipedejavu.core.hetero import (
     HeteroProblem,
     check_hetero_plan,
     evaluate_hetero,
@@ -25,21 +24,22 @@ from pipedejavu.hetero import (
     place,
     transfer_times,
 )
-from pipedejavu.hetero_generate import (
-    GPTSpec,
-    hetero_problem,
-    three_type_cluster,
-    two_type_cluster,
-)
-from pipedejavu.problem import (
+from pipedejavu.core.problem import (
     InfeasibleProblemError,
     PlanError,
     Problem,
     ProblemError,
     get_submesh_choices,
 )
-from pipedejavu.search.exact import exact_dp
-from pipedejavu.search.hetero_exact import HeteroTimeoutError, hetero_exact
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.costmodel.stage.hetero_generate import (
+    GPTSpec,
+    hetero_problem,
+    three_type_cluster,
+    two_type_cluster,
+)
+from pipedejavu.search.alpa.exact import exact_dp
+from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
 UNLIMITED = 2**20
 

@@ -16,26 +16,27 @@ from jax.test_util import check_grads
 
 from pipedejavu import get_submesh_choices
 from pipedejavu.baselines.hetero import alpa_homogeneous, hetero_brute_force
-from pipedejavu.cluster import Cluster, DeviceType, Link
-from pipedejavu.generate import random_problem
-from pipedejavu.hetero import (
+from pipedejavu.core.cluster import Cluster, DeviceType, Link
+from pipedejavu.core.hetero import (
     HeteroProblem,
     check_hetero_plan,
     evaluate_hetero,
     make_hetero_plan,
 )
-from pipedejavu.hetero_generate import (
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.costmodel.stage.hetero_generate import (
     hetero_problem,
     three_type_cluster,
     two_type_cluster,
 )
-from pipedejavu.problem import InfeasibleProblemError
-from pipedejavu.search import exact_dp, hetero_engine
-from pipedejavu.search.hetero_assign import assign, partition, quick_cost
-from pipedejavu.search.hetero_bounds import hetero_lower_bound
-from pipedejavu.search.hetero_engine import HeteroSearchConfig, hetero_search
-from pipedejavu.search.hetero_exact import hetero_exact
-from pipedejavu.search.hetero_relax import (
+from pipedejavu.search import exact_dp
+from pipedejavu.search.hetero import engine as hetero_engine
+from pipedejavu.search.hetero.assign import assign, partition, quick_cost
+from pipedejavu.search.hetero.bounds import hetero_lower_bound
+from pipedejavu.search.hetero.engine import HeteroSearchConfig, hetero_search
+from pipedejavu.search.hetero.exact import hetero_exact
+from pipedejavu.search.hetero.relax import (
     HeteroRelaxedParams,
     HeteroRelaxedProblem,
     Temperatures,
@@ -162,7 +163,7 @@ def test_lagrangian_lower_bound_is_below_the_optimum(seed):
 def test_dual_is_below_the_exact_relaxation(seed):
     # Weak duality, cap by cap: phi(lam) <= Q(cap) of the exact grid DP, and a
     # single speed level has nothing to relax (the two agree).
-    from pipedejavu.search.hetero_bounds import _dual_bound, _Levels, _relaxed_dp
+    from pipedejavu.search.hetero.bounds import _dual_bound, _Levels, _relaxed_dp
 
     problem = _tiny(3000 + seed, three_types=True, num_layers=5)
     levels = _Levels(problem, max_cells=10**6)
@@ -246,7 +247,7 @@ def test_homogeneous_free_links_match_the_exact_dp(shape):
 
 
 def test_engine_matches_the_oracle_on_a_generated_two_type_instance():
-    from pipedejavu.search.hetero_exact import hetero_exact
+    from pipedejavu.search.hetero.exact import hetero_exact
 
     problem = hetero_problem(
         16,

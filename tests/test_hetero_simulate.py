@@ -3,7 +3,7 @@
 With one backward/forward ratio for every stage (b = 2 f) and per-direction
 transfer x = c / 2 on each link, the simulated GPipe iteration is
 ``sum t + sum c + (B - 1) * max(max t, max c)`` -- the objective of
-``pipedejavu.hetero`` -- whenever the links are never the bottleneck
+``pipedejavu.core.hetero`` -- whenever the links are never the bottleneck
 (``max x <= max f``) or always are (``max x >= max b``).
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipedejavu.cluster import Cluster, DeviceType, Link
-from pipedejavu.comparison import simulate_schedule
-from pipedejavu.generate import random_problem
-from pipedejavu.hetero import HeteroProblem, evaluate_hetero, make_hetero_plan
+from pipedejavu.core.cluster import Cluster, DeviceType, Link
+from pipedejavu.core.hetero import HeteroProblem, evaluate_hetero, make_hetero_plan
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.planning.compare import simulate_schedule
 
 
 def _problem(bytes_per_boundary: float, seed: int) -> HeteroProblem:

@@ -21,21 +21,21 @@ from hetero_reference import (
 )
 
 from pipedejavu.baselines.hetero import alpa_homogeneous, hetero_brute_force
-from pipedejavu.cluster import Cluster, DeviceType, Link
-from pipedejavu.hetero import (
+from pipedejavu.core.cluster import Cluster, DeviceType, Link
+from pipedejavu.core.hetero import (
     HeteroProblem,
     check_hetero_plan,
     evaluate_hetero,
     transfer_times,
 )
-from pipedejavu.hetero_generate import (
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.costmodel.stage.hetero_generate import (
     hetero_problem,
     three_type_cluster,
     two_type_cluster,
 )
-from pipedejavu.problem import InfeasibleProblemError
-from pipedejavu.search.hetero_bounds import hetero_lower_bound
-from pipedejavu.search.hetero_exact import hetero_exact
+from pipedejavu.search.hetero.bounds import hetero_lower_bound
+from pipedejavu.search.hetero.exact import hetero_exact
 
 
 def _solve(problem):
@@ -225,9 +225,9 @@ def _memory_cluster(gb: float | None) -> Cluster:
 
 
 def test_from_problem_applies_or_refuses_device_memory():
-    from pipedejavu.generate import random_problem
-    from pipedejavu.hetero import LayerMemory
-    from pipedejavu.problem import ProblemError
+    from pipedejavu.core.hetero import LayerMemory
+    from pipedejavu.core.problem import ProblemError
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     base = random_problem(6, (2, 2), num_microbatches=4, seed=0, submesh_space="all")
     with pytest.raises(ProblemError, match=r"device memory is set for 'a' \(40 GB\)"):
@@ -259,8 +259,8 @@ def problem_type(problem, host):
 def test_cluster_file_memory_bounds_stages_in_the_cli(tmp_path, capsys):
     import json
 
-    from pipedejavu.cli import main
-    from pipedejavu.generate import random_problem
+    from pipedejavu.cli.main import main
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     base = random_problem(6, (2, 2), num_microbatches=4, seed=0, submesh_space="all")
     path = tmp_path / "gen.npz"
@@ -331,8 +331,8 @@ def test_no_local_move_improves_the_oracle_on_mid_size_instances(name):
     """16-32 devices: hill climbing from the oracle's plan (boundary shifts,
     swapped devices, other end hosts, merges, splits; configs and tied types
     repriced) finds nothing cheaper; nor does the engine's local search."""
-    from pipedejavu.search.hetero_assign import split
-    from pipedejavu.search.hetero_polish import local_search
+    from pipedejavu.search.hetero.assign import split
+    from pipedejavu.search.hetero.polish import local_search
 
     problem = MID_SIZE[name]()
     plan = hetero_exact(problem)

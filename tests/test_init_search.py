@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipedejavu.cli import main
+from pipedejavu.cli.main import main
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.init_search import (
     InitSearchConfig,
     TrainConfig,
@@ -40,7 +41,6 @@ from pipedejavu.init_search.train import (
     new_population,
     train_epochs,
 )
-from pipedejavu.problem import ProblemError
 
 TRAIN = TrainConfig(model=model_config("mlp-small"), batch_size=128)
 STEPS = 1079 // 128  # mini-batches per epoch on the 1,079 training images

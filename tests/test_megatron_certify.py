@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C
-from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
-from pipedejavu.costmodel.sailor_data import SailorData
-from pipedejavu.problem import ProblemError
-from pipedejavu.search import megatron_certify as mc
-from pipedejavu.search.megatron import MegatronSearchConfig, search_megatron
-from pipedejavu.simulation import simulate
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
+from pipedejavu.search.megatron import certify as mc
+from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.simulation.simulate import simulate
 
 DATA = SailorData()
 

@@ -2,7 +2,7 @@
 
 None of the targets is installable here (they need PyTorch, CUDA or an old
 jaxlib), so each test re-states the target's rules as its documentation and
-source give them (versions in :mod:`pipedejavu.megatron_export`) and checks
+source give them (versions in :mod:`pipedejavu.io.exports`) and checks
 the export against those rules, not against our own exporter's code.
 """
 
@@ -15,18 +15,18 @@ import shlex
 
 import pytest
 
-from pipedejavu.cli import main
-from pipedejavu.costmodel.megatron_tables import plan_from_stages
-from pipedejavu.megatron_export import (
+from pipedejavu.cli.main import main
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.io.exports import (
     export_plan,
     to_alpa,
     to_deepspeed,
     to_megatron,
     to_torchtitan,
 )
-from pipedejavu.plan3d import Plan3D, Replica, Stage3D, load_plan3d
-from pipedejavu.problem import ProblemError
-from pipedejavu.sailor_plan import plan_from_sailor, plan_to_sailor
+from pipedejavu.io.sailor_plan import load_plan3d, plan_from_sailor, plan_to_sailor
 
 
 def _plan(bounds, tp=2, dp=2, mbs=2, gbs=64, gpn=4):
@@ -366,8 +366,8 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     global ranks its type; the Megatron arguments and the torchtitan TOML
     carry it as comments, DeepSpeed's JSON as ``gpu_types_by_rank``, Alpa
     refuses (its options name no GPU types), and one-type plans say nothing."""
-    from pipedejavu.costmodel.megatron_tables import plan_from_mixed_stages
-    from pipedejavu.megatron_export import gpu_types_by_rank
+    from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
+    from pipedejavu.io.exports import gpu_types_by_rank
 
     tomllib = pytest.importorskip("tomllib")
     kinds = ["Titan-RTX", "Titan-RTX", "RTX-2080", "Titan-RTX"]

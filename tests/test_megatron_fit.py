@@ -6,12 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.megatron import NCCL_BUFFER_BYTES, predict_plan
-from pipedejavu.costmodel.megatron_fit import (
-    FITTED_CONSTANTS,
-    fit_constants,
-    load_measured_runs,
-)
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS, NCCL_BUFFER_BYTES
+from pipedejavu.costmodel.megatron.fit import fit_constants, load_measured_runs
+from pipedejavu.costmodel.megatron.predictor import predict_plan
 
 RUNS = load_measured_runs()
 

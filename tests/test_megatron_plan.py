@@ -13,14 +13,14 @@ from helpers import tiny_problem
 from pipedejavu import InfeasibleProblemError, Problem, ProblemError, evaluate
 from pipedejavu.baselines.brute import brute_force
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS as C
-from pipedejavu.costmodel.megatron_tables import compile_tables, plan_from_stages
-from pipedejavu.costmodel.sailor_data import SailorData
-from pipedejavu.megatron_api import parse_gpu_pool, plan_training
-from pipedejavu.plan3d import Plan3D
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import compile_tables, plan_from_stages
+from pipedejavu.planning.training import parse_gpu_pool, plan_training
 from pipedejavu.search import exact_dp
-from pipedejavu.search.megatron import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 
 DATA = SailorData()
 

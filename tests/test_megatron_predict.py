@@ -9,15 +9,15 @@ import shutil
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.megatron import (
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
+    FITTED_CONSTANTS,
     PredictorConstants,
-    predict_plan,
 )
-from pipedejavu.costmodel.megatron_fit import FITTED_CONSTANTS
-from pipedejavu.costmodel.sailor_data import SailorData, bundled_sailor_dir
-from pipedejavu.plan3d import Plan3D, Replica, Stage3D
-from pipedejavu.problem import ProblemError
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData, bundled_sailor_dir
 
 DATA = SailorData()
 C = FITTED_CONSTANTS

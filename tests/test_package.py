@@ -38,9 +38,13 @@ def test_package_claims_one_top_level_name():
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[1]
     config = tomllib.loads((root / "pyproject.toml").read_text())
-    packages = config["tool"]["setuptools"]["packages"]
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert include == ["pipedejavu", "pipedejavu.*"], include
+    # What setuptools finds from that: every package folder, nothing outside.
+    from setuptools import find_packages
+
+    packages = find_packages(str(root), include=include)
     assert {name.split(".")[0] for name in packages} == {"pipedejavu"}, packages
-    # Every package folder of the source tree is listed (nothing left out).
     on_disk = {
         ".".join(init.parent.relative_to(root).parts)
         for init in (root / "pipedejavu").rglob("__init__.py")

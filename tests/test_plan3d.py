@@ -6,10 +6,15 @@ import json
 
 import pytest
 
-from pipedejavu.costmodel.sailor_data import bundled_sailor_dir
-from pipedejavu.plan3d import Plan3D, Replica, Stage3D, load_plan3d
-from pipedejavu.problem import ProblemError
-from pipedejavu.sailor_plan import plan_from_sailor, plan_to_sailor, write_sailor_plan
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
+from pipedejavu.io.sailor_plan import (
+    load_plan3d,
+    plan_from_sailor,
+    plan_to_sailor,
+    write_sailor_plan,
+)
 
 PLAN_FILES = sorted((bundled_sailor_dir() / "measured").glob("*/plan_config_*.json"))
 MEASURED_FIELDS = ("real", "max_mem", "red_grads")

@@ -223,7 +223,7 @@ def test_dp_plans_obey_every_rule(seed, memory, missing):
 
 # --- shared validation and files (issue 10) -----------------------------------
 def _small() -> Problem:
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     return random_problem(5, (1, 4), num_microbatches=4, seed=0)
 
@@ -241,7 +241,7 @@ def _reachable_by_loop(sizes, total):
     total=st.integers(1, 200),
 )
 def test_vectorized_device_reachability_equals_the_plain_loop(sizes, total):
-    from pipedejavu.problem import _reachable
+    from pipedejavu.core.problem import _reachable
 
     assert _reachable(sorted(sizes), total) == _reachable_by_loop(sizes, total)
 
@@ -323,7 +323,7 @@ def test_brute_force_counts_its_visits_before_enumerating():
     import sys
 
     import pipedejavu.baselines  # noqa: F401  (the module, not the function)
-    from pipedejavu.generate import random_problem
+    from pipedejavu.costmodel.stage.generate import random_problem
 
     module = sys.modules["pipedejavu.baselines.brute"]
     for seed in range(4):

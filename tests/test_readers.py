@@ -27,16 +27,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedejavu import costmodel
-from pipedejavu.costmodel import (
-    ModuleProfileResult,
-    StageProfileResult,
-    UnsafePickleError,
-)
-from pipedejavu.problem import (
+from pipedejavu.core.problem import (
     UNLIMITED_SUCCEEDING_STAGES,
     ProblemError,
     evaluate,
     make_plan,
+)
+from pipedejavu.costmodel import (
+    ModuleProfileResult,
+    StageProfileResult,
+    UnsafePickleError,
 )
 
 PROFILES = {

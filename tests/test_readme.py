@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipedejavu.cli import _build_parser
+from pipedejavu.cli.main import _build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TEXT = README.read_text()

@@ -16,7 +16,7 @@ from pipedejavu import InfeasibleProblemError, evaluate
 from pipedejavu.baselines import exact_dp
 from pipedejavu.baselines.alpa_dp import alpa_training_dp
 from pipedejavu.costmodel import read_stage_profile
-from pipedejavu.io import bundled_examples
+from pipedejavu.planning.inputs import bundled_examples
 
 EXAMPLES = {example.name: example for example in bundled_examples()}
 

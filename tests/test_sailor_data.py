@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.sailor_data import (
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.sailor_data import (
     BandwidthFit,
     LayerTimes,
     SailorData,
     bundled_sailor_dir,
     smooth_profile,
 )
-from pipedejavu.problem import ProblemError
 
 DATA = SailorData()
 PROFILES = [(m, g) for m in DATA.models() for g in DATA.gpu_types(m)]

@@ -10,8 +10,8 @@ from helpers import tiny_problem, two_layer_problem
 
 from pipedejavu import InfeasibleProblemError, Problem
 from pipedejavu.baselines import exact_dp
-from pipedejavu.generate import random_problem
-from pipedejavu.search.bounds import bound_details, lower_bound
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.engine.bounds import bound_details, lower_bound
 
 
 def _optimum(problem: Problem) -> float | None:
@@ -142,7 +142,7 @@ def test_progress_lines_report_valid_bounds(monkeypatch):
     exceeds the final bound, which the lines do not change."""
     import re
 
-    import pipedejavu.search.bounds as bounds
+    import pipedejavu.search.engine.bounds as bounds
 
     problem = random_problem(24, (2, 8), num_microbatches=16, seed=3)
     quiet = lower_bound(problem)

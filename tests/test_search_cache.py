@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipedejavu.search import _jax_cache
-from pipedejavu.search._jax_cache import _AtomicFileCache, cache_folder
+from pipedejavu.search.engine import compile_cache as _jax_cache
+from pipedejavu.search.engine.compile_cache import _AtomicFileCache, cache_folder
 
 
 def test_folder_from_argument_environment_and_default(monkeypatch, tmp_path):
@@ -80,8 +80,8 @@ def test_unwritable_folder_only_costs_compilation(tmp_path):
 
 _RUN = """
 import json, jax
-from pipedejavu.generate import random_problem
-from pipedejavu.search.engine import SearchConfig, search
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.engine.driver import SearchConfig, search
 problem = random_problem(10, (1, 4), num_microbatches=8, seed=2)
 config = SearchConfig(num_restarts=4, num_steps=20, num_chunks=2, num_polished=1)
 result = search(problem, config, key=jax.random.key(0))

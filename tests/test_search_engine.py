@@ -20,10 +20,12 @@ from jax.test_util import check_grads
 
 from pipedejavu import InfeasibleProblemError, ProblemError, evaluate
 from pipedejavu.baselines import brute_force, exact_dp
-from pipedejavu.generate import random_problem
-from pipedejavu.search import engine
-from pipedejavu.search.engine import SearchConfig, differentiable, search
-from pipedejavu.search.relax import (
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.engine import driver as engine
+from pipedejavu.search.engine import restarts
+from pipedejavu.search.engine.config import SearchConfig
+from pipedejavu.search.engine.driver import differentiable, search
+from pipedejavu.search.engine.relax import (
     RelaxedParams,
     RelaxedProblem,
     Temperatures,
@@ -147,12 +149,12 @@ def test_the_jitted_step_traces_once():
     config = SearchConfig(
         num_restarts=4, num_steps=30, num_chunks=3, num_polished=1, learning_rate=0.07
     )
-    before = engine.TRACE_COUNT[0]
+    before = restarts.TRACE_COUNT[0]
     first = search(problem, config, key=jax.random.key(0))
-    assert engine.TRACE_COUNT[0] == before + 1  # three chunks, one trace
+    assert restarts.TRACE_COUNT[0] == before + 1  # three chunks, one trace
     assert first.compile_time_s > 0
     second = search(problem, config, key=jax.random.key(1))
-    assert engine.TRACE_COUNT[0] == before + 1
+    assert restarts.TRACE_COUNT[0] == before + 1
     assert second.compile_time_s == 0.0
     assert len(first.loss_curve) == 30
 
@@ -181,8 +183,8 @@ def test_search_result_reports_what_it_did():
 
 _MULTI = """
 import json, jax
-from pipedejavu.generate import random_problem
-from pipedejavu.search.engine import SearchConfig, differentiable
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.engine.driver import SearchConfig, differentiable
 problem = random_problem(20, (2, 4), num_microbatches=8, seed=4)
 config = SearchConfig(num_restarts=8, num_steps=40, num_chunks=2, num_polished=2)
 plan = differentiable(problem, config, key=jax.random.key(3))
@@ -246,7 +248,7 @@ def test_restarts_in_memory_limited_batches_give_the_same_plan():
 
 
 def test_too_many_restarts_are_refused_before_compiling(capsys):
-    from pipedejavu.cli import main
+    from pipedejavu.cli.main import main
 
     problem = random_problem(16, (1, 8), num_microbatches=8, seed=2)
     config = dataclasses.replace(SMALL, num_restarts=10**6, memory_limit_gb=0.5)
@@ -285,12 +287,12 @@ def test_polish_stops_once_the_bound_proves_the_plan_optimal():
 
 
 def test_bucketed_layers_share_compiled_code():
-    before = engine.TRACE_COUNT[0]
+    before = restarts.TRACE_COUNT[0]
     for layers in (13, 15):  # both pad to 16 layers
         search(
             random_problem(layers, (1, 4), seed=layers), SMALL, key=jax.random.key(0)
         )
-    assert engine.TRACE_COUNT[0] - before <= 1
+    assert restarts.TRACE_COUNT[0] - before <= 1
 
 
 def test_a_plan_no_neighbourhood_holds_comes_from_the_exact_dp():

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pipedejavu.search.linear as linear
+import pipedejavu.costmodel.stage.linear as linear
 from pipedejavu import Problem
-from pipedejavu.generate import random_problem
-from pipedejavu.search.linear import (
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.costmodel.stage.linear import (
     fit_linear_model,
     fit_linear_numpy,
     predict_spans,

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from pipedejavu import Plan, PlanError
-from pipedejavu.generate import random_problem
-from pipedejavu.search.exact import exact_dp
-from pipedejavu.simulation import (
-    _order,
-    _run_events,
-    _run_fixed_order,
+from pipedejavu.costmodel.stage.generate import random_problem
+from pipedejavu.search.alpa.exact import exact_dp
+from pipedejavu.simulation.simulate import (
     alpa_formula,
+    command_order,
     gpipe_formula,
+    run_events,
+    run_fixed_order,
     simulate,
     simulate_plan,
     split_latencies,
@@ -279,7 +279,7 @@ def test_schedule_invariants_with_links(schedule, seed):
         kinds = [(e.kind, e.microbatch) for e in events]
         assert kinds == [
             ("F", c) if c < count else ("B", c - count)
-            for c in _order(schedule, s, num_stages, count)
+            for c in command_order(schedule, s, num_stages, count)
         ]
         assert all(a.end <= b.start + tol for a, b in pairwise(events))
         assert (r.backward_start[s] >= r.forward_end[s] - tol).all()
@@ -313,9 +313,9 @@ def test_event_engine_matches_fixed_order_engine(schedule, seed):
     num_stages = int(rng.integers(1, 7))
     count = int(rng.integers(1, 9))
     forward, backward = (x.tolist() for x in random_stages(rng, num_stages))
-    orders = [_order(schedule, s, num_stages, count) for s in range(num_stages)]
-    fixed = _run_fixed_order(forward, backward, orders, count)
-    events = _run_events(forward, backward, [0.0] * (num_stages - 1), orders, count)
+    orders = [command_order(schedule, s, num_stages, count) for s in range(num_stages)]
+    fixed = run_fixed_order(forward, backward, orders, count)
+    events = run_events(forward, backward, [0.0] * (num_stages - 1), orders, count)
     for a, b in zip(fixed, events, strict=True):
         np.testing.assert_allclose(np.array(a, float), np.array(b, float))
 
@@ -412,7 +412,7 @@ def test_plot_gantt_writes_a_chart(tmp_path, links):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    from pipedejavu.plots import _COLORS, plot_gantt
+    from pipedejavu.planning.plots import _COLORS, plot_gantt
 
     result = simulate(
         [1.0, 1.5, 1.0],

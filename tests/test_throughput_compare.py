@@ -1,15 +1,15 @@
-"""Pollux's throughput model against our predictor (pipedejavu.throughput_compare)."""
+"""Pollux's throughput model against our predictor (pipedejavu.planning.throughput_compare)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipedejavu.costmodel.megatron import predict_plan
-from pipedejavu.costmodel.megatron_tables import plan_from_stages
-from pipedejavu.plan3d import DEFAULT_ZONE
-from pipedejavu.problem import ProblemError
-from pipedejavu.throughput_compare import (
+from pipedejavu.core.plan3d import DEFAULT_ZONE
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.planning.throughput_compare import (
     balanced_stages,
     heldout_errors,
     predictor_observations,

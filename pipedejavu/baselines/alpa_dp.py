@@ -36,9 +36,9 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
-
-from .dp import exact_dp, explain_infeasible
+from pipedejavu.core.problem import InfeasibleProblemError, Plan, Problem, make_plan
+from pipedejavu.search.alpa.caps import explain_infeasible
+from pipedejavu.search.alpa.exact import exact_dp
 
 __all__ = ["ALPA_GAP", "ScanTimeout", "alpa_training_dp"]
 

@@ -36,22 +36,21 @@ import random
 import time
 from collections.abc import Callable
 
-from pipedejavu.problem import (
-    InfeasibleProblemError,
-    Plan,
-    Problem,
-    ProblemError,
-    evaluate,
-    make_plan,
-)
-
-from .heuristics import (
+from pipedejavu.baselines.heuristics import (
     StageOptions,
     device_compositions,
     greedy,
     random_search,
     sample_composition,
     uniform,
+)
+from pipedejavu.core.problem import (
+    InfeasibleProblemError,
+    Plan,
+    Problem,
+    ProblemError,
+    evaluate,
+    make_plan,
 )
 
 __all__ = ["anneal"]

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from pipedejavu.problem import (
+from pipedejavu.core.problem import (
     InfeasibleProblemError,
     Plan,
     Problem,

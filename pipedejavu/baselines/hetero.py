@@ -28,11 +28,11 @@ On hosts whose size is not a power of two, Alpa's runtime can fail to slice
 its own plan (e.g. two ``(1, 2)`` stages on hosts of 3 devices: the second
 does not fit the one device left on the first host, and
 ``get_sliced_virtual_submeshes`` asserts); Alpa's way then raises
-:class:`~pipedejavu.problem.InfeasibleProblemError` saying so. Every failure of
+:class:`~pipedejavu.core.problem.InfeasibleProblemError` saying so. Every failure of
 Alpa's way is that error, with the reason.
 
 Alpa's plan, placed, is a valid plan, so the exact oracle
-(:mod:`pipedejavu.search.hetero_exact`, over every valid plan) is never worse;
+(:mod:`pipedejavu.search.hetero.exact`, over every valid plan) is never worse;
 with mixed device types Alpa's way loses by about the ratio of the mean speed to
 the speed of the slowest type its stages land on.
 
@@ -47,18 +47,14 @@ import time
 
 import numpy as np
 
-from pipedejavu.hetero import (
+from pipedejavu.core.hetero import (
     HeteroPlan,
     HeteroProblem,
     hetero_objective,
     make_hetero_plan,
 )
-from pipedejavu.problem import (
-    InfeasibleProblemError,
-    PlanError,
-    ProblemError,
-)
-from pipedejavu.search.exact import exact_dp
+from pipedejavu.core.problem import InfeasibleProblemError, PlanError, ProblemError
+from pipedejavu.search.alpa.exact import exact_dp
 
 __all__ = ["alpa_homogeneous", "alpa_placement", "hetero_brute_force"]
 
@@ -257,7 +253,7 @@ def _stage_latency(problem: HeteroProblem, stage, followers: int):
 def hetero_brute_force(
     problem: HeteroProblem, *, max_plans: int = 2_000_000
 ) -> HeteroPlan:
-    """The optimum over every plan :func:`pipedejavu.hetero.check_hetero_plan`
+    """The optimum over every plan :func:`pipedejavu.core.hetero.check_hetero_plan`
     accepts, by enumeration.
 
     Every partition of the layers, every submesh per stage and every host
@@ -267,7 +263,7 @@ def hetero_brute_force(
     cost). Per plan, each stage takes its cheapest config and tied slowest type
     that satisfy the memory rule -- the objective only grows with a stage's
     latency, so that choice is optimal. Independent of
-    :func:`pipedejavu.search.hetero_exact.hetero_exact` on purpose; only for
+    :func:`pipedejavu.search.hetero.exact.hetero_exact` on purpose; only for
     tiny problems (L <= ~5, a few hosts).
 
     Raises:

@@ -1,8 +1,8 @@
 """The planners users would otherwise pick: uniform, greedy balance, random search.
 
 None of these is exact; each returns a valid plan built with
-:func:`pipedejavu.problem.make_plan` (so ``plan.cost == evaluate(problem, plan)``)
-and raises :class:`~pipedejavu.problem.InfeasibleProblemError` with a reason when
+:func:`pipedejavu.core.problem.make_plan` (so ``plan.cost == evaluate(problem, plan)``)
+and raises :class:`~pipedejavu.core.problem.InfeasibleProblemError` with a reason when
 it finds none.
 
 * :func:`uniform` — the manual plan of Megatron/Alpa's "uniform" mode: ``S``
@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from pipedejavu.problem import InfeasibleProblemError, Plan, Problem, make_plan
-from pipedejavu.search.exact import explain_infeasible, min_sum_plan
+from pipedejavu.core.problem import InfeasibleProblemError, Plan, Problem, make_plan
+from pipedejavu.search.alpa.caps import explain_infeasible, min_sum_plan
 
 __all__ = ["greedy", "random_search", "uniform"]
 

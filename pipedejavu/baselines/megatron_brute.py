@@ -2,7 +2,7 @@
 
 Independent of the DP on purpose: plain enumeration of (mbs, dp, GPUs, a TP
 degree per stage, every contiguous split), each plan scored on the same stage
-tables as the search (:func:`pipedejavu.costmodel.megatron_tables.compile_tables`)
+tables as the search (:func:`pipedejavu.costmodel.megatron.tables.compile_tables`)
 by ``sum c + (B - 1) max c + max tail`` with the memory rule, or by the full
 predictor (``score="predictor"``). Only for a few GPUs.
 """
@@ -13,11 +13,12 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 
-from pipedejavu.costmodel.megatron import PredictorConstants, predict_plan
-from pipedejavu.costmodel.megatron_tables import compile_tables, plan_from_stages
-from pipedejavu.costmodel.sailor_data import SailorData
-from pipedejavu.plan3d import DEFAULT_ZONE, Plan3D
-from pipedejavu.problem import ProblemError
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import compile_tables, plan_from_stages
 
 __all__ = ["brute_force_megatron", "enumerate_plans"]
 

@@ -9,20 +9,20 @@ training of a population), :mod:`.sampling` (top-k selection, resampling),
 :mod:`.summary` (confidence intervals, time to target) and :mod:`.plots`.
 """
 
-from .data import Dataset as Dataset
-from .data import load_digits as load_digits
-from .model import MODEL_NAMES as MODEL_NAMES
-from .model import ModelConfig as ModelConfig
-from .model import model_config as model_config
-from .sampling import resample as resample
-from .sampling import resample_scales as resample_scales
-from .sampling import select_top_k as select_top_k
-from .strategies import STRATEGY_NAMES as STRATEGY_NAMES
-from .strategies import InitSearchConfig as InitSearchConfig
-from .strategies import StrategyResult as StrategyResult
-from .strategies import run_strategies as run_strategies
-from .train import METRICS as METRICS
-from .train import TrainConfig as TrainConfig
+from pipedejavu.init_search.data import Dataset as Dataset
+from pipedejavu.init_search.data import load_digits as load_digits
+from pipedejavu.init_search.model import MODEL_NAMES as MODEL_NAMES
+from pipedejavu.init_search.model import ModelConfig as ModelConfig
+from pipedejavu.init_search.model import model_config as model_config
+from pipedejavu.init_search.sampling import resample as resample
+from pipedejavu.init_search.sampling import resample_scales as resample_scales
+from pipedejavu.init_search.sampling import select_top_k as select_top_k
+from pipedejavu.init_search.strategies import STRATEGY_NAMES as STRATEGY_NAMES
+from pipedejavu.init_search.strategies import InitSearchConfig as InitSearchConfig
+from pipedejavu.init_search.strategies import StrategyResult as StrategyResult
+from pipedejavu.init_search.strategies import run_strategies as run_strategies
+from pipedejavu.init_search.train import METRICS as METRICS
+from pipedejavu.init_search.train import TrainConfig as TrainConfig
 
 __all__ = [
     "METRICS",

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.problem import ProblemError
+from pipedejavu.core.problem import ProblemError
 
 __all__ = ["Dataset", "Split", "load_digits", "split_dataset"]
 

@@ -57,7 +57,7 @@ class ModelConfig:
             )
 
 
-_PRESETS = {
+PRESETS = {
     # One narrow hidden layer: the tests' model.
     "mlp-small": (16,),
     "mlp": (64, 64),
@@ -65,14 +65,14 @@ _PRESETS = {
     "mlp-deep": (32,) * 6,
 }
 #: Names accepted by :func:`model_config`.
-MODEL_NAMES: tuple[str, ...] = tuple(_PRESETS)
+MODEL_NAMES: tuple[str, ...] = tuple(PRESETS)
 
 
 def model_config(name: str, init: str = "he") -> ModelConfig:
     """The preset called ``name`` (one of :data:`MODEL_NAMES`)."""
-    if name not in _PRESETS:
+    if name not in PRESETS:
         raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)}, got {name!r}")
-    return ModelConfig(hidden=_PRESETS[name], init=init)
+    return ModelConfig(hidden=PRESETS[name], init=init)
 
 
 class _MLP(nn.Module):

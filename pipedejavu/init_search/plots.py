@@ -7,9 +7,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .strategies import StrategyResult
-from .summary import mean_curves
-from .train import METRICS
+from pipedejavu.init_search.strategies import StrategyResult
+from pipedejavu.init_search.summary import mean_curves
+from pipedejavu.init_search.train import METRICS
 
 __all__ = ["plot_candidates", "plot_compute"]
 

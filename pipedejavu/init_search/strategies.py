@@ -34,11 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipedejavu.search.engine import _shard
-
-from .data import Dataset
-from .sampling import resample, resample_scales, select_top_k
-from .train import (
+from pipedejavu.init_search.data import Dataset
+from pipedejavu.init_search.sampling import resample, resample_scales, select_top_k
+from pipedejavu.init_search.train import (
     METRICS,
     VALIDATION_LOSS,
     DeviceData,
@@ -50,6 +48,7 @@ from .train import (
     steps_per_epoch,
     train_epochs,
 )
+from pipedejavu.search.engine.restarts import shard
 
 __all__ = [
     "ABLATION_NAMES",
@@ -295,7 +294,7 @@ def _train(
 ) -> tuple[Population, np.ndarray, bool]:
     """Train ``num_epochs`` epochs in jitted chunks; returns the population, the
     metrics f64[C, epochs run, 5] and whether early stopping ended it."""
-    population = _shard(population, len(ids))
+    population = shard(population, len(ids))
     chunks, done = [], 0
     while done < num_epochs:
         count = min(config.chunk_epochs, num_epochs - done)

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .strategies import StrategyResult
-from .train import METRICS, VALIDATION_LOSS
+from pipedejavu.init_search.strategies import StrategyResult
+from pipedejavu.init_search.train import METRICS, VALIDATION_LOSS
 
 __all__ = ["mean_ci", "mean_curves", "summarize", "time_to_target"]
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .data import Dataset
-from .model import ModelConfig, apply_model, init_params
+from pipedejavu.init_search.data import Dataset
+from pipedejavu.init_search.model import ModelConfig, apply_model, init_params
 
 __all__ = [
     "METRICS",

@@ -1,25 +1,23 @@
 """The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-``pipedejavu.search.exact`` (numpy only) is imported eagerly; the JAX engine is
+``pipedejavu.search.alpa.exact`` (numpy only) is imported eagerly; the JAX engine is
 loaded on first use so that ``import pipedejavu.baselines`` stays light. The
-heterogeneous oracle is ``pipedejavu.search.hetero_exact.hetero_exact`` (its
+heterogeneous oracle is ``pipedejavu.search.hetero.exact.hetero_exact`` (its
 module keeps the name, so the package does not re-export the function).
 """
 
-from .exact import exact_dp as exact_dp
+from pipedejavu.search.alpa.exact import exact_dp as exact_dp
 
 _LAZY = {
-    "SearchConfig": "engine",
-    "SearchResult": "engine",
-    "differentiable": "engine",
-    "search": "engine",
-    "LinearStageModel": "linear",
-    "fit_linear_model": "linear",
-    "lower_bound": "bounds",
-    "HeteroTimeoutError": "hetero_exact",
-    "hetero_search": "hetero_engine",
-    "HeteroSearchConfig": "hetero_engine",
-    "hetero_lower_bound": "hetero_bounds",
+    "SearchConfig": "engine.config",
+    "SearchResult": "engine.config",
+    "differentiable": "engine.driver",
+    "search": "engine.driver",
+    "lower_bound": "engine.bounds",
+    "HeteroTimeoutError": "hetero.exact",
+    "hetero_search": "hetero.engine",
+    "HeteroSearchConfig": "hetero.engine",
+    "hetero_lower_bound": "hetero.bounds",
 }
 
 

@@ -1,0 +1,194 @@
+"""``pipedejavu plan`` options that choose the global batch too.
+
+* goodput mode: ``--goodput-grad SQR,VAR --init-batch N --max-global-batch N``
+  (:func:`pipedejavu.planning.batch.plan_goodput`);
+* elastic mode: ``--gpus TYPE:LOW..HIGH --elastic`` (with or without
+  ``--goodput-grad``; :func:`pipedejavu.planning.elastic.plan_elastic`).
+
+:mod:`pipedejavu.cli.megatron` adds the options (:func:`add_plan_options`) and
+hands the parsed arguments to :func:`run_batch_modes` first. Errors propagate
+to the CLI (exit 2 for bad input, 3 for no feasible plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from pipedejavu.core.problem import ProblemError
+
+__all__ = ["add_plan_options", "parse_grad", "run_batch_modes"]
+
+
+def add_plan_options(plan: Any) -> None:
+    """Add the goodput and elastic options to the ``plan`` parser."""
+    plan.add_argument(
+        "--goodput-grad",
+        metavar="SQR,VAR",
+        help="goodput mode: Pollux's gradient statistics (squared norm and "
+        "variance of the gradient at --init-batch); the global batch is chosen "
+        "too, maximizing throughput x statistical efficiency",
+    )
+    plan.add_argument(
+        "--init-batch",
+        type=int,
+        help="the batch the gradient statistics refer to (smallest candidate)",
+    )
+    plan.add_argument(
+        "--max-global-batch", type=int, help="largest candidate global batch"
+    )
+    plan.add_argument(
+        "--batch-multiple",
+        type=int,
+        help="candidate global batches are multiples of this (default: "
+        "1 in goodput mode, the GPUs per node in elastic mode)",
+    )
+    plan.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic mode: --gpus TYPE:LOW..HIGH; the best plan at every GPU "
+        "count (whole nodes) and DeepSpeed's one global batch for all of them",
+    )
+    plan.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="elastic mode: also plot throughput and goodput against the GPU "
+        "count (needs matplotlib: pip install 'pipedejavu[plot]')",
+    )
+
+
+def parse_grad(text: str) -> tuple[float, float]:
+    """``"SQR,VAR"`` -> two finite non-negative floats, not both 0."""
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if (
+        len(values) != 2
+        or not all(math.isfinite(v) and v >= 0 for v in values)
+        or values == (0.0, 0.0)
+    ):
+        raise ProblemError(
+            f"--goodput-grad must be SQR,VAR: two finite numbers >= 0, not both 0; "
+            f"got {text!r}"
+        )
+    return values  # type: ignore[return-value]
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_batch_modes(args: argparse.Namespace) -> int | None:
+    """Run goodput or elastic mode; ``None`` for a plain ``plan`` call.
+
+    Raises:
+        ProblemError: inconsistent options.
+    """
+    goodput = args.goodput_grad is not None
+    if not goodput and not args.elastic:
+        if args.plot:
+            raise ProblemError("--plot needs --elastic")
+        if args.global_batch is None:
+            raise ProblemError(
+                "give --global-batch N (or --goodput-grad SQR,VAR for goodput "
+                "mode, or --elastic)"
+            )
+        return None
+    if args.export:
+        raise ProblemError(
+            "--export takes a fixed --global-batch (plan the batch goodput or "
+            "elastic mode chose again with --export)"
+        )
+    grad = parse_grad(args.goodput_grad) if goodput else None
+    if goodput and args.init_batch is None:
+        raise ProblemError("--goodput-grad needs --init-batch N")
+    high = args.max_global_batch or args.global_batch
+    if high is None:
+        raise ProblemError("give --max-global-batch N (the largest global batch)")
+    if args.elastic:
+        return _run_elastic(args, grad, high)
+    if args.plot:
+        raise ProblemError("--plot needs --elastic")
+    return _run_goodput(args, grad, high)
+
+
+def _run_goodput(args, grad, high) -> int:
+    from pipedejavu.cli.megatron_report import format_training_plan
+    from pipedejavu.planning.batch import plan_goodput
+
+    _progress(f"goodput mode: planning {args.model} on {', '.join(args.gpus)} ...")
+    result = plan_goodput(
+        args.model,
+        args.gpus,
+        grad,
+        args.init_batch,
+        high,
+        batch_multiple=args.batch_multiple or 1,
+        profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
+        progress_fn=lambda r: _progress(
+            f"  batch {r.batch}: {r.status}"
+            + ("" if r.value is None else f", goodput {r.value:.3f}/s")
+        ),
+    )
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(
+        f"goodput mode: global batch {result.global_batch} of "
+        f"{len(result.records)} candidates ({result.planned} planned, "
+        f"{result.pruned} pruned by their bound)\n"
+        f"goodput {result.goodput:.3f} samples/s = throughput "
+        f"{result.throughput:.3f} samples/s x efficiency {result.efficiency:.4f}"
+    )
+    print(format_training_plan(result.training))
+    return 0
+
+
+def _run_elastic(args, grad, high) -> int:
+    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+    from pipedejavu.planning.elastic import (
+        elastic_counts,
+        parse_gpu_range,
+        plan_elastic,
+    )
+    from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
+
+    if len(args.gpus) != 1:
+        raise ProblemError("--elastic takes one --gpus TYPE:LOW..HIGH")
+    gpu, low, top = parse_gpu_range(args.gpus[0])
+    gpn = load_sailor_data(args.profiles).gpu_spec(gpu).gpus_per_node
+    counts = elastic_counts(low, top, gpn)
+    _progress(f"elastic mode: {args.model} on {gpu}, counts {counts} ...")
+    result = plan_elastic(
+        args.model,
+        gpu,
+        counts,
+        high,
+        grad_params=grad,
+        init_batch=args.init_batch,
+        batch_multiple=args.batch_multiple,
+        profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
+        progress_fn=_progress,
+    )
+    if args.plot:
+        try:
+            plot_elastic(result, args.plot)
+            _progress(f"plot written to {args.plot}")
+        except ProblemError as error:
+            _progress(f"pipedejavu: no plot: {error}")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(format_elastic(result))
+    return 0

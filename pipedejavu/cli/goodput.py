@@ -1,0 +1,352 @@
+"""``pipedejavu goodput fit|optimize`` and ``pipedejavu elastic``: the two ports.
+
+Parsers and run functions for :mod:`pipedejavu.cli.main`. Files are untrusted: size
+and row bounds, no code, and one ``pipedejavu: error:`` line naming the file
+(exit 2) when anything is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.files import read_bytes, read_json
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+MAX_CSV_BYTES = 64 * 1024 * 1024
+MAX_CONFIG_BYTES = 1024 * 1024
+DEFAULT_DEEPSPEED_VERSION = "0.16.5"
+FIT_COLUMNS = (
+    "num_nodes",
+    "num_replicas",
+    "atomic_bsz",
+    "accum_step_time",
+    "optim_step_time",
+)
+PERF_FIELDS = ("alpha_c", "beta_c", "alpha_n", "beta_n", "alpha_r", "beta_r", "gamma")
+
+
+class InputError(Exception):
+    """Bad input; the message is the one line printed."""
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    """Adds ``goodput`` (``fit``, ``optimize``) and ``elastic`` to the CLI."""
+    goodput = commands.add_parser(
+        "goodput", help="Pollux/AdaptDL's goodput model: fit it, pick batch sizes"
+    )
+    actions = goodput.add_subparsers(dest="goodput_command", required=True)
+    fit = actions.add_parser(
+        "fit", help="fit the step-time model (PerfParams) to measured step times"
+    )
+    fit.add_argument(
+        "steps",
+        metavar="STEPS.csv",
+        help="CSV with a header naming the columns " + ", ".join(FIT_COLUMNS),
+    )
+    fit.add_argument("--json", action="store_true", help="print JSON")
+
+    optimize = actions.add_parser(
+        "optimize",
+        help="best atomic batch and accumulation steps per (nodes, replicas)",
+    )
+    optimize.add_argument(
+        "--perf",
+        required=True,
+        help="7 comma-separated numbers " + ",".join(PERF_FIELDS) + ", or the "
+        "JSON that `goodput fit --json` printed",
+    )
+    optimize.add_argument("--grad", required=True, metavar="SQR,VAR")
+    optimize.add_argument("--init-batch", required=True, type=int, metavar="N")
+    optimize.add_argument(
+        "--nodes", required=True, help="comma-separated node counts (broadcast)"
+    )
+    optimize.add_argument(
+        "--replicas", required=True, help="comma-separated replica counts (broadcast)"
+    )
+    optimize.add_argument("--max-batch-size", type=int, metavar="N")
+    optimize.add_argument(
+        "--atomic-bsz-range", metavar="MIN,MAX", help="0 at either end: no bound"
+    )
+    optimize.add_argument("--accumulation", action="store_true")
+    optimize.add_argument("--json", action="store_true", help="print JSON")
+
+    elastic = commands.add_parser(
+        "elastic",
+        help="DeepSpeed's elastic global batch size and valid GPU counts",
+    )
+    elastic.add_argument(
+        "config", metavar="CONFIG.json", help="DeepSpeed config with 'elasticity'"
+    )
+    elastic.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU count to check and pick a micro-batch for (version 0.2 needs it "
+        "or the WORLD_SIZE environment variable)",
+    )
+    elastic.add_argument(
+        "--deepspeed-version",
+        default=DEFAULT_DEEPSPEED_VERSION,
+        help="target DeepSpeed version (default %(default)s)",
+    )
+    elastic.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``goodput`` or ``elastic``; returns the exit code."""
+    try:
+        if args.command == "elastic":
+            _run_elastic(args)
+        elif args.goodput_command == "fit":
+            _run_fit(args)
+        else:
+            _run_optimize(args)
+    except InputError as error:
+        print(f"pipedejavu: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _read_bounded(path: str, limit: int) -> bytes:
+    try:
+        return read_bytes(path, limit)
+    except ProblemError as error:
+        raise InputError(str(error)) from None
+
+
+def read_steps_csv(path: str) -> dict[str, list[float]]:
+    """The five measurement columns of a step-time CSV (extra columns ignored)."""
+    from pipedejavu.costmodel.goodput.fit import MAX_POINTS
+
+    try:
+        text = _read_bounded(path, MAX_CSV_BYTES).decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    reader = csv.reader(io.StringIO(text))
+    try:
+        header = [name.strip() for name in next(reader)]
+    except StopIteration:
+        raise InputError(f"{path}: empty file, expected a header line") from None
+    except csv.Error as error:
+        raise InputError(f"{path}: line 1: {error}") from None
+    missing = [name for name in FIT_COLUMNS if name not in header]
+    if missing:
+        raise InputError(
+            f"{path}: missing column(s) {', '.join(missing)}; the header must name "
+            + ", ".join(FIT_COLUMNS)
+        )
+    index = {name: header.index(name) for name in FIT_COLUMNS}
+    columns: dict[str, list[float]] = {name: [] for name in FIT_COLUMNS}
+    try:
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue
+            if len(columns["num_nodes"]) >= MAX_POINTS:
+                raise InputError(f"{path}: more than {MAX_POINTS} rows")
+            for name, column in index.items():
+                cell = row[column].strip() if column < len(row) else ""
+                try:
+                    value = float(cell)
+                except ValueError:
+                    raise InputError(
+                        f"{path}: line {reader.line_num}: {name} must be a number, "
+                        f"got {cell[:40]!r}"
+                    ) from None
+                if not math.isfinite(value):
+                    raise InputError(
+                        f"{path}: line {reader.line_num}: {name} must be finite"
+                    )
+                columns[name].append(value)
+    except csv.Error as error:
+        raise InputError(f"{path}: line {reader.line_num}: {error}") from None
+    if not columns["num_nodes"]:
+        raise InputError(f"{path}: no measurements after the header")
+    return columns
+
+
+def _run_fit(args: argparse.Namespace) -> None:
+    import jax
+    import numpy as np
+
+    from pipedejavu.costmodel.goodput.function import fit_perf_params, perf_objective
+
+    columns = read_steps_csv(args.steps)
+    try:
+        params = fit_perf_params(*(columns[name] for name in FIT_COLUMNS))
+    except ValueError as error:
+        raise InputError(f"{args.steps}: {error}") from None
+    with jax.enable_x64(True):
+        objective = float(
+            perf_objective(
+                np.array(params), *(np.asarray(columns[n]) for n in FIT_COLUMNS)
+            )
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "perf_params": params._asdict(),
+                    "objective": objective,
+                    "num_measurements": len(columns["num_nodes"]),
+                }
+            )
+        )
+        return
+    print(f"fitted {len(columns['num_nodes'])} measurements of {args.steps}")
+    for name, value in params._asdict().items():
+        print(f"  {name:8s} {value:.6g}")
+    print(f"  objective {objective:.6g} (RMSLE accum + RMSLE optim + regularizers)")
+
+
+def _numbers(text: str, name: str, count: int | None = None) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(
+            f"{name} must be comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or not all(math.isfinite(v) for v in values):
+        raise InputError(f"{name} must be finite numbers, got {text!r}")
+    if count is not None and len(values) != count:
+        raise InputError(f"{name} needs {count} numbers, got {len(values)}")
+    return values
+
+
+def _integers(text: str, name: str) -> list[int]:
+    values = _numbers(text, name)
+    if not all(v.is_integer() for v in values):
+        raise InputError(f"{name} must be integers, got {text!r}")
+    return [int(v) for v in values]
+
+
+def _perf_params(text: str) -> list[float]:
+    if not text.endswith(".json"):
+        return _numbers(text, "--perf", 7)
+    try:
+        document = json.loads(_read_bounded(text, MAX_CONFIG_BYTES))
+        params = document["perf_params"]
+        values = [float(params[name]) for name in PERF_FIELDS]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise InputError(
+            f"{text}: expected the JSON of `goodput fit --json`, with perf_params "
+            + ", ".join(PERF_FIELDS)
+        ) from None
+    if not all(math.isfinite(v) for v in values):
+        raise InputError(f"{text}: perf_params must be finite")
+    return values
+
+
+def _run_optimize(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from pipedejavu.costmodel.goodput.function import GoodputFunction
+
+    perf = _perf_params(args.perf)
+    grad = _numbers(args.grad, "--grad", 2)
+    nodes = _integers(args.nodes, "--nodes")
+    replicas = _integers(args.replicas, "--replicas")
+    bounds = None
+    if args.atomic_bsz_range is not None:
+        bounds = tuple(_integers(args.atomic_bsz_range, "--atomic-bsz-range"))
+        if len(bounds) != 2:
+            raise InputError("--atomic-bsz-range needs MIN,MAX")
+    try:
+        fn = GoodputFunction(perf, grad, args.init_batch)
+        nodes_array, replicas_array = np.broadcast_arrays(nodes, replicas)
+        goodput, atomic, accum = fn.optimize(
+            nodes_array,
+            replicas_array,
+            args.max_batch_size,
+            bounds,
+            args.accumulation,
+        )
+    except ValueError as error:
+        message = str(error).replace("init_batch_size", "--init-batch")
+        raise InputError(
+            message.replace("max_batch_size", "--max-batch-size")
+        ) from None
+    rows = []
+    for i in range(goodput.size):
+        batch = int(replicas_array[i] * atomic[i] * (accum[i] + 1))
+        valid = goodput[i] > 0
+        rows.append(
+            {
+                "num_nodes": int(nodes_array[i]),
+                "num_replicas": int(replicas_array[i]),
+                "goodput": float(goodput[i]),
+                "atomic_bsz": int(atomic[i]),
+                "accum_steps": int(accum[i]),
+                "global_batch": batch,
+                "throughput": float(
+                    fn.throughput(
+                        nodes_array[i], replicas_array[i], atomic[i], accum[i]
+                    )
+                )
+                if valid
+                else 0.0,
+                "efficiency": float(fn.efficiency(batch)) if valid else 0.0,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(
+        f"{'nodes':>5} {'replicas':>8} {'atomic':>7} {'accum':>5} {'batch':>7} "
+        f"{'samples/s':>11} {'efficiency':>10} {'goodput':>11}"
+    )
+    for row in rows:
+        print(
+            f"{row['num_nodes']:>5} {row['num_replicas']:>8} {row['atomic_bsz']:>7} "
+            f"{row['accum_steps']:>5} {row['global_batch']:>7} "
+            f"{row['throughput']:>11.5g} {row['efficiency']:>10.4f} "
+            f"{row['goodput']:>11.5g}"
+        )
+    if any(row["goodput"] == 0 for row in rows):
+        print("goodput 0: no sampled batch fits --atomic-bsz-range")
+
+
+def _run_elastic(args: argparse.Namespace) -> None:
+    from pipedejavu.planning.deepspeed_elastic import (
+        ElasticityError,
+        compute_elastic_config,
+    )
+
+    path = args.config
+    try:
+        config = read_json(path, MAX_CONFIG_BYTES, "DeepSpeed config")
+    except ProblemError as error:
+        raise InputError(str(error)) from None
+    try:
+        result = compute_elastic_config(
+            config, args.deepspeed_version, world_size=args.world_size
+        )
+    except (ElasticityError, ValueError, TypeError, ArithmeticError) as error:
+        notes = "; ".join(getattr(error, "__notes__", []))
+        detail = f"{error}" + (f" ({notes})" if notes else "")
+        raise InputError(f"{path}: {type(error).__name__}: {detail}") from None
+    except NotImplementedError as error:
+        raise InputError(f"{path}: {error}") from None
+    batch, valid = result[0], result[1]
+    micro = result[2] if len(result) == 3 else None
+    section = config["elasticity"]
+    version = float(section.get("version", 0.2))
+    if args.json:
+        out = {"final_batch_size": batch, "valid_gpus": valid, "version": version}
+        if micro is not None or len(result) == 3:
+            out["micro_batch_size"] = micro
+        print(json.dumps(out))
+        return
+    label = "data-parallel sizes" if version == 0.2 else "GPU counts"
+    print(f"{Path(path).name}: elasticity v{version}")
+    print(f"global batch size {batch}")
+    print(f"valid {label} ({len(valid)}): {', '.join(str(n) for n in valid)}")
+    if len(result) == 3:
+        print(f"micro-batch size at world size {args.world_size}: {micro}")

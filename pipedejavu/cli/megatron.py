@@ -1,0 +1,218 @@
+"""``pipedejavu predict``: Megatron/DeepSpeed 3D plans on per-layer GPU profiles.
+
+Registered by :mod:`pipedejavu.cli.main`; exit codes as there (0 ok, 2 bad input,
+3 no feasible plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from typing import Any
+
+from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
+from pipedejavu.core.problem import ProblemError
+
+__all__ = ["COMMANDS", "add_parsers", "run"]
+
+COMMANDS = ("predict", "plan")
+
+
+def add_parsers(commands: Any) -> None:
+    """Add the subcommands to the CLI's subparsers."""
+    predict = commands.add_parser(
+        "predict",
+        help="predict the iteration time and memory of a Megatron/DeepSpeed 3D "
+        "plan from per-layer GPU profiles",
+    )
+    predict.add_argument(
+        "plan",
+        metavar="PLAN.json",
+        help="a 3D plan in our JSON (names its model; what `pipedejavu plan "
+        "--json` writes) or a Sailor plan_config file (needs --model)",
+    )
+    predict.add_argument(
+        "--model", help="the model's folder under DIR/profiles, e.g. OPT-350"
+    )
+    predict.add_argument(
+        "--profiles",
+        metavar="DIR",
+        help="a folder laid out like Sailor's data (profiles/, llm_info.json, "
+        "network/, configs/); default: the bundled copy",
+    )
+    predict.add_argument("--json", action="store_true", help="print JSON")
+
+    plan = commands.add_parser(
+        "plan",
+        help="find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, "
+        "GPU type) for a model, a global batch and a GPU pool",
+    )
+    plan.add_argument("--model", required=True, help="e.g. OPT-350, GPT-Neo-2.7")
+    plan.add_argument(
+        "--gpus",
+        action="append",
+        required=True,
+        metavar="TYPE:COUNT",
+        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types)",
+    )
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples per iteration (required unless --goodput-grad or --elastic)",
+    )
+    plan.add_argument("--profiles", metavar="DIR", help="as for predict")
+    plan.add_argument(
+        "--method",
+        choices=["dp", "diff"],
+        default="dp",
+        help="dp: exact (default); diff: the differentiable engine per "
+        "configuration, with a certified gap",
+    )
+    plan.add_argument(
+        "--per-stage-tp",
+        action="store_true",
+        help="allow a TP degree per stage (not launchable with Megatron-LM, "
+        "DeepSpeed or torchtitan)",
+    )
+    plan.add_argument(
+        "--mixed-types",
+        action="store_true",
+        help="with several --gpus types, also plans whose stages run on "
+        "different types (searched by the proof under the predictor; slower)",
+    )
+    plan.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="use every GPU of each type used (default: fewer when faster)",
+    )
+    plan.add_argument(
+        "--export",
+        choices=["megatron", "deepspeed", "torchtitan", "alpa", "sailor"],
+        help="also print the plan for this framework",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    from pipedejavu.cli.batch import add_plan_options  # goodput and elastic modes
+
+    add_plan_options(plan)
+
+
+def _data(directory: str | None):
+    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+
+    return load_sailor_data(directory)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from pipedejavu.costmodel.megatron.predictor import predict_plan
+    from pipedejavu.io.sailor_plan import load_plan3d
+
+    plan, _ = load_plan3d(args.plan, model=args.model)
+    if plan.model is None:
+        raise ProblemError(
+            f"{args.plan} names no model; give --model (a folder under "
+            "DIR/profiles, e.g. OPT-350)"
+        )
+    prediction = predict_plan(plan, _data(args.profiles))
+    if not prediction.fits_memory:
+        peak = prediction.peak_memory_bytes / GB
+        limits = [round(x / GB, 2) for x in prediction.memory_limit_bytes.min(axis=1)]
+        warnings.warn(
+            f"the plan exceeds device memory: peak {peak:.2f} GB on a GPU "
+            f"(limits per stage {limits} GB)",
+            stacklevel=1,
+        )
+    if args.json:
+        out = {"model": plan.model, "plan": plan.describe()}
+        out.update(prediction.to_json())
+        print(json.dumps(out))
+    else:
+        print(format_prediction(plan, prediction))
+    return 0
+
+
+class _PlanProgress:
+    """A line on stderr at most every 2 s: configurations solved, then the
+    proof under the predictor (plans predicted, best, bound)."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self._every = every_s
+        self._last = self._clock()
+
+    def __call__(self, state: dict) -> None:
+        import sys
+
+        now = self._clock()
+        if now - self._last < self._every:
+            return
+        self._last = now
+        if state.get("phase") == "proof":
+            line = (
+                f"proof: {state['predicted']} plans predicted, best "
+                f"{state['best']:.4f} s, lower bound {state['bound']:.4f} s"
+            )
+        else:
+            line = (
+                f"search: {state['solved']} configurations solved, best "
+                f"objective {state['best']:.4f} s"
+            )
+        print(line, file=sys.stderr, flush=True)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import sys
+
+    from pipedejavu.cli.batch import run_batch_modes
+    from pipedejavu.io.exports import export_plan
+    from pipedejavu.planning.training import plan_training
+
+    handled = run_batch_modes(args)  # goodput or elastic mode
+    if handled is not None:
+        return handled
+
+    if args.mixed_types and args.per_stage_tp:
+        raise ProblemError(
+            "--mixed-types and --per-stage-tp cannot be combined: plans mixing "
+            "GPU types use one TP degree for all stages"
+        )
+    print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
+    result = plan_training(
+        args.model,
+        args.gpus,
+        args.global_batch,
+        profiles=args.profiles,
+        method=args.method,
+        uniform_tp=not args.per_stage_tp,
+        allow_fewer_gpus=not args.all_gpus,
+        mixed_types=args.mixed_types,
+        progress_fn=_PlanProgress(),
+    )
+    exported = None
+    if args.export:
+        gpn = None
+        if args.export == "alpa":
+            gpu = result.plan.stages[0].replicas[0].gpu_type
+            gpn = _data(args.profiles).gpu_spec(gpu).gpus_per_node
+        exported = export_plan(result.plan, args.export, gpus_per_node=gpn)
+    if args.json:
+        out = result.to_json()
+        if exported is not None:
+            out["export"] = {"target": args.export, "text": exported}
+        print(json.dumps(out))
+    else:
+        print(format_training_plan(result))
+        if exported is not None:
+            print(f"\n--- {args.export} ---\n{exported}", end="")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a subcommand of :data:`COMMANDS`; errors propagate to the CLI."""
+    if args.command == "predict":
+        return _predict(args)
+    if args.command == "plan":
+        return _plan(args)
+    raise ProblemError(f"unknown command {args.command!r}")  # pragma: no cover

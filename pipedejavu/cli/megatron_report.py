@@ -1,0 +1,87 @@
+"""Text reports of ``pipedejavu predict`` and ``pipedejavu plan``."""
+
+from __future__ import annotations
+
+__all__ = ["format_prediction", "format_training_plan", "proof_line", "seconds_or_na"]
+
+GB = 1e9
+
+
+def format_prediction(plan, prediction) -> str:
+    """The text report of ``pipedejavu predict``."""
+    breakdown = prediction.to_json()["breakdown"]
+    lines = [
+        f"plan: {plan.model}, {plan.describe()}, "
+        f"{prediction.num_microbatches} micro-batches per pipeline",
+        f"iteration time: {prediction.iteration_time_s:.4f} s",
+        f"  pipeline (1F1B, DeepSpeed order): {breakdown['pipeline_s']:.4f} s, "
+        f"bubble {100 * breakdown['bubble_fraction']:.1f}%",
+        f"  tied-embedding all-reduce: {breakdown['tied_allreduce_s']:.4f} s",
+        f"  data-parallel all-reduce (slowest stage): "
+        f"{breakdown['dp_allreduce_s']:.4f} s",
+        f"  optimizer step (largest): {breakdown['optimizer_s']:.4f} s",
+        "peak memory per GPU:",
+    ]
+    limits = prediction.memory_limit_bytes.min(axis=1)
+    for s, stage in enumerate(plan.stages):
+        used = prediction.stage_memory_bytes[s]
+        lines.append(
+            f"  stage {s} (layers {stage.start}-{stage.stop - 1}, "
+            f"{prediction.peak_in_flight[s]} in flight): {used / GB:.2f} GB of "
+            f"{limits[s] / GB:.2f} GB" + ("" if used <= limits[s] else "  EXCEEDS")
+        )
+    return "\n".join(lines)
+
+
+def format_training_plan(result) -> str:
+    """The text report of ``pipedejavu plan``."""
+    plan, prediction = result.plan, result.prediction
+    used, available = result.gpus_used, result.gpus_available
+    mixed = len({s.replicas[0].gpu_type for s in plan.stages}) > 1
+
+    def where(stage) -> str:
+        first = stage.replicas[0]
+        return f"{first.gpu_type}, tp {first.tp}" if mixed else f"tp {first.tp}"
+
+    lines = [
+        f"model {plan.model}, global batch {plan.gbs}, GPUs {available}",
+        f"plan: {plan.describe()}",
+        "  stages: "
+        + ", ".join(f"layers {s.start}-{s.stop - 1} ({where(s)})" for s in plan.stages),
+    ]
+    if sum(used.values()) < sum(available.values()):
+        lines.append(f"  uses fewer GPUs than available: {used}")
+    lines += [
+        f"predicted iteration time: {prediction.iteration_time_s:.4f} s",
+        f"planning objective: {seconds_or_na(result.objective_s)}; optimum "
+        f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
+        f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
+        f"{result.configurations} configurations solved)",
+        proof_line(result),
+        f"search time: {result.search_time_s:.3f} s",
+        format_prediction(plan, prediction).split("\n", 1)[1],
+    ]
+    return "\n".join(lines)
+
+
+def seconds_or_na(value: float) -> str:
+    return f"{value:.4f} s" if value == value else "n/a (GPU types mixed)"
+
+
+def proof_line(result) -> str:
+    """What is proven about the predicted time."""
+    bound = result.predicted_lower_bound_s
+    if result.proven:
+        line = "proven optimal under the predictor over the search space"
+        if len(result.gpus_available) > 1 and not result.mixed_types:
+            line += (
+                " (one GPU type per plan; --mixed-types also searches plans "
+                "whose stages run on different types)"
+            )
+        return line
+    if bound == bound:  # certified, not proven
+        return (
+            f"predicted time certified within {100 * result.predicted_gap:.2f}% "
+            f"of the best plan (lower bound {bound:.4f} s)"
+        )
+    return "predicted time not certified"

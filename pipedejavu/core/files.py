@@ -1,0 +1,82 @@
+"""Bounded reading of untrusted files: every failure is one :class:`ProblemError`
+line that names the file.
+
+Every reader of the package (cluster files, plans, Alpa's pickles and ``.npy``
+profiles, Sailor's JSON, step-time CSVs) reads at most ``limit`` bytes, so a
+huge or endless file (``/dev/zero``) costs bounded memory, and decodes and
+parses with the failures of :mod:`json` (invalid text, nesting too deep,
+numbers too long) turned into that one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pipedejavu.core.errors import ProblemError
+
+__all__ = ["parse_json", "read_bytes", "read_json", "read_text"]
+
+
+def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
+    """The bytes of ``path``, refused past ``limit`` bytes without reading more.
+
+    Args:
+        path: the file.
+        limit: the most bytes accepted.
+        what: how the message names the file (e.g. ``"cluster file"``).
+
+    Raises:
+        ProblemError: unreadable, or larger than ``limit``.
+    """
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as error:
+        raise ProblemError(
+            f"cannot read {what} {os.fspath(path)}: {error.strerror or error}"
+        ) from None
+    if len(data) > limit:
+        raise ProblemError(f"{what} {os.fspath(path)} is larger than {limit} bytes")
+    return data
+
+
+def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
+    """:func:`read_bytes` decoded as UTF-8.
+
+    Raises:
+        ProblemError: as :func:`read_bytes`, or not UTF-8 text.
+    """
+    raw = read_bytes(path, limit, what)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProblemError(
+            f"{what} {os.fspath(path)} is not UTF-8 text (a binary file?)"
+        ) from None
+
+
+def parse_json(text: str, source: str) -> Any:
+    """``json.loads`` whose every failure is a one-line :class:`ProblemError`.
+
+    Raises:
+        ProblemError: invalid JSON, nesting too deep, or a number too long.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProblemError(f"{source}: invalid JSON: {error}") from None
+    except RecursionError:
+        raise ProblemError(f"{source}: JSON nested too deeply") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise ProblemError(f"{source}: invalid JSON: {error}") from None
+
+
+def read_json(path: str | os.PathLike, limit: int, what: str = "file") -> Any:
+    """The parsed JSON of ``path`` (:func:`read_text` then :func:`parse_json`).
+
+    Raises:
+        ProblemError: one line naming the file.
+    """
+    return parse_json(read_text(path, limit, what), os.fspath(path))

@@ -1,0 +1,337 @@
+"""The vocabulary of Megatron/DeepSpeed-style training plans (3D parallelism).
+
+A :class:`Plan3D` is what practitioners launch with Megatron-LM or DeepSpeed's
+pipeline engine: contiguous **stages** over the model's layers; for every stage
+``dp`` **replicas** (data parallelism, the same number for every stage), each a
+tensor-parallel (TP) group of ``tp`` GPUs of one type inside one node; a
+micro-batch size ``mbs`` and a global batch ``gbs``. Every pipeline runs
+``ceil(gbs / (mbs * dp))`` micro-batches per iteration.
+
+Layers are the entries of a per-layer profile: for a model with ``L`` transformer
+layers there are ``L + 2`` of them, ``0`` = embeddings, ``1..L`` = transformer
+layers, ``L + 1`` = final norm + LM head + loss (the Sailor profiles' indexing).
+Stages use half-open ranges ``[start, stop)`` like :class:`pipedejavu.Stage`.
+
+Placement: ``Replica.node`` names the physical node a TP group runs on (several
+groups may share a node when ``tp`` is smaller than the node). ``None`` means
+"a node of its own", the convention of Sailor's ``plan_config`` files, in which
+every replica entry is a node.
+
+Files (readers never execute anything and bound what they read):
+
+* our JSON (:meth:`Plan3D.to_json` / :meth:`Plan3D.from_json`)::
+
+    {"format": "pipedejavu.core.plan3d", "model": "OPT-350", "mbs": 8, "gbs": 1024,
+     "stages": [{"layers": [0, 12], "replicas": [{"gpu": "GH-96", "tp": 4}]},
+                {"layers": [12, 26], "replicas": [{"gpu": "GH-96", "tp": 4}]}]}
+
+  Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored.
+* Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
+  :mod:`pipedejavu.io.sailor_plan`).
+
+This module imports only :mod:`pipedejavu.core.problem` (for :class:`ProblemError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from pipedejavu.core.problem import ProblemError
+
+__all__ = [
+    "DEFAULT_ZONE",
+    "MAX_PLAN_FILE_BYTES",
+    "PLAN3D_FORMAT",
+    "Plan3D",
+    "Replica",
+    "Stage3D",
+]
+
+PLAN3D_FORMAT = "pipedejavu.core.plan3d"
+#: Zone written into Sailor files when a plan does not name one (Sailor's default).
+DEFAULT_ZONE = "us-central1-a"
+#: Plan files larger than this are refused before parsing (16 MiB).
+MAX_PLAN_FILE_BYTES = 16 * 2**20
+_MAX_ITEMS = 1_000_000  # stages x replicas a plan may hold
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ProblemError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ProblemError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """One data-parallel replica of a stage: a TP group on one node.
+
+    Args:
+        gpu_type: the GPU type's name as the profiles spell it, e.g. ``"GH-96"``.
+        tp: tensor-parallel degree (GPUs in the group), >= 1.
+        zone: a key into the network tables (Sailor's zone string).
+        node: index of the physical node it runs on, or ``None`` for a node of
+            its own.
+        gpus_on_node: GPUs of that node in use, as Sailor files record it
+            (``None``: ``tp``). Kept for the round trip; the predictor uses ``tp``.
+    """
+
+    gpu_type: str
+    tp: int
+    zone: str = DEFAULT_ZONE
+    node: int | None = None
+    gpus_on_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu_type, str) or not self.gpu_type:
+            raise ProblemError(
+                f"gpu_type must be a non-empty string, got {self.gpu_type!r}"
+            )
+        if not isinstance(self.zone, str) or not self.zone:
+            raise ProblemError(f"zone must be a non-empty string, got {self.zone!r}")
+        object.__setattr__(self, "tp", _positive_int(self.tp, "tp"))
+        if self.node is not None:
+            if isinstance(self.node, bool) or not isinstance(self.node, int):
+                raise ProblemError(f"node must be an integer >= 0, got {self.node!r}")
+            if self.node < 0:
+                raise ProblemError(f"node must be an integer >= 0, got {self.node}")
+        if self.gpus_on_node is not None:
+            object.__setattr__(
+                self, "gpus_on_node", _positive_int(self.gpus_on_node, "gpus_on_node")
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpu": self.gpu_type, "tp": self.tp}
+        if self.zone != DEFAULT_ZONE:
+            out["zone"] = self.zone
+        if self.node is not None:
+            out["node"] = self.node
+        if self.gpus_on_node is not None:
+            out["gpus_on_node"] = self.gpus_on_node
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3D:
+    """A pipeline stage: layers ``start..stop-1`` and its data-parallel replicas.
+
+    Args:
+        start: first layer (inclusive), in the profile's indexing.
+        stop: one past the last layer (half-open).
+        replicas: the ``dp`` replicas; replica ``j`` of every stage forms
+            pipeline ``j``.
+    """
+
+    start: int
+    stop: int
+    replicas: tuple[Replica, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ProblemError(
+                    f"stage {name} must be an integer >= 0, got {value!r}"
+                )
+        if self.stop <= self.start:
+            raise ProblemError(
+                f"a stage must hold at least one layer, got [{self.start}, {self.stop})"
+            )
+        replicas = tuple(self.replicas)
+        if not replicas or not all(isinstance(r, Replica) for r in replicas):
+            raise ProblemError("a stage needs at least one Replica")
+        object.__setattr__(self, "replicas", replicas)
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel replicas."""
+        return len(self.replicas)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.tp for r in self.replicas)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan3D:
+    """A 3D-parallel training plan (see the module docstring).
+
+    Args:
+        stages: contiguous stages starting at layer 0, each with ``dp`` replicas.
+        mbs: micro-batch size (samples per micro-batch), >= 1.
+        gbs: global batch (samples per iteration over all replicas), >= 1.
+        model: the model's profile name (e.g. ``"OPT-350"``), or ``None``.
+
+    Raises:
+        ProblemError: gaps or overlaps between stages, unequal ``dp``, bad sizes.
+    """
+
+    stages: tuple[Stage3D, ...]
+    mbs: int
+    gbs: int
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        if not stages or not all(isinstance(s, Stage3D) for s in stages):
+            raise ProblemError("a plan needs at least one Stage3D")
+        expected = 0
+        for index, stage in enumerate(stages):
+            if stage.start != expected:
+                raise ProblemError(
+                    f"stage {index} starts at layer {stage.start}, expected {expected} "
+                    "(stages must be contiguous from layer 0)"
+                )
+            expected = stage.stop
+        dps = {stage.dp for stage in stages}
+        if len(dps) != 1:
+            raise ProblemError(
+                "every stage must have the same number of data-parallel replicas "
+                f"(Megatron and DeepSpeed run it so), got {[s.dp for s in stages]}"
+            )
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "mbs", _positive_int(self.mbs, "mbs"))
+        object.__setattr__(self, "gbs", _positive_int(self.gbs, "gbs"))
+        if self.model is not None and (
+            not isinstance(self.model, str) or not self.model
+        ):
+            raise ProblemError(f"model must be a non-empty string, got {self.model!r}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (pipelines)."""
+        return self.stages[0].dp
+
+    @property
+    def num_layers(self) -> int:
+        """Layers covered (``L + 2`` for a whole model)."""
+        return self.stages[-1].stop
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline per iteration, ``ceil(gbs / (mbs * dp))``."""
+        return math.ceil(self.gbs / (self.mbs * self.dp))
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(stage.num_gpus for stage in self.stages)
+
+    def gpus_by_type(self) -> dict[str, int]:
+        """GPUs used per type."""
+        counts: dict[str, int] = {}
+        for stage in self.stages:
+            for replica in stage.replicas:
+                counts[replica.gpu_type] = counts.get(replica.gpu_type, 0) + replica.tp
+        return counts
+
+    def replace(self, **changes: Any) -> Plan3D:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line, e.g. ``pp 2 [12+14], dp 8, tp 4, mbs 8, gbs 1024 (64 GPUs)``."""
+        sizes = "+".join(str(s.num_layers) for s in self.stages)
+        tps = sorted({r.tp for s in self.stages for r in s.replicas})
+        tp = "/".join(str(t) for t in tps)
+        types = ", ".join(f"{k}:{v}" for k, v in sorted(self.gpus_by_type().items()))
+        return (
+            f"pp {self.num_stages} [{sizes}], dp {self.dp}, tp {tp}, mbs {self.mbs}, "
+            f"gbs {self.gbs} ({types})"
+        )
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        """Our plan JSON (module docstring)."""
+        out: dict[str, Any] = {"format": PLAN3D_FORMAT}
+        if self.model is not None:
+            out["model"] = self.model
+        out.update(
+            mbs=self.mbs,
+            gbs=self.gbs,
+            num_microbatches=self.num_microbatches,
+            stages=[
+                {
+                    "layers": [stage.start, stage.stop],
+                    "replicas": [r.to_json() for r in stage.replicas],
+                }
+                for stage in self.stages
+            ],
+        )
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "plan") -> Plan3D:
+        """Parse our plan JSON; unknown keys are ignored.
+
+        Raises:
+            ProblemError: naming ``source`` and what is wrong.
+        """
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
+                raise ProblemError("expected an object with a 'stages' list")
+            stages_data = data["stages"]
+            if (
+                sum(
+                    len(s.get("replicas", ()))
+                    for s in stages_data
+                    if isinstance(s, dict)
+                )
+                > _MAX_ITEMS
+            ):
+                raise ProblemError(f"more than {_MAX_ITEMS} replicas")
+            stages = []
+            for index, item in enumerate(stages_data):
+                if not isinstance(item, dict):
+                    raise ProblemError(f"stage {index} is not an object")
+                layers = item.get("layers")
+                if not (isinstance(layers, list) and len(layers) == 2):
+                    raise ProblemError(f"stage {index}: 'layers' must be [start, stop]")
+                replicas = item.get("replicas")
+                if not isinstance(replicas, list):
+                    raise ProblemError(f"stage {index}: 'replicas' must be a list")
+                built = []
+                for r in replicas:
+                    if not isinstance(r, dict):
+                        raise ProblemError(f"stage {index}: a replica is not an object")
+                    built.append(
+                        Replica(
+                            gpu_type=r.get("gpu"),
+                            tp=r.get("tp"),
+                            zone=r.get("zone", DEFAULT_ZONE),
+                            node=r.get("node"),
+                            gpus_on_node=r.get("gpus_on_node"),
+                        )
+                    )
+                stages.append(Stage3D(layers[0], layers[1], tuple(built)))
+            return cls(
+                stages=tuple(stages),
+                mbs=data.get("mbs"),
+                gbs=data.get("gbs"),
+                model=data.get("model"),
+            )
+        except ProblemError as error:
+            raise ProblemError(f"{source}: not a valid 3D plan: {error}") from None
+
+
+def same_structure(a: Plan3D, b: Plan3D) -> bool:
+    """Whether two plans have the same stages, replicas, mbs and gbs."""
+    return a.stages == b.stages and a.mbs == b.mbs and a.gbs == b.gbs
+
+
+def replicas_of(stages: Sequence[Stage3D], j: int) -> list[Replica]:
+    """Pipeline ``j``: replica ``j`` of every stage."""
+    return [stage.replicas[j] for stage in stages]

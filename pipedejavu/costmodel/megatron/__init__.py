@@ -1,0 +1,1 @@
+"""pipedejavu.costmodel.megatron."""

@@ -1,0 +1,154 @@
+"""Communication times of a 3D plan on fitted links (Sailor's bandwidth curves).
+
+Building blocks of :mod:`pipedejavu.costmodel.megatron.predictor`. Every time comes from a
+:class:`~pipedejavu.costmodel.megatron.sailor_data.BandwidthFit`, which gives the
+*aggregate* bandwidth of ``n`` GPUs on a node sending at once (Sailor measured
+``n`` concurrent pairs between two nodes, or ``n / 2`` pairs inside one node) as
+a function of the message size per GPU.
+
+Assumptions (stated once, used everywhere):
+
+* **Point-to-point** (pipeline activations and their gradients): DeepSpeed's
+  pipeline engine partitions a tensor over the sender's TP group
+  (``pipe_partitioned``/``grad_partitioned``, on by default), so ``k = min(tp_a,
+  tp_b)`` GPUs each send ``bytes / k`` at once, and the receiving TP group
+  all-gathers the pieces. ``r`` replicas whose stages sit on the same node pair
+  transfer at the same time (their pipelines run in lockstep), so the node pair
+  carries ``r * k`` streams: ``time = r * bytes / bw(r * k GPUs, bytes / k)``.
+  Between two TP groups on one node the intra-node fit is used with ``2 r k``
+  GPUs.
+* **All-gather** of ``bytes`` over a TP group of ``t`` GPUs inside a node: a ring
+  of ``t - 1`` steps in which every GPU sends ``bytes / t``; the ``t`` streams
+  share the node's fit for ``t`` GPUs: ``(t - 1) * bytes / (2 bw_t(bytes / t))``.
+* **Ring all-reduce** of ``bytes`` per GPU over ``n`` ranks (one per replica, for
+  each of the replicas' ``tp`` ranks at once, i.e. ``tp`` rings side by side):
+  ``2 (n - 1)`` steps in which every rank sends ``bytes / n`` to the next; every
+  step lasts as long as the ring's slowest hop. A hop between nodes carries the
+  ``tp`` rings' streams; a hop inside a node is priced with the intra-node fit of
+  the GPUs the collective uses on that node.
+* Links are not shared between different collectives or stages (no contention
+  model beyond the ``r`` concurrent replicas above).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from pipedejavu.core.plan3d import Replica
+from pipedejavu.costmodel.megatron.sailor_data import NetworkTables
+
+__all__ = [
+    "all_gather_time",
+    "node_key",
+    "p2p_time",
+    "ring_allreduce_time",
+    "ring_hops",
+]
+
+
+def node_key(replica: Replica, stage: int, index: int) -> Hashable:
+    """The physical node of replica ``index`` of stage ``stage``: its ``node`` if
+    given, else a node of its own."""
+    if replica.node is None:
+        return ("own", stage, index)
+    return ("node", replica.node)
+
+
+def all_gather_time(network: NetworkTables, gpu: str, tp: int, nbytes: float) -> float:
+    """Seconds to all-gather ``nbytes`` (the full tensor) over ``tp`` GPUs."""
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    fit = network.intra(gpu, tp)
+    return (tp - 1) * nbytes / (2.0 * fit.bandwidth(nbytes / tp))
+
+
+def p2p_time(
+    network: NetworkTables,
+    sender: Replica,
+    receiver: Replica,
+    nbytes: float,
+    *,
+    same_node: bool,
+    concurrent: int = 1,
+) -> float:
+    """Seconds to move one pipeline tensor of ``nbytes`` from ``sender``'s TP
+    group to ``receiver``'s, the receiver's all-gather included.
+
+    Args:
+        network: the link fits.
+        sender, receiver: the two replicas (TP groups).
+        nbytes: bytes of the whole tensor (activation or its gradient).
+        same_node: both groups on one node (intra-node fit).
+        concurrent: replicas moving a tensor over the same node pair at once.
+    """
+    if nbytes <= 0:
+        return 0.0
+    streams = min(sender.tp, receiver.tp)
+    piece = nbytes / streams
+    total = concurrent * nbytes
+    if same_node:
+        fit = network.intra(sender.gpu_type, 2 * concurrent * streams)
+    else:
+        fit = network.inter(
+            sender.zone,
+            sender.gpu_type,
+            receiver.zone,
+            receiver.gpu_type,
+            concurrent * streams,
+        )
+    gather = all_gather_time(network, receiver.gpu_type, receiver.tp, nbytes)
+    return total / fit.bandwidth(piece) + gather
+
+
+def ring_hops(
+    network: NetworkTables,
+    replicas: Sequence[Replica],
+    nodes: Sequence[Hashable],
+) -> list[tuple[object, float]]:
+    """The distinct hops of a ring: ``(fit, streams)`` pairs, where a hop moving
+    ``chunk`` bytes per GPU takes ``streams * chunk / fit.bandwidth(chunk)``."""
+    count = len(replicas)
+    per_node: dict[Hashable, int] = {}
+    for replica, node in zip(replicas, nodes, strict=True):
+        per_node[node] = per_node.get(node, 0) + replica.tp
+    hops = {}
+    for j in range(count):
+        a, b = replicas[j], replicas[(j + 1) % count]
+        streams = min(a.tp, b.tp)
+        if nodes[j] == nodes[(j + 1) % count]:
+            gpus = per_node[nodes[j]]
+            # per stream: the node's aggregate over the gpus / 2 pairs it measured
+            key = (network.intra(a.gpu_type, gpus), 1.0 / max(gpus / 2.0, 1.0))
+        else:
+            fit = network.inter(a.zone, a.gpu_type, b.zone, b.gpu_type, streams)
+            key = (fit, float(streams))
+        hops[key] = None
+    return list(hops)
+
+
+def ring_allreduce_time(
+    network: NetworkTables,
+    replicas: Sequence[Replica],
+    nodes: Sequence[Hashable],
+    nbytes: float,
+    *,
+    hops: list[tuple[object, float]] | None = None,
+) -> float:
+    """Seconds of one ring all-reduce of ``nbytes`` per GPU over the replicas.
+
+    Args:
+        network: the link fits.
+        replicas: the ring's members in ring order (one TP group each; their
+            ``tp`` rings run side by side).
+        nodes: the node of each member (see :func:`node_key`).
+        nbytes: bytes each GPU contributes (its gradient shard of the bucket).
+        hops: :func:`ring_hops` of the same ring, when already known.
+    """
+    count = len(replicas)
+    if count <= 1 or nbytes <= 0:
+        return 0.0
+    chunk = nbytes / count
+    if hops is None:
+        hops = ring_hops(network, replicas, nodes)
+    slowest = max(streams * chunk / fit.bandwidth(chunk) for fit, streams in hops)
+    return 2 * (count - 1) * slowest

@@ -1,0 +1,420 @@
+"""Predict a Megatron/DeepSpeed 3D plan's iteration time and peak memory per GPU.
+
+Inputs: a :class:`~pipedejavu.core.plan3d.Plan3D` and a profile folder
+(:class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`). The costmodel uses the
+project's simulator: :mod:`pipedejavu.simulation.simulate` imports only the vocabulary,
+so the import direction (vocabulary <- costmodel) holds.
+
+Assumptions (fp32 training, ZeRO off, no activation checkpointing, DeepSpeed's
+pipeline engine as Megatron-DeepSpeed drives it):
+
+**Time** of one iteration (what ``train_batch`` takes):
+
+1. *Layers.* A stage's forward (backward) per micro-batch is the sum of its
+   layers' forward (backward) times at the plan's (mbs, tp) on its GPU type, from
+   the profile made affine in mbs (:func:`~pipedejavu.costmodel.megatron.sailor_data.
+   smooth_profile`: single small-mbs entries are noisy), plus ``op_overhead_s``
+   for the instruction itself (fitted).
+2. *Pipeline.* Every pipeline ``j`` (replica ``j`` of each stage) runs DeepSpeed's
+   1F1B ``TrainSchedule`` on the discrete-event simulator
+   (``schedule="deepspeed"``: warm-up, steady state, cool-down in DeepSpeed's
+   command order). Each boundary moves the output activation of the stage's last
+   layer (fp32, ``mbs x`` the profile's mbs-1 size) forward and its gradient back,
+   priced by :func:`~pipedejavu.costmodel.megatron.comm.p2p_time` (fitted link,
+   size-dependent bandwidth, GPUs taking part, the receiver's TP all-gather).
+   A message of more than ``buffered_message_bytes`` per GPU (NCCL's 4 MiB
+   buffer) is a rendezvous that keeps both stages busy; a smaller one is handed
+   to the library at once and only its receiver waits for it.
+3. *Tied embedding.* With more than one stage, the word-embedding gradient
+   (:meth:`ModelInfo.tied_params`) is all-reduced between the first and last
+   stage of every pipeline once both have finished their last backward.
+4. *Data parallelism.* Then each stage's gradients are all-reduced over its
+   ``dp`` replicas, starting when the slowest replica is ready (not overlapped
+   with the backward pass): DeepSpeed's buckets (whole tensors - here whole
+   layers - added until a bucket holds more than 5e8 elements), one ring
+   all-reduce per bucket (:func:`~pipedejavu.costmodel.megatron.comm.
+   ring_allreduce_time`).
+5. *Optimizer.* Adam is memory-bound, so its step scales with the parameters it
+   updates: ``update_s x stage parameters / profiling-model parameters``, where
+   ``update_s`` (median over mbs) is the profile's optimizer time for its
+   two-transformer-layer model (embedding, two layers, head; the tied embedding
+   counted once).
+6. The iteration ends when the last GPU finishes its optimizer step (the loss
+   broadcast at the end of ``train_batch`` synchronizes the pipeline).
+
+**Memory** per GPU (device level, as ``nvidia-smi`` reports it):
+``16 B x parameters`` (fp32 weights, gradients, Adam's two moments) + ``4 B x``
+the largest all-reduce bucket (DeepSpeed flattens a bucket into a new buffer) +
+``(1 + activation_overhead) x`` the stashed activations (the simulator's peak
+in-flight count times ``mbs x`` the stage's ``act_mem`` plus its received input)
++ ``reserve_bytes`` of the GPU type. A single-stage plan holds the tied embedding
+once.
+
+Not modelled: contention between different collectives or stages on shared
+links, overlap of the gradient all-reduce with the backward pass (DeepSpeed's
+pipeline engine does not overlap it), activation checkpointing, mixed precision.
+Constants: :class:`PredictorConstants`, fitted by
+:mod:`pipedejavu.costmodel.megatron.fit` on measured runs (never per layer or
+per run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.comm import node_key, p2p_time, ring_allreduce_time
+from pipedejavu.costmodel.megatron.constants import (
+    BUCKET_ELEMENTS,
+    BYTES_PER_PARAM,
+    FITTED_CONSTANTS,
+    FLOAT_BYTES,
+    PredictorConstants,
+)
+from pipedejavu.costmodel.megatron.sailor_data import (
+    LayerTimes,
+    ModelInfo,
+    SailorData,
+    load_sailor_data,
+)
+from pipedejavu.simulation.simulate import simulate
+
+__all__ = ["Prediction", "predict_plan"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prediction:
+    """A plan's predicted iteration.
+
+    Attributes:
+        iteration_time_s: seconds per iteration.
+        pipeline_s: seconds until the last backward of the slowest pipeline.
+        tied_allreduce_s: f64[dp] seconds of each pipeline's tied-embedding
+            all-reduce (0 with one stage).
+        dp_allreduce_s: f64[S] seconds of each stage's gradient all-reduce.
+        optimizer_s: f64[S, dp] seconds of each GPU's optimizer step.
+        bubble_fraction: idle share of the pipeline phase, averaged over GPUs.
+        stage_forward_s, stage_backward_s: f64[S, dp] seconds per micro-batch.
+        activation_transfer_s, gradient_transfer_s: f64[S - 1, dp] seconds per
+            micro-batch over each boundary.
+        peak_in_flight: i64[S] micro-batches whose activations a stage holds.
+        memory_bytes: f64[S, dp] peak device memory of a GPU of each replica.
+        memory_limit_bytes: f64[S, dp] device memory of that GPU type.
+        num_microbatches: B per pipeline.
+        model_state_bytes: f64[S, dp] weights, gradients, Adam states and the
+            largest flattened all-reduce bucket per GPU.
+        activation_bytes: f64[S] activations stashed at the peak per GPU (before
+            ``activation_overhead``).
+    """
+
+    iteration_time_s: float
+    pipeline_s: float
+    tied_allreduce_s: NDArray[np.float64]
+    dp_allreduce_s: NDArray[np.float64]
+    optimizer_s: NDArray[np.float64]
+    bubble_fraction: float
+    stage_forward_s: NDArray[np.float64]
+    stage_backward_s: NDArray[np.float64]
+    activation_transfer_s: NDArray[np.float64]
+    gradient_transfer_s: NDArray[np.float64]
+    peak_in_flight: NDArray[np.int64]
+    memory_bytes: NDArray[np.float64]
+    memory_limit_bytes: NDArray[np.float64]
+    num_microbatches: int
+    model_state_bytes: NDArray[np.float64]
+    activation_bytes: NDArray[np.float64]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return float(self.memory_bytes.max())
+
+    @property
+    def fits_memory(self) -> bool:
+        return bool((self.memory_bytes <= self.memory_limit_bytes).all())
+
+    @property
+    def stage_memory_bytes(self) -> NDArray[np.float64]:
+        """f64[S] the largest memory of a GPU of each stage."""
+        return self.memory_bytes.max(axis=1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits_memory": self.fits_memory,
+            "num_microbatches": self.num_microbatches,
+            "breakdown": {
+                "pipeline_s": self.pipeline_s,
+                "tied_allreduce_s": float(self.tied_allreduce_s.max(initial=0.0)),
+                "dp_allreduce_s": float(self.dp_allreduce_s.max(initial=0.0)),
+                "optimizer_s": float(self.optimizer_s.max()),
+                "bubble_fraction": self.bubble_fraction,
+            },
+            "memory_per_stage_bytes": self.stage_memory_bytes.tolist(),
+            "memory_limit_per_stage_bytes": self.memory_limit_bytes.min(
+                axis=1
+            ).tolist(),
+            "peak_in_flight": self.peak_in_flight.tolist(),
+        }
+
+
+def _stage_params(info: ModelInfo, tp: int, start: int, stop: int) -> float:
+    params = info.params[tp]
+    total = float(params[start:stop].sum())
+    if start == 0 and stop == info.num_layers:
+        total -= info.tied_params(tp)  # one module holds the shared embedding
+    return total
+
+
+def _buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
+    """DeepSpeed's buckets (elements), filled layer by layer (see module doc)."""
+    sizes = [float(x) for x in info.params[tp][start:stop]]
+    if start == 0 and stop == info.num_layers:
+        sizes[-1] -= info.tied_params(tp)
+    buckets, current = [], 0.0
+    for size in sizes:
+        current += size
+        if current > BUCKET_ELEMENTS:
+            buckets.append(current)
+            current = 0.0
+    if current > 0:
+        buckets.append(current)
+    return buckets
+
+
+def profiling_params(info: ModelInfo, tp: int) -> float:
+    params = info.params[tp]
+    return float(params[0] + params[1] + params[2] + params[-1]) - info.tied_params(tp)
+
+
+def _kind(replica) -> tuple:
+    """What a transfer's price reads of a replica (not its node)."""
+    return (replica.gpu_type, replica.tp, replica.zone)
+
+
+def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
+    info = data.model_info(model)
+    if plan.num_layers != info.num_layers:
+        raise ProblemError(
+            f"the plan covers layers 0..{plan.num_layers - 1} but model {model} has "
+            f"{info.num_layers} profile layers (embedding, {info.num_layers - 2} "
+            "transformer layers, head)"
+        )
+    for s, stage in enumerate(plan.stages):
+        tps = {r.tp for r in stage.replicas}
+        if len(tps) != 1:
+            raise ProblemError(
+                f"stage {s} mixes TP degrees {sorted(tps)} across its replicas; "
+                "their gradients could not be all-reduced shard by shard"
+            )
+        for replica in stage.replicas:
+            info.check_tp(replica.tp)
+            spec = data.gpu_spec(replica.gpu_type)
+            if replica.tp > spec.gpus_per_node:
+                raise ProblemError(
+                    f"stage {s}: tp {replica.tp} exceeds the {spec.gpus_per_node} "
+                    f"GPUs of a {replica.gpu_type} node"
+                )
+    return info
+
+
+def predict_plan(
+    plan: Plan3D,
+    data: SailorData | None = None,
+    *,
+    model: str | None = None,
+    constants: PredictorConstants | None = None,
+) -> Prediction:
+    """Predict a plan's iteration time and memory (module docstring).
+
+    Args:
+        plan: the plan; its ``model`` names the profile unless ``model`` does.
+        data: the profile folder (``None``: the bundled copy).
+        model: the model's profile name (overrides ``plan.model``).
+        constants: the free constants (``None``: the fitted
+            :data:`pipedejavu.costmodel.megatron.fit.FITTED_CONSTANTS`).
+
+    Raises:
+        ProblemError: the plan does not fit the model, or names a GPU type or an
+            (mbs, tp) the profiles lack.
+    """
+    if constants is None:
+        constants = FITTED_CONSTANTS
+    data = load_sailor_data() if data is None else data
+    model = model or plan.model
+    if model is None:
+        raise ProblemError("the plan names no model; give one (--model)")
+    info = _check(plan, data, model)
+    network = data.network
+    num_stages, dp, count = plan.num_stages, plan.dp, plan.num_microbatches
+    mbs = plan.mbs
+
+    overhead = constants.op_overhead_s
+    times: dict[tuple[str, int], LayerTimes] = {}
+    forward = np.zeros((num_stages, dp))
+    backward = np.zeros((num_stages, dp))
+    optimizer = np.zeros((num_stages, dp))
+    memory = np.zeros((num_stages, dp))
+    model_state = np.zeros((num_stages, dp))
+    stash = np.zeros(num_stages)
+    limit = np.zeros((num_stages, dp))
+    nodes = [
+        [node_key(r, s, j) for j, r in enumerate(stage.replicas)]
+        for s, stage in enumerate(plan.stages)
+    ]
+    for s, stage in enumerate(plan.stages):
+        for j, replica in enumerate(stage.replicas):
+            key = (replica.gpu_type, replica.tp)
+            if key not in times:
+                times[key] = data.layer_times(
+                    model,
+                    replica.gpu_type,
+                    mbs,
+                    replica.tp,
+                    smooth=constants.smooth_profiles,
+                )
+            entry = times[key]
+            layers = slice(stage.start, stage.stop)
+            forward[s, j] = float(entry.forward[layers].sum()) + overhead
+            backward[s, j] = float(entry.backward[layers].sum()) + overhead
+            params = _stage_params(info, replica.tp, stage.start, stage.stop)
+            optimizer[s, j] = (
+                float(entry.update[0]) * params / profiling_params(info, replica.tp)
+            )
+            limit[s, j] = data.gpu_spec(replica.gpu_type).memory_bytes
+
+    # Transfers over each boundary, per pipeline.
+    activation = np.zeros((max(num_stages - 1, 0), dp))
+    gradient = np.zeros_like(activation)
+    blocking = np.ones_like(activation, dtype=bool)
+    transfers: dict[tuple, tuple[float, float]] = {}
+    for s in range(num_stages - 1):
+        a_stage, b_stage = plan.stages[s], plan.stages[s + 1]
+        pairs: dict[tuple[Hashable, Hashable], int] = {}
+        for j in range(dp):
+            pair = (nodes[s][j], nodes[s + 1][j])
+            pairs[pair] = pairs.get(pair, 0) + 1
+        for j in range(dp):
+            sender, receiver = a_stage.replicas[j], b_stage.replicas[j]
+            nbytes = float(info.act_output[sender.tp][a_stage.stop - 1]) * mbs
+            nbytes *= FLOAT_BYTES
+            piece = nbytes / min(sender.tp, receiver.tp)
+            blocking[s, j] = piece > constants.buffered_message_bytes
+            same = nodes[s][j] == nodes[s + 1][j]
+            shared = pairs[(nodes[s][j], nodes[s + 1][j])]
+            key = (_kind(sender), _kind(receiver), nbytes, same, shared)
+            if key not in transfers:  # replicas alike move tensors alike
+                transfers[key] = (
+                    p2p_time(
+                        network,
+                        sender,
+                        receiver,
+                        nbytes,
+                        same_node=same,
+                        concurrent=shared,
+                    ),
+                    p2p_time(
+                        network,
+                        receiver,
+                        sender,
+                        nbytes,
+                        same_node=same,
+                        concurrent=shared,
+                    ),
+                )
+            activation[s, j], gradient[s, j] = transfers[key]
+
+    ends = np.zeros((num_stages, dp))
+    busy = 0.0
+    peak = np.zeros(num_stages, dtype=np.int64)
+    simulated: dict[bytes, Any] = {}  # pipelines with the same inputs agree
+    for j in range(dp):
+        columns = (forward[:, j], backward[:, j], activation[:, j], gradient[:, j])
+        key = b"".join(c.tobytes() for c in columns) + blocking[:, j].tobytes()
+        if key not in simulated:
+            simulated[key] = simulate(
+                forward[:, j],
+                backward[:, j],
+                count,
+                schedule="deepspeed",
+                transfer=activation[:, j],
+                gradient_transfer=gradient[:, j],
+                blocking=blocking[:, j],
+            )
+        result = simulated[key]
+        ends[:, j] = result.backward_end.max(axis=1)
+        busy += float(result.busy_time.sum())
+        peak = np.maximum(peak, result.peak_in_flight)
+    pipeline = float(ends.max())
+    bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
+
+    # Tied embedding all-reduce between the first and last stage of a pipeline.
+    tied = np.zeros(dp)
+    ready = ends.copy()
+    if num_stages > 1:
+        first, last = plan.stages[0], plan.stages[-1]
+        rings: dict[tuple, float] = {}
+        for j in range(dp):
+            a, b = first.replicas[j], last.replicas[j]
+            nbytes = info.tied_params(a.tp) * FLOAT_BYTES
+            key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
+            if key not in rings:  # the time depends on whether they share a node
+                rings[key] = ring_allreduce_time(
+                    network, [a, b], [nodes[0][j], nodes[-1][j]], nbytes
+                )
+            tied[j] = rings[key]
+            start = max(ends[0, j], ends[-1, j])
+            ready[0, j] = ready[-1, j] = start + tied[j]
+
+    # Data-parallel all-reduce per stage, then the optimizer step.
+    allreduce = np.zeros(num_stages)
+    finish = np.zeros((num_stages, dp))
+    for s, stage in enumerate(plan.stages):
+        tp = stage.replicas[0].tp
+        buckets = _buckets(info, tp, stage.start, stage.stop)
+        allreduce[s] = sum(
+            ring_allreduce_time(
+                network, stage.replicas, nodes[s], elements * FLOAT_BYTES
+            )
+            for elements in buckets
+        )
+        finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
+        # Memory of a GPU of each replica.
+        act = float(info.act_mem[tp][stage.start : stage.stop].sum()) * FLOAT_BYTES
+        received = (
+            float(info.act_output[tp][stage.start - 1]) * FLOAT_BYTES if s else 0.0
+        )
+        held = _stage_params(info, tp, stage.start, stage.stop)
+        stash[s] = peak[s] * mbs * (act + received)
+        for j, replica in enumerate(stage.replicas):
+            model_state[s, j] = BYTES_PER_PARAM * held + FLOAT_BYTES * max(buckets)
+            memory[s, j] = (
+                model_state[s, j]
+                + (1.0 + constants.activation_overhead) * stash[s]
+                + constants.reserve(replica.gpu_type)
+            )
+    iteration = float(finish.max())
+    return Prediction(
+        iteration_time_s=iteration,
+        pipeline_s=pipeline,
+        tied_allreduce_s=tied,
+        dp_allreduce_s=allreduce,
+        optimizer_s=optimizer,
+        bubble_fraction=float(bubble),
+        stage_forward_s=forward,
+        stage_backward_s=backward,
+        activation_transfer_s=activation,
+        gradient_transfer_s=gradient,
+        peak_in_flight=peak,
+        memory_bytes=memory,
+        memory_limit_bytes=limit,
+        model_state_bytes=model_state,
+        activation_bytes=stash,
+        num_microbatches=count,
+    )

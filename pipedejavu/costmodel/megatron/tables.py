@@ -1,0 +1,359 @@
+"""Compile a Megatron-style planning configuration into the planning model's tables.
+
+One configuration fixes the GPU type, the micro-batch size ``mbs``, the number of
+replicas ``dp`` (hence ``B = gbs / (mbs dp)`` micro-batches) and the TP degrees a
+stage may use. The tables are those of :class:`pipedejavu.Problem`, indexed
+``[i, j, m, 0]`` for the stage of layers ``i..j`` (inclusive) at the ``m``-th TP
+degree:
+
+* ``compute_cost``: the stage's busy time per micro-batch under the predictor
+  (:mod:`pipedejavu.costmodel.megatron.predictor`): its layers' forward and backward (the
+  affine-in-mbs profile), two instruction overheads, and - for each of its
+  boundaries whose message blocks (larger than NCCL's buffer per GPU) - the
+  activation and gradient transfer it takes part in;
+* ``max_n_succ_stages``: how many stages may follow before the predicted memory
+  of its in-flight micro-batches (``min(stages after + 1, B)``) exceeds the GPU;
+* ``stage_tail_cost``: what it pays once after the pipeline - the tied-embedding
+  all-reduce (a stage holding the first or the last layer, not both), its
+  bucketed ring all-reduce over the ``dp`` replicas, and its optimizer step.
+
+With these, ``sum c + (B - 1) max c + max tail`` is the planning objective of a
+plan (the closed form of the pipeline; the predictor's simulation re-scores).
+
+Placement (the canonical Megatron/DeepSpeed rank order: TP innermost, then
+data, then pipeline; :func:`canonical_nodes`): a stage whose ``dp x tp`` GPUs
+fill whole nodes talks to its neighbours across nodes, ``gpus_per_node / tp``
+replicas at once; a smaller stage shares its node with its neighbours (intra-node
+links). The predictor prices each plan with its exact placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
+from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time, ring_hops
+from pipedejavu.costmodel.megatron.constants import (
+    BUCKET_ELEMENTS,
+    BYTES_PER_PARAM,
+    FLOAT_BYTES,
+    PredictorConstants,
+)
+from pipedejavu.costmodel.megatron.predictor import profiling_params
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+
+__all__ = [
+    "StageTables",
+    "usable_degrees",
+    "canonical_nodes",
+    "compile_tables",
+    "plan_from_mixed_stages",
+    "plan_from_stages",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageTables:
+    """The tables of one configuration (module docstring).
+
+    Attributes:
+        gpu_type, mbs, dp, num_microbatches: the configuration.
+        tps: the TP degree of each submesh index ``m``.
+        compute_cost: f64[L, L, M, 1] seconds per micro-batch (inf: no stage).
+        max_n_succ_stages: i64[L, L, M, 1].
+        stage_tail_cost: f64[L, L, M, 1] seconds once per iteration.
+        work: f64[L] the least GPU-seconds per micro-batch of each layer over the
+            TP degrees (``tp x (forward + backward)``), for lower bounds.
+    """
+
+    gpu_type: str
+    mbs: int
+    dp: int
+    num_microbatches: int
+    tps: tuple[int, ...]
+    compute_cost: NDArray[np.float64]
+    max_n_succ_stages: NDArray[np.int64]
+    stage_tail_cost: NDArray[np.float64]
+    work: NDArray[np.float64]
+
+
+def usable_degrees(
+    data: SailorData, model: str, gpu: str, mbs: int, count: int
+) -> list[int]:
+    """The TP degrees a stage of ``model`` may have on ``gpu`` at ``mbs`` with
+    ``count`` GPUs: profiled at that mbs, dividing the GPUs of a node, at most
+    ``count``."""
+    table = data.profile(model, gpu)
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    return [
+        t
+        for t in data.model_info(model).tp_values
+        if (mbs, t) in table and gpn % t == 0 and t <= count
+    ]
+
+
+def canonical_nodes(stage_tps: Sequence[int], dp: int, gpus_per_node: int) -> list:
+    """Node of replica ``j`` of stage ``s`` in Megatron's rank order: rank
+    ``dp sum_{r<s} tp_r + j tp_s``, node ``rank // gpus_per_node``."""
+    nodes, offset = [], 0
+    for tp in stage_tps:
+        nodes.append([(offset + j * tp) // gpus_per_node for j in range(dp)])
+        offset += dp * tp
+    return nodes
+
+
+def plan_from_stages(
+    stages: Sequence[tuple[int, int, int]],
+    *,
+    gpu_type: str,
+    dp: int,
+    mbs: int,
+    gbs: int,
+    model: str,
+    gpus_per_node: int,
+    zone: str,
+    node_offset: int = 0,
+) -> Plan3D:
+    """A :class:`Plan3D` from ``(start, stop, tp)`` stages, canonically placed."""
+    nodes = canonical_nodes([tp for _, _, tp in stages], dp, gpus_per_node)
+    return Plan3D(
+        stages=tuple(
+            Stage3D(
+                start,
+                stop,
+                tuple(
+                    Replica(gpu_type, tp, zone=zone, node=node_offset + nodes[s][j])
+                    for j in range(dp)
+                ),
+            )
+            for s, (start, stop, tp) in enumerate(stages)
+        ),
+        mbs=mbs,
+        gbs=gbs,
+        model=model,
+    )
+
+
+def plan_from_mixed_stages(
+    stages: Sequence[tuple[int, int, int, str]],
+    *,
+    dp: int,
+    mbs: int,
+    gbs: int,
+    model: str,
+    pool: Mapping[str, int],
+    gpus_per_node: Mapping[str, int],
+    zone: str,
+) -> Plan3D:
+    """A :class:`Plan3D` from ``(start, stop, tp, gpu_type)`` stages whose types
+    may differ: each type's stages take its GPUs in Megatron's rank order (TP
+    innermost, then data, then pipeline) on nodes of their own; the nodes are
+    numbered type after type in the pool's order (``ceil(count / gpus per
+    node)`` per type)."""
+    bases, offset = {}, 0
+    for gpu, count in pool.items():
+        bases[gpu] = offset
+        offset += -(-count // gpus_per_node[gpu])
+    used = dict.fromkeys(pool, 0)
+    out = []
+    for start, stop, tp, gpu in stages:
+        gpn = gpus_per_node[gpu]
+        replicas = tuple(
+            Replica(gpu, tp, zone=zone, node=bases[gpu] + (used[gpu] + j * tp) // gpn)
+            for j in range(dp)
+        )
+        used[gpu] += dp * tp
+        out.append(Stage3D(start, stop, replicas))
+    return Plan3D(stages=tuple(out), mbs=mbs, gbs=gbs, model=model)
+
+
+def _buckets(sizes: NDArray[np.float64]) -> list[float]:
+    buckets, current = [], 0.0
+    for size in sizes.tolist():
+        current += size
+        if current > BUCKET_ELEMENTS:
+            buckets.append(current)
+            current = 0.0
+    if current > 0:
+        buckets.append(current)
+    return buckets
+
+
+def ring_times(hops, count: int, nbytes: NDArray[np.float64]) -> NDArray[np.float64]:
+    """:func:`~pipedejavu.costmodel.megatron.comm.ring_allreduce_time` of each
+    entry of ``nbytes`` on a ring of ``count`` members with these hops."""
+    if count <= 1 or not hops:
+        return np.zeros_like(nbytes)
+    chunk = nbytes / count
+    slowest = np.max(
+        [streams * chunk / fit.bandwidths(chunk) for fit, streams in hops], axis=0
+    )
+    return np.where(nbytes > 0, 2 * (count - 1) * slowest, 0.0)
+
+
+def span_allreduce(
+    hops,
+    dp: int,
+    params: NDArray[np.float64],
+    tied: float,
+    held: NDArray[np.float64],
+    starts: NDArray[np.int64],
+    ends: NDArray[np.int64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Seconds of the bucketed ring all-reduce over ``dp`` replicas (ring
+    ``hops``) of each span ``starts[n]..ends[n]`` (inclusive; ``held``: its
+    parameters), and its largest bucket (elements): DeepSpeed's buckets, whole
+    layers added until a bucket holds more than ``BUCKET_ELEMENTS``."""
+    num_layers = len(params)
+    if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
+        return ring_times(hops, dp, held * FLOAT_BYTES), held
+    closed_sizes, closed_span = [], []
+    open_size, largest = np.zeros(len(starts)), np.zeros(len(starts))
+    pairs = zip(starts.tolist(), ends.tolist(), strict=True)
+    index = {(i, j): n for n, (i, j) in enumerate(pairs)}
+    for i in range(num_layers):
+        current, biggest = 0.0, 0.0
+        done: list[float] = []
+        for j in range(i, num_layers):
+            size = float(params[j])
+            if i == 0 and j == num_layers - 1:
+                size -= tied
+            current += size
+            if current > BUCKET_ELEMENTS:
+                done.append(current)
+                biggest = max(biggest, current)
+                current = 0.0
+            n = index[(i, j)]
+            closed_sizes += done
+            closed_span += [n] * len(done)
+            open_size[n] = current
+            largest[n] = max(biggest, current)
+    allreduce = ring_times(hops, dp, open_size * FLOAT_BYTES)
+    if closed_sizes:
+        closed = ring_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
+        np.add.at(allreduce, np.array(closed_span), closed)
+    return allreduce, largest
+
+
+def compile_tables(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    *,
+    gpu_type: str,
+    mbs: int,
+    dp: int,
+    num_microbatches: int,
+    tps: Sequence[int],
+    zone: str,
+    pipeline_gpus: int | None = None,
+) -> StageTables:
+    """The tables of one configuration (module docstring).
+
+    ``pipeline_gpus``: GPUs of one pipeline, when known. A stage of ``dp x tp <
+    GPUs per node`` shares its node with its neighbours only while the whole
+    pipeline's ``dp x pipeline_gpus`` fit on one node; beyond that some of its
+    boundaries cross nodes, and the tables price every boundary as crossing
+    (the predictor re-scores the exact placement).
+
+    Raises:
+        ProblemError: a TP degree or the mbs has no profile entry.
+    """
+    info = data.model_info(model)
+    spec = data.gpu_spec(gpu_type)
+    network = data.network
+    num_layers = info.num_layers
+    shape = (num_layers, num_layers, len(tps), 1)
+    cost = np.full(shape, np.inf)
+    memory = np.full(shape, -1, dtype=np.int64)
+    tail = np.zeros(shape)
+    work = np.full(num_layers, np.inf)
+    upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))
+    starts, ends = np.nonzero(upper)
+    overhead = constants.op_overhead_s
+    gpn = spec.gpus_per_node
+    for m, tp in enumerate(tps):
+        times = data.layer_times(
+            model, gpu_type, mbs, tp, smooth=constants.smooth_profiles
+        )
+        info.check_tp(tp)
+        layer = times.forward + times.backward
+        work = np.minimum(work, tp * layer)
+        prefix = np.concatenate([[0.0], np.cumsum(layer)])
+        busy = prefix[ends + 1] - prefix[starts] + 2 * overhead
+        # Boundary b (after layer b): the transfer a stage takes part in.
+        replica = Replica(gpu_type, tp, zone=zone)
+        one_node = pipeline_gpus is not None and dp * pipeline_gpus <= gpn
+        whole_nodes = dp * tp >= gpn or not one_node
+        concurrent = min(dp, max(gpn // tp, 1))
+        boundary = np.zeros(num_layers)
+        for b in range(num_layers - 1):
+            nbytes = float(info.act_output[tp][b]) * FLOAT_BYTES * mbs
+            if nbytes / tp > constants.buffered_message_bytes:
+                boundary[b] = 2 * p2p_time(
+                    network,
+                    replica,
+                    replica,
+                    nbytes,
+                    same_node=not whole_nodes,
+                    concurrent=concurrent,
+                )
+        busy = busy + np.where(starts > 0, boundary[starts - 1], 0.0)
+        busy = busy + np.where(ends < num_layers - 1, boundary[ends], 0.0)
+        cost[starts, ends, m, 0] = busy
+
+        # Memory: model state + (1 + overhead) x in-flight stash + reserve.
+        params = info.params[tp]
+        pprefix = np.concatenate([[0.0], np.cumsum(params)])
+        held = pprefix[ends + 1] - pprefix[starts]
+        tied = info.tied_params(tp)
+        whole = (starts == 0) & (ends == num_layers - 1)
+        held = held - np.where(whole, tied, 0.0)
+        act = np.concatenate([[0.0], np.cumsum(info.act_mem[tp])]) * FLOAT_BYTES
+        received = np.where(
+            starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0
+        )
+        per_microbatch = (
+            (act[ends + 1] - act[starts] + received * FLOAT_BYTES)
+            * mbs
+            * (1 + constants.activation_overhead)
+        )
+        # Largest bucket, layer by layer, and the tail of each span.
+        optimizer_rate = float(times.update[0]) / profiling_params(info, tp)
+        nodes = canonical_nodes([tp], dp, gpn)[0]
+        replicas = [Replica(gpu_type, tp, zone=zone)] * dp
+        hops = ring_hops(network, replicas, nodes) if dp > 1 else []
+        pair_nodes = [0, 0] if not whole_nodes else [0, 1]
+        tied_time = ring_allreduce_time(
+            network, [replica, replica], pair_nodes, tied * FLOAT_BYTES
+        )
+        has_tie = (starts == 0) != (ends == num_layers - 1)
+        allreduce, largest = span_allreduce(hops, dp, params, tied, held, starts, ends)
+        tail[starts, ends, m, 0] = (
+            allreduce + optimizer_rate * held + np.where(has_tie, tied_time, 0.0)
+        )
+        state = BYTES_PER_PARAM * held + FLOAT_BYTES * largest
+        room = spec.memory_bytes - constants.reserve(gpu_type) - state
+        in_flight = np.floor(room / np.maximum(per_microbatch, 1e-9))
+        limit = np.where(
+            in_flight >= min(num_microbatches, num_layers),
+            UNLIMITED_SUCCEEDING_STAGES,
+            in_flight - 1,
+        )
+        memory[starts, ends, m, 0] = np.clip(limit, -1, UNLIMITED_SUCCEEDING_STAGES)
+    return StageTables(
+        gpu_type=gpu_type,
+        mbs=mbs,
+        dp=dp,
+        num_microbatches=num_microbatches,
+        tps=tuple(tps),
+        compute_cost=cost,
+        max_n_succ_stages=memory,
+        stage_tail_cost=tail,
+        work=work,
+    )

@@ -1,0 +1,310 @@
+"""The comparison harness: every planner on one instance, measured side by side.
+
+``compare(problem, methods=...)`` runs each method ``warmup`` times (discarded:
+JIT compilation, caches) and then ``repeats`` times, and reports for each the
+plan cost and its ratio to the exact DP's, the search-time distribution and its
+change against the DP's, and the plan's simulated 1F1B iteration time. The
+stochastic methods (``diff``, ``anneal``, ``random``) get seed ``seed + r`` on
+repeat ``r``, so the repeats show their spread, not one lucky draw; the table
+shows the median cost and the worst ratio.
+
+``pipedejavu compare`` prints the same table (or JSON / CSV).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.problem import InfeasibleProblemError, Plan, Problem, ProblemError
+from pipedejavu.planning.solve import HETERO_METHODS, METHODS, solve
+from pipedejavu.simulation.simulate import simulate, simulate_plan, split_latencies
+
+__all__ = ["Comparison", "MethodResult", "compare", "DEFAULT_METHODS"]
+
+DEFAULT_METHODS = ("dp", "diff", "greedy", "uniform", "anneal")
+#: defaults for a :class:`pipedejavu.HeteroProblem` (typed devices and links).
+DEFAULT_HETERO_METHODS = ("dp", "diff", "alpa")
+_SEEDED = {"diff", "anneal", "random"}
+_PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodResult:
+    """One method's measurements.
+
+    Attributes:
+        method: the method name (``pipedejavu.METHODS``).
+        costs: plan cost of each repeat (seconds per iteration, the objective).
+        times: wall-clock search time of each repeat (seconds).
+        plan: the cheapest plan found over the repeats (``None`` on error).
+        simulated_1f1b: simulated 1F1B iteration time of ``plan`` (seconds).
+        error: why the method gave no plan (infeasible, unknown method, ...).
+    """
+
+    method: str
+    costs: tuple[float, ...]
+    times: tuple[float, ...]
+    plan: Plan | None
+    simulated_1f1b: float
+    error: str | None = None
+
+    @property
+    def cost(self) -> float:
+        """Median plan cost over the repeats."""
+        return float(np.median(self.costs)) if self.costs else math.nan
+
+    @property
+    def worst_cost(self) -> float:
+        return max(self.costs) if self.costs else math.nan
+
+    def time_stats(self) -> dict[str, float]:
+        """mean and p50/p90/p95/p99 of the search times (seconds)."""
+        if not self.times:
+            return {k: math.nan for k in ("mean", "p50", "p90", "p95", "p99")}
+        times = np.asarray(self.times)
+        stats = {"mean": float(times.mean())}
+        for q in _PERCENTILES:
+            stats[f"p{q}"] = float(np.percentile(times, q))
+        return stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """All methods on one instance; ``reference`` (the exact DP) anchors ratios."""
+
+    results: tuple[MethodResult, ...]
+    reference: str
+    repeats: int
+    warmup: int
+    num_layers: int
+    num_devices: int
+    num_microbatches: int
+
+    def result(self, method: str) -> MethodResult:
+        for r in self.results:
+            if r.method == method:
+                return r
+        raise KeyError(method)
+
+    def _reference(self) -> MethodResult | None:
+        try:
+            ref = self.result(self.reference)
+        except KeyError:
+            return None
+        return None if ref.error else ref
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-able dict per method (the table's columns, unrounded)."""
+        ref = self._reference()
+        ref_cost = ref.cost if ref else math.nan
+        ref_time = ref.time_stats()["mean"] if ref else math.nan
+        rows = []
+        for r in self.results:
+            stats = r.time_stats()
+            rows.append(
+                {
+                    "method": r.method,
+                    "cost": r.cost,
+                    "worst_cost": r.worst_cost,
+                    "cost_ratio": r.cost / ref_cost,
+                    "worst_ratio": r.worst_cost / ref_cost,
+                    "cost_delta_pct": 100 * (r.cost / ref_cost - 1),
+                    "time_mean_s": stats["mean"],
+                    "time_p50_s": stats["p50"],
+                    "time_p90_s": stats["p90"],
+                    "time_p95_s": stats["p95"],
+                    "time_p99_s": stats["p99"],
+                    "time_delta_pct": 100 * (stats["mean"] / ref_time - 1),
+                    "simulated_1f1b_s": r.simulated_1f1b,
+                    "num_stages": r.plan.num_stages if r.plan else None,
+                    "repeats": len(r.times),
+                    "error": r.error,
+                }
+            )
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(value: Any) -> Any:
+            if isinstance(value, float) and not math.isfinite(value):
+                return None
+            return value
+
+        return {
+            "reference": self.reference,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "num_layers": self.num_layers,
+            "num_devices": self.num_devices,
+            "num_microbatches": self.num_microbatches,
+            "methods": [{k: clean(v) for k, v in row.items()} for row in self.rows()],
+            "plans": {
+                r.method: r.plan.to_json() for r in self.results if r.plan is not None
+            },
+        }
+
+    def to_csv(self) -> str:
+        rows = self.rows()
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return out.getvalue()
+
+    def format_table(self) -> str:
+        """The table a user reads: cost vs DP, time vs DP, simulated 1F1B."""
+        header = (
+            f"{'method':<12} {'cost (s)':>11} {'x DP':>8} {'worst':>8} "
+            f"{'mean (s)':>9} {'p50':>8} {'p90':>8} {'p95':>8} {'p99':>8} "
+            f"{'time vs DP':>11} {'1F1B sim (s)':>12} {'stages':>6}"
+        )
+        lines = [header, "-" * len(header)]
+        for row in self.rows():
+            if row["error"]:
+                lines.append(f"{row['method']:<12} no plan: {row['error']}")
+                continue
+
+            def fmt(value: float, spec: str) -> str:
+                return format(value, spec) if math.isfinite(value) else "-"
+
+            delta = row["time_delta_pct"]
+            lines.append(
+                f"{row['method']:<12} {fmt(row['cost'], '11.5g')} "
+                f"{fmt(row['cost_ratio'], '8.4f')} {fmt(row['worst_ratio'], '8.4f')} "
+                f"{fmt(row['time_mean_s'], '9.4f')} {fmt(row['time_p50_s'], '8.4f')} "
+                f"{fmt(row['time_p90_s'], '8.4f')} {fmt(row['time_p95_s'], '8.4f')} "
+                f"{fmt(row['time_p99_s'], '8.4f')} "
+                f"{(fmt(delta, '+10.0f') + '%') if math.isfinite(delta) else '-':>11} "
+                f"{fmt(row['simulated_1f1b_s'], '12.5g')} {row['num_stages']:>6}"
+            )
+        lines.append(
+            f"{self.num_layers} layers, {self.num_devices} devices, "
+            f"B={self.num_microbatches}; {self.repeats} timed runs after "
+            f"{self.warmup} warm-up; ratios against '{self.reference}'."
+        )
+        return "\n".join(lines)
+
+
+def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
+    """The plan's simulated schedule (transfers included for placed plans)."""
+    if isinstance(plan, HeteroPlan):
+        forward, backward = split_latencies([s.latency for s in plan.stages])
+        transfer = [c / 2 for c in plan.transfers] or None
+        return simulate(
+            forward,
+            backward,
+            plan.num_microbatches,
+            schedule=schedule,
+            transfer=transfer,
+        )
+    return simulate_plan(problem, plan, schedule=schedule)
+
+
+def _simulated(problem: Problem, plan: Plan) -> float:
+    return float(simulate_schedule(problem, plan).iteration_time)
+
+
+def compare(
+    problem: Problem,
+    methods: Sequence[str] | None = None,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    reference: str = "dp",
+    progress_fn: Callable[[str, int, int], None] | None = None,
+) -> Comparison:
+    """Run every method on ``problem`` and measure it (module doc).
+
+    Args:
+        problem: the instance: a :class:`Problem` or a
+            :class:`pipedejavu.HeteroProblem`.
+        methods: names from ``pipedejavu.planning.solve.METHODS`` (or ``HETERO_METHODS``);
+            default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
+        repeats: timed runs per method (>= 1).
+        warmup: untimed runs first (>= 0).
+        seed: base seed of the stochastic methods.
+        options: per-method options passed to ``solve`` (e.g.
+            ``{"anneal": {"num_steps": 20000}}``).
+        reference: the method the ratios are taken against.
+        progress_fn: ``(method, run, total runs)`` before each run.
+
+    Returns:
+        A :class:`Comparison`. A method that finds no plan is reported with its
+        error, not raised.
+
+    Raises:
+        ProblemError: bad ``repeats``/``warmup``, unknown method or option.
+    """
+    hetero = isinstance(problem, HeteroProblem)
+    table = HETERO_METHODS if hetero else METHODS
+    if methods is None:
+        methods = DEFAULT_HETERO_METHODS if hetero else DEFAULT_METHODS
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ProblemError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ProblemError(f"warmup must be an integer >= 0, got {warmup!r}")
+    methods = list(dict.fromkeys(methods))
+    unknown = [m for m in methods if m not in table]
+    if unknown:
+        raise ProblemError(
+            f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(table)}"
+        )
+    options = dict(options or {})
+    for name in options:
+        if name not in methods:
+            raise ProblemError(f"options given for {name!r}, which is not compared")
+    results = []
+    for method in methods:
+        extra = dict(options.get(method, {}))
+        costs, times, best, error = [], [], None, None
+        total = warmup + repeats
+        for run in range(total):
+            if progress_fn is not None:
+                progress_fn(method, run, total)
+            call = dict(extra)
+            if method in _SEEDED and "seed" not in extra and "key" not in extra:
+                call["seed"] = seed + max(run - warmup, 0)
+            started = time.perf_counter()
+            try:
+                plan = solve(problem, method, **call)
+            except (InfeasibleProblemError, TimeoutError) as failure:
+                error = str(failure) or type(failure).__name__
+                break
+            elapsed = time.perf_counter() - started
+            if run < warmup:
+                continue
+            costs.append(plan.cost)
+            times.append(elapsed)
+            if best is None or plan.cost < best.cost:
+                best = plan
+        simulated = _simulated(problem, best) if best is not None else math.nan
+        results.append(
+            MethodResult(
+                method=method,
+                costs=tuple(costs),
+                times=tuple(times),
+                plan=best,
+                simulated_1f1b=simulated,
+                error=error,
+            )
+        )
+    return Comparison(
+        results=tuple(results),
+        reference=reference,
+        repeats=repeats,
+        warmup=warmup,
+        num_layers=problem.num_layers,
+        num_devices=problem.num_devices,
+        num_microbatches=problem.num_microbatches,
+    )

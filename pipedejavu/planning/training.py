@@ -1,0 +1,220 @@
+"""``plan_training``: the fastest Megatron/DeepSpeed plan for a model, a global
+batch and a pool of GPUs, with the proof and the flags to launch it.
+
+The search (:mod:`pipedejavu.search.megatron.planner`) compiles every (GPU type, mbs,
+dp, TP, GPUs) configuration into the project's planning model
+(:class:`pipedejavu.Problem` with ``stage_tail_cost``) and solves it with the
+exact DP (or the differentiable engine); the chosen plan is re-scored by the
+predictor (:func:`pipedejavu.costmodel.megatron.predictor.predict_plan`), whose time is
+the plan's ``iteration_time_s``. Heavy modules load inside the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+
+__all__ = ["TrainingPlan", "parse_gpu_pool", "plan_training"]
+
+_POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]*)\s*:\s*(\d+)\s*$")
+
+
+def parse_gpu_pool(items: Sequence[str]) -> dict[str, int]:
+    """``["GH-96:64", "RTX-3090:8"]`` -> ``{"GH-96": 64, "RTX-3090": 8}``.
+
+    Raises:
+        ProblemError: an item not of the form TYPE:COUNT with COUNT >= 1.
+    """
+    pool: dict[str, int] = {}
+    for item in items:
+        match = _POOL.match(item)
+        if not match or int(match.group(2)) < 1:
+            raise ProblemError(
+                f"--gpus must look like TYPE:COUNT with COUNT >= 1, e.g. GH-96:64; "
+                f"got {item!r}"
+            )
+        name, count = match.group(1), int(match.group(2))
+        pool[name] = pool.get(name, 0) + count
+    if not pool:
+        raise ProblemError("give at least one --gpus TYPE:COUNT")
+    return pool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainingPlan:
+    """A planned training run (see :func:`plan_training`).
+
+    Attributes:
+        plan: the plan (names its model; GPUs placed in Megatron's rank order).
+        prediction: the predictor's view (:class:`~pipedejavu.costmodel.megatron.predictor.
+            Prediction`); ``prediction.iteration_time_s`` is the plan's time.
+        objective_s: the plan's planning objective (closed-form pipeline;
+            ``nan`` for a plan mixing GPU types).
+        optimum_s: the least planning objective over the search space.
+        lower_bound_s: certified lower bound on it (equal for ``method="dp"``).
+        gap: ``optimum_s / lower_bound_s - 1``.
+        gpus_available: the pool.
+        search_time_s: wall-clock seconds of the search.
+        method: ``"dp"`` or ``"diff"``.
+        configurations, solved: search-space size and configurations solved.
+        predicted_lower_bound_s: certified lower bound on the predicted
+            iteration time of every plan of the search space that fits in
+            memory.
+        proven: the plan is the predictor's optimum over the search space
+            (brute-force agreement is tested on small settings).
+        mixed_types: the search space held plans whose stages run on
+            different GPU types (else one type per plan).
+    """
+
+    plan: Plan3D
+    prediction: Any
+    objective_s: float
+    optimum_s: float
+    lower_bound_s: float
+    gap: float
+    gpus_available: dict[str, int]
+    search_time_s: float
+    method: str
+    configurations: int
+    solved: int
+    predicted_lower_bound_s: float = float("nan")
+    proven: bool = False
+    mixed_types: bool = False
+
+    @property
+    def predicted_gap(self) -> float:
+        """Certified relative gap of the predicted time (``nan``: none)."""
+        if not self.predicted_lower_bound_s > 0:
+            return float("nan")
+        return self.iteration_time_s / self.predicted_lower_bound_s - 1.0
+
+    @property
+    def iteration_time_s(self) -> float:
+        return self.prediction.iteration_time_s
+
+    @property
+    def gpus_used(self) -> dict[str, int]:
+        return self.plan.gpus_by_type()
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan JSON (readable by ``pipedejavu predict`` as it is) plus the
+        prediction and the search's certificate."""
+        out = self.plan.to_json()
+        predicted = self.prediction.to_json()
+        used, available = self.gpus_used, self.gpus_available
+        out.update(
+            iteration_time_s=predicted["iteration_time_s"],
+            peak_memory_bytes=predicted["peak_memory_bytes"],
+            fits_memory=predicted["fits_memory"],
+            memory_per_stage_bytes=predicted["memory_per_stage_bytes"],
+            breakdown=predicted["breakdown"],
+            objective_s=_finite_or_none(self.objective_s),
+            optimum_s=self.optimum_s,
+            lower_bound_s=self.lower_bound_s,
+            gap=self.gap,
+            predicted_lower_bound_s=_finite_or_none(self.predicted_lower_bound_s),
+            predicted_gap=_finite_or_none(self.predicted_gap),
+            proven_optimal=self.proven,
+            mixed_types_searched=self.mixed_types,
+            method=self.method,
+            search_time_s=self.search_time_s,
+            configurations=self.configurations,
+            configurations_solved=self.solved,
+            gpus_available=available,
+            gpus_used=used,
+            fewer_gpus=sum(used.values()) < sum(available.values()),
+        )
+        return out
+
+
+def plan_training(
+    model: str,
+    gpus: Mapping[str, int] | Sequence[str],
+    global_batch: int,
+    *,
+    profiles: str | os.PathLike | None = None,
+    method: str = "dp",
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mbs_values: Sequence[int] | None = None,
+    constants: Any = None,
+    mixed_types: bool = False,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainingPlan:
+    """The fastest plan under the planning model, re-scored by the predictor.
+
+    Args:
+        model: the model's profile folder name, e.g. ``"OPT-350"``.
+        gpus: ``{type: count}`` or ``["GH-96:64", ...]``.
+        global_batch: samples per iteration.
+        profiles: a folder laid out like Sailor's data (``None``: bundled).
+        method: ``"dp"`` (exact) or ``"diff"`` (differentiable engine, with a
+            certified gap).
+        uniform_tp: one TP degree for all stages (what Megatron-LM, DeepSpeed and
+            torchtitan run); ``False`` allows a degree per stage.
+        allow_fewer_gpus: plans may leave GPUs idle when that is faster.
+        mbs_values: micro-batch sizes to consider (``None``: all profiled).
+        constants: predictor constants (``None``: the fitted ones).
+        mixed_types: plans may run stages on different GPU types of the pool
+            (searched by the proof under the predictor).
+        progress_fn: called with a dict as the search goes
+            (:func:`~pipedejavu.search.megatron.planner.search_megatron`).
+
+    Raises:
+        ProblemError: bad arguments, unknown model or GPU type.
+        InfeasibleProblemError: no plan fits; the message says why.
+    """
+    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+    from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+
+    pool = parse_gpu_pool(gpus) if not isinstance(gpus, Mapping) else dict(gpus)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int):
+        raise ProblemError(f"global batch must be an integer, got {global_batch!r}")
+    try:
+        config = MegatronSearchConfig(
+            uniform_tp=uniform_tp,
+            allow_fewer_gpus=allow_fewer_gpus,
+            mbs_values=None if mbs_values is None else tuple(mbs_values),
+            method=method,
+            mixed_types=mixed_types,
+        )
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
+    data = load_sailor_data(profiles)
+    result = search_megatron(
+        data,
+        model,
+        pool,
+        global_batch,
+        constants or FITTED_CONSTANTS,
+        config,
+        progress_fn=progress_fn,
+    )
+    return TrainingPlan(
+        plan=result.plan,
+        prediction=result.prediction,
+        objective_s=result.objective_s,
+        optimum_s=result.optimum_s,
+        lower_bound_s=result.lower_bound_s,
+        gap=result.gap,
+        gpus_available=pool,
+        search_time_s=result.search_time_s,
+        method=result.method,
+        configurations=result.configurations,
+        solved=result.solved,
+        predicted_lower_bound_s=result.predicted_lower_bound_s,
+        proven=result.proven,
+        mixed_types=mixed_types and len(pool) > 1,
+    )
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: ``None`` for a value that is not a number."""
+    return value if value == value else None

@@ -1,0 +1,109 @@
+"""A lower bound from the block relaxation R, refined by the cap branch and bound.
+
+R (:mod:`pipedejavu.search.hetero.dp`) admits every valid plan at its exact
+cost (it forgets only which hosts hold the blocks), and one lumped memory
+bucket only admits more stages, so ``S_R(c) <= S(c)`` for every cap ``c``.
+Every plan's bottleneck is one of the candidate caps
+(:func:`pipedejavu.search.hetero.units.candidate_caps`, all ``>=`` R's least
+bottleneck); a plan whose bottleneck is a solved cap ``c`` costs ``>=
+max(S_R(c) + (B - 1) c, B c)``, one whose bottleneck lies strictly between
+solved caps ``c_a < c_b`` costs ``>= max(S_R(c_b) + (B - 1) c_a', B c_a')``
+(``c_a'`` the next candidate; ``S_R`` does not increase with the cap), and one
+above the last solved cap costs ``>= B`` times the next candidate. The bound is
+the least of these pieces. :func:`pipedejavu.search.alpa.exact.search_caps` decides
+which caps to solve, pruning a piece once it reaches the best point bound so
+far, the incumbent or a plan found on the way: the piece holding the optimum's
+bottleneck is at most the optimum, so it is never pruned before it matters.
+
+**Plans on the way.** When R's optimal plan under a cap packs onto the hosts
+and obeys the memory rule (:mod:`pipedejavu.search.hetero.place`), it is a
+valid plan; ``plan_fn`` receives it (the engine keeps the best).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pipedejavu.core.hetero import make_hetero_plan
+from pipedejavu.search.alpa.caps import search_caps
+from pipedejavu.search.hetero.dp import Interrupted, solve_relaxed
+from pipedejavu.search.hetero.exact import memory_ok
+from pipedejavu.search.hetero.place import realize, stage_tuples
+from pipedejavu.search.hetero.units import build, candidate_caps
+
+__all__ = ["relaxed_bound"]
+
+
+def _cover(sums: dict[int, float], caps: np.ndarray, batches: int) -> float:
+    """The least bound over the pieces (module docstring)."""
+    bound = math.inf
+    for index, total in sums.items():
+        cap = float(caps[index])
+        bound = min(bound, max(total + (batches - 1) * cap, batches * cap))
+    solved = sorted(sums)
+    for low, high in zip([-1] + solved, solved + [caps.size], strict=True):
+        if high - low < 2:
+            continue
+        floor = float(caps[low + 1])
+        if high < caps.size:
+            piece = max(sums[high] + (batches - 1) * floor, batches * floor)
+        else:
+            piece = batches * floor
+        bound = min(bound, piece)
+    return bound
+
+
+def relaxed_bound(
+    problem,
+    *,
+    incumbent: float = math.inf,
+    deadline: float = math.inf,
+    plan_fn: Callable[[Any], None] | None = None,
+):
+    """A lower bound (s) on every valid plan; ``-inf`` when the deadline
+    passed before the first cap; ``inf`` when no plan exists. ``plan_fn``
+    receives every valid plan found on the way (a :class:`HeteroPlan`)."""
+    setup = build(problem)
+    best = [incumbent]
+
+    def offer(units) -> None:
+        if units is None or not memory_ok(setup, units):
+            return
+        placement = realize(problem, setup, units)
+        if placement is None:
+            return
+        plan = make_hetero_plan(
+            problem, stage_tuples(units), method="diff", placement=placement
+        )
+        best[0] = min(best[0], plan.cost)
+        if plan_fn is not None:
+            plan_fn(plan)
+
+    batches = problem.num_microbatches
+    try:
+        smallest = solve_relaxed(setup, math.inf, np.maximum, 1, deadline).value
+    except Interrupted:
+        return -math.inf
+    if not math.isfinite(smallest):
+        return math.inf
+    caps = candidate_caps(setup, smallest)
+    sums: dict[int, float] = {}
+
+    def solve_at(index: int) -> float:
+        cap = float(caps[index])
+        relaxed = solve_relaxed(setup, cap, np.add, 1, deadline)
+        total = sums[index] = relaxed.value
+        offer(relaxed.units)
+        best[0] = min(best[0], max(total + (batches - 1) * cap, batches * cap))
+        return total
+
+    try:
+        search_caps(caps, solve_at, lambda: best[0], batches)
+    except Interrupted:
+        if not sums:
+            return -math.inf
+    return min(_cover(sums, caps, batches), best[0])

@@ -1,0 +1,557 @@
+"""Search Megatron-style plans: mbs x dp x TP x GPUs outside, the exact DP inside.
+
+A configuration fixes the GPU type, the micro-batch size, the data-parallel
+degree ``dp`` (so ``B = gbs / (mbs dp)``, which must divide exactly, as Megatron
+and DeepSpeed require), the TP degree (one for every stage, or a set to choose
+from per stage) and the GPUs of one pipeline. Each configuration compiles into a
+:class:`pipedejavu.Problem` with ``stage_tail_cost``
+(:mod:`pipedejavu.costmodel.megatron.tables`), whose optimum the exact DP finds
+(:mod:`pipedejavu.search.alpa.tail`): the least ``sum c + (B - 1) max c + max tail``.
+
+Over configurations, a best-first branch and bound: every plan of a
+configuration costs at least ``B * W / G`` (``W``: the least GPU-seconds of
+all layers per micro-batch; ``G``: the pipeline's GPUs; its slowest stage
+carries at least its share of the work), so configurations are solved in
+increasing order of that bound and the search stops when the bound reaches the
+best plan found (with ``rescore_tolerance``: the best plan times ``1 +
+tolerance``). The result is the proven optimum of the planning objective over
+the search space. The configurations' optima within the tolerance are then
+re-scored by the predictor (the simulation), and the best predicted is chosen.
+Finally (``certify``) a branch and bound on the predictor itself
+(:mod:`pipedejavu.search.megatron.certify`) proves that plan the predictor's
+optimum over the whole search space, or replaces it by a better one it finds,
+or, when its prediction budget runs out, certifies a lower bound on the
+predicted time.
+
+Search space: stages of contiguous layers; per stage a TP degree that divides
+the GPUs of a node and has a profile entry at the mbs (one degree for all
+stages with ``uniform_tp``); ``dp`` replicas of every stage on GPUs of one type;
+``mbs`` from the profile; at most the GPUs available (fewer when that is
+faster; ``allow_fewer_gpus``). Pools of several GPU types: the plan uses one
+type (each type is searched, and the best kept; see :func:`search_megatron`),
+or with ``mixed_types`` a type per stage, searched by the proof's branch and
+bound only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
+from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
+from pipedejavu.costmodel.megatron.comm import p2p_time, ring_hops
+from pipedejavu.costmodel.megatron.constants import FLOAT_BYTES, PredictorConstants
+from pipedejavu.costmodel.megatron.predictor import (
+    Prediction,
+    predict_plan,
+    profiling_params,
+)
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import (
+    StageTables,
+    canonical_nodes,
+    compile_tables,
+    plan_from_stages,
+    ring_times,
+    usable_degrees,
+)
+from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
+
+__all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronSearchConfig:
+    """Static settings of :func:`search_megatron`.
+
+    Args:
+        uniform_tp: one TP degree for every stage (Megatron-LM, DeepSpeed and
+            torchtitan need it); ``False``: a degree per stage.
+        allow_fewer_gpus: also consider plans that leave GPUs idle.
+        mbs_values: micro-batch sizes to consider (``None``: every profiled one).
+        max_stages: most pipeline stages (``None``: the model's layers).
+        rescore_tolerance: re-score by the predictor every configuration optimum
+            within this fraction of the best planning objective.
+        method: ``"dp"`` (exact) or ``"diff"`` (the differentiable engine per
+            configuration, with its certified lower bound).
+        diff_configs: with ``"diff"``, after how many configurations with a plan
+            (best bound first) the engine stops; the bound of the first
+            configuration left enters the certified lower bound.
+        certify: prove the chosen plan (of either method) the predictor's
+            optimum (:mod:`pipedejavu.search.megatron.certify`; a better plan it
+            finds is chosen instead).
+        certify_max_plans: most predictor calls the proof may spend; beyond,
+            it certifies a lower bound on the predicted time instead (``None``:
+            3000, or 10000 with ``mixed_types``, whose plans have more stages
+            and whose proof needs more predictions: 3,600-5,000 on the RTX
+            cluster of the measured runs).
+        mixed_types: with several GPU types and ``uniform_tp``, also plans whose
+            stages run on different types (``dp`` replicas of one type per
+            stage); the proof's branch and bound searches them
+            (:mod:`pipedejavu.search.megatron.certify`), so it needs
+            ``certify``, and ``uniform_tp`` (a TP degree per stage together
+            with mixed types is not searched).
+    """
+
+    uniform_tp: bool = True
+    allow_fewer_gpus: bool = True
+    mbs_values: tuple[int, ...] | None = None
+    max_stages: int | None = None
+    rescore_tolerance: float = 0.02
+    method: str = "dp"
+    diff_configs: int = 8
+    certify: bool = True
+    certify_max_plans: int | None = None
+    mixed_types: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in ("dp", "diff"):
+            raise ValueError(f"method must be 'dp' or 'diff', got {self.method!r}")
+        if not (math.isfinite(self.rescore_tolerance) and self.rescore_tolerance >= 0):
+            raise ValueError(
+                f"rescore_tolerance must be >= 0, got {self.rescore_tolerance}"
+            )
+        if self.max_stages is not None and self.max_stages < 1:
+            raise ValueError(f"max_stages must be >= 1, got {self.max_stages}")
+        if self.diff_configs < 1:
+            raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
+        if self.mixed_types and not self.certify:
+            raise ValueError("mixed_types needs certify (the proof searches them)")
+        if self.mixed_types and not self.uniform_tp:
+            raise ValueError(
+                "mixed_types needs one TP degree for all stages (uniform_tp; "
+                "plans mixing GPU types and TP degrees are not searched)"
+            )
+        if self.certify_max_plans is not None and self.certify_max_plans < 0:
+            raise ValueError(
+                f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
+            )
+
+    @property
+    def proof_budget(self) -> int:
+        """``certify_max_plans``, its default filled in."""
+        if self.certify_max_plans is not None:
+            return self.certify_max_plans
+        return 10_000 if self.mixed_types else 3000
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MegatronSearchResult:
+    """The chosen plan and what is known about it.
+
+    Attributes:
+        plan: the chosen plan (canonically placed).
+        prediction: the predictor's view of it.
+        objective_s: its planning objective (closed form; ``nan`` for a plan
+            mixing GPU types).
+        optimum_s: the least planning objective found.
+        lower_bound_s: a certified lower bound on the planning objective over
+            the whole search space (``== optimum_s`` for the exact method).
+        gap: ``optimum_s / lower_bound_s - 1``.
+        configurations: configurations in the search space.
+        solved: configurations whose optimum was computed.
+        candidates: ``(plan, objective, predicted)`` of the re-scored optima.
+        search_time_s: wall-clock seconds (the proof included).
+        predicted_lower_bound_s: certified lower bound on the predicted time of
+            every plan of the search space that fits (``nan`` with
+            ``certify=False``).
+        proven: the plan is the predictor's optimum over the search space.
+        certificate: the proof's record
+            (:class:`~pipedejavu.search.megatron.certify.PredictedCertificate`),
+            or ``None``.
+    """
+
+    plan: Plan3D
+    prediction: Prediction
+    objective_s: float
+    optimum_s: float
+    lower_bound_s: float
+    gap: float
+    configurations: int
+    solved: int
+    candidates: tuple[tuple[Plan3D, float, float], ...]
+    search_time_s: float
+    method: str
+    predicted_lower_bound_s: float = math.nan
+    proven: bool = False
+    certificate: Any = None
+
+    @property
+    def predicted_gap(self) -> float:
+        """Certified relative gap of the predicted time (``nan``: none)."""
+        if not self.predicted_lower_bound_s > 0:
+            return math.nan
+        return self.prediction.iteration_time_s / self.predicted_lower_bound_s - 1
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Config:
+    bound: float
+    gpu: str = dataclasses.field(compare=False)
+    mbs: int = dataclasses.field(compare=False)
+    dp: int = dataclasses.field(compare=False)
+    tps: tuple[int, ...] = dataclasses.field(compare=False)
+    gpus: int = dataclasses.field(compare=False)
+
+
+def _configs(
+    data: SailorData,
+    model: str,
+    gpu: str,
+    count: int,
+    gbs: int,
+    constants: PredictorConstants,
+    config: MegatronSearchConfig,
+) -> list[_Config]:
+    info = data.model_info(model)
+    spec = data.gpu_spec(gpu)
+    table = data.profile(model, gpu)
+    max_stages = min(info.num_layers, config.max_stages or info.num_layers)
+    overhead = constants.op_overhead_s
+    cache: dict[tuple[int, int], list] = {}
+
+    def hops(tp: int, dp: int) -> list:
+        if (tp, dp) not in cache:
+            nodes = canonical_nodes([tp], dp, spec.gpus_per_node)[0]
+            replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
+            cache[(tp, dp)] = ring_hops(data.network, replicas, nodes) if dp > 1 else []
+        return cache[(tp, dp)]
+
+    least_output = min(float(v[:-1].min()) for v in info.act_output.values())
+
+    def boundary(mbs: int, tp: int, dp: int) -> float:
+        """The least blocking transfer a boundary costs each of its two stages
+        (twice: activation and gradient), as the tables price it."""
+        nbytes = least_output * FLOAT_BYTES * mbs
+        if nbytes / tp <= constants.buffered_message_bytes:
+            return 0.0
+        gpn = spec.gpus_per_node
+        replica = Replica(gpu, tp, zone=DEFAULT_ZONE)
+        concurrent = min(dp, max(gpn // tp, 1))
+        return min(
+            p2p_time(
+                data.network,
+                replica,
+                replica,
+                nbytes,
+                same_node=same,
+                concurrent=concurrent,
+            )
+            for same in (False, True)
+        )
+
+    mbs_all = sorted({m for m, _ in table})
+    if config.mbs_values is not None:
+        mbs_all = [m for m in mbs_all if m in config.mbs_values]
+    out = []
+    for mbs in mbs_all:
+        if gbs % mbs:
+            continue
+        tps = usable_degrees(data, model, gpu, mbs, count)
+        if not tps:
+            continue
+        layer, optimizer, total_params = {}, {}, {}
+        for t in tps:
+            times = data.layer_times(
+                model, gpu, mbs, t, smooth=constants.smooth_profiles
+            )
+            layer[t] = times.forward + times.backward
+            params = float(info.params[t].sum()) - info.tied_params(t)
+            total_params[t] = params
+            optimizer[t] = float(times.update[0]) * params / profiling_params(info, t)
+        work_all = np.min([t * layer[t] for t in tps], axis=0).sum()
+        for dp in range(1, count // min(tps) + 1):
+            if (gbs // mbs) % dp:
+                continue
+            budget = count // dp
+            steps = gbs // (mbs * dp)
+            tp_sets = [(t,) for t in tps] if config.uniform_tp else [tuple(tps)]
+            for tp_set in tp_sets:
+                small = min(tp_set)
+                largest = max_stages * max(tp_set)
+                low = small if config.allow_fewer_gpus else budget
+                for gpus in range(low, min(budget, largest) + 1):
+                    if config.uniform_tp and gpus % small:
+                        continue
+                    usable = tuple(t for t in tp_set if t <= gpus)
+                    if config.uniform_tp:
+                        # S = gpus / tp stages: sum c >= the layers' time plus
+                        # 2 S overheads, max c >= sum c / S, and the largest
+                        # optimizer step >= the average one.
+                        stages = gpus // small
+                        total = (
+                            float(layer[small].sum())
+                            + 2 * stages * overhead
+                            + 4 * (stages - 1) * boundary(mbs, small, dp)
+                        )
+                        bound = total * (stages + steps - 1) / stages
+                        bound = max(bound, steps * float(layer[small].max()))
+                        # The stage with the most parameters holds >= 1/S of
+                        # them; its all-reduce and step cost at least as much
+                        # as for exactly 1/S (ring time grows with bytes).
+                        share = total_params[small] / stages * FLOAT_BYTES
+                        bound += (
+                            optimizer[small] / stages
+                            + ring_times(hops(small, dp), dp, np.array([share]))[0]
+                        )
+                    else:
+                        # sum c >= the fastest layers' time, max c >= W / G.
+                        fastest = float(
+                            np.min([layer[t] for t in usable], axis=0).sum()
+                        )
+                        longest = float(np.min([layer[t].max() for t in usable]))
+                        share = max(work_all / gpus, longest)
+                        bound = max(fastest + (steps - 1) * share, steps * share)
+                    out.append(_Config(bound, gpu, mbs, dp, usable, gpus))
+    return out
+
+
+def _problem(tables: StageTables, tps: tuple[int, ...], gpus: int) -> Problem:
+    index = [tables.tps.index(t) for t in tps]
+    return Problem(
+        compute_cost=tables.compute_cost[:, :, index],
+        max_n_succ_stages=tables.max_n_succ_stages[:, :, index],
+        submesh_shapes=np.array([[1, t] for t in tps], dtype=np.int64),
+        cluster_shape=(1, gpus),
+        num_microbatches=tables.num_microbatches,
+        stage_tail_cost=tables.stage_tail_cost[:, :, index],
+    )
+
+
+def _solve_diff(problem: Problem, seed: int) -> tuple[float, list, float]:
+    """The engine on the tail-free problem; plus the tail of its plan.
+
+    Returns ``(objective, stages, certified lower bound)``.
+    """
+    import jax
+
+    from pipedejavu.search.engine.config import SearchConfig
+    from pipedejavu.search.engine.driver import search
+
+    tails = problem.stage_tail_cost
+    base = problem.replace(stage_tail_cost=None)
+    result = search(
+        base, SearchConfig(num_restarts=32, num_steps=200), key=jax.random.key(seed)
+    )
+    stages = [
+        (s.start, s.stop, s.submesh_index, s.config_index) for s in result.plan.stages
+    ]
+    tail = max(tails[a, b - 1, m, k] for a, b, m, k in stages)
+    finite = np.isfinite(problem.compute_cost)
+    least_tail = float(tails[finite].min()) if finite.any() else 0.0
+    return result.plan.cost + tail, stages, result.lower_bound + least_tail
+
+
+def search_megatron(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    config: MegatronSearchConfig | None = None,
+    *,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> MegatronSearchResult:
+    """The best plan for ``model`` on the GPU pool (module docstring).
+
+    Args:
+        data: profiles, sizes, links, GPU specs.
+        model: the model's profile name.
+        gpus: ``{gpu_type: count}``, the pool.
+        global_batch: samples per iteration (gbs).
+        constants: the predictor's constants.
+        config: settings (:class:`MegatronSearchConfig`).
+        progress_fn: called with a dict after each configuration solved
+            (``{"solved", "best", "bound"}``), then during the proof
+            (``{"phase": "proof", ...}``: :func:`~pipedejavu.search.
+            megatron_certify.certify_predicted`).
+
+    Raises:
+        ProblemError: unknown model or GPU type, bad counts.
+        InfeasibleProblemError: no plan fits (memory, divisibility); says why.
+    """
+    config = config or MegatronSearchConfig()
+    started = time.perf_counter()
+    if global_batch < 1:
+        raise ProblemError(f"global batch must be >= 1, got {global_batch}")
+    configs: list[_Config] = []
+    for gpu, count in gpus.items():
+        if count < 1:
+            raise ProblemError(f"{gpu}: the GPU count must be >= 1, got {count}")
+        if gpu not in data.gpu_types(model):
+            raise ProblemError(
+                f"no profile of model {model} on GPU type {gpu!r} (have: "
+                f"{', '.join(data.gpu_types(model))})"
+            )
+        configs += _configs(data, model, gpu, count, global_batch, constants, config)
+    if not configs:
+        raise InfeasibleProblemError(
+            f"no (mbs, dp, tp) divides the global batch {global_batch} with the "
+            f"profiled micro-batch sizes on {dict(gpus)}"
+        )
+    total = len(configs)
+    heapq.heapify(configs)
+    tables: dict[tuple, StageTables] = {}
+    found: list[tuple[float, _Config, list]] = []
+    best = math.inf
+    lower = math.inf  # least bound of what the search did not solve exactly
+    solved = 0
+    tolerance = 1.0 + config.rescore_tolerance
+    while configs:
+        item = heapq.heappop(configs)
+        limit = best * tolerance if config.method == "dp" else best
+        if item.bound >= limit or (
+            config.method == "diff" and len(found) >= config.diff_configs
+        ):
+            lower = min(lower, item.bound)
+            break
+        gpn = data.gpu_spec(item.gpu).gpus_per_node
+        one_node = item.dp * item.gpus <= gpn
+        key = (item.gpu, item.mbs, item.dp, one_node)
+        if key not in tables:
+            spec = data.gpu_spec(item.gpu)
+            tps = tuple(
+                t
+                for t in data.model_info(model).tp_values
+                if (item.mbs, t) in data.profile(model, item.gpu)
+                and spec.gpus_per_node % t == 0
+            )
+            tables[key] = compile_tables(
+                data,
+                model,
+                constants,
+                gpu_type=item.gpu,
+                mbs=item.mbs,
+                dp=item.dp,
+                num_microbatches=global_batch // (item.mbs * item.dp),
+                tps=tps,
+                zone=DEFAULT_ZONE,
+                pipeline_gpus=item.gpus if one_node else None,
+            )
+        try:
+            problem = _problem(tables[key], item.tps, item.gpus)
+        except ProblemError:  # the TP degrees cannot add up to these GPUs
+            continue
+        solved += 1
+        try:
+            if config.method == "dp":
+                value, stages, _ = cheaper_plan_with_tail(problem, limit)
+            else:
+                value, stages, bound = _solve_diff(problem, seed=solved)
+                lower = min(lower, max(bound, item.bound))
+        except InfeasibleProblemError:
+            continue
+        if stages is not None:
+            found.append((value, item, stages))
+            best = min(best, value)
+        if progress_fn is not None:
+            progress_fn({"solved": solved, "best": best, "bound": item.bound})
+    if not found:
+        raise InfeasibleProblemError(
+            f"no plan of {model} fits the memory of {dict(gpus)} with global batch "
+            f"{global_batch} (every configuration's stages exceed the GPU memory "
+            "or cannot be placed)"
+        )
+    if config.method == "dp":
+        lower = best  # exhausted: every configuration bound >= best, or solved
+    candidates = []
+    for value, item, stages in sorted(found, key=lambda x: x[0]):
+        if value > best * tolerance:
+            continue
+        spec = data.gpu_spec(item.gpu)
+        plan = plan_from_stages(
+            [(a, b, item.tps[m]) for a, b, m, _ in stages],
+            gpu_type=item.gpu,
+            dp=item.dp,
+            mbs=item.mbs,
+            gbs=global_batch,
+            model=model,
+            gpus_per_node=spec.gpus_per_node,
+            zone=DEFAULT_ZONE,
+        )
+        prediction = predict_plan(plan, data, constants=constants)
+        candidates.append((plan, value, prediction))
+    chosen = min(candidates, key=lambda c: (c[2].iteration_time_s, c[1]))
+    certificate = None
+    if config.certify:
+        from pipedejavu.search.megatron.certify import certify_predicted
+
+        certificate = certify_predicted(
+            data,
+            model,
+            gpus,
+            global_batch,
+            constants,
+            chosen[0],
+            uniform_tp=config.uniform_tp,
+            allow_fewer_gpus=config.allow_fewer_gpus,
+            mbs_values=config.mbs_values,
+            max_stages=config.max_stages,
+            max_plans=config.proof_budget,
+            mixed_types=config.mixed_types,
+            progress_fn=progress_fn,
+        )
+        if certificate.improved:
+            plan = certificate.plan
+            value = _objective(data, model, constants, plan)
+            chosen = (plan, value, certificate.prediction)
+            candidates.append(chosen)
+    return MegatronSearchResult(
+        plan=chosen[0],
+        prediction=chosen[2],
+        objective_s=chosen[1],
+        optimum_s=best,
+        lower_bound_s=min(lower, best),
+        gap=best / min(lower, best) - 1.0,
+        configurations=total,
+        solved=solved,
+        candidates=tuple((p, v, r.iteration_time_s) for p, v, r in candidates),
+        search_time_s=time.perf_counter() - started,
+        method=config.method,
+        predicted_lower_bound_s=(
+            math.nan if certificate is None else certificate.lower_bound_s
+        ),
+        proven=certificate is not None and certificate.proven,
+        certificate=certificate,
+    )
+
+
+def _objective(
+    data: SailorData, model: str, constants: PredictorConstants, plan: Plan3D
+) -> float:
+    """The planning objective of a canonically placed one-type plan, on the
+    search's tables (``nan`` for a plan mixing GPU types: no table prices it)."""
+    if len(plan.gpus_by_type()) > 1:
+        return math.nan
+    gpu = plan.stages[0].replicas[0].gpu_type
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    degrees = [stage.replicas[0].tp for stage in plan.stages]
+    one_node = plan.dp * sum(degrees) <= gpn
+    tps = tuple(sorted(set(degrees)))
+    tables = compile_tables(
+        data,
+        model,
+        constants,
+        gpu_type=gpu,
+        mbs=plan.mbs,
+        dp=plan.dp,
+        num_microbatches=plan.num_microbatches,
+        tps=tps,
+        zone=DEFAULT_ZONE,
+        pipeline_gpus=sum(degrees) if one_node else None,
+    )
+    spans = [
+        (stage.start, stage.stop - 1, tps.index(stage.replicas[0].tp))
+        for stage in plan.stages
+    ]
+    costs = [tables.compute_cost[a, b, m, 0] for a, b, m in spans]
+    tails = [tables.stage_tail_cost[a, b, m, 0] for a, b, m in spans]
+    steps = plan.num_microbatches
+    return float(math.fsum(costs) + (steps - 1) * max(costs) + max(tails))
