@@ -1,7 +1,8 @@
 """How the exact DP scales, side by side with our cap scan and Alpa's own scan.
 
 ``--suite grid`` (default): generated GPT-like instances
-(``pipedejavu.costmodel.stage.generate.random_problem``) with L in {16, 32, 64, 128} layers on
+(``pipedejavu.costmodel.stage.generate.random_problem``) with L in {16, 32, 64, 128}
+layers on
 D in {8, 16, 32, 64} devices (1x8 .. 8x8, power_of_two submeshes, 2 configs,
 B = 32), with memory unlimited and tight. Per instance: the distinct stage
 costs (Alpa's candidate caps), the exact DP's wall time (the default label
@@ -63,7 +64,8 @@ def memory_tight_problem(
     """A GPT-like instance whose memory limits bind hard and whose optimum
     needs many stages (about 8-16 at L = 128 on 64 devices).
 
-    Costs are :func:`pipedejavu.costmodel.stage.generate.random_problem`'s. Memory per device of
+    Costs are :func:`pipedejavu.costmodel.stage.generate.random_problem`'s. Memory per
+    device of
     a stage of layers ``i..j`` on ``n`` devices with config ``k``: parameters
     ``P(i..j) / n^(1 - k / K)`` (config 0 shards them over all ``n`` devices,
     higher configs over fewer, as data parallelism replicates them) plus

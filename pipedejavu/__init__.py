@@ -31,6 +31,7 @@ from pipedejavu.planning.inputs import load_example as load_example
 from pipedejavu.planning.inputs import load_plan as load_plan
 from pipedejavu.planning.inputs import load_problem as load_problem
 from pipedejavu.planning.solve import solve as solve
+from pipedejavu.planning.training import plan_training as plan_training
 from pipedejavu.simulation.simulate import simulate as simulate
 from pipedejavu.simulation.simulate import simulate_plan as simulate_plan
 
@@ -59,6 +60,7 @@ __all__ = [
     "load_plan",
     "load_problem",
     "make_plan",
+    "plan_training",
     "simulate",
     "simulate_plan",
     "solve",

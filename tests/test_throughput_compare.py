@@ -1,4 +1,5 @@
-"""Pollux's throughput model against our predictor (pipedejavu.planning.throughput_compare)."""
+"""Pollux's throughput model against our predictor
+(pipedejavu.planning.throughput_compare)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``pipedejavu`` command line: one module per command group; thin (parse, call, print)."""
+"""The ``pipedejavu`` command line: a module per command group (parse, call, print)."""
 
 from pipedejavu.cli.main import main as main
 

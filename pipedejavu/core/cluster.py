@@ -6,7 +6,8 @@ free links. This module says what the devices are and what moving bytes costs:
 * every host holds ``devices_per_host`` devices of one :class:`DeviceType`
   (a relative ``speed``: stage latency on it is the reference latency divided by
   ``speed``; and ``memory_bytes`` per device, which
-  :mod:`pipedejavu.costmodel.stage.hetero_generate` sizes each type's memory limits with; a
+  :mod:`pipedejavu.costmodel.stage.hetero_generate` sizes each type's memory limits
+  with; a
   problem read from a file carries its own profiled memory rule instead);
 * a :class:`Link` per device type for transfers inside a host, and one per pair
   of types for transfers between hosts (symmetric);

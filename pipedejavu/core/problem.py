@@ -1,6 +1,7 @@
 """The vocabulary: a stage-construction problem, a plan, and its exact objective.
 
-Besides its own helpers (:mod:`pipedejavu.core.errors`, :mod:`pipedejavu.core.validation`,
+Besides its own helpers (:mod:`pipedejavu.core.errors`,
+:mod:`pipedejavu.core.validation`,
 :mod:`pipedejavu.core.npzfile`) this module imports nothing of the project; every
 other package builds on it.
 

@@ -54,7 +54,8 @@ _P = TypeVar("_P", bound="StageTableSizes")
 class StageTableSizes:
     """Sizes read off the stage table ``compute_cost[i, j, m, k(, t)]`` and the
     ``submesh_shapes`` of a (frozen dataclass) problem; one definition serves
-    :class:`~pipedejavu.core.problem.Problem` and :class:`~pipedejavu.core.hetero.HeteroProblem`.
+    :class:`~pipedejavu.core.problem.Problem` and
+    :class:`~pipedejavu.core.hetero.HeteroProblem`.
     """
 
     compute_cost: NDArray[np.float64]

@@ -228,7 +228,8 @@ def compare(
     Args:
         problem: the instance: a :class:`Problem` or a
             :class:`pipedejavu.HeteroProblem`.
-        methods: names from ``pipedejavu.planning.solve.METHODS`` (or ``HETERO_METHODS``);
+        methods: names from ``pipedejavu.planning.solve.METHODS`` (or
+        ``HETERO_METHODS``);
             default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
         repeats: timed runs per method (>= 1).
         warmup: untimed runs first (>= 0).

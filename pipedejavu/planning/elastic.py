@@ -1,6 +1,7 @@
 """Elastic mode: plans for every GPU count of an elastic job, and one global batch.
 
-An elastic job (DeepSpeed's elasticity, :mod:`pipedejavu.planning.deepspeed_elastic`) may get any
+An elastic job (DeepSpeed's elasticity, :mod:`pipedejavu.planning.deepspeed_elastic`)
+may get any
 GPU count in a range. Each count has its own best plan and best global batch
 (:func:`~pipedejavu.planning.batch.plan_goodput`: largest goodput, or largest
 throughput without gradient statistics). But the job keeps one global batch
@@ -20,7 +21,8 @@ maximum batch, the GPU range, the GPUs per node and the model-parallel size.
 3. every count planned at each ``B_mp`` (:func:`~pipedejavu.planning.training.
    plan_training`); each plan is checked against DeepSpeed's rule with its own
    model-parallel size (TP x pipeline stages) on the GPUs it uses
-   (:func:`~pipedejavu.planning.deepspeed_elastic.is_valid_world_size`) and must fit in memory;
+   (:func:`~pipedejavu.planning.deepspeed_elastic.is_valid_world_size`) and must fit in
+   memory;
 4. the common batch is the ``B_mp`` valid for the most counts (all, when one
    is), then of largest mean goodput ratio to the per-count best; its *price*
    is ``1 -`` that ratio (mean and worst count). Counts it is not valid for are

@@ -268,7 +268,8 @@ def _generated(name: str) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
 
 _GENERATED: dict[str, str] = {
     GENERATED_EXAMPLE: "generated GPT-like model, 32 layers, 2x8 cluster, "
-    "power_of_two submeshes, 2 configs, B = 32 (pipedejavu.costmodel.stage.generate.random_problem)",
+    "power_of_two submeshes, 2 configs, B = 32 "
+    "(pipedejavu.costmodel.stage.generate.random_problem)",
     GPT_4X8_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, 4x8 A100-class "
     "devices (40 GB), 2 configs, B = 32, 16.8 MB activations per boundary "
     "(pipedejavu.costmodel.stage.hetero_generate); give it a 4x8 cluster file",

@@ -2,8 +2,10 @@
 
 :func:`plan_regret` draws a fraction of the profiled entries
 (:func:`pipedejavu.costmodel.stage.predict.predict_stage_costs`), solves the planner's
-view of the problem (:func:`pipedejavu.costmodel.stage.predict.planning_problem`) exactly with
-:func:`pipedejavu.search.alpa.exact.exact_dp`, re-evaluates that plan on the true table and
+view of the problem (:func:`pipedejavu.costmodel.stage.predict.planning_problem`)
+exactly with
+:func:`pipedejavu.search.alpa.exact.exact_dp`, re-evaluates that plan on the true table
+and
 compares it with the true optimum: ``regret = cost_on_true / optimum - 1``. A
 plan that uses a stage the true table has as ``inf``, or breaks a true memory
 limit, is a *failure*: counted, never folded into the regret. A true problem
@@ -311,7 +313,8 @@ def predictor_report(
         seeds: seeds of the draws (one run per fraction and seed).
         support, refine, config: see :func:`plan_regret`.
         memory_stats: memory statistics for a ``Problem`` source (e.g.
-            :func:`pipedejavu.costmodel.stage.memory_model.synthetic_memory_stats`); stage
+            :func:`pipedejavu.costmodel.stage.memory_model.synthetic_memory_stats`);
+            stage
             profiles bring their own.
         cluster_shape, num_microbatches, submesh_space: for stage profiles.
         name: the instance's name in the report; default the path or

@@ -52,8 +52,9 @@ class TrainingPlan:
 
     Attributes:
         plan: the plan (names its model; GPUs placed in Megatron's rank order).
-        prediction: the predictor's view (:class:`~pipedejavu.costmodel.megatron.predictor.
-            Prediction`); ``prediction.iteration_time_s`` is the plan's time.
+        prediction: the predictor's view
+            (:class:`~pipedejavu.costmodel.megatron.predictor.Prediction`);
+            ``prediction.iteration_time_s`` is the plan's time.
         objective_s: the plan's planning objective (closed-form pipeline;
             ``nan`` for a plan mixing GPU types).
         optimum_s: the least planning objective over the search space.

@@ -117,7 +117,8 @@ def run_deepspeed(
     Returns:
         ``(orders, grids)``: per stage its compute order (see
         :func:`compute_order`) and the eight ``[S][B]`` / ``[S - 1][B]`` grids of
-        :mod:`pipedejavu.simulation.schedules` (transfers recorded even when they take 0 s).
+        :mod:`pipedejavu.simulation.schedules` (transfers recorded even when they take
+        0 s).
     """
     count = num_microbatches
     num_stages = len(forward)

@@ -1,4 +1,5 @@
-"""The run loops of :func:`pipedejavu.simulation.simulate.simulate`: one iteration's schedule.
+"""The run loops of :func:`pipedejavu.simulation.simulate.simulate`: one iteration's
+schedule.
 
 Both take per-stage op orders from :func:`command_order` (op code ``b`` is ``F(s, b)``,
 ``B + b`` is ``B(s, b)``) and return eight grids of seconds, lists of

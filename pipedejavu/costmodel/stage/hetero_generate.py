@@ -9,7 +9,8 @@ The model is stated in full so that the numbers can be checked by hand:
   embedding / head. A layer's seconds on the reference device are its flops
   over ``reference_tflops``. Stage costs (how a span of layers speeds up on a
   submesh of ``n`` devices, configs, overheads, noise) come from
-  :func:`pipedejavu.costmodel.stage.generate.random_problem`'s model, scaled to these seconds.
+  :func:`pipedejavu.costmodel.stage.generate.random_problem`'s model, scaled to these
+  seconds.
 * **Device types.** Type ``t`` runs a stage ``1 / speed_t`` times as long as the
   reference, times an independent ``1 +- type_noise`` per entry (each type is
   profiled separately).
@@ -343,7 +344,8 @@ def hetero_problem(
         submesh_space, num_configs: Alpa's submesh space and config slots.
         reference_tflops: sustained flop rate of the reference (speed 1) device,
             in teraflops (150 ~ an A100 at half of its bf16 peak).
-        irregularity, noise: as in :func:`pipedejavu.costmodel.stage.generate.random_problem`.
+        irregularity, noise: as in
+        :func:`pipedejavu.costmodel.stage.generate.random_problem`.
         type_noise: independent relative noise per type and entry.
         usable_memory_fraction: share of device memory the stages may use.
 

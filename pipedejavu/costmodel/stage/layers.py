@@ -2,7 +2,8 @@
 
 A model is a sequence of :class:`LayerSpec` (Alpa's clustered layers, in pipeline
 order). Each layer states, per micro-batch, the work and the bytes a stage cost
-model needs; :mod:`pipedejavu.costmodel.stage.synthesis` turns a list into Alpa's tables.
+model needs; :mod:`pipedejavu.costmodel.stage.synthesis` turns a list into Alpa's
+tables.
 
 Units: FLOPs (multiply and add counted as 2), bytes. All quantities are for one
 whole micro-batch and the whole (unsharded) layer; the cost model divides them by

@@ -308,7 +308,8 @@ def predict_stage_costs(
         fraction: share of them to draw, in ``(0, 1]`` (see :func:`profile_subset`).
         seed: seed of the draw.
         memory_stats: the profiled memory statistics (e.g.
-            :func:`pipedejavu.costmodel.stage.memory_model.memory_stats_table`); ``None``: no
+            :func:`pipedejavu.costmodel.stage.memory_model.memory_stats_table`);
+            ``None``: no
             memory model.
         config: how the entries are drawn (:class:`SubsetConfig`; default
             ``SubsetConfig()``).
