@@ -17,6 +17,10 @@ from pathlib import Path
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_bytes, read_json
+from pipedejavu.planning.deepspeed_elastic import (
+    ElasticityError,
+    compute_elastic_config,
+)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 MAX_CSV_BYTES = 64 * 1024 * 1024
@@ -314,10 +318,6 @@ def _run_optimize(args: argparse.Namespace) -> None:
 
 
 def _run_elastic(args: argparse.Namespace) -> None:
-    from pipedejavu.planning.deepspeed_elastic import (
-        ElasticityError,
-        compute_elastic_config,
-    )
 
     path = args.config
     try:

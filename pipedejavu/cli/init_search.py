@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipedejavu.core.problem import ProblemError
+
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 # Settings whose error messages start with their field name.
 _OPTION_FIELDS = {
@@ -130,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
             return _fail("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
     import jax
 
-    from pipedejavu.core.problem import ProblemError
     from pipedejavu.init_search import (
         InitSearchConfig,
         TrainConfig,

@@ -11,8 +11,17 @@ import json
 import warnings
 from typing import Any
 
+from pipedejavu.cli.batch import (
+    add_plan_options,  # goodput and elastic modes
+    run_batch_modes,
+)
 from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.io.exports import export_plan
+from pipedejavu.io.sailor_plan import load_plan3d
+from pipedejavu.planning.training import plan_training
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -92,20 +101,16 @@ def add_parsers(commands: Any) -> None:
         help="also print the plan for this framework",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
-    from pipedejavu.cli.batch import add_plan_options  # goodput and elastic modes
 
     add_plan_options(plan)
 
 
 def _data(directory: str | None):
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 
     return load_sailor_data(directory)
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from pipedejavu.costmodel.megatron.predictor import predict_plan
-    from pipedejavu.io.sailor_plan import load_plan3d
 
     plan, _ = load_plan3d(args.plan, model=args.model)
     if plan.model is None:
@@ -164,10 +169,6 @@ class _PlanProgress:
 
 def _plan(args: argparse.Namespace) -> int:
     import sys
-
-    from pipedejavu.cli.batch import run_batch_modes
-    from pipedejavu.io.exports import export_plan
-    from pipedejavu.planning.training import plan_training
 
     handled = run_batch_modes(args)  # goodput or elastic mode
     if handled is not None:

@@ -46,6 +46,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.training import TrainingPlan, parse_gpu_pool, plan_training
 
 __all__ = [
@@ -203,8 +205,6 @@ def throughput_upper_bound(
     Returns:
         f64[len(batches)] samples per second.
     """
-    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 
     pool = parse_gpu_pool(gpus) if not isinstance(gpus, Mapping) else dict(gpus)
     data = load_sailor_data(profiles)

@@ -41,7 +41,11 @@ from typing import Any
 import numpy as np
 
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.planning import deepspeed_elastic as elastic
 from pipedejavu.planning.batch import GoodputPlan, efficiency, plan_goodput
+from pipedejavu.planning.deepspeed_elastic import is_valid_world_size
+from pipedejavu.planning.training import plan_training
 
 __all__ = [
     "CommonBatch",
@@ -234,7 +238,6 @@ def _deepspeed_batch(
     Only micro-batch sizes that fit a node's share of the maximum batch are
     given (DeepSpeed rejects the others).
     """
-    from pipedejavu.planning import deepspeed_elastic as elastic
 
     usable = [m for m in mbs if m <= max_batch // max(gpn // mp, 1)]
     if not usable:
@@ -298,9 +301,6 @@ def plan_elastic(
     Raises:
         ProblemError: bad arguments; InfeasibleProblemError: a count has no plan.
     """
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-    from pipedejavu.planning.deepspeed_elastic import is_valid_world_size
-    from pipedejavu.planning.training import plan_training
 
     data = load_sailor_data(profiles)
     gpn = data.gpu_spec(gpu_type).gpus_per_node

@@ -18,6 +18,7 @@ from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.problem import Plan, Problem
 from pipedejavu.planning.inputs import load_problem
 from pipedejavu.search.alpa.exact import exact_dp
+from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.hetero.exact import hetero_exact
 
 __all__ = ["HETERO_METHODS", "METHODS", "solve"]
@@ -49,7 +50,6 @@ def _diff(
 ) -> Plan:
     import jax  # the engine needs JAX; `import pipedejavu` does not
 
-    from pipedejavu.search.engine.config import SearchConfig
     from pipedejavu.search.engine.driver import differentiable
 
     config = config or SearchConfig()

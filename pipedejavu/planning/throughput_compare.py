@@ -26,7 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from pipedejavu.core.plan3d import DEFAULT_ZONE
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
 
 __all__ = ["balanced_stages", "heldout_errors", "predictor_observations"]
 
@@ -62,10 +66,6 @@ def predictor_observations(
         ``microbatches``, ``accum_step_time``, ``optim_step_time``,
         ``iteration_s`` (seconds) and the plan's ``model`` and ``stages``.
     """
-    from pipedejavu.core.plan3d import DEFAULT_ZONE
-    from pipedejavu.costmodel.megatron.predictor import predict_plan
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-    from pipedejavu.costmodel.megatron.tables import plan_from_stages
 
     data = load_sailor_data() if data is None else data
     layers = data.model_info(model).num_layers

@@ -19,6 +19,9 @@ from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 
 __all__ = ["TrainingPlan", "parse_gpu_pool", "plan_training"]
 
@@ -171,9 +174,6 @@ def plan_training(
         ProblemError: bad arguments, unknown model or GPU type.
         InfeasibleProblemError: no plan fits; the message says why.
     """
-    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-    from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 
     pool = parse_gpu_pool(gpus) if not isinstance(gpus, Mapping) else dict(gpus)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int):

@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 from pipedejavu.core.hetero import HeteroProblem, hetero_objective
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.search.alpa.caps import search_caps
+from pipedejavu.search.hetero.exact import hetero_exact
 
 __all__ = [
     "Placement",
@@ -128,7 +129,6 @@ def assign(
         ``(cost, stages, placement)`` of the optimal plan with these boundaries,
         or ``(incumbent, None, None)`` when none is cheaper (or none exists).
     """
-    from pipedejavu.search.hetero.exact import hetero_exact
 
     bounds = [int(b) for b in boundaries]
     mask = np.zeros((problem.num_layers,) * 2, dtype=bool)

@@ -101,8 +101,9 @@ import numpy as np
 
 from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.problem import Problem, ProblemError
-from pipedejavu.search.engine.bounds import fewest_stages
+from pipedejavu.search.engine.bounds import fewest_stages, lower_bound
 from pipedejavu.search.hetero.assign import links
+from pipedejavu.search.hetero.rbound import relaxed_bound
 
 __all__ = ["hetero_lower_bound"]
 
@@ -398,7 +399,6 @@ def _dual_bound(
 
 def _homogeneous_bound(problem: HeteroProblem) -> float:
     """:func:`pipedejavu.search.engine.bounds.lower_bound` of the homogeneous relaxation."""
-    from pipedejavu.search.engine.bounds import lower_bound
 
     try:
         relaxed = Problem(
@@ -539,6 +539,5 @@ def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
         cells *= count + 1
     if cells > max_cells or time.perf_counter() > deadline:
         return -math.inf
-    from pipedejavu.search.hetero.rbound import relaxed_bound
 
     return relaxed_bound(problem, incumbent=ceiling, deadline=deadline, plan_fn=plan_fn)

@@ -52,7 +52,7 @@ from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.engine.restarts import compiled_chunk, geometric, shard
-from pipedejavu.search.hetero.assign import assign, split
+from pipedejavu.search.hetero.assign import assign, links, split
 from pipedejavu.search.hetero.bounds import hetero_lower_bound
 from pipedejavu.search.hetero.polish import exact_polish, local_search
 from pipedejavu.search.hetero.relax import (
@@ -61,6 +61,7 @@ from pipedejavu.search.hetero.relax import (
     Temperatures,
     hetero_relaxed_loss,
 )
+from pipedejavu.search.hetero.units import build
 
 __all__ = ["HeteroSearchConfig", "hetero_search"]
 
@@ -134,7 +135,6 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
             intercept.append(float(model.intercept[m, k]))
     # Whole-host stages over several types: the slowest type's model, devices
     # shared by the composition.
-    from pipedejavu.search.hetero.units import build
 
     for unit in build(problem).wholes:
         if len(unit.present) < 2:
@@ -162,7 +162,6 @@ def _prepare(problem: HeteroProblem) -> tuple[HeteroRelaxedProblem | None, int]:
     for index, (m, _, share) in enumerate(slots):
         devices[index] = problem.submesh_sizes[m]
         types[index] = share
-    from pipedejavu.search.hetero.assign import links
 
     intra_latency, intra_bandwidth, inter_latency, inter_bandwidth = links(problem)
     sent = np.zeros(max(num_layers - 1, 1))

@@ -40,6 +40,7 @@ from pipedejavu.search.hetero.assign import (
     quick_cost,
     split,
 )
+from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
 __all__ = ["exact_polish", "local_search"]
 
@@ -245,7 +246,6 @@ def local_search(
 def _exact_window(problem, boundaries, window, incumbent, time_limit):
     """The exact DP on spans near the boundaries and stage midpoints: the best
     plan there if cheaper than ``incumbent``, and whether the DP finished."""
-    from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
     allowed = neighbourhood(boundaries, problem.num_layers, window)
     finished = True
