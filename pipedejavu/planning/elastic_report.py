@@ -1,13 +1,9 @@
-"""The text table and the plot of elastic mode (:mod:`.elastic_planning`)."""
+"""The text table and the plot of elastic mode (:mod:`pipedejavu.planning.elastic`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipedejavu.core.problem import ProblemError
-
-if TYPE_CHECKING:
-    from pipedejavu.planning.elastic import CommonBatch, ElasticPlan
+from pipedejavu.planning.elastic import CommonBatch, ElasticPlan
 
 __all__ = ["format_elastic", "plot_elastic"]
 

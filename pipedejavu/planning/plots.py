@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pipedejavu.simulation.simulate import SimulationResult
+from pipedejavu.simulation.simulate import SimulationResult
 
 __all__ = ["plot_anytime", "plot_gantt", "plot_loss_curve", "plot_ratios"]
 

@@ -398,7 +398,8 @@ def _dual_bound(
 
 
 def _homogeneous_bound(problem: HeteroProblem) -> float:
-    """:func:`pipedejavu.search.engine.bounds.lower_bound` of the homogeneous relaxation."""
+    """:func:`pipedejavu.search.engine.bounds.lower_bound` of the homogeneous
+    relaxation."""
 
     try:
         relaxed = Problem(

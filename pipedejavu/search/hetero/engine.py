@@ -54,6 +54,7 @@ from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.engine.restarts import compiled_chunk, geometric, shard
 from pipedejavu.search.hetero.assign import assign, links, split
 from pipedejavu.search.hetero.bounds import hetero_lower_bound
+from pipedejavu.search.hetero.exact import explain_infeasible
 from pipedejavu.search.hetero.polish import exact_polish, local_search
 from pipedejavu.search.hetero.relax import (
     HeteroRelaxedParams,
@@ -410,8 +411,6 @@ def hetero_search(
             time_limit_s=config.exact_time_limit_s,
         )
         if stages is None:
-            from pipedejavu.search.hetero.exact import explain_infeasible
-
             raise InfeasibleProblemError(explain_infeasible(problem))
         found = [[cost, candidates[0][0], candidates[0][1], stages, placement]]
         record(cost)
