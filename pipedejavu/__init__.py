@@ -10,9 +10,9 @@ from pipedejavu.core.cluster import DeviceType as DeviceType
 from pipedejavu.core.cluster import Link as Link
 from pipedejavu.core.hetero import HeteroPlan as HeteroPlan
 from pipedejavu.core.hetero import HeteroProblem as HeteroProblem
-from pipedejavu.core.hetero import LayerMemory as LayerMemory
-from pipedejavu.core.hetero import check_hetero_plan as check_hetero_plan
-from pipedejavu.core.hetero import evaluate_hetero as evaluate_hetero
+from pipedejavu.core.hetero_rules import check_hetero_plan as check_hetero_plan
+from pipedejavu.core.hetero_rules import evaluate_hetero as evaluate_hetero
+from pipedejavu.core.layer_memory import LayerMemory as LayerMemory
 from pipedejavu.core.problem import InfeasibleProblemError as InfeasibleProblemError
 from pipedejavu.core.problem import Plan as Plan
 from pipedejavu.core.problem import PlanError as PlanError

@@ -19,7 +19,8 @@ from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.formatting import format_inspection, format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, evaluate_hetero
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import evaluate_hetero
 from pipedejavu.core.npzfile import npz_output_path
 from pipedejavu.core.problem import SUBMESH_SPACES, Problem, evaluate
 from pipedejavu.core.validation import MAX_MICROBATCHES
