@@ -23,7 +23,7 @@ class LayerMemory:
 
     Alpa's rule on a device of ``capacity`` bytes, for a stage on layers
     ``i..j`` over ``n`` devices (the rule of
-    :func:`pipedejavu.costmodel.profiling.profiler.problem_from_layer_profile`)::
+    :func:`pipedejavu.costmodel.profiling.layer_problem.problem_from_layer_profile`)::
 
         max_n_succ_stages = floor((capacity - weight_factor * params) /
                                   (stash / n)) - 1
