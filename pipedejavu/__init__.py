@@ -31,6 +31,9 @@ from pipedejavu.planning.inputs import load_example as load_example
 from pipedejavu.planning.inputs import load_plan as load_plan
 from pipedejavu.planning.inputs import load_problem as load_problem
 from pipedejavu.planning.solve import solve as solve
+from pipedejavu.search.engine.compile_cache import (
+    enable_compilation_cache as enable_compilation_cache,
+)
 from pipedejavu.simulation.simulate import simulate as simulate
 from pipedejavu.simulation.simulate import simulate_plan as simulate_plan
 
@@ -51,6 +54,7 @@ __all__ = [
     "check_hetero_plan",
     "check_plan",
     "compare",
+    "enable_compilation_cache",
     "evaluate",
     "evaluate_hetero",
     "get_submesh_choices",

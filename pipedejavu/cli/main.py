@@ -32,6 +32,7 @@ from pipedejavu.planning.inputs import (
     parse_cluster,
 )
 from pipedejavu.planning.solve import solve
+from pipedejavu.search.engine.compile_cache import enable_compilation_cache
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
 
@@ -514,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop.code == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT
         raise
+    # The one place the persistent compilation cache is switched on by us
+    # ($PIPEDEJAVU_CACHE_DIR, "off" to keep it off; a cache the user set wins).
+    enable_compilation_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = _show_warning
