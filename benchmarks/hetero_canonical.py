@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.search.hetero.exact import HeteroTimeoutError
 from pipedejavu.search.hetero.units import span_mask

@@ -54,7 +54,8 @@ from hetero_canonical import CanonicalTimeoutError, canonical_exact  # noqa: I00
 
 from pipedejavu.baselines.hetero import alpa_homogeneous
 from pipedejavu.core.cluster import Cluster, DeviceType, Link
-from pipedejavu.core.hetero import HeteroProblem, evaluate_hetero
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import evaluate_hetero
 from pipedejavu.core.problem import InfeasibleProblemError, get_submesh_choices
 from pipedejavu.costmodel.stage.hetero_generate import (
     hetero_problem,

@@ -36,13 +36,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pipedejavu.costmodel.profiling.profiler import (
-    MODEL_NAMES,
-    LayerProfile,
+from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES, gpt_config
+from pipedejavu.costmodel.profiling.profiler import LayerProfile, profile_model
+from pipedejavu.costmodel.profiling.stage_overhead import (
     fit_stage_overhead,
-    gpt_config,
     predict_span_time,
-    profile_model,
 )
 
 TARGET = 0.15

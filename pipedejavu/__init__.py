@@ -10,9 +10,9 @@ from pipedejavu.core.cluster import DeviceType as DeviceType
 from pipedejavu.core.cluster import Link as Link
 from pipedejavu.core.hetero import HeteroPlan as HeteroPlan
 from pipedejavu.core.hetero import HeteroProblem as HeteroProblem
-from pipedejavu.core.hetero import LayerMemory as LayerMemory
-from pipedejavu.core.hetero import check_hetero_plan as check_hetero_plan
-from pipedejavu.core.hetero import evaluate_hetero as evaluate_hetero
+from pipedejavu.core.hetero_rules import check_hetero_plan as check_hetero_plan
+from pipedejavu.core.hetero_rules import evaluate_hetero as evaluate_hetero
+from pipedejavu.core.layer_memory import LayerMemory as LayerMemory
 from pipedejavu.core.problem import InfeasibleProblemError as InfeasibleProblemError
 from pipedejavu.core.problem import Plan as Plan
 from pipedejavu.core.problem import PlanError as PlanError
@@ -32,6 +32,9 @@ from pipedejavu.planning.inputs import load_plan as load_plan
 from pipedejavu.planning.inputs import load_problem as load_problem
 from pipedejavu.planning.solve import solve as solve
 from pipedejavu.planning.training import plan_training as plan_training
+from pipedejavu.search.engine.compile_cache import (
+    enable_compilation_cache as enable_compilation_cache,
+)
 from pipedejavu.simulation.simulate import simulate as simulate
 from pipedejavu.simulation.simulate import simulate_plan as simulate_plan
 
@@ -52,6 +55,7 @@ __all__ = [
     "check_hetero_plan",
     "check_plan",
     "compare",
+    "enable_compilation_cache",
     "evaluate",
     "evaluate_hetero",
     "get_submesh_choices",

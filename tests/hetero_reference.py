@@ -1,7 +1,8 @@
 """An independent brute force over every valid heterogeneous plan (tests only).
 
 Written from the rules of :mod:`pipedejavu.core.hetero` (module docstring and
-:func:`pipedejavu.core.hetero.check_hetero_plan`), sharing no code with the solvers:
+:func:`pipedejavu.core.hetero_rules.check_hetero_plan`), sharing no code with the
+solvers:
 
 * stages cover layers ``0..L-1`` contiguously; stage ``s`` runs submesh
   ``(h, d)`` on ``h`` distinct hosts, ``d`` devices of each (a window of the
@@ -302,9 +303,9 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
 def canonical_optimum(problem: HeteroProblem) -> float:
     """The optimum over canonically placed plans only (every stage on one
     type, each type's stages packed in pipeline order by
-    :func:`pipedejavu.core.hetero.place`): what the oracle searched before it
+    :func:`pipedejavu.core.hetero_rules.place`): what the oracle searched before it
     covered every valid plan. inf when none."""
-    from pipedejavu.core.hetero import evaluate_hetero, make_hetero_plan
+    from pipedejavu.core.hetero_rules import evaluate_hetero, make_hetero_plan
     from pipedejavu.core.problem import PlanError
 
     num_layers = problem.num_layers
@@ -430,9 +431,10 @@ def _neighbours(problem: HeteroProblem, places):
 
 def local_search_all(problem: HeteroProblem, stages, *, max_steps: int = 50):
     """Best-improvement hill climbing from a plan over the neighbourhood above,
-    every trial checked and priced by :func:`pipedejavu.core.hetero.evaluate_hetero`.
+    every trial checked and priced by
+    :func:`pipedejavu.core.hetero_rules.evaluate_hetero`.
     Returns ``(cost, stages)`` of the local optimum reached."""
-    from pipedejavu.core.hetero import evaluate_hetero
+    from pipedejavu.core.hetero_rules import evaluate_hetero
     from pipedejavu.core.problem import PlanError
 
     places = [

@@ -408,12 +408,12 @@ def test_version_and_help_show_defaults(capsys):
 
 
 def test_profile_checks_the_output_path_before_profiling(capsys, tmp_path, monkeypatch):
-    from pipedejavu.costmodel.profiling import profiler
+    from pipedejavu.costmodel.profiling import layer_problem
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("profiled before checking --out")
 
-    monkeypatch.setattr(profiler, "profile_to_problem", must_not_run)
+    monkeypatch.setattr(layer_problem, "profile_to_problem", must_not_run)
     code, _, err = run(
         capsys, "profile", "--model", "gpt-micro", "--out", tmp_path / "no" / "x.npz"
     )

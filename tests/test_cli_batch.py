@@ -39,9 +39,20 @@ def test_elastic_mode_text_json_and_plot(capsys, tmp_path):
     data = json.loads(out)
     assert [r["gpus"] for r in data["rows"]] == [4, 8]
     assert all(r["common_valid"] and r["common_fits_memory"] for r in data["rows"])
-    assert (tmp_path / "e.png").exists() or "no plot" in err
+    assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")
+    assert f"plot written to {tmp_path / 'e.png'}" in err
     code, out, _ = run(capsys, *argv)
     assert code == 0 and f"common batch {data['common_batch']}" in out
+
+
+def test_elastic_plot_failure_exits_non_zero(capsys, tmp_path):
+    argv = ["plan", "--model", "OPT-350", "--gpus", "GH-96:4..9", "--elastic"]
+    argv += ["--max-global-batch", "32", "--batch-multiple", "16"]
+    target = tmp_path / "no-such-folder" / "e.png"
+    code, out, err = run(capsys, *argv, "--plot", target)
+    assert code == 1 and "no plot written" in err
+    assert "common batch" in out  # the plan is still printed
+    assert not target.exists()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import textwrap
 from pathlib import Path
@@ -243,7 +244,7 @@ def test_fallback_rule():
         model.predict_collective("all_to_all", 2, b)
 
 
-def test_predict_is_jittable_and_differentiable():
+def test_predict_is_jittable_and_differentiable(caplog):
     model = _toy_model()
 
     def time(num_bytes):
@@ -255,10 +256,29 @@ def test_predict_is_jittable_and_differentiable():
     jitted = jax.jit(lambda m, b: m.predict("all_reduce", (1, 8), (4, 2), "f16", b))
     batch = jnp.array([1e3, 1e6, 1e9])
     np.testing.assert_allclose(jitted(model, batch), 5e-5 + 5e-11 * batch, rtol=1e-6)
+
     # one compiled predictor for every curve: the index is traced
-    before = comm._predict_row._cache_size()
-    model.predict("all_reduce", (1, 8), (8, 1), "f16", 1e6)
-    assert comm._predict_row._cache_size() == before
+    def compiles_of_predict_row(call) -> int:
+        with caplog.at_level(logging.WARNING), jax.log_compiles():
+            caplog.clear()
+            call()
+        return sum(
+            "Compiling jit(_predict_row)" in r.getMessage() for r in caplog.records
+        )
+
+    assert (
+        compiles_of_predict_row(
+            lambda: model.predict("all_reduce", (1, 8), (8, 1), "f16", 1e6)
+        )
+        == 0
+    )
+    # the check sees a compilation: new argument shapes do compile
+    assert (
+        compiles_of_predict_row(
+            lambda: model.predict("all_reduce", (1, 8), (8, 1), "f16", jnp.ones(7))
+        )
+        == 1
+    )
     grad = jax.grad(lambda b: model.predict_collective("all_reduce", 4, b))(1e9)
     assert np.isfinite(grad) and grad > 0
     mixed = jax.jit(lambda m, b: m.predict_collective("all_reduce", 4, b))

@@ -19,20 +19,23 @@ import numpy as np
 import pytest
 
 from pipedejavu.core.problem import UNLIMITED_SUCCEEDING_STAGES, Problem, evaluate
-from pipedejavu.costmodel.profiling.profiler import (
+from pipedejavu.costmodel.profiling.gpt_model import (
     MODEL_NAMES,
-    DataParallelScaling,
     GPTConfig,
-    LayerProfile,
-    StageOverhead,
-    fit_stage_overhead,
     gpt_config,
     gpt_modules,
-    predict_span_time,
-    problem_from_layer_profile,
-    profile_model,
-    profile_to_problem,
     span_step,
+)
+from pipedejavu.costmodel.profiling.layer_problem import (
+    DataParallelScaling,
+    problem_from_layer_profile,
+    profile_to_problem,
+)
+from pipedejavu.costmodel.profiling.profiler import LayerProfile, profile_model
+from pipedejavu.costmodel.profiling.stage_overhead import (
+    StageOverhead,
+    fit_stage_overhead,
+    predict_span_time,
 )
 from pipedejavu.search.alpa.exact import exact_dp
 

@@ -208,11 +208,12 @@ def _memory_tight(num_layers, cluster, seed, never_fit=0.6):
 @pytest.mark.parametrize("levels_at_once", [False, True])
 @pytest.mark.parametrize(("layers", "seed"), [(24, 0), (24, 1), (32, 0), (32, 2)])
 def test_labels_match_caps_when_memory_binds(layers, seed, levels_at_once, monkeypatch):
+    from pipedejavu.search.alpa import label_tables
     from pipedejavu.search.alpa import labels as _labels
 
     if levels_at_once:  # prefix tables with follower levels from the first pass
         monkeypatch.setattr(_labels, "MANY_LABELS", 0)
-        monkeypatch.setattr(_labels, "MAX_LEVELS", 3)
+        monkeypatch.setattr(label_tables, "MAX_LEVELS", 3)
     problem = _memory_tight(layers, (2, 8), seed)
     caps = exact_dp(problem, method="caps")
     labels = exact_dp(problem)
@@ -279,7 +280,7 @@ def test_plain_prefix_tables_match_the_level_tables(memory, seed):
     """The one-level fast path of the label DP's prefix tables gives exactly
     the general (multi-level) code's tables at one level, with all groups and
     with those below a theta."""
-    from pipedejavu.search.alpa import labels as _labels
+    from pipedejavu.search.alpa import label_tables
 
     rng = np.random.default_rng(3000 + seed)
     for index in range(20):
@@ -294,13 +295,13 @@ def test_plain_prefix_tables_match_the_level_tables(memory, seed):
             problem = tiny_problem(rng, p_memory=0.5)
         if memory == "unlimited":
             problem = problem.replace(max_n_succ_stages=None)
-        groups = _labels._groups(problem)
+        groups = label_tables.stage_groups(problem)
         finite = groups.cost[np.isfinite(groups.cost)]
         thetas = [math.inf] + ([float(np.median(finite))] if finite.size else [])
         for theta in thetas:
             subset = groups.below(theta, problem.num_layers)
-            plain = _labels._plain_prefix_tables(problem, subset)
-            general = _labels._level_prefix_tables(problem, subset, 1)
+            plain = label_tables.plain_prefix_tables(problem, subset)
+            general = label_tables.level_prefix_tables(problem, subset, 1)
             np.testing.assert_array_equal(plain[0], general[0])
             np.testing.assert_array_equal(plain[1], general[1])
 
@@ -310,12 +311,12 @@ def test_groups_are_ordered_by_end_then_size(seed):
     """Groups come sorted by (end, submesh size, start, submesh), with repeated
     submesh sizes (tiny problems) and distinct ones alike, and the row minima
     match ``argmin``."""
-    from pipedejavu.search.alpa import labels as _labels
+    from pipedejavu.search.alpa import label_tables
 
     rng = np.random.default_rng(4000 + seed)
     for _ in range(30):
         problem = tiny_problem(rng, p_memory=0.5)
-        groups = _labels._groups(problem)
+        groups = label_tables.stage_groups(problem)
         fits = np.isfinite(problem.compute_cost) & (problem.max_n_succ_stages >= 0)
         starts, ends, submeshes = np.nonzero(fits.any(axis=3))
         order = np.lexsort((problem.submesh_sizes[submeshes], ends))
@@ -325,6 +326,6 @@ def test_groups_are_ordered_by_end_then_size(seed):
         cost = np.where(fits, problem.compute_cost, np.inf)
         expected = cost[starts[order], ends[order], submeshes[order]]
         np.testing.assert_array_equal(groups.cost, expected)
-        least, column = _labels._row_min(groups.cost)
+        least, column = label_tables.row_min(groups.cost)
         np.testing.assert_array_equal(column, groups.cost.argmin(axis=1))
         np.testing.assert_array_equal(least, groups.cost.min(axis=1))

@@ -16,8 +16,8 @@ from pipedejavu.baselines.hetero import (
     hetero_brute_force,
 )
 from pipedejavu.core.cluster import FREE_LINK, Cluster, DeviceType, Link
-from pipedejavu.core.hetero import (
-    HeteroProblem,
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import (
     check_hetero_plan,
     evaluate_hetero,
     make_hetero_plan,

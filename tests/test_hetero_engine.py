@@ -17,8 +17,8 @@ from jax.test_util import check_grads
 from pipedejavu import get_submesh_choices
 from pipedejavu.baselines.hetero import alpa_homogeneous, hetero_brute_force
 from pipedejavu.core.cluster import Cluster, DeviceType, Link
-from pipedejavu.core.hetero import (
-    HeteroProblem,
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import (
     check_hetero_plan,
     evaluate_hetero,
     make_hetero_plan,

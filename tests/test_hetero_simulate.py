@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pipedejavu.core.cluster import Cluster, DeviceType, Link
-from pipedejavu.core.hetero import HeteroProblem, evaluate_hetero, make_hetero_plan
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import evaluate_hetero, make_hetero_plan
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.planning.compare import simulate_schedule
 

@@ -22,8 +22,8 @@ from hetero_reference import (
 
 from pipedejavu.baselines.hetero import alpa_homogeneous, hetero_brute_force
 from pipedejavu.core.cluster import Cluster, DeviceType, Link
-from pipedejavu.core.hetero import (
-    HeteroProblem,
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import (
     check_hetero_plan,
     evaluate_hetero,
     transfer_times,
@@ -225,7 +225,7 @@ def _memory_cluster(gb: float | None) -> Cluster:
 
 
 def test_from_problem_applies_or_refuses_device_memory():
-    from pipedejavu.core.hetero import LayerMemory
+    from pipedejavu.core.layer_memory import LayerMemory
     from pipedejavu.core.problem import ProblemError
     from pipedejavu.costmodel.stage.generate import random_problem
 

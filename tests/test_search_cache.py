@@ -1,87 +1,125 @@
-"""The engine's persistent compilation cache: folders, atomic entries, reuse
-across processes."""
+"""JAX's persistent compilation cache: switched on by the CLI and by
+``pipedejavu.enable_compilation_cache``, never by library calls; compiled
+functions are reused across processes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from pipedejavu.search.engine import compile_cache as _jax_cache
-from pipedejavu.search.engine.compile_cache import _AtomicFileCache, cache_folder
+from pipedejavu.search.engine.compile_cache import ENV_VAR, cache_folder
 
 
 def test_folder_from_argument_environment_and_default(monkeypatch, tmp_path):
-    monkeypatch.delenv(_jax_cache.ENV_VAR, raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     if sys.platform.startswith("linux"):
         assert cache_folder() == tmp_path / "xdg" / "pipedejavu" / "jax"
-    monkeypatch.setenv(_jax_cache.ENV_VAR, str(tmp_path / "env"))
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
     assert cache_folder() == tmp_path / "env"
     assert cache_folder(tmp_path / "arg") == tmp_path / "arg"
-    assert cache_folder(False) is None
     for off in ("off", "0", "", "false"):
-        monkeypatch.setenv(_jax_cache.ENV_VAR, off)
+        monkeypatch.setenv(ENV_VAR, off)
         assert cache_folder() is None
 
 
-def test_entries_round_trip_and_damage_is_a_miss(tmp_path):
-    cache = _AtomicFileCache(tmp_path / "cache")
-    assert cache.get("k") is None  # no folder yet
-    cache.put("k", b"executable bytes")
-    assert cache.get("k") == b"executable bytes"
-    path = tmp_path / "cache" / "k"
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF  # one flipped byte
-    path.write_bytes(bytes(data))
-    assert cache.get("k") is None
-    path.write_bytes(b"short")  # truncated
-    assert cache.get("k") is None
-    cache.put("k", b"again")  # a miss is compiled and written again
-    assert cache.get("k") == b"again"
+def _python(code: str, folder: Path | str | None, **env_extra: str) -> str:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **env_extra)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if folder is not None:
+        env[ENV_VAR] = str(folder)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
 
 
-def test_concurrent_writers_never_expose_a_partial_entry(tmp_path):
-    cache = _AtomicFileCache(tmp_path)
-    values = [bytes([n]) * 200_000 for n in range(8)]
-    seen: list[bytes | None] = []
-
-    def write(value: bytes) -> None:
-        for _ in range(5):
-            cache.put("key", value)
-
-    def read() -> None:
-        for _ in range(200):
-            seen.append(cache.get("key"))
-
-    threads = [threading.Thread(target=write, args=(v,)) for v in values]
-    threads += [threading.Thread(target=read) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(value is None or value in values for value in seen)
-    assert cache.get("key") in values
-    assert [p.name for p in tmp_path.iterdir()] == ["key"]  # no temporary left
+_CONFIG = """
+import json, jax, pipedejavu
+from pipedejavu.costmodel.stage.generate import random_problem
+{setup}
+before = jax.config.jax_compilation_cache_dir
+returned = {call}
+print(json.dumps([before, str(returned) if returned else None,
+                  jax.config.jax_compilation_cache_dir,
+                  jax.config.jax_persistent_cache_min_compile_time_secs]))
+"""
 
 
-def test_unwritable_folder_only_costs_compilation(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    cache = _AtomicFileCache(blocker / "cache")
-    cache.put("k", b"value")  # no exception
-    assert cache.get("k") is None
+def test_the_public_function_sets_the_folder_and_keeps_a_users(tmp_path):
+    ours = str(tmp_path / "ours")
+    before, returned, after, _ = json.loads(
+        _python(
+            _CONFIG.format(setup="", call="pipedejavu.enable_compilation_cache()"),
+            ours,
+        )
+    )
+    assert (before, returned, after) == (None, ours, ours)
+    theirs = str(tmp_path / "theirs")
+    setup = (
+        f"jax.config.update('jax_compilation_cache_dir', {theirs!r})\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 7.0)"
+    )
+    values = json.loads(
+        _python(
+            _CONFIG.format(setup=setup, call="pipedejavu.enable_compilation_cache()"),
+            ours,
+        )
+    )
+    assert values == [theirs, theirs, theirs, 7.0]  # untouched
+    off = json.loads(
+        _python(
+            _CONFIG.format(setup="", call="pipedejavu.enable_compilation_cache()"),
+            "off",
+        )
+    )
+    assert off[:3] == [None, None, None]
+
+
+def test_solve_never_changes_the_global_configuration(tmp_path):
+    call = (
+        "pipedejavu.solve(random_problem(8, (1, 2), seed=0), method='diff', "
+        "num_restarts=2, num_steps=4)"
+    )
+    before, _, after, _ = json.loads(
+        _python(_CONFIG.format(setup="", call=call), tmp_path / "ours")
+    )
+    assert before is None and after is None
+    assert not (tmp_path / "ours").exists()
+
+
+def test_solve_leaves_the_cache_folder_as_configured():
+    # In this process too (whatever earlier tests configured).
+    import jax
+
+    import pipedejavu
+    from pipedejavu.costmodel.stage.generate import random_problem
+
+    before = jax.config.jax_compilation_cache_dir
+    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+    pipedejavu.solve(
+        random_problem(8, (1, 2), seed=0), method="diff", num_restarts=2, num_steps=4
+    )
+    assert jax.config.jax_compilation_cache_dir == before
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == minimum
 
 
 _RUN = """
-import json, jax
+import json, jax, pipedejavu
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.search.engine.driver import SearchConfig, search
+pipedejavu.enable_compilation_cache()
 problem = random_problem(10, (1, 4), num_microbatches=8, seed=2)
 config = SearchConfig(num_restarts=4, num_steps=20, num_chunks=2, num_polished=1)
 result = search(problem, config, key=jax.random.key(0))
@@ -89,28 +127,52 @@ print(json.dumps({"cost": result.plan.cost,
                   "stages": [s.to_json() for s in result.plan.stages]}))
 """
 
+_CLI = """
+import sys
+from pipedejavu.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
-def _run_in_new_process(folder: Path) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env[_jax_cache.ENV_VAR] = str(folder)
-    out = subprocess.run(
-        [sys.executable, "-c", _RUN],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+
+def _entries(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
 
 @pytest.mark.slow
 def test_a_second_process_reuses_every_compiled_function(tmp_path):
     folder = tmp_path / "jax-cache"
-    first = _run_in_new_process(folder)
-    entries = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    first = json.loads(_python(_RUN, folder))
+    entries = _entries(folder)
     assert entries  # the engine's functions were written
-    second = _run_in_new_process(folder)
+    second = json.loads(_python(_RUN, folder))
     assert second == first
     # Every compilation of the second process was found: nothing was written.
-    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == entries
+    assert _entries(folder) == entries
+
+
+@pytest.mark.slow
+def test_the_command_line_switches_the_cache_on(tmp_path):
+    from pipedejavu.costmodel.stage.generate import random_problem
+
+    path = tmp_path / "gen.npz"
+    random_problem(10, (1, 4), num_microbatches=8, seed=2).to_npz(path)
+    folder = tmp_path / "cli-cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{ENV_VAR: str(folder)})
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    argv = [sys.executable, "-c", _CLI, "solve", str(path), "--method", "diff"]
+    argv += ["--restarts", "4", "--steps", "20"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    entries = _entries(folder)
+    assert entries
+    second = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+    def plan(out: str) -> str:  # the printed plan, without the timing
+        return re.sub(r"\(search [^)]*\)", "", out)
+
+    assert second.returncode == 0 and plan(second.stdout) == plan(first.stdout)
+    assert _entries(folder) == entries
+    off = subprocess.run(
+        argv, capture_output=True, text=True, env={**env, ENV_VAR: "off"}, timeout=300
+    )
+    assert off.returncode == 0 and _entries(folder) == entries

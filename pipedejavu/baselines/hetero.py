@@ -47,12 +47,8 @@ import time
 
 import numpy as np
 
-from pipedejavu.core.hetero import (
-    HeteroPlan,
-    HeteroProblem,
-    hetero_objective,
-    make_hetero_plan,
-)
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import hetero_objective, make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.search.alpa.exact import exact_dp
 
@@ -253,8 +249,8 @@ def _stage_latency(problem: HeteroProblem, stage, followers: int):
 def hetero_brute_force(
     problem: HeteroProblem, *, max_plans: int = 2_000_000
 ) -> HeteroPlan:
-    """The optimum over every plan :func:`pipedejavu.core.hetero.check_hetero_plan`
-    accepts, by enumeration.
+    """The optimum over every plan
+    :func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts, by enumeration.
 
     Every partition of the layers, every submesh per stage and every host
     assignment (partial stages on any host with room, whole stages on any

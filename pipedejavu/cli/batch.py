@@ -13,6 +13,7 @@ to the CLI (exit 2 for bad input, 3 for no feasible plan).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -163,6 +164,8 @@ def _run_elastic(args, grad, high) -> int:
 
     if len(args.gpus) != 1:
         raise ProblemError("--elastic takes one --gpus TYPE:LOW..HIGH")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ProblemError("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
     gpu, low, top = parse_gpu_range(args.gpus[0])
     gpn = load_sailor_data(args.profiles).gpu_spec(gpu).gpus_per_node
     counts = elastic_counts(low, top, gpn)
@@ -181,14 +184,16 @@ def _run_elastic(args, grad, high) -> int:
         allow_fewer_gpus=not args.all_gpus,
         progress_fn=_progress,
     )
-    if args.plot:
-        try:
-            plot_elastic(result, args.plot)
-            _progress(f"plot written to {args.plot}")
-        except ProblemError as error:
-            _progress(f"pipedejavu: no plot: {error}")
     if args.json:
         print(json.dumps(result.to_json()))
     else:
         print(format_elastic(result))
+    if args.plot:
+        try:
+            plot_elastic(result, args.plot)
+        except (ProblemError, OSError) as error:
+            sys.stdout.flush()
+            print(f"pipedejavu: error: no plot written: {error}", file=sys.stderr)
+            return 1
+        _progress(f"plot written to {args.plot}")
     return 0

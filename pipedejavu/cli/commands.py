@@ -234,8 +234,8 @@ def run_profile(args: argparse.Namespace) -> None:
     output = npz_output_path(args.out)  # before loading JAX and profiling
     cluster = parse_cluster(args.cluster)
 
-    from pipedejavu.costmodel.profiling.profiler import (
-        MODEL_NAMES,
+    from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES
+    from pipedejavu.costmodel.profiling.layer_problem import (
         DataParallelScaling,
         profile_to_problem,
     )
@@ -256,7 +256,7 @@ def run_profile(args: argparse.Namespace) -> None:
             output,
             cluster=cluster,
             # one device measured; more are modelled (an assumption, documented
-            # in costmodel.profiler.DataParallelScaling)
+            # in costmodel.profiling.layer_problem.DataParallelScaling)
             scaling=None if cluster == (1, 1) else DataParallelScaling(),
             num_microbatches=args.num_microbatches,
             repeats=args.repeats,

@@ -19,7 +19,8 @@ from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.formatting import format_inspection, format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, evaluate_hetero
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import evaluate_hetero
 from pipedejavu.core.npzfile import npz_output_path
 from pipedejavu.core.problem import SUBMESH_SPACES, Problem, evaluate
 from pipedejavu.core.validation import MAX_MICROBATCHES
@@ -31,6 +32,7 @@ from pipedejavu.planning.inputs import (
     parse_cluster,
 )
 from pipedejavu.planning.solve import solve
+from pipedejavu.search.engine.compile_cache import enable_compilation_cache
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
 
@@ -513,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop.code == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT
         raise
+    # The one place the persistent compilation cache is switched on by us
+    # ($PIPEDEJAVU_CACHE_DIR, "off" to keep it off; a cache the user set wins).
+    enable_compilation_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = _show_warning

@@ -23,7 +23,8 @@ import numpy as np
 from pipedejavu.core.cluster import Cluster
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_json
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, LayerMemory
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.layer_memory import LayerMemory
 from pipedejavu.core.npzfile import read_npz
 from pipedejavu.core.problem import PROBLEM_KEYS, Plan, Problem
 from pipedejavu.costmodel.alpa.profiles import problem_from_stage_profile

@@ -46,7 +46,6 @@ def _diff(
     key: Any = None,
     progress_fn: Callable[[int, int, float], None] | None = None,
     message_fn: Callable[[str], None] | None = None,
-    cache_dir: Any = None,
 ) -> Plan:
     import jax  # the engine needs JAX; `import pipedejavu` does not
 
@@ -70,7 +69,6 @@ def _diff(
         key=key,
         progress_fn=progress_fn,
         message_fn=message_fn,
-        cache_dir=cache_dir,
     )
 
 
@@ -114,7 +112,6 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
                 "key",
                 "progress_fn",
                 "message_fn",
-                "cache_dir",
             }
         ),
         "the differentiable engine: relaxed search + exact polish, lower bound",

@@ -1,7 +1,8 @@
 """Measured layer costs: time the layers of a small flax GPT and build a Problem.
 
-The model (:class:`GPTConfig`, presets in :data:`MODEL_NAMES`, defined in
-:mod:`pipedejavu.costmodel.profiling.gpt_model` and re-exported here) is cut into Alpa's pipeline
+The model (:class:`~pipedejavu.costmodel.profiling.gpt_model.GPTConfig`, presets in
+:data:`~pipedejavu.costmodel.profiling.gpt_model.MODEL_NAMES`, defined in
+:mod:`pipedejavu.costmodel.profiling.gpt_model`) is cut into Alpa's pipeline
 layers: the embedding (token + position), each transformer block (pre-LayerNorm
 causal self-attention and a GELU MLP, both residual), and the head (final
 LayerNorm, LM projection and the mean cross-entropy loss). A layer's cost is
@@ -13,28 +14,9 @@ whatever backend JAX sees, after warm-up calls, in rounds that visit every timed
 function once in a shuffled order (so load drifts on a shared machine hit all of
 them alike); a function's time is the median of its rounds.
 
-Stage model. A contiguous span ``i..j`` run as one jitted function is not the sum
-of its layers' calls: each call pays a fixed overhead (dispatch, thread wake-up,
-result buffers), XLA fuses and overlaps work across layer boundaries, and a stage
-whose working set outgrows the caches slows down (measured on a 2-core CPU with
-a 32 MiB L3: gpt-small stages of three or more blocks run ~35% slower than the
-sum of their blocks, two blocks do not). So, for ``n`` layers::
-
-    predicted(i..j) = sum_l t_l * (1 + spill_fraction * [W(i..j) > spill_bytes])
-                      - (n - 1) * per_boundary_s
-                      - boundary_fraction * sum_{k=i..j-1} (t_k + t_{k+1}) / 2
-
-with ``W`` the summed vjp stashes of the layers per device, and the four
-coefficients fit to spans timed as one function in the same rounds
-(:func:`fit_stage_overhead`). One-layer stages are the measurement itself.
-
-Devices. One device was measured. :func:`problem_from_layer_profile` defaults to
-a 1x1 cluster, where ``compute_cost`` is the measured model. Larger clusters need
-an explicit :class:`DataParallelScaling`, a stated assumption rather than a
-measurement: on a submesh of ``d`` devices each stage runs data-parallel with
-Amdahl scaling of the measured time (its working set split over the devices),
-plus a ring all-reduce of its gradients once per iteration (alpha-beta), charged
-as ``1 / B`` of it per micro-batch.
+The stage model fitted on these measurements is in
+:mod:`pipedejavu.costmodel.profiling.stage_overhead`; the problem built from them in
+:mod:`pipedejavu.costmodel.profiling.layer_problem`.
 Units: seconds and bytes.
 """
 
@@ -42,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -51,41 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import lsq_linear
 
-from pipedejavu.core.problem import (
-    UNLIMITED_SUCCEEDING_STAGES,
-    Problem,
-    get_submesh_choices,
+from pipedejavu.costmodel.profiling.gpt_model import (
+    GPTConfig,
+    gpt_config,
+    gpt_modules,
+    layer_names,
+    span_step,
 )
-from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES as MODEL_NAMES
 
-# The model lives in gpt_model; every name it had here stays importable.
-from pipedejavu.costmodel.profiling.gpt_model import PRESETS as PRESETS
-from pipedejavu.costmodel.profiling.gpt_model import Block as Block
-from pipedejavu.costmodel.profiling.gpt_model import Embedding as Embedding
-from pipedejavu.costmodel.profiling.gpt_model import GPTConfig as GPTConfig
-from pipedejavu.costmodel.profiling.gpt_model import Head as Head
-from pipedejavu.costmodel.profiling.gpt_model import gpt_config as gpt_config
-from pipedejavu.costmodel.profiling.gpt_model import gpt_modules as gpt_modules
-from pipedejavu.costmodel.profiling.gpt_model import kinds_step as kinds_step
-from pipedejavu.costmodel.profiling.gpt_model import layer_names as layer_names
-from pipedejavu.costmodel.profiling.gpt_model import span_step as span_step
-
-__all__ = [
-    "MODEL_NAMES",
-    "DataParallelScaling",
-    "GPTConfig",
-    "LayerProfile",
-    "StageOverhead",
-    "fit_stage_overhead",
-    "gpt_config",
-    "gpt_modules",
-    "predict_span_time",
-    "problem_from_layer_profile",
-    "profile_model",
-    "profile_to_problem",
-]
+__all__ = ["LayerProfile", "ProgressFn", "check_count", "profile_model"]
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -169,7 +125,7 @@ class LayerProfile:
         )
 
 
-def _check_count(value: object, name: str, minimum: int) -> int:
+def check_count(value: object, name: str, minimum: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
@@ -235,9 +191,9 @@ def profile_model(
     Returns:
         The measurements; see :class:`LayerProfile`.
     """
-    repeats = _check_count(repeats, "repeats", 1)
-    warmup = _check_count(warmup, "warmup", 0)
-    burst = _check_count(burst, "burst", 1)
+    repeats = check_count(repeats, "repeats", 1)
+    warmup = check_count(warmup, "warmup", 0)
+    burst = check_count(burst, "burst", 1)
     if isinstance(name_or_config, GPTConfig):
         name, config = "custom", name_or_config
     else:
@@ -343,317 +299,3 @@ def profile_model(
         burst=burst,
         compile_s=compile_s,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class StageOverhead:
-    """How a span run as one function differs from the sum of its layers' calls.
-
-    Args:
-        per_boundary_s: seconds saved per internal layer boundary, the fixed
-            per-call part (negative: a cost).
-        boundary_fraction: saved per boundary, as a fraction of the two adjacent
-            layers' mean time (fusion and overlap across the boundary).
-        spill_fraction: slowdown, as a fraction of the layers' sum, of a stage
-            whose working set exceeds ``spill_bytes``.
-        spill_bytes: working-set capacity (bytes of summed layer stashes per
-            device); ``inf``: no stage spills.
-        num_spans: spans the fit used (0: no effect is modelled).
-    """
-
-    per_boundary_s: float = 0.0
-    boundary_fraction: float = 0.0
-    spill_fraction: float = 0.0
-    spill_bytes: float = math.inf
-    num_spans: int = 0
-
-
-def _span_sums(values: NDArray) -> NDArray[np.float64]:
-    """f64[L, L]: ``[i, j]`` = sum of ``values[i..j]`` (meaningful for i <= j)."""
-    prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
-    return prefix[None, 1:] - prefix[:-1, None]
-
-
-def _features(profile: LayerProfile, devices: int = 1) -> tuple:
-    """f64[L, L] tables for stage ``i..j``: sum of layer times, internal
-    boundaries, sum of adjacent-pair mean times, working set per device."""
-    times = profile.layer_times_s
-    first, last = np.indices((len(times), len(times)))
-    pair_means = np.concatenate([(times[:-1] + times[1:]) / 2, [0.0]])
-    adjacent = _span_sums(pair_means) - pair_means[None, :]
-    working_set = _span_sums(profile.stash_bytes) / devices
-    return _span_sums(times), (last - first).astype(float), adjacent, working_set
-
-
-def _stage_table(
-    profile: LayerProfile, overhead: StageOverhead, devices: int = 1
-) -> NDArray[np.float64]:
-    """f64[L, L] predicted seconds of stage ``i..j`` (inclusive); inf for i > j."""
-    total, boundaries, adjacent, working_set = _features(profile, devices)
-    table = (
-        total * (1 + overhead.spill_fraction * (working_set > overhead.spill_bytes))
-        - overhead.per_boundary_s * boundaries
-        - overhead.boundary_fraction * adjacent
-    )
-    return np.where(boundaries >= 0, table, np.inf)
-
-
-def fit_stage_overhead(
-    profile: LayerProfile, spans: Sequence[tuple[int, int]] | None = None
-) -> StageOverhead:
-    """Fit :class:`StageOverhead` to the spans timed as one function.
-
-    Least squares on the *relative* error of the predicted span times with
-    ``|per_boundary_s| <= min(layer time) / 2``, ``|boundary_fraction| <= 1/2``
-    (so predictions stay positive) and ``0 <= spill_fraction <= 2``. Negative
-    boundary terms are allowed: a span measured slower than its layers' sum
-    fits a boundary *cost*. ``spill_bytes`` is chosen among ``inf`` and the
-    geometric midpoints between the working sets of the fitted spans that lie
-    above the largest single layer's (every single layer is its measurement);
-    the best residual wins, ``inf`` on ties.
-
-    Args:
-        profile: the measurements. spans: a subset of ``profile.spans`` to fit
-            on (held-out checks); default all of them.
-    """
-    chosen = profile.spans if spans is None else tuple(tuple(s) for s in spans)
-    missing = [s for s in chosen if s not in profile.spans]
-    if missing:
-        raise ValueError(
-            f"spans must be among the profiled spans {list(profile.spans)}, "
-            f"got {missing}"
-        )
-    if not chosen:
-        return StageOverhead()
-    starts, ends = (np.array(side) for side in zip(*chosen, strict=True))
-    ends = ends - 1
-    total, boundaries, adjacent, working_set = (
-        table[starts, ends] for table in _features(profile)
-    )
-    measured = profile.span_times_s[[profile.spans.index(s) for s in chosen]]
-    target = (total - measured) / measured
-    largest_layer = float(profile.stash_bytes.max())
-    sizes = np.unique(
-        np.append(working_set[working_set > largest_layer], largest_layer)
-    )
-    upper = np.array([profile.layer_times_s.min() / 2, 0.5, 2.0])
-    best = (math.inf, StageOverhead(num_spans=len(chosen)))
-    for capacity in [math.inf, *np.sqrt(sizes[:-1] * sizes[1:])]:
-        spill = total * (working_set > capacity)
-        columns = [boundaries, adjacent, -spill][: 3 if spill.any() else 2]
-        rows = np.stack(columns, axis=1) / measured[:, None]
-        bound = upper[: len(columns)]
-        fit = lsq_linear(rows, target, bounds=(-bound * [1, 1, 0][: len(bound)], bound))
-        residual = float(np.sum((rows @ fit.x - target) ** 2))
-        if residual < best[0] * (1 - 1e-9) - 1e-15:
-            values = [*np.clip(fit.x, -bound, bound), 0.0][:3]
-            overhead = StageOverhead(*(float(v) for v in values), capacity, len(chosen))
-            best = (residual, overhead)
-    return best[1]
-
-
-def predict_span_time(
-    profile: LayerProfile,
-    start: int,
-    stop: int,
-    overhead: StageOverhead | None = None,
-) -> float:
-    """Predicted seconds of layers ``start..stop-1`` (half-open) as one stage.
-
-    ``overhead`` defaults to :func:`fit_stage_overhead` on all profiled spans.
-    """
-    if not 0 <= start < stop <= profile.num_layers:
-        raise ValueError(
-            f"span must satisfy 0 <= start < stop <= {profile.num_layers}, "
-            f"got {(start, stop)}"
-        )
-    overhead = fit_stage_overhead(profile) if overhead is None else overhead
-    return float(_stage_table(profile, overhead)[start, stop - 1])
-
-
-@dataclasses.dataclass(frozen=True)
-class DataParallelScaling:
-    """Assumed (not measured) cost of a stage on a submesh of ``d > 1`` devices.
-
-    Each micro-batch is split over the ``d`` devices (data parallelism):
-
-    * compute: ``t_1 * ((1 - parallel_fraction) + parallel_fraction / d)``
-      (Amdahl), ``t_1`` the measured one-device stage time;
-    * gradients: a ring all-reduce of the stage's parameter bytes ``P`` once per
-      iteration, ``2 (d - 1) * allreduce_latency_s + 2 (d - 1) / d * P / bw``
-      with ``bw`` the intra-host bandwidth on one host, the inter-host one
-      otherwise; charged ``1 / B`` of it per micro-batch.
-
-    Defaults are round numbers for a GPU server (NVLink-class 100 GB/s inside a
-    host, 100 Gb/s = 12.5 GB/s between hosts); set them for your cluster.
-    """
-
-    parallel_fraction: float = 0.95
-    allreduce_latency_s: float = 1e-5
-    intra_host_bandwidth: float = 100e9
-    inter_host_bandwidth: float = 12.5e9
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.parallel_fraction <= 1.0:
-            raise ValueError(
-                f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}"
-            )
-        latency = self.allreduce_latency_s
-        if not (math.isfinite(latency) and latency >= 0):
-            raise ValueError(
-                f"allreduce_latency_s must be finite and >= 0, got {latency}"
-            )
-        for name in ("intra_host_bandwidth", "inter_host_bandwidth"):
-            if not getattr(self, name) > 0:  # inf: free communication
-                raise ValueError(
-                    f"{name} must be > 0 bytes/s, got {getattr(self, name)}"
-                )
-
-    def stage_time(
-        self, one_device_s, param_bytes, hosts: int, devices: int, num_microbatches: int
-    ):
-        """Seconds per micro-batch on a ``hosts x devices`` submesh (arrays ok)."""
-        count = hosts * devices
-        if count == 1:
-            return one_device_s
-        fraction = self.parallel_fraction
-        compute = one_device_s * ((1 - fraction) + fraction / count)
-        bandwidth = (
-            self.intra_host_bandwidth if hosts == 1 else self.inter_host_bandwidth
-        )
-        allreduce = (
-            2
-            * (count - 1)
-            * (self.allreduce_latency_s + param_bytes / (count * bandwidth))
-        )
-        return compute + allreduce / num_microbatches
-
-
-def problem_from_layer_profile(
-    profile: LayerProfile,
-    cluster: tuple[int, int] = (1, 1),
-    *,
-    num_microbatches: int,
-    scaling: DataParallelScaling | None = None,
-    overhead: StageOverhead | None = None,
-    submesh_space: str = "power_of_two",
-    memory_budget_bytes: float | None = None,
-    weight_memory_factor: float = 4.0,
-) -> Problem:
-    """A one-config :class:`Problem` (K = 1) from measured layer times.
-
-    ``compute_cost[i, j, m, 0]`` is :func:`predict_span_time` of layers ``i..j``
-    (inclusive), its working-set term taken per device, scaled to submesh ``m``
-    by ``scaling``.
-
-    Args:
-        profile: the measurements. cluster: ``(num_hosts, devices_per_host)``.
-        num_microbatches: B.
-        scaling: required when the cluster has more than one device (only one
-            was measured); see :class:`DataParallelScaling`.
-        overhead: default :func:`fit_stage_overhead` of the profile.
-        submesh_space: Alpa's submesh space (:func:`get_submesh_choices`).
-        memory_budget_bytes: device memory for one stage; ``None`` = unlimited.
-            Otherwise ``max_n_succ_stages = floor((budget - weight_memory_factor
-            * params) / (stash / d)) - 1``: replicated weights, gradients and
-            optimizer state (4x the parameters for Adam), and the summed layer
-            stashes of each in-flight micro-batch split over ``d`` devices.
-
-    Raises:
-        ValueError: a multi-device cluster without ``scaling``, bad arguments.
-        ProblemError: from :class:`Problem` / :func:`get_submesh_choices`.
-    """
-    num_hosts, devices_per_host = (int(x) for x in cluster)
-    if num_hosts * devices_per_host > 1 and scaling is None:
-        raise ValueError(
-            f"cluster {(num_hosts, devices_per_host)} has "
-            f"{num_hosts * devices_per_host} devices but the profile measured one; "
-            "pass scaling=DataParallelScaling(...) to state how stages scale"
-        )
-    scaling = DataParallelScaling() if scaling is None else scaling
-    overhead = fit_stage_overhead(profile) if overhead is None else overhead
-    batches = _check_count(num_microbatches, "num_microbatches", 1)
-    shapes = get_submesh_choices(num_hosts, devices_per_host, submesh_space)
-    params = _span_sums(profile.param_bytes)
-    cost = np.stack(
-        [
-            scaling.stage_time(
-                _stage_table(profile, overhead, h * d), params, h, d, batches
-            )
-            for h, d in shapes
-        ],
-        axis=-1,
-    )[..., None]
-    memory = None
-    if memory_budget_bytes is not None:
-        if not (memory_budget_bytes > 0 and weight_memory_factor >= 0):
-            raise ValueError(
-                "memory_budget_bytes must be > 0 and weight_memory_factor >= 0, got "
-                f"{memory_budget_bytes} and {weight_memory_factor}"
-            )
-        stash = np.maximum(_span_sums(profile.stash_bytes), 1.0)
-        free = memory_budget_bytes - weight_memory_factor * params
-        memory = np.stack(
-            [np.floor(free / (stash / (h * d))) - 1 for h, d in shapes], axis=-1
-        )
-        memory = np.clip(memory, -1, UNLIMITED_SUCCEEDING_STAGES).astype(np.int64)
-        memory = memory[..., None]
-    return Problem(
-        compute_cost=cost,
-        max_n_succ_stages=memory,
-        submesh_shapes=np.asarray(shapes, dtype=np.int64),
-        cluster_shape=(num_hosts, devices_per_host),
-        num_microbatches=batches,
-    )
-
-
-def profile_to_problem(
-    model_name: str,
-    out_path: str | os.PathLike | None = None,
-    *,
-    cluster: tuple[int, int] = (1, 1),
-    num_microbatches: int = 8,
-    repeats: int = 10,
-    warmup: int = 2,
-    scaling: DataParallelScaling | None = None,
-    memory_budget_bytes: float | None = None,
-    progress_fn: ProgressFn | None = None,
-) -> tuple[Problem, LayerProfile]:
-    """Profile a preset and build its problem in one call (for the CLI).
-
-    With ``out_path`` the problem file is written (DESIGN section 2) with the
-    extra keys ``layer_names``, ``layer_times_s``, ``activation_bytes``,
-    ``stash_bytes``, ``param_bytes``, ``backend``, ``model_name``,
-    ``per_boundary_s`` and ``boundary_fraction`` (ignored by problem readers).
-    """
-    profile = profile_model(
-        model_name, repeats=repeats, warmup=warmup, progress_fn=progress_fn
-    )
-    overhead = fit_stage_overhead(profile)
-    problem = problem_from_layer_profile(
-        profile,
-        cluster,
-        num_microbatches=num_microbatches,
-        scaling=scaling,
-        overhead=overhead,
-        memory_budget_bytes=memory_budget_bytes,
-    )
-    if out_path is not None:
-        np.savez(
-            out_path,
-            compute_cost=problem.compute_cost,
-            max_n_succ_stages=problem.max_n_succ_stages,
-            submesh_shapes=problem.submesh_shapes,
-            cluster_shape=np.asarray(problem.cluster_shape, dtype=np.int64),
-            num_microbatches=np.asarray(problem.num_microbatches, dtype=np.int64),
-            layer_names=np.asarray(profile.layer_names),
-            layer_times_s=profile.layer_times_s,
-            activation_bytes=profile.activation_bytes,
-            stash_bytes=profile.stash_bytes,
-            param_bytes=profile.param_bytes,
-            backend=np.asarray(profile.backend),
-            model_name=np.asarray(profile.model_name),
-            per_boundary_s=np.asarray(overhead.per_boundary_s),
-            boundary_fraction=np.asarray(overhead.boundary_fraction),
-        )
-    return problem, profile

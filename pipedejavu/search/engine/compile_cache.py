@@ -1,144 +1,91 @@
-"""JAX's persistent compilation cache for the engine, safe under concurrency.
+"""JAX's persistent compilation cache, switched on only when asked.
 
 A new process pays XLA compilation for every jitted function it runs (seconds
-per function on a small CPU). JAX can keep compiled executables on disk; this
-module turns that on for the engine:
+per function on a small CPU). JAX can keep compiled executables on disk. The
+library never turns that on by itself: ``search()``, ``solve()`` and every other
+library call leave JAX's global configuration as they found it. Two callers
+switch it on, both through :func:`enable_compilation_cache`:
 
-* **Where**: ``$PIPEDEJAVU_CACHE_DIR`` if set, else ``pipedejavu/jax`` under
-  the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux,
-  ``~/Library/Caches`` on macOS, ``%LOCALAPPDATA%`` on Windows); a ``cache_dir``
-  argument overrides both. ``PIPEDEJAVU_CACHE_DIR=off`` (or ``cache_dir=False``)
-  leaves JAX untouched. If the program already set JAX's own
-  ``jax_compilation_cache_dir``, that setting is kept and used.
-* **Safe to delete**: every entry is one file named by JAX's key (which covers
-  the JAX version, backend, compile options and program); a missing or
-  unreadable entry is a miss and is compiled (and written) again.
-* **Safe under concurrent processes**: an entry is written to a temporary file
-  in the same folder and renamed into place (atomic on POSIX and Windows), and
-  carries a checksum that is verified on reading, so a reader never sees half
-  an entry and a damaged one is a miss, never an error.
+* the command line (``pipedejavu ...``), at the start of every command;
+* a program that calls ``pipedejavu.enable_compilation_cache()`` itself (call it
+  before the first JAX compilation of the process: JAX decides at its first
+  compilation whether the cache is used).
 
-The cache is process-wide (JAX has one); only the engine's compilations are
-written regardless of how long they took (``min_compile_time_secs = 0`` inside
-:func:`compiling`), other code keeps JAX's defaults.
+**Where**: the ``path`` argument, else ``$PIPEDEJAVU_CACHE_DIR`` if set, else
+``pipedejavu/jax`` under the user's cache folder (``$XDG_CACHE_HOME`` or
+``~/.cache`` on Linux, ``~/Library/Caches`` on macOS, ``%LOCALAPPDATA%`` on
+Windows). ``PIPEDEJAVU_CACHE_DIR=off`` (also ``0``, ``false``, ``none`` or empty)
+leaves JAX untouched.
+
+**A cache the user configured wins**: if ``jax_compilation_cache_dir`` is
+already set (by ``jax.config.update``, ``JAX_COMPILATION_CACHE_DIR`` or a
+command-line flag), nothing is changed and that folder is returned.
+
+Only public JAX configuration is used (``jax.config.update`` of
+``jax_compilation_cache_dir`` and ``jax_persistent_cache_min_compile_time_secs``);
+entries are JAX's own files, named by JAX's key (JAX version, backend, compile
+options and program), so the folder is safe to delete.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import sys
-import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["cache_folder", "compiling", "enable"]
+__all__ = ["ENV_VAR", "cache_folder", "enable_compilation_cache"]
 
+#: The environment variable naming the cache folder (or ``off``).
 ENV_VAR = "PIPEDEJAVU_CACHE_DIR"
-_DIGEST = 16  # bytes of blake2b checksum in front of each entry
-_lock = threading.Lock()
-_enabled: list[Path | None] = []  # the folder once enable() has run
+
+_OFF = ("", "0", "off", "false", "none")
 
 
-def cache_folder(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
-    """The folder the cache would use (None: disabled).
+def cache_folder(path: str | os.PathLike | None = None) -> Path | None:
+    """The folder :func:`enable_compilation_cache` would use (None: off).
 
     Args:
-        cache_dir: a folder, ``False`` to disable, or ``None`` for the
-            environment variable / the default under the user's cache folder.
+        path: a folder; ``None`` for ``$PIPEDEJAVU_CACHE_DIR`` or the default
+            under the user's cache folder.
     """
-    if cache_dir is False:
-        return None
-    if cache_dir is None or cache_dir is True:
-        value = os.environ.get(ENV_VAR)
-        if value is not None:
-            if value.strip().lower() in ("", "0", "off", "false", "none"):
-                return None
-            return Path(value).expanduser()
-        if sys.platform == "win32":
-            base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData")
-        elif sys.platform == "darwin":
-            base = Path.home() / "Library" / "Caches"
-        else:
-            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        return base / "pipedejavu" / "jax"
-    return Path(cache_dir).expanduser()
-
-
-class _AtomicFileCache:
-    """JAX's cache interface over one folder: atomic writes, checked reads."""
-
-    def __init__(self, path: Path):
-        self._path = path  # JAX logs ``_path``
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            data = (self._path / key).read_bytes()
-        except OSError:
+    if path is not None:
+        return Path(path).expanduser()
+    value = os.environ.get(ENV_VAR)
+    if value is not None:
+        if value.strip().lower() in _OFF:
             return None
-        digest, value = data[:_DIGEST], data[_DIGEST:]
-        if hashlib.blake2b(value, digest_size=_DIGEST).digest() != digest:
-            return None  # damaged or foreign: recompile (and overwrite)
-        return value
-
-    def put(self, key: str, value: bytes) -> None:
-        try:
-            self._path.mkdir(parents=True, exist_ok=True)
-            digest = hashlib.blake2b(value, digest_size=_DIGEST).digest()
-            handle, temporary = tempfile.mkstemp(dir=self._path, prefix=".tmp-")
-            try:
-                with os.fdopen(handle, "wb") as file:
-                    file.write(digest + value)
-                os.replace(temporary, self._path / key)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
-        except OSError:
-            pass  # a read-only or full disk only costs the next compilation
+        return Path(value).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "pipedejavu" / "jax"
 
 
-def enable(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
-    """Turn the persistent cache on for this process (once; later calls with
-    another folder are ignored). Returns the folder in use, or None."""
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Switch JAX's persistent compilation cache on for this process.
+
+    Sets ``jax_compilation_cache_dir`` to ``path`` (default: see
+    :func:`cache_folder`) and ``jax_persistent_cache_min_compile_time_secs`` to
+    0, so the many small functions of the engine are kept too. Does nothing
+    when a cache folder is already configured, or when the folder resolves to
+    off (``PIPEDEJAVU_CACHE_DIR=off``). Call it before the process's first JAX
+    compilation.
+
+    Returns:
+        The folder in use (the one already configured, if any), or None when
+        the cache stays off.
+    """
     import jax
 
-    with _lock:
-        if _enabled:
-            return _enabled[0]
-        own = jax.config.jax_compilation_cache_dir
-        if own:  # the program chose a cache: use it as it is
-            _enabled.append(Path(own))
-            return _enabled[0]
-        folder = cache_folder(cache_dir)
-        if folder is None:
-            _enabled.append(None)
-            return None
-        try:
-            from jax._src import compilation_cache
-        except ImportError:  # pragma: no cover - JAX moved its internals
-            compilation_cache = None
-        jax.config.update("jax_compilation_cache_dir", str(folder))
-        if compilation_cache is not None and hasattr(compilation_cache, "_cache"):
-            with compilation_cache._cache_initialized_mutex:
-                compilation_cache._cache = _AtomicFileCache(folder)
-                compilation_cache._cache_initialized = True
-                # Re-decide "is the cache used" (decided at the first compile).
-                compilation_cache._cache_checked = False
-                compilation_cache._cache_used = False
-        _enabled.append(folder)
-        return folder
-
-
-@contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Within: every compilation is written to the cache, however short."""
-    try:
-        from jax._src import config
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    with config.persistent_cache_min_compile_time_secs(0.0):
-        yield
+    own = jax.config.jax_compilation_cache_dir
+    if own:  # the user chose a cache: keep it, and its settings, as they are
+        return Path(own)
+    folder = cache_folder(path)
+    if folder is None:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder

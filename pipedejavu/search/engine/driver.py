@@ -21,7 +21,6 @@ The returned cost is always ``evaluate(problem, plan)`` on the true table.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -168,7 +167,6 @@ def search(
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
     message_fn: Callable[[str], None] | None = None,
-    cache_dir: str | os.PathLike | bool | None = None,
 ) -> SearchResult:
     """Run the engine; see the module docstring.
 
@@ -182,15 +180,10 @@ def search(
             run in batches (a long run).
         message_fn: receives a line about the polish (restart, best plan,
             lower bound) about every 1.5 s once the polish takes that long.
-        cache_dir: where compiled code is kept between processes
-            (:mod:`pipedejavu.search.engine.compile_cache`): a folder, ``False`` for
-            none, ``None`` for ``$PIPEDEJAVU_CACHE_DIR`` or the user's cache
-            folder. The first call in a process decides.
 
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
-    from pipedejavu.search.engine import compile_cache as _jax_cache
     from pipedejavu.search.engine.bounds import lower_bound
 
     started = time.perf_counter()
@@ -208,9 +201,7 @@ def search(
             most_slots,
         ),
     )
-    _jax_cache.enable(cache_dir)
-    with _jax_cache.compiling():
-        data, num_usable_slots, scale = _prepare(problem)
+    data, num_usable_slots, scale = _prepare(problem)
     if data is None:  # nothing to relax: polish from one stage (window widens)
         candidates, curve, final_losses, compile_time = (
             [(0, [0, problem.num_layers])],
@@ -316,7 +307,6 @@ def differentiable(
     key: jax.Array,
     progress_fn: Callable[[int, int, float], None] | None = None,
     message_fn: Callable[[str], None] | None = None,
-    cache_dir: str | os.PathLike | bool | None = None,
 ) -> Plan:
     """The engine's plan (``search(...).plan``); ``plan.info`` carries the lower
     bound, gap, best restart, fraction of restarts at the best, and times."""
@@ -326,5 +316,4 @@ def differentiable(
         key=key,
         progress_fn=progress_fn,
         message_fn=message_fn,
-        cache_dir=cache_dir,
     ).plan

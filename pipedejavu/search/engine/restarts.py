@@ -73,10 +73,16 @@ def _initial_params(
     return RelaxedParams(boundary, closeness + noise), mask
 
 
+#: ``[n]``: times :func:`_start` was traced (each new trace is compiled or
+#: loaded from the persistent cache).
+START_TRACES = [0]
+
+
 @partial(jax.jit, static_argnames=("num_restarts", "num_stages", "num_slots"))
 def _start(key, data, *, num_restarts, num_stages, num_slots):
     """Initial restarts in one compiled function (cached on disk) instead of a
     dozen eager operations compiled one by one."""
+    START_TRACES[0] += 1  # a Python side effect: runs once per trace
     return _initial_params(key, data, num_restarts, num_stages, num_slots)
 
 
@@ -261,8 +267,6 @@ def optimize(
     Restarts whose working memory together exceeds ``config.memory_limit_gb``
     run in equal batches, one after the other, through one compiled function.
     """
-    from pipedejavu.search.engine import compile_cache as _jax_cache
-
     num_stages = config.max_stages or min(problem.num_layers, problem.num_devices, 32)
     num_stages = min(num_stages, problem.num_layers)
     num_slots = 1 << (num_stages - 1).bit_length()  # padded: fewer compilations
@@ -276,20 +280,18 @@ def optimize(
     if big and progress_fn is not None:
         progress_fn(0, total_steps, math.inf)  # a long run: say so at once
     started = time.perf_counter()
-    known = _start._cache_size()
-    with _jax_cache.compiling():
-        everything, all_masks = _start(
-            key,
-            data,
-            num_restarts=config.num_restarts,
-            num_stages=num_stages,
-            num_slots=num_slots,
-        )
-        jax.block_until_ready(everything)
-        # Compilation (or a disk-cache load) only when the shapes were new.
-        compile_time = (
-            time.perf_counter() - started if _start._cache_size() > known else 0.0
-        )
+    known = START_TRACES[0]
+    everything, all_masks = _start(
+        key,
+        data,
+        num_restarts=config.num_restarts,
+        num_stages=num_stages,
+        num_slots=num_slots,
+    )
+    jax.block_until_ready(everything)
+    # Compilation (or a disk-cache load) only when the shapes were new: a new
+    # trace of ``_start`` (its body runs in Python only when JAX traces it).
+    compile_time = time.perf_counter() - started if START_TRACES[0] > known else 0.0
     chunk = config.num_steps // config.num_chunks
     schedule = _Schedule.of(config)
     curve = np.full(config.num_steps, np.inf)
@@ -310,17 +312,16 @@ def optimize(
             )
             mask = all_masks[index]
         params, mask = shard((params, mask), batch)
-        with _jax_cache.compiling():
-            opt_state = _fresh_state(params)
-            compiled, seconds = compiled_chunk(
-                _run_chunk,
-                COMPILED,
-                schedule,
-                (params, opt_state, data, mask),
-                chunk=chunk,
-                total=config.num_steps,
-                config=schedule,
-            )
+        opt_state = _fresh_state(params)
+        compiled, seconds = compiled_chunk(
+            _run_chunk,
+            COMPILED,
+            schedule,
+            (params, opt_state, data, mask),
+            chunk=chunk,
+            total=config.num_steps,
+            config=schedule,
+        )
         compile_time += seconds
         for step in range(config.num_chunks):
             params, opt_state, best, losses = compiled(

@@ -2,7 +2,7 @@
 
 A *placed plan* is ``(stages, placement)``: ``(start, stop, submesh, config,
 type)`` per stage and ``(hosts, first_device)`` per stage, any placement
-:func:`pipedejavu.core.hetero.check_hetero_plan` accepts. Two exact sub-solvers
+:func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts. Two exact sub-solvers
 serve the engine's rounding repair and its polish:
 
 * :func:`assign` -- given the layer boundaries ``0 = b_0 < ... < b_S = L``, the
@@ -17,7 +17,7 @@ serve the engine's rounding repair and its polish:
   DP over stages and end layers per cap and the branch and bound of
   :func:`pipedejavu.search.alpa.exact.search_caps` over caps.
 
-:func:`quick_cost` is :func:`pipedejavu.core.hetero.evaluate_hetero`'s arithmetic
+:func:`quick_cost` is :func:`pipedejavu.core.hetero_rules.evaluate_hetero`'s arithmetic
 for a placed plan whose placement is known to be valid (only latencies and
 memory are checked), without building the plan.
 """
@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.hetero import HeteroProblem, hetero_objective
+from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero_rules import hetero_objective
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.search.alpa.caps import search_caps
 from pipedejavu.search.hetero.exact import hetero_exact

@@ -2,7 +2,7 @@
 
 :func:`hetero_lower_bound` is ``<=`` the objective
 ``T = sum t + sum c + (B - 1) * max(max t, max c)`` of **every** plan that
-:func:`pipedejavu.core.hetero.check_hetero_plan` accepts (any explicit placement,
+:func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts (any explicit placement,
 mixed-type stages included), hence ``<=`` the optimum. Proof, for a plan with
 stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
 ``n_s`` devices, priced type ``tau_s`` (the slowest type of its hosts):

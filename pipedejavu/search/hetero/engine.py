@@ -31,7 +31,7 @@ The homogeneous engine's discipline (:mod:`pipedejavu.search.engine.driver`), ex
    restricted to spans near the best local optimum's boundaries and midpoints,
    from its cost (:func:`pipedejavu.search.hetero.polish.exact_polish`).
 
-The plan's cost is always :func:`pipedejavu.core.hetero.evaluate_hetero` of it.
+The plan's cost is always :func:`pipedejavu.core.hetero_rules.evaluate_hetero` of it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.engine.restarts import compiled_chunk, geometric, shard

@@ -1,7 +1,7 @@
 """The exact oracle for hardware-aware stage construction, over every valid plan.
 
-The plan space is :func:`pipedejavu.core.hetero.check_hetero_plan`'s: any stages on
-any hosts (a stage spanning hosts of several types is priced at its slowest
+The plan space is :func:`pipedejavu.core.hetero_rules.check_hetero_plan`'s: any stages
+on any hosts (a stage spanning hosts of several types is priced at its slowest
 type and obeys the memory rule of each), any placement, host sharing decided by
 the links, priced by ``T = sum t + sum c + (B - 1) * max(max t, max c)``.
 
@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem, make_hetero_plan
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.search.alpa.caps import search_caps
 from pipedejavu.search.hetero.dp import Interrupted, Unit, solve_relaxed

@@ -1,9 +1,9 @@
 """Polishing placed plans on the true objective: local moves and exact windows.
 
-Both phases search the space of :func:`pipedejavu.core.hetero.check_hetero_plan`
+Both phases search the space of :func:`pipedejavu.core.hetero_rules.check_hetero_plan`
 (any placement, stages over hosts of several types) and price every move
 exactly (:func:`pipedejavu.search.hetero.assign.quick_cost`, the arithmetic of
-:func:`pipedejavu.core.hetero.evaluate_hetero`):
+:func:`pipedejavu.core.hetero_rules.evaluate_hetero`):
 
 * :func:`local_search` (milliseconds per pass), until no move improves:
   boundary hill climbing with every stage's place fixed; the best boundaries

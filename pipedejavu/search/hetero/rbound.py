@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pipedejavu.core.hetero import make_hetero_plan
+from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.search.alpa.caps import search_caps
 from pipedejavu.search.hetero.dp import Interrupted, solve_relaxed
 from pipedejavu.search.hetero.exact import memory_ok

@@ -200,7 +200,7 @@ def _wholes(problem: HeteroProblem, hosts: tuple[int, ...]) -> list[Whole]:
 
 def _links(problem: HeteroProblem) -> tuple[NDArray, NDArray]:
     """Round trips ``2 * link.time(bytes)`` at every boundary, as
-    :func:`pipedejavu.core.hetero.transfer_times` computes them."""
+    :func:`pipedejavu.core.hetero_rules.transfer_times` computes them."""
     cluster = problem.cluster
     num_layers, num_types = problem.num_layers, problem.num_types
     intra = np.full((num_layers + 1, num_types), np.inf)
