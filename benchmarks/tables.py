@@ -348,7 +348,7 @@ VALUES: dict[str, Value] = {
 
 # ---------------------------------------------------------------- rewriting
 
-TABLE_RE = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(\n<!-- /results:\2 -->)", re.S)
+TABLE_RE = re.compile(r"(<!-- results:([\w-]+) -->)(.*?)(<!-- /results:\2 -->)", re.S)
 VALUE_RE = re.compile(r"(<!-- value:([\w-]+) -->)(.*?)(<!-- /value -->)", re.S)
 
 
@@ -359,7 +359,7 @@ def render(text: str) -> str:
         name = m.group(2)
         if name not in TABLES:
             raise KeyError(f"unknown results table {name!r}")
-        return m.group(1) + TABLES[name]() + m.group(4)
+        return m.group(1) + "\n" + TABLES[name]() + "\n" + m.group(4)
 
     def fill_value(m: re.Match) -> str:
         name = m.group(2)
