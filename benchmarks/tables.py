@@ -348,8 +348,8 @@ VALUES: dict[str, Value] = {
 
 # ---------------------------------------------------------------- rewriting
 
-TABLE_RE = re.compile(r"(<!-- results:([\w-]+) -->)(.*?)(<!-- /results:\2 -->)", re.S)
-VALUE_RE = re.compile(r"(<!-- value:([\w-]+) -->)(.*?)(<!-- /value -->)", re.S)
+TABLE_RE = re.compile(r"(<!-- results:([a-z0-9_]+) -->)(.*?)(<!-- /results:\2 -->)", re.S)
+VALUE_RE = re.compile(r"(<!-- value:([a-z0-9_]+) -->)(.*?)(<!-- /value -->)", re.S)
 
 
 def render(text: str) -> str:
