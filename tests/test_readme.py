@@ -1,8 +1,15 @@
 """The README's examples, as a new user meets them.
 
-Every ```python block runs as written, in its own process, in an empty folder;
-every ``pipedejavu ...`` line of the ```bash blocks parses with the real
-command-line parser (running them all would take minutes).
+Every ```python block runs as written, in its own process, in an empty folder.
+Every ``pipedejavu ...`` command of the ```bash blocks is split as the shell
+splits it (quotes, comments, line continuations, ``&&``, pipes, redirections)
+and parsed with the real command-line parser (running them all would take
+minutes); pseudo-syntax such as ``[--json]`` is not shell and fails. Every file
+a command reads must come from somewhere the reader can see: a bundled example
+or cluster by name, a path in this repository, or a file an earlier line of the
+same block writes (a redirection, ``convert``'s output, ``--out``).
+
+tests/test_docs.py applies the same checks to the docs pages.
 """
 
 from __future__ import annotations
@@ -17,32 +24,103 @@ import pytest
 
 from pipedejavu.cli.main import _build_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-TEXT = README.read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.S)
-BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", TEXT, re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: Arguments that name a file the command reads.
+INPUT_DESTS = ("problem", "cluster_file", "plan", "stage_profile", "steps", "perf", "config")
+#: Arguments that name a file the command writes.
+OUTPUT_DESTS = ("output", "out")
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+REDIRECTS = {">", ">>", "<", "<<", "2>", "&>"}
 
 
-def _command_lines() -> list[str]:
-    lines = []
-    for block in BASH_BLOCKS:
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("#")[0].split(" > ")[0].strip()  # no comment, no >
-            if line.startswith("pipedejavu ") and "[" not in line:
-                lines.append(line)
-    return lines
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-def test_the_readme_has_examples():
-    assert len(PYTHON_BLOCKS) >= 3
-    assert len(_command_lines()) >= 15
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, re.S)
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
-def test_python_block_runs_as_written_in_an_empty_folder(tmp_path, index):
+def _drop_heredocs(block: str) -> str:
+    """A heredoc's body is data, not commands: keep only its first line."""
+    out, lines = [], iter(block.splitlines())
+    for line in lines:
+        out.append(line)
+        m = re.search(r"<<-?\s*'?\"?(\w+)", line)
+        if m:
+            for body in lines:
+                if body.strip() == m.group(1):
+                    break
+    return "\n".join(out)
+
+
+def shell_commands(block: str) -> list[tuple[list[str], list[str]]]:
+    """``(argv, files written by redirection)`` for every simple command."""
+    text = _drop_heredocs(block).replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        argv: list[str] = []
+        written: list[str] = []
+        tokens = list(lexer)
+        i = 0
+        while i < len(tokens):
+            token = tokens[i]
+            if token in SEPARATORS:
+                if argv:
+                    commands.append((argv, written))
+                argv, written = [], []
+            elif token in REDIRECTS and i + 1 < len(tokens):
+                if token not in ("<", "<<"):
+                    written.append(tokens[i + 1])
+                i += 1
+            else:
+                argv.append(token)
+            i += 1
+        if argv:
+            commands.append((argv, written))
+    return commands
+
+
+def cli_commands(text: str) -> list[tuple[list[str], set[str]]]:
+    """``(pipedejavu's arguments, files the earlier lines of the block made)``."""
+    found = []
+    for block in bash_blocks(text):
+        made: set[str] = set()
+        for argv, written in shell_commands(block):
+            if argv[0] == "pipedejavu":
+                found.append((argv[1:], set(made)))
+            made.update(written)
+            made.update(a for a in argv[1:] if not a.startswith("-"))
+    return found
+
+
+def _looks_like_a_file(value: str) -> bool:
+    return "/" in value or bool(re.search(r"\.\w+$", value))
+
+
+def check_cli_command(argv: list[str], made: set[str]) -> None:
+    if argv in (["--version"], ["--help"]):
+        return
+    args = _build_parser().parse_args(argv)
+    assert args.command == argv[0]
+    for dest in INPUT_DESTS:
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or not _looks_like_a_file(value):
+            continue  # a bundled example or cluster by name
+        assert value in made or (ROOT / value).exists(), (
+            f"pipedejavu {' '.join(argv)}: where does {value!r} come from? Name a "
+            "bundled example, a repository path, or write it earlier in the block"
+        )
+
+
+def run_python_block(code: str, cwd: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", PYTHON_BLOCKS[index]],
-        cwd=tmp_path,
+        [sys.executable, "-c", code],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
@@ -51,10 +129,53 @@ def test_python_block_runs_as_written_in_an_empty_folder(tmp_path, index):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("line", _command_lines())
-def test_cli_line_parses(line):
-    argv = shlex.split(line)[1:]
-    if argv in (["--version"],):
-        return
-    args = _build_parser().parse_args(argv)
-    assert args.command == argv[0]
+TEXT = README.read_text()
+PYTHON_BLOCKS = python_blocks(TEXT)
+COMMANDS = cli_commands(TEXT)
+
+
+def test_the_readme_has_examples():
+    assert len(PYTHON_BLOCKS) >= 3
+    assert len(COMMANDS) >= 8
+
+
+def test_the_readme_is_a_front_door():
+    assert len(TEXT.splitlines()) <= 250
+    for command in ('pip install ".[test]"', "pipedejavu demo", "python -m pytest -q"):
+        assert command in TEXT
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_python_block_runs_as_written_in_an_empty_folder(tmp_path, index):
+    run_python_block(PYTHON_BLOCKS[index], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv,made", COMMANDS, ids=[" ".join(a)[:60] for a, _ in COMMANDS]
+)
+def test_cli_line_parses(argv, made):
+    check_cli_command(argv, made)
+
+
+def test_the_shell_splitting():
+    """Quotes, comments, chains and redirections are split as bash would."""
+    block = (
+        "pipedejavu plan --gpus 'GH-96:16' --json > 'my plan.json'  # a comment [x]\n"
+        "pipedejavu predict 'my plan.json' && pipedejavu solve x.npz | head\n"
+        "cat > steps.csv <<CSV\n1,2\n[not a command]\nCSV\n"
+        "pipedejavu compare gpt1.3b-6layers-B128 \\\n    --methods dp,greedy\n"
+    )
+    assert shell_commands(block) == [
+        (["pipedejavu", "plan", "--gpus", "GH-96:16", "--json"], ["my plan.json"]),
+        (["pipedejavu", "predict", "my plan.json"], []),
+        (["pipedejavu", "solve", "x.npz"], []),
+        (["head"], []),
+        (["cat"], ["steps.csv"]),
+        (["pipedejavu", "compare", "gpt1.3b-6layers-B128", "--methods", "dp,greedy"], []),
+    ]
+    commands = cli_commands(f"```bash\n{block}```")
+    check_cli_command(*commands[1])  # written by the line before
+    with pytest.raises(AssertionError, match="where does 'x.npz' come from"):
+        check_cli_command(*commands[2])
+    with pytest.raises(SystemExit):  # pseudo-syntax is not shell: it fails
+        check_cli_command(["compare", "gpt1.3b-6layers-B128", "[--json", "|", "--csv]"], set())
