@@ -85,6 +85,40 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
 
 
 GRAPH = {module: _imports(module) for module in MODULES}
+#: Third-party packages heavy enough to load only when a call needs them.
+HEAVY = {"jax", "jaxlib", "flax", "optax", "matplotlib"}
+
+
+def _top_level_lines(module: str) -> set[int]:
+    """Lines of the imports that run when ``module`` is imported."""
+    tree = ast.parse(MODULES[module].read_text())
+    return {n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+def _heavy_modules() -> set[str]:
+    """Project modules whose import loads a heavy package (directly or below)."""
+    direct = set()
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(name.split(".")[0] in HEAVY for name in names):
+                direct.add(module)
+    heavy, changed = set(direct), True
+    while changed:
+        changed = False
+        for module in MODULES:
+            if module in heavy:
+                continue
+            lines = _top_level_lines(module)
+            if any(t in heavy for t, _, line in GRAPH[module] if line in lines):
+                heavy.add(module)
+                changed = True
+    return heavy
 
 
 def _layer(module: str) -> tuple[str, int]:
@@ -151,6 +185,23 @@ def test_imports_flow_down_the_layers():
             if target_rank > rank or (target_rank == rank and target_top != top):
                 wrong.append(f"{module}:{line} imports {target}")
     assert wrong == []
+
+
+def test_function_level_imports_only_defer_heavy_modules():
+    # An import inside a function is there to keep JAX or matplotlib out of
+    # `import pipedejavu`; never to dodge a cycle (the cycle test counts it).
+    heavy = _heavy_modules()
+    assert "pipedejavu.search.engine.driver" in heavy
+    assert "pipedejavu.core.problem" not in heavy
+    needless = []
+    for module, imports in GRAPH.items():
+        if module.rpartition(".")[2] == "__init__" or MODULES[module].name == "__init__.py":
+            continue  # a package's _LAZY names
+        lines = _top_level_lines(module)
+        for target, _, line in imports:
+            if line not in lines and target not in heavy:
+                needless.append(f"{module}:{line} imports {target} in a function")
+    assert needless == []
 
 
 def test_no_private_name_crosses_a_module():
