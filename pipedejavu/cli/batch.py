@@ -19,7 +19,16 @@ import math
 import sys
 from typing import Any
 
+from pipedejavu.cli.megatron_report import format_training_plan
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.planning.batch import plan_goodput
+from pipedejavu.planning.elastic import (
+    elastic_counts,
+    parse_gpu_range,
+    plan_elastic,
+)
+from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
 
 __all__ = ["add_plan_options", "parse_grad", "run_batch_modes"]
 
@@ -119,8 +128,6 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
 
 
 def _run_goodput(args, grad, high) -> int:
-    from pipedejavu.cli.megatron_report import format_training_plan
-    from pipedejavu.planning.batch import plan_goodput
 
     _progress(f"goodput mode: planning {args.model} on {', '.join(args.gpus)} ...")
     result = plan_goodput(
@@ -154,13 +161,6 @@ def _run_goodput(args, grad, high) -> int:
 
 
 def _run_elastic(args, grad, high) -> int:
-    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-    from pipedejavu.planning.elastic import (
-        elastic_counts,
-        parse_gpu_range,
-        plan_elastic,
-    )
-    from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
 
     if len(args.gpus) != 1:
         raise ProblemError("--elastic takes one --gpus TYPE:LOW..HIGH")

@@ -17,6 +17,7 @@ from typing import Any
 from pipedejavu.cli import goodput as cli_goodput
 from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
+from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
 from pipedejavu.cli.formatting import format_inspection, format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
@@ -541,20 +542,12 @@ def _run(args: argparse.Namespace) -> int:
         elif args.command == "evaluate":
             _run_evaluate(args)
         elif args.command == "compare":
-            from pipedejavu.cli.commands import run_compare
-
             run_compare(_load(args), args)
         elif args.command == "costmodel":
-            from pipedejavu.cli.commands import run_costmodel
-
             run_costmodel(args)
         elif args.command == "profile":
-            from pipedejavu.cli.commands import run_profile
-
             run_profile(args)
         elif args.command == "demo":
-            from pipedejavu.cli.commands import run_demo
-
             run_demo(sys.stdout, as_json=args.json, alpa_scan=args.alpa_scan)
         elif args.command in ("goodput", "elastic"):
             return cli_goodput.run(args)

@@ -1,8 +1,9 @@
 """The differentiable engine: relax, optimize many restarts at once, round, polish.
 
-1. Fit the linear latency model (:mod:`pipedejavu.costmodel.stage.linear`) to the table.
-2. Optimize the relaxed objective (:mod:`pipedejavu.search.engine.relax`) with optax Adam for
-   ``num_restarts`` random initializations at once (``jax.vmap`` inside one
+1. Fit the linear latency model (:mod:`pipedejavu.costmodel.stage.linear`) to the
+   table.
+2. Optimize the relaxed objective (:mod:`pipedejavu.search.engine.relax`) with optax
+   Adam for ``num_restarts`` random initializations at once (``jax.vmap`` inside one
    jitted ``lax.scan``; the restarts are sharded over all JAX devices when there
    are several), annealing the boundary, slot and max temperatures and raising
    the device-budget penalty geometrically.
@@ -13,7 +14,8 @@
    (so boundaries move, stages split and merge), which also picks the optimal
    submesh and config of every stage under the all-devices and memory rules;
    re-centre on the result until it stops improving.
-4. Report the plan with a certified lower bound (:mod:`pipedejavu.search.engine.bounds`).
+4. Report the plan with a certified lower bound
+   (:mod:`pipedejavu.search.engine.bounds`).
 
 The returned cost is always ``evaluate(problem, plan)`` on the true table.
 """
@@ -31,6 +33,7 @@ import numpy as np
 from pipedejavu.core.problem import InfeasibleProblemError, Plan, Problem, make_plan
 from pipedejavu.search.alpa.caps import Reporter, explain_infeasible
 from pipedejavu.search.alpa.labels import label_dp
+from pipedejavu.search.engine.bounds import lower_bound
 from pipedejavu.search.engine.config import SearchConfig, SearchResult
 from pipedejavu.search.engine.relax import RelaxedProblem
 from pipedejavu.search.engine.restarts import (
@@ -184,7 +187,6 @@ def search(
     Raises:
         InfeasibleProblemError: no plan satisfies the rules; the message says why.
     """
-    from pipedejavu.search.engine.bounds import lower_bound
 
     started = time.perf_counter()
     # Refuse hopeless restart counts before any fitting or compiling (the

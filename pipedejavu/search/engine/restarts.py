@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +24,13 @@ import numpy as np
 import optax
 
 from pipedejavu.core.problem import Problem, ProblemError
+from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.engine.relax import (
     RelaxedParams,
     RelaxedProblem,
     Temperatures,
     relaxed_loss,
 )
-
-if TYPE_CHECKING:
-    from pipedejavu.search.engine.config import SearchConfig
 
 
 def geometric(pair: tuple[float, float], fraction: jax.Array) -> jax.Array:
