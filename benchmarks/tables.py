@@ -24,9 +24,10 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -97,29 +98,48 @@ def t_headline() -> str:
     sailor = [s for s in load("plan_vs_sailor.json")["settings"] if "sailor" in s]
     mbs = load("mbs_choice.json")["summary"]
     good = load("goodput_modes.json")["rows"]
-    gains = [f["goodput_mode_gain"] for r in good for f in r["fixed"] if f["batch"] == 1024]
+    gains = [
+        f["goodput_mode_gain"] for r in good for f in r["fixed"] if f["batch"] == 1024
+    ]
     gh, rtx = runs["gh200-opt350"]["time_error"], runs["rtx-opt350"]["time_error"]
     rows = [
-        ["exact DP against Alpa's algorithm (L = 16, where Alpa's finished)",
-         f"{span([r['time_ratio'] for r in dp], lambda x: f'{x:.0f}x')} faster, same plan cost",
-         "dp_scaling.json"],
-        ["differentiable engine, plan cost / exact optimum",
-         f"{sum(r['cost_ratio'] <= 1 + 1e-9 for r in q)} of {len(q)} instances at the optimum",
-         "search_vs_dp_quality.json"],
-        ["heterogeneous: Alpa's way / exact optimum",
-         span([r["alpa_vs_optimum"] for r in het], lambda x: f"{x:.2f}x"),
-         "hetero_vs_alpa.json"],
-        ["Megatron-style predictor vs measured iterations, median / max error",
-         f"GH200 {pct(gh['median'])} / {pct(gh['max'])}; RTX {pct(rtx['median'])} / {pct(rtx['max'])}",
-         "predict_real_runs.json"],
-        ["our plan / Sailor's plan (both priced by our predictor)",
-         span([s["sailor"]["ours_over_sailor"] for s in sailor], lambda x: f"{x:.3f}"),
-         "plan_vs_sailor.json"],
-        ["choosing the micro-batch size: gain median / mean / max",
-         f"{pct(mbs['gain_median'])} / {pct(mbs['gain_mean'])} / {pct(mbs['gain_max'])}",
-         "mbs_choice.json"],
-        ["goodput mode over a fixed batch of 1024",
-         span(gains, lambda x: f"+{100 * x:.0f}%"), "goodput_modes.json"],
+        [
+            "exact DP against Alpa's algorithm (L = 16, where Alpa's finished)",
+            f"{span([r['time_ratio'] for r in dp], lambda x: f'{x:.0f}x')} faster, same plan cost",
+            "dp_scaling.json",
+        ],
+        [
+            "differentiable engine, plan cost / exact optimum",
+            f"{sum(r['cost_ratio'] <= 1 + 1e-9 for r in q)} of {len(q)} instances at the optimum",
+            "search_vs_dp_quality.json",
+        ],
+        [
+            "heterogeneous: Alpa's way / exact optimum",
+            span([r["alpa_vs_optimum"] for r in het], lambda x: f"{x:.2f}x"),
+            "hetero_vs_alpa.json",
+        ],
+        [
+            "Megatron-style predictor vs measured iterations, median / max error",
+            f"GH200 {pct(gh['median'])} / {pct(gh['max'])}; RTX {pct(rtx['median'])} / {pct(rtx['max'])}",
+            "predict_real_runs.json",
+        ],
+        [
+            "our plan / Sailor's plan (both priced by our predictor)",
+            span(
+                [s["sailor"]["ours_over_sailor"] for s in sailor], lambda x: f"{x:.3f}"
+            ),
+            "plan_vs_sailor.json",
+        ],
+        [
+            "choosing the micro-batch size: gain median / mean / max",
+            f"{pct(mbs['gain_median'])} / {pct(mbs['gain_mean'])} / {pct(mbs['gain_max'])}",
+            "mbs_choice.json",
+        ],
+        [
+            "goodput mode over a fixed batch of 1024",
+            span(gains, lambda x: f"+{100 * x:.0f}%"),
+            "goodput_modes.json",
+        ],
     ]
     body = [[a, b, f"`{c}` ({meta(c)[0][:10]})"] for a, b, c in rows]
     return table(["result", "measured", "results file (date)"], body) + (
@@ -132,16 +152,34 @@ def t_dp_scaling() -> str:
     rows = []
     for r in data["rows"]:
         finished = r.get("alpa_cost_ratio") is not None
-        rows.append([
-            r["L"], r["D"], r["memory"], r["candidates"], f"{r['exact_time_s']:.3f}",
-            f"{r['alpa_time_s']:.2f}" if finished else f">{r['alpa_budget_s']:.0f} (cut off)",
-            r["alpa_evaluated"],
-            f"{r['time_ratio']:.0f}x" if finished
-            else f">{r['alpa_budget_s'] / r['exact_time_s']:.0f}x",
-            f"{r['alpa_cost_ratio']:.5f}" if finished else "?",
-        ])
-    head = ["L", "D", "memory", "caps", "exact DP s", "Alpa's scan s",
-            "caps Alpa evaluated", "Alpa / exact", "Alpa cost / optimum"]
+        rows.append(
+            [
+                r["L"],
+                r["D"],
+                r["memory"],
+                r["candidates"],
+                f"{r['exact_time_s']:.3f}",
+                f"{r['alpa_time_s']:.2f}"
+                if finished
+                else f">{r['alpa_budget_s']:.0f} (cut off)",
+                r["alpa_evaluated"],
+                f"{r['time_ratio']:.0f}x"
+                if finished
+                else f">{r['alpa_budget_s'] / r['exact_time_s']:.0f}x",
+                f"{r['alpa_cost_ratio']:.5f}" if finished else "?",
+            ]
+        )
+    head = [
+        "L",
+        "D",
+        "memory",
+        "caps",
+        "exact DP s",
+        "Alpa's scan s",
+        "caps Alpa evaluated",
+        "Alpa / exact",
+        "Alpa cost / optimum",
+    ]
     return table(head, rows) + source("dp_scaling.json")
 
 
@@ -153,16 +191,26 @@ def t_engine_quality() -> str:
         groups.setdefault(key, []).append(r)
     out = []
     for key, rs in groups.items():
-        out.append([
-            key, len(rs), f"{max(r['cost_ratio'] for r in rs):.5f}",
-            f"{statistics.median(r['exact_s'] for r in rs):.3f}",
-            f"{statistics.median(r['engine_warm_s'] for r in rs):.2f}",
-            f"{statistics.median(r['time_ratio_warm'] for r in rs):.1f}x",
-            pct(max(r["gap_to_bound"] for r in rs), 3),
-        ])
-    head = ["L", "instances", "engine / optimum (max)", "exact DP s (median)",
-            "engine warm s (median)", "engine / exact DP time (median)",
-            "certified gap (max)"]
+        out.append(
+            [
+                key,
+                len(rs),
+                f"{max(r['cost_ratio'] for r in rs):.5f}",
+                f"{statistics.median(r['exact_s'] for r in rs):.3f}",
+                f"{statistics.median(r['engine_warm_s'] for r in rs):.2f}",
+                f"{statistics.median(r['time_ratio_warm'] for r in rs):.1f}x",
+                pct(max(r["gap_to_bound"] for r in rs), 3),
+            ]
+        )
+    head = [
+        "L",
+        "instances",
+        "engine / optimum (max)",
+        "exact DP s (median)",
+        "engine warm s (median)",
+        "engine / exact DP time (median)",
+        "certified gap (max)",
+    ]
     return table(head, out) + source("search_vs_dp_quality.json")
 
 
@@ -174,7 +222,11 @@ def t_compare_methods() -> str:
     for m in methods:
         cells = [m]
         for size in sizes:
-            rs = [r for r in rows if r["method"] == m and (r["num_layers"], r["cluster"]) == size]
+            rs = [
+                r
+                for r in rows
+                if r["method"] == m and (r["num_layers"], r["cluster"]) == size
+            ]
             ratio = statistics.mean(r["cost_ratio"] for r in rs)
             worst = max(r["worst_ratio"] for r in rs)
             t = statistics.mean(r["time_ratio"] for r in rs)
@@ -183,20 +235,37 @@ def t_compare_methods() -> str:
     head = ["method"] + [f"L={n} ({c})" for n, c in sizes]
     return (
         "Each cell: plan cost / exact optimum, mean over two instances (worst run); "
-        "search time / the exact DP's.\n\n" + table(head, out) + source("compare_methods.json")
+        "search time / the exact DP's.\n\n"
+        + table(head, out)
+        + source("compare_methods.json")
     )
 
 
 def t_hetero() -> str:
     rows = load("hetero_vs_alpa.json")["rows"]
-    out = [[
-        r["instance"], r["num_devices"], f"{r['alpa_s']:.2f}",
-        f"{r['engine_cold_s']:.1f} / {r['engine_warm_s']:.1f}", f"{r['oracle_s']:.2f}",
-        f"{r['alpa_vs_optimum']:.3f}", f"{r['engine_cost'] / r['oracle_cost']:.4f}",
-        pct(r["certified_gap"], 2),
-    ] for r in rows]
-    head = ["instance", "devices", "Alpa's way s", "engine s cold / warm", "oracle s",
-            "Alpa's way / optimum", "engine / optimum", "certified gap"]
+    out = [
+        [
+            r["instance"],
+            r["num_devices"],
+            f"{r['alpa_s']:.2f}",
+            f"{r['engine_cold_s']:.1f} / {r['engine_warm_s']:.1f}",
+            f"{r['oracle_s']:.2f}",
+            f"{r['alpa_vs_optimum']:.3f}",
+            f"{r['engine_cost'] / r['oracle_cost']:.4f}",
+            pct(r["certified_gap"], 2),
+        ]
+        for r in rows
+    ]
+    head = [
+        "instance",
+        "devices",
+        "Alpa's way s",
+        "engine s cold / warm",
+        "oracle s",
+        "Alpa's way / optimum",
+        "engine / optimum",
+        "certified gap",
+    ]
     return table(head, out) + source("hetero_vs_alpa.json")
 
 
@@ -205,16 +274,38 @@ def t_predict_runs() -> str:
     names = {"gh200-opt350": "GH200, OPT-350M", "rtx-opt350": "RTX cluster, OPT-350M"}
 
     def cell(e):
-        return "not fitted" if e is None else (
-            f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}")
+        return (
+            "not fitted"
+            if e is None
+            else (f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}")
+        )
 
-    out = [[names.get(k, k), v["time_error"]["n"], cell(v["time_error"]),
-            cell(v["loo_time_error"]), cell(v["anchor_time_error"]),
-            cell(v["memory_error"]), cell(v["anchor_memory_error"])] for k, v in s.items()]
-    head = ["runs", "n", "time", "time, leave-one-out", "time, Sailor's closed form",
-            "memory", "memory, Sailor's closed form"]
-    return ("Absolute relative error, median / mean / max.\n\n" + table(head, out)
-            + source("predict_real_runs.json"))
+    out = [
+        [
+            names.get(k, k),
+            v["time_error"]["n"],
+            cell(v["time_error"]),
+            cell(v["loo_time_error"]),
+            cell(v["anchor_time_error"]),
+            cell(v["memory_error"]),
+            cell(v["anchor_memory_error"]),
+        ]
+        for k, v in s.items()
+    ]
+    head = [
+        "runs",
+        "n",
+        "time",
+        "time, leave-one-out",
+        "time, Sailor's closed form",
+        "memory",
+        "memory, Sailor's closed form",
+    ]
+    return (
+        "Absolute relative error, median / mean / max.\n\n"
+        + table(head, out)
+        + source("predict_real_runs.json")
+    )
 
 
 def t_plan_vs_sailor() -> str:
@@ -223,24 +314,47 @@ def t_plan_vs_sailor() -> str:
         gpus = " + ".join(f"{n} {t}" for t, n in s["gpus"].items())
         o = s["ours"]
         sailor = s.get("sailor")
-        out.append([
-            f"{s['model']}, {gpus}, gbs {s['gbs']}", o["plan"].split(" (")[0],
-            f"{o['predicted_s']:.3f}", "yes" if o["proven_optimal_under_predictor"] else "no",
-            f"{sailor['predicted_by_us_s']:.3f}" if sailor else "",
-            f"{sailor['ours_over_sailor']:.3f}" if sailor else "",
-            f"{o['search_time_warm_s']:.2f}" if "search_time_warm_s" in o else "",
-        ])
-    head = ["setting", "our plan", "predicted s", "proven optimal", "Sailor's plan, predicted s",
-            "ours / Sailor's", "search s (warm)"]
+        out.append(
+            [
+                f"{s['model']}, {gpus}, gbs {s['gbs']}",
+                o["plan"].split(" (")[0],
+                f"{o['predicted_s']:.3f}",
+                "yes" if o["proven_optimal_under_predictor"] else "no",
+                f"{sailor['predicted_by_us_s']:.3f}" if sailor else "",
+                f"{sailor['ours_over_sailor']:.3f}" if sailor else "",
+                f"{o['search_time_warm_s']:.2f}" if "search_time_warm_s" in o else "",
+            ]
+        )
+    head = [
+        "setting",
+        "our plan",
+        "predicted s",
+        "proven optimal",
+        "Sailor's plan, predicted s",
+        "ours / Sailor's",
+        "search s (warm)",
+    ]
     return table(head, out) + source("plan_vs_sailor.json")
 
 
 def t_mbs_choice() -> str:
     s = load("mbs_choice.json")["summary"]
-    row = [s["runs"], s["settings"], s["settings_mbs_changed"], pct(s["gain_median"]),
-           pct(s["gain_mean"]), pct(s["gain_max"])]
-    head = ["measured runs", "distinct settings", "settings where the mbs changes",
-            "gain: median", "mean", "max"]
+    row = [
+        s["runs"],
+        s["settings"],
+        s["settings_mbs_changed"],
+        pct(s["gain_median"]),
+        pct(s["gain_mean"]),
+        pct(s["gain_max"]),
+    ]
+    head = [
+        "measured runs",
+        "distinct settings",
+        "settings where the mbs changes",
+        "gain: median",
+        "mean",
+        "max",
+    ]
     return table(head, [row]) + source("mbs_choice.json")
 
 
@@ -250,30 +364,73 @@ def t_goodput_modes() -> str:
         gpus = " + ".join(f"{n} {t}" for t, n in r["gpus"].items())
         fixed = ", ".join(
             f"{f['batch']}: {f['goodput']:.1f} (+{100 * f['goodput_mode_gain']:.0f}%)"
-            for f in r["fixed"])
-        out.append([f"{r['model']}, {gpus}", r["loss_nats"], f"{r['noise_scale_samples']:.0f}",
-                    r["best_batch"], f"{r['goodput']:.1f}", f"{r['planned']} of {r['candidates']}",
-                    fixed])
-    head = ["model, GPUs", "loss (nats)", "noise scale", "chosen batch", "goodput",
-            "batches planned", "fixed batch: goodput (goodput mode's gain)"]
+            for f in r["fixed"]
+        )
+        out.append(
+            [
+                f"{r['model']}, {gpus}",
+                r["loss_nats"],
+                f"{r['noise_scale_samples']:.0f}",
+                r["best_batch"],
+                f"{r['goodput']:.1f}",
+                f"{r['planned']} of {r['candidates']}",
+                fixed,
+            ]
+        )
+    head = [
+        "model, GPUs",
+        "loss (nats)",
+        "noise scale",
+        "chosen batch",
+        "goodput",
+        "batches planned",
+        "fixed batch: goodput (goodput mode's gain)",
+    ]
     return table(head, out) + source("goodput_modes.json")
 
 
 def t_elastic_modes() -> str:
     out = []
     for r in load("elastic_modes.json")["results"]:
-        out.append([r["model"], r["mode"], r["common_batch"],
-                    "yes" if r["common_valid_for_all"] else "no",
-                    pct(r["price_mean"]), pct(r["price_worst"])])
-    head = ["model", "mode", "common batch", "valid for every count",
-            "price: mean", "worst"]
+        out.append(
+            [
+                r["model"],
+                r["mode"],
+                r["common_batch"],
+                "yes" if r["common_valid_for_all"] else "no",
+                pct(r["price_mean"]),
+                pct(r["price_worst"]),
+            ]
+        )
+    head = [
+        "model",
+        "mode",
+        "common batch",
+        "valid for every count",
+        "price: mean",
+        "worst",
+    ]
     return table(head, out) + source("elastic_modes.json")
 
 
 def t_pollux() -> str:
-    out = [[r["experiment"], r["train"], r["test"], pct(r["test_median"]), pct(r["test_max"])]
-           for r in load("pollux_vs_predictor.json")["results"]]
-    head = ["experiment", "plans fitted", "plans tested", "held-out error: median", "max"]
+    out = [
+        [
+            r["experiment"],
+            r["train"],
+            r["test"],
+            pct(r["test_median"]),
+            pct(r["test_max"]),
+        ]
+        for r in load("pollux_vs_predictor.json")["results"]
+    ]
+    head = [
+        "experiment",
+        "plans fitted",
+        "plans tested",
+        "held-out error: median",
+        "max",
+    ]
     return table(head, out) + source("pollux_vs_predictor.json")
 
 
@@ -282,13 +439,25 @@ def t_init_search() -> str:
     for model, m in load("init_search.json")["models"].items():
         for name, s in m["strategies"].items():
             lo, hi = s["ci95"]["final_test_accuracy"]
-            out.append([f"`{model}`", name, f"{s['final_validation_loss']:.3f}",
-                        f"{s['final_test_loss']:.3f}",
-                        f"{100 * s['final_test_accuracy']:.2f}% "
-                        f"({100 * lo:.2f}-{100 * hi:.2f})",
-                        f"{s['gradient_evaluations']:,.0f}"])
-    head = ["model", "strategy", "final val loss", "final test loss",
-            "test accuracy (95% interval)", "gradient evaluations"]
+            out.append(
+                [
+                    f"`{model}`",
+                    name,
+                    f"{s['final_validation_loss']:.3f}",
+                    f"{s['final_test_loss']:.3f}",
+                    f"{100 * s['final_test_accuracy']:.2f}% "
+                    f"({100 * lo:.2f}-{100 * hi:.2f})",
+                    f"{s['gradient_evaluations']:,.0f}",
+                ]
+            )
+    head = [
+        "model",
+        "strategy",
+        "final val loss",
+        "final test loss",
+        "test accuracy (95% interval)",
+        "gradient evaluations",
+    ]
     return table(head, out) + source("init_search.json")
 
 
@@ -336,19 +505,31 @@ VALUES: dict[str, Value] = {
     "mbs_gain_mean": Value("mbs_choice.json", ("summary", "gain_mean"), _pct1),
     "mbs_gain_max": Value("mbs_choice.json", ("summary", "gain_max"), _pct1),
     "gh200_time_median": Value(
-        "predict_real_runs.json", ("summary", "gh200-opt350", "time_error", "median"), _pct1),
+        "predict_real_runs.json",
+        ("summary", "gh200-opt350", "time_error", "median"),
+        _pct1,
+    ),
     "gh200_time_max": Value(
-        "predict_real_runs.json", ("summary", "gh200-opt350", "time_error", "max"), _pct1),
+        "predict_real_runs.json",
+        ("summary", "gh200-opt350", "time_error", "max"),
+        _pct1,
+    ),
     "rtx_time_median": Value(
-        "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "median"), _pct1),
+        "predict_real_runs.json",
+        ("summary", "rtx-opt350", "time_error", "median"),
+        _pct1,
+    ),
     "rtx_time_max": Value(
-        "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "max"), _pct1),
+        "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "max"), _pct1
+    ),
 }
 
 
 # ---------------------------------------------------------------- rewriting
 
-TABLE_RE = re.compile(r"(<!-- results:([a-z0-9_]+) -->)(.*?)(<!-- /results:\2 -->)", re.S)
+TABLE_RE = re.compile(
+    r"(<!-- results:([a-z0-9_]+) -->)(.*?)(<!-- /results:\2 -->)", re.S
+)
 VALUE_RE = re.compile(r"(<!-- value:([a-z0-9_]+) -->)(.*?)(<!-- /value -->)", re.S)
 
 
