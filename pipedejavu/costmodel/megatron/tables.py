@@ -104,17 +104,17 @@ class StageTables:
 
 
 def usable_degrees(
-    data: SailorData, model: str, gpu: str, mbs: int, count: int
+    data: SailorData, model: str, gpu: str, mbs: int, count: int | None = None
 ) -> list[int]:
     """The TP degrees a stage of ``model`` may have on ``gpu`` at ``mbs`` with
     ``count`` GPUs: profiled at that mbs, dividing the GPUs of a node, at most
-    ``count``."""
+    ``count`` (``None``: any)."""
     table = data.profile(model, gpu)
     gpn = data.gpu_spec(gpu).gpus_per_node
     return [
         t
         for t in data.model_info(model).tp_values
-        if (mbs, t) in table and gpn % t == 0 and t <= count
+        if (mbs, t) in table and gpn % t == 0 and (count is None or t <= count)
     ]
 
 

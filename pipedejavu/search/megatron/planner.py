@@ -417,13 +417,7 @@ def search_megatron(
         one_node = item.dp * item.gpus <= gpn
         key = (item.gpu, item.mbs, item.dp, one_node)
         if key not in tables:
-            spec = data.gpu_spec(item.gpu)
-            tps = tuple(
-                t
-                for t in data.model_info(model).tp_values
-                if (item.mbs, t) in data.profile(model, item.gpu)
-                and spec.gpus_per_node % t == 0
-            )
+            tps = tuple(usable_degrees(data, model, item.gpu, item.mbs))
             tables[key] = compile_tables(
                 data,
                 model,

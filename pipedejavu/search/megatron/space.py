@@ -114,14 +114,12 @@ def mixes(
     for mbs in sorted({m for table in profiles.values() for m, _ in table}):
         if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
             continue
+        degrees = {
+            gpu: usable_degrees(data, model, gpu, mbs, count)
+            for gpu, count in gpus.items()
+        }
         for tp in info.tp_values:
-            usable = {
-                gpu: count
-                for gpu, count in gpus.items()
-                if (mbs, tp) in profiles[gpu]
-                and data.gpu_spec(gpu).gpus_per_node % tp == 0
-                and count >= tp
-            }
+            usable = {gpu: count for gpu, count in gpus.items() if tp in degrees[gpu]}
             if len(usable) < 2:
                 continue
             for dp in range(1, max(usable.values()) // tp + 1):
