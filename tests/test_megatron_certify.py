@@ -1,4 +1,4 @@
-"""The proof of optimality under the predictor (``search/megatron_certify.py``):
+"""The proof of optimality under the predictor (``pipedejavu/search/megatron/``):
 its per-stage bounds never exceed the predicted time of a plan that fits, the
 schedule fact it rests on, and its answer against brute force over every plan
 scored by the predictor."""
@@ -19,8 +19,11 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
-from pipedejavu.search.megatron import certify as mc
+from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.space import Mix, config_groups
+from pipedejavu.search.megatron.transfers import BoundCache
 from pipedejavu.simulation.simulate import simulate
 
 DATA = SailorData()
@@ -70,7 +73,7 @@ def test_warm_up_keeps_stages_in_flight():
 def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
     """For every plan that fits: the largest stage bound (both bounds and the
     memory test the stage's position asks for) <= its predicted time."""
-    groups = mc._groups(
+    groups = config_groups(
         DATA,
         model,
         dict(pool),
@@ -82,9 +85,7 @@ def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
     )
     bounds = {}
     for group in groups:
-        table = mc._StageBounds(
-            group, mc._stage_bounds(DATA, model, C, group), C.op_overhead_s
-        )
+        table = StageBounds(group, stage_bounds(DATA, model, C, group), C.op_overhead_s)
         for tp in group.tps:
             bounds[(group.gpu, group.mbs, group.dp, tp)] = table
     checked = tight = 0
@@ -261,7 +262,7 @@ def test_mixed_types_against_brute_force(pool, gbs, mbs_values, stages):
 
 
 def test_placed_mixed_bounds_are_below_every_prediction():
-    """Mixed plans (``_PlacedMix``): for random plans of 2-7 stages on three
+    """Mixed plans (``PlacedMix``): for random plans of 2-7 stages on three
     types, with the placement Megatron's rank order gives each stage, the
     largest stage bound and the bottleneck DP of the plan's stage counts never
     exceed its predicted time, and they bite."""
@@ -271,7 +272,7 @@ def test_placed_mixed_bounds_are_below_every_prediction():
     info = DATA.model_info(model)
     layers = info.num_layers
     rng = np.random.default_rng(7)
-    cache: dict = {}
+    cache = BoundCache()
     placed_by_setting: dict = {}
     checked = 0
     ratios = []
@@ -293,8 +294,8 @@ def test_placed_mixed_bounds_are_below_every_prediction():
         key = (mbs, tp, dp)
         if key not in placed_by_setting:
             caps = tuple((gpu, pool[gpu] // (dp * tp)) for gpu in types)
-            mix = mc._Mix(mbs, dp, gbs // (mbs * dp), tp, caps, layers)
-            placed_by_setting[key] = mc._PlacedMix(DATA, model, C, mix, cache)
+            mix = Mix(mbs, dp, gbs // (mbs * dp), tp, caps, layers)
+            placed_by_setting[key] = PlacedMix(DATA, model, C, mix, cache)
         placed = placed_by_setting[key]
         seen = dict.fromkeys(types, 0)
         order = []

@@ -193,16 +193,49 @@ def test_pruning_keeps_the_optimum():
 
 # ----------------------------------------------------------------------- API
 def test_plan_training():
-    result = plan_training("OPT-350", ["GH-96:16"], 64)
-    plan = result.plan
-    assert isinstance(plan, Plan3D) and plan.model == "OPT-350"
-    assert plan.num_gpus <= 16 and plan.gbs % (plan.mbs * plan.dp) == 0
-    assert {r.tp for s in plan.stages for r in s.replicas} <= {1, 2, 4}
+    """``plan_training`` on a setting small enough for brute force: its plan's
+    predicted time is the least of every plan (the predictor re-run on the
+    exported JSON), its objective is the tables' price of that plan, its
+    optimum and bounds are brute force's, and the JSON carries those values."""
+    pool, gbs = {"RTX-2080": 4}, 8
+    result = plan_training("OPT-350", ["RTX-2080:4"], gbs)
     data = result.to_json()
-    assert data["iteration_time_s"] == result.prediction.iteration_time_s
-    again = Plan3D.from_json(json.loads(json.dumps(data)))
-    assert predict_plan(again).iteration_time_s == data["iteration_time_s"]
-    assert data["gap"] == 0.0 and data["fewer_gpus"] == (plan.num_gpus < 16)
+    plan = Plan3D.from_json(json.loads(json.dumps(data)))
+    assert plan.model == "OPT-350" and plan.num_gpus <= 4
+    again = predict_plan(plan, DATA, constants=C)
+    _, best = brute_force_megatron(DATA, "OPT-350", pool, gbs, C, score="predictor")
+    _, optimum = brute_force_megatron(DATA, "OPT-350", pool, gbs, C)
+    assert again.fits_memory and data["fits_memory"]
+    assert data["iteration_time_s"] == again.iteration_time_s
+    assert data["iteration_time_s"] == pytest.approx(best, rel=1e-12)
+    assert data["peak_memory_bytes"] == again.peak_memory_bytes
+    assert data["memory_per_stage_bytes"] == again.stage_memory_bytes.tolist()
+    assert data["proven_optimal"]
+    assert data["predicted_lower_bound_s"] == pytest.approx(best, rel=1e-12)
+    assert data["optimum_s"] == pytest.approx(optimum, rel=1e-12)
+    assert data["lower_bound_s"] == data["optimum_s"] and data["gap"] == 0.0
+    # The objective: sum c + (B - 1) max c + max tail on the search's tables.
+    tps = tuple(sorted({s.replicas[0].tp for s in plan.stages}))
+    tables = compile_tables(
+        DATA,
+        "OPT-350",
+        C,
+        gpu_type="RTX-2080",
+        mbs=plan.mbs,
+        dp=plan.dp,
+        num_microbatches=plan.num_microbatches,
+        tps=tps,
+        zone="us-central1-a",
+        pipeline_gpus=sum(s.replicas[0].tp for s in plan.stages),
+    )
+    spans = [(s.start, s.stop - 1, tps.index(s.replicas[0].tp)) for s in plan.stages]
+    costs = [tables.compute_cost[a, b, m, 0] for a, b, m in spans]
+    tails = [tables.stage_tail_cost[a, b, m, 0] for a, b, m in spans]
+    objective = sum(costs) + (plan.num_microbatches - 1) * max(costs) + max(tails)
+    assert data["objective_s"] == pytest.approx(objective, rel=1e-12)
+    assert data["objective_s"] >= data["optimum_s"] * (1 - 1e-12)
+    assert data["gpus_used"] == {"RTX-2080": plan.num_gpus}
+    assert data["fewer_gpus"] == (plan.num_gpus < 4)
 
 
 def test_fewer_gpus_when_faster():

@@ -1,7 +1,8 @@
 """Communication times of a 3D plan on fitted links (Sailor's bandwidth curves).
 
-Building blocks of :mod:`pipedejavu.costmodel.megatron.predictor`. Every time comes from a
-:class:`~pipedejavu.costmodel.megatron.sailor_data.BandwidthFit`, which gives the
+Building blocks of :mod:`pipedejavu.costmodel.megatron.predictor`. Every time
+comes from a :class:`~pipedejavu.costmodel.megatron.sailor_data.BandwidthFit`,
+which gives the
 *aggregate* bandwidth of ``n`` GPUs on a node sending at once (Sailor measured
 ``n`` concurrent pairs between two nodes, or ``n / 2`` pairs inside one node) as
 a function of the message size per GPU.
@@ -33,6 +34,10 @@ Assumptions (stated once, used everywhere):
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Replica
 from pipedejavu.costmodel.megatron.sailor_data import NetworkTables
@@ -42,6 +47,7 @@ __all__ = [
     "node_key",
     "p2p_time",
     "ring_allreduce_time",
+    "ring_allreduce_times",
     "ring_hops",
 ]
 
@@ -147,8 +153,27 @@ def ring_allreduce_time(
     count = len(replicas)
     if count <= 1 or nbytes <= 0:
         return 0.0
-    chunk = nbytes / count
     if hops is None:
         hops = ring_hops(network, replicas, nodes)
-    slowest = max(streams * chunk / fit.bandwidth(chunk) for fit, streams in hops)
-    return 2 * (count - 1) * slowest
+    chunk = nbytes / count
+    return 2 * (count - 1) * _slowest_hop(hops, chunk)
+
+
+def _slowest_hop(hops: list[tuple[object, float]], chunk: Any) -> Any:
+    """Seconds of one ring step moving ``chunk`` bytes per GPU (a float, or an
+    array of chunks): its slowest hop."""
+    if isinstance(chunk, np.ndarray):
+        per_hop = [streams * chunk / fit.bandwidths(chunk) for fit, streams in hops]
+        return np.max(per_hop, axis=0)
+    return max(streams * chunk / fit.bandwidth(chunk) for fit, streams in hops)
+
+
+def ring_allreduce_times(
+    hops: list[tuple[object, float]], count: int, nbytes: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """:func:`ring_allreduce_time` of each entry of ``nbytes`` on a ring of
+    ``count`` members whose :func:`ring_hops` are ``hops``."""
+    if count <= 1 or not hops:
+        return np.zeros_like(nbytes)
+    chunk = nbytes / count
+    return np.where(nbytes > 0, 2 * (count - 1) * _slowest_hop(hops, chunk), 0.0)

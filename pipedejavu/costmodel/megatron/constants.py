@@ -50,7 +50,8 @@ class PredictorConstants:
         buffered_message_bytes: a point-to-point message of at most this many
             bytes per GPU does not block its sender (not fitted: NCCL's default
             buffer, :data:`NCCL_BUFFER_BYTES`).
-        smooth_profiles: use :func:`~pipedejavu.costmodel.megatron.sailor_data.smooth_profile`
+        smooth_profiles: use
+            :func:`~pipedejavu.costmodel.megatron.sailor_data.smooth_profile`
             (layer times affine in mbs) instead of the raw entries.
     """
 

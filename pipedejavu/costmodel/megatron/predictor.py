@@ -69,13 +69,23 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.costmodel.megatron.comm import node_key, p2p_time, ring_allreduce_time
+from pipedejavu.costmodel.megatron.comm import node_key, ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import (
-    BUCKET_ELEMENTS,
-    BYTES_PER_PARAM,
     FITTED_CONSTANTS,
     FLOAT_BYTES,
     PredictorConstants,
+)
+from pipedejavu.costmodel.megatron.rules import (
+    buckets,
+    is_blocking,
+    memory_bytes,
+    message_bytes,
+    model_state_bytes,
+    optimizer_time,
+    p2p_pair,
+    stage_params,
+    stash_bytes,
+    tied_allreduce_time,
 )
 from pipedejavu.costmodel.megatron.sailor_data import (
     LayerTimes,
@@ -162,35 +172,6 @@ class Prediction:
             ).tolist(),
             "peak_in_flight": self.peak_in_flight.tolist(),
         }
-
-
-def _stage_params(info: ModelInfo, tp: int, start: int, stop: int) -> float:
-    params = info.params[tp]
-    total = float(params[start:stop].sum())
-    if start == 0 and stop == info.num_layers:
-        total -= info.tied_params(tp)  # one module holds the shared embedding
-    return total
-
-
-def _buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
-    """DeepSpeed's buckets (elements), filled layer by layer (see module doc)."""
-    sizes = [float(x) for x in info.params[tp][start:stop]]
-    if start == 0 and stop == info.num_layers:
-        sizes[-1] -= info.tied_params(tp)
-    buckets, current = [], 0.0
-    for size in sizes:
-        current += size
-        if current > BUCKET_ELEMENTS:
-            buckets.append(current)
-            current = 0.0
-    if current > 0:
-        buckets.append(current)
-    return buckets
-
-
-def profiling_params(info: ModelInfo, tp: int) -> float:
-    params = info.params[tp]
-    return float(params[0] + params[1] + params[2] + params[-1]) - info.tied_params(tp)
 
 
 def _kind(replica) -> tuple:
@@ -283,9 +264,9 @@ def predict_plan(
             layers = slice(stage.start, stage.stop)
             forward[s, j] = float(entry.forward[layers].sum()) + overhead
             backward[s, j] = float(entry.backward[layers].sum()) + overhead
-            params = _stage_params(info, replica.tp, stage.start, stage.stop)
-            optimizer[s, j] = (
-                float(entry.update[0]) * params / profiling_params(info, replica.tp)
+            params = stage_params(info, replica.tp, stage.start, stage.stop)
+            optimizer[s, j] = optimizer_time(
+                float(entry.update[0]), params, info, replica.tp
             )
             limit[s, j] = data.gpu_spec(replica.gpu_type).memory_bytes
 
@@ -302,31 +283,14 @@ def predict_plan(
             pairs[pair] = pairs.get(pair, 0) + 1
         for j in range(dp):
             sender, receiver = a_stage.replicas[j], b_stage.replicas[j]
-            nbytes = float(info.act_output[sender.tp][a_stage.stop - 1]) * mbs
-            nbytes *= FLOAT_BYTES
-            piece = nbytes / min(sender.tp, receiver.tp)
-            blocking[s, j] = piece > constants.buffered_message_bytes
+            nbytes = float(message_bytes(info, sender.tp, a_stage.stop - 1, mbs))
+            blocking[s, j] = is_blocking(nbytes, sender.tp, receiver.tp, constants)
             same = nodes[s][j] == nodes[s + 1][j]
             shared = pairs[(nodes[s][j], nodes[s + 1][j])]
             key = (_kind(sender), _kind(receiver), nbytes, same, shared)
             if key not in transfers:  # replicas alike move tensors alike
-                transfers[key] = (
-                    p2p_time(
-                        network,
-                        sender,
-                        receiver,
-                        nbytes,
-                        same_node=same,
-                        concurrent=shared,
-                    ),
-                    p2p_time(
-                        network,
-                        receiver,
-                        sender,
-                        nbytes,
-                        same_node=same,
-                        concurrent=shared,
-                    ),
+                transfers[key] = p2p_pair(
+                    network, sender, receiver, nbytes, same_node=same, concurrent=shared
                 )
             activation[s, j], gradient[s, j] = transfers[key]
 
@@ -365,8 +329,8 @@ def predict_plan(
             nbytes = info.tied_params(a.tp) * FLOAT_BYTES
             key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
             if key not in rings:  # the time depends on whether they share a node
-                rings[key] = ring_allreduce_time(
-                    network, [a, b], [nodes[0][j], nodes[-1][j]], nbytes
+                rings[key] = tied_allreduce_time(
+                    network, info, a, b, [nodes[0][j], nodes[-1][j]]
                 )
             tied[j] = rings[key]
             start = max(ends[0, j], ends[-1, j])
@@ -377,27 +341,23 @@ def predict_plan(
     finish = np.zeros((num_stages, dp))
     for s, stage in enumerate(plan.stages):
         tp = stage.replicas[0].tp
-        buckets = _buckets(info, tp, stage.start, stage.stop)
+        sizes = buckets(info, tp, stage.start, stage.stop)
         allreduce[s] = sum(
             ring_allreduce_time(
                 network, stage.replicas, nodes[s], elements * FLOAT_BYTES
             )
-            for elements in buckets
+            for elements in sizes
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
-        act = float(info.act_mem[tp][stage.start : stage.stop].sum()) * FLOAT_BYTES
-        received = (
-            float(info.act_output[tp][stage.start - 1]) * FLOAT_BYTES if s else 0.0
-        )
-        held = _stage_params(info, tp, stage.start, stage.stop)
-        stash[s] = peak[s] * mbs * (act + received)
+        act = float(info.act_mem[tp][stage.start : stage.stop].sum())
+        received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
+        held = stage_params(info, tp, stage.start, stage.stop)
+        stash[s] = stash_bytes(act, received, peak[s] * mbs)
         for j, replica in enumerate(stage.replicas):
-            model_state[s, j] = BYTES_PER_PARAM * held + FLOAT_BYTES * max(buckets)
-            memory[s, j] = (
-                model_state[s, j]
-                + (1.0 + constants.activation_overhead) * stash[s]
-                + constants.reserve(replica.gpu_type)
+            model_state[s, j] = model_state_bytes(held, max(sizes))
+            memory[s, j] = memory_bytes(
+                model_state[s, j], stash[s], constants, replica.gpu_type
             )
     iteration = float(finish.max())
     return Prediction(

@@ -94,7 +94,8 @@ class LayerTimes:
         forward, backward: f64[L + 2] seconds per micro-batch on one GPU of the
             TP group (TP communication included).
         update: f64[L + 2] seconds of the optimizer step of the profiling model
-            (the same value repeated; see :mod:`pipedejavu.costmodel.megatron.predictor`).
+            (the same value repeated; see
+            :mod:`pipedejavu.costmodel.megatron.predictor`).
     """
 
     forward: NDArray[np.float64]

@@ -7,8 +7,8 @@ stage may use. The tables are those of :class:`pipedejavu.Problem`, indexed
 degree:
 
 * ``compute_cost``: the stage's busy time per micro-batch under the predictor
-  (:mod:`pipedejavu.costmodel.megatron.predictor`): its layers' forward and backward (the
-  affine-in-mbs profile), two instruction overheads, and - for each of its
+  (:mod:`pipedejavu.costmodel.megatron.predictor`): its layers' forward and
+  backward (the affine-in-mbs profile), two instruction overheads, and - for each of its
   boundaries whose message blocks (larger than NCCL's buffer per GPU) - the
   activation and gradient transfer it takes part in;
 * ``max_n_succ_stages``: how many stages may follow before the predicted memory
@@ -37,23 +37,44 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
-from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time, ring_hops
+from pipedejavu.costmodel.megatron.comm import (
+    p2p_time,
+    ring_allreduce_times,
+    ring_hops,
+)
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
-    BYTES_PER_PARAM,
     FLOAT_BYTES,
     PredictorConstants,
 )
-from pipedejavu.costmodel.megatron.predictor import profiling_params
-from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.rules import (
+    add_to_bucket,
+    held_params,
+    in_flight_capacity,
+    is_blocking,
+    message_bytes,
+    model_state_bytes,
+    optimizer_time,
+    span_sums,
+    stash_bytes,
+    tied_allreduce_time,
+)
+from pipedejavu.costmodel.megatron.sailor_data import (
+    ModelInfo,
+    NetworkTables,
+    SailorData,
+)
 
 __all__ = [
     "StageTables",
-    "usable_degrees",
+    "boundary_time",
     "canonical_nodes",
     "compile_tables",
     "plan_from_mixed_stages",
     "plan_from_stages",
+    "rank_nodes",
+    "span_allreduce",
+    "usable_degrees",
 ]
 
 
@@ -83,18 +104,24 @@ class StageTables:
 
 
 def usable_degrees(
-    data: SailorData, model: str, gpu: str, mbs: int, count: int
+    data: SailorData, model: str, gpu: str, mbs: int, count: int | None = None
 ) -> list[int]:
     """The TP degrees a stage of ``model`` may have on ``gpu`` at ``mbs`` with
     ``count`` GPUs: profiled at that mbs, dividing the GPUs of a node, at most
-    ``count``."""
+    ``count`` (``None``: any)."""
     table = data.profile(model, gpu)
     gpn = data.gpu_spec(gpu).gpus_per_node
     return [
         t
         for t in data.model_info(model).tp_values
-        if (mbs, t) in table and gpn % t == 0 and t <= count
+        if (mbs, t) in table and gpn % t == 0 and (count is None or t <= count)
     ]
+
+
+def rank_nodes(first: int, dp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """Megatron's rank order (TP innermost, then data): the node of each of the
+    ``dp`` replicas of a stage whose ranks start at ``first``."""
+    return [(first + j * tp) // gpus_per_node for j in range(dp)]
 
 
 def canonical_nodes(stage_tps: Sequence[int], dp: int, gpus_per_node: int) -> list:
@@ -102,9 +129,30 @@ def canonical_nodes(stage_tps: Sequence[int], dp: int, gpus_per_node: int) -> li
     ``dp sum_{r<s} tp_r + j tp_s``, node ``rank // gpus_per_node``."""
     nodes, offset = [], 0
     for tp in stage_tps:
-        nodes.append([(offset + j * tp) // gpus_per_node for j in range(dp)])
+        nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
         offset += dp * tp
     return nodes
+
+
+def boundary_time(
+    network: NetworkTables,
+    gpu_type: str,
+    tp: int,
+    dp: int,
+    gpus_per_node: int,
+    nbytes: float,
+    *,
+    same_node: bool,
+    zone: str,
+) -> float:
+    """The tables' price of one transfer over a boundary between two stages of
+    ``tp`` on ``gpu_type``: ``gpus_per_node / tp`` replicas (at most ``dp``)
+    move their tensors over one node pair at once."""
+    replica = Replica(gpu_type, tp, zone=zone)
+    concurrent = min(dp, max(gpus_per_node // tp, 1))
+    return p2p_time(
+        network, replica, replica, nbytes, same_node=same_node, concurrent=concurrent
+    )
 
 
 def plan_from_stages(
@@ -162,45 +210,20 @@ def plan_from_mixed_stages(
     used = dict.fromkeys(pool, 0)
     out = []
     for start, stop, tp, gpu in stages:
-        gpn = gpus_per_node[gpu]
+        nodes = rank_nodes(used[gpu], dp, tp, gpus_per_node[gpu])
         replicas = tuple(
-            Replica(gpu, tp, zone=zone, node=bases[gpu] + (used[gpu] + j * tp) // gpn)
-            for j in range(dp)
+            Replica(gpu, tp, zone=zone, node=bases[gpu] + n) for n in nodes
         )
         used[gpu] += dp * tp
         out.append(Stage3D(start, stop, replicas))
     return Plan3D(stages=tuple(out), mbs=mbs, gbs=gbs, model=model)
 
 
-def _buckets(sizes: NDArray[np.float64]) -> list[float]:
-    buckets, current = [], 0.0
-    for size in sizes.tolist():
-        current += size
-        if current > BUCKET_ELEMENTS:
-            buckets.append(current)
-            current = 0.0
-    if current > 0:
-        buckets.append(current)
-    return buckets
-
-
-def ring_times(hops, count: int, nbytes: NDArray[np.float64]) -> NDArray[np.float64]:
-    """:func:`~pipedejavu.costmodel.megatron.comm.ring_allreduce_time` of each
-    entry of ``nbytes`` on a ring of ``count`` members with these hops."""
-    if count <= 1 or not hops:
-        return np.zeros_like(nbytes)
-    chunk = nbytes / count
-    slowest = np.max(
-        [streams * chunk / fit.bandwidths(chunk) for fit, streams in hops], axis=0
-    )
-    return np.where(nbytes > 0, 2 * (count - 1) * slowest, 0.0)
-
-
 def span_allreduce(
     hops,
     dp: int,
-    params: NDArray[np.float64],
-    tied: float,
+    info: ModelInfo,
+    tp: int,
     held: NDArray[np.float64],
     starts: NDArray[np.int64],
     ends: NDArray[np.int64],
@@ -208,34 +231,36 @@ def span_allreduce(
     """Seconds of the bucketed ring all-reduce over ``dp`` replicas (ring
     ``hops``) of each span ``starts[n]..ends[n]`` (inclusive; ``held``: its
     parameters), and its largest bucket (elements): DeepSpeed's buckets, whole
-    layers added until a bucket holds more than ``BUCKET_ELEMENTS``."""
+    layers added until a bucket holds more than ``BUCKET_ELEMENTS``
+    (:func:`~pipedejavu.costmodel.megatron.rules.add_to_bucket`)."""
+    params = info.params[tp]
     num_layers = len(params)
     if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
-        return ring_times(hops, dp, held * FLOAT_BYTES), held
+        return ring_allreduce_times(hops, dp, held * FLOAT_BYTES), held
     closed_sizes, closed_span = [], []
     open_size, largest = np.zeros(len(starts)), np.zeros(len(starts))
     pairs = zip(starts.tolist(), ends.tolist(), strict=True)
     index = {(i, j): n for n, (i, j) in enumerate(pairs)}
+    sizes = [float(x) for x in params]
+    # the last layer of the span of every layer holds the tied embedding once
+    whole_last = float(held_params(info, tp, 0, num_layers, sizes[-1]))
     for i in range(num_layers):
         current, biggest = 0.0, 0.0
         done: list[float] = []
         for j in range(i, num_layers):
-            size = float(params[j])
-            if i == 0 and j == num_layers - 1:
-                size -= tied
-            current += size
-            if current > BUCKET_ELEMENTS:
-                done.append(current)
-                biggest = max(biggest, current)
-                current = 0.0
+            size = whole_last if i == 0 and j == num_layers - 1 else sizes[j]
+            current, closed = add_to_bucket(current, size)
+            if closed:
+                done.append(closed)
+                biggest = max(biggest, closed)
             n = index[(i, j)]
             closed_sizes += done
             closed_span += [n] * len(done)
             open_size[n] = current
             largest[n] = max(biggest, current)
-    allreduce = ring_times(hops, dp, open_size * FLOAT_BYTES)
+    allreduce = ring_allreduce_times(hops, dp, open_size * FLOAT_BYTES)
     if closed_sizes:
-        closed = ring_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
+        closed = ring_allreduce_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
         np.add.at(allreduce, np.array(closed_span), closed)
     return allreduce, largest
 
@@ -290,56 +315,50 @@ def compile_tables(
         replica = Replica(gpu_type, tp, zone=zone)
         one_node = pipeline_gpus is not None and dp * pipeline_gpus <= gpn
         whole_nodes = dp * tp >= gpn or not one_node
-        concurrent = min(dp, max(gpn // tp, 1))
         boundary = np.zeros(num_layers)
         for b in range(num_layers - 1):
-            nbytes = float(info.act_output[tp][b]) * FLOAT_BYTES * mbs
-            if nbytes / tp > constants.buffered_message_bytes:
-                boundary[b] = 2 * p2p_time(
+            nbytes = float(message_bytes(info, tp, b, mbs))
+            if is_blocking(nbytes, tp, tp, constants):
+                boundary[b] = 2 * boundary_time(
                     network,
-                    replica,
-                    replica,
+                    gpu_type,
+                    tp,
+                    dp,
+                    gpn,
                     nbytes,
                     same_node=not whole_nodes,
-                    concurrent=concurrent,
+                    zone=zone,
                 )
         busy = busy + np.where(starts > 0, boundary[starts - 1], 0.0)
         busy = busy + np.where(ends < num_layers - 1, boundary[ends], 0.0)
         cost[starts, ends, m, 0] = busy
 
         # Memory: model state + (1 + overhead) x in-flight stash + reserve.
-        params = info.params[tp]
-        pprefix = np.concatenate([[0.0], np.cumsum(params)])
-        held = pprefix[ends + 1] - pprefix[starts]
-        tied = info.tied_params(tp)
-        whole = (starts == 0) & (ends == num_layers - 1)
-        held = held - np.where(whole, tied, 0.0)
-        act = np.concatenate([[0.0], np.cumsum(info.act_mem[tp])]) * FLOAT_BYTES
+        stops = ends + 1
+        held = held_params(
+            info, tp, starts, stops, span_sums(info.params[tp], starts, stops)
+        )
         received = np.where(
             starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0
         )
-        per_microbatch = (
-            (act[ends + 1] - act[starts] + received * FLOAT_BYTES)
-            * mbs
-            * (1 + constants.activation_overhead)
-        )
+        act = span_sums(info.act_mem[tp], starts, stops)
+        per_microbatch = stash_bytes(act, received, mbs)
         # Largest bucket, layer by layer, and the tail of each span.
-        optimizer_rate = float(times.update[0]) / profiling_params(info, tp)
         nodes = canonical_nodes([tp], dp, gpn)[0]
-        replicas = [Replica(gpu_type, tp, zone=zone)] * dp
+        replicas = [replica] * dp
         hops = ring_hops(network, replicas, nodes) if dp > 1 else []
         pair_nodes = [0, 0] if not whole_nodes else [0, 1]
-        tied_time = ring_allreduce_time(
-            network, [replica, replica], pair_nodes, tied * FLOAT_BYTES
-        )
+        tied_time = tied_allreduce_time(network, info, replica, replica, pair_nodes)
         has_tie = (starts == 0) != (ends == num_layers - 1)
-        allreduce, largest = span_allreduce(hops, dp, params, tied, held, starts, ends)
+        allreduce, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
+        optimizer = optimizer_time(float(times.update[0]), held, info, tp)
         tail[starts, ends, m, 0] = (
-            allreduce + optimizer_rate * held + np.where(has_tie, tied_time, 0.0)
+            allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
         )
-        state = BYTES_PER_PARAM * held + FLOAT_BYTES * largest
-        room = spec.memory_bytes - constants.reserve(gpu_type) - state
-        in_flight = np.floor(room / np.maximum(per_microbatch, 1e-9))
+        state = model_state_bytes(held, largest)
+        in_flight = in_flight_capacity(
+            spec.memory_bytes, state, per_microbatch, constants, gpu_type
+        )
         limit = np.where(
             in_flight >= min(num_microbatches, num_layers),
             UNLIMITED_SUCCEEDING_STAGES,

@@ -46,23 +46,25 @@ import numpy as np
 
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
-from pipedejavu.costmodel.megatron.comm import p2p_time, ring_hops
+from pipedejavu.costmodel.megatron.comm import ring_allreduce_times, ring_hops
 from pipedejavu.costmodel.megatron.constants import FLOAT_BYTES, PredictorConstants
-from pipedejavu.costmodel.megatron.predictor import (
-    Prediction,
-    predict_plan,
-    profiling_params,
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.rules import (
+    is_blocking,
+    optimizer_time,
+    stage_params,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
     StageTables,
+    boundary_time,
     canonical_nodes,
     compile_tables,
     plan_from_stages,
-    ring_times,
     usable_degrees,
 )
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
+from pipedejavu.search.megatron.space import config_groups
 
 __all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
 
@@ -210,19 +212,19 @@ def _configs(
     constants: PredictorConstants,
     config: MegatronSearchConfig,
 ) -> list[_Config]:
+    """The configurations of one GPU type (:func:`~pipedejavu.search.megatron.
+    space.config_groups`), each with its bound."""
     info = data.model_info(model)
     spec = data.gpu_spec(gpu)
-    table = data.profile(model, gpu)
-    max_stages = min(info.num_layers, config.max_stages or info.num_layers)
     overhead = constants.op_overhead_s
-    cache: dict[tuple[int, int], list] = {}
+    rings: dict[tuple[int, int], list] = {}
 
     def hops(tp: int, dp: int) -> list:
-        if (tp, dp) not in cache:
+        if (tp, dp) not in rings:
             nodes = canonical_nodes([tp], dp, spec.gpus_per_node)[0]
             replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
-            cache[(tp, dp)] = ring_hops(data.network, replicas, nodes) if dp > 1 else []
-        return cache[(tp, dp)]
+            rings[(tp, dp)] = ring_hops(data.network, replicas, nodes) if dp > 1 else []
+        return rings[(tp, dp)]
 
     least_output = min(float(v[:-1].min()) for v in info.act_output.values())
 
@@ -230,86 +232,85 @@ def _configs(
         """The least blocking transfer a boundary costs each of its two stages
         (twice: activation and gradient), as the tables price it."""
         nbytes = least_output * FLOAT_BYTES * mbs
-        if nbytes / tp <= constants.buffered_message_bytes:
+        if not is_blocking(nbytes, tp, tp, constants):
             return 0.0
-        gpn = spec.gpus_per_node
-        replica = Replica(gpu, tp, zone=DEFAULT_ZONE)
-        concurrent = min(dp, max(gpn // tp, 1))
         return min(
-            p2p_time(
+            boundary_time(
                 data.network,
-                replica,
-                replica,
+                gpu,
+                tp,
+                dp,
+                spec.gpus_per_node,
                 nbytes,
                 same_node=same,
-                concurrent=concurrent,
+                zone=DEFAULT_ZONE,
             )
             for same in (False, True)
         )
 
-    mbs_all = sorted({m for m, _ in table})
-    if config.mbs_values is not None:
-        mbs_all = [m for m in mbs_all if m in config.mbs_values]
+    per_mbs: dict[int, tuple] = {}
+
+    def layer_terms(mbs: int) -> tuple:
+        """Per TP degree usable at ``mbs``: layer times, optimizer step of all
+        parameters, the parameters; and the least work of all layers."""
+        if mbs not in per_mbs:
+            layer, optimizer, total_params = {}, {}, {}
+            for t in usable_degrees(data, model, gpu, mbs, count):
+                times = data.layer_times(
+                    model, gpu, mbs, t, smooth=constants.smooth_profiles
+                )
+                layer[t] = times.forward + times.backward
+                params = stage_params(info, t, 0, info.num_layers)
+                total_params[t] = params
+                optimizer[t] = optimizer_time(float(times.update[0]), params, info, t)
+            work_all = np.min([t * row for t, row in layer.items()], axis=0).sum()
+            per_mbs[mbs] = (layer, optimizer, total_params, work_all)
+        return per_mbs[mbs]
+
     out = []
-    for mbs in mbs_all:
-        if gbs % mbs:
-            continue
-        tps = usable_degrees(data, model, gpu, mbs, count)
-        if not tps:
-            continue
-        layer, optimizer, total_params = {}, {}, {}
-        for t in tps:
-            times = data.layer_times(
-                model, gpu, mbs, t, smooth=constants.smooth_profiles
-            )
-            layer[t] = times.forward + times.backward
-            params = float(info.params[t].sum()) - info.tied_params(t)
-            total_params[t] = params
-            optimizer[t] = float(times.update[0]) * params / profiling_params(info, t)
-        work_all = np.min([t * layer[t] for t in tps], axis=0).sum()
-        for dp in range(1, count // min(tps) + 1):
-            if (gbs // mbs) % dp:
-                continue
-            budget = count // dp
-            steps = gbs // (mbs * dp)
-            tp_sets = [(t,) for t in tps] if config.uniform_tp else [tuple(tps)]
-            for tp_set in tp_sets:
-                small = min(tp_set)
-                largest = max_stages * max(tp_set)
-                low = small if config.allow_fewer_gpus else budget
-                for gpus in range(low, min(budget, largest) + 1):
-                    if config.uniform_tp and gpus % small:
-                        continue
-                    usable = tuple(t for t in tp_set if t <= gpus)
-                    if config.uniform_tp:
-                        # S = gpus / tp stages: sum c >= the layers' time plus
-                        # 2 S overheads, max c >= sum c / S, and the largest
-                        # optimizer step >= the average one.
-                        stages = gpus // small
-                        total = (
-                            float(layer[small].sum())
-                            + 2 * stages * overhead
-                            + 4 * (stages - 1) * boundary(mbs, small, dp)
-                        )
-                        bound = total * (stages + steps - 1) / stages
-                        bound = max(bound, steps * float(layer[small].max()))
-                        # The stage with the most parameters holds >= 1/S of
-                        # them; its all-reduce and step cost at least as much
-                        # as for exactly 1/S (ring time grows with bytes).
-                        share = total_params[small] / stages * FLOAT_BYTES
-                        bound += (
-                            optimizer[small] / stages
-                            + ring_times(hops(small, dp), dp, np.array([share]))[0]
-                        )
-                    else:
-                        # sum c >= the fastest layers' time, max c >= W / G.
-                        fastest = float(
-                            np.min([layer[t] for t in usable], axis=0).sum()
-                        )
-                        longest = float(np.min([layer[t].max() for t in usable]))
-                        share = max(work_all / gpus, longest)
-                        bound = max(fastest + (steps - 1) * share, steps * share)
-                    out.append(_Config(bound, gpu, mbs, dp, usable, gpus))
+    groups = config_groups(
+        data,
+        model,
+        {gpu: count},
+        gbs,
+        uniform_tp=config.uniform_tp,
+        allow_fewer_gpus=config.allow_fewer_gpus,
+        mbs_values=config.mbs_values,
+        max_stages=config.max_stages,
+    )
+    for group in groups:
+        mbs, dp, steps = group.mbs, group.dp, group.steps
+        layer, optimizer, total_params, work_all = layer_terms(mbs)
+        small = min(group.tps)
+        for gpus in group.sizes:
+            usable = tuple(t for t in group.tps if t <= gpus)
+            if config.uniform_tp:
+                # S = gpus / tp stages: sum c >= the layers' time plus 2 S
+                # overheads, max c >= sum c / S, and the largest optimizer
+                # step >= the average one.
+                stages = gpus // small
+                total = (
+                    float(layer[small].sum())
+                    + 2 * stages * overhead
+                    + 4 * (stages - 1) * boundary(mbs, small, dp)
+                )
+                bound = total * (stages + steps - 1) / stages
+                bound = max(bound, steps * float(layer[small].max()))
+                # The stage with the most parameters holds >= 1/S of them; its
+                # all-reduce and step cost at least as much as for exactly 1/S
+                # (ring time grows with bytes).
+                share = total_params[small] / stages * FLOAT_BYTES
+                bound += (
+                    optimizer[small] / stages
+                    + ring_allreduce_times(hops(small, dp), dp, np.array([share]))[0]
+                )
+            else:
+                # sum c >= the fastest layers' time, max c >= W / G.
+                fastest = float(np.min([layer[t] for t in usable], axis=0).sum())
+                longest = float(np.min([layer[t].max() for t in usable]))
+                share = max(work_all / gpus, longest)
+                bound = max(fastest + (steps - 1) * share, steps * share)
+            out.append(_Config(bound, gpu, mbs, dp, usable, gpus))
     return out
 
 
@@ -416,13 +417,7 @@ def search_megatron(
         one_node = item.dp * item.gpus <= gpn
         key = (item.gpu, item.mbs, item.dp, one_node)
         if key not in tables:
-            spec = data.gpu_spec(item.gpu)
-            tps = tuple(
-                t
-                for t in data.model_info(model).tp_values
-                if (item.mbs, t) in data.profile(model, item.gpu)
-                and spec.gpus_per_node % t == 0
-            )
+            tps = tuple(usable_degrees(data, model, item.gpu, item.mbs))
             tables[key] = compile_tables(
                 data,
                 model,

@@ -1,0 +1,209 @@
+"""The Megatron-style predictor's rules, each defined once.
+
+:func:`~pipedejavu.costmodel.megatron.predictor.predict_plan` scores one plan
+with them; :func:`~pipedejavu.costmodel.megatron.tables.compile_tables` and the
+proof's bounds (:mod:`pipedejavu.search.megatron.bounds`) evaluate the same
+functions on every span of layers at once (numpy arrays in place of floats),
+so a change of a rule or of a constant reaches the prediction, the planning
+tables and the proof together (``tests/test_megatron_rules.py``).
+
+Spans: ``starts``/``stops`` are the first layer and one past the last one;
+``layer_sum`` is what the caller summed over the span's layers (the predictor
+sums one slice, the tables difference prefix sums).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import Replica
+from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time
+from pipedejavu.costmodel.megatron.constants import (
+    BUCKET_ELEMENTS,
+    BYTES_PER_PARAM,
+    FLOAT_BYTES,
+    PredictorConstants,
+)
+from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
+
+__all__ = [
+    "add_to_bucket",
+    "buckets",
+    "held_params",
+    "in_flight_capacity",
+    "is_blocking",
+    "memory_bytes",
+    "message_bytes",
+    "model_state_bytes",
+    "optimizer_time",
+    "p2p_pair",
+    "profiling_params",
+    "span_sums",
+    "stage_params",
+    "stash_bytes",
+    "tied_allreduce_time",
+]
+
+Number = Any  # a float, or an array of one value per span
+
+
+# ------------------------------------------------------------- parameters
+def span_sums(
+    values: NDArray[np.float64], starts: NDArray[np.int64], stops: NDArray[np.int64]
+) -> NDArray[np.float64]:
+    """The sum of ``values[a:b]`` for every span (prefix-sum differences)."""
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return prefix[stops] - prefix[starts]
+
+
+def held_params(
+    info: ModelInfo, tp: int, starts: Number, stops: Number, layer_sum: Number
+) -> Number:
+    """Parameters per GPU a stage holds: its layers' (``layer_sum``), the tied
+    embedding once when the stage holds both the first and the last layer."""
+    whole = np.logical_and(np.equal(starts, 0), np.equal(stops, info.num_layers))
+    return layer_sum - np.where(whole, info.tied_params(tp), 0.0)
+
+
+def stage_params(info: ModelInfo, tp: int, start: int, stop: int) -> float:
+    """:func:`held_params` of one stage."""
+    total = float(info.params[tp][start:stop].sum())
+    return float(held_params(info, tp, start, stop, total))
+
+
+def profiling_params(info: ModelInfo, tp: int) -> float:
+    """Parameters of the profile's two-transformer-layer model (embedding, two
+    layers, head; the tied embedding once): what its optimizer time updates."""
+    params = info.params[tp]
+    return float(params[0] + params[1] + params[2] + params[-1]) - info.tied_params(tp)
+
+
+def optimizer_time(update_s: float, held: Number, info: ModelInfo, tp: int) -> Number:
+    """Adam's step on ``held`` parameters: memory-bound, so the profile's step
+    (``update_s``) scaled by the parameters it updates."""
+    return update_s * held / profiling_params(info, tp)
+
+
+# ----------------------------------------------------------------- buckets
+def add_to_bucket(current: float, size: float) -> tuple[float, float]:
+    """DeepSpeed's gradient buckets: whole tensors (here layers) are added
+    until a bucket holds more than ``BUCKET_ELEMENTS``. Returns ``(open bucket,
+    closed bucket)`` after adding ``size`` (0: none closed)."""
+    current += size
+    if current > BUCKET_ELEMENTS:
+        return 0.0, current
+    return current, 0.0
+
+
+def layer_sizes(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
+    """Parameters per layer of a stage, the tied embedding once (taken off its
+    last layer when it holds every layer)."""
+    sizes = [float(x) for x in info.params[tp][start:stop]]
+    sizes[-1] = float(held_params(info, tp, start, stop, sizes[-1]))
+    return sizes
+
+
+def buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
+    """The stage's all-reduce buckets (elements), filled by :func:`add_to_bucket`."""
+    out, current = [], 0.0
+    for size in layer_sizes(info, tp, start, stop):
+        current, closed = add_to_bucket(current, size)
+        if closed:
+            out.append(closed)
+    if current > 0:
+        out.append(current)
+    return out
+
+
+# ------------------------------------------------------------------ memory
+def model_state_bytes(held: Number, largest_bucket: Number) -> Number:
+    """Weights, gradients and Adam's moments (fp32) and the largest bucket,
+    which DeepSpeed flattens into a new buffer."""
+    return BYTES_PER_PARAM * held + FLOAT_BYTES * largest_bucket
+
+
+def stash_bytes(
+    act_elements: Number, received_elements: Number, count: Number
+) -> Number:
+    """Activations ``count`` micro-batch samples stash on a stage (``count``:
+    micro-batches in flight x ``mbs``): its layers' ``act_mem`` and the input it
+    received (0 on the first stage)."""
+    return count * (act_elements * FLOAT_BYTES + received_elements * FLOAT_BYTES)
+
+
+def memory_bytes(
+    state: Number, stash: Number, constants: PredictorConstants, gpu_type: str
+) -> Number:
+    """Device memory of a GPU: model state, the stashed activations with their
+    overhead (temporaries, allocator), the type's reserve."""
+    return (
+        state
+        + (1.0 + constants.activation_overhead) * stash
+        + constants.reserve(gpu_type)
+    )
+
+
+def in_flight_capacity(
+    limit_bytes: float,
+    state: Number,
+    stash_per_microbatch: Number,
+    constants: PredictorConstants,
+    gpu_type: str,
+) -> Number:
+    """The most micro-batches in flight whose :func:`memory_bytes` stays within
+    ``limit_bytes`` (-1: not even the model state fits)."""
+    room = limit_bytes - constants.reserve(gpu_type) - state
+    per_microbatch = (1.0 + constants.activation_overhead) * stash_per_microbatch
+    fits = np.floor(room / np.maximum(per_microbatch, 1e-30))
+    return np.maximum(fits, -1.0)
+
+
+# --------------------------------------------------------------- transfers
+def message_bytes(info: ModelInfo, tp: int, last_layer: Any, mbs: int) -> Number:
+    """Bytes a boundary after ``last_layer`` moves per micro-batch (fp32 output
+    activation, or its gradient)."""
+    return np.asarray(info.act_output[tp], dtype=float)[last_layer] * mbs * FLOAT_BYTES
+
+
+def is_blocking(
+    nbytes: Number, sender_tp: int, receiver_tp: int, constants: PredictorConstants
+) -> Number:
+    """A message of more than ``buffered_message_bytes`` per sending GPU (the
+    tensor is split over ``min(tp)`` GPUs) is a rendezvous."""
+    return nbytes / min(sender_tp, receiver_tp) > constants.buffered_message_bytes
+
+
+def p2p_pair(
+    network: NetworkTables,
+    sender: Replica,
+    receiver: Replica,
+    nbytes: float,
+    *,
+    same_node: bool,
+    concurrent: int,
+) -> tuple[float, float]:
+    """``(activation, gradient)`` seconds over a boundary: the activation from
+    ``sender`` to ``receiver``, its gradient back."""
+    there = p2p_time(
+        network, sender, receiver, nbytes, same_node=same_node, concurrent=concurrent
+    )
+    back = p2p_time(
+        network, receiver, sender, nbytes, same_node=same_node, concurrent=concurrent
+    )
+    return there, back
+
+
+def tied_allreduce_time(
+    network: NetworkTables,
+    info: ModelInfo,
+    first: Replica,
+    last: Replica,
+    nodes: list,
+) -> float:
+    """The word-embedding gradient all-reduced between a pipeline's first and
+    last stage (on ``nodes``)."""
+    nbytes = info.tied_params(first.tp) * FLOAT_BYTES
+    return ring_allreduce_time(network, [first, last], nodes, nbytes)

@@ -1,0 +1,333 @@
+"""Per-stage lower bounds on the predicted time, and the one-type branch and
+bound of the proof (:mod:`pipedejavu.search.megatron.certify`, whose module
+docstring derives the bounds).
+
+Every term a bound reads is the predictor's own rule
+(:mod:`pipedejavu.costmodel.megatron.rules`: parameters held, optimizer step,
+buckets and their all-reduce, model state, stashed activations, reserve,
+transfers), evaluated on all spans of layers at once; a bound relaxes only
+what depends on the rest of the plan (placement, neighbours, the schedule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
+from pipedejavu.costmodel.megatron.comm import ring_hops
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.rules import (
+    held_params,
+    in_flight_capacity,
+    model_state_bytes,
+    optimizer_time,
+    span_sums,
+    stash_bytes,
+)
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import (
+    plan_from_stages,
+    rank_nodes,
+    span_allreduce,
+)
+from pipedejavu.search.megatron.space import ConfigGroup
+from pipedejavu.search.megatron.transfers import (
+    BoundCache,
+    Kind,
+    SendRow,
+    blocking_transfers,
+    kind_times,
+    layer_bounds,
+    link_rows,
+)
+
+__all__ = [
+    "Incumbent",
+    "StageBounds",
+    "StageTable",
+    "chains",
+    "kind_bounds",
+    "single_plans",
+    "stage_bounds",
+]
+
+Table = NDArray[np.float64]
+
+
+@dataclasses.dataclass
+class Incumbent:
+    """The best predicted time known; it falls as the proof finds better plans
+    (the enumerations read it at each step)."""
+
+    time_s: float
+
+
+class StageTable(NamedTuple):
+    """Bounds of a stage of layers ``a..b-1`` of one kind, ``[a, b]`` indexed
+    (``f64[L + 1, L + 1]``).
+
+    Attributes:
+        w: the first lower bound of the proof (``inf`` off the upper triangle).
+        cap: how many micro-batches in flight fit in its GPUs' memory beside
+            its model state (at most ``B``; ``-1``: not even the model state).
+        late, fwd: the parts of the warm-up bound, ``late - k fwd`` with ``k``
+            forwards before the first backward.
+    """
+
+    w: Table
+    cap: Table
+    late: Table
+    fwd: Table
+
+
+def stage_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: ConfigGroup,
+    cache: BoundCache | None = None,
+) -> dict[int, StageTable]:
+    """``{tp: StageTable}`` of the group's GPU type (:func:`kind_bounds`)."""
+    kinds = [(group.gpu, t) for t in group.tps]
+    out = kind_bounds(
+        data, model, constants, kinds, group.mbs, group.dp, group.steps, cache
+    )
+    return {t: out[(group.gpu, t)] for t in group.tps}
+
+
+def kind_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    kinds: list[Kind],
+    mbs: int,
+    dp: int,
+    steps: int,
+    cache: BoundCache | None = None,
+    *,
+    with_sends: bool = True,
+    placed: dict[str, int] | None = None,
+) -> dict[Kind, StageTable]:
+    """``{(gpu, tp): StageTable}`` for a stage of each kind (GPU type, TP
+    degree) that stages of a plan may have. The layers before and after a
+    stage are counted at the fastest kind. ``placed``: ``{type: rank}`` where a
+    type's stage starts (its all-reduce priced there exactly); ``w`` then
+    leaves out the blocking transfers on both sides, which the caller adds for
+    known neighbours."""
+    info = data.model_info(model)
+    num_layers = info.num_layers
+    overhead = constants.op_overhead_s
+    times = kind_times(data, model, constants, kinds, mbs)
+    layers = layer_bounds(times, overhead)
+    before_f, before_b, after_fb = layers
+    starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
+    stops = ends + 1
+    cache = BoundCache() if cache is None else cache  # shared by one proof
+    transfers = blocking_transfers(data, model, constants, kinds, mbs, dp, cache)
+    sends, receives = transfers.sends, transfers.receives
+    links = link_rows(transfers.links, layers, times, steps)
+    if not with_sends or placed is not None:  # the caller adds them
+        sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
+    if placed is not None:
+        receives = {kind: np.zeros_like(row) for kind, row in receives.items()}
+    out = {}
+    for kind in kinds:
+        gpu, t = kind
+        spec = data.gpu_spec(gpu)
+        entry = times[kind]
+        stage_f = span_sums(entry.forward, starts, stops) + overhead
+        compute = span_sums(entry.forward + entry.backward, starts, stops)
+        compute = compute + 2 * overhead
+        busy = compute.copy()
+        busy += np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
+        busy += np.where(
+            stops < num_layers, sends[kind][np.minimum(ends, num_layers - 2)], 0.0
+        )
+        held = held_params(
+            info, t, starts, stops, span_sums(info.params[t], starts, stops)
+        )
+        # The least all-reduce over the offsets the stage can have in a node
+        # (or at the one it has).
+        spots = None if placed is None else (placed[gpu] % spec.gpus_per_node,)
+        key = (gpu, t, dp, spots)
+        if key not in cache.allreduce:
+            cache.allreduce[key] = least_allreduce(
+                data, model, gpu, t, dp, held, starts, ends, spots
+            )
+        allreduce, largest = cache.allreduce[key]
+        tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t)
+        # How many micro-batches' stashes fit beside the model state.
+        received = np.where(
+            starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
+        )
+        stash = stash_bytes(span_sums(info.act_mem[t], starts, stops), received, mbs)
+        fits = in_flight_capacity(
+            spec.memory_bytes, model_state_bytes(held, largest), stash, constants, gpu
+        )
+        head = before_f[starts] + steps * busy
+        last = np.maximum(tail, before_b[starts])
+        shape = (num_layers + 1, num_layers + 1)
+        w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
+        late, fwd = np.full(shape, np.inf), np.zeros(shape)
+        w[starts, stops] = head + last
+        if with_sends:  # the boundary after the stage, least over the next kind
+            least = np.min([links[(kind, other)] for other in kinds], axis=0)
+            w = np.maximum(w, least[None, :])
+        cap[starts, stops] = np.minimum(fits, float(steps))
+        # The warm-up bound less k forwards (see StageBounds.weights).
+        late[starts, stops] = (
+            before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
+        )
+        fwd[starts, stops] = stage_f
+        out[kind] = StageTable(w, cap, late, fwd)
+    return out
+
+
+def least_allreduce(
+    data: SailorData,
+    model: str,
+    gpu: str,
+    tp: int,
+    dp: int,
+    held: NDArray[np.float64],
+    starts: NDArray[np.int64],
+    ends: NDArray[np.int64],
+    spots: tuple[int, ...] | None,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The bucketed all-reduce of every span, least over the offsets of its
+    replicas within a node (``spots``; ``None``: every offset), and its
+    largest bucket."""
+    info = data.model_info(model)
+    gpn = data.gpu_spec(gpu).gpus_per_node
+    replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
+    allreduce, largest, seen = None, None, set()
+    for offset in range(gpn) if spots is None else spots:
+        nodes = rank_nodes(offset, dp, tp, gpn)
+        hops = ring_hops(data.network, replicas, nodes) if dp > 1 else []
+        if tuple(hops) in seen:
+            continue
+        seen.add(tuple(hops))
+        times, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
+        allreduce = times if allreduce is None else np.minimum(allreduce, times)
+    return allreduce, largest
+
+
+def stages_after(group: ConfigGroup, tp: int, left: int) -> tuple[int, int]:
+    """Least and most stages after a stage at degree ``tp`` when it and the
+    stages after it have ``left`` GPUs."""
+    rest = left - tp
+    return -(-rest // max(group.tps)), rest // min(group.tps)
+
+
+class StageBounds:
+    """A group's stage bounds for a stage with ``left`` GPUs for it and the
+    stages after it (memory and the warm-up depend on how many follow)."""
+
+    def __init__(
+        self, group: ConfigGroup, tables: dict[int, StageTable], overhead: float
+    ) -> None:
+        self.group, self.tables, self.overhead = group, tables, overhead
+        self._weights: dict[tuple[int, int, Any], Table] = {}
+
+    def weights(
+        self, tp: int, left: int, send: tuple[Any, SendRow] | None = None
+    ) -> Table:
+        """``w[a, b]`` of a stage at degree ``tp`` followed by ``left - tp``
+        GPUs of stages: ``inf`` where its memory cannot hold the micro-batches
+        in flight. The warm-up bound: the stage's first backward waits for one
+        micro-batch's forward to it (``F``), its own forward and the forward and
+        backward of every layer after it (an overhead each per stage); before it
+        the stage runs at most ``k = min(stages after + 1, B)`` forwards (the
+        schedule's peak in flight), so ``B`` backwards and ``B - k`` forwards
+        follow. ``send``: ``(name, SendRow)`` for a known next stage: its
+        blocking transfers added to the first bound, and its link's bound."""
+        key = (tp, left, None if send is None else send[0])
+        if key not in self._weights:
+            table = self.tables[tp]
+            fewest, most = stages_after(self.group, tp, left)
+            k = min(most + 1, self.group.steps)
+            warm = table.late + 2 * self.overhead * fewest - k * table.fwd
+            if send is None:
+                bound = np.maximum(table.w, warm)
+            else:
+                add, link = send[1]
+                bound = np.maximum(
+                    np.maximum(table.w + add[None, :], warm), link[None, :]
+                )
+            fits = table.cap >= min(fewest + 1, self.group.steps)
+            self._weights[key] = np.where(fits, bound, np.inf)
+        return self._weights[key]
+
+    def bottleneck(self, most_gpus: int) -> NDArray[np.float64]:
+        """``g[u, p]``: the least ``max w`` over chains of stages covering
+        layers ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP
+        degrees)."""
+        size = next(iter(self.tables.values())).w.shape[0]
+        g = np.full((most_gpus + 1, size), np.inf)
+        g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
+        for u in range(1, most_gpus + 1):
+            best = g[u]
+            for t in self.tables:
+                if t <= u:
+                    # a stage a..b-1 at degree t, the rest from b on u - t GPUs
+                    stage = self.weights(t, u)
+                    rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
+                    best = np.minimum(best, rest)
+            g[u] = best
+        return g
+
+
+def chains(
+    bounds: StageBounds, g: NDArray[np.float64], size: int, best: Incumbent
+) -> Iterator[list[tuple[int, int, int]]]:
+    """Chains of ``(start, stop, tp)`` stages on exactly ``size`` GPUs whose every
+    stage bound, and the bound of the rest, stay below ``best.time_s`` (read at
+    each step: it falls as better plans are found)."""
+    last = g.shape[1] - 1
+    stack: list[tuple[int, int, tuple, float]] = [(0, size, (), float(g[size, 0]))]
+    while stack:
+        start, left, stages, bound = stack.pop()
+        if bound >= best.time_s:
+            continue
+        if start == last:
+            if left == 0:
+                yield list(stages)
+            continue
+        for t in bounds.tables:
+            if t > left:
+                continue
+            stage = bounds.weights(t, left)[start]
+            row = np.maximum(stage, g[left - t])
+            for stop in np.flatnonzero(row < best.time_s).tolist()[::-1]:
+                chain = (*stages, (start, stop, t))
+                stack.append((stop, left - t, chain, max(bound, float(stage[stop]))))
+
+
+def single_plans(
+    data: SailorData,
+    model: str,
+    gbs: int,
+    group: ConfigGroup,
+    bounds: StageBounds,
+    g: NDArray[np.float64],
+    size: int,
+    best: Incumbent,
+) -> Iterator[Plan3D]:
+    """The plans of a one-type configuration left to predict."""
+    spec = data.gpu_spec(group.gpu)
+    for stages in chains(bounds, g, size, best):
+        yield plan_from_stages(
+            stages,
+            gpu_type=group.gpu,
+            dp=group.dp,
+            mbs=group.mbs,
+            gbs=gbs,
+            model=model,
+            gpus_per_node=spec.gpus_per_node,
+            zone=DEFAULT_ZONE,
+        )

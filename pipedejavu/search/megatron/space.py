@@ -1,0 +1,141 @@
+"""The Megatron-style search space, defined once: the configurations the
+search (:func:`~pipedejavu.search.megatron.planner.search_megatron`) solves and
+the proof (:func:`~pipedejavu.search.megatron.certify.certify_predicted`)
+bounds.
+
+One-type plans: per GPU type, micro-batch size ``mbs`` (profiled, dividing the
+global batch), data-parallel degree ``dp`` (dividing ``gbs / mbs``), a TP degree
+for every stage (``uniform_tp``) or a set to choose from per stage, and the
+GPUs of one pipeline (a multiple of the TP degree with ``uniform_tp``; at most
+``max_stages`` stages; all ``count // dp`` GPUs unless ``allow_fewer_gpus``).
+
+Mixed plans (:class:`Mix`): one mbs, dp and TP degree, each stage on a type of
+its own choice, at least two types able to hold a stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import usable_degrees
+
+__all__ = ["ConfigGroup", "Mix", "config_groups", "mixes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigGroup:
+    """Configurations sharing (GPU type, mbs, dp) and a set of TP degrees.
+
+    Attributes:
+        steps: micro-batches per pipeline, ``gbs / (mbs dp)``.
+        tps: the TP degrees a stage may take (one with ``uniform_tp``).
+        sizes: the GPUs a pipeline may have (sum of its stages' degrees).
+    """
+
+    gpu: str
+    mbs: int
+    dp: int
+    steps: int
+    tps: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def config_groups(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    gbs: int,
+    *,
+    uniform_tp: bool,
+    allow_fewer_gpus: bool,
+    mbs_values: tuple[int, ...] | None,
+    max_stages: int | None,
+) -> list[ConfigGroup]:
+    """The one-type configurations of the pool (module docstring), grouped."""
+    info = data.model_info(model)
+    out = []
+    for gpu, count in gpus.items():
+        table = data.profile(model, gpu)
+        stages_cap = min(info.num_layers, max_stages or info.num_layers)
+        for mbs in sorted({m for m, _ in table}):
+            if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+                continue
+            tps = usable_degrees(data, model, gpu, mbs, count)
+            if not tps:
+                continue
+            for dp in range(1, count // min(tps) + 1):
+                if (gbs // mbs) % dp:
+                    continue
+                budget = count // dp
+                sets = [(t,) for t in tps] if uniform_tp else [tuple(tps)]
+                for tp_set in sets:
+                    small = min(tp_set)
+                    low = small if allow_fewer_gpus else budget
+                    high = min(budget, stages_cap * max(tp_set))
+                    sizes = tuple(
+                        g
+                        for g in range(low, high + 1)
+                        if not uniform_tp or g % small == 0
+                    )
+                    usable = tuple(t for t in tp_set if t <= high)
+                    if sizes and usable:
+                        steps = gbs // (mbs * dp)
+                        out.append(ConfigGroup(gpu, mbs, dp, steps, usable, sizes))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """Plans whose stages may run on different GPU types: one mbs, dp and TP
+    degree; ``caps``: (type, most stages of that type) for each usable type."""
+
+    mbs: int
+    dp: int
+    steps: int
+    tp: int
+    caps: tuple[tuple[str, int], ...]
+    max_stages: int
+
+
+def mixes(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    gbs: int,
+    mbs_values: tuple[int, ...] | None,
+    max_stages: int | None,
+) -> list[Mix]:
+    """The (mbs, dp, TP) settings at which two types or more can hold stages."""
+    info = data.model_info(model)
+    profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
+    out = []
+    for mbs in sorted({m for table in profiles.values() for m, _ in table}):
+        if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+            continue
+        degrees = {
+            gpu: usable_degrees(data, model, gpu, mbs, count)
+            for gpu, count in gpus.items()
+        }
+        for tp in info.tp_values:
+            usable = {gpu: count for gpu, count in gpus.items() if tp in degrees[gpu]}
+            if len(usable) < 2:
+                continue
+            for dp in range(1, max(usable.values()) // tp + 1):
+                if (gbs // mbs) % dp:
+                    continue
+                caps = tuple(
+                    (gpu, count // dp // tp)
+                    for gpu, count in usable.items()
+                    if count // dp // tp >= 1
+                )
+                if len(caps) < 2:
+                    continue
+                most = min(
+                    info.num_layers,
+                    max_stages or info.num_layers,
+                    sum(c for _, c in caps),
+                )
+                out.append(Mix(mbs, dp, gbs // (mbs * dp), tp, caps, most))
+    return out

@@ -1,0 +1,139 @@
+"""One definition of each predictor rule (``costmodel/megatron/rules.py``): a
+changed constant reaches the prediction, the planning tables and the proof's
+bounds together, and the proven optimum follows it (brute force)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from pipedejavu.baselines.megatron_brute import brute_force_megatron
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.rules import in_flight_capacity, memory_bytes
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import compile_tables
+from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.space import config_groups
+
+DATA = SailorData()
+MODEL, POOL, GBS = "OPT-350", {"RTX-2080": 4}, 8
+
+
+def _tables_fit(plan: Plan3D, constants: PredictorConstants) -> bool:
+    """The plan passes the tables' memory rule (``max_n_succ_stages``)."""
+    gpu = plan.stages[0].replicas[0].gpu_type
+    degrees = [stage.replicas[0].tp for stage in plan.stages]
+    gpn = DATA.gpu_spec(gpu).gpus_per_node
+    one_node = plan.dp * sum(degrees) <= gpn
+    tps = tuple(sorted(set(degrees)))
+    tables = compile_tables(
+        DATA,
+        MODEL,
+        constants,
+        gpu_type=gpu,
+        mbs=plan.mbs,
+        dp=plan.dp,
+        num_microbatches=plan.num_microbatches,
+        tps=tps,
+        zone=DEFAULT_ZONE,
+        pipeline_gpus=sum(degrees) if one_node else None,
+    )
+    return all(
+        plan.num_stages - 1 - s
+        <= tables.max_n_succ_stages[stage.start, stage.stop - 1, tps.index(tp), 0]
+        for s, (stage, tp) in enumerate(zip(plan.stages, degrees, strict=True))
+    )
+
+
+def _proof_bound(plan: Plan3D, constants: PredictorConstants) -> float:
+    """The proof's largest stage bound of the plan (``inf``: a stage fails the
+    memory test its position asks for)."""
+    first = plan.stages[0].replicas[0]
+    (group,) = [
+        g
+        for g in config_groups(
+            DATA,
+            MODEL,
+            POOL,
+            GBS,
+            uniform_tp=True,
+            allow_fewer_gpus=True,
+            mbs_values=None,
+            max_stages=None,
+        )
+        if (g.gpu, g.mbs, g.dp, g.tps)
+        == (first.gpu_type, plan.mbs, plan.dp, (first.tp,))
+    ]
+    bounds = StageBounds(
+        group, stage_bounds(DATA, MODEL, constants, group), constants.op_overhead_s
+    )
+    left = sum(stage.replicas[0].tp for stage in plan.stages)
+    largest = -math.inf
+    for stage in plan.stages:
+        tp = stage.replicas[0].tp
+        largest = max(largest, float(bounds.weights(tp, left)[stage.start, stage.stop]))
+        left -= tp
+    return largest
+
+
+def _just_too_tight(name: str, prediction: Prediction) -> PredictorConstants:
+    """Constants under which the predicted memory of the plan's fullest GPU
+    exceeds its device memory by 1 MB (the other constants unchanged)."""
+    s, j = np.unravel_index(
+        np.argmin(prediction.memory_limit_bytes - prediction.memory_bytes),
+        prediction.memory_bytes.shape,
+    )
+    limit = float(prediction.memory_limit_bytes[s, j])
+    excess = limit + 1e6 - float(prediction.memory_bytes[s, j])
+    if name == "reserve_bytes":
+        gpu = next(iter(POOL))
+        reserve = C.reserve(gpu) + excess
+        return dataclasses.replace(C, reserve_bytes=((gpu, reserve),))
+    stash = (1.0 + C.activation_overhead) * float(prediction.activation_bytes[s])
+    overhead = (stash + excess) / float(prediction.activation_bytes[s]) - 1.0
+    return dataclasses.replace(C, activation_overhead=overhead)
+
+
+@pytest.mark.parametrize("name", ["reserve_bytes", "activation_overhead"])
+def test_changed_constant_reaches_prediction_tables_and_proof(name):
+    """The proven optimum under the fitted constants fits with a margin; a
+    constant raised until it no longer fits by 1 MB: the prediction, the
+    tables and the proof's bounds all drop it, and the proof under the new
+    constant finds the brute-force optimum (another plan)."""
+    base = search_megatron(DATA, MODEL, POOL, GBS, C)
+    plan = base.plan
+    assert base.proven and base.prediction.fits_memory
+    assert _tables_fit(plan, C) and math.isfinite(_proof_bound(plan, C))
+    tight = _just_too_tight(name, base.prediction)
+    assert getattr(tight, name) != getattr(C, name)
+    assert not predict_plan(plan, DATA, constants=tight).fits_memory
+    assert not _tables_fit(plan, tight)
+    assert _proof_bound(plan, tight) == math.inf
+    moved = search_megatron(DATA, MODEL, POOL, GBS, tight)
+    _, best = brute_force_megatron(DATA, MODEL, POOL, GBS, tight, score="predictor")
+    assert moved.proven and moved.plan != plan
+    assert moved.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert moved.prediction.iteration_time_s > base.prediction.iteration_time_s
+
+
+def test_capacity_is_the_inverse_of_the_memory_rule():
+    """``in_flight_capacity`` is the most micro-batches whose ``memory_bytes``
+    fits, for random states and stashes and both constants."""
+    rng = np.random.default_rng(3)
+    gpu, limit = "RTX-2080", 11.8e9
+    for constants in (C, dataclasses.replace(C, activation_overhead=0.5)):
+        for _ in range(200):
+            state, stash = rng.uniform(0, 8e9), rng.uniform(1e6, 1e9)
+            n = int(in_flight_capacity(limit, state, stash, constants, gpu))
+            if n >= 0:
+                assert memory_bytes(state, n * stash, constants, gpu) <= limit
+            assert memory_bytes(state, (n + 1) * stash, constants, gpu) > limit * (
+                1 - 1e-12
+            )
