@@ -28,10 +28,6 @@ LAYERS = {
     "": 7,  # pipedejavu/__init__.py: the public API
 }
 MAX_LINES = 600
-# Being split (issue 22); each name leaves this set with its split.
-TOO_LONG_FOR_NOW = {
-    "pipedejavu.search.megatron.certify",
-}
 MAX_TOP_LEVEL_MODULES = 12
 
 
@@ -196,8 +192,6 @@ def test_function_level_imports_only_defer_heavy_modules():
             or MODULES[module].name == "__init__.py"
         ):
             continue  # a package's _LAZY names
-        if module == "pipedejavu.search.megatron.planner":
-            continue  # being rewritten (issue 22); removed with the merge
         lines = _top_level_lines(module)
         for target, _, line in imports:
             if line not in lines and target not in heavy:
@@ -218,8 +212,6 @@ def test_no_private_name_crosses_a_module():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_over_600_lines(module):
-    if module in TOO_LONG_FOR_NOW:
-        pytest.xfail("being split")
     assert len(MODULES[module].read_text().splitlines()) <= MAX_LINES
 
 

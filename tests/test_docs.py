@@ -13,17 +13,24 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
-from test_readme import ROOT, bash_blocks, check_cli_command, cli_commands, python_blocks
-from test_readme import run_python_block
+from test_readme import (
+    ROOT,
+    bash_blocks,
+    check_cli_command,
+    cli_commands,
+    python_blocks,
+    run_python_block,
+)
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    spec = importlib.util.spec_from_file_location(
+        "tables", ROOT / "benchmarks" / "tables.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["tables"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -31,21 +38,36 @@ def _tables():
 
 
 tables = _tables()
-BLOCKS = [(p.name, i, b) for p in DOCS for i, b in enumerate(python_blocks(p.read_text()))]
+BLOCKS = [
+    (p.name, i, b) for p in DOCS for i, b in enumerate(python_blocks(p.read_text()))
+]
 COMMANDS = [(p.name, a, m) for p in DOCS for a, m in cli_commands(p.read_text())]
 
 
 def test_the_docs_have_pages_and_examples():
     names = {p.name for p in DOCS}
-    for page in ("exact-dp.md", "engine.md", "hetero.md", "costmodels.md", "megatron.md",
-                 "batch.md", "init-search.md", "cli.md", "benchmarks.md",
-                 "architecture.md", "api.md", "changelog.md"):
+    for page in (
+        "exact-dp.md",
+        "engine.md",
+        "hetero.md",
+        "costmodels.md",
+        "megatron.md",
+        "batch.md",
+        "init-search.md",
+        "cli.md",
+        "benchmarks.md",
+        "architecture.md",
+        "api.md",
+        "changelog.md",
+    ):
         assert page in names
     assert len(BLOCKS) >= 5 and len(COMMANDS) >= 20
     assert sum(len(bash_blocks(p.read_text())) for p in DOCS) >= 8
 
 
-@pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{p}-{i}" for p, i, _ in BLOCKS])
+@pytest.mark.parametrize(
+    "page,index,code", BLOCKS, ids=[f"{p}-{i}" for p, i, _ in BLOCKS]
+)
 def test_python_block_runs(tmp_path, page, index, code):
     run_python_block(code, tmp_path)
 
@@ -69,7 +91,10 @@ def test_every_table_is_used_and_names_its_source():
     text = "".join(p.read_text() for p in tables.pages())
     for name in tables.TABLES:
         assert f"<!-- results:{name} -->" in text, name
-        assert "*Source: `benchmarks/results/" in tables.TABLES[name]() or name == "headline"
+        assert (
+            "*Source: `benchmarks/results/" in tables.TABLES[name]()
+            or name == "headline"
+        )
 
 
 def test_quoted_numbers_match_their_results_files():

@@ -27,7 +27,15 @@ from pipedejavu.cli.main import _build_parser
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Arguments that name a file the command reads.
-INPUT_DESTS = ("problem", "cluster_file", "plan", "stage_profile", "steps", "perf", "config")
+INPUT_DESTS = (
+    "problem",
+    "cluster_file",
+    "plan",
+    "stage_profile",
+    "steps",
+    "perf",
+    "config",
+)
 #: Arguments that name a file the command writes.
 OUTPUT_DESTS = ("output", "out")
 SEPARATORS = {"&&", "||", ";", "|", "&"}
@@ -171,11 +179,16 @@ def test_the_shell_splitting():
         (["pipedejavu", "solve", "x.npz"], []),
         (["head"], []),
         (["cat"], ["steps.csv"]),
-        (["pipedejavu", "compare", "gpt1.3b-6layers-B128", "--methods", "dp,greedy"], []),
+        (
+            ["pipedejavu", "compare", "gpt1.3b-6layers-B128", "--methods", "dp,greedy"],
+            [],
+        ),
     ]
     commands = cli_commands(f"```bash\n{block}```")
     check_cli_command(*commands[1])  # written by the line before
     with pytest.raises(AssertionError, match="where does 'x.npz' come from"):
         check_cli_command(*commands[2])
     with pytest.raises(SystemExit):  # pseudo-syntax is not shell: it fails
-        check_cli_command(["compare", "gpt1.3b-6layers-B128", "[--json", "|", "--csv]"], set())
+        check_cli_command(
+            ["compare", "gpt1.3b-6layers-B128", "[--json", "|", "--csv]"], set()
+        )

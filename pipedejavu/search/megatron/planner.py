@@ -64,6 +64,8 @@ from pipedejavu.costmodel.megatron.tables import (
     usable_degrees,
 )
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
+from pipedejavu.search.engine.config import SearchConfig
+from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.space import config_groups
 
 __all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
@@ -333,7 +335,6 @@ def _solve_diff(problem: Problem, seed: int) -> tuple[float, list, float]:
     """
     import jax
 
-    from pipedejavu.search.engine.config import SearchConfig
     from pipedejavu.search.engine.driver import search
 
     tails = problem.stage_tail_cost
@@ -476,8 +477,6 @@ def search_megatron(
     chosen = min(candidates, key=lambda c: (c[2].iteration_time_s, c[1]))
     certificate = None
     if config.certify:
-        from pipedejavu.search.megatron.certify import certify_predicted
-
         certificate = certify_predicted(
             data,
             model,
