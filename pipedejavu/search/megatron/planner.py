@@ -372,8 +372,8 @@ def search_megatron(
         config: settings (:class:`MegatronSearchConfig`).
         progress_fn: called with a dict after each configuration solved
             (``{"solved", "best", "bound"}``), then during the proof
-            (``{"phase": "proof", ...}``: :func:`~pipedejavu.search.
-            megatron_certify.certify_predicted`).
+            (``{"phase": "proof", ...}``:
+            :func:`~pipedejavu.search.megatron.certify.certify_predicted`).
 
     Raises:
         ProblemError: unknown model or GPU type, bad counts.
