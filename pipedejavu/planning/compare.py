@@ -229,8 +229,7 @@ def compare(
         problem: the instance: a :class:`Problem` or a
             :class:`pipedejavu.HeteroProblem`.
         methods: names from ``pipedejavu.planning.solve.METHODS`` (or
-        ``HETERO_METHODS``);
-            default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
+            ``HETERO_METHODS``); default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
         repeats: timed runs per method (>= 1).
         warmup: untimed runs first (>= 0).
         seed: base seed of the stochastic methods.

@@ -345,7 +345,7 @@ def hetero_problem(
         reference_tflops: sustained flop rate of the reference (speed 1) device,
             in teraflops (150 ~ an A100 at half of its bf16 peak).
         irregularity, noise: as in
-        :func:`pipedejavu.costmodel.stage.generate.random_problem`.
+            :func:`pipedejavu.costmodel.stage.generate.random_problem`.
         type_noise: independent relative noise per type and entry.
         usable_memory_fraction: share of device memory the stages may use.
 
