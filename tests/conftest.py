@@ -8,3 +8,9 @@ import tempfile
 os.environ.setdefault(
     "PIPEDEJAVU_CACHE_DIR", tempfile.mkdtemp(prefix="pipedejavu-test-cache-")
 )
+
+# Like the command line, the test session keeps compiled code on disk (in the
+# folder above), so tests and the processes they start share it.
+import pipedejavu  # noqa: E402
+
+pipedejavu.enable_compilation_cache()
