@@ -21,7 +21,8 @@ planner on Sailor's settings).
 Usage::
 
     python benchmarks/layout_before_after.py --before ../old [--after .]
-        [--rounds 2] [--benchmarks dp_kinds plan_vs_sailor] [--seeds 4]
+        [--rounds 2] [--order before-first|alternate]
+        [--benchmarks dp_kinds plan_vs_sailor] [--seeds 4]
         [--out benchmarks/results/layout_before_after.json]
 """
 
@@ -113,7 +114,7 @@ def differences(a, b, path: str = "") -> list[str]:
         if len(a) != len(b):
             return [f"{path}: {len(a)} items vs {len(b)}"]
         out = []
-        for index, (x, y) in enumerate(zip(a, b)):
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
             out.extend(differences(x, y, f"{path}[{index}]"))
         return out
     if type(a) is not type(b) or a != b:
@@ -171,9 +172,8 @@ def run_once(tree: Path, spec: dict, seeds: int) -> dict:
         )
         wall = time.perf_counter() - started
         if done.returncode != 0:
-            raise SystemExit(
-                f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-            )
+            tail = done.stderr[-3000:]
+            raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
         saved = json.loads(out.read_text())
     return {"wall_s": wall, "load_before": load, "saved": saved}
 
@@ -255,6 +255,13 @@ def main() -> None:
         "--benchmarks", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS)
     )
     parser.add_argument("--rounds", type=int, default=2, help="before/after pairs")
+    parser.add_argument(
+        "--order",
+        default="before-first",
+        choices=["before-first", "alternate"],
+        help="before-first: before, after in every round; alternate: after, before "
+        "in every second round (cancels a bias of running second)",
+    )
     parser.add_argument("--seeds", type=int, default=4, help="dp_scaling kinds seeds")
     parser.add_argument(
         "--out",
@@ -272,7 +279,10 @@ def main() -> None:
     runs = {name: {"before": [], "after": []} for name in args.benchmarks}
     for round_ in range(args.rounds):
         for name in args.benchmarks:
-            for side in ("before", "after"):
+            sides = ("before", "after")
+            if args.order == "alternate" and round_ % 2 == 1:
+                sides = ("after", "before")
+            for side in sides:
                 run = run_once(trees[side], BENCHMARKS[name], args.seeds)
                 runs[name][side].append(run)
                 print(
@@ -293,7 +303,11 @@ def main() -> None:
         "loadavg_start": load_start,
         "loadavg_end": list(os.getloadavg()),
         "rounds": args.rounds,
-        "order": "per round, per benchmark: before then after",
+        "order": (
+            "per round, per benchmark: before then after"
+            if args.order == "before-first"
+            else "per benchmark: before, after in odd rounds, after, before in even"
+        ),
         "arguments": {
             name: [a.format(seeds=args.seeds) for a in BENCHMARKS[name]["args"]]
             for name in args.benchmarks
@@ -303,8 +317,10 @@ def main() -> None:
         "comparison": comparison,
     }
     for name, found in comparison.items():
-        print(f"\n{name}: plans/costs identical over {found['rows_compared']} rows "
-              f"and {args.rounds} rounds: {found['identical']}")
+        print(
+            f"\n{name}: plans/costs identical over {found['rows_compared']} rows "
+            f"and {args.rounds} rounds: {found['identical']}"
+        )
         for label, diffs in found["differences"].items():
             print(f"  {label}: {len(diffs)} differences, e.g. {diffs[:3]}")
         for entry in found["per_row"]:
@@ -315,11 +331,15 @@ def main() -> None:
             )
             print(f"  {entry['row']:45s} {times}")
         for key, v in found["row_time_sums"].items():
-            print(f"  sum {key}: {v['before']:.2f} s -> {v['after']:.2f} s, "
-                  f"after/before {v['ratio']:.3f}")
+            print(
+                f"  sum {key}: {v['before']:.2f} s -> {v['after']:.2f} s, "
+                f"after/before {v['ratio']:.3f}"
+            )
         wall = found["subprocess_wall"]
-        print(f"  subprocess wall (median): {wall['before_median_s']:.1f} s -> "
-              f"{wall['after_median_s']:.1f} s, after/before {wall['ratio']:.3f}")
+        print(
+            f"  subprocess wall (median): {wall['before_median_s']:.1f} s -> "
+            f"{wall['after_median_s']:.1f} s, after/before {wall['ratio']:.3f}"
+        )
     print(f"# load average at the end {result['loadavg_end']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
