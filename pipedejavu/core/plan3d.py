@@ -21,11 +21,19 @@ Files (readers never execute anything and bound what they read):
 
 * our JSON (:meth:`Plan3D.to_json` / :meth:`Plan3D.from_json`)::
 
-    {"format": "pipedejavu.core.plan3d", "model": "OPT-350", "mbs": 8, "gbs": 1024,
+    {"format": "pipedejavu.core.plan3d", "kind": "training-plan",
+     "model": "OPT-350", "mbs": 8, "gbs": 1024,
      "stages": [{"layers": [0, 12], "replicas": [{"gpu": "GH-96", "tp": 4}]},
                 {"layers": [12, 26], "replicas": [{"gpu": "GH-96", "tp": 4}]}]}
 
-  Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored.
+  Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored;
+  ``"kind"`` may be absent (files written before it existed), else it must be
+  ``"training-plan"``. A stage plan of ``pipedejavu solve`` (stages with
+  ``submesh``) is recognized and refused with a pointer to ``evaluate``.
+
+Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` in
+``[1, MAX_GLOBAL_BATCH]`` (65,536 samples), at most :data:`MAX_GPUS` (4,096)
+GPUs in a plan (the sum of its replicas' ``tp``).
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
 
@@ -36,26 +44,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedejavu.core.problem import ProblemError
 
 __all__ = [
     "DEFAULT_ZONE",
+    "MAX_GLOBAL_BATCH",
+    "MAX_GPUS",
     "MAX_PLAN_FILE_BYTES",
     "PLAN3D_FORMAT",
+    "PLAN3D_KIND",
     "Plan3D",
     "Replica",
     "Stage3D",
+    "check_nodes",
+    "is_stage_plan",
 ]
 
 PLAN3D_FORMAT = "pipedejavu.core.plan3d"
+#: The ``"kind"`` our 3D plan JSON declares (a stage plan of ``solve`` has none).
+PLAN3D_KIND = "training-plan"
+#: Largest global batch (samples per iteration) a plan or a search accepts. The
+#: predictor simulates every micro-batch, so its time grows with the batch;
+#: this keeps a prediction under a second or so.
+MAX_GLOBAL_BATCH = 2**16
+#: Most GPUs in a plan, and in a ``plan`` pool (all types together); the
+#: predictor's time grows with the replicas (a 4,096-GPU search: ~10-30 s).
+MAX_GPUS = 4096
+_MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"
 #: Plan files larger than this are refused before parsing (16 MiB).
 MAX_PLAN_FILE_BYTES = 16 * 2**20
-_MAX_ITEMS = 1_000_000  # stages x replicas a plan may hold
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -203,6 +225,16 @@ class Plan3D:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "mbs", _positive_int(self.mbs, "mbs"))
         object.__setattr__(self, "gbs", _positive_int(self.gbs, "gbs"))
+        if self.gbs > MAX_GLOBAL_BATCH:
+            raise ProblemError(
+                f"gbs must be in [1, {MAX_GLOBAL_BATCH}] samples, got {self.gbs}"
+            )
+        gpus = sum(r.tp for stage in stages for r in stage.replicas)
+        if gpus > MAX_GPUS:
+            raise ProblemError(
+                f"a plan may use at most {MAX_GPUS} GPUs (the sum of its "
+                f"replicas' tp), got {gpus}"
+            )
         if self.model is not None and (
             not isinstance(self.model, str) or not self.model
         ):
@@ -256,7 +288,7 @@ class Plan3D:
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
         """Our plan JSON (module docstring)."""
-        out: dict[str, Any] = {"format": PLAN3D_FORMAT}
+        out: dict[str, Any] = {"format": PLAN3D_FORMAT, "kind": PLAN3D_KIND}
         if self.model is not None:
             out["model"] = self.model
         out.update(
@@ -284,6 +316,16 @@ class Plan3D:
             if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
                 raise ProblemError("expected an object with a 'stages' list")
             stages_data = data["stages"]
+            if is_stage_plan(data):
+                raise ProblemError(
+                    "this is a stage plan from `pipedejavu solve` (stages with "
+                    "'submesh'); use `pipedejavu evaluate`"
+                )
+            kind = data.get("kind", PLAN3D_KIND)
+            if kind != PLAN3D_KIND:
+                raise ProblemError(
+                    f"'kind' must be {PLAN3D_KIND!r} (or absent), got {kind!r:.60}"
+                )
             if (
                 sum(
                     len(s.get("replicas", ()))
@@ -292,7 +334,10 @@ class Plan3D:
                 )
                 > _MAX_ITEMS
             ):
-                raise ProblemError(f"more than {_MAX_ITEMS} replicas")
+                raise ProblemError(
+                    f"more than {_MAX_ITEMS} replicas (a plan uses at most "
+                    f"{MAX_GPUS} GPUs)"
+                )
             stages = []
             for index, item in enumerate(stages_data):
                 if not isinstance(item, dict):
@@ -325,6 +370,59 @@ class Plan3D:
             )
         except ProblemError as error:
             raise ProblemError(f"{source}: not a valid 3D plan: {error}") from None
+
+
+def is_stage_plan(data: Any) -> bool:
+    """Whether parsed JSON is a stage/submesh plan of ``pipedejavu solve``
+    (``{"method", "cost", "stages": [{"start", "stop", "submesh", ...}]}``),
+    not a 3D training plan."""
+    if not isinstance(data, dict) or data.get("kind") == PLAN3D_KIND:
+        return False
+    stages = data.get("stages")
+    return (
+        isinstance(stages, list)
+        and bool(stages)
+        and isinstance(stages[0], dict)
+        and "layers" not in stages[0]
+        and ("submesh" in stages[0] or "start" in stages[0])
+    )
+
+
+def check_nodes(plan: Plan3D, gpus_per_node: Callable[[str], int]) -> None:
+    """Check that every node holds no more GPUs than it has.
+
+    Replicas naming the same ``node`` share it: their ``tp`` must add up to at
+    most ``gpus_per_node(type)`` and they must be of one GPU type; a replica
+    without a node has one of its own (``tp <= gpus_per_node``).
+
+    Raises:
+        ProblemError: naming the node, its GPUs and what the plan puts there.
+    """
+    used: dict[int, int] = {}
+    types: dict[int, str] = {}
+    for s, stage in enumerate(plan.stages):
+        for replica in stage.replicas:
+            capacity = gpus_per_node(replica.gpu_type)
+            if replica.node is None:
+                if replica.tp > capacity:
+                    raise ProblemError(
+                        f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
+                        f"of a {replica.gpu_type} node"
+                    )
+                continue
+            node = replica.node
+            if types.setdefault(node, replica.gpu_type) != replica.gpu_type:
+                raise ProblemError(
+                    f"node {node} holds replicas of GPU types {types[node]} and "
+                    f"{replica.gpu_type}; a node has one type"
+                )
+            used[node] = used.get(node, 0) + replica.tp
+            if used[node] > capacity:
+                raise ProblemError(
+                    f"node {node} has {capacity} {replica.gpu_type} GPUs, but the "
+                    f"plan places at least {used[node]} GPUs on it (replicas' tp "
+                    "summed)"
+                )
 
 
 def same_structure(a: Plan3D, b: Plan3D) -> bool:
