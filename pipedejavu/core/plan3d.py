@@ -389,40 +389,52 @@ def is_stage_plan(data: Any) -> bool:
 
 
 def check_nodes(plan: Plan3D, gpus_per_node: Callable[[str], int]) -> None:
-    """Check that every node holds no more GPUs than it has.
+    """Check that no node holds more GPUs than it has.
 
-    Replicas naming the same ``node`` share it: their ``tp`` must add up to at
-    most ``gpus_per_node(type)`` and they must be of one GPU type; a replica
-    without a node has one of its own (``tp <= gpus_per_node``).
+    A replica without a node has one of its own (``tp <= gpus_per_node``).
+    Replicas naming node ``k`` are laid on it in plan order (stage, then
+    replica), as Megatron's rank order does, after what spills over from node
+    ``k - 1``: each must start on a GPU of the node (a TP group may run on into
+    the next node, as the per-stage TP search's rank order places it), and a
+    node holds one GPU type.
 
     Raises:
         ProblemError: naming the node, its GPUs and what the plan puts there.
     """
-    used: dict[int, int] = {}
-    types: dict[int, str] = {}
+    placed: dict[int, list[tuple[int, int, str]]] = {}
     for s, stage in enumerate(plan.stages):
         for replica in stage.replicas:
             capacity = gpus_per_node(replica.gpu_type)
-            if replica.node is None:
-                if replica.tp > capacity:
-                    raise ProblemError(
-                        f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
-                        f"of a {replica.gpu_type} node"
-                    )
-                continue
-            node = replica.node
-            if types.setdefault(node, replica.gpu_type) != replica.gpu_type:
+            if replica.tp > capacity:
                 raise ProblemError(
-                    f"node {node} holds replicas of GPU types {types[node]} and "
-                    f"{replica.gpu_type}; a node has one type"
+                    f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
+                    f"of a {replica.gpu_type} node"
                 )
-            used[node] = used.get(node, 0) + replica.tp
-            if used[node] > capacity:
+            if replica.node is not None:
+                placed.setdefault(replica.node, []).append(
+                    (replica.tp, capacity, replica.gpu_type)
+                )
+    spill, previous = 0, None
+    for node in sorted(placed):
+        if previous is None or node != previous + 1:
+            spill = 0
+        items = placed[node]
+        gpu, capacity = items[0][2], items[0][1]
+        if any(t != gpu for _, _, t in items):
+            raise ProblemError(
+                f"node {node} holds replicas of GPU types "
+                f"{sorted({t for _, _, t in items})}; a node has one type"
+            )
+        offset = spill
+        for tp, _, _ in items:
+            if offset >= capacity:
                 raise ProblemError(
-                    f"node {node} has {capacity} {replica.gpu_type} GPUs, but the "
-                    f"plan places at least {used[node]} GPUs on it (replicas' tp "
-                    "summed)"
+                    f"node {node} has {capacity} {gpu} GPUs, but the plan places "
+                    f"{spill + sum(t for t, _, _ in items)} GPUs on it (replicas' "
+                    "tp summed, with what spills over from the node before)"
                 )
+            offset += tp
+        spill, previous = max(offset - capacity, 0), node
 
 
 def same_structure(a: Plan3D, b: Plan3D) -> bool:
