@@ -107,7 +107,7 @@ def test_plan_mixed_types_json_round_trip(capsys, tmp_path):
     )
     code, out, _ = run(capsys, *argv[:-1])  # the text report says it
     assert "proven optimal under the predictor" in out
-    assert "planning objective: n/a (GPU types mixed)" in out
+    assert "of this plan: n/a (GPU types mixed)" in out
     assert "Titan-RTX, tp" in out and "RTX-2080, tp" in out  # each stage's type
     code, _, err = run(capsys, *argv, "--per-stage-tp")
     assert code == 2 and "cannot be combined" in err

@@ -301,7 +301,7 @@ def test_cli_plan_json_is_accepted_by_predict(capsys, tmp_path):
         ]
     )
     out, err = capsys.readouterr()
-    assert code == 0 and "planning OPT-350" in err
+    assert code == 0 and "planning OPT-350" not in err  # only slow runs say so
     data = json.loads(out)
     for key in (
         "iteration_time_s",

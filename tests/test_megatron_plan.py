@@ -250,10 +250,9 @@ def test_fewer_gpus_when_faster():
 
 
 def test_bad_inputs():
-    assert parse_gpu_pool(["GH-96:4", "GH-96:4", "RTX-3090:8"]) == {
-        "GH-96": 8,
-        "RTX-3090": 8,
-    }
+    assert parse_gpu_pool(["GH-96:8", "RTX-3090:8"]) == {"GH-96": 8, "RTX-3090": 8}
+    with pytest.raises(ProblemError, match="names GH-96 twice"):  # no silent sum
+        parse_gpu_pool(["GH-96:4", "GH-96:4", "RTX-3090:8"])
     for bad in (["GH-96"], ["GH-96:0"], ["GH-96:x"], []):
         with pytest.raises(ProblemError, match="--gpus"):
             parse_gpu_pool(bad)

@@ -16,45 +16,79 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import sys
 from typing import Any
 
 from pipedejavu.cli.megatron_report import format_training_plan
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-from pipedejavu.planning.batch import plan_goodput
+from pipedejavu.planning.batch import (
+    MAX_CANDIDATE_BATCHES,
+    candidate_batches,
+    plan_goodput,
+)
 from pipedejavu.planning.elastic import (
     elastic_counts,
     parse_gpu_range,
     plan_elastic,
 )
 from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
+from pipedejavu.planning.training import parse_gpu_pool
 
-__all__ = ["add_plan_options", "parse_grad", "run_batch_modes"]
+__all__ = ["add_plan_options", "int_in", "parse_grad", "run_batch_modes"]
+
+
+def int_in(name: str, low: int, high: int):
+    """An argparse type: an integer in ``[low, high]`` (one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 40 else None
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an integer in [{low}, {high}], got {text!r:.40}"
+            )
+        return value
+
+    return parse
 
 
 def add_plan_options(plan: Any) -> None:
     """Add the goodput and elastic options to the ``plan`` parser."""
+    # "--goodput-grad -1,2" reads as an option to argparse (before Python
+    # 3.13): let arguments that look like negative number lists be values, so
+    # that the range check below names the range.
+    plan._negative_number_matcher = re.compile(r"^-[\d.][\d.,eE+\-]*$")
     plan.add_argument(
         "--goodput-grad",
         metavar="SQR,VAR",
         help="goodput mode: Pollux's gradient statistics (squared norm and "
-        "variance of the gradient at --init-batch); the global batch is chosen "
-        "too, maximizing throughput x statistical efficiency",
+        "variance of the gradient at --init-batch; two finite numbers >= 0, "
+        "not both 0); the global batch is chosen too, maximizing throughput x "
+        "statistical efficiency",
     )
     plan.add_argument(
         "--init-batch",
-        type=int,
-        help="the batch the gradient statistics refer to (smallest candidate)",
+        type=int_in("--init-batch", 1, MAX_GLOBAL_BATCH),
+        help="the batch the gradient statistics refer to (smallest candidate), "
+        f"1 to {MAX_GLOBAL_BATCH}",
     )
     plan.add_argument(
-        "--max-global-batch", type=int, help="largest candidate global batch"
+        "--max-global-batch",
+        type=int_in("--max-global-batch", 1, MAX_GLOBAL_BATCH),
+        help=f"largest candidate global batch, 1 to {MAX_GLOBAL_BATCH}",
     )
     plan.add_argument(
         "--batch-multiple",
-        type=int,
-        help="candidate global batches are multiples of this (default: "
-        "1 in goodput mode, the GPUs per node in elastic mode)",
+        type=int_in("--batch-multiple", 1, MAX_GLOBAL_BATCH),
+        help="candidate global batches are multiples of this, 1 to "
+        f"{MAX_GLOBAL_BATCH} (default: 1 in goodput mode, the GPUs per node in "
+        f"elastic mode); goodput mode plans at most {MAX_CANDIDATE_BATCHES} "
+        "candidates (raise it for a wide range)",
     )
     plan.add_argument(
         "--elastic",
@@ -129,14 +163,21 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
 
 def _run_goodput(args, grad, high) -> int:
 
-    _progress(f"goodput mode: planning {args.model} on {', '.join(args.gpus)} ...")
+    multiple = 1 if args.batch_multiple is None else args.batch_multiple
+    pool = parse_gpu_pool(args.gpus)  # ranges checked before the first line
+    batches = candidate_batches(args.init_batch, high, multiple)
+    _progress(
+        f"goodput mode: planning {args.model} on {', '.join(args.gpus)}, up to "
+        f"{len(batches)} candidate batches (a plan search each, pruned by a "
+        "bound) ..."
+    )
     result = plan_goodput(
         args.model,
-        args.gpus,
+        pool,
         grad,
         args.init_batch,
         high,
-        batch_multiple=args.batch_multiple or 1,
+        batches=batches,
         profiles=args.profiles,
         method=args.method,
         uniform_tp=not args.per_stage_tp,

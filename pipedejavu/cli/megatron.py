@@ -13,15 +13,22 @@ from typing import Any
 
 from pipedejavu.cli.batch import (
     add_plan_options,  # goodput and elastic modes
+    int_in,
     run_batch_modes,
 )
 from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, check_nodes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.io.exports import export_plan
 from pipedejavu.io.sailor_plan import load_plan3d
-from pipedejavu.planning.training import plan_training
+from pipedejavu.planning.training import (
+    check_global_batch,
+    expected_slow,
+    parse_gpu_pool,
+    plan_training,
+)
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -63,12 +70,14 @@ def add_parsers(commands: Any) -> None:
         action="append",
         required=True,
         metavar="TYPE:COUNT",
-        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types)",
+        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types, "
+        f"each type once; at most {MAX_GPUS} GPUs in all)",
     )
     plan.add_argument(
         "--global-batch",
-        type=int,
-        help="samples per iteration (required unless --goodput-grad or --elastic)",
+        type=int_in("--global-batch", 1, MAX_GLOBAL_BATCH),
+        help=f"samples per iteration, 1 to {MAX_GLOBAL_BATCH} (required unless "
+        "--goodput-grad or --elastic)",
     )
     plan.add_argument("--profiles", metavar="DIR", help="as for predict")
     plan.add_argument(
@@ -179,10 +188,20 @@ def _plan(args: argparse.Namespace) -> int:
             "--mixed-types and --per-stage-tp cannot be combined: plans mixing "
             "GPU types use one TP degree for all stages"
         )
-    print(f"planning {args.model} on {', '.join(args.gpus)} ...", file=sys.stderr)
+    # Every range is checked before any work; the one line on stderr before
+    # the search is only for a search that may take more than ~10 s.
+    pool = parse_gpu_pool(args.gpus)
+    check_global_batch(args.global_batch, "--global-batch")
+    if expected_slow(pool, args.method, args.mixed_types):
+        print(
+            f"planning {args.model} on {sum(pool.values())} GPUs may take a "
+            "minute or more; progress every 2 s ...",
+            file=sys.stderr,
+            flush=True,
+        )
     result = plan_training(
         args.model,
-        args.gpus,
+        pool,
         args.global_batch,
         profiles=args.profiles,
         method=args.method,
@@ -193,10 +212,12 @@ def _plan(args: argparse.Namespace) -> int:
     )
     exported = None
     if args.export:
+        data = _data(args.profiles)
+        check_nodes(result.plan, lambda gpu: data.gpu_spec(gpu).gpus_per_node)
         gpn = None
         if args.export == "alpa":
             gpu = result.plan.stages[0].replicas[0].gpu_type
-            gpn = _data(args.profiles).gpu_spec(gpu).gpus_per_node
+            gpn = data.gpu_spec(gpu).gpus_per_node
         exported = export_plan(result.plan, args.export, gpus_per_node=gpn)
     if args.json:
         out = result.to_json()

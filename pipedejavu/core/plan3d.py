@@ -21,11 +21,19 @@ Files (readers never execute anything and bound what they read):
 
 * our JSON (:meth:`Plan3D.to_json` / :meth:`Plan3D.from_json`)::
 
-    {"format": "pipedejavu.core.plan3d", "model": "OPT-350", "mbs": 8, "gbs": 1024,
+    {"format": "pipedejavu.core.plan3d", "kind": "training-plan",
+     "model": "OPT-350", "mbs": 8, "gbs": 1024,
      "stages": [{"layers": [0, 12], "replicas": [{"gpu": "GH-96", "tp": 4}]},
                 {"layers": [12, 26], "replicas": [{"gpu": "GH-96", "tp": 4}]}]}
 
-  Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored.
+  Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored;
+  ``"kind"`` may be absent (files written before it existed), else it must be
+  ``"training-plan"``. A stage plan of ``pipedejavu solve`` (stages with
+  ``submesh``) is recognized and refused with a pointer to ``evaluate``.
+
+Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` in
+``[1, MAX_GLOBAL_BATCH]`` (65,536 samples), at most :data:`MAX_GPUS` (4,096)
+GPUs in a plan (the sum of its replicas' ``tp``).
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
 
@@ -36,26 +44,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedejavu.core.problem import ProblemError
 
 __all__ = [
     "DEFAULT_ZONE",
+    "MAX_GLOBAL_BATCH",
+    "MAX_GPUS",
     "MAX_PLAN_FILE_BYTES",
     "PLAN3D_FORMAT",
+    "PLAN3D_KIND",
     "Plan3D",
     "Replica",
     "Stage3D",
+    "check_nodes",
+    "is_stage_plan",
 ]
 
 PLAN3D_FORMAT = "pipedejavu.core.plan3d"
+#: The ``"kind"`` our 3D plan JSON declares (a stage plan of ``solve`` has none).
+PLAN3D_KIND = "training-plan"
+#: Largest global batch (samples per iteration) a plan or a search accepts. The
+#: predictor simulates every micro-batch, so its time grows with the batch;
+#: this keeps a prediction under a second or so.
+MAX_GLOBAL_BATCH = 2**16
+#: Most GPUs in a plan, and in a ``plan`` pool (all types together); the
+#: predictor's time grows with the replicas (a 4,096-GPU search: ~10-30 s).
+MAX_GPUS = 4096
+_MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"
 #: Plan files larger than this are refused before parsing (16 MiB).
 MAX_PLAN_FILE_BYTES = 16 * 2**20
-_MAX_ITEMS = 1_000_000  # stages x replicas a plan may hold
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -203,6 +225,16 @@ class Plan3D:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "mbs", _positive_int(self.mbs, "mbs"))
         object.__setattr__(self, "gbs", _positive_int(self.gbs, "gbs"))
+        if self.gbs > MAX_GLOBAL_BATCH:
+            raise ProblemError(
+                f"gbs must be in [1, {MAX_GLOBAL_BATCH}] samples, got {self.gbs}"
+            )
+        gpus = sum(r.tp for stage in stages for r in stage.replicas)
+        if gpus > MAX_GPUS:
+            raise ProblemError(
+                f"a plan may use at most {MAX_GPUS} GPUs (the sum of its "
+                f"replicas' tp), got {gpus}"
+            )
         if self.model is not None and (
             not isinstance(self.model, str) or not self.model
         ):
@@ -256,7 +288,7 @@ class Plan3D:
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
         """Our plan JSON (module docstring)."""
-        out: dict[str, Any] = {"format": PLAN3D_FORMAT}
+        out: dict[str, Any] = {"format": PLAN3D_FORMAT, "kind": PLAN3D_KIND}
         if self.model is not None:
             out["model"] = self.model
         out.update(
@@ -284,6 +316,16 @@ class Plan3D:
             if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
                 raise ProblemError("expected an object with a 'stages' list")
             stages_data = data["stages"]
+            if is_stage_plan(data):
+                raise ProblemError(
+                    "this is a stage plan from `pipedejavu solve` (stages with "
+                    "'submesh'); use `pipedejavu evaluate`"
+                )
+            kind = data.get("kind", PLAN3D_KIND)
+            if kind != PLAN3D_KIND:
+                raise ProblemError(
+                    f"'kind' must be {PLAN3D_KIND!r} (or absent), got {kind!r:.60}"
+                )
             if (
                 sum(
                     len(s.get("replicas", ()))
@@ -292,7 +334,10 @@ class Plan3D:
                 )
                 > _MAX_ITEMS
             ):
-                raise ProblemError(f"more than {_MAX_ITEMS} replicas")
+                raise ProblemError(
+                    f"more than {_MAX_ITEMS} replicas (a plan uses at most "
+                    f"{MAX_GPUS} GPUs)"
+                )
             stages = []
             for index, item in enumerate(stages_data):
                 if not isinstance(item, dict):
@@ -325,6 +370,71 @@ class Plan3D:
             )
         except ProblemError as error:
             raise ProblemError(f"{source}: not a valid 3D plan: {error}") from None
+
+
+def is_stage_plan(data: Any) -> bool:
+    """Whether parsed JSON is a stage/submesh plan of ``pipedejavu solve``
+    (``{"method", "cost", "stages": [{"start", "stop", "submesh", ...}]}``),
+    not a 3D training plan."""
+    if not isinstance(data, dict) or data.get("kind") == PLAN3D_KIND:
+        return False
+    stages = data.get("stages")
+    return (
+        isinstance(stages, list)
+        and bool(stages)
+        and isinstance(stages[0], dict)
+        and "layers" not in stages[0]
+        and ("submesh" in stages[0] or "start" in stages[0])
+    )
+
+
+def check_nodes(plan: Plan3D, gpus_per_node: Callable[[str], int]) -> None:
+    """Check that no node holds more GPUs than it has.
+
+    A replica without a node has one of its own (``tp <= gpus_per_node``).
+    Replicas naming node ``k`` are laid on it in plan order (stage, then
+    replica), as Megatron's rank order does, after what spills over from node
+    ``k - 1``: each must start on a GPU of the node (a TP group may run on into
+    the next node, as the per-stage TP search's rank order places it), and a
+    node holds one GPU type.
+
+    Raises:
+        ProblemError: naming the node, its GPUs and what the plan puts there.
+    """
+    placed: dict[int, list[tuple[int, int, str]]] = {}
+    for s, stage in enumerate(plan.stages):
+        for replica in stage.replicas:
+            capacity = gpus_per_node(replica.gpu_type)
+            if replica.tp > capacity:
+                raise ProblemError(
+                    f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
+                    f"of a {replica.gpu_type} node"
+                )
+            if replica.node is not None:
+                placed.setdefault(replica.node, []).append(
+                    (replica.tp, capacity, replica.gpu_type)
+                )
+    spill, previous = 0, None
+    for node in sorted(placed):
+        if previous is None or node != previous + 1:
+            spill = 0
+        items = placed[node]
+        gpu, capacity = items[0][2], items[0][1]
+        if any(t != gpu for _, _, t in items):
+            raise ProblemError(
+                f"node {node} holds replicas of GPU types "
+                f"{sorted({t for _, _, t in items})}; a node has one type"
+            )
+        offset = spill
+        for tp, _, _ in items:
+            if offset >= capacity:
+                raise ProblemError(
+                    f"node {node} has {capacity} {gpu} GPUs, but the plan places "
+                    f"{spill + sum(t for t, _, _ in items)} GPUs on it (replicas' "
+                    "tp summed, with what spills over from the node before)"
+                )
+            offset += tp
+        spill, previous = max(offset - capacity, 0), node
 
 
 def same_structure(a: Plan3D, b: Plan3D) -> bool:

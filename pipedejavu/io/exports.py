@@ -63,7 +63,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.plan3d import Plan3D, check_nodes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
@@ -275,7 +275,13 @@ def to_alpa(plan: Plan3D, gpus_per_host: int | None = None) -> dict[str, Any]:
 
 
 def export_plan(plan: Plan3D, target: str, *, gpus_per_node: int | None = None) -> str:
-    """The export for ``target`` (:data:`EXPORTS`) as text."""
+    """The export for ``target`` (:data:`EXPORTS`) as text.
+
+    With ``gpus_per_node`` (of a plan on one GPU type), no node of the plan may
+    hold more GPUs than that (:func:`~pipedejavu.core.plan3d.check_nodes`).
+    """
+    if gpus_per_node is not None:
+        check_nodes(plan, lambda _gpu: gpus_per_node)
     if target == "megatron":
         args = to_megatron(plan)
         world = plan.num_gpus

@@ -45,12 +45,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.training import TrainingPlan, parse_gpu_pool, plan_training
 
 __all__ = [
+    "MAX_CANDIDATE_BATCHES",
     "BatchRecord",
     "GoodputPlan",
     "candidate_batches",
@@ -61,6 +63,9 @@ __all__ = [
     "throughput_upper_bound",
 ]
 
+#: Most candidate global batches goodput mode considers (each may need a plan
+#: search; the bound prunes most, but a search is still linear in them).
+MAX_CANDIDATE_BATCHES = 1024
 #: Relative slack when checking a planned batch against its bound (float noise).
 BOUND_SLACK = 1e-9
 
@@ -137,7 +142,19 @@ def candidate_batches(
     low = _positive_int(init_batch, "init_batch")
     high = _positive_int(max_global_batch, "max_global_batch")
     step = _positive_int(batch_multiple, "batch_multiple")
+    for name, value in (("init_batch", low), ("max_global_batch", high)):
+        if value > MAX_GLOBAL_BATCH:
+            raise ProblemError(
+                f"{name} must be in [1, {MAX_GLOBAL_BATCH}] samples, got {value}"
+            )
     first = -(-low // step) * step
+    count = len(range(first, high + 1, step))  # computed, not listed
+    if count > MAX_CANDIDATE_BATCHES:
+        raise ProblemError(
+            f"at most {MAX_CANDIDATE_BATCHES} candidate global batches, got {count} "
+            f"multiples of {step} in [{low}, {high}]; raise the batch multiple or "
+            "narrow the range"
+        )
     out = list(range(first, high + 1, step))
     if not out:
         raise ProblemError(
@@ -403,6 +420,10 @@ def plan_goodput(
     if batches is None:
         batches = candidate_batches(init, high, batch_multiple)
     else:
+        if len(batches) > MAX_CANDIDATE_BATCHES:
+            raise ProblemError(
+                f"at most {MAX_CANDIDATE_BATCHES} candidate batches, got {len(batches)}"
+            )
         batches = sorted({_positive_int(b, "each candidate batch") for b in batches})
         outside = [b for b in batches if not init <= b <= high]
         if outside or not batches:

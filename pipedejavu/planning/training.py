@@ -17,36 +17,115 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 
-__all__ = ["TrainingPlan", "parse_gpu_pool", "plan_training"]
+__all__ = [
+    "TrainingPlan",
+    "check_global_batch",
+    "check_mbs_values",
+    "expected_slow",
+    "parse_gpu_pool",
+    "plan_training",
+]
 
-_POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]*)\s*:\s*(\d+)\s*$")
+_POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]{0,63})\s*:\s*(\d{1,12})\s*$")
 
 
-def parse_gpu_pool(items: Sequence[str]) -> dict[str, int]:
+def parse_gpu_pool(items: Sequence[str] | Mapping[str, int]) -> dict[str, int]:
     """``["GH-96:64", "RTX-3090:8"]`` -> ``{"GH-96": 64, "RTX-3090": 8}``.
 
+    Each type appears once; counts are integers in ``[1, MAX_GPUS]`` and add up
+    to at most :data:`~pipedejavu.core.plan3d.MAX_GPUS` (4,096). A mapping is
+    checked the same way.
+
     Raises:
-        ProblemError: an item not of the form TYPE:COUNT with COUNT >= 1.
+        ProblemError: an item not of the form TYPE:COUNT, a type given twice, a
+            count out of range.
     """
     pool: dict[str, int] = {}
-    for item in items:
-        match = _POOL.match(item)
-        if not match or int(match.group(2)) < 1:
+    pairs: list[tuple[str, Any, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(k, v, f"{k}:{v}") for k, v in items.items()]
+    else:
+        if isinstance(items, str):
+            items = [items]
+        for item in items:
+            match = _POOL.match(item) if isinstance(item, str) else None
+            if not match:
+                raise ProblemError(
+                    f"--gpus must look like TYPE:COUNT with COUNT in [1, {MAX_GPUS}], "
+                    f"e.g. GH-96:64; got {item!r:.60}"
+                )
+            pairs.append((match.group(1), int(match.group(2)), item))
+    for name, count, item in pairs:
+        if not isinstance(name, str) or not name:
+            raise ProblemError(f"a GPU type must be a non-empty string, got {name!r}")
+        if isinstance(count, bool) or not isinstance(count, int):
             raise ProblemError(
-                f"--gpus must look like TYPE:COUNT with COUNT >= 1, e.g. GH-96:64; "
-                f"got {item!r}"
+                f"{name}: the GPU count must be an integer, got {count!r}"
             )
-        name, count = match.group(1), int(match.group(2))
-        pool[name] = pool.get(name, 0) + count
+        if not 1 <= count <= MAX_GPUS:
+            raise ProblemError(
+                f"--gpus {name}: COUNT must be in [1, {MAX_GPUS}], got {count}"
+            )
+        if name in pool:
+            raise ProblemError(
+                f"--gpus names {name} twice ({name}:{pool[name]} and {item.strip()}); "
+                "give each type once with its total count"
+            )
+        pool[name] = count
     if not pool:
         raise ProblemError("give at least one --gpus TYPE:COUNT")
+    total = sum(pool.values())
+    if total > MAX_GPUS:
+        raise ProblemError(
+            f"--gpus: at most {MAX_GPUS} GPUs in all, got {total} ({pool})"
+        )
     return pool
+
+
+def check_global_batch(global_batch: Any, name: str = "global batch") -> int:
+    """``global_batch`` as an int in ``[1, MAX_GLOBAL_BATCH]`` (65,536 samples).
+
+    Raises:
+        ProblemError: not an integer, or out of range.
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int):
+        raise ProblemError(f"{name} must be an integer, got {global_batch!r:.40}")
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ProblemError(
+            f"{name} must be in [1, {MAX_GLOBAL_BATCH}] samples, got {global_batch}"
+        )
+    return global_batch
+
+
+def check_mbs_values(mbs_values: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Micro-batch sizes: integers in ``[1, MAX_GLOBAL_BATCH]``, at most 64 of
+    them (``None``: every profiled one)."""
+    if mbs_values is None:
+        return None
+    values = tuple(mbs_values)
+    if not 1 <= len(values) <= 64 or not all(
+        not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= MAX_GLOBAL_BATCH
+        for v in values
+    ):
+        raise ProblemError(
+            f"mbs_values must be 1 to 64 integers in [1, {MAX_GLOBAL_BATCH}], got "
+            f"{values!r:.80}"
+        )
+    return values
+
+
+def expected_slow(pool: Mapping[str, int], method: str, mixed_types: bool) -> bool:
+    """Whether a search may take more than ~10 s (big pool, the differentiable
+    engine, or GPU types mixed), so the CLI says so up front."""
+    return (
+        sum(pool.values()) > 1024 or method == "diff" or (mixed_types and len(pool) > 1)
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,8 +234,10 @@ def plan_training(
 
     Args:
         model: the model's profile folder name, e.g. ``"OPT-350"``.
-        gpus: ``{type: count}`` or ``["GH-96:64", ...]``.
-        global_batch: samples per iteration.
+        gpus: ``{type: count}`` or ``["GH-96:64", ...]``; each type once,
+            at most 4,096 GPUs in all (:func:`parse_gpu_pool`).
+        global_batch: samples per iteration, in ``[1, 65536]``
+            (:data:`~pipedejavu.core.plan3d.MAX_GLOBAL_BATCH`).
         profiles: a folder laid out like Sailor's data (``None``: bundled).
         method: ``"dp"`` (exact) or ``"diff"`` (differentiable engine, with a
             certified gap).
@@ -175,14 +256,13 @@ def plan_training(
         InfeasibleProblemError: no plan fits; the message says why.
     """
 
-    pool = parse_gpu_pool(gpus) if not isinstance(gpus, Mapping) else dict(gpus)
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int):
-        raise ProblemError(f"global batch must be an integer, got {global_batch!r}")
+    pool = parse_gpu_pool(gpus)
+    check_global_batch(global_batch)
     try:
         config = MegatronSearchConfig(
             uniform_tp=uniform_tp,
             allow_fewer_gpus=allow_fewer_gpus,
-            mbs_values=None if mbs_values is None else tuple(mbs_values),
+            mbs_values=check_mbs_values(mbs_values),
             method=method,
             mixed_types=mixed_types,
         )

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.plan3d import Plan3D, check_nodes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key, ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import (
@@ -194,14 +194,9 @@ def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
                 f"stage {s} mixes TP degrees {sorted(tps)} across its replicas; "
                 "their gradients could not be all-reduced shard by shard"
             )
-        for replica in stage.replicas:
-            info.check_tp(replica.tp)
-            spec = data.gpu_spec(replica.gpu_type)
-            if replica.tp > spec.gpus_per_node:
-                raise ProblemError(
-                    f"stage {s}: tp {replica.tp} exceeds the {spec.gpus_per_node} "
-                    f"GPUs of a {replica.gpu_type} node"
-                )
+        for tp in tps:
+            info.check_tp(tp)
+    check_nodes(plan, lambda gpu: data.gpu_spec(gpu).gpus_per_node)
     return info
 
 
@@ -250,25 +245,28 @@ def predict_plan(
         for s, stage in enumerate(plan.stages)
     ]
     for s, stage in enumerate(plan.stages):
+        per_kind: dict[tuple[str, int], tuple[float, float, float, float]] = {}
         for j, replica in enumerate(stage.replicas):
             key = (replica.gpu_type, replica.tp)
-            if key not in times:
-                times[key] = data.layer_times(
-                    model,
-                    replica.gpu_type,
-                    mbs,
-                    replica.tp,
-                    smooth=constants.smooth_profiles,
+            if key not in per_kind:  # replicas of one kind in a stage agree
+                if key not in times:
+                    times[key] = data.layer_times(
+                        model,
+                        replica.gpu_type,
+                        mbs,
+                        replica.tp,
+                        smooth=constants.smooth_profiles,
+                    )
+                entry = times[key]
+                layers = slice(stage.start, stage.stop)
+                params = stage_params(info, replica.tp, stage.start, stage.stop)
+                per_kind[key] = (
+                    float(entry.forward[layers].sum()) + overhead,
+                    float(entry.backward[layers].sum()) + overhead,
+                    optimizer_time(float(entry.update[0]), params, info, replica.tp),
+                    data.gpu_spec(replica.gpu_type).memory_bytes,
                 )
-            entry = times[key]
-            layers = slice(stage.start, stage.stop)
-            forward[s, j] = float(entry.forward[layers].sum()) + overhead
-            backward[s, j] = float(entry.backward[layers].sum()) + overhead
-            params = stage_params(info, replica.tp, stage.start, stage.stop)
-            optimizer[s, j] = optimizer_time(
-                float(entry.update[0]), params, info, replica.tp
-            )
-            limit[s, j] = data.gpu_spec(replica.gpu_type).memory_bytes
+            forward[s, j], backward[s, j], optimizer[s, j], limit[s, j] = per_kind[key]
 
     # Transfers over each boundary, per pipeline.
     activation = np.zeros((max(num_stages - 1, 0), dp))
@@ -317,6 +315,7 @@ def predict_plan(
         peak = np.maximum(peak, result.peak_in_flight)
     pipeline = float(ends.max())
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
+    bubble = min(max(bubble, 0.0), 1.0)  # -6.7e-16 is rounding, not a bubble
 
     # Tied embedding all-reduce between the first and last stage of a pipeline.
     tied = np.zeros(dp)
@@ -354,11 +353,15 @@ def predict_plan(
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         held = stage_params(info, tp, stage.start, stage.stop)
         stash[s] = stash_bytes(act, received, peak[s] * mbs)
+        state = model_state_bytes(held, max(sizes))
+        model_state[s] = state
+        used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):
-            model_state[s, j] = model_state_bytes(held, max(sizes))
-            memory[s, j] = memory_bytes(
-                model_state[s, j], stash[s], constants, replica.gpu_type
-            )
+            if replica.gpu_type not in used:
+                used[replica.gpu_type] = memory_bytes(
+                    state, stash[s], constants, replica.gpu_type
+                )
+            memory[s, j] = used[replica.gpu_type]
     iteration = float(finish.max())
     return Prediction(
         iteration_time_s=iteration,
