@@ -505,10 +505,22 @@ def load_plan(path: str | os.PathLike) -> Plan | HeteroPlan:
 
     Raises:
         ProblemError: one line naming the file: unreadable, too large, not
-            UTF-8, invalid or too deeply nested JSON, or a missing/bad field.
+            UTF-8, invalid or too deeply nested JSON, a missing/bad field, or a
+            3D training plan (``pipedejavu plan``'s output, read by
+            ``pipedejavu predict``).
     """
     source = os.fspath(path)
     data = read_json(path, MAX_PLAN_FILE_BYTES, "plan file")
+    if isinstance(data, dict) and (
+        data.get("kind") == "training-plan"
+        or "replicas" in data
+        or "layers" in data
+        or "pipeline_list" in data
+    ):
+        raise ProblemError(
+            f"{source} is a 3D training plan from `pipedejavu plan`; "
+            "use `pipedejavu predict`"
+        )
     stages = data.get("stages") if isinstance(data, dict) else None
     placed = (
         isinstance(stages, list)
