@@ -33,8 +33,8 @@ direction, ``b = 2 f``; each claim is a test in
   at most ``w = min(S - s, B)`` micro-batches in flight (the memory rule's
   count), each for at least ``R_s = sum_{k >= s} (t_k + c_k)``, so
   ``T_1F1B >= (floor((B - 1) / w) + 1) R_s``, which ``T`` ignores: on
-  ``hetero-gpt-32layers-a100-v100`` the plan's ``T`` is 1.14 s, that bound
-  1.37 s and the simulated 1F1B 1.65 s. The planner minimises ``T``, a lower
+  ``hetero-gpt-32layers-a100-v100`` the plan's ``T`` is 1.15 s, that bound
+  1.50 s and the simulated 1F1B 1.71 s. The planner minimises ``T``, a lower
   bound on GPipe; it does not model 1F1B's stalls on slow links.
 
 **The plan space** (what :func:`check_hetero_plan` accepts, and what the exact

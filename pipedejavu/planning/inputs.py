@@ -221,7 +221,9 @@ GENERATED_EXAMPLE = "generated-gpt-32layers-2x8"
 #: A GPT-6.7B-like model on 4 hosts x 8 reference (A100-class) devices, with
 #: activation sizes: any 4 x 8 cluster file makes it heterogeneous.
 GPT_4X8_EXAMPLE = "generated-gpt-32layers-4x8"
-#: The same model planned for the bundled cluster ``a100-v100-4x8``.
+#: The same instance as ``GPT_4X8_EXAMPLE`` with the bundled cluster file
+#: ``a100-v100-4x8`` (``solve generated-gpt-32layers-4x8 --cluster-file
+#: a100-v100-4x8``), with the cluster included.
 HETERO_EXAMPLE = "hetero-gpt-32layers-a100-v100"
 
 
@@ -263,8 +265,17 @@ def _generated(name: str) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
         return random_problem(32, (2, 8), num_microbatches=32, seed=0), None
     if name == GPT_4X8_EXAMPLE:
         return _gpt_4x8()
-    cluster = load_cluster("a100-v100-4x8")
-    return hetero_problem(32, cluster, num_microbatches=32, seed=0), None
+    # the 4 x 8 example on the bundled cluster: the same instance as
+    # `--cluster-file a100-v100-4x8` gives it (costs scaled by type speed)
+    problem, boundary = _gpt_4x8()
+    typed = _with_cluster(
+        problem,
+        load_cluster("a100-v100-4x8"),
+        boundary,
+        f"example {name}",
+        memory_rule=_gpt_4x8_memory(problem),
+    )
+    return typed, None
 
 
 _GENERATED: dict[str, str] = {
@@ -274,9 +285,10 @@ _GENERATED: dict[str, str] = {
     GPT_4X8_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, 4x8 A100-class "
     "devices (40 GB), 2 configs, B = 32, 16.8 MB activations per boundary "
     "(pipedejavu.costmodel.stage.hetero_generate); give it a 4x8 cluster file",
-    HETERO_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, on the bundled "
-    "cluster a100-v100-4x8 (2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, "
-    "10 Gb/s across types; memory limits per type from its memory_gb), B = 32",
+    HETERO_EXAMPLE: f"{GPT_4X8_EXAMPLE} on the bundled cluster a100-v100-4x8 "
+    "(2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, 10 Gb/s across types; "
+    "costs scaled by each type's speed, memory limits per type from its "
+    "memory_gb), B = 32: the same instance as --cluster-file a100-v100-4x8",
 }
 
 
