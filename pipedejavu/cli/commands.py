@@ -17,7 +17,7 @@ from pipedejavu.cli.formatting import format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.npzfile import npz_output_path
-from pipedejavu.core.problem import Problem
+from pipedejavu.core.problem import Problem, get_submesh_choices
 from pipedejavu.costmodel.alpa.profiles import prof_database_path
 from pipedejavu.planning import plots
 from pipedejavu.planning.compare import compare, simulate_schedule
@@ -233,6 +233,10 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 def run_profile(args: argparse.Namespace) -> None:
     output = npz_output_path(args.out)  # before loading JAX and profiling
     cluster = parse_cluster(args.cluster)
+    try:  # the cluster's submeshes, checked before minutes of profiling
+        get_submesh_choices(*cluster, "power_of_two")
+    except ProblemError as error:
+        raise ProblemError(f"--cluster {args.cluster}: {error}") from None
 
     from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES
     from pipedejavu.costmodel.profiling.layer_problem import (

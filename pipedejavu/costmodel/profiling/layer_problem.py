@@ -194,6 +194,9 @@ def profile_to_problem(
     ``stash_bytes``, ``param_bytes``, ``backend``, ``model_name``,
     ``per_boundary_s`` and ``boundary_fraction`` (ignored by problem readers).
     """
+    # the arguments the problem needs, checked before the (slow) profiling
+    get_submesh_choices(*(int(x) for x in cluster), "power_of_two")
+    check_count(num_microbatches, "num_microbatches", 1)
     profile = profile_model(
         model_name, repeats=repeats, warmup=warmup, progress_fn=progress_fn
     )
