@@ -21,6 +21,7 @@ direction ``x = c / 2``) gives, for every plan the planner returns:
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -200,3 +201,38 @@ def test_hetero_example_is_the_4x8_example_with_the_bundled_cluster():
     np.testing.assert_array_equal(bundled.submesh_shapes, typed.submesh_shapes)
     assert bundled.num_microbatches == typed.num_microbatches
     assert pdj.solve(bundled, "dp").cost == pdj.solve(typed, "dp").cost
+
+
+def test_costs_whose_plan_sums_overflow_are_refused_with_one_line(tmp_path, capsys):
+    # issue 23: all costs 1e308: inspect said feasible, solve blamed memory
+    from pipedejavu.cli.main import main
+
+    def problem(value, count=2):
+        return pdj.Problem(
+            compute_cost=np.full((2, 2, 1, 1), value),
+            max_n_succ_stages=None,
+            submesh_shapes=np.array([[1, 1]]),
+            cluster_shape=(1, 1),
+            num_microbatches=count,
+        )
+
+    with pytest.raises(ProblemError, match="overflow"):
+        problem(1e308)
+    with pytest.raises(ProblemError, match="overflow"):
+        problem(1e297).replace(num_microbatches=100_000)
+    assert pdj.solve(problem(1e297), "dp").cost < math.inf  # (L + B) max fits
+    hetero = pdj.load_example("hetero-gpt-32layers-a100-v100")
+    with pytest.raises(ProblemError, match="overflow"):
+        hetero.replace(compute_cost=hetero.compute_cost * 1e306)
+    path = tmp_path / "big.npz"
+    np.savez(
+        path,
+        compute_cost=np.full((2, 2, 1, 1), 1e308),
+        submesh_shapes=np.array([[1, 1]]),
+        cluster_shape=np.array([1, 1]),
+        num_microbatches=np.array(2),
+    )
+    for command in ("inspect", "solve"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "overflow" in err
