@@ -236,3 +236,21 @@ def test_costs_whose_plan_sums_overflow_are_refused_with_one_line(tmp_path, caps
         assert main([command, str(path)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "overflow" in err
+
+
+def test_unknown_example_lists_the_examples(capsys):
+    from pipedejavu.cli.main import main
+    from pipedejavu.planning.inputs import example_names
+
+    assert main(["solve", "nonexistent-example"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert all(name in err for name in example_names())
+
+
+def test_durations_past_a_second_print_in_seconds():
+    from pipedejavu.cli.formatting import format_duration
+
+    assert format_duration(0.0143) == "14.3 ms"
+    assert format_duration(205.0789) == "205.08 s"
+    assert format_duration(1.0) == "1.00 s"

@@ -494,6 +494,12 @@ def load_problem(
             cluster_shape=cluster_shape,
             cluster=cluster,
         )
+    if not os.path.exists(name) and not os.path.splitext(name)[1]:
+        # no such file and no extension: most likely a mistyped example name
+        raise ProblemError(
+            f"no file or example named {name!r}; give a problem file (.npz, "
+            f".npy) or one of the examples: {', '.join(example_names())}"
+        )
     problem, boundary, layer_memory = _read_file(
         source,
         cluster_shape=cluster_shape,
