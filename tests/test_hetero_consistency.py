@@ -254,3 +254,53 @@ def test_durations_past_a_second_print_in_seconds():
     assert format_duration(0.0143) == "14.3 ms"
     assert format_duration(205.0789) == "205.08 s"
     assert format_duration(1.0) == "1.00 s"
+
+
+def _captured_figure(monkeypatch):
+    from matplotlib.figure import Figure
+
+    seen = []
+    real = Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        seen.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return seen
+
+
+def test_plots_give_every_curve_its_own_colour(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_rgba
+
+    from pipedejavu.planning import plots
+
+    seen = _captured_figure(monkeypatch)
+    rows = [
+        {"method": f"m{i}", "num_layers": n, "cost_ratio": 1.0, "time_ratio": 1.0 + i}
+        for i in range(11)
+        for n in (8, 16)
+    ]
+    plots.plot_ratios(rows, tmp_path / "ratios.png")
+    lines = seen[-1].axes[0].get_lines()
+    assert len(lines) == 11
+    assert len({to_rgba(line.get_color()) for line in lines}) == 11
+
+
+def test_narrow_values_get_a_linear_axis_and_wide_ones_plain_log_labels(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("matplotlib")
+    from pipedejavu.planning import plots
+
+    seen = _captured_figure(monkeypatch)
+    plots.plot_loss_curve([96.0, 97.5, 99.0], tmp_path / "narrow.png", optimum=95.0)
+    axes = seen[-1].axes[0]
+    assert axes.get_yscale() == "linear"
+    plots.plot_loss_curve([1e4, 10.0, 1.0], tmp_path / "wide.png")
+    axes = seen[-1].axes[0]
+    assert axes.get_yscale() == "log"
+    labels = [t.get_text() for t in axes.get_yticklabels(minor=True)]
+    labels += [t.get_text() for t in axes.get_yticklabels()]
+    assert not any("times" in s or "^" in s for s in labels)
