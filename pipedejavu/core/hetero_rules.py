@@ -28,7 +28,8 @@ direction, ``b = 2 f``; each claim is a test in
   ``Bk``, ``X`` the largest forward, backward and one-way transfer): ``>= T``
   always (the phases use a link one direction at a time), ``= T`` when the
   links never bind (``X <= F``) or always do (``X >= Bk``).
-* **1F1B, free links**: ``<= T``, and ``= T`` for equal stages.
+* **1F1B, free links**: ``<= T`` on every instance tested (not proven),
+  ``= T`` for equal stages.
 * **1F1B with transfers** is not bounded by ``T`` either way: stage ``s`` keeps
   at most ``w = min(S - s, B)`` micro-batches in flight (the memory rule's
   count), each for at least ``R_s = sum_{k >= s} (t_k + c_k)``, so
