@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from pipedejavu.cli.main import main
+from pipedejavu.core.errors import ProblemError
 
 
 def run(capsys, *argv):
@@ -80,3 +82,29 @@ def test_profile_unknown_model_is_bad_input(capsys, tmp_path):
         capsys, "profile", "--model", "gpt-huge", "--out", tmp_path / "x.npz"
     )
     assert code == 2 and "gpt-tiny" in err
+
+
+def test_profile_bad_cluster_is_refused_before_profiling(capsys, tmp_path, monkeypatch):
+    # issue 23: a 3x3 cluster was refused only after ~17 s of profiling
+    from pipedejavu.costmodel.profiling import layer_problem
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled before checking the cluster")
+
+    monkeypatch.setattr(layer_problem, "profile_model", no_profiling)
+    code, _, err = run(
+        capsys,
+        "profile",
+        "--model",
+        "gpt-micro",
+        "--cluster",
+        "3x3",
+        "--out",
+        tmp_path / "x.npz",
+    )
+    assert code == 2 and "3x3" in err and "power-of-two" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(ProblemError, match="power-of-two"):
+        layer_problem.profile_to_problem("gpt-micro", cluster=(3, 3))
+    with pytest.raises(ValueError, match="num_microbatches"):
+        layer_problem.profile_to_problem("gpt-micro", num_microbatches=0)

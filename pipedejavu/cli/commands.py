@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from pipedejavu.cli.formatting import format_plan
+from pipedejavu.cli.formatting import format_duration, format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.npzfile import npz_output_path
-from pipedejavu.core.problem import Problem
+from pipedejavu.core.problem import Problem, get_submesh_choices
 from pipedejavu.costmodel.alpa.profiles import prof_database_path
 from pipedejavu.planning import plots
 from pipedejavu.planning.compare import compare, simulate_schedule
@@ -233,6 +233,10 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
 def run_profile(args: argparse.Namespace) -> None:
     output = npz_output_path(args.out)  # before loading JAX and profiling
     cluster = parse_cluster(args.cluster)
+    try:  # the cluster's submeshes, checked before minutes of profiling
+        get_submesh_choices(*cluster, "power_of_two")
+    except ProblemError as error:
+        raise ProblemError(f"--cluster {args.cluster}: {error}") from None
 
     from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES
     from pipedejavu.costmodel.profiling.layer_problem import (
@@ -332,15 +336,16 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
                 f"Alpa's training_dp (alpa-compatible): "
                 f"{'same plan' if same else 'a different plan'}, cost "
                 f"{alpa.cost:.6f} s, {alpa.info['num_evaluated']} caps evaluated in "
-                f"{alpa.search_time_s * 1e3:.1f} ms vs {plan.info['num_evaluated']} "
-                f"in {plan.search_time_s * 1e3:.1f} ms",
+                f"{format_duration(alpa.search_time_s)} vs "
+                f"{plan.info['num_evaluated']} in "
+                f"{format_duration(plan.search_time_s)}",
                 file=out,
             )
         else:
             print(
                 f"Alpa's training_dp: skipped here (about 40 s; the exact DP "
                 f"evaluated {plan.info['num_evaluated']} caps in "
-                f"{plan.search_time_s * 1e3:.1f} ms); pipedejavu demo --alpa-scan "
+                f"{format_duration(plan.search_time_s)}); pipedejavu demo --alpa-scan "
                 "runs it",
                 file=out,
             )

@@ -9,11 +9,19 @@ from pipedejavu.core.problem import Plan, Problem
 from pipedejavu.search.alpa.caps import explain_infeasible, min_sum_plan
 
 __all__ = [
+    "format_duration",
     "format_hetero_inspection",
     "format_hetero_plan",
     "format_inspection",
     "format_plan",
 ]
+
+
+def format_duration(seconds: float) -> str:
+    """``"12.3 ms"`` below a second, ``"205.08 s"`` from one second on."""
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
 
 
 def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
@@ -45,7 +53,7 @@ def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
     lines.append(
         f"total: {plan.cost:.6f} s per iteration (stages + transfers + (B-1) x "
         f"bottleneck), {plan.inter_host_hops(cluster)} inter-host hop(s), "
-        f"search {plan.search_time_s * 1e3:.1f} ms"
+        f"search {format_duration(plan.search_time_s)}"
     )
     return "\n".join(lines)
 
@@ -77,7 +85,7 @@ def format_plan(problem: Problem | HeteroProblem, plan: Plan | HeteroPlan) -> st
     lines.append(
         f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
         f"= {plan.cost:.6f} s per iteration   "
-        f"(search {plan.search_time_s * 1e3:.1f} ms)"
+        f"(search {format_duration(plan.search_time_s)})"
     )
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.cluster import Cluster
+from pipedejavu.core.cost_limits import check_cost_magnitude
 from pipedejavu.core.files import parse_json
 from pipedejavu.core.layer_memory import LayerMemory
 from pipedejavu.core.npzfile import read_npz, write_npz
@@ -73,7 +74,8 @@ class HeteroProblem(StageTableSizes):
     Args:
         compute_cost: f64[L, L, M, K, T] seconds per micro-batch (forward +
             backward) of layers ``i..j`` on submesh ``m``, config ``k``, device
-            type ``t``; inf = infeasible / unprofiled.
+            type ``t``; inf = infeasible / unprofiled; finite entries at most
+            ``1e300 / (L + B)`` (plan sums stay finite).
         max_n_succ_stages: i64[L, L, M, K, T] Alpa's memory rule per type
             (-1 = never feasible); ``None`` = memory never limits.
         submesh_shapes: i64[M, 2] ``(hosts, devices per host)``.
@@ -130,6 +132,7 @@ class HeteroProblem(StageTableSizes):
         num_microbatches = as_count(
             self.num_microbatches, "num_microbatches", maximum=MAX_MICROBATCHES
         )
+        check_cost_magnitude(cost, num_microbatches)
         freeze(
             self,
             compute_cost=cost,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.cost_limits import check_cost_magnitude
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.npzfile import read_npz, write_npz
 from pipedejavu.core.validation import (
@@ -128,6 +129,7 @@ class Problem(StageTableSizes):
             of the stage holding layers ``i..j`` inclusive on submesh ``m`` with
             autosharding config ``k``; ``inf`` = not profiled / infeasible. Entries
             below the diagonal (``i > j``) describe no stage and are stored as inf.
+            Finite entries at most ``1e300 / (L + B)`` (plan sums stay finite).
         max_n_succ_stages: i64[L, L, M, K] how many stages may follow this stage
             before its 1F1B activation stash overflows memory; ``-1`` = never
             feasible. ``None`` means memory never limits
@@ -181,6 +183,7 @@ class Problem(StageTableSizes):
         num_microbatches = as_count(
             self.num_microbatches, "num_microbatches", maximum=MAX_MICROBATCHES
         )
+        check_cost_magnitude(cost, num_microbatches)
         num_devices = num_hosts * devices_per_host
         sizes = sorted(set((shapes[:, 0] * shapes[:, 1]).tolist()))
         if not _reachable(sizes, num_devices):

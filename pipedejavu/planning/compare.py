@@ -3,7 +3,8 @@
 ``compare(problem, methods=...)`` runs each method ``warmup`` times (discarded:
 JIT compilation, caches) and then ``repeats`` times, and reports for each the
 plan cost and its ratio to the exact DP's, the search-time distribution and its
-change against the DP's, and the plan's simulated 1F1B iteration time. The
+change against the DP's, and the plan's simulated GPipe and 1F1B iteration
+times (how they relate to the cost: :mod:`pipedejavu.core.hetero_rules`). The
 stochastic methods (``diff``, ``anneal``, ``random``) get seed ``seed + r`` on
 repeat ``r``, so the repeats show their spread, not one lucky draw; the table
 shows the median cost and the worst ratio.
@@ -23,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.problem import InfeasibleProblemError, Plan, Problem, ProblemError
 from pipedejavu.planning.solve import HETERO_METHODS, METHODS, solve
-from pipedejavu.simulation.simulate import simulate, simulate_plan, split_latencies
+from pipedejavu.simulation.simulate import simulate_plan
 
 __all__ = ["Comparison", "MethodResult", "compare", "DEFAULT_METHODS"]
 
@@ -47,6 +48,7 @@ class MethodResult:
         times: wall-clock search time of each repeat (seconds).
         plan: the cheapest plan found over the repeats (``None`` on error).
         simulated_1f1b: simulated 1F1B iteration time of ``plan`` (seconds).
+        simulated_gpipe: simulated GPipe iteration time of ``plan`` (seconds).
         error: why the method gave no plan (infeasible, unknown method, ...).
     """
 
@@ -56,6 +58,7 @@ class MethodResult:
     plan: Plan | None
     simulated_1f1b: float
     error: str | None = None
+    simulated_gpipe: float = math.nan
 
     @property
     def cost(self) -> float:
@@ -67,13 +70,19 @@ class MethodResult:
         return max(self.costs) if self.costs else math.nan
 
     def time_stats(self) -> dict[str, float]:
-        """mean and p50/p90/p95/p99 of the search times (seconds)."""
+        """mean and p50/p90/p95/p99 of the search times (seconds).
+
+        A percentile ``q`` is reported only when the samples support it, i.e.
+        at least ``100 / (100 - q)`` of them (p90: 10, p95: 20, p99: 100)
+        so that at least one sample lies above it; otherwise it is NaN
+        (printed as ``-``)."""
         if not self.times:
             return {k: math.nan for k in ("mean", "p50", "p90", "p95", "p99")}
         times = np.asarray(self.times)
         stats = {"mean": float(times.mean())}
         for q in _PERCENTILES:
-            stats[f"p{q}"] = float(np.percentile(times, q))
+            supported = len(times) * (100 - q) >= 100 or q == 50
+            stats[f"p{q}"] = float(np.percentile(times, q)) if supported else math.nan
         return stats
 
 
@@ -88,6 +97,11 @@ class Comparison:
     num_layers: int
     num_devices: int
     num_microbatches: int
+
+    @property
+    def has_transfers(self) -> bool:
+        """Whether some plan pays for transfers between its stages."""
+        return any(any(getattr(r.plan, "transfers", ())) for r in self.results)
 
     def result(self, method: str) -> MethodResult:
         for r in self.results:
@@ -125,6 +139,7 @@ class Comparison:
                     "time_p99_s": stats["p99"],
                     "time_delta_pct": 100 * (stats["mean"] / ref_time - 1),
                     "simulated_1f1b_s": r.simulated_1f1b,
+                    "simulated_gpipe_s": r.simulated_gpipe,
                     "num_stages": r.plan.num_stages if r.plan else None,
                     "repeats": len(r.times),
                     "error": r.error,
@@ -160,11 +175,12 @@ class Comparison:
         return out.getvalue()
 
     def format_table(self) -> str:
-        """The table a user reads: cost vs DP, time vs DP, simulated 1F1B."""
+        """The table a user reads: cost vs DP, time vs DP, simulated GPipe and
+        1F1B."""
         header = (
             f"{'method':<12} {'cost (s)':>11} {'x DP':>8} {'worst':>8} "
             f"{'mean (s)':>9} {'p50':>8} {'p90':>8} {'p95':>8} {'p99':>8} "
-            f"{'time vs DP':>11} {'1F1B sim (s)':>12} {'stages':>6}"
+            f"{'time vs DP':>11} {'GPipe sim':>10} {'1F1B sim':>10} {'stages':>6}"
         )
         lines = [header, "-" * len(header)]
         for row in self.rows():
@@ -173,7 +189,10 @@ class Comparison:
                 continue
 
             def fmt(value: float, spec: str) -> str:
-                return format(value, spec) if math.isfinite(value) else "-"
+                if math.isfinite(value):
+                    return format(value, spec)
+                width = spec.lstrip("+").split(".")[0]
+                return format("-", f">{width}") if width.isdigit() else "-"
 
             delta = row["time_delta_pct"]
             lines.append(
@@ -183,33 +202,31 @@ class Comparison:
                 f"{fmt(row['time_p90_s'], '8.4f')} {fmt(row['time_p95_s'], '8.4f')} "
                 f"{fmt(row['time_p99_s'], '8.4f')} "
                 f"{(fmt(delta, '+10.0f') + '%') if math.isfinite(delta) else '-':>11} "
-                f"{fmt(row['simulated_1f1b_s'], '12.5g')} {row['num_stages']:>6}"
+                f"{fmt(row['simulated_gpipe_s'], '10.5g')} "
+                f"{fmt(row['simulated_1f1b_s'], '10.5g')} {row['num_stages']:>6}"
             )
         lines.append(
             f"{self.num_layers} layers, {self.num_devices} devices, "
             f"B={self.num_microbatches}; {self.repeats} timed runs after "
-            f"{self.warmup} warm-up; ratios against '{self.reference}'."
+            f"{self.warmup} warm-up; ratios against '{self.reference}'; "
+            "sims in seconds."
         )
+        if self.has_transfers:
+            lines.append(
+                "cost = the planner's objective: a lower bound on GPipe (equal "
+                "when links never or always bind); 1F1B also stalls on transfers "
+                "(at most S - s micro-batches in flight), which it does not model."
+            )
         return "\n".join(lines)
 
 
 def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
     """The plan's simulated schedule (transfers included for placed plans)."""
-    if isinstance(plan, HeteroPlan):
-        forward, backward = split_latencies([s.latency for s in plan.stages])
-        transfer = [c / 2 for c in plan.transfers] or None
-        return simulate(
-            forward,
-            backward,
-            plan.num_microbatches,
-            schedule=schedule,
-            transfer=transfer,
-        )
     return simulate_plan(problem, plan, schedule=schedule)
 
 
-def _simulated(problem: Problem, plan: Plan) -> float:
-    return float(simulate_schedule(problem, plan).iteration_time)
+def _simulated(problem: Problem, plan: Plan, schedule: str = "1f1b") -> float:
+    return float(simulate_schedule(problem, plan, schedule).iteration_time)
 
 
 def compare(
@@ -229,7 +246,8 @@ def compare(
         problem: the instance: a :class:`Problem` or a
             :class:`pipedejavu.HeteroProblem`.
         methods: names from ``pipedejavu.planning.solve.METHODS`` (or
-            ``HETERO_METHODS``); default :data:`DEFAULT_METHODS` (:data:`DEFAULT_HETERO_METHODS`).
+            ``HETERO_METHODS``); default :data:`DEFAULT_METHODS`
+            (:data:`DEFAULT_HETERO_METHODS`).
         repeats: timed runs per method (>= 1).
         warmup: untimed runs first (>= 0).
         seed: base seed of the stochastic methods.
@@ -297,6 +315,9 @@ def compare(
                 plan=best,
                 simulated_1f1b=simulated,
                 error=error,
+                simulated_gpipe=(
+                    _simulated(problem, best, "gpipe") if best is not None else math.nan
+                ),
             )
         )
     return Comparison(

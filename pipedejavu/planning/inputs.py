@@ -221,7 +221,9 @@ GENERATED_EXAMPLE = "generated-gpt-32layers-2x8"
 #: A GPT-6.7B-like model on 4 hosts x 8 reference (A100-class) devices, with
 #: activation sizes: any 4 x 8 cluster file makes it heterogeneous.
 GPT_4X8_EXAMPLE = "generated-gpt-32layers-4x8"
-#: The same model planned for the bundled cluster ``a100-v100-4x8``.
+#: The same instance as ``GPT_4X8_EXAMPLE`` with the bundled cluster file
+#: ``a100-v100-4x8`` (``solve generated-gpt-32layers-4x8 --cluster-file
+#: a100-v100-4x8``), with the cluster included.
 HETERO_EXAMPLE = "hetero-gpt-32layers-a100-v100"
 
 
@@ -263,8 +265,17 @@ def _generated(name: str) -> tuple[Problem | HeteroProblem, np.ndarray | None]:
         return random_problem(32, (2, 8), num_microbatches=32, seed=0), None
     if name == GPT_4X8_EXAMPLE:
         return _gpt_4x8()
-    cluster = load_cluster("a100-v100-4x8")
-    return hetero_problem(32, cluster, num_microbatches=32, seed=0), None
+    # the 4 x 8 example on the bundled cluster: the same instance as
+    # `--cluster-file a100-v100-4x8` gives it (costs scaled by type speed)
+    problem, boundary = _gpt_4x8()
+    typed = _with_cluster(
+        problem,
+        load_cluster("a100-v100-4x8"),
+        boundary,
+        f"example {name}",
+        memory_rule=_gpt_4x8_memory(problem),
+    )
+    return typed, None
 
 
 _GENERATED: dict[str, str] = {
@@ -274,9 +285,10 @@ _GENERATED: dict[str, str] = {
     GPT_4X8_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, 4x8 A100-class "
     "devices (40 GB), 2 configs, B = 32, 16.8 MB activations per boundary "
     "(pipedejavu.costmodel.stage.hetero_generate); give it a 4x8 cluster file",
-    HETERO_EXAMPLE: "generated GPT-6.7B-like model, 32 layers, on the bundled "
-    "cluster a100-v100-4x8 (2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, "
-    "10 Gb/s across types; memory limits per type from its memory_gb), B = 32",
+    HETERO_EXAMPLE: f"{GPT_4X8_EXAMPLE} on the bundled cluster a100-v100-4x8 "
+    "(2 A100 + 2 V100 hosts x 8, 25 Gb/s between hosts, 10 Gb/s across types; "
+    "costs scaled by each type's speed, memory limits per type from its "
+    "memory_gb), B = 32: the same instance as --cluster-file a100-v100-4x8",
 }
 
 
@@ -482,6 +494,12 @@ def load_problem(
             cluster_shape=cluster_shape,
             cluster=cluster,
         )
+    if not os.path.exists(name) and not os.path.splitext(name)[1]:
+        # no such file and no extension: most likely a mistyped example name
+        raise ProblemError(
+            f"no file or example named {name!r}; give a problem file (.npz, "
+            f".npy) or one of the examples: {', '.join(example_names())}"
+        )
     problem, boundary, layer_memory = _read_file(
         source,
         cluster_shape=cluster_shape,
@@ -505,10 +523,22 @@ def load_plan(path: str | os.PathLike) -> Plan | HeteroPlan:
 
     Raises:
         ProblemError: one line naming the file: unreadable, too large, not
-            UTF-8, invalid or too deeply nested JSON, or a missing/bad field.
+            UTF-8, invalid or too deeply nested JSON, a missing/bad field, or a
+            3D training plan (``pipedejavu plan``'s output, read by
+            ``pipedejavu predict``).
     """
     source = os.fspath(path)
     data = read_json(path, MAX_PLAN_FILE_BYTES, "plan file")
+    if isinstance(data, dict) and (
+        data.get("kind") == "training-plan"
+        or "replicas" in data
+        or "layers" in data
+        or "pipeline_list" in data
+    ):
+        raise ProblemError(
+            f"{source} is a 3D training plan from `pipedejavu plan`; "
+            "use `pipedejavu predict`"
+        )
     stages = data.get("stages") if isinstance(data, dict) else None
     placed = (
         isinstance(stages, list)

@@ -12,7 +12,14 @@ from pathlib import Path
 
 from pipedejavu.simulation.simulate import SimulationResult
 
-__all__ = ["plot_anytime", "plot_gantt", "plot_loss_curve", "plot_ratios"]
+__all__ = [
+    "palette",
+    "plot_anytime",
+    "plot_gantt",
+    "plot_loss_curve",
+    "plot_ratios",
+    "value_axis",
+]
 
 _COLORS = {
     "F": "#4c72b0",  # forward
@@ -158,6 +165,35 @@ def plot_gantt(
     return path
 
 
+def palette(count: int) -> list:
+    """``count`` distinct colours: matplotlib's 10-colour cycle while it
+    suffices, else ``tab20`` (up to 20), else evenly spaced hues."""
+    if count <= 10:
+        return [f"C{i}" for i in range(count)]
+    from matplotlib import colormaps
+
+    if count <= 20:
+        return [colormaps["tab20"](i) for i in range(count)]
+    return [colormaps["hsv"](i / count) for i in range(count)]
+
+
+def value_axis(axes, which: str, values) -> bool:
+    """Log scale on ``axes``' ``which`` (``"x"``/``"y"``) axis when the positive
+    ``values`` span at least a factor 10, with plain tick labels (``0.1``,
+    ``100``; no ``9.6x10^1`` minor labels); linear otherwise. Returns whether
+    the axis is logarithmic."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    positive = [float(v) for v in values if v > 0]
+    if not positive or max(positive) / min(positive) < 10:
+        return False
+    getattr(axes, f"set_{which}scale")("log")
+    axis = getattr(axes, f"{which}axis")
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+    return True
+
+
 def _figure(width: float = 7.0, height: float = 4.2):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -185,12 +221,12 @@ def plot_anytime(
         path: the PNG to write.
         optimum: the exact optimum, drawn as a horizontal line.
     """
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
     figure = _figure()
     axes = figure.add_subplot()
     times_seen = []
     markers = iter("sD^vP*X")
+    drawn = [method for method, trace in traces.items() if trace]
+    colors = dict(zip(drawn, palette(len(drawn)), strict=True))
     for method, trace in traces.items():
         if not trace:
             continue
@@ -204,20 +240,24 @@ def plot_anytime(
                 marker=next(markers, "o"),
                 ls="",
                 ms=8,
+                color=colors[method],
                 label=f"{method} (one answer)",
             )
         else:
             axes.step(
-                times, costs, where="post", marker="o", markersize=3, label=method
+                times,
+                costs,
+                where="post",
+                marker="o",
+                markersize=3,
+                color=colors[method],
+                label=method,
             )
     if optimum is not None:
         axes.axhline(
             optimum, color="black", linestyle="--", linewidth=1, label="optimum"
         )
-    if times_seen and max(times_seen) / min(times_seen) >= 10:
-        axes.set_xscale("log")
-        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-        axes.xaxis.set_minor_formatter(NullFormatter())  # no crowded minor labels
+    if value_axis(axes, "x", times_seen):
         axes.set_xlabel("elapsed search time (s, log scale)")
     else:
         axes.set_xlabel("elapsed search time (s)")
@@ -266,9 +306,10 @@ def plot_loss_curve(
             linewidth=1.5,
             label="engine's plan, exact cost",
         )
-    axes.set_yscale("log")
+    levels = [*losses, *(v for v in (optimum, plan_cost) if v is not None)]
+    scale = ", log scale" if value_axis(axes, "y", levels) else ""
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel("relaxed objective + penalty (s, log scale)")
+    axes.set_ylabel(f"relaxed objective + penalty (s{scale})")
     axes.set_title("Differentiable engine: relaxed loss (a surrogate, not a plan cost)")
     axes.text(
         0.02,
@@ -313,6 +354,7 @@ def plot_ratios(
     methods = sorted({r["method"] for r in rows})
     styles = ["-", "--", "-.", ":"]
     markers = "osD^vP*X"
+    colors = palette(len(methods))
     for index, method in enumerate(methods):
         mine = [r for r in rows if r["method"] == method]
         xs = sorted({r[x] for r in mine})
@@ -325,12 +367,15 @@ def plot_ratios(
                 marker=markers[index % len(markers)],
                 linestyle=styles[index % len(styles)],
                 markerfacecolor="none",
+                color=colors[index],
                 label=method,
             )
     cost_axes.set_ylabel("plan cost / exact optimum")
     cost_axes.set_title("cost (1 = optimal; tied methods shifted along x)", fontsize=9)
-    time_axes.set_ylabel("search time / exact DP time")
-    time_axes.set_yscale("log")
+    log_time = value_axis(time_axes, "y", [r["time_ratio"] for r in rows])
+    time_axes.set_ylabel(
+        "search time / exact DP time" + (" (log scale)" if log_time else "")
+    )
     for axes in (cost_axes, time_axes):
         axes.set_xlabel(x.replace("_", " "))
         axes.set_xscale("log", base=2)

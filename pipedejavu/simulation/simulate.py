@@ -64,7 +64,11 @@ Where the closed forms agree and differ (each claim is a test in
   and ``x >= f + b`` at both stages the link never idles and
   ``T = f_0 + 2 B x + b_0``, *below* the formula; with an odd ``B`` or more
   stages the warm-up limit of ``S - s`` micro-batches in flight starves the
-  links and ``T`` can exceed the formula.
+  links and ``T`` can exceed the formula: the forward of micro-batch ``b + w``
+  at stage ``s`` (``w = min(S - s, B)``) waits for the backward of ``b``, at
+  least the round trip ``R_s = sum_{k >= s} (f_k + b_k) + 2 sum_{l >= s} x_l``
+  later, so ``T >= (floor((B - 1) / w) + 1) R_s`` (far above the formula when
+  links are slow; :mod:`pipedejavu.core.hetero_rules`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import check_hetero_plan, transfer_times
 from pipedejavu.core.problem import Plan, Problem, check_plan, objective
 from pipedejavu.simulation.deepspeed import run_deepspeed
 from pipedejavu.simulation.schedules import command_order, run_events, run_fixed_order
@@ -437,8 +444,8 @@ def _result(schedule, count, forward, backward, transfer, memory, orders, grids)
 
 
 def simulate_plan(
-    problem: Problem,
-    plan: Plan,
+    problem: Problem | HeteroProblem,
+    plan: Plan | HeteroPlan,
     *,
     schedule: str = "1f1b",
     backward_ratio: float = 2.0,
@@ -450,19 +457,45 @@ def simulate_plan(
     + backward) as ``backward = backward_ratio * forward``.
 
     The latencies are read from ``problem.compute_cost`` after
-    :func:`~pipedejavu.core.problem.check_plan` (never from the plan's records); B is
-    the problem's unless ``num_microbatches`` is given. Other arguments as in
-    :func:`simulate`.
+    :func:`~pipedejavu.core.problem.check_plan` (or
+    :func:`~pipedejavu.core.hetero_rules.check_hetero_plan` for a placed
+    :class:`~pipedejavu.core.hetero.HeteroPlan` of a
+    :class:`~pipedejavu.core.hetero.HeteroProblem`), never from the plan's
+    records; B is the problem's unless ``num_microbatches`` is given. For a
+    placed plan ``transfer`` defaults to half of each boundary's round trip
+    (:func:`~pipedejavu.core.hetero_rules.transfer_times`, one direction).
+    Other arguments as in :func:`simulate`.
 
     Raises:
         PlanError: the plan breaks a rule of the problem.
+        ProblemError: a plan and a problem of different kinds (placed vs not).
         ValueError: a bad argument.
     """
-    check_plan(problem, plan)
-    latencies = [
-        problem.stage_cost(s.start, s.stop, s.submesh_index, s.config_index)
-        for s in plan.stages
-    ]
+    hetero_plan = isinstance(plan, HeteroPlan)
+    if hetero_plan != isinstance(problem, HeteroProblem):
+        raise ProblemError(
+            "simulate_plan: plan and problem must match: a HeteroPlan (from "
+            "solve on a HeteroProblem) with its HeteroProblem, or a Plan with its "
+            f"Problem; got a {type(plan).__name__} and a {type(problem).__name__}"
+        )
+    if hetero_plan:
+        check_hetero_plan(problem, plan)
+        latencies = [
+            float(
+                problem.compute_cost[
+                    s.start, s.stop - 1, s.submesh_index, s.config_index, s.device_type
+                ]
+            )
+            for s in plan.stages
+        ]
+        if transfer is None:
+            transfer = [c / 2 for c in transfer_times(problem, plan)] or None
+    else:
+        check_plan(problem, plan)
+        latencies = [
+            problem.stage_cost(s.start, s.stop, s.submesh_index, s.config_index)
+            for s in plan.stages
+        ]
     forward, backward = split_latencies(latencies, backward_ratio)
     return simulate(
         forward,

@@ -193,7 +193,16 @@ def profile_to_problem(
     extra keys ``layer_names``, ``layer_times_s``, ``activation_bytes``,
     ``stash_bytes``, ``param_bytes``, ``backend``, ``model_name``,
     ``per_boundary_s`` and ``boundary_fraction`` (ignored by problem readers).
+
+    Raises:
+        ProblemError: ``cluster`` without Alpa's submeshes (devices per host a
+            power of two), checked before any profiling.
+        ValueError: ``num_microbatches < 1`` (also before profiling), or a bad
+            profiling argument.
     """
+    # the arguments the problem needs, checked before the (slow) profiling
+    get_submesh_choices(*(int(x) for x in cluster), "power_of_two")
+    check_count(num_microbatches, "num_microbatches", 1)
     profile = profile_model(
         model_name, repeats=repeats, warmup=warmup, progress_fn=progress_fn
     )
