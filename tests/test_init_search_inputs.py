@@ -141,3 +141,25 @@ def test_candidates_plot_has_a_legend(tmp_path):
         "trained to end",
         "discarded",
     ]
+
+
+def test_benchmark_default_output_is_a_new_dated_file(tmp_path):
+    import importlib.util
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "init_search.py"
+    spec = importlib.util.spec_from_file_location("bench_init_search", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "--out benchmarks/results/init_search.json" in " ".join(
+        module.__doc__.split()
+    )
+    now = datetime(2027, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    first = module.default_out(now, tmp_path)
+    assert first.name == "init_search-20270102-030405.json"
+    first.write_text("{}")
+    assert (
+        module.default_out(now, tmp_path).name == "init_search-20270102-030405-1.json"
+    )
+    assert module.default_out(now).name != "init_search.json"
