@@ -30,7 +30,13 @@ own intervals: an interval that contains 0 means no difference shown.
 Usage::
 
     python benchmarks/init_search.py [--seeds 10] [--models mlp mlp-deep]
-        [--quick] [--plot DIR] [--out benchmarks/results/init_search.json]
+        [--quick] [--plot DIR] [--out FILE.json]
+
+Without ``--out`` the report goes to a new dated file,
+``benchmarks/results/init_search-YYYYMMDD-HHMMSS.json`` (never an existing
+one); the tracked ``benchmarks/results/init_search.json`` (which the docs'
+tables read) is overwritten only when named: ``--out
+benchmarks/results/init_search.json``.
 """
 
 from __future__ import annotations
@@ -106,6 +112,16 @@ def _print_model(model: str, summary: dict, targets: tuple[float, ...]) -> None:
         print(f"  {label:<26} " + "; ".join(parts))
 
 
+def default_out(now: datetime, folder: Path | None = None) -> Path:
+    """A new dated report file, ``init_search-YYYYMMDD-HHMMSS[-k].json``."""
+    folder = Path(__file__).parent / "results" if folder is None else folder
+    stem = f"init_search-{now:%Y%m%d-%H%M%S}"
+    path, k = folder / f"{stem}.json", 1
+    while path.exists():
+        path, k = folder / f"{stem}-{k}.json", k + 1
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -116,9 +132,13 @@ def main() -> None:
     parser.add_argument("--plot", help="write the curves' figures here")
     parser.add_argument(
         "--out",
-        default=str(Path(__file__).parent / "results" / "init_search.json"),
+        help="the report's file (default: a new dated file in "
+        "benchmarks/results; name benchmarks/results/init_search.json to "
+        "replace the tracked one)",
     )
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(default_out(datetime.now(timezone.utc)))
     seeds = list(range(3 if args.quick else args.seeds))
     config = (
         InitSearchConfig(epochs=40, demo_epochs=8) if args.quick else InitSearchConfig()

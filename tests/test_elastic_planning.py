@@ -10,7 +10,11 @@ import pytest
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.planning.deepspeed_elastic import get_valid_gpus, is_valid_world_size
 from pipedejavu.planning.elastic import elastic_counts, parse_gpu_range, plan_elastic
-from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
+from pipedejavu.planning.elastic_report import (
+    format_elastic,
+    panel_names,
+    plot_elastic,
+)
 
 COUNTS = [4, 8, 12]
 
@@ -117,3 +121,51 @@ def test_range_without_a_batch_valid_everywhere_is_flagged():
     assert sum(flags) == choice.valid_counts
     assert "NOT valid for every count" in format_elastic(result)
     assert result.to_json()["common_valid_for_all"] is False
+
+
+def test_per_count_best_is_never_beaten_and_prices_are_not_negative():
+    # Issue 23: the DeepSpeed batch 288 (off the 128-grid) beat the grid's best
+    # at 12 GPUs (127.3 > 106.3 samples/s): a negative price.
+    lines = []
+    result = plan_elastic(
+        "OPT-350",
+        "GH-96",
+        [4, 8, 12],
+        300,
+        batch_multiple=128,
+        progress_fn=lines.append,
+    )
+    for row in result.rows:
+        assert row.best.goodput >= row.common_goodput
+        assert row.best.throughput == pytest.approx(
+            row.best.global_batch / row.best.training.iteration_time_s
+        )
+    mean, worst = result.price()
+    assert 0 <= mean <= worst <= 1
+    assert all(0 <= c.mean_ratio <= 1 + 1e-12 for c in result.candidates)
+    # An estimate up front, progress per count, and model-parallel sizes that
+    # agree between the progress lines and the summary.
+    assert lines[0].startswith("elastic mode: 3 GPU counts")
+    assert any("s more" in line for line in lines)
+    text = format_elastic(result)
+    for line in lines:
+        if line.startswith("[") and "DeepSpeed batch" in line:
+            batch = line.split("DeepSpeed batch ")[1].split()[0]
+            sizes = line.split("size(s) ")[1].split(")")[0]
+            assert f"batch {batch} (max" in text
+            assert any(
+                f"batch {batch} (max" in t and f"size(s) {sizes})" in t
+                for t in text.splitlines()
+            )
+    assert panel_names(result) == ["throughput"]
+
+
+def test_goodput_panel_only_with_gradient_statistics(result):
+    assert panel_names(result) == ["throughput", "goodput"]
+
+
+def test_common_plans_on_fewer_gpus_are_shown(result):
+    text = format_elastic(result)
+    for row in result.rows:
+        if row.common is not None and row.common.plan.num_gpus < row.gpus:
+            assert f"uses {row.common.plan.num_gpus} of {row.gpus} GPUs" in text

@@ -12,9 +12,11 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
+from pipedejavu.cli.init_search import HelpWithDefaults, int_in
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
@@ -33,6 +35,14 @@ FIT_COLUMNS = (
     "accum_step_time",
     "optim_step_time",
 )
+#: ``--world-size`` lies in [1, MAX_WORLD_SIZE].
+MAX_WORLD_SIZE = 1_000_000
+#: ``--init-batch``, ``--max-batch-size`` and the atomic batch bounds lie in
+#: [1, MAX_BATCH]; node and replica counts in [1, MAX_COUNT], at most
+#: MAX_ROWS of them.
+MAX_BATCH = 10**9
+MAX_COUNT = 1_000_000
+MAX_ROWS = 4096
 PERF_FIELDS = ("alpha_c", "beta_c", "alpha_n", "beta_n", "alpha_r", "beta_r", "gamma")
 
 
@@ -43,11 +53,15 @@ class InputError(Exception):
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Adds ``goodput`` (``fit``, ``optimize``) and ``elastic`` to the CLI."""
     goodput = commands.add_parser(
-        "goodput", help="Pollux/AdaptDL's goodput model: fit it, pick batch sizes"
+        "goodput",
+        help="Pollux/AdaptDL's goodput model: fit it, pick batch sizes",
+        formatter_class=HelpWithDefaults,
     )
     actions = goodput.add_subparsers(dest="goodput_command", required=True)
     fit = actions.add_parser(
-        "fit", help="fit the step-time model (PerfParams) to measured step times"
+        "fit",
+        help="fit the step-time model (PerfParams) to measured step times",
+        formatter_class=HelpWithDefaults,
     )
     fit.add_argument(
         "steps",
@@ -59,6 +73,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     optimize = actions.add_parser(
         "optimize",
         help="best atomic batch and accumulation steps per (nodes, replicas)",
+        formatter_class=HelpWithDefaults,
     )
     optimize.add_argument(
         "--perf",
@@ -66,40 +81,73 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="7 comma-separated numbers " + ",".join(PERF_FIELDS) + ", or the "
         "JSON that `goodput fit --json` printed",
     )
-    optimize.add_argument("--grad", required=True, metavar="SQR,VAR")
-    optimize.add_argument("--init-batch", required=True, type=int, metavar="N")
     optimize.add_argument(
-        "--nodes", required=True, help="comma-separated node counts (broadcast)"
+        "--grad",
+        required=True,
+        metavar="SQR,VAR",
+        help="gradient statistics at --init-batch: the squared norm and the "
+        "variance of the gradient (Pollux's grad_sqr, grad_var), two finite "
+        "numbers >= 0, not both 0",
     )
     optimize.add_argument(
-        "--replicas", required=True, help="comma-separated replica counts (broadcast)"
+        "--init-batch",
+        required=True,
+        type=int_in("--init-batch", 1, MAX_BATCH),
+        metavar="N",
+        help=f"the batch the statistics refer to, 1..{MAX_BATCH:,}",
     )
-    optimize.add_argument("--max-batch-size", type=int, metavar="N")
     optimize.add_argument(
-        "--atomic-bsz-range", metavar="MIN,MAX", help="0 at either end: no bound"
+        "--nodes",
+        required=True,
+        help=f"comma-separated node counts (broadcast), each 1..{MAX_COUNT:,}, "
+        f"at most {MAX_ROWS}",
     )
-    optimize.add_argument("--accumulation", action="store_true")
+    optimize.add_argument(
+        "--replicas",
+        required=True,
+        help=f"comma-separated replica counts (broadcast), each 1..{MAX_COUNT:,}, "
+        f"at most {MAX_ROWS}",
+    )
+    optimize.add_argument(
+        "--max-batch-size",
+        type=int_in("--max-batch-size", 1, MAX_BATCH),
+        metavar="N",
+        help=f"largest global batch, --init-batch..{MAX_BATCH:,} (none: no bound)",
+    )
+    optimize.add_argument(
+        "--atomic-bsz-range",
+        metavar="MIN,MAX",
+        help=f"per-replica batch bounds, each 0..{MAX_BATCH:,}; 0 at either end: "
+        "no bound",
+    )
+    optimize.add_argument(
+        "--accumulation",
+        action="store_true",
+        help="also consider gradient accumulation steps",
+    )
     optimize.add_argument("--json", action="store_true", help="print JSON")
 
     elastic = commands.add_parser(
         "elastic",
         help="DeepSpeed's elastic global batch size and valid GPU counts",
+        formatter_class=HelpWithDefaults,
     )
     elastic.add_argument(
         "config", metavar="CONFIG.json", help="DeepSpeed config with 'elasticity'"
     )
     elastic.add_argument(
         "--world-size",
-        type=int,
-        default=0,
+        type=int_in("--world-size", 1, MAX_WORLD_SIZE),
         metavar="N",
-        help="GPU count to check and pick a micro-batch for (version 0.2 needs it "
-        "or the WORLD_SIZE environment variable)",
+        help=f"GPU count to check and pick a micro-batch for, 1..{MAX_WORLD_SIZE:,} "
+        "and small enough that DeepSpeed's rule gives a batch (world size / "
+        "model_parallel_size x the smallest micro-batch <= max_train_batch_size); "
+        "version 0.2 needs it or the WORLD_SIZE environment variable",
     )
     elastic.add_argument(
         "--deepspeed-version",
         default=DEFAULT_DEEPSPEED_VERSION,
-        help="target DeepSpeed version (default %(default)s)",
+        help="target DeepSpeed version (at least 0.3.8)",
     )
     elastic.add_argument("--json", action="store_true", help="print JSON")
 
@@ -224,10 +272,17 @@ def _numbers(text: str, name: str, count: int | None = None) -> list[float]:
     return values
 
 
-def _integers(text: str, name: str) -> list[int]:
+def _integers(text: str, name: str, low: int, high: int) -> list[int]:
     values = _numbers(text, name)
-    if not all(v.is_integer() for v in values):
-        raise InputError(f"{name} must be integers, got {text!r}")
+    if (
+        len(values) > MAX_ROWS
+        or not all(v.is_integer() for v in values)
+        or not all(low <= v <= high for v in values)
+    ):
+        raise InputError(
+            f"{name} must be 1 to {MAX_ROWS} comma-separated integers in "
+            f"[{low:,}, {high:,}], got {text!r:.60}"
+        )
     return [int(v) for v in values]
 
 
@@ -255,13 +310,27 @@ def _run_optimize(args: argparse.Namespace) -> None:
 
     perf = _perf_params(args.perf)
     grad = _numbers(args.grad, "--grad", 2)
-    nodes = _integers(args.nodes, "--nodes")
-    replicas = _integers(args.replicas, "--replicas")
+    if min(grad) < 0 or max(grad) == 0:
+        raise InputError(
+            f"--grad must be SQR,VAR: two finite numbers >= 0, not both 0; got "
+            f"{args.grad!r:.60}"
+        )
+    nodes = _integers(args.nodes, "--nodes", 1, MAX_COUNT)
+    replicas = _integers(args.replicas, "--replicas", 1, MAX_COUNT)
+    if len(nodes) > 1 and len(replicas) > 1 and len(nodes) != len(replicas):
+        raise InputError(
+            f"--nodes and --replicas must have the same length or one value, got "
+            f"{len(nodes)} and {len(replicas)}"
+        )
     bounds = None
     if args.atomic_bsz_range is not None:
-        bounds = tuple(_integers(args.atomic_bsz_range, "--atomic-bsz-range"))
+        bounds = tuple(
+            _integers(args.atomic_bsz_range, "--atomic-bsz-range", 0, MAX_BATCH)
+        )
         if len(bounds) != 2:
-            raise InputError("--atomic-bsz-range needs MIN,MAX")
+            raise InputError(
+                f"--atomic-bsz-range needs MIN,MAX, got {args.atomic_bsz_range!r:.60}"
+            )
     try:
         fn = GoodputFunction(perf, grad, args.init_batch)
         nodes_array, replicas_array = np.broadcast_arrays(nodes, replicas)
@@ -326,9 +395,15 @@ def _run_elastic(args: argparse.Namespace) -> None:
         raise InputError(str(error)) from None
     try:
         result = compute_elastic_config(
-            config, args.deepspeed_version, world_size=args.world_size
+            config, args.deepspeed_version, world_size=args.world_size or 0
         )
     except (ElasticityError, ValueError, TypeError, ArithmeticError) as error:
+        if args.world_size is None and "needs WORLD_SIZE" in str(error):
+            raise InputError(
+                f"{path}: elasticity version 0.2 needs --world-size N "
+                f"(1..{MAX_WORLD_SIZE:,}) or the WORLD_SIZE environment variable, "
+                f"got neither (WORLD_SIZE={os.environ.get('WORLD_SIZE')!r:.20})"
+            ) from None
         notes = "; ".join(getattr(error, "__notes__", []))
         detail = f"{error}" + (f" ({notes})" if notes else "")
         raise InputError(f"{path}: {type(error).__name__}: {detail}") from None
@@ -338,6 +413,13 @@ def _run_elastic(args: argparse.Namespace) -> None:
     micro = result[2] if len(result) == 3 else None
     section = config["elasticity"]
     version = float(section.get("version", 0.2))
+    if batch < 1:  # DeepSpeed's fallback for a world size too large: batch 0
+        raise InputError(
+            f"--world-size {args.world_size}: DeepSpeed's rule gives no global "
+            f"batch for it with {path} (its data-parallel replicas x the smallest "
+            "micro-batch exceed max_train_batch_size); expected a smaller "
+            "world size"
+        )
     if args.json:
         out = {"final_batch_size": batch, "valid_gpus": valid, "version": version}
         if micro is not None or len(result) == 3:

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.init_search.data import load_digits
+from pipedejavu.init_search.limits import (
+    DEFAULT_MEMORY_LIMIT_GB,
+    INT_RANGES,
+    MAX_BUDGET_EPOCHS,
+    MAX_LEARNING_RATE,
+    MAX_MEMORY_LIMIT_GB,
+    MAX_TARGETS,
+    check_memory,
+)
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 # Settings whose error messages start with their field name.
@@ -32,54 +43,177 @@ _OPTION_FIELDS = {
     "init",
     "learning_rate",
     "batch_size",
+    "memory_limit_gb",
 }
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, when it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" not in text
+            and not any(default is x for x in (None, False, argparse.SUPPRESS))
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def int_in(option: str, low: int, high: int):
+    """An argparse type: an integer in ``[low, high]`` (one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be an integer in [{low}, {high}], got {text!r:.40}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be an integer in [{low}, {high}], got {text:.40}"
+            )
+        return value
+
+    return parse
+
+
+def float_in(option: str, low: float, high: float):
+    """An argparse type: a number in ``(low, high]`` (one-line error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low < value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a number in ({low:g}, {high:g}], got {text!r:.40}"
+            )
+        return value
+
+    return parse
+
+
+def _int_option(parser, name: str, field: str, help: str, **kwargs) -> None:
+    low, high = INT_RANGES[field]
+    parser.add_argument(
+        name,
+        type=int_in(name, low, high),
+        metavar="N",
+        help=f"{help}; {low:,}..{high:,}",
+        **kwargs,
+    )
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register the ``init-search`` subcommand."""
+    """Register the ``init-search`` subcommand (every number has a range)."""
     parser = commands.add_parser(
         "init-search",
         help="parallel random initialization vs one run vs best of N, at equal "
         "compute (flax MLP on the bundled digits)",
+        description="Parallel random initialization vs one run vs best of N at "
+        "equal compute. Ranges are inclusive; also --keep < --num-workers and "
+        "divides it, --rounds x --demo-epochs < --epochs, --num-workers x "
+        f"--epochs <= {MAX_BUDGET_EPOCHS:,}, and the candidates must fit "
+        "--memory-limit-gb (estimated before any work).",
+        formatter_class=HelpWithDefaults,
+    )
+    parser.add_argument("--model", default="mlp", help="mlp-small, mlp or mlp-deep")
+    parser.add_argument("--init", default="he", help="base distribution: he or glorot")
+    _int_option(parser, "--num-workers", "num_workers", "N candidates", default=8)
+    _int_option(
+        parser, "--epochs", "epochs", "epochs per worker (budget N x E)", default=100
+    )
+    _int_option(
+        parser,
+        "--demo-epochs",
+        "demo_epochs",
+        "warm-up epochs before scoring",
+        default=20,
+    )
+    _int_option(parser, "--rounds", "rounds", "search rounds", default=3)
+    _int_option(parser, "--keep", "keep", "survivors per round (top k)", default=2)
+    parser.add_argument(
+        "--resample-scale",
+        type=float_in("--resample-scale", 0, 1),
+        default=0.5,
+        help="neighbourhood scale of round 1, in (0, 1]",
     )
     parser.add_argument(
-        "--model", default="mlp", help="mlp-small, mlp (default), mlp-deep"
+        "--shrink",
+        type=float_in("--shrink", 0, 1),
+        default=0.5,
+        help="scale factor per later round, in (0, 1]",
     )
     parser.add_argument(
-        "--init", default="he", help="base distribution: he (default) or glorot"
+        "--learning-rate",
+        type=float_in("--learning-rate", 0, MAX_LEARNING_RATE),
+        default=1e-3,
+        help=f"Adam's step size, in (0, {MAX_LEARNING_RATE:g}]",
     )
-    parser.add_argument("--num-workers", type=int, default=8, help="N candidates")
-    parser.add_argument(
-        "--epochs", type=int, default=100, help="epochs per worker (budget N x E)"
+    _int_option(
+        parser,
+        "--batch-size",
+        "batch_size",
+        "training images per gradient evaluation (at most the training images)",
+        default=64,
     )
-    parser.add_argument(
-        "--demo-epochs", type=int, default=20, help="warm-up epochs before scoring"
+    _int_option(
+        parser,
+        "--patience",
+        "patience",
+        "stop after this many epochs without progress (none: spend the budget)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="search rounds")
-    parser.add_argument("--keep", type=int, default=2, help="survivors per round")
-    parser.add_argument("--resample-scale", type=float, default=0.5)
-    parser.add_argument("--shrink", type=float, default=0.5)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument(
-        "--patience", type=int, help="stop after this many epochs without progress"
-    )
-    parser.add_argument(
+    _int_option(
+        parser,
         "--chunk-epochs",
-        type=int,
+        "chunk_epochs",
+        "epochs per compiled call (progress and early-stopping granularity)",
         default=10,
-        help="epochs per compiled call (progress and early-stopping granularity)",
     )
-    parser.add_argument("--seeds", type=int, default=3, help="repetitions")
-    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    _int_option(parser, "--seeds", "seeds", "repetitions", default=3)
+    _int_option(parser, "--seed", "seed", "first seed", default=0)
+    parser.add_argument(
+        "--memory-limit-gb",
+        type=float_in("--memory-limit-gb", 0, MAX_MEMORY_LIMIT_GB),
+        default=DEFAULT_MEMORY_LIMIT_GB,
+        metavar="GIB",
+        help="the candidates trained at once may need at most this much memory "
+        f"(estimated; refused before any work), in (0, {MAX_MEMORY_LIMIT_GB:g}]",
+    )
     parser.add_argument(
         "--target",
         default="0.15,0.12",
-        help="validation losses for time to target, comma-separated",
+        help=f"validation losses for time to target, comma-separated, 1 to "
+        f"{MAX_TARGETS} finite numbers > 0",
     )
     parser.add_argument("--data", help="a digits .npz of the bundled layout")
     parser.add_argument("--plot", metavar="DIR", help="write figures here")
     parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def parse_targets(text: str) -> list[float]:
+    """``"0.15,0.12"`` -> the losses; 1 to :data:`MAX_TARGETS` finite numbers > 0.
+
+    Raises:
+        ProblemError: anything else (one line naming --target).
+    """
+    try:
+        targets = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        targets = []
+    if not 1 <= len(targets) <= MAX_TARGETS or not all(
+        math.isfinite(t) and t > 0 for t in targets
+    ):
+        raise ProblemError(
+            f"--target must be 1 to {MAX_TARGETS} comma-separated finite numbers "
+            f"> 0, got {text!r:.60}"
+        )
+    return targets
 
 
 class _Bar:
@@ -120,11 +254,9 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     try:
-        targets = [float(t) for t in args.target.split(",") if t.strip()]
-    except ValueError:
-        return _fail(f"--target must be comma-separated numbers, got {args.target!r}")
-    if args.seeds < 1:
-        return _fail(f"--seeds must be >= 1, got {args.seeds}")
+        targets = parse_targets(args.target)
+    except ProblemError as error:
+        return _fail(str(error))
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -132,15 +264,10 @@ def run(args: argparse.Namespace) -> int:
             return _fail("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
     import jax
 
-    from pipedejavu.init_search import (
-        InitSearchConfig,
-        TrainConfig,
-        load_digits,
-        model_config,
-        run_strategies,
-    )
+    from pipedejavu.init_search.model import model_config
+    from pipedejavu.init_search.strategies import InitSearchConfig, run_strategies
     from pipedejavu.init_search.summary import summarize
-    from pipedejavu.init_search.train import steps_per_epoch
+    from pipedejavu.init_search.train import TrainConfig, steps_per_epoch
 
     try:
         config = InitSearchConfig(
@@ -153,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
             shrink=args.shrink,
             patience=args.patience,
             chunk_epochs=args.chunk_epochs,
+            memory_limit_gb=args.memory_limit_gb,
         )
         train_config = TrainConfig(
             model=model_config(args.model, args.init),
@@ -161,7 +289,21 @@ def run(args: argparse.Namespace) -> int:
         )
         dataset = load_digits(args.data)
         steps = steps_per_epoch(train_config, len(dataset.train.labels))
-    except ProblemError as error:  # the data file: the message names it
+        check_memory(
+            config.num_workers,
+            config.keep,
+            train_config.model.hidden,
+            train_config.model.num_inputs,
+            train_config.model.num_classes,
+            train_config.batch_size,
+            (
+                len(dataset.train.labels),
+                len(dataset.validation.labels),
+                len(dataset.test.labels),
+            ),
+            config.memory_limit_gb,
+        )
+    except ProblemError as error:  # the data file or the memory: named there
         return _fail(str(error))
     except ValueError as error:  # settings: name the option, not the field
         first, _, rest = str(error).partition(" ")
@@ -213,15 +355,20 @@ def _table(summary: dict, targets: list[float], seeds: int) -> str:
             return "-"
         if interval is None:
             return f"{value:.{digits}f}"
+        if digits == 0:  # a positive count: its interval is on log scale
+            return f"{value:.0f} [{interval[0]:.0f}, {interval[1]:.0f}]"
         return f"{value:.{digits}f} +- {(interval[1] - interval[0]) / 2:.{digits}f}"
 
-    lines = [f"equal compute, mean +- 95% half-interval over {seeds} seed(s)"]
+    lines = [
+        f"equal compute, mean +- 95% half-interval over {seeds} seed(s); "
+        "evals to target: mean [95% interval on log scale], (runs reaching it)"
+    ]
     header = (
         f"{'strategy':<10} {'grad evals':>10} {'val loss':>18} {'val acc':>18} "
         f"{'test acc':>18}"
     )
     for target in targets:
-        header += f" {'evals to ' + format(target, 'g'):>20}"
+        header += f" {'evals to ' + format(target, 'g'):>28}"
     lines.append(header)
     for name, entry in summary["strategies"].items():
         ci = entry["ci95"]
@@ -241,6 +388,6 @@ def _table(summary: dict, targets: list[float], seeds: int) -> str:
             text = (
                 cell(hit["mean"], hit["ci95"], 0) + f" ({hit['reached']}/{hit['runs']})"
             )
-            row += f" {text:>20}"
+            row += f" {text:>28}"
         lines.append(row)
     return "\n".join(lines)

@@ -6,37 +6,41 @@ Modules: :mod:`.data` (the bundled digits and their split), :mod:`.model`
 (flax MLPs, He/Glorot base distributions), :mod:`.train` (vmapped, jitted
 training of a population), :mod:`.sampling` (top-k selection, resampling),
 :mod:`.strategies` (the three strategies and their compute accounting),
-:mod:`.summary` (confidence intervals, time to target) and :mod:`.plots`.
+:mod:`.summary` (confidence intervals, time to target), :mod:`.plots` and
+:mod:`.limits` (the settings' ranges, the memory estimate).
 """
 
-from pipedejavu.init_search.data import Dataset as Dataset
-from pipedejavu.init_search.data import load_digits as load_digits
-from pipedejavu.init_search.model import MODEL_NAMES as MODEL_NAMES
-from pipedejavu.init_search.model import ModelConfig as ModelConfig
-from pipedejavu.init_search.model import model_config as model_config
-from pipedejavu.init_search.sampling import resample as resample
-from pipedejavu.init_search.sampling import resample_scales as resample_scales
-from pipedejavu.init_search.sampling import select_top_k as select_top_k
-from pipedejavu.init_search.strategies import STRATEGY_NAMES as STRATEGY_NAMES
-from pipedejavu.init_search.strategies import InitSearchConfig as InitSearchConfig
-from pipedejavu.init_search.strategies import StrategyResult as StrategyResult
-from pipedejavu.init_search.strategies import run_strategies as run_strategies
-from pipedejavu.init_search.train import METRICS as METRICS
-from pipedejavu.init_search.train import TrainConfig as TrainConfig
+from pipedejavu.init_search.limits import (
+    DEFAULT_MEMORY_LIMIT_GB as DEFAULT_MEMORY_LIMIT_GB,
+)
+from pipedejavu.init_search.limits import population_bytes as population_bytes
 
-__all__ = [
-    "METRICS",
-    "MODEL_NAMES",
-    "STRATEGY_NAMES",
-    "Dataset",
-    "InitSearchConfig",
-    "ModelConfig",
-    "StrategyResult",
-    "TrainConfig",
-    "load_digits",
-    "model_config",
-    "resample",
-    "resample_scales",
-    "run_strategies",
-    "select_top_k",
-]
+# The JAX-based parts load on first use, so that the CLI's parser (which reads
+# the ranges of :mod:`.limits`) does not pay for importing JAX.
+_LAZY = {
+    "Dataset": "data",
+    "load_digits": "data",
+    "MODEL_NAMES": "model",
+    "ModelConfig": "model",
+    "model_config": "model",
+    "resample": "sampling",
+    "resample_scales": "sampling",
+    "select_top_k": "sampling",
+    "STRATEGY_NAMES": "strategies",
+    "InitSearchConfig": "strategies",
+    "StrategyResult": "strategies",
+    "run_strategies": "strategies",
+    "METRICS": "train",
+    "TrainConfig": "train",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'pipedejavu.init_search' has no attribute {name!r}")
+
+
+__all__ = ["DEFAULT_MEMORY_LIMIT_GB", "population_bytes", *_LAZY]

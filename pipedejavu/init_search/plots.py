@@ -11,7 +11,7 @@ from pipedejavu.init_search.strategies import StrategyResult
 from pipedejavu.init_search.summary import mean_curves
 from pipedejavu.init_search.train import METRICS
 
-__all__ = ["plot_candidates", "plot_compute"]
+__all__ = ["candidate_legend", "plot_candidates", "plot_compute"]
 
 _COLORS = {
     "single": "#4c72b0",
@@ -65,10 +65,24 @@ def plot_candidates(
         axes.set_xlabel("epochs trained (own)")
         axes.set_yscale("log")
         axes.grid(True, which="both", alpha=0.3)
+        axes.legend(handles=candidate_legend(name), fontsize=7, loc="upper right")
     panels[0].set_ylabel(metric.replace("_", " "))
     path = Path(path)
     figure.savefig(path, dpi=dpi)
     return path
+
+
+def candidate_legend(name: str) -> list:
+    """The legend of :func:`plot_candidates`' panel of strategy ``name``."""
+    from matplotlib.lines import Line2D
+
+    return [
+        Line2D([], [], color="black", linewidth=1.8, label="final pick"),
+        Line2D(
+            [], [], color=_COLORS.get(name, "C0"), linewidth=1.4, label="trained to end"
+        ),
+        Line2D([], [], color="0.6", linewidth=0.7, label="discarded"),
+    ]
 
 
 def plot_compute(

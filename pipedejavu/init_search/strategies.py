@@ -35,6 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipedejavu.init_search.data import Dataset
+from pipedejavu.init_search.limits import (
+    DEFAULT_MEMORY_LIMIT_GB,
+    INT_RANGES,
+    MAX_BUDGET_EPOCHS,
+    MAX_MEMORY_LIMIT_GB,
+    check_memory,
+)
 from pipedejavu.init_search.sampling import resample, resample_scales, select_top_k
 from pipedejavu.init_search.train import (
     METRICS,
@@ -85,6 +92,14 @@ class InitSearchConfig:
         patience: stop a strategy once its pick's validation loss has not
             improved for this many epochs (the search rounds always finish);
             None: always spend the whole budget.
+        memory_limit_gb: the candidates trained at once may take this much
+            memory, GiB, in (0, 1024] (estimated by
+            :func:`~.limits.population_bytes`; checked before any work).
+
+    Ranges (inclusive): num_workers 2..4096, epochs 2..100,000, demo_epochs
+    1..10,000, rounds 1..1,000, keep 1..num_workers - 1, chunk_epochs
+    1..1,000, patience 1..100,000, num_workers x epochs <= 1,000,000
+    (:mod:`.limits`).
     """
 
     num_workers: int = 8
@@ -96,6 +111,7 @@ class InitSearchConfig:
     shrink: float = 0.5
     chunk_epochs: int = 10
     patience: int | None = None
+    memory_limit_gb: float = DEFAULT_MEMORY_LIMIT_GB
 
     def __post_init__(self) -> None:
         for name in (
@@ -105,20 +121,29 @@ class InitSearchConfig:
             "rounds",
             "keep",
             "chunk_epochs",
+            "patience",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.patience is not None and (
-            not isinstance(self.patience, int) or self.patience < 1
-        ):
-            raise ValueError(
-                f"patience must be a positive integer, got {self.patience!r}"
-            )
+            if name == "patience" and value is None:
+                continue
+            low, high = INT_RANGES[name]
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not low <= value <= high
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [{low}, {high}], got {value!r}"
+                )
         if self.keep >= self.num_workers or self.num_workers % self.keep:
             raise ValueError(
                 f"keep ({self.keep}) must divide num_workers ({self.num_workers}) "
                 "and be smaller"
+            )
+        if self.num_workers * self.epochs > MAX_BUDGET_EPOCHS:
+            raise ValueError(
+                f"num_workers x epochs (the budget in epochs) must be <= "
+                f"{MAX_BUDGET_EPOCHS:,}, got {self.num_workers} x {self.epochs}"
             )
         if self.rounds * self.demo_epochs >= self.epochs:
             raise ValueError(
@@ -129,6 +154,11 @@ class InitSearchConfig:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+        if not 0 < self.memory_limit_gb <= MAX_MEMORY_LIMIT_GB:
+            raise ValueError(
+                f"memory_limit_gb must lie in (0, {MAX_MEMORY_LIMIT_GB:g}], got "
+                f"{self.memory_limit_gb!r}"
+            )
 
     @property
     def final_epochs(self) -> int:
@@ -425,13 +455,33 @@ def run_strategies(
 
     Returns:
         Strategy name -> :class:`StrategyResult`.
+
+    Raises:
+        ProblemError: the candidates would need more than
+            ``config.memory_limit_gb`` (:func:`~.limits.check_memory`), before
+            anything is allocated.
     """
     known = STRATEGY_NAMES + ABLATION_NAMES
     unknown = [s for s in strategies if s not in known]
     if unknown:
         raise ValueError(f"strategies must be among {', '.join(known)}, got {unknown}")
-    data = device_data(dataset)
     steps = steps_per_epoch(train_config, len(dataset.train.labels))
+    model = train_config.model
+    check_memory(
+        config.num_workers,
+        config.keep,
+        model.hidden,
+        model.num_inputs,
+        model.num_classes,
+        train_config.batch_size,
+        (
+            len(dataset.train.labels),
+            len(dataset.validation.labels),
+            len(dataset.test.labels),
+        ),
+        config.memory_limit_gb,
+    )
+    data = device_data(dataset)
     budget = config.budget(steps)
     init_key, data_key, resample_key = jax.random.split(key, 3)
     num = config.num_workers

@@ -15,10 +15,22 @@ from pipedejavu.init_search.train import METRICS, VALIDATION_LOSS
 __all__ = ["mean_ci", "mean_curves", "summarize", "time_to_target"]
 
 _FINAL = [name for name in METRICS if name != "train_loss"]
+#: Reported quantities that are positive: their intervals are on log scale.
+_POSITIVE = {"gradient_evaluations", "sequential_steps", "wall_time_s"}
 
 
-def mean_ci(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
+def mean_ci(
+    values: Sequence[float], level: float = 0.95, *, positive: bool = False
+) -> dict[str, Any]:
     """Mean and Student-t confidence interval of the mean.
+
+    Args:
+        values: the samples (``None`` entries are skipped).
+        level: the confidence level.
+        positive: the quantity is positive (a time, a count): the interval is
+            Student-t's on the logarithms, mapped back (it never starts below
+            zero; it is around the geometric mean, so not symmetric), when
+            every value is > 0.
 
     Returns:
         ``{"mean", "ci95": [low, high], "n"}``; the interval is ``None`` for
@@ -33,9 +45,14 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
     mean = float(array.mean())
     if count < 2:
         return {"mean": mean, "ci95": None, "n": count}
-    half = float(stats.t.ppf(0.5 + level / 2, count - 1)) * float(
-        array.std(ddof=1) / math.sqrt(count)
-    )
+    quantile = float(stats.t.ppf(0.5 + level / 2, count - 1))
+    if positive and bool(np.all(array > 0)):
+        logs = np.log(array)
+        half = quantile * float(logs.std(ddof=1) / math.sqrt(count))
+        centre = float(logs.mean())
+        interval = [math.exp(centre - half), math.exp(centre + half)]
+        return {"mean": mean, "ci95": interval, "n": count}
+    half = quantile * float(array.std(ddof=1) / math.sqrt(count))
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": count}
 
 
@@ -83,7 +100,7 @@ def summarize(
         intervals, per_seed = {}, {}
         for key in keys:
             values = [row[key] for row in rows]
-            stats = mean_ci(values)
+            stats = mean_ci(values, positive=key in _POSITIVE)
             entry[key] = stats["mean"]
             intervals[key] = stats["ci95"]
             per_seed[key] = values
@@ -100,7 +117,7 @@ def summarize(
                     time_to_target(run[name], target, sequential=sequential)
                     for run in runs
                 ]
-                stats = mean_ci(hits)
+                stats = mean_ci(hits, positive=True)
                 entry[field][repr(float(target))] = {
                     "mean": stats["mean"],
                     "ci95": stats["ci95"],

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from pipedejavu.init_search.data import Dataset
+from pipedejavu.init_search.limits import INT_RANGES, MAX_LEARNING_RATE
 from pipedejavu.init_search.model import ModelConfig, apply_model, init_params
 
 __all__ = [
@@ -52,8 +53,9 @@ class TrainConfig:
     Attributes:
         model: the classifier.
         learning_rate: Adam's step size (constant: the same for every run,
-            whatever its length).
-        batch_size: training images per gradient evaluation.
+            whatever its length), in (0, 10].
+        batch_size: training images per gradient evaluation, 1..65,536 (and
+            at most the training images).
     """
 
     model: ModelConfig = ModelConfig()
@@ -61,11 +63,20 @@ class TrainConfig:
     batch_size: int = 64
 
     def __post_init__(self) -> None:
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not 0 < self.learning_rate <= MAX_LEARNING_RATE:
             raise ValueError(
-                f"batch_size must be a positive integer, got {self.batch_size!r}"
+                f"learning_rate must lie in (0, {MAX_LEARNING_RATE:g}], got "
+                f"{self.learning_rate}"
+            )
+        low, high = INT_RANGES["batch_size"]
+        if (
+            not isinstance(self.batch_size, int)
+            or isinstance(self.batch_size, bool)
+            or not low <= self.batch_size <= high
+        ):
+            raise ValueError(
+                f"batch_size must be an integer in [{low}, {high}], got "
+                f"{self.batch_size!r}"
             )
 
     def optimizer(self) -> optax.GradientTransformation:

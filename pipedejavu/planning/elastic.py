@@ -12,7 +12,9 @@ maximum batch, the GPU range, the GPUs per node and the model-parallel size.
 :func:`plan_elastic` does both and prices the difference:
 
 1. every count ``n`` of the range: :func:`plan_goodput` over the candidate
-   batches (the per-count best);
+   batches; the per-count best is the best of that and of the plans at the
+   DeepSpeed batches of step 3 (so it is never beaten at its count, and no
+   price is negative);
 2. for each model-parallel size ``mp`` that DeepSpeed v0.2 allows (a divisor of
    the GPUs per node), each ``prefer_larger_batch`` and each maximum batch (the
    given one and every per-count best batch: where a user would set
@@ -22,7 +24,10 @@ maximum batch, the GPU range, the GPUs per node and the model-parallel size.
    plan_training`); each plan is checked against DeepSpeed's rule with its own
    model-parallel size (TP x pipeline stages) on the GPUs it uses
    (:func:`~pipedejavu.planning.deepspeed_elastic.is_valid_world_size`) and must fit in
-   memory;
+   memory. Counts are whole nodes, but a plan may leave GPUs idle (with
+   ``allow_fewer_gpus``, the default): a batch that does not split over all
+   ``n`` GPUs (e.g. 3360 over 32) is planned on fewer (30 data-parallel
+   replicas); the table shows the GPUs a plan uses when they are fewer;
 4. the common batch is the ``B_mp`` valid for the most counts (all, when one
    is), then of largest mean goodput ratio to the per-count best; its *price*
    is ``1 -`` that ratio (mean and worst count). Counts it is not valid for are
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -179,7 +185,9 @@ class ElasticPlan:
 
     def price(self) -> tuple[float, float]:
         """(mean, worst) fraction of the per-count best goodput lost."""
-        losses = [1 - r.common_goodput / r.best.goodput for r in self.rows]
+        # The per-count best is the best plan considered there, the common
+        # batch's included: no loss is negative.
+        losses = [max(0.0, 1 - r.common_goodput / r.best.goodput) for r in self.rows]
         return float(np.mean(losses)), float(max(losses))
 
     def to_json(self) -> dict[str, Any]:
@@ -265,6 +273,25 @@ def _plan_or_none(plan_training, model, pool, batch, options):
         return None
 
 
+def _best_of(best, index, plans_at, gain_at, grad, init) -> GoodputPlan:
+    """``best``, or the plan of a DeepSpeed batch at this count that beats it."""
+    for batch, plans in plans_at.items():
+        plan = plans[index]
+        if plan is None:
+            continue
+        throughput = batch / plan.iteration_time_s
+        if throughput * gain_at[batch] > best.goodput:
+            best = dataclasses.replace(
+                best,
+                training=plan,
+                global_batch=batch,
+                goodput=throughput * gain_at[batch],
+                throughput=throughput,
+                efficiency=gain_at[batch],
+            )
+    return best
+
+
 def plan_elastic(
     model: str,
     gpu_type: str,
@@ -296,7 +323,8 @@ def plan_elastic(
         mbs_values: micro-batch sizes (default: every profiled one).
         profiles, constants, method, uniform_tp, allow_fewer_gpus: as for
             :func:`~pipedejavu.planning.training.plan_training`.
-        progress_fn: called with a line per planned count.
+        progress_fn: called with an estimate up front, a line per planned
+            count and per DeepSpeed batch (with elapsed seconds and estimates).
 
     Raises:
         ProblemError: bad arguments; InfeasibleProblemError: a count has no plan.
@@ -326,8 +354,14 @@ def plan_elastic(
         allow_fewer_gpus=allow_fewer_gpus,
     )
 
-    rows_best = []
-    for n in counts:
+    started = time.perf_counter()
+    say(
+        f"elastic mode: {len(counts)} GPU counts; each searched over its candidate "
+        f"batches (multiples of {step} up to {max_global_batch}), then every "
+        "count planned at each DeepSpeed batch; estimates follow"
+    )
+    rows_best, plans_made = [], 0
+    for done, n in enumerate(counts, 1):
         best = plan_goodput(
             model,
             {gpu_type: n},
@@ -337,12 +371,18 @@ def plan_elastic(
             batch_multiple=step,
             **options,
         )
+        plans_made += max(best.planned, 1)
+        elapsed = time.perf_counter() - started
+        left = elapsed / done * (len(counts) - done)
         say(
-            f"{n} GPUs: best batch {best.global_batch}, {best.training.plan.describe()}"
+            f"[{done}/{len(counts)}] {n} GPUs: best batch {best.global_batch}, "
+            f"{best.training.plan.describe()} ({elapsed:.0f} s, about {left:.0f} s "
+            "left for the per-count search)"
         )
         rows_best.append(best)
+    per_plan = (time.perf_counter() - started) / max(plans_made, 1)
 
-    candidates, plans_at = [], {}
+    candidates = []
     limits = sorted({int(max_global_batch)} | {b.global_batch for b in rows_best})
     settings = [
         (limit, mp, prefer)
@@ -364,20 +404,37 @@ def plan_elastic(
                 limit, mp, prefer_larger, batch, dp_sizes, valid == len(counts), valid
             )
         )
-        if batch not in plans_at:
-            plans_at[batch] = [
-                _plan_or_none(plan_training, model, {gpu_type: n}, batch, options)
-                for n in counts
-            ]
-            say(f"DeepSpeed batch {batch} (model-parallel size {mp}) planned")
+    batches = sorted({c.batch for c in candidates})
+    say(
+        f"{len(batches)} DeepSpeed batch(es) x {len(counts)} counts to plan, about "
+        f"{per_plan * len(batches) * len(counts):.0f} s more "
+        f"({per_plan:.2f} s per plan so far)"
+    )
+    plans_at = {}
+    for index, batch in enumerate(batches, 1):
+        plans_at[batch] = [
+            _plan_or_none(plan_training, model, {gpu_type: n}, batch, options)
+            for n in counts
+        ]
+        sizes = sorted({c.model_parallel_size for c in candidates if c.batch == batch})
+        say(
+            f"[{index}/{len(batches)}] DeepSpeed batch {batch} (model-parallel "
+            f"size(s) {', '.join(map(str, sizes))}) planned at every count "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
 
-    gain_at = {}
+    gain_at = {batch: float(efficiency(grad, init, [batch])[0]) for batch in plans_at}
+    # The per-count best is the best plan considered at the count: a DeepSpeed
+    # batch off the candidate grid may beat the grid's best.
+    rows_best = [
+        _best_of(best, i, plans_at, gain_at, grad, init)
+        for i, best in enumerate(rows_best)
+    ]
     ratios = {}
     for batch, plans in plans_at.items():
-        gain = float(efficiency(grad, init, [batch])[0])
-        gain_at[batch] = gain
         values = [
-            0.0 if p is None else batch / p.iteration_time_s * gain for p in plans
+            0.0 if p is None else batch / p.iteration_time_s * gain_at[batch]
+            for p in plans
         ]
         ratios[batch] = float(
             np.mean([v / b.goodput for v, b in zip(values, rows_best, strict=True)])
