@@ -428,3 +428,65 @@ def test_solve_takes_a_path(tmp_path):
     assert solve("generated-gpt-32layers-2x8").method == "dp"
     with pytest.raises(ProblemError, match="must be a Problem"):
         solve(42)
+
+
+def _every_parser(parser=None, path=()):
+    """``(argv prefix, parser)`` of every command and sub-command."""
+    import argparse
+
+    from pipedejavu.cli.main import _build_parser
+
+    parser = parser or _build_parser()
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_parser(sub, (*path, name))
+
+
+def test_every_commands_help_shows_every_default(capsys):
+    """init-search, plan, goodput optimize... too, not only main.py's own."""
+    import argparse
+
+    checked = 0
+    for path, parser in _every_parser():
+        with pytest.raises(SystemExit) as stop:
+            main([*path, "--help"])
+        assert stop.value.code == 0
+        flat = " ".join(capsys.readouterr()[0].split())
+        for action in parser._actions:
+            default = action.default
+            if (
+                not action.option_strings
+                or action.help == argparse.SUPPRESS
+                or any(default is x for x in (None, False, argparse.SUPPRESS))
+            ):
+                continue
+            shown = f"(default: {default})"
+            assert shown in flat or (
+                "%(default)" in (action.help or "") and str(default) in flat
+            ), (path, action.option_strings, shown)
+            checked += 1
+    assert checked >= 30
+
+
+def test_a_closed_stdout_pipe_stops_quietly_with_141():
+    """``pipedejavu ... | head``: no "Broken pipe" error, no traceback."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pipedejavu.cli.main import main; sys.exit(main())",
+            "inspect",
+            "gpt1.3b-6layers-B128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PIPEDEJAVU_CACHE_DIR": "off"},
+    )
+    process.stdout.close()  # the reader goes away before anything is written
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err
+    assert "Exception ignored" not in err

@@ -1,13 +1,16 @@
 """``pipedejavu`` command line: parse, call the API, print. Thin on purpose.
 
 Exit codes: 0 success; 2 bad input (one line on stderr naming the file or the
-argument); 3 no feasible plan (with the reason).
+argument); 3 no feasible plan (with the reason); 141 stdout closed early by its
+reader (``pipedejavu ... | head``), nothing printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import sys
 import time
 import warnings
@@ -36,28 +39,50 @@ from pipedejavu.planning.solve import solve
 from pipedejavu.search.engine.compile_cache import enable_compilation_cache
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # usage errors are bad input too
-        self.exit(
-            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
-        )
+#: Exit status when stdout's reader closed the pipe early (128 + SIGPIPE, what a
+#: shell reports for ``yes | head``); nothing is printed.
+EXIT_BROKEN_PIPE = 141
 
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, when it has one."""
 
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        return bool(action.option_strings) and not any(
+            default is x for x in (None, False, argparse.SUPPRESS)
+        )
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        default = action.default
-        if (
-            "%(default)" not in text
-            and not any(default is x for x in (None, False, argparse.SUPPRESS))
-            and action.option_strings
-        ):
-            text += " (default: %(default)s)"
+        if "%(default)" not in text and self._shows_default(action):
+            text = f"{text} (default: %(default)s)".lstrip()
         return text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # no help text
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of every command: usage errors exit 2, help shows defaults.
+
+    ``add_subparsers`` makes its parsers of the same class, so the command
+    groups registered by other modules (``commands.add_parser(...)``) get the
+    defaults-showing help too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # usage errors are bad input too
+        self.exit(
+            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
+        )
 
 
 def _count(name: str, minimum: int = 1, maximum: int | None = None):
@@ -117,7 +142,7 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    return commands.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+    return commands.add_parser(name, **kwargs)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -126,12 +151,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Split a model into pipeline stages and map them onto "
         "submeshes (Alpa's formulation; typed devices and links with a cluster "
         "file).",
-        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"pipedejavu {__version__}"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser
+    )
 
     solve = _subparser(commands, "solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
@@ -522,7 +548,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = _show_warning
-        return _run(args)
+        try:
+            code = _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+        except BrokenPipeError:
+            return _closed_pipe()
+        return code
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``pipedejavu ... | head``): stop
+    quietly, with the status a shell gives a command killed by SIGPIPE."""
+    try:  # the interpreter's final flush must not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (tests)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _one_line(error: BaseException) -> str:
@@ -559,6 +602,8 @@ def _run(args: argparse.Namespace) -> int:
     except InfeasibleProblemError as error:
         print(f"pipedejavu: no feasible plan: {_one_line(error)}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    except BrokenPipeError:
+        raise  # stdout's reader went away: main stops quietly
     except OSError as error:
         print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
