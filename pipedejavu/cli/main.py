@@ -8,7 +8,6 @@ reader (``pipedejavu ... | head``), nothing printed.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
 from pipedejavu.cli.formatting import format_inspection, format_plan
+from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, count
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import evaluate_hetero
@@ -38,71 +38,10 @@ from pipedejavu.planning.inputs import (
 from pipedejavu.planning.solve import solve
 from pipedejavu.search.engine.compile_cache import enable_compilation_cache
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
+EXIT_OK, EXIT_INFEASIBLE = 0, 3
 #: Exit status when stdout's reader closed the pipe early (128 + SIGPIPE, what a
 #: shell reports for ``yes | head``); nothing is printed.
 EXIT_BROKEN_PIPE = 141
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, when it has one."""
-
-    @staticmethod
-    def _shows_default(action: argparse.Action) -> bool:
-        default = action.default
-        return bool(action.option_strings) and not any(
-            default is x for x in (None, False, argparse.SUPPRESS)
-        )
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" not in text and self._shows_default(action):
-            text = f"{text} (default: %(default)s)".lstrip()
-        return text
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if not action.help and self._shows_default(action):  # no help text
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """The parser of every command: usage errors exit 2, help shows defaults.
-
-    ``add_subparsers`` makes its parsers of the same class, so the command
-    groups registered by other modules (``commands.add_parser(...)``) get the
-    defaults-showing help too.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # usage errors are bad input too
-        self.exit(
-            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
-        )
-
-
-def _count(name: str, minimum: int = 1, maximum: int | None = None):
-    """An argparse type: an integer in ``[minimum, maximum]``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{name} must be an integer, got {text!r:.40}"
-            ) from None
-        if value < minimum or (maximum is not None and value > maximum):
-            upper = f" and <= {maximum}" if maximum is not None else ""
-            raise argparse.ArgumentTypeError(
-                f"{name} must be >= {minimum}{upper}, got {text:.40}"
-            )
-        return value
-
-    return parse
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +59,7 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         metavar="B",
         help="micro-batches (needed for an Alpa .npy; replaces a .npz's or an "
         "example's B)",
@@ -146,7 +85,7 @@ def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentPars
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="pipedejavu",
         description="Split a model into pipeline stages and map them onto "
         "submeshes (Alpa's formulation; typed devices and links with a cluster "
@@ -155,9 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"pipedejavu {__version__}"
     )
-    commands = parser.add_subparsers(
-        dest="command", required=True, parser_class=_Parser
-    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     solve = _subparser(commands, "solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
@@ -170,18 +107,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--restarts",
-        type=_count("--restarts"),
+        type=count("--restarts"),
         help="diff: random restarts optimized at once (the engine's default "
         "when not given)",
     )
     solve.add_argument(
         "--steps",
-        type=_count("--steps"),
+        type=count("--steps"),
         help="diff: optimizer steps per restart (the engine's default when not given)",
     )
     solve.add_argument(
         "--seed",
-        type=_count("--seed", 0, 2**32 - 1),
+        type=count("--seed", 0, 2**32 - 1),
         default=0,
         help="random seed of diff, anneal and random",
     )
@@ -231,13 +168,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "given; with typed devices: dp,diff,alpa)",
     )
     compare.add_argument(
-        "--repeats", type=_count("--repeats"), default=3, help="timed runs each"
+        "--repeats", type=count("--repeats"), default=3, help="timed runs each"
     )
     compare.add_argument(
-        "--warmup", type=_count("--warmup", 0), default=1, help="untimed runs first"
+        "--warmup", type=count("--warmup", 0), default=1, help="untimed runs first"
     )
     compare.add_argument(
-        "--seed", type=_count("--seed", 0, 2**32 - 1), default=0, help="base seed"
+        "--seed", type=count("--seed", 0, 2**32 - 1), default=0, help="base seed"
     )
     output = compare.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
@@ -281,16 +218,16 @@ def _build_parser() -> argparse.ArgumentParser:
     profile.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         default=8,
         metavar="B",
         help="micro-batches B stored in the problem",
     )
     profile.add_argument(
-        "--repeats", type=_count("--repeats"), default=10, help="timed rounds"
+        "--repeats", type=count("--repeats"), default=10, help="timed rounds"
     )
     profile.add_argument(
-        "--warmup", type=_count("--warmup", 0), default=2, help="untimed calls"
+        "--warmup", type=count("--warmup", 0), default=2, help="untimed calls"
     )
 
     demo = _subparser(
@@ -326,7 +263,7 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
     report.add_argument(
         "--folds",
-        type=_count("--folds", 2),
+        type=count("--folds", 2),
         default=5,
         help="k of the held-out k-fold error (at most the points of a curve)",
     )
@@ -347,13 +284,13 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
         help="fraction of entries profiled (repeatable; 0.1 0.25 0.5 1 when not given)",
     )
     predict.add_argument(
-        "--seeds", type=_count("--seeds"), default=3, help="random draws per fraction"
+        "--seeds", type=count("--seeds"), default=3, help="random draws per fraction"
     )
     predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
     predict.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         metavar="B",
         help="for an Alpa .npy",
     )
