@@ -490,3 +490,30 @@ def test_a_closed_stdout_pipe_stops_quietly_with_141():
     assert process.returncode == 141, err
     assert "Broken pipe" not in err and "Traceback" not in err
     assert "Exception ignored" not in err
+
+
+def test_data_lists_bundled_files_and_prints_the_path_of_one(capsys):
+    code, out, _ = run(capsys, "data")
+    names = out.split()
+    assert code == 0
+    for name in (
+        "cluster-a100-v100-4x8.json",
+        "prof_database.pkl",
+        "sailor/measured/gh200-opt350/plan_config_N16_D4.json",
+        "sailor/profiles/OPT-350/GH-96/profile.json",
+    ):
+        assert name in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".py")]
+    code, out, _ = run(capsys, "data", "sailor/profiles/OPT-350/GH-96/profile.json")
+    path = out.strip()
+    assert code == 0 and os.path.isfile(path) and out.count("\n") == 1
+    assert path.endswith(
+        os.path.join("data", "sailor", "profiles", "OPT-350", "GH-96", "profile.json")
+    )
+
+
+@pytest.mark.parametrize("name", ["nothing.json", "../core/cluster.py", "sailor", ""])
+def test_data_refuses_an_unknown_name_in_one_line(capsys, name):
+    code, out, err = run(capsys, "data", name)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "`pipedejavu data` lists" in err, err

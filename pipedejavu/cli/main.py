@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from pipedejavu.cli import data as cli_data
 from pipedejavu.cli import goodput as cli_goodput
 from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
@@ -243,6 +244,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(about 40 s on 2 cores: it evaluates 2,699 caps where the exact DP "
         "needs 20)",
     )
+    cli_data.add_parser(commands)
     cli_init_search.add_parser(commands)
     cli_goodput.add_parsers(commands)  # goodput fit|optimize, elastic
     cli_megatron.add_parsers(commands)
@@ -527,6 +529,8 @@ def _run(args: argparse.Namespace) -> int:
             run_costmodel(args)
         elif args.command == "profile":
             run_profile(args)
+        elif args.command == "data":
+            cli_data.run(args)
         elif args.command == "demo":
             run_demo(sys.stdout, as_json=args.json, alpa_scan=args.alpa_scan)
         elif args.command in ("goodput", "elastic"):
