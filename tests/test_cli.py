@@ -517,3 +517,27 @@ def test_data_refuses_an_unknown_name_in_one_line(capsys, name):
     code, out, err = run(capsys, "data", name)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "`pipedejavu data` lists" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["solve", "gpt1.3b-6layers-B128", "--method", "diff", "--steps", "1000000"],
+        ["solve", "gpt1.3b-6layers-B128", "--method", "diff", "--restarts", "10000"],
+        ["compare", "gpt1.3b-6layers-B128", "--repeats", "1000000000000"],
+        ["compare", "gpt1.3b-6layers-B128", "--warmup", "1000000000000"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--seeds", "10000"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "nan"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "-0.5"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "inf"],
+        ["costmodel", "report", "bundled", "--folds", "1000000000000"],
+        ["profile", "--out", "x.npz", "--repeats", "1000000000000"],
+        ["profile", "--out", "x.npz", "--warmup", "1000000000000"],
+    ],
+    ids=lambda argv: " ".join(argv[-2:]),
+)
+def test_counts_with_no_sane_use_are_refused_before_any_work(capsys, argv):
+    """A huge count ran for hours (or, for --fraction, failed deep inside)."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert argv[-2] in err and "must be" in err

@@ -22,7 +22,7 @@ from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
 from pipedejavu.cli.formatting import format_inspection, format_plan
-from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, count
+from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, count, fraction
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import evaluate_hetero
@@ -108,14 +108,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--restarts",
-        type=count("--restarts"),
-        help="diff: random restarts optimized at once (the engine's default "
-        "when not given)",
+        type=count("--restarts", 1, 4096),
+        help="diff: random restarts optimized at once, 1 to 4096 (the engine's "
+        "default when not given)",
     )
     solve.add_argument(
         "--steps",
-        type=count("--steps"),
-        help="diff: optimizer steps per restart (the engine's default when not given)",
+        type=count("--steps", 1, 100_000),
+        help="diff: optimizer steps per restart, 1 to 100000 (the engine's "
+        "default when not given)",
     )
     solve.add_argument(
         "--seed",
@@ -169,10 +170,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "given; with typed devices: dp,diff,alpa)",
     )
     compare.add_argument(
-        "--repeats", type=count("--repeats"), default=3, help="timed runs each"
+        "--repeats",
+        type=count("--repeats", 1, 1000),
+        default=3,
+        help="timed runs each, 1 to 1000",
     )
     compare.add_argument(
-        "--warmup", type=count("--warmup", 0), default=1, help="untimed runs first"
+        "--warmup",
+        type=count("--warmup", 0, 100),
+        default=1,
+        help="untimed runs first, 0 to 100",
     )
     compare.add_argument(
         "--seed", type=count("--seed", 0, 2**32 - 1), default=0, help="base seed"
@@ -225,10 +232,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="micro-batches B stored in the problem",
     )
     profile.add_argument(
-        "--repeats", type=count("--repeats"), default=10, help="timed rounds"
+        "--repeats",
+        type=count("--repeats", 1, 10_000),
+        default=10,
+        help="timed rounds, 1 to 10000",
     )
     profile.add_argument(
-        "--warmup", type=count("--warmup", 0), default=2, help="untimed calls"
+        "--warmup",
+        type=count("--warmup", 0, 1000),
+        default=2,
+        help="untimed calls, 0 to 1000",
     )
 
     demo = _subparser(
@@ -265,9 +278,10 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
     report.add_argument(
         "--folds",
-        type=count("--folds", 2),
+        type=count("--folds", 2, 1000),
         default=5,
-        help="k of the held-out k-fold error (at most the points of a curve)",
+        help="k of the held-out k-fold error, 2 to 1000 (at most the points of "
+        "a curve)",
     )
     predict = _subparser(
         models,
@@ -281,12 +295,16 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     )
     predict.add_argument(
         "--fraction",
-        type=float,
+        type=fraction("--fraction"),
         action="append",
-        help="fraction of entries profiled (repeatable; 0.1 0.25 0.5 1 when not given)",
+        help="fraction of entries profiled, in (0, 1] (repeatable; 0.1 0.25 0.5 1 "
+        "when not given)",
     )
     predict.add_argument(
-        "--seeds", type=count("--seeds"), default=3, help="random draws per fraction"
+        "--seeds",
+        type=count("--seeds", 1, 1000),
+        default=3,
+        help="random draws per fraction, 1 to 1000",
     )
     predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
     predict.add_argument(

@@ -11,7 +11,7 @@ import argparse
 import copy
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "HelpFormatter", "Parser", "count"]
+__all__ = ["EXIT_BAD_INPUT", "HelpFormatter", "Parser", "count", "fraction"]
 
 EXIT_BAD_INPUT = 2
 
@@ -71,6 +71,25 @@ def count(name: str, minimum: int = 1, maximum: int | None = None):
             upper = f" and <= {maximum}" if maximum is not None else ""
             raise argparse.ArgumentTypeError(
                 f"{name} must be >= {minimum}{upper}, got {text:.40}"
+            )
+        return value
+
+    return parse
+
+
+def fraction(name: str):
+    """An argparse type: a number in ``(0, 1]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a number in (0, 1], got {text!r:.40}"
+            ) from None
+        if not 0 < value <= 1:  # nan fails too
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in (0, 1], got {text:.40}"
             )
         return value
 
