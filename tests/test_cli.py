@@ -428,3 +428,116 @@ def test_solve_takes_a_path(tmp_path):
     assert solve("generated-gpt-32layers-2x8").method == "dp"
     with pytest.raises(ProblemError, match="must be a Problem"):
         solve(42)
+
+
+def _every_parser(parser=None, path=()):
+    """``(argv prefix, parser)`` of every command and sub-command."""
+    import argparse
+
+    from pipedejavu.cli.main import _build_parser
+
+    parser = parser or _build_parser()
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_parser(sub, (*path, name))
+
+
+def test_every_commands_help_shows_every_default(capsys):
+    """init-search, plan, goodput optimize... too, not only main.py's own."""
+    import argparse
+
+    checked = 0
+    for path, parser in _every_parser():
+        with pytest.raises(SystemExit) as stop:
+            main([*path, "--help"])
+        assert stop.value.code == 0
+        flat = " ".join(capsys.readouterr()[0].split())
+        for action in parser._actions:
+            default = action.default
+            if (
+                not action.option_strings
+                or action.help == argparse.SUPPRESS
+                or any(default is x for x in (None, False, argparse.SUPPRESS))
+            ):
+                continue
+            shown = f"(default: {default})"
+            assert shown in flat or (
+                "%(default)" in (action.help or "") and str(default) in flat
+            ), (path, action.option_strings, shown)
+            checked += 1
+    assert checked >= 30
+
+
+def test_a_closed_stdout_pipe_stops_quietly_with_141():
+    """``pipedejavu ... | head``: no "Broken pipe" error, no traceback."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pipedejavu.cli.main import main; sys.exit(main())",
+            "inspect",
+            "gpt1.3b-6layers-B128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PIPEDEJAVU_CACHE_DIR": "off"},
+    )
+    process.stdout.close()  # the reader goes away before anything is written
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err
+    assert "Exception ignored" not in err
+
+
+def test_data_lists_bundled_files_and_prints_the_path_of_one(capsys):
+    code, out, _ = run(capsys, "data")
+    names = out.split()
+    assert code == 0
+    for name in (
+        "cluster-a100-v100-4x8.json",
+        "prof_database.pkl",
+        "sailor/measured/gh200-opt350/plan_config_N16_D4.json",
+        "sailor/profiles/OPT-350/GH-96/profile.json",
+    ):
+        assert name in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".py")]
+    code, out, _ = run(capsys, "data", "sailor/profiles/OPT-350/GH-96/profile.json")
+    path = out.strip()
+    assert code == 0 and os.path.isfile(path) and out.count("\n") == 1
+    assert path.endswith(
+        os.path.join("data", "sailor", "profiles", "OPT-350", "GH-96", "profile.json")
+    )
+
+
+@pytest.mark.parametrize("name", ["nothing.json", "../core/cluster.py", "sailor", ""])
+def test_data_refuses_an_unknown_name_in_one_line(capsys, name):
+    code, out, err = run(capsys, "data", name)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "`pipedejavu data` lists" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["solve", "gpt1.3b-6layers-B128", "--method", "diff", "--steps", "1000000"],
+        ["solve", "gpt1.3b-6layers-B128", "--method", "diff", "--restarts", "10000"],
+        ["compare", "gpt1.3b-6layers-B128", "--repeats", "1000000000000"],
+        ["compare", "gpt1.3b-6layers-B128", "--warmup", "1000000000000"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--seeds", "10000"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "nan"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "-0.5"],
+        ["costmodel", "predict", "gpt1.3b-6layers-B128", "--fraction", "inf"],
+        ["costmodel", "report", "bundled", "--folds", "1000000000000"],
+        ["profile", "--out", "x.npz", "--repeats", "1000000000000"],
+        ["profile", "--out", "x.npz", "--warmup", "1000000000000"],
+    ],
+    ids=lambda argv: " ".join(argv[-2:]),
+)
+def test_counts_with_no_sane_use_are_refused_before_any_work(capsys, argv):
+    """A huge count ran for hours (or, for --fraction, failed deep inside)."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert argv[-2] in err and "must be" in err

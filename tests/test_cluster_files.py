@@ -99,24 +99,25 @@ def test_a_pair_given_twice_is_an_error():
         (
             ("inter_host", "default", "bandwidth_gbps"),
             -5,
-            r"inter_host\['default'\].bandwidth_gbps must be > 0 \(gigabits per "
-            r"second\), got -5",
+            r"inter_host\['default'\].bandwidth_gbps must be in \[1e-9, 1e10\] or "
+            r"\"inf\" \(gigabits per second\), got -5",
         ),
         (
             ("intra_host", "a100", "latency_us"),
             -1,
-            r"intra_host\['a100'\].latency_us must be finite and >= 0 "
+            r"intra_host\['a100'\].latency_us must be in \[0, 3.6e9\] "
             r"\(microseconds\), got -1",
         ),
         (
             ("device_types", "v100", "speed"),
             0,
-            r"device_types\['v100'\].speed must be finite and > 0",
+            r"device_types\['v100'\].speed must be in \[1e-6, 1e6\] \(relative to "
+            r"the profiled device\), got 0",
         ),
         (
             ("device_types", "v100", "memory_gb"),
             -16,
-            r"device_types\['v100'\].memory_gb must be finite and > 0 \(gigabytes\)",
+            r"device_types\['v100'\].memory_gb must be in \[1e-6, 1e6\] \(gigabytes\)",
         ),
         (
             ("device_types", "v100", "speed"),
@@ -272,3 +273,75 @@ def test_bundled_examples_and_cluster_work_together(capsys):
     code = main(["solve", "hetero-gpt-32layers-a100-v100", "--cluster-file", "x.json"])
     _, err = capsys.readouterr()
     assert code == 2 and "already describes its cluster" in err
+
+
+#: ``(section, entry, key)`` of every number of a cluster file, the key replacing
+#: the one the bundled cluster gives in that unit, and values just outside its
+#: documented range.
+OUT_OF_RANGE = [
+    (("device_types", "v100", "speed"), [1e-7, 2e6, 10**400]),
+    (("device_types", "v100", "memory_gb"), [0, -16, 2e6]),
+    (("device_types", "v100", "memory_bytes"), [1, 2e15]),
+    (("intra_host", "a100", "latency_us"), [-1e-9, 4e9]),
+    (("intra_host", "a100", "latency_s"), [-1, 3601, 1e300]),
+    (("inter_host", "default", "bandwidth_gbps"), [0, 1e-10, 2e10, "-inf"]),
+    (("inter_host", "a100-v100", "bandwidth_bytes_per_s"), [1e-4, 2e18]),
+]
+_UNIT_TWIN = {
+    "memory_bytes": "memory_gb",
+    "latency_s": "latency_us",
+    "bandwidth_bytes_per_s": "bandwidth_gbps",
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [(path, value) for path, values in OUT_OF_RANGE for value in values],
+    ids=lambda x: str(x)[:30],
+)
+def test_every_number_outside_its_documented_range_names_file_and_key(
+    tmp_path, capsys, path, value
+):
+    data = json.loads(json.dumps(A100_V100))
+    entry = data[path[0]][path[1]]
+    entry.pop(_UNIT_TWIN.get(path[2], path[2]), None)
+    entry[path[2]] = value
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps(data))
+    pattern = (
+        rf"c.json: {path[0]}\['{path[1]}'\].{path[2]} (must be in \[|is too large|must be a number)"
+    )
+    with pytest.raises(ProblemError, match=pattern):
+        Cluster.from_file(file)
+    code = main(["inspect", "generated-gpt-32layers-4x8", "--cluster-file", str(file)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and path[2] in err, err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"devices_per_host": 0}, r"devices_per_host must be an integer in \[1, "),
+        ({"devices_per_host": 10**30}, r"devices_per_host must be an integer in \[1, "),
+        ({"hosts": []}, "hosts must list 1 to 1048576 hosts, got 0"),
+        ({"hosts": ["a100"] * (2**20 + 1)}, "hosts must list 1 to 1048576 hosts"),
+        ({"devices_per_host": 2**19}, "more than 1048576 devices"),
+    ],
+)
+def test_counts_outside_their_range(tmp_path, change, message):
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({**A100_V100, **change}))
+    with pytest.raises(ProblemError, match=f"c.json: .*{message}"):
+        Cluster.from_file(file)
+
+
+def test_the_python_api_checks_the_same_ranges():
+    with pytest.raises(ProblemError, match=r"speed must be in \[1e-6, 1e6\]"):
+        DeviceType("x", speed=1e7)
+    with pytest.raises(ProblemError, match=r"memory_bytes must be in \[1000, 1e15\]"):
+        DeviceType("x", memory_bytes=1e16)
+    with pytest.raises(ProblemError, match=r"latency_s must be in \[0, 3600\]"):
+        Link(math.nan)
+    with pytest.raises(ProblemError, match=r"bandwidth must be in \[0.001, 1e18\]"):
+        Link(0.0, 1e19)
+    assert Link(0.0, math.inf).bandwidth == math.inf

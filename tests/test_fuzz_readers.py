@@ -366,6 +366,68 @@ def test_cluster_file_bytes_give_problem_error(tmp_path, data):
     _only_problem_errors(Cluster.from_file, path)
 
 
+#: Every number of a cluster file: ``(section, entry, key)`` (``None`` entry: a
+#: top-level key), with the key of the same quantity in the other unit.
+_CLUSTER_NUMBERS = [
+    (("device_types", "a100", "speed"), None),
+    (("device_types", "v100", "memory_gb"), "memory_bytes"),
+    (("device_types", "a100", "memory_bytes"), "memory_gb"),
+    (("intra_host", "v100", "latency_us"), "latency_s"),
+    (("inter_host", "default", "latency_s"), "latency_us"),
+    (("intra_host", "a100", "bandwidth_gbps"), "bandwidth_bytes_per_s"),
+    (("inter_host", "a100-v100", "bandwidth_bytes_per_s"), "bandwidth_gbps"),
+    (("devices_per_host", None, None), None),
+]
+_NUMBERS = (
+    st.floats(allow_nan=True, allow_infinity=True)
+    | st.integers(-(10**400), 10**400)
+    | st.sampled_from([0, -0.0, 1e-320, 5e-324, 10**12, 2**20, 2**20 + 1])
+    | st.sampled_from(["inf", "-inf", "nan", "1e3", "Infinity"])
+)
+
+
+@FUZZ
+@given(data=st.data())
+def test_cluster_numbers_in_range_or_one_line_naming_the_key(tmp_path, data):
+    """Every numeric field, any number: a cluster whose numbers are all in the
+    documented ranges, or one ProblemError line naming the file and the key."""
+    from pipedejavu.core.validation import CLUSTER_RANGES, MAX_DEVICES
+
+    value = _cluster_json()
+    changed = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        (section, entry, key), twin = data.draw(st.sampled_from(_CLUSTER_NUMBERS))
+        number = data.draw(_NUMBERS)
+        if entry is None:
+            value[section] = number
+            changed.append(section)
+            continue
+        value[section][entry].pop(twin, None)
+        value[section][entry][key] = number
+        changed.append(key)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(value))
+    try:
+        cluster = Cluster.from_file(path)
+    except ProblemError as error:
+        message = str(error)
+        assert "\n" not in message and message.startswith(f"{path}: ")
+        assert any(key in message for key in changed), message
+        return
+    assert 1 <= cluster.num_devices <= MAX_DEVICES
+    speeds = [t.speed for t in cluster.device_types]
+    low, high, _ = CLUSTER_RANGES["speed"]
+    assert all(low <= s <= high for s in speeds)
+    low, high, _ = CLUSTER_RANGES["memory_bytes"]
+    memories = [t.memory_bytes for t in cluster.device_types if t.memory_bytes]
+    assert all(low <= m <= high for m in memories)
+    links = [*cluster.intra_host, *(x for row in cluster.inter_host for x in row)]
+    for link in links:
+        assert 0 <= link.latency_s <= CLUSTER_RANGES["latency_s"][1]
+        assert link.bandwidth == math.inf or 1e-3 <= link.bandwidth <= 1e18
+        assert math.isfinite(link.time(1e12))
+
+
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_deeply_nested_and_binary_cluster_files(tmp_path, capsys, suffix):
     if suffix == ".toml" and sys.version_info < (3, 11):

@@ -6,8 +6,10 @@ splits it (quotes, comments, line continuations, ``&&``, pipes, redirections)
 and parsed with the real command-line parser (running them all would take
 minutes); pseudo-syntax such as ``[--json]`` is not shell and fails. Every file
 a command reads must come from somewhere the reader can see: a bundled example
-or cluster by name, a path in this repository, or a file an earlier line of the
-same block writes (a redirection, ``convert``'s output, ``--out``).
+or cluster by name, a path in this repository, a bundled data file by
+``"$(pipedejavu data NAME)"`` (the substituted command is checked too), or a
+file an earlier line of the same block writes (a redirection, ``convert``'s
+output, ``--out``).
 
 tests/test_docs.py applies the same checks to the docs pages.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from pipedejavu.cli.data import bundled_data_files
 from pipedejavu.cli.main import _build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,17 +66,44 @@ def _drop_heredocs(block: str) -> str:
     return "\n".join(out)
 
 
+#: A command substitution ``$(...)`` (not nested).
+SUBSTITUTION = re.compile(r"\$\(([^()]*)\)")
+
+
+def _hold_substitutions(line: str, commands: list) -> tuple[str, list[str]]:
+    """``line`` with each ``$(...)`` replaced by a placeholder word, and the
+    substitutions; their commands are appended to ``commands``."""
+    inner: list[str] = []
+
+    def hold(match: re.Match) -> str:
+        inner.append(match.group(0))
+        commands.extend(shell_commands(match.group(1)))
+        return f"@@SUBST{len(inner) - 1}@@"
+
+    return SUBSTITUTION.sub(hold, line), inner
+
+
+def _restore_substitutions(token: str, inner: list[str]) -> str:
+    return re.sub(r"@@SUBST(\d+)@@", lambda m: inner[int(m.group(1))], token)
+
+
 def shell_commands(block: str) -> list[tuple[list[str], list[str]]]:
-    """``(argv, files written by redirection)`` for every simple command."""
+    """``(argv, files written by redirection)`` for every simple command.
+
+    A command substitution ``$(command)`` stays one argument, written as is
+    (``"$(pipedejavu data NAME)"``), and its command comes first in the list,
+    as the shell runs it first.
+    """
     text = _drop_heredocs(block).replace("\\\n", " ")
     commands = []
     for line in text.splitlines():
+        line, inner = _hold_substitutions(line, commands)
         lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
         lexer.whitespace_split = True
         lexer.commenters = "#"
         argv: list[str] = []
         written: list[str] = []
-        tokens = list(lexer)
+        tokens = [_restore_substitutions(token, inner) for token in lexer]
         i = 0
         while i < len(tokens):
             token = tokens[i]
@@ -107,7 +137,13 @@ def cli_commands(text: str) -> list[tuple[list[str], set[str]]]:
 
 
 def _looks_like_a_file(value: str) -> bool:
-    return "/" in value or bool(re.search(r"\.\w+$", value))
+    return "/" in value or bool(re.search(r"\.\w+$", value)) or "$(" in value
+
+
+def _bundled(value: str) -> bool:
+    """``$(pipedejavu data NAME)`` of a bundled NAME: a file every install has."""
+    match = re.fullmatch(r"\$\(\s*pipedejavu\s+data\s+(\S+)\s*\)", value)
+    return bool(match) and match.group(1) in bundled_data_files()
 
 
 def check_cli_command(argv: list[str], made: set[str]) -> None:
@@ -115,11 +151,16 @@ def check_cli_command(argv: list[str], made: set[str]) -> None:
         return
     args = _build_parser().parse_args(argv)
     assert args.command == argv[0]
+    if args.command == "data" and args.name is not None:
+        assert args.name in bundled_data_files(), (
+            f"pipedejavu {' '.join(argv)}: {args.name!r} is not a bundled data "
+            "file (`pipedejavu data` lists them)"
+        )
     for dest in INPUT_DESTS:
         value = getattr(args, dest, None)
         if not isinstance(value, str) or not _looks_like_a_file(value):
             continue  # a bundled example or cluster by name
-        assert value in made or (ROOT / value).exists(), (
+        assert value in made or (ROOT / value).exists() or _bundled(value), (
             f"pipedejavu {' '.join(argv)}: where does {value!r} come from? Name a "
             "bundled example, a repository path, or write it earlier in the block"
         )
@@ -192,3 +233,34 @@ def test_the_shell_splitting():
         check_cli_command(
             ["compare", "gpt1.3b-6layers-B128", "[--json", "|", "--csv]"], set()
         )
+
+
+def test_command_substitution_of_a_bundled_data_file():
+    name = "sailor/measured/gh200-opt350/plan_config_N16_D4.json"
+    block = (
+        f'pipedejavu predict "$(pipedejavu data {name})" --model OPT-350  # x\n'
+        "pipedejavu predict $(pipedejavu data nothing.json) | head\n"
+    )
+    assert shell_commands(block) == [
+        (["pipedejavu", "data", name], []),
+        (
+            [
+                "pipedejavu",
+                "predict",
+                f"$(pipedejavu data {name})",
+                "--model",
+                "OPT-350",
+            ],
+            [],
+        ),
+        (["pipedejavu", "data", "nothing.json"], []),
+        (["pipedejavu", "predict", "$(pipedejavu data nothing.json)"], []),
+        (["head"], []),
+    ]
+    commands = cli_commands(f"```bash\n{block}```")
+    check_cli_command(*commands[0])
+    check_cli_command(*commands[1])  # the substituted path is a bundled file
+    with pytest.raises(AssertionError, match="'nothing.json' is not a bundled"):
+        check_cli_command(*commands[2])
+    with pytest.raises(AssertionError, match="where does"):
+        check_cli_command(*commands[3])

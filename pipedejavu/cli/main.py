@@ -1,24 +1,28 @@
 """``pipedejavu`` command line: parse, call the API, print. Thin on purpose.
 
 Exit codes: 0 success; 2 bad input (one line on stderr naming the file or the
-argument); 3 no feasible plan (with the reason).
+argument); 3 no feasible plan (with the reason); 141 stdout closed early by its
+reader (``pipedejavu ... | head``), nothing printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from pipedejavu.cli import data as cli_data
 from pipedejavu.cli import goodput as cli_goodput
 from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
 from pipedejavu.cli.formatting import format_inspection, format_plan
+from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, count, fraction
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import evaluate_hetero
@@ -35,49 +39,10 @@ from pipedejavu.planning.inputs import (
 from pipedejavu.planning.solve import solve
 from pipedejavu.search.engine.compile_cache import enable_compilation_cache
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # usage errors are bad input too
-        self.exit(
-            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
-        )
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, when it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            "%(default)" not in text
-            and not any(default is x for x in (None, False, argparse.SUPPRESS))
-            and action.option_strings
-        ):
-            text += " (default: %(default)s)"
-        return text
-
-
-def _count(name: str, minimum: int = 1, maximum: int | None = None):
-    """An argparse type: an integer in ``[minimum, maximum]``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{name} must be an integer, got {text!r:.40}"
-            ) from None
-        if value < minimum or (maximum is not None and value > maximum):
-            upper = f" and <= {maximum}" if maximum is not None else ""
-            raise argparse.ArgumentTypeError(
-                f"{name} must be >= {minimum}{upper}, got {text:.40}"
-            )
-        return value
-
-    return parse
+EXIT_OK, EXIT_INFEASIBLE = 0, 3
+#: Exit status when stdout's reader closed the pipe early (128 + SIGPIPE, what a
+#: shell reports for ``yes | head``); nothing is printed.
+EXIT_BROKEN_PIPE = 141
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +60,7 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         metavar="B",
         help="micro-batches (needed for an Alpa .npy; replaces a .npz's or an "
         "example's B)",
@@ -117,21 +82,20 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _subparser(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    return commands.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+    return commands.add_parser(name, **kwargs)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="pipedejavu",
         description="Split a model into pipeline stages and map them onto "
         "submeshes (Alpa's formulation; typed devices and links with a cluster "
         "file).",
-        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"pipedejavu {__version__}"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     solve = _subparser(commands, "solve", help="find a plan for a problem")
     _add_problem_arguments(solve)
@@ -144,18 +108,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--restarts",
-        type=_count("--restarts"),
-        help="diff: random restarts optimized at once (the engine's default "
-        "when not given)",
+        type=count("--restarts", 1, 4096),
+        help="diff: random restarts optimized at once, 1 to 4096 (the engine's "
+        "default when not given)",
     )
     solve.add_argument(
         "--steps",
-        type=_count("--steps"),
-        help="diff: optimizer steps per restart (the engine's default when not given)",
+        type=count("--steps", 1, 100_000),
+        help="diff: optimizer steps per restart, 1 to 100000 (the engine's "
+        "default when not given)",
     )
     solve.add_argument(
         "--seed",
-        type=_count("--seed", 0, 2**32 - 1),
+        type=count("--seed", 0, 2**32 - 1),
         default=0,
         help="random seed of diff, anneal and random",
     )
@@ -205,13 +170,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "given; with typed devices: dp,diff,alpa)",
     )
     compare.add_argument(
-        "--repeats", type=_count("--repeats"), default=3, help="timed runs each"
+        "--repeats",
+        type=count("--repeats", 1, 1000),
+        default=3,
+        help="timed runs each, 1 to 1000",
     )
     compare.add_argument(
-        "--warmup", type=_count("--warmup", 0), default=1, help="untimed runs first"
+        "--warmup",
+        type=count("--warmup", 0, 100),
+        default=1,
+        help="untimed runs first, 0 to 100",
     )
     compare.add_argument(
-        "--seed", type=_count("--seed", 0, 2**32 - 1), default=0, help="base seed"
+        "--seed", type=count("--seed", 0, 2**32 - 1), default=0, help="base seed"
     )
     output = compare.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
@@ -255,16 +226,22 @@ def _build_parser() -> argparse.ArgumentParser:
     profile.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         default=8,
         metavar="B",
         help="micro-batches B stored in the problem",
     )
     profile.add_argument(
-        "--repeats", type=_count("--repeats"), default=10, help="timed rounds"
+        "--repeats",
+        type=count("--repeats", 1, 10_000),
+        default=10,
+        help="timed rounds, 1 to 10000",
     )
     profile.add_argument(
-        "--warmup", type=_count("--warmup", 0), default=2, help="untimed calls"
+        "--warmup",
+        type=count("--warmup", 0, 1000),
+        default=2,
+        help="untimed calls, 0 to 1000",
     )
 
     demo = _subparser(
@@ -280,6 +257,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(about 40 s on 2 cores: it evaluates 2,699 caps where the exact DP "
         "needs 20)",
     )
+    cli_data.add_parser(commands)
     cli_init_search.add_parser(commands)
     cli_goodput.add_parsers(commands)  # goodput fit|optimize, elastic
     cli_megatron.add_parsers(commands)
@@ -300,9 +278,10 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
     report.add_argument(
         "--folds",
-        type=_count("--folds", 2),
+        type=count("--folds", 2, 1000),
         default=5,
-        help="k of the held-out k-fold error (at most the points of a curve)",
+        help="k of the held-out k-fold error, 2 to 1000 (at most the points of "
+        "a curve)",
     )
     predict = _subparser(
         models,
@@ -316,18 +295,22 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     )
     predict.add_argument(
         "--fraction",
-        type=float,
+        type=fraction("--fraction"),
         action="append",
-        help="fraction of entries profiled (repeatable; 0.1 0.25 0.5 1 when not given)",
+        help="fraction of entries profiled, in (0, 1] (repeatable; 0.1 0.25 0.5 1 "
+        "when not given)",
     )
     predict.add_argument(
-        "--seeds", type=_count("--seeds"), default=3, help="random draws per fraction"
+        "--seeds",
+        type=count("--seeds", 1, 1000),
+        default=3,
+        help="random draws per fraction, 1 to 1000",
     )
     predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
     predict.add_argument(
         "--num-microbatches",
         "-B",
-        type=_count("--num-microbatches", 1, MAX_MICROBATCHES),
+        type=count("--num-microbatches", 1, MAX_MICROBATCHES),
         metavar="B",
         help="for an Alpa .npy",
     )
@@ -522,7 +505,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = _show_warning
-        return _run(args)
+        try:
+            code = _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+        except BrokenPipeError:
+            return _closed_pipe()
+        return code
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``pipedejavu ... | head``): stop
+    quietly, with the status a shell gives a command killed by SIGPIPE."""
+    try:  # the interpreter's final flush must not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (tests)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _one_line(error: BaseException) -> str:
@@ -547,6 +547,8 @@ def _run(args: argparse.Namespace) -> int:
             run_costmodel(args)
         elif args.command == "profile":
             run_profile(args)
+        elif args.command == "data":
+            cli_data.run(args)
         elif args.command == "demo":
             run_demo(sys.stdout, as_json=args.json, alpa_scan=args.alpa_scan)
         elif args.command in ("goodput", "elastic"):
@@ -559,6 +561,8 @@ def _run(args: argparse.Namespace) -> int:
     except InfeasibleProblemError as error:
         print(f"pipedejavu: no feasible plan: {_one_line(error)}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    except BrokenPipeError:
+        raise  # stdout's reader went away: main stops quietly
     except OSError as error:
         print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT

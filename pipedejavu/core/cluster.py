@@ -31,9 +31,15 @@ and seconds in Python. Units inside the library: seconds and bytes.
 A file must describe every link the cluster has (:meth:`Cluster.from_types`):
 inside every host type, and between the types of any two hosts (``"default"``
 covers the pairs not named). A link left out is an error, never free; a free
-link is written ``"bandwidth_gbps": "inf"``. Errors name the key, its unit and
-the value as the file gave it (``inter_host['default'].bandwidth_gbps must be >
-0 (gigabits per second), got -5``). Files are untrusted: larger than
+link is written ``"bandwidth_gbps": "inf"``. Every number has a documented
+range (:data:`~pipedejavu.core.validation.CLUSTER_RANGES`): ``speed`` in
+[1e-6, 1e6]; ``memory_gb`` in [1e-6, 1e6] (``memory_bytes`` in [1e3, 1e15]);
+``latency_us`` in [0, 3.6e9] (``latency_s`` in [0, 3600]); ``bandwidth_gbps``
+in [1e-9, 1e10] (``bandwidth_bytes_per_s`` in [1e-3, 1e18]) or ``"inf"``;
+``devices_per_host`` and the number of hosts in [1, 2**20], at most 2**20
+devices in all. Errors name the key, the range with its unit and the value as
+the file gave it (``inter_host['default'].bandwidth_gbps must be in [1e-9,
+1e10] or "inf" (gigabits per second), got -5``). Files are untrusted: larger than
 :data:`MAX_CLUSTER_FILE_BYTES`, not UTF-8, or nested too deeply, they are
 refused with a :class:`~pipedejavu.core.errors.ProblemError` naming the file.
 """
@@ -49,7 +55,7 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import parse_json, read_text
-from pipedejavu.core.validation import MAX_DEVICES
+from pipedejavu.core.validation import MAX_DEVICES, in_range
 
 __all__ = ["Cluster", "DeviceType", "FREE_LINK", "Link", "parse_json"]
 
@@ -74,16 +80,11 @@ class DeviceType:
             raise ProblemError(
                 f"device type name must be a non-empty string, got {self.name!r}"
             )
-        if not (math.isfinite(self.speed) and self.speed > 0):
-            raise ProblemError(
-                f"device type {self.name!r}: speed must be finite and > 0, "
-                f"got {self.speed}"
-            )
-        if self.memory_bytes is not None and not self.memory_bytes > 0:
-            raise ProblemError(
-                f"device type {self.name!r}: memory_bytes must be > 0, "
-                f"got {self.memory_bytes}"
-            )
+        where = f"device type {self.name!r}:"
+        in_range(self.speed, f"{where} speed", "speed", self.speed)
+        if self.memory_bytes is not None:
+            memory = self.memory_bytes
+            in_range(memory, f"{where} memory_bytes", "memory_bytes", memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +100,15 @@ class Link:
     bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ProblemError(
-                f"link latency must be finite and >= 0, got {self.latency_s}"
-            )
-        if not self.bandwidth > 0:
-            raise ProblemError(f"link bandwidth must be > 0, got {self.bandwidth}")
+        in_range(self.latency_s, "link latency_s", "latency_s", self.latency_s)
+        bandwidth = self.bandwidth
+        in_range(
+            bandwidth,
+            "link bandwidth",
+            "bandwidth_bytes_per_s",
+            bandwidth,
+            allow_inf=True,
+        )
 
     def time(self, num_bytes: float) -> float:
         """Seconds to move ``num_bytes`` bytes in one message."""
@@ -119,9 +123,11 @@ class Link:
     def from_json(cls, data: Mapping[str, Any], where: str) -> Link:
         """A link described in a file, in one unit per quantity:
 
-        * latency: ``latency_us`` (microseconds) or ``latency_s``, >= 0;
-        * bandwidth: ``bandwidth_gbps`` (gigabits per second) or
-          ``bandwidth_bytes_per_s``, > 0; the text ``"inf"`` for a free link.
+        * latency: ``latency_us`` (microseconds, in [0, 3.6e9]) or
+          ``latency_s`` (in [0, 3600]);
+        * bandwidth: ``bandwidth_gbps`` (gigabits per second, in [1e-9, 1e10])
+          or ``bandwidth_bytes_per_s`` (in [1e-3, 1e18]); the text ``"inf"``
+          for a free link.
 
         Both are required: a link the file does not describe is an error, never
         free by default.
@@ -155,21 +161,14 @@ class Link:
         bandwidth = _number(
             data[bandwidth_key], f"{where}.{bandwidth_key}", allow_inf=True
         )
-        unit = {"latency_us": "microseconds", "latency_s": "seconds"}[latency_key]
-        if not (math.isfinite(latency) and latency >= 0):
-            raise ProblemError(
-                f"{where}.{latency_key} must be finite and >= 0 ({unit}), "
-                f"got {data[latency_key]!r}"
-            )
-        unit = {
-            "bandwidth_gbps": "gigabits per second",
-            "bandwidth_bytes_per_s": "bytes per second",
-        }[bandwidth_key]
-        if not bandwidth > 0:
-            raise ProblemError(
-                f"{where}.{bandwidth_key} must be > 0 ({unit}), "
-                f"got {data[bandwidth_key]!r}"
-            )
+        in_range(latency, f"{where}.{latency_key}", latency_key, data[latency_key])
+        in_range(
+            bandwidth,
+            f"{where}.{bandwidth_key}",
+            bandwidth_key,
+            data[bandwidth_key],
+            allow_inf=True,
+        )
         if latency_key == "latency_us":
             latency /= 1e6
         if bandwidth_key == "bandwidth_gbps":
@@ -284,23 +283,12 @@ def _device_type(name: str, entry: Any) -> DeviceType:
     if {"memory_gb", "memory_bytes"} <= set(entry):
         raise ProblemError(f"{where}: give memory in one unit")
     speed = _number(entry.get("speed", 1.0), f"{where}.speed")
-    if not (math.isfinite(speed) and speed > 0):
-        raise ProblemError(
-            f"{where}.speed must be finite and > 0 (relative to the profiled "
-            f"device), got {entry.get('speed')!r}"
-        )
+    in_range(speed, f"{where}.speed", "speed", entry.get("speed"))
     memory = None
-    for key, scale, unit in (
-        ("memory_gb", 1e9, "gigabytes"),
-        ("memory_bytes", 1.0, "bytes"),
-    ):
+    for key, scale in (("memory_gb", 1e9), ("memory_bytes", 1.0)):
         if key in entry:
             value = _number(entry[key], f"{where}.{key}")
-            if not (math.isfinite(value) and value > 0):
-                raise ProblemError(
-                    f"{where}.{key} must be finite and > 0 ({unit}), got {entry[key]!r}"
-                )
-            memory = value * scale
+            memory = in_range(value, f"{where}.{key}", key, entry[key]) * scale
     return DeviceType(name=name, speed=speed, memory_bytes=memory)
 
 
@@ -530,6 +518,10 @@ class Cluster:
             raise ProblemError(
                 f"cluster: hosts must be a list of device type names, got {hosts!r:.60}"
             )
+        if not 1 <= len(hosts) <= MAX_DEVICES:
+            raise ProblemError(
+                f"cluster: hosts must list 1 to {MAX_DEVICES} hosts, got {len(hosts)}"
+            )
         links = {}
         for key in ("intra_host", "inter_host"):
             entries = data.get(key, {})
@@ -542,8 +534,15 @@ class Cluster:
                 for k, v in entries.items()
             }
         dph = data["devices_per_host"]
-        if isinstance(dph, bool) or not isinstance(dph, int):
-            raise ProblemError(f"devices_per_host must be an integer, got {dph!r:.60}")
+        if (
+            isinstance(dph, bool)
+            or not isinstance(dph, int)
+            or not 1 <= dph <= MAX_DEVICES
+        ):
+            raise ProblemError(
+                f"devices_per_host must be an integer in [1, {MAX_DEVICES}], "
+                f"got {dph!r:.60}"
+            )
         return cls.from_types(types, hosts, dph, **links)
 
     @classmethod

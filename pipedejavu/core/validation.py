@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 from pipedejavu.core.errors import ProblemError
 
 __all__ = [
+    "CLUSTER_RANGES",
     "MAX_DEVICES",
     "MAX_MICROBATCHES",
     "UNLIMITED_SUCCEEDING_STAGES",
@@ -27,6 +28,7 @@ __all__ = [
     "cost_table",
     "describe",
     "freeze",
+    "in_range",
     "json_field",
     "json_float",
     "json_int",
@@ -46,6 +48,21 @@ MAX_DEVICES = 2**20
 
 #: Largest number of micro-batches (fits every integer type the solvers use).
 MAX_MICROBATCHES = 2**31 - 1
+
+#: The documented range ``(low, high, unit)`` of every number of a cluster
+#: (:mod:`pipedejavu.core.cluster`), by key, in the key's own unit: wide enough
+#: for any real hardware, narrow enough that no stage or transfer time
+#: overflows. Bounds are inclusive; a bandwidth may also be ``"inf"`` (a free
+#: link).
+CLUSTER_RANGES: dict[str, tuple[float, float, str]] = {
+    "speed": (1e-6, 1e6, "relative to the profiled device"),
+    "memory_gb": (1e-6, 1e6, "gigabytes"),
+    "memory_bytes": (1e3, 1e15, "bytes"),
+    "latency_us": (0.0, 3.6e9, "microseconds"),
+    "latency_s": (0.0, 3600.0, "seconds"),
+    "bandwidth_gbps": (1e-9, 1e10, "gigabits per second"),
+    "bandwidth_bytes_per_s": (1e-3, 1e18, "bytes per second"),
+}
 
 
 _P = TypeVar("_P", bound="StageTableSizes")
@@ -307,3 +324,25 @@ def json_list(data: Any, key: str, where: str, *, length: int | None = None) -> 
         expected = "a list" if length is None else f"a list of {length} items"
         raise ProblemError(f"{where}.{key} must be {expected}, got {value!r:.60}")
     return value
+
+
+def in_range(
+    value: float, where: str, key: str, given: Any, *, allow_inf: bool = False
+) -> float:
+    """``value`` when it lies in ``CLUSTER_RANGES[key]`` (``inf`` too when
+    ``allow_inf``).
+
+    Raises:
+        ProblemError: ``"<where> must be in [low, high] (unit), got <given>"``.
+    """
+    low, high, unit = CLUSTER_RANGES[key]
+    if low <= value <= high or (allow_inf and value == math.inf):
+        return value
+    inf = ' or "inf"' if allow_inf else ""
+    bounds = ", ".join(
+        f"{x:g}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
+        for x in (low, high)
+    )
+    raise ProblemError(
+        f"{where} must be in [{bounds}]{inf} ({unit}), got {describe(given)}"
+    )

@@ -1,0 +1,96 @@
+"""The command line's parser class and argument types, shared by every command.
+
+:class:`Parser` makes usage errors exit 2 (bad input) and every command's
+``--help`` show its defaults: ``add_subparsers`` makes the sub-parsers of the
+parser's own class, so command groups registered by other modules get both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+__all__ = ["EXIT_BAD_INPUT", "HelpFormatter", "Parser", "count", "fraction"]
+
+EXIT_BAD_INPUT = 2
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, when it has one."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        return bool(action.option_strings) and not any(
+            default is x for x in (None, False, argparse.SUPPRESS)
+        )
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" not in text and self._shows_default(action):
+            text = f"{text} (default: %(default)s)".lstrip()
+        return text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # no help text
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every command: usage errors exit 2, help shows defaults.
+
+    ``add_subparsers`` makes its parsers of the same class, so the command
+    groups registered by other modules (``commands.add_parser(...)``) get the
+    defaults-showing help too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # usage errors are bad input too
+        self.exit(
+            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n"
+        )
+
+
+def count(name: str, minimum: int = 1, maximum: int | None = None):
+    """An argparse type: an integer in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an integer, got {text!r:.40}"
+            ) from None
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(
+                f"{name} must be >= {minimum}{upper}, got {text:.40}"
+            )
+        return value
+
+    return parse
+
+
+def fraction(name: str):
+    """An argparse type: a number in ``(0, 1]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a number in (0, 1], got {text!r:.40}"
+            ) from None
+        if not 0 < value <= 1:  # nan fails too
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in (0, 1], got {text:.40}"
+            )
+        return value
+
+    return parse
