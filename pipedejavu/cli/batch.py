@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import json
 import math
-import re
 import sys
 from typing import Any
 
@@ -59,10 +58,6 @@ def int_in(name: str, low: int, high: int):
 
 def add_plan_options(plan: Any) -> None:
     """Add the goodput and elastic options to the ``plan`` parser."""
-    # "--goodput-grad -1,2" reads as an option to argparse (before Python
-    # 3.13): let arguments that look like negative number lists be values, so
-    # that the range check below names the range.
-    plan._negative_number_matcher = re.compile(r"^-[\d.][\d.,eE+\-]*$")
     plan.add_argument(
         "--goodput-grad",
         metavar="SQR,VAR",

@@ -22,7 +22,13 @@ from pipedejavu.cli import init_search as cli_init_search
 from pipedejavu.cli import megatron as cli_megatron
 from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
 from pipedejavu.cli.formatting import format_inspection, format_plan
-from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, count, fraction
+from pipedejavu.cli.parsing import (
+    EXIT_BAD_INPUT,
+    Parser,
+    count,
+    fraction,
+    join_number_lists,
+)
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import evaluate_hetero
@@ -220,8 +226,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--cluster",
         metavar="HxD",
         default="1x1",
-        help="cluster to model (1x1 is what was measured; more devices are "
-        "modelled as data parallelism, see costmodel.profiler)",
+        help="cluster to model, hosts x devices per host with devices per host a "
+        "power of two (1x1 is what was measured; more devices are modelled as "
+        "data parallelism, see costmodel.profiling)",
     )
     profile.add_argument(
         "--num-microbatches",
@@ -254,8 +261,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--alpa-scan",
         action="store_true",
         help="also run Alpa's own algorithm on the generated 32-layer instance "
-        "(about 40 s on 2 cores: it evaluates 2,699 caps where the exact DP "
-        "needs 20)",
+        "(about 40 s on 2 cores: it evaluates thousands of caps; the demo prints "
+        "both counts)",
     )
     cli_data.add_parser(commands)
     cli_init_search.add_parser(commands)
@@ -494,7 +501,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     try:
-        args = _build_parser().parse_args(argv)
+        raw = sys.argv[1:] if argv is None else argv
+        args = _build_parser().parse_args(join_number_lists(raw))
     except SystemExit as stop:  # --help and --version exit 0; bad usage returns
         if stop.code == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT

@@ -9,9 +9,24 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "HelpFormatter", "Parser", "count", "fraction"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "NUMBER_LIST_OPTIONS",
+    "HelpFormatter",
+    "Parser",
+    "count",
+    "fraction",
+    "join_number_lists",
+]
+
+#: Options whose value is a comma-separated list of numbers that may start
+#: with a minus sign ("--grad -1,2"), which argparse would read as an option.
+NUMBER_LIST_OPTIONS = ("--goodput-grad", "--grad", "--atomic-bsz-range")
+_NUMBER_LIST = re.compile(r"^-[\d.][\d.,eE+\-]*$")
 
 EXIT_BAD_INPUT = 2
 
@@ -94,3 +109,25 @@ def fraction(name: str):
         return value
 
     return parse
+
+
+def join_number_lists(argv: Sequence[str]) -> list[str]:
+    """``--grad -1,2`` -> ``--grad=-1,2`` for :data:`NUMBER_LIST_OPTIONS`, so
+    that a negative value reaches the option's range check (argparse would
+    take ``-1,2`` for an option and say only "expected one argument")."""
+    out: list[str] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if (
+            token in NUMBER_LIST_OPTIONS
+            and i + 1 < len(tokens)
+            and _NUMBER_LIST.match(tokens[i + 1])
+        ):
+            out.append(f"{token}={tokens[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
