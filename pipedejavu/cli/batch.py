@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from pipedejavu.cli.megatron_report import format_training_plan
+from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
@@ -36,24 +37,7 @@ from pipedejavu.planning.elastic import (
 from pipedejavu.planning.elastic_report import format_elastic, plot_elastic
 from pipedejavu.planning.training import parse_gpu_pool
 
-__all__ = ["add_plan_options", "int_in", "parse_grad", "run_batch_modes"]
-
-
-def int_in(name: str, low: int, high: int):
-    """An argparse type: an integer in ``[low, high]`` (one-line error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text) if len(text) <= 40 else None
-        except ValueError:
-            value = None
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"{name} must be an integer in [{low}, {high}], got {text!r:.40}"
-            )
-        return value
-
-    return parse
+__all__ = ["add_plan_options", "parse_grad", "run_batch_modes"]
 
 
 def add_plan_options(plan: Any) -> None:

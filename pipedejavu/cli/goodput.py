@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipedejavu.cli.init_search import HelpWithDefaults, int_in
+from pipedejavu.cli.parsing import HelpFormatter, int_in
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
@@ -55,13 +55,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     goodput = commands.add_parser(
         "goodput",
         help="Pollux/AdaptDL's goodput model: fit it, pick batch sizes",
-        formatter_class=HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     actions = goodput.add_subparsers(dest="goodput_command", required=True)
     fit = actions.add_parser(
         "fit",
         help="fit the step-time model (PerfParams) to measured step times",
-        formatter_class=HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     fit.add_argument(
         "steps",
@@ -73,7 +73,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     optimize = actions.add_parser(
         "optimize",
         help="best atomic batch and accumulation steps per (nodes, replicas)",
-        formatter_class=HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     optimize.add_argument(
         "--perf",
@@ -130,7 +130,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     elastic = commands.add_parser(
         "elastic",
         help="DeepSpeed's elastic global batch size and valid GPU counts",
-        formatter_class=HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     elastic.add_argument(
         "config", metavar="CONFIG.json", help="DeepSpeed config with 'elasticity'"

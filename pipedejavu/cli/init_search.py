@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipedejavu.cli.parsing import HelpFormatter, float_in, int_in
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.init_search.data import load_digits
 from pipedejavu.init_search.limits import (
@@ -47,57 +48,6 @@ _OPTION_FIELDS = {
 }
 
 
-class HelpWithDefaults(argparse.HelpFormatter):
-    """Every option's help ends with its default, when it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            "%(default)" not in text
-            and not any(default is x for x in (None, False, argparse.SUPPRESS))
-            and action.option_strings
-        ):
-            text += " (default: %(default)s)"
-        return text
-
-
-def int_in(option: str, low: int, high: int):
-    """An argparse type: an integer in ``[low, high]`` (one-line error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{option} must be an integer in [{low}, {high}], got {text!r:.40}"
-            ) from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"{option} must be an integer in [{low}, {high}], got {text:.40}"
-            )
-        return value
-
-    return parse
-
-
-def float_in(option: str, low: float, high: float):
-    """An argparse type: a number in ``(low, high]`` (one-line error)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not low < value <= high:
-            raise argparse.ArgumentTypeError(
-                f"{option} must be a number in ({low:g}, {high:g}], got {text!r:.40}"
-            )
-        return value
-
-    return parse
-
-
 def _int_option(parser, name: str, field: str, help: str, **kwargs) -> None:
     low, high = INT_RANGES[field]
     parser.add_argument(
@@ -120,7 +70,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "divides it, --rounds x --demo-epochs < --epochs, --num-workers x "
         f"--epochs <= {MAX_BUDGET_EPOCHS:,}, and the candidates must fit "
         "--memory-limit-gb (estimated before any work).",
-        formatter_class=HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default="mlp", help="mlp-small, mlp or mlp-deep")
     parser.add_argument("--init", default="he", help="base distribution: he or glorot")

@@ -11,12 +11,12 @@ import json
 import warnings
 from typing import Any
 
-from pipedejavu.cli.batch import (
-    add_plan_options,  # goodput and elastic modes
-    int_in,
+from pipedejavu.cli.batch import (  # goodput and elastic modes
+    add_plan_options,
     run_batch_modes,
 )
 from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
+from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, check_nodes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import predict_plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,9 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "count",
+    "float_in",
     "fraction",
+    "int_in",
     "join_number_lists",
 ]
 
@@ -131,3 +134,37 @@ def join_number_lists(argv: Sequence[str]) -> list[str]:
         out.append(token)
         i += 1
     return out
+
+
+def int_in(name: str, low: int, high: int):
+    """An argparse type: an integer in ``[low, high]`` (one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 40 else None
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an integer in [{low}, {high}], got {text!r:.40}"
+            )
+        return value
+
+    return parse
+
+
+def float_in(option: str, low: float, high: float):
+    """An argparse type: a number in ``(low, high]`` (one-line error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low < value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a number in ({low:g}, {high:g}], got {text!r:.40}"
+            )
+        return value
+
+    return parse
