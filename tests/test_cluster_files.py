@@ -309,7 +309,8 @@ def test_every_number_outside_its_documented_range_names_file_and_key(
     file = tmp_path / "c.json"
     file.write_text(json.dumps(data))
     pattern = (
-        rf"c.json: {path[0]}\['{path[1]}'\].{path[2]} (must be in \[|is too large|must be a number)"
+        rf"c.json: {path[0]}\['{path[1]}'\].{path[2]} "
+        r"(must be in \[|is too large|must be a number)"
     )
     with pytest.raises(ProblemError, match=pattern):
         Cluster.from_file(file)
