@@ -145,7 +145,9 @@ def test_per_count_best_is_never_beaten_and_prices_are_not_negative():
     assert all(0 <= c.mean_ratio <= 1 + 1e-12 for c in result.candidates)
     # An estimate up front, progress per count, and model-parallel sizes that
     # agree between the progress lines and the summary.
-    assert lines[0].startswith("elastic mode: 3 GPU counts")
+    assert lines[0].startswith(
+        "elastic mode: OPT-350 on GH-96, counts [4, 8, 12]: 3 GPU counts"
+    )
     assert any("s more" in line for line in lines)
     text = format_elastic(result)
     for line in lines:

@@ -367,7 +367,7 @@ TEMPLATES = {
         "GH-96:4..8",
         "--elastic",
         "--max-global-batch",
-        "64",
+        "16",
         "--batch-multiple",
         "{x}",
     ],
@@ -386,29 +386,19 @@ TEMPLATES = {
     ],
 }
 
-#: Failures the fuzz found in code other workers own (issue 23; recorded in
-#: its report): ``name: (the number that fails, why)``. Their templates are
-#: not fuzzed (shrinking a hang costs minutes); the exact failing command runs
-#: as a strict xfail instead, so the mark goes once their fix lands.
-_PROGRESS_FIRST = (
-    "cli/megatron.py / cli/batch.py print a progress line ('planning ...', "
-    "'elastic mode: ...', 'goodput mode: ...') before checking the number: exit "
-    "2 with two lines on stderr"
-)
-KNOWN = {
-    "plan --gpus": ("0", _PROGRESS_FIRST),
-    "plan --global-batch": ("0", _PROGRESS_FIRST),
-    "plan --init-batch": ("0", _PROGRESS_FIRST),
-    "plan --batch-multiple": ("-1", _PROGRESS_FIRST),
-    "plan --max-global-batch": (
-        "1000000000000",
-        "planning/elastic (cli/batch.py): --max-global-batch 10**12 is not "
-        "bounded: MemoryError traceback, exit 1",
-    ),
+#: Commands the fuzz once broke (issue 23): a progress line printed before the
+#: number was checked (two stderr lines on exit 2), and an unbounded
+#: --max-global-batch (MemoryError). ``name: the number``.
+ONCE_BROKEN = {
+    "plan --gpus": "0",
+    "plan --global-batch": "0",
+    "plan --init-batch": "0",
+    "plan --batch-multiple": "-1",
+    "plan --max-global-batch": "1000000000000",
 }
 
 
-@pytest.mark.parametrize("name", [n for n in TEMPLATES if n not in KNOWN])
+@pytest.mark.parametrize("name", list(TEMPLATES))
 @FUZZ
 @given(number=NUMBERS)
 def test_numeric_argument_keeps_the_error_contract(capsys, inputs, name, number):
@@ -416,17 +406,11 @@ def test_numeric_argument_keeps_the_error_contract(capsys, inputs, name, number)
     run_cli(capsys, argv)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why), id=name)
-        for name, (_, why) in KNOWN.items()
-    ],
-)
-def test_known_failures_in_other_areas(capsys, inputs, name):
-    number = KNOWN[name][0]
-    argv = [part.format(x=number, **inputs) for part in TEMPLATES[name]]
-    run_cli(capsys, argv)
+@pytest.mark.parametrize("name", list(ONCE_BROKEN))
+def test_commands_the_fuzz_once_broke(capsys, inputs, name):
+    argv = [part.format(x=ONCE_BROKEN[name], **inputs) for part in TEMPLATES[name]]
+    code, _, _ = run_cli(capsys, argv)
+    assert code == 2
 
 
 def test_the_fuzzed_templates_are_valid_with_a_sensible_number(capsys, inputs):

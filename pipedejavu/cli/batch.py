@@ -189,7 +189,6 @@ def _run_elastic(args, grad, high) -> int:
     gpu, low, top = parse_gpu_range(args.gpus[0])
     gpn = load_sailor_data(args.profiles).gpu_spec(gpu).gpus_per_node
     counts = elastic_counts(low, top, gpn)
-    _progress(f"elastic mode: {args.model} on {gpu}, counts {counts} ...")
     result = plan_elastic(
         args.model,
         gpu,

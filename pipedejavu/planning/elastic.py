@@ -49,7 +49,12 @@ import numpy as np
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning import deepspeed_elastic as elastic
-from pipedejavu.planning.batch import GoodputPlan, efficiency, plan_goodput
+from pipedejavu.planning.batch import (
+    GoodputPlan,
+    candidate_batches,
+    efficiency,
+    plan_goodput,
+)
 from pipedejavu.planning.deepspeed_elastic import is_valid_world_size
 from pipedejavu.planning.training import plan_training
 
@@ -354,9 +359,11 @@ def plan_elastic(
         allow_fewer_gpus=allow_fewer_gpus,
     )
 
+    candidate_batches(init, max_global_batch, step)  # refused before any work
     started = time.perf_counter()
     say(
-        f"elastic mode: {len(counts)} GPU counts; each searched over its candidate "
+        f"elastic mode: {model} on {gpu_type}, counts {counts}: {len(counts)} GPU "
+        "counts; each searched over its candidate "
         f"batches (multiples of {step} up to {max_global_batch}), then every "
         "count planned at each DeepSpeed batch; estimates follow"
     )
