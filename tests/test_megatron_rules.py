@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import in_flight_capacity, memory_bytes
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import compile_tables
+from pipedejavu.costmodel.megatron.tables import plan_tables
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.space import config_groups
@@ -28,27 +28,10 @@ MODEL, POOL, GBS = "OPT-350", {"RTX-2080": 4}, 8
 
 def _tables_fit(plan: Plan3D, constants: PredictorConstants) -> bool:
     """The plan passes the tables' memory rule (``max_n_succ_stages``)."""
-    gpu = plan.stages[0].replicas[0].gpu_type
-    degrees = [stage.replicas[0].tp for stage in plan.stages]
-    gpn = DATA.gpu_spec(gpu).gpus_per_node
-    one_node = plan.dp * sum(degrees) <= gpn
-    tps = tuple(sorted(set(degrees)))
-    tables = compile_tables(
-        DATA,
-        MODEL,
-        constants,
-        gpu_type=gpu,
-        mbs=plan.mbs,
-        dp=plan.dp,
-        num_microbatches=plan.num_microbatches,
-        tps=tps,
-        zone=DEFAULT_ZONE,
-        pipeline_gpus=sum(degrees) if one_node else None,
-    )
+    tables, spans = plan_tables(DATA, MODEL, constants, plan)
     return all(
-        plan.num_stages - 1 - s
-        <= tables.max_n_succ_stages[stage.start, stage.stop - 1, tps.index(tp), 0]
-        for s, (stage, tp) in enumerate(zip(plan.stages, degrees, strict=True))
+        plan.num_stages - 1 - s <= tables.max_n_succ_stages[a, b, m, 0]
+        for s, (a, b, m) in enumerate(spans)
     )
 
 

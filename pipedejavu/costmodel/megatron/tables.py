@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica, Stage3D
 from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
 from pipedejavu.costmodel.megatron.comm import (
     p2p_time,
@@ -70,6 +70,7 @@ __all__ = [
     "boundary_time",
     "canonical_nodes",
     "compile_tables",
+    "plan_tables",
     "plan_from_mixed_stages",
     "plan_from_stages",
     "rank_nodes",
@@ -376,3 +377,31 @@ def compile_tables(
         stage_tail_cost=tail,
         work=work,
     )
+
+
+def plan_tables(
+    data: SailorData, model: str, constants: PredictorConstants, plan: Plan3D
+) -> tuple[StageTables, list[tuple[int, int, int]]]:
+    """The tables of a one-type plan's configuration, as the search compiles
+    them, and each stage's entry ``(start, end inclusive, TP-degree index)``."""
+    gpu = plan.stages[0].replicas[0].gpu_type
+    degrees = [stage.replicas[0].tp for stage in plan.stages]
+    one_node = plan.dp * sum(degrees) <= data.gpu_spec(gpu).gpus_per_node
+    tps = tuple(sorted(set(degrees)))
+    tables = compile_tables(
+        data,
+        model,
+        constants,
+        gpu_type=gpu,
+        mbs=plan.mbs,
+        dp=plan.dp,
+        num_microbatches=plan.num_microbatches,
+        tps=tps,
+        zone=DEFAULT_ZONE,
+        pipeline_gpus=sum(degrees) if one_node else None,
+    )
+    spans = [
+        (stage.start, stage.stop - 1, tps.index(tp))
+        for stage, tp in zip(plan.stages, degrees, strict=True)
+    ]
+    return tables, spans

@@ -61,6 +61,7 @@ from pipedejavu.costmodel.megatron.tables import (
     canonical_nodes,
     compile_tables,
     plan_from_stages,
+    plan_tables,
     usable_degrees,
 )
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
@@ -524,27 +525,7 @@ def _objective(
     search's tables (``nan`` for a plan mixing GPU types: no table prices it)."""
     if len(plan.gpus_by_type()) > 1:
         return math.nan
-    gpu = plan.stages[0].replicas[0].gpu_type
-    gpn = data.gpu_spec(gpu).gpus_per_node
-    degrees = [stage.replicas[0].tp for stage in plan.stages]
-    one_node = plan.dp * sum(degrees) <= gpn
-    tps = tuple(sorted(set(degrees)))
-    tables = compile_tables(
-        data,
-        model,
-        constants,
-        gpu_type=gpu,
-        mbs=plan.mbs,
-        dp=plan.dp,
-        num_microbatches=plan.num_microbatches,
-        tps=tps,
-        zone=DEFAULT_ZONE,
-        pipeline_gpus=sum(degrees) if one_node else None,
-    )
-    spans = [
-        (stage.start, stage.stop - 1, tps.index(stage.replicas[0].tp))
-        for stage in plan.stages
-    ]
+    tables, spans = plan_tables(data, model, constants, plan)
     costs = [tables.compute_cost[a, b, m, 0] for a, b, m in spans]
     tails = [tables.stage_tail_cost[a, b, m, 0] for a, b, m in spans]
     steps = plan.num_microbatches
