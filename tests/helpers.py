@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from pipedejavu import Problem, get_submesh_choices
@@ -61,3 +63,30 @@ def two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
     for (start, end, submesh), value in costs.items():
         table[start, end, submesh, 0] = value
     return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)
+
+
+def placed_mix_bounds(placed, edges, kinds, types) -> tuple[float, float]:
+    """A mixed plan's largest stage bound at Megatron's rank placement and the
+    bottleneck DP value of its stage counts (``PlacedMix``), for the checks
+    that both stay below the prediction.
+
+    Args:
+        placed: the ``PlacedMix`` of the plan's (mbs, tp, dp).
+        edges: stage boundaries ``(0, ..., L)``.
+        kinds: each stage's GPU type.
+        types: the pool's types, in the order of the stage-count vector.
+    """
+    count = len(kinds)
+    seen = dict.fromkeys(types, 0)
+    order = []
+    for gpu in kinds:
+        order.append((gpu, seen[gpu]))
+        seen[gpu] += 1
+    largest = -math.inf
+    for s, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        before = order[s - 1] if s > 0 else None
+        after = order[s + 1] if s + 1 < count else None
+        weights = placed.weights(order[s], before, after, count - s)
+        largest = max(largest, float(weights[a, b]))
+    value, _ = placed.value(tuple(seen[gpu] for gpu in types))
+    return largest, value

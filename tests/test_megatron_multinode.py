@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import placed_mix_bounds
 
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
 from pipedejavu.core.problem import ProblemError
@@ -152,18 +153,7 @@ def test_placed_mixed_bounds_below_predictions_on_several_nodes():
             mix = Mix(mbs, dp, gbs // (mbs * dp), tp, caps, LAYERS)
             placed_by_setting[key] = PlacedMix(DATA, MODEL, C, mix, cache)
         placed = placed_by_setting[key]
-        seen = dict.fromkeys(types, 0)
-        order = []
-        for gpu in kinds:
-            order.append((gpu, seen[gpu]))
-            seen[gpu] += 1
-        largest = -math.inf
-        for s, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-            before = order[s - 1] if s > 0 else None
-            after = order[s + 1] if s + 1 < count else None
-            w = placed.weights(order[s], before, after, count - s)
-            largest = max(largest, float(w[a, b]))
-        value, _ = placed.value(tuple(seen[gpu] for gpu in types))
+        largest, value = placed_mix_bounds(placed, edges, kinds, types)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         assert value <= largest * (1 + 1e-12)
         checked += 1
