@@ -55,7 +55,8 @@ def meta(name: str) -> tuple[str, str]:
         machine = machine or ", ".join(parts[1:3])
     if isinstance(machine, dict):
         arch = "x86_64" if "x86_64" in machine.get("platform", "") else "?"
-        machine = f"{arch}, {machine.get('cpu_count', '?')} cores"
+        cores = machine.get("cpu_count", machine.get("cores", "?"))
+        machine = f"{arch}, {cores} cores"
     if not date or not machine:
         raise ValueError(f"{name}: no date or machine; do not quote it")
     date = str(date).replace("T", " ")[:16]
@@ -461,7 +462,39 @@ def t_init_search() -> str:
     return table(head, out) + source("init_search.json")
 
 
+def t_layout() -> str:
+    rows = []
+    for name in ("layout_before_after.json", "layout_before_after_final.json"):
+        data = load(name)
+        after = data["after"]["commit"][:7]
+        for bench, c in data["comparison"].items():
+            sums = c.get("row_time_sums", {})
+            times = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in sums.items())
+            rows.append(
+                [
+                    f"`{name}` ({data['before']['commit'][:7]} -> {after})",
+                    bench,
+                    f"{c['rows_compared']} rows, {data['rounds']} round(s)",
+                    "yes" if c["identical"] else "NO",
+                    times,
+                    f"{c['subprocess_wall']['ratio']:.2f}x",
+                ]
+            )
+    head = [
+        "run",
+        "benchmark",
+        "compared",
+        "plans and costs identical",
+        "time after / before",
+        "process wall after / before",
+    ]
+    return table(head, rows) + source(
+        "layout_before_after.json", "layout_before_after_final.json"
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "layout": t_layout,
     "headline": t_headline,
     "dp_scaling": t_dp_scaling,
     "engine_quality": t_engine_quality,
