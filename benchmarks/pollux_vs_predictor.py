@@ -12,7 +12,7 @@ iteration time minus ``m - 1`` of them (the last micro-step, the gradient
 all-reduce and the optimizer). Pollux's prediction of the iteration is
 ``predict_step_time(params, nodes, replicas, mbs, m - 1)``.
 
-Each experiment fits :func:`~pipedejavu.costmodel.goodput.function.fit_perf_params` on
+Each experiment fits :func:`~pipedejavu.costmodel.goodput.fit.fit_perf_params` on
 one
 part of the plans and reports the error against our predictor on the rest:
 

@@ -13,23 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pipedejavu.costmodel.alpa.comm as comm
 from pipedejavu.costmodel import MeshProfilingResult, read_prof_database
 from pipedejavu.costmodel.alpa.comm import (
+    CommModel,
+    bandwidth_factor,
+    fit_comm_model,
+)
+from pipedejavu.costmodel.alpa.comm_data import (
     ARTIFACT,
+    COLLECTIVES,
     INVALID,
     NO_OP,
+    CommKey,
+    GroupShape,
+    comm_series,
+    group_shape_of,
+)
+from pipedejavu.costmodel.alpa.comm_fit import (
     AlphaBeta,
     CommFitConfig,
-    CommKey,
-    CommModel,
-    GroupShape,
     alpha_beta_time,
-    bandwidth_factor,
-    comm_series,
     fit_alpha_beta,
-    fit_comm_model,
-    group_shape_of,
     held_out_errors,
 )
 from pipedejavu.costmodel.alpa.comm_plots import (
@@ -305,7 +309,7 @@ def test_real_database_every_fit_listed(rows):
     expected = {
         (collective, mesh, group_shape_of(groups, mesh[1]), dtype)
         for (_, mesh), result in database.items()
-        for collective in comm.COLLECTIVES
+        for collective in COLLECTIVES
         for groups, dtype in getattr(result, f"{collective}_cost_dict")
     }
     listed = {(r.collective, r.mesh, r.key.group, r.dtype) for r in rows}

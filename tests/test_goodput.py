@@ -12,13 +12,17 @@ import numpy as np
 import pytest
 
 from pipedejavu.costmodel.goodput import model
+from pipedejavu.costmodel.goodput.fit import (
+    fit_perf_params,
+    perf_objective,
+)
 from pipedejavu.costmodel.goodput.function import (
     GoodputFunction,
     GoodputInputError,
+)
+from pipedejavu.costmodel.goodput.model import (
     GradParams,
     PerfParams,
-    fit_perf_params,
-    perf_objective,
 )
 
 _FIXTURES = Path(__file__).parent / "fixtures" / "reference"

@@ -86,3 +86,12 @@ def test_no_public_name_is_also_a_submodule():
         submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
         clash = set(getattr(package, "__all__", ())) & submodules
         assert not clash, (package_name, sorted(clash))
+
+
+@pytest.mark.parametrize("package", ["pipedejavu.costmodel", "pipedejavu.search"])
+def test_every_lazily_loaded_name_resolves(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    missing = [name for name in module._LAZY if not hasattr(module, name)]
+    assert missing == []

@@ -228,7 +228,10 @@ def _run_fit(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from pipedejavu.costmodel.goodput.function import fit_perf_params, perf_objective
+    from pipedejavu.costmodel.goodput.fit import (
+        fit_perf_params,
+        perf_objective,
+    )
 
     columns = read_steps_csv(args.steps)
     try:

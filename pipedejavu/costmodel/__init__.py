@@ -51,15 +51,15 @@ _LAZY = {
     "PredictionResult": "stage.predict",
     "LayerProfile": "profiling.profiler",
     "profile_model": "profiling.profiler",
-    "problem_from_layer_profile": "profiling.profiler",
-    "profile_to_problem": "profiling.profiler",
-    "fit_stage_overhead": "profiling.profiler",
-    "DataParallelScaling": "profiling.profiler",
-    "StageOverhead": "profiling.profiler",
+    "problem_from_layer_profile": "profiling.layer_problem",
+    "profile_to_problem": "profiling.layer_problem",
+    "fit_stage_overhead": "profiling.stage_overhead",
+    "DataParallelScaling": "profiling.layer_problem",
+    "StageOverhead": "profiling.stage_overhead",
     "GoodputFunction": "goodput.function",
-    "PerfParams": "goodput.function",
-    "GradParams": "goodput.function",
-    "fit_perf_params": "goodput.function",
+    "PerfParams": "goodput.model",
+    "GradParams": "goodput.model",
+    "fit_perf_params": "goodput.fit",
 }
 
 

@@ -120,7 +120,7 @@ def heldout_errors(
         ``(perf_params, train_errors, test_errors, fit_seconds)``; errors are
         ``|Pollux / ours - 1|`` of the iteration time, one per plan.
     """
-    from pipedejavu.costmodel.goodput.function import fit_perf_params
+    from pipedejavu.costmodel.goodput.fit import fit_perf_params
     from pipedejavu.costmodel.goodput.model import predict_step_time
 
     if not train or not test:

@@ -25,24 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from pipedejavu.costmodel.alpa.comm_data import ARTIFACT as ARTIFACT
-from pipedejavu.costmodel.alpa.comm_data import COLLECTIVES as COLLECTIVES
-from pipedejavu.costmodel.alpa.comm_data import INVALID as INVALID
-from pipedejavu.costmodel.alpa.comm_data import NO_OP as NO_OP
-from pipedejavu.costmodel.alpa.comm_data import USED as USED
-from pipedejavu.costmodel.alpa.comm_data import CommKey as CommKey
-from pipedejavu.costmodel.alpa.comm_data import CommSeries as CommSeries
-from pipedejavu.costmodel.alpa.comm_data import GroupShape as GroupShape
-from pipedejavu.costmodel.alpa.comm_data import comm_series as comm_series
-from pipedejavu.costmodel.alpa.comm_data import dtype_itemsize as dtype_itemsize
-from pipedejavu.costmodel.alpa.comm_data import group_shape_of as group_shape_of
-from pipedejavu.costmodel.alpa.comm_data import stack_series as stack_series
-from pipedejavu.costmodel.alpa.comm_fit import DEFAULT_FIT as DEFAULT_FIT
-from pipedejavu.costmodel.alpa.comm_fit import AlphaBeta as AlphaBeta
-from pipedejavu.costmodel.alpa.comm_fit import CommFitConfig as CommFitConfig
-from pipedejavu.costmodel.alpa.comm_fit import alpha_beta_time as alpha_beta_time
-from pipedejavu.costmodel.alpa.comm_fit import fit_alpha_beta as fit_alpha_beta
-from pipedejavu.costmodel.alpa.comm_fit import held_out_errors as held_out_errors
+from pipedejavu.costmodel.alpa.comm_data import (
+    COLLECTIVES,
+    CommKey,
+    CommSeries,
+    GroupShape,
+    comm_series,
+    group_shape_of,
+    stack_series,
+)
+from pipedejavu.costmodel.alpa.comm_fit import (
+    DEFAULT_FIT,
+    AlphaBeta,
+    CommFitConfig,
+    alpha_beta_time,
+    fit_alpha_beta,
+    held_out_errors,
+)
 
 __all__ = [
     "COLLECTIVES",

@@ -28,22 +28,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from pipedejavu.costmodel.alpa.comm import (
+from pipedejavu.costmodel.alpa.comm_data import (
     ARTIFACT,
     COLLECTIVES,
-    DEFAULT_FIT,
     INVALID,
     NO_OP,
-    AlphaBeta,
-    CommFitConfig,
     CommKey,
     CommSeries,
     GroupShape,
-    alpha_beta_time,
     comm_series,
+    stack_series,
+)
+from pipedejavu.costmodel.alpa.comm_fit import (
+    DEFAULT_FIT,
+    AlphaBeta,
+    CommFitConfig,
+    alpha_beta_time,
     fit_alpha_beta,
     held_out_errors,
-    stack_series,
 )
 
 __all__ = [
@@ -66,7 +68,7 @@ class FitRow:
 
     Attributes:
         collective, cluster, mesh, num_groups, group_size, crosses_hosts,
-            stride, dtype: the curve (see :class:`~costmodel.comm.GroupShape`).
+            stride, dtype: the curve (see :class:`~pipedejavu.costmodel.alpa.comm_data.GroupShape`).
         num_points: points in the database; ``num_used`` of them were fitted,
             ``num_skipped = num_invalid + num_no_op + num_artifact`` were not
             (inf/nan times; no collective run; ``make_monotonic`` copies of a
@@ -120,7 +122,7 @@ class FitRow:
 
     @property
     def key(self) -> CommKey:
-        """The :class:`~costmodel.comm.CommKey` of this curve."""
+        """The :class:`~pipedejavu.costmodel.alpa.comm_data.CommKey` of this curve."""
         group = GroupShape(
             self.num_groups, self.group_size, self.crosses_hosts, self.stride
         )
@@ -161,7 +163,7 @@ def comm_report(
         prof_db: a path to ``prof_database.pkl`` or the dict from
             :func:`~costmodel.read_prof_database`.
         num_folds: k of the held-out k-fold validation (>= 2).
-        config: fit settings (default :data:`~costmodel.comm.DEFAULT_FIT`).
+        config: fit settings (default :data:`~pipedejavu.costmodel.alpa.comm_fit.DEFAULT_FIT`).
 
     Returns:
         One :class:`FitRow` per curve, in database order.

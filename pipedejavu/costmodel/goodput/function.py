@@ -40,22 +40,17 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from pipedejavu.costmodel.goodput import model
-from pipedejavu.costmodel.goodput.fit import fit_perf_params as fit_perf_params
-from pipedejavu.costmodel.goodput.fit import perf_objective as perf_objective
-from pipedejavu.costmodel.goodput.model import GradParams as GradParams
-from pipedejavu.costmodel.goodput.model import PerfParams as PerfParams
-from pipedejavu.costmodel.goodput.model import candidate_configs as candidate_configs
+from pipedejavu.costmodel.goodput.fit import fit_perf_params, perf_objective
 from pipedejavu.costmodel.goodput.model import (
-    goodput_from_step_time as goodput_from_step_time,
+    GradParams,
+    PerfParams,
+    candidate_configs,
+    goodput_from_step_time,
+    predict_accum_time,
+    predict_log_optim_time,
+    predict_network_time,
+    predict_step_time,
 )
-from pipedejavu.costmodel.goodput.model import predict_accum_time as predict_accum_time
-from pipedejavu.costmodel.goodput.model import (
-    predict_log_optim_time as predict_log_optim_time,
-)
-from pipedejavu.costmodel.goodput.model import (
-    predict_network_time as predict_network_time,
-)
-from pipedejavu.costmodel.goodput.model import predict_step_time as predict_step_time
 
 
 class GoodputInputError(ValueError, AssertionError):
