@@ -235,3 +235,21 @@ def test_the_vocabulary_imports_nothing_else_of_ours():
 def test_the_library_never_touches_jax_private_modules():
     users = [m for m, p in MODULES.items() if "jax._src" in p.read_text()]
     assert users == []
+
+
+def test_re_exports_only_in_init_files():
+    # `from x import name as name` marks a re-export; a module that is not a
+    # package's __init__ imports what it uses, and callers import from the
+    # module that defines a name.
+    wrong = []
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                wrong += [
+                    f"{module}:{node.lineno} re-exports {alias.name}"
+                    for alias in node.names
+                    if alias.asname == alias.name
+                ]
+    assert wrong == []
