@@ -7,6 +7,10 @@ import math
 import numpy as np
 
 from pipedejavu import Problem, get_submesh_choices
+from pipedejavu.core.plan3d import DEFAULT_ZONE
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
 
 UNLIMITED = 2**20
 
@@ -90,3 +94,25 @@ def placed_mix_bounds(placed, edges, kinds, types) -> tuple[float, float]:
         largest = max(largest, float(weights[a, b]))
     value, _ = placed.value(tuple(seen[gpu] for gpu in types))
     return largest, value
+
+
+def mixed_plan(data, constants, edges, types, tp, dp, mbs, gbs, pool, model):
+    """A plan with a stage per pair of ``edges`` on ``types``, in Megatron's
+    rank order, and its prediction (``None`` where no link fit prices it)."""
+    plan = plan_from_mixed_stages(
+        [
+            (a, b, tp, gpu)
+            for a, b, gpu in zip(edges[:-1], edges[1:], types, strict=True)
+        ],
+        dp=dp,
+        mbs=mbs,
+        gbs=gbs,
+        model=model,
+        pool=pool,
+        gpus_per_node={gpu: data.gpu_spec(gpu).gpus_per_node for gpu in pool},
+        zone=DEFAULT_ZONE,
+    )
+    try:
+        return plan, predict_plan(plan, data, constants=constants)
+    except ProblemError:  # no link fit between two of the types
+        return plan, None

@@ -12,14 +12,12 @@ import math
 
 import numpy as np
 import pytest
-from helpers import placed_mix_bounds
+from helpers import mixed_plan, placed_mix_bounds
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
-from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
@@ -187,25 +185,7 @@ def test_proof_reports_progress_with_valid_bounds():
 
 
 def _mixed_plan(edges, types, tp, dp, mbs, gbs, pool, model="OPT-350"):
-    """A plan with a stage per pair of ``edges`` on ``types``, in Megatron's
-    rank order, and its prediction (``None`` where no link fit prices it)."""
-    plan = plan_from_mixed_stages(
-        [
-            (a, b, tp, gpu)
-            for a, b, gpu in zip(edges[:-1], edges[1:], types, strict=True)
-        ],
-        dp=dp,
-        mbs=mbs,
-        gbs=gbs,
-        model=model,
-        pool=pool,
-        gpus_per_node={gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool},
-        zone="us-central1-a",
-    )
-    try:
-        return plan, predict_plan(plan, DATA, constants=C)
-    except ProblemError:  # no link fit between two of the types
-        return plan, None
+    return mixed_plan(DATA, C, edges, types, tp, dp, mbs, gbs, pool, model)
 
 
 MIXED_SETTINGS = [

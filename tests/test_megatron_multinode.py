@@ -11,15 +11,13 @@ import math
 
 import numpy as np
 import pytest
-from helpers import placed_mix_bounds
+from helpers import mixed_plan, placed_mix_bounds
 
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
-from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
-    plan_from_mixed_stages,
     plan_from_stages,
 )
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
@@ -113,7 +111,6 @@ def test_placed_mixed_bounds_below_predictions_on_several_nodes():
     gbs = 32
     pool = {"A100-40": 8, "V100-16": 8, "GH-96": 8}
     types = list(pool)
-    gpn = {gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool}
     rng = np.random.default_rng(5)
     cache, placed_by_setting = BoundCache(), {}
     checked, ratios = 0, []
@@ -128,24 +125,8 @@ def test_placed_mixed_bounds_below_predictions_on_several_nodes():
         if max(kinds.count(gpu) * tp * dp for gpu in pool) <= 4:
             continue  # a type on two nodes at least
         edges = _random_edges(rng, count)
-        plan = plan_from_mixed_stages(
-            [
-                (a, b, tp, gpu)
-                for a, b, gpu in zip(edges[:-1], edges[1:], kinds, strict=True)
-            ],
-            dp=dp,
-            mbs=mbs,
-            gbs=gbs,
-            model=MODEL,
-            pool=pool,
-            gpus_per_node=gpn,
-            zone=DEFAULT_ZONE,
-        )
-        try:
-            prediction = predict_plan(plan, DATA, constants=C)
-        except ProblemError:  # no link fit between two of the types
-            continue
-        if not prediction.fits_memory:
+        _, prediction = mixed_plan(DATA, C, edges, kinds, tp, dp, mbs, gbs, pool, MODEL)
+        if prediction is None or not prediction.fits_memory:
             continue
         key = (mbs, tp, dp)
         if key not in placed_by_setting:
@@ -210,20 +191,10 @@ def _best_mixed(pool, gbs, mbs_values, max_stages):
                     continue
                 for cuts in itertools.combinations(range(1, LAYERS), count - 1):
                     edges = (0, *cuts, LAYERS)
-                    stages = zip(edges[:-1], edges[1:], types, strict=True)
-                    plan = plan_from_mixed_stages(
-                        [(a, b, tp, gpu) for a, b, gpu in stages],
-                        dp=dp,
-                        mbs=mbs,
-                        gbs=gbs,
-                        model=MODEL,
-                        pool=pool,
-                        gpus_per_node=gpn,
-                        zone=DEFAULT_ZONE,
+                    plan, prediction = mixed_plan(
+                        DATA, C, edges, types, tp, dp, mbs, gbs, pool, MODEL
                     )
-                    try:
-                        prediction = predict_plan(plan, DATA, constants=C)
-                    except ProblemError:  # no link fit between the types
+                    if prediction is None:  # no link fit between the types
                         continue
                     if prediction.fits_memory and prediction.iteration_time_s < best:
                         best, best_plan = prediction.iteration_time_s, plan
