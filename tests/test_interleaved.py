@@ -263,7 +263,24 @@ def check_timings(result):
             assert (bs[r, c] >= fe[r, c] - 1e-9).all()
         starts = np.concatenate([fs[r].ravel(), bs[r].ravel()])
         ends = np.concatenate([fe[r].ravel(), be[r].ravel()])
-        order = np.argsort(starts, kind="stable")
+        order = np.lexsort((ends, starts))
+        assert (starts[order][1:] >= ends[order][:-1] - 1e-9).all()
+    # Each link carries one transfer at a time: link l takes the activations of
+    # rank l and the gradients of rank (l + 1) mod P.
+    for link in range(p):
+        pairs = [
+            (result.activation_start[link], result.activation_end[link]),
+            (
+                result.gradient_start[(link + 1) % p],
+                result.gradient_end[(link + 1) % p],
+            ),
+        ]
+        starts = np.concatenate([a.ravel() for a, _ in pairs])
+        ends = np.concatenate([e.ravel() for _, e in pairs])
+        kept = ~np.isnan(starts)
+        starts, ends = starts[kept], ends[kept]
+        np.testing.assert_allclose(ends - starts, x[link])
+        order = np.lexsort((ends, starts))
         assert (starts[order][1:] >= ends[order][:-1] - 1e-9).all()
     assert result.iteration_time >= result.busy_time.max() - 1e-9
 
@@ -279,10 +296,11 @@ def check_timings(result):
 def test_random_sizes_run_to_the_end(num_ranks, num_chunks, groups, seed, links):
     rng = np.random.default_rng(seed)
     shape = (num_ranks, num_chunks)
-    transfer = rng.uniform(0.0, 1.5, num_ranks) if links else None
+    # Rounded to 0.1 s, so that ties and zero durations occur.
+    transfer = rng.uniform(0.0, 1.5, num_ranks).round(1) if links else None
     result = simulate_interleaved(
-        rng.uniform(0.1, 2.0, shape),
-        rng.uniform(0.1, 3.0, shape),
+        rng.uniform(0.0, 2.0, shape).round(1),
+        rng.uniform(0.0, 3.0, shape).round(1),
         groups * num_ranks,
         transfer=transfer,
     )
