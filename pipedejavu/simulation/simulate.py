@@ -27,7 +27,11 @@ Model:
   ``"deepspeed"``: the same compute order as DeepSpeed's pipeline engine issues
   it, with its *blocking* transfers: a transfer starts when both stages reach it
   and keeps both busy (no overlap of a stage's compute with its own sends and
-  receives); see :mod:`pipedejavu.simulation.deepspeed`.
+  receives); see :mod:`pipedejavu.simulation.deepspeed`. Megatron-LM's own
+  non-interleaved order (``P - s - 1`` warm-up forwards, then one forward and
+  one backward per step) is the same command order as ``"1f1b"``; its
+  interleaved schedule (``V`` model chunks per stage) is
+  :func:`pipedejavu.simulation.interleaved.simulate_interleaved`.
 * **In flight** at a stage: forwards done minus backwards done (activations
   stashed); its peak depends on the order only: ``B`` for GPipe and
   ``min(S - s, B)`` for 1F1B.

@@ -1,0 +1,148 @@
+"""Megatron-LM training options that change a plan's memory and time.
+
+This module is vocabulary: it imports nothing else of ours. The rules that read
+these options (bytes per parameter, activation bytes, recomputation time) are in
+:mod:`pipedejavu.costmodel.megatron.options`; the interleaved schedule is
+:mod:`pipedejavu.simulation.interleaved`.
+
+Each field names the Megatron-LM argument it stands for:
+
+* ``precision``: ``fp32`` (no flag), ``fp16`` (``--fp16``), ``bf16``
+  (``--bf16``), ``fp8`` (``--bf16 --fp8-format ...``: Transformer Engine's FP8
+  GEMMs on top of bf16 training).
+* ``distributed_optimizer``: ``--use-distributed-optimizer`` (the fp32 master
+  weights, main gradients and Adam's moments sharded over the data-parallel
+  ranks, ZeRO-1 style).
+* ``recompute``: ``--recompute-granularity`` (``selective``: the attention core;
+  ``full``: whole transformer layers, with ``--recompute-method block``);
+  ``recompute_num_layers``: ``--recompute-num-layers``.
+* ``virtual_stages``: ``--num-layers-per-virtual-pipeline-stage`` expressed as
+  model chunks per pipeline rank (1: the non-interleaved 1F1B schedule).
+* ``sequence_parallel``: ``--sequence-parallel``.
+* ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
+  attention), which never materializes the ``s x s`` attention scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+__all__ = [
+    "RECOMPUTE_GRANULARITIES",
+    "TRAINING_PRECISIONS",
+    "RecomputeGranularity",
+    "TrainingOptions",
+    "TrainingPrecision",
+]
+
+TrainingPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
+TRAINING_PRECISIONS: tuple[TrainingPrecision, ...] = ("fp32", "fp16", "bf16", "fp8")
+RecomputeGranularity = Literal["none", "selective", "full"]
+RECOMPUTE_GRANULARITIES: tuple[RecomputeGranularity, ...] = (
+    "none",
+    "selective",
+    "full",
+)
+
+
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """How a model is trained, beyond its parallel layout.
+
+    Args:
+        precision: the training precision: ``"fp32"``, ``"fp16"``, ``"bf16"``
+            (mixed precision with fp32 master weights) or ``"fp8"`` (bf16
+            training with FP8 matrix multiplications).
+        distributed_optimizer: shard the optimizer state over data-parallel ranks.
+        recompute: activation recomputation: ``"none"``, ``"selective"`` (the
+            attention core is recomputed in the backward pass) or ``"full"``
+            (whole layers: only their inputs are stashed).
+        recompute_num_layers: with ``recompute="full"``, the layers of each model
+            chunk that are recomputed, Megatron's ``block`` method (the first
+            ``recompute_num_layers`` layers of the chunk are recomputed, the
+            others keep their activations); ``None``: every layer. Must be
+            ``None`` unless ``recompute == "full"``.
+        virtual_stages: model chunks per pipeline rank (``v``; 1: no
+            interleaving).
+        sequence_parallel: split the layer norms' and dropouts' activations over
+            the tensor-parallel ranks along the sequence.
+        flash_attention: fused attention that never stores the ``s x s`` scores.
+
+    Raises:
+        ValueError: naming the field, what was expected and what arrived.
+
+    Example:
+        >>> TrainingOptions(precision="bf16", recompute="selective").precision
+        'bf16'
+    """
+
+    precision: TrainingPrecision = "fp32"
+    distributed_optimizer: bool = False
+    recompute: RecomputeGranularity = "none"
+    recompute_num_layers: int | None = None
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in TRAINING_PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {TRAINING_PRECISIONS}, "
+                f"got {self.precision!r}"
+            )
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute must be one of {RECOMPUTE_GRANULARITIES}, "
+                f"got {self.recompute!r}"
+            )
+        for name in ("distributed_optimizer", "sequence_parallel", "flash_attention"):
+            _check_bool(getattr(self, name), name)
+        layers = self.recompute_num_layers
+        if layers is not None:
+            if isinstance(layers, bool) or not isinstance(layers, int):
+                raise ValueError(
+                    f"recompute_num_layers must be an int or None, got {layers!r}"
+                )
+            if layers < 1:
+                raise ValueError(f"recompute_num_layers must be >= 1, got {layers}")
+            if self.recompute != "full":
+                raise ValueError(
+                    "recompute_num_layers applies to recompute='full' only, got "
+                    f"recompute={self.recompute!r} with recompute_num_layers={layers}"
+                )
+        chunks = self.virtual_stages
+        if isinstance(chunks, bool) or not isinstance(chunks, int):
+            raise ValueError(f"virtual_stages must be an int, got {chunks!r}")
+        if chunks < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {chunks}")
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field under its own name (exact round trip)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TrainingOptions:
+        """Options from a JSON object; absent keys take their defaults.
+
+        Raises:
+            ValueError: not an object, an unknown key, or a bad value.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"training options must be a JSON object, got {type(data).__name__}"
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"training options: unknown keys {unknown}, expected some of "
+                f"{sorted(known)}"
+            )
+        return cls(**dict(data))

@@ -1,0 +1,421 @@
+"""Megatron-LM's interleaved 1F1B schedule on the discrete-event simulator.
+
+With interleaving each of the ``P`` pipeline ranks holds ``V`` model chunks
+(virtual stages): chunk ``c`` of rank ``r`` is virtual stage ``c P + r`` of a
+``V P``-stage pipeline. A micro-batch's forward runs chunk 0 on ranks ``0 ..
+P - 1``, then wraps around from the last rank to chunk 1 of rank 0, and so on;
+its backward runs the same path in reverse.
+
+Model (that of :func:`pipedejavu.simulation.simulate.simulate`, one level
+finer):
+
+* Each rank is one resource that runs, in the order of :func:`interleaved_order`,
+  ``F(r, c, b)`` (forward of chunk ``c`` for micro-batch ``b``, lasting
+  ``forward[r, c]``) and ``B(r, c, b)`` (``backward[r, c]``).
+* ``F(r, c, b)`` needs the activation of ``F(r - 1, c, b)``, or for ``r = 0``
+  and ``c > 0`` that of ``F(P - 1, c - 1, b)`` (the wrap-around transfer);
+  ``B(r, c, b)`` needs the gradient of ``B(r + 1, c, b)``, or for ``r = P - 1``
+  and ``c < V - 1`` that of ``B(0, c + 1, b)``. The last virtual stage's
+  backward follows its own forward (the order puts it later).
+* **Links.** Link ``l`` joins rank ``l`` to rank ``(l + 1) mod P``; link
+  ``P - 1`` is the wrap-around. As in :func:`simulate`'s event loop, a link is
+  half duplex, carries one transfer at a time for ``transfer[l]`` seconds, first
+  come first served (a gradient first at a tie), and sends are buffered: a rank
+  computes on while its output travels.
+* **Order** (Megatron-LM's ``forward_backward_pipelining_with_interleaving``
+  with ``microbatch_group_size_per_vp_stage = P``): the ``V M`` forwards of a
+  rank are taken in groups of ``P`` micro-batches, chunk by chunk (micro-batches
+  ``0 .. P - 1`` on chunk 0, the same on chunk 1, ..., then micro-batches ``P ..
+  2P - 1``); the ``k``-th backward is the ``k``-th entry of the same table with
+  its chunk reversed (``V - 1 - c``). A rank runs :func:`warmup_count` forwards,
+  then alternately one forward and one backward, then the remaining backwards.
+  With ``V = 1`` this is Megatron's non-interleaved 1F1B, whose warm-up is
+  ``P - r - 1``: the same command order as the ``"1f1b"`` schedule of
+  :func:`simulate`. Megatron requires ``M`` to be a multiple of ``P`` when
+  ``V > 1``.
+* **In flight** at a rank: forwards done minus backwards done, counted in
+  micro-batch-chunks (each holds one chunk's activations of one micro-batch);
+  its peak is ``min(warmup_count + 1, V M)`` (:func:`peak_in_flight_count`).
+
+With equal chunks (``f / V`` and ``b / V`` for per-rank times ``f`` and ``b``)
+and free links the iteration takes ``M (f + b) + (P - 1) (f + b) / V``: the
+bubble of the non-interleaved schedule divided by ``V``, a fraction ``(P - 1) /
+(V M)`` of the ideal time (``tests/test_interleaved.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = [
+    "InterleavedResult",
+    "Op",
+    "interleaved_order",
+    "peak_in_flight_count",
+    "simulate_interleaved",
+    "warmup_count",
+]
+
+
+class Op(NamedTuple):
+    """One command of a rank: ``F(chunk, microbatch)`` or ``B(chunk, microbatch)``."""
+
+    backward: bool
+    chunk: int
+    microbatch: int
+
+
+def _check_sizes(rank: int, num_ranks: int, num_chunks: int, num_microbatches: int):
+    for name, value in (
+        ("num_ranks", num_ranks),
+        ("num_chunks", num_chunks),
+        ("num_microbatches", num_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+        raise ValueError(f"rank must be an int, got {rank!r}")
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")
+    if num_chunks > 1 and num_microbatches % num_ranks:
+        raise ValueError(
+            "the interleaved schedule needs num_microbatches to be a multiple of "
+            f"the pipeline size {num_ranks} (Megatron-LM's rule), got "
+            f"{num_microbatches}"
+        )
+
+
+def warmup_count(
+    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
+) -> int:
+    """Forwards a rank runs before its first backward, as Megatron-LM counts them.
+
+    ``V = 1`` (non-interleaved): ``P - r - 1``. ``V > 1``: ``2 (P - r - 1) + (V -
+    1) P``. Either is capped at the rank's ``V M`` forwards (then every forward
+    precedes every backward).
+
+    Args:
+        rank: the pipeline rank ``r`` in ``[0, P)``.
+        num_ranks: the pipeline size ``P``.
+        num_chunks: model chunks per rank ``V``.
+        num_microbatches: ``M`` (a multiple of ``P`` when ``V > 1``).
+
+    Raises:
+        ValueError: a bad size, or ``M`` not a multiple of ``P`` with ``V > 1``.
+    """
+    _check_sizes(rank, num_ranks, num_chunks, num_microbatches)
+    later = num_ranks - rank - 1
+    if num_chunks == 1:
+        count = later
+    else:
+        count = 2 * later + (num_chunks - 1) * num_ranks
+    return min(count, num_chunks * num_microbatches)
+
+
+def peak_in_flight_count(
+    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
+) -> int:
+    """The most micro-batch-chunks a rank holds forwarded but not yet backwarded
+    under :func:`interleaved_order`: ``min(warmup + 1, V M)``.
+
+    Rank 0 with ``V M >= V P + P - 1`` holds ``V P + P - 1`` of them, each one
+    chunk (``1 / V`` of the rank's layers): Megatron-LM's interleaving memory
+    penalty ``1 + (P - 1) / (P V)`` times the ``P`` micro-batches of the
+    non-interleaved schedule.
+
+    Args and Raises: as :func:`warmup_count`.
+    """
+    warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
+    return min(warmup + 1, num_chunks * num_microbatches)
+
+
+def interleaved_order(
+    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
+) -> list[Op]:
+    """The commands of a rank in run order (see the module docstring).
+
+    Args and Raises: as :func:`warmup_count`.
+
+    Example:
+        >>> [(int(o.backward), o.chunk, o.microbatch)
+        ...  for o in interleaved_order(1, 2, 2, 2)][:4]
+        [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 1, 0)]
+    """
+    warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
+    table = [
+        (microbatch, chunk)
+        for group in range(0, num_microbatches, num_ranks)
+        for chunk in range(num_chunks)
+        for microbatch in range(group, min(group + num_ranks, num_microbatches))
+    ]
+    forwards = [Op(False, chunk, microbatch) for microbatch, chunk in table]
+    backwards = [
+        Op(True, num_chunks - 1 - chunk, microbatch) for microbatch, chunk in table
+    ]
+    total = len(table)
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    order += backwards[total - warmup :]
+    return order
+
+
+def run_interleaved(forward, backward, transfer, orders, num_microbatches):
+    """The event loop: ``forward``/``backward`` ``[P][V]`` seconds, ``transfer``
+    ``[P]`` seconds, ``orders`` ``[P]`` lists of :class:`Op`. Returns eight
+    ``[P][V][M]`` grids: forward start/end, backward start/end, activation
+    transfer start/end (of ``F(r, c, b)``'s output), gradient transfer start/end
+    (of ``B(r, c, b)``'s output); NaN where no transfer is modelled."""
+    num_ranks, num_chunks, count = len(orders), len(forward[0]), num_microbatches
+    last_rank, last_chunk = num_ranks - 1, num_chunks - 1
+
+    def grid(fill):
+        return [[[fill] * count for _ in range(num_chunks)] for _ in range(num_ranks)]
+
+    f_start, f_end, b_start, b_end = grid(0.0), grid(0.0), grid(0.0), grid(0.0)
+    a_start, a_end, g_start, g_end = (grid(math.nan) for _ in range(4))
+    f_ready, b_ready = grid(None), grid(None)
+    f_ready[0][0] = [0.0] * count
+    b_ready[last_rank][last_chunk] = [0.0] * count
+    pointer = [0] * num_ranks
+    free = [0.0] * num_ranks
+    idle = [True] * num_ranks
+    link_free = [0.0] * num_ranks
+    heap: list[tuple[float, bool, int, int]] = []
+    counter = 0
+
+    def try_start(r):
+        nonlocal counter
+        if not idle[r] or pointer[r] == len(orders[r]):
+            return
+        op = orders[r][pointer[r]]
+        ready = (b_ready if op.backward else f_ready)[r][op.chunk][op.microbatch]
+        if ready is None:
+            return
+        start = ready if ready > free[r] else free[r]
+        if op.backward:
+            b_start[r][op.chunk][op.microbatch] = start
+            end = start + backward[r][op.chunk]
+        else:
+            f_start[r][op.chunk][op.microbatch] = start
+            end = start + forward[r][op.chunk]
+        idle[r] = False
+        counter += 1
+        # At equal end times backwards pop first, so a gradient claims a link
+        # before an activation requested at the same instant.
+        heapq.heappush(heap, (end, not op.backward, counter, r))
+
+    def send(link, now):
+        if transfer[link] <= 0:
+            return now, math.nan, math.nan
+        start = now if now > link_free[link] else link_free[link]
+        link_free[link] = start + transfer[link]
+        return link_free[link], start, link_free[link]
+
+    for r in range(num_ranks):
+        try_start(r)
+    while heap:
+        now, _, _, r = heapq.heappop(heap)
+        chunk, microbatch = orders[r][pointer[r]][1:]
+        backward_op = orders[r][pointer[r]].backward
+        pointer[r] += 1
+        free[r] = now
+        idle[r] = True
+        if not backward_op:
+            f_end[r][chunk][microbatch] = now
+            target = (r + 1, chunk) if r < last_rank else (0, chunk + 1)
+            if target[1] <= last_chunk:
+                arrival, start, end = send(r, now)
+                a_start[r][chunk][microbatch], a_end[r][chunk][microbatch] = start, end
+                f_ready[target[0]][target[1]][microbatch] = arrival
+                try_start(target[0])
+        else:
+            b_end[r][chunk][microbatch] = now
+            target = (r - 1, chunk) if r > 0 else (last_rank, chunk - 1)
+            if target[1] >= 0:
+                arrival, start, end = send(target[0], now)
+                g_start[r][chunk][microbatch], g_end[r][chunk][microbatch] = start, end
+                b_ready[target[0]][target[1]][microbatch] = arrival
+                try_start(target[0])
+        try_start(r)
+    if any(k != len(order) for k, order in zip(pointer, orders, strict=True)):
+        raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover
+    return f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class InterleavedResult:
+    """The timed interleaved schedule of one iteration.
+
+    Attributes:
+        num_microbatches: M.
+        iteration_time: seconds until the last event ends.
+        forward, backward: f64[P, V] seconds per micro-batch of each chunk.
+        transfer: f64[P] seconds per micro-batch per direction of each link
+            (``P - 1``: the wrap-around).
+        orders: per rank, its :class:`Op` commands in run order.
+        forward_start, forward_end, backward_start, backward_end: f64[P, V, M]
+            seconds; ``[r, c, b]`` is ``F(r, c, b)`` / ``B(r, c, b)``.
+        activation_start, activation_end: f64[P, V, M] seconds, the transfer of
+            ``F(r, c, b)``'s output; gradient_start, gradient_end: that of
+            ``B(r, c, b)``'s (NaN where none is modelled).
+        busy_time: f64[P] seconds each rank computes, ``M * sum_c (f + b)``.
+        idle_fraction: f64[P] ``1 - busy_time / iteration_time``.
+        peak_in_flight: i64[P] most micro-batch-chunks forwarded but not yet
+            backwarded at each rank.
+        peak_memory: f64[P] bytes, the most that the in-flight micro-batch-chunks
+            hold at once (``memory_per_microbatch[r, c]`` each), or ``None``.
+    """
+
+    num_microbatches: int
+    iteration_time: float
+    forward: NDArray[np.float64]
+    backward: NDArray[np.float64]
+    transfer: NDArray[np.float64]
+    orders: tuple[tuple[Op, ...], ...]
+    forward_start: NDArray[np.float64]
+    forward_end: NDArray[np.float64]
+    backward_start: NDArray[np.float64]
+    backward_end: NDArray[np.float64]
+    activation_start: NDArray[np.float64]
+    activation_end: NDArray[np.float64]
+    gradient_start: NDArray[np.float64]
+    gradient_end: NDArray[np.float64]
+    busy_time: NDArray[np.float64]
+    idle_fraction: NDArray[np.float64]
+    peak_in_flight: NDArray[np.int64]
+    peak_memory: NDArray[np.float64] | None
+
+    @property
+    def num_ranks(self) -> int:
+        """P."""
+        return self.forward.shape[0]
+
+    @property
+    def num_chunks(self) -> int:
+        """V."""
+        return self.forward.shape[1]
+
+
+def _grid(value: ArrayLike, name: str, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    array = np.asarray(value)
+    if array.dtype == object or not (
+        np.issubdtype(array.dtype, np.floating)
+        or np.issubdtype(array.dtype, np.integer)
+    ):
+        raise ValueError(f"{name} must be numeric, got dtype {array.dtype}")
+    if array.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+    array = array.astype(np.float64)
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be finite and >= 0, got {array[index]} at index {index}"
+        )
+    return array
+
+
+def simulate_interleaved(
+    forward: ArrayLike,
+    backward: ArrayLike,
+    num_microbatches: int,
+    *,
+    transfer: ArrayLike | None = None,
+    memory_per_microbatch: ArrayLike | None = None,
+) -> InterleavedResult:
+    """Simulate one iteration of Megatron-LM's interleaved 1F1B schedule (see the
+    module docstring); ``V`` is ``forward.shape[1]``.
+
+    Args:
+        forward: f64[P, V] seconds per micro-batch of the forward of chunk ``c``
+            on rank ``r`` (``V = 1``: the non-interleaved schedule).
+        backward: f64[P, V] seconds per micro-batch of the backwards.
+        num_microbatches: M >= 1, a multiple of ``P`` when ``V > 1``.
+        transfer: f64[P] seconds per micro-batch per direction over link ``l``
+            (rank ``l`` to rank ``(l + 1) mod P``; ``l = P - 1`` is the
+            wrap-around, unused when ``V = 1``). ``None``: free links.
+        memory_per_microbatch: f64[P, V] bytes one micro-batch's activations of
+            chunk ``c`` hold on rank ``r`` until its backward (``None``: no
+            memory report).
+
+    Returns:
+        The :class:`InterleavedResult`.
+
+    Raises:
+        ValueError: naming the bad argument, what was expected and what arrived.
+
+    Example:
+        >>> # P = 2, V = 2, per-rank f = 1, b = 2: M (f + b) + (P - 1)(f + b) / V
+        >>> simulate_interleaved([[0.5, 0.5]] * 2, [[1.0, 1.0]] * 2, 4).iteration_time
+        13.5
+    """
+    array = np.asarray(forward)
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(
+            f"forward must have shape (P, V) with P, V >= 1, got {array.shape}"
+        )
+    shape = array.shape
+    num_ranks, num_chunks = shape
+    if isinstance(num_microbatches, bool) or not isinstance(
+        num_microbatches, int | np.integer
+    ):
+        raise ValueError(f"num_microbatches must be an int, got {num_microbatches!r}")
+    count = int(num_microbatches)
+    orders = [
+        interleaved_order(r, num_ranks, num_chunks, count) for r in range(num_ranks)
+    ]
+    forward = _grid(forward, "forward", shape)
+    backward = _grid(backward, "backward", shape)
+    links = (
+        np.zeros(num_ranks)
+        if transfer is None
+        else _grid(transfer, "transfer", (num_ranks,))
+    )
+    memory = (
+        None
+        if memory_per_microbatch is None
+        else _grid(memory_per_microbatch, "memory_per_microbatch", shape)
+    )
+    grids = run_interleaved(
+        forward.tolist(), backward.tolist(), links.tolist(), orders, count
+    )
+    arrays = [np.array(g, dtype=np.float64) for g in grids]
+    iteration_time = float(max(arrays[1].max(), arrays[3].max()))
+    busy = count * (forward + backward).sum(axis=1)
+    idle = 1.0 - busy / iteration_time if iteration_time > 0 else np.zeros(num_ranks)
+    signs = np.array([[-1 if op.backward else 1 for op in o] for o in orders])
+    peak = np.cumsum(signs, axis=1).max(axis=1).astype(np.int64)
+    peak_memory = None
+    if memory is not None:
+        chunks = np.array([[op.chunk for op in o] for o in orders])
+        held = np.cumsum(signs * np.take_along_axis(memory, chunks, axis=1), axis=1)
+        peak_memory = held.max(axis=1)
+    return InterleavedResult(
+        num_microbatches=count,
+        iteration_time=iteration_time,
+        forward=forward,
+        backward=backward,
+        transfer=links,
+        orders=tuple(tuple(o) for o in orders),
+        forward_start=arrays[0],
+        forward_end=arrays[1],
+        backward_start=arrays[2],
+        backward_end=arrays[3],
+        activation_start=arrays[4],
+        activation_end=arrays[5],
+        gradient_start=arrays[6],
+        gradient_end=arrays[7],
+        busy_time=busy,
+        idle_fraction=idle,
+        peak_in_flight=peak,
+        peak_memory=peak_memory,
+    )
