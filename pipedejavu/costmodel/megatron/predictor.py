@@ -72,7 +72,6 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key, ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
-    FLOAT_BYTES,
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.rules import (
@@ -325,7 +324,7 @@ def predict_plan(
         rings: dict[tuple, float] = {}
         for j in range(dp):
             a, b = first.replicas[j], last.replicas[j]
-            nbytes = info.tied_params(a.tp) * FLOAT_BYTES
+            nbytes = info.tied_params(a.tp) * info.gradient_bytes
             key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
             if key not in rings:  # the time depends on whether they share a node
                 rings[key] = tied_allreduce_time(
@@ -343,7 +342,7 @@ def predict_plan(
         sizes = buckets(info, tp, stage.start, stage.stop)
         allreduce[s] = sum(
             ring_allreduce_time(
-                network, stage.replicas, nodes[s], elements * FLOAT_BYTES
+                network, stage.replicas, nodes[s], elements * info.gradient_bytes
             )
             for elements in sizes
         )
@@ -352,8 +351,8 @@ def predict_plan(
         act = float(info.act_mem[tp][stage.start : stage.stop].sum())
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         held = stage_params(info, tp, stage.start, stage.stop)
-        stash[s] = stash_bytes(act, received, peak[s] * mbs)
-        state = model_state_bytes(held, max(sizes))
+        stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
+        state = model_state_bytes(info, held, max(sizes))
         model_state[s] = state
         used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):

@@ -23,8 +23,6 @@ from pipedejavu.core.plan3d import Replica
 from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
-    BYTES_PER_PARAM,
-    FLOAT_BYTES,
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
@@ -119,19 +117,20 @@ def buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
 
 
 # ------------------------------------------------------------------ memory
-def model_state_bytes(held: Number, largest_bucket: Number) -> Number:
-    """Weights, gradients and Adam's moments (fp32) and the largest bucket,
-    which DeepSpeed flattens into a new buffer."""
-    return BYTES_PER_PARAM * held + FLOAT_BYTES * largest_bucket
+def model_state_bytes(info: ModelInfo, held: Number, largest_bucket: Number) -> Number:
+    """Weights, gradients and optimizer state (``info.state_bytes_per_param``:
+    16 for fp32 Adam) and the largest bucket, which DeepSpeed flattens into a
+    new buffer of gradient elements."""
+    return info.state_bytes_per_param * held + info.gradient_bytes * largest_bucket
 
 
 def stash_bytes(
-    act_elements: Number, received_elements: Number, count: Number
+    info: ModelInfo, act_elements: Number, received_elements: Number, count: Number
 ) -> Number:
     """Activations ``count`` micro-batch samples stash on a stage (``count``:
     micro-batches in flight x ``mbs``): its layers' ``act_mem`` and the input it
-    received (0 on the first stage)."""
-    return count * (act_elements * FLOAT_BYTES + received_elements * FLOAT_BYTES)
+    received (0 on the first stage), ``info.activation_bytes`` each."""
+    return count * (act_elements + received_elements) * info.activation_bytes
 
 
 def memory_bytes(
@@ -163,9 +162,10 @@ def in_flight_capacity(
 
 # --------------------------------------------------------------- transfers
 def message_bytes(info: ModelInfo, tp: int, last_layer: Any, mbs: int) -> Number:
-    """Bytes a boundary after ``last_layer`` moves per micro-batch (fp32 output
-    activation, or its gradient)."""
-    return np.asarray(info.act_output[tp], dtype=float)[last_layer] * mbs * FLOAT_BYTES
+    """Bytes a boundary after ``last_layer`` moves per micro-batch (the output
+    activation, or its gradient, ``info.activation_bytes`` an element)."""
+    output = np.asarray(info.act_output[tp], dtype=float)[last_layer]
+    return output * mbs * info.activation_bytes
 
 
 def is_blocking(
@@ -205,5 +205,5 @@ def tied_allreduce_time(
 ) -> float:
     """The word-embedding gradient all-reduced between a pipeline's first and
     last stage (on ``nodes``)."""
-    nbytes = info.tied_params(first.tp) * FLOAT_BYTES
+    nbytes = info.tied_params(first.tp) * info.gradient_bytes
     return ring_allreduce_time(network, [first, last], nodes, nbytes)

@@ -114,12 +114,23 @@ class ModelInfo:
             (what is sent to the next stage after it).
         act_mem: ``{tp: f64[L + 2]}`` floats allocated by the layer's forward at
             mbs 1 (kept until its backward).
+        activation_bytes: bytes of one element of ``act_output`` and
+            ``act_mem`` (4: Sailor's fp32 profiles; 2 in fp16/bf16 training).
+        gradient_bytes: bytes of one gradient element in the data-parallel and
+            tied-embedding all-reduces and their buckets (4 in fp32 and bf16
+            training, whose gradients are reduced in fp32; 2 in fp16).
+        state_bytes_per_param: model state bytes per parameter a GPU holds
+            (weights, gradients, optimizer state: 16 in fp32 with Adam; see
+            :func:`pipedejavu.costmodel.megatron.options.bytes_per_param`).
     """
 
     name: str
     params: Mapping[int, NDArray[np.float64]]
     act_output: Mapping[int, NDArray[np.float64]]
     act_mem: Mapping[int, NDArray[np.float64]]
+    activation_bytes: float = 4.0
+    gradient_bytes: float = 4.0
+    state_bytes_per_param: float = 16.0
 
     @property
     def num_layers(self) -> int:

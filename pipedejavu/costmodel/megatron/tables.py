@@ -44,7 +44,6 @@ from pipedejavu.costmodel.megatron.comm import (
 )
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
-    FLOAT_BYTES,
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.rules import (
@@ -237,7 +236,7 @@ def span_allreduce(
     params = info.params[tp]
     num_layers = len(params)
     if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
-        return ring_allreduce_times(hops, dp, held * FLOAT_BYTES), held
+        return ring_allreduce_times(hops, dp, held * info.gradient_bytes), held
     closed_sizes, closed_span = [], []
     open_size, largest = np.zeros(len(starts)), np.zeros(len(starts))
     pairs = zip(starts.tolist(), ends.tolist(), strict=True)
@@ -259,9 +258,11 @@ def span_allreduce(
             closed_span += [n] * len(done)
             open_size[n] = current
             largest[n] = max(biggest, current)
-    allreduce = ring_allreduce_times(hops, dp, open_size * FLOAT_BYTES)
+    allreduce = ring_allreduce_times(hops, dp, open_size * info.gradient_bytes)
     if closed_sizes:
-        closed = ring_allreduce_times(hops, dp, np.array(closed_sizes) * FLOAT_BYTES)
+        closed = ring_allreduce_times(
+            hops, dp, np.array(closed_sizes) * info.gradient_bytes
+        )
         np.add.at(allreduce, np.array(closed_span), closed)
     return allreduce, largest
 
@@ -343,7 +344,7 @@ def compile_tables(
             starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0
         )
         act = span_sums(info.act_mem[tp], starts, stops)
-        per_microbatch = stash_bytes(act, received, mbs)
+        per_microbatch = stash_bytes(info, act, received, mbs)
         # Largest bucket, layer by layer, and the tail of each span.
         nodes = canonical_nodes([tp], dp, gpn)[0]
         replicas = [replica] * dp
@@ -356,7 +357,7 @@ def compile_tables(
         tail[starts, ends, m, 0] = (
             allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
         )
-        state = model_state_bytes(held, largest)
+        state = model_state_bytes(info, held, largest)
         in_flight = in_flight_capacity(
             spec.memory_bytes, state, per_microbatch, constants, gpu_type
         )

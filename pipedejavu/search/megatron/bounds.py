@@ -165,9 +165,15 @@ def kind_bounds(
         received = np.where(
             starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
         )
-        stash = stash_bytes(span_sums(info.act_mem[t], starts, stops), received, mbs)
+        stash = stash_bytes(
+            info, span_sums(info.act_mem[t], starts, stops), received, mbs
+        )
         fits = in_flight_capacity(
-            spec.memory_bytes, model_state_bytes(held, largest), stash, constants, gpu
+            spec.memory_bytes,
+            model_state_bytes(info, held, largest),
+            stash,
+            constants,
+            gpu,
         )
         head = before_f[starts] + steps * busy
         last = np.maximum(tail, before_b[starts])

@@ -47,7 +47,7 @@ import numpy as np
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_times, ring_hops
-from pipedejavu.costmodel.megatron.constants import FLOAT_BYTES, PredictorConstants
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
     is_blocking,
@@ -234,7 +234,7 @@ def _configs(
     def boundary(mbs: int, tp: int, dp: int) -> float:
         """The least blocking transfer a boundary costs each of its two stages
         (twice: activation and gradient), as the tables price it."""
-        nbytes = least_output * FLOAT_BYTES * mbs
+        nbytes = least_output * info.activation_bytes * mbs
         if not is_blocking(nbytes, tp, tp, constants):
             return 0.0
         return min(
@@ -302,7 +302,7 @@ def _configs(
                 # The stage with the most parameters holds >= 1/S of them; its
                 # all-reduce and step cost at least as much as for exactly 1/S
                 # (ring time grows with bytes).
-                share = total_params[small] / stages * FLOAT_BYTES
+                share = total_params[small] / stages * info.gradient_bytes
                 bound += (
                     optimizer[small] / stages
                     + ring_allreduce_times(hops(small, dp), dp, np.array([share]))[0]
