@@ -74,6 +74,7 @@ from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
     PredictorConstants,
 )
+from pipedejavu.costmodel.megatron.interleaving import interleaved_pipelines
 from pipedejavu.costmodel.megatron.rules import (
     buckets,
     is_blocking,
@@ -205,6 +206,7 @@ def predict_plan(
     *,
     model: str | None = None,
     constants: PredictorConstants | None = None,
+    virtual_stages: int | None = None,
 ) -> Prediction:
     """Predict a plan's iteration time and memory (module docstring).
 
@@ -214,6 +216,9 @@ def predict_plan(
         model: the model's profile name (overrides ``plan.model``).
         constants: the free constants (``None``: the fitted
             :data:`pipedejavu.costmodel.megatron.fit.FITTED_CONSTANTS`).
+        virtual_stages: model chunks per pipeline rank (``V > 1``: Megatron-LM's
+            interleaved 1F1B, :mod:`pipedejavu.costmodel.megatron.interleaving`;
+            ``None``: ``data.options.virtual_stages``).
 
     Raises:
         ProblemError: the plan does not fit the model, or names a GPU type or an
@@ -291,11 +296,35 @@ def predict_plan(
                 )
             activation[s, j], gradient[s, j] = transfers[key]
 
+    if virtual_stages is None:
+        virtual_stages = data.options.virtual_stages
+    interleaved = None
+    if virtual_stages > 1:
+
+        def link_time(r: int, j: int, nbytes: float, a_node, b_node) -> float:
+            sender = plan.stages[r].replicas[j]
+            receiver = plan.stages[(r + 1) % num_stages].replicas[j]
+            pair = p2p_pair(
+                network,
+                sender,
+                receiver,
+                nbytes,
+                same_node=a_node == b_node,
+                concurrent=1,
+            )
+            return max(pair)
+
+        interleaved = interleaved_pipelines(
+            plan, info, virtual_stages, times, overhead, link_time, nodes
+        )
+        forward, backward = interleaved.forward_s, interleaved.backward_s
+        activation = gradient = interleaved.transfer_s[:-1]
+
     ends = np.zeros((num_stages, dp))
     busy = 0.0
     peak = np.zeros(num_stages, dtype=np.int64)
     simulated: dict[bytes, Any] = {}  # pipelines with the same inputs agree
-    for j in range(dp):
+    for j in range(dp if interleaved is None else 0):
         columns = (forward[:, j], backward[:, j], activation[:, j], gradient[:, j])
         key = b"".join(c.tobytes() for c in columns) + blocking[:, j].tobytes()
         if key not in simulated:
@@ -312,6 +341,9 @@ def predict_plan(
         ends[:, j] = result.backward_end.max(axis=1)
         busy += float(result.busy_time.sum())
         peak = np.maximum(peak, result.peak_in_flight)
+    if interleaved is not None:
+        ends, busy = interleaved.ends, interleaved.busy_s
+        peak = interleaved.peak_in_flight
     pipeline = float(ends.max())
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
     bubble = min(max(bubble, 0.0), 1.0)  # -6.7e-16 is rounding, not a bubble
@@ -352,6 +384,8 @@ def predict_plan(
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         held = stage_params(info, tp, stage.start, stage.stop)
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
+        if interleaved is not None:
+            stash[s] = interleaved.stash_bytes[s]
         state = model_state_bytes(info, held, max(sizes))
         model_state[s] = state
         used: dict[str, float] = {}

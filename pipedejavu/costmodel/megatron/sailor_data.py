@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.files import read_json
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 
 __all__ = [
     "BandwidthFit",
@@ -383,6 +384,12 @@ class SailorData:
                 )
             self._infos[model] = _parse_info(model, self._llm_info[model], path)
         return self._infos[model]
+
+    @property
+    def options(self) -> TrainingOptions:
+        """The training the profiles describe: Sailor's fp32 Megatron-DeepSpeed
+        runs (no recomputation, no interleaving)."""
+        return TrainingOptions()
 
     # ------------------------------------------------------- network, GPUs
     @property

@@ -1,0 +1,171 @@
+"""The pipeline phase of a plan under Megatron-LM's interleaved 1F1B schedule.
+
+With ``V > 1`` model chunks per pipeline rank (``--num-layers-per-virtual-
+pipeline-stage``), Megatron-LM splits the transformer blocks into ``P V`` equal
+chunks and gives rank ``r`` the chunks ``r, r + P, ..., r + (V - 1) P``; the
+embedding belongs to chunk 0 and the final norm with the LM head to chunk
+``P V - 1``. A plan for it is a :class:`~pipedejavu.core.plan3d.Plan3D` of
+``P`` stages (the ranks) whose stages hold equally many blocks; its stages'
+layer ranges are then only the per-rank totals, and :func:`chunk_layers` gives
+each rank's chunks.
+
+:func:`interleaved_pipelines` times every pipeline on
+:func:`~pipedejavu.simulation.interleaved.simulate_interleaved`: a chunk's
+forward (backward) is the sum of its layers' times plus the per-instruction
+overhead; the transfer over link ``r -> r + 1`` (and the wrap-around ``P - 1 ->
+0``) is the slower of the activation and the gradient priced as for the
+non-interleaved schedule; a chunk's stash per micro-batch is its layers'
+``act_mem`` and the input it received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.rules import message_bytes, stash_bytes
+from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
+from pipedejavu.simulation.interleaved import simulate_interleaved
+
+__all__ = ["InterleavedPipelines", "chunk_layers", "interleaved_pipelines"]
+
+
+def chunk_layers(plan: Plan3D, num_chunks: int) -> list[list[tuple[int, int]]]:
+    """``[rank][chunk] -> (start, stop)`` profile layers of each model chunk.
+
+    Raises:
+        ProblemError: the plan's stages do not hold equally many blocks, or the
+            blocks do not split into ``P V`` equal chunks.
+    """
+    ranks = plan.num_stages
+    blocks = plan.num_layers - 2
+    if ranks < 2:
+        raise ProblemError(
+            "the interleaved schedule needs at least 2 pipeline stages, got 1"
+        )
+    if blocks % (ranks * num_chunks):
+        raise ProblemError(
+            f"{blocks} transformer layers do not split into {ranks} x {num_chunks} "
+            "equal model chunks (Megatron-LM's interleaved schedule needs that)"
+        )
+    size = blocks // (ranks * num_chunks)
+    for r, stage in enumerate(plan.stages):
+        held = (stage.stop - stage.start) - (r == 0) - (r == ranks - 1)
+        if held != size * num_chunks:
+            raise ProblemError(
+                f"stage {r} holds {held} transformer layers; the interleaved "
+                f"schedule gives every rank {size * num_chunks} ({num_chunks} "
+                f"chunks of {size})"
+            )
+    last = ranks * num_chunks - 1
+    out = []
+    for r in range(ranks):
+        row = []
+        for c in range(num_chunks):
+            k = c * ranks + r
+            start, stop = 1 + k * size, 1 + (k + 1) * size
+            row.append((0 if k == 0 else start, stop + 1 if k == last else stop))
+        out.append(row)
+    return out
+
+
+class InterleavedPipelines(NamedTuple):
+    """What :func:`interleaved_pipelines` returns.
+
+    Attributes:
+        ends: f64[P, dp] seconds at which each rank of each pipeline ends its
+            last backward.
+        busy_s: seconds all GPUs compute, summed.
+        peak_in_flight: i64[P] most micro-batch-chunks a rank holds.
+        stash_bytes: f64[P] the most activation bytes a rank holds at once.
+        forward_s, backward_s: f64[P, dp] seconds per micro-batch of each rank
+            (all its chunks).
+        transfer_s: f64[P, dp] seconds per micro-batch per direction over the
+            link after each rank (``P - 1``: the wrap-around).
+    """
+
+    ends: NDArray[np.float64]
+    busy_s: float
+    peak_in_flight: NDArray[np.int64]
+    stash_bytes: NDArray[np.float64]
+    forward_s: NDArray[np.float64]
+    backward_s: NDArray[np.float64]
+    transfer_s: NDArray[np.float64]
+
+
+def interleaved_pipelines(
+    plan: Plan3D,
+    info: ModelInfo,
+    num_chunks: int,
+    times: Mapping[tuple[str, int], LayerTimes],
+    overhead_s: float,
+    transfer_fn: Callable[[int, int, float, Hashable, Hashable], float],
+    nodes: Sequence[Sequence[Hashable]],
+) -> InterleavedPipelines:
+    """Time every pipeline of ``plan`` under the interleaved schedule.
+
+    Args:
+        plan: ``P`` stages, equally many blocks each (:func:`chunk_layers`).
+        info: the model's sizes.
+        num_chunks: ``V`` >= 2.
+        times: layer times by ``(gpu_type, tp)`` of every replica kind.
+        overhead_s: seconds each forward or backward instruction adds.
+        transfer_fn: ``(rank, pipeline, nbytes, sender_node, receiver_node)`` ->
+            seconds per direction over the link after ``rank``.
+        nodes: ``[rank][pipeline]`` node keys.
+
+    Raises:
+        ProblemError: the chunks do not divide, or the micro-batch count is not
+            a multiple of ``P`` (Megatron-LM requires it).
+    """
+    chunks = chunk_layers(plan, num_chunks)
+    ranks, dp, count, mbs = plan.num_stages, plan.dp, plan.num_microbatches, plan.mbs
+    if count % ranks:
+        raise ProblemError(
+            f"the interleaved schedule needs the micro-batch count ({count}) to be "
+            f"a multiple of the pipeline stages ({ranks})"
+        )
+    ends = np.zeros((ranks, dp))
+    forward_s = np.zeros((ranks, dp))
+    backward_s = np.zeros((ranks, dp))
+    transfer_s = np.zeros((ranks, dp))
+    peak = np.zeros(ranks, dtype=np.int64)
+    stash = np.zeros(ranks)
+    busy = 0.0
+    for j in range(dp):
+        forward = np.zeros((ranks, num_chunks))
+        backward = np.zeros((ranks, num_chunks))
+        memory = np.zeros((ranks, num_chunks))
+        transfer = np.zeros(ranks)
+        for r in range(ranks):
+            replica = plan.stages[r].replicas[j]
+            entry = times[(replica.gpu_type, replica.tp)]
+            for c, (start, stop) in enumerate(chunks[r]):
+                forward[r, c] = float(entry.forward[start:stop].sum()) + overhead_s
+                backward[r, c] = float(entry.backward[start:stop].sum()) + overhead_s
+                act = float(info.act_mem[replica.tp][start:stop].sum())
+                received = float(info.act_output[replica.tp][start - 1]) if start else 0
+                memory[r, c] = stash_bytes(info, act, received, mbs)
+            last_layer = chunks[r][0][1] - 1
+            nbytes = float(message_bytes(info, replica.tp, last_layer, mbs))
+            receiver = (r + 1) % ranks
+            transfer[r] = transfer_fn(r, j, nbytes, nodes[r][j], nodes[receiver][j])
+        result = simulate_interleaved(
+            forward, backward, count, transfer=transfer, memory_per_microbatch=memory
+        )
+        ends[:, j] = result.backward_end.max(axis=(1, 2))
+        forward_s[:, j] = forward.sum(axis=1)
+        backward_s[:, j] = backward.sum(axis=1)
+        transfer_s[:, j] = transfer
+        busy += float(result.busy_time.sum())
+        peak = np.maximum(peak, result.peak_in_flight)
+        assert result.peak_memory is not None  # memory_per_microbatch was given
+        stash = np.maximum(stash, result.peak_memory)
+    return InterleavedPipelines(
+        ends, busy, peak, stash, forward_s, backward_s, transfer_s
+    )
