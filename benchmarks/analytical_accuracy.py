@@ -12,7 +12,7 @@ activation bytes against Sailor's measured ``act_mem`` (informative).
 
 Usage::
 
-    python benchmarks/analytical_accuracy.py [--out benchmarks/results/analytical_accuracy.json]
+    python benchmarks/analytical_accuracy.py [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ def _row(summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default="benchmarks/results/analytical_accuracy.json"
-    )
+    parser.add_argument("--out", default="benchmarks/results/analytical_accuracy.json")
     args = parser.parse_args()
     started = time.perf_counter()
     samples = calibration_set()
@@ -84,23 +82,28 @@ def main() -> None:
         print(f"  {gpu:10s} {'(median)':12s} {100 * np.median(all_blocks):5.1f}%")
     print("precision hypotheses (in-sample, blocks, median / max)")
     for hypothesis, table in result["precision_hypotheses"].items():
-        print(f"  {hypothesis}: " + ", ".join(
-            f"{k} {_row(v)}" for k, v in table.items()))
+        print(
+            f"  {hypothesis}: " + ", ".join(f"{k} {_row(v)}" for k, v in table.items())
+        )
     print("activation bytes / Sailor act_mem (fp32, mbs 1)")
     for model, ratios in result["activation_ratio_vs_sailor"].items():
         print(f"  {model}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    result.update({
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
-        "seconds": elapsed,
-        "split": (
-            "constants fitted on block forward/backward entries of the training "
-            "profiles; held out: every entry of one model (leave_one_model_out) "
-            "or of one GPU type (leave_one_gpu_out); errors on forward+backward "
-            "per block, head forward+backward (GPT-Neo-2.7's head profile has no "
-            "LM head and is left out), embedding forward"
-        ),
-    })
+    result.update(
+        {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": (
+                f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)"
+            ),
+            "seconds": elapsed,
+            "split": (
+                "constants fitted on block forward/backward entries of the training "
+                "profiles; held out: every entry of one model (leave_one_model_out) "
+                "or of one GPU type (leave_one_gpu_out); errors on forward+backward "
+                "per block, head forward+backward (GPT-Neo-2.7's head profile has no "
+                "LM head and is left out), embedding forward"
+            ),
+        }
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=1)

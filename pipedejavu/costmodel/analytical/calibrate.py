@@ -81,7 +81,13 @@ _DATASHEETS = {
 
 def _gpu(name, memory, bandwidth, peaks, per_node, link, network, source):
     return GpuSheetEntry(
-        name, memory, bandwidth, tuple(peaks.items()), per_node, link, network,
+        name,
+        memory,
+        bandwidth,
+        tuple(peaks.items()),
+        per_node,
+        link,
+        network,
         (_DATASHEETS[source], "memory and GPUs per node: Sailor's cluster config"),
     )
 
@@ -93,31 +99,96 @@ _T = 1e12
 PROVISIONAL_GPUS: dict[str, GpuSheetEntry] = {
     gpu.name: gpu
     for gpu in (
-        _gpu("V100-16", 17179869184, 900e9,
-             {"fp32": 15.7 * _T, "fp16": 125 * _T}, 4, 150e9, 4e9, "V100"),
-        _gpu("A100-40", 42338615296, 1555e9,
-             {"fp32": 19.5 * _T, "tf32": 156 * _T, "fp16": 312 * _T,
-              "bf16": 312 * _T}, 4, 300e9, 12.5e9, "A100"),
-        _gpu("A100-80", 85899345920, 2039e9,
-             {"fp32": 19.5 * _T, "tf32": 156 * _T, "fp16": 312 * _T,
-              "bf16": 312 * _T}, 4, 300e9, 12.5e9, "A100"),
-        _gpu("GH-96", 102625181696, 4000e9,
-             {"fp32": 67 * _T, "tf32": 494 * _T, "fp16": 990 * _T,
-              "bf16": 990 * _T, "fp8": 1979 * _T}, 4, 450e9, 100e9, "GH200"),
-        _gpu("RTX-3090", 25769803776, 936e9,
-             {"fp32": 35.6 * _T, "tf32": 35.6 * _T, "fp16": 71 * _T,
-              "bf16": 71 * _T}, 8, 31.5e9, 0.125e9, "GA102"),
-        _gpu("Titan-RTX", 25769803776, 672e9,
-             {"fp32": 16.3 * _T, "fp16": 130.5 * _T}, 8, 15.75e9, 0.125e9, "TU102"),
-        _gpu("RTX-2080", 11811160064, 448e9,
-             {"fp32": 10.07 * _T, "fp16": 40.3 * _T}, 8, 15.75e9, 0.125e9, "TU102"),
+        _gpu(
+            "V100-16",
+            17179869184,
+            900e9,
+            {"fp32": 15.7 * _T, "fp16": 125 * _T},
+            4,
+            150e9,
+            4e9,
+            "V100",
+        ),
+        _gpu(
+            "A100-40",
+            42338615296,
+            1555e9,
+            {"fp32": 19.5 * _T, "tf32": 156 * _T, "fp16": 312 * _T, "bf16": 312 * _T},
+            4,
+            300e9,
+            12.5e9,
+            "A100",
+        ),
+        _gpu(
+            "A100-80",
+            85899345920,
+            2039e9,
+            {"fp32": 19.5 * _T, "tf32": 156 * _T, "fp16": 312 * _T, "bf16": 312 * _T},
+            4,
+            300e9,
+            12.5e9,
+            "A100",
+        ),
+        _gpu(
+            "GH-96",
+            102625181696,
+            4000e9,
+            {
+                "fp32": 67 * _T,
+                "tf32": 494 * _T,
+                "fp16": 990 * _T,
+                "bf16": 990 * _T,
+                "fp8": 1979 * _T,
+            },
+            4,
+            450e9,
+            100e9,
+            "GH200",
+        ),
+        _gpu(
+            "RTX-3090",
+            25769803776,
+            936e9,
+            {"fp32": 35.6 * _T, "tf32": 35.6 * _T, "fp16": 71 * _T, "bf16": 71 * _T},
+            8,
+            31.5e9,
+            0.125e9,
+            "GA102",
+        ),
+        _gpu(
+            "Titan-RTX",
+            25769803776,
+            672e9,
+            {"fp32": 16.3 * _T, "fp16": 130.5 * _T},
+            8,
+            15.75e9,
+            0.125e9,
+            "TU102",
+        ),
+        _gpu(
+            "RTX-2080",
+            11811160064,
+            448e9,
+            {"fp32": 10.07 * _T, "fp16": 40.3 * _T},
+            8,
+            15.75e9,
+            0.125e9,
+            "TU102",
+        ),
     )
 }
 
 
 def _gpt(name, layers, hidden, heads, seq=2048):
     return TransformerSpec(
-        name, layers, hidden, heads, heads, 4 * hidden, 50304, seq,
+        name,
+        layers,
+        hidden,
+        heads,
+        heads,
+        4 * hidden,
+        50304,
+        seq,
         max_position_embeddings=seq,
     )
 
@@ -128,8 +199,17 @@ PROFILED_MODELS: dict[str, TransformerSpec] = {
     "GPT-Neo-2.7": _gpt("GPT-Neo-2.7", 32, 2560, 32),
     "OPT-30": _gpt("OPT-30", 48, 7168, 56),
     "LLAMA-3-8": TransformerSpec(
-        "LLAMA-3-8", 32, 4096, 32, 32, 16384, 50304, 8192, gated_mlp=True,
-        norm="rmsnorm", position="rotary",
+        "LLAMA-3-8",
+        32,
+        4096,
+        32,
+        32,
+        16384,
+        50304,
+        8192,
+        gated_mlp=True,
+        norm="rmsnorm",
+        position="rotary",
     ),
 }
 
@@ -196,12 +276,23 @@ class CalibrationSet:
 
     def select(self, mask: NDArray[np.bool_]) -> CalibrationSet:
         """The entries where ``mask`` holds."""
-        return _make_set([r for r, keep in zip(self._rows(), mask) if keep],
-                         [a for a, keep in zip(self.passes, mask) if keep])
+        return _make_set(
+            [r for r, keep in zip(self._rows(), mask, strict=True) if keep],
+            [a for a, keep in zip(self.passes, mask, strict=True) if keep],
+        )
 
     def _rows(self):
-        return list(zip(self.model, self.gpu, self.mbs, self.tp, self.layer,
-                        self.direction, self.measured))
+        return list(
+            zip(
+                self.model,
+                self.gpu,
+                self.mbs,
+                self.tp,
+                self.layer,
+                self.direction,
+                self.measured,
+            )
+        )
 
     def predict(self, constants: AnalyticalConstants) -> NDArray[np.float64]:
         """f64[N] predicted seconds."""
@@ -211,9 +302,11 @@ class CalibrationSet:
 def _make_set(rows, arrays) -> CalibrationSet:
     columns = list(zip(*rows))
     return CalibrationSet(
-        model=np.array(columns[0]), gpu=np.array(columns[1]),
+        model=np.array(columns[0]),
+        gpu=np.array(columns[1]),
         mbs=np.array(columns[2], dtype=np.int64),
-        tp=np.array(columns[3], dtype=np.int64), layer=np.array(columns[4]),
+        tp=np.array(columns[3], dtype=np.int64),
+        layer=np.array(columns[4]),
         direction=np.array(columns[5]),
         measured=np.array(columns[6], dtype=np.float64),
         passes=tuple(arrays),
@@ -247,10 +340,18 @@ def calibration_set(
                 message = mbs * spec.seq_length * spec.hidden_size * 4.0
                 gpu = _measured_link(data, PROVISIONAL_GPUS[gpu_name], tp, message)
                 entries = [
-                    ("block", "forward", block_forward_ops,
-                     float(np.median(times.forward[blocks]))),
-                    ("block", "backward", block_backward_ops,
-                     float(np.median(times.backward[blocks]))),
+                    (
+                        "block",
+                        "forward",
+                        block_forward_ops,
+                        float(np.median(times.forward[blocks])),
+                    ),
+                    (
+                        "block",
+                        "backward",
+                        block_backward_ops,
+                        float(np.median(times.backward[blocks])),
+                    ),
                     ("head", "forward", head_forward_ops, times.forward[-1]),
                     ("head", "backward", head_backward_ops, times.backward[-1]),
                     ("embedding", "forward", embedding_forward_ops, times.forward[0]),
@@ -258,17 +359,20 @@ def calibration_set(
                 for layer, direction, ops_fn, measured in entries:
                     if measured <= 0:
                         continue
-                    rows.append((model, gpu_name, mbs, tp, layer, direction,
-                                 float(measured)))
+                    rows.append(
+                        (model, gpu_name, mbs, tp, layer, direction, float(measured))
+                    )
                     arrays.append(pass_arrays(ops_fn(spec, opts), gpu))
     return _make_set(rows, arrays)
 
 
 def _to_vector(constants: AnalyticalConstants) -> NDArray[np.float64]:
-    return np.array([
-        np.log(getattr(constants, f)) if f in _LOG_FIELDS else getattr(constants, f)
-        for f in FIT_FIELDS
-    ])
+    return np.array(
+        [
+            np.log(getattr(constants, f)) if f in _LOG_FIELDS else getattr(constants, f)
+            for f in FIT_FIELDS
+        ]
+    )
 
 
 def _from_vector(x: NDArray[np.float64], base: AnalyticalConstants):
@@ -301,10 +405,12 @@ def fit_constants(
     _, inverse, counts = np.unique(files, return_inverse=True, return_counts=True)
     weights = 1.0 / np.sqrt(counts[inverse])
     log_measured = np.log(blocks.measured)
-    bounds = np.array([
-        (np.log(lo), np.log(hi)) if f in _LOG_FIELDS else (lo, hi)
-        for f, (lo, hi) in FIT_FIELDS.items()
-    ]).T
+    bounds = np.array(
+        [
+            (np.log(lo), np.log(hi)) if f in _LOG_FIELDS else (lo, hi)
+            for f, (lo, hi) in FIT_FIELDS.items()
+        ]
+    ).T
 
     def residuals(x):
         predicted = blocks.predict(_from_vector(x, initial))
@@ -338,8 +444,11 @@ def _block_sum_errors(samples: CalibrationSet, constants: AnalyticalConstants):
 
 def _summary(errors: Iterable[float]) -> dict[str, float]:
     errors = np.asarray(list(errors), dtype=np.float64)
-    return {"median": float(np.median(errors)), "max": float(np.max(errors)),
-            "count": int(errors.size)}
+    return {
+        "median": float(np.median(errors)),
+        "max": float(np.max(errors)),
+        "count": int(errors.size),
+    }
 
 
 def _layer_errors(samples, constants, layer, models):
@@ -390,13 +499,17 @@ def cross_validate(
             test = samples.select(mask)
             blocks = _block_sum_errors(test, fitted)
             by = 1 if column == "model" else 0
-            models = head_models if column == "gpu" else [
-                m for m in [name] if m in head_models]
+            models = (
+                head_models
+                if column == "gpu"
+                else [m for m in [name] if m in head_models]
+            )
             result[key][str(name)] = {
                 "blocks": {k[by]: _summary(v) for k, v in sorted(blocks.items())},
                 "head": _layer_errors(test, fitted, "head", models),
                 "embedding_forward": _layer_errors(
-                    test, fitted, "embedding", list(PROFILED_MODELS)),
+                    test, fitted, "embedding", list(PROFILED_MODELS)
+                ),
                 "constants": dataclasses.asdict(fitted),
             }
     result["in_sample"] = {
@@ -423,9 +536,9 @@ def precision_hypotheses(
         fitted = fit_constants(samples)
         errors = _block_sum_errors(samples, fitted)
         out[hypothesis] = {
-            f"{m}/{g}": _summary(v) for (m, g), v in sorted(errors.items())
-            if g in gpus
+            f"{m}/{g}": _summary(v) for (m, g), v in sorted(errors.items()) if g in gpus
         }
-        out[hypothesis]["all profiles"] = _summary(np.concatenate(list(
-            errors.values())))
+        out[hypothesis]["all profiles"] = _summary(
+            np.concatenate(list(errors.values()))
+        )
     return out

@@ -117,7 +117,12 @@ def analytical_layer_times(
             GPU without a peak for ``precision``.
     """
     opts = _options(
-        spec, mbs, tp, precision, flash_attention, sequence_parallel,
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        sequence_parallel,
         attention_dropout,
     )
     block = (
@@ -158,8 +163,7 @@ def attention_core_forward_seconds(
 ) -> float:
     """Seconds of one block's attention core forward (scores, softmax,
     context): what selective recomputation adds to each block's backward."""
-    opts = _options(spec, mbs, tp, precision, flash_attention, False,
-                    attention_dropout)
+    opts = _options(spec, mbs, tp, precision, flash_attention, False, attention_dropout)
     return pass_seconds(attention_core_forward_ops(spec, opts), gpu, constants)
 
 
@@ -177,8 +181,9 @@ def block_forward_seconds(
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
     block's backward."""
-    opts = _options(spec, mbs, tp, precision, flash_attention, sequence_parallel,
-                    attention_dropout)
+    opts = _options(
+        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+    )
     return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
 
 
@@ -217,8 +222,9 @@ def activation_bytes(
         raise ValueError(
             f"recompute must be 'none', 'selective' or 'full', got {recompute!r}"
         )
-    opts = _options(spec, mbs, tp, precision, flash_attention, sequence_parallel,
-                    attention_dropout)
+    opts = _options(
+        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+    )
     e, _ = element_bytes(precision)
     b, s, h, t = mbs, spec.seq_length, spec.hidden_size, tp
     tokens = b * s
@@ -233,7 +239,9 @@ def activation_bytes(
         heads = spec.num_attention_heads / t
         up = spec.ffn_hidden_size / t * (2 if spec.gated_mlp else 1)
         qkv = tokens * d * (heads + 2 * kv_heads)
-        split_elems = qkv + tokens * heads * d + tokens * (up + spec.ffn_hidden_size / t)
+        split_elems = (
+            qkv + tokens * heads * d + tokens * (up + spec.ffn_hidden_size / t)
+        )
         block = unsplit + split_elems * e
         if recompute == "none":
             if opts.flash_attention:
@@ -263,7 +271,8 @@ def layer_output_bytes(
         raise ValueError(f"mbs must be an integer >= 1, got {mbs!r}")
     e, _ = element_bytes(precision)
     out = np.full(
-        spec.num_layers + 2, mbs * spec.seq_length * spec.hidden_size * e,
+        spec.num_layers + 2,
+        mbs * spec.seq_length * spec.hidden_size * e,
         dtype=np.float64,
     )
     out[-1] = 4.0

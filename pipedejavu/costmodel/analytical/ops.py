@@ -271,9 +271,7 @@ def _tp_collectives(
     return [Collective(f"all_reduce.{where}", message_bytes, 2.0 * share)]
 
 
-def _linear(
-    name: str, tokens: float, n: float, k: float, opts: PassOptions
-) -> Gemm:
+def _linear(name: str, tokens: float, n: float, k: float, opts: PassOptions) -> Gemm:
     act, gemm_in = element_bytes(opts.precision)
     return Gemm(name, 1.0, tokens, n, k, gemm_in, act, opts.precision)
 
@@ -328,8 +326,18 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
         # and writing the output.
         io = b * s * d * (2 * heads + 2 * _kv_heads(spec, t)) * act
         return [
-            Gemm("flash_attention", 2 * b * heads, s, s, d, act, act, precision,
-                 FLASH_CAUSAL_FRACTION, io),
+            Gemm(
+                "flash_attention",
+                2 * b * heads,
+                s,
+                s,
+                d,
+                act,
+                act,
+                precision,
+                FLASH_CAUSAL_FRACTION,
+                io,
+            ),
         ]
     scores = b * heads * s * s
     passes = _softmax_passes(act)
@@ -404,17 +412,25 @@ def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerP
         if isinstance(op, Gemm) and opts.flash_attention:
             # Recomputed scores, dV, dP, dQ, dK; reads Q, K, V, O, dO and
             # writes dQ, dK, dV.
-            ops.append(op._replace(
-                name=op.name + ".backward", batch=op.batch * FLASH_BACKWARD_FACTOR,
-                io_bytes=2 * op.io_bytes))
+            ops.append(
+                op._replace(
+                    name=op.name + ".backward",
+                    batch=op.batch * FLASH_BACKWARD_FACTOR,
+                    io_bytes=2 * op.io_bytes,
+                )
+            )
         elif isinstance(op, Gemm):
             ops += _backward_linear(op)
         elif op.name == "mask_softmax":
             # Softmax backward reads Y and dY and writes dX; the unfused mask's
             # backward reads and writes once more.
             scores = op.bytes / (2 * _softmax_passes(act))
-            ops.append(MemoryOp("mask_softmax.backward", scores * (
-                3 + 2 * (_softmax_passes(act) - 1))))
+            ops.append(
+                MemoryOp(
+                    "mask_softmax.backward",
+                    scores * (3 + 2 * (_softmax_passes(act) - 1)),
+                )
+            )
         else:  # dropout (reads dY and the mask, writes dX), layout copy
             ops.append(op._replace(name=op.name + ".backward"))
     return ops
@@ -430,29 +446,39 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
         MemoryOp("bias_dropout_add.mlp.backward", 2 * x_bytes + MASK_BYTES * x_elems)
     ]
     if opts.sequence_parallel and opts.tp > 1:
-        ops += [c for c in _tp_collectives("mlp_down", message, opts)
-                if "gather" in c.name]
+        ops += [
+            c for c in _tp_collectives("mlp_down", message, opts) if "gather" in c.name
+        ]
     ops += _backward_linear(gemms["mlp_down"])
-    ops.append(MemoryOp("swiglu.backward" if gated else "gelu.backward",
-                        (5 if gated else 3) * f_bytes))
+    ops.append(
+        MemoryOp(
+            "swiglu.backward" if gated else "gelu.backward",
+            (5 if gated else 3) * f_bytes,
+        )
+    )
     ops += _backward_linear(gemms["mlp_up"])
-    ops += [c for c in _tp_collectives("mlp_up", message, opts)
-            if "gather" not in c.name]
+    ops += [
+        c for c in _tp_collectives("mlp_up", message, opts) if "gather" not in c.name
+    ]
     ops += [
         MemoryOp("post_attention_norm.backward", 3 * x_bytes),
-        MemoryOp("bias_dropout_add.attention.backward",
-                 2 * x_bytes + MASK_BYTES * x_elems),
+        MemoryOp(
+            "bias_dropout_add.attention.backward", 2 * x_bytes + MASK_BYTES * x_elems
+        ),
     ]
     if opts.sequence_parallel and opts.tp > 1:
-        ops += [c for c in _tp_collectives("out_proj", message, opts)
-                if "gather" in c.name]
+        ops += [
+            c for c in _tp_collectives("out_proj", message, opts) if "gather" in c.name
+        ]
     ops += _backward_linear(gemms["out_proj"])
     ops += _attention_core_backward(spec, opts)
     ops += _backward_linear(gemms["qkv"])
     ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" not in c.name]
     ops += [
         MemoryOp("input_norm.backward", 3 * x_bytes),
-        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * block_params(spec, opts.tp)),
+        MemoryOp(
+            "grad_accumulate", GRAD_ACCUMULATE_BYTES * block_params(spec, opts.tp)
+        ),
     ]
     return ops
 
@@ -467,12 +493,15 @@ def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass
     ops: LayerPass = [MemoryOp("word_gather", 2 * x)]
     if opts.tp > 1:
         ops.append(MemoryOp("vocab_mask", 2 * x))
-        ops += [c for c in _tp_collectives("embedding", x, opts)
-                if "gather" not in c.name]
+        ops += [
+            c for c in _tp_collectives("embedding", x, opts) if "gather" not in c.name
+        ]
     local = x / opts.tp if opts.sequence_parallel else x
     if spec.position == "learned":
-        ops += [MemoryOp("position_gather", 2 * local), MemoryOp("position_add",
-                                                                3 * local)]
+        ops += [
+            MemoryOp("position_gather", 2 * local),
+            MemoryOp("position_add", 3 * local),
+        ]
     ops.append(MemoryOp("embedding_dropout", 2 * local + MASK_BYTES * local / act))
     return ops
 
@@ -486,8 +515,9 @@ def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPas
     return [
         MemoryOp("embedding_dropout.backward", 2 * x + MASK_BYTES * x / act),
         MemoryOp("word_scatter_add", 2 * x + table * act),
-        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * embedding_params(
-            spec, opts.tp)),
+        MemoryOp(
+            "grad_accumulate", GRAD_ACCUMULATE_BYTES * embedding_params(spec, opts.tp)
+        ),
     ]
 
 
@@ -514,9 +544,14 @@ def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     if opts.tp > 1:
         per_token = x / spec.hidden_size / (head.output_bytes / 4.0)
         for name in ("max", "target", "sum"):
-            ops += [c for c in _tp_collectives(f"loss_{name}", per_token,
-                                               dataclasses.replace(
-                                                   opts, sequence_parallel=False))]
+            ops += [
+                c
+                for c in _tp_collectives(
+                    f"loss_{name}",
+                    per_token,
+                    dataclasses.replace(opts, sequence_parallel=False),
+                )
+            ]
     return ops
 
 
@@ -530,8 +565,7 @@ def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" not in c.name]
     ops += [
         MemoryOp("final_norm.backward", 3 * local),
-        MemoryOp("grad_accumulate",
-                 GRAD_ACCUMULATE_BYTES * head_params(spec, opts.tp)),
+        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * head_params(spec, opts.tp)),
     ]
     return ops
 

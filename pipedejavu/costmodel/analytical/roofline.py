@@ -4,8 +4,10 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
 
 * a GEMM: ``max(flops / (peak(precision) * eff), bytes / (bandwidth *
   memory_efficiency)) + kernel_overhead_s`` with
-  ``eff = eff_max / (1 + (half_seconds / w) ** exponent)``, where
-  ``w = flops / peak`` is the GEMM's duration at peak. A GEMM too small to fill
+  ``eff = eff_max / (1 + (half_seconds / w) ** exponent) ** (1 / exponent)``,
+  where ``w = flops / peak`` is the GEMM's duration at peak: a smooth maximum
+  of ``w`` and ``half_seconds``, so a tiny GEMM takes ``half_seconds /
+  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``. A GEMM too small to fill
   the GPU (few output tiles, a short main loop) runs below its best
   efficiency; measuring its size in seconds at peak makes one curve serve GPUs
   of every size (a GPU twice as fast needs a GEMM twice as big to fill).
@@ -60,8 +62,9 @@ class AnalyticalConstants:
         backward_tensor_efficiency: the gradient GEMMs' efficiency on tensor
             cores relative to the forward ones (transposed operands, reductions
             over tokens).
-        gemm_half_seconds: a GEMM lasting this long at peak reaches half its
-            best efficiency.
+        gemm_half_seconds: the shortest a GEMM can take at best efficiency (a
+            GEMM lasting this long at peak reaches ``2 ** (-1 / exponent)`` of
+            it).
         gemm_exponent: how sharply efficiency saturates with GEMM size.
         memory_efficiency: fraction of the memory bandwidth memory-bound
             kernels reach.
@@ -110,19 +113,19 @@ class AnalyticalConstants:
 #: :func:`pipedejavu.costmodel.analytical.calibrate.fit_constants`;
 #: ``tests/test_analytical.py`` refits and compares. Large forward GEMMs reach
 #: 94% of the fp32 (CUDA-core) peak and about all of the TF32 peak, gradient
-#: GEMMs on tensor cores 46% of that; a GEMM of 15 microseconds at peak reaches
-#: half its best; memory-bound kernels 55% of the bandwidth; 17 microseconds
-#: per kernel; collectives cost their bytes (latency ~0).
+#: GEMMs on tensor cores 46% of that; no GEMM takes less than 40 microseconds
+#: (at best efficiency); memory-bound kernels 55% of the bandwidth; 16
+#: microseconds per kernel; 4 microseconds per collective.
 FITTED_ANALYTICAL = AnalyticalConstants(
-    simt_efficiency=0.941639,
-    tensor_efficiency=0.999904,
-    backward_tensor_efficiency=0.459094,
-    gemm_half_seconds=1.45796e-05,
-    gemm_exponent=2.11508,
-    memory_efficiency=0.547699,
-    kernel_overhead_s=1.71687e-05,
+    simt_efficiency=0.94122,
+    tensor_efficiency=1.0,
+    backward_tensor_efficiency=0.459603,
+    gemm_half_seconds=3.96515e-05,
+    gemm_exponent=2.82494,
+    memory_efficiency=0.547669,
+    kernel_overhead_s=1.56584e-05,
     link_efficiency=1.0,
-    collective_latency_s=2.29664e-09,
+    collective_latency_s=4.41025e-06,
 )
 
 
@@ -218,7 +221,8 @@ def gemm_efficiency(
         c.tensor_efficiency * np.where(backward, c.backward_tensor_efficiency, 1.0),
     )
     size = np.maximum(np.asarray(seconds_at_peak, dtype=np.float64), 1e-30)
-    return best / (1.0 + (c.gemm_half_seconds / size) ** c.gemm_exponent)
+    ratio = (c.gemm_half_seconds / size) ** c.gemm_exponent
+    return best / (1.0 + ratio) ** (1.0 / c.gemm_exponent)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -292,9 +296,9 @@ def stacked_seconds(
         stacked.gemm_seconds_at_peak / eff,
         stacked.gemm_memory_bytes / (stacked.gemm_bandwidth * c.memory_efficiency),
     )
-    total = np.bincount(
-        stacked.gemm_pass, gemm, minlength=stacked.num_passes
-    ).astype(np.float64)
+    total = np.bincount(stacked.gemm_pass, gemm, minlength=stacked.num_passes).astype(
+        np.float64
+    )
     total += stacked.memory_bytes / (stacked.bandwidth * c.memory_efficiency)
     total += c.kernel_overhead_s * (stacked.num_gemms + stacked.num_memory_kernels)
     has_links = stacked.num_collectives > 0
