@@ -1,0 +1,279 @@
+"""Per-layer times and activation sizes of any model on any GPU, without
+profiles.
+
+Layers are numbered as the bundled profiles number them (see
+:mod:`pipedejavu.core.transformer`): 0 the embedding, ``1..L`` the blocks,
+``L + 1`` the final norm with the LM head and the loss. Times are for one
+micro-batch on one GPU of a TP group, TP communication included, like a
+Sailor profile entry.
+
+Activation bytes follow Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models" (MLSys'23): per block
+``s b h (34 + 5 a s / h)`` bytes in 16-bit without TP; with TP ``t``
+``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
+``s b h (34 / t + 5 a s / (h t))``; selective recomputation drops the
+``5 a s / h`` term, full recomputation keeps only the block's input. For
+another element size ``e`` (4 in fp32) every stored tensor scales with ``e``
+except the 1-byte dropout masks: ``34 = 16 e + 2`` and ``5 = 2 e + 1``, so fp32
+needs ``66 + 9 a s / h``. Grouped-query attention and gated MLPs change the
+tensors counted in ``24 / t`` (Q, K, V, the MLP's up-projections and
+activation output) as the shapes say.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.ops import (
+    MASK_BYTES,
+    PassOptions,
+    attention_core_forward_ops,
+    block_backward_ops,
+    block_forward_ops,
+    block_params,
+    element_bytes,
+    embedding_backward_ops,
+    embedding_forward_ops,
+    embedding_params,
+    head_backward_ops,
+    head_forward_ops,
+    head_params,
+    optimizer_ops,
+    validate_spec,
+)
+from pipedejavu.costmodel.analytical.roofline import (
+    FITTED_ANALYTICAL,
+    AnalyticalConstants,
+    pass_seconds,
+)
+
+__all__ = [
+    "Recompute",
+    "activation_bytes",
+    "analytical_layer_times",
+    "attention_core_forward_seconds",
+    "block_forward_seconds",
+    "layer_output_bytes",
+]
+
+Recompute = Literal["none", "selective", "full"]
+
+
+def _options(
+    spec: TransformerSpec,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    flash_attention: bool,
+    sequence_parallel: bool,
+    attention_dropout: bool,
+) -> PassOptions:
+    opts = PassOptions(
+        mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+    )
+    validate_spec(spec, tp)
+    return opts
+
+
+def analytical_layer_times(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    flash_attention: bool = True,
+    sequence_parallel: bool = False,
+    attention_dropout: bool = False,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """Forward, backward and optimizer-step seconds of every layer.
+
+    Args:
+        spec: the model.
+        gpu: the GPU type (its TP group stays inside one node).
+        mbs: micro-batch size.
+        tp: tensor-parallel degree.
+        precision: ``fp32``, ``tf32``, ``fp16``, ``bf16`` or ``fp8`` (see
+            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
+        flash_attention: fused attention without the ``s x s`` matrix.
+        sequence_parallel: Megatron's sequence parallelism.
+        attention_dropout: dropout on the attention probabilities (without
+            flash attention only).
+        constants: the roofline's constants.
+
+    Returns:
+        ``(forward, backward, update)``: f64[L + 2] seconds per micro-batch on
+        one GPU of the TP group; ``update`` is one Adam step over the layer's
+        parameters held by that GPU.
+
+    Raises:
+        ValueError: bad sizes, a ``tp`` that does not divide the model, or a
+            GPU without a peak for ``precision``.
+    """
+    opts = _options(
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        sequence_parallel,
+        attention_dropout,
+    )
+    block = (
+        pass_seconds(block_forward_ops(spec, opts), gpu, constants),
+        pass_seconds(block_backward_ops(spec, opts), gpu, constants),
+        pass_seconds(optimizer_ops(block_params(spec, tp), precision), gpu, constants),
+    )
+    first = (
+        pass_seconds(embedding_forward_ops(spec, opts), gpu, constants),
+        pass_seconds(embedding_backward_ops(spec, opts), gpu, constants),
+        pass_seconds(
+            optimizer_ops(embedding_params(spec, tp), precision), gpu, constants
+        ),
+    )
+    last = (
+        pass_seconds(head_forward_ops(spec, opts), gpu, constants),
+        pass_seconds(head_backward_ops(spec, opts), gpu, constants),
+        pass_seconds(optimizer_ops(head_params(spec, tp), precision), gpu, constants),
+    )
+    out = []
+    for index in range(3):
+        row = np.full(spec.num_layers + 2, block[index], dtype=np.float64)
+        row[0], row[-1] = first[index], last[index]
+        out.append(row)
+    return out[0], out[1], out[2]
+
+
+def attention_core_forward_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    flash_attention: bool = True,
+    attention_dropout: bool = False,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> float:
+    """Seconds of one block's attention core forward (scores, softmax,
+    context): what selective recomputation adds to each block's backward."""
+    opts = _options(spec, mbs, tp, precision, flash_attention, False, attention_dropout)
+    return pass_seconds(attention_core_forward_ops(spec, opts), gpu, constants)
+
+
+def block_forward_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    flash_attention: bool = True,
+    sequence_parallel: bool = False,
+    attention_dropout: bool = False,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> float:
+    """Seconds of one block's forward: what full recomputation adds to each
+    block's backward."""
+    opts = _options(
+        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+    )
+    return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
+
+
+def activation_bytes(
+    spec: TransformerSpec,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    recompute: Recompute = "none",
+    sequence_parallel: bool = False,
+    flash_attention: bool = False,
+    attention_dropout: bool = True,
+) -> NDArray[np.float64]:
+    """Bytes a stage stashes per micro-batch for each layer until its backward.
+
+    Args:
+        spec, mbs, tp, precision: as :func:`analytical_layer_times`.
+        recompute: ``none``, ``selective`` (the attention core is recomputed,
+            its ``s x s`` tensors not kept) or ``full`` (only the block's input
+            is kept).
+        sequence_parallel: the non-TP-split tensors (norm inputs, dropout
+            masks) are split over ``tp`` too.
+        flash_attention: no ``s x s`` tensors (only the per-row softmax
+            statistics, fp32).
+        attention_dropout: the attention dropout's mask and output are kept
+            (Korthikanti et al. count them; the default reproduces their
+            formula).
+
+    Returns:
+        f64[L + 2] bytes: the embedding keeps its dropout mask; a block the
+        tensors above; the head its norm input, its matrix input and the fp32
+        softmax of the logits.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(
+            f"recompute must be 'none', 'selective' or 'full', got {recompute!r}"
+        )
+    opts = _options(
+        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+    )
+    e, _ = element_bytes(precision)
+    b, s, h, t = mbs, spec.seq_length, spec.hidden_size, tp
+    tokens = b * s
+    split = t if sequence_parallel else 1
+    d = spec.head_dim
+    kv_heads = max(spec.num_query_groups / t, 1.0)
+    if recompute == "full":
+        block = tokens * h * e / split
+    else:
+        # Norm inputs (2), QKV input, MLP input; the two hidden dropout masks.
+        unsplit = tokens * h * (4 * e + 2 * MASK_BYTES) / split
+        heads = spec.num_attention_heads / t
+        up = spec.ffn_hidden_size / t * (2 if spec.gated_mlp else 1)
+        qkv = tokens * d * (heads + 2 * kv_heads)
+        split_elems = (
+            qkv + tokens * heads * d + tokens * (up + spec.ffn_hidden_size / t)
+        )
+        block = unsplit + split_elems * e
+        if recompute == "none":
+            if opts.flash_attention:
+                block += b * heads * s * 4.0  # log-sum-exp per row, fp32
+            else:
+                per_score = e + (e + MASK_BYTES if attention_dropout else 0.0)
+                block += b * heads * s * s * per_score
+    embedding = tokens * h * MASK_BYTES / split
+    head = 2 * tokens * h * e / split + tokens * spec.vocab_size / t * 4.0
+    out = np.full(spec.num_layers + 2, block, dtype=np.float64)
+    out[0], out[-1] = embedding, head
+    return out
+
+
+def layer_output_bytes(
+    spec: TransformerSpec, mbs: int, precision: Precision
+) -> NDArray[np.float64]:
+    """Bytes of each layer's output, the message to the next pipeline stage
+    after it: ``b s h`` elements (the full tensor; each GPU of a TP group holds
+    it), and the 4-byte loss after the head.
+
+    Returns:
+        f64[L + 2] bytes.
+    """
+    validate_spec(spec)
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        raise ValueError(f"mbs must be an integer >= 1, got {mbs!r}")
+    e, _ = element_bytes(precision)
+    out = np.full(
+        spec.num_layers + 2,
+        mbs * spec.seq_length * spec.hidden_size * e,
+        dtype=np.float64,
+    )
+    out[-1] = 4.0
+    return out

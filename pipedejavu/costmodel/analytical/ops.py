@@ -1,0 +1,580 @@
+"""FLOPs and bytes of every operation of a Megatron-style transformer layer.
+
+A layer pass (the forward or the backward of the embedding, of a block, or of
+the head with its loss, for one micro-batch on one GPU of a tensor-parallel
+group) is a list of operations of three kinds:
+
+* :class:`Gemm`: a (batched) matrix product ``[batch] x (m x k) @ (k x n)``:
+  ``2 * batch * m * n * k`` FLOPs; bytes = both inputs read and the output
+  written once.
+* :class:`MemoryOp`: an element-wise or reduction kernel (norm, activation,
+  softmax, dropout, residual add, gather, cross-entropy, Adam): bytes moved.
+* :class:`Collective`: a tensor-parallel collective over the group's ``t``
+  GPUs, as the bytes each GPU sends over its link in a ring (all-reduce
+  ``2 (t - 1) / t`` of the message, all-gather and reduce-scatter
+  ``(t - 1) / t`` of the gathered message).
+
+The splits are Megatron-LM's: the QKV and the first MLP matrix are
+column-parallel (their outputs split over ``t``), the output projection and the
+second MLP matrix row-parallel (an all-reduce after each, forward and backward:
+2 + 2 per block); attention heads split over ``t``; the embedding and the LM
+head split the vocabulary. With sequence parallelism the norms, dropouts and
+residual adds work on ``s / t`` tokens and each all-reduce becomes an
+all-gather plus a reduce-scatter (Korthikanti et al., MLSys'23).
+
+A backward GEMM pass is two GEMMs per forward GEMM (input gradient and weight
+gradient, or the two operand gradients of an attention product), so twice the
+forward FLOPs. Without flash attention the ``b a s^2 / t`` score matrix is
+written and read by the mask, the softmax and the dropout (and their
+backwards); with flash attention it never reaches memory and the backward pass
+recomputes the scores (2.5x the forward FLOPs; causal masking skips half of
+both).
+
+Units: FLOPs, bytes. All functions are pure; shapes come from a
+:class:`~pipedejavu.core.transformer.TransformerSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from pipedejavu.core.gpu_sheet import PRECISIONS, Precision
+from pipedejavu.core.transformer import TransformerSpec
+
+__all__ = [
+    "Collective",
+    "Gemm",
+    "LayerPass",
+    "MemoryOp",
+    "PassOptions",
+    "attention_core_forward_ops",
+    "block_backward_ops",
+    "block_forward_ops",
+    "block_params",
+    "element_bytes",
+    "embedding_backward_ops",
+    "embedding_forward_ops",
+    "embedding_params",
+    "head_backward_ops",
+    "head_forward_ops",
+    "head_params",
+    "optimizer_ops",
+    "validate_spec",
+]
+
+#: Bytes of a dropout mask element (PyTorch keeps a bool per element).
+MASK_BYTES = 1
+#: Bytes per parameter moved by one fused Adam step: read weight, gradient and
+#: both moments, write weight and both moments (fp32 each).
+ADAM_FP32_BYTES = 28
+#: With 16-bit training the step also writes the 16-bit copy of the weight.
+ADAM_MIXED_BYTES = 30
+#: Bytes per element of a weight gradient accumulated in fp32 (read + write).
+GRAD_ACCUMULATE_BYTES = 8
+#: Causal attention with flash attention skips the masked half of the blocks.
+FLASH_CAUSAL_FRACTION = 0.5
+#: Flash attention's backward pass: 5 attention products (the recomputed scores,
+#: dV, dP, dQ, dK) against the forward's 2.
+FLASH_BACKWARD_FACTOR = 2.5
+
+
+class Gemm(NamedTuple):
+    """``batch`` products of ``(m x k) @ (k x n)``.
+
+    Attributes:
+        name: what it computes (``qkv``, ``scores``, ``mlp_up.wgrad``, ...).
+        batch, m, n, k: the shape.
+        input_bytes: bytes per element of both inputs.
+        output_bytes: bytes per element of the output.
+        precision: the precision whose peak the product runs at.
+        fraction: the share of the product's FLOPs actually computed (causal
+            flash attention skips half the blocks).
+        io_bytes: the bytes the kernel moves, where they are not the inputs and
+            the output (a fused attention kernel); ``None``: computed.
+    """
+
+    name: str
+    batch: float
+    m: float
+    n: float
+    k: float
+    input_bytes: float
+    output_bytes: float
+    precision: Precision
+    fraction: float = 1.0
+    io_bytes: float | None = None
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k * self.fraction
+
+    @property
+    def bytes(self) -> float:
+        if self.io_bytes is not None:
+            return self.io_bytes
+        inputs = self.batch * (self.m * self.k + self.k * self.n)
+        return inputs * self.input_bytes + self.batch * self.m * self.n * (
+            self.output_bytes
+        )
+
+
+class MemoryOp(NamedTuple):
+    """A memory-bound kernel moving ``bytes`` (reads plus writes)."""
+
+    name: str
+    bytes: float
+
+
+class Collective(NamedTuple):
+    """A collective of the tensor-parallel group.
+
+    Attributes:
+        name: ``all_reduce``, ``all_gather`` or ``reduce_scatter`` and where.
+        message_bytes: the full (reduced or gathered) tensor's bytes.
+        link_bytes: bytes each GPU sends over its link (ring algorithm).
+    """
+
+    name: str
+    message_bytes: float
+    link_bytes: float
+
+
+LayerPass = list[Gemm | MemoryOp | Collective]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """What a pass depends on besides the model.
+
+    Args:
+        mbs: micro-batch size ``b`` (samples).
+        tp: tensor-parallel degree ``t`` (must divide the heads, the query
+            groups, the MLP width and the vocabulary).
+        precision: the training precision: ``fp32`` (CUDA-core GEMMs), ``tf32``
+            (fp32 storage, tensor-core GEMMs), ``fp16``/``bf16`` (16-bit
+            everything), ``fp8`` (fp8 GEMM inputs of the linear layers, bf16
+            activations and attention).
+        flash_attention: attention without the ``s x s`` matrix in memory.
+        sequence_parallel: Megatron's sequence parallelism (needs ``tp > 1`` to
+            matter).
+        attention_dropout: a dropout on the attention probabilities, only
+            without flash attention, where it reads and writes the ``s x s``
+            matrix once more. Off by default: modern recipes use none, and the
+            bundled fp32 profiles fit better without it (see
+            :mod:`pipedejavu.costmodel.analytical.calibrate`).
+    """
+
+    mbs: int
+    tp: int
+    precision: Precision = "bf16"
+    flash_attention: bool = True
+    sequence_parallel: bool = False
+    attention_dropout: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("mbs", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got "
+                f"{self.precision!r}"
+            )
+
+
+def element_bytes(precision: Precision) -> tuple[float, float]:
+    """``(activation_bytes, linear_gemm_input_bytes)`` per element."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+        )
+    activation = 4.0 if precision in ("fp32", "tf32") else 2.0
+    return activation, (1.0 if precision == "fp8" else activation)
+
+
+def validate_spec(spec: TransformerSpec, tp: int = 1) -> None:
+    """``ValueError`` naming the field if ``spec`` is not a valid model for
+    tensor-parallel degree ``tp``."""
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "vocab_size",
+        "seq_length",
+    ):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{spec.name}: {name} must be an integer >= 1, got {value!r}"
+            )
+    if spec.hidden_size % spec.num_attention_heads:
+        raise ValueError(
+            f"{spec.name}: hidden_size {spec.hidden_size} must be a multiple of "
+            f"num_attention_heads {spec.num_attention_heads}"
+        )
+    if spec.num_attention_heads % spec.num_query_groups:
+        raise ValueError(
+            f"{spec.name}: num_attention_heads {spec.num_attention_heads} must be "
+            f"a multiple of num_query_groups {spec.num_query_groups}"
+        )
+    for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
+        if getattr(spec, name) % tp:
+            raise ValueError(
+                f"{spec.name}: tp {tp} must divide {name} {getattr(spec, name)}"
+            )
+    if spec.num_query_groups % tp and tp % spec.num_query_groups:
+        raise ValueError(
+            f"{spec.name}: tp {tp} and num_query_groups {spec.num_query_groups} "
+            "must divide one another"
+        )
+
+
+# ------------------------------------------------------------------ helpers
+def _attention_precision(precision: Precision) -> Precision:
+    # fp8 recipes (Transformer Engine) keep the attention products in bf16.
+    return "bf16" if precision == "fp8" else precision
+
+
+def _kv_heads(spec: TransformerSpec, tp: int) -> float:
+    """Key/value heads one GPU holds (replicated when ``tp`` exceeds them)."""
+    return max(spec.num_query_groups / tp, 1.0)
+
+
+def _norm_bytes_per_element(spec: TransformerSpec) -> int:
+    return 2 if spec.norm == "layernorm" else 1  # weight (+ bias) per element
+
+
+def _softmax_passes(act: float) -> int:
+    # Megatron's fused scale-mask-softmax kernel takes 16-bit inputs only; in
+    # fp32 the mask and the softmax are two PyTorch kernels.
+    return 2 if act == 4.0 else 1
+
+
+def _tp_collectives(
+    where: str, message_bytes: float, opts: PassOptions
+) -> list[Collective]:
+    """One all-reduce of ``message_bytes`` (or the all-gather/reduce-scatter
+    pair that replaces it with sequence parallelism); empty for ``tp == 1``."""
+    t = opts.tp
+    if t == 1:
+        return []
+    share = (t - 1) / t * message_bytes
+    if opts.sequence_parallel:
+        return [
+            Collective(f"reduce_scatter.{where}", message_bytes, share),
+            Collective(f"all_gather.{where}", message_bytes, share),
+        ]
+    return [Collective(f"all_reduce.{where}", message_bytes, 2.0 * share)]
+
+
+def _linear(name: str, tokens: float, n: float, k: float, opts: PassOptions) -> Gemm:
+    act, gemm_in = element_bytes(opts.precision)
+    return Gemm(name, 1.0, tokens, n, k, gemm_in, act, opts.precision)
+
+
+def _backward_linear(gemm: Gemm) -> list[Gemm]:
+    """Input gradient ``dY @ W^T`` (m x k) and weight gradient ``X^T @ dY``
+    (k x n); same FLOPs each as the forward."""
+    return [
+        gemm._replace(name=gemm.name + ".dgrad", n=gemm.k, k=gemm.n),
+        gemm._replace(name=gemm.name + ".wgrad", m=gemm.k, n=gemm.n, k=gemm.m),
+    ]
+
+
+# -------------------------------------------------------------- parameters
+def block_params(spec: TransformerSpec, tp: int = 1) -> float:
+    """Parameters of one transformer block held by one GPU of a TP group."""
+    h, d, t = spec.hidden_size, spec.head_dim, tp
+    q, kv = spec.num_attention_heads * d / t, 2 * _kv_heads(spec, t) * d
+    up = spec.ffn_hidden_size * (2 if spec.gated_mlp else 1) / t
+    weights = h * (q + kv) + q * h + h * up + spec.ffn_hidden_size / t * h
+    biases = 0.0
+    if spec.linear_bias or spec.qkv_bias:
+        biases += q + kv
+    if spec.linear_bias:
+        biases += h + up + h  # out-projection and down biases are replicated
+    return weights + biases + 2 * _norm_bytes_per_element(spec) * h
+
+
+def embedding_params(spec: TransformerSpec, tp: int = 1) -> float:
+    """Word embedding rows split over TP plus a learned position table."""
+    positions = spec.max_position_embeddings if spec.position == "learned" else 0
+    return spec.vocab_size / tp * spec.hidden_size + positions * spec.hidden_size
+
+
+def head_params(spec: TransformerSpec, tp: int = 1) -> float:
+    """Final norm plus the LM head matrix (a tied head is a copy of the word
+    embedding on the last pipeline stage, updated there too)."""
+    norm = _norm_bytes_per_element(spec) * spec.hidden_size
+    return norm + spec.vocab_size / tp * spec.hidden_size
+
+
+# ------------------------------------------------------------------- block
+def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """The attention core's forward: scores, mask, softmax, dropout, context
+    (what selective recomputation reruns)."""
+    b, s, t = opts.mbs, spec.seq_length, opts.tp
+    heads, d = spec.num_attention_heads / t, spec.head_dim
+    precision = _attention_precision(opts.precision)
+    act, _ = element_bytes(precision)
+    if opts.flash_attention:
+        # One fused kernel: both products (scores and context), reading Q, K, V
+        # and writing the output.
+        io = b * s * d * (2 * heads + 2 * _kv_heads(spec, t)) * act
+        return [
+            Gemm(
+                "flash_attention",
+                2 * b * heads,
+                s,
+                s,
+                d,
+                act,
+                act,
+                precision,
+                FLASH_CAUSAL_FRACTION,
+                io,
+            ),
+        ]
+    scores = b * heads * s * s
+    passes = _softmax_passes(act)
+    ops: LayerPass = [
+        Gemm("scores", b * heads, s, s, d, act, act, precision),
+        MemoryOp("mask_softmax", passes * 2 * scores * act),
+    ]
+    if opts.attention_dropout:
+        ops.append(MemoryOp("attention_dropout", scores * (2 * act + MASK_BYTES)))
+    return ops + [
+        Gemm("context", b * heads, s, d, s, act, act, precision),
+        MemoryOp("context_layout", 2 * b * s * heads * d * act),
+    ]
+
+
+def _block_parts(spec: TransformerSpec, opts: PassOptions):
+    b, s, t, h = opts.mbs, spec.seq_length, opts.tp, spec.hidden_size
+    act, _ = element_bytes(opts.precision)
+    tokens = b * s
+    local = tokens / t if opts.sequence_parallel else tokens  # norm/dropout tokens
+    q = spec.num_attention_heads * spec.head_dim / t
+    kv = 2 * _kv_heads(spec, t) * spec.head_dim
+    f = spec.ffn_hidden_size / t
+    gated = 2 if spec.gated_mlp else 1
+    gemms = {
+        "qkv": _linear("qkv", tokens, q + kv, h, opts),
+        "out_proj": _linear("out_proj", tokens, h, q, opts),
+        "mlp_up": _linear("mlp_up", tokens, gated * f, h, opts),
+        "mlp_down": _linear("mlp_down", tokens, h, f, opts),
+    }
+    message = tokens * h * act
+    return gemms, local * h * act, local * h, tokens * f * act, message, act
+
+
+def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """One transformer block's forward pass (TP collectives included)."""
+    gemms, x_bytes, x_elems, f_bytes, message, act = _block_parts(spec, opts)
+    gated = spec.gated_mlp
+    ops: LayerPass = [MemoryOp("input_norm", 2 * x_bytes)]
+    if opts.sequence_parallel and opts.tp > 1:
+        ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" in c.name]
+    ops.append(gemms["qkv"])
+    ops += attention_core_forward_ops(spec, opts)
+    ops.append(gemms["out_proj"])
+    ops += [
+        c for c in _tp_collectives("out_proj", message, opts) if "gather" not in c.name
+    ]
+    ops += [
+        MemoryOp("bias_dropout_add.attention", 3 * x_bytes + MASK_BYTES * x_elems),
+        MemoryOp("post_attention_norm", 2 * x_bytes),
+    ]
+    if opts.sequence_parallel and opts.tp > 1:
+        ops += [
+            c for c in _tp_collectives("mlp_up", message, opts) if "gather" in c.name
+        ]
+    ops += [
+        gemms["mlp_up"],
+        MemoryOp("swiglu" if gated else "gelu", (3 if gated else 2) * f_bytes),
+        gemms["mlp_down"],
+    ]
+    ops += [
+        c for c in _tp_collectives("mlp_down", message, opts) if "gather" not in c.name
+    ]
+    ops.append(MemoryOp("bias_dropout_add.mlp", 3 * x_bytes + MASK_BYTES * x_elems))
+    return ops
+
+
+def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    ops: LayerPass = []
+    act, _ = element_bytes(_attention_precision(opts.precision))
+    for op in attention_core_forward_ops(spec, opts):
+        if isinstance(op, Gemm) and opts.flash_attention:
+            # Recomputed scores, dV, dP, dQ, dK; reads Q, K, V, O, dO and
+            # writes dQ, dK, dV.
+            ops.append(
+                op._replace(
+                    name=op.name + ".backward",
+                    batch=op.batch * FLASH_BACKWARD_FACTOR,
+                    io_bytes=2 * op.io_bytes,
+                )
+            )
+        elif isinstance(op, Gemm):
+            ops += _backward_linear(op)
+        elif op.name == "mask_softmax":
+            # Softmax backward reads Y and dY and writes dX; the unfused mask's
+            # backward reads and writes once more.
+            scores = op.bytes / (2 * _softmax_passes(act))
+            ops.append(
+                MemoryOp(
+                    "mask_softmax.backward",
+                    scores * (3 + 2 * (_softmax_passes(act) - 1)),
+                )
+            )
+        else:  # dropout (reads dY and the mask, writes dX), layout copy
+            ops.append(op._replace(name=op.name + ".backward"))
+    return ops
+
+
+def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """One transformer block's backward pass: both gradient GEMMs of every
+    product, the element-wise backwards, the weight-gradient accumulation and
+    the TP collectives of the column-parallel inputs (2 all-reduces)."""
+    gemms, x_bytes, x_elems, f_bytes, message, act = _block_parts(spec, opts)
+    gated = spec.gated_mlp
+    ops: LayerPass = [
+        MemoryOp("bias_dropout_add.mlp.backward", 2 * x_bytes + MASK_BYTES * x_elems)
+    ]
+    if opts.sequence_parallel and opts.tp > 1:
+        ops += [
+            c for c in _tp_collectives("mlp_down", message, opts) if "gather" in c.name
+        ]
+    ops += _backward_linear(gemms["mlp_down"])
+    ops.append(
+        MemoryOp(
+            "swiglu.backward" if gated else "gelu.backward",
+            (5 if gated else 3) * f_bytes,
+        )
+    )
+    ops += _backward_linear(gemms["mlp_up"])
+    ops += [
+        c for c in _tp_collectives("mlp_up", message, opts) if "gather" not in c.name
+    ]
+    ops += [
+        MemoryOp("post_attention_norm.backward", 3 * x_bytes),
+        MemoryOp(
+            "bias_dropout_add.attention.backward", 2 * x_bytes + MASK_BYTES * x_elems
+        ),
+    ]
+    if opts.sequence_parallel and opts.tp > 1:
+        ops += [
+            c for c in _tp_collectives("out_proj", message, opts) if "gather" in c.name
+        ]
+    ops += _backward_linear(gemms["out_proj"])
+    ops += _attention_core_backward(spec, opts)
+    ops += _backward_linear(gemms["qkv"])
+    ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" not in c.name]
+    ops += [
+        MemoryOp("input_norm.backward", 3 * x_bytes),
+        MemoryOp(
+            "grad_accumulate", GRAD_ACCUMULATE_BYTES * block_params(spec, opts.tp)
+        ),
+    ]
+    return ops
+
+
+# --------------------------------------------------------- embedding, head
+def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """Word-embedding gather (vocabulary split over TP: masked, then summed
+    by an all-reduce), position embedding, dropout."""
+    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
+    act, _ = element_bytes(opts.precision)
+    x = b * s * h * act
+    ops: LayerPass = [MemoryOp("word_gather", 2 * x)]
+    if opts.tp > 1:
+        ops.append(MemoryOp("vocab_mask", 2 * x))
+        ops += [
+            c for c in _tp_collectives("embedding", x, opts) if "gather" not in c.name
+        ]
+    local = x / opts.tp if opts.sequence_parallel else x
+    if spec.position == "learned":
+        ops += [
+            MemoryOp("position_gather", 2 * local),
+            MemoryOp("position_add", 3 * local),
+        ]
+    ops.append(MemoryOp("embedding_dropout", 2 * local + MASK_BYTES * local / act))
+    return ops
+
+
+def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """Dropout backward and the dense scatter-add into the table's gradient."""
+    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
+    act, _ = element_bytes(opts.precision)
+    x = b * s * h * act
+    table = spec.vocab_size / opts.tp * h
+    return [
+        MemoryOp("embedding_dropout.backward", 2 * x + MASK_BYTES * x / act),
+        MemoryOp("word_scatter_add", 2 * x + table * act),
+        MemoryOp(
+            "grad_accumulate", GRAD_ACCUMULATE_BYTES * embedding_params(spec, opts.tp)
+        ),
+    ]
+
+
+def _head_parts(spec: TransformerSpec, opts: PassOptions):
+    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
+    act, _ = element_bytes(opts.precision)
+    tokens = b * s
+    head = _linear("lm_head", tokens, spec.vocab_size / opts.tp, h, opts)
+    # The loss works on fp32 logits in every precision.
+    logits = tokens * spec.vocab_size / opts.tp * 4.0
+    x = tokens * h * act
+    return head, logits, x, (x / opts.tp if opts.sequence_parallel else x)
+
+
+def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """Final norm, LM head (vocabulary split over TP), vocab-parallel softmax
+    cross-entropy (max, exp, sum, normalize: 4 reads and 3 writes of the
+    logits; three small all-reduces of per-token scalars)."""
+    head, logits, x, local = _head_parts(spec, opts)
+    ops: LayerPass = [MemoryOp("final_norm", 2 * local)]
+    if opts.sequence_parallel and opts.tp > 1:
+        ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" in c.name]
+    ops += [head, MemoryOp("cross_entropy", 7 * logits)]
+    if opts.tp > 1:
+        per_token = x / spec.hidden_size / (head.output_bytes / 4.0)
+        for name in ("max", "target", "sum"):
+            ops += [
+                c
+                for c in _tp_collectives(
+                    f"loss_{name}",
+                    per_token,
+                    dataclasses.replace(opts, sequence_parallel=False),
+                )
+            ]
+    return ops
+
+
+def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """Cross-entropy backward (softmax minus one-hot, times the loss
+    gradient), both LM-head gradient GEMMs, the all-reduce of the head's input
+    gradient, the final norm's backward and the weight-gradient accumulation."""
+    head, logits, x, local = _head_parts(spec, opts)
+    ops: LayerPass = [MemoryOp("cross_entropy.backward", 4 * logits)]
+    ops += _backward_linear(head)
+    ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" not in c.name]
+    ops += [
+        MemoryOp("final_norm.backward", 3 * local),
+        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * head_params(spec, opts.tp)),
+    ]
+    return ops
+
+
+def optimizer_ops(params: float, precision: Precision) -> LayerPass:
+    """One fused Adam step over ``params`` parameters (fp32 master weights,
+    gradients and moments; a 16-bit copy written back when training in
+    16-bit or fp8)."""
+    if params < 0:
+        raise ValueError(f"params must be >= 0, got {params}")
+    per_param = ADAM_FP32_BYTES if precision in ("fp32", "tf32") else ADAM_MIXED_BYTES
+    return [MemoryOp("adam", per_param * params)]

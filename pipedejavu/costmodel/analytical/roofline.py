@@ -1,0 +1,329 @@
+"""Operations to seconds: a roofline with a GEMM efficiency curve.
+
+Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
+
+* a GEMM: ``max(flops / (peak(precision) * eff), bytes / (bandwidth *
+  memory_efficiency)) + kernel_overhead_s`` with
+  ``eff = eff_max / (1 + (half_seconds / w) ** exponent) ** (1 / exponent)``,
+  where ``w = flops / peak`` is the GEMM's duration at peak: a smooth maximum
+  of ``w`` and ``half_seconds``, so a tiny GEMM takes ``half_seconds /
+  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``. A GEMM too small to fill
+  the GPU (few output tiles, a short main loop) runs below its best
+  efficiency; measuring its size in seconds at peak makes one curve serve GPUs
+  of every size (a GPU twice as fast needs a GEMM twice as big to fill).
+  ``eff_max`` is ``simt_efficiency`` for fp32 on CUDA cores and
+  ``tensor_efficiency`` on tensor cores (tf32, fp16, bf16, fp8), times
+  ``backward_tensor_efficiency`` for the gradient GEMMs on tensor cores;
+* a memory-bound kernel: ``bytes / (bandwidth * memory_efficiency) +
+  kernel_overhead_s``;
+* a collective: ``link_bytes / (intra_node_bytes_per_s * link_efficiency) +
+  collective_latency_s`` (ring algorithm; TP groups stay inside a node).
+
+The constants shared by every GPU are fitted by
+:mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
+holds the fit on all the bundled profiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.costmodel.analytical.ops import Collective, Gemm, MemoryOp
+
+__all__ = [
+    "FITTED_ANALYTICAL",
+    "AnalyticalConstants",
+    "PassArrays",
+    "gemm_efficiency",
+    "pass_arrays",
+    "StackedPasses",
+    "pass_seconds",
+    "stack_passes",
+    "stacked_seconds",
+]
+
+SIMT_PRECISIONS = ("fp32",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticalConstants:
+    """The roofline's free constants, shared by all GPU types.
+
+    Args:
+        simt_efficiency: best fraction of the fp32 (CUDA-core) peak a large
+            GEMM reaches.
+        tensor_efficiency: best fraction of the tensor-core peak (tf32, fp16,
+            bf16, fp8) a large forward GEMM reaches.
+        backward_tensor_efficiency: the gradient GEMMs' efficiency on tensor
+            cores relative to the forward ones (transposed operands, reductions
+            over tokens).
+        gemm_half_seconds: the shortest a GEMM can take at best efficiency (a
+            GEMM lasting this long at peak reaches ``2 ** (-1 / exponent)`` of
+            it).
+        gemm_exponent: how sharply efficiency saturates with GEMM size.
+        memory_efficiency: fraction of the memory bandwidth memory-bound
+            kernels reach.
+        kernel_overhead_s: seconds per kernel beyond its roofline time
+            (launch and the framework's per-operation work).
+        link_efficiency: fraction of ``intra_node_bytes_per_s`` a ring
+            collective reaches (not fitted: the calibration prices the
+            profiled machines' measured links).
+        collective_latency_s: seconds per collective beyond its bytes.
+    """
+
+    simt_efficiency: float = 0.9
+    tensor_efficiency: float = 0.8
+    backward_tensor_efficiency: float = 0.6
+    gemm_half_seconds: float = 1e-5
+    gemm_exponent: float = 2.0
+    memory_efficiency: float = 0.7
+    kernel_overhead_s: float = 2e-5
+    link_efficiency: float = 1.0
+    collective_latency_s: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int | float) or not np.isfinite(value):
+                raise ValueError(f"{field.name} must be a finite number, got {value!r}")
+        for name in (
+            "simt_efficiency",
+            "tensor_efficiency",
+            "backward_tensor_efficiency",
+            "memory_efficiency",
+            "link_efficiency",
+        ):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        for name in ("gemm_half_seconds", "gemm_exponent"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("kernel_overhead_s", "collective_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+#: Fitted on every bundled Sailor profile (all models, all GPU types) by
+#: :func:`pipedejavu.costmodel.analytical.calibrate.fit_constants`;
+#: ``tests/test_analytical.py`` refits and compares. Large forward GEMMs reach
+#: 94% of the fp32 (CUDA-core) peak and about all of the TF32 peak, gradient
+#: GEMMs on tensor cores 46% of that; no GEMM takes less than 40 microseconds
+#: (at best efficiency); memory-bound kernels 55% of the bandwidth; 16
+#: microseconds per kernel; 4 microseconds per collective.
+FITTED_ANALYTICAL = AnalyticalConstants(
+    simt_efficiency=0.94122,
+    tensor_efficiency=1.0,
+    backward_tensor_efficiency=0.459603,
+    gemm_half_seconds=3.96515e-05,
+    gemm_exponent=2.82494,
+    memory_efficiency=0.547669,
+    kernel_overhead_s=1.56584e-05,
+    link_efficiency=1.0,
+    collective_latency_s=4.41025e-06,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PassArrays:
+    """A layer pass as arrays, priced on one GPU (constants not yet applied).
+
+    Attributes:
+        gemm_seconds_at_peak: f64[G] ``flops / peak`` of each GEMM.
+        gemm_memory_bytes: f64[G] bytes each GEMM moves.
+        gemm_simt: bool[G] the GEMM runs on CUDA cores (fp32).
+        gemm_backward: bool[G] a gradient GEMM.
+        memory_bytes: total bytes of the memory-bound kernels.
+        num_memory_kernels: how many there are.
+        link_bytes: total bytes each GPU sends in the pass's collectives.
+        num_collectives: how many collectives.
+        bandwidth: the GPU's memory bandwidth, bytes/s.
+        link_bandwidth: its intra-node bandwidth, bytes/s.
+    """
+
+    gemm_seconds_at_peak: NDArray[np.float64]
+    gemm_memory_bytes: NDArray[np.float64]
+    gemm_simt: NDArray[np.bool_]
+    gemm_backward: NDArray[np.bool_]
+    memory_bytes: float
+    num_memory_kernels: int
+    link_bytes: float
+    num_collectives: int
+    bandwidth: float
+    link_bandwidth: float
+
+
+def pass_arrays(
+    ops: Sequence[Gemm | MemoryOp | Collective], gpu: GpuSheetEntry
+) -> PassArrays:
+    """The operations of a pass as :class:`PassArrays` on ``gpu``.
+
+    Raises:
+        ValueError: ``gpu`` lacks the peak of a GEMM's precision.
+    """
+    gemms = [op for op in ops if isinstance(op, Gemm)]
+    peaks = {}
+    for gemm in gemms:
+        if gemm.precision not in peaks:
+            try:
+                peaks[gemm.precision] = gpu.peak(gemm.precision)
+            except KeyError:
+                have = ", ".join(name for name, _ in gpu.peak_flops) or "none"
+                raise ValueError(
+                    f"GPU {gpu.name} has no {gemm.precision} peak (it has: {have})"
+                ) from None
+    memory = [op.bytes for op in ops if isinstance(op, MemoryOp)]
+    links = [op.link_bytes for op in ops if isinstance(op, Collective)]
+    return PassArrays(
+        gemm_seconds_at_peak=np.array(
+            [g.flops / peaks[g.precision] for g in gemms], dtype=np.float64
+        ),
+        gemm_memory_bytes=np.array([g.bytes for g in gemms], dtype=np.float64),
+        gemm_simt=np.array([g.precision in SIMT_PRECISIONS for g in gemms], bool),
+        gemm_backward=np.array(
+            [g.name.endswith((".dgrad", ".wgrad", ".backward")) for g in gemms], bool
+        ),
+        memory_bytes=float(sum(memory)),
+        num_memory_kernels=len(memory),
+        link_bytes=float(sum(links)),
+        num_collectives=len(links),
+        bandwidth=gpu.memory_bandwidth_bytes_per_s,
+        link_bandwidth=gpu.intra_node_bytes_per_s,
+    )
+
+
+def gemm_efficiency(
+    seconds_at_peak: NDArray[np.float64],
+    simt: NDArray[np.bool_],
+    backward: NDArray[np.bool_],
+    constants: AnalyticalConstants,
+) -> NDArray[np.float64]:
+    """Fraction of peak reached by GEMMs lasting ``seconds_at_peak`` at peak.
+
+    Args:
+        seconds_at_peak: f64[G] each GEMM's ``flops / peak``.
+        simt: bool[G] on CUDA cores (fp32) rather than tensor cores.
+        backward: bool[G] a gradient GEMM.
+        constants: the curve's constants.
+
+    Returns:
+        f64[G] in ``(0, eff_max]``.
+    """
+    c = constants
+    best = np.where(
+        simt,
+        c.simt_efficiency,
+        c.tensor_efficiency * np.where(backward, c.backward_tensor_efficiency, 1.0),
+    )
+    size = np.maximum(np.asarray(seconds_at_peak, dtype=np.float64), 1e-30)
+    ratio = (c.gemm_half_seconds / size) ** c.gemm_exponent
+    return best / (1.0 + ratio) ** (1.0 / c.gemm_exponent)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackedPasses:
+    """Many :class:`PassArrays` concatenated, for pricing them all at once.
+
+    Attributes:
+        gemm_pass: int[G] the pass each GEMM belongs to.
+        gemm_seconds_at_peak, gemm_memory_bytes, gemm_simt, gemm_backward:
+            [G] as in :class:`PassArrays`.
+        gemm_bandwidth: f64[G] the memory bandwidth of each GEMM's GPU.
+        memory_bytes, num_memory_kernels, num_gemms, link_bytes,
+        num_collectives, bandwidth, link_bandwidth: f64[N] per pass.
+    """
+
+    gemm_pass: NDArray[np.int64]
+    gemm_seconds_at_peak: NDArray[np.float64]
+    gemm_memory_bytes: NDArray[np.float64]
+    gemm_simt: NDArray[np.bool_]
+    gemm_backward: NDArray[np.bool_]
+    gemm_bandwidth: NDArray[np.float64]
+    memory_bytes: NDArray[np.float64]
+    num_memory_kernels: NDArray[np.float64]
+    num_gemms: NDArray[np.float64]
+    link_bytes: NDArray[np.float64]
+    num_collectives: NDArray[np.float64]
+    bandwidth: NDArray[np.float64]
+    link_bandwidth: NDArray[np.float64]
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.memory_bytes)
+
+
+def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
+    """Concatenate ``passes`` (built once; priced many times by a fit)."""
+    if not passes:
+        raise ValueError("stack_passes needs at least one pass")
+    counts = [len(p.gemm_seconds_at_peak) for p in passes]
+
+    def per_pass(name: str) -> NDArray[np.float64]:
+        return np.array([float(getattr(p, name)) for p in passes], dtype=np.float64)
+
+    bandwidth = per_pass("bandwidth")
+    return StackedPasses(
+        gemm_pass=np.repeat(np.arange(len(passes)), counts),
+        gemm_seconds_at_peak=np.concatenate([p.gemm_seconds_at_peak for p in passes]),
+        gemm_memory_bytes=np.concatenate([p.gemm_memory_bytes for p in passes]),
+        gemm_simt=np.concatenate([p.gemm_simt for p in passes]),
+        gemm_backward=np.concatenate([p.gemm_backward for p in passes]),
+        gemm_bandwidth=np.repeat(bandwidth, counts),
+        memory_bytes=per_pass("memory_bytes"),
+        num_memory_kernels=per_pass("num_memory_kernels"),
+        num_gemms=np.array(counts, dtype=np.float64),
+        link_bytes=per_pass("link_bytes"),
+        num_collectives=per_pass("num_collectives"),
+        bandwidth=bandwidth,
+        link_bandwidth=per_pass("link_bandwidth"),
+    )
+
+
+def stacked_seconds(
+    stacked: StackedPasses, constants: AnalyticalConstants
+) -> NDArray[np.float64]:
+    """Seconds of every pass of ``stacked``: f64[N]."""
+    c = constants
+    eff = gemm_efficiency(
+        stacked.gemm_seconds_at_peak, stacked.gemm_simt, stacked.gemm_backward, c
+    )
+    gemm = np.maximum(
+        stacked.gemm_seconds_at_peak / eff,
+        stacked.gemm_memory_bytes / (stacked.gemm_bandwidth * c.memory_efficiency),
+    )
+    total = np.bincount(stacked.gemm_pass, gemm, minlength=stacked.num_passes).astype(
+        np.float64
+    )
+    total += stacked.memory_bytes / (stacked.bandwidth * c.memory_efficiency)
+    total += c.kernel_overhead_s * (stacked.num_gemms + stacked.num_memory_kernels)
+    has_links = stacked.num_collectives > 0
+    total += np.where(
+        has_links,
+        stacked.link_bytes
+        / (np.where(has_links, stacked.link_bandwidth, 1.0) * c.link_efficiency),
+        0.0,
+    )
+    total += c.collective_latency_s * stacked.num_collectives
+    return total
+
+
+def pass_seconds(
+    ops: Sequence[Gemm | MemoryOp | Collective],
+    gpu: GpuSheetEntry,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> float:
+    """Seconds of one pass on one GPU of its TP group.
+
+    Example:
+        >>> from pipedejavu.costmodel.analytical.ops import MemoryOp
+        >>> gpu = GpuSheetEntry("X", 1e9, 1e12, (("fp32", 1e13),), 1, 1e11, 1e10)
+        >>> c = AnalyticalConstants(memory_efficiency=1.0, kernel_overhead_s=0.0)
+        >>> round(pass_seconds([MemoryOp("copy", 1e9)], gpu, c), 9)
+        0.001
+    """
+    return float(stacked_seconds(stack_passes([pass_arrays(ops, gpu)]), constants)[0])
