@@ -10,6 +10,7 @@ Units: bytes, bytes per second, FLOP per second (dense, no sparsity).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 __all__ = ["PRECISIONS", "GpuSheetEntry", "Precision"]
@@ -35,6 +36,12 @@ class GpuSheetEntry:
         inter_node_bytes_per_s: one node's network bandwidth to other nodes
             (all its NICs together), one direction.
         sources: where the numbers come from (URLs or document titles).
+        note: what the numbers assume, and where they are uncertain.
+
+    Raises:
+        ValueError: a number is not positive and finite, ``gpus_per_node`` is not
+            a positive integer, a precision is unknown or repeated, or no peak is
+            given.
     """
 
     name: str
@@ -45,6 +52,52 @@ class GpuSheetEntry:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     sources: tuple[str, ...] = ()
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        where = f"GPU {self.name}"
+        for field in (
+            "memory_bytes",
+            "memory_bandwidth_bytes_per_s",
+            "intra_node_bytes_per_s",
+            "inter_node_bytes_per_s",
+        ):
+            _check_positive(getattr(self, field), f"{where}: {field}")
+        count = self.gpus_per_node
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise ValueError(
+                f"{where}: gpus_per_node must be a positive integer, got {count!r}"
+            )
+        if not self.peak_flops:
+            raise ValueError(f"{where}: peak_flops must name at least one precision")
+        seen = set()
+        for pair in self.peak_flops:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(
+                    f"{where}: peak_flops must hold (precision, FLOP/s) pairs, "
+                    f"got {pair!r}"
+                )
+            precision, value = pair
+            if precision not in PRECISIONS:
+                raise ValueError(
+                    f"{where}: unknown precision {precision!r} (known: "
+                    f"{', '.join(PRECISIONS)})"
+                )
+            if precision in seen:
+                raise ValueError(f"{where}: precision {precision} given twice")
+            seen.add(precision)
+            _check_positive(value, f"{where}: peak {precision}")
+        if not all(isinstance(source, str) for source in self.sources):
+            raise ValueError(f"{where}: sources must be strings")
+        if not isinstance(self.note, str):
+            raise ValueError(f"{where}: note must be a string")
+
+    @property
+    def precisions(self) -> tuple[Precision, ...]:
+        """The precisions with a peak on the sheet."""
+        return tuple(name for name, _ in self.peak_flops)
 
     def peak(self, precision: Precision) -> float:
         """Dense peak FLOP/s at ``precision``; ``KeyError`` if the GPU lacks it."""
@@ -52,3 +105,13 @@ class GpuSheetEntry:
             if name == precision:
                 return value
         raise KeyError(f"{self.name} has no {precision} peak on the GPU sheet")
+
+
+def _check_positive(value: object, where: str) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{where} must be a positive finite number, got {value!r}")

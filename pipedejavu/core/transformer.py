@@ -3,7 +3,15 @@
 Layers are numbered as in the bundled Sailor profiles: layer 0 is the embedding,
 layers ``1..num_layers`` are the transformer blocks, layer ``num_layers + 1`` is
 the final norm with the LM head (and the loss). So a model with ``L`` blocks has
-``L + 2`` profile layers and Sailor ``plan_config`` files stay valid.
+``L + 2`` profile layers and Sailor ``plan_config`` files stay valid. (Sailor's
+``LLAMA-3-8`` profile keeps the final norm and the LM head apart, ``L + 3``
+layers: ``split_head_layer``.)
+
+Parameter counts follow Megatron-LM's tensor-parallel layout: the word embedding
+and LM head are split by rows of the (padded) vocabulary, the QKV and first MLP
+projections by columns (their biases with them), the attention output and second
+MLP projections by rows (their biases replicated), and every norm and the
+learned position table are replicated.
 
 This module is vocabulary: it imports nothing else of ours. Readers of model
 configuration files (Hugging Face ``config.json``, Megatron-LM arguments,
@@ -13,12 +21,34 @@ bundled presets) build a :class:`TransformerSpec`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = ["Norm", "Position", "TransformerSpec"]
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rotary", "alibi", "none"]
+
+_POSITIVE_INTS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "seq_length",
+    "vocab_divisible_by",
+)
+_BOOLS = (
+    "gated_mlp",
+    "tied_embeddings",
+    "linear_bias",
+    "qkv_bias",
+    "split_head_layer",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +63,32 @@ class TransformerSpec:
         num_query_groups: key/value heads (``a`` for multi-head attention, fewer
             for grouped-query attention, 1 for multi-query).
         ffn_hidden_size: the MLP's inner width (per matrix for a gated MLP).
-        vocab_size: the embedding's rows, padded as the framework pads them.
+        vocab_size: the tokenizer's vocabulary (rows of the word embedding before
+            padding; see ``vocab_divisible_by``).
         seq_length: tokens per sample ``s``.
         gated_mlp: SwiGLU-style MLP (three matrices: gate, up, down) instead of
             two.
-        norm: the normalization of each block and the final one.
+        norm: the normalization of each block and the final one (``layernorm``:
+            weight and bias; ``rmsnorm``: weight only).
         position: the position encoding (``learned`` adds an embedding table of
             ``max_position_embeddings x h``).
-        max_position_embeddings: rows of a learned position table.
+        max_position_embeddings: rows of a learned position table (0 if none).
         tied_embeddings: the LM head reuses the word embedding.
         linear_bias: the linear layers carry biases (GPT-2, OPT, GPT-NeoX);
             LLaMA-style models have none.
         qkv_bias: the QKV projection carries a bias even where other linear
-            layers do not (Qwen2).
+            layers do not (Qwen2). The QKV bias exists if either flag is set.
+        vocab_divisible_by: the embedding's rows are padded, as Megatron-LM pads
+            them, to a multiple of ``vocab_divisible_by * tp`` (Megatron's
+            ``--make-vocab-size-divisible-by``, 128 by default there; 1 here, which
+            still pads to a multiple of ``tp`` so that the rows split evenly).
+        split_head_layer: the final norm and the LM head are two profile layers
+            (``L + 3`` in all, as in Sailor's ``LLAMA-3-8`` profile) instead of
+            one.
+
+    Raises:
+        ValueError: a field is not of its type, not positive, or the shapes do
+            not fit (heads must divide the width, query groups the heads).
     """
 
     name: str
@@ -63,6 +106,55 @@ class TransformerSpec:
     tied_embeddings: bool = True
     linear_bias: bool = True
     qkv_bias: bool = False
+    vocab_divisible_by: int = 1
+    split_head_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        where = f"model {self.name}"
+        for field in _POSITIVE_INTS:
+            value = getattr(self, field)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(
+                    f"{where}: {field} must be a positive integer, got {value!r}"
+                )
+        for field in _BOOLS:
+            value = getattr(self, field)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{where}: {field} must be true or false, got {value!r}"
+                )
+        if self.norm not in get_args(Norm):
+            raise ValueError(
+                f"{where}: norm must be one of {get_args(Norm)}, got {self.norm!r}"
+            )
+        if self.position not in get_args(Position):
+            raise ValueError(
+                f"{where}: position must be one of {get_args(Position)}, "
+                f"got {self.position!r}"
+            )
+        rows = self.max_position_embeddings
+        if not _is_int(rows) or rows < 0:
+            raise ValueError(
+                f"{where}: max_position_embeddings must be an integer >= 0, "
+                f"got {rows!r}"
+            )
+        if self.position == "learned" and rows < self.seq_length:
+            raise ValueError(
+                f"{where}: a learned position table needs max_position_embeddings "
+                f">= seq_length ({self.seq_length}), got {rows}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{where}: num_attention_heads ({self.num_attention_heads}) must "
+                f"divide hidden_size ({self.hidden_size})"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"{where}: num_query_groups ({self.num_query_groups}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -70,5 +162,166 @@ class TransformerSpec:
 
     @property
     def num_profile_layers(self) -> int:
-        """Embedding, blocks, head: the layers a plan splits."""
-        return self.num_layers + 2
+        """Embedding, blocks, head: the layers a plan splits (``L + 2``, or
+        ``L + 3`` with ``split_head_layer``)."""
+        return self.num_layers + (3 if self.split_head_layer else 2)
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Rows of the word embedding under tensor parallelism ``tp``: the
+        vocabulary rounded up to a multiple of ``vocab_divisible_by * tp``, as
+        Megatron-LM pads it."""
+        self.check_tp(tp)
+        multiple = self.vocab_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ``ValueError`` unless Megatron-LM can split this model ``tp`` ways.
+
+        The query heads and the MLP width must divide by ``tp``; the key/value
+        heads must divide by ``tp`` or ``tp`` by them (each GPU then holds one
+        key/value head, replicated).
+        """
+        if not _is_int(tp) or tp <= 0:
+            raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        where = f"model {self.name}"
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"{where}: tp {tp} must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.ffn_hidden_size % tp:
+            raise ValueError(
+                f"{where}: tp {tp} must divide ffn_hidden_size ({self.ffn_hidden_size})"
+            )
+        groups = self.num_query_groups
+        if groups % tp and tp % groups:
+            raise ValueError(
+                f"{where}: num_query_groups ({groups}) must be a multiple or a "
+                f"divisor of tp {tp}"
+            )
+
+    def _norm_params(self) -> int:
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+
+    def block_params(self, tp: int = 1) -> int:
+        """Parameters of one transformer block held by one GPU of a TP group."""
+        self.check_tp(tp)
+        h, f = self.hidden_size, self.ffn_hidden_size
+        kv_heads_per_gpu = max(self.num_query_groups // tp, 1)
+        qkv_columns = h // tp + 2 * kv_heads_per_gpu * self.head_dim
+        mlp_in_columns = (2 if self.gated_mlp else 1) * f // tp
+        split = h * qkv_columns + (h // tp) * h  # QKV, attention output
+        split += h * mlp_in_columns + (f // tp) * h  # MLP in (gate+up), MLP out
+        replicated = 2 * self._norm_params()
+        if self.linear_bias or self.qkv_bias:
+            split += qkv_columns
+        if self.linear_bias:
+            split += mlp_in_columns
+            replicated += 2 * h  # row-parallel biases: attention output, MLP out
+        return split + replicated
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Layer 0 on one GPU: its slice of the word embedding, plus the whole
+        learned position table (replicated)."""
+        word = self.padded_vocab_size(tp) // tp * self.hidden_size
+        if self.position == "learned":
+            word += self.max_position_embeddings * self.hidden_size
+        return word
+
+    def tied_params(self, tp: int = 1) -> int:
+        """Word-embedding parameters (one GPU's slice) the LM head shares with
+        layer 0; 0 if the embeddings are untied.
+
+        Megatron-LM keeps a copy of them on the last pipeline stage when the
+        first and last layers are on different stages, and all-reduces their
+        gradients between the two.
+        """
+        if not self.tied_embeddings:
+            self.check_tp(tp)
+            return 0
+        return self.padded_vocab_size(tp) // tp * self.hidden_size
+
+    def head_params(self, tp: int = 1, *, tied_copy: bool = False) -> int:
+        """The final norm and LM head on one GPU: the LM head counts if it is
+        untied (or, with ``tied_copy``, as the copy of the tied embedding a
+        separate last pipeline stage holds)."""
+        self.check_tp(tp)
+        return self._norm_params() + self._lm_head_params(tp, tied_copy)
+
+    def _lm_head_params(self, tp: int, tied_copy: bool) -> int:
+        if not self.tied_embeddings:
+            return self.padded_vocab_size(tp) // tp * self.hidden_size
+        return self.tied_params(tp) if tied_copy else 0
+
+    def layer_params(self, tp: int = 1, *, tied_copy: bool = False) -> tuple[int, ...]:
+        """Parameters per profile layer held by one GPU of a TP group of ``tp``.
+
+        Args:
+            tp: tensor-parallel degree (Megatron-LM sharding, see the module doc).
+            tied_copy: count the tied word embedding again in the last layer, as
+                a last pipeline stage without layer 0 holds it.
+
+        Returns:
+            ``num_profile_layers`` exact counts (elements, not bytes): embedding,
+            blocks, final norm with LM head (or final norm, then LM head, with
+            ``split_head_layer``).
+
+        Raises:
+            ValueError: ``tp`` does not split the model (see :meth:`check_tp`).
+        """
+        block = self.block_params(tp)
+        if self.split_head_layer:
+            head = (self._norm_params(), self._lm_head_params(tp, tied_copy))
+        else:
+            head = (self.head_params(tp, tied_copy=tied_copy),)
+        return (self.embedding_params(tp), *([block] * self.num_layers), *head)
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters, each counted once (a tied head is not counted
+        twice), with the vocabulary padded as for ``tp = 1``."""
+        return sum(self.layer_params(1))
+
+    def model_flops_per_iteration(
+        self, global_batch: int, recompute_full: bool, tp: int = 1
+    ) -> float:
+        """Floating-point operations of one training iteration, counted as
+        Megatron-LM counts them.
+
+        Megatron-LM (Narayanan et al., SC'21, Eq. 3), for a GPT with a 4h MLP
+        and full activation recomputation, counts
+        ``F = 96 B s l h^2 (1 + s / (6h) + V / (16 l h))``, and without
+        recomputation ``F = 72 B s l h^2 (1 + s / (6h) + V / (12 l h))``.
+
+        Generalization used here (it reproduces both exactly for such a GPT):
+        every matrix multiply costs 2 FLOPs per multiply-add; a block's forward
+        pass per token costs its GEMMs ``2 h (h + 2 g d)`` (QKV, ``g`` query
+        groups of width ``d``), ``2 h^2`` (attention output), ``2 h f`` times 2
+        or 3 (MLP, 3 when gated) and the attention scores and context
+        ``2 * 2 s h`` (the full ``s x s`` square: causal masking is not
+        discounted, as in Megatron); the LM head costs ``2 h V`` per token.
+        The backward pass costs twice the forward, and full recomputation adds
+        one more forward pass of the blocks (not of the LM head). Norms,
+        activations, softmax, biases and the embedding lookup are not counted.
+
+        Args:
+            global_batch: samples per iteration ``B``.
+            recompute_full: every block's forward pass is recomputed in its
+                backward pass (Megatron ``--recompute-granularity full``).
+            tp: the vocabulary ``V`` is padded as for this TP degree.
+
+        Returns:
+            FLOPs per iteration (float).
+        """
+        if not _is_int(global_batch) or global_batch <= 0:
+            raise ValueError(
+                f"global_batch must be a positive integer, got {global_batch!r}"
+            )
+        h, f, s = self.hidden_size, self.ffn_hidden_size, self.seq_length
+        groups, head_dim = self.num_query_groups, self.head_dim
+        block = 2 * h * (h + 2 * groups * head_dim) + 2 * h * h
+        block += 2 * h * f * (3 if self.gated_mlp else 2) + 4 * s * h
+        head = 2 * h * self.padded_vocab_size(tp)
+        passes = 4 if recompute_full else 3
+        tokens = global_batch * s
+        return float(tokens * (passes * self.num_layers * block + 3 * head))

@@ -1,0 +1,438 @@
+"""Megatron-LM command lines: the model and the parallel/training settings.
+
+:func:`spec_from_megatron_args` reads the arguments of a ``pretrain_gpt.py`` run
+(as a string, split with :mod:`shlex`, or as a list; ``--flag value`` and
+``--flag=value`` both work) into a :class:`MegatronRun`: a
+:class:`~pipedejavu.core.transformer.TransformerSpec` and the settings a
+prediction needs (TP, PP, interleaving, batch sizes, sequence parallelism,
+activation recomputation, precision, distributed optimizer).
+
+Defaults and derived values follow Megatron-LM's ``megatron/training/arguments.py``
+(github.com/NVIDIA/Megatron-LM): the MLP width is ``4h``, or with ``--swiglu``
+``int(4h * 2/3 / 64) * 64``; the vocabulary is padded to a multiple of
+``--make-vocab-size-divisible-by`` (128) times TP; ``--disable-bias-linear``
+removes every linear bias; ``--num-query-groups`` counts only with
+``--group-query-attention``. The old names of the SC'21 scripts are read too:
+``--checkpoint-activations`` and ``--activations-checkpoint-method`` mean full
+recomputation (``--activations-checkpoint-num-layers``, default 1).
+
+Flags that change nothing here (learning rate, data paths, logging, ...) and
+words that are not flags (``torchrun``, ``pretrain_gpt.py``) are returned in
+:attr:`MegatronRun.ignored`; contradictory or unsupported settings are refused
+with a one-line :class:`ProblemError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.transformer import TransformerSpec
+
+__all__ = ["GPT2_VOCAB_SIZE", "MegatronRun", "spec_from_megatron_args"]
+
+#: Tokens of the GPT-2 BPE vocabulary (``--vocab-file``/``--merge-file``,
+#: ``--tokenizer-type GPT2BPETokenizer``).
+GPT2_VOCAB_SIZE = 50257
+
+_INT_FLAGS = (
+    "num-layers",
+    "hidden-size",
+    "num-attention-heads",
+    "ffn-hidden-size",
+    "seq-length",
+    "max-position-embeddings",
+    "vocab-size",
+    "make-vocab-size-divisible-by",
+    "num-query-groups",
+    "kv-channels",
+    "tensor-model-parallel-size",
+    "pipeline-model-parallel-size",
+    "num-layers-per-virtual-pipeline-stage",
+    "num-virtual-stages-per-pipeline-rank",
+    "micro-batch-size",
+    "global-batch-size",
+    "recompute-num-layers",
+    "activations-checkpoint-num-layers",
+    "context-parallel-size",
+    "num-experts",
+)
+_CHOICE_FLAGS = {
+    "position-embedding-type": ("learned_absolute", "rope", "none"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "recompute-granularity": ("full", "selective"),
+    "recompute-method": ("uniform", "block"),
+    "activations-checkpoint-method": ("uniform", "block"),
+    "fp8-format": ("e4m3", "hybrid"),
+}
+_STR_FLAGS = ("tokenizer-type", "vocab-file", "merge-file", "name")
+_BOOL_FLAGS = (
+    "swiglu",
+    "untie-embeddings-and-output-weights",
+    "group-query-attention",
+    "disable-bias-linear",
+    "add-qkv-bias",
+    "sequence-parallel",
+    "fp16",
+    "bf16",
+    "fp8-e4m3",
+    "fp8-hybrid",
+    "use-distributed-optimizer",
+    "recompute-activations",
+    "checkpoint-activations",
+    "use-rotary-position-embeddings",
+)
+_POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronRun:
+    """A Megatron-LM run's model and settings.
+
+    Attributes:
+        spec: the model (``vocab_size`` unpadded, ``vocab_divisible_by`` the
+            ``--make-vocab-size-divisible-by`` value).
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        virtual_chunks: model chunks per pipeline rank (interleaved 1F1B);
+            1 without interleaving.
+        micro_batch: samples per micro-batch.
+        global_batch: samples per iteration; ``None`` if not given (Megatron
+            then uses ``micro_batch x data-parallel size``).
+        sequence_parallel: Megatron's sequence parallelism.
+        recompute_granularity: ``"full"``, ``"selective"`` or ``None``.
+        recompute_method: ``"uniform"``, ``"block"`` or ``None``.
+        recompute_num_layers: Megatron's ``--recompute-num-layers``.
+        precision: ``"fp32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (FP8 GEMMs
+            through Transformer Engine; ``params_dtype`` is then fp16 or bf16).
+        params_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        use_distributed_optimizer: optimizer states sharded over data parallel.
+        padded_vocab_size: the embedding's rows at this TP.
+        ignored: the arguments read and ignored, in order.
+    """
+
+    spec: TransformerSpec
+    tp: int
+    pp: int
+    virtual_chunks: int
+    micro_batch: int
+    global_batch: int | None
+    sequence_parallel: bool
+    recompute_granularity: Literal["full", "selective"] | None
+    recompute_method: Literal["uniform", "block"] | None
+    recompute_num_layers: int | None
+    precision: Literal["fp32", "fp16", "bf16", "fp8"]
+    params_dtype: Literal["fp32", "fp16", "bf16"]
+    use_distributed_optimizer: bool
+    padded_vocab_size: int
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def recompute_full(self) -> bool:
+        """Every block's forward pass is recomputed (Megatron's model-FLOPs
+        counting with recomputation applies)."""
+        return self.recompute_granularity == "full"
+
+
+def _tokens(argv: str | Sequence[str]) -> list[str]:
+    if isinstance(argv, str):
+        try:
+            return shlex.split(argv, comments=True)
+        except ValueError as error:
+            raise ProblemError(f"Megatron arguments: cannot split: {error}") from None
+    if not all(isinstance(token, str) for token in argv):
+        raise ProblemError("Megatron arguments must be a string or a list of strings")
+    return list(argv)
+
+
+def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``{flag: value}`` for the known flags (last one wins), and the rest."""
+    values: dict[str, Any] = {}
+    ignored: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        index += 1
+        if not token.startswith("--") or token == "--":
+            ignored.append(token)
+            continue
+        flag, has_value, inline = token[2:].partition("=")
+        takes_value = flag in _INT_FLAGS or flag in _CHOICE_FLAGS or flag in _STR_FLAGS
+        if flag in _BOOL_FLAGS:
+            if has_value:
+                raise ProblemError(f"Megatron arguments: --{flag} takes no value")
+            values[flag] = True
+            continue
+        if not takes_value:
+            if not has_value and index < len(tokens):
+                if not tokens[index].startswith("--"):
+                    token = f"{token} {tokens[index]}"
+                    index += 1
+            ignored.append(token)
+            continue
+        if has_value:
+            text = inline
+        elif index < len(tokens) and not tokens[index].startswith("--"):
+            text = tokens[index]
+            index += 1
+        else:
+            raise ProblemError(f"Megatron arguments: --{flag} needs a value")
+        values[flag] = _value(flag, text)
+    return values, ignored
+
+
+def _value(flag: str, text: str) -> object:
+    if flag in _INT_FLAGS:
+        try:
+            number = int(text)
+        except ValueError:
+            raise ProblemError(
+                f"Megatron arguments: --{flag} must be an integer, got {text!r}"
+            ) from None
+        if number <= 0:
+            raise ProblemError(
+                f"Megatron arguments: --{flag} must be positive, got {number}"
+            )
+        return number
+    if flag in _CHOICE_FLAGS and text not in _CHOICE_FLAGS[flag]:
+        raise ProblemError(
+            f"Megatron arguments: --{flag} {text!r} is not supported "
+            f"(supported: {', '.join(_CHOICE_FLAGS[flag])})"
+        )
+    return text
+
+
+def _required(values: dict[str, Any], flag: str) -> int:
+    if flag not in values:
+        raise ProblemError(f"Megatron arguments: missing --{flag}")
+    return int(values[flag])
+
+
+def _vocab_size(values: dict[str, Any], vocab_size: int | None) -> int:
+    if "vocab-size" in values:
+        return int(values["vocab-size"])
+    gpt2 = values.get("tokenizer-type") == "GPT2BPETokenizer" or (
+        "tokenizer-type" not in values and "merge-file" in values
+    )
+    if gpt2:
+        return GPT2_VOCAB_SIZE
+    if vocab_size is not None:
+        return vocab_size
+    raise ProblemError(
+        "Megatron arguments: the vocabulary size is unknown (give --vocab-size, "
+        "or a GPT-2 BPE --merge-file / --tokenizer-type GPT2BPETokenizer)"
+    )
+
+
+def _recompute(values: dict[str, Any]) -> tuple[Any, Any, int | None]:
+    granularity = values.get("recompute-granularity")
+    method = values.get("recompute-method")
+    num_layers = values.get("recompute-num-layers")
+    if values.get("recompute-activations"):
+        if granularity == "full":
+            raise ProblemError(
+                "Megatron arguments: --recompute-activations (selective) contradicts "
+                "--recompute-granularity full"
+            )
+        granularity = "selective"
+    old_method = values.get("activations-checkpoint-method")
+    if old_method is None and values.get("checkpoint-activations"):
+        old_method = "uniform"
+    if old_method is not None:
+        if granularity == "selective" or (method not in (None, old_method)):
+            raise ProblemError(
+                "Megatron arguments: the old --checkpoint-activations / "
+                "--activations-checkpoint-method contradict the --recompute-* flags"
+            )
+        granularity, method = "full", old_method
+        num_layers = values.get("activations-checkpoint-num-layers", num_layers or 1)
+    if granularity == "selective" and (method is not None or num_layers is not None):
+        raise ProblemError(
+            "Megatron arguments: --recompute-method and --recompute-num-layers apply "
+            "only to --recompute-granularity full"
+        )
+    if granularity is None:
+        method = num_layers = None
+    return granularity, method, num_layers
+
+
+def _precision(values: dict[str, Any]) -> tuple[str, str]:
+    if values.get("fp16") and values.get("bf16"):
+        raise ProblemError("Megatron arguments: --fp16 and --bf16 are exclusive")
+    params = "fp16" if values.get("fp16") else "bf16" if values.get("bf16") else "fp32"
+    fp8 = "fp8-format" in values or values.get("fp8-e4m3") or values.get("fp8-hybrid")
+    if fp8 and params == "fp32":
+        raise ProblemError("Megatron arguments: FP8 needs --bf16 or --fp16")
+    return ("fp8" if fp8 else params), params
+
+
+def _virtual_chunks(values: dict[str, Any], num_layers: int, pp: int) -> int:
+    per_stage = values.get("num-layers-per-virtual-pipeline-stage")
+    per_rank = values.get("num-virtual-stages-per-pipeline-rank")
+    if per_stage is not None and per_rank is not None:
+        raise ProblemError(
+            "Megatron arguments: give one of --num-layers-per-virtual-pipeline-stage "
+            "and --num-virtual-stages-per-pipeline-rank"
+        )
+    if num_layers % pp:
+        raise ProblemError(
+            f"Megatron arguments: --num-layers {num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size {pp}"
+        )
+    if per_stage is None and per_rank is None:
+        return 1
+    if pp == 1:
+        raise ProblemError(
+            "Megatron arguments: virtual pipeline stages need "
+            "--pipeline-model-parallel-size > 1"
+        )
+    if per_rank is not None:
+        chunks = int(per_rank)
+    else:
+        layers_per_rank = num_layers // pp
+        if layers_per_rank % int(per_stage):
+            raise ProblemError(
+                f"Megatron arguments: {layers_per_rank} layers per pipeline stage "
+                f"are not divisible by --num-layers-per-virtual-pipeline-stage "
+                f"{per_stage}"
+            )
+        chunks = layers_per_rank // int(per_stage)
+    if num_layers % (pp * chunks):
+        raise ProblemError(
+            f"Megatron arguments: --num-layers {num_layers} is not divisible by "
+            f"pipeline stages x virtual stages = {pp} x {chunks}"
+        )
+    return chunks
+
+
+def _spec(values: dict[str, Any], name: str, vocab: int) -> TransformerSpec:
+    hidden = _required(values, "hidden-size")
+    heads = _required(values, "num-attention-heads")
+    if hidden % heads:
+        raise ProblemError(
+            f"Megatron arguments: --num-attention-heads {heads} does not divide "
+            f"--hidden-size {hidden}"
+        )
+    if values.get("kv-channels", hidden // heads) != hidden // heads:
+        raise ProblemError(
+            f"Megatron arguments: --kv-channels {values['kv-channels']} != hidden / "
+            f"heads = {hidden // heads} is not supported"
+        )
+    swiglu = bool(values.get("swiglu"))
+    default_ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+    groups = heads
+    if values.get("group-query-attention"):
+        groups = int(values.get("num-query-groups", 1))
+    position = values.get("position-embedding-type", "learned_absolute")
+    if values.get("use-rotary-position-embeddings"):
+        position = "rope"
+    seq_length = _required(values, "seq-length")
+    rows = 0
+    if position == "learned_absolute":
+        rows = _required(values, "max-position-embeddings")
+    bias = not values.get("disable-bias-linear")
+    try:
+        return TransformerSpec(
+            name=name,
+            num_layers=_required(values, "num-layers"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            ffn_hidden_size=int(values.get("ffn-hidden-size", default_ffn)),
+            vocab_size=vocab,
+            seq_length=seq_length,
+            gated_mlp=swiglu,
+            norm="rmsnorm" if values.get("normalization") == "RMSNorm" else "layernorm",
+            position=_POSITIONS[str(position)],
+            max_position_embeddings=rows,
+            tied_embeddings=not values.get("untie-embeddings-and-output-weights"),
+            linear_bias=bias,
+            qkv_bias=bool(values.get("add-qkv-bias")),
+            vocab_divisible_by=int(values.get("make-vocab-size-divisible-by", 128)),
+        )
+    except ValueError as error:
+        raise ProblemError(f"Megatron arguments: {error}") from None
+
+
+def spec_from_megatron_args(
+    argv: str | Sequence[str],
+    *,
+    name: str = "megatron-gpt",
+    vocab_size: int | None = None,
+) -> MegatronRun:
+    """A Megatron-LM ``pretrain_gpt.py`` command line as a :class:`MegatronRun`.
+
+    Args:
+        argv: the arguments, as one string (split as a shell would, ``#``
+            comments dropped) or as a list.
+        name: the spec's name (``--name`` overrides it).
+        vocab_size: the tokenizer's vocabulary, for when the arguments do not
+            give it (``--vocab-size``, or a GPT-2 BPE tokenizer: 50,257).
+
+    Returns:
+        The run. Flags it does not read are listed in ``ignored``.
+
+    Raises:
+        ProblemError: a missing model flag (``--num-layers``, ``--hidden-size``,
+            ``--num-attention-heads``, ``--seq-length``, ``--micro-batch-size``,
+            and ``--max-position-embeddings`` with learned positions), a value
+            of the wrong kind, a mixture-of-experts or context-parallel run, or
+            contradictory settings: ``--fp16`` with ``--bf16``, sequence
+            parallelism with TP 1, heads (or query groups, or MLP width) not
+            divisible by TP, virtual stages with PP 1, layers not divisible by
+            PP x virtual stages, selective recomputation with a method.
+    """
+    values, ignored = _parse(_tokens(argv))
+    if values.get("num-experts", 1) != 1:
+        raise ProblemError(
+            f"Megatron arguments: mixture-of-experts runs (--num-experts "
+            f"{values['num-experts']}) are not supported; only dense models are"
+        )
+    if values.get("context-parallel-size", 1) != 1:
+        raise ProblemError(
+            "Megatron arguments: context parallelism (--context-parallel-size "
+            f"{values['context-parallel-size']}) is not supported"
+        )
+    tp = int(values.get("tensor-model-parallel-size", 1))
+    pp = int(values.get("pipeline-model-parallel-size", 1))
+    if values.get("sequence-parallel") and tp == 1:
+        raise ProblemError(
+            "Megatron arguments: --sequence-parallel needs "
+            "--tensor-model-parallel-size > 1"
+        )
+    vocab = _vocab_size(values, vocab_size)
+    spec = _spec(values, str(values.get("name", name)), vocab)
+    try:
+        spec.check_tp(tp)
+    except ValueError as error:
+        raise ProblemError(f"Megatron arguments: {error}") from None
+    chunks = _virtual_chunks(values, spec.num_layers, pp)
+    micro = _required(values, "micro-batch-size")
+    global_batch = values.get("global-batch-size")
+    if global_batch is not None and int(global_batch) % micro:
+        raise ProblemError(
+            f"Megatron arguments: --global-batch-size {global_batch} is not a "
+            f"multiple of --micro-batch-size {micro}"
+        )
+    granularity, method, recompute_layers = _recompute(values)
+    precision, params_dtype = _precision(values)
+    return MegatronRun(
+        spec=spec,
+        tp=tp,
+        pp=pp,
+        virtual_chunks=chunks,
+        micro_batch=micro,
+        global_batch=global_batch,
+        sequence_parallel=bool(values.get("sequence-parallel")),
+        recompute_granularity=granularity,
+        recompute_method=method,
+        recompute_num_layers=recompute_layers,
+        precision=precision,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=bool(values.get("use-distributed-optimizer")),
+        padded_vocab_size=spec.padded_vocab_size(tp),
+        ignored=tuple(ignored),
+    )

@@ -1,0 +1,381 @@
+"""Model descriptions: Hugging Face ``config.json`` files and bundled presets.
+
+:func:`spec_from_hf_config` reads the ``config.json`` of a dense decoder-only
+model (GPT-2, GPT-Neo, GPT-NeoX, OPT, LLaMA, Mistral, Qwen2) into a
+:class:`~pipedejavu.core.transformer.TransformerSpec`. Mixture-of-experts
+configurations are refused: the specification describes dense models only.
+
+:func:`load_model_spec` resolves a bundled preset name (``pipedejavu/data/models``,
+each file with its ``source``) or a file path, either a Hugging Face config or
+this package's own format: the :class:`TransformerSpec` fields as JSON keys plus
+``source`` and an optional ``note``. Megatron-LM command lines are read by
+:mod:`pipedejavu.io.megatron_args`.
+
+Every file is read with a size limit; every problem is one
+:class:`ProblemError` line naming the file (and the key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.files import read_json
+from pipedejavu.core.transformer import TransformerSpec
+
+__all__ = [
+    "HF_MODEL_TYPES",
+    "MAX_MODEL_FILE_BYTES",
+    "bundled_models_dir",
+    "list_model_presets",
+    "load_model_spec",
+    "spec_from_dict",
+    "spec_from_hf_config",
+]
+
+#: A model description is a few kilobytes; refuse anything past 1 MiB.
+MAX_MODEL_FILE_BYTES = 2**20
+#: ``model_type`` values :func:`spec_from_hf_config` reads.
+HF_MODEL_TYPES = ("gpt2", "gpt_neo", "gpt_neox", "opt", "llama", "mistral", "qwen2")
+#: Keys that mark a mixture-of-experts configuration.
+_MOE_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_layer_freq",
+)
+#: Keys of the own format beside the TransformerSpec fields.
+_OWN_EXTRA_KEYS = ("source", "note", "format")
+_SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(TransformerSpec))
+
+
+class _Config:
+    """A parsed JSON object and the name of where it came from, for messages."""
+
+    def __init__(self, data: Any, source: str):
+        if not isinstance(data, dict):
+            raise ProblemError(
+                f"{source}: a model config must be a JSON object, "
+                f"got {type(data).__name__}"
+            )
+        self.data = data
+        self.source = source
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get_int(self, key: str, default: int | None = None) -> int:
+        value = self.data.get(key)
+        if value is None:
+            if default is None:
+                raise ProblemError(f"{self.source}: missing key {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ProblemError(
+                f"{self.source}: {key} must be a positive integer, got {value!r}"
+            )
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ProblemError(
+                f"{self.source}: {key} must be true or false, got {value!r}"
+            )
+        return value
+
+    def get_str(self, key: str, default: str | None = None) -> str:
+        value = self.data.get(key)
+        if value is None:
+            if default is None:
+                raise ProblemError(f"{self.source}: missing key {key!r}")
+            return default
+        if not isinstance(value, str):
+            raise ProblemError(f"{self.source}: {key} must be a string, got {value!r}")
+        return value
+
+
+def _refuse_moe(config: _Config) -> None:
+    for key in config.data:
+        value = config.data[key]
+        if value in (None, 0, False):
+            continue
+        if key in _MOE_KEYS or key.startswith("moe_"):
+            raise ProblemError(
+                f"{config.source}: mixture-of-experts models are not supported "
+                f"({key} = {value!r}); only dense transformers are"
+            )
+
+
+def _seq_length(seq_length: int | None, default: int) -> int:
+    if seq_length is None:
+        return default
+    if (
+        isinstance(seq_length, bool)
+        or not isinstance(seq_length, int)
+        or seq_length <= 0
+    ):
+        raise ProblemError(f"seq_length must be a positive integer, got {seq_length!r}")
+    return seq_length
+
+
+def _llama_like(config: _Config, model_type: str) -> dict[str, Any]:
+    """LLaMA, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, GQA."""
+    heads = config.get_int("num_attention_heads")
+    hidden = config.get_int("hidden_size")
+    if config.has("head_dim") and config.get_int("head_dim") * heads != hidden:
+        raise ProblemError(
+            f"{config.source}: head_dim {config.data['head_dim']} x "
+            f"num_attention_heads {heads} != hidden_size {hidden} is not supported"
+        )
+    if model_type == "qwen2":
+        linear_bias, qkv_bias = False, True  # Qwen2: bias on q, k, v only
+    else:
+        attention_bias = config.get_bool("attention_bias", False)
+        mlp_bias = config.get_bool("mlp_bias", False)
+        if attention_bias != mlp_bias:
+            raise ProblemError(
+                f"{config.source}: attention_bias {attention_bias} with mlp_bias "
+                f"{mlp_bias} is not supported (both or neither)"
+            )
+        linear_bias, qkv_bias = attention_bias, False
+    hidden_act = config.get_str("hidden_act", "silu")
+    if hidden_act not in ("silu", "swish"):
+        raise ProblemError(
+            f"{config.source}: hidden_act {hidden_act!r} is not supported for "
+            f"{model_type} (a SwiGLU MLP needs silu)"
+        )
+    return dict(
+        num_layers=config.get_int("num_hidden_layers"),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=config.get_int("num_key_value_heads", heads),
+        ffn_hidden_size=config.get_int("intermediate_size"),
+        vocab_size=config.get_int("vocab_size"),
+        positions=config.get_int("max_position_embeddings"),
+        gated_mlp=True,
+        norm="rmsnorm",
+        position="rotary",
+        tied_embeddings=config.get_bool("tie_word_embeddings", False),
+        linear_bias=linear_bias,
+        qkv_bias=qkv_bias,
+    )
+
+
+def _gpt_like(config: _Config, model_type: str) -> dict[str, Any]:
+    """GPT-2, GPT-Neo, GPT-NeoX, OPT: LayerNorm, biases, a two-matrix MLP."""
+    if model_type == "gpt2":
+        hidden = config.get_int("n_embd")
+        fields = dict(
+            num_layers=config.get_int("n_layer"),
+            num_attention_heads=config.get_int("n_head"),
+            ffn_hidden_size=config.get_int("n_inner", 4 * hidden),
+            positions=config.get_int("n_positions"),
+            tied_embeddings=config.get_bool("tie_word_embeddings", True),
+        )
+    elif model_type == "gpt_neo":
+        hidden = config.get_int("hidden_size")
+        fields = dict(
+            num_layers=config.get_int("num_layers"),
+            num_attention_heads=config.get_int("num_heads"),
+            ffn_hidden_size=config.get_int("intermediate_size", 4 * hidden),
+            positions=config.get_int("max_position_embeddings"),
+            tied_embeddings=config.get_bool("tie_word_embeddings", True),
+        )
+    elif model_type == "gpt_neox":
+        hidden = config.get_int("hidden_size")
+        fields = dict(
+            num_layers=config.get_int("num_hidden_layers"),
+            num_attention_heads=config.get_int("num_attention_heads"),
+            ffn_hidden_size=config.get_int("intermediate_size"),
+            positions=config.get_int("max_position_embeddings"),
+            tied_embeddings=config.get_bool("tie_word_embeddings", False),
+            position="rotary",
+            linear_bias=config.get_bool("attention_bias", True),
+        )
+    else:  # opt
+        hidden = config.get_int("hidden_size")
+        projection = config.get_int("word_embed_proj_dim", hidden)
+        if projection != hidden:
+            raise ProblemError(
+                f"{config.source}: word_embed_proj_dim {projection} != hidden_size "
+                f"{hidden} (OPT's embedding projections) is not supported"
+            )
+        fields = dict(
+            num_layers=config.get_int("num_hidden_layers"),
+            num_attention_heads=config.get_int("num_attention_heads"),
+            ffn_hidden_size=config.get_int("ffn_dim"),
+            positions=config.get_int("max_position_embeddings"),
+            tied_embeddings=config.get_bool("tie_word_embeddings", True),
+            linear_bias=config.get_bool("enable_bias", True),
+        )
+    fields.setdefault("position", "learned")
+    fields.setdefault("linear_bias", True)
+    fields.update(hidden_size=hidden, vocab_size=config.get_int("vocab_size"))
+    fields["num_query_groups"] = fields["num_attention_heads"]
+    return fields
+
+
+def _spec_from_hf(
+    config: _Config, name: str | None, seq_length: int | None
+) -> TransformerSpec:
+    _refuse_moe(config)
+    model_type = config.get_str("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ProblemError(
+            f"{config.source}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(HF_MODEL_TYPES)})"
+        )
+    if model_type in ("llama", "mistral", "qwen2"):
+        fields = _llama_like(config, model_type)
+    else:
+        fields = _gpt_like(config, model_type)
+    positions = fields.pop("positions")
+    fields["seq_length"] = _seq_length(seq_length, positions)
+    if fields["position"] == "learned":
+        fields["max_position_embeddings"] = positions
+    if name is None:
+        name = config.data.get("_name_or_path") or model_type
+        name = name if isinstance(name, str) else model_type
+    try:
+        return TransformerSpec(name=name, **fields)
+    except ValueError as error:
+        raise ProblemError(f"{config.source}: {error}") from None
+
+
+def _read(path: str | os.PathLike, what: str) -> Any:
+    return read_json(path, MAX_MODEL_FILE_BYTES, what)
+
+
+def spec_from_hf_config(
+    path_or_dict: str | os.PathLike | Mapping[str, Any],
+    *,
+    name: str | None = None,
+    seq_length: int | None = None,
+) -> TransformerSpec:
+    """A Hugging Face ``config.json`` as a :class:`TransformerSpec`.
+
+    Args:
+        path_or_dict: the file, or its parsed contents.
+        name: the spec's name (default: ``_name_or_path``, else the model type).
+        seq_length: training tokens per sample (default: the model's
+            ``max_position_embeddings`` / ``n_positions``, its longest context).
+
+    Returns:
+        The spec. The vocabulary is the config's ``vocab_size`` (checkpoints
+        already store it padded), with ``vocab_divisible_by`` 1.
+
+    Raises:
+        ProblemError: unreadable or oversized file, a missing or mistyped key
+            (named), an unsupported ``model_type``, a mixture-of-experts model,
+            or shapes that do not fit.
+    """
+    if isinstance(path_or_dict, Mapping):
+        config = _Config(dict(path_or_dict), "model config")
+    else:
+        source = os.fspath(path_or_dict)
+        config = _Config(_read(source, "model config"), source)
+    return _spec_from_hf(config, name, seq_length)
+
+
+def spec_from_dict(
+    data: Mapping[str, Any], source: str = "model spec"
+) -> TransformerSpec:
+    """This package's own format: the :class:`TransformerSpec` fields by name,
+    plus ``source`` (where the shape comes from) and an optional ``note``.
+
+    Raises:
+        ProblemError: an unknown or missing key, or an invalid value.
+    """
+    if not isinstance(data, Mapping):
+        raise ProblemError(
+            f"{source}: a model spec must be a JSON object, got {type(data).__name__}"
+        )
+    unknown = sorted(set(data) - set(_SPEC_FIELDS) - set(_OWN_EXTRA_KEYS))
+    if unknown:
+        raise ProblemError(
+            f"{source}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_FIELDS)})"
+        )
+    fields = {key: data[key] for key in _SPEC_FIELDS if key in data}
+    try:
+        return TransformerSpec(**fields)
+    except TypeError:
+        missing = [
+            field.name
+            for field in dataclasses.fields(TransformerSpec)
+            if field.default is dataclasses.MISSING and field.name not in data
+        ]
+        raise ProblemError(f"{source}: missing key {missing[0]!r}") from None
+    except ValueError as error:
+        raise ProblemError(f"{source}: {error}") from None
+
+
+def bundled_models_dir() -> Path:
+    """The bundled presets: one JSON file per model."""
+    return Path(str(importlib.resources.files("pipedejavu") / "data" / "models"))
+
+
+@functools.cache
+def _presets() -> dict[str, tuple[Path, dict[str, Any]]]:
+    presets: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for path in sorted(bundled_models_dir().glob("*.json")):
+        data = _read(path, "model preset")
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise ProblemError(f"{path}: a model preset must have a string 'name'")
+        presets[data["name"]] = (path, data)
+    return presets
+
+
+def list_model_presets() -> dict[str, str]:
+    """The bundled presets: ``{name: source}``, in name order."""
+    return {name: str(data.get("source", "")) for name, (_, data) in _presets().items()}
+
+
+def _spec_from_data(data: Any, source: str, seq_length: int | None) -> TransformerSpec:
+    if isinstance(data, dict) and "model_type" in data:
+        return _spec_from_hf(_Config(data, source), None, seq_length)
+    spec = spec_from_dict(data, source)
+    if _seq_length(seq_length, spec.seq_length) != spec.seq_length:
+        try:
+            spec = dataclasses.replace(spec, seq_length=seq_length)
+        except ValueError as error:
+            raise ProblemError(f"{source}: {error}") from None
+    return spec
+
+
+def load_model_spec(
+    name_or_path: str | os.PathLike, *, seq_length: int | None = None
+) -> TransformerSpec:
+    """A bundled preset by name (case-insensitive), or a model file.
+
+    Args:
+        name_or_path: a preset name (see :func:`list_model_presets`), or a JSON
+            file: a Hugging Face ``config.json`` (it has ``model_type``) or this
+            package's own format (see :func:`spec_from_dict`).
+        seq_length: override the tokens per sample.
+
+    Raises:
+        ProblemError: neither a preset nor a readable file, or an invalid one.
+    """
+    key = os.fspath(name_or_path)
+    by_lower = {name.lower(): name for name in _presets()}
+    if key.lower() in by_lower:
+        path, data = _presets()[by_lower[key.lower()]]
+        return _spec_from_data(data, os.fspath(path), seq_length)
+    if not os.path.exists(key):
+        raise ProblemError(
+            f"unknown model {key!r}: not a preset ({', '.join(_presets())}) and "
+            f"no such file"
+        )
+    return _spec_from_data(_read(key, "model file"), key, seq_length)
