@@ -227,7 +227,7 @@ def test_bad_inputs():
         analytical_layer_times(spec, A_GPU, 1, 1, "int4")
     with pytest.raises(ValueError, match="GPU X has no fp8 peak"):
         analytical_layer_times(spec, A_GPU, 1, 1, "fp8")
-    with pytest.raises(ValueError, match="hidden_size 1000 must be a multiple"):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(16\) must divide hidden_size \(1000\)"):
         analytical_layer_times(gpt(1000, 16), A_GPU, 1, 1, "bf16")
     with pytest.raises(ValueError, match="recompute must be"):
         activation_bytes(spec, 1, 1, "bf16", recompute="some")
