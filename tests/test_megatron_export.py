@@ -19,13 +19,12 @@ from pipedejavu.cli.main import main
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
-from pipedejavu.io.exports import (
-    export_plan,
-    to_alpa,
-    to_deepspeed,
-    to_megatron,
-    to_torchtitan,
-)
+from pipedejavu.io.export_alpa import to_alpa
+from pipedejavu.io.export_deepspeed import to_deepspeed
+from pipedejavu.io.export_megatron import to_megatron
+from pipedejavu.io.export_rules import ExportRefused, gpu_types_by_rank
+from pipedejavu.io.export_torchtitan import to_torchtitan
+from pipedejavu.io.exports import export_plan
 from pipedejavu.io.sailor_plan import load_plan3d, plan_from_sailor, plan_to_sailor
 
 
@@ -143,6 +142,9 @@ def test_megatron_uses_the_simplest_arguments():
     assert "--decoder-first-pipeline-num-layers" not in to_megatron(PLANS["even"])
     layout = to_megatron(PLANS["irregular"])
     assert layout[-2:] == ["--pipeline-model-parallel-layout", "Et*2|t*10|t*3|t*9L"]
+    # The layout holds '|': the printed line is quoted for a shell (issue 27).
+    line = export_plan(PLANS["irregular"], "megatron").splitlines()[-1]
+    assert line.endswith("--pipeline-model-parallel-layout 'Et*2|t*10|t*3|t*9L'")
 
 
 # ------------------------------------------------------------- DeepSpeed
@@ -183,11 +185,20 @@ TORCHTITAN_PARALLELISM = {
 TORCHTITAN_TRAINING = {"local_batch_size": int, "global_batch_size": int}
 
 
-@pytest.mark.parametrize("name", PLANS)
+TORCHTITAN_PLANS = {
+    "ddp only": _plan((0, 26), tp=1, dp=4),
+    "tp only": _plan((0, 26), tp=4, dp=1, gbs=8),
+    "pp and tp": _plan((0, 1, 13, 26), tp=2, dp=1, gbs=8),
+}
+
+
+@pytest.mark.parametrize("name", TORCHTITAN_PLANS)
 def test_torchtitan_toml(name):
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    plan = PLANS[name]
-    config = tomllib.loads(to_torchtitan(plan))
+    plan = TORCHTITAN_PLANS[name]
+    text = to_torchtitan(plan)
+    assert text.startswith("# torchtitan v0.2.2 ")
+    config = tomllib.loads(text)
     assert set(config) == {"training", "parallelism"}
     for section, fields in (
         ("parallelism", TORCHTITAN_PARALLELISM),
@@ -203,6 +214,16 @@ def test_torchtitan_toml(name):
         * par["pipeline_parallel_degree"]
     )
     assert world == plan.num_gpus
+    # DDP (replicas, no sharding) only when it is the only parallelism.
+    if par["data_parallel_replicate_degree"] > 1:
+        assert world == par["data_parallel_replicate_degree"]
+    training = config["training"]
+    assert training["global_batch_size"] == plan.gbs
+    if par["pipeline_parallel_degree"] == 1:
+        # One forward/backward of local_batch_size per accumulation step.
+        assert "module_fqns_per_model_part" not in par
+        assert training["local_batch_size"] == plan.mbs
+        return
     assert par["pipeline_parallel_schedule"] == "1F1B"
     parts = par["module_fqns_per_model_part"]
     assert len(parts) == par["pipeline_parallel_degree"]
@@ -211,26 +232,40 @@ def test_torchtitan_toml(name):
         "norm",
         "output",
     ]
-    training = config["training"]
-    assert training["global_batch_size"] == plan.gbs
-    assert (
-        training["local_batch_size"] * par["data_parallel_replicate_degree"] == plan.gbs
-    )
+    assert training["local_batch_size"] == plan.gbs
+    assert par["pipeline_parallel_microbatch_size"] == plan.mbs
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_torchtitan_refuses_ddp_beside_tp_or_pp(name):
+    with pytest.raises(ExportRefused, match="only as FSDP/HSDP"):
+        to_torchtitan(PLANS[name])
+    with pytest.raises(ExportRefused, match=r"--export megatron, deepspeed, "):
+        export_plan(PLANS[name], "torchtitan", gpus_per_node={"GH-96": 4})
 
 
 # ------------------------------------------------------------------ Alpa
 @pytest.mark.parametrize("name", PLANS)
 def test_alpa_manual_stage_option(name):
     plan = PLANS[name]
-    option = to_alpa(plan, gpus_per_host=4)
-    ids = option["forward_stage_layer_ids"]
-    assert [i for stage in ids for i in stage] == list(range(26))
-    fields = (
+    out = to_alpa(plan, gpus_per_host=4)
+    assert out["target"].startswith("alpa b8078a9")
+    option = out["manual_stage_option"]
+    # Exactly ManualStageOption's fields; the micro-batches go beside it.
+    assert set(option) == {
+        "forward_stage_layer_ids",
         "submesh_physical_shapes",
         "submesh_logical_shapes",
         "submesh_autosharding_option_dicts",
-    )
-    assert all(len(option[f]) == len(ids) for f in fields)
+    }
+    assert out["num_micro_batches"] * plan.mbs * plan.dp == plan.gbs
+    ids = option["forward_stage_layer_ids"]
+    assert [i for stage in ids for i in stage] == list(range(26))
+    assert all(len(option[f]) == len(ids) for f in option)
+    assert out["alpa_init"] == {
+        "num_nodes": plan.num_gpus // 4,
+        "num_devices_per_node": 4,
+    }
     for stage, physical, logical in zip(
         plan.stages,
         option["submesh_physical_shapes"],
@@ -247,7 +282,8 @@ def test_alpa_manual_stage_option(name):
 @pytest.mark.parametrize("name", PLANS)
 def test_sailor_round_trip(name):
     plan = PLANS[name]
-    back = plan_from_sailor(json.loads(export_plan(plan, "sailor")), model="OPT-350")
+    text = export_plan(plan, "sailor", gpus_per_node={"GH-96": 4})
+    back = plan_from_sailor(json.loads(text), model="OPT-350")
     assert [(s.start, s.stop, s.dp) for s in back.stages] == [
         (s.start, s.stop, s.dp) for s in plan.stages
     ]
@@ -257,29 +293,50 @@ def test_sailor_round_trip(name):
     assert (back.mbs, back.gbs) == (plan.mbs, plan.gbs)
     # The format has no node identities: everything but N survives, and a
     # plan read from a file is a fixed point.
-    exported, again = plan_to_sailor(plan), plan_to_sailor(back)
+    with pytest.raises(ProblemError, match="give gpus_per_node for GH-96"):
+        plan_to_sailor(plan)
+    exported = plan_to_sailor(plan, gpus_per_node={"GH-96": 4})
+    again = plan_to_sailor(back)
     assert {k: v for k, v in exported.items() if k != "N"} == {
         k: v for k, v in again.items() if k != "N"
     }
     assert plan_from_sailor(again, model="OPT-350") == back
-    used = exported["pipeline_list"][0]["tmp_per_stage"][0][0][0][0][1]
-    assert used == min(4, plan.stages[0].dp * plan.stages[0].replicas[0].tp)
+    # Without the node size a placed plan is refused; with it, every entry
+    # names the node's GPUs, as Sailor's reader takes them (issue 27).
+    assert {
+        r[0][0][1] for st in exported["pipeline_list"][0]["tmp_per_stage"] for r in st
+    } == {4}
 
 
 def test_per_stage_tp_is_refused_by_single_degree_runtimes():
     plan = Plan3D(
         (
-            Stage3D(0, 13, (Replica("GH-96", 2),)),
-            Stage3D(13, 26, (Replica("GH-96", 4),)),
+            Stage3D(0, 9, (Replica("GH-96", 4),)),
+            Stage3D(9, 17, (Replica("GH-96", 2),)),
+            Stage3D(17, 26, (Replica("GH-96", 2),)),
         ),
         mbs=1,
         gbs=8,
         model="OPT-350",
     )
-    for target in ("megatron", "deepspeed", "torchtitan"):
-        with pytest.raises(ProblemError, match="one tensor-parallel degree"):
-            export_plan(plan, target)
-    assert export_plan(plan, "alpa") and export_plan(plan, "sailor")
+    hosts = {"GH-96": 4}
+    for target in ("megatron", "deepspeed", "megatron-deepspeed", "torchtitan"):
+        with pytest.raises(
+            ExportRefused, match="one tensor-parallel degree.*--export alpa, sailor"
+        ):
+            export_plan(plan, target, gpus_per_node=hosts)
+    option = json.loads(export_plan(plan, "alpa", gpus_per_node=hosts))
+    assert option["manual_stage_option"]["submesh_physical_shapes"] == [
+        [1, 4],
+        [1, 2],
+        [1, 2],
+    ]
+    assert export_plan(plan, "sailor")
+    # Issue 27: 6 GPUs are not whole hosts of 4, so Alpa cannot launch it.
+    six = plan.replace(stages=plan.stages[:2])
+    six = six.replace(stages=(six.stages[0], Stage3D(9, 26, six.stages[1].replicas)))
+    with pytest.raises(ExportRefused, match="whole hosts of 4 GPUs"):
+        export_plan(six, "alpa", gpus_per_node=hosts)
     with pytest.raises(ProblemError, match="export must be one of"):
         export_plan(plan, "jax")
 
@@ -367,7 +424,6 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     carry it as comments, DeepSpeed's JSON as ``gpu_types_by_rank``, Alpa
     refuses (its options name no GPU types), and one-type plans say nothing."""
     from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
-    from pipedejavu.io.exports import gpu_types_by_rank
 
     tomllib = pytest.importorskip("tomllib")
     kinds = ["Titan-RTX", "Titan-RTX", "RTX-2080", "Titan-RTX"]
@@ -397,12 +453,17 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     args = [line for line in text.splitlines() if not line.startswith("#")]
     assert len(args) == 1 and args[0].startswith("--tensor-model-parallel-size 2")
     assert to_deepspeed(plan)["gpu_types_by_rank"] == expected
-    toml = to_torchtitan(plan)
-    assert "#   ranks 12-15: Titan-RTX (stage 3)" in toml
+    with pytest.raises(ExportRefused, match="only as FSDP/HSDP"):
+        to_torchtitan(plan)  # dp 2 beside pipeline stages
+    one_pipeline = plan.replace(
+        stages=tuple(Stage3D(s.start, s.stop, s.replicas[:1]) for s in plan.stages)
+    )
+    toml = to_torchtitan(one_pipeline)
+    assert "#   ranks 4-5: RTX-2080 (stage 2)" in toml
     assert tomllib.loads(toml)["parallelism"]["pipeline_parallel_degree"] == 4
     with pytest.raises(ProblemError, match="cannot name GPU types"):
         to_alpa(plan, gpus_per_host=8)
     one_type = PLANS["even"]
     assert "ranks" not in export_plan(one_type, "megatron")
     assert "gpu_types_by_rank" not in to_deepspeed(one_type)
-    assert "ranks" not in to_torchtitan(one_type)
+    assert "ranks" not in to_torchtitan(TORCHTITAN_PLANS["pp and tp"])

@@ -17,11 +17,11 @@ from pipedejavu.cli.batch import (  # goodput and elastic modes
 )
 from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
 from pipedejavu.cli.parsing import int_in
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, check_nodes
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-from pipedejavu.io.exports import export_plan
+from pipedejavu.io.exports import EXPORTS, export_plan
 from pipedejavu.io.sailor_plan import load_plan3d
 from pipedejavu.planning.training import (
     check_global_batch,
@@ -106,8 +106,9 @@ def add_parsers(commands: Any) -> None:
     )
     plan.add_argument(
         "--export",
-        choices=["megatron", "deepspeed", "torchtitan", "alpa", "sailor"],
-        help="also print the plan for this framework",
+        choices=EXPORTS,
+        help="also print the plan for this framework (refused, exit 2, when the "
+        "framework cannot launch it as planned)",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
 
@@ -213,12 +214,10 @@ def _plan(args: argparse.Namespace) -> int:
     exported = None
     if args.export:
         data = _data(args.profiles)
-        check_nodes(result.plan, lambda gpu: data.gpu_spec(gpu).gpus_per_node)
-        gpn = None
-        if args.export == "alpa":
-            gpu = result.plan.stages[0].replicas[0].gpu_type
-            gpn = data.gpu_spec(gpu).gpus_per_node
-        exported = export_plan(result.plan, args.export, gpus_per_node=gpn)
+        gpus_per_node = {
+            gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
+        }
+        exported = export_plan(result.plan, args.export, gpus_per_node=gpus_per_node)
     if args.json:
         out = result.to_json()
         if exported is not None:

@@ -101,7 +101,7 @@ class Replica:
         zone: a key into the network tables (Sailor's zone string).
         node: index of the physical node it runs on, or ``None`` for a node of
             its own.
-        gpus_on_node: GPUs of that node in use, as Sailor files record it
+        gpus_on_node: the GPUs of that node, as Sailor files record it
             (``None``: ``tp``). Kept for the round trip; the predictor uses ``tp``.
     """
 

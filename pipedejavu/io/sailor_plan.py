@@ -10,8 +10,11 @@ validation runs use it)::
         "tmp_per_stage": [[ [[["GH-96", 4, "us-central1-a"]], 4], ...], ...],
         "dp": [4, 4]}]}
 
-``tmp_per_stage[s][j] = [[[gpu_type, gpus_used_on_that_node, zone]], tp]`` is
-replica ``j`` of stage ``s``: a TP group of ``tp`` GPUs on one node of that type.
+``tmp_per_stage[s][j] = [[[gpu_type, gpus_per_node, zone]], tp]`` is
+replica ``j`` of stage ``s``: a TP group of ``tp`` GPUs on one node of that type
+with ``gpus_per_node`` GPUs (Sailor's reader, ``runtime_simulator.py``, makes it
+a ``VMconfig(gpu_type, gpus_per_node, zone)``: the node's GPUs, not the ones
+in use).
 ``layers_per_stage`` lists layer indices (consecutive). ``N`` is the number of
 nodes. Measured fields of validation files (``real``, ``max_mem``,
 ``red_grads``) are never read here: a plan is an input, a measurement is not.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pipedejavu.core.files import read_json
@@ -147,29 +151,54 @@ def plan_from_sailor(
         raise _fail(source, str(error)) from None
 
 
-def plan_to_sailor(plan: Plan3D, *, zone: str | None = None) -> dict[str, Any]:
+def plan_to_sailor(
+    plan: Plan3D,
+    *,
+    zone: str | None = None,
+    gpus_per_node: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """The ``plan_config`` object of a plan (no measured fields).
 
     ``N`` counts distinct nodes: replicas with ``node=None`` count one each.
-    ``gpus_used_on_that_node`` is, for a placed replica, the GPUs the plan uses on
-    its node; otherwise the replica's ``gpus_on_node`` or its ``tp``. (The format
-    has no node identities: a file read back places every replica on a node of
-    its own, so ``N`` of a plan that packs replicas does not survive the round
+    The middle field of a node entry is that node's GPUs, as Sailor's reader
+    takes it (``VMconfig(gpu_type, gpus_per_node, zone)`` in its
+    ``runtime_simulator.py``), not the GPUs a replica uses there: for a replica
+    placed on a node (``node`` set) it is ``gpus_per_node[gpu_type]``, else the
+    replica's ``gpus_on_node`` (what a Sailor file said), else ``tp`` (a node
+    of its own, the size Sailor's planner gives a replica). (The format has no
+    node identities: a file read back places every replica on a node of its
+    own, so ``N`` of a plan that packs replicas does not survive the round
     trip; stages, replicas, TP, GPU types, mbs and gbs do.)
+
+    Args:
+        plan: the plan.
+        zone: the file's zone (default: the first replica's).
+        gpus_per_node: GPUs per node of each type the plan places on nodes.
+
+    Raises:
+        ProblemError: a replica is placed on a node of a type that
+            ``gpus_per_node`` does not give.
     """
-    nodes: dict[int, int] = {}
+    nodes: set[int] = set()
     anonymous = 0
     for stage in plan.stages:
         for replica in stage.replicas:
             if replica.node is None:
                 anonymous += 1
             else:
-                nodes[replica.node] = nodes.get(replica.node, 0) + replica.tp
+                nodes.add(replica.node)
 
-    def gpus(replica) -> int:
-        if replica.node is not None:
-            return nodes[replica.node]
-        return replica.gpus_on_node or replica.tp
+    def gpus(replica: Replica) -> int:
+        if replica.node is None:
+            return replica.gpus_on_node or replica.tp
+        if gpus_per_node is not None and replica.gpu_type in gpus_per_node:
+            return gpus_per_node[replica.gpu_type]
+        if replica.gpus_on_node is not None:
+            return replica.gpus_on_node
+        raise ProblemError(
+            f"Sailor's plan_config names each node's GPUs; give gpus_per_node for "
+            f"{replica.gpu_type} (the plan places replicas on nodes)"
+        )
 
     first_zone = zone or plan.stages[0].replicas[0].zone or DEFAULT_ZONE
     return {
@@ -199,10 +228,15 @@ def plan_to_sailor(plan: Plan3D, *, zone: str | None = None) -> dict[str, Any]:
     }
 
 
-def write_sailor_plan(plan: Plan3D, path: str | os.PathLike) -> None:
+def write_sailor_plan(
+    plan: Plan3D,
+    path: str | os.PathLike,
+    *,
+    gpus_per_node: Mapping[str, int] | None = None,
+) -> None:
     """Write :func:`plan_to_sailor` of ``plan`` to ``path`` (indented JSON)."""
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(plan_to_sailor(plan), handle, indent=2)
+        json.dump(plan_to_sailor(plan, gpus_per_node=gpus_per_node), handle, indent=2)
         handle.write("\n")
 
 

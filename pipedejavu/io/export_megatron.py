@@ -1,0 +1,96 @@
+"""Megatron-LM arguments for a plan.
+
+Checked against Megatron Core 0.20 (``megatron/training/arguments.py``:
+``parse_args`` + ``validate_args``; ``megatron/core/parallel_state.py``:
+``RankGenerator``; the micro-batch calculator; no code copied):
+
+* ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+  ``--micro-batch-size``, ``--global-batch-size`` and ``--num-layers``
+  (transformer layers). Data parallelism is the world size over ``TP x PP``:
+  launch ``TP x PP x DP`` processes; the global batch must be a multiple of
+  ``micro-batch x DP``.
+* Layers per stage: an even split needs nothing more; uneven first/last stages
+  with equal middle stages use ``--decoder-first-pipeline-num-layers`` /
+  ``--decoder-last-pipeline-num-layers`` (what they leave divides evenly over
+  the other stages); any other split uses ``--pipeline-model-parallel-layout``
+  (``E`` embedding, ``t`` transformer layer, ``L`` loss, stages split by ``|``,
+  ``t*n`` repeats). The layout holds ``|``, so the command line is quoted for
+  a POSIX shell (:func:`shlex.join`).
+* One TP degree for every stage (:func:`~pipedejavu.io.export_rules.uniform_tp`).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.io.export_rules import (
+    check_whole_batch,
+    transformer_layers,
+    type_comment,
+    uniform_tp,
+)
+
+__all__ = ["MEGATRON_VERSION", "megatron_text", "pipeline_layout", "to_megatron"]
+
+MEGATRON_VERSION = "Megatron-LM (Megatron Core 0.20)"
+
+
+def pipeline_layout(counts: list[int]) -> str:
+    """``--pipeline-model-parallel-layout`` of transformer layers per stage."""
+    parts = []
+    for index, count in enumerate(counts):
+        text = "E" if index == 0 else ""
+        text += f"t*{count}" if count > 1 else ("t" if count == 1 else "")
+        text += "L" if index == len(counts) - 1 else ""
+        parts.append(text)
+    return "|".join(parts)
+
+
+def to_megatron(plan: Plan3D) -> list[str]:
+    """Megatron-LM arguments (module docstring); one string per token.
+
+    Raises:
+        ExportRefused: per-stage TP, or a batch that is not whole micro-batches.
+    """
+    tp = uniform_tp(plan, "Megatron-LM")
+    check_whole_batch(plan, "Megatron-LM")
+    counts = transformer_layers(plan)
+    num_layers, stages = sum(counts), len(counts)
+    args = [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(stages),
+        "--micro-batch-size",
+        str(plan.mbs),
+        "--global-batch-size",
+        str(plan.gbs),
+        "--num-layers",
+        str(num_layers),
+    ]
+    if stages == 1 or len(set(counts)) == 1:
+        return args  # Megatron's even split
+    middle = counts[1:-1]
+    if min(counts) > 0 and len(set(middle)) <= 1:
+        # Megatron divides what first/last leave evenly over the other stages.
+        even = middle[0] if middle else None
+        if counts[0] != even:
+            args += ["--decoder-first-pipeline-num-layers", str(counts[0])]
+        if middle and counts[-1] != even:
+            args += ["--decoder-last-pipeline-num-layers", str(counts[-1])]
+        return args
+    return args + ["--pipeline-model-parallel-layout", pipeline_layout(counts)]
+
+
+def megatron_text(plan: Plan3D) -> str:
+    """The export file: comments, then the arguments as one shell-quoted line."""
+    args = to_megatron(plan)
+    world = plan.num_gpus
+    return (
+        f"# {MEGATRON_VERSION}: launch {world} processes "
+        f"(TP x PP x DP = {world}); arguments quoted for a POSIX shell\n"
+        + type_comment(plan)
+        + shlex.join(args)
+        + "\n"
+    )

@@ -1,0 +1,128 @@
+"""Rules every exporter shares: what a launcher needs of a plan, and the rank
+order the launchers agree on.
+
+An exporter either writes a file its target runs exactly as planned (the
+stages, the ranks of every stage's replicas and the batch) or refuses the plan
+with a :class:`ExportRefused` that says why. :mod:`pipedejavu.io.exports` adds
+which other targets can launch the plan.
+
+**Rank order.** Megatron-LM (``RankGenerator`` order ``tp-cp-ep-dp-pp``),
+DeepSpeed (``PipeModelDataParallelTopology`` axes ``pipe, data, model``) and
+torchtitan (mesh ``pp, dp_replicate, fsdp, cp, tp``) all put TP fastest, then
+data parallelism, then the pipeline stage: replica ``j`` of stage ``s`` is
+global ranks ``(s dp + j) tp`` to ``(s dp + j + 1) tp - 1``
+(:func:`rank_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+
+__all__ = [
+    "ExportRefused",
+    "check_whole_batch",
+    "gpu_types_by_rank",
+    "rank_of",
+    "transformer_layers",
+    "type_comment",
+    "uniform_tp",
+]
+
+
+class ExportRefused(ProblemError):
+    """The target cannot launch the plan as planned; the message says why."""
+
+
+def uniform_tp(plan: Plan3D, target: str) -> int:
+    """The plan's one TP degree.
+
+    Raises:
+        ExportRefused: the stages (or replicas) use several degrees.
+    """
+    tps = {r.tp for s in plan.stages for r in s.replicas}
+    if len(tps) != 1:
+        raise ExportRefused(
+            f"{target} runs one tensor-parallel degree for every stage; the plan "
+            f"uses {sorted(tps)}"
+        )
+    return next(iter(tps))
+
+
+def check_whole_batch(plan: Plan3D, target: str) -> None:
+    """The launchers split the global batch into ``gbs / (mbs dp)`` whole
+    micro-batches per pipeline (Megatron's micro-batch calculator, DeepSpeed's
+    ``train_batch_size`` rule, torchtitan's gradient accumulation, Alpa's
+    ``num_micro_batches``); a plan priced with a rounded-up count would run a
+    different batch.
+
+    Raises:
+        ExportRefused: ``gbs`` is not a multiple of ``mbs x dp``.
+    """
+    if plan.gbs % (plan.mbs * plan.dp):
+        raise ExportRefused(
+            f"{target} needs the global batch {plan.gbs} to be a multiple of "
+            f"micro-batch x data parallelism = {plan.mbs} x {plan.dp}"
+        )
+    if plan.num_layers < 3:
+        raise ExportRefused(
+            f"{target} needs an embedding, transformer layers and a head; the plan "
+            f"covers {plan.num_layers} profile layers"
+        )
+
+
+def transformer_layers(plan: Plan3D) -> list[int]:
+    """Transformer layers per stage (profile layers ``1..L``; ``0`` and
+    ``L + 1`` are the embedding and the head)."""
+    last = plan.num_layers - 1
+    return [
+        sum(1 for layer in range(s.start, s.stop) if 0 < layer < last)
+        for s in plan.stages
+    ]
+
+
+def rank_of(plan: Plan3D, stage: int, replica: int, tp_rank: int) -> int:
+    """Global rank of a GPU in the launchers' order (module docstring)."""
+    tp = uniform_tp(plan, "the launch rank order")
+    return (stage * plan.dp + replica) * tp + tp_rank
+
+
+def gpu_types_by_rank(plan: Plan3D) -> list[dict[str, Any]]:
+    """Consecutive global-rank blocks of one GPU type (module docstring):
+    ``{"ranks": [first, last], "gpu_type", "stages": [first, last]}``."""
+    tp = uniform_tp(plan, "the launch rank order")
+    blocks: list[dict[str, Any]] = []
+    for index, stage in enumerate(plan.stages):
+        for j, replica in enumerate(stage.replicas):
+            first = rank_of(plan, index, j, 0)
+            last = first + tp - 1
+            if blocks and blocks[-1]["gpu_type"] == replica.gpu_type:
+                blocks[-1]["ranks"][1] = last
+                blocks[-1]["stages"][1] = index
+            else:
+                blocks.append(
+                    {
+                        "ranks": [first, last],
+                        "gpu_type": replica.gpu_type,
+                        "stages": [index, index],
+                    }
+                )
+    return blocks
+
+
+def type_comment(plan: Plan3D) -> str:
+    """Comment lines naming each rank block's GPU type (several types only)."""
+    if len(plan.gpus_by_type()) < 2:
+        return ""
+    lines = ["# GPU types by global rank (TP fastest, then data, then pipeline):"]
+    for block in gpu_types_by_rank(plan):
+        (r0, r1), (s0, s1) = block["ranks"], block["stages"]
+        stages = f"stage {s0}" if s0 == s1 else f"stages {s0}-{s1}"
+        lines.append(f"#   ranks {r0}-{r1}: {block['gpu_type']} ({stages})")
+    lines.append(
+        "#   order the hosts so these ranks land on GPUs of that type (a block "
+        "that does not fill whole hosts needs per-host process counts)"
+    )
+    return "\n".join(lines) + "\n"
