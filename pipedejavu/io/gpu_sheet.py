@@ -1,0 +1,236 @@
+"""The GPU sheet: published specifications per GPU type, and a user's additions.
+
+The bundled sheet is ``pipedejavu/data/gpus.json`` (sources per entry; see
+``pipedejavu/data/GPUS.md``). A user file has the same schema::
+
+    {"gpus": {"NAME": {"memory_bytes": 8.6e10,
+                       "memory_bandwidth_bytes_per_s": 2.0e12,
+                       "peak_flops": {"fp32": 1.95e13, "bf16": 3.12e14},
+                       "gpus_per_node": 8,
+                       "intra_node_bytes_per_s": 3.0e11,
+                       "inter_node_bytes_per_s": 2.0e11,
+                       "sources": ["..."], "note": "..."}},
+     "aliases": {"SHORT": "NAME"}}
+
+An entry for a new name needs every number; an entry for a name already on the
+sheet overrides only the fields it gives (``peak_flops`` precision by precision).
+Files are read with a size limit and validated (positive finite numbers, known
+precisions); every problem is one :class:`ProblemError` line naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.files import read_json
+from pipedejavu.core.gpu_sheet import PRECISIONS, GpuSheetEntry
+
+__all__ = [
+    "MAX_GPU_SHEET_BYTES",
+    "GpuSheet",
+    "bundled_gpu_sheet_path",
+    "load_gpu_sheet",
+]
+
+#: The bundled sheet is about 20 kB; refuse files past 1 MiB.
+MAX_GPU_SHEET_BYTES = 2**20
+_NUMBER_FIELDS = (
+    "memory_bytes",
+    "memory_bandwidth_bytes_per_s",
+    "intra_node_bytes_per_s",
+    "inter_node_bytes_per_s",
+)
+_ENTRY_FIELDS = (*_NUMBER_FIELDS, "peak_flops", "gpus_per_node", "sources", "note")
+_TOP_KEYS = ("gpus", "aliases", "description")
+
+
+class GpuSheet(Mapping[str, GpuSheetEntry]):
+    """GPU types by name; ``sheet[alias]`` finds the entry an alias names.
+
+    Iteration, ``len`` and ``keys()`` see the canonical names only.
+    """
+
+    def __init__(
+        self, entries: Mapping[str, GpuSheetEntry], aliases: Mapping[str, str]
+    ):
+        self._entries = dict(entries)
+        self.aliases: dict[str, str] = dict(aliases)
+
+    def resolve(self, name: str) -> str:
+        """The canonical name of ``name`` (itself or the entry its alias names).
+
+        Raises:
+            KeyError: neither a GPU type nor an alias on the sheet.
+        """
+        if name in self._entries:
+            return name
+        if name in self.aliases:
+            return self.aliases[name]
+        raise KeyError(
+            f"GPU {name!r} is not on the GPU sheet (known: {', '.join(self._entries)})"
+        )
+
+    def __getitem__(self, name: str) -> GpuSheetEntry:
+        return self._entries[self.resolve(name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries or name in self.aliases
+
+
+def bundled_gpu_sheet_path() -> Path:
+    """The sheet shipped inside the package."""
+    return Path(str(importlib.resources.files("pipedejavu") / "data" / "gpus.json"))
+
+
+def _entry_fields(raw: Any, source: str, name: str) -> dict[str, Any]:
+    """The fields an entry of a file gives, checked for kind (not for range)."""
+    where = f"{source}: GPU {name}"
+    if not isinstance(raw, dict):
+        raise ProblemError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_ENTRY_FIELDS))
+    if unknown:
+        raise ProblemError(
+            f"{where}: unknown field {unknown[0]!r} (known: {', '.join(_ENTRY_FIELDS)})"
+        )
+    fields = dict(raw)
+    if "peak_flops" in fields:
+        peaks = fields["peak_flops"]
+        if not isinstance(peaks, dict) or not peaks:
+            raise ProblemError(
+                f"{where}: peak_flops must map precisions ({', '.join(PRECISIONS)}) "
+                f"to FLOP/s"
+            )
+        for precision in peaks:
+            if precision not in PRECISIONS:
+                raise ProblemError(
+                    f"{where}: unknown precision {precision!r} in peak_flops (known: "
+                    f"{', '.join(PRECISIONS)})"
+                )
+    if "sources" in fields:
+        sources = fields["sources"]
+        if not isinstance(sources, list) or not all(
+            isinstance(s, str) for s in sources
+        ):
+            raise ProblemError(f"{where}: sources must be a list of strings")
+    return fields
+
+
+def _build(name: str, fields: Mapping[str, Any], source: str) -> GpuSheetEntry:
+    where = f"{source}: GPU {name}"
+    missing = [
+        key
+        for key in (*_NUMBER_FIELDS, "peak_flops", "gpus_per_node")
+        if key not in fields
+    ]
+    if missing:
+        raise ProblemError(f"{where}: missing field {missing[0]!r}")
+    peaks = fields["peak_flops"]
+    try:
+        return GpuSheetEntry(
+            name=name,
+            memory_bytes=fields["memory_bytes"],
+            memory_bandwidth_bytes_per_s=fields["memory_bandwidth_bytes_per_s"],
+            peak_flops=tuple(
+                (precision, peaks[precision])
+                for precision in PRECISIONS
+                if precision in peaks
+            ),
+            gpus_per_node=fields["gpus_per_node"],
+            intra_node_bytes_per_s=fields["intra_node_bytes_per_s"],
+            inter_node_bytes_per_s=fields["inter_node_bytes_per_s"],
+            sources=tuple(fields.get("sources", ())),
+            note=fields.get("note", ""),
+        )
+    except ValueError as error:
+        raise ProblemError(f"{source}: {error}") from None
+
+
+def _entry_as_fields(entry: GpuSheetEntry) -> dict[str, Any]:
+    fields = dataclasses.asdict(entry)
+    fields.pop("name")
+    fields["peak_flops"] = dict(entry.peak_flops)
+    fields["sources"] = list(entry.sources)
+    return fields
+
+
+def _read_sheet(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+    source = os.fspath(path)
+    data = read_json(path, MAX_GPU_SHEET_BYTES, "GPU sheet")
+    if not isinstance(data, dict):
+        raise ProblemError(
+            f"{source}: a GPU sheet must be a JSON object, got {type(data).__name__}"
+        )
+    unknown = sorted(set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise ProblemError(
+            f"{source}: unknown key {unknown[0]!r} (known: {', '.join(_TOP_KEYS)})"
+        )
+    gpus = data.get("gpus", {})
+    aliases = data.get("aliases", {})
+    if not isinstance(gpus, dict):
+        raise ProblemError(f"{source}: 'gpus' must map GPU names to entries")
+    if not isinstance(aliases, dict) or not all(
+        isinstance(target, str) for target in aliases.values()
+    ):
+        raise ProblemError(f"{source}: 'aliases' must map names to GPU names")
+    for name in gpus:
+        if not name.strip():
+            raise ProblemError(f"{source}: a GPU name is empty")
+    return gpus, aliases
+
+
+def load_gpu_sheet(user_file: str | os.PathLike | None = None) -> GpuSheet:
+    """The bundled GPU sheet, merged with a user's file.
+
+    Args:
+        user_file: a JSON file of the same schema: new GPU types (every field)
+            and overrides of bundled ones (only the fields given), and aliases.
+
+    Returns:
+        The sheet: ``sheet["A100-80"]``, ``sheet["H100"]`` (an alias).
+
+    Raises:
+        ProblemError: an unreadable, oversized or malformed file, a missing or
+            unknown field, an unknown precision, a number that is not positive
+            and finite, or an alias to a GPU not on the sheet; one line naming
+            the file.
+    """
+    sources = [bundled_gpu_sheet_path()]
+    if user_file is not None:
+        sources.append(Path(os.fspath(user_file)))
+    entries: dict[str, GpuSheetEntry] = {}
+    aliases: dict[str, str] = {}
+    for path in sources:
+        source = os.fspath(path)
+        gpus, file_aliases = _read_sheet(path)
+        for name, raw in gpus.items():
+            fields = _entry_fields(raw, source, name)
+            if name in entries:
+                merged = _entry_as_fields(entries[name])
+                merged["peak_flops"].update(fields.pop("peak_flops", {}))
+                merged.update(fields)
+                fields = merged
+            entries[name] = _build(name, fields, source)
+            aliases.pop(name, None)
+        for alias, target in file_aliases.items():
+            if target not in entries:
+                raise ProblemError(
+                    f"{source}: alias {alias!r} names {target!r}, which is not on the "
+                    f"GPU sheet"
+                )
+            if alias in entries:
+                raise ProblemError(f"{source}: alias {alias!r} is already a GPU name")
+            aliases[alias] = target
+    return GpuSheet(entries, aliases)
