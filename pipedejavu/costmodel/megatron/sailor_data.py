@@ -123,6 +123,8 @@ class ModelInfo:
         state_bytes_per_param: model state bytes per parameter a GPU holds
             (weights, gradients, optimizer state: 16 in fp32 with Adam; see
             :func:`pipedejavu.costmodel.megatron.options.bytes_per_param`).
+        tied: ``{tp: floats}`` of the word embedding the first and last layer
+            share, where known exactly (``None``: :meth:`tied_params` infers it).
     """
 
     name: str
@@ -132,6 +134,7 @@ class ModelInfo:
     activation_bytes: float = 4.0
     gradient_bytes: float = 4.0
     state_bytes_per_param: float = 16.0
+    tied: Mapping[int, float] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -155,6 +158,8 @@ class ModelInfo:
         LM head to the input embedding; the two layers differ only by the position
         embedding and the final norm)."""
         self.check_tp(tp)
+        if self.tied is not None:
+            return float(self.tied[tp])
         params = self.params[tp]
         return float(min(params[0], params[-1]))
 

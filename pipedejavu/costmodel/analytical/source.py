@@ -1,0 +1,326 @@
+"""Any model on any GPU: layer costs for the Megatron predictor without profiles.
+
+:class:`AnalyticalSource` answers what
+:func:`~pipedejavu.costmodel.megatron.predictor.predict_plan`, the planning
+tables and the proof ask of their data (the interface of
+:class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`: ``models``,
+``gpu_types``, ``profile``, ``layer_times``, ``model_info``, ``network``,
+``gpu_spec``, ``options``) for one
+:class:`~pipedejavu.core.transformer.TransformerSpec` trained with one
+:class:`~pipedejavu.core.training_options.TrainingOptions`:
+
+* **Layer times** from the profile where one exists for the exact (model, GPU
+  type, mbs, TP) and the training the profiles measured (fp32, no
+  recomputation, no sequence parallelism); otherwise from the analytical model
+  (:func:`~pipedejavu.costmodel.analytical.layers.analytical_layer_times`), with
+  the recomputed forward (:func:`~pipedejavu.costmodel.megatron.options.
+  recompute_time`) added to each block's backward. :meth:`source_of` says which
+  priced an entry.
+* **GEMM precision**: ``fp16``/``bf16``/``fp8`` training multiplies in that
+  precision; ``fp32`` training in TF32 where the GPU has it (NVIDIA's PyTorch
+  containers allow TF32 by default, and the bundled A100/GH200 profiles run at
+  TF32 speed), else fp32.
+* **Sizes**: parameters per layer from the spec (the tied embedding's copy
+  counted in the last layer, as Sailor's ``llm_info`` does), activations per
+  Korthikanti et al. (:func:`~pipedejavu.costmodel.analytical.layers.
+  activation_bytes`), element sizes and model-state bytes per parameter from
+  :mod:`pipedejavu.costmodel.megatron.options`.
+* **GPUs and links** from the GPU sheet (:class:`~pipedejavu.costmodel.megatron.
+  sheet_network.SheetNetwork`), or the profiles' measured links where asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.layers import (
+    activation_bytes,
+    analytical_layer_times,
+    attention_core_forward_seconds,
+    block_forward_seconds,
+    layer_output_bytes,
+)
+from pipedejavu.costmodel.analytical.roofline import (
+    FITTED_ANALYTICAL,
+    AnalyticalConstants,
+)
+from pipedejavu.costmodel.megatron.options import (
+    activation_element_bytes,
+    bytes_per_param,
+    grad_reduce_bytes_per_param,
+    recompute_time,
+)
+from pipedejavu.costmodel.megatron.sailor_data import (
+    GpuSpec,
+    LayerTimes,
+    ModelInfo,
+    SailorData,
+)
+from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
+
+__all__ = ["DEFAULT_MBS_VALUES", "AnalyticalSource", "gemm_precision"]
+
+#: Micro-batch sizes the planner may choose among for an analytical model.
+DEFAULT_MBS_VALUES = (1, 2, 4, 8, 16)
+
+
+def gemm_precision(options: TrainingOptions, gpu: GpuSheetEntry) -> Precision:
+    """The precision the GEMMs of ``options`` run in on ``gpu`` (module doc)."""
+    if options.precision != "fp32":
+        return options.precision
+    has_tf32 = any(name == "tf32" for name, _ in gpu.peak_flops)
+    return "tf32" if has_tf32 else "fp32"
+
+
+class AnalyticalSource:
+    """One model's costs from profiles where they exist, else analytical.
+
+    Args:
+        spec: the model.
+        sheet: GPU types by name (``load_gpu_sheet()``).
+        options: how it is trained (fp32, no recomputation by default).
+        profiles: profiles to use where they cover an entry exactly (only for
+            fp32 training without recomputation or sequence parallelism, what
+            they measured); ``None``: analytical everywhere.
+        profile_model: the model's name in ``profiles`` (default ``spec.name``).
+        measured_links: price links with the profiles' measured fits where they
+            have one (the clusters the profiles come from).
+        constants: the analytical model's fitted constants.
+        mbs_values: micro-batch sizes offered to the planner.
+        link_efficiency: share of the sheet's link bandwidth reached.
+    """
+
+    def __init__(
+        self,
+        spec: TransformerSpec,
+        sheet: Mapping[str, GpuSheetEntry],
+        options: TrainingOptions | None = None,
+        *,
+        profiles: SailorData | None = None,
+        profile_model: str | None = None,
+        measured_links: bool = False,
+        constants: AnalyticalConstants = FITTED_ANALYTICAL,
+        mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
+        link_efficiency: float = 1.0,
+    ) -> None:
+        self.spec = spec
+        self.sheet = dict(sheet)
+        self._options = TrainingOptions() if options is None else options
+        self.profiles = profiles
+        self.profile_model = spec.name if profile_model is None else profile_model
+        self.constants = constants
+        self.mbs_values = tuple(int(m) for m in mbs_values)
+        measured = profiles.network if (profiles and measured_links) else None
+        self._network = SheetNetwork(
+            self.sheet, measured=measured, efficiency=link_efficiency
+        )
+        self._info: ModelInfo | None = None
+        self._tables: dict[str, dict[tuple[int, int], LayerTimes]] = {}
+        self._sources: dict[tuple[str, int, int], str] = {}
+
+    # ------------------------------------------------------------ interface
+    @property
+    def options(self) -> TrainingOptions:
+        return self._options
+
+    @property
+    def network(self) -> SheetNetwork:
+        return self._network
+
+    def models(self) -> tuple[str, ...]:
+        return (self.spec.name,)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.spec.name:
+            raise ProblemError(
+                f"this cost source describes model {self.spec.name!r}, not {model!r}"
+            )
+
+    def gpu_types(self, model: str) -> tuple[str, ...]:
+        self._check_model(model)
+        return tuple(sorted(self.sheet))
+
+    def _entry(self, gpu: str) -> GpuSheetEntry:
+        if gpu not in self.sheet:
+            raise ProblemError(
+                f"GPU type {gpu!r} is not on the GPU sheet (known: "
+                f"{', '.join(sorted(self.sheet))}; add it with a --gpu-sheet file)"
+            )
+        return self.sheet[gpu]
+
+    def gpu_spec(self, gpu: str) -> GpuSpec:
+        entry = self._entry(gpu)
+        return GpuSpec(gpu, entry.gpus_per_node, entry.memory_bytes)
+
+    def tp_values(self, gpu: str) -> tuple[int, ...]:
+        """TP degrees that split the model and fit in a node of ``gpu``."""
+        per_node = self._entry(gpu).gpus_per_node
+        out = []
+        for tp in range(1, per_node + 1):
+            if per_node % tp:
+                continue
+            try:
+                self.spec.check_tp(tp)
+            except ValueError:
+                continue
+            out.append(tp)
+        return tuple(out)
+
+    def profile(self, model: str, gpu: str) -> dict[tuple[int, int], LayerTimes]:
+        """``{(mbs, tp): LayerTimes}`` for every offered mbs and usable TP."""
+        self._check_model(model)
+        if gpu not in self._tables:
+            self._tables[gpu] = {
+                (mbs, tp): self._layer_times(gpu, mbs, tp)
+                for mbs in self.mbs_values
+                for tp in self.tp_values(gpu)
+            }
+        return self._tables[gpu]
+
+    def layer_times(
+        self, model: str, gpu: str, mbs: int, tp: int, *, smooth: bool = False
+    ) -> LayerTimes:
+        self._check_model(model)
+        table = self.profile(model, gpu)
+        if (mbs, tp) in table:
+            return table[(mbs, tp)]
+        self.model_info(model).check_tp(tp)
+        return self._layer_times(gpu, mbs, tp)
+
+    def source_of(self, gpu: str, mbs: int, tp: int) -> str:
+        """``"profiles"`` or ``"analytical"``: what priced an entry."""
+        if (gpu, mbs, tp) not in self._sources:
+            self._layer_times(gpu, mbs, tp)
+        return self._sources[(gpu, mbs, tp)]
+
+    # -------------------------------------------------------------- pricing
+    def _profiled(self, gpu: str, mbs: int, tp: int) -> LayerTimes | None:
+        options = self._options
+        plain = (
+            options.precision == "fp32"
+            and options.recompute == "none"
+            and not options.sequence_parallel
+        )
+        if self.profiles is None or not plain:
+            return None
+        try:
+            if gpu not in self.profiles.gpu_types(self.profile_model):
+                return None
+            table = self.profiles.profile(self.profile_model, gpu)
+        except ProblemError:
+            return None
+        if (mbs, tp) not in table:
+            return None
+        return self.profiles.layer_times(self.profile_model, gpu, mbs, tp, smooth=True)
+
+    def _layer_times(self, gpu: str, mbs: int, tp: int) -> LayerTimes:
+        profiled = self._profiled(gpu, mbs, tp)
+        if profiled is not None:
+            self._sources[(gpu, mbs, tp)] = "profiles"
+            return profiled
+        entry = self._entry(gpu)
+        spec, options = self.spec, self._options
+        precision = gemm_precision(options, entry)
+        kwargs = dict(
+            flash_attention=options.flash_attention,
+            constants=self.constants,
+        )
+        try:
+            forward, backward, update = analytical_layer_times(
+                spec,
+                entry,
+                mbs,
+                tp,
+                precision,
+                sequence_parallel=options.sequence_parallel,
+                **kwargs,
+            )
+            block = block_forward_seconds(
+                spec,
+                entry,
+                mbs,
+                tp,
+                precision,
+                sequence_parallel=options.sequence_parallel,
+                **kwargs,
+            )
+            core = attention_core_forward_seconds(
+                spec, entry, mbs, tp, precision, **kwargs
+            )
+        except (ValueError, KeyError) as err:
+            raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
+        if options.recompute_num_layers is not None:
+            raise ProblemError(
+                "recompute_num_layers is not supported by the analytical predictor "
+                "yet: it recomputes every layer (full) or none"
+            )
+        backward = backward.copy()
+        backward[1:-1] += recompute_time(options.recompute, block, core)
+        # The Adam step is memory-bound: seconds per parameter of a block.
+        params = self.model_info(spec.name).params[tp]
+        per_param = float(update[1]) / max(float(params[1]), 1.0)
+        from_spec = np.asarray(params, dtype=float)
+        profiling = float(
+            from_spec[0] + from_spec[1] + from_spec[2] + from_spec[-1]
+        ) - self.model_info(spec.name).tied_params(tp)
+        forward, backward = self._split_head(forward), self._split_head(backward)
+        update_s = np.full(len(forward), per_param * profiling)
+        self._sources[(gpu, mbs, tp)] = "analytical"
+        return LayerTimes(forward, backward, update_s)
+
+    def _split_head(self, row: np.ndarray, norm: float = 0.0) -> np.ndarray:
+        """A profile whose final norm and LM head are two layers: the head's
+        value on the LM head layer, ``norm`` on the norm."""
+        if not self.spec.split_head_layer:
+            return row
+        return np.insert(row, len(row) - 1, norm)
+
+    # ---------------------------------------------------------------- sizes
+    def model_info(self, model: str) -> ModelInfo:
+        self._check_model(model)
+        if self._info is None:
+            self._info = self._build_info()
+        return self._info
+
+    def _build_info(self) -> ModelInfo:
+        spec, options = self.spec, self._options
+        element = activation_element_bytes(options.precision)
+        params, outputs, memories, tied = {}, {}, {}, {}
+        degrees = sorted({tp for gpu in self.sheet for tp in self.tp_values(gpu)})
+        for tp in degrees or [1]:
+            params[tp] = np.asarray(spec.layer_params(tp, tied_copy=True), float)
+            tied[tp] = float(spec.tied_params(tp))
+            stash = activation_bytes(
+                spec,
+                1,
+                tp,
+                options.precision,
+                recompute=options.recompute,
+                sequence_parallel=options.sequence_parallel,
+                flash_attention=options.flash_attention,
+                attention_dropout=False,
+            )
+            memories[tp] = self._split_head(stash / element)
+            output = layer_output_bytes(spec, 1, options.precision) / element
+            outputs[tp] = self._split_head(output, float(output[-2]))
+        state = bytes_per_param(options.precision)
+        if options.distributed_optimizer:
+            raise ProblemError(
+                "the distributed optimizer is not priced by the predictor yet"
+            )
+        return ModelInfo(
+            name=spec.name,
+            params=params,
+            act_output=outputs,
+            act_mem=memories,
+            activation_bytes=float(element),
+            gradient_bytes=float(grad_reduce_bytes_per_param(options.precision)),
+            state_bytes_per_param=float(state),
+            tied=tied,
+        )

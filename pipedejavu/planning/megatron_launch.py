@@ -1,0 +1,204 @@
+"""A Megatron-LM launch as a plan, and its prediction on any GPU.
+
+:func:`plan_from_megatron_run` turns a
+:class:`~pipedejavu.io.megatron_args.MegatronRun` and a GPU pool into the
+:class:`~pipedejavu.core.plan3d.Plan3D` Megatron-LM would run: ``PP`` stages of
+``L / PP`` transformer layers each (the embedding on the first, the final norm
+and LM head on the last), ``DP = GPUs / (TP x PP)`` replicas, placed in
+Megatron's default rank order (TP fastest, then DP, then PP: rank
+``tp_rank + TP (dp_rank + DP pp_rank)``, node ``rank // gpus_per_node``), and
+the :class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
+
+:func:`predict_megatron_run` prices it with an
+:class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` and reports
+what a user compares with their logs: iteration time, memory, model FLOPs
+(Megatron-LM's count, :meth:`~pipedejavu.core.transformer.TransformerSpec.
+model_flops_per_iteration`), TFLOP/s per GPU and MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.tables import canonical_nodes
+from pipedejavu.io.megatron_args import MegatronRun
+
+__all__ = [
+    "LaunchPrediction",
+    "options_of_run",
+    "plan_from_megatron_run",
+    "predict_megatron_run",
+]
+
+
+def options_of_run(run: MegatronRun) -> TrainingOptions:
+    """The training options of a Megatron-LM run.
+
+    Full recomputation with the ``uniform`` method recomputes every layer
+    (each checkpointed group is recomputed before its backward); the ``block``
+    method recomputes the first ``--recompute-num-layers`` of each stage.
+    """
+    recompute = run.recompute_granularity or "none"
+    layers = None
+    if recompute == "full" and run.recompute_method == "block":
+        layers = run.recompute_num_layers
+    return TrainingOptions(
+        precision=run.precision,
+        distributed_optimizer=run.use_distributed_optimizer,
+        recompute=recompute,
+        recompute_num_layers=layers,
+        virtual_stages=run.virtual_chunks,
+        sequence_parallel=run.sequence_parallel,
+    )
+
+
+def plan_from_megatron_run(
+    run: MegatronRun, gpu_type: str, num_gpus: int, gpus_per_node: int
+) -> Plan3D:
+    """The plan Megatron-LM runs for ``run`` on ``num_gpus`` GPUs (module doc).
+
+    Raises:
+        ProblemError: the GPUs do not split into ``TP x PP`` groups, the global
+            batch does not split into micro-batches per replica, or the layers
+            do not split evenly over the stages.
+    """
+    tp, pp = run.tp, run.pp
+    if num_gpus % (tp * pp):
+        raise ProblemError(
+            f"{num_gpus} GPUs do not split into groups of TP x PP = {tp} x {pp}"
+        )
+    dp = num_gpus // (tp * pp)
+    gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
+    if gbs % (run.micro_batch * dp):
+        raise ProblemError(
+            f"the global batch {gbs} is not a multiple of micro-batch x DP = "
+            f"{run.micro_batch} x {dp}"
+        )
+    if tp > gpus_per_node or gpus_per_node % tp:
+        raise ProblemError(
+            f"TP {tp} does not fit the {gpus_per_node} GPUs of a {gpu_type} node"
+        )
+    spec = run.spec
+    if spec.num_layers % pp:
+        raise ProblemError(
+            f"{spec.num_layers} layers do not split evenly over {pp} pipeline stages"
+        )
+    per_stage = spec.num_layers // pp
+    last = spec.num_profile_layers
+    nodes = canonical_nodes([tp] * pp, dp, gpus_per_node)
+    stages = []
+    for s in range(pp):
+        start = 0 if s == 0 else 1 + s * per_stage
+        stop = last if s == pp - 1 else 1 + (s + 1) * per_stage
+        replicas = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
+        stages.append(Stage3D(start, stop, replicas))
+    return Plan3D(tuple(stages), mbs=run.micro_batch, gbs=gbs, model=spec.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPrediction:
+    """A predicted launch.
+
+    Attributes:
+        plan: the plan Megatron-LM runs.
+        options: its training options.
+        prediction: the predictor's answer.
+        model_flops_per_iteration: Megatron-LM's count (recomputation included
+            when every layer is recomputed, as Megatron reports TFLOP/s).
+        cost_source: ``profiles``, ``analytical`` or ``mixed``.
+        peak_flops_per_gpu: the GPU's dense peak at the GEMMs' precision.
+    """
+
+    plan: Plan3D
+    options: TrainingOptions
+    prediction: Prediction
+    model_flops_per_iteration: float
+    cost_source: str
+    peak_flops_per_gpu: float
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.tp for stage in self.plan.stages for r in stage.replicas)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        seconds = self.prediction.iteration_time_s
+        return self.model_flops_per_iteration / (seconds * self.num_gpus) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: TFLOP/s per GPU over the dense peak."""
+        return self.tflops_per_gpu * 1e12 / self.peak_flops_per_gpu
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "model": self.plan.model,
+            "plan": self.plan.describe(),
+            "options": self.options.to_json(),
+        }
+        out.update(self.prediction.to_json())
+        out.update(
+            model_flops_per_iteration=self.model_flops_per_iteration,
+            model_flops_formula=(
+                "Megatron-LM (Narayanan et al., SC'21, Eq. 3), generalized to "
+                "grouped-query attention and gated MLPs; the recomputed forward "
+                "counts when every layer is recomputed"
+            ),
+            tflops_per_gpu=self.tflops_per_gpu,
+            mfu=self.mfu,
+            cost_source=self.cost_source,
+        )
+        return out
+
+
+def predict_megatron_run(
+    run: MegatronRun,
+    gpu_type: str,
+    num_gpus: int,
+    sheet: Mapping[str, GpuSheetEntry],
+    *,
+    source: AnalyticalSource | None = None,
+) -> LaunchPrediction:
+    """Predict a Megatron-LM launch on ``num_gpus`` GPUs of ``gpu_type``.
+
+    Args:
+        run: the parsed command line.
+        gpu_type: a GPU type of ``sheet``.
+        num_gpus: GPUs of the launch.
+        sheet: the GPU sheet.
+        source: the cost source (``None``: analytical on ``sheet`` for the
+            run's options).
+
+    Raises:
+        ProblemError: the GPU type is unknown, or the launch cannot run.
+    """
+    if gpu_type not in sheet:
+        raise ProblemError(
+            f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))})"
+        )
+    options = options_of_run(run)
+    if source is None:
+        source = AnalyticalSource(run.spec, sheet, options)
+    entry = sheet[gpu_type]
+    plan = plan_from_megatron_run(run, gpu_type, num_gpus, entry.gpus_per_node)
+    prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
+    flops = run.spec.model_flops_per_iteration(
+        plan.gbs, recompute_full=options.recompute == "full", tp=run.tp
+    )
+    sources = {
+        source.source_of(r.gpu_type, plan.mbs, r.tp)
+        for stage in plan.stages
+        for r in stage.replicas
+    }
+    cost_source = sources.pop() if len(sources) == 1 else "mixed"
+    peak = entry.peak(gemm_precision(options, entry))
+    return LaunchPrediction(plan, options, prediction, flops, cost_source, peak)
