@@ -22,7 +22,10 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.io.exports import EXPORTS, export_plan
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d
+from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
     check_global_batch,
     expected_slow,
@@ -45,8 +48,29 @@ def add_parsers(commands: Any) -> None:
     predict.add_argument(
         "plan",
         metavar="PLAN.json",
+        nargs="?",
         help="a 3D plan in our JSON (names its model; what `pipedejavu plan "
-        "--json` writes) or a Sailor plan_config file (needs --model)",
+        "--json` writes) or a Sailor plan_config file (needs --model); or give "
+        "--megatron-args instead",
+    )
+    predict.add_argument(
+        "--megatron-args",
+        metavar="ARGS",
+        help="the flags of a Megatron-LM pretrain_gpt.py launch, in one quoted "
+        "string: predicts that launch on --gpus from the analytical model (no "
+        "profiles needed); flags that change nothing are listed and ignored",
+    )
+    predict.add_argument(
+        "--gpus",
+        metavar="TYPE:COUNT",
+        help="with --megatron-args: the GPUs of the launch, e.g. A100-80:3072 "
+        "(a type of the GPU sheet; `pipedejavu data gpus.json` prints its path)",
+    )
+    predict.add_argument(
+        "--gpu-sheet",
+        metavar="FILE",
+        help="with --megatron-args: a JSON GPU sheet extending or overriding the "
+        "bundled one (same schema)",
     )
     predict.add_argument(
         "--model", help="the model's folder under DIR/profiles, e.g. OPT-350"
@@ -120,7 +144,56 @@ def _data(directory: str | None):
     return load_sailor_data(directory)
 
 
+def _predict_launch(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.plan is not None or args.model or args.profiles:
+        raise ProblemError(
+            "--megatron-args describes the model and the plan: give no PLAN.json, "
+            "--model or --profiles with it"
+        )
+    if not args.gpus:
+        raise ProblemError("--megatron-args needs --gpus TYPE:COUNT, e.g. A100-80:64")
+    pool = parse_gpu_pool([args.gpus])
+    ((gpu, count),) = pool.items()
+    sheet = load_gpu_sheet(args.gpu_sheet)
+    if gpu not in sheet:
+        raise ProblemError(
+            f"GPU type {gpu!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
+        )
+    run = spec_from_megatron_args(args.megatron_args)
+    if run.ignored:
+        shown = " ".join(run.ignored)
+        print(f"ignored (no effect on the prediction): {shown:.300}", file=sys.stderr)
+    launch = predict_megatron_run(run, sheet.resolve(gpu), count, sheet)
+    prediction = launch.prediction
+    if not prediction.fits_memory:
+        warnings.warn(
+            f"the launch exceeds device memory: peak "
+            f"{prediction.peak_memory_bytes / GB:.2f} GB on a GPU",
+            stacklevel=1,
+        )
+    if args.json:
+        print(json.dumps(launch.to_json()))
+    else:
+        chunks = launch.options.virtual_stages
+        print(format_prediction(launch.plan, prediction, chunks))
+        print(
+            f"model FLOPs per iteration: {launch.model_flops_per_iteration:.4g} "
+            f"(Megatron-LM's count); {launch.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+            f"MFU {100 * launch.mfu:.1f}%; costs: {launch.cost_source}"
+        )
+    return 0
+
+
 def _predict(args: argparse.Namespace) -> int:
+    if args.megatron_args is not None:
+        return _predict_launch(args)
+    if args.gpus or args.gpu_sheet:
+        raise ProblemError("--gpus and --gpu-sheet go with --megatron-args")
+    if args.plan is None:
+        raise ProblemError("give PLAN.json, or --megatron-args with --gpus")
 
     plan, _ = load_plan3d(args.plan, model=args.model)
     if plan.model is None:

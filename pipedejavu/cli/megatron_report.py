@@ -13,14 +13,19 @@ __all__ = [
 GB = 1e9
 
 
-def format_prediction(plan, prediction) -> str:
+def format_prediction(plan, prediction, virtual_stages: int = 1) -> str:
     """The text report of ``pipedejavu predict``."""
     breakdown = prediction.to_json()["breakdown"]
+    schedule = (
+        "1F1B, DeepSpeed order"
+        if virtual_stages == 1
+        else f"Megatron's interleaved 1F1B, {virtual_stages} chunks per stage"
+    )
     lines = [
         f"plan: {plan.model}, {plan.describe()}, "
         f"{prediction.num_microbatches} micro-batches per pipeline",
         f"iteration time: {prediction.iteration_time_s:.4f} s",
-        f"  pipeline (1F1B, DeepSpeed order): {breakdown['pipeline_s']:.4f} s, "
+        f"  pipeline ({schedule}): {breakdown['pipeline_s']:.4f} s, "
         f"bubble {100 * breakdown['bubble_fraction']:.1f}%",
         f"  tied-embedding all-reduce: {breakdown['tied_allreduce_s']:.4f} s",
         f"  data-parallel all-reduce (slowest stage): "

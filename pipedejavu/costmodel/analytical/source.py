@@ -31,6 +31,7 @@ tables and the proof ask of their data (the interface of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -225,7 +226,7 @@ class AnalyticalSource:
             self._sources[(gpu, mbs, tp)] = "profiles"
             return profiled
         entry = self._entry(gpu)
-        spec, options = self.spec, self._options
+        spec, options = self.padded(tp), self._options
         precision = gemm_precision(options, entry)
         kwargs = dict(
             flash_attention=options.flash_attention,
@@ -263,12 +264,13 @@ class AnalyticalSource:
         backward = backward.copy()
         backward[1:-1] += recompute_time(options.recompute, block, core)
         # The Adam step is memory-bound: seconds per parameter of a block.
-        params = self.model_info(spec.name).params[tp]
+        info = self.model_info(self.spec.name)
+        params = info.params[tp]
         per_param = float(update[1]) / max(float(params[1]), 1.0)
         from_spec = np.asarray(params, dtype=float)
         profiling = float(
             from_spec[0] + from_spec[1] + from_spec[2] + from_spec[-1]
-        ) - self.model_info(spec.name).tied_params(tp)
+        ) - info.tied_params(tp)
         forward, backward = self._split_head(forward), self._split_head(backward)
         update_s = np.full(len(forward), per_param * profiling)
         self._sources[(gpu, mbs, tp)] = "analytical"
@@ -281,11 +283,23 @@ class AnalyticalSource:
             return row
         return np.insert(row, len(row) - 1, norm)
 
+    def padded(self, tp: int) -> TransformerSpec:
+        """The spec with its vocabulary padded as Megatron-LM pads it at ``tp``
+        (what the analytical model prices)."""
+        try:
+            vocab = self.spec.padded_vocab_size(tp)
+        except ValueError as err:
+            raise ProblemError(f"{self.spec.name}: {err}") from None
+        return dataclasses.replace(self.spec, vocab_size=vocab)
+
     # ---------------------------------------------------------------- sizes
     def model_info(self, model: str) -> ModelInfo:
         self._check_model(model)
         if self._info is None:
-            self._info = self._build_info()
+            try:
+                self._info = self._build_info()
+            except ValueError as err:
+                raise ProblemError(f"{self.spec.name}: {err}") from None
         return self._info
 
     def _build_info(self) -> ModelInfo:
@@ -297,7 +311,7 @@ class AnalyticalSource:
             params[tp] = np.asarray(spec.layer_params(tp, tied_copy=True), float)
             tied[tp] = float(spec.tied_params(tp))
             stash = activation_bytes(
-                spec,
+                self.padded(tp),
                 1,
                 tp,
                 options.precision,
@@ -307,7 +321,8 @@ class AnalyticalSource:
                 attention_dropout=False,
             )
             memories[tp] = self._split_head(stash / element)
-            output = layer_output_bytes(spec, 1, options.precision) / element
+            output = layer_output_bytes(self.padded(tp), 1, options.precision)
+            output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
         state = bytes_per_param(options.precision)
         if options.distributed_optimizer:
