@@ -1,0 +1,158 @@
+"""The GPU sheet: bundled entries, agreement with Sailor's names, user files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.gpu_sheet import PRECISIONS, GpuSheetEntry
+from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
+from pipedejavu.io.gpu_sheet import MAX_GPU_SHEET_BYTES, load_gpu_sheet
+
+EXPECTED = (
+    "A100-40", "A100-80", "H100-SXM", "H100-PCIe", "H200", "H800", "GH-96", "L4",
+    "L40S", "V100-16", "V100-32", "RTX-3090", "RTX-4090", "Titan-RTX", "RTX-2080",
+    "MI250X", "MI300X",
+)  # fmt: skip
+# Sailor's cloud nodes hold 4 A100s; the sheet gives a DGX A100's 8.
+NODE_SIZE_DIFFERS_FROM_SAILOR = {"A100-40", "A100-80"}
+
+
+def test_bundled_sheet_has_every_gpu_with_sources():
+    sheet = load_gpu_sheet()
+    assert set(EXPECTED) <= set(sheet)
+    for name in sheet:
+        entry = sheet[name]
+        assert entry.sources and entry.note, name
+        for precision, value in entry.peak_flops:
+            assert precision in PRECISIONS and math.isfinite(value) and value > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops"),
+    [
+        ("A100-80", "bf16", 312),
+        ("A100-40", "tf32", 156),
+        ("H100-SXM", "bf16", 989.4),
+        ("H100-SXM", "fp8", 1978.9),
+        ("H100-PCIe", "fp16", 756),
+        ("H200", "bf16", 989.4),
+        ("V100-32", "fp16", 125),
+        ("MI300X", "bf16", 1307.4),
+    ],
+)
+def test_dense_peaks(name, precision, tflops):
+    np.testing.assert_allclose(load_gpu_sheet()[name].peak(precision), tflops * 1e12)
+
+
+def test_precisions_a_gpu_lacks_are_absent():
+    sheet = load_gpu_sheet()
+    with pytest.raises(KeyError, match="no fp8"):
+        sheet["A100-80"].peak("fp8")
+    assert "bf16" not in sheet["V100-16"].precisions
+    assert "tf32" not in sheet["Titan-RTX"].precisions
+
+
+def test_sheet_agrees_with_sailor_cluster_config():
+    with open(bundled_sailor_dir() / "configs" / "basic_cluster_config.json") as f:
+        sailor = {k: v for k, v in json.load(f).items() if isinstance(v, dict)}
+    sheet = load_gpu_sheet()
+    for name, spec in sailor.items():
+        entry = sheet[name]
+        if name not in NODE_SIZE_DIFFERS_FROM_SAILOR:
+            assert entry.gpus_per_node == spec["gpus_per_node"], name
+        # Sailor gives usable bytes; the sheet the nominal capacity.
+        np.testing.assert_allclose(entry.memory_bytes, spec["mem_per_gpu"], rtol=0.05)
+
+
+def test_aliases_resolve_but_are_not_listed():
+    sheet = load_gpu_sheet()
+    assert sheet["H100"] is sheet["H100-SXM"] and sheet["A100"] is sheet["A100-80"]
+    assert "H100" in sheet and "H100" not in list(sheet)
+    with pytest.raises(KeyError, match="not on the GPU sheet"):
+        sheet["B200"]
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+NEW_GPU = {
+    "memory_bytes": 192e9,
+    "memory_bandwidth_bytes_per_s": 8e12,
+    "peak_flops": {"bf16": 2.25e15, "fp8": 4.5e15},
+    "gpus_per_node": 8,
+    "intra_node_bytes_per_s": 900e9,
+    "inter_node_bytes_per_s": 400e9,
+}
+
+
+def test_user_file_extends_and_overrides(tmp_path):
+    path = _write(
+        tmp_path,
+        {
+            "gpus": {
+                "B200": NEW_GPU,
+                "A100-80": {"gpus_per_node": 4, "peak_flops": {"bf16": 300e12}},
+            },
+            "aliases": {"blackwell": "B200"},
+        },
+    )
+    sheet = load_gpu_sheet(path)
+    assert sheet["blackwell"].peak("fp8") == 4.5e15
+    a100 = sheet["A100-80"]
+    assert a100.gpus_per_node == 4 and a100.peak("bf16") == 300e12
+    assert a100.peak("fp16") == 312e12  # untouched fields stay
+    assert isinstance(a100, GpuSheetEntry)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"gpus": {"X": {**NEW_GPU, "memory_bytes": -1}}}, "memory_bytes must be"),
+        ({"gpus": {"X": {**NEW_GPU, "memory_bytes": "80GB"}}}, "memory_bytes must"),
+        ({"gpus": {"X": {**NEW_GPU, "peak_flops": {"int4": 1e15}}}}, "precision"),
+        ({"gpus": {"X": {**NEW_GPU, "peak_flops": {"bf16": None}}}}, "peak bf16"),
+        ({"gpus": {"X": {**NEW_GPU, "gpus_per_node": 2.5}}}, "gpus_per_node"),
+        ({"gpus": {"X": {**NEW_GPU, "speed": 1}}}, "unknown field 'speed'"),
+        ({"gpus": {"X": {"memory_bytes": 1e9}}}, "missing field"),
+        ({"gpus": {"A100-80": {"inter_node_bytes_per_s": 0}}}, "inter_node"),
+        ({"gpus": [1, 2]}, "'gpus' must map"),
+        ({"gpus": {}, "aliases": {"x": "nope"}}, "alias 'x'"),
+        ({"gpu": {}}, "unknown key 'gpu'"),
+    ],
+)
+def test_bad_user_files_give_one_line_naming_the_file(tmp_path, data, match):
+    path = _write(tmp_path, data)
+    with pytest.raises(ProblemError, match=match) as caught:
+        load_gpu_sheet(path)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"{", "invalid JSON"),
+        (b"null", "must be a JSON object"),
+        (b"\x80\x81", "not UTF-8"),
+        (b" " * (MAX_GPU_SHEET_BYTES + 1), "larger than"),
+        (b'{"gpus": {"A100-80": {"memory_bytes": 1e999}}}', "finite"),
+    ],
+)
+def test_hostile_user_files(tmp_path, content, match):
+    path = tmp_path / "gpus.json"
+    path.write_bytes(content)
+    with pytest.raises(ProblemError, match=match) as caught:
+        load_gpu_sheet(path)
+    assert str(path) in str(caught.value)
+
+
+def test_missing_user_file(tmp_path):
+    with pytest.raises(ProblemError, match="cannot read GPU sheet"):
+        load_gpu_sheet(tmp_path / "absent.json")
