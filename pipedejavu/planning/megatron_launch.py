@@ -180,6 +180,9 @@ def predict_megatron_run(
     Raises:
         ProblemError: the GPU type is unknown, or the launch cannot run.
     """
+    resolve = getattr(sheet, "resolve", None)  # a GpuSheet knows aliases
+    if resolve is not None and gpu_type in sheet:
+        gpu_type = resolve(gpu_type)
     if gpu_type not in sheet:
         raise ProblemError(
             f"GPU type {gpu_type!r} is not on the GPU sheet (known: "

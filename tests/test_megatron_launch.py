@@ -1,0 +1,180 @@
+"""Any model on any GPU: a Megatron-LM launch predicted from its flags."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipedejavu.cli.main import main
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.io.sailor_plan import load_plan3d
+from pipedejavu.planning.megatron_launch import (
+    plan_from_megatron_run,
+    predict_megatron_run,
+)
+
+# SC'21 Table 1's 39B run (Megatron-LM examples/sc21): 512 A100-80, TP 8, PP 2.
+SC21_39B = (
+    "--num-layers 48 --hidden-size 8192 --num-attention-heads 64 "
+    "--seq-length 2048 --max-position-embeddings 2048 --vocab-size 51200 "
+    "--make-vocab-size-divisible-by 1 --micro-batch-size 2 "
+    "--global-batch-size 1536 --tensor-model-parallel-size 8 "
+    "--pipeline-model-parallel-size 2 --fp16 --checkpoint-activations"
+)
+
+
+def test_plan_follows_megatron_layout_and_rank_order():
+    run = spec_from_megatron_args(SC21_39B)
+    plan = plan_from_megatron_run(run, "A100-80", 512, 8)
+    assert plan.num_stages == 2 and plan.dp == 32 and plan.mbs == 2
+    assert [(s.start, s.stop) for s in plan.stages] == [(0, 25), (25, 50)]
+    # Rank tp_rank + 8 (dp_rank + 32 pp_rank), 8 GPUs a node: one replica a node,
+    # stage 1 starts on node 32.
+    assert [r.node for r in plan.stages[0].replicas[:3]] == [0, 1, 2]
+    assert plan.stages[1].replicas[0].node == 32
+    with pytest.raises(ProblemError, match="do not split into groups"):
+        plan_from_megatron_run(run, "A100-80", 500, 8)
+
+
+def test_sc21_run_is_priced_analytically_and_counts_megatron_flops():
+    run = spec_from_megatron_args(SC21_39B)
+    sheet = load_gpu_sheet()
+    launch = predict_megatron_run(run, "A100-80", 512, sheet)
+    assert launch.cost_source == "analytical"
+    assert launch.prediction.fits_memory
+    # SC'21 Eq. 3 with recomputation, by hand.
+    b, s, l, h, v = 1536, 2048, 48, 8192, 51200
+    flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    np.testing.assert_allclose(launch.model_flops_per_iteration, flops, rtol=1e-12)
+    seconds = launch.prediction.iteration_time_s
+    np.testing.assert_allclose(
+        launch.tflops_per_gpu, flops / seconds / 512 / 1e12, rtol=1e-12
+    )
+    np.testing.assert_allclose(launch.mfu, launch.tflops_per_gpu / 312, rtol=1e-9)
+
+
+def test_recomputation_costs_time_and_saves_memory():
+    spec = load_model_spec("Llama-3-8B")
+    sheet = load_gpu_sheet()
+    args = (
+        "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+        "--swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--disable-bias-linear --untie-embeddings-and-output-weights "
+        "--vocab-size 128256 --seq-length 8192 --micro-batch-size 1 "
+        "--global-batch-size 64 --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --bf16"
+    )
+    plain = predict_megatron_run(spec_from_megatron_args(args), "H100", 16, sheet)
+    full = predict_megatron_run(
+        spec_from_megatron_args(
+            args + " --recompute-granularity full "
+            "--recompute-method uniform --recompute-num-layers 1"
+        ),
+        "H100",
+        16,
+        sheet,
+    )
+    assert full.prediction.iteration_time_s > plain.prediction.iteration_time_s
+    assert (
+        full.prediction.activation_bytes.max()
+        < 0.5 * plain.prediction.activation_bytes.max()
+    )
+    # The spec from Megatron flags counts what the preset counts.
+    assert spec_from_megatron_args(args).spec.num_params == pytest.approx(
+        spec.num_params, rel=1e-3
+    )
+
+
+def test_profiles_price_what_they_cover():
+    """A bundled model: its profiled GPU types come from the profiles (the
+    prediction equals the profile-only predictor's), others are analytical."""
+    data = load_sailor_data()
+    spec = load_model_spec("OPT-350")
+    source = AnalyticalSource(
+        spec, load_gpu_sheet(), TrainingOptions(), profiles=data, measured_links=True
+    )
+    assert source.source_of("GH-96", 2, 1) == "profiles"
+    assert source.source_of("H100-SXM", 2, 1) == "analytical"
+    profiled = data.layer_times("OPT-350", "GH-96", 2, 1, smooth=True)
+    ours = source.layer_times("OPT-350", "GH-96", 2, 1)
+    np.testing.assert_array_equal(ours.forward, profiled.forward)
+    info, theirs = source.model_info("OPT-350"), data.model_info("OPT-350")
+    for tp in (1, 2, 4):
+        np.testing.assert_array_equal(info.params[tp], theirs.params[tp])
+
+
+def test_predict_cli_megatron_args(capsys):
+    code = main(
+        [
+            "predict",
+            "--megatron-args",
+            SC21_39B + " --lr 1e-4",
+            "--gpus",
+            "A100-80:512",
+            "--json",
+        ]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    for key in (
+        "iteration_time_s",
+        "peak_memory_bytes",
+        "fits_memory",
+        "model_flops_per_iteration",
+        "tflops_per_gpu",
+        "mfu",
+    ):
+        assert np.isfinite(out[key])
+    assert out["cost_source"] == "analytical"
+    assert "--lr 1e-4" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--megatron-args", SC21_39B], "needs --gpus"),
+        (["--megatron-args", SC21_39B, "--gpus", "B300:8"], "not on the GPU sheet"),
+        (
+            ["--megatron-args", SC21_39B + " --bf16", "--gpus", "A100-80:512"],
+            "exclusive",
+        ),
+        (["--megatron-args", SC21_39B, "--gpus", "A100-80:100"], "do not split"),
+        (
+            ["--megatron-args", "--num-layers 2 --vocab-size 8", "--gpus", "A100-80:8"],
+            "--hidden-size",
+        ),
+        (["--gpus", "A100-80:8"], "go with --megatron-args"),
+        ([], "give PLAN.json"),
+    ],
+)
+def test_predict_cli_bad_launches(argv, message, capsys):
+    assert main(["predict", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_analytical_source_drives_the_plan_predictor():
+    """A Sailor plan file priced without profiles: bf16 is faster than fp32
+    and holds less."""
+    spec = load_model_spec("OPT-350")
+    path = (
+        load_sailor_data().root
+        / "measured"
+        / "gh200-opt350"
+        / "plan_config_N16_D4.json"
+    )
+    plan, _ = load_plan3d(str(path), model="OPT-350")
+    sheet = load_gpu_sheet()
+    fp32 = predict_plan(plan, AnalyticalSource(spec, sheet))
+    bf16 = predict_plan(plan, AnalyticalSource(spec, sheet, TrainingOptions("bf16")))
+    assert bf16.iteration_time_s < fp32.iteration_time_s
+    assert bf16.peak_memory_bytes < fp32.peak_memory_bytes
