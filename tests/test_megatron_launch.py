@@ -50,8 +50,8 @@ def test_sc21_run_is_priced_analytically_and_counts_megatron_flops():
     assert launch.cost_source == "analytical"
     assert launch.prediction.fits_memory
     # SC'21 Eq. 3 with recomputation, by hand.
-    b, s, l, h, v = 1536, 2048, 48, 8192, 51200
-    flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, layers, h, v = 1536, 2048, 48, 8192, 51200
+    flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
     np.testing.assert_allclose(launch.model_flops_per_iteration, flops, rtol=1e-12)
     seconds = launch.prediction.iteration_time_s
     np.testing.assert_allclose(
