@@ -228,6 +228,8 @@ FIT_FIELDS: dict[str, tuple[float, float]] = {
     "collective_latency_s": (1e-9, 1e-3),
 }
 _LOG_FIELDS = ("gemm_half_seconds", "kernel_overhead_s", "collective_latency_s")
+#: Where the fit starts.
+DEFAULT_CONSTANTS = AnalyticalConstants()
 
 
 def profile_precision(model: str, gpu: str, hypothesis: str = "evidence") -> Precision:
@@ -291,6 +293,7 @@ class CalibrationSet:
                 self.layer,
                 self.direction,
                 self.measured,
+                strict=True,
             )
         )
 
@@ -300,7 +303,7 @@ class CalibrationSet:
 
 
 def _make_set(rows, arrays) -> CalibrationSet:
-    columns = list(zip(*rows))
+    columns = list(zip(*rows, strict=True))
     return CalibrationSet(
         model=np.array(columns[0]),
         gpu=np.array(columns[1]),
@@ -378,7 +381,7 @@ def _to_vector(constants: AnalyticalConstants) -> NDArray[np.float64]:
 def _from_vector(x: NDArray[np.float64], base: AnalyticalConstants):
     values = {
         f: float(np.exp(v)) if f in _LOG_FIELDS else float(v)
-        for f, v in zip(FIT_FIELDS, x)
+        for f, v in zip(FIT_FIELDS, x, strict=True)
     }
     return dataclasses.replace(base, **values)
 
@@ -386,7 +389,7 @@ def _from_vector(x: NDArray[np.float64], base: AnalyticalConstants):
 def fit_constants(
     samples: CalibrationSet,
     *,
-    initial: AnalyticalConstants = AnalyticalConstants(),
+    initial: AnalyticalConstants = DEFAULT_CONSTANTS,
 ) -> AnalyticalConstants:
     """Least squares on ``log(predicted / measured)`` of the samples' block
     passes (forward and backward), every profile file weighted alike.
@@ -473,7 +476,7 @@ HEADLESS_PROFILES = frozenset({"GPT-Neo-2.7"})
 
 
 def cross_validate(
-    samples: CalibrationSet, *, initial: AnalyticalConstants = AnalyticalConstants()
+    samples: CalibrationSet, *, initial: AnalyticalConstants = DEFAULT_CONSTANTS
 ) -> dict:
     """Leave-one-model-out and leave-one-GPU-type-out accuracy.
 

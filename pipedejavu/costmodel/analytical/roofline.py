@@ -7,10 +7,11 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   ``eff = eff_max / (1 + (half_seconds / w) ** exponent) ** (1 / exponent)``,
   where ``w = flops / peak`` is the GEMM's duration at peak: a smooth maximum
   of ``w`` and ``half_seconds``, so a tiny GEMM takes ``half_seconds /
-  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``. A GEMM too small to fill
-  the GPU (few output tiles, a short main loop) runs below its best
-  efficiency; measuring its size in seconds at peak makes one curve serve GPUs
-  of every size (a GPU twice as fast needs a GEMM twice as big to fill).
+  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``.
+  A GEMM too small to fill the GPU (few output tiles, a short main loop) runs
+  below its best efficiency; measuring its size in seconds at peak makes one
+  curve serve GPUs of every size (a GPU twice as fast needs a GEMM twice as
+  big to fill).
   ``eff_max`` is ``simt_efficiency`` for fp32 on CUDA cores and
   ``tensor_efficiency`` on tensor cores (tf32, fp16, bf16, fp8), times
   ``backward_tensor_efficiency`` for the gradient GEMMs on tensor cores;
