@@ -160,6 +160,10 @@ class PassOptions:
             matrix once more. Off by default: modern recipes use none, and the
             bundled fp32 profiles fit better without it (see
             :mod:`pipedejavu.costmodel.analytical.calibrate`).
+        query_key_layer_scaling: Megatron's ``apply_query_key_layer_scaling``
+            (its default in the Megatron-DeepSpeed the bundled profiles ran):
+            without the fused 16-bit softmax kernel, the scores are multiplied
+            by the coefficient in a kernel of their own, forward and backward.
     """
 
     mbs: int
@@ -168,6 +172,7 @@ class PassOptions:
     flash_attention: bool = True
     sequence_parallel: bool = False
     attention_dropout: bool = False
+    query_key_layer_scaling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("mbs", "tp"):
@@ -241,10 +246,13 @@ def _kv_heads(spec: TransformerSpec, tp: int) -> float:
     return max(spec.num_query_groups / tp, 1.0)
 
 
-def _softmax_passes(act: float) -> int:
+def _softmax_passes(act: float, opts: PassOptions) -> int:
     # Megatron's fused scale-mask-softmax kernel takes 16-bit inputs only; in
-    # fp32 the mask and the softmax are two PyTorch kernels.
-    return 2 if act == 4.0 else 1
+    # fp32 the mask and the softmax are two PyTorch kernels, plus a third that
+    # multiplies by the query-key layer-scaling coefficient where it is on.
+    if act != 4.0:
+        return 1
+    return 3 if opts.query_key_layer_scaling else 2
 
 
 def _tp_collectives(
@@ -305,7 +313,7 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
             ),
         ]
     scores = b * heads * s * s
-    passes = _softmax_passes(act)
+    passes = _softmax_passes(act, opts)
     ops: LayerPass = [
         Gemm("scores", b * heads, s, s, d, act, act, precision),
         MemoryOp("mask_softmax", passes * 2 * scores * act),
@@ -389,11 +397,11 @@ def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerP
         elif op.name == "mask_softmax":
             # Softmax backward reads Y and dY and writes dX; the unfused mask's
             # backward reads and writes once more.
-            scores = op.bytes / (2 * _softmax_passes(act))
+            scores = op.bytes / (2 * _softmax_passes(act, opts))
             ops.append(
                 MemoryOp(
                     "mask_softmax.backward",
-                    scores * (3 + 2 * (_softmax_passes(act) - 1)),
+                    scores * (3 + 2 * (_softmax_passes(act, opts) - 1)),
                 )
             )
         else:  # dropout (reads dY and the mask, writes dX), layout copy
