@@ -15,6 +15,17 @@ below are read off ``llm_info.json``'s parameter and activation counts:
   rotary positions, sequence 8,192: block parameters ``4 h^2 + 3 h 16384 +
   15 h`` = 268,496,896; layer outputs ``8192 h``.
 
+Attention, from Sailor's model code (``third_party/Megatron-DeepSpeed``):
+none of the profiled models applies attention dropout (``llm_info``'s
+``act_mem`` keeps one ``s x s`` tensor per head, not the two and a mask a
+dropout would keep); LLAMA-3-8 (``llama_model.py``) multiplies the fp32
+scores by the query-key layer-scaling coefficient in a kernel of its own,
+GPT-Neo-2.7's attention (``gpt_neo_model.py``) does not; the OPT models run
+Megatron-DeepSpeed's standard GPT (the README), whose ``ParallelAttention``
+applies the scaling by default (assumed on; their launch flags are not
+bundled) (:data:`QK_LAYER_SCALING`). GPT-Neo-2.7 has no LM head: its last layer is the
+final norm, and the loss runs on the hidden states.
+
 Precision, from the evidence (:func:`precision_hypotheses`): the profiles on
 Ampere and Hopper GPUs ran their matmuls in TF32 (NVIDIA's PyTorch containers
 enable it), except OPT-30 and LLAMA-3-8 on A100-40, which ran plain fp32: on
@@ -213,6 +224,14 @@ PROFILED_MODELS: dict[str, TransformerSpec] = {
     ),
 }
 
+#: The profiled models whose attention code multiplies the fp32 scores by
+#: Megatron's query-key layer-scaling coefficient in a kernel of its own
+#: (Sailor's ``llama_model.py`` and, by Megatron's default, its standard
+#: ``ParallelAttention`` pass ``coeff = layer_number`` to
+#: ``FusedScaleMaskSoftmax``; Sailor's ``gpt_neo_model.py`` passes ``None``).
+#: A fact of each model's code, not a fitted constant.
+QK_LAYER_SCALING = frozenset({"OPT-350", "OPT-30", "LLAMA-3-8"})
+
 #: The profiles that ran their matmuls in plain fp32 on a TF32-capable GPU.
 FP32_PROFILES = frozenset({("OPT-30", "A100-40"), ("LLAMA-3-8", "A100-40")})
 
@@ -224,10 +243,13 @@ FIT_FIELDS: dict[str, tuple[float, float]] = {
     "gemm_half_seconds": (1e-8, 1e-2),
     "gemm_exponent": (0.2, 4.0),
     "memory_efficiency": (0.05, 1.0),
+    "backward_memory_efficiency": (0.2, 1.0),
     "kernel_overhead_s": (1e-9, 1e-3),
     "collective_latency_s": (1e-9, 1e-3),
 }
 _LOG_FIELDS = ("gemm_half_seconds", "kernel_overhead_s", "collective_latency_s")
+#: Where the fit starts.
+DEFAULT_CONSTANTS = AnalyticalConstants()
 
 
 def profile_precision(model: str, gpu: str, hypothesis: str = "evidence") -> Precision:
@@ -291,6 +313,7 @@ class CalibrationSet:
                 self.layer,
                 self.direction,
                 self.measured,
+                strict=True,
             )
         )
 
@@ -300,7 +323,7 @@ class CalibrationSet:
 
 
 def _make_set(rows, arrays) -> CalibrationSet:
-    columns = list(zip(*rows))
+    columns = list(zip(*rows, strict=True))
     return CalibrationSet(
         model=np.array(columns[0]),
         gpu=np.array(columns[1]),
@@ -316,10 +339,14 @@ def _make_set(rows, arrays) -> CalibrationSet:
 
 def _measured_link(data: SailorData, gpu: GpuSheetEntry, tp: int, message: float):
     """The profiled machine's link: Sailor's fit of ``tp`` GPUs of a node
-    (``tp / 2`` pairs, aggregate) at the message size, per GPU."""
+    (``n / 2`` pairs, aggregate) at the message size, per GPU. The fits stop at
+    the GPUs per node of Sailor's cluster config (4 on V100, A100, GH200):
+    a wider TP group (V100 profiles at TP 8) gets the widest fit, shared by
+    as many pairs as it was measured with, not ``tp / 2``."""
     if tp == 1:
         return gpu
-    per_gpu = data.network.intra(gpu.name, tp).bandwidth(message) / (tp / 2)
+    pairs = min(tp, gpu.gpus_per_node) / 2
+    per_gpu = data.network.intra(gpu.name, tp).bandwidth(message) / pairs
     return dataclasses.replace(gpu, intra_node_bytes_per_s=per_gpu)
 
 
@@ -336,7 +363,13 @@ def calibration_set(
         for gpu_name in data.gpu_types(model):
             precision = profile_precision(model, gpu_name, hypothesis)
             for (mbs, tp), times in sorted(data.profile(model, gpu_name).items()):
-                opts = PassOptions(mbs, tp, precision, flash_attention=False)
+                opts = PassOptions(
+                    mbs,
+                    tp,
+                    precision,
+                    flash_attention=False,
+                    query_key_layer_scaling=model in QK_LAYER_SCALING,
+                )
                 message = mbs * spec.seq_length * spec.hidden_size * 4.0
                 gpu = _measured_link(data, PROVISIONAL_GPUS[gpu_name], tp, message)
                 entries = [
@@ -378,7 +411,7 @@ def _to_vector(constants: AnalyticalConstants) -> NDArray[np.float64]:
 def _from_vector(x: NDArray[np.float64], base: AnalyticalConstants):
     values = {
         f: float(np.exp(v)) if f in _LOG_FIELDS else float(v)
-        for f, v in zip(FIT_FIELDS, x)
+        for f, v in zip(FIT_FIELDS, x, strict=True)
     }
     return dataclasses.replace(base, **values)
 
@@ -386,7 +419,7 @@ def _from_vector(x: NDArray[np.float64], base: AnalyticalConstants):
 def fit_constants(
     samples: CalibrationSet,
     *,
-    initial: AnalyticalConstants = AnalyticalConstants(),
+    initial: AnalyticalConstants = DEFAULT_CONSTANTS,
 ) -> AnalyticalConstants:
     """Least squares on ``log(predicted / measured)`` of the samples' block
     passes (forward and backward), every profile file weighted alike.
@@ -473,7 +506,7 @@ HEADLESS_PROFILES = frozenset({"GPT-Neo-2.7"})
 
 
 def cross_validate(
-    samples: CalibrationSet, *, initial: AnalyticalConstants = AnalyticalConstants()
+    samples: CalibrationSet, *, initial: AnalyticalConstants = DEFAULT_CONSTANTS
 ) -> dict:
     """Leave-one-model-out and leave-one-GPU-type-out accuracy.
 

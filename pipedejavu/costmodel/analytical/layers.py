@@ -35,14 +35,11 @@ from pipedejavu.costmodel.analytical.ops import (
     attention_core_forward_ops,
     block_backward_ops,
     block_forward_ops,
-    block_params,
     element_bytes,
     embedding_backward_ops,
     embedding_forward_ops,
-    embedding_params,
     head_backward_ops,
     head_forward_ops,
-    head_params,
     optimizer_ops,
     validate_spec,
 )
@@ -128,19 +125,23 @@ def analytical_layer_times(
     block = (
         pass_seconds(block_forward_ops(spec, opts), gpu, constants),
         pass_seconds(block_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(optimizer_ops(block_params(spec, tp), precision), gpu, constants),
+        pass_seconds(optimizer_ops(spec.block_params(tp), precision), gpu, constants),
     )
     first = (
         pass_seconds(embedding_forward_ops(spec, opts), gpu, constants),
         pass_seconds(embedding_backward_ops(spec, opts), gpu, constants),
         pass_seconds(
-            optimizer_ops(embedding_params(spec, tp), precision), gpu, constants
+            optimizer_ops(spec.embedding_params(tp), precision), gpu, constants
         ),
     )
     last = (
         pass_seconds(head_forward_ops(spec, opts), gpu, constants),
         pass_seconds(head_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(optimizer_ops(head_params(spec, tp), precision), gpu, constants),
+        pass_seconds(
+            optimizer_ops(spec.head_params(tp, tied_copy=True), precision),
+            gpu,
+            constants,
+        ),
     )
     out = []
     for index in range(3):

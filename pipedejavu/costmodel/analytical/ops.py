@@ -51,14 +51,11 @@ __all__ = [
     "attention_core_forward_ops",
     "block_backward_ops",
     "block_forward_ops",
-    "block_params",
     "element_bytes",
     "embedding_backward_ops",
     "embedding_forward_ops",
-    "embedding_params",
     "head_backward_ops",
     "head_forward_ops",
-    "head_params",
     "optimizer_ops",
     "validate_spec",
 ]
@@ -163,6 +160,10 @@ class PassOptions:
             matrix once more. Off by default: modern recipes use none, and the
             bundled fp32 profiles fit better without it (see
             :mod:`pipedejavu.costmodel.analytical.calibrate`).
+        query_key_layer_scaling: Megatron's ``apply_query_key_layer_scaling``
+            (its default in the Megatron-DeepSpeed the bundled profiles ran):
+            without the fused 16-bit softmax kernel, the scores are multiplied
+            by the coefficient in a kernel of their own, forward and backward.
     """
 
     mbs: int
@@ -171,6 +172,7 @@ class PassOptions:
     flash_attention: bool = True
     sequence_parallel: bool = False
     attention_dropout: bool = False
+    query_key_layer_scaling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("mbs", "tp"):
@@ -244,14 +246,13 @@ def _kv_heads(spec: TransformerSpec, tp: int) -> float:
     return max(spec.num_query_groups / tp, 1.0)
 
 
-def _norm_bytes_per_element(spec: TransformerSpec) -> int:
-    return 2 if spec.norm == "layernorm" else 1  # weight (+ bias) per element
-
-
-def _softmax_passes(act: float) -> int:
+def _softmax_passes(act: float, opts: PassOptions) -> int:
     # Megatron's fused scale-mask-softmax kernel takes 16-bit inputs only; in
-    # fp32 the mask and the softmax are two PyTorch kernels.
-    return 2 if act == 4.0 else 1
+    # fp32 the mask and the softmax are two PyTorch kernels, plus a third that
+    # multiplies by the query-key layer-scaling coefficient where it is on.
+    if act != 4.0:
+        return 1
+    return 3 if opts.query_key_layer_scaling else 2
 
 
 def _tp_collectives(
@@ -285,34 +286,6 @@ def _backward_linear(gemm: Gemm) -> list[Gemm]:
     ]
 
 
-# -------------------------------------------------------------- parameters
-def block_params(spec: TransformerSpec, tp: int = 1) -> float:
-    """Parameters of one transformer block held by one GPU of a TP group."""
-    h, d, t = spec.hidden_size, spec.head_dim, tp
-    q, kv = spec.num_attention_heads * d / t, 2 * _kv_heads(spec, t) * d
-    up = spec.ffn_hidden_size * (2 if spec.gated_mlp else 1) / t
-    weights = h * (q + kv) + q * h + h * up + spec.ffn_hidden_size / t * h
-    biases = 0.0
-    if spec.linear_bias or spec.qkv_bias:
-        biases += q + kv
-    if spec.linear_bias:
-        biases += h + up + h  # out-projection and down biases are replicated
-    return weights + biases + 2 * _norm_bytes_per_element(spec) * h
-
-
-def embedding_params(spec: TransformerSpec, tp: int = 1) -> float:
-    """Word embedding rows split over TP plus a learned position table."""
-    positions = spec.max_position_embeddings if spec.position == "learned" else 0
-    return spec.vocab_size / tp * spec.hidden_size + positions * spec.hidden_size
-
-
-def head_params(spec: TransformerSpec, tp: int = 1) -> float:
-    """Final norm plus the LM head matrix (a tied head is a copy of the word
-    embedding on the last pipeline stage, updated there too)."""
-    norm = _norm_bytes_per_element(spec) * spec.hidden_size
-    return norm + spec.vocab_size / tp * spec.hidden_size
-
-
 # ------------------------------------------------------------------- block
 def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     """The attention core's forward: scores, mask, softmax, dropout, context
@@ -340,7 +313,7 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
             ),
         ]
     scores = b * heads * s * s
-    passes = _softmax_passes(act)
+    passes = _softmax_passes(act, opts)
     ops: LayerPass = [
         Gemm("scores", b * heads, s, s, d, act, act, precision),
         MemoryOp("mask_softmax", passes * 2 * scores * act),
@@ -424,11 +397,11 @@ def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerP
         elif op.name == "mask_softmax":
             # Softmax backward reads Y and dY and writes dX; the unfused mask's
             # backward reads and writes once more.
-            scores = op.bytes / (2 * _softmax_passes(act))
+            scores = op.bytes / (2 * _softmax_passes(act, opts))
             ops.append(
                 MemoryOp(
                     "mask_softmax.backward",
-                    scores * (3 + 2 * (_softmax_passes(act) - 1)),
+                    scores * (3 + 2 * (_softmax_passes(act, opts) - 1)),
                 )
             )
         else:  # dropout (reads dY and the mask, writes dX), layout copy
@@ -476,9 +449,7 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" not in c.name]
     ops += [
         MemoryOp("input_norm.backward", 3 * x_bytes),
-        MemoryOp(
-            "grad_accumulate", GRAD_ACCUMULATE_BYTES * block_params(spec, opts.tp)
-        ),
+        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * spec.block_params(opts.tp)),
     ]
     return ops
 
@@ -516,7 +487,7 @@ def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPas
         MemoryOp("embedding_dropout.backward", 2 * x + MASK_BYTES * x / act),
         MemoryOp("word_scatter_add", 2 * x + table * act),
         MemoryOp(
-            "grad_accumulate", GRAD_ACCUMULATE_BYTES * embedding_params(spec, opts.tp)
+            "grad_accumulate", GRAD_ACCUMULATE_BYTES * spec.embedding_params(opts.tp)
         ),
     ]
 
@@ -565,7 +536,10 @@ def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" not in c.name]
     ops += [
         MemoryOp("final_norm.backward", 3 * local),
-        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * head_params(spec, opts.tp)),
+        MemoryOp(
+            "grad_accumulate",
+            GRAD_ACCUMULATE_BYTES * spec.head_params(opts.tp, tied_copy=True),
+        ),
     ]
     return ops
 

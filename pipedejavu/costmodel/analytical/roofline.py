@@ -7,15 +7,17 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   ``eff = eff_max / (1 + (half_seconds / w) ** exponent) ** (1 / exponent)``,
   where ``w = flops / peak`` is the GEMM's duration at peak: a smooth maximum
   of ``w`` and ``half_seconds``, so a tiny GEMM takes ``half_seconds /
-  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``. A GEMM too small to fill
-  the GPU (few output tiles, a short main loop) runs below its best
-  efficiency; measuring its size in seconds at peak makes one curve serve GPUs
-  of every size (a GPU twice as fast needs a GEMM twice as big to fill).
+  eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``.
+  A GEMM too small to fill the GPU (few output tiles, a short main loop) runs
+  below its best efficiency; measuring its size in seconds at peak makes one
+  curve serve GPUs of every size (a GPU twice as fast needs a GEMM twice as
+  big to fill).
   ``eff_max`` is ``simt_efficiency`` for fp32 on CUDA cores and
   ``tensor_efficiency`` on tensor cores (tf32, fp16, bf16, fp8), times
   ``backward_tensor_efficiency`` for the gradient GEMMs on tensor cores;
 * a memory-bound kernel: ``bytes / (bandwidth * memory_efficiency) +
-  kernel_overhead_s``;
+  kernel_overhead_s``, the bandwidth share divided by
+  ``backward_memory_efficiency`` more for the kernels of a backward pass;
 * a collective: ``link_bytes / (intra_node_bytes_per_s * link_efficiency) +
   collective_latency_s`` (ring algorithm; TP groups stay inside a node).
 
@@ -74,6 +76,8 @@ class AnalyticalConstants:
             collective reaches (not fitted: the calibration prices the
             profiled machines' measured links).
         collective_latency_s: seconds per collective beyond its bytes.
+        backward_memory_efficiency: the memory-bound kernels of a backward pass
+            (``*.backward``, ``grad_*``) relative to the forward ones.
     """
 
     simt_efficiency: float = 0.9
@@ -85,6 +89,7 @@ class AnalyticalConstants:
     kernel_overhead_s: float = 2e-5
     link_efficiency: float = 1.0
     collective_latency_s: float = 1e-5
+    backward_memory_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -97,6 +102,7 @@ class AnalyticalConstants:
             "backward_tensor_efficiency",
             "memory_efficiency",
             "link_efficiency",
+            "backward_memory_efficiency",
         ):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -111,21 +117,23 @@ class AnalyticalConstants:
 
 #: Fitted on every bundled Sailor profile (all models, all GPU types) by
 #: :func:`pipedejavu.costmodel.analytical.calibrate.fit_constants`;
-#: ``tests/test_analytical.py`` refits and compares. Large forward GEMMs reach
-#: 94% of the fp32 (CUDA-core) peak and about all of the TF32 peak, gradient
-#: GEMMs on tensor cores 46% of that; no GEMM takes less than 40 microseconds
-#: (at best efficiency); memory-bound kernels 55% of the bandwidth; 16
-#: microseconds per kernel; 4 microseconds per collective.
+#: ``tests/test_analytical.py`` refits and compares. Large GEMMs reach 96% of
+#: the fp32 (CUDA-core) peak and 68% of the TF32 peak, forward and backward
+#: alike; no GEMM takes less than 62 microseconds (at best efficiency);
+#: forward memory-bound kernels 86% of the bandwidth, backward ones 38% of
+#: that (autograd's extra reads and writes, not counted one by one); no
+#: measurable per-kernel overhead beyond that; 45 microseconds per collective.
 FITTED_ANALYTICAL = AnalyticalConstants(
-    simt_efficiency=0.94122,
-    tensor_efficiency=1.0,
-    backward_tensor_efficiency=0.459603,
-    gemm_half_seconds=3.96515e-05,
-    gemm_exponent=2.82494,
-    memory_efficiency=0.547669,
-    kernel_overhead_s=1.56584e-05,
+    simt_efficiency=0.964617,
+    tensor_efficiency=0.680627,
+    backward_tensor_efficiency=0.999944,
+    gemm_half_seconds=6.2379e-05,
+    gemm_exponent=4.0,
+    memory_efficiency=0.858576,
+    kernel_overhead_s=1.00135e-09,
     link_efficiency=1.0,
-    collective_latency_s=4.41025e-06,
+    collective_latency_s=4.47147e-05,
+    backward_memory_efficiency=0.384102,
 )
 
 
@@ -139,6 +147,7 @@ class PassArrays:
         gemm_simt: bool[G] the GEMM runs on CUDA cores (fp32).
         gemm_backward: bool[G] a gradient GEMM.
         memory_bytes: total bytes of the memory-bound kernels.
+        memory_backward_bytes: the part of them in backward kernels.
         num_memory_kernels: how many there are.
         link_bytes: total bytes each GPU sends in the pass's collectives.
         num_collectives: how many collectives.
@@ -151,11 +160,16 @@ class PassArrays:
     gemm_simt: NDArray[np.bool_]
     gemm_backward: NDArray[np.bool_]
     memory_bytes: float
+    memory_backward_bytes: float
     num_memory_kernels: int
     link_bytes: float
     num_collectives: int
     bandwidth: float
     link_bandwidth: float
+
+
+def _is_backward(name: str) -> bool:
+    return name.endswith((".dgrad", ".wgrad", ".backward")) or name.startswith("grad_")
 
 
 def pass_arrays(
@@ -178,6 +192,9 @@ def pass_arrays(
                     f"GPU {gpu.name} has no {gemm.precision} peak (it has: {have})"
                 ) from None
     memory = [op.bytes for op in ops if isinstance(op, MemoryOp)]
+    memory_backward = [
+        op.bytes for op in ops if isinstance(op, MemoryOp) and _is_backward(op.name)
+    ]
     links = [op.link_bytes for op in ops if isinstance(op, Collective)]
     return PassArrays(
         gemm_seconds_at_peak=np.array(
@@ -185,10 +202,9 @@ def pass_arrays(
         ),
         gemm_memory_bytes=np.array([g.bytes for g in gemms], dtype=np.float64),
         gemm_simt=np.array([g.precision in SIMT_PRECISIONS for g in gemms], bool),
-        gemm_backward=np.array(
-            [g.name.endswith((".dgrad", ".wgrad", ".backward")) for g in gemms], bool
-        ),
+        gemm_backward=np.array([_is_backward(g.name) for g in gemms], bool),
         memory_bytes=float(sum(memory)),
+        memory_backward_bytes=float(sum(memory_backward)),
         num_memory_kernels=len(memory),
         link_bytes=float(sum(links)),
         num_collectives=len(links),
@@ -245,6 +261,7 @@ class StackedPasses:
     gemm_backward: NDArray[np.bool_]
     gemm_bandwidth: NDArray[np.float64]
     memory_bytes: NDArray[np.float64]
+    memory_backward_bytes: NDArray[np.float64]
     num_memory_kernels: NDArray[np.float64]
     num_gemms: NDArray[np.float64]
     link_bytes: NDArray[np.float64]
@@ -275,6 +292,7 @@ def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
         gemm_backward=np.concatenate([p.gemm_backward for p in passes]),
         gemm_bandwidth=np.repeat(bandwidth, counts),
         memory_bytes=per_pass("memory_bytes"),
+        memory_backward_bytes=per_pass("memory_backward_bytes"),
         num_memory_kernels=per_pass("num_memory_kernels"),
         num_gemms=np.array(counts, dtype=np.float64),
         link_bytes=per_pass("link_bytes"),
@@ -290,7 +308,10 @@ def stacked_seconds(
     """Seconds of every pass of ``stacked``: f64[N]."""
     c = constants
     eff = gemm_efficiency(
-        stacked.gemm_seconds_at_peak, stacked.gemm_simt, stacked.gemm_backward, c
+        stacked.gemm_seconds_at_peak,
+        stacked.gemm_simt,
+        stacked.gemm_backward,
+        c,
     )
     gemm = np.maximum(
         stacked.gemm_seconds_at_peak / eff,
@@ -299,7 +320,10 @@ def stacked_seconds(
     total = np.bincount(stacked.gemm_pass, gemm, minlength=stacked.num_passes).astype(
         np.float64
     )
-    total += stacked.memory_bytes / (stacked.bandwidth * c.memory_efficiency)
+    forward_bytes = stacked.memory_bytes - stacked.memory_backward_bytes
+    total += (
+        forward_bytes + stacked.memory_backward_bytes / c.backward_memory_efficiency
+    ) / (stacked.bandwidth * c.memory_efficiency)
     total += c.kernel_overhead_s * (stacked.num_gemms + stacked.num_memory_kernels)
     has_links = stacked.num_collectives > 0
     total += np.where(
