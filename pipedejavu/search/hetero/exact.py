@@ -271,13 +271,23 @@ def hetero_exact(
     counters = {"searched": 0, "solved": 1}
     caps = np.zeros(0)
 
+    def certified() -> float:
+        # every plan's objective is >= its hetero_bound, >= S(c) + (B - 1) c at
+        # its bottleneck c: an evaluated cap, or one between them
+        evaluated = [sums[i] + (batches - 1) * float(caps[i]) for i in sums]
+        return min([_lower_bound(sums, caps, best["cost"], batches)] + evaluated)
+
     def info() -> dict[str, Any]:
+        bound = certified()
         return {
             "num_candidates": int(caps.size),
             "num_evaluated": len(sums) + 1,
             "t_max": best["cap"],
             "num_solved": counters["solved"],
             "num_searched": counters["searched"],
+            "lower_bound": bound,
+            "gap": best["cost"] / bound - 1 if bound > 0 else 0.0,
+            "proven": "optimal" if best["cost"] <= bound else "bounded",
         }
 
     def finish() -> HeteroPlan | None:
@@ -349,7 +359,7 @@ def hetero_exact(
 
         search_caps(caps, solve_at, lambda: best["cost"], batches)
     except Interrupted:
-        bound = _lower_bound(sums, caps, best["cost"], batches)
+        bound = certified()
         raise HeteroTimeoutError(
             f"hetero_exact: time limit of {time_limit_s} s passed after "
             f"{len(sums)} of {caps.size} candidate caps (best so far "
