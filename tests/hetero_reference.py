@@ -206,9 +206,7 @@ def brute_force_all(
                         loop = latency[:, first : last + 1].sum(axis=1)
                         loop = loop + transfer[:, first:last].sum(axis=1)
                         period = np.maximum(period, loop / (last - first + 1))
-            total = (
-                latency.sum(axis=1) + transfer.sum(axis=1) + (count - 1) * period
-            )
+            total = latency.sum(axis=1) + transfer.sum(axis=1) + (count - 1) * period
             total = np.where(finite, total, np.inf)
             if not np.isfinite(total).any():
                 continue

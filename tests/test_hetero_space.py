@@ -70,7 +70,9 @@ def test_oracle_equals_brute_force_over_every_valid_plan(block):
         assert lower <= expected * (1 + 1e-9) <= plan.cost * (1 + 2e-9), seed
         if plan.info["proven"] == "optimal":
             proven += 1
-            np.testing.assert_allclose(plan.cost, expected, rtol=1e-9, err_msg=str(seed))
+            np.testing.assert_allclose(
+                plan.cost, expected, rtol=1e-9, err_msg=str(seed)
+            )
         polished = exact_then_polish(problem)
         assert expected <= polished.cost * (1 + 1e-9) <= plan.cost * (1 + 2e-9)
         polished_optimal += polished.cost <= expected * (1 + 1e-9)

@@ -342,9 +342,7 @@ def exact_then_polish(
     plan = hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
     if plan.info["proven"] == "optimal":
         return plan
-    deadline = (
-        math.inf if time_limit_s is None else started + float(time_limit_s)
-    )
+    deadline = math.inf if time_limit_s is None else started + float(time_limit_s)
     stages, placement = split(plan.stages)
     cost, stages, placement = local_search(
         problem, stages, placement, plan.cost, deadline=deadline
