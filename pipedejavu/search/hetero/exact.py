@@ -3,7 +3,17 @@
 The plan space is :func:`pipedejavu.core.hetero_rules.check_hetero_plan`'s: any stages
 on any hosts (a stage spanning hosts of several types is priced at its slowest
 type and obeys the memory rule of each), any placement, host sharing decided by
-the links, priced by ``T = sum t + sum c + (B - 1) * max(max t, max c)``.
+the links. It is exact for the all-in-flight objective
+``T = sum t + sum c + (B - 1) * max(max t, max c)``
+(:func:`pipedejavu.core.hetero_rules.hetero_bound`), a lower bound on the
+planner's 1F1B objective (:func:`~pipedejavu.core.hetero_rules.hetero_objective`)
+of every plan, equal to it with free links. Every plan it solves for is priced
+on the 1F1B objective and the cheapest kept; ``info["lower_bound"]`` is the
+optimum of ``T`` (certified: the evaluated caps and the intervals between them)
+and ``info["proven"]`` says ``"optimal"`` when the plan's objective meets it,
+else ``"bounded"`` (``info["gap"]`` the certified gap):
+:func:`pipedejavu.search.hetero.polish.exact_then_polish` (``solve(..., "dp")``)
+then improves the plan by local moves on the 1F1B objective.
 
 **Reduction (proved in the modules below).** Device windows and host identity
 never change a cost: links depend on the hosts' types, and any partial stages
