@@ -12,7 +12,11 @@ solvers:
 * between stages ``s`` and ``s + 1``: ``c_s = 2 * link.time(bytes)``, on the
   intra-host link when they share a host, else on the inter-host link between
   the last host of ``s`` and the first host of ``s + 1``;
-* ``T = sum t + sum c + (B - 1) * max(max t, max c)``.
+* ``T = sum t + sum c + (B - 1) * P``, 1F1B's period ``P``: the largest of
+  every ``t_s``, every ``c_l`` and, for every stage ``s`` with fewer than ``B``
+  stages from it on (``S - s < B``) and every ``k > s``, the mean
+  ``(t_s + c_s + ... + c_{k-1} + t_k) / (k - s + 1)``; with
+  ``objective="bound"`` ``P = max(max t, max c)`` (``hetero_bound``).
 
 Device windows never change a cost (any widths that sum to a host's size can be
 laid side by side), so a placement is enumerated as the hosts of each stage in
@@ -113,8 +117,14 @@ def _stage_table(problem, m, price_types, memory_types, followers):
     return best, arg
 
 
-def brute_force_all(problem: HeteroProblem, *, max_placements: int = 2_000_000):
-    """The optimum over every valid plan and one optimal plan.
+def brute_force_all(
+    problem: HeteroProblem,
+    *,
+    max_placements: int = 2_000_000,
+    objective: str = "1f1b",
+):
+    """The optimum over every valid plan and one optimal plan (``objective``:
+    ``"1f1b"``, the planner's, or ``"bound"``, the all-in-flight one).
 
     Returns:
         ``(cost, stages)``: ``cost`` in seconds (``inf`` when no valid plan
@@ -188,11 +198,15 @@ def brute_force_all(problem: HeteroProblem, *, max_placements: int = 2_000_000):
                 np.where(finite, latency.max(axis=1), 0.0),
                 transfer.max(axis=1) if num_stages > 1 else 0.0,
             )
-            total = (
-                latency.sum(axis=1)
-                + transfer.sum(axis=1)
-                + (problem.num_microbatches - 1) * bottleneck
-            )
+            count = problem.num_microbatches
+            period = bottleneck
+            if objective == "1f1b":
+                for first in range(max(0, num_stages - count + 1), num_stages):
+                    for last in range(first + 1, num_stages):
+                        loop = latency[:, first : last + 1].sum(axis=1)
+                        loop = loop + transfer[:, first:last].sum(axis=1)
+                        period = np.maximum(period, loop / (last - first + 1))
+            total = latency.sum(axis=1) + transfer.sum(axis=1) + (count - 1) * period
             total = np.where(finite, total, np.inf)
             if not np.isfinite(total).any():
                 continue

@@ -36,6 +36,7 @@ from pipedejavu.costmodel.stage.hetero_generate import (
 )
 from pipedejavu.search.hetero.bounds import hetero_lower_bound
 from pipedejavu.search.hetero.exact import hetero_exact
+from pipedejavu.search.hetero.polish import exact_then_polish
 
 
 def _solve(problem):
@@ -47,9 +48,12 @@ def _solve(problem):
 
 @pytest.mark.parametrize("block", range(8))
 def test_oracle_equals_brute_force_over_every_valid_plan(block):
-    """50 instances per block (400 in all): equal optima, equal infeasibility;
-    the certified lower bound is below every optimum."""
-    searched = feasible = infeasible = 0
+    """50 instances per block (400 in all): the oracle's certified lower bound
+    is the exact optimum of ``hetero_bound`` (brute force), below the optimum
+    of the 1F1B objective, which its plan (and the polished one) never beats
+    and equals whenever it claims ``proven == "optimal"``; equal
+    infeasibility; the engine's bound is below every optimum."""
+    searched = feasible = infeasible = proven = polished_optimal = 0
     for seed in range(50 * block, 50 * (block + 1)):
         problem = random_instance(np.random.default_rng(seed))
         expected, reference_plan = brute_force_all(problem)
@@ -60,9 +64,21 @@ def test_oracle_equals_brute_force_over_every_valid_plan(block):
             continue
         feasible += 1
         assert plan is not None, seed
-        np.testing.assert_allclose(plan.cost, expected, rtol=1e-9, err_msg=str(seed))
+        all_in_flight, _ = brute_force_all(problem, objective="bound")
+        lower = plan.info["lower_bound"]
+        np.testing.assert_allclose(lower, all_in_flight, rtol=1e-9, err_msg=str(seed))
+        assert lower <= expected * (1 + 1e-9) <= plan.cost * (1 + 2e-9), seed
+        if plan.info["proven"] == "optimal":
+            proven += 1
+            np.testing.assert_allclose(
+                plan.cost, expected, rtol=1e-9, err_msg=str(seed)
+            )
+        polished = exact_then_polish(problem)
+        assert expected <= polished.cost * (1 + 1e-9) <= plan.cost * (1 + 2e-9)
+        polished_optimal += polished.cost <= expected * (1 + 1e-9)
         check_hetero_plan(problem, plan)
         assert plan.cost == evaluate_hetero(problem, plan)
+        assert polished.cost == evaluate_hetero(problem, polished)
         assert plan.transfers == tuple(transfer_times(problem, plan.stages))
         np.testing.assert_allclose(
             evaluate_hetero(problem, reference_plan), expected, rtol=1e-12
@@ -72,6 +88,8 @@ def test_oracle_equals_brute_force_over_every_valid_plan(block):
         assert bound <= expected * (1 + 1e-12), seed
     assert feasible >= 35 and infeasible >= 1
     assert searched >= 1  # some relaxed optima did not pack: A* was exercised
+    assert proven >= feasible // 2, (proven, feasible)
+    assert polished_optimal >= 0.9 * feasible, (polished_optimal, feasible)
 
 
 def test_random_instances_cover_the_hard_cases():

@@ -46,13 +46,21 @@ def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
             f"{stage.config_index:>6}  {stage.latency:>12.6f}  {transfer:>12}"
         )
     if "lower_bound" in plan.info:
+        proven = plan.info.get("proven")
         lines.append(
             f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
             f"{100 * plan.info['gap']:.2f}% of the optimum"
+            + (
+                " (optimal, proven)"
+                if proven == "optimal"
+                else " (bound: the exact optimum of sum + (B-1) x max(t, c))"
+                if proven == "bounded"
+                else ""
+            )
         )
     lines.append(
-        f"total: {plan.cost:.6f} s per iteration (stages + transfers + (B-1) x "
-        f"bottleneck), {plan.inter_host_hops(cluster)} inter-host hop(s), "
+        f"total: {plan.cost:.6f} s per iteration (1F1B: stages + transfers + "
+        f"(B-1) x period), {plan.inter_host_hops(cluster)} inter-host hop(s), "
         f"search {format_duration(plan.search_time_s)}"
     )
     return "\n".join(lines)

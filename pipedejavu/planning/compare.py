@@ -213,9 +213,9 @@ class Comparison:
         )
         if self.has_transfers:
             lines.append(
-                "cost = the planner's objective: a lower bound on GPipe (equal "
-                "when links never or always bind); 1F1B also stalls on transfers "
-                "(at most S - s micro-batches in flight), which it does not model."
+                "cost = the planner's objective, 1F1B's period with its in-flight "
+                "limit (S - s micro-batches at stage s); links shared by both "
+                "directions make the 1F1B sim differ (docs/hetero.md)."
             )
         return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from pipedejavu.core.problem import Plan, Problem
 from pipedejavu.planning.inputs import load_problem
 from pipedejavu.search.alpa.exact import exact_dp
 from pipedejavu.search.engine.config import SearchConfig
-from pipedejavu.search.hetero.exact import hetero_exact
+from pipedejavu.search.hetero.polish import exact_then_polish
 
 __all__ = ["HETERO_METHODS", "METHODS", "solve"]
 
@@ -156,7 +156,9 @@ METHODS: dict[str, tuple[Callable[..., Plan], frozenset[str], str]] = {
 
 
 def _hetero_dp(problem: Any, *, time_limit_s: float | None = None, progress_fn=None):
-    return hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
+    return exact_then_polish(
+        problem, time_limit_s=time_limit_s, progress_fn=progress_fn
+    )
 
 
 def _hetero_diff(

@@ -3,7 +3,17 @@
 The plan space is :func:`pipedejavu.core.hetero_rules.check_hetero_plan`'s: any stages
 on any hosts (a stage spanning hosts of several types is priced at its slowest
 type and obeys the memory rule of each), any placement, host sharing decided by
-the links, priced by ``T = sum t + sum c + (B - 1) * max(max t, max c)``.
+the links. It is exact for the all-in-flight objective
+``T = sum t + sum c + (B - 1) * max(max t, max c)``
+(:func:`pipedejavu.core.hetero_rules.hetero_bound`), a lower bound on the
+planner's 1F1B objective (:func:`~pipedejavu.core.hetero_rules.hetero_objective`)
+of every plan, equal to it with free links. Every plan it solves for is priced
+on the 1F1B objective and the cheapest kept; ``info["lower_bound"]`` is the
+optimum of ``T`` (certified: the evaluated caps and the intervals between them)
+and ``info["proven"]`` says ``"optimal"`` when the plan's objective meets it,
+else ``"bounded"`` (``info["gap"]`` the certified gap):
+:func:`pipedejavu.search.hetero.polish.exact_then_polish` (``solve(..., "dp")``)
+then improves the plan by local moves on the 1F1B objective.
 
 **Reduction (proved in the modules below).** Device windows and host identity
 never change a cost: links depend on the hosts' types, and any partial stages
@@ -271,13 +281,23 @@ def hetero_exact(
     counters = {"searched": 0, "solved": 1}
     caps = np.zeros(0)
 
+    def certified() -> float:
+        # every plan's objective is >= its hetero_bound, >= S(c) + (B - 1) c at
+        # its bottleneck c: an evaluated cap, or one between them
+        evaluated = [sums[i] + (batches - 1) * float(caps[i]) for i in sums]
+        return min([_lower_bound(sums, caps, best["cost"], batches)] + evaluated)
+
     def info() -> dict[str, Any]:
+        bound = certified()
         return {
             "num_candidates": int(caps.size),
             "num_evaluated": len(sums) + 1,
             "t_max": best["cap"],
             "num_solved": counters["solved"],
             "num_searched": counters["searched"],
+            "lower_bound": bound,
+            "gap": best["cost"] / bound - 1 if bound > 0 else 0.0,
+            "proven": "optimal" if best["cost"] <= bound else "bounded",
         }
 
     def finish() -> HeteroPlan | None:
@@ -349,7 +369,7 @@ def hetero_exact(
 
         search_caps(caps, solve_at, lambda: best["cost"], batches)
     except Interrupted:
-        bound = _lower_bound(sums, caps, best["cost"], batches)
+        bound = certified()
         raise HeteroTimeoutError(
             f"hetero_exact: time limit of {time_limit_s} s passed after "
             f"{len(sums)} of {caps.size} candidate caps (best so far "

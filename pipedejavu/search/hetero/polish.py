@@ -24,11 +24,13 @@ exactly (:func:`pipedejavu.search.hetero.assign.quick_cost`, the arithmetic of
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 
-from pipedejavu.core.hetero import HeteroProblem
+from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
+from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.search.engine.driver import neighbourhood
 from pipedejavu.search.hetero.assign import (
@@ -42,7 +44,7 @@ from pipedejavu.search.hetero.assign import (
 )
 from pipedejavu.search.hetero.exact import HeteroTimeoutError, hetero_exact
 
-__all__ = ["exact_polish", "local_search"]
+__all__ = ["exact_polish", "exact_then_polish", "local_search"]
 
 _IMPROVES = 1 - 1e-12  # a move must beat the incumbent by more than rounding
 
@@ -317,3 +319,45 @@ def exact_polish(
             break
         window = max(2 * window, 1)
     return cost, stages, placement
+
+
+def exact_then_polish(
+    problem: HeteroProblem,
+    *,
+    time_limit_s: float | None = None,
+    progress_fn=None,
+) -> HeteroPlan:
+    """:func:`hetero_exact`, then :func:`local_search` on the objective when
+    the oracle could not prove its plan optimal.
+
+    The oracle's caps bound :func:`~pipedejavu.core.hetero_rules.hetero_bound`
+    exactly, a lower bound on the 1F1B objective of every plan; its plan is
+    optimal when its objective meets that bound (always with free links).
+    Otherwise the local moves improve it on the objective and ``info`` says
+    so: ``proven`` (``"optimal"`` or ``"bounded"``), ``lower_bound`` (seconds,
+    certified over every valid plan), ``gap`` (cost / lower_bound - 1) and
+    ``polished_from`` (the oracle's cost, when the moves improved it).
+    """
+    started = time.perf_counter()
+    plan = hetero_exact(problem, time_limit_s=time_limit_s, progress_fn=progress_fn)
+    if plan.info["proven"] == "optimal":
+        return plan
+    deadline = math.inf if time_limit_s is None else started + float(time_limit_s)
+    stages, placement = split(plan.stages)
+    cost, stages, placement = local_search(
+        problem, stages, placement, plan.cost, deadline=deadline
+    )
+    if not cost < plan.cost:
+        return plan
+    bound = plan.info["lower_bound"]
+    info = dict(plan.info, polished_from=plan.cost)
+    polished = make_hetero_plan(
+        problem, stages, method=plan.method, placement=placement, info=info
+    )
+    info.update(
+        gap=polished.cost / bound - 1 if bound > 0 else 0.0,
+        proven="optimal" if polished.cost <= bound else "bounded",
+    )
+    return dataclasses.replace(
+        polished, info=info, search_time_s=time.perf_counter() - started
+    )
