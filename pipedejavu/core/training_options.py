@@ -74,6 +74,8 @@ class TrainingOptions:
         sequence_parallel: split the layer norms' and dropouts' activations over
             the tensor-parallel ranks along the sequence.
         flash_attention: fused attention that never stores the ``s x s`` scores.
+        attention_dropout: dropout on the attention probabilities (without
+            flash attention its mask and output are stored and its kernel runs).
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -90,6 +92,7 @@ class TrainingOptions:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     flash_attention: bool = True
+    attention_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -102,7 +105,12 @@ class TrainingOptions:
                 f"recompute must be one of {RECOMPUTE_GRANULARITIES}, "
                 f"got {self.recompute!r}"
             )
-        for name in ("distributed_optimizer", "sequence_parallel", "flash_attention"):
+        for name in (
+            "distributed_optimizer",
+            "sequence_parallel",
+            "flash_attention",
+            "attention_dropout",
+        ):
             _check_bool(getattr(self, name), name)
         layers = self.recompute_num_layers
         if layers is not None:

@@ -67,8 +67,9 @@ _CHOICE_FLAGS = {
     "recompute-method": ("uniform", "block"),
     "activations-checkpoint-method": ("uniform", "block"),
     "fp8-format": ("e4m3", "hybrid"),
+    "attention-backend": ("auto", "flash", "fused", "unfused", "local"),
 }
-_STR_FLAGS = ("tokenizer-type", "vocab-file", "merge-file", "name")
+_STR_FLAGS = ("tokenizer-type", "vocab-file", "merge-file", "name", "attention-dropout")
 _BOOL_FLAGS = (
     "swiglu",
     "untie-embeddings-and-output-weights",
@@ -84,6 +85,7 @@ _BOOL_FLAGS = (
     "recompute-activations",
     "checkpoint-activations",
     "use-rotary-position-embeddings",
+    "use-flash-attn",
 )
 _POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
 
@@ -111,6 +113,13 @@ class MegatronRun:
         params_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         use_distributed_optimizer: optimizer states sharded over data parallel.
         padded_vocab_size: the embedding's rows at this TP.
+        flash_attention: fused attention that never holds the ``s x s``
+            scores: ``--use-flash-attn``, or ``--attention-backend`` ``flash``,
+            ``fused`` or ``auto`` (Megatron-LM's default, which picks
+            Transformer Engine's fused kernels); ``unfused`` and ``local`` hold
+            them (as Megatron-LM did before flash attention, e.g. in SC'21).
+        attention_dropout: dropout on the attention probabilities
+            (``--attention-dropout``, Megatron-LM's default 0.1, > 0).
         ignored: the arguments read and ignored, in order.
     """
 
@@ -129,6 +138,8 @@ class MegatronRun:
     use_distributed_optimizer: bool
     padded_vocab_size: int
     ignored: tuple[str, ...] = ()
+    flash_attention: bool = True
+    attention_dropout: bool = True
 
     @property
     def recompute_full(self) -> bool:
@@ -435,4 +446,33 @@ def spec_from_megatron_args(
         use_distributed_optimizer=bool(values.get("use-distributed-optimizer")),
         padded_vocab_size=spec.padded_vocab_size(tp),
         ignored=tuple(ignored),
+        flash_attention=_flash_attention(values),
+        attention_dropout=_attention_dropout(values) > 0,
     )
+
+
+def _flash_attention(values: dict[str, Any]) -> bool:
+    backend = values.get("attention-backend")
+    if backend is not None:
+        if values.get("use-flash-attn") and backend in ("unfused", "local"):
+            raise ProblemError(
+                f"Megatron arguments: --use-flash-attn contradicts "
+                f"--attention-backend {backend}"
+            )
+        return backend in ("auto", "flash", "fused")
+    return True
+
+
+def _attention_dropout(values: dict[str, Any]) -> float:
+    text = values.get("attention-dropout", "0.1")
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ProblemError(
+            f"Megatron arguments: --attention-dropout must be a number, got {text!r}"
+        ) from None
+    if not 0.0 <= rate < 1.0:
+        raise ProblemError(
+            f"Megatron arguments: --attention-dropout must be in [0, 1), got {rate}"
+        )
+    return rate

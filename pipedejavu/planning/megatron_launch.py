@@ -57,6 +57,8 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         recompute_num_layers=layers,
         virtual_stages=run.virtual_chunks,
         sequence_parallel=run.sequence_parallel,
+        flash_attention=run.flash_attention,
+        attention_dropout=run.attention_dropout and not run.flash_attention,
     )
 
 

@@ -230,6 +230,7 @@ class AnalyticalSource:
         precision = gemm_precision(options, entry)
         kwargs = dict(
             flash_attention=options.flash_attention,
+            attention_dropout=options.attention_dropout,
             constants=self.constants,
         )
         try:
@@ -318,7 +319,7 @@ class AnalyticalSource:
                 recompute=options.recompute,
                 sequence_parallel=options.sequence_parallel,
                 flash_attention=options.flash_attention,
-                attention_dropout=False,
+                attention_dropout=options.attention_dropout,
             )
             memories[tp] = self._split_head(stash / element)
             output = layer_output_bytes(self.padded(tp), 1, options.precision)
