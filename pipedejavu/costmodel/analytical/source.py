@@ -49,6 +49,7 @@ from pipedejavu.costmodel.analytical.layers import (
 )
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
+    HALF_PRECISION_ANALYTICAL,
     AnalyticalConstants,
 )
 from pipedejavu.costmodel.megatron.options import (
@@ -92,7 +93,10 @@ class AnalyticalSource:
         profile_model: the model's name in ``profiles`` (default ``spec.name``).
         measured_links: price links with the profiles' measured fits where they
             have one (the clusters the profiles come from).
-        constants: the analytical model's fitted constants.
+        constants: the analytical model's constants (``None``: those fitted on
+            the profiles for fp32 training, on the published 16-bit runs for
+            fp16/bf16/fp8: :data:`~pipedejavu.costmodel.analytical.roofline.
+            HALF_PRECISION_ANALYTICAL`).
         mbs_values: micro-batch sizes offered to the planner.
         link_efficiency: share of the sheet's link bandwidth reached.
     """
@@ -106,7 +110,7 @@ class AnalyticalSource:
         profiles: SailorData | None = None,
         profile_model: str | None = None,
         measured_links: bool = False,
-        constants: AnalyticalConstants = FITTED_ANALYTICAL,
+        constants: AnalyticalConstants | None = None,
         mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
         link_efficiency: float = 1.0,
     ) -> None:
@@ -115,6 +119,9 @@ class AnalyticalSource:
         self._options = TrainingOptions() if options is None else options
         self.profiles = profiles
         self.profile_model = spec.name if profile_model is None else profile_model
+        if constants is None:
+            half = self._options.precision in ("fp16", "bf16", "fp8")
+            constants = HALF_PRECISION_ANALYTICAL if half else FITTED_ANALYTICAL
         self.constants = constants
         self.mbs_values = tuple(int(m) for m in mbs_values)
         measured = profiles.network if (profiles and measured_links) else None

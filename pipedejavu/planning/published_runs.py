@@ -1,0 +1,215 @@
+"""Published large-model runs: predicted, and the 16-bit constants fitted on them.
+
+The bundled profiles are fp32 and TF32 (Sailor's Megatron-DeepSpeed runs), so
+they say nothing about 16-bit tensor-core GEMMs or Megatron-LM's fused
+kernels. Two constants of the analytical roofline are therefore fitted for
+16-bit training on the *visible* published runs (``pipedejavu/data/published/
+megatron_sc21_table1.json``: Megatron-LM SC'21 Table 1, GPT 1.7B-1T on 32-3,072
+A100-80GB): the best tensor-core efficiency of a large GEMM
+(``tensor_efficiency``) and the bandwidth share of backward memory-bound
+kernels (``backward_memory_efficiency``); every other constant keeps its value
+fitted on the profiles. :data:`~pipedejavu.costmodel.analytical.roofline.
+HALF_PRECISION_ANALYTICAL` holds the fit on all ten runs; :func:`leave_one_out`
+refits without each run and predicts it, the error to quote.
+
+Each run is launched as its authors' script launched it: the model, TP, PP,
+interleaving, micro/global batch, fp16, full recomputation of every layer, and
+unfused attention (2021's Megatron-LM had no flash attention; its attention
+dropout is Megatron's default 0.1), on A100-80 nodes of 8 GPUs with the GPU
+sheet's DGX A100 network. The measurement is TFLOP/s per GPU counted with the
+paper's Eq. 3; a prediction is compared through the same formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.optimize import least_squares
+
+from pipedejavu.core.files import read_json
+from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.analytical.roofline import (
+    FITTED_ANALYTICAL,
+    AnalyticalConstants,
+)
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
+from pipedejavu.planning.megatron_launch import options_of_run, predict_megatron_run
+
+__all__ = [
+    "FITTED_FIELDS",
+    "bundled_published_path",
+    "PublishedRun",
+    "fit_half_precision",
+    "leave_one_out",
+    "load_published_runs",
+    "predict_published",
+]
+
+#: The constants fitted on the published runs (the rest come from the profiles).
+FITTED_FIELDS = ("tensor_efficiency", "backward_memory_efficiency")
+MAX_PUBLISHED_FILE_BYTES = 4 * 2**20
+
+
+class PublishedRun(NamedTuple):
+    """One published run.
+
+    Attributes:
+        run_id: its id in the data file.
+        args: the Megatron-LM flags it was launched with (as we rebuild them).
+        run: those flags parsed.
+        gpu_type: the sheet's GPU type.
+        num_gpus: GPUs of the run.
+        tflops_per_gpu: the published TFLOP/s per GPU.
+    """
+
+    run_id: str
+    args: str
+    run: MegatronRun
+    gpu_type: str
+    num_gpus: int
+    tflops_per_gpu: float
+
+
+def bundled_published_path() -> Path:
+    """The vendored copy of the SC'21 Table 1 runs."""
+    root = importlib.resources.files("pipedejavu") / "data" / "published"
+    return Path(str(root / "megatron_sc21_table1.json"))
+
+
+def _field(record: Mapping[str, Any], path: str, where: str) -> Any:
+    value: Any = record
+    for key in path.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            raise ProblemError(f"{where}: missing {path}")
+        value = value[key]
+    return value
+
+
+def _args(record: Mapping[str, Any], where: str) -> str:
+    def number(path: str) -> int:
+        value = _field(record, path, where)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProblemError(f"{where}: {path} must be a positive integer")
+        return value
+
+    seq = number("model.seq_length")
+    parts = [
+        f"--num-layers {number('model.num_layers')}",
+        f"--hidden-size {number('model.hidden_size')}",
+        f"--num-attention-heads {number('model.num_attention_heads')}",
+        f"--seq-length {seq} --max-position-embeddings {seq}",
+        f"--vocab-size {number('model.vocab_size')} --make-vocab-size-divisible-by 1",
+        f"--micro-batch-size {number('batch.micro_batch_size')}",
+        f"--global-batch-size {number('batch.global_batch_size')}",
+        f"--tensor-model-parallel-size {number('parallelism.tp')}",
+        f"--pipeline-model-parallel-size {number('parallelism.pp')}",
+        "--fp16 --checkpoint-activations --attention-backend unfused",
+    ]
+    chunk = _field(record, "parallelism.num_layers_per_virtual_pipeline_stage", where)
+    if chunk is not None:
+        parts.append(f"--num-layers-per-virtual-pipeline-stage {int(chunk)}")
+    return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str) -> tuple[PublishedRun, ...]:
+    data = read_json(Path(path), MAX_PUBLISHED_FILE_BYTES, "published runs file")
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list) or not runs:
+        raise ProblemError(f"{path}: expected an object with a list of runs")
+    out = []
+    for index, record in enumerate(runs):
+        where = f"{path}: run {index}"
+        if not isinstance(record, dict):
+            raise ProblemError(f"{where} is not an object")
+        args = _args(record, where)
+        gpus = _field(record, "hardware.num_gpus", where)
+        measured = _field(record, "measured.tflops_per_gpu", where)
+        if not isinstance(gpus, int) or not isinstance(measured, int | float):
+            raise ProblemError(f"{where}: num_gpus and tflops_per_gpu must be numbers")
+        out.append(
+            PublishedRun(
+                str(record.get("id", index)),
+                args,
+                spec_from_megatron_args(args, name=str(record.get("id", index))),
+                "A100-80",
+                gpus,
+                float(measured),
+            )
+        )
+    return tuple(out)
+
+
+def load_published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
+    """The runs of a published-runs file (default: the bundled SC'21 table)."""
+    return _load(str(bundled_published_path() if path is None else path))
+
+
+def _constants(base: AnalyticalConstants, values: Sequence[float]):
+    return dataclasses.replace(base, **dict(zip(FITTED_FIELDS, values, strict=True)))
+
+
+def predict_published(
+    runs: Sequence[PublishedRun],
+    constants: AnalyticalConstants,
+    sheet: Mapping[str, GpuSheetEntry] | None = None,
+) -> NDArray[np.float64]:
+    """f64[R] predicted TFLOP/s per GPU of each run with ``constants``."""
+    sheet = load_gpu_sheet() if sheet is None else sheet
+    out = []
+    for item in runs:
+        source = AnalyticalSource(
+            item.run.spec, sheet, options_of_run(item.run), constants=constants
+        )
+        launch = predict_megatron_run(
+            item.run, item.gpu_type, item.num_gpus, sheet, source=source
+        )
+        out.append(launch.tflops_per_gpu)
+    return np.asarray(out, dtype=np.float64)
+
+
+def fit_half_precision(
+    runs: Sequence[PublishedRun],
+    base: AnalyticalConstants = FITTED_ANALYTICAL,
+    sheet: Mapping[str, GpuSheetEntry] | None = None,
+) -> AnalyticalConstants:
+    """:data:`FITTED_FIELDS` by least squares on log TFLOP/s over ``runs``."""
+    sheet = load_gpu_sheet() if sheet is None else sheet
+    measured = np.array([item.tflops_per_gpu for item in runs])
+
+    def residuals(x: NDArray[np.float64]) -> NDArray[np.float64]:
+        predicted = predict_published(runs, _constants(base, x), sheet)
+        return np.log(predicted / measured)
+
+    start = [getattr(base, name) for name in FITTED_FIELDS]
+    fit = least_squares(
+        residuals, x0=start, bounds=([0.05] * 2, [1.0] * 2), diff_step=1e-3
+    )
+    return _constants(base, [round(float(v), 4) for v in fit.x])
+
+
+def leave_one_out(
+    runs: Sequence[PublishedRun],
+    base: AnalyticalConstants = FITTED_ANALYTICAL,
+    sheet: Mapping[str, GpuSheetEntry] | None = None,
+) -> NDArray[np.float64]:
+    """f64[R] relative error of each run predicted with the constants fitted on
+    the others (predicted / published - 1)."""
+    sheet = load_gpu_sheet() if sheet is None else sheet
+    errors = []
+    for k, item in enumerate(runs):
+        others = [run for i, run in enumerate(runs) if i != k]
+        constants = fit_half_precision(others, base, sheet)
+        predicted = predict_published([item], constants, sheet)[0]
+        errors.append(predicted / item.tflops_per_gpu - 1.0)
+    return np.asarray(errors, dtype=np.float64)
