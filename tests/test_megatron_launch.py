@@ -99,7 +99,11 @@ def test_profiles_price_what_they_cover():
     data = load_sailor_data()
     spec = load_model_spec("OPT-350")
     source = AnalyticalSource(
-        spec, load_gpu_sheet(), TrainingOptions(), profiles=data, measured_links=True
+        spec,
+        load_gpu_sheet(),
+        TrainingOptions(),
+        profiles=data,
+        measured_links=data.network,
     )
     assert source.source_of("GH-96", 2, 1) == "profiles"
     assert source.source_of("H100-SXM", 2, 1) == "analytical"

@@ -69,9 +69,16 @@ def _options(
     flash_attention: bool,
     sequence_parallel: bool,
     attention_dropout: bool,
+    query_key_layer_scaling: bool = False,
 ) -> PassOptions:
     opts = PassOptions(
-        mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        sequence_parallel,
+        attention_dropout,
+        query_key_layer_scaling,
     )
     validate_spec(spec, tp)
     return opts
@@ -87,6 +94,7 @@ def analytical_layer_times(
     flash_attention: bool = True,
     sequence_parallel: bool = False,
     attention_dropout: bool = False,
+    query_key_layer_scaling: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """Forward, backward and optimizer-step seconds of every layer.
@@ -102,6 +110,10 @@ def analytical_layer_times(
         sequence_parallel: Megatron's sequence parallelism.
         attention_dropout: dropout on the attention probabilities (without
             flash attention only).
+        query_key_layer_scaling: the scores are scaled by Megatron's
+            query-key layer-scaling coefficient in a kernel of their own (a
+            fact of the model's code, see
+            :data:`~pipedejavu.costmodel.analytical.calibrate.QK_LAYER_SCALING`).
         constants: the roofline's constants.
 
     Returns:
@@ -121,6 +133,7 @@ def analytical_layer_times(
         flash_attention,
         sequence_parallel,
         attention_dropout,
+        query_key_layer_scaling,
     )
     block = (
         pass_seconds(block_forward_ops(spec, opts), gpu, constants),
@@ -160,11 +173,21 @@ def attention_core_forward_seconds(
     *,
     flash_attention: bool = True,
     attention_dropout: bool = False,
+    query_key_layer_scaling: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's attention core forward (scores, softmax,
     context): what selective recomputation adds to each block's backward."""
-    opts = _options(spec, mbs, tp, precision, flash_attention, False, attention_dropout)
+    opts = _options(
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        False,
+        attention_dropout,
+        query_key_layer_scaling,
+    )
     return pass_seconds(attention_core_forward_ops(spec, opts), gpu, constants)
 
 
@@ -178,12 +201,20 @@ def block_forward_seconds(
     flash_attention: bool = True,
     sequence_parallel: bool = False,
     attention_dropout: bool = False,
+    query_key_layer_scaling: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
     block's backward."""
     opts = _options(
-        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        sequence_parallel,
+        attention_dropout,
+        query_key_layer_scaling,
     )
     return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
 

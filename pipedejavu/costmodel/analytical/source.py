@@ -62,6 +62,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     GpuSpec,
     LayerTimes,
     ModelInfo,
+    NetworkTables,
     SailorData,
 )
 from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
@@ -91,14 +92,18 @@ class AnalyticalSource:
             fp32 training without recomputation or sequence parallelism, what
             they measured); ``None``: analytical everywhere.
         profile_model: the model's name in ``profiles`` (default ``spec.name``).
-        measured_links: price links with the profiles' measured fits where they
-            have one (the clusters the profiles come from).
+        measured_links: measured link fits to price links with where they
+            have one (e.g. ``SailorData().network``: the clusters Sailor's
+            runs come from); ``None``: the GPU sheet's links only.
         constants: the analytical model's constants (``None``: those fitted on
             the profiles for fp32 training, on the published 16-bit runs for
             fp16/bf16/fp8: :data:`~pipedejavu.costmodel.analytical.roofline.
             HALF_PRECISION_ANALYTICAL`).
         mbs_values: micro-batch sizes offered to the planner.
         link_efficiency: share of the sheet's link bandwidth reached.
+        query_key_layer_scaling: the model's code scales the attention scores
+            in a kernel of its own (Megatron's ``apply_query_key_layer_scaling``;
+            the bundled Sailor models but GPT-Neo-2.7 do).
     """
 
     def __init__(
@@ -109,10 +114,11 @@ class AnalyticalSource:
         *,
         profiles: SailorData | None = None,
         profile_model: str | None = None,
-        measured_links: bool = False,
+        measured_links: NetworkTables | None = None,
         constants: AnalyticalConstants | None = None,
         mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
         link_efficiency: float = 1.0,
+        query_key_layer_scaling: bool = False,
     ) -> None:
         self.spec = spec
         self.sheet = dict(sheet)
@@ -124,9 +130,9 @@ class AnalyticalSource:
             constants = HALF_PRECISION_ANALYTICAL if half else FITTED_ANALYTICAL
         self.constants = constants
         self.mbs_values = tuple(int(m) for m in mbs_values)
-        measured = profiles.network if (profiles and measured_links) else None
+        self.query_key_layer_scaling = bool(query_key_layer_scaling)
         self._network = SheetNetwork(
-            self.sheet, measured=measured, efficiency=link_efficiency
+            self.sheet, measured=measured_links, efficiency=link_efficiency
         )
         self._info: ModelInfo | None = None
         self._tables: dict[str, dict[tuple[int, int], LayerTimes]] = {}
@@ -238,6 +244,7 @@ class AnalyticalSource:
         kwargs = dict(
             flash_attention=options.flash_attention,
             attention_dropout=options.attention_dropout,
+            query_key_layer_scaling=self.query_key_layer_scaling,
             constants=self.constants,
         )
         try:
