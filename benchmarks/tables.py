@@ -103,6 +103,7 @@ def t_headline() -> str:
         f["goodput_mode_gain"] for r in good for f in r["fixed"] if f["batch"] == 1024
     ]
     gh, rtx = runs["gh200-opt350"]["time_error"], runs["rtx-opt350"]["time_error"]
+    published = load("published_runs.json")["sc21"]["leave_one_out"]
     rows = [
         [
             "exact DP against Alpa's algorithm (L = 16, where Alpa's finished)",
@@ -123,6 +124,13 @@ def t_headline() -> str:
             "Megatron-style predictor vs measured iterations, median / max error",
             f"GH200 {pct(gh['median'])} / {pct(gh['max'])}; RTX {pct(rtx['median'])} / {pct(rtx['max'])}",
             "predict_real_runs.json",
+        ],
+        [
+            "any model from its Megatron-LM flags, no profiles: SC'21 Table 1 "
+            "TFLOP/s per GPU, leave-one-out median / max error",
+            f"{pct(published['median'])} / {pct(published['max'])} (10 runs, "
+            "32 to 3,072 A100s)",
+            "published_runs.json",
         ],
         [
             "our plan / Sailor's plan (both priced by our predictor)",
@@ -493,8 +501,106 @@ def t_layout() -> str:
     )
 
 
+def t_published_runs() -> str:
+    data = load("published_runs.json")["sc21"]
+    rows = [
+        [
+            r["id"].replace("sc21_table1_", "GPT "),
+            r["gpus"],
+            f"{r['tp']} / {r['pp']} / {r['virtual_stages']}",
+            f"{r['published_tflops_per_gpu']:.0f}",
+            f"{r['predicted_tflops_per_gpu']:.1f}",
+            f"{100 * r['in_sample_error']:+.1f}%",
+            f"{100 * r['leave_one_out_error']:+.1f}%",
+        ]
+        for r in data["runs"]
+    ]
+    loo, anchor = data["leave_one_out"], data["constant_mfu_leave_one_out"]
+    head = [
+        "run",
+        "A100-80 GPUs",
+        "TP / PP / chunks",
+        "published TFLOP/s per GPU",
+        "predicted",
+        "error (in-sample)",
+        "error (leave-one-out)",
+    ]
+    return (
+        table(head, rows)
+        + f"\n\nLeave-one-out absolute error: median {pct(loo['median'])}, max "
+        f"{pct(loo['max'])}; one constant MFU for all runs (leave-one-out): "
+        f"median {pct(anchor['median'])}, max {pct(anchor['max'])}."
+        + source("published_runs.json")
+    )
+
+
+def t_opt350_no_profile() -> str:
+    data = load("published_runs.json")["opt350"]
+    names = {"gh200-opt350": "GH200", "rtx-opt350": "RTX cluster"}
+
+    def cell(summary):
+        if summary is None:
+            return "not trusted"
+        return f"{pct(summary['median'])} / {pct(summary['max'])}"
+
+    rows = []
+    for cluster, entry in data.items():
+        for kind, label in (
+            ("no_profile", "no OPT-350M profile"),
+            ("profiles", "profiles"),
+        ):
+            rows.append(
+                [
+                    names.get(cluster, cluster),
+                    label,
+                    entry[kind]["time"]["count"],
+                    cell(entry[kind]["time"]),
+                    cell(entry[kind]["memory"]),
+                ]
+            )
+    head = ["runs", "costs from", "n", "time, abs. error median / max", "memory"]
+    return table(head, rows) + source("published_runs.json")
+
+
+def t_analytical_lomo() -> str:
+    data = load("analytical_accuracy.json")["leave_one_model_out"]
+    rows = []
+    for model, entry in data.items():
+        for gpu, summary in entry["blocks"].items():
+            rows.append(
+                [
+                    model,
+                    gpu,
+                    summary["count"],
+                    f"{pct(summary['median'])} / {pct(summary['max'])}",
+                ]
+            )
+    head = [
+        "held-out model",
+        "GPU",
+        "entries",
+        "block fwd+bwd, abs. error median / max",
+    ]
+    return table(head, rows) + source("analytical_accuracy.json")
+
+
+def t_analytical_logo() -> str:
+    data = load("analytical_accuracy.json")["leave_one_gpu_out"]
+    rows = []
+    for gpu, entry in data.items():
+        medians = [s["median"] for s in entry["blocks"].values()]
+        worst = max(s["max"] for s in entry["blocks"].values())
+        rows.append([gpu, len(medians), pct(statistics.median(medians)), pct(worst)])
+    head = ["held-out GPU type", "models", "median of medians", "max"]
+    return table(head, rows) + source("analytical_accuracy.json")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "layout": t_layout,
+    "published_runs": t_published_runs,
+    "opt350_no_profile": t_opt350_no_profile,
+    "analytical_lomo": t_analytical_lomo,
+    "analytical_logo": t_analytical_logo,
     "headline": t_headline,
     "dp_scaling": t_dp_scaling,
     "engine_quality": t_engine_quality,
