@@ -182,3 +182,27 @@ def test_analytical_source_drives_the_plan_predictor():
     bf16 = predict_plan(plan, AnalyticalSource(spec, sheet, TrainingOptions("bf16")))
     assert bf16.iteration_time_s < fp32.iteration_time_s
     assert bf16.peak_memory_bytes < fp32.peak_memory_bytes
+
+
+def test_distributed_optimizer_shards_the_optimizer_state():
+    """fp16: 20 B a parameter without it, 4 + 16 / dp with it (Megatron-LM's
+    documented numbers); each replica steps 1 / dp of the parameters."""
+    from pipedejavu.costmodel.megatron.rules import stage_params
+
+    sheet = load_gpu_sheet()
+    plain_run = spec_from_megatron_args(SC21_39B)
+    sharded_run = spec_from_megatron_args(SC21_39B + " --use-distributed-optimizer")
+    plain = predict_megatron_run(plain_run, "A100-80", 512, sheet)
+    sharded = predict_megatron_run(sharded_run, "A100-80", 512, sheet)
+    dp = plain.plan.dp
+    source = AnalyticalSource(plain_run.spec, sheet, plain.options)
+    info = source.model_info(plain_run.spec.name)
+    for s, stage in enumerate(plain.plan.stages):
+        held = stage_params(info, 8, stage.start, stage.stop)
+        saved = plain.prediction.model_state_bytes[s, 0] - (
+            sharded.prediction.model_state_bytes[s, 0]
+        )
+        np.testing.assert_allclose(saved, 16 * held * (1 - 1 / dp), rtol=1e-9)
+    np.testing.assert_allclose(
+        sharded.prediction.optimizer_s, plain.prediction.optimizer_s / dp, rtol=1e-9
+    )

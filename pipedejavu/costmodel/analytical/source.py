@@ -54,8 +54,8 @@ from pipedejavu.costmodel.analytical.roofline import (
 )
 from pipedejavu.costmodel.megatron.options import (
     activation_element_bytes,
-    bytes_per_param,
     grad_reduce_bytes_per_param,
+    param_state_bytes,
     recompute_time,
 )
 from pipedejavu.costmodel.megatron.sailor_data import (
@@ -339,11 +339,8 @@ class AnalyticalSource:
             output = layer_output_bytes(self.padded(tp), 1, options.precision)
             output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
-        state = bytes_per_param(options.precision)
-        if options.distributed_optimizer:
-            raise ProblemError(
-                "the distributed optimizer is not priced by the predictor yet"
-            )
+        parts = param_state_bytes(options.precision)
+        sharded = parts.shardable if options.distributed_optimizer else 0
         return ModelInfo(
             name=spec.name,
             params=params,
@@ -351,6 +348,8 @@ class AnalyticalSource:
             act_mem=memories,
             activation_bytes=float(element),
             gradient_bytes=float(grad_reduce_bytes_per_param(options.precision)),
-            state_bytes_per_param=float(state),
+            state_bytes_per_param=float(parts.replicated + parts.shardable - sharded),
+            sharded_state_bytes_per_param=float(sharded),
+            distributed_optimizer=options.distributed_optimizer,
             tied=tied,
         )

@@ -267,7 +267,9 @@ def predict_plan(
                 per_kind[key] = (
                     float(entry.forward[layers].sum()) + overhead,
                     float(entry.backward[layers].sum()) + overhead,
-                    optimizer_time(float(entry.update[0]), params, info, replica.tp),
+                    optimizer_time(
+                        float(entry.update[0]), params, info, replica.tp, dp
+                    ),
                     data.gpu_spec(replica.gpu_type).memory_bytes,
                 )
             forward[s, j], backward[s, j], optimizer[s, j], limit[s, j] = per_kind[key]
@@ -386,7 +388,7 @@ def predict_plan(
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]
-        state = model_state_bytes(info, held, max(sizes))
+        state = model_state_bytes(info, held, max(sizes), dp)
         model_state[s] = state
         used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):

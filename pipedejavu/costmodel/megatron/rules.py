@@ -36,6 +36,7 @@ __all__ = [
     "memory_bytes",
     "message_bytes",
     "model_state_bytes",
+    "optimizer_share",
     "optimizer_time",
     "p2p_pair",
     "profiling_params",
@@ -79,10 +80,20 @@ def profiling_params(info: ModelInfo, tp: int) -> float:
     return float(params[0] + params[1] + params[2] + params[-1]) - info.tied_params(tp)
 
 
-def optimizer_time(update_s: float, held: Number, info: ModelInfo, tp: int) -> Number:
+def optimizer_share(info: ModelInfo, dp: Number = 1) -> Number:
+    """The share of its stage's parameters a GPU's optimizer step updates:
+    ``1 / dp`` with the distributed optimizer (each replica steps its shard),
+    1 without."""
+    return 1.0 / dp if info.distributed_optimizer else 1.0
+
+
+def optimizer_time(
+    update_s: float, held: Number, info: ModelInfo, tp: int, dp: Number = 1
+) -> Number:
     """Adam's step on ``held`` parameters: memory-bound, so the profile's step
-    (``update_s``) scaled by the parameters it updates."""
-    return update_s * held / profiling_params(info, tp)
+    (``update_s``) scaled by the parameters it updates
+    (:func:`optimizer_share` of them)."""
+    return update_s * held * optimizer_share(info, dp) / profiling_params(info, tp)
 
 
 # ----------------------------------------------------------------- buckets
@@ -117,11 +128,19 @@ def buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
 
 
 # ------------------------------------------------------------------ memory
-def model_state_bytes(info: ModelInfo, held: Number, largest_bucket: Number) -> Number:
+def model_state_bytes(
+    info: ModelInfo, held: Number, largest_bucket: Number, dp: Number = 1
+) -> Number:
     """Weights, gradients and optimizer state (``info.state_bytes_per_param``:
-    16 for fp32 Adam) and the largest bucket, which DeepSpeed flattens into a
-    new buffer of gradient elements."""
-    return info.state_bytes_per_param * held + info.gradient_bytes * largest_bucket
+    16 for fp32 Adam; ``info.sharded_state_bytes_per_param`` more, divided
+    over the ``dp`` replicas, with the distributed optimizer) and the largest
+    bucket, which DeepSpeed flattens into a new buffer of gradient elements."""
+    sharded = info.sharded_state_bytes_per_param * held / dp
+    return (
+        info.state_bytes_per_param * held
+        + sharded
+        + info.gradient_bytes * largest_bucket
+    )
 
 
 def stash_bytes(

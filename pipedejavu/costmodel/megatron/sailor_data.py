@@ -122,7 +122,14 @@ class ModelInfo:
             training, whose gradients are reduced in fp32; 2 in fp16).
         state_bytes_per_param: model state bytes per parameter a GPU holds
             (weights, gradients, optimizer state: 16 in fp32 with Adam; see
-            :func:`pipedejavu.costmodel.megatron.options.bytes_per_param`).
+            :func:`pipedejavu.costmodel.megatron.options.bytes_per_param`);
+            with the distributed optimizer only the replicated part.
+        sharded_state_bytes_per_param: the part of the model state the
+            distributed optimizer shards over the data-parallel replicas (0
+            without it).
+        distributed_optimizer: each data-parallel replica steps only its
+            shard of the optimizer state (Megatron-LM's
+            ``--use-distributed-optimizer``).
         tied: ``{tp: floats}`` of the word embedding the first and last layer
             share, where known exactly (``None``: :meth:`tied_params` infers it).
     """
@@ -134,6 +141,8 @@ class ModelInfo:
     activation_bytes: float = 4.0
     gradient_bytes: float = 4.0
     state_bytes_per_param: float = 16.0
+    sharded_state_bytes_per_param: float = 0.0
+    distributed_optimizer: bool = False
     tied: Mapping[int, float] | None = None
 
     @property

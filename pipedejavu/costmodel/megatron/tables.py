@@ -353,11 +353,11 @@ def compile_tables(
         tied_time = tied_allreduce_time(network, info, replica, replica, pair_nodes)
         has_tie = (starts == 0) != (ends == num_layers - 1)
         allreduce, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
-        optimizer = optimizer_time(float(times.update[0]), held, info, tp)
+        optimizer = optimizer_time(float(times.update[0]), held, info, tp, dp)
         tail[starts, ends, m, 0] = (
             allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
         )
-        state = model_state_bytes(info, held, largest)
+        state = model_state_bytes(info, held, largest, dp)
         in_flight = in_flight_capacity(
             spec.memory_bytes, state, per_microbatch, constants, gpu_type
         )

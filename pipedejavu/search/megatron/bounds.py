@@ -160,7 +160,7 @@ def kind_bounds(
                 data, model, gpu, t, dp, held, starts, ends, spots
             )
         allreduce, largest = cache.allreduce[key]
-        tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t)
+        tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t, dp)
         # How many micro-batches' stashes fit beside the model state.
         received = np.where(
             starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
@@ -170,7 +170,7 @@ def kind_bounds(
         )
         fits = in_flight_capacity(
             spec.memory_bytes,
-            model_state_bytes(info, held, largest),
+            model_state_bytes(info, held, largest, dp),
             stash,
             constants,
             gpu,

@@ -51,6 +51,7 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
     is_blocking,
+    optimizer_share,
     optimizer_time,
     stage_params,
 )
@@ -304,7 +305,7 @@ def _configs(
                 # (ring time grows with bytes).
                 share = total_params[small] / stages * info.gradient_bytes
                 bound += (
-                    optimizer[small] / stages
+                    optimizer[small] * optimizer_share(info, dp) / stages
                     + ring_allreduce_times(hops(small, dp), dp, np.array([share]))[0]
                 )
             else:
