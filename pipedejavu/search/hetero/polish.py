@@ -17,7 +17,7 @@ exactly (:func:`pipedejavu.search.hetero.assign.quick_cost`, the arithmetic of
   neighbours whose devices together form a submesh.
 * :func:`exact_polish`: :func:`pipedejavu.search.hetero.exact.hetero_exact`
   restricted to spans near the current boundaries and stage midpoints
-  (:func:`pipedejavu.search.engine.driver.neighbourhood`), started from the
+  (:func:`pipedejavu.search.engine.neighbourhood.neighbourhood`), started from the
   incumbent's cost; after an improvement the local search runs again; the
   window doubles (up to ``widest``) when the DP finds nothing better.
 """
@@ -32,7 +32,7 @@ import time
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError
-from pipedejavu.search.engine.driver import neighbourhood
+from pipedejavu.search.engine.neighbourhood import neighbourhood
 from pipedejavu.search.hetero.assign import (
     Placement,
     Slot,
