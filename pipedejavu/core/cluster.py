@@ -331,8 +331,8 @@ class Cluster:
             )
         if len(self.host_types) * self.devices_per_host > MAX_DEVICES:
             raise ProblemError(
-                f"a cluster of {len(self.host_types)} hosts x "
-                f"{self.devices_per_host} devices has more than {MAX_DEVICES} devices"
+                f"hosts x devices_per_host = {len(self.host_types)} x "
+                f"{self.devices_per_host} is more than {MAX_DEVICES} devices"
             )
         if len(self.intra_host) != num_types:
             raise ProblemError(
