@@ -99,14 +99,15 @@ class CostChoice:
     def pool(self, gpus: Mapping[str, int]) -> dict[str, int]:
         """``gpus`` with its type names as ``data`` knows them."""
         out: dict[str, int] = {}
+        given: dict[str, str] = {}
         for name, count in gpus.items():
             canonical = self.gpu_types[name]
             if canonical in out:
                 raise ProblemError(
-                    f"--gpus names {canonical} twice (as {name} and another alias); "
-                    "give each type once with its total count"
+                    f"--gpus names {canonical} twice ({given[canonical]} and "
+                    f"{name}); give each type once with its total count"
                 )
-            out[canonical] = count
+            out[canonical], given[canonical] = count, name
         return out
 
 
@@ -336,6 +337,12 @@ def predict_any_plan(plan: Plan3D, choice: CostChoice) -> tuple[Plan3D, Predicti
     plan = dataclasses.replace(plan, stages=tuple(stages), model=choice.model)
     if choice.analytical:
         check_plan_layers(plan, choice)
+    if choice.spec is not None:
+        for tp in sorted({r.tp for stage in plan.stages for r in stage.replicas}):
+            try:
+                choice.spec.check_tp(tp)
+            except ValueError as error:
+                raise ProblemError(f"the plan's TP {tp}: {error}") from None
     return plan, predict_plan(plan, choice.data)
 
 
