@@ -11,6 +11,15 @@ import json
 import warnings
 from typing import Any
 
+from pipedejavu.cli.any_model import (
+    add_training_options,
+    any_model_options,
+    choose_for_plan,
+    costs_line,
+    format_comparison,
+    plan_megatron_args,
+    predict_plan_file,
+)
 from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
     run_batch_modes,
@@ -19,12 +28,9 @@ from pipedejavu.cli.megatron_report import GB, format_prediction, format_trainin
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.costmodel.megatron.predictor import predict_plan
-from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.io.exports import EXPORTS, export_plan
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.megatron_args import spec_from_megatron_args
-from pipedejavu.io.sailor_plan import load_plan3d
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
     check_global_batch,
@@ -67,14 +73,14 @@ def add_parsers(commands: Any) -> None:
         "(a type of the GPU sheet; `pipedejavu data gpus.json` prints its path)",
     )
     predict.add_argument(
-        "--gpu-sheet",
-        metavar="FILE",
-        help="with --megatron-args: a JSON GPU sheet extending or overriding the "
-        "bundled one (same schema)",
+        "--model",
+        metavar="NAME|CONFIG.json",
+        help="price the plan for this model: a model of the profiles (e.g. "
+        "OPT-350; needed for a Sailor plan_config file), a bundled preset (e.g. "
+        "Llama-3-8B) or a Hugging Face config.json (default: the model the plan "
+        "names)",
     )
-    predict.add_argument(
-        "--model", help="the model's folder under DIR/profiles, e.g. OPT-350"
-    )
+    add_training_options(predict)
     predict.add_argument(
         "--profiles",
         metavar="DIR",
@@ -88,15 +94,32 @@ def add_parsers(commands: Any) -> None:
         help="find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, "
         "GPU type) for a model, a global batch and a GPU pool",
     )
-    plan.add_argument("--model", required=True, help="e.g. OPT-350, GPT-Neo-2.7")
+    plan.add_argument(
+        "--model",
+        metavar="NAME|CONFIG.json",
+        help="the model: a Sailor model priced by its profiles (OPT-350, "
+        "GPT-Neo-2.7, LLAMA-3-8, OPT-30), a bundled preset priced by the "
+        "analytical model (GPT-3-175B, Llama-3-8B, Llama-3-70B, Llama-3.1-405B, "
+        "Qwen2.5-7B, Qwen2.5-72B, Mistral-7B) or a Hugging Face config.json; "
+        "or give --megatron-args instead",
+    )
+    plan.add_argument(
+        "--megatron-args",
+        metavar="ARGS",
+        help="the flags of your Megatron-LM pretrain_gpt.py launch, in one "
+        "quoted string: predicts it on --gpus and plans the same model, global "
+        "batch and training options, side by side with the speed-up",
+    )
     plan.add_argument(
         "--gpus",
         action="append",
         required=True,
         metavar="TYPE:COUNT",
-        help="GPUs available, e.g. GH-96:64 (repeat for a pool of several types, "
-        f"each type once; at most {MAX_GPUS} GPUs in all)",
+        help="GPUs available, e.g. GH-96:64 or H100:64 (a type of the profiles "
+        "or of the GPU sheet; repeat for a pool of several types, each type "
+        f"once; at most {MAX_GPUS} GPUs in all)",
     )
+    add_training_options(plan)
     plan.add_argument(
         "--global-batch",
         type=int_in("--global-batch", 1, MAX_GLOBAL_BATCH),
@@ -139,18 +162,15 @@ def add_parsers(commands: Any) -> None:
     add_plan_options(plan)
 
 
-def _data(directory: str | None):
-
-    return load_sailor_data(directory)
-
-
 def _predict_launch(args: argparse.Namespace) -> int:
     import sys
 
-    if args.plan is not None or args.model or args.profiles:
+    training = [flag for flag in any_model_options(args) if flag != "--gpu-sheet"]
+    if args.plan is not None or args.model or args.profiles or training:
         raise ProblemError(
-            "--megatron-args describes the model and the plan: give no PLAN.json, "
-            "--model or --profiles with it"
+            "--megatron-args describes the model, its training and the plan: give "
+            "no PLAN.json, --model, --profiles, --precision, --recompute or "
+            "--seq-len with it"
         )
     if not args.gpus:
         raise ProblemError("--megatron-args needs --gpus TYPE:COUNT, e.g. A100-80:64")
@@ -190,21 +210,21 @@ def _predict_launch(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     if args.megatron_args is not None:
         return _predict_launch(args)
-    if args.gpus or args.gpu_sheet:
-        raise ProblemError("--gpus and --gpu-sheet go with --megatron-args")
+    if args.gpus:
+        raise ProblemError(
+            "--gpus and TYPE:COUNT pools go with --megatron-args (a plan names "
+            "its GPUs)"
+        )
     if args.plan is None:
         raise ProblemError("give PLAN.json, or --megatron-args with --gpus")
 
-    plan, _ = load_plan3d(args.plan, model=args.model)
-    if plan.model is None:
-        raise ProblemError(
-            f"{args.plan} names no model; give --model (a folder under "
-            "DIR/profiles, e.g. OPT-350)"
-        )
-    prediction = predict_plan(plan, _data(args.profiles))
+    plan, prediction, choice = predict_plan_file(args)
+    cost_source = choice.data.cost_source(plan) if choice.analytical else "profiles"
     if not prediction.fits_memory:
         peak = prediction.peak_memory_bytes / GB
-        limits = [round(x / GB, 2) for x in prediction.memory_limit_bytes.min(axis=1)]
+        limits = [
+            round(float(x) / GB, 2) for x in prediction.memory_limit_bytes.min(axis=1)
+        ]
         warnings.warn(
             f"the plan exceeds device memory: peak {peak:.2f} GB on a GPU "
             f"(limits per stage {limits} GB)",
@@ -213,9 +233,14 @@ def _predict(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": plan.model, "plan": plan.describe()}
         out.update(prediction.to_json())
+        out.update(cost_source=cost_source, options=choice.options.to_json())
         print(json.dumps(out))
     else:
-        print(format_prediction(plan, prediction))
+        print(format_prediction(plan, prediction, choice.options.virtual_stages))
+        if choice.analytical:
+            print(costs_line(choice, cost_source))
+            for note in choice.notes:
+                print(f"note: {note}")
     return 0
 
 
@@ -253,6 +278,17 @@ class _PlanProgress:
 def _plan(args: argparse.Namespace) -> int:
     import sys
 
+    if args.megatron_args is not None:
+        return _plan_megatron_args(args)
+    if args.model is None:
+        raise ProblemError(
+            "give --model NAME|CONFIG.json (or --megatron-args with your launch)"
+        )
+    if (args.goodput_grad is not None or args.elastic) and any_model_options(args):
+        raise ProblemError(
+            "goodput and elastic modes plan the profiled models as profiled: "
+            f"give no {', '.join(any_model_options(args))} with them"
+        )
     handled = run_batch_modes(args)  # goodput or elastic mode
     if handled is not None:
         return handled
@@ -266,6 +302,7 @@ def _plan(args: argparse.Namespace) -> int:
     # the search is only for a search that may take more than ~10 s.
     pool = parse_gpu_pool(args.gpus)
     check_global_batch(args.global_batch, "--global-batch")
+    choice = choose_for_plan(args, pool)
     if expected_slow(pool, args.method, args.mixed_types):
         print(
             f"planning {args.model} on {sum(pool.values())} GPUs may take a "
@@ -274,30 +311,58 @@ def _plan(args: argparse.Namespace) -> int:
             flush=True,
         )
     result = plan_training(
-        args.model,
-        pool,
+        choice.model,
+        choice.pool(pool),
         args.global_batch,
-        profiles=args.profiles,
+        profiles=choice.data,
         method=args.method,
         uniform_tp=not args.per_stage_tp,
         allow_fewer_gpus=not args.all_gpus,
         mixed_types=args.mixed_types,
         progress_fn=_PlanProgress(),
     )
-    exported = None
-    if args.export:
-        data = _data(args.profiles)
-        gpus_per_node = {
-            gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
-        }
-        exported = export_plan(result.plan, args.export, gpus_per_node=gpus_per_node)
+    exported = _export(args, result, choice.data)
     if args.json:
         out = result.to_json()
+        if choice.spec is not None:
+            out["seq_length"] = choice.spec.seq_length
+        if choice.analytical:
+            out["notes"] = list(choice.notes)
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
         print(json.dumps(out))
     else:
         print(format_training_plan(result))
+        if choice.analytical:
+            print(costs_line(choice, result.cost_source))
+            for note in choice.notes:
+                print(f"note: {note}")
+        if exported is not None:
+            print(f"\n--- {args.export} ---\n{exported}", end="")
+    return 0
+
+
+def _export(args: argparse.Namespace, result: Any, data: Any) -> str | None:
+    """The plan for ``--export``'s framework (``None``: not asked)."""
+    if not args.export:
+        return None
+    gpus_per_node = {
+        gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
+    }
+    return export_plan(result.plan, args.export, gpus_per_node=gpus_per_node)
+
+
+def _plan_megatron_args(args: argparse.Namespace) -> int:
+    comparison = plan_megatron_args(args, _PlanProgress())
+    best = comparison.best
+    exported = _export(args, best, comparison.source)
+    if args.json:
+        out = comparison.to_json()
+        if exported is not None:
+            out["export"] = {"target": args.export, "text": exported}
+        print(json.dumps(out))
+    else:
+        print(format_comparison(comparison, format_training_plan(best)))
         if exported is not None:
             print(f"\n--- {args.export} ---\n{exported}", end="")
     return 0

@@ -41,10 +41,12 @@ from pipedejavu.core.plan3d import (
     Stage3D,
 )
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 
 __all__ = [
     "SAILOR_KEY",
     "load_plan3d",
+    "load_plan_training",
     "plan_from_sailor",
     "plan_to_sailor",
     "write_sailor_plan",
@@ -274,3 +276,34 @@ def load_plan3d(
             )
         plan = plan.replace(model=model)
     return plan, "pipedejavu"
+
+
+def load_plan_training(
+    path: str | os.PathLike,
+) -> tuple[TrainingOptions | None, int | None]:
+    """What a plan file says about its training: ``(options, seq_length)``,
+    each ``None`` when absent (a Sailor file, or a plan written before
+    ``pipedejavu plan --json`` recorded them).
+
+    Raises:
+        ProblemError: an unreadable file, or bad ``options`` / ``seq_length``.
+    """
+    data = _read_json(path)
+    if not isinstance(data, dict) or SAILOR_KEY in data:
+        return None, None
+    options, seq_length = data.get("options"), data.get("seq_length")
+    if options is not None:
+        try:
+            options = TrainingOptions.from_json(options)
+        except (TypeError, ValueError) as error:
+            raise ProblemError(f"{path}: {error}") from None
+    if seq_length is not None and (
+        isinstance(seq_length, bool)
+        or not isinstance(seq_length, int)
+        or not 1 <= seq_length <= 2**24
+    ):
+        raise ProblemError(
+            f"{path}: seq_length must be an integer in [1, {2**24}], got "
+            f"{seq_length!r:.40}"
+        )
+    return options, seq_length

@@ -199,11 +199,6 @@ def predict_megatron_run(
     flops = run.spec.model_flops_per_iteration(
         plan.gbs, recompute_full=options.recompute == "full", tp=run.tp
     )
-    sources = {
-        source.source_of(r.gpu_type, plan.mbs, r.tp)
-        for stage in plan.stages
-        for r in stage.replicas
-    }
-    cost_source = sources.pop() if len(sources) == 1 else "mixed"
+    cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
     return LaunchPrediction(plan, options, prediction, flops, cost_source, peak)

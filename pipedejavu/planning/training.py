@@ -19,8 +19,10 @@ from typing import Any
 
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "check_mbs_values",
     "expected_slow",
     "parse_gpu_pool",
+    "plan_cost_source",
     "plan_training",
 ]
 
@@ -153,6 +156,9 @@ class TrainingPlan:
             (brute-force agreement is tested on small settings).
         mixed_types: the search space held plans whose stages run on
             different GPU types (else one type per plan).
+        cost_source: what priced the plan's layers: ``"profiles"``,
+            ``"analytical"`` or ``"mixed"``.
+        options: the training options the plan was priced for.
     """
 
     plan: Plan3D
@@ -169,6 +175,8 @@ class TrainingPlan:
     predicted_lower_bound_s: float = float("nan")
     proven: bool = False
     mixed_types: bool = False
+    cost_source: str = "profiles"
+    options: TrainingOptions = TrainingOptions()
 
     @property
     def predicted_gap(self) -> float:
@@ -212,6 +220,8 @@ class TrainingPlan:
             gpus_available=available,
             gpus_used=used,
             fewer_gpus=sum(used.values()) < sum(available.values()),
+            cost_source=self.cost_source,
+            options=self.options.to_json(),
         )
         return out
 
@@ -221,7 +231,7 @@ def plan_training(
     gpus: Mapping[str, int] | Sequence[str],
     global_batch: int,
     *,
-    profiles: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | SailorData | AnalyticalSource | None = None,
     method: str = "dp",
     uniform_tp: bool = True,
     allow_fewer_gpus: bool = True,
@@ -233,12 +243,20 @@ def plan_training(
     """The fastest plan under the planning model, re-scored by the predictor.
 
     Args:
-        model: the model's profile folder name, e.g. ``"OPT-350"``.
+        model: the model's profile folder name, e.g. ``"OPT-350"`` (with an
+            :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource`:
+            its spec's name).
         gpus: ``{type: count}`` or ``["GH-96:64", ...]``; each type once,
             at most 4,096 GPUs in all (:func:`parse_gpu_pool`).
         global_batch: samples per iteration, in ``[1, 65536]``
             (:data:`~pipedejavu.core.plan3d.MAX_GLOBAL_BATCH`).
-        profiles: a folder laid out like Sailor's data (``None``: bundled).
+        profiles: a folder laid out like Sailor's data (``None``: bundled), or
+            the cost source itself: a
+            :class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData` or an
+            :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource`
+            (any model on any GPU of its sheet, for its training options;
+            :func:`~pipedejavu.planning.any_model.choose_cost_source` picks
+            one).
         method: ``"dp"`` (exact) or ``"diff"`` (differentiable engine, with a
             certified gap).
         uniform_tp: one TP degree for all stages (what Megatron-LM, DeepSpeed and
@@ -268,7 +286,10 @@ def plan_training(
         )
     except ValueError as error:
         raise ProblemError(str(error)) from None
-    data = load_sailor_data(profiles)
+    if profiles is None or isinstance(profiles, (str, os.PathLike)):
+        data = load_sailor_data(profiles)
+    else:
+        data = profiles
     result = search_megatron(
         data,
         model,
@@ -293,7 +314,18 @@ def plan_training(
         predicted_lower_bound_s=result.predicted_lower_bound_s,
         proven=result.proven,
         mixed_types=mixed_types and len(pool) > 1,
+        cost_source=plan_cost_source(result.plan, data),
+        options=data.options,
     )
+
+
+def plan_cost_source(plan: Plan3D, data: Any) -> str:
+    """What priced ``plan`` on ``data``: ``"profiles"`` for a
+    :class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`, else the
+    source's own answer (``"analytical"``, ``"profiles"`` or ``"mixed"``)."""
+    if isinstance(data, AnalyticalSource):
+        return data.cost_source(plan)
+    return "profiles"
 
 
 def _finite_or_none(value: float) -> float | None:

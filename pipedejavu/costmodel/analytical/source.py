@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
@@ -212,6 +213,16 @@ class AnalyticalSource:
         if (gpu, mbs, tp) not in self._sources:
             self._layer_times(gpu, mbs, tp)
         return self._sources[(gpu, mbs, tp)]
+
+    def cost_source(self, plan: Plan3D) -> str:
+        """``"profiles"``, ``"analytical"`` or ``"mixed"``: what priced the
+        entries ``plan`` uses (:meth:`source_of` of each replica's)."""
+        sources = {
+            self.source_of(replica.gpu_type, plan.mbs, replica.tp)
+            for stage in plan.stages
+            for replica in stage.replicas
+        }
+        return sources.pop() if len(sources) == 1 else "mixed"
 
     # -------------------------------------------------------------- pricing
     def _profiled(self, gpu: str, mbs: int, tp: int) -> LayerTimes | None:

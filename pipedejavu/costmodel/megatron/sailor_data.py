@@ -402,8 +402,8 @@ class SailorData:
     @property
     def options(self) -> TrainingOptions:
         """The training the profiles describe: Sailor's fp32 Megatron-DeepSpeed
-        runs (no recomputation, no interleaving)."""
-        return TrainingOptions()
+        runs (no recomputation, no interleaving, unfused attention)."""
+        return TrainingOptions(flash_attention=False)
 
     # ------------------------------------------------------- network, GPUs
     @property

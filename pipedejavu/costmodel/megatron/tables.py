@@ -30,6 +30,7 @@ links). The predictor prices each plan with its exact placement.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -237,13 +238,38 @@ def span_allreduce(
     num_layers = len(params)
     if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
         return ring_allreduce_times(hops, dp, held * info.gradient_bytes), held
-    closed_sizes, closed_span = [], []
-    open_size, largest = np.zeros(len(starts)), np.zeros(len(starts))
-    pairs = zip(starts.tolist(), ends.tolist(), strict=True)
-    index = {(i, j): n for n, (i, j) in enumerate(pairs)}
-    sizes = [float(x) for x in params]
     # the last layer of the span of every layer holds the tied embedding once
-    whole_last = float(held_params(info, tp, 0, num_layers, sizes[-1]))
+    whole_last = float(held_params(info, tp, 0, num_layers, float(params[-1])))
+    open_size, largest, closed_sizes, closed_span = _buckets(
+        np.asarray(params, dtype=np.float64).tobytes(),
+        whole_last,
+        np.asarray(starts, dtype=np.int64).tobytes(),
+        np.asarray(ends, dtype=np.int64).tobytes(),
+    )
+    largest = largest.copy()
+    allreduce = ring_allreduce_times(hops, dp, open_size * info.gradient_bytes)
+    if len(closed_sizes):
+        closed = ring_allreduce_times(hops, dp, closed_sizes * info.gradient_bytes)
+        np.add.at(allreduce, closed_span, closed)
+    return allreduce, largest
+
+
+@functools.lru_cache(maxsize=64)
+def _buckets(
+    params: bytes, whole_last: float, starts: bytes, ends: bytes
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64], NDArray]:
+    """The buckets of every span (:func:`span_allreduce`), which depend on the
+    layers' sizes and the spans only, not on the ring: ``(open bucket, largest
+    bucket)`` per span and the closed buckets with their span's index.
+    Cached: the proof asks again for every replica count and ring offset."""
+    sizes = np.frombuffer(params, dtype=np.float64).tolist()
+    num_layers = len(sizes)
+    first = np.frombuffer(starts, dtype=np.int64).tolist()
+    last = np.frombuffer(ends, dtype=np.int64).tolist()
+    index = {(i, j): n for n, (i, j) in enumerate(zip(first, last, strict=True))}
+    open_size, largest = np.zeros(len(first)), np.zeros(len(first))
+    closed_sizes: list[float] = []
+    closed_span: list[int] = []
     for i in range(num_layers):
         current, biggest = 0.0, 0.0
         done: list[float] = []
@@ -258,13 +284,14 @@ def span_allreduce(
             closed_span += [n] * len(done)
             open_size[n] = current
             largest[n] = max(biggest, current)
-    allreduce = ring_allreduce_times(hops, dp, open_size * info.gradient_bytes)
-    if closed_sizes:
-        closed = ring_allreduce_times(
-            hops, dp, np.array(closed_sizes) * info.gradient_bytes
-        )
-        np.add.at(allreduce, np.array(closed_span), closed)
-    return allreduce, largest
+    for array in (open_size, largest):
+        array.flags.writeable = False
+    return (
+        open_size,
+        largest,
+        np.array(closed_sizes, dtype=np.float64),
+        np.array(closed_span, dtype=np.int64),
+    )
 
 
 def compile_tables(

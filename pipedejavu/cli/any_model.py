@@ -1,0 +1,230 @@
+"""``pipedejavu plan`` and ``predict`` for any model on any GPU of the sheet.
+
+:mod:`pipedejavu.cli.megatron` registers the commands and dispatches here:
+
+* ``plan --model CONFIG.json|NAME --gpus TYPE:N --global-batch B`` with
+  ``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``
+  (:func:`pipedejavu.planning.any_model.choose_cost_source` picks the costs);
+* ``predict PLAN.json [--model CONFIG.json|NAME]`` with the same options (the
+  plan file's recorded options and sequence length are the defaults);
+* ``plan --megatron-args "..." --gpus TYPE:N``: the user's launch and the best
+  plan side by side (:func:`pipedejavu.planning.any_model.compare_megatron_run`).
+
+Errors propagate to the CLI (exit 2 for bad input, 3 for no feasible plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pipedejavu.cli.megatron_report import format_prediction
+from pipedejavu.cli.parsing import int_in
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import (
+    RECOMPUTE_GRANULARITIES,
+    TRAINING_PRECISIONS,
+)
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
+from pipedejavu.planning.any_model import (
+    SEARCH_SPACE_NOTE,
+    CostChoice,
+    RunComparison,
+    choose_cost_source,
+    compare_megatron_run,
+    predict_any_plan,
+)
+from pipedejavu.planning.training import parse_gpu_pool
+
+__all__ = [
+    "MAX_SEQ_LENGTH",
+    "add_training_options",
+    "any_model_options",
+    "choose_for_plan",
+    "costs_line",
+    "format_comparison",
+    "plan_megatron_args",
+    "predict_plan_file",
+]
+
+#: Longest sequence ``--seq-len`` takes (16 Mi tokens).
+MAX_SEQ_LENGTH = 2**24
+
+
+def add_training_options(parser: Any) -> None:
+    """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``."""
+    parser.add_argument(
+        "--precision",
+        choices=TRAINING_PRECISIONS,
+        help="training precision (default: fp32 for the profiled Sailor models "
+        "OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30; bf16 for any other); other "
+        "than fp32, a Sailor model is priced by the analytical model",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_GRANULARITIES,
+        help="activation recomputation, Megatron-LM's --recompute-granularity "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int_in("--seq-len", 1, MAX_SEQ_LENGTH),
+        metavar="S",
+        help="tokens per sample (default: the model's context length; a Sailor "
+        "model's profiled length)",
+    )
+    parser.add_argument(
+        "--gpu-sheet",
+        metavar="FILE",
+        help="a JSON GPU sheet extending or overriding the bundled one (same "
+        "schema; `pipedejavu data gpus.json` prints its path)",
+    )
+
+
+def any_model_options(args: argparse.Namespace) -> list[str]:
+    """The any-model options given (for messages refusing them)."""
+    names = ("precision", "recompute", "seq_len", "gpu_sheet")
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
+
+
+def costs_line(choice: CostChoice, cost_source: str) -> str:
+    """What priced a plan, in one line of the text report."""
+    options = choice.options
+    line = f"costs: {cost_source} ({options.precision}, recompute {options.recompute}"
+    if choice.spec is not None:
+        line += f", {choice.spec.seq_length} tokens per sample"
+    return line + ")"
+
+
+def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoice:
+    """The cost source of ``plan --model``."""
+    return choose_cost_source(
+        args.model,
+        pool,
+        precision=args.precision,
+        recompute=args.recompute,
+        seq_length=args.seq_len,
+        gpu_sheet=args.gpu_sheet,
+        profiles=args.profiles,
+    )
+
+
+def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
+    """``predict PLAN.json``: ``(plan as priced, prediction, choice)``.
+
+    Priced from the profiles alone, ``--model`` must name the model the plan
+    names (as before); priced analytically, ``--model`` prices the plan for
+    that model (its layers must match).
+    """
+    options, seq_length = load_plan_training(args.plan)
+    plan, _ = load_plan3d(args.plan)
+    model = args.model if args.model is not None else plan.model
+    if model != plan.model:
+        seq_length = None  # the recorded length is the other model's
+    if model is None:
+        raise ProblemError(
+            f"{args.plan} names no model; give --model (a model of the profiles, "
+            "e.g. OPT-350, a bundled preset or a config.json)"
+        )
+    choice = choose_cost_source(
+        model,
+        plan.gpus_by_type(),
+        options=options,
+        precision=args.precision,
+        recompute=args.recompute,
+        seq_length=args.seq_len if args.seq_len is not None else seq_length,
+        gpu_sheet=args.gpu_sheet,
+        profiles=args.profiles,
+    )
+    if not choice.analytical:
+        # Profiles alone: today's reading, which checks --model against the file.
+        plan, _ = load_plan3d(args.plan, model=args.model)
+        plan = plan.replace(model=choice.model)
+    plan, prediction = predict_any_plan(plan, choice)
+    return plan, prediction, choice
+
+
+def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
+    given = [
+        flag
+        for flag, value in (
+            ("--model", args.model),
+            ("--profiles", args.profiles),
+            ("--precision", args.precision),
+            ("--recompute", args.recompute),
+            ("--seq-len", args.seq_len),
+            ("--goodput-grad", args.goodput_grad),
+            ("--elastic", args.elastic),
+            ("--per-stage-tp", args.per_stage_tp),
+            ("--mixed-types", args.mixed_types),
+        )
+        if value
+    ]
+    if given:
+        raise ProblemError(
+            f"--megatron-args describes the model and its training: give no "
+            f"{', '.join(given)} with it"
+        )
+    if len(args.gpus) != 1:
+        raise ProblemError("--megatron-args takes one --gpus TYPE:COUNT")
+
+
+def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunComparison:
+    """``plan --megatron-args``: the launch predicted and the best plan."""
+    _refuse_with_megatron_args(args)
+    pool = parse_gpu_pool(args.gpus)
+    ((gpu, count),) = pool.items()
+    sheet = load_gpu_sheet(args.gpu_sheet)
+    if gpu not in sheet:
+        raise ProblemError(
+            f"GPU type {gpu!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
+        )
+    run = spec_from_megatron_args(args.megatron_args)
+    if run.ignored:
+        shown = " ".join(run.ignored)
+        print(f"ignored (no effect on the prediction): {shown:.300}", file=sys.stderr)
+    if args.global_batch is not None and run.global_batch is not None:
+        if args.global_batch != run.global_batch:
+            raise ProblemError(
+                f"--global-batch {args.global_batch} contradicts the launch's "
+                f"--global-batch-size {run.global_batch}"
+            )
+    return compare_megatron_run(
+        run,
+        sheet.resolve(gpu),
+        count,
+        sheet,
+        method=args.method,
+        allow_fewer_gpus=not args.all_gpus,
+        progress_fn=progress_fn,
+    )
+
+
+def format_comparison(comparison: RunComparison, best_report: str) -> str:
+    """The text report of ``plan --megatron-args``."""
+    given, best = comparison.given, comparison.best
+    chunks = given.options.virtual_stages
+    lines = [
+        "--- your launch ---",
+        format_prediction(given.plan, given.prediction, chunks),
+        f"{given.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * given.mfu:.1f}%; "
+        f"costs: {given.cost_source}",
+        "",
+        "--- the best plan found ---",
+        best_report,
+        f"searched: {SEARCH_SPACE_NOTE}",
+        "",
+        f"your launch: {given.prediction.iteration_time_s:.4f} s per iteration; "
+        f"best plan: {best.iteration_time_s:.4f} s; speed-up "
+        f"x{comparison.speedup:.3f}",
+    ]
+    if chunks > 1:
+        lines.append(
+            f"(your launch runs the interleaved schedule with {chunks} chunks per "
+            "stage, which the search does not consider)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,429 @@
+"""Any model on any GPU: which cost source prices a model on a set of GPU types.
+
+:func:`choose_cost_source` turns what a user types (a model name or config
+file, GPU type names, precision, recomputation, sequence length) into the data
+object the planner and the predictor read:
+
+* A model of the profiles (the bundled Sailor models OPT-350, GPT-Neo-2.7,
+  LLAMA-3-8 and OPT-30, or those of a ``--profiles`` folder) trained as the
+  profiles measured it (fp32, no recomputation, the profiled sequence length)
+  on GPU types that all have its profile: the profiles
+  (:class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`), exactly as
+  before.
+* The same model on a GPU type without its profile: an
+  :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` that uses
+  the profiles where they cover an entry (and their measured links) and the
+  analytical model elsewhere (``cost_source`` ``mixed`` when a plan uses
+  both). Trained otherwise (another precision, recomputation or length): the
+  analytical model everywhere, the profiles having measured something else.
+* Any other model (a bundled preset such as ``Llama-3-70B`` or a Hugging Face
+  ``config.json``): the analytical model on the GPU sheet, bf16 by default.
+
+:func:`plan_any_model` plans with it (:func:`~pipedejavu.planning.training.
+plan_training`); :func:`compare_megatron_run` prices a user's Megatron-LM launch
+and the best plan for the same model, batch, GPUs and training options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import (
+    RecomputeGranularity,
+    TrainingOptions,
+    TrainingPrecision,
+)
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.calibrate import QK_LAYER_SCALING
+from pipedejavu.costmodel.analytical.source import (
+    DEFAULT_MBS_VALUES,
+    AnalyticalSource,
+)
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
+from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
+from pipedejavu.io.megatron_args import MegatronRun
+from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.planning.megatron_launch import (
+    LaunchPrediction,
+    options_of_run,
+    predict_megatron_run,
+)
+from pipedejavu.planning.training import TrainingPlan, parse_gpu_pool, plan_training
+
+__all__ = [
+    "CostChoice",
+    "RunComparison",
+    "check_plan_layers",
+    "choose_cost_source",
+    "compare_megatron_run",
+    "plan_any_model",
+    "predict_any_plan",
+]
+
+#: The precision of a model without profiles when none is given: what large
+#: models train in.
+DEFAULT_ANALYTICAL_PRECISION: TrainingPrecision = "bf16"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostChoice:
+    """The cost source for a model on some GPU types (:func:`choose_cost_source`).
+
+    Attributes:
+        data: a :class:`SailorData` or an :class:`AnalyticalSource`.
+        model: the model's name in ``data`` (what plans name).
+        gpu_types: ``{given name: name in data}`` (aliases resolved).
+        options: the training options priced.
+        spec: the model (``None`` for a profiled model priced from its
+            profiles alone).
+        notes: what was decided and why, one sentence each (for the report).
+    """
+
+    data: Any
+    model: str
+    gpu_types: dict[str, str]
+    options: TrainingOptions
+    spec: TransformerSpec | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def analytical(self) -> bool:
+        return isinstance(self.data, AnalyticalSource)
+
+    def pool(self, gpus: Mapping[str, int]) -> dict[str, int]:
+        """``gpus`` with its type names as ``data`` knows them."""
+        out: dict[str, int] = {}
+        given: dict[str, str] = {}
+        for name, count in gpus.items():
+            canonical = self.gpu_types[name]
+            if canonical in out:
+                raise ProblemError(
+                    f"--gpus names {canonical} twice ({given[canonical]} and "
+                    f"{name}); give each type once with its total count"
+                )
+            out[canonical], given[canonical] = count, name
+        return out
+
+
+def _sheet_name(sheet: GpuSheet, name: str) -> str:
+    try:
+        return sheet.resolve(name)
+    except KeyError:
+        raise ProblemError(
+            f"GPU type {name!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
+        ) from None
+
+
+def _profiled_name(profiles: SailorData, model: str) -> str | None:
+    """``model``'s folder in ``profiles`` (case-insensitive), or ``None``."""
+    if os.path.sep in model or model.endswith(".json"):
+        return None
+    names = profiles.models()
+    if model in names:
+        return model
+    by_lower = {name.lower(): name for name in names}
+    return by_lower.get(model.lower())
+
+
+def _profiled_spec(model: str, seq_length: int | None) -> TransformerSpec:
+    """The description of a model of the profiles (a bundled preset)."""
+    try:
+        return load_model_spec(model, seq_length=seq_length)
+    except ProblemError as error:
+        if "unknown model" not in str(error):
+            raise
+        raise ProblemError(
+            f"{model} has profiles but no bundled description: to price it on "
+            "other GPU types or for other training options, give its config "
+            "with --model CONFIG.json"
+        ) from None
+
+
+def choose_cost_source(
+    model: str,
+    gpu_types: Iterable[str],
+    *,
+    options: TrainingOptions | None = None,
+    precision: TrainingPrecision | None = None,
+    recompute: RecomputeGranularity | None = None,
+    seq_length: int | None = None,
+    gpu_sheet: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | None = None,
+    mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
+) -> CostChoice:
+    """The cost source that prices ``model`` on ``gpu_types`` (module doc).
+
+    Args:
+        model: a model of the profiles, a bundled preset name, or a model file
+            (a Hugging Face ``config.json`` or this package's format).
+        gpu_types: GPU type names (profile folder names, GPU sheet names or
+            their aliases).
+        options: the training options (``None``: fp32 for a model of the
+            profiles, bf16 for any other; no recomputation).
+        precision: replaces the precision of ``options``.
+        recompute: replaces the recomputation of ``options``.
+        seq_length: tokens per sample (``None``: the model's, or the profiled
+            length).
+        gpu_sheet: a JSON file extending the bundled GPU sheet.
+        profiles: a folder laid out like Sailor's data (``None``: bundled).
+        mbs_values: micro-batch sizes the analytical source offers.
+
+    Raises:
+        ProblemError: an unknown model or GPU type, a bad model file or option.
+    """
+    gpu_types = list(gpu_types)
+    data = load_sailor_data(profiles)
+    profiled = _profiled_name(data, model)
+    if profiled is not None:
+        options = _options(options, precision, recompute, "fp32")
+        return _choose_profiled(
+            data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
+        )
+    spec = load_model_spec(model, seq_length=seq_length)
+    options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
+    sheet = load_gpu_sheet(gpu_sheet)
+    names = {g: _sheet_name(sheet, g) for g in gpu_types}
+    source = AnalyticalSource(spec, sheet, options, mbs_values=mbs_values)
+    return CostChoice(source, spec.name, names, options, spec, ())
+
+
+def _options(
+    base: TrainingOptions | None,
+    precision: TrainingPrecision | None,
+    recompute: RecomputeGranularity | None,
+    default_precision: TrainingPrecision,
+) -> TrainingOptions:
+    fields: dict[str, Any] = {}
+    if precision is not None:
+        fields["precision"] = precision
+    if recompute is not None:
+        fields["recompute"] = recompute
+    try:
+        if base is None:
+            base = TrainingOptions(default_precision)
+        return dataclasses.replace(base, **fields)
+    except ValueError as error:
+        raise ProblemError(f"training options: {error}") from None
+
+
+def _choose_profiled(
+    data: SailorData,
+    model: str,
+    gpu_types: list[str],
+    options: TrainingOptions,
+    seq_length: int | None,
+    gpu_sheet: str | os.PathLike | None,
+    mbs_values: Sequence[int],
+) -> CostChoice:
+    """A model of the profiles: the profiles alone when they cover every GPU
+    type and measured this training, else an analytical source (module doc)."""
+    have = set(data.gpu_types(model))
+    # Sailor's implementation of the model: unfused attention (and Megatron's
+    # query-key layer scaling where its code applies it, below).
+    options = dataclasses.replace(options, flash_attention=False)
+    plain = options == data.options
+    spec = None
+    if seq_length is not None:
+        spec = _profiled_spec(model, seq_length)
+        plain = plain and seq_length == _profiled_spec(model, None).seq_length
+    if plain and all(gpu in have for gpu in gpu_types):
+        return CostChoice(data, model, {g: g for g in gpu_types}, options, None)
+    sheet = load_gpu_sheet(gpu_sheet)
+    names = {g: g if g in have else _sheet_name(sheet, g) for g in gpu_types}
+    if plain and all(name in have for name in names.values()):
+        return CostChoice(data, model, names, options, None)
+    spec = spec or _profiled_spec(model, None)
+    if plain:
+        missing = ", ".join(sorted({n for n in names.values() if n not in have}))
+        note = (
+            f"no {model} profile on {missing}: priced there by the analytical "
+            "model (by the profiles on the profiled GPU types)"
+        )
+    else:
+        note = (
+            f"the {model} profiles measured fp32 training without recomputation "
+            f"at {_profiled_spec(model, None).seq_length} tokens per sample: "
+            "priced by the analytical model instead"
+        )
+    source = AnalyticalSource(
+        spec,
+        sheet,
+        options,
+        profiles=data if plain else None,
+        profile_model=model,
+        measured_links=data.network if plain else None,
+        mbs_values=mbs_values,
+        query_key_layer_scaling=model in QK_LAYER_SCALING,
+    )
+    return CostChoice(source, spec.name, names, options, spec, (note,))
+
+
+def check_plan_layers(plan: Plan3D, choice: CostChoice) -> None:
+    """A plan's layers must be the model's (embedding, blocks, head).
+
+    Raises:
+        ProblemError: the plan covers another number of layers.
+    """
+    expected = choice.data.model_info(choice.model).num_layers
+    stop = plan.stages[-1].stop
+    if stop != expected:
+        raise ProblemError(
+            f"the plan covers {stop} layers, but {choice.model} has {expected} "
+            "(embedding, transformer blocks, final norm and LM head as the "
+            "planner counts them): a plan for another model?"
+        )
+
+
+def plan_any_model(
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    *,
+    options: TrainingOptions | None = None,
+    precision: TrainingPrecision | None = None,
+    recompute: RecomputeGranularity | None = None,
+    seq_length: int | None = None,
+    gpu_sheet: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | None = None,
+    **plan_options: Any,
+) -> tuple[TrainingPlan, CostChoice]:
+    """:func:`~pipedejavu.planning.training.plan_training` for any model on any
+    GPU of the sheet (:func:`choose_cost_source` picks the costs).
+
+    Returns:
+        ``(TrainingPlan, CostChoice)``.
+    """
+    pool = parse_gpu_pool(gpus)
+    choice = choose_cost_source(
+        model,
+        pool,
+        options=options,
+        precision=precision,
+        recompute=recompute,
+        seq_length=seq_length,
+        gpu_sheet=gpu_sheet,
+        profiles=profiles,
+    )
+    result = plan_training(
+        choice.model,
+        choice.pool(pool),
+        global_batch,
+        profiles=choice.data,
+        **plan_options,
+    )
+    return result, choice
+
+
+def predict_any_plan(plan: Plan3D, choice: CostChoice) -> tuple[Plan3D, Prediction]:
+    """Price ``plan`` for ``choice``'s model: its GPU types renamed as the
+    source knows them, its model set, its layers checked.
+
+    Returns:
+        ``(plan as priced, prediction)``.
+
+    Raises:
+        ProblemError: the plan does not fit the model or the GPUs.
+    """
+    stages = []
+    for stage in plan.stages:
+        replicas = tuple(
+            dataclasses.replace(r, gpu_type=choice.gpu_types[r.gpu_type])
+            for r in stage.replicas
+        )
+        stages.append(dataclasses.replace(stage, replicas=replicas))
+    plan = dataclasses.replace(plan, stages=tuple(stages), model=choice.model)
+    if choice.analytical:
+        check_plan_layers(plan, choice)
+    if choice.spec is not None:
+        for tp in sorted({r.tp for stage in plan.stages for r in stage.replicas}):
+            try:
+                choice.spec.check_tp(tp)
+            except ValueError as error:
+                raise ProblemError(f"the plan's TP {tp}: {error}") from None
+    return plan, predict_plan(plan, choice.data)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunComparison:
+    """A user's Megatron-LM launch and the best plan for the same model, global
+    batch, GPUs and training options (:func:`compare_megatron_run`).
+
+    Attributes:
+        given: the launch as predicted.
+        best: the best plan of the search space (stages, TP, DP, micro-batch
+            size; the non-interleaved 1F1B schedule).
+        source: the cost source that priced the best plan.
+    """
+
+    given: LaunchPrediction
+    best: TrainingPlan
+    source: AnalyticalSource
+
+    @property
+    def speedup(self) -> float:
+        """Given time over the best plan's (> 1: the best plan is faster)."""
+        return self.given.prediction.iteration_time_s / self.best.iteration_time_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The best plan's JSON (what ``pipedejavu predict`` reads) with the
+        given launch's time and prediction beside it."""
+        out = self.best.to_json()
+        out.update(
+            given_iteration_time_s=self.given.prediction.iteration_time_s,
+            speedup=self.speedup,
+            given=self.given.to_json(),
+            search_space=SEARCH_SPACE_NOTE,
+        )
+        return out
+
+
+#: What the best plan of :func:`compare_megatron_run` was chosen among.
+SEARCH_SPACE_NOTE = (
+    "stages of contiguous layers, one TP degree, DP, micro-batch size and the "
+    "GPUs used, with the launch's precision, recomputation, sequence "
+    "parallelism and global batch; the non-interleaved 1F1B schedule only "
+    "(no interleaving, no distributed optimizer in the search)"
+)
+
+
+def compare_megatron_run(
+    run: MegatronRun,
+    gpu_type: str,
+    num_gpus: int,
+    sheet: Mapping[str, GpuSheetEntry],
+    **plan_options: Any,
+) -> RunComparison:
+    """Predict a Megatron-LM launch and plan the same training from scratch.
+
+    Args:
+        run: the parsed command line.
+        gpu_type: a GPU type of ``sheet`` (its canonical name).
+        num_gpus: GPUs of the launch (the best plan may use fewer).
+        sheet: the GPU sheet.
+        **plan_options: passed to :func:`~pipedejavu.planning.training.
+            plan_training` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
+
+    Raises:
+        ProblemError: the launch cannot run, or the GPU type is unknown.
+        InfeasibleProblemError: no plan of the search space fits.
+    """
+    given = predict_megatron_run(run, gpu_type, num_gpus, sheet)
+    options = dataclasses.replace(options_of_run(run), virtual_stages=1)
+    mbs_values = sorted({*DEFAULT_MBS_VALUES, run.micro_batch})
+    source = AnalyticalSource(run.spec, sheet, options, mbs_values=mbs_values)
+    best = plan_training(
+        run.spec.name,
+        {given.plan.stages[0].replicas[0].gpu_type: num_gpus},
+        given.plan.gbs,
+        profiles=source,
+        **plan_options,
+    )
+    return RunComparison(given, best, source)
