@@ -28,6 +28,10 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.long_pipelines import (
+    PipelineSummary,
+    pipeline_summary,
+)
 from pipedejavu.costmodel.megatron.rules import message_bytes, stash_bytes
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
 from pipedejavu.simulation.interleaved import simulate_interleaved
@@ -137,7 +141,7 @@ def interleaved_pipelines(
     peak = np.zeros(ranks, dtype=np.int64)
     stash = np.zeros(ranks)
     busy = 0.0
-    simulated: dict[bytes, object] = {}  # pipelines with the same inputs agree
+    simulated: dict[bytes, PipelineSummary] = {}  # pipelines with the same inputs agree
     for j in range(dp):
         forward = np.zeros((ranks, num_chunks))
         backward = np.zeros((ranks, num_chunks))
@@ -158,22 +162,28 @@ def interleaved_pipelines(
             transfer[r] = transfer_fn(r, j, nbytes, nodes[r][j], nodes[receiver][j])
         key = b"".join(a.tobytes() for a in (forward, backward, memory, transfer))
         if key not in simulated:
-            simulated[key] = simulate_interleaved(
-                forward,
-                backward,
-                count,
-                transfer=transfer,
-                memory_per_microbatch=memory,
-            )
-        result = simulated[key]
-        ends[:, j] = result.backward_end.max(axis=(1, 2))
+
+            def run(m: int, args=(forward, backward, transfer, memory)):
+                result = simulate_interleaved(
+                    args[0], args[1], m, transfer=args[2], memory_per_microbatch=args[3]
+                )
+                return PipelineSummary(
+                    result.backward_end.max(axis=(1, 2)),
+                    float(result.busy_time.sum()),
+                    result.peak_in_flight,
+                    result.peak_memory,
+                )
+
+            simulated[key] = pipeline_summary(run, count, num_stages=ranks, step=ranks)
+        summary = simulated[key]
+        ends[:, j] = summary.ends
         forward_s[:, j] = forward.sum(axis=1)
         backward_s[:, j] = backward.sum(axis=1)
         transfer_s[:, j] = transfer
-        busy += float(result.busy_time.sum())
-        peak = np.maximum(peak, result.peak_in_flight)
-        assert result.peak_memory is not None  # memory_per_microbatch was given
-        stash = np.maximum(stash, result.peak_memory)
+        busy += summary.busy_s
+        peak = np.maximum(peak, summary.peak_in_flight)
+        assert summary.peak_memory is not None  # memory_per_microbatch was given
+        stash = np.maximum(stash, summary.peak_memory)
     return InterleavedPipelines(
         ends, busy, peak, stash, forward_s, backward_s, transfer_s
     )

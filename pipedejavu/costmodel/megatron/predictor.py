@@ -75,6 +75,10 @@ from pipedejavu.costmodel.megatron.constants import (
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.interleaving import interleaved_pipelines
+from pipedejavu.costmodel.megatron.long_pipelines import (
+    PipelineSummary,
+    pipeline_summary,
+)
 from pipedejavu.costmodel.megatron.rules import (
     buckets,
     is_blocking,
@@ -330,19 +334,29 @@ def predict_plan(
         columns = (forward[:, j], backward[:, j], activation[:, j], gradient[:, j])
         key = b"".join(c.tobytes() for c in columns) + blocking[:, j].tobytes()
         if key not in simulated:
-            simulated[key] = simulate(
-                forward[:, j],
-                backward[:, j],
-                count,
-                schedule="deepspeed",
-                transfer=activation[:, j],
-                gradient_transfer=gradient[:, j],
-                blocking=blocking[:, j],
-            )
-        result = simulated[key]
-        ends[:, j] = result.backward_end.max(axis=1)
-        busy += float(result.busy_time.sum())
-        peak = np.maximum(peak, result.peak_in_flight)
+
+            def run(m: int, j: int = j) -> PipelineSummary:
+                result = simulate(
+                    forward[:, j],
+                    backward[:, j],
+                    m,
+                    schedule="deepspeed",
+                    transfer=activation[:, j],
+                    gradient_transfer=gradient[:, j],
+                    blocking=blocking[:, j],
+                )
+                return PipelineSummary(
+                    result.backward_end.max(axis=1),
+                    float(result.busy_time.sum()),
+                    result.peak_in_flight,
+                    None,
+                )
+
+            simulated[key] = pipeline_summary(run, count, num_stages=num_stages)
+        summary = simulated[key]
+        ends[:, j] = summary.ends
+        busy += summary.busy_s
+        peak = np.maximum(peak, summary.peak_in_flight)
     if interleaved is not None:
         ends, busy = interleaved.ends, interleaved.busy_s
         peak = interleaved.peak_in_flight
