@@ -462,6 +462,8 @@ def torchtitan_rejects(plan) -> str:
     if plan.gbs % (plan.mbs * plan.dp):
         return "train.py batch assertion"
     tp = next(iter(rules.tps(plan)))
+    if plan.dp == 1 and plan.num_microbatches < plan.num_stages:
+        return titan_schedule_rejects(plan, tp)
     overrides = [
         "--parallelism.data_parallel_replicate_degree", str(plan.dp),
         "--parallelism.data_parallel_shard_degree", "1",
@@ -483,6 +485,42 @@ def torchtitan_rejects(plan) -> str:
             if ddp and dims.world_size != dims.get_mesh("dp_replicate").size():
                 return "ParallelDims: DDP beside other parallelism (TP needs a GPU)"
             return ""
+    return ""
+
+
+def titan_schedule_rejects(plan, tp: int) -> str:
+    """The pipeline config the plan would need, through the real
+    ``pipeline_module_split`` and ``build_pipeline_schedule`` on rank 0."""
+    from torchtitan.distributed.pipeline_parallel import (
+        build_pipeline_schedule,
+        pipeline_module_split,
+    )
+
+    from pipedejavu.io.export_torchtitan import module_fqns
+
+    fqns = ",".join(json.dumps(part) for part in module_fqns(plan))
+    text = (
+        f"[training]\nlocal_batch_size = {plan.gbs}\n"
+        f"global_batch_size = {plan.gbs}\n[parallelism]\n"
+        f"tensor_parallel_degree = {tp}\n"
+        f"pipeline_parallel_degree = {plan.num_stages}\n"
+        'pipeline_parallel_schedule = "1F1B"\n'
+        f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
+        f"module_fqns_per_model_part = [{fqns}]\n"
+    )
+    config = titan_config(text)
+    dims = titan_dims(config, plan.num_gpus)
+    model = titan_model(plan.num_layers - 2)
+    with fake_rank(0, plan.num_gpus), silenced():
+        dims.build_mesh()
+        stages, _ = pipeline_module_split(
+            model, dims.get_mesh("pp"), "1F1B", torch.device("cpu"),
+            config.parallelism.module_fqns_per_model_part,
+        )  # fmt: skip
+        try:
+            build_pipeline_schedule(config, stages, lambda *a: None)
+        except ValueError:
+            return "Schedule1F1B: fewer micro-batches than stages"
     return ""
 
 
