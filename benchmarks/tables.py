@@ -595,6 +595,30 @@ def t_analytical_logo() -> str:
     return table(head, rows) + source("analytical_accuracy.json")
 
 
+def t_check_exports() -> str:
+    data = load("check_exports.json")
+    keys = [
+        "plans checked",
+        "built as planned",
+        "refused by us",
+        "refusal confirmed by the real code",
+        "silent differences",
+        "exports the real code rejects",
+    ]
+    targets = data["targets"]
+    rows = [[key, *(targets[t][key] for t in targets)] for key in keys]
+    versions = data["versions"]
+    names = ("torch", "megatron imported", "deepspeed", "torchtitan")
+    used = ", ".join(f"{n.split()[0]} {versions[n]}" for n in names)
+    head = ["", *(f"`{t}`" for t in targets)]
+    return (
+        table(head, rows)
+        + f"\n\n{data['random_plans']} seeded random plans and "
+        + f"{data['planner_plans']} planner plans; {used}."
+        + source("check_exports.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "layout": t_layout,
     "published_runs": t_published_runs,
@@ -613,6 +637,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "elastic_modes": t_elastic_modes,
     "pollux_vs_predictor": t_pollux,
     "init_search": t_init_search,
+    "check_exports": t_check_exports,
 }
 
 

@@ -13,7 +13,8 @@ the planner returned, each target's rule is re-stated here from its source
   stage ``s``; topology axes ``pipe, data, model``; ``train_batch_size``.
   Megatron-DeepSpeed: the same over ``GPTModelPipe``'s specs, rebuilt here.
 * torchtitan: ``ParallelDims`` (product, DDP only alone),
-  ``pipeline_module_split`` by module names, the batch of ``train.py``.
+  ``pipeline_module_split`` by module names, the batch of ``train.py``,
+  PyTorch's ``Schedule1F1B`` (no fewer micro-batches than stages).
 * Alpa: ``ManualStageOption(**...)``, ``get_sliced_virtual_submeshes``'
   slicing of whole hosts, ``num_micro_batches``.
 * Sailor: its reader's ``VMconfig(gpu_type, gpus_per_node, zone)``.
@@ -454,7 +455,12 @@ def accepts(plan, target, hosts):
     if target == "torchtitan":
         tp = max(tps(plan))
         alone = plan.dp == 1 or (tp == 1 and plan.num_stages == 1)
-        return one_tp and whole_batch(plan) and alone
+        # torch.distributed.pipelining.Schedule1F1B raises ValueError for
+        # fewer micro-batches than stages.
+        filled = plan.num_stages == 1 or (
+            whole_batch(plan) and plan.num_microbatches >= plan.num_stages
+        )
+        return one_tp and whole_batch(plan) and alone and filled
     if target == "alpa":
         return alpa_accepts(plan, hosts[plan.stages[0].replicas[0].gpu_type])
     return True  # sailor: one pipeline, any plan
@@ -497,6 +503,22 @@ def test_random_plans_build_as_planned_or_are_refused(target):
     # Both branches are exercised (sailor takes every plan).
     assert "built" in outcomes
     assert target == "sailor" or "refused" in outcomes
+
+
+def test_torchtitan_refuses_fewer_micro_batches_than_stages():
+    # benchmarks/check_exports.py: torchtitan's build_pipeline_schedule gave
+    # PyTorch's Schedule1F1B 2 micro-batches for 3 stages, which it rejects.
+    def plan(gbs):
+        return plan_from_stages(
+            [(0, 2, 2), (2, 4, 2), (4, 6, 2)], gpu_type="B-80", dp=1, mbs=1,
+            gbs=gbs, model="m", gpus_per_node=8, zone="z",
+        )  # fmt: skip
+
+    with pytest.raises(ExportRefused, match="at least as many micro-batches"):
+        export_plan(plan(2), "torchtitan")
+    assert check_export(plan(2), "torchtitan", HOSTS) == "refused"
+    assert check_export(plan(3), "torchtitan", HOSTS) == "built"
+    assert "local_batch_size = 3" in export_plan(plan(3), "torchtitan")
 
 
 # --------------------------------------------------- plans the planner returned

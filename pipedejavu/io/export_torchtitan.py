@@ -25,7 +25,12 @@ job_config.py``, ``distributed/parallel_dims.py``,
   batch, one accumulation step.
 * ``module_fqns_per_model_part`` (``pipeline_module_split``) with the llama3
   decoder's names ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``;
-  the ``1F1B`` schedule, one stage per rank.
+  the ``1F1B`` schedule, one stage per rank. PyTorch's ``Schedule1F1B``
+  (``torch.distributed.pipelining``, built by ``build_pipeline_schedule``)
+  raises ``ValueError`` for fewer micro-batches than stages, so such a plan is
+  refused (``GPipe`` would run it, but holds every micro-batch's activations
+  on every stage: not the memory the plan was checked against). Found by
+  ``benchmarks/check_exports.py`` with torch 2.14.1.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def to_torchtitan(plan: Plan3D) -> str:
 
     Raises:
         ExportRefused: per-stage TP; data parallelism beside TP or PP (module
-            docstring); a batch that is not whole micro-batches.
+            docstring); a batch that is not whole micro-batches; fewer
+            micro-batches than stages.
     """
     tp = uniform_tp(plan, TORCHTITAN_VERSION)
     check_whole_batch(plan, TORCHTITAN_VERSION)
@@ -77,6 +83,12 @@ def to_torchtitan(plan: Plan3D) -> str:
             f"{TORCHTITAN_VERSION} runs data parallelism beside TP or PP only as "
             f"FSDP/HSDP (sharded; its DDP refuses > 1D parallelism), but the plan "
             f"prices {plan.dp} unsharded replicas with tp {tp} and {pp} stage(s)"
+        )
+    if pp > 1 and plan.num_microbatches < pp:
+        raise ExportRefused(
+            f"{TORCHTITAN_VERSION}'s 1F1B schedule (PyTorch's Schedule1F1B) needs "
+            f"at least as many micro-batches as stages; the plan runs "
+            f"{plan.num_microbatches} over {pp} stages"
         )
     if pp == 1:
         local_batch = plan.mbs  # one forward/backward per accumulation step
