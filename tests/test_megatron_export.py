@@ -467,3 +467,48 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     assert "ranks" not in export_plan(one_type, "megatron")
     assert "gpu_types_by_rank" not in to_deepspeed(one_type)
     assert "ranks" not in to_torchtitan(TORCHTITAN_PLANS["pp and tp"])
+
+
+def test_training_options_travel_with_the_export():
+    """A plan priced in bf16 with recomputation exports Megatron-LM's flags for
+    them (parsed back by our own Megatron argument reader), the DeepSpeed
+    config its precision and ZeRO-1 for the distributed optimizer, and is
+    refused where the file cannot say them."""
+    import json as _json
+
+    from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.io.export_rules import ExportRefused
+    from pipedejavu.io.exports import export_plan
+    from pipedejavu.io.megatron_args import spec_from_megatron_args
+
+    plan = Plan3D(
+        (
+            Stage3D(0, 17, tuple(Replica("H100-SXM", 2) for _ in range(2))),
+            Stage3D(17, 34, tuple(Replica("H100-SXM", 2) for _ in range(2))),
+        ),
+        mbs=1,
+        gbs=64,
+    )
+    options = TrainingOptions(
+        "bf16", recompute="full", distributed_optimizer=True, sequence_parallel=True
+    )
+    text = export_plan(plan, "megatron", options=options).splitlines()[-1]
+    model = "--hidden-size 1024 --num-attention-heads 8 --seq-length 128 "
+    model += "--max-position-embeddings 128 --vocab-size 1000 "
+    run = spec_from_megatron_args(model + text)
+    assert run.precision == "bf16" and run.recompute_full
+    assert run.use_distributed_optimizer and run.sequence_parallel
+    assert (run.tp, run.pp, run.micro_batch, run.global_batch) == (2, 2, 1, 64)
+    plain = TrainingOptions("bf16", distributed_optimizer=True)
+    config = _json.loads(export_plan(plan, "deepspeed", options=plain))["ds_config"]
+    assert config["bf16"] == {"enabled": True}
+    assert config["zero_optimization"] == {"stage": 1}
+    with pytest.raises(ExportRefused, match="recomputes activations"):
+        export_plan(plan, "deepspeed", options=options)
+    with pytest.raises(ExportRefused, match="carries no precision"):
+        export_plan(plan, "sailor", options=plain)
+    # Plain fp32 (the default) exports as before.
+    assert export_plan(plan, "megatron", options=TrainingOptions()) == export_plan(
+        plan, "megatron"
+    )

@@ -321,7 +321,7 @@ def _plan(args: argparse.Namespace) -> int:
         mixed_types=args.mixed_types,
         progress_fn=_PlanProgress(),
     )
-    exported = _export(args, result, choice.data)
+    exported = _export(args, result, choice.data, choice.options)
     if args.json:
         out = result.to_json()
         if choice.spec is not None:
@@ -342,20 +342,24 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace, result: Any, data: Any) -> str | None:
+def _export(
+    args: argparse.Namespace, result: Any, data: Any, options: Any = None
+) -> str | None:
     """The plan for ``--export``'s framework (``None``: not asked)."""
     if not args.export:
         return None
     gpus_per_node = {
         gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
     }
-    return export_plan(result.plan, args.export, gpus_per_node=gpus_per_node)
+    return export_plan(
+        result.plan, args.export, gpus_per_node=gpus_per_node, options=options
+    )
 
 
 def _plan_megatron_args(args: argparse.Namespace) -> int:
     comparison = plan_megatron_args(args, _PlanProgress())
     best = comparison.best
-    exported = _export(args, best, comparison.source)
+    exported = _export(args, best, comparison.source, comparison.source.options)
     if args.json:
         out = comparison.to_json()
         if exported is not None:

@@ -25,15 +25,29 @@ one line saying why and which targets can launch the plan instead. A plan on
 several GPU types names the type of each block of global ranks (a comment in
 the Megatron arguments and the torchtitan TOML, ``gpu_types_by_rank`` in the
 DeepSpeed JSON); order the hosts so that those ranks land on them.
+
+**Training options** (:class:`~pipedejavu.core.training_options.TrainingOptions`:
+precision, recomputation, distributed optimizer, sequence parallelism,
+attention kernel) a plan was priced with travel with it
+(:func:`option_flags`): Megatron-LM gets its flags (``--bf16``,
+``--recompute-granularity``, ``--use-distributed-optimizer``,
+``--sequence-parallel``, ``--attention-backend unfused``); the DeepSpeed
+configs their ``bf16``/``fp16`` sections and ZeRO stage 1 for the distributed
+optimizer (recomputation and sequence parallelism are refused there: the
+pipeline engine sets recomputation in code, ``activation_checkpoint_interval``,
+and has no sequence parallelism); the other targets, whose files carry no such
+settings, refuse any options but plain fp32 training.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping
 
 from pipedejavu.core.plan3d import Plan3D, check_nodes
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.io.export_alpa import to_alpa
 from pipedejavu.io.export_deepspeed import to_deepspeed, to_megatron_deepspeed
 from pipedejavu.io.export_megatron import megatron_text
@@ -41,7 +55,7 @@ from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
-__all__ = ["EXPORTS", "SAILOR_VERSION", "export_plan"]
+__all__ = ["EXPORTS", "SAILOR_VERSION", "export_plan", "option_flags"]
 
 EXPORTS = (
     "megatron",
@@ -55,13 +69,102 @@ EXPORTS = (
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
 
 
-def _build(plan: Plan3D, target: str, gpus_per_node: Mapping[str, int] | None) -> str:
+def option_flags(options: TrainingOptions) -> list[str]:
+    """Megatron-LM's flags for ``options`` (module docstring)."""
+    flags = []
+    if options.precision in ("bf16", "fp8"):
+        flags.append("--bf16")
+    elif options.precision == "fp16":
+        flags.append("--fp16")
+    if options.precision == "fp8":
+        flags += ["--fp8-format", "hybrid"]
+    if options.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif options.recompute == "full":
+        layers = options.recompute_num_layers
+        flags += ["--recompute-granularity", "full", "--recompute-method"]
+        flags += (
+            ["uniform", "--recompute-num-layers", "1"]
+            if layers is None
+            else [
+                "block",
+                "--recompute-num-layers",
+                str(layers),
+            ]
+        )
+    if options.distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    if options.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if not options.flash_attention:
+        flags += ["--attention-backend", "unfused"]
+    return flags
+
+
+def _plain(options: TrainingOptions | None) -> bool:
+    """fp32 training without recomputation, sharding or sequence parallelism
+    (the attention kernel aside): what every target runs by default."""
+    if options is None:
+        return True
+    return (
+        options.precision == "fp32"
+        and options.recompute == "none"
+        and not options.distributed_optimizer
+        and not options.sequence_parallel
+        and options.virtual_stages == 1
+    )
+
+
+def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str):
+    if options is None:
+        return data
+    if options.recompute != "none" or options.sequence_parallel:
+        raise ExportRefused(
+            f"{target}: the plan recomputes activations or uses sequence "
+            "parallelism, which the DeepSpeed config cannot express"
+        )
+    if options.virtual_stages != 1:
+        raise ExportRefused(f"{target}: no interleaved pipeline schedule")
+    config = data["ds_config"]
+    if options.precision in ("bf16", "fp8"):
+        if options.precision == "fp8":
+            raise ExportRefused(f"{target}: no FP8 training in the DeepSpeed config")
+        config["bf16"] = {"enabled": True}
+    elif options.precision == "fp16":
+        config["fp16"] = {"enabled": True}
+    if options.distributed_optimizer:
+        config["zero_optimization"] = {"stage": 1}
+    return data
+
+
+def _build(
+    plan: Plan3D,
+    target: str,
+    gpus_per_node: Mapping[str, int] | None,
+    options: TrainingOptions | None = None,
+) -> str:
     if target == "megatron":
-        return megatron_text(plan)
+        text = megatron_text(plan)
+        if options is not None:
+            extra = option_flags(options)
+            if options.virtual_stages != 1:
+                raise ExportRefused(
+                    "megatron: the plan's interleaved schedule is not exported yet"
+                )
+            if extra:
+                text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
+        return text
     if target == "deepspeed":
-        return json.dumps(to_deepspeed(plan), indent=1) + "\n"
+        data = _deepspeed_options(to_deepspeed(plan), options, target)
+        return json.dumps(data, indent=1) + "\n"
     if target == "megatron-deepspeed":
-        return json.dumps(to_megatron_deepspeed(plan), indent=1) + "\n"
+        data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
+        return json.dumps(data, indent=1) + "\n"
+    if not _plain(options):
+        raise ExportRefused(
+            f"{target}: its file carries no precision, recomputation or sharding "
+            "settings, and the plan was priced with some"
+        )
     if target == "torchtitan":
         return to_torchtitan(plan)
     if target == "alpa":
@@ -76,7 +179,11 @@ def _build(plan: Plan3D, target: str, gpus_per_node: Mapping[str, int] | None) -
 
 
 def export_plan(
-    plan: Plan3D, target: str, *, gpus_per_node: Mapping[str, int] | None = None
+    plan: Plan3D,
+    target: str,
+    *,
+    gpus_per_node: Mapping[str, int] | None = None,
+    options: TrainingOptions | None = None,
 ) -> str:
     """The export for ``target`` (:data:`EXPORTS`) as text.
 
@@ -88,6 +195,8 @@ def export_plan(
             (:func:`~pipedejavu.core.plan3d.check_nodes`). Alpa needs it (its
             mesh is whole hosts), and Sailor for a plan that places replicas on
             nodes.
+        options: the training the plan was priced with (``None``: plain fp32,
+            the targets' defaults); see the module docstring.
 
     Raises:
         ExportRefused: the target cannot launch the plan as planned; one line
@@ -101,14 +210,14 @@ def export_plan(
     if gpus_per_node is not None:
         check_nodes(plan, lambda gpu: gpus_per_node[gpu])
     try:
-        return _build(plan, target, gpus_per_node)
+        return _build(plan, target, gpus_per_node, options)
     except ExportRefused as refusal:
         able = []
         for other in EXPORTS:
             if other == target:
                 continue
             try:
-                _build(plan, other, gpus_per_node)
+                _build(plan, other, gpus_per_node, options)
             except ProblemError:
                 continue
             able.append(other)
