@@ -12,11 +12,12 @@ Sources:
 * Bytes per parameter: Megatron-LM's ``docs/user-guide/features/
   dist_optimizer.md`` (the table "theoretical number of bytes per parameter",
   also used by ``megatron/training/theoretical_memory_usage.py``).
-* Activations: Korthikanti et al., "Reducing Activation Recomputation in Large
-  Transformer Models", MLSys 2023 (arXiv:2205.05198), Section 4 and Table 2.
-* Interleaving: Narayanan et al., SC'21, and Megatron-LM's
-  ``megatron/core/pipeline_parallel/schedules.py`` (warm-up counts) through
-  :mod:`pipedejavu.simulation.interleaved`.
+* Activation element sizes and recomputation time; the activation bytes
+  themselves are counted per operation in
+  :func:`pipedejavu.costmodel.analytical.layers.activation_bytes` (which
+  reproduces Korthikanti et al., MLSys 2023, Table 2:
+  ``tests/test_megatron_options.py``), the in-flight counts by the simulator
+  (:mod:`pipedejavu.simulation.interleaved`).
 """
 
 from __future__ import annotations
@@ -30,25 +31,16 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
 )
 from pipedejavu.costmodel.megatron.constants import FLOAT_BYTES
-from pipedejavu.simulation.interleaved import peak_in_flight_count
 
 __all__ = [
     "ParamStateBytes",
     "activation_element_bytes",
-    "boundary_message_bytes",
     "bytes_per_param",
     "grad_reduce_bytes_per_param",
-    "interleaved_in_flight",
-    "interleaving_memory_factor",
-    "layer_activation_bytes",
-    "layer_input_bytes",
     "optimizer_update_fraction",
     "param_gather_bytes_per_param",
     "param_state_bytes",
     "recompute_time",
-    "recompute_working_bytes",
-    "recomputed_layers",
-    "stash_per_microbatch_bytes",
 ]
 
 Number = Any  # a float, or an array of one value per span
@@ -189,181 +181,6 @@ def activation_element_bytes(precision: str) -> int:
     return FLOAT_BYTES if precision == "fp32" else HALF_BYTES
 
 
-def layer_activation_bytes(
-    seq_length: Number,
-    micro_batch_size: Number,
-    hidden_size: Number,
-    num_heads: Number,
-    tp: Number = 1,
-    *,
-    sequence_parallel: bool = False,
-    attention_scores: bool = True,
-    element_bytes: Number = HALF_BYTES,
-) -> Number:
-    """Bytes one transformer layer stores for one micro-batch's backward pass
-    (Korthikanti et al., Section 4, Table 2).
-
-    With 2-byte elements: ``s b h (10 + 24 / t + 5 a s / (h t))`` under tensor
-    parallelism, ``s b h (34 / t + 5 a s / (h t))`` with sequence parallelism;
-    ``attention_scores=False`` drops the ``5 a s / (h t)`` term (the softmax
-    output, its dropout mask and dropout output): selective recomputation
-    recomputes them, and flash attention never stores them in the first place.
-
-    Per element kind, with ``e = element_bytes``: 4 ``s b h`` elements (the
-    inputs of the two layer norms, of the QKV projection and of the MLP) and 2
-    one-byte dropout masks are replicated over the tensor-parallel ranks unless
-    sequence parallelism splits them; 12 ``s b h`` elements (Q, K, V, the output
-    projection's input, the MLP's 4h GeLU input and output) are split by ``t``;
-    the scores are ``2 a s^2 b`` elements and an ``a s^2 b`` mask, split by
-    ``t``. So ``(4 e + 2) + 12 e / t`` per ``s b h``, and ``(2 e + 1) a s / h /
-    t`` for the scores: ``10 + 24 / t`` and ``5 a s / (h t)`` at ``e = 2``.
-
-    Args:
-        seq_length, micro_batch_size, hidden_size, num_heads: ``s, b, h, a``.
-        tp: the tensor parallel size ``t``.
-        sequence_parallel: Megatron's sequence parallelism.
-        attention_scores: the ``s x s`` attention tensors are stored.
-        element_bytes: bytes per stored element
-            (:func:`activation_element_bytes`).
-
-    Example:
-        >>> # GPT-3 175B, t = 8: 5 a s / h = 80 (the paper's number), so
-        >>> # s b h (10 + 3 + 10) = 23 s b h bytes.
-        >>> layer_activation_bytes(2048, 1, 12288, 96, 8) / (2048 * 12288)
-        23.0
-    """
-    s, b, h = seq_length, micro_batch_size, hidden_size
-    e = element_bytes
-    replicated = 4 * e + 2
-    split = 12 * e
-    per_token = split / tp + (replicated / tp if sequence_parallel else replicated)
-    scores = (2 * e + 1) * num_heads * s / (hidden_size * tp)
-    return s * b * h * (per_token + (scores if attention_scores else 0.0))
-
-
-def layer_input_bytes(
-    seq_length: Number,
-    micro_batch_size: Number,
-    hidden_size: Number,
-    tp: Number = 1,
-    *,
-    sequence_parallel: bool = False,
-    element_bytes: Number = HALF_BYTES,
-) -> Number:
-    """Bytes of a layer's input, ``e s b h`` (split by ``t`` with sequence
-    parallelism): all a fully recomputed layer stashes (Korthikanti et al.,
-    ``2 s b h``), and what a pipeline boundary sends per micro-batch."""
-    size = element_bytes * seq_length * micro_batch_size * hidden_size
-    return size / tp if sequence_parallel else size
-
-
-def boundary_message_bytes(
-    seq_length: Number,
-    micro_batch_size: Number,
-    hidden_size: Number,
-    tp: Number = 1,
-    *,
-    sequence_parallel: bool = False,
-    element_bytes: Number = HALF_BYTES,
-) -> Number:
-    """Bytes per GPU a pipeline boundary moves per micro-batch (the activation,
-    or its gradient): the hidden state ``[s, b, h]``, whose sequence Megatron
-    splits by ``t`` in the point-to-point tensor with sequence parallelism."""
-    return layer_input_bytes(
-        seq_length,
-        micro_batch_size,
-        hidden_size,
-        tp,
-        sequence_parallel=sequence_parallel,
-        element_bytes=element_bytes,
-    )
-
-
-def recomputed_layers(
-    num_layers: Number, recompute: str, recompute_num_layers: int | None = None
-) -> Number:
-    """Layers of a model chunk that ``recompute="full"`` recomputes: Megatron's
-    ``block`` method recomputes the chunk's first ``recompute_num_layers`` layers
-    one at a time (``None``: all of them); 0 for the other granularities."""
-    _check_recompute(recompute)
-    if recompute != "full":
-        return _plain(0 * np.asarray(num_layers))
-    if recompute_num_layers is None:
-        return num_layers
-    return _plain(np.minimum(num_layers, recompute_num_layers))
-
-
-def stash_per_microbatch_bytes(
-    num_layers: Number,
-    seq_length: Number,
-    micro_batch_size: Number,
-    hidden_size: Number,
-    num_heads: Number,
-    tp: Number = 1,
-    *,
-    recompute: str = "none",
-    recompute_num_layers: int | None = None,
-    sequence_parallel: bool = False,
-    flash_attention: bool = True,
-    element_bytes: Number = HALF_BYTES,
-) -> Number:
-    """Bytes the transformer layers of a model chunk hold for one in-flight
-    micro-batch until its backward pass.
-
-    ``none``: every layer's :func:`layer_activation_bytes` (with the scores
-    unless ``flash_attention``). ``selective``: the same without the scores.
-    ``full``: the :func:`recomputed_layers` hold their :func:`layer_input_bytes`
-    only, the others everything. The embedding, the final norm and the loss are
-    not included (the caller adds them).
-    """
-    _check_recompute(recompute)
-    shape = (seq_length, micro_batch_size, hidden_size)
-    full = layer_activation_bytes(
-        *shape,
-        num_heads,
-        tp,
-        sequence_parallel=sequence_parallel,
-        attention_scores=recompute != "selective" and not flash_attention,
-        element_bytes=element_bytes,
-    )
-    recomputed = recomputed_layers(num_layers, recompute, recompute_num_layers)
-    inputs = layer_input_bytes(
-        *shape, tp, sequence_parallel=sequence_parallel, element_bytes=element_bytes
-    )
-    return recomputed * inputs + (num_layers - recomputed) * full
-
-
-def recompute_working_bytes(
-    seq_length: Number,
-    micro_batch_size: Number,
-    hidden_size: Number,
-    num_heads: Number,
-    tp: Number = 1,
-    *,
-    recompute: str = "none",
-    sequence_parallel: bool = False,
-    flash_attention: bool = True,
-    element_bytes: Number = HALF_BYTES,
-) -> Number:
-    """Bytes recomputation re-materializes at once during a backward pass, held
-    once per GPU (not per in-flight micro-batch): ``full``: one layer's
-    activations; ``selective``: one layer's attention scores (0 with flash
-    attention, which has none); ``none``: 0."""
-    _check_recompute(recompute)
-    if recompute == "none" or (recompute == "selective" and flash_attention):
-        return _plain(0.0 * np.asarray(seq_length))
-    kwargs = {"sequence_parallel": sequence_parallel, "element_bytes": element_bytes}
-    shape = (seq_length, micro_batch_size, hidden_size, num_heads, tp)
-    with_scores = layer_activation_bytes(*shape, attention_scores=True, **kwargs)
-    if recompute == "selective":
-        return with_scores - layer_activation_bytes(
-            *shape, attention_scores=False, **kwargs
-        )
-    return layer_activation_bytes(
-        *shape, attention_scores=not flash_attention, **kwargs
-    )
-
-
 # -------------------------------------------------------------------- time
 def recompute_time(
     recompute: str, recomputed_forward_s: Number, attention_core_forward_s: Number
@@ -385,23 +202,3 @@ def recompute_time(
     if recompute == "selective":
         return attention_core_forward_s
     return _plain(0.0 * np.asarray(recomputed_forward_s))
-
-
-# ------------------------------------------------------------ interleaving
-def interleaved_in_flight(
-    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
-) -> int:
-    """Micro-batch-chunks a pipeline rank holds at its peak under Megatron's
-    (interleaved when ``num_chunks > 1``) 1F1B schedule: its warm-up forwards
-    plus one, at most all ``V M`` (what :func:`~pipedejavu.simulation.
-    interleaved.simulate_interleaved` reports). Each holds one chunk's
-    :func:`stash_per_microbatch_bytes`."""
-    return peak_in_flight_count(rank, num_ranks, num_chunks, num_microbatches)
-
-
-def interleaving_memory_factor(num_ranks: Number, num_chunks: Number) -> Number:
-    """Megatron-LM's activation memory penalty of interleaving on the first
-    rank, ``1 + (P - 1) / (P V)``: its ``V P + P - 1`` micro-batch-chunks of
-    ``1 / V`` of its layers each, over the ``P`` whole micro-batches of the
-    non-interleaved schedule (``theoretical_memory_usage.py``)."""
-    return 1.0 + (num_ranks - 1) / (num_ranks * num_chunks)

@@ -25,6 +25,7 @@ from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
     PredictorConstants,
 )
+from pipedejavu.costmodel.megatron.options import optimizer_update_fraction
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
 
 __all__ = [
@@ -84,7 +85,7 @@ def optimizer_share(info: ModelInfo, dp: Number = 1) -> Number:
     """The share of its stage's parameters a GPU's optimizer step updates:
     ``1 / dp`` with the distributed optimizer (each replica steps its shard),
     1 without."""
-    return 1.0 / dp if info.distributed_optimizer else 1.0
+    return optimizer_update_fraction(info.distributed_optimizer, dp)
 
 
 def optimizer_time(
