@@ -218,11 +218,16 @@ def test_report_bubble_not_negative(capsys):
 )
 @given(
     gbs=st.one_of(st.integers(-5, 300), st.integers(-(10**15), 10**15)),
-    gpus=st.one_of(st.integers(-2, 8), st.integers(-(10**9), 10**9)),
+    gpus=st.one_of(
+        st.integers(-2, 8),
+        st.integers(-(10**9), 10**9).filter(lambda g: g <= 8 or g > MAX_GPUS),
+    ),
     twice=st.booleans(),
 )
 def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
-    """Small pools only, so every call ends in well under 2 s."""
+    """Small pools (or counts refused at once) only, so every call ends in well
+    under 2 s; a valid pool of tens of GPUs plans in seconds and is not timed
+    here."""
     argv = [*PLAN, "--gpus", f"GH-96:{gpus}", "--global-batch", str(gbs)]
     if twice:
         argv += ["--gpus", "RTX-3090:2"]
