@@ -4,6 +4,10 @@
 this runs it alone with a longer limit (default 520 s: twice the 254 s the
 canonical-placement oracle took in the suite run of 2026-11-23) to see
 whether it finishes within 2x. Results: ``benchmarks/results/hetero_large_oracle.json``.
+Since issue 23 the oracle is exact for ``hetero_bound`` (a lower bound on the
+1F1B objective) and prices its plans on the objective: ``oracle_cost`` is its
+plan's objective and ``oracle_info`` has ``proven``, ``lower_bound`` and
+``gap`` (only ``lower_bound`` when cut off).
 
 Usage::
 
