@@ -574,7 +574,7 @@ def versions() -> dict[str, str]:
 
     # The megatron package imported (the source tree on PYTHONPATH).
     out["megatron imported"] = package_info.__version__
-    out["megatron source"] = str(Path(megatron.training.__file__).parents[2])
+    out["megatron source"] = Path(megatron.training.__file__).parents[2].name
     out["python"] = platform.python_version()
     return out
 
