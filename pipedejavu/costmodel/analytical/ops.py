@@ -197,41 +197,15 @@ def element_bytes(precision: Precision) -> tuple[float, float]:
 
 
 def validate_spec(spec: TransformerSpec, tp: int = 1) -> None:
-    """``ValueError`` naming the field if ``spec`` is not a valid model for
-    tensor-parallel degree ``tp``."""
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "ffn_hidden_size",
-        "vocab_size",
-        "seq_length",
-    ):
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"{spec.name}: {name} must be an integer >= 1, got {value!r}"
-            )
-    if spec.hidden_size % spec.num_attention_heads:
+    """``ValueError`` unless ``spec`` splits ``tp`` ways: its own rule
+    (:meth:`~pipedejavu.core.transformer.TransformerSpec.check_tp`; the fields
+    were checked when it was built), and a vocabulary the head splits evenly
+    (price :meth:`~pipedejavu.core.transformer.TransformerSpec.padded_vocab_size`
+    rows, as Megatron-LM pads them)."""
+    spec.check_tp(tp)
+    if spec.vocab_size % tp:
         raise ValueError(
-            f"{spec.name}: hidden_size {spec.hidden_size} must be a multiple of "
-            f"num_attention_heads {spec.num_attention_heads}"
-        )
-    if spec.num_attention_heads % spec.num_query_groups:
-        raise ValueError(
-            f"{spec.name}: num_attention_heads {spec.num_attention_heads} must be "
-            f"a multiple of num_query_groups {spec.num_query_groups}"
-        )
-    for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
-        if getattr(spec, name) % tp:
-            raise ValueError(
-                f"{spec.name}: tp {tp} must divide {name} {getattr(spec, name)}"
-            )
-    if spec.num_query_groups % tp and tp % spec.num_query_groups:
-        raise ValueError(
-            f"{spec.name}: tp {tp} and num_query_groups {spec.num_query_groups} "
-            "must divide one another"
+            f"{spec.name}: tp {tp} must divide vocab_size {spec.vocab_size}"
         )
 
 
