@@ -45,7 +45,6 @@ from pipedejavu.costmodel.analytical.layers import (
     activation_bytes,
     analytical_layer_times,
     attention_core_forward_seconds,
-    block_forward_seconds,
     layer_output_bytes,
 )
 from pipedejavu.costmodel.analytical.roofline import (
@@ -59,6 +58,7 @@ from pipedejavu.costmodel.megatron.options import (
     param_state_bytes,
     recompute_time,
 )
+from pipedejavu.costmodel.megatron.rules import profiling_params
 from pipedejavu.costmodel.megatron.sailor_data import (
     GpuSpec,
     LayerTimes,
@@ -249,6 +249,11 @@ class AnalyticalSource:
         if profiled is not None:
             self._sources[(gpu, mbs, tp)] = "profiles"
             return profiled
+        if self._options.recompute_num_layers is not None:
+            raise ProblemError(
+                "recompute_num_layers is not supported by the analytical predictor "
+                "yet: it recomputes every layer (full) or none"
+            )
         entry = self._entry(gpu)
         spec, options = self.padded(tp), self._options
         precision = gemm_precision(options, entry)
@@ -268,35 +273,19 @@ class AnalyticalSource:
                 sequence_parallel=options.sequence_parallel,
                 **kwargs,
             )
-            block = block_forward_seconds(
-                spec,
-                entry,
-                mbs,
-                tp,
-                precision,
-                sequence_parallel=options.sequence_parallel,
-                **kwargs,
-            )
             core = attention_core_forward_seconds(
                 spec, entry, mbs, tp, precision, **kwargs
             )
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
-        if options.recompute_num_layers is not None:
-            raise ProblemError(
-                "recompute_num_layers is not supported by the analytical predictor "
-                "yet: it recomputes every layer (full) or none"
-            )
         backward = backward.copy()
-        backward[1:-1] += recompute_time(options.recompute, block, core)
-        # The Adam step is memory-bound: seconds per parameter of a block.
+        # Full recomputation reruns each block's forward (forward[1]).
+        backward[1:-1] += recompute_time(options.recompute, float(forward[1]), core)
+        # The Adam step is memory-bound: seconds per parameter of a block, for
+        # the profiling model's parameters (what LayerTimes.update holds).
         info = self.model_info(self.spec.name)
-        params = info.params[tp]
-        per_param = float(update[1]) / max(float(params[1]), 1.0)
-        from_spec = np.asarray(params, dtype=float)
-        profiling = float(
-            from_spec[0] + from_spec[1] + from_spec[2] + from_spec[-1]
-        ) - info.tied_params(tp)
+        per_param = float(update[1]) / max(float(info.params[tp][1]), 1.0)
+        profiling = profiling_params(info, tp)
         forward, backward = self._split_head(forward), self._split_head(backward)
         update_s = np.full(len(forward), per_param * profiling)
         self._sources[(gpu, mbs, tp)] = "analytical"
