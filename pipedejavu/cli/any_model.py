@@ -26,8 +26,8 @@ from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
 )
-from pipedejavu.io.gpu_sheet import load_gpu_sheet
-from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
+from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
 from pipedejavu.planning.any_model import (
     SEARCH_SPACE_NOTE,
@@ -48,6 +48,7 @@ __all__ = [
     "format_comparison",
     "plan_megatron_args",
     "predict_plan_file",
+    "read_launch",
 ]
 
 #: Longest sequence ``--seq-len`` takes (16 Mi tokens).
@@ -172,21 +173,36 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
         raise ProblemError("--megatron-args takes one --gpus TYPE:COUNT")
 
 
-def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunComparison:
-    """``plan --megatron-args``: the launch predicted and the best plan."""
-    _refuse_with_megatron_args(args)
-    pool = parse_gpu_pool(args.gpus)
-    ((gpu, count),) = pool.items()
-    sheet = load_gpu_sheet(args.gpu_sheet)
+def read_launch(
+    megatron_args: str, gpus: str, gpu_sheet: str | None
+) -> tuple[MegatronRun, str, int, GpuSheet]:
+    """A Megatron-LM launch on ``gpus`` (``TYPE:COUNT``): the parsed run, the
+    sheet's name of the GPU type, the count and the sheet; the flags that change
+    nothing are listed on stderr.
+
+    Raises:
+        ProblemError: a bad pool, a GPU type not on the sheet, bad flags.
+    """
+    ((gpu, count),) = parse_gpu_pool([gpus]).items()
+    sheet = load_gpu_sheet(gpu_sheet)
     if gpu not in sheet:
         raise ProblemError(
             f"GPU type {gpu!r} is not on the GPU sheet (known: "
             f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
         )
-    run = spec_from_megatron_args(args.megatron_args)
+    run = spec_from_megatron_args(megatron_args)
     if run.ignored:
         shown = " ".join(run.ignored)
         print(f"ignored (no effect on the prediction): {shown:.300}", file=sys.stderr)
+    return run, sheet.resolve(gpu), count, sheet
+
+
+def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunComparison:
+    """``plan --megatron-args``: the launch predicted and the best plan."""
+    _refuse_with_megatron_args(args)
+    run, gpu, count, sheet = read_launch(
+        args.megatron_args, args.gpus[0], args.gpu_sheet
+    )
     if args.global_batch is not None and run.global_batch is not None:
         if args.global_batch != run.global_batch:
             raise ProblemError(
@@ -195,7 +211,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
             )
     return compare_megatron_run(
         run,
-        sheet.resolve(gpu),
+        gpu,
         count,
         sheet,
         method=args.method,

@@ -19,6 +19,7 @@ from pipedejavu.cli.any_model import (
     format_comparison,
     plan_megatron_args,
     predict_plan_file,
+    read_launch,
 )
 from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
@@ -29,8 +30,6 @@ from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import EXPORTS, export_plan
-from pipedejavu.io.gpu_sheet import load_gpu_sheet
-from pipedejavu.io.megatron_args import spec_from_megatron_args
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
     check_global_batch,
@@ -163,7 +162,6 @@ def add_parsers(commands: Any) -> None:
 
 
 def _predict_launch(args: argparse.Namespace) -> int:
-    import sys
 
     training = [flag for flag in any_model_options(args) if flag != "--gpu-sheet"]
     if args.plan is not None or args.model or args.profiles or training:
@@ -174,19 +172,8 @@ def _predict_launch(args: argparse.Namespace) -> int:
         )
     if not args.gpus:
         raise ProblemError("--megatron-args needs --gpus TYPE:COUNT, e.g. A100-80:64")
-    pool = parse_gpu_pool([args.gpus])
-    ((gpu, count),) = pool.items()
-    sheet = load_gpu_sheet(args.gpu_sheet)
-    if gpu not in sheet:
-        raise ProblemError(
-            f"GPU type {gpu!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
-        )
-    run = spec_from_megatron_args(args.megatron_args)
-    if run.ignored:
-        shown = " ".join(run.ignored)
-        print(f"ignored (no effect on the prediction): {shown:.300}", file=sys.stderr)
-    launch = predict_megatron_run(run, sheet.resolve(gpu), count, sheet)
+    run, gpu, count, sheet = read_launch(args.megatron_args, args.gpus, args.gpu_sheet)
+    launch = predict_megatron_run(run, gpu, count, sheet)
     prediction = launch.prediction
     if not prediction.fits_memory:
         warnings.warn(
