@@ -1,9 +1,12 @@
 """Any model on any GPU: a Megatron-LM launch predicted from its flags."""
 
 import json
+import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.problem import ProblemError
@@ -199,10 +202,63 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     info = source.model_info(plain_run.spec.name)
     for s, stage in enumerate(plain.plan.stages):
         held = stage_params(info, 8, stage.start, stage.stop)
-        saved = plain.prediction.model_state_bytes[s, 0] - (
-            sharded.prediction.model_state_bytes[s, 0]
+        saved = (
+            plain.prediction.model_state_bytes[s, 0]
+            - (sharded.prediction.model_state_bytes[s, 0])
         )
         np.testing.assert_allclose(saved, 16 * held * (1 - 1 / dp), rtol=1e-9)
     np.testing.assert_allclose(
         sharded.prediction.optimizer_s, plain.prediction.optimizer_s / dp, rtol=1e-9
     )
+
+
+_SIZE_FLAGS = (
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--ffn-hidden-size",
+    "--seq-length",
+    "--vocab-size",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    flag=st.sampled_from(_SIZE_FLAGS),
+    value=st.one_of(
+        st.integers(-5, 300), st.integers(-(10**15), 10**15), st.just(10**9)
+    ),
+)
+def test_launch_numbers_are_bounded(capsys, flag, value):
+    """Any number in any size flag of a small launch: an answer or one line
+    (exit 2), never a traceback, a hang or unbounded memory."""
+    base = {
+        "--num-layers": 4,
+        "--hidden-size": 256,
+        "--num-attention-heads": 4,
+        "--ffn-hidden-size": 1024,
+        "--seq-length": 128,
+        "--vocab-size": 1000,
+        "--micro-batch-size": 1,
+        "--global-batch-size": 8,
+        "--tensor-model-parallel-size": 1,
+        "--pipeline-model-parallel-size": 1,
+    }
+    base[flag] = value
+    argv = " ".join(f"{k} {v}" for k, v in base.items())
+    argv += " --max-position-embeddings " + str(max(base["--seq-length"], 1))
+    started = time.perf_counter()
+    code = main(["predict", "--megatron-args", argv, "--gpus", "H100:8"])
+    err = capsys.readouterr().err
+    assert code in (0, 2) and "Traceback" not in err
+    if code:
+        assert len(err.strip().splitlines()) == 1, err
+    assert time.perf_counter() - started < 10.0

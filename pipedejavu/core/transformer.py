@@ -23,21 +23,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-__all__ = ["Norm", "Position", "TransformerSpec"]
+__all__ = ["SPEC_LIMITS", "Norm", "Position", "TransformerSpec"]
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rotary", "alibi", "none"]
 
-_POSITIVE_INTS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "vocab_size",
-    "seq_length",
-    "vocab_divisible_by",
-)
+#: The largest value of each size field (well past any trained model: 10,000
+#: blocks, a 1 Mi-wide hidden state, 16 Mi tokens a sample): arrays of layers
+#: and tokens stay bounded whatever a config file or a command line says.
+SPEC_LIMITS = {
+    "num_layers": 10_000,
+    "hidden_size": 2**20,
+    "num_attention_heads": 2**16,
+    "num_query_groups": 2**16,
+    "ffn_hidden_size": 2**22,
+    "vocab_size": 2**24,
+    "seq_length": 2**24,
+    "vocab_divisible_by": 2**16,
+}
+_POSITIVE_INTS = tuple(SPEC_LIMITS)
 _BOOLS = (
     "gated_mlp",
     "tied_embeddings",
@@ -119,6 +123,11 @@ class TransformerSpec:
                 raise ValueError(
                     f"{where}: {field} must be a positive integer, got {value!r}"
                 )
+            if value > SPEC_LIMITS[field]:
+                raise ValueError(
+                    f"{where}: {field} must be at most {SPEC_LIMITS[field]}, "
+                    f"got {value}"
+                )
         for field in _BOOLS:
             value = getattr(self, field)
             if not isinstance(value, bool):
@@ -135,10 +144,10 @@ class TransformerSpec:
                 f"got {self.position!r}"
             )
         rows = self.max_position_embeddings
-        if not _is_int(rows) or rows < 0:
+        if not _is_int(rows) or not 0 <= rows <= SPEC_LIMITS["seq_length"]:
             raise ValueError(
-                f"{where}: max_position_embeddings must be an integer >= 0, "
-                f"got {rows!r}"
+                f"{where}: max_position_embeddings must be an integer in "
+                f"[0, {SPEC_LIMITS['seq_length']}], got {rows!r}"
             )
         if self.position == "learned" and rows < self.seq_length:
             raise ValueError(
