@@ -120,6 +120,10 @@ def test_user_file_extends_and_overrides(tmp_path):
         ({"gpus": {"X": {**NEW_GPU, "peak_flops": {"int4": 1e15}}}}, "precision"),
         ({"gpus": {"X": {**NEW_GPU, "peak_flops": {"bf16": None}}}}, "peak bf16"),
         ({"gpus": {"X": {**NEW_GPU, "gpus_per_node": 2.5}}}, "gpus_per_node"),
+        (
+            {"gpus": {"X": {**NEW_GPU, "gpus_per_node": 10**12}}},
+            "gpus_per_node must be at most 4096",
+        ),
         ({"gpus": {"X": {**NEW_GPU, "speed": 1}}}, "unknown field 'speed'"),
         ({"gpus": {"X": {"memory_bytes": 1e9}}}, "missing field"),
         ({"gpus": {"A100-80": {"inter_node_bytes_per_s": 0}}}, "inter_node"),

@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from pipedejavu.core.plan3d import MAX_GPUS
+
 __all__ = ["PRECISIONS", "GpuSheetEntry", "Precision"]
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
@@ -69,6 +71,10 @@ class GpuSheetEntry:
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise ValueError(
                 f"{where}: gpus_per_node must be a positive integer, got {count!r}"
+            )
+        if count > MAX_GPUS:
+            raise ValueError(
+                f"{where}: gpus_per_node must be at most {MAX_GPUS}, got {count}"
             )
         if not self.peak_flops:
             raise ValueError(f"{where}: peak_flops must name at least one precision")
