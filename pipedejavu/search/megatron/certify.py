@@ -163,6 +163,7 @@ def certify_predicted(
     max_plans: int = 3000,
     mixed_types: bool = True,
     mixed_state_limit: int = 4000,
+    cutoff_s: float = math.inf,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -171,7 +172,8 @@ def certify_predicted(
 
     Args:
         data, model, gpus, global_batch, constants: as for the search.
-        incumbent: the plan to prove (it must fit in memory).
+        incumbent: the plan to prove (it must fit in memory, unless
+            ``cutoff_s`` is finite).
         uniform_tp, allow_fewer_gpus, mbs_values, max_stages: the search space.
         max_plans: most predictor calls in the enumeration.
         mixed_types: with several GPU types (and ``uniform_tp``), also plans
@@ -179,6 +181,13 @@ def certify_predicted(
         mixed_state_limit: most stage-count vectors a mixed configuration's
             DP may visit; a configuration over it stays open at a coarser
             bound.
+        cutoff_s: a predicted time already reached elsewhere (by a plan of
+            another cost source: other training options over the same plans):
+            configurations whose bound reaches it are settled. Then the
+            certificate's plan is a plan of this space faster than the cutoff
+            (or the incumbent, which may not fit, when none is): with
+            ``proven``, no plan of this space that fits is faster than
+            ``min(cutoff_s, prediction)``.
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -189,6 +198,7 @@ def certify_predicted(
     best_prediction = predict_plan(incumbent, data, constants=constants)
     best_plan = incumbent
     best = best_prediction.iteration_time_s if best_prediction.fits_memory else math.inf
+    best = min(best, cutoff_s)
     groups = config_groups(
         data,
         model,
@@ -326,7 +336,7 @@ def certify_predicted(
             lower = min(lower, value)
         report(items[0].bound if items else math.inf)
     if not math.isfinite(best):
-        raise ValueError("the incumbent does not fit in memory")
+        raise ValueError("the incumbent does not fit in memory (and no cutoff)")
     return PredictedCertificate(
         plan=best_plan,
         prediction=best_prediction,

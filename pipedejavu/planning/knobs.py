@@ -1,0 +1,444 @@
+"""Plans over the training knobs: activation recomputation, sequence
+parallelism and the distributed optimizer, searched with the plan and proven.
+
+Each choice of knobs is a :class:`~pipedejavu.core.training_options.TrainingOptions`
+that compiles into its own cost source (the same problem, objective, predictor and
+proof; only the layer times, activation and model-state bytes differ), over the
+same plans (stages, TP, DP, mbs, GPUs). The search takes the choices in order
+(the fastest per plan first: no recomputation before selective before full;
+sequence parallelism and the distributed optimizer on before off):
+
+1. the first choice with a plan that fits: the full search and its proof
+   (:func:`~pipedejavu.planning.training.plan_training`);
+2. every later choice: the proof's branch and bound alone
+   (:func:`~pipedejavu.search.megatron.certify.certify_predicted`), with the best
+   predicted time so far as its cutoff. Its configurations whose lower bound
+   reaches the cutoff are settled at once; a plan it finds below the cutoff
+   becomes the incumbent;
+3. if the winning choice was settled by the proof alone, its full search runs
+   once more so that the report holds its planning objective (its proof finds
+   the same predicted optimum).
+
+When every step is proven, the plan is the predictor's optimum over the union
+of the choices' spaces: each choice's certificate says no plan of it that fits
+is faster than the incumbent of its time.
+
+The distributed optimizer dominates: it changes only the model-state bytes
+(fewer: :func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`) and the
+optimizer step (over ``1 / dp`` of the parameters:
+:func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`), and the predictor
+only adds both (memory per stage, the step after the pipeline), so every plan is
+predicted at least as fast with it and fits wherever it fits without it. When
+the space allows both, the choices without it are settled by that rule
+(``how == "dominated"``; ``tests/test_knobs.py`` checks the rule on random
+plans). Sequence parallelism is searched both ways: its two collectives can cost
+more than one all-reduce on small messages.
+
+Sequence parallelism changes nothing at TP 1 and the distributed optimizer
+nothing at DP 1 (the predictor prices them identically); a plan with TP 1
+everywhere (DP 1) reports them off, as Megatron-LM runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.core.training_options import (
+    RECOMPUTE_GRANULARITIES,
+    RecomputeGranularity,
+    TrainingOptions,
+    TrainingPrecision,
+)
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.planning.any_model import CostChoice, choose_cost_source
+from pipedejavu.planning.training import (
+    TrainingPlan,
+    check_global_batch,
+    check_mbs_values,
+    parse_gpu_pool,
+    plan_training,
+)
+from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.planner import MegatronSearchConfig
+
+__all__ = ["KnobOutcome", "KnobPlan", "KnobSpace", "plan_with_knobs"]
+
+_ON_OFF = (True, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobSpace:
+    """The knob values a plan may take (each a tuple of allowed values).
+
+    Args:
+        recompute: ``none``, ``selective``, ``full`` (Megatron-LM's
+            ``--recompute-granularity``; ``full`` recomputes every layer,
+            ``--recompute-method uniform --recompute-num-layers 1``).
+        sequence_parallel: ``--sequence-parallel`` (with TP > 1).
+        distributed_optimizer: ``--use-distributed-optimizer``.
+    """
+
+    recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
+    sequence_parallel: tuple[bool, ...] = _ON_OFF
+    distributed_optimizer: tuple[bool, ...] = _ON_OFF
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("recompute", RECOMPUTE_GRANULARITIES),
+            ("sequence_parallel", _ON_OFF),
+            ("distributed_optimizer", _ON_OFF),
+        ):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not values:
+                raise ValueError(f"{name}: give a non-empty tuple of values")
+            bad = [
+                v
+                for v in values
+                if v not in allowed or (name != "recompute" and not isinstance(v, bool))
+            ]
+            if bad or len(set(values)) != len(values):
+                raise ValueError(
+                    f"{name}: values must be distinct, from {allowed}; got {values}"
+                )
+
+    @classmethod
+    def fixed(cls, options: TrainingOptions) -> KnobSpace:
+        """The one choice ``options`` makes."""
+        return cls(
+            (options.recompute,),
+            (options.sequence_parallel,),
+            (options.distributed_optimizer,),
+        )
+
+    def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """Every choice, the fastest per plan first (module docstring);
+        ``base`` gives the other fields. Without the dominated ones: see
+        :meth:`dominated`."""
+        return [c for c in self.all_choices(base) if not self.is_dominated(c)]
+
+    def is_dominated(self, options: TrainingOptions) -> bool:
+        """Settled by the distributed optimizer's rule (module docstring)."""
+        return not options.distributed_optimizer and True in self.distributed_optimizer
+
+    def dominated(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """The choices :meth:`is_dominated` settles."""
+        return [c for c in self.all_choices(base) if self.is_dominated(c)]
+
+    def all_choices(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """Every choice of the space, in search order."""
+        order = {value: i for i, value in enumerate(RECOMPUTE_GRANULARITIES)}
+        recompute = sorted(self.recompute, key=order.__getitem__)
+        out = []
+        for r, sp, dist in itertools.product(
+            recompute,
+            sorted(self.sequence_parallel, reverse=True),
+            sorted(self.distributed_optimizer, reverse=True),
+        ):
+            out.append(
+                dataclasses.replace(
+                    base,
+                    recompute=r,
+                    recompute_num_layers=None,
+                    sequence_parallel=sp,
+                    distributed_optimizer=dist,
+                )
+            )
+        return out
+
+    def describe(self) -> str:
+        """``recompute none|selective|full, sequence parallel on|off, ...``."""
+
+        def flags(values: tuple[bool, ...]) -> str:
+            return "|".join("on" if v else "off" for v in values)
+
+        return (
+            f"recompute {'|'.join(self.recompute)}, sequence parallel "
+            f"{flags(self.sequence_parallel)}, distributed optimizer "
+            f"{flags(self.distributed_optimizer)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobOutcome:
+    """How one choice of knobs was settled.
+
+    Attributes:
+        options: the choice.
+        how: ``searched`` (full search and proof), ``proof`` (the proof's
+            branch and bound with the cutoff), ``infeasible`` (no plan fits) or
+            ``dominated`` (the distributed optimizer's rule, module docstring).
+        best_s: the best predicted time found in this choice (``nan``: none
+            found, or none below the cutoff).
+        cutoff_s: the best predicted time before this choice (``inf`` first).
+        proven: the choice holds no plan that fits faster than
+            ``min(cutoff_s, best_s)``.
+        time_s: seconds spent.
+    """
+
+    options: TrainingOptions
+    how: str
+    best_s: float
+    cutoff_s: float
+    proven: bool
+    time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        def number(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "options": dataclasses.asdict(self.options),
+            "how": self.how,
+            "best_s": number(self.best_s),
+            "cutoff_s": number(self.cutoff_s),
+            "proven": self.proven,
+            "time_s": self.time_s,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobPlan:
+    """The best plan over a :class:`KnobSpace`.
+
+    Attributes:
+        result: the plan, priced for its knobs (``result.options``); its
+            ``proven`` holds only when every choice was settled;
+            ``search_time_s`` is the whole search's.
+        choice: the winning choice's cost source.
+        space: the knobs searched.
+        outcomes: how each choice was settled, in search order.
+    """
+
+    result: TrainingPlan
+    choice: CostChoice
+    space: KnobSpace
+    outcomes: tuple[KnobOutcome, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.result.to_json()
+        out["knobs"] = {
+            "space": {
+                "recompute": list(self.space.recompute),
+                "sequence_parallel": list(self.space.sequence_parallel),
+                "distributed_optimizer": list(self.space.distributed_optimizer),
+            },
+            "choices": [o.to_json() for o in self.outcomes],
+        }
+        return out
+
+
+def _normalized(options: TrainingOptions, result: TrainingPlan) -> TrainingOptions:
+    """Knobs that change nothing on this plan, off (module docstring)."""
+    stages = result.plan.stages
+    if options.sequence_parallel and all(r.tp == 1 for s in stages for r in s.replicas):
+        options = dataclasses.replace(options, sequence_parallel=False)
+    if options.distributed_optimizer and all(len(s.replicas) == 1 for s in stages):
+        options = dataclasses.replace(options, distributed_optimizer=False)
+    return options
+
+
+def plan_with_knobs(
+    model: str,
+    gpus: Mapping[str, int] | Sequence[str],
+    global_batch: int,
+    *,
+    space: KnobSpace | None = None,
+    options: TrainingOptions | None = None,
+    precision: TrainingPrecision | None = None,
+    seq_length: int | None = None,
+    gpu_sheet: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | None = None,
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mixed_types: bool = False,
+    mbs_values: Sequence[int] | None = None,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> KnobPlan:
+    """The fastest plan of ``model`` over the plans and the knobs of ``space``
+    (module docstring), proven under the predictor.
+
+    Args:
+        model, gpus, global_batch: as for
+            :func:`~pipedejavu.planning.any_model.plan_any_model`.
+        space: the knobs to search (``None``: all of :class:`KnobSpace`).
+        options: the other training options (precision, flash attention...;
+            ``None``: the model's defaults, see
+            :func:`~pipedejavu.planning.any_model.choose_cost_source`).
+        precision: replaces the precision of ``options``.
+        seq_length, gpu_sheet, profiles: as for ``choose_cost_source``.
+        uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: the plan space,
+            as for :func:`~pipedejavu.planning.training.plan_training`.
+        progress_fn: called as the searches go (each dict gets ``"knobs"``:
+            the choice's index).
+
+    Raises:
+        ProblemError: bad arguments.
+        InfeasibleProblemError: no choice has a plan that fits.
+    """
+    started = time.perf_counter()
+    space = space or KnobSpace()
+    pool = parse_gpu_pool(gpus)
+    check_global_batch(global_batch)
+    first = choose_cost_source(
+        model,
+        pool,
+        options=options,
+        precision=precision,
+        seq_length=seq_length,
+        gpu_sheet=gpu_sheet,
+        profiles=profiles,
+    )
+    try:
+        config = MegatronSearchConfig(
+            uniform_tp=uniform_tp,
+            allow_fewer_gpus=allow_fewer_gpus,
+            mbs_values=check_mbs_values(mbs_values),
+            mixed_types=mixed_types,
+        )
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
+
+    def search(choice: CostChoice, index: int) -> TrainingPlan:
+        return plan_training(
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            profiles=choice.data,
+            uniform_tp=uniform_tp,
+            allow_fewer_gpus=allow_fewer_gpus,
+            mbs_values=mbs_values,
+            mixed_types=mixed_types,
+            progress_fn=_tagged(progress_fn, index),
+        )
+
+    outcomes: list[KnobOutcome] = []
+    best: tuple[TrainingPlan, CostChoice] | None = None
+    best_s = math.inf
+    best_searched = False
+    lower = math.inf  # least certified lower bound over the choices settled
+    for index, knobs in enumerate(space.choices(first.options)):
+        tick = time.perf_counter()
+        choice = choose_cost_source(
+            model,
+            pool,
+            options=knobs,
+            seq_length=seq_length,
+            gpu_sheet=gpu_sheet,
+            profiles=profiles,
+        )
+        if best is None:
+            try:
+                result = search(choice, index)
+            except InfeasibleProblemError:
+                outcomes.append(
+                    KnobOutcome(
+                        knobs,
+                        "infeasible",
+                        math.nan,
+                        math.inf,
+                        True,
+                        time.perf_counter() - tick,
+                    )
+                )
+                continue
+            best, best_s, best_searched = (
+                (result, choice),
+                result.prediction.iteration_time_s,
+                True,
+            )
+            lower = min(lower, result.predicted_lower_bound_s)
+            outcomes.append(
+                KnobOutcome(
+                    knobs,
+                    "searched",
+                    best_s,
+                    math.inf,
+                    result.proven,
+                    time.perf_counter() - tick,
+                )
+            )
+            continue
+        certificate = certify_predicted(
+            choice.data,
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            FITTED_CONSTANTS,
+            best[0].plan,
+            uniform_tp=config.uniform_tp,
+            allow_fewer_gpus=config.allow_fewer_gpus,
+            mbs_values=config.mbs_values,
+            max_stages=config.max_stages,
+            max_plans=config.proof_budget,
+            mixed_types=config.mixed_types and len(pool) > 1,
+            cutoff_s=best_s,
+            progress_fn=_tagged(progress_fn, index),
+        )
+        found = certificate.prediction
+        beats = found.fits_memory and found.iteration_time_s < best_s
+        cutoff = best_s
+        lower = min(lower, certificate.lower_bound_s)
+        if beats:
+            best_s = found.iteration_time_s
+            best = (
+                dataclasses.replace(
+                    best[0],
+                    plan=certificate.plan,
+                    prediction=found,
+                    options=choice.options,
+                ),
+                choice,
+            )
+            best_searched = False
+        outcomes.append(
+            KnobOutcome(
+                knobs,
+                "proof",
+                found.iteration_time_s if beats else math.nan,
+                cutoff,
+                certificate.proven,
+                time.perf_counter() - tick,
+            )
+        )
+    outcomes += [
+        KnobOutcome(knobs, "dominated", math.nan, math.nan, True, 0.0)
+        for knobs in space.dominated(first.options)
+    ]
+    if best is None:
+        raise InfeasibleProblemError(
+            f"no plan of {first.model} fits {dict(pool)} with global batch "
+            f"{global_batch} under any of: {space.describe()}"
+        )
+    result, choice = best
+    if not best_searched:
+        # The report's planning objective comes from the winning choice's own
+        # search; its proof reaches the same predicted optimum.
+        result = search(choice, len(outcomes))
+    proven = all(o.proven for o in outcomes) and result.proven
+    result = dataclasses.replace(
+        result,
+        proven=proven,
+        predicted_lower_bound_s=min(lower, result.predicted_lower_bound_s),
+        search_time_s=time.perf_counter() - started,
+        options=_normalized(choice.options, result),
+    )
+    return KnobPlan(result, choice, space, tuple(outcomes))
+
+
+def _tagged(
+    progress_fn: Callable[[dict[str, Any]], None] | None, index: int
+) -> Callable[[dict[str, Any]], None] | None:
+    if progress_fn is None:
+        return None
+
+    def tagged(state: dict[str, Any]) -> None:
+        progress_fn({**state, "knobs": index})
+
+    return tagged
