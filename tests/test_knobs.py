@@ -220,3 +220,70 @@ def test_no_choice_fits_says_which_were_tried(model_files):
 def test_bad_spaces_are_refused(fields):
     with pytest.raises(ValueError):
         KnobSpace(**fields)
+
+
+def _cli(capsys, *argv):
+    from pipedejavu.cli.main import main
+
+    code = main(["plan", *(str(a) for a in argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
+    path = model_files["selective-wins"]
+    argv = ["--model", path, "--gpus", "L4:8", "--global-batch", 16, "--json"]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0, err
+    full = json.loads(out)
+    direct = plan_with_knobs(path, {"L4": 8}, 16)
+    assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
+    assert full["options"]["recompute"] == "selective"
+    assert len(full["knobs"]["choices"]) == 12 and full["proven_optimal"]
+    # today's space: one choice, the same as planning with those options
+    code, out, err = _cli(
+        capsys,
+        *argv,
+        "--recompute",
+        "none",
+        "--sequence-parallel",
+        "off",
+        "--distributed-optimizer",
+        "off",
+    )
+    assert code == 0, err
+    narrow = json.loads(out)
+    plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
+    assert narrow["iteration_time_s"] == plain.prediction.iteration_time_s
+    assert [c["how"] for c in narrow["knobs"]["choices"]] == ["searched"]
+    assert narrow["iteration_time_s"] > full["iteration_time_s"]
+    # a list of modes
+    code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
+    assert code == 0, err
+    assert {c["options"]["recompute"] for c in json.loads(out)["knobs"]["choices"]} == {
+        "selective",
+        "full",
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--recompute", "some"], "--recompute takes auto or distinct values"),
+        (["--recompute", "none,none"], "--recompute takes auto or distinct values"),
+        (["--sequence-parallel", "yes"], "invalid choice"),
+    ],
+)
+def test_cli_refuses_bad_knobs(capsys, model_files, extra, message):
+    argv = ["--model", model_files["selective-wins"], "--gpus", "L4:8"]
+    code, _, err = _cli(capsys, *argv, "--global-batch", 16, *extra)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_profiled_model_keeps_its_profiled_knobs(capsys):
+    argv = ["--model", "OPT-350", "--gpus", "GH-96:8", "--global-batch", 64]
+    code, out, err = _cli(capsys, *argv, "--json")
+    assert code == 0, err
+    assert json.loads(out)["cost_source"] == "profiles"
+    code, _, err = _cli(capsys, *argv, "--recompute", "auto")
+    assert code == 2 and "profiles measured one training" in err

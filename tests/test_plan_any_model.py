@@ -59,8 +59,10 @@ def test_plan_preset_is_priced_analytically(capsys, tmp_path, model, gpus, gbs):
     assert out["predicted_lower_bound_s"] <= out["iteration_time_s"] * (1 + 1e-12)
     spec = load_model_spec(model)
     assert out["seq_length"] == spec.seq_length
-    # Its time is the predictor's on the same source.
-    source = AnalyticalSource(spec, load_gpu_sheet(), TrainingOptions("bf16"))
+    # Its time is the predictor's on the same source (the knobs it chose).
+    options = TrainingOptions.from_json(out["options"])
+    assert out["knobs"]["choices"][0]["how"] == "searched"
+    source = AnalyticalSource(spec, load_gpu_sheet(), options)
     again = predict_plan(Plan3D.from_json(out), source)
     np.testing.assert_allclose(again.iteration_time_s, out["iteration_time_s"], 1e-9)
     # `predict` reads the plan as written (options and length recorded).
@@ -158,7 +160,8 @@ def test_hugging_face_config(capsys, tmp_path):
     assert out["cost_source"] == "analytical" and out["fits_memory"]
     assert out["stages"][-1]["layers"][1] == 8 + 2  # embedding, blocks, head
     code, text, _ = run(capsys, "plan", *argv)
-    assert code == 0 and "costs: analytical (bf16, recompute none, 2048" in text
+    assert code == 0 and "costs: analytical (bf16, recompute " in text
+    assert "2048 tokens per sample" in text and "knobs: recompute" in text
 
 
 def test_megatron_args_given_beside_best(capsys):

@@ -25,6 +25,7 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
+    TrainingOptions,
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
@@ -37,26 +38,100 @@ from pipedejavu.planning.any_model import (
     compare_megatron_run,
     predict_any_plan,
 )
+from pipedejavu.planning.knobs import KnobSpace
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
     "MAX_SEQ_LENGTH",
+    "add_knob_options",
     "add_training_options",
     "any_model_options",
     "choose_for_plan",
     "costs_line",
     "format_comparison",
+    "knob_space",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
+    "recompute_choices",
 ]
 
 #: Longest sequence ``--seq-len`` takes (16 Mi tokens).
 MAX_SEQ_LENGTH = 2**24
 
 
-def add_training_options(parser: Any) -> None:
-    """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``."""
+def recompute_choices(text: str) -> tuple[str, ...]:
+    """``plan --recompute``: ``auto`` (every mode) or a comma list of modes."""
+    values = tuple(v.strip() for v in text.split(","))
+    if values == ("auto",):
+        return RECOMPUTE_GRANULARITIES
+    bad = [v for v in values if v not in RECOMPUTE_GRANULARITIES]
+    if bad or not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"--recompute takes auto or distinct values of "
+            f"{', '.join(RECOMPUTE_GRANULARITIES)} separated by commas, got {text!r}"
+        )
+    return values
+
+
+_ON_OFF = {"auto": (True, False), "on": (True,), "off": (False,)}
+
+
+def add_knob_options(parser: Any) -> None:
+    """``plan``'s knobs: ``--recompute`` (several modes), ``--sequence-parallel``
+    and ``--distributed-optimizer`` (:mod:`pipedejavu.planning.knobs`)."""
+    parser.add_argument(
+        "--recompute",
+        type=recompute_choices,
+        metavar="auto|MODE[,MODE]",
+        help="activation recomputation to search, Megatron-LM's "
+        "--recompute-granularity: auto (none, selective and full) or a comma "
+        "list (default: auto for a model priced by the analytical model; none "
+        "for a Sailor model priced by its profiles)",
+    )
+    for flag, what in (
+        ("--sequence-parallel", "Megatron-LM's --sequence-parallel (TP > 1)"),
+        (
+            "--distributed-optimizer",
+            "Megatron-LM's --use-distributed-optimizer (optimizer state sharded "
+            "over DP)",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            choices=tuple(_ON_OFF),
+            help=f"{what}: auto searches both (default: auto for a model priced "
+            "by the analytical model; off for a Sailor model priced by its "
+            "profiles)",
+        )
+
+
+def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace, bool]:
+    """``(space, asked)``: the knobs ``plan`` searches, and whether a knob
+    flag was given. A knob not given: every value for a model priced by the
+    analytical model alone (``choice``), the profiled value for a model
+    priced by its profiles (where they cover its GPUs)."""
+    asked = any(
+        getattr(args, name, None) is not None
+        for name in ("recompute", "sequence_parallel", "distributed_optimizer")
+    )
+    auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    space = KnobSpace(
+        tuple(args.recompute) if args.recompute else auto.recompute,
+        _ON_OFF[args.sequence_parallel]
+        if args.sequence_parallel
+        else auto.sequence_parallel,
+        _ON_OFF[args.distributed_optimizer]
+        if args.distributed_optimizer
+        else auto.distributed_optimizer,
+    )
+    return space, asked
+
+
+def add_training_options(parser: Any, *, knobs: bool = False) -> None:
+    """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``
+    (with ``knobs``: :func:`add_knob_options`' knobs instead of one
+    ``--recompute``)."""
     parser.add_argument(
         "--precision",
         choices=TRAINING_PRECISIONS,
@@ -64,12 +139,15 @@ def add_training_options(parser: Any) -> None:
         "OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30; bf16 for any other); other "
         "than fp32, a Sailor model is priced by the analytical model",
     )
-    parser.add_argument(
-        "--recompute",
-        choices=RECOMPUTE_GRANULARITIES,
-        help="activation recomputation, Megatron-LM's --recompute-granularity "
-        "(default: none)",
-    )
+    if knobs:
+        add_knob_options(parser)
+    else:
+        parser.add_argument(
+            "--recompute",
+            choices=RECOMPUTE_GRANULARITIES,
+            help="activation recomputation, Megatron-LM's --recompute-granularity "
+            "(default: none)",
+        )
     parser.add_argument(
         "--seq-len",
         type=int_in("--seq-len", 1, MAX_SEQ_LENGTH),
@@ -87,26 +165,40 @@ def add_training_options(parser: Any) -> None:
 
 def any_model_options(args: argparse.Namespace) -> list[str]:
     """The any-model options given (for messages refusing them)."""
-    names = ("precision", "recompute", "seq_len", "gpu_sheet")
+    names = (
+        "precision",
+        "recompute",
+        "sequence_parallel",
+        "distributed_optimizer",
+        "seq_len",
+        "gpu_sheet",
+    )
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
 
 
-def costs_line(choice: CostChoice, cost_source: str) -> str:
-    """What priced a plan, in one line of the text report."""
-    options = choice.options
+def costs_line(
+    choice: CostChoice, cost_source: str, options: TrainingOptions | None = None
+) -> str:
+    """What priced a plan, in one line of the text report (``options``: the
+    plan's, default the choice's)."""
+    options = options or choice.options
     line = f"costs: {cost_source} ({options.precision}, recompute {options.recompute}"
+    if options.sequence_parallel:
+        line += ", sequence parallel"
+    if options.distributed_optimizer:
+        line += ", distributed optimizer"
     if choice.spec is not None:
         line += f", {choice.spec.seq_length} tokens per sample"
     return line + ")"
 
 
 def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoice:
-    """The cost source of ``plan --model``."""
+    """The cost source of ``plan --model`` (before its knobs: a model of the
+    profiles given no knob flag is priced by its profiles)."""
     return choose_cost_source(
         args.model,
         pool,
         precision=args.precision,
-        recompute=args.recompute,
         seq_length=args.seq_len,
         gpu_sheet=args.gpu_sheet,
         profiles=args.profiles,

@@ -17,6 +17,7 @@ from pipedejavu.cli.any_model import (
     choose_for_plan,
     costs_line,
     format_comparison,
+    knob_space,
     plan_megatron_args,
     predict_plan_file,
     read_launch,
@@ -25,11 +26,17 @@ from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
     run_batch_modes,
 )
-from pipedejavu.cli.megatron_report import GB, format_prediction, format_training_plan
+from pipedejavu.cli.megatron_report import (
+    GB,
+    format_knobs,
+    format_prediction,
+    format_training_plan,
+)
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import EXPORTS, export_plan
+from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
     check_global_batch,
@@ -118,7 +125,7 @@ def add_parsers(commands: Any) -> None:
         "or of the GPU sheet; repeat for a pool of several types, each type "
         f"once; at most {MAX_GPUS} GPUs in all)",
     )
-    add_training_options(plan)
+    add_training_options(plan, knobs=True)
     plan.add_argument(
         "--global-batch",
         type=int_in("--global-batch", 1, MAX_GLOBAL_BATCH),
@@ -297,20 +304,40 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    result = plan_training(
-        choice.model,
-        choice.pool(pool),
-        args.global_batch,
-        profiles=choice.data,
-        method=args.method,
-        uniform_tp=not args.per_stage_tp,
-        allow_fewer_gpus=not args.all_gpus,
-        mixed_types=args.mixed_types,
-        progress_fn=_PlanProgress(),
-    )
-    exported = _export(args, result, choice.data, choice.options)
+    space, asked = knob_space(args, choice)
+    knobs = None
+    if choice.analytical or asked:
+        knobs = plan_with_knobs(
+            args.model,
+            pool,
+            args.global_batch,
+            space=space,
+            precision=args.precision,
+            seq_length=args.seq_len,
+            gpu_sheet=args.gpu_sheet,
+            profiles=args.profiles,
+            method=args.method,
+            uniform_tp=not args.per_stage_tp,
+            allow_fewer_gpus=not args.all_gpus,
+            mixed_types=args.mixed_types,
+            progress_fn=_PlanProgress(),
+        )
+        result, choice = knobs.result, knobs.choice
+    else:
+        result = plan_training(
+            choice.model,
+            choice.pool(pool),
+            args.global_batch,
+            profiles=choice.data,
+            method=args.method,
+            uniform_tp=not args.per_stage_tp,
+            allow_fewer_gpus=not args.all_gpus,
+            mixed_types=args.mixed_types,
+            progress_fn=_PlanProgress(),
+        )
+    exported = _export(args, result, choice.data, result.options)
     if args.json:
-        out = result.to_json()
+        out = result.to_json() if knobs is None else knobs.to_json()
         if choice.spec is not None:
             out["seq_length"] = choice.spec.seq_length
         if choice.analytical:
@@ -320,8 +347,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(format_training_plan(result))
+        if knobs is not None:
+            print(format_knobs(knobs))
         if choice.analytical:
-            print(costs_line(choice, result.cost_source))
+            print(costs_line(choice, result.cost_source, result.options))
             for note in choice.notes:
                 print(f"note: {note}")
         if exported is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "format_knobs",
     "format_prediction",
     "format_training_plan",
     "objective_note",
@@ -112,3 +113,45 @@ def proof_line(result) -> str:
             f"of the best plan (lower bound {bound:.4f} s)"
         )
     return "predicted time not certified"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def format_knobs(knobs) -> str:
+    """How each choice of knobs of a :class:`~pipedejavu.planning.knobs.KnobPlan`
+    was settled, a line each."""
+    options = knobs.result.options
+    lines = [
+        f"knobs: recompute {options.recompute}, sequence parallel "
+        f"{_on(options.sequence_parallel)}, distributed optimizer "
+        f"{_on(options.distributed_optimizer)} (searched: "
+        f"{knobs.space.describe()})"
+    ]
+    dominated = [o for o in knobs.outcomes if o.how == "dominated"]
+    for outcome in knobs.outcomes:
+        if outcome.how == "dominated":
+            continue
+        o = outcome.options
+        name = (
+            f"  recompute {o.recompute}, SP {_on(o.sequence_parallel)}, "
+            f"dist-opt {_on(o.distributed_optimizer)}: "
+        )
+        if outcome.how == "searched":
+            text = f"searched, best {outcome.best_s:.4f} s"
+        elif outcome.how == "infeasible":
+            text = "no plan fits"
+        elif outcome.best_s == outcome.best_s:  # a plan below the cutoff
+            text = f"proof found {outcome.best_s:.4f} s (< {outcome.cutoff_s:.4f} s)"
+        else:
+            text = f"proof: no plan below {outcome.cutoff_s:.4f} s"
+        if not outcome.proven:
+            text += " (not proven: budget spent)"
+        lines.append(name + text + f" [{outcome.time_s:.1f} s]")
+    if dominated:
+        lines.append(
+            f"  {len(dominated)} choices without the distributed optimizer: never "
+            "faster than with it (it only lowers memory and the optimizer step)"
+        )
+    return "\n".join(lines)

@@ -97,6 +97,12 @@ class CostChoice:
     def analytical(self) -> bool:
         return isinstance(self.data, AnalyticalSource)
 
+    @property
+    def measured(self) -> bool:
+        """Some layers are priced by profiles (alone, or beside the
+        analytical model where they do not cover a GPU type)."""
+        return not self.analytical or self.data.profiles is not None
+
     def pool(self, gpus: Mapping[str, int]) -> dict[str, int]:
         """``gpus`` with its type names as ``data`` knows them."""
         out: dict[str, int] = {}

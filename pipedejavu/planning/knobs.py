@@ -255,6 +255,7 @@ def plan_with_knobs(
     seq_length: int | None = None,
     gpu_sheet: str | os.PathLike | None = None,
     profiles: str | os.PathLike | None = None,
+    method: str = "dp",
     uniform_tp: bool = True,
     allow_fewer_gpus: bool = True,
     mixed_types: bool = False,
@@ -273,6 +274,9 @@ def plan_with_knobs(
             :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         precision: replaces the precision of ``options``.
         seq_length, gpu_sheet, profiles: as for ``choose_cost_source``.
+        method: how the first feasible choice is searched (``dp`` or
+            ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
+            the later ones are settled by the proof either way).
         uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: the plan space,
             as for :func:`~pipedejavu.planning.training.plan_training`.
         progress_fn: called as the searches go (each dict gets ``"knobs"``:
@@ -300,6 +304,7 @@ def plan_with_knobs(
             uniform_tp=uniform_tp,
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=check_mbs_values(mbs_values),
+            method=method,
             mixed_types=mixed_types,
         )
     except ValueError as error:
@@ -311,6 +316,7 @@ def plan_with_knobs(
             choice.pool(pool),
             global_batch,
             profiles=choice.data,
+            method=method,
             uniform_tp=uniform_tp,
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=mbs_values,
@@ -323,9 +329,8 @@ def plan_with_knobs(
     best_s = math.inf
     best_searched = False
     lower = math.inf  # least certified lower bound over the choices settled
-    for index, knobs in enumerate(space.choices(first.options)):
-        tick = time.perf_counter()
-        choice = choose_cost_source(
+    choices = [
+        choose_cost_source(
             model,
             pool,
             options=knobs,
@@ -333,6 +338,20 @@ def plan_with_knobs(
             gpu_sheet=gpu_sheet,
             profiles=profiles,
         )
+        for knobs in space.choices(first.options)
+    ]
+    if len(choices) > 1 and any(c.measured for c in choices):
+        raise ProblemError(
+            f"{first.model}'s profiles measured one training ("
+            f"{first.options.precision}, recompute {first.options.recompute}, "
+            "no sequence parallelism, no distributed optimizer), and plans "
+            "priced by them are not compared with plans priced by the analytical "
+            "model: give one value of each knob (or another --precision, which "
+            "prices every choice analytically)"
+        )
+    for index, choice in enumerate(choices):
+        knobs = choice.options
+        tick = time.perf_counter()
         if best is None:
             try:
                 result = search(choice, index)
