@@ -256,7 +256,12 @@ class _PlanProgress:
         if now - self._last < self._every:
             return
         self._last = now
-        if state.get("phase") == "proof":
+        if state.get("phase") == "interleaved":
+            line = (
+                f"interleaved: {state['predicted']} plans predicted, best "
+                f"{state['best']:.4f} s"
+            )
+        elif state.get("phase") == "proof":
             line = (
                 f"proof: {state['predicted']} plans predicted, best "
                 f"{state['best']:.4f} s, lower bound {state['bound']:.4f} s"

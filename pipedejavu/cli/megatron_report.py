@@ -63,18 +63,31 @@ def format_training_plan(result) -> str:
     ]
     if sum(used.values()) < sum(available.values()):
         lines.append(f"  uses fewer GPUs than available: {used}")
+    chunks = result.options.virtual_stages
+    if chunks > 1:
+        objective = [
+            f"  Megatron-LM's interleaved 1F1B, {chunks} model chunks per stage "
+            "(the stages' layers are each rank's chunks together)",
+            "planning objective: n/a (the closed form is the non-interleaved "
+            "pipeline's); interleaved plans searched by the branch and bound on "
+            "the predictor",
+        ]
+    else:
+        objective = [
+            f"planning objective (the closed-form pipeline time the search "
+            f"minimizes) of this plan: {seconds_or_na(result.objective_s)}",
+            f"  least planning objective over the search space: "
+            f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
+            f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
+            f"{result.configurations} configurations solved)",
+            *objective_note(result),
+        ]
     lines += [
         f"predicted iteration time: {prediction.iteration_time_s:.4f} s",
-        f"planning objective (the closed-form pipeline time the search "
-        f"minimizes) of this plan: {seconds_or_na(result.objective_s)}",
-        f"  least planning objective over the search space: "
-        f"{result.optimum_s:.4f} s, lower bound {result.lower_bound_s:.4f} s, "
-        f"gap {100 * result.gap:.2f}% ({result.method}; {result.solved} of "
-        f"{result.configurations} configurations solved)",
-        *objective_note(result),
+        *objective,
         proof_line(result),
         f"search time: {result.search_time_s:.3f} s",
-        format_prediction(plan, prediction).split("\n", 1)[1],
+        format_prediction(plan, prediction, chunks).split("\n", 1)[1],
     ]
     return "\n".join(lines)
 
@@ -123,8 +136,13 @@ def format_knobs(knobs) -> str:
     """How each choice of knobs of a :class:`~pipedejavu.planning.knobs.KnobPlan`
     was settled, a line each."""
     options = knobs.result.options
+    schedule = (
+        f"interleaved 1F1B ({options.virtual_stages} chunks)"
+        if options.virtual_stages > 1
+        else "1F1B"
+    )
     lines = [
-        f"knobs: recompute {options.recompute}, sequence parallel "
+        f"knobs: {schedule}, recompute {options.recompute}, sequence parallel "
         f"{_on(options.sequence_parallel)}, distributed optimizer "
         f"{_on(options.distributed_optimizer)} (searched: "
         f"{knobs.space.describe()})"
@@ -134,11 +152,18 @@ def format_knobs(knobs) -> str:
         if outcome.how == "dominated":
             continue
         o = outcome.options
+        schedule = "interleaved" if outcome.how == "interleaved" else "1F1B"
         name = (
-            f"  recompute {o.recompute}, SP {_on(o.sequence_parallel)}, "
-            f"dist-opt {_on(o.distributed_optimizer)}: "
+            f"  {schedule}, recompute {o.recompute}, SP "
+            f"{_on(o.sequence_parallel)}, dist-opt {_on(o.distributed_optimizer)}: "
         )
-        if outcome.how == "searched":
+        if outcome.how == "interleaved":
+            text = (
+                f"best {outcome.best_s:.4f} s ({o.virtual_stages} chunks)"
+                if outcome.best_s == outcome.best_s
+                else f"no plan below {outcome.cutoff_s:.4f} s"
+            )
+        elif outcome.how == "searched":
             text = f"searched, best {outcome.best_s:.4f} s"
         elif outcome.how == "infeasible":
             text = "no plan fits"

@@ -63,14 +63,21 @@ from pipedejavu.planning.training import (
     check_global_batch,
     check_mbs_values,
     parse_gpu_pool,
+    plan_cost_source,
     plan_training,
 )
 from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.interleaved import (
+    InterleavedResult,
+    search_interleaved,
+)
 from pipedejavu.search.megatron.planner import MegatronSearchConfig
 
-__all__ = ["KnobOutcome", "KnobPlan", "KnobSpace", "plan_with_knobs"]
+__all__ = ["SCHEDULES", "KnobOutcome", "KnobPlan", "KnobSpace", "plan_with_knobs"]
 
 _ON_OFF = (True, False)
+#: The pipeline schedules searched.
+SCHEDULES = ("1f1b", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +90,27 @@ class KnobSpace:
             ``--recompute-method uniform --recompute-num-layers 1``).
         sequence_parallel: ``--sequence-parallel`` (with TP > 1).
         distributed_optimizer: ``--use-distributed-optimizer``.
+        schedules: ``1f1b`` (DeepSpeed's and Megatron-LM's non-interleaved
+            1F1B, any stages) and ``interleaved`` (Megatron-LM's interleaved
+            1F1B, ``V >= 2`` equal chunks per rank:
+            :mod:`pipedejavu.search.megatron.interleaved`).
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
     sequence_parallel: tuple[bool, ...] = _ON_OFF
     distributed_optimizer: tuple[bool, ...] = _ON_OFF
+    schedules: tuple[str, ...] = SCHEDULES
 
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.schedules, tuple)
+            or not self.schedules
+            or any(v not in SCHEDULES for v in self.schedules)
+            or len(set(self.schedules)) != len(self.schedules)
+        ):
+            raise ValueError(
+                f"schedules: distinct values from {SCHEDULES}; got {self.schedules}"
+            )
         for name, allowed in (
             ("recompute", RECOMPUTE_GRANULARITIES),
             ("sequence_parallel", _ON_OFF),
@@ -110,11 +131,13 @@ class KnobSpace:
 
     @classmethod
     def fixed(cls, options: TrainingOptions) -> KnobSpace:
-        """The one choice ``options`` makes."""
+        """The one choice ``options`` makes (its schedule: 1F1B, or
+        interleaved when ``options.virtual_stages > 1``)."""
         return cls(
             (options.recompute,),
             (options.sequence_parallel,),
             (options.distributed_optimizer,),
+            ("interleaved",) if options.virtual_stages > 1 else ("1f1b",),
         )
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
@@ -159,6 +182,7 @@ class KnobSpace:
             return "|".join("on" if v else "off" for v in values)
 
         return (
+            f"schedule {'|'.join(self.schedules)}, "
             f"recompute {'|'.join(self.recompute)}, sequence parallel "
             f"{flags(self.sequence_parallel)}, distributed optimizer "
             f"{flags(self.distributed_optimizer)}"
@@ -172,8 +196,10 @@ class KnobOutcome:
     Attributes:
         options: the choice.
         how: ``searched`` (full search and proof), ``proof`` (the proof's
-            branch and bound with the cutoff), ``infeasible`` (no plan fits) or
-            ``dominated`` (the distributed optimizer's rule, module docstring).
+            branch and bound with the cutoff), ``infeasible`` (no plan fits),
+            ``dominated`` (the distributed optimizer's rule, module docstring)
+            or ``interleaved`` (the interleaved schedule's branch and bound,
+            with the cutoff).
         best_s: the best predicted time found in this choice (``nan``: none
             found, or none below the cutoff).
         cutoff_s: the best predicted time before this choice (``inf`` first).
@@ -228,6 +254,7 @@ class KnobPlan:
                 "recompute": list(self.space.recompute),
                 "sequence_parallel": list(self.space.sequence_parallel),
                 "distributed_optimizer": list(self.space.distributed_optimizer),
+                "schedules": list(self.space.schedules),
             },
             "choices": [o.to_json() for o in self.outcomes],
         }
@@ -349,7 +376,8 @@ def plan_with_knobs(
             "model: give one value of each knob (or another --precision, which "
             "prices every choice analytically)"
         )
-    for index, choice in enumerate(choices):
+    one_f_one_b = "1f1b" in space.schedules
+    for index, choice in enumerate(choices if one_f_one_b else ()):
         knobs = choice.options
         tick = time.perf_counter()
         if best is None:
@@ -426,6 +454,42 @@ def plan_with_knobs(
                 time.perf_counter() - tick,
             )
         )
+    if "interleaved" in space.schedules:
+        for index, choice in enumerate(choices, start=len(outcomes)):
+            tick = time.perf_counter()
+            found = search_interleaved(
+                choice.data,
+                choice.model,
+                choice.pool(pool),
+                global_batch,
+                FITTED_CONSTANTS,
+                cutoff_s=best_s,
+                allow_fewer_gpus=allow_fewer_gpus,
+                mbs_values=config.mbs_values,
+                max_plans=config.proof_budget,
+                progress_fn=_tagged(progress_fn, index),
+            )
+            lower = min(lower, found.lower_bound_s)
+            cutoff = best_s
+            options = choice.options
+            if found.plan is not None:
+                options = dataclasses.replace(options, virtual_stages=found.chunks)
+                best_s = found.prediction.iteration_time_s
+                best = (
+                    _interleaved_plan(found, choice, options, pool, method),
+                    choice,
+                )
+                best_searched = True  # no planning objective to re-search
+            outcomes.append(
+                KnobOutcome(
+                    options,
+                    "interleaved",
+                    math.nan if found.plan is None else best_s,
+                    cutoff,
+                    found.proven,
+                    time.perf_counter() - tick,
+                )
+            )
     outcomes += [
         KnobOutcome(knobs, "dominated", math.nan, math.nan, True, 0.0)
         for knobs in space.dominated(first.options)
@@ -446,9 +510,40 @@ def plan_with_knobs(
         proven=proven,
         predicted_lower_bound_s=min(lower, result.predicted_lower_bound_s),
         search_time_s=time.perf_counter() - started,
-        options=_normalized(choice.options, result),
+        options=_normalized(result.options, result),
     )
     return KnobPlan(result, choice, space, tuple(outcomes))
+
+
+def _interleaved_plan(
+    found: InterleavedResult,
+    choice: CostChoice,
+    options: TrainingOptions,
+    pool: Mapping[str, int],
+    method: str,
+) -> TrainingPlan:
+    """A :class:`TrainingPlan` for an interleaved plan: no planning objective
+    (the closed form is the non-interleaved pipeline's), its proof the
+    interleaved branch and bound's."""
+    assert found.plan is not None and found.prediction is not None
+    return TrainingPlan(
+        plan=found.plan,
+        prediction=found.prediction,
+        objective_s=math.nan,
+        optimum_s=math.nan,
+        lower_bound_s=math.nan,
+        gap=math.nan,
+        gpus_available=dict(pool),
+        search_time_s=found.time_s,
+        method=method,
+        configurations=found.candidates,
+        solved=found.predicted,
+        predicted_lower_bound_s=found.lower_bound_s,
+        proven=found.proven,
+        mixed_types=False,
+        cost_source=plan_cost_source(found.plan, choice.data),
+        options=options,
+    )
 
 
 def _tagged(

@@ -142,7 +142,9 @@ class TrainingPlan:
             ``prediction.iteration_time_s`` is the plan's time.
         objective_s: the plan's planning objective (closed-form pipeline;
             ``nan`` for a plan mixing GPU types).
-        optimum_s: the least planning objective over the search space.
+        optimum_s: the least planning objective over the search space
+            (``nan`` for a plan of Megatron-LM's interleaved schedule, which
+            the closed form does not describe).
         lower_bound_s: certified lower bound on it (equal for ``method="dp"``).
         gap: ``optimum_s / lower_bound_s - 1``.
         gpus_available: the pool.
@@ -206,9 +208,9 @@ class TrainingPlan:
             memory_per_stage_bytes=predicted["memory_per_stage_bytes"],
             breakdown=predicted["breakdown"],
             objective_s=_finite_or_none(self.objective_s),
-            optimum_s=self.optimum_s,
-            lower_bound_s=self.lower_bound_s,
-            gap=self.gap,
+            optimum_s=_finite_or_none(self.optimum_s),
+            lower_bound_s=_finite_or_none(self.lower_bound_s),
+            gap=_finite_or_none(self.gap),
             predicted_lower_bound_s=_finite_or_none(self.predicted_lower_bound_s),
             predicted_gap=_finite_or_none(self.predicted_gap),
             proven_optimal=self.proven,

@@ -1,0 +1,246 @@
+"""Search plans for Megatron-LM's interleaved 1F1B schedule, proven under the
+predictor.
+
+Megatron-LM's interleaved schedule (``--num-layers-per-virtual-pipeline-stage``)
+splits the transformer blocks into ``P V`` equal chunks, ``V >= 2`` per
+pipeline rank (:mod:`pipedejavu.costmodel.megatron.interleaving`), and needs the
+micro-batch count to be a multiple of ``P``. Its plans are therefore few: per
+GPU type, mbs, TP degree, ``P`` dividing the blocks, ``V`` dividing the blocks
+per rank, and ``dp`` (one TP degree for every stage; the embedding on rank 0 and
+the final norm with the LM head on rank ``P - 1``, as Megatron places them).
+
+**Bound.** Whatever the chunks' order, a rank runs every forward and backward
+of its layers for each of the ``B`` micro-batches, one after another, so the
+pipeline phase lasts at least ``B`` times the busiest rank's layer times (the
+predictor's own per-layer times; instruction overheads, transfers, the
+optimizer step and the all-reduces only add). The busiest rank works at least
+the mean over ranks, and at least rank 0's embedding (rank ``P - 1``'s head)
+plus its blocks at their least: a bound that does not depend on ``V``.
+Candidates are predicted in increasing order of it; the search stops when the
+bound reaches the best predicted time (or a ``cutoff_s`` reached elsewhere),
+so the best plan found is the predictor's optimum over these plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
+
+__all__ = ["InterleavedResult", "interleaved_candidates", "search_interleaved"]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    """An interleaved plan, least bound first."""
+
+    bound: float
+    gpu: str = dataclasses.field(compare=False)
+    mbs: int = dataclasses.field(compare=False)
+    tp: int = dataclasses.field(compare=False)
+    ranks: int = dataclasses.field(compare=False)
+    dp: int = dataclasses.field(compare=False)
+    chunks: int = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedResult:
+    """What :func:`search_interleaved` established.
+
+    Attributes:
+        plan, prediction, chunks: the best plan found below the cutoff, its
+            prediction and its ``V`` (``None`` each: none found).
+        lower_bound_s: no interleaved plan that fits is faster than this
+            (``min(best, cutoff)`` when ``proven``).
+        proven: every candidate settled.
+        candidates, predicted: plans in the space, predictor calls.
+        time_s: wall-clock seconds.
+    """
+
+    plan: Plan3D | None
+    prediction: Prediction | None
+    chunks: int | None
+    lower_bound_s: float
+    proven: bool
+    candidates: int
+    predicted: int
+    time_s: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def interleaved_candidates(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    *,
+    allow_fewer_gpus: bool = True,
+    mbs_values: Sequence[int] | None = None,
+    max_chunks: int | None = None,
+) -> list[Candidate]:
+    """Every interleaved plan of the space (module docstring) with its bound."""
+    info = data.model_info(model)
+    blocks = info.num_layers - 2
+    out: list[Candidate] = []
+    for gpu, count in gpus.items():
+        table = data.profile(model, gpu)
+        for mbs in sorted({m for m, _ in table}):
+            if global_batch % mbs or (mbs_values is not None and mbs not in mbs_values):
+                continue
+            samples = global_batch // mbs
+            for tp in usable_degrees(data, model, gpu, mbs, count):
+                times = data.layer_times(
+                    model, gpu, mbs, tp, smooth=constants.smooth_profiles
+                )
+                work = times.forward + times.backward
+                least = float(work[1 : blocks + 1].min())
+                total = float(work.sum())
+                first, last = float(work[0]), float(work[-1])
+                for ranks in _divisors(blocks):
+                    if ranks < 2 or ranks * tp > count:
+                        continue
+                    per_rank = blocks // ranks
+                    chunk_counts = [
+                        v
+                        for v in _divisors(per_rank)
+                        if v >= 2 and (max_chunks is None or v <= max_chunks)
+                    ]
+                    if not chunk_counts:
+                        continue
+                    # the busiest rank works at least the mean, and rank 0
+                    # (P - 1) runs the embedding (head) beside its blocks
+                    rank_s = max(
+                        total / ranks,
+                        first + per_rank * least,
+                        last + per_rank * least,
+                    )
+                    most = count // (ranks * tp)
+                    for dp in range(1, most + 1):
+                        if samples % dp or not (allow_fewer_gpus or dp == most):
+                            continue
+                        steps = samples // dp
+                        if steps % ranks:
+                            continue
+                        for v in chunk_counts:
+                            out.append(
+                                Candidate(steps * rank_s, gpu, mbs, tp, ranks, dp, v)
+                            )
+    return out
+
+
+def candidate_plan(
+    data: SailorData, model: str, global_batch: int, c: Candidate
+) -> Plan3D:
+    """The candidate as a plan: ``P`` stages of equally many blocks."""
+    blocks = data.model_info(model).num_layers - 2
+    per_rank = blocks // c.ranks
+    bounds = [0] + [1 + per_rank * r for r in range(1, c.ranks)] + [blocks + 2]
+    return plan_from_stages(
+        [(bounds[r], bounds[r + 1], c.tp) for r in range(c.ranks)],
+        gpu_type=c.gpu,
+        dp=c.dp,
+        mbs=c.mbs,
+        gbs=global_batch,
+        model=model,
+        gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
+        zone=DEFAULT_ZONE,
+    )
+
+
+def search_interleaved(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    *,
+    cutoff_s: float = math.inf,
+    allow_fewer_gpus: bool = True,
+    mbs_values: Sequence[int] | None = None,
+    max_chunks: int | None = None,
+    max_plans: int = 3000,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> InterleavedResult:
+    """The fastest interleaved plan below ``cutoff_s`` (module docstring).
+
+    Args:
+        data, model, gpus, global_batch, constants: as for the 1F1B search.
+        cutoff_s: a predicted time reached elsewhere; only faster plans count.
+        allow_fewer_gpus: plans may leave GPUs idle.
+        mbs_values: micro-batch sizes to consider (``None``: all offered).
+        max_chunks: the most chunks per rank (``None``: any that divide).
+        max_plans: most predictor calls; beyond, the least bound left is a
+            certified lower bound instead of a proof.
+        progress_fn: called about every second with ``{"phase":
+            "interleaved", "predicted", "best", "bound"}``.
+    """
+    started = time.perf_counter()
+    items = interleaved_candidates(
+        data,
+        model,
+        gpus,
+        global_batch,
+        constants,
+        allow_fewer_gpus=allow_fewer_gpus,
+        mbs_values=mbs_values,
+        max_chunks=max_chunks,
+    )
+    heapq.heapify(items)
+    total = len(items)
+    best = cutoff_s
+    found: tuple[Plan3D, Prediction, int] | None = None
+    predicted = 0
+    lower = math.inf
+    reported = time.perf_counter()
+    while items:
+        item = heapq.heappop(items)
+        if item.bound >= best:
+            break
+        if predicted >= max_plans:
+            lower = item.bound
+            break
+        plan = candidate_plan(data, model, global_batch, item)
+        predicted += 1
+        try:
+            prediction = predict_plan(
+                plan, data, constants=constants, virtual_stages=item.chunks
+            )
+        except ProblemError:  # a link the network tables do not price
+            continue
+        if prediction.fits_memory and prediction.iteration_time_s < best:
+            best = prediction.iteration_time_s
+            found = (plan, prediction, item.chunks)
+        if progress_fn is not None and time.perf_counter() - reported > 1.0:
+            reported = time.perf_counter()
+            progress_fn(
+                {
+                    "phase": "interleaved",
+                    "predicted": predicted,
+                    "best": best,
+                    "bound": item.bound,
+                }
+            )
+    return InterleavedResult(
+        plan=None if found is None else found[0],
+        prediction=None if found is None else found[1],
+        chunks=None if found is None else found[2],
+        lower_bound_s=min(lower, best),
+        proven=not math.isfinite(lower),
+        candidates=total,
+        predicted=predicted,
+        time_s=time.perf_counter() - started,
+    )
