@@ -627,7 +627,69 @@ def t_check_exports() -> str:
     )
 
 
+def t_gpu_blocks() -> str:
+    data = load("gpu_blocks.json")
+    rows = []
+    groups = [
+        (
+            "bf16, flash attention",
+            lambda c: c["precision"] == "bf16" and c["flash_attention"],
+        ),
+        ("of them, blocks measured at 1 ms or more", None),
+        (
+            "bf16, unfused attention",
+            lambda c: c["precision"] == "bf16" and not c["flash_attention"],
+        ),
+        ("fp32 (TF32 off), unfused", lambda c: c["precision"] == "fp32"),
+        ("Llama-style (GQA, SwiGLU, RMSNorm)", lambda c: c["style"] == "llama"),
+        ("all", lambda c: True),
+    ]
+    ok = [r for r in data["rows"] if r["status"] == "ok"]
+
+    def measured_ms(r):
+        m = r["measured"]
+        return m["forward_ms"]["median"] + m["backward_ms"]["median"]
+
+    for name, keep in groups:
+        if keep is None:
+            chosen = [
+                r
+                for r in ok
+                if r["config"]["precision"] == "bf16"
+                and r["config"]["flash_attention"]
+                and measured_ms(r) >= 1.0
+            ]
+        else:
+            chosen = [r for r in ok if keep(r["config"])]
+        errors = [r["error"]["forward_backward"] for r in chosen]
+        rows.append(
+            [
+                name,
+                len(chosen),
+                pct(statistics.median(abs(e) for e in errors)),
+                pct(max(abs(e) for e in errors)),
+                f"{100 * statistics.median(errors):+.1f}%",
+            ]
+        )
+    head = [
+        "blocks timed on the GPU",
+        "configs",
+        "fwd+bwd abs. error, median",
+        "max",
+        "signed median",
+    ]
+    device = data["environment"]["device_name"]
+    entry = data["gpu_sheet_entry"]["name"]
+    return (
+        table(head, rows)
+        + f"\n\nDevice: {device} (GPU-sheet entry `{entry}`), torch "
+        + f"{data['environment']['torch']}; error = predicted / measured - 1."
+        + source("gpu_blocks.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "gpu_blocks": t_gpu_blocks,
     "layout": t_layout,
     "published_runs": t_published_runs,
     "opt350_no_profile": t_opt350_no_profile,
