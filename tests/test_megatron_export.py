@@ -512,3 +512,40 @@ def test_training_options_travel_with_the_export():
     assert export_plan(plan, "megatron", options=TrainingOptions()) == export_plan(
         plan, "megatron"
     )
+
+
+def test_interleaved_schedule_exports_megatrons_virtual_stages():
+    """An interleaved plan exports --num-layers-per-virtual-pipeline-stage,
+    which our Megatron argument reader reads back as the same chunks; a plan
+    Megatron cannot interleave so is refused."""
+    from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.io.export_rules import ExportRefused
+    from pipedejavu.io.exports import export_plan
+    from pipedejavu.io.megatron_args import spec_from_megatron_args
+
+    def plan_of(bounds):
+        stages = tuple(
+            Stage3D(a, b, (Replica("H100-SXM", 2),))
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        )
+        return Plan3D(stages, mbs=1, gbs=64)
+
+    even = plan_of([0, 17, 34])  # 16 + 16 transformer layers
+    model = "--hidden-size 1024 --num-attention-heads 8 --seq-length 128 "
+    model += "--max-position-embeddings 128 --vocab-size 1000 "
+    for chunks, per_chunk in ((2, 8), (4, 4), (16, 1)):
+        options = TrainingOptions("bf16", virtual_stages=chunks)
+        text = export_plan(even, "megatron", options=options).splitlines()[-1]
+        assert f"--num-layers-per-virtual-pipeline-stage {per_chunk}" in text
+        run = spec_from_megatron_args(model + text)
+        assert run.virtual_chunks == chunks and run.pp == 2
+    with pytest.raises(ExportRefused, match="split into 3 chunks"):
+        export_plan(even, "megatron", options=TrainingOptions(virtual_stages=3))
+    with pytest.raises(ExportRefused, match="equally many"):
+        export_plan(
+            plan_of([0, 15, 34]), "megatron", options=TrainingOptions(virtual_stages=2)
+        )
+    for target in ("deepspeed", "megatron-deepspeed"):
+        with pytest.raises(ExportRefused, match="interleaved"):
+            export_plan(even, target, options=TrainingOptions(virtual_stages=2))

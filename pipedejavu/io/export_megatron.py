@@ -17,6 +17,11 @@ Checked against Megatron Core 0.20 (``megatron/training/arguments.py``:
   ``t*n`` repeats). The layout holds ``|``, so the command line is quoted for
   a POSIX shell (:func:`shlex.join`).
 * One TP degree for every stage (:func:`~pipedejavu.io.export_rules.uniform_tp`).
+* Megatron-LM's interleaved schedule with ``V`` chunks per rank:
+  ``--num-layers-per-virtual-pipeline-stage`` (transformer layers per chunk);
+  Megatron needs an even split (no first/last-stage counts) whose layers per
+  rank divide by it (``validate_args``), and PP > 1 with its default
+  ``--overlap-p2p-communication`` (:func:`interleaving_flags`).
 """
 
 from __future__ import annotations
@@ -25,13 +30,20 @@ import shlex
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.io.export_rules import (
+    ExportRefused,
     check_whole_batch,
     transformer_layers,
     type_comment,
     uniform_tp,
 )
 
-__all__ = ["MEGATRON_VERSION", "megatron_text", "pipeline_layout", "to_megatron"]
+__all__ = [
+    "MEGATRON_VERSION",
+    "interleaving_flags",
+    "megatron_text",
+    "pipeline_layout",
+    "to_megatron",
+]
 
 MEGATRON_VERSION = "Megatron-LM (Megatron Core 0.20)"
 
@@ -94,3 +106,23 @@ def megatron_text(plan: Plan3D) -> str:
         + shlex.join(args)
         + "\n"
     )
+
+
+def interleaving_flags(plan: Plan3D, chunks: int) -> list[str]:
+    """``--num-layers-per-virtual-pipeline-stage`` for ``chunks`` model chunks
+    per rank (none for 1).
+
+    Raises:
+        ExportRefused: one stage, unequal stages, or layers per stage that do
+            not split into ``chunks`` equal chunks.
+    """
+    if chunks == 1:
+        return []
+    counts = transformer_layers(plan)
+    if len(counts) < 2 or len(set(counts)) != 1 or counts[0] % chunks:
+        raise ExportRefused(
+            f"Megatron-LM's interleaved schedule needs at least 2 stages of "
+            f"equally many transformer layers that split into {chunks} chunks; "
+            f"the plan has {counts}"
+        )
+    return ["--num-layers-per-virtual-pipeline-stage", str(counts[0] // chunks)]

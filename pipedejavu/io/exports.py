@@ -50,7 +50,7 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.io.export_alpa import to_alpa
 from pipedejavu.io.export_deepspeed import to_deepspeed, to_megatron_deepspeed
-from pipedejavu.io.export_megatron import megatron_text
+from pipedejavu.io.export_megatron import interleaving_flags, megatron_text
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
@@ -146,11 +146,8 @@ def _build(
     if target == "megatron":
         text = megatron_text(plan)
         if options is not None:
-            extra = option_flags(options)
-            if options.virtual_stages != 1:
-                raise ExportRefused(
-                    "megatron: the plan's interleaved schedule is not exported yet"
-                )
+            extra = interleaving_flags(plan, options.virtual_stages)
+            extra += option_flags(options)
             if extra:
                 text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
         return text
