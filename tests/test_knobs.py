@@ -19,6 +19,10 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
 from pipedejavu.planning.knobs import KnobSpace, plan_with_knobs
+from pipedejavu.search.megatron.interleaved import (
+    candidate_plan,
+    interleaved_candidates,
+)
 
 BASE = {
     "name": "tiny-knobs",
@@ -71,7 +75,8 @@ def model_files(tmp_path_factory):
 
 @functools.cache
 def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
-    """Least predicted time of a plan that fits, over every plan of one choice."""
+    """Least predicted time of a plan that fits, over every plan of one choice:
+    ``(1F1B, interleaved)``. Checks each interleaved plan's bound on the way."""
     choice = choose_cost_source(path, dict(pool), options=options)
     best = math.inf
     for plan, _ in enumerate_plans(
@@ -80,7 +85,18 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
         prediction = predict_plan(plan, choice.data, constants=C)
         if prediction.fits_memory:
             best = min(best, prediction.iteration_time_s)
-    return best
+    interleaved = math.inf
+    for item in interleaved_candidates(
+        choice.data, choice.model, choice.pool(dict(pool)), gbs, C
+    ):
+        plan = candidate_plan(choice.data, choice.model, gbs, item)
+        prediction = predict_plan(
+            plan, choice.data, constants=C, virtual_stages=item.chunks
+        )
+        assert item.bound <= prediction.iteration_time_s * (1 + 1e-12)
+        if prediction.fits_memory:
+            interleaved = min(interleaved, prediction.iteration_time_s)
+    return best, interleaved
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -88,12 +104,11 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     _, pool, gbs, options = SETTINGS[name]
     result = plan_with_knobs(model_files[name], pool, gbs, options=options)
     space = KnobSpace()
-    per_choice = {
-        (o.recompute, o.sequence_parallel, o.distributed_optimizer): _brute_force(
-            model_files[name], tuple(pool.items()), gbs, o
-        )
-        for o in space.all_choices(options)
-    }
+    per_choice = {}
+    for o in space.all_choices(options):
+        both = _brute_force(model_files[name], tuple(pool.items()), gbs, o)
+        key = (o.recompute, o.sequence_parallel, o.distributed_optimizer)
+        per_choice[(*key, "1f1b")], per_choice[(*key, "interleaved")] = both
     best = min(per_choice.values())
     assert result.result.proven
     assert result.result.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
@@ -101,10 +116,25 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     # the reported knobs reach that optimum (knobs a plan cannot use are
     # reported off: they price the same)
     won = result.result.options
-    key = (won.recompute, won.sequence_parallel, won.distributed_optimizer)
+    schedule = "interleaved" if won.virtual_stages > 1 else "1f1b"
+    key = (won.recompute, won.sequence_parallel, won.distributed_optimizer, schedule)
     assert per_choice[key] == pytest.approx(best, rel=1e-12)
+    # and the 1F1B space alone, searched on its own
+    alone = plan_with_knobs(
+        model_files[name],
+        pool,
+        gbs,
+        options=options,
+        space=KnobSpace(schedules=("1f1b",)),
+    )
+    ones = [v for k, v in per_choice.items() if k[-1] == "1f1b"]
+    assert alone.result.prediction.iteration_time_s == pytest.approx(
+        min(ones), rel=1e-12
+    )
     # every choice is accounted for, each way it was settled is proven
-    assert len(result.outcomes) == len(space.all_choices(options))
+    assert len(result.outcomes) == 2 * len(space.all_choices(options)) - len(
+        space.dominated(options)
+    )
     assert all(o.proven for o in result.outcomes)
 
 
@@ -239,7 +269,8 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"]["recompute"] == "selective"
-    assert len(full["knobs"]["choices"]) == 12 and full["proven_optimal"]
+    # 6 choices for each schedule, 6 settled by the distributed optimizer's rule
+    assert len(full["knobs"]["choices"]) == 18 and full["proven_optimal"]
     # today's space: one choice, the same as planning with those options
     code, out, err = _cli(
         capsys,
@@ -255,7 +286,10 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     narrow = json.loads(out)
     plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
     assert narrow["iteration_time_s"] == plain.prediction.iteration_time_s
-    assert [c["how"] for c in narrow["knobs"]["choices"]] == ["searched"]
+    assert [c["how"] for c in narrow["knobs"]["choices"]] == [
+        "searched",
+        "interleaved",
+    ]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # a list of modes
     code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")

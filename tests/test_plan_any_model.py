@@ -161,7 +161,7 @@ def test_hugging_face_config(capsys, tmp_path):
     assert out["stages"][-1]["layers"][1] == 8 + 2  # embedding, blocks, head
     code, text, _ = run(capsys, "plan", *argv)
     assert code == 0 and "costs: analytical (bf16, recompute " in text
-    assert "2048 tokens per sample" in text and "knobs: recompute" in text
+    assert "2048 tokens per sample" in text and "knobs: 1F1B, recompute" in text
 
 
 def test_megatron_args_given_beside_best(capsys):
@@ -175,12 +175,29 @@ def test_megatron_args_given_beside_best(capsys):
     assert out["given"]["plan"].startswith("pp 2 [5+5], dp 4, tp 2, mbs 1")
     assert out["options"]["precision"] == "bf16" and out["gbs"] == 64
     assert out["cost_source"] == "analytical" and out["proven_optimal"]
-    assert "no interleaving" in out["search_space"]
+    assert "interleaved schedules" in out["search_space"]
+    assert {c["how"] for c in out["knobs"]["choices"]} >= {"searched", "interleaved"}
     code, text, _ = run(capsys, *argv)
     assert code == 0 and "speed-up x" in text and "--- your launch ---" in text
+    # the knobs restrict the search: today's space is never faster
+    code, text, err = run(
+        capsys,
+        *argv,
+        "--json",
+        "--recompute",
+        "none",
+        "--sequence-parallel",
+        "off",
+        "--distributed-optimizer",
+        "off",
+    )
+    assert code == 0, err
+    narrow = json.loads(text)
+    assert narrow["iteration_time_s"] >= best * (1 - 1e-12)
+    assert narrow["options"]["recompute"] == "none"
 
 
-def test_megatron_args_interleaved_is_noted(capsys):
+def test_megatron_args_interleaved_launch_is_compared(capsys):
     launch = LAUNCH.replace("--num-layers 8", "--num-layers 8") + (
         " --num-layers-per-virtual-pipeline-stage 2"
     )
@@ -188,7 +205,8 @@ def test_megatron_args_interleaved_is_noted(capsys):
         capsys, "plan", "--megatron-args", launch, "--gpus", "A100-80:16"
     )
     assert code == 0, err
-    assert "interleaved schedule with 2 chunks per stage" in text
+    assert "interleaved 1F1B, 2 chunks per stage" in text  # the launch's
+    assert "knobs: " in text and "speed-up x" in text
 
 
 @pytest.mark.parametrize(

@@ -76,9 +76,7 @@ def test_bad_files_fail_with_one_line(tmp_path, content, message):
 
 
 def test_a_record_with_a_bad_number(tmp_path):
-    runs = json.loads(
-        (bundled_published_path()).read_text()
-    )
+    runs = json.loads((bundled_published_path()).read_text())
     runs["runs"][0]["model"]["num_layers"] = -4
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(runs))

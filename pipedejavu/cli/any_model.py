@@ -8,7 +8,7 @@
 * ``predict PLAN.json [--model CONFIG.json|NAME]`` with the same options (the
   plan file's recorded options and sequence length are the defaults);
 * ``plan --megatron-args "..." --gpus TYPE:N``: the user's launch and the best
-  plan side by side (:func:`pipedejavu.planning.any_model.compare_megatron_run`).
+  plan side by side (:func:`pipedejavu.planning.launch_compare.compare_megatron_run`).
 
 Errors propagate to the CLI (exit 2 for bad input, 3 for no feasible plan).
 """
@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from pipedejavu.cli.megatron_report import format_prediction
+from pipedejavu.cli.megatron_report import format_knobs, format_prediction
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -31,14 +31,16 @@ from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
 from pipedejavu.planning.any_model import (
-    SEARCH_SPACE_NOTE,
     CostChoice,
-    RunComparison,
     choose_cost_source,
-    compare_megatron_run,
     predict_any_plan,
 )
 from pipedejavu.planning.knobs import KnobSpace
+from pipedejavu.planning.launch_compare import (
+    SEARCH_SPACE_NOTE,
+    RunComparison,
+    compare_megatron_run,
+)
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
@@ -247,7 +249,6 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             ("--model", args.model),
             ("--profiles", args.profiles),
             ("--precision", args.precision),
-            ("--recompute", args.recompute),
             ("--seq-len", args.seq_len),
             ("--goodput-grad", args.goodput_grad),
             ("--elastic", args.elastic),
@@ -301,11 +302,18 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch {args.global_batch} contradicts the launch's "
                 f"--global-batch-size {run.global_batch}"
             )
+    defaults = KnobSpace()
+    space = KnobSpace(
+        tuple(args.recompute) if args.recompute else defaults.recompute,
+        _ON_OFF[args.sequence_parallel or "auto"],
+        _ON_OFF[args.distributed_optimizer or "auto"],
+    )
     return compare_megatron_run(
         run,
         gpu,
         count,
         sheet,
+        space=space,
         method=args.method,
         allow_fewer_gpus=not args.all_gpus,
         progress_fn=progress_fn,
@@ -324,15 +332,11 @@ def format_comparison(comparison: RunComparison, best_report: str) -> str:
         "",
         "--- the best plan found ---",
         best_report,
+        format_knobs(comparison.knobs),
         f"searched: {SEARCH_SPACE_NOTE}",
         "",
         f"your launch: {given.prediction.iteration_time_s:.4f} s per iteration; "
         f"best plan: {best.iteration_time_s:.4f} s; speed-up "
         f"x{comparison.speedup:.3f}",
     ]
-    if chunks > 1:
-        lines.append(
-            f"(your launch runs the interleaved schedule with {chunks} chunks per "
-            "stage, which the search does not consider)"
-        )
     return "\n".join(lines)

@@ -380,7 +380,7 @@ def _export(
 def _plan_megatron_args(args: argparse.Namespace) -> int:
     comparison = plan_megatron_args(args, _PlanProgress())
     best = comparison.best
-    exported = _export(args, best, comparison.source, comparison.source.options)
+    exported = _export(args, best, comparison.source, best.options)
     if args.json:
         out = comparison.to_json()
         if exported is not None:

@@ -20,8 +20,9 @@ object the planner and the predictor read:
   ``config.json``): the analytical model on the GPU sheet, bf16 by default.
 
 :func:`plan_any_model` plans with it (:func:`~pipedejavu.planning.training.
-plan_training`); :func:`compare_megatron_run` prices a user's Megatron-LM launch
-and the best plan for the same model, batch, GPUs and training options.
+plan_training`); :mod:`pipedejavu.planning.knobs` searches the training knobs
+with the plan; :mod:`pipedejavu.planning.launch_compare` prices a user's
+Megatron-LM launch beside the best plan.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -48,21 +48,13 @@ from pipedejavu.costmodel.analytical.source import (
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
-from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.io.model_config import load_model_spec
-from pipedejavu.planning.megatron_launch import (
-    LaunchPrediction,
-    options_of_run,
-    predict_megatron_run,
-)
 from pipedejavu.planning.training import TrainingPlan, parse_gpu_pool, plan_training
 
 __all__ = [
     "CostChoice",
-    "RunComparison",
     "check_plan_layers",
     "choose_cost_source",
-    "compare_megatron_run",
     "plan_any_model",
     "predict_any_plan",
 ]
@@ -355,81 +347,3 @@ def predict_any_plan(plan: Plan3D, choice: CostChoice) -> tuple[Plan3D, Predicti
             except ValueError as error:
                 raise ProblemError(f"the plan's TP {tp}: {error}") from None
     return plan, predict_plan(plan, choice.data)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunComparison:
-    """A user's Megatron-LM launch and the best plan for the same model, global
-    batch, GPUs and training options (:func:`compare_megatron_run`).
-
-    Attributes:
-        given: the launch as predicted.
-        best: the best plan of the search space (stages, TP, DP, micro-batch
-            size; the non-interleaved 1F1B schedule).
-        source: the cost source that priced the best plan.
-    """
-
-    given: LaunchPrediction
-    best: TrainingPlan
-    source: AnalyticalSource
-
-    @property
-    def speedup(self) -> float:
-        """Given time over the best plan's (> 1: the best plan is faster)."""
-        return self.given.prediction.iteration_time_s / self.best.iteration_time_s
-
-    def to_json(self) -> dict[str, Any]:
-        """The best plan's JSON (what ``pipedejavu predict`` reads) with the
-        given launch's time and prediction beside it."""
-        out = self.best.to_json()
-        out.update(
-            given_iteration_time_s=self.given.prediction.iteration_time_s,
-            speedup=self.speedup,
-            given=self.given.to_json(),
-            search_space=SEARCH_SPACE_NOTE,
-        )
-        return out
-
-
-#: What the best plan of :func:`compare_megatron_run` was chosen among.
-SEARCH_SPACE_NOTE = (
-    "stages of contiguous layers, one TP degree, DP, micro-batch size and the "
-    "GPUs used, with the launch's precision, recomputation, sequence "
-    "parallelism and global batch; the non-interleaved 1F1B schedule only "
-    "(no interleaving, no distributed optimizer in the search)"
-)
-
-
-def compare_megatron_run(
-    run: MegatronRun,
-    gpu_type: str,
-    num_gpus: int,
-    sheet: Mapping[str, GpuSheetEntry],
-    **plan_options: Any,
-) -> RunComparison:
-    """Predict a Megatron-LM launch and plan the same training from scratch.
-
-    Args:
-        run: the parsed command line.
-        gpu_type: a GPU type of ``sheet`` (its canonical name).
-        num_gpus: GPUs of the launch (the best plan may use fewer).
-        sheet: the GPU sheet.
-        **plan_options: passed to :func:`~pipedejavu.planning.training.
-            plan_training` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
-
-    Raises:
-        ProblemError: the launch cannot run, or the GPU type is unknown.
-        InfeasibleProblemError: no plan of the search space fits.
-    """
-    given = predict_megatron_run(run, gpu_type, num_gpus, sheet)
-    options = dataclasses.replace(options_of_run(run), virtual_stages=1)
-    mbs_values = sorted({*DEFAULT_MBS_VALUES, run.micro_batch})
-    source = AnalyticalSource(run.spec, sheet, options, mbs_values=mbs_values)
-    best = plan_training(
-        run.spec.name,
-        {given.plan.stages[0].replicas[0].gpu_type: num_gpus},
-        given.plan.gbs,
-        profiles=source,
-        **plan_options,
-    )
-    return RunComparison(given, best, source)

@@ -73,7 +73,14 @@ from pipedejavu.search.megatron.interleaved import (
 )
 from pipedejavu.search.megatron.planner import MegatronSearchConfig
 
-__all__ = ["SCHEDULES", "KnobOutcome", "KnobPlan", "KnobSpace", "plan_with_knobs"]
+__all__ = [
+    "SCHEDULES",
+    "KnobOutcome",
+    "KnobPlan",
+    "KnobSpace",
+    "plan_with_knobs",
+    "search_knobs",
+]
 
 _ON_OFF = (True, False)
 #: The pipeline schedules searched.
@@ -313,10 +320,7 @@ def plan_with_knobs(
         ProblemError: bad arguments.
         InfeasibleProblemError: no choice has a plan that fits.
     """
-    started = time.perf_counter()
-    space = space or KnobSpace()
     pool = parse_gpu_pool(gpus)
-    check_global_batch(global_batch)
     first = choose_cost_source(
         model,
         pool,
@@ -326,6 +330,55 @@ def plan_with_knobs(
         gpu_sheet=gpu_sheet,
         profiles=profiles,
     )
+
+    def make_choice(knobs: TrainingOptions) -> CostChoice:
+        return choose_cost_source(
+            model,
+            pool,
+            options=knobs,
+            seq_length=seq_length,
+            gpu_sheet=gpu_sheet,
+            profiles=profiles,
+        )
+
+    return search_knobs(
+        make_choice,
+        first.options,
+        pool,
+        global_batch,
+        space=space,
+        method=method,
+        uniform_tp=uniform_tp,
+        allow_fewer_gpus=allow_fewer_gpus,
+        mixed_types=mixed_types,
+        mbs_values=mbs_values,
+        progress_fn=progress_fn,
+    )
+
+
+def search_knobs(
+    make_choice: Callable[[TrainingOptions], CostChoice],
+    base: TrainingOptions,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    *,
+    space: KnobSpace | None = None,
+    method: str = "dp",
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mixed_types: bool = False,
+    mbs_values: Sequence[int] | None = None,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> KnobPlan:
+    """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
+    choice of knobs (``base`` gives the other options; ``gpus`` as the
+    choices' sources name them, before :meth:`CostChoice.pool`)."""
+    started = time.perf_counter()
+    space = space or KnobSpace()
+    pool = parse_gpu_pool(gpus)
+    check_global_batch(global_batch)
+    choices = [make_choice(knobs) for knobs in space.choices(base)]
+    first = choices[0]
     try:
         config = MegatronSearchConfig(
             uniform_tp=uniform_tp,
@@ -356,17 +409,6 @@ def plan_with_knobs(
     best_s = math.inf
     best_searched = False
     lower = math.inf  # least certified lower bound over the choices settled
-    choices = [
-        choose_cost_source(
-            model,
-            pool,
-            options=knobs,
-            seq_length=seq_length,
-            gpu_sheet=gpu_sheet,
-            profiles=profiles,
-        )
-        for knobs in space.choices(first.options)
-    ]
     if len(choices) > 1 and any(c.measured for c in choices):
         raise ProblemError(
             f"{first.model}'s profiles measured one training ("
@@ -492,7 +534,7 @@ def plan_with_knobs(
             )
     outcomes += [
         KnobOutcome(knobs, "dominated", math.nan, math.nan, True, 0.0)
-        for knobs in space.dominated(first.options)
+        for knobs in space.dominated(base)
     ]
     if best is None:
         raise InfeasibleProblemError(

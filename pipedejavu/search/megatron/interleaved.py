@@ -37,7 +37,13 @@ from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
 
-__all__ = ["InterleavedResult", "interleaved_candidates", "search_interleaved"]
+__all__ = [
+    "Candidate",
+    "InterleavedResult",
+    "candidate_plan",
+    "interleaved_candidates",
+    "search_interleaved",
+]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
