@@ -688,7 +688,72 @@ def t_gpu_blocks() -> str:
     )
 
 
+def _knobs(entry: dict) -> str:
+    parts = [
+        entry["schedule"] if entry["chunks"] == 1 else f"interleaved x{entry['chunks']}"
+    ]
+    parts.append(f"recompute {entry['recompute']}")
+    if entry["sequence_parallel"]:
+        parts.append("SP")
+    if entry["distributed_optimizer"]:
+        parts.append("dist-opt")
+    return ", ".join(parts)
+
+
+def t_plan_knobs() -> str:
+    data = load("plan_knobs.json")
+    rows = []
+    gains = []
+
+    def add(label, spaces, published=None):
+        today = spaces["today"]["iteration_time_s"]
+        if published is not None:
+            rows.append(
+                [label, "published configuration", f"{published:.2f} s", "", "", "", ""]
+            )
+        for name, entry in spaces.items():
+            rows.append(
+                [
+                    label,
+                    name,
+                    f"{entry['iteration_time_s']:.2f} s",
+                    f"x{today / entry['iteration_time_s']:.3f}",
+                    f"{entry['plan'].split(' (')[0]}; {_knobs(entry)}",
+                    "yes" if entry["proven"] else "no",
+                    f"{entry['search_s']:.1f}",
+                ]
+            )
+            label = ""
+        gains.append(today / spaces["all"]["iteration_time_s"])
+
+    for entry in data["settings"].values():
+        gpus = ", ".join(f"{n} {t}" for t, n in entry["gpus"].items())
+        add(
+            f"{entry['model']}, {gpus}, gbs {entry['gbs']}, seq {entry['seq']}",
+            entry["spaces"],
+        )
+    for run_id, entry in data["published"].items():
+        gpus = ", ".join(f"{n} {t}" for t, n in entry["gpus"].items())
+        add(f"{run_id} ({gpus})", entry["spaces"], entry["published_predicted_s"])
+    head = [
+        "setting",
+        "space",
+        "predicted",
+        "vs today",
+        "best plan",
+        "proven",
+        "search s",
+    ]
+    mean = statistics.geometric_mean(gains)
+    return (
+        table(head, rows)
+        + f"\n\nGeometric mean over the settings, all knobs vs today's space: x{mean:.3f}."
+        + source("plan_knobs.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "plan_knobs": t_plan_knobs,
     "gpu_blocks": t_gpu_blocks,
     "layout": t_layout,
     "published_runs": t_published_runs,

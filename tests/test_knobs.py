@@ -151,6 +151,7 @@ def test_each_path_is_taken(model_files):
     assert ("proof", "selective", True) in how["selective-wins"]
     assert ("infeasible", "none", False) in how["only-full-fits"]
     assert ("searched", "full", True) in how["only-full-fits"]
+    assert ("interleaved", "full", True) in how["only-full-fits"]  # and wins
     assert ("infeasible", "none", False) in how["unfused-fp16"]
 
 

@@ -15,7 +15,13 @@ pipeline phase lasts at least ``B`` times the busiest rank's layer times (the
 predictor's own per-layer times; instruction overheads, transfers, the
 optimizer step and the all-reduces only add). The busiest rank works at least
 the mean over ranks, and at least rank 0's embedding (rank ``P - 1``'s head)
-plus its blocks at their least: a bound that does not depend on ``V``.
+plus its blocks at their least. And rank ``P - 1`` cannot start before the
+forwards of the model chunks ``0 .. P - 2`` of the first micro-batch, nor
+finish before its last backward is followed by those chunks' backwards (its
+last operation is a backward of some chunk ``c >= P - 1``, after which the
+backwards of chunks ``c - 1 .. 0`` of that micro-batch remain): that adds the
+forward and backward of ``P - 1`` chunks (the embedding with the first) to its
+work, the interleaved schedule's least bubble.
 Candidates are predicted in increasing order of it; the search stops when the
 bound reaches the best predicted time (or a ``cutoff_s`` reached elsewhere),
 so the best plan found is the predictor's optimum over these plans.
@@ -132,8 +138,8 @@ def interleaved_candidates(
                     rank_s = max(
                         total / ranks,
                         first + per_rank * least,
-                        last + per_rank * least,
                     )
+                    last_rank_s = last + per_rank * least
                     most = count // (ranks * tp)
                     for dp in range(1, most + 1):
                         if samples % dp or not (allow_fewer_gpus or dp == most):
@@ -142,9 +148,11 @@ def interleaved_candidates(
                         if steps % ranks:
                             continue
                         for v in chunk_counts:
-                            out.append(
-                                Candidate(steps * rank_s, gpu, mbs, tp, ranks, dp, v)
-                            )
+                            # rank P - 1 waits for the model chunks before its
+                            # first (forward) and after its last (backward)
+                            ramp = first + (ranks - 1) * (per_rank // v) * least
+                            bound = max(steps * rank_s, steps * last_rank_s + ramp)
+                            out.append(Candidate(bound, gpu, mbs, tp, ranks, dp, v))
     return out
 
 
