@@ -292,6 +292,13 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
         "interleaved",
     ]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
+    # one schedule
+    for schedule in ("1f1b", "interleaved"):
+        code, out, err = _cli(capsys, *argv, "--schedule", schedule)
+        assert code == 0, err
+        hows = {c["how"] for c in json.loads(out)["knobs"]["choices"]}
+        assert ("interleaved" in hows) == (schedule == "interleaved")
+        assert ("searched" in hows or "proof" in hows) == (schedule == "1f1b")
     # a list of modes
     code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
     assert code == 0, err

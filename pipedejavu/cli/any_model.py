@@ -35,7 +35,7 @@ from pipedejavu.planning.any_model import (
     choose_cost_source,
     predict_any_plan,
 )
-from pipedejavu.planning.knobs import KnobSpace
+from pipedejavu.planning.knobs import SCHEDULES, KnobSpace
 from pipedejavu.planning.launch_compare import (
     SEARCH_SPACE_NOTE,
     RunComparison,
@@ -80,8 +80,17 @@ _ON_OFF = {"auto": (True, False), "on": (True,), "off": (False,)}
 
 
 def add_knob_options(parser: Any) -> None:
-    """``plan``'s knobs: ``--recompute`` (several modes), ``--sequence-parallel``
-    and ``--distributed-optimizer`` (:mod:`pipedejavu.planning.knobs`)."""
+    """``plan``'s knobs: ``--schedule``, ``--recompute`` (several modes),
+    ``--sequence-parallel`` and ``--distributed-optimizer``
+    (:mod:`pipedejavu.planning.knobs`)."""
+    parser.add_argument(
+        "--schedule",
+        choices=("auto", *SCHEDULES),
+        help="pipeline schedule to search: 1f1b, interleaved (Megatron-LM's "
+        "interleaved 1F1B, equal chunks) or auto, both (default: auto for a "
+        "model priced by the analytical model; 1f1b for a Sailor model priced "
+        "by its profiles)",
+    )
     parser.add_argument(
         "--recompute",
         type=recompute_choices,
@@ -115,7 +124,12 @@ def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace,
     priced by its profiles (where they cover its GPUs)."""
     asked = any(
         getattr(args, name, None) is not None
-        for name in ("recompute", "sequence_parallel", "distributed_optimizer")
+        for name in (
+            "schedule",
+            "recompute",
+            "sequence_parallel",
+            "distributed_optimizer",
+        )
     )
     auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
     space = KnobSpace(
@@ -126,8 +140,13 @@ def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace,
         _ON_OFF[args.distributed_optimizer]
         if args.distributed_optimizer
         else auto.distributed_optimizer,
+        _schedules(args.schedule) if args.schedule else auto.schedules,
     )
     return space, asked
+
+
+def _schedules(value: str | None) -> tuple[str, ...]:
+    return SCHEDULES if value in (None, "auto") else (value,)
 
 
 def add_training_options(parser: Any, *, knobs: bool = False) -> None:
@@ -169,6 +188,7 @@ def any_model_options(args: argparse.Namespace) -> list[str]:
     """The any-model options given (for messages refusing them)."""
     names = (
         "precision",
+        "schedule",
         "recompute",
         "sequence_parallel",
         "distributed_optimizer",
@@ -307,6 +327,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
         tuple(args.recompute) if args.recompute else defaults.recompute,
         _ON_OFF[args.sequence_parallel or "auto"],
         _ON_OFF[args.distributed_optimizer or "auto"],
+        _schedules(args.schedule),
     )
     return compare_megatron_run(
         run,
