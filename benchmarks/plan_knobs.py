@@ -86,6 +86,7 @@ def summary(result, seconds: float) -> dict:
         "distributed_optimizer": options.distributed_optimizer,
         "peak_memory_gb": result.prediction.peak_memory_bytes / 1e9,
         "proven": bool(result.proven),
+        "lower_bound_s": result.predicted_lower_bound_s,
         "search_s": seconds,
     }
 
@@ -136,13 +137,15 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    results: dict = {
+    out = Path(args.out)
+    results: dict = {"settings": {}, "published": {}}
+    if args.only and out.exists():  # one setting rerun: keep the others
+        results = json.loads(out.read_text())
+    results |= {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node() or 'vm'} ({platform.machine()}, "
         f"{os.cpu_count()} cores)",
         "spaces": {name: space.describe() for name, space in SPACES.items()},
-        "settings": {},
-        "published": {},
     }
     for setting in SETTINGS:
         if args.only in (None, setting["id"]):
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
         if args.only in (None, run_id):
             results["published"][run_id] = run_published(run_id)
     results["seconds"] = time.perf_counter() - started
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out} ({results['seconds']:.0f} s)")
     return 0
 

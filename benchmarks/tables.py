@@ -700,6 +700,21 @@ def _knobs(entry: dict) -> str:
     return ", ".join(parts)
 
 
+def _short_stages(plan: str) -> str:
+    """``pp 4 [3+2+2+2+3]`` -> ``pp 4 [3+2x3+3]`` (runs of equal stages)."""
+    match = re.search(r"\[([0-9+]+)\]", plan)
+    if not match:
+        return plan
+    runs: list[list[str]] = []
+    for count in match.group(1).split("+"):
+        if runs and runs[-1][0] == count:
+            runs[-1].append(count)
+        else:
+            runs.append([count])
+    text = "+".join(r[0] if len(r) == 1 else f"{r[0]}x{len(r)}" for r in runs)
+    return plan[: match.start()] + f"[{text}]" + plan[match.end() :]
+
+
 def t_plan_knobs() -> str:
     data = load("plan_knobs.json")
     rows = []
@@ -711,6 +726,7 @@ def t_plan_knobs() -> str:
             rows.append(
                 [label, "published configuration", f"{published:.2f} s", "", "", "", ""]
             )
+            label = ""
         for name, entry in spaces.items():
             rows.append(
                 [
@@ -718,8 +734,10 @@ def t_plan_knobs() -> str:
                     name,
                     f"{entry['iteration_time_s']:.2f} s",
                     f"x{today / entry['iteration_time_s']:.3f}",
-                    f"{entry['plan'].split(' (')[0]}; {_knobs(entry)}",
-                    "yes" if entry["proven"] else "no",
+                    f"{_short_stages(entry['plan'].split(' (')[0])}; {_knobs(entry)}",
+                    "yes"
+                    if entry["proven"]
+                    else f"no (bound {entry.get('lower_bound_s', float('nan')):.2f} s)",
                     f"{entry['search_s']:.1f}",
                 ]
             )
@@ -747,7 +765,8 @@ def t_plan_knobs() -> str:
     mean = statistics.geometric_mean(gains)
     return (
         table(head, rows)
-        + f"\n\nGeometric mean over the settings, all knobs vs today's space: x{mean:.3f}."
+        + "\n\nGeometric mean over the settings, all knobs vs today's space: "
+        + f"x{mean:.3f}."
         + source("plan_knobs.json")
     )
 

@@ -68,17 +68,16 @@ from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.training import (
     TrainingPlan,
     check_global_batch,
-    check_mbs_values,
     parse_gpu_pool,
     plan_cost_source,
     plan_training,
+    search_config,
 )
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.interleaved import (
     InterleavedResult,
     search_interleaved,
 )
-from pipedejavu.search.megatron.planner import MegatronSearchConfig
 
 __all__ = [
     "SCHEDULES",
@@ -386,16 +385,9 @@ def search_knobs(
     check_global_batch(global_batch)
     choices = [make_choice(knobs) for knobs in space.choices(base)]
     first = choices[0]
-    try:
-        config = MegatronSearchConfig(
-            uniform_tp=uniform_tp,
-            allow_fewer_gpus=allow_fewer_gpus,
-            mbs_values=check_mbs_values(mbs_values),
-            method=method,
-            mixed_types=mixed_types,
-        )
-    except ValueError as error:
-        raise ProblemError(str(error)) from None
+    config = search_config(
+        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
+    )
 
     def search(choice: CostChoice, index: int) -> TrainingPlan:
         return plan_training(

@@ -33,6 +33,7 @@ __all__ = [
     "parse_gpu_pool",
     "plan_cost_source",
     "plan_training",
+    "search_config",
 ]
 
 _POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]{0,63})\s*:\s*(\d{1,12})\s*$")
@@ -278,16 +279,9 @@ def plan_training(
 
     pool = parse_gpu_pool(gpus)
     check_global_batch(global_batch)
-    try:
-        config = MegatronSearchConfig(
-            uniform_tp=uniform_tp,
-            allow_fewer_gpus=allow_fewer_gpus,
-            mbs_values=check_mbs_values(mbs_values),
-            method=method,
-            mixed_types=mixed_types,
-        )
-    except ValueError as error:
-        raise ProblemError(str(error)) from None
+    config = search_config(
+        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
+    )
     if profiles is None or isinstance(profiles, (str, os.PathLike)):
         data = load_sailor_data(profiles)
     else:
@@ -319,6 +313,30 @@ def plan_training(
         cost_source=plan_cost_source(result.plan, data),
         options=data.options,
     )
+
+
+def search_config(
+    method: str,
+    uniform_tp: bool,
+    allow_fewer_gpus: bool,
+    mixed_types: bool,
+    mbs_values: Sequence[int] | None,
+) -> MegatronSearchConfig:
+    """The search's settings from :func:`plan_training`'s arguments.
+
+    Raises:
+        ProblemError: a bad method or micro-batch sizes.
+    """
+    try:
+        return MegatronSearchConfig(
+            uniform_tp=uniform_tp,
+            allow_fewer_gpus=allow_fewer_gpus,
+            mbs_values=check_mbs_values(mbs_values),
+            method=method,
+            mixed_types=mixed_types,
+        )
+    except ValueError as error:
+        raise ProblemError(str(error)) from None
 
 
 def plan_cost_source(plan: Plan3D, data: Any) -> str:
