@@ -32,7 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
-from pipedejavu.planning.knobs import KnobSpace, plan_with_knobs
+from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.launch_compare import compare_megatron_run
 from pipedejavu.planning.megatron_launch import options_of_run
 from pipedejavu.planning.published_runs import load_published_runs

@@ -18,7 +18,8 @@ from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
-from pipedejavu.planning.knobs import KnobSpace, plan_with_knobs
+from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.search.megatron.interleaved import (
     candidate_plan,
     interleaved_candidates,

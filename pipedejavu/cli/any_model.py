@@ -35,7 +35,7 @@ from pipedejavu.planning.any_model import (
     choose_cost_source,
     predict_any_plan,
 )
-from pipedejavu.planning.knobs import SCHEDULES, KnobSpace
+from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.launch_compare import (
     SEARCH_SPACE_NOTE,
     RunComparison,

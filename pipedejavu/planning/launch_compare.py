@@ -23,7 +23,8 @@ from pipedejavu.costmodel.analytical.source import (
 )
 from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.planning.any_model import CostChoice
-from pipedejavu.planning.knobs import KnobPlan, KnobSpace, search_knobs
+from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knobs import KnobPlan, search_knobs
 from pipedejavu.planning.megatron_launch import (
     LaunchPrediction,
     options_of_run,

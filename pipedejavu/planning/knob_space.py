@@ -1,0 +1,172 @@
+"""The training knobs a plan may take (:class:`KnobSpace`) and how the search
+settled each choice of them (:class:`KnobOutcome`); the search is
+:mod:`pipedejavu.planning.knobs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from pipedejavu.core.training_options import (
+    RECOMPUTE_GRANULARITIES,
+    RecomputeGranularity,
+    TrainingOptions,
+)
+
+__all__ = ["SCHEDULES", "KnobOutcome", "KnobSpace"]
+
+_ON_OFF = (True, False)
+#: The pipeline schedules searched.
+SCHEDULES = ("1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobSpace:
+    """The knob values a plan may take (each a tuple of allowed values).
+
+    Args:
+        recompute: ``none``, ``selective``, ``full`` (Megatron-LM's
+            ``--recompute-granularity``; ``full`` recomputes every layer,
+            ``--recompute-method uniform --recompute-num-layers 1``).
+        sequence_parallel: ``--sequence-parallel`` (with TP > 1).
+        distributed_optimizer: ``--use-distributed-optimizer``.
+        schedules: ``1f1b`` (DeepSpeed's and Megatron-LM's non-interleaved
+            1F1B, any stages) and ``interleaved`` (Megatron-LM's interleaved
+            1F1B, ``V >= 2`` equal chunks per rank:
+            :mod:`pipedejavu.search.megatron.interleaved`).
+    """
+
+    recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
+    sequence_parallel: tuple[bool, ...] = _ON_OFF
+    distributed_optimizer: tuple[bool, ...] = _ON_OFF
+    schedules: tuple[str, ...] = SCHEDULES
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.schedules, tuple)
+            or not self.schedules
+            or any(v not in SCHEDULES for v in self.schedules)
+            or len(set(self.schedules)) != len(self.schedules)
+        ):
+            raise ValueError(
+                f"schedules: distinct values from {SCHEDULES}; got {self.schedules}"
+            )
+        for name, allowed in (
+            ("recompute", RECOMPUTE_GRANULARITIES),
+            ("sequence_parallel", _ON_OFF),
+            ("distributed_optimizer", _ON_OFF),
+        ):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not values:
+                raise ValueError(f"{name}: give a non-empty tuple of values")
+            bad = [
+                v
+                for v in values
+                if v not in allowed or (name != "recompute" and not isinstance(v, bool))
+            ]
+            if bad or len(set(values)) != len(values):
+                raise ValueError(
+                    f"{name}: values must be distinct, from {allowed}; got {values}"
+                )
+
+    @classmethod
+    def fixed(cls, options: TrainingOptions) -> KnobSpace:
+        """The one choice ``options`` makes (its schedule: 1F1B, or
+        interleaved when ``options.virtual_stages > 1``)."""
+        return cls(
+            (options.recompute,),
+            (options.sequence_parallel,),
+            (options.distributed_optimizer,),
+            ("interleaved",) if options.virtual_stages > 1 else ("1f1b",),
+        )
+
+    def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """Every choice, the fastest per plan first (module docstring);
+        ``base`` gives the other fields. Without the dominated ones: see
+        :meth:`dominated`."""
+        return [c for c in self.all_choices(base) if not self.is_dominated(c)]
+
+    def is_dominated(self, options: TrainingOptions) -> bool:
+        """Settled by the distributed optimizer's rule (module docstring)."""
+        return not options.distributed_optimizer and True in self.distributed_optimizer
+
+    def dominated(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """The choices :meth:`is_dominated` settles."""
+        return [c for c in self.all_choices(base) if self.is_dominated(c)]
+
+    def all_choices(self, base: TrainingOptions) -> list[TrainingOptions]:
+        """Every choice of the space, in search order."""
+        order = {value: i for i, value in enumerate(RECOMPUTE_GRANULARITIES)}
+        recompute = sorted(self.recompute, key=order.__getitem__)
+        out = []
+        for r, sp, dist in itertools.product(
+            recompute,
+            sorted(self.sequence_parallel, reverse=True),
+            sorted(self.distributed_optimizer, reverse=True),
+        ):
+            out.append(
+                dataclasses.replace(
+                    base,
+                    recompute=r,
+                    recompute_num_layers=None,
+                    sequence_parallel=sp,
+                    distributed_optimizer=dist,
+                )
+            )
+        return out
+
+    def describe(self) -> str:
+        """``recompute none|selective|full, sequence parallel on|off, ...``."""
+
+        def flags(values: tuple[bool, ...]) -> str:
+            return "|".join("on" if v else "off" for v in values)
+
+        return (
+            f"schedule {'|'.join(self.schedules)}, "
+            f"recompute {'|'.join(self.recompute)}, sequence parallel "
+            f"{flags(self.sequence_parallel)}, distributed optimizer "
+            f"{flags(self.distributed_optimizer)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobOutcome:
+    """How one choice of knobs was settled.
+
+    Attributes:
+        options: the choice.
+        how: ``searched`` (full search and proof), ``proof`` (the proof's
+            branch and bound with the cutoff), ``infeasible`` (no plan fits),
+            ``dominated`` (the distributed optimizer's rule, module docstring)
+            or ``interleaved`` (the interleaved schedule's branch and bound,
+            with the cutoff).
+        best_s: the best predicted time found in this choice (``nan``: none
+            found, or none below the cutoff).
+        cutoff_s: the best predicted time before this choice (``inf`` first).
+        proven: the choice holds no plan that fits faster than
+            ``min(cutoff_s, best_s)``.
+        time_s: seconds spent.
+    """
+
+    options: TrainingOptions
+    how: str
+    best_s: float
+    cutoff_s: float
+    proven: bool
+    time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        def number(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "options": dataclasses.asdict(self.options),
+            "how": self.how,
+            "best_s": number(self.best_s),
+            "cutoff_s": number(self.cutoff_s),
+            "proven": self.proven,
+            "time_s": self.time_s,
+        }
