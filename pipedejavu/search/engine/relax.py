@@ -29,6 +29,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+#: Matrix products of the relaxation in full float32: a GPU would otherwise
+#: run them in TF32 (10-bit mantissa), which moved stage costs by 1e-4 to 1e-3
+#: relative and made the vmapped and looped restarts disagree on an H200.
+EXACT = jax.lax.Precision.HIGHEST
+
 
 class RelaxedProblem(NamedTuple):
     """The arrays the relaxed objective reads (a pytree; no Python scalars).
@@ -119,7 +124,7 @@ def soft_stages(
     membership = soft_assignment(ends, rows, temps.boundary)  # [rows, S]
     presence = 1.0 - jnp.exp(-3.0 * lengths)  # ~1 for a stage of >= 1 layer
     weights = jax.nn.softmax(params.slot_logits / temps.slot, axis=-1)  # [S, C]
-    layer_work = membership.T @ data.per_layer  # [S, C]
+    layer_work = jnp.matmul(membership.T, data.per_layer, precision=EXACT)  # [S, C]
     latency = jnp.sum(
         weights * (presence[:, None] * data.intercept[None, :] + layer_work), axis=-1
     )
@@ -134,7 +139,9 @@ def relaxed_terms(
 ) -> dict[str, jax.Array]:
     """Stage latencies and the parts of the relaxed objective (all / ``scale``)."""
     _, presence, weights, latency = soft_stages(params, data, stage_mask, temps)
-    devices = jnp.sum(presence * (weights @ data.slot_devices))
+    devices = jnp.sum(
+        presence * jnp.matmul(weights, data.slot_devices, precision=EXACT)
+    )
     smooth_max = temps.max * jax.nn.logsumexp(latency / temps.max)
     budget = (devices - data.num_devices) / data.num_devices
     objective = jnp.sum(latency) + (data.num_microbatches - 1.0) * smooth_max

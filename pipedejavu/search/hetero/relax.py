@@ -42,7 +42,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pipedejavu.search.engine.relax import RelaxedParams, Temperatures, soft_stages
+from pipedejavu.search.engine.relax import (
+    EXACT,
+    RelaxedParams,
+    Temperatures,
+    soft_stages,
+)
 
 __all__ = [
     "HeteroRelaxedParams",
@@ -103,14 +108,18 @@ def hetero_relaxed_terms(
     """Stage latencies, transfers and the parts of the loss (all / ``scale``)."""
     num_layers = data.per_layer.shape[0]
     ends, presence, weights, latency = soft_stages(params, data, stage_mask, temps)
-    share = weights @ data.slot_types  # [S, T]
-    devices = presence[:, None] * ((weights * data.slot_devices) @ data.slot_types)
+    share = jnp.matmul(weights, data.slot_types, precision=EXACT)  # [S, T]
+    devices = presence[:, None] * jnp.matmul(
+        weights * data.slot_devices, data.slot_types, precision=EXACT
+    )
     budget = (devices.sum(axis=0) - data.type_devices) / data.type_devices.sum()
 
     # Transfers between stage s and s + 1 (s = 0..S-2).
     at = boundary_weights(ends[:-1], num_layers, temps.boundary)  # [S-1, L-1]
-    intra = at @ data.intra_time  # [S-1, T]
-    inter = jnp.einsum("sb,bpq->spq", at, data.inter_time)  # [S-1, T, T]
+    intra = jnp.matmul(at, data.intra_time, precision=EXACT)  # [S-1, T]
+    inter = jnp.einsum(
+        "sb,bpq->spq", at, data.inter_time, precision=EXACT
+    )  # [S-1, T, T]
     cumulative = jnp.cumsum(devices, axis=0)[:-1]  # [S-1, T]
     wave = jnp.sin(jnp.pi * cumulative / data.devices_per_host) ** 2
     mid = jnp.tanh(0.5 * data.devices_per_host**2 * wave)
