@@ -69,6 +69,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
@@ -91,7 +93,26 @@ from pipedejavu.search.megatron.mixed import (
 from pipedejavu.search.megatron.space import ConfigGroup, config_groups, mixes
 from pipedejavu.search.megatron.transfers import BoundCache, send_rows
 
-__all__ = ["PredictedCertificate", "certify_predicted"]
+__all__ = ["PredictedCertificate", "certify_predicted", "least_work"]
+
+
+def least_work(
+    data: SailorData, model: str, constants: PredictorConstants, group: ConfigGroup
+) -> float:
+    """The least GPU-seconds of one micro-batch through every layer, forward
+    and backward, over the group's TP degrees (a layer on ``t`` GPUs costs
+    ``t`` times its time). A pipeline of ``n`` GPUs has a stage busy at least
+    ``work / n`` per micro-batch (the stages' GPU-seconds add up to at least
+    ``work`` over ``n`` GPUs), so every plan of the group with ``B``
+    micro-batches takes at least ``B work / n``: the busy-time part of the
+    per-stage bound below, before any table is built."""
+    per_tp = []
+    for tp in group.tps:
+        times = data.layer_times(
+            model, group.gpu, group.mbs, tp, smooth=constants.smooth_profiles
+        )
+        per_tp.append(tp * (times.forward + times.backward))
+    return float(np.minimum.reduce(per_tp).sum())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -211,14 +232,20 @@ def certify_predicted(
     )
     items: list[_Item] = []
     cache = BoundCache()
+    early = 0  # configurations settled by the work bound alone
     for group in groups:
+        work = least_work(data, model, constants, group)
+        sizes = [n for n in group.sizes if group.steps * work / n < best]
+        early += len(group.sizes) - len(sizes)
+        if not sizes:
+            continue
         bounds = StageBounds(
             group,
             stage_bounds(data, model, constants, group, cache),
             constants.op_overhead_s,
         )
         g = bounds.bottleneck(max(group.sizes))
-        for size in group.sizes:
+        for size in sizes:
             value = float(g[size, 0])
             if math.isfinite(value):
                 plans = functools.partial(
@@ -272,9 +299,9 @@ def certify_predicted(
                     items.append(_Item(value, len(items), refine=later))
     # Least bound first; a mixed item carries a coarse bound until it is first
     # taken, then its exact-placement bound (PlacedMix) and goes back.
-    configurations = len(items)
+    configurations = len(items) + early
     heapq.heapify(items)
-    pruned = enumerated = predicted = 0
+    pruned, enumerated, predicted = early, 0, 0
     left_open = skipped_mixes
     improved = False
     reported = time.perf_counter()
