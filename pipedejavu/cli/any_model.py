@@ -52,6 +52,7 @@ __all__ = [
     "costs_line",
     "format_comparison",
     "knob_space",
+    "knobs_asked",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
@@ -117,12 +118,9 @@ def add_knob_options(parser: Any) -> None:
         )
 
 
-def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace, bool]:
-    """``(space, asked)``: the knobs ``plan`` searches, and whether a knob
-    flag was given. A knob not given: every value for a model priced by the
-    analytical model alone (``choice``), the profiled value for a model
-    priced by its profiles (where they cover its GPUs)."""
-    asked = any(
+def knobs_asked(args: argparse.Namespace) -> bool:
+    """A knob flag was given."""
+    return any(
         getattr(args, name, None) is not None
         for name in (
             "schedule",
@@ -131,8 +129,14 @@ def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace,
             "distributed_optimizer",
         )
     )
-    auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
-    space = KnobSpace(
+
+
+def knob_space(args: argparse.Namespace, auto: KnobSpace) -> KnobSpace:
+    """The knobs ``plan`` searches: each knob flag given, else ``auto``'s
+    values (every value for a model priced by the analytical model alone; the
+    profiled value for a model priced by its profiles, where they cover its
+    GPUs)."""
+    return KnobSpace(
         tuple(args.recompute) if args.recompute else auto.recompute,
         _ON_OFF[args.sequence_parallel]
         if args.sequence_parallel
@@ -142,7 +146,6 @@ def knob_space(args: argparse.Namespace, choice: CostChoice) -> tuple[KnobSpace,
         else auto.distributed_optimizer,
         _schedules(args.schedule) if args.schedule else auto.schedules,
     )
-    return space, asked
 
 
 def _schedules(value: str | None) -> tuple[str, ...]:
@@ -322,13 +325,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch {args.global_batch} contradicts the launch's "
                 f"--global-batch-size {run.global_batch}"
             )
-    defaults = KnobSpace()
-    space = KnobSpace(
-        tuple(args.recompute) if args.recompute else defaults.recompute,
-        _ON_OFF[args.sequence_parallel or "auto"],
-        _ON_OFF[args.distributed_optimizer or "auto"],
-        _schedules(args.schedule),
-    )
+    space = knob_space(args, KnobSpace())
     return compare_megatron_run(
         run,
         gpu,

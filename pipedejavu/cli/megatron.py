@@ -18,6 +18,7 @@ from pipedejavu.cli.any_model import (
     costs_line,
     format_comparison,
     knob_space,
+    knobs_asked,
     plan_megatron_args,
     predict_plan_file,
     read_launch,
@@ -36,6 +37,7 @@ from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import EXPORTS, export_plan
+from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
@@ -309,7 +311,8 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    space, asked = knob_space(args, choice)
+    auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    space, asked = knob_space(args, auto), knobs_asked(args)
     knobs = None
     if choice.analytical or asked:
         knobs = plan_with_knobs(

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipedejavu.search.megatron.space import divisors
+
 # Highly composite numbers up to 720720 (OEIS A002182), DeepSpeed's scale factors.
 HCN_LIST = (
     1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520,
@@ -207,16 +209,6 @@ def get_candidate_batch_sizes(base_list: Sequence, max_acceptable_batch_size) ->
     return sorted(set(candidates))
 
 
-def _divisors(n: int) -> list[int]:
-    small, large = [], []
-    for i in range(1, math.isqrt(n) + 1):
-        if n % i == 0:
-            small.append(i)
-            if i != n // i:
-                large.append(n // i)
-    return small + large[::-1]
-
-
 def get_valid_gpus(batch_size, micro_batches, min_valid_gpus, max_valid_gpus) -> list:
     """GPU counts in ``[min_valid_gpus, max_valid_gpus]`` that can run ``batch_size``.
 
@@ -234,7 +226,7 @@ def get_valid_gpus(batch_size, micro_batches, min_valid_gpus, max_valid_gpus) ->
         if isinstance(max_gpus, float):  # DeepSpeed's range() rejects floats
             raise TypeError("'float' object cannot be interpreted as an integer")
         # DeepSpeed scans i = 1 .. max_gpus // 2; the divisors below give the same.
-        for i in _divisors(int(max_gpus)) if max_gpus >= 1 else ():
+        for i in divisors(int(max_gpus)) if max_gpus >= 1 else ():
             if i > max_gpus // 2 or i > max_valid_gpus:
                 break
             if i >= min_valid_gpus:

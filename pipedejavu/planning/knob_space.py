@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any
 
 from pipedejavu.core.training_options import (
@@ -15,6 +14,7 @@ from pipedejavu.core.training_options import (
     RecomputeGranularity,
     TrainingOptions,
 )
+from pipedejavu.planning.training import finite_or_none
 
 __all__ = ["SCHEDULES", "KnobOutcome", "KnobSpace"]
 
@@ -118,6 +118,10 @@ class KnobSpace:
             )
         return out
 
+    def to_json(self) -> dict[str, list]:
+        """Each knob's allowed values."""
+        return {k: list(v) for k, v in dataclasses.asdict(self).items()}
+
     def describe(self) -> str:
         """``recompute none|selective|full, sequence parallel on|off, ...``."""
 
@@ -159,14 +163,11 @@ class KnobOutcome:
     time_s: float
 
     def to_json(self) -> dict[str, Any]:
-        def number(x: float) -> float | None:
-            return x if math.isfinite(x) else None
-
         return {
-            "options": dataclasses.asdict(self.options),
+            "options": self.options.to_json(),
             "how": self.how,
-            "best_s": number(self.best_s),
-            "cutoff_s": number(self.cutoff_s),
+            "best_s": finite_or_none(self.best_s),
+            "cutoff_s": finite_or_none(self.cutoff_s),
             "proven": self.proven,
             "time_s": self.time_s,
         }

@@ -103,12 +103,7 @@ class KnobPlan:
     def to_json(self) -> dict[str, Any]:
         out = self.result.to_json()
         out["knobs"] = {
-            "space": {
-                "recompute": list(self.space.recompute),
-                "sequence_parallel": list(self.space.sequence_parallel),
-                "distributed_optimizer": list(self.space.distributed_optimizer),
-                "schedules": list(self.space.schedules),
-            },
+            "space": self.space.to_json(),
             "choices": [o.to_json() for o in self.outcomes],
         }
         return out
@@ -335,7 +330,7 @@ def search_knobs(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
-            mixed_types=config.mixed_types and len(pool) > 1,
+            mixed_types=config.mixed_types,
             cutoff_s=state.best_s,
             progress_fn=_tagged(progress_fn, index),
         )

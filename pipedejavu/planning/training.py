@@ -33,6 +33,7 @@ __all__ = [
     "parse_gpu_pool",
     "plan_cost_source",
     "plan_training",
+    "finite_or_none",
     "search_config",
 ]
 
@@ -208,12 +209,12 @@ class TrainingPlan:
             fits_memory=predicted["fits_memory"],
             memory_per_stage_bytes=predicted["memory_per_stage_bytes"],
             breakdown=predicted["breakdown"],
-            objective_s=_finite_or_none(self.objective_s),
-            optimum_s=_finite_or_none(self.optimum_s),
-            lower_bound_s=_finite_or_none(self.lower_bound_s),
-            gap=_finite_or_none(self.gap),
-            predicted_lower_bound_s=_finite_or_none(self.predicted_lower_bound_s),
-            predicted_gap=_finite_or_none(self.predicted_gap),
+            objective_s=finite_or_none(self.objective_s),
+            optimum_s=finite_or_none(self.optimum_s),
+            lower_bound_s=finite_or_none(self.lower_bound_s),
+            gap=finite_or_none(self.gap),
+            predicted_lower_bound_s=finite_or_none(self.predicted_lower_bound_s),
+            predicted_gap=finite_or_none(self.predicted_gap),
             proven_optimal=self.proven,
             mixed_types_searched=self.mixed_types,
             method=self.method,
@@ -348,6 +349,6 @@ def plan_cost_source(plan: Plan3D, data: Any) -> str:
     return "profiles"
 
 
-def _finite_or_none(value: float) -> float | None:
+def finite_or_none(value: float) -> float | None:
     """JSON has no NaN: ``None`` for a value that is not a number."""
     return value if value == value else None

@@ -42,6 +42,7 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
+from pipedejavu.search.megatron.space import divisors
 
 __all__ = [
     "Candidate",
@@ -89,10 +90,6 @@ class InterleavedResult:
     time_s: float
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def interleaved_candidates(
     data: SailorData,
     model: str,
@@ -122,13 +119,13 @@ def interleaved_candidates(
                 least = float(work[1 : blocks + 1].min())
                 total = float(work.sum())
                 first, last = float(work[0]), float(work[-1])
-                for ranks in _divisors(blocks):
+                for ranks in divisors(blocks):
                     if ranks < 2 or ranks * tp > count:
                         continue
                     per_rank = blocks // ranks
                     chunk_counts = [
                         v
-                        for v in _divisors(per_rank)
+                        for v in divisors(per_rank)
                         if v >= 2 and (max_chunks is None or v <= max_chunks)
                     ]
                     if not chunk_counts:

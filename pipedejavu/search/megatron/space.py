@@ -16,12 +16,13 @@ its own choice, at least two types able to hold a stage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import usable_degrees
 
-__all__ = ["ConfigGroup", "Mix", "config_groups", "mixes"]
+__all__ = ["ConfigGroup", "Mix", "config_groups", "divisors", "mixes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,17 @@ class ConfigGroup:
     steps: int
     tps: tuple[int, ...]
     sizes: tuple[int, ...]
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending."""
+    small, large = [], []
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+    return small + large[::-1]
 
 
 def config_groups(
