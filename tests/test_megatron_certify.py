@@ -19,6 +19,7 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.certify import least_work
 from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 from pipedejavu.search.megatron.space import Mix, config_groups
@@ -104,6 +105,38 @@ def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
         checked += 1
         tight += largest >= 0.9 * prediction.iteration_time_s
     assert checked >= 5 and tight > checked / 4  # plans, and bounds that bite
+
+
+@pytest.mark.parametrize("model, pool, gbs, uniform", SMALL)
+def test_work_bound_is_below_every_prediction(model, pool, gbs, uniform):
+    """The proof's first, table-free bound of a configuration (B x least
+    GPU-seconds over the pipeline's GPUs) never exceeds the predicted time of
+    one of its plans, and bites on some."""
+    groups = config_groups(
+        DATA,
+        model,
+        dict(pool),
+        gbs,
+        uniform_tp=uniform,
+        allow_fewer_gpus=True,
+        mbs_values=None,
+        max_stages=None,
+    )
+    work = {}
+    for group in groups:
+        for tp in group.tps:
+            work[(group.gpu, group.mbs, group.dp, tp)] = group.steps * least_work(
+                DATA, model, C, group
+            )
+    checked = tight = 0
+    for plan, prediction in _every_plan(model, pool, gbs, uniform):
+        first = plan.stages[0].replicas[0]
+        gpus = sum(stage.replicas[0].tp for stage in plan.stages)
+        bound = work[(first.gpu_type, plan.mbs, plan.dp, first.tp)] / gpus
+        assert bound <= prediction.iteration_time_s * (1 + 1e-12)
+        checked += 1
+        tight += bound >= 0.5 * prediction.iteration_time_s
+    assert checked >= 5 and tight > 0
 
 
 @pytest.mark.parametrize("model, pool, gbs, uniform", SMALL)
