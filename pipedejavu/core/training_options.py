@@ -19,6 +19,11 @@ Each field names the Megatron-LM argument it stands for:
 * ``virtual_stages``: ``--num-layers-per-virtual-pipeline-stage`` expressed as
   model chunks per pipeline rank (1: the non-interleaved 1F1B schedule).
 * ``sequence_parallel``: ``--sequence-parallel``.
+* ``zero_bubble``: the ZB-H1 schedule of Qi et al. (ICLR'24): each backward
+  split into an input-gradient pass and a weight-gradient pass, the latter
+  deferred to fill the pipeline's bubble (PyTorch's
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank, torchtitan's
+  ``InterleavedZeroBubble``; no Megatron-LM flag).
 * ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
   attention), which never materializes the ``s x s`` attention scores.
 """
@@ -73,6 +78,9 @@ class TrainingOptions:
             interleaving).
         sequence_parallel: split the layer norms' and dropouts' activations over
             the tensor-parallel ranks along the sequence.
+        zero_bubble: the ZB-H1 schedule (backward split into input- and
+            weight-gradient passes, the weight passes deferred); needs
+            ``virtual_stages == 1``.
         flash_attention: fused attention that never stores the ``s x s`` scores.
         attention_dropout: dropout on the attention probabilities (without
             flash attention its mask and output are stored and its kernel runs).
@@ -91,6 +99,7 @@ class TrainingOptions:
     recompute_num_layers: int | None = None
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    zero_bubble: bool = False
     flash_attention: bool = True
     attention_dropout: bool = False
 
@@ -108,6 +117,7 @@ class TrainingOptions:
         for name in (
             "distributed_optimizer",
             "sequence_parallel",
+            "zero_bubble",
             "flash_attention",
             "attention_dropout",
         ):
@@ -130,6 +140,11 @@ class TrainingOptions:
             raise ValueError(f"virtual_stages must be an int, got {chunks!r}")
         if chunks < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {chunks}")
+        if self.zero_bubble and chunks != 1:
+            raise ValueError(
+                "zero_bubble (ZB-H1) needs virtual_stages == 1, got "
+                f"virtual_stages={chunks}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """Every field under its own name (exact round trip)."""
