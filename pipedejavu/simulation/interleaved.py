@@ -64,11 +64,16 @@ __all__ = [
 
 
 class Op(NamedTuple):
-    """One command of a rank: ``F(chunk, microbatch)`` or ``B(chunk, microbatch)``."""
+    """One command of a rank: ``F(chunk, microbatch)``, ``B(chunk, microbatch)``
+    or, with ``weight`` (zero-bubble schedules,
+    :mod:`pipedejavu.simulation.zero_bubble`), ``W(chunk, microbatch)``: the
+    weight-gradient half of a backward split in two (``backward`` is then
+    ``True`` too, and the ``B`` before it computes the input gradient only)."""
 
     backward: bool
     chunk: int
     microbatch: int
+    weight: bool = False
 
 
 def _check_sizes(rank: int, num_ranks: int, num_chunks: int, num_microbatches: int):
@@ -168,12 +173,15 @@ def interleaved_order(
     return order
 
 
-def run_interleaved(forward, backward, transfer, orders, num_microbatches):
+def run_interleaved(forward, backward, transfer, orders, num_microbatches, weight=None):
     """The event loop: ``forward``/``backward`` ``[P][V]`` seconds, ``transfer``
-    ``[P]`` seconds, ``orders`` ``[P]`` lists of :class:`Op`. Returns eight
-    ``[P][V][M]`` grids: forward start/end, backward start/end, activation
-    transfer start/end (of ``F(r, c, b)``'s output), gradient transfer start/end
-    (of ``B(r, c, b)``'s output); NaN where no transfer is modelled."""
+    ``[P]`` seconds, ``orders`` ``[P]`` lists of :class:`Op`, ``weight``
+    ``[P][V]`` seconds of the ``W`` commands (``None``: the orders have none).
+    Returns ten ``[P][V][M]`` grids: forward start/end, backward start/end,
+    activation transfer start/end (of ``F(r, c, b)``'s output), gradient
+    transfer start/end (of ``B(r, c, b)``'s output; NaN where no transfer is
+    modelled), weight-gradient start/end (NaN without ``W`` commands). A ``W``
+    follows its own rank's ``B`` (the order puts it later) and sends nothing."""
     num_ranks, num_chunks, count = len(orders), len(forward[0]), num_microbatches
     last_rank, last_chunk = num_ranks - 1, num_chunks - 1
 
@@ -181,7 +189,7 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches):
         return [[[fill] * count for _ in range(num_chunks)] for _ in range(num_ranks)]
 
     f_start, f_end, b_start, b_end = grid(0.0), grid(0.0), grid(0.0), grid(0.0)
-    a_start, a_end, g_start, g_end = (grid(math.nan) for _ in range(4))
+    a_start, a_end, g_start, g_end, w_start, w_end = (grid(math.nan) for _ in range(6))
     f_ready, b_ready = grid(None), grid(None)
     f_ready[0][0] = [0.0] * count
     b_ready[last_rank][last_chunk] = [0.0] * count
@@ -197,11 +205,17 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches):
         if not idle[r] or pointer[r] == len(orders[r]):
             return
         op = orders[r][pointer[r]]
-        ready = (b_ready if op.backward else f_ready)[r][op.chunk][op.microbatch]
+        if op.weight:
+            ready = free[r]  # its B ran earlier on this rank
+        else:
+            ready = (b_ready if op.backward else f_ready)[r][op.chunk][op.microbatch]
         if ready is None:
             return
         start = ready if ready > free[r] else free[r]
-        if op.backward:
+        if op.weight:
+            w_start[r][op.chunk][op.microbatch] = start
+            end = start + weight[r][op.chunk]
+        elif op.backward:
             b_start[r][op.chunk][op.microbatch] = start
             end = start + backward[r][op.chunk]
         else:
@@ -224,12 +238,14 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches):
         try_start(r)
     while heap:
         now, _, _, r = heapq.heappop(heap)
-        chunk, microbatch = orders[r][pointer[r]][1:]
-        backward_op = orders[r][pointer[r]].backward
+        op = orders[r][pointer[r]]
+        chunk, microbatch = op.chunk, op.microbatch
         pointer[r] += 1
         free[r] = now
         idle[r] = True
-        if not backward_op:
+        if op.weight:
+            w_end[r][chunk][microbatch] = now
+        elif not op.backward:
             f_end[r][chunk][microbatch] = now
             target = (r + 1, chunk) if r < last_rank else (0, chunk + 1)
             if target[1] <= last_chunk:
@@ -248,7 +264,18 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches):
         try_start(r)
     if any(k != len(order) for k, order in zip(pointer, orders, strict=True)):
         raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover
-    return f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end
+    return (
+        f_start,
+        f_end,
+        b_start,
+        b_end,
+        a_start,
+        a_end,
+        g_start,
+        g_end,
+        w_start,
+        w_end,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
