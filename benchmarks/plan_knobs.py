@@ -7,7 +7,8 @@ proven optimal over its own space:
   parallelism, the optimizer unsharded);
 * ``+recompute``: recomputation none, selective or full;
 * ``+SP, dist-opt``: sequence parallelism and the distributed optimizer too;
-* ``all``: Megatron-LM's interleaved schedule too.
+* ``+interleaved``: Megatron-LM's interleaved schedule too;
+* ``all``: the zero-bubble schedule ZB-H1 too.
 
 And for the published runs of ``pipedejavu/data/published`` named here, the
 published configuration as predicted beside the best plan for the same model,
@@ -71,6 +72,7 @@ SPACES = {
         schedules=("1f1b",), sequence_parallel=(False,), distributed_optimizer=(False,)
     ),  # fmt: skip
     "+SP, dist-opt": KnobSpace(schedules=("1f1b",)),
+    "+interleaved": KnobSpace(schedules=("1f1b", "interleaved")),
     "all": KnobSpace(),
 }
 
@@ -80,7 +82,7 @@ def summary(result, seconds: float) -> dict:
     return {
         "iteration_time_s": result.prediction.iteration_time_s,
         "plan": result.plan.describe(),
-        "schedule": "interleaved" if options.virtual_stages > 1 else "1f1b",
+        "schedule": KnobSpace.fixed(options).schedules[0],
         "chunks": options.virtual_stages,
         "recompute": options.recompute,
         "sequence_parallel": options.sequence_parallel,

@@ -13,17 +13,21 @@ import math
 import pytest
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
-from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
-from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
+from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.certify import least_work
 from pipedejavu.search.megatron.interleaved import (
     candidate_plan,
     interleaved_candidates,
 )
+from pipedejavu.search.megatron.space import config_groups
 
 BASE = {
     "name": "tiny-knobs",
@@ -77,15 +81,22 @@ def model_files(tmp_path_factory):
 @functools.cache
 def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
     """Least predicted time of a plan that fits, over every plan of one choice:
-    ``(1F1B, interleaved)``. Checks each interleaved plan's bound on the way."""
+    ``(1F1B, interleaved, ZB-H1)``. Checks each interleaved plan's bound on the
+    way."""
     choice = choose_cost_source(path, dict(pool), options=options)
-    best = math.inf
+    zero = choose_cost_source(
+        path, dict(pool), options=dataclasses.replace(options, zero_bubble=True)
+    )
+    best = zb = math.inf
     for plan, _ in enumerate_plans(
         choice.data, choice.model, choice.pool(dict(pool)), gbs, C
     ):
         prediction = predict_plan(plan, choice.data, constants=C)
         if prediction.fits_memory:
             best = min(best, prediction.iteration_time_s)
+        prediction = predict_plan(plan, zero.data, constants=C)
+        if prediction.fits_memory:
+            zb = min(zb, prediction.iteration_time_s)
     interleaved = math.inf
     for item in interleaved_candidates(
         choice.data, choice.model, choice.pool(dict(pool)), gbs, C
@@ -97,7 +108,7 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
         assert item.bound <= prediction.iteration_time_s * (1 + 1e-12)
         if prediction.fits_memory:
             interleaved = min(interleaved, prediction.iteration_time_s)
-    return best, interleaved
+    return best, interleaved, zb
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -107,9 +118,10 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     space = KnobSpace()
     per_choice = {}
     for o in space.all_choices(options):
-        both = _brute_force(model_files[name], tuple(pool.items()), gbs, o)
+        every = _brute_force(model_files[name], tuple(pool.items()), gbs, o)
         key = (o.recompute, o.sequence_parallel, o.distributed_optimizer)
-        per_choice[(*key, "1f1b")], per_choice[(*key, "interleaved")] = both
+        for schedule, value in zip(SCHEDULES, every, strict=True):
+            per_choice[(*key, schedule)] = value
     best = min(per_choice.values())
     assert result.result.proven
     assert result.result.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
@@ -117,7 +129,7 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     # the reported knobs reach that optimum (knobs a plan cannot use are
     # reported off: they price the same)
     won = result.result.options
-    schedule = "interleaved" if won.virtual_stages > 1 else "1f1b"
+    schedule = KnobSpace.fixed(won).schedules[0]
     key = (won.recompute, won.sequence_parallel, won.distributed_optimizer, schedule)
     assert per_choice[key] == pytest.approx(best, rel=1e-12)
     # and the 1F1B space alone, searched on its own
@@ -132,8 +144,19 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     assert alone.result.prediction.iteration_time_s == pytest.approx(
         min(ones), rel=1e-12
     )
+    # and the ZB-H1 space alone (its first choice searched in full)
+    zero = plan_with_knobs(
+        model_files[name],
+        pool,
+        gbs,
+        options=options,
+        space=KnobSpace(schedules=("zb-h1",)),
+    )
+    zbs = [v for k, v in per_choice.items() if k[-1] == "zb-h1"]
+    assert zero.result.proven and zero.result.options.zero_bubble
+    assert zero.result.prediction.iteration_time_s == pytest.approx(min(zbs), rel=1e-12)
     # every choice is accounted for, each way it was settled is proven
-    assert len(result.outcomes) == 2 * len(space.all_choices(options)) - len(
+    assert len(result.outcomes) == 3 * len(space.all_choices(options)) - 2 * len(
         space.dominated(options)
     )
     assert all(o.proven for o in result.outcomes)
@@ -271,8 +294,9 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"]["recompute"] == "selective"
-    # 6 choices for each schedule, 6 settled by the distributed optimizer's rule
-    assert len(full["knobs"]["choices"]) == 18 and full["proven_optimal"]
+    # 6 choices for each of 3 schedules, 6 settled by the distributed
+    # optimizer's rule
+    assert len(full["knobs"]["choices"]) == 24 and full["proven_optimal"]
     # today's space: one choice, the same as planning with those options
     code, out, err = _cli(
         capsys,
@@ -291,15 +315,20 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     assert [c["how"] for c in narrow["knobs"]["choices"]] == [
         "searched",
         "interleaved",
+        "zero-bubble",
     ]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # one schedule
-    for schedule in ("1f1b", "interleaved"):
+    for schedule in SCHEDULES:
         code, out, err = _cli(capsys, *argv, "--schedule", schedule)
         assert code == 0, err
-        hows = {c["how"] for c in json.loads(out)["knobs"]["choices"]}
+        choices = json.loads(out)["knobs"]["choices"]
+        hows = {c["how"] for c in choices}
         assert ("interleaved" in hows) == (schedule == "interleaved")
-        assert ("searched" in hows or "proof" in hows) == (schedule == "1f1b")
+        assert ("proof" in hows) == (schedule == "1f1b")
+        assert ("searched" in hows) == (schedule != "interleaved")
+        zero = {c["options"]["zero_bubble"] for c in choices if c["how"] != "dominated"}
+        assert zero == {schedule == "zb-h1"}
     # a list of modes
     code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
     assert code == 0, err
@@ -330,3 +359,82 @@ def test_cli_profiled_model_keeps_its_profiled_knobs(capsys):
     assert json.loads(out)["cost_source"] == "profiles"
     code, _, err = _cli(capsys, *argv, "--recompute", "auto")
     assert code == 2 and "profiles measured one training" in err
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_zero_bubble_stage_bounds_are_below_every_prediction(model_files, name):
+    """The proof's per-stage bounds under ZB-H1 (no gradient chain, no
+    blocking sends, no 1F1B warm-up or link bound) hold on every plan that
+    fits, with uneven TP degrees too; and the table-free work bound."""
+    _, pool, gbs, options = SETTINGS[name]
+    checked = tight = 0
+    for recompute in ("none", "full"):
+        knobs = dataclasses.replace(options, zero_bubble=True, recompute=recompute)
+        choice = choose_cost_source(model_files[name], pool, options=knobs)
+        # uneven TP degrees where the space is small (66,168 plans otherwise)
+        uniform = name == "selective-wins"
+        found = _check_zero_bubble_bounds(choice, pool, gbs, uniform)
+        checked, tight = checked + found[0], tight + found[1]
+    assert checked >= 4 and tight > checked / 4  # plans, and bounds that bite
+
+
+def _check_zero_bubble_bounds(choice, pool, gbs, uniform):
+    data, model = choice.data, choice.model
+    groups = config_groups(
+        data,
+        model,
+        choice.pool(pool),
+        gbs,
+        uniform_tp=uniform,
+        allow_fewer_gpus=True,
+        mbs_values=None,
+        max_stages=None,
+    )
+    bounds, work, checked, tight = {}, {}, 0, 0
+    for group in groups:
+        table = StageBounds(group, stage_bounds(data, model, C, group), C.op_overhead_s)
+        for tp in group.tps:  # uniform TP: a group per degree
+            bounds[(group.mbs, group.dp, tp)] = table
+            work[(group.mbs, group.dp, tp)] = (
+                least_work(data, model, C, group),
+                group.steps,
+            )
+    for plan, _ in enumerate_plans(
+        data, model, choice.pool(pool), gbs, C, uniform_tp=uniform
+    ):
+        prediction = predict_plan(plan, data, constants=C)
+        if not prediction.fits_memory:
+            continue
+        first = plan.stages[0].replicas[0]
+        table = bounds[(plan.mbs, plan.dp, first.tp)]
+        left = sum(stage.replicas[0].tp for stage in plan.stages)
+        largest = -math.inf
+        for stage in plan.stages:
+            tp = stage.replicas[0].tp
+            largest = max(largest, table.weights(tp, left)[stage.start, stage.stop])
+            left -= tp
+        assert largest <= prediction.iteration_time_s * (1 + 1e-12)
+        least, steps = work[(plan.mbs, plan.dp, first.tp)]
+        gpus = sum(stage.replicas[0].tp for stage in plan.stages)
+        assert steps * least / gpus <= prediction.iteration_time_s * (1 + 1e-12)
+        checked += 1
+        tight += largest >= 0.9 * prediction.iteration_time_s
+    return checked, tight
+
+
+def test_zero_bubble_needs_the_weight_gradient_split():
+    """Profiles give no weight-gradient time: a plan priced by them is refused
+    under ZB-H1, in one line; the knob search prices such a model analytically
+    (and says so)."""
+    data = load_sailor_data()
+    plan, _ = next(iter(enumerate_plans(data, "OPT-350", {"RTX-2080": 4}, 8, C)))
+    with pytest.raises(ProblemError, match="weight-gradient"):
+        predict_plan(plan, data, constants=C, zero_bubble=True)
+    result = plan_with_knobs(
+        "OPT-350",
+        {"RTX-2080": 4},
+        8,
+        space=KnobSpace.fixed(TrainingOptions(zero_bubble=True)),
+    )
+    assert result.choice.analytical and result.result.options.zero_bubble
+    assert "analytical model" in result.choice.notes[0]

@@ -88,7 +88,10 @@ def add_knob_options(parser: Any) -> None:
         "--schedule",
         choices=("auto", *SCHEDULES),
         help="pipeline schedule to search: 1f1b, interleaved (Megatron-LM's "
-        "interleaved 1F1B, equal chunks) or auto, both (default: auto for a "
+        "interleaved 1F1B, equal chunks), zb-h1 (the zero-bubble ZB-H1: "
+        "backward split into input- and weight-gradient passes; torchtitan's "
+        "InterleavedZeroBubble with one stage per rank) or auto, all three "
+        "(default: auto for a "
         "model priced by the analytical model; 1f1b for a Sailor model priced "
         "by its profiles)",
     )
@@ -344,7 +347,12 @@ def format_comparison(comparison: RunComparison, best_report: str) -> str:
     chunks = given.options.virtual_stages
     lines = [
         "--- your launch ---",
-        format_prediction(given.plan, given.prediction, chunks),
+        format_prediction(
+            given.plan,
+            given.prediction,
+            chunks,
+            zero_bubble=given.options.zero_bubble,
+        ),
         f"{given.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * given.mfu:.1f}%; "
         f"costs: {given.cost_source}",
         "",

@@ -232,7 +232,14 @@ def _predict(args: argparse.Namespace) -> int:
         out.update(cost_source=cost_source, options=choice.options.to_json())
         print(json.dumps(out))
     else:
-        print(format_prediction(plan, prediction, choice.options.virtual_stages))
+        print(
+            format_prediction(
+                plan,
+                prediction,
+                choice.options.virtual_stages,
+                zero_bubble=choice.options.zero_bubble,
+            )
+        )
         if choice.analytical:
             print(costs_line(choice, cost_source))
             for note in choice.notes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pipedejavu.planning.knob_space import schedule_name
+
 __all__ = [
     "format_knobs",
     "format_prediction",
@@ -14,7 +16,9 @@ __all__ = [
 GB = 1e9
 
 
-def format_prediction(plan, prediction, virtual_stages: int = 1) -> str:
+def format_prediction(
+    plan, prediction, virtual_stages: int = 1, *, zero_bubble: bool = False
+) -> str:
     """The text report of ``pipedejavu predict``."""
     breakdown = prediction.to_json()["breakdown"]
     schedule = (
@@ -22,6 +26,8 @@ def format_prediction(plan, prediction, virtual_stages: int = 1) -> str:
         if virtual_stages == 1
         else f"Megatron's interleaved 1F1B, {virtual_stages} chunks per stage"
     )
+    if zero_bubble:
+        schedule = "ZB-H1 zero bubble"
     lines = [
         f"plan: {plan.model}, {plan.describe()}, "
         f"{prediction.num_microbatches} micro-batches per pipeline",
@@ -87,7 +93,9 @@ def format_training_plan(result) -> str:
         *objective,
         proof_line(result),
         f"search time: {result.search_time_s:.3f} s",
-        format_prediction(plan, prediction, chunks).split("\n", 1)[1],
+        format_prediction(
+            plan, prediction, chunks, zero_bubble=result.options.zero_bubble
+        ).split("\n", 1)[1],
     ]
     return "\n".join(lines)
 
@@ -136,14 +144,9 @@ def format_knobs(knobs) -> str:
     """How each choice of knobs of a :class:`~pipedejavu.planning.knobs.KnobPlan`
     was settled, a line each."""
     options = knobs.result.options
-    schedule = (
-        f"interleaved 1F1B ({options.virtual_stages} chunks)"
-        if options.virtual_stages > 1
-        else "1F1B"
-    )
     lines = [
-        f"knobs: {schedule}, recompute {options.recompute}, sequence parallel "
-        f"{_on(options.sequence_parallel)}, distributed optimizer "
+        f"knobs: {schedule_name(options)}, recompute {options.recompute}, "
+        f"sequence parallel {_on(options.sequence_parallel)}, distributed optimizer "
         f"{_on(options.distributed_optimizer)} (searched: "
         f"{knobs.space.describe()})"
     ]
@@ -153,6 +156,7 @@ def format_knobs(knobs) -> str:
             continue
         o = outcome.options
         schedule = "interleaved" if outcome.how == "interleaved" else "1F1B"
+        schedule = "ZB-H1" if o.zero_bubble else schedule
         name = (
             f"  {schedule}, recompute {o.recompute}, SP "
             f"{_on(o.sequence_parallel)}, dist-opt {_on(o.distributed_optimizer)}: "

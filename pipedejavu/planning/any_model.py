@@ -248,7 +248,8 @@ def _choose_profiled(
     else:
         note = (
             f"the {model} profiles measured fp32 training without recomputation "
-            f"at {_profiled_spec(model, None).seq_length} tokens per sample: "
+            "under 1F1B (the backward whole) at "
+            f"{_profiled_spec(model, None).seq_length} tokens per sample: "
             "priced by the analytical model instead"
         )
     source = AnalyticalSource(

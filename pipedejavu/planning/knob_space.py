@@ -16,11 +16,19 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.planning.training import finite_or_none
 
-__all__ = ["SCHEDULES", "KnobOutcome", "KnobSpace"]
+__all__ = ["SCHEDULES", "KnobOutcome", "KnobSpace", "schedule_name"]
 
 _ON_OFF = (True, False)
 #: The pipeline schedules searched.
-SCHEDULES = ("1f1b", "interleaved")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def schedule_name(options: TrainingOptions) -> str:
+    """The schedule ``options`` run, for a report: ``1F1B``, ``interleaved 1F1B
+    (V chunks)`` or ``ZB-H1``."""
+    if options.virtual_stages > 1:
+        return f"interleaved 1F1B ({options.virtual_stages} chunks)"
+    return "ZB-H1" if options.zero_bubble else "1F1B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +44,10 @@ class KnobSpace:
         schedules: ``1f1b`` (DeepSpeed's and Megatron-LM's non-interleaved
             1F1B, any stages) and ``interleaved`` (Megatron-LM's interleaved
             1F1B, ``V >= 2`` equal chunks per rank:
-            :mod:`pipedejavu.search.megatron.interleaved`).
+            :mod:`pipedejavu.search.megatron.interleaved`) and ``zb-h1`` (the
+            zero-bubble schedule ZB-H1, any stages:
+            :mod:`pipedejavu.simulation.zero_bubble`; priced analytically only,
+            profiles do not split the backward).
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
@@ -74,13 +85,18 @@ class KnobSpace:
 
     @classmethod
     def fixed(cls, options: TrainingOptions) -> KnobSpace:
-        """The one choice ``options`` makes (its schedule: 1F1B, or
-        interleaved when ``options.virtual_stages > 1``)."""
+        """The one choice ``options`` makes (its schedule: 1F1B, interleaved
+        when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``)."""
+        schedule = "1f1b"
+        if options.virtual_stages > 1:
+            schedule = "interleaved"
+        elif options.zero_bubble:
+            schedule = "zb-h1"
         return cls(
             (options.recompute,),
             (options.sequence_parallel,),
             (options.distributed_optimizer,),
-            ("interleaved",) if options.virtual_stages > 1 else ("1f1b",),
+            (schedule,),
         )
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
@@ -114,6 +130,8 @@ class KnobSpace:
                     recompute_num_layers=None,
                     sequence_parallel=sp,
                     distributed_optimizer=dist,
+                    virtual_stages=1,
+                    zero_bubble=False,
                 )
             )
         return out
@@ -145,8 +163,9 @@ class KnobOutcome:
         how: ``searched`` (full search and proof), ``proof`` (the proof's
             branch and bound with the cutoff), ``infeasible`` (no plan fits),
             ``dominated`` (the distributed optimizer's rule, module docstring)
-            or ``interleaved`` (the interleaved schedule's branch and bound,
-            with the cutoff).
+            ``interleaved`` (the interleaved schedule's branch and bound,
+            with the cutoff) or ``zero-bubble`` (the proof's branch and bound on
+            the ZB-H1 predictor, with the cutoff).
         best_s: the best predicted time found in this choice (``nan``: none
             found, or none below the cutoff).
         cutoff_s: the best predicted time before this choice (``inf`` first).

@@ -1,6 +1,6 @@
-"""Plans over the training knobs: the pipeline schedule, activation
-recomputation, sequence parallelism and the distributed optimizer, searched
-with the plan and proven.
+"""Plans over the training knobs: the pipeline schedule (1F1B, interleaved
+1F1B, ZB-H1), activation recomputation, sequence parallelism and the
+distributed optimizer, searched with the plan and proven.
 
 Each choice of knobs is a :class:`~pipedejavu.core.training_options.TrainingOptions`
 that compiles into its own cost source (the same problem, objective, predictor and
@@ -16,12 +16,15 @@ sequence parallelism and the distributed optimizer on before off):
    branch and bound on the predictor over its few equal-chunk plans) with the
    best predicted time so far as its cutoff; a faster plan becomes the
    incumbent;
-3. every other 1F1B choice: the proof's branch and bound alone
-   (:func:`~pipedejavu.search.megatron.certify.certify_predicted`), with the best
-   predicted time so far as its cutoff. Its configurations whose lower bound
-   reaches the cutoff are settled at once; a plan it finds below the cutoff
-   becomes the incumbent (step 2 first: an interleaved incumbent is often
-   faster, which settles more configurations here);
+3. the zero-bubble schedule ZB-H1 for every choice, then every other 1F1B
+   choice: the proof's branch and bound alone
+   (:func:`~pipedejavu.search.megatron.certify.certify_predicted`, on the
+   choice's own predictor and bounds), with the best predicted time so far as
+   its cutoff. Its configurations whose lower bound reaches the cutoff are
+   settled at once; a plan it finds below the cutoff becomes the incumbent
+   (step 2 first: an interleaved incumbent is often faster, which settles more
+   configurations here). A space without 1F1B searches its first ZB-H1 choice
+   in full in step 1 instead;
 4. if the winning choice was settled by the proof alone, its full search runs
    once more so that the report holds its planning objective (its proof finds
    the same predicted optimum).
@@ -218,7 +221,12 @@ def search_knobs(
     space = space or KnobSpace()
     pool = parse_gpu_pool(gpus)
     check_global_batch(global_batch)
-    choices = [make_choice(knobs) for knobs in space.choices(base)]
+    knobs = space.choices(base)
+    one_f = [make_choice(k) for k in knobs] if "1f1b" in space.schedules else []
+    choices = one_f or [make_choice(k) for k in knobs]
+    zero = []
+    if "zb-h1" in space.schedules:
+        zero = [make_choice(dataclasses.replace(k, zero_bubble=True)) for k in knobs]
     first = choices[0]
     config = search_config(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
@@ -239,6 +247,12 @@ def search_knobs(
         )
 
     outcomes: list[KnobOutcome] = []
+    if zero and any(c.measured for c in zero):
+        raise ProblemError(
+            f"the zero-bubble schedule needs each layer's weight-gradient time, "
+            f"which {first.model}'s profiles do not give: price it analytically "
+            "(another --precision) or leave zb-h1 out of --schedule"
+        )
     if len(choices) > 1 and any(c.measured for c in choices):
         raise ProblemError(
             f"{first.model}'s profiles measured one training ("
@@ -249,8 +263,11 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
-    # 1. the first 1F1B choice that has a plan: the full search
-    pending = list(enumerate(choices)) if "1f1b" in space.schedules else []
+    # 1. the first 1F1B choice that has a plan: the full search (ZB-H1's when
+    # 1F1B is not in the space)
+    pending = list(enumerate(one_f or zero))
+    if not one_f:
+        zero = []
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
@@ -314,10 +331,20 @@ def search_knobs(
                     time.perf_counter() - tick,
                 )
             )
-    # 3. the other 1F1B choices: the proof's branch and bound with the cutoff
-    for index, choice in pending:
+    # 3. ZB-H1 per choice, then the other 1F1B choices: the proof's branch and
+    # bound with the cutoff
+    sequence = [(i, c, "zero-bubble") for i, c in enumerate(zero, 2 * len(knobs))]
+    sequence += [(i, c, "proof" if one_f else "zero-bubble") for i, c in pending]
+    for index, choice, how in sequence:
         tick = time.perf_counter()
-        assert state.best is not None  # step 1 found a plan (else nothing pends)
+        if state.best is None:
+            # Only ZB-H1 choices pend here (1F1B ones would have been searched):
+            # the same plans as 1F1B's with at least as many micro-batches in
+            # flight per stage (min(P, B) >= min(P - s, B)), so none fits.
+            outcomes.append(
+                KnobOutcome(choice.options, "infeasible", math.nan, math.inf, True, 0.0)
+            )
+            continue
         certificate = certify_predicted(
             choice.data,
             choice.model,
@@ -349,7 +376,7 @@ def search_knobs(
         outcomes.append(
             KnobOutcome(
                 choice.options,
-                "proof",
+                how,
                 found.iteration_time_s if beats else math.nan,
                 cutoff,
                 certificate.proven,

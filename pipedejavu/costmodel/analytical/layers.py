@@ -31,6 +31,10 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.ops import (
     MASK_BYTES,
+    Collective,
+    Gemm,
+    LayerPass,
+    MemoryOp,
     PassOptions,
     attention_core_forward_ops,
     block_backward_ops,
@@ -50,12 +54,15 @@ from pipedejavu.costmodel.analytical.roofline import (
 )
 
 __all__ = [
+    "WEIGHT_GRADIENT_OPS",
     "Recompute",
     "activation_bytes",
     "analytical_layer_times",
     "attention_core_forward_seconds",
     "block_forward_seconds",
+    "is_weight_gradient",
     "layer_output_bytes",
+    "weight_gradient_seconds",
 ]
 
 Recompute = Literal["none", "selective", "full"]
@@ -162,6 +169,56 @@ def analytical_layer_times(
         row[0], row[-1] = first[index], last[index]
         out.append(row)
     return out[0], out[1], out[2]
+
+
+#: Backward operations that compute or accumulate weight gradients (the
+#: ``W`` pass of a zero-bubble schedule); the rest of a backward is its ``B``.
+WEIGHT_GRADIENT_OPS = ("grad_accumulate", "word_scatter_add")
+
+
+def is_weight_gradient(op: Gemm | MemoryOp | Collective) -> bool:
+    """A weight-gradient GEMM (``*.wgrad``) or :data:`WEIGHT_GRADIENT_OPS`."""
+    return op.name.endswith(".wgrad") or op.name in WEIGHT_GRADIENT_OPS
+
+
+def weight_gradient_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    flash_attention: bool = True,
+    sequence_parallel: bool = False,
+    attention_dropout: bool = False,
+    query_key_layer_scaling: bool = False,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> NDArray[np.float64]:
+    """f64[L + 2] seconds of each layer's weight-gradient operations
+    (:func:`is_weight_gradient`): the part of :func:`analytical_layer_times`'
+    backward that a zero-bubble schedule runs as its ``W`` pass (the roofline
+    prices each operation on its own, so the two parts add up to the backward).
+
+    Args and Raises: as :func:`analytical_layer_times`.
+    """
+    opts = _options(
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention,
+        sequence_parallel,
+        attention_dropout,
+        query_key_layer_scaling,
+    )
+
+    def seconds(ops: LayerPass) -> float:
+        return pass_seconds([o for o in ops if is_weight_gradient(o)], gpu, constants)
+
+    row = np.full(spec.num_layers + 2, seconds(block_backward_ops(spec, opts)))
+    row[0] = seconds(embedding_backward_ops(spec, opts))
+    row[-1] = seconds(head_backward_ops(spec, opts))
+    return row
 
 
 def attention_core_forward_seconds(

@@ -46,6 +46,7 @@ from pipedejavu.costmodel.analytical.layers import (
     analytical_layer_times,
     attention_core_forward_seconds,
     layer_output_bytes,
+    weight_gradient_seconds,
 )
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
@@ -276,6 +277,15 @@ class AnalyticalSource:
             core = attention_core_forward_seconds(
                 spec, entry, mbs, tp, precision, **kwargs
             )
+            weight = weight_gradient_seconds(
+                spec,
+                entry,
+                mbs,
+                tp,
+                precision,
+                sequence_parallel=options.sequence_parallel,
+                **kwargs,
+            )
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
         backward = backward.copy()
@@ -287,9 +297,10 @@ class AnalyticalSource:
         per_param = float(update[1]) / max(float(info.params[tp][1]), 1.0)
         profiling = profiling_params(info, tp)
         forward, backward = self._split_head(forward), self._split_head(backward)
+        weight = self._split_head(weight)
         update_s = np.full(len(forward), per_param * profiling)
         self._sources[(gpu, mbs, tp)] = "analytical"
-        return LayerTimes(forward, backward, update_s)
+        return LayerTimes(forward, backward, update_s, weight_grad=weight)
 
     def _split_head(self, row: np.ndarray, norm: float = 0.0) -> np.ndarray:
         """A profile whose final norm and LM head are two layers: the head's

@@ -97,6 +97,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     SailorData,
     load_sailor_data,
 )
+from pipedejavu.costmodel.megatron.zero_bubble import zero_bubble_pipelines
 from pipedejavu.simulation.simulate import simulate
 
 __all__ = ["Prediction", "predict_plan"]
@@ -211,6 +212,7 @@ def predict_plan(
     model: str | None = None,
     constants: PredictorConstants | None = None,
     virtual_stages: int | None = None,
+    zero_bubble: bool | None = None,
 ) -> Prediction:
     """Predict a plan's iteration time and memory (module docstring).
 
@@ -223,6 +225,9 @@ def predict_plan(
         virtual_stages: model chunks per pipeline rank (``V > 1``: Megatron-LM's
             interleaved 1F1B, :mod:`pipedejavu.costmodel.megatron.interleaving`;
             ``None``: ``data.options.virtual_stages``).
+        zero_bubble: the ZB-H1 schedule
+            (:mod:`pipedejavu.costmodel.megatron.zero_bubble`; ``None``:
+            ``data.options.zero_bubble``).
 
     Raises:
         ProblemError: the plan does not fit the model, or names a GPU type or an
@@ -326,11 +331,23 @@ def predict_plan(
         forward, backward = interleaved.forward_s, interleaved.backward_s
         activation = gradient = interleaved.transfer_s[:-1]
 
+    if zero_bubble is None:
+        zero_bubble = data.options.zero_bubble
+    zero = None
+    if zero_bubble:
+        if interleaved is not None:
+            raise ProblemError(
+                "the zero-bubble schedule (ZB-H1) runs one model chunk per rank, "
+                f"not {virtual_stages}"
+            )
+        transfer = np.maximum(activation, gradient)
+        zero = zero_bubble_pipelines(plan, times, overhead, forward, backward, transfer)
+
     ends = np.zeros((num_stages, dp))
     busy = 0.0
     peak = np.zeros(num_stages, dtype=np.int64)
     simulated: dict[bytes, Any] = {}  # pipelines with the same inputs agree
-    for j in range(dp if interleaved is None else 0):
+    for j in range(dp if interleaved is None and zero is None else 0):
         columns = (forward[:, j], backward[:, j], activation[:, j], gradient[:, j])
         key = b"".join(c.tobytes() for c in columns) + blocking[:, j].tobytes()
         if key not in simulated:
@@ -360,6 +377,8 @@ def predict_plan(
     if interleaved is not None:
         ends, busy = interleaved.ends, interleaved.busy_s
         peak = interleaved.peak_in_flight
+    if zero is not None:
+        ends, busy, peak = zero.ends, zero.busy_s, zero.peak_in_flight
     pipeline = float(ends.max())
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
     bubble = min(max(bubble, 0.0), 1.0)  # -6.7e-16 is rounding, not a bubble

@@ -97,11 +97,15 @@ class LayerTimes:
         update: f64[L + 2] seconds of the optimizer step of the profiling model
             (the same value repeated; see
             :mod:`pipedejavu.costmodel.megatron.predictor`).
+        weight_grad: f64[L + 2] the part of ``backward`` that computes and
+            accumulates weight gradients (what a zero-bubble schedule defers),
+            or ``None`` where the source does not split it (profiles).
     """
 
     forward: NDArray[np.float64]
     backward: NDArray[np.float64]
     update: NDArray[np.float64]
+    weight_grad: NDArray[np.float64] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

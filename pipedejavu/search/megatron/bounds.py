@@ -122,6 +122,11 @@ def kind_bounds(
     info = data.model_info(model)
     num_layers = info.num_layers
     overhead = constants.op_overhead_s
+    # ZB-H1 (the source's options): sends do not block, each stage runs a third
+    # command per micro-batch, and a stage's last command may be a W pass
+    # after which no other stage waits: the gradient-chain, link and warm-up
+    # bounds (1F1B's) are left out, the others hold (certify's docstring).
+    zero_bubble = bool(data.options.zero_bubble)
     times = kind_times(data, model, constants, kinds, mbs)
     layers = layer_bounds(times, overhead)
     before_f, before_b, after_fb = layers
@@ -131,9 +136,9 @@ def kind_bounds(
     transfers = blocking_transfers(data, model, constants, kinds, mbs, dp, cache)
     sends, receives = transfers.sends, transfers.receives
     links = link_rows(transfers.links, layers, times, steps)
-    if not with_sends or placed is not None:  # the caller adds them
+    if not with_sends or placed is not None or zero_bubble:  # the caller adds them
         sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
-    if placed is not None:
+    if placed is not None or zero_bubble:
         receives = {kind: np.zeros_like(row) for kind, row in receives.items()}
     out = {}
     for kind in kinds:
@@ -142,7 +147,7 @@ def kind_bounds(
         entry = times[kind]
         stage_f = span_sums(entry.forward, starts, stops) + overhead
         compute = span_sums(entry.forward + entry.backward, starts, stops)
-        compute = compute + 2 * overhead
+        compute = compute + (3 if zero_bubble else 2) * overhead
         busy = compute.copy()
         busy += np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
         busy += np.where(
@@ -176,19 +181,21 @@ def kind_bounds(
             gpu,
         )
         head = before_f[starts] + steps * busy
-        last = np.maximum(tail, before_b[starts])
+        last = tail if zero_bubble else np.maximum(tail, before_b[starts])
         shape = (num_layers + 1, num_layers + 1)
         w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
         late, fwd = np.full(shape, np.inf), np.zeros(shape)
         w[starts, stops] = head + last
-        if with_sends:  # the boundary after the stage, least over the next kind
+        if with_sends and not zero_bubble:  # the boundary after the stage
             least = np.min([links[(kind, other)] for other in kinds], axis=0)
             w = np.maximum(w, least[None, :])
         cap[starts, stops] = np.minimum(fits, float(steps))
-        # The warm-up bound less k forwards (see StageBounds.weights).
+        # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
         late[starts, stops] = (
             before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
         )
+        if zero_bubble:
+            late[starts, stops] = -np.inf
         fwd[starts, stops] = stage_f
         out[kind] = StageTable(w, cap, late, fwd)
     return out

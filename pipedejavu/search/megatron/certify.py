@@ -25,7 +25,13 @@ docstring of :mod:`pipedejavu.costmodel.megatron.predictor`):
   last backward; the tied-embedding all-reduce only adds.
 
 So ``predicted(plan) >= max_s w(a_s, b_s, tp_s)`` with ``w = max(F + B busy +
-tail, F + B busy + G)``. Memory: DeepSpeed's 1F1B warm-up keeps at least
+tail, F + B busy + G)``. Under the ZB-H1 schedule (the source's
+``options.zero_bubble``) a stage's backward is split in ``B`` and ``W``, its
+sends do not block and its last command may be a ``W`` that no stage waits
+for: ``w = F + B busy + tail`` with ``busy`` its forward, backward and three
+overheads (the transfers' and warm-up bounds below are 1F1B's and left out);
+its peak in flight is ``min(P, B)``, at least 1F1B's, so the memory rule
+holds. Memory: DeepSpeed's 1F1B warm-up keeps at least
 ``min(stages after + 1, B)`` micro-batches in flight on a stage at its peak (the
 simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it), so
 a stage whose model state, largest bucket, reserve and that many stashes exceed
@@ -216,6 +222,11 @@ def certify_predicted(
             best)`` is a lower bound on every plan at that moment).
     """
     started = time.perf_counter()
+    if data.options.zero_bubble and mixed_types and uniform_tp and len(gpus) > 1:
+        raise ProblemError(
+            "the zero-bubble schedule's bounds cover plans on one GPU type; "
+            "search mixed GPU types with the 1F1B schedule"
+        )
     best_prediction = predict_plan(incumbent, data, constants=constants)
     best_plan = incumbent
     best = best_prediction.iteration_time_s if best_prediction.fits_memory else math.inf
