@@ -35,7 +35,7 @@ from pipedejavu.planning.any_model import (
     choose_cost_source,
     predict_any_plan,
 )
-from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
+from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, SCHEDULES, KnobSpace
 from pipedejavu.planning.launch_compare import (
     SEARCH_SPACE_NOTE,
     RunComparison,
@@ -91,9 +91,9 @@ def add_knob_options(parser: Any) -> None:
         "interleaved 1F1B, equal chunks), zb-h1 (the zero-bubble ZB-H1: "
         "backward split into input- and weight-gradient passes; torchtitan's "
         "InterleavedZeroBubble with one stage per rank) or auto, all three "
-        "(default: auto for a "
-        "model priced by the analytical model; 1f1b for a Sailor model priced "
-        "by its profiles)",
+        "(with --megatron-args: the two Megatron-LM runs) (default: auto for "
+        "a model priced by the analytical model; 1f1b for a Sailor model "
+        "priced by its profiles)",
     )
     parser.add_argument(
         "--recompute",
@@ -134,11 +134,15 @@ def knobs_asked(args: argparse.Namespace) -> bool:
     )
 
 
-def knob_space(args: argparse.Namespace, auto: KnobSpace) -> KnobSpace:
+def knob_space(
+    args: argparse.Namespace,
+    auto: KnobSpace,
+    schedules: tuple[str, ...] = SCHEDULES,
+) -> KnobSpace:
     """The knobs ``plan`` searches: each knob flag given, else ``auto``'s
     values (every value for a model priced by the analytical model alone; the
     profiled value for a model priced by its profiles, where they cover its
-    GPUs)."""
+    GPUs); ``--schedule auto`` means ``schedules``."""
     return KnobSpace(
         tuple(args.recompute) if args.recompute else auto.recompute,
         _ON_OFF[args.sequence_parallel]
@@ -147,12 +151,12 @@ def knob_space(args: argparse.Namespace, auto: KnobSpace) -> KnobSpace:
         _ON_OFF[args.distributed_optimizer]
         if args.distributed_optimizer
         else auto.distributed_optimizer,
-        _schedules(args.schedule) if args.schedule else auto.schedules,
+        _schedules(args.schedule, schedules) if args.schedule else auto.schedules,
     )
 
 
-def _schedules(value: str | None) -> tuple[str, ...]:
-    return SCHEDULES if value in (None, "auto") else (value,)
+def _schedules(value: str, auto: tuple[str, ...]) -> tuple[str, ...]:
+    return auto if value == "auto" else (value,)
 
 
 def add_training_options(parser: Any, *, knobs: bool = False) -> None:
@@ -328,7 +332,10 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch {args.global_batch} contradicts the launch's "
                 f"--global-batch-size {run.global_batch}"
             )
-    space = knob_space(args, KnobSpace())
+    # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
+    space = knob_space(
+        args, KnobSpace(schedules=MEGATRON_SCHEDULES), MEGATRON_SCHEDULES
+    )
     return compare_megatron_run(
         run,
         gpu,

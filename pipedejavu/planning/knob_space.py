@@ -16,11 +16,19 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.planning.training import finite_or_none
 
-__all__ = ["SCHEDULES", "KnobOutcome", "KnobSpace", "schedule_name"]
+__all__ = [
+    "MEGATRON_SCHEDULES",
+    "SCHEDULES",
+    "KnobOutcome",
+    "KnobSpace",
+    "schedule_name",
+]
 
 _ON_OFF = (True, False)
 #: The pipeline schedules searched.
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+#: Those Megatron-LM runs (it has no flag for ZB-H1).
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 
 
 def schedule_name(options: TrainingOptions) -> str:

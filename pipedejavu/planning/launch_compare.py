@@ -23,7 +23,7 @@ from pipedejavu.costmodel.analytical.source import (
 )
 from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.planning.any_model import CostChoice
-from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, search_knobs
 from pipedejavu.planning.megatron_launch import (
     LaunchPrediction,
@@ -99,7 +99,8 @@ def compare_megatron_run(
         gpu_type: a GPU type of ``sheet`` (its canonical name).
         num_gpus: GPUs of the launch (the best plan may use fewer).
         sheet: the GPU sheet.
-        space: the knobs searched (``None``: all).
+        space: the knobs searched (``None``: all, with the schedules Megatron-LM
+            runs: :data:`~pipedejavu.planning.knob_space.MEGATRON_SCHEDULES`).
         **plan_options: passed to :func:`~pipedejavu.planning.knobs.
             search_knobs` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
 
@@ -121,7 +122,7 @@ def compare_megatron_run(
         base,
         {gpu: num_gpus},
         given.plan.gbs,
-        space=space,
+        space=space or KnobSpace(schedules=MEGATRON_SCHEDULES),
         **plan_options,
     )
     return RunComparison(given, knobs, knobs.choice.data)
