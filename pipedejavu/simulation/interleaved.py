@@ -56,6 +56,7 @@ from numpy.typing import ArrayLike, NDArray
 __all__ = [
     "InterleavedResult",
     "Op",
+    "checked_array",
     "interleaved_order",
     "peak_in_flight_count",
     "simulate_interleaved",
@@ -332,7 +333,14 @@ class InterleavedResult:
         return self.forward.shape[1]
 
 
-def _grid(value: ArrayLike, name: str, shape: tuple[int, ...]) -> NDArray[np.float64]:
+def checked_array(
+    value: ArrayLike, name: str, shape: tuple[int, ...]
+) -> NDArray[np.float64]:
+    """``value`` as f64 of ``shape``, finite and >= 0.
+
+    Raises:
+        ValueError: naming ``name``, what was expected and what arrived.
+    """
     array = np.asarray(value)
     if array.dtype == object or not (
         np.issubdtype(array.dtype, np.floating)
@@ -400,17 +408,17 @@ def simulate_interleaved(
     orders = [
         interleaved_order(r, num_ranks, num_chunks, count) for r in range(num_ranks)
     ]
-    forward = _grid(forward, "forward", shape)
-    backward = _grid(backward, "backward", shape)
+    forward = checked_array(forward, "forward", shape)
+    backward = checked_array(backward, "backward", shape)
     links = (
         np.zeros(num_ranks)
         if transfer is None
-        else _grid(transfer, "transfer", (num_ranks,))
+        else checked_array(transfer, "transfer", (num_ranks,))
     )
     memory = (
         None
         if memory_per_microbatch is None
-        else _grid(memory_per_microbatch, "memory_per_microbatch", shape)
+        else checked_array(memory_per_microbatch, "memory_per_microbatch", shape)
     )
     grids = run_interleaved(
         forward.tolist(), backward.tolist(), links.tolist(), orders, count

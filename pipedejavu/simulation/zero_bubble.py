@@ -42,7 +42,7 @@ import dataclasses
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from pipedejavu.simulation.interleaved import Op, run_interleaved
+from pipedejavu.simulation.interleaved import Op, checked_array, run_interleaved
 
 __all__ = ["ZeroBubbleResult", "simulate_zero_bubble", "zero_bubble_order"]
 
@@ -111,25 +111,6 @@ class ZeroBubbleResult:
     peak_memory: NDArray[np.float64] | None
 
 
-def _row(value: ArrayLike, name: str, size: int) -> NDArray[np.float64]:
-    array = np.asarray(value)
-    if array.dtype == object or not (
-        np.issubdtype(array.dtype, np.floating)
-        or np.issubdtype(array.dtype, np.integer)
-    ):
-        raise ValueError(f"{name} must be numeric, got dtype {array.dtype}")
-    if array.shape != (size,):
-        raise ValueError(f"{name} must have shape ({size},), got {array.shape}")
-    array = array.astype(np.float64)
-    bad = ~np.isfinite(array) | (array < 0)
-    if bad.any():
-        index = int(np.argwhere(bad)[0][0])
-        raise ValueError(
-            f"{name} must be finite and >= 0, got {array[index]} at {index}"
-        )
-    return array
-
-
 def simulate_zero_bubble(
     forward: ArrayLike,
     input_grad: ArrayLike,
@@ -165,12 +146,12 @@ def simulate_zero_bubble(
         raise ValueError(f"forward must have shape (P,) with P >= 1, got {array.shape}")
     ranks = array.size
     count = _count(num_microbatches, "num_microbatches", 1)
-    f = _row(forward, "forward", ranks)
-    b = _row(input_grad, "input_grad", ranks)
-    w = _row(weight_grad, "weight_grad", ranks)
+    f = checked_array(forward, "forward", (ranks,))
+    b = checked_array(input_grad, "input_grad", (ranks,))
+    w = checked_array(weight_grad, "weight_grad", (ranks,))
     links = np.zeros(ranks)
     if transfer is not None:
-        links[:-1] = _row(transfer, "transfer", ranks - 1)
+        links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
     orders = [zero_bubble_order(r, ranks, count) for r in range(ranks)]
     grids = run_interleaved(
         f[:, None].tolist(),
@@ -191,7 +172,9 @@ def simulate_zero_bubble(
     peak = np.cumsum(signs, axis=1).max(axis=1).astype(np.int64)
     memory = None
     if memory_per_microbatch is not None:
-        memory = peak * _row(memory_per_microbatch, "memory_per_microbatch", ranks)
+        memory = peak * checked_array(
+            memory_per_microbatch, "memory_per_microbatch", (ranks,)
+        )
     return ZeroBubbleResult(
         num_microbatches=count,
         iteration_time=iteration,

@@ -163,12 +163,17 @@ def analytical_layer_times(
             constants,
         ),
     )
-    out = []
-    for index in range(3):
-        row = np.full(spec.num_layers + 2, block[index], dtype=np.float64)
-        row[0], row[-1] = first[index], last[index]
-        out.append(row)
-    return out[0], out[1], out[2]
+    rows = [_layer_row(spec, block[k], first[k], last[k]) for k in range(3)]
+    return rows[0], rows[1], rows[2]
+
+
+def _layer_row(
+    spec: TransformerSpec, block: float, first: float, last: float
+) -> NDArray[np.float64]:
+    """f64[L + 2]: the embedding's value, the blocks', the LM head's."""
+    row = np.full(spec.num_layers + 2, block, dtype=np.float64)
+    row[0], row[-1] = first, last
+    return row
 
 
 #: Backward operations that compute or accumulate weight gradients (the
@@ -215,10 +220,12 @@ def weight_gradient_seconds(
     def seconds(ops: LayerPass) -> float:
         return pass_seconds([o for o in ops if is_weight_gradient(o)], gpu, constants)
 
-    row = np.full(spec.num_layers + 2, seconds(block_backward_ops(spec, opts)))
-    row[0] = seconds(embedding_backward_ops(spec, opts))
-    row[-1] = seconds(head_backward_ops(spec, opts))
-    return row
+    return _layer_row(
+        spec,
+        seconds(block_backward_ops(spec, opts)),
+        seconds(embedding_backward_ops(spec, opts)),
+        seconds(head_backward_ops(spec, opts)),
+    )
 
 
 def attention_core_forward_seconds(

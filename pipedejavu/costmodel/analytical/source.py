@@ -264,27 +264,14 @@ class AnalyticalSource:
             query_key_layer_scaling=self.query_key_layer_scaling,
             constants=self.constants,
         )
+        args = (spec, entry, mbs, tp, precision)
         try:
             forward, backward, update = analytical_layer_times(
-                spec,
-                entry,
-                mbs,
-                tp,
-                precision,
-                sequence_parallel=options.sequence_parallel,
-                **kwargs,
+                *args, sequence_parallel=options.sequence_parallel, **kwargs
             )
-            core = attention_core_forward_seconds(
-                spec, entry, mbs, tp, precision, **kwargs
-            )
+            core = attention_core_forward_seconds(*args, **kwargs)
             weight = weight_gradient_seconds(
-                spec,
-                entry,
-                mbs,
-                tp,
-                precision,
-                sequence_parallel=options.sequence_parallel,
-                **kwargs,
+                *args, sequence_parallel=options.sequence_parallel, **kwargs
             )
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
