@@ -177,6 +177,12 @@ def test_megatron_args_given_beside_best(capsys):
     assert out["cost_source"] == "analytical" and out["proven_optimal"]
     assert "interleaved schedules" in out["search_space"]
     assert {c["how"] for c in out["knobs"]["choices"]} >= {"searched", "interleaved"}
+    # the schedules Megatron-LM runs (no ZB-H1) unless asked
+    assert out["knobs"]["space"]["schedules"] == ["1f1b", "interleaved"]
+    assert not any(c["options"]["zero_bubble"] for c in out["knobs"]["choices"])
+    code, text, err = run(capsys, *argv, "--json", "--schedule", "zb-h1")
+    assert code == 0, err
+    assert json.loads(text)["options"]["zero_bubble"]
     code, text, _ = run(capsys, *argv)
     assert code == 0 and "speed-up x" in text and "--- your launch ---" in text
     # the knobs restrict the search: today's space is never faster
