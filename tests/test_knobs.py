@@ -329,6 +329,12 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
         assert ("searched" in hows) == (schedule != "interleaved")
         zero = {c["options"]["zero_bubble"] for c in choices if c["how"] != "dominated"}
         assert zero == {schedule == "zb-h1"}
+    # an export target: the schedules it launches (Megatron-LM has no ZB-H1)
+    code, out, err = _cli(capsys, *argv, "--export", "megatron")
+    assert code == 0, err
+    exported = json.loads(out)
+    assert exported["knobs"]["space"]["schedules"] == ["1f1b", "interleaved"]
+    assert exported["export"]["target"] == "megatron"
     # a list of modes
     code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
     assert code == 0, err
