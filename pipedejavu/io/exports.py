@@ -39,6 +39,9 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
   refused (the pipeline engine sets recomputation in code,
   ``activation_checkpoint_interval``, and has no sequence parallelism), and so
   is any schedule but 1F1B (its engine runs ``TrainSchedule``).
+* torchtitan carries the schedule (1F1B, interleaved, ZB-H1), full
+  recomputation, fp32 precision and sequence parallelism, and refuses what its
+  file cannot express exactly (:mod:`pipedejavu.io.export_torchtitan`).
 * The other targets, whose files carry no such settings, refuse any options
   but plain fp32 1F1B training.
 
@@ -48,7 +51,8 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
 gradients only inside the MoE expert-parallel overlap of one 1F1B step, which
 ``TransformerConfig`` requires) and by DeepSpeed (0.19.8's pipeline engine runs
 ``TrainSchedule`` with whole backward passes; its ``DualPipeVSchedule`` keeps
-the weight gradient inside ``BackwardPass`` too).
+the weight gradient inside ``BackwardPass`` too); torchtitan runs it as
+``InterleavedZeroBubble``.
 """
 
 from __future__ import annotations
@@ -182,13 +186,13 @@ def _build(
     if target == "megatron-deepspeed":
         data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
         return json.dumps(data, indent=1) + "\n"
+    if target == "torchtitan":
+        return to_torchtitan(plan, options)
     if not _plain(options):
         raise ExportRefused(
             f"{target}: its file carries no precision, recomputation, sharding or "
             "schedule settings, and the plan was priced with some"
         )
-    if target == "torchtitan":
-        return to_torchtitan(plan)
     if target == "alpa":
         gpu = plan.stages[0].replicas[0].gpu_type
         per_host = (gpus_per_node or {}).get(gpu)
