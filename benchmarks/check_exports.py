@@ -20,10 +20,17 @@ planner returned:
   engine's ``DeepSpeedConfig`` with the module's grid as ``mpu``. (The
   ``GPTModelPipe`` layer list is re-stated as in the tests; Megatron-DeepSpeed's
   own argument parser is not installed.)
-* torchtitan: ``ConfigManager`` on the TOML, ``ParallelDims`` and its mesh on
-  every rank (fake process group), ``pipeline_module_split`` of a small llama3
-  ``Transformer`` and ``build_pipeline_schedule``; for a refused plan, the
-  config it would need through ``parallelize_llama``.
+* torchtitan (``benchmarks/check_torchtitan.py``): ``ConfigManager`` on the
+  TOML, ``ParallelDims`` and its mesh on every rank (fake process group),
+  ``pipeline_module_split`` of a small llama3 ``Transformer`` and
+  ``build_pipeline_schedule``, the recomputation through ``apply_ac`` and the
+  precision through ``maybe_enable_amp``; for a refused plan, the config it
+  would need through ``parallelize_llama`` or the schedule, or torchtitan's
+  own code showing that it runs something else. Then the training knobs
+  (schedules 1F1B, Interleaved1F1B and InterleavedZeroBubble, recomputation,
+  TP with sequence parallelism, and the knobs it refuses) on even plans of 2
+  to 8 stages: each rank's parts and PyTorch's per-rank action order against
+  our simulators' (``--no-knobs`` skips them).
 * Alpa and Sailor: not installable here (Alpa needs jax 0.3 / CUDA; Sailor is
   not a package); their documented rules are checked by the tests.
 
@@ -43,15 +50,12 @@ Writes benchmarks/results/check_exports.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import logging
 import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -68,68 +72,24 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import test_export_targets as rules  # noqa: E402  (plans, hosts, re-stated maps)
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from check_torchtitan import (  # noqa: E402
+    Mismatch,
+    RealRejects,
+    check_rank_cover,
+    check_torchtitan,
+    expect,
+    fake_rank,
+    profile_of,
+    run_knobs,
+    silenced,
+    titan_rejects,
+)
 
 from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "check_exports.json"
 TARGETS = ("megatron", "deepspeed", "megatron-deepspeed", "torchtitan")
-
-
-class Mismatch(AssertionError):
-    """The real code built something else than the plan: a silent difference."""
-
-
-class RealRejects(Exception):
-    """The real code rejected an export we wrote."""
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world: int):
-    """One process of ``world`` on torch's fake process group."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def silenced():
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
-
-
-def expect(condition: bool, what: str) -> None:
-    if not condition:
-        raise Mismatch(what)
-
-
-def profile_of(plan, stage: int) -> list[int]:
-    return list(range(plan.stages[stage].start, plan.stages[stage].stop))
-
-
-def check_rank_cover(plan, coords: dict[int, tuple[int, int, int]], named) -> None:
-    """Every (stage, replica) holds ``tp`` ranks, TP ranks ``0..tp-1``, and a
-    rank's named GPU type is its replica's."""
-    tp = next(iter({r.tp for s in plan.stages for r in s.replicas}))
-    seen = Counter()
-    for rank, (stage, replica, tp_rank) in coords.items():
-        seen[(stage, replica)] += 1
-        expect(0 <= tp_rank < tp, f"rank {rank}: tp rank {tp_rank}")
-        if len(plan.gpus_by_type()) > 1:
-            gpu = plan.stages[stage].replicas[replica].gpu_type
-            expect(
-                named.get(rank) == gpu, f"rank {rank}: type {named.get(rank)} != {gpu}"
-            )
-    expect(
-        dict(seen)
-        == {(s, j): tp for s in range(plan.num_stages) for j in range(plan.dp)},
-        "ranks per replica",
-    )
 
 
 # ---------------------------------------------------------------- Megatron-LM
@@ -350,180 +310,6 @@ def deepspeed_rejects(plan) -> str:
     return ""
 
 
-# ----------------------------------------------------------------- torchtitan
-def titan_config(text: str | None, overrides: list[str] = ()):
-    from torchtitan.config import ConfigManager
-
-    args = list(overrides)
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(text or "")
-    try:
-        with silenced():
-            return ConfigManager().parse_args(["--job.config_file", f.name, *args])
-    finally:
-        os.unlink(f.name)
-
-
-def titan_dims(config, world: int):
-    from torchtitan.distributed import ParallelDims
-
-    p = config.parallelism
-    return ParallelDims(
-        dp_shard=p.data_parallel_shard_degree,
-        dp_replicate=p.data_parallel_replicate_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree,
-        etp=p.expert_tensor_parallel_degree,
-        world_size=world,
-    )
-
-
-def titan_model(blocks: int):
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-
-    args = TransformerModelArgs(dim=16, n_layers=blocks, n_heads=2, vocab_size=32,
-                                multiple_of=8, max_seq_len=16)  # fmt: skip
-    return Transformer(args)
-
-
-def check_torchtitan(plan, text: str) -> None:
-    from torchtitan.distributed.pipeline_parallel import (
-        build_pipeline_schedule,
-        pipeline_module_split,
-    )
-
-    try:
-        config = titan_config(text)
-        dims = titan_dims(config, plan.num_gpus)
-    except (AssertionError, ValueError, SystemExit) as error:
-        raise RealRejects(f"config: {error}") from None
-    world, last = plan.num_gpus, plan.num_layers - 1
-    training, par = config.training, config.parallelism
-    # train.py: gradient accumulation over the batch degree.
-    degree = dims.dp_replicate * dims.dp_shard
-    expect(training.global_batch_size % (training.local_batch_size * degree) == 0,
-           "train.py batch assertion")  # fmt: skip
-    accumulation = training.global_batch_size // (training.local_batch_size * degree)
-    model = titan_model(last - 1) if dims.pp_enabled else None
-    coords = {}
-    for rank in range(world):
-        with fake_rank(rank, world), silenced():
-            dims._meshes, dims._world_mesh = {}, None
-            dims.build_mesh()
-            stage = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
-            replica = (
-                dims.get_mesh("dp_replicate").get_local_rank()
-                if dims.dp_replicate_enabled
-                else 0
-            )
-            tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp_enabled else 0
-            coords[rank] = (stage, replica, tp_rank)
-            if dims.dp_replicate_enabled and not dims.fsdp_enabled:
-                # parallelize_llama: DDP only as the one parallelism.
-                if world != dims.get_mesh("dp_replicate").size():
-                    raise RealRejects("parallelize_llama: DDP > 1D")
-            if dims.pp_enabled:
-                stages, chunks = pipeline_module_split(
-                    model, dims.get_mesh("pp"), par.pipeline_parallel_schedule,
-                    torch.device("cpu"), par.module_fqns_per_model_part,
-                )  # fmt: skip
-                expect(len(chunks) == 1, "one stage per rank")
-                chunk = chunks[0]
-                built = [0] if chunk.tok_embeddings is not None else []
-                built += sorted(int(k) + 1 for k in chunk.layers.keys())
-                if chunk.norm is not None and chunk.output is not None:
-                    built.append(last)
-                else:
-                    expect(chunk.norm is None and chunk.output is None, "norm/output")
-                try:
-                    schedule = build_pipeline_schedule(config, stages, lambda *a: None)
-                except ValueError as error:
-                    raise RealRejects(f"build_pipeline_schedule: {error}") from None
-                micro = par.pipeline_parallel_microbatch_size
-                count = accumulation * schedule._n_microbatches
-            else:
-                built = list(range(plan.num_layers))
-                micro, count = training.local_batch_size, accumulation
-        expect(built == profile_of(plan, stage), f"rank {rank} builds {built}")
-        expect((micro, count) == (plan.mbs, plan.num_microbatches), "batch")
-    check_rank_cover(plan, coords, rules.types_by_rank(text))
-
-
-def torchtitan_rejects(plan) -> str:
-    """Why torchtitan cannot run a plan we refused, as planned: the config the
-    plan would need (unsharded replicas: dp_replicate = dp) through the real
-    ``ParallelDims`` and ``parallelize_llama``."""
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
-
-    if len(rules.tps(plan)) > 1:
-        return "one tensor_parallel_degree for all stages"
-    if plan.gbs % (plan.mbs * plan.dp):
-        return "train.py batch assertion"
-    tp = next(iter(rules.tps(plan)))
-    if plan.dp == 1 and plan.num_microbatches < plan.num_stages:
-        return titan_schedule_rejects(plan, tp)
-    overrides = [
-        "--parallelism.data_parallel_replicate_degree", str(plan.dp),
-        "--parallelism.data_parallel_shard_degree", "1",
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.pipeline_parallel_degree", str(plan.num_stages),
-    ]  # fmt: skip
-    config = titan_config(None, overrides)
-    dims = titan_dims(config, plan.num_gpus)
-    with fake_rank(0, plan.num_gpus), silenced():
-        dims.build_mesh()
-        try:
-            parallelize_llama(titan_model(plan.num_layers - 2), dims, config)
-        except RuntimeError as error:
-            if "DDP has not supported" in str(error):
-                return "parallelize_llama: DDP has not supported > 1D parallelism"
-            # TP cannot be applied without a GPU: test parallelize_llama's
-            # DDP condition on the real ParallelDims and mesh instead.
-            ddp = dims.dp_replicate_enabled and not dims.fsdp_enabled
-            if ddp and dims.world_size != dims.get_mesh("dp_replicate").size():
-                return "ParallelDims: DDP beside other parallelism (TP needs a GPU)"
-            return ""
-    return ""
-
-
-def titan_schedule_rejects(plan, tp: int) -> str:
-    """The pipeline config the plan would need, through the real
-    ``pipeline_module_split`` and ``build_pipeline_schedule`` on rank 0."""
-    from torchtitan.distributed.pipeline_parallel import (
-        build_pipeline_schedule,
-        pipeline_module_split,
-    )
-
-    from pipedejavu.io.export_torchtitan import module_fqns
-
-    fqns = ",".join(json.dumps(part) for part in module_fqns(plan))
-    text = (
-        f"[training]\nlocal_batch_size = {plan.gbs}\n"
-        f"global_batch_size = {plan.gbs}\n[parallelism]\n"
-        f"tensor_parallel_degree = {tp}\n"
-        f"pipeline_parallel_degree = {plan.num_stages}\n"
-        'pipeline_parallel_schedule = "1F1B"\n'
-        f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
-        f"module_fqns_per_model_part = [{fqns}]\n"
-    )
-    config = titan_config(text)
-    dims = titan_dims(config, plan.num_gpus)
-    model = titan_model(plan.num_layers - 2)
-    with fake_rank(0, plan.num_gpus), silenced():
-        dims.build_mesh()
-        stages, _ = pipeline_module_split(
-            model, dims.get_mesh("pp"), "1F1B", torch.device("cpu"),
-            config.parallelism.module_fqns_per_model_part,
-        )  # fmt: skip
-        try:
-            build_pipeline_schedule(config, stages, lambda *a: None)
-        except ValueError:
-            return "Schedule1F1B: fewer micro-batches than stages"
-    return ""
-
-
 # ---------------------------------------------------------------------- main
 CHECKS = {
     "megatron": (check_megatron, megatron_rejects),
@@ -535,7 +321,7 @@ CHECKS = {
         lambda p, t: check_deepspeed(p, t, megatron=True),
         deepspeed_rejects,
     ),
-    "torchtitan": (check_torchtitan, torchtitan_rejects),
+    "torchtitan": (check_torchtitan, titan_rejects),
 }
 
 
@@ -584,6 +370,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plans", type=int, default=rules.NUM_PLANS,
                         help="seeded random plans (the tests' generator)")  # fmt: skip
     parser.add_argument("--no-planner", action="store_true")
+    parser.add_argument("--no-knobs", action="store_true",
+                        help="skip torchtitan's training-knob plans")  # fmt: skip
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--megatron-commit", default="",
                         help="commit of the Megatron-LM source, recorded")  # fmt: skip
@@ -625,6 +413,11 @@ def main(argv=None) -> int:
             else:
                 count["built as planned"] += 1
     seconds = time.perf_counter() - start
+    knobs = None
+    if "torchtitan" in targets and not ns.no_knobs:
+        start = time.perf_counter()
+        knobs = run_knobs(problems)
+        knobs["seconds"] = round(time.perf_counter() - start, 1)
     keys = ["plans checked", "built as planned", "refused by us",
             "refusal confirmed by the real code", "silent differences",
             "exports the real code rejects"]  # fmt: skip
@@ -638,6 +431,7 @@ def main(argv=None) -> int:
         "seconds": round(seconds, 1),
         "targets": {t: {k: tally[t][k] for k in keys} for t in targets},
         "refusals_confirmed_by": {t: dict(reasons[t]) for t in targets},
+        "torchtitan_knobs": knobs,
         "problems": [list(p) for p in problems],
         "not_checked": {
             "alpa": "Alpa (jax 0.3, CUDA) does not install here; rules re-stated "
@@ -652,10 +446,16 @@ def main(argv=None) -> int:
     print(f"{'':{width}}  " + "  ".join(f"{t:>18}" for t in targets))
     for key in keys:
         print(f"{key:{width}}  " + "  ".join(f"{tally[t][key]:>18}" for t in targets))
+    if knobs is not None:
+        counts = knobs["counts"]
+        print("torchtitan knobs: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in keys))
+        print(f"  PyTorch's rank orders equal ours: {knobs['rank_orders_equal_ours']}")
     for problem in problems[:20]:
         print(" | ".join(problem))
     print(f"{len(cases)} plans in {seconds:.0f} s; wrote {ns.out}")
-    return 1 if any(tally[t]["silent differences"] for t in targets) else 0
+    silent = any(tally[t]["silent differences"] for t in targets)
+    silent = silent or bool(knobs and knobs["counts"].get("silent differences"))
+    return 1 if silent else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ the planner returned, each target's rule is re-stated here from its source
   Megatron-DeepSpeed: the same over ``GPTModelPipe``'s specs, rebuilt here.
 * torchtitan: ``ParallelDims`` (product, DDP only alone),
   ``pipeline_module_split`` by module names, the batch of ``train.py``,
-  PyTorch's ``Schedule1F1B`` (no fewer micro-batches than stages).
+  PyTorch's ``Schedule1F1B`` (no fewer micro-batches than stages); plain
+  options: fp32 (``mixed_precision_param`` float32, else autocast runs bf16),
+  ``[activation_checkpoint] mode = "none"`` (its default recomputes every
+  second block) and TP 1 (its TP always shards the norms along the sequence).
+  The training knobs: ``tests/test_export_knobs.py``.
 * Alpa: ``ManualStageOption(**...)``, ``get_sliced_virtual_submeshes``'
   slicing of whole hosts, ``num_micro_batches``.
 * Sailor: its reader's ``VMconfig(gpu_type, gpus_per_node, zone)``.
@@ -296,6 +300,12 @@ def check_torchtitan(plan, text, hosts):
     assert text.startswith("# torchtitan v0.2.2 ")
     config = tomllib.loads(text)
     par, training = config["parallelism"], config["training"]
+    # Plain fp32 without recomputation, each named (the defaults are not).
+    assert (training["dtype"], training["mixed_precision_param"]) == (
+        "float32",
+        "float32",
+    )
+    assert config["activation_checkpoint"] == {"mode": "none"}
     rep, shard = (
         par["data_parallel_replicate_degree"],
         par["data_parallel_shard_degree"],
@@ -453,8 +463,10 @@ def accepts(plan, target, hosts):
     if target in ("megatron", "deepspeed", "megatron-deepspeed"):
         return one_tp and whole_batch(plan)
     if target == "torchtitan":
-        tp = max(tps(plan))
-        alone = plan.dp == 1 or (tp == 1 and plan.num_stages == 1)
+        # TP always shards the norms along the sequence: not the plain plan.
+        if max(tps(plan)) > 1:
+            return False
+        alone = plan.dp == 1 or plan.num_stages == 1
         # torch.distributed.pipelining.Schedule1F1B raises ValueError for
         # fewer micro-batches than stages.
         filled = plan.num_stages == 1 or (
@@ -510,7 +522,7 @@ def test_torchtitan_refuses_fewer_micro_batches_than_stages():
     # PyTorch's Schedule1F1B 2 micro-batches for 3 stages, which it rejects.
     def plan(gbs):
         return plan_from_stages(
-            [(0, 2, 2), (2, 4, 2), (4, 6, 2)], gpu_type="B-80", dp=1, mbs=1,
+            [(0, 2, 1), (2, 4, 1), (4, 6, 1)], gpu_type="B-80", dp=1, mbs=1,
             gbs=gbs, model="m", gpus_per_node=8, zone="z",
         )  # fmt: skip
 

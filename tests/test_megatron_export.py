@@ -18,6 +18,7 @@ import pytest
 from pipedejavu.cli.main import main
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_alpa import to_alpa
 from pipedejavu.io.export_deepspeed import to_deepspeed
@@ -182,7 +183,14 @@ TORCHTITAN_PARALLELISM = {
     "pipeline_parallel_schedule": str,
     "pipeline_parallel_microbatch_size": int,
 }
-TORCHTITAN_TRAINING = {"local_batch_size": int, "global_batch_size": int}
+TORCHTITAN_TRAINING = {
+    "local_batch_size": int,
+    "global_batch_size": int,
+    "dtype": str,
+    "mixed_precision_param": str,
+}
+#: torchtitan's TP always shards the norms along the sequence.
+SEQUENCE_PARALLEL = TrainingOptions(sequence_parallel=True)
 
 
 TORCHTITAN_PLANS = {
@@ -196,10 +204,11 @@ TORCHTITAN_PLANS = {
 def test_torchtitan_toml(name):
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     plan = TORCHTITAN_PLANS[name]
-    text = to_torchtitan(plan)
+    text = to_torchtitan(plan, SEQUENCE_PARALLEL)
     assert text.startswith("# torchtitan v0.2.2 ")
     config = tomllib.loads(text)
-    assert set(config) == {"training", "parallelism"}
+    assert set(config) == {"training", "parallelism", "activation_checkpoint"}
+    assert config["activation_checkpoint"] == {"mode": "none"}
     for section, fields in (
         ("parallelism", TORCHTITAN_PARALLELISM),
         ("training", TORCHTITAN_TRAINING),
@@ -380,21 +389,16 @@ def test_cli_plan_json_is_accepted_by_predict(capsys, tmp_path):
 
 
 def test_cli_plan_text_and_errors(capsys):
-    code = main(
-        [
-            "plan",
-            "--model",
-            "OPT-350",
-            "--gpus",
-            "RTX-2080:4",
-            "--global-batch",
-            "8",
-            "--export",
-            "torchtitan",
-        ]
-    )
+    command = ["plan", "--model", "OPT-350", "--gpus", "RTX-2080:4"]
+    command += ["--global-batch", "8", "--export", "torchtitan"]
+    # The profiled plan (pp 2, tp 2) was priced without sequence parallelism,
+    # which torchtitan's TP always runs.
+    assert main(command) == 2
+    assert "without sequence parallelism" in capsys.readouterr()[1]
+    code = main([*command, "--sequence-parallel", "on"])
     out, _ = capsys.readouterr()
-    assert code == 0 and "pp 2" in out and "[parallelism]" in out
+    assert code == 0 and "tp 4" in out and "[parallelism]" in out
+    assert 'mode = "none"' in out
     assert (
         main(["plan", "--model", "OPT-350", "--gpus", "GH96", "--global-batch", "8"])
         == 2
@@ -458,7 +462,7 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     one_pipeline = plan.replace(
         stages=tuple(Stage3D(s.start, s.stop, s.replicas[:1]) for s in plan.stages)
     )
-    toml = to_torchtitan(one_pipeline)
+    toml = to_torchtitan(one_pipeline, SEQUENCE_PARALLEL)
     assert "#   ranks 4-5: RTX-2080 (stage 2)" in toml
     assert tomllib.loads(toml)["parallelism"]["pipeline_parallel_degree"] == 4
     with pytest.raises(ProblemError, match="cannot name GPU types"):
@@ -466,7 +470,9 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     one_type = PLANS["even"]
     assert "ranks" not in export_plan(one_type, "megatron")
     assert "gpu_types_by_rank" not in to_deepspeed(one_type)
-    assert "ranks" not in to_torchtitan(TORCHTITAN_PLANS["pp and tp"])
+    assert "ranks" not in to_torchtitan(
+        TORCHTITAN_PLANS["pp and tp"], SEQUENCE_PARALLEL
+    )
 
 
 def test_training_options_travel_with_the_export():

@@ -32,6 +32,11 @@ Checked against DeepSpeed 0.16.5 (``deepspeed/runtime/pipe/module.py``,
 * The topology ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` (axes
   ``pipe, data, model``): the shared rank order of
   :mod:`pipedejavu.io.export_rules`. One TP degree for every stage.
+* The schedule: the pipeline engine (``runtime/pipe/engine.py``) runs
+  ``TrainSchedule``, 1F1B with whole backward passes (read in DeepSpeed
+  0.19.8, whose ``DualPipeVSchedule`` also keeps the weight gradient inside
+  ``BackwardPass``): interleaved and zero-bubble plans are refused
+  (:mod:`pipedejavu.io.exports`).
 """
 
 from __future__ import annotations

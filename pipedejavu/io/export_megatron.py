@@ -22,6 +22,13 @@ Checked against Megatron Core 0.20 (``megatron/training/arguments.py``:
   Megatron needs an even split (no first/last-stage counts) whose layers per
   rank divide by it (``validate_args``), and PP > 1 with its default
   ``--overlap-p2p-communication`` (:func:`interleaving_flags`).
+* No zero-bubble schedule (:data:`NO_ZERO_BUBBLE`; read in megatron-core
+  0.16.1): ``get_forward_backward_func`` (``pipeline_parallel/schedules.py``)
+  picks no pipelining, 1F1B or interleaved 1F1B, each with whole backward
+  passes. ``--delay-wgrad-compute`` defers weight gradients only inside one
+  1F1B step of the MoE expert-parallel overlap (``TransformerConfig`` requires
+  ``overlap_moe_expert_parallel_comm`` with it), not into the pipeline's
+  bubble, so a ZB-H1 plan is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pipedejavu.io.export_rules import (
 
 __all__ = [
     "MEGATRON_VERSION",
+    "NO_ZERO_BUBBLE",
     "interleaving_flags",
     "megatron_text",
     "pipeline_layout",
@@ -46,6 +54,12 @@ __all__ = [
 ]
 
 MEGATRON_VERSION = "Megatron-LM (Megatron Core 0.20)"
+#: Why a ZB-H1 plan is refused (module docstring).
+NO_ZERO_BUBBLE = (
+    "Megatron-LM has no zero-bubble schedule (megatron-core 0.16.1 runs 1F1B or "
+    "interleaved 1F1B; --delay-wgrad-compute defers weight gradients only "
+    "within its MoE expert-parallel overlap)"
+)
 
 
 def pipeline_layout(counts: list[int]) -> str:

@@ -1,9 +1,14 @@
-"""A torchtitan job-config fragment (TOML) for a plan.
+"""A torchtitan job-config fragment (TOML) for a plan and its training options.
 
 Checked against torchtitan v0.2.2 (commit 73a0e697: ``torchtitan/config/
 job_config.py``, ``distributed/parallel_dims.py``,
-``distributed/pipeline_parallel.py``, ``models/llama3/infra/parallelize.py``,
-``train.py``; no code copied):
+``distributed/pipeline_parallel.py``, ``distributed/activation_checkpoint.py``,
+``distributed/utils.py``, ``models/llama3/infra/parallelize.py``,
+``models/attention.py``, ``train.py``) and the PyTorch it ran on (torch 2.14.1,
+``torch/distributed/pipelining/schedules.py`` and ``_utils.py``); no code
+copied. ``benchmarks/check_exports.py`` runs the real code on these files.
+
+**Layout and batch.**
 
 * ``ParallelDims``: ``dp_replicate x dp_shard x cp x tp x pp`` is the world
   size; the mesh is ``pp, dp_replicate, fsdp, cp, tp`` (TP fastest: the shared
@@ -24,13 +29,79 @@ job_config.py``, ``distributed/parallel_dims.py``,
   ``pipeline_parallel_microbatch_size``: ``local_batch_size`` is the global
   batch, one accumulation step.
 * ``module_fqns_per_model_part`` (``pipeline_module_split``) with the llama3
-  decoder's names ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``;
-  the ``1F1B`` schedule, one stage per rank. PyTorch's ``Schedule1F1B``
-  (``torch.distributed.pipelining``, built by ``build_pipeline_schedule``)
-  raises ``ValueError`` for fewer micro-batches than stages, so such a plan is
-  refused (``GPipe`` would run it, but holds every micro-batch's activations
-  on every stage: not the memory the plan was checked against). Found by
-  ``benchmarks/check_exports.py`` with torch 2.14.1.
+  decoder's names ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``
+  (:func:`module_fqns`); uneven splits are kept.
+
+**Schedule** (``pipeline_parallel_schedule``; ``pipeline_llm`` checks the
+parts per rank only when ``pipeline_parallel_layers_per_stage`` is set, which
+the fragment leaves unset):
+
+* 1F1B: ``"1F1B"``, one part per stage. PyTorch's ``Schedule1F1B`` raises
+  ``ValueError`` for fewer micro-batches than stages, so such a plan is refused
+  (``GPipe`` would run it, but holds every micro-batch's activations on every
+  stage: not the memory the plan was checked against).
+* Megatron-LM's interleaved 1F1B with ``V`` chunks per rank:
+  ``"Interleaved1F1B"`` with ``P V`` parts. ``pipeline_module_split`` gives
+  rank ``r`` the parts ``r, r + P, ...`` (its ``"loop"`` style, and
+  ``generate_stage_to_rank_mapping`` puts stage ``k`` on rank ``k mod P``),
+  so part ``k = c P + r`` is chunk ``c`` of rank ``r``, as in Megatron-LM:
+  the transformer layers split into ``P V`` equal chunks in order, the
+  embedding in part 0 and the norm and head in the last. PyTorch's
+  ``ScheduleInterleaved1F1B`` takes micro-batches in rounds of ``M / max(1,
+  M // P)``; with ``M`` a multiple of ``P`` (Megatron-LM's rule) a round is
+  ``P`` micro-batches and each rank's order is
+  :func:`~pipedejavu.simulation.interleaved.interleaved_order`. Refused: one
+  stage, unequal stages, stages that do not split into ``V`` chunks, ``M``
+  not a multiple of ``P``.
+* ZB-H1 (``zero_bubble``): ``"InterleavedZeroBubble"`` with one part per
+  rank. ``build_pipeline_schedule`` hands this multi-stage class the list of
+  the rank's one stage; PyTorch's ``ScheduleInterleavedZeroBubble`` then runs
+  ZB-1p on one stage per rank: ``min(P - 1 - r, M)`` forwards, then per step a
+  forward, an input-gradient ``B`` and, from the rank's ``r``-th ``B`` on, the
+  oldest pending weight-gradient ``W``; then the remaining ``B``/``W``. It
+  raises ``ValueError`` unless ``M`` is a multiple of ``max(1, M // P)``, so
+  such a plan is refused. With one stage torchtitan runs no schedule: each
+  micro-batch's forward and whole backward, the ZB-H1 order of one rank.
+
+**Recomputation** (``[activation_checkpoint] mode``, always written:
+torchtitan's default is ``"selective"`` with ``selective_ac_option = "2"``,
+every second block):
+
+* none: ``"none"``. full: ``"full"``; ``apply_ac`` wraps every transformer
+  block (not the embedding, norm or head), as Megatron-LM's full
+  recomputation does. With ``recompute_num_layers = k`` Megatron-LM's
+  ``block`` method recomputes the first ``k`` layers of each chunk: the same
+  as ``"full"`` when no chunk has more than ``k`` layers, refused otherwise
+  (torchtitan's layer-level selective mode checkpoints every ``n``-th block
+  of a rank, counted over its parts, not the first ``k`` of each).
+* selective: refused. Megatron-LM recomputes the attention core only;
+  torchtitan's op-level mode saves the matmul outputs but every second one
+  and recomputes the rest of each block, its layer-level mode whole blocks.
+
+**Precision** (``[training] dtype`` and ``mixed_precision_param``, always
+written): fp32 is ``"float32"`` for both (torchtitan's default
+``mixed_precision_param = "bfloat16"`` turns on ``torch.autocast`` under DDP
+or on one GPU: ``maybe_enable_amp``). bf16 is refused: without FSDP,
+``maybe_enable_amp`` turns mixed precision off with TP or PP and otherwise
+runs ``torch.autocast`` over fp32 weights, not the bf16 training the plan
+was priced with (bf16 weights and activations beside fp32 master weights);
+``dtype = "bfloat16"`` drops the fp32 master weights. fp16 is refused
+(``mixed_precision_param`` is bfloat16 or float32), and FP8 (torchao's
+converters, not Transformer Engine's hybrid FP8).
+
+**Sequence parallelism.** ``apply_tp`` always shards the norms along the
+sequence (``SequenceParallel`` on ``attention_norm``, ``ffn_norm`` and
+``norm``): a plan with TP > 1 is exported only with ``sequence_parallel``.
+At TP 1 there is nothing to shard (Megatron-LM turns it off too).
+
+**Distributed optimizer.** torchtitan shards optimizer state only through
+FSDP (with the parameters and gradients): refused for ``dp > 1``; at DP 1 it
+changes nothing.
+
+**Attention.** The kernel and attention dropout belong to the model's code,
+not to the job config (llama3's attention is SDPA with cuDNN and flash
+kernels first, ``ScaledDotProductAttentionWrapper``, without dropout), so the
+fragment carries neither, as the other targets' files do not.
 """
 
 from __future__ import annotations
@@ -38,25 +109,72 @@ from __future__ import annotations
 import json
 
 from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
+    transformer_layers,
     type_comment,
     uniform_tp,
 )
 
-__all__ = ["TORCHTITAN_VERSION", "module_fqns", "to_torchtitan"]
+__all__ = [
+    "TORCHTITAN_VERSION",
+    "module_fqns",
+    "part_layers",
+    "schedule_name",
+    "to_torchtitan",
+]
 
 TORCHTITAN_VERSION = "torchtitan v0.2.2"
 
 
-def module_fqns(plan: Plan3D) -> list[list[str]]:
-    """torchtitan's module names of each stage (module docstring)."""
+def _refuse(reason: str) -> ExportRefused:
+    """A refusal whose reason reads after the version's name."""
+    return ExportRefused(f"{TORCHTITAN_VERSION}{reason}")
+
+
+def schedule_name(options: TrainingOptions) -> str:
+    """torchtitan's ``pipeline_parallel_schedule`` for ``options``."""
+    if options.zero_bubble:
+        return "InterleavedZeroBubble"
+    return "Interleaved1F1B" if options.virtual_stages > 1 else "1F1B"
+
+
+def part_layers(plan: Plan3D, chunks: int = 1) -> list[range]:
+    """Profile layers of each model part: the plan's stages (``chunks = 1``),
+    or Megatron-LM's ``P chunks`` equal virtual stages in order (module
+    docstring), part ``k = c P + r`` being chunk ``c`` of rank ``r``.
+
+    Raises:
+        ExportRefused: ``chunks > 1`` with one stage, unequal stages, or
+            stages that do not split into ``chunks`` equal chunks.
+    """
+    if chunks == 1:
+        return [range(s.start, s.stop) for s in plan.stages]
+    counts = transformer_layers(plan)
+    if len(counts) < 2 or len(set(counts)) != 1 or counts[0] % chunks:
+        raise _refuse(
+            f"'s Interleaved1F1B runs Megatron-LM's chunks "
+            f"only for at least 2 stages of equally many transformer layers that "
+            f"split into {chunks} chunks; the plan has {counts}"
+        )
+    size, num_parts = counts[0] // chunks, len(counts) * chunks
+    out = []
+    for k in range(num_parts):
+        start = 0 if k == 0 else 1 + k * size
+        stop = plan.num_layers if k == num_parts - 1 else 1 + (k + 1) * size
+        out.append(range(start, stop))
+    return out
+
+
+def module_fqns(plan: Plan3D, chunks: int = 1) -> list[list[str]]:
+    """torchtitan's module names of each model part (:func:`part_layers`)."""
     last = plan.num_layers - 1
     out = []
-    for stage in plan.stages:
+    for layers in part_layers(plan, chunks):
         names = []
-        for layer in range(stage.start, stage.stop):
+        for layer in layers:
             if layer == 0:
                 names.append("tok_embeddings")
             elif layer == last:
@@ -67,14 +185,99 @@ def module_fqns(plan: Plan3D) -> list[list[str]]:
     return out
 
 
-def to_torchtitan(plan: Plan3D) -> str:
-    """The TOML fragment: ``[training]`` batch sizes and ``[parallelism]``.
+def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
+    """Precision, sequence parallelism and the optimizer (module docstring)."""
+    if options.precision == "bf16":
+        raise _refuse(
+            " without FSDP runs bf16 only as torch.autocast over fp32 weights under "
+            "DDP or on one GPU (and not at all with TP or PP), not the bf16 "
+            "training the plan was priced with"
+        )
+    if options.precision == "fp16":
+        raise _refuse(
+            " has no fp16 training (mixed_precision_param is bfloat16 or float32)"
+        )
+    if options.precision == "fp8":
+        raise _refuse(
+            " runs fp8 only through torchao's float8 converters over its own "
+            "precision settings, not the bf16 training with Transformer Engine "
+            "FP8 the plan was priced with"
+        )
+    if tp > 1 and not options.sequence_parallel:
+        raise _refuse(
+            f" always shards the norms along the sequence with TP (apply_tp), but "
+            f"the plan was priced with tp {tp} without sequence parallelism"
+        )
+    if options.distributed_optimizer and plan.dp > 1:
+        raise _refuse(
+            " shards optimizer state only with FSDP, which shards parameters and "
+            "gradients too; the plan prices a distributed optimizer over "
+            f"{plan.dp} replicas"
+        )
+
+
+def _checkpoint_mode(plan: Plan3D, options: TrainingOptions) -> str:
+    """``[activation_checkpoint] mode`` (module docstring)."""
+    if options.recompute == "none":
+        return "none"
+    if options.recompute == "selective":
+        raise _refuse(
+            " has no selective recomputation of the attention core alone (its "
+            "op-level mode recomputes all but every other matmul output, its "
+            "layer-level mode whole blocks)"
+        )
+    limit = options.recompute_num_layers
+    if limit is not None:
+        # Equal chunks when interleaved (checked before).
+        most = max(transformer_layers(plan)) // options.virtual_stages
+        if limit < most:
+            raise _refuse(
+                f" recomputes every block or every n-th block of a rank, not the "
+                f"first {limit} of each chunk (a chunk holds up to {most})"
+            )
+    return "full"
+
+
+def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
+    """The schedule's name, after PyTorch's rules on the micro-batch count."""
+    name = schedule_name(options)
+    stages, count = plan.num_stages, plan.num_microbatches
+    if name == "1F1B" and count < stages:
+        raise _refuse(
+            f"'s 1F1B schedule (PyTorch's Schedule1F1B) needs at least as many "
+            f"micro-batches as stages; the plan runs {count} over {stages} stages"
+        )
+    if name == "Interleaved1F1B" and count % stages:
+        raise _refuse(
+            f"'s Interleaved1F1B runs Megatron-LM's order only for a number of "
+            f"micro-batches that is a multiple of the {stages} stages (PyTorch's "
+            f"rounds of M / max(1, M // P)); the plan runs {count}"
+        )
+    rounds = max(1, count // stages)
+    if name == "InterleavedZeroBubble" and count % rounds:
+        raise _refuse(
+            f"'s InterleavedZeroBubble (PyTorch's ScheduleInterleavedZeroBubble) "
+            f"needs the micro-batches to be a multiple of max(1, M // P) = "
+            f"{rounds}; the plan runs {count} over {stages} stages"
+        )
+    return name
+
+
+def to_torchtitan(plan: Plan3D, options: TrainingOptions | None = None) -> str:
+    """The TOML fragment: ``[training]`` batch sizes and precision,
+    ``[parallelism]`` and ``[activation_checkpoint]``.
+
+    Args:
+        plan: the plan.
+        options: the training it was priced with (``None``: plain fp32).
 
     Raises:
-        ExportRefused: per-stage TP; data parallelism beside TP or PP (module
-            docstring); a batch that is not whole micro-batches; fewer
-            micro-batches than stages.
+        ExportRefused: per-stage TP; data parallelism beside TP or PP; a batch
+            that is not whole micro-batches; a schedule, recomputation,
+            precision or optimizer torchtitan cannot run as planned (module
+            docstring).
     """
+    options = TrainingOptions() if options is None else options
     tp = uniform_tp(plan, TORCHTITAN_VERSION)
     check_whole_batch(plan, TORCHTITAN_VERSION)
     pp = plan.num_stages
@@ -84,12 +287,12 @@ def to_torchtitan(plan: Plan3D) -> str:
             f"FSDP/HSDP (sharded; its DDP refuses > 1D parallelism), but the plan "
             f"prices {plan.dp} unsharded replicas with tp {tp} and {pp} stage(s)"
         )
-    if pp > 1 and plan.num_microbatches < pp:
-        raise ExportRefused(
-            f"{TORCHTITAN_VERSION}'s 1F1B schedule (PyTorch's Schedule1F1B) needs "
-            f"at least as many micro-batches as stages; the plan runs "
-            f"{plan.num_microbatches} over {pp} stages"
-        )
+    _check_training(plan, tp, options)
+    chunks = options.virtual_stages
+    if chunks > 1:
+        part_layers(plan, chunks)  # refuses what cannot interleave
+    mode = _checkpoint_mode(plan, options)
+    name = _schedule(plan, options) if pp > 1 else None
     if pp == 1:
         local_batch = plan.mbs  # one forward/backward per accumulation step
     else:
@@ -100,17 +303,20 @@ def to_torchtitan(plan: Plan3D) -> str:
         + "[training]\n"
         f"local_batch_size = {local_batch}\n"
         f"global_batch_size = {plan.gbs}\n"
+        'dtype = "float32"\n'
+        'mixed_precision_param = "float32"\n'
         "\n[parallelism]\n"
         f"data_parallel_replicate_degree = {plan.dp}\n"
         "data_parallel_shard_degree = 1\n"
         f"tensor_parallel_degree = {tp}\n"
         f"pipeline_parallel_degree = {pp}\n"
     )
-    if pp == 1:
-        return text
-    fqns = ",\n    ".join(json.dumps(part) for part in module_fqns(plan))
-    return text + (
-        'pipeline_parallel_schedule = "1F1B"\n'
-        f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
-        f"module_fqns_per_model_part = [\n    {fqns},\n]\n"
-    )
+    if name is not None:
+        parts = module_fqns(plan, chunks)
+        fqns = ",\n    ".join(json.dumps(part) for part in parts)
+        text += (
+            f'pipeline_parallel_schedule = "{name}"\n'
+            f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
+            f"module_fqns_per_model_part = [\n    {fqns},\n]\n"
+        )
+    return text + f'\n[activation_checkpoint]\nmode = "{mode}"\n'

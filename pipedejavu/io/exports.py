@@ -27,16 +27,32 @@ the Megatron arguments and the torchtitan TOML, ``gpu_types_by_rank`` in the
 DeepSpeed JSON); order the hosts so that those ranks land on them.
 
 **Training options** (:class:`~pipedejavu.core.training_options.TrainingOptions`:
-precision, recomputation, distributed optimizer, sequence parallelism,
-attention kernel) a plan was priced with travel with it
-(:func:`option_flags`): Megatron-LM gets its flags (``--bf16``,
-``--recompute-granularity``, ``--use-distributed-optimizer``,
-``--sequence-parallel``, ``--attention-backend unfused``); the DeepSpeed
-configs their ``bf16``/``fp16`` sections and ZeRO stage 1 for the distributed
-optimizer (recomputation and sequence parallelism are refused there: the
-pipeline engine sets recomputation in code, ``activation_checkpoint_interval``,
-and has no sequence parallelism); the other targets, whose files carry no such
-settings, refuse any options but plain fp32 training.
+precision, recomputation, distributed optimizer, sequence parallelism, the
+pipeline schedule, attention kernel) a plan was priced with travel with it:
+
+* Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
+  ``--recompute-granularity``, ``--use-distributed-optimizer``,
+  ``--sequence-parallel``, ``--attention-backend unfused``) and
+  ``--num-layers-per-virtual-pipeline-stage`` for the interleaved schedule.
+* The DeepSpeed configs get their ``bf16``/``fp16`` sections and ZeRO stage 1
+  for the distributed optimizer; recomputation and sequence parallelism are
+  refused (the pipeline engine sets recomputation in code,
+  ``activation_checkpoint_interval``, and has no sequence parallelism), and so
+  is any schedule but 1F1B (its engine runs ``TrainSchedule``).
+* torchtitan carries the schedule (1F1B, interleaved, ZB-H1), full
+  recomputation, fp32 precision and sequence parallelism, and refuses what its
+  file cannot express exactly (:mod:`pipedejavu.io.export_torchtitan`).
+* The other targets, whose files carry no such settings, refuse any options
+  but plain fp32 1F1B training.
+
+**Zero bubble.** A ZB-H1 plan (``zero_bubble``) is refused by Megatron-LM
+(megatron-core 0.16.1's ``get_forward_backward_func`` runs no pipelining,
+1F1B or interleaved 1F1B; its ``--delay-wgrad-compute`` defers weight
+gradients only inside the MoE expert-parallel overlap of one 1F1B step, which
+``TransformerConfig`` requires) and by DeepSpeed (0.19.8's pipeline engine runs
+``TrainSchedule`` with whole backward passes; its ``DualPipeVSchedule`` keeps
+the weight gradient inside ``BackwardPass`` too); torchtitan runs it as
+``InterleavedZeroBubble``.
 """
 
 from __future__ import annotations
@@ -50,7 +66,11 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.io.export_alpa import to_alpa
 from pipedejavu.io.export_deepspeed import to_deepspeed, to_megatron_deepspeed
-from pipedejavu.io.export_megatron import interleaving_flags, megatron_text
+from pipedejavu.io.export_megatron import (
+    NO_ZERO_BUBBLE,
+    interleaving_flags,
+    megatron_text,
+)
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
@@ -102,8 +122,9 @@ def option_flags(options: TrainingOptions) -> list[str]:
 
 
 def _plain(options: TrainingOptions | None) -> bool:
-    """fp32 training without recomputation, sharding or sequence parallelism
-    (the attention kernel aside): what every target runs by default."""
+    """fp32 1F1B training without recomputation, sharding or sequence
+    parallelism (the attention kernel aside): what every target runs by
+    default."""
     if options is None:
         return True
     return (
@@ -112,6 +133,7 @@ def _plain(options: TrainingOptions | None) -> bool:
         and not options.distributed_optimizer
         and not options.sequence_parallel
         and options.virtual_stages == 1
+        and not options.zero_bubble
     )
 
 
@@ -125,6 +147,11 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
         )
     if options.virtual_stages != 1:
         raise ExportRefused(f"{target}: no interleaved pipeline schedule")
+    if options.zero_bubble:
+        raise ExportRefused(
+            f"{target}: no zero-bubble schedule (the pipeline engine runs 1F1B, "
+            "TrainSchedule, with whole backward passes)"
+        )
     config = data["ds_config"]
     if options.precision in ("bf16", "fp8"):
         if options.precision == "fp8":
@@ -145,6 +172,8 @@ def _build(
 ) -> str:
     if target == "megatron":
         text = megatron_text(plan)
+        if options is not None and options.zero_bubble:
+            raise ExportRefused(NO_ZERO_BUBBLE)
         if options is not None:
             extra = interleaving_flags(plan, options.virtual_stages)
             extra += option_flags(options)
@@ -157,13 +186,13 @@ def _build(
     if target == "megatron-deepspeed":
         data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
         return json.dumps(data, indent=1) + "\n"
+    if target == "torchtitan":
+        return to_torchtitan(plan, options)
     if not _plain(options):
         raise ExportRefused(
-            f"{target}: its file carries no precision, recomputation or sharding "
-            "settings, and the plan was priced with some"
+            f"{target}: its file carries no precision, recomputation, sharding or "
+            "schedule settings, and the plan was priced with some"
         )
-    if target == "torchtitan":
-        return to_torchtitan(plan)
     if target == "alpa":
         gpu = plan.stages[0].replicas[0].gpu_type
         per_host = (gpus_per_node or {}).get(gpu)

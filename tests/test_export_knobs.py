@@ -1,0 +1,347 @@
+"""The training knobs travel with the exports, or the export says why not.
+
+Each target's rule is re-stated here from its source, independently of the
+exporters (the versions: :mod:`pipedejavu.io.export_torchtitan` and
+:mod:`pipedejavu.io.exports`); CI installs none of them, and
+``benchmarks/check_exports.py`` runs the real code on the same kinds of plans.
+
+* torchtitan v0.2.2 (commit 73a0e697) on torch 2.14.1:
+  ``pipeline_module_split`` gives rank ``r`` the model parts ``r, r + P, ...``
+  (``"loop"`` style); ``build_pipeline_schedule`` splits ``local_batch_size``
+  into micro-batches of ``pipeline_parallel_microbatch_size``;
+  ``Schedule1F1B`` needs ``M >= P``; ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` take micro-batches in rounds of ``M /
+  max(1, M // P)`` and the latter raises unless that divides ``M``;
+  ``apply_ac`` with ``mode = "full"`` wraps every transformer block (the
+  default mode, ``"selective"``, every second one); ``maybe_enable_amp`` runs
+  ``torch.autocast`` with ``mixed_precision_param`` (default bfloat16) under
+  DDP or on one GPU and nothing with TP or PP; ``apply_tp`` always shards the
+  norms along the sequence.
+* Megatron-LM (megatron-core 0.16.1 ``get_forward_backward_func``) and
+  DeepSpeed 0.19.8 (``TrainSchedule``) have no zero-bubble schedule.
+* PyTorch's per-rank order (``_get_1f1b_rank_ops`` with the interleaved
+  schedules' stage-index rules), re-stated in :func:`pytorch_order` and
+  compared with our simulators' orders.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import tomllib
+
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.io.export_rules import ExportRefused
+from pipedejavu.io.exports import EXPORTS, export_plan
+from pipedejavu.simulation.interleaved import interleaved_order
+
+
+def even_plan(num_stages, per_stage, *, tp=1, dp=1, mbs=1, num_microbatches=8):
+    """``num_stages`` stages of ``per_stage`` transformer layers; profile layer
+    0 is the embedding and the last the head."""
+    total = num_stages * per_stage + 2
+    bounds = [0] + [1 + s * per_stage for s in range(1, num_stages)] + [total]
+    return plan_from_stages(
+        [(a, b, tp) for a, b in zip(bounds, bounds[1:], strict=False)],
+        gpu_type="B-80", dp=dp, mbs=mbs, gbs=mbs * dp * num_microbatches,
+        model="m", gpus_per_node=8, zone="z",
+    )  # fmt: skip
+
+
+def transformer_counts(plan):
+    last = plan.num_layers - 1
+    return [sum(0 < x < last for x in range(s.start, s.stop)) for s in plan.stages]
+
+
+# ------------------------------------------------------------ the rules
+def torchtitan_refusal(plan, options):
+    """The reason torchtitan cannot run ``plan`` as priced, or ``None``."""
+    tp = plan.stages[0].replicas[0].tp
+    pp, count = plan.num_stages, plan.num_microbatches
+    chunks = options.virtual_stages
+    if plan.dp > 1 and (tp > 1 or pp > 1):
+        return "FSDP/HSDP"
+    if options.precision != "fp32":
+        return "bf16" if options.precision == "bf16" else options.precision
+    if tp > 1 and not options.sequence_parallel:
+        return "without sequence parallelism"
+    if options.distributed_optimizer and plan.dp > 1:
+        return "optimizer state only with FSDP"
+    counts = transformer_counts(plan)
+    if chunks > 1 and (pp < 2 or len(set(counts)) > 1 or counts[0] % chunks):
+        return "Interleaved1F1B runs Megatron-LM's chunks"
+    if options.recompute == "selective":
+        return "selective recomputation"
+    limit = options.recompute_num_layers
+    if limit is not None and limit < max(counts) // chunks:
+        return f"not the first {limit} of each chunk"
+    if pp == 1:
+        return None
+    if options.zero_bubble:
+        rounds = max(1, count // pp)
+        return None if count % rounds == 0 else "multiple of max(1, M // P)"
+    if chunks > 1:
+        return None if count % pp == 0 else "multiple of the"
+    return None if count >= pp else "at least as many micro-batches"
+
+
+def check_torchtitan(plan, options, text):
+    """The fragment, parsed back, builds the plan with its knobs."""
+    config = tomllib.loads(text)
+    training, par = config["training"], config["parallelism"]
+    assert (training["dtype"], training["mixed_precision_param"]) == (
+        "float32",
+        "float32",
+    )
+    mode = "none" if options.recompute == "none" else "full"
+    assert config["activation_checkpoint"] == {"mode": mode}
+    pp, tp = par["pipeline_parallel_degree"], par["tensor_parallel_degree"]
+    assert (pp, tp, par["data_parallel_replicate_degree"]) == (
+        plan.num_stages,
+        plan.stages[0].replicas[0].tp,
+        plan.dp,
+    )
+    assert par["data_parallel_shard_degree"] == 1
+    accumulation, rest = divmod(
+        training["global_batch_size"], training["local_batch_size"] * plan.dp
+    )
+    assert rest == 0
+    if pp == 1:
+        assert "pipeline_parallel_schedule" not in par
+        assert (training["local_batch_size"], accumulation) == (
+            plan.mbs,
+            plan.num_microbatches,
+        )
+        return
+    micro = par["pipeline_parallel_microbatch_size"]
+    per_step, rest = divmod(training["local_batch_size"], micro)
+    assert rest == 0 and (micro, per_step * accumulation) == (
+        plan.mbs,
+        plan.num_microbatches,
+    )
+    chunks = options.virtual_stages
+    expected = {
+        (False, False): "1F1B",
+        (True, False): "Interleaved1F1B",
+        (False, True): "InterleavedZeroBubble",
+    }[chunks > 1, options.zero_bubble]
+    assert par["pipeline_parallel_schedule"] == expected
+    check_parts(plan, chunks, par["module_fqns_per_model_part"])
+
+
+def check_parts(plan, chunks, parts):
+    """The parts are the model in order; rank ``r`` (parts ``k`` with ``k mod
+    P == r``) holds the plan's stage ``r`` layers (``chunks = 1``) or its
+    count of transformer layers in ``chunks`` equal chunks, the embedding on
+    rank 0 and the head on rank ``P - 1`` (Megatron-LM's chunks)."""
+    last = plan.num_layers - 1
+    pp = plan.num_stages
+    assert len(parts) == pp * chunks
+    profile = []
+    for names in parts:
+        layers = []
+        for name in names:
+            if name == "tok_embeddings":
+                layers.append(0)
+            elif name == "norm":
+                assert names[-2:] == ["norm", "output"]
+                layers.append(last)
+            elif name != "output":
+                layers.append(int(name.removeprefix("layers.")) + 1)
+        profile.append(layers)
+    assert [x for layers in profile for x in layers] == list(range(plan.num_layers))
+    counts = transformer_counts(plan)
+    for rank in range(pp):
+        mine = [profile[k] for k in range(rank, pp * chunks, pp)]
+        if chunks == 1:
+            assert mine == [
+                list(range(plan.stages[rank].start, plan.stages[rank].stop))
+            ]
+            continue
+        for layers in mine:
+            assert sum(0 < x < last for x in layers) == counts[rank] // chunks
+        held = {x for layers in mine for x in layers}
+        assert (0 in held) == (rank == 0) and (last in held) == (rank == pp - 1)
+
+
+# ----------------------------------------------------------- torchtitan knobs
+KNOBS = [
+    TrainingOptions(),
+    TrainingOptions(recompute="full"),
+    TrainingOptions(sequence_parallel=True, recompute="full"),
+    TrainingOptions(sequence_parallel=True, virtual_stages=2),
+    TrainingOptions(sequence_parallel=True, virtual_stages=4, recompute="full"),
+    TrainingOptions(virtual_stages=3),
+    TrainingOptions(zero_bubble=True),
+    TrainingOptions(zero_bubble=True, sequence_parallel=True, recompute="full"),
+    TrainingOptions(recompute="full", recompute_num_layers=4),
+    TrainingOptions(recompute="full", recompute_num_layers=2, virtual_stages=2),
+    TrainingOptions(recompute="selective"),
+    TrainingOptions("bf16"),
+    TrainingOptions("fp16"),
+    TrainingOptions("fp8"),
+    TrainingOptions(distributed_optimizer=True),
+]
+#: stages, TP, DP, micro-batches, transformer layers per stage.
+SHAPES = list(
+    itertools.product((1, 2, 3, 4, 8), (1, 2), (1, 2), (1, 3, 4, 6, 8, 9, 16), (4, 12))
+)
+
+
+@pytest.mark.parametrize("options", KNOBS, ids=str)
+def test_torchtitan_carries_the_knobs_or_says_why_not(options):
+    outcomes = set()
+    for pp, tp, dp, count, per_stage in SHAPES:
+        plan = even_plan(pp, per_stage, tp=tp, dp=dp, num_microbatches=count)
+        reason = torchtitan_refusal(plan, options)
+        try:
+            text = export_plan(plan, "torchtitan", options=options)
+        except ExportRefused as refusal:
+            message = str(refusal)
+            assert reason is not None, f"refused a plan it runs: {message}"
+            assert "\n" not in message and reason in message, (reason, message)
+            assert message.startswith("cannot export this plan to torchtitan: ")
+            outcomes.add("refused")
+            continue
+        assert reason is None, f"exported a plan it cannot run ({reason})"
+        check_torchtitan(plan, options, text)
+        outcomes.add("built")
+    plain = options.precision == "fp32" and options.recompute != "selective"
+    assert outcomes == ({"built", "refused"} if plain else {"refused"})
+
+
+def test_uneven_stages_keep_their_layers():
+    plan = plan_from_stages(
+        [(0, 2, 1), (2, 9, 1), (9, 11, 1)], gpu_type="B-80", dp=1, mbs=2,
+        gbs=12, model="m", gpus_per_node=8, zone="z",
+    )  # fmt: skip
+    for options in (TrainingOptions(), TrainingOptions(zero_bubble=True)):
+        check_torchtitan(
+            plan, options, export_plan(plan, "torchtitan", options=options)
+        )
+
+
+def test_options_that_change_nothing_change_nothing():
+    """At TP 1 sequence parallelism, at DP 1 the distributed optimizer and at
+    one stage zero bubble (F, B, W per micro-batch is the whole backward) run
+    as without them; ``recompute_num_layers`` covering every chunk is full."""
+    plan = even_plan(2, 4)
+    plain = export_plan(plan, "torchtitan")
+    for options in (
+        TrainingOptions(sequence_parallel=True),
+        TrainingOptions(distributed_optimizer=True),
+    ):
+        assert export_plan(plan, "torchtitan", options=options) == plain
+    full = export_plan(plan, "torchtitan", options=TrainingOptions(recompute="full"))
+    layers = TrainingOptions(recompute="full", recompute_num_layers=4)
+    assert export_plan(plan, "torchtitan", options=layers) == full
+    one = even_plan(1, 4)
+    zero_bubble = TrainingOptions(zero_bubble=True)
+    assert export_plan(one, "torchtitan", options=zero_bubble) == export_plan(
+        one, "torchtitan"
+    )
+
+
+# ------------------------------------------------------ zero bubble elsewhere
+HOSTS = {"B-80": 8}
+ZERO_BUBBLE = TrainingOptions(zero_bubble=True)
+
+
+@pytest.mark.parametrize("target", [t for t in EXPORTS if t != "torchtitan"])
+def test_zero_bubble_is_refused_where_no_schedule_runs_it(target):
+    plan = even_plan(2, 4)
+    with pytest.raises(ExportRefused) as refusal:
+        export_plan(plan, target, gpus_per_node=HOSTS, options=ZERO_BUBBLE)
+    message = str(refusal.value)
+    assert "\n" not in message
+    if target in ("megatron", "deepspeed", "megatron-deepspeed"):
+        assert "no zero-bubble schedule" in message
+    else:
+        assert "schedule settings" in message
+    assert message.endswith("--export torchtitan can launch it")
+    if target != "alpa":  # two GPUs do not fill its hosts
+        assert export_plan(plan, target, gpus_per_node=HOSTS).strip()
+
+
+# ------------------------------------------------------------ PyTorch's order
+def pytorch_order(rank, num_ranks, num_chunks, num_microbatches, zero_bubble):
+    """Rank ``rank``'s actions ``(kind, chunk, microbatch)`` under PyTorch's
+    ``ScheduleInterleaved1F1B`` (``zero_bubble`` False) or
+    ``ScheduleInterleavedZeroBubble`` with ``num_chunks`` local stages,
+    without its empty slots; ``kind`` is ``F``, ``B`` (the full backward, or
+    the input gradient with ``zero_bubble``) or ``W``."""
+    ranks, count = num_ranks, num_microbatches
+    per_round = count // max(1, count // ranks)
+    total = num_chunks * count
+    hops = 1 if zero_bubble else 2  # forwards added per rank before the last
+    warmup = min((num_chunks - 1) * per_round + hops * (ranks - 1 - rank), total)
+    done = {"F": [0] * num_chunks, "B": [0] * num_chunks, "W": [0] * num_chunks}
+    order, backward_steps = [], []
+
+    def run(kind, chunk):
+        order.append((kind, chunk, done[kind][chunk]))
+        done[kind][chunk] += 1
+
+    def forward_chunk(step):
+        return (step // per_round) % num_chunks
+
+    def backward_chunk(step):
+        return num_chunks - 1 - ((step - warmup) // per_round) % num_chunks
+
+    for step in range(total + warmup):  # warm-up, steady, cool-down
+        if step < total:
+            run("F", forward_chunk(step))
+        if step >= warmup:
+            run("B", backward_chunk(step))
+            backward_steps.append(step)
+            if zero_bubble and step - warmup >= rank:
+                run("W", backward_chunk(backward_steps[sum(done["W"])]))
+    while zero_bubble and sum(done["W"]) < len(backward_steps):
+        run("W", backward_chunk(backward_steps[sum(done["W"])]))
+    return order
+
+
+def ours(ops):
+    return [("FBW"[op.backward + getattr(op, "weight", False)], op.chunk, op.microbatch)
+            for op in ops]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("num_chunks", [2, 3, 4])
+def test_pytorch_interleaved_order_is_megatrons(num_ranks, num_chunks):
+    for rounds in (1, 2, 3):
+        count = rounds * num_ranks
+        for rank in range(num_ranks):
+            theirs = pytorch_order(rank, num_ranks, num_chunks, count, False)
+            assert theirs == ours(interleaved_order(rank, num_ranks, num_chunks, count))
+
+
+def zero_bubble_rule(rank, num_ranks, count):
+    """The ZB-H1 order as :mod:`pipedejavu.simulation.zero_bubble` states it."""
+    warmup = min(num_ranks - 1 - rank, count)
+    order = [("F", 0, b) for b in range(warmup)]
+    pending = 0
+    for k in range(count):
+        if warmup + k < count:
+            order.append(("F", 0, warmup + k))
+        order.append(("B", 0, k))
+        if k >= rank:
+            order.append(("W", 0, pending))
+            pending += 1
+    return order + [("W", 0, b) for b in range(pending, count)]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+def test_pytorch_zero_bubble_order_is_zb_h1(num_ranks):
+    try:
+        from pipedejavu.simulation.zero_bubble import zero_bubble_order
+    except ImportError:  # not merged into this branch yet
+        zero_bubble_order = None
+    for count in range(1, 3 * num_ranks + 2):
+        for rank in range(num_ranks):
+            theirs = pytorch_order(rank, num_ranks, 1, count, True)
+            assert theirs == zero_bubble_rule(rank, num_ranks, count)
+            if zero_bubble_order is not None:
+                assert theirs == ours(zero_bubble_order(rank, num_ranks, count))
