@@ -34,8 +34,9 @@ import tomllib
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_rules import ExportRefused
-from pipedejavu.io.exports import EXPORTS, export_plan
+from pipedejavu.io.exports import EXPORTS, LAUNCHED_SCHEDULES, export_plan
 from pipedejavu.simulation.interleaved import interleaved_order
+from pipedejavu.simulation.zero_bubble import zero_bubble_order
 
 
 def even_plan(num_stages, per_stage, *, tp=1, dp=1, mbs=1, num_microbatches=8):
@@ -318,30 +319,28 @@ def test_pytorch_interleaved_order_is_megatrons(num_ranks, num_chunks):
             assert theirs == ours(interleaved_order(rank, num_ranks, num_chunks, count))
 
 
-def zero_bubble_rule(rank, num_ranks, count):
-    """The ZB-H1 order as :mod:`pipedejavu.simulation.zero_bubble` states it."""
-    warmup = min(num_ranks - 1 - rank, count)
-    order = [("F", 0, b) for b in range(warmup)]
-    pending = 0
-    for k in range(count):
-        if warmup + k < count:
-            order.append(("F", 0, warmup + k))
-        order.append(("B", 0, k))
-        if k >= rank:
-            order.append(("W", 0, pending))
-            pending += 1
-    return order + [("W", 0, b) for b in range(pending, count)]
-
-
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 def test_pytorch_zero_bubble_order_is_zb_h1(num_ranks):
-    try:
-        from pipedejavu.simulation.zero_bubble import zero_bubble_order
-    except ImportError:  # not merged into this branch yet
-        zero_bubble_order = None
     for count in range(1, 3 * num_ranks + 2):
         for rank in range(num_ranks):
             theirs = pytorch_order(rank, num_ranks, 1, count, True)
-            assert theirs == zero_bubble_rule(rank, num_ranks, count)
-            if zero_bubble_order is not None:
-                assert theirs == ours(zero_bubble_order(rank, num_ranks, count))
+            assert theirs == ours(zero_bubble_order(rank, num_ranks, count))
+
+
+@pytest.mark.parametrize("target", EXPORTS)
+def test_launched_schedules_are_what_the_exports_accept(target):
+    """The schedules a target launches (what ``plan --export`` searches) are
+    those its export accepts on a plan every target can otherwise run."""
+    plan = even_plan(2, 4)
+    accepted = set()
+    for schedule, options in (
+        ("1f1b", TrainingOptions()),
+        ("interleaved", TrainingOptions(virtual_stages=2)),
+        ("zb-h1", TrainingOptions(zero_bubble=True)),
+    ):
+        try:
+            export_plan(plan, target, gpus_per_node={"B-80": 2}, options=options)
+        except ExportRefused:
+            continue
+        accepted.add(schedule)
+    assert accepted == set(LAUNCHED_SCHEDULES[target])

@@ -37,8 +37,8 @@ from pipedejavu.cli.megatron_report import (
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.exports import EXPORTS, export_plan
-from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, SCHEDULES, KnobSpace
+from pipedejavu.io.exports import EXPORTS, LAUNCHED_SCHEDULES, export_plan
+from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
@@ -51,15 +51,6 @@ from pipedejavu.planning.training import (
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
 COMMANDS = ("predict", "plan")
-#: The schedules each export target launches: with ``--export``, the search's
-#: ``--schedule auto`` means these.
-EXPORT_SCHEDULES = {
-    "megatron": MEGATRON_SCHEDULES,
-    "deepspeed": ("1f1b",),
-    "megatron-deepspeed": ("1f1b",),
-    "alpa": ("1f1b",),
-    "sailor": ("1f1b",),
-}
 
 
 def add_parsers(commands: Any) -> None:
@@ -329,7 +320,7 @@ def _plan(args: argparse.Namespace) -> int:
             flush=True,
         )
     auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
-    launchable = EXPORT_SCHEDULES.get(args.export, SCHEDULES)
+    launchable = LAUNCHED_SCHEDULES.get(args.export, SCHEDULES)
     if not choice.measured and args.export:  # what the target launches
         auto = dataclasses.replace(auto, schedules=launchable)
     space, asked = knob_space(args, auto, launchable), knobs_asked(args)

@@ -75,7 +75,13 @@ from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
-__all__ = ["EXPORTS", "SAILOR_VERSION", "export_plan", "option_flags"]
+__all__ = [
+    "EXPORTS",
+    "LAUNCHED_SCHEDULES",
+    "SAILOR_VERSION",
+    "export_plan",
+    "option_flags",
+]
 
 EXPORTS = (
     "megatron",
@@ -85,6 +91,16 @@ EXPORTS = (
     "alpa",
     "sailor",
 )
+#: The pipeline schedules each target launches (the knob space's names:
+#: ``1f1b``, ``interleaved``, ``zb-h1``); the others it refuses.
+LAUNCHED_SCHEDULES = {
+    "megatron": ("1f1b", "interleaved"),
+    "deepspeed": ("1f1b",),
+    "megatron-deepspeed": ("1f1b",),
+    "torchtitan": ("1f1b", "interleaved", "zb-h1"),
+    "alpa": ("1f1b",),
+    "sailor": ("1f1b",),
+}
 #: Sailor's plan reader the ``plan_config`` export was checked against.
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
 

@@ -14,6 +14,7 @@ from pipedejavu.core.training_options import (
     RecomputeGranularity,
     TrainingOptions,
 )
+from pipedejavu.io.exports import LAUNCHED_SCHEDULES
 from pipedejavu.planning.training import finite_or_none
 
 __all__ = [
@@ -28,7 +29,7 @@ _ON_OFF = (True, False)
 #: The pipeline schedules searched.
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 #: Those Megatron-LM runs (it has no flag for ZB-H1).
-MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+MEGATRON_SCHEDULES = LAUNCHED_SCHEDULES["megatron"]
 
 
 def schedule_name(options: TrainingOptions) -> str:
