@@ -21,7 +21,9 @@ from pipedejavu.costmodel.analytical.layers import (
     analytical_layer_times,
     attention_core_forward_seconds,
     block_forward_seconds,
+    is_weight_gradient,
     layer_output_bytes,
+    weight_gradient_seconds,
 )
 from pipedejavu.costmodel.analytical.ops import (
     Gemm,
@@ -240,3 +242,30 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"memory_efficiency must be in \(0, 1\]"):
         AnalyticalConstants(memory_efficiency=1.5)
     assert "A100-40" in PROVISIONAL_GPUS
+
+
+def test_weight_gradient_part_of_the_backward():
+    """ZB-H1's W: each parameter matrix's weight-gradient GEMM (as many FLOPs
+    as its forward GEMM) and the accumulation; never the attention core's
+    products (activation gradients, which B needs), so W is the same with
+    and without flash attention; B + W is the backward."""
+    spec = TransformerSpec(
+        "w", 4, 1024, 16, 16, 4096, 32000, 2048, max_position_embeddings=2048
+    )
+    gpu = GpuSheetEntry(
+        "X", 80e9, 2e12, (("bf16", 1e15), ("fp32", 6e13)), 8, 3e11, 5e10
+    )
+    flash = weight_gradient_seconds(spec, gpu, 1, 1, "bf16")
+    unfused = weight_gradient_seconds(spec, gpu, 1, 1, "bf16", flash_attention=False)
+    np.testing.assert_allclose(flash, unfused, rtol=1e-12)
+    _, backward, _ = analytical_layer_times(spec, gpu, 1, 1, "bf16")
+    assert np.all(flash > 0) and np.all(flash < backward)
+    opts = PassOptions(1, 1, "bf16", False, False, False, False)
+    names = {op.name for op in block_backward_ops(spec, opts) if is_weight_gradient(op)}
+    assert names == {
+        "qkv.wgrad",
+        "out_proj.wgrad",
+        "mlp_up.wgrad",
+        "mlp_down.wgrad",
+        "grad_accumulate",
+    }

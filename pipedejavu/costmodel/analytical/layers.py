@@ -177,13 +177,27 @@ def _layer_row(
 
 
 #: Backward operations that compute or accumulate weight gradients (the
-#: ``W`` pass of a zero-bubble schedule); the rest of a backward is its ``B``.
-WEIGHT_GRADIENT_OPS = ("grad_accumulate", "word_scatter_add")
+#: ``W`` pass of a zero-bubble schedule): the weight-gradient GEMM of each
+#: parameter matrix, the gradient accumulation and the embedding's scatter-add
+#: into its table; the rest of a backward is its ``B``. The unfused attention
+#: core's ``scores.wgrad`` and ``context.wgrad`` are not among them: they are
+#: the gradients of K and V, activations the input gradient needs (found by
+#: ``benchmarks/gpu_blocks.py --split``, whose input-gradient-only backward
+#: runs them).
+WEIGHT_GRADIENT_OPS = (
+    "qkv.wgrad",
+    "out_proj.wgrad",
+    "mlp_up.wgrad",
+    "mlp_down.wgrad",
+    "lm_head.wgrad",
+    "grad_accumulate",
+    "word_scatter_add",
+)
 
 
 def is_weight_gradient(op: Gemm | MemoryOp | Collective) -> bool:
-    """A weight-gradient GEMM (``*.wgrad``) or :data:`WEIGHT_GRADIENT_OPS`."""
-    return op.name.endswith(".wgrad") or op.name in WEIGHT_GRADIENT_OPS
+    """One of :data:`WEIGHT_GRADIENT_OPS`."""
+    return op.name in WEIGHT_GRADIENT_OPS
 
 
 def weight_gradient_seconds(
