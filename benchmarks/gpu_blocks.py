@@ -1219,7 +1219,7 @@ def _split_line(row: dict[str, Any]) -> str:
         + (f"{100 * w_err:+6.1f}% " if w_err is not None else "    n/a ")
         + f"{100 * meas['weight_gradient_share']:6.1f}% "
         f"{100 * pred['weight_gradient_share']:5.1f}% {err['share_pp']:+7.1f}  "
-        f"{'B' if meas['launch_bound'] else ''}"
+        f"{'B' if meas.get('launch_bound') else ''}"
     ).rstrip()
 
 
