@@ -62,7 +62,7 @@ Usage::
         --out benchmarks/results/gpu_zero_bubble_split.json
 
 The default grid is estimated at about two minutes on an H100 (printed before
-the run), about 2.6 with ``--split``; ``--budget-s`` (210 s from the start)
+the run), two and a half with ``--split``; ``--budget-s`` (210 s from the start)
 skips what would not fit.
 """
 
