@@ -25,14 +25,45 @@ a difference. The CPU time to enqueue each pass is recorded beside it
 (``launch_bound`` where it exceeds the GPU time: without the sleep, that pass
 would wait on the CPU). Results are written to ``--out`` after every config.
 
+``--split`` also times the zero-bubble (ZB-H1) split of the same backward:
+each rep after the full step runs a second step whose backward is
+``torch.autograd.grad(out, [x], grad_outputs=grad_out)``, the block input
+``x`` alone requested, between the same CUDA events (after the same queued
+sleep). That is the input-gradient pass B; W = full backward - B (medians) and
+its share W / backward are set beside the model's B, W and share
+(:func:`~pipedejavu.costmodel.analytical.layers.weight_gradient_seconds`; B is
+the layer backward less W), with the median and max |predicted - measured
+share| in percentage points per group and the median |error| of W and of B
+(``split`` per row and ``split_summary`` in the JSON). PyTorch skips the
+weight gradients in that pass: with ``inputs`` given, the engine fills its
+graph task's ``exec_info`` with the nodes on a path to them
+(``torch/csrc/autograd/graph_task.h``), the ``AccumulateGrad`` nodes of the
+weights do not run (so neither do the ``main_grad`` hooks), and each backward
+formula asks ``task_should_compute_output`` (``torch/csrc/autograd/node.h``)
+before computing a weight's gradient. Checked on the CPU with torch 2.14.1 on
+every smoke block: ``torch.utils.flop_counter`` counts exactly half the
+linear layers' ``aten::mm`` FLOPs (the dgrad GEMMs) and all of the unfused
+attention core's ``aten::bmm`` FLOPs (dQ, dK, dS, dV are input gradients);
+the profiler shows none of the bias column sums (``aten::sum`` 4 -> 0 on a gpt
+block), none of the RMSNorm weight reductions (``aten::sum`` 4 -> 2 on a
+llama block; LayerNorm gets ``grad_input_mask`` from the same check) and none
+of the ``main_grad.add_`` calls: the hooks fire 0 times (12 in the full
+backward of a gpt block). Every ``--split`` row records the same FLOP counts
+of one full and one input-only backward (``split.measured.flops``) on the
+device it runs on. ``SPLIT_DIFFERENCES`` lists where the measured split is not
+the model's.
+
 Usage::
 
     PYTHONPATH=. PYTHONDONTWRITEBYTECODE=1 python benchmarks/gpu_blocks.py \
         --out benchmarks/results/gpu_blocks.json
     PYTHONPATH=. python benchmarks/gpu_blocks.py --out smoke.json --smoke
+    PYTHONPATH=. python benchmarks/gpu_blocks.py --split \
+        --out benchmarks/results/gpu_zero_bubble_split.json
 
 The default grid is estimated at about two minutes on an H100 (printed before
-the run); ``--budget-s`` (210 s from the start) skips what would not fit.
+the run), two and a half with ``--split``; ``--budget-s`` (210 s from the start)
+skips what would not fit.
 """
 
 from __future__ import annotations
@@ -66,6 +97,8 @@ from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.layers import (
     activation_bytes,
     analytical_layer_times,
+    is_weight_gradient,
+    weight_gradient_seconds,
 )
 from pipedejavu.costmodel.analytical.ops import (
     Gemm,
@@ -114,6 +147,23 @@ OP_DIFFERENCES = (
     "accumulation fusion",
     "norms: F.layer_norm / F.rms_norm (fused kernels in recent PyTorch; an "
     "older F.rms_norm is several element-wise kernels)",
+)
+
+#: Where the measured B/W split (``--split``) is not the model's.
+SPLIT_DIFFERENCES = (
+    "unfused attention core: the model's weight_gradient_seconds counts "
+    "scores.wgrad and context.wgrad (the batched GEMMs' second-operand "
+    "gradients, dK and dV: activation gradients) as W; autograd computes them "
+    "in B, since the block input's gradient needs them",
+    "bias gradients (gpt style): column sums of the output gradients, skipped "
+    "in B, so measured in W; the model counts none",
+    "norm weight gradients (LayerNorm gamma and beta, RMSNorm weight): the "
+    "norm backward kernels compute them in the full backward and skip them in "
+    "B, so their reductions land in the measured W; the model prices each "
+    "norm backward as one B operation",
+    "W = full backward - B of two separate steps: a zero-bubble runtime that "
+    "runs W on its own re-reads the saved inputs and output gradients and "
+    "launches its kernels separately, not measured here",
 )
 
 LAUNCH_FLOOR_S = 3e-3  # per timed step: the queued sleep and a synchronize
@@ -325,6 +375,40 @@ def predict(config: BlockConfig, gpu: GpuSheetEntry) -> dict[str, Any]:
     }
 
 
+def predict_split(config: BlockConfig, gpu: GpuSheetEntry) -> dict[str, Any]:
+    """The model's zero-bubble split of the block backward on ``gpu`` (tp 1):
+    W from ``weight_gradient_seconds`` (layer 1), B = backward - W, in ms, W's
+    share of the backward, W's operations and its GEMM FLOPs."""
+    spec = config.spec()
+    _, constants = constants_for(config.precision)
+    kwargs = {
+        "flash_attention": config.flash_attention,
+        "attention_dropout": False,
+        "constants": constants,
+    }
+    _, backward, _ = analytical_layer_times(
+        spec, gpu, config.mbs, 1, config.precision, **kwargs
+    )
+    weight = weight_gradient_seconds(
+        spec, gpu, config.mbs, 1, config.precision, **kwargs
+    )
+    opts = PassOptions(config.mbs, 1, config.precision, config.flash_attention)
+    ops = [op for op in block_backward_ops(spec, opts) if is_weight_gradient(op)]
+    backward_ms, weight_ms = 1e3 * float(backward[1]), 1e3 * float(weight[1])
+    return {
+        "backward_ms": backward_ms,
+        "input_backward_ms": backward_ms - weight_ms,
+        "weight_gradient_ms": weight_ms,
+        "weight_gradient_share": weight_ms / backward_ms,
+        "weight_gradient_ops_ms": [
+            [op.name, 1e3 * pass_seconds([op], gpu, constants)] for op in ops
+        ],
+        "weight_gradient_gemm_flops": sum(
+            op.flops for op in ops if isinstance(op, Gemm)
+        ),
+    }
+
+
 def estimate_seconds(
     prediction: dict[str, Any],
     config: BlockConfig,
@@ -332,15 +416,28 @@ def estimate_seconds(
     reps: int,
     min_reps: int,
     config_s: float,
+    *,
+    split: dict[str, Any] | None = None,
 ) -> float:
-    """Wall seconds one config is expected to take on the GPU."""
+    """Wall seconds one config is expected to take on the GPU; with ``split``
+    (:func:`predict_split`), the input-gradient steps too: one FLOP-counted
+    full step and input-gradient step, then one input-gradient step per rep."""
     step = (
         ESTIMATE_SLOWDOWN * (prediction["forward_ms"] + prediction["backward_ms"]) / 1e3
         + LAUNCH_FLOOR_S
     )
     timed = max(min_reps, min(reps, int(config_s / step)))
     profile = PROFILE_OVERHEAD_S + 2 * step if config.profile else 0.0
-    return CONFIG_OVERHEAD_S + (warmup + timed) * step + profile
+    extra = 0.0
+    if split is not None:
+        input_step = (
+            ESTIMATE_SLOWDOWN
+            * (prediction["forward_ms"] + split["input_backward_ms"])
+            / 1e3
+            + LAUNCH_FLOOR_S
+        )
+        extra = step + (1 + timed) * input_step
+    return CONFIG_OVERHEAD_S + (warmup + timed) * step + profile + extra
 
 
 # --------------------------------------------------------------- the device
@@ -688,15 +785,22 @@ class Timer:
         return cycles / best if best > 0 else None
 
     def step(
-        self, config: BlockConfig, state: dict[str, Any], sleep_ms: float = 0.0
+        self,
+        config: BlockConfig,
+        state: dict[str, Any],
+        sleep_ms: float = 0.0,
+        *,
+        input_only: bool = False,
     ) -> tuple[float, float, float, float]:
-        """``(forward_ms, backward_ms, forward_cpu_ms, backward_cpu_ms)``."""
+        """``(forward_ms, backward_ms, forward_cpu_ms, backward_cpu_ms)``; with
+        ``input_only`` the backward is the input-gradient pass B alone."""
         state["x"].grad = None
+        backward = _input_backward if input_only else _full_backward
         if self.device != "cuda":
             t0 = time.perf_counter()
             out = block_forward(config, state)
             t1 = time.perf_counter()
-            out.backward(state["grad_out"])
+            backward(out, state)
             t2 = time.perf_counter()
             return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t1 - t0), 1e3 * (t2 - t1)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -708,7 +812,7 @@ class Timer:
         out = block_forward(config, state)
         t1 = time.perf_counter()
         events[1].record()
-        out.backward(state["grad_out"])
+        backward(out, state)
         t2 = time.perf_counter()
         events[2].record()
         del out
@@ -719,6 +823,36 @@ class Timer:
             1e3 * (t1 - t0),
             1e3 * (t2 - t1),
         )
+
+
+def _full_backward(out, state: dict[str, Any]) -> None:
+    out.backward(state["grad_out"])
+
+
+def _input_backward(out, state: dict[str, Any]) -> None:
+    # The block input alone requested: autograd prunes the weights' gradients
+    # (their GEMMs, the AccumulateGrad nodes and so the main_grad hooks).
+    torch.autograd.grad(out, [state["x"]], grad_outputs=state["grad_out"])
+
+
+def count_backward_flops(config: BlockConfig, state: dict[str, Any]) -> dict:
+    """FLOPs by operator (``torch.utils.flop_counter``) of one full backward
+    and one input-gradient backward: ``{"backward": {op: flops}, ...}``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts = {}
+    for key, backward in (
+        ("backward", _full_backward),
+        ("input_backward", _input_backward),
+    ):
+        state["x"].grad = None
+        out = block_forward(config, state)
+        with FlopCounterMode(display=False) as counter:
+            backward(out, state)
+        del out
+        flops = counter.get_flop_counts().get("Global", {})
+        counts[key] = {str(op): int(value) for op, value in flops.items()}
+    return counts
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -780,8 +914,11 @@ def measure(
     min_reps: int,
     config_s: float,
     seed: int,
+    split: bool = False,
 ) -> dict[str, Any]:
-    """Build the block, warm it up, time it, profile it if asked, free it."""
+    """Build the block, warm it up, time it, profile it if asked, free it;
+    with ``split``, also count the FLOPs of both backwards and time an
+    input-gradient step after each full step (under ``"split"``)."""
     state = init_block(config, device, seed)
     try:
         out: dict[str, Any] = choose_attention(config, state)
@@ -814,7 +951,19 @@ def measure(
         step_s = (time.perf_counter() - started) / max(warmup, 1)
         count = max(min_reps, min(reps, int(config_s / max(step_s, 1e-9))))
         sleep_ms = min(max(2.0 * cpu_ms, 1.0), 200.0)
-        samples = [timer.step(config, state, sleep_ms) for _ in range(count)]
+        split_out: dict[str, Any] = {}
+        if split:  # also the input-gradient pass's warm-up
+            try:
+                split_out["flops"] = count_backward_flops(config, state)
+            except Exception as error:  # the count is a check, never fatal
+                split_out["flops"] = {"error": f"{type(error).__name__}: {error}"}
+        samples, input_samples = [], []
+        for _ in range(count):
+            samples.append(timer.step(config, state, sleep_ms))
+            if split:
+                input_samples.append(
+                    timer.step(config, state, sleep_ms, input_only=True)
+                )
         fwd, bwd, fwd_cpu, bwd_cpu = (
             list(column) for column in zip(*samples, strict=True)
         )
@@ -836,6 +985,17 @@ def measure(
         if device == "cuda":
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
             out["measured_activation_bytes"] = activation
+        if split:
+            input_bwd = [sample[1] for sample in input_samples]
+            input_cpu = [sample[3] for sample in input_samples]
+            split_out.update(
+                reps=len(input_samples),
+                input_backward_ms=_stats(input_bwd),
+                input_backward_cpu_enqueue_ms=_stats(input_cpu),
+                launch_bound=statistics.median(input_cpu)
+                > statistics.median(input_bwd),
+            )
+            out["split"] = split_out
         if config.profile:
             try:
                 out["profile"] = profile_kernels(config, state, device)
@@ -868,6 +1028,16 @@ def errors(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _group_keys(config: dict[str, Any]) -> tuple[str, str, str]:
+    attention = "flash" if config["flash_attention"] else "unfused"
+    return "all", f"{config['precision']}-{attention}", f"style:{config['style']}"
+
+
+def _summary_order(groups: dict[str, Any]) -> list[str]:
+    # "all", then the precision-attention groups, then the styles.
+    return sorted(groups, key=lambda k: (k != "all", k.startswith("style:"), k))
+
+
 def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Median and max |error| of forward, backward and their sum: overall,
     per group (precision-attention) and per style."""
@@ -875,15 +1045,10 @@ def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     for row in rows:
         if row.get("status") != "ok":
             continue
-        config = row["config"]
-        attention = "flash" if config["flash_attention"] else "unfused"
-        group = f"{config['precision']}-{attention}"
-        for key in ("all", group, f"style:{config['style']}"):
+        for key in _group_keys(row["config"]):
             groups.setdefault(key, []).append(row["error"])
     out = {}
-    # "all", then the precision-attention groups, then the styles.
-    order = sorted(groups, key=lambda k: (k != "all", k.startswith("style:"), k))
-    for key in order:
+    for key in _summary_order(groups):
         errs = groups[key]
         entry = {"count": len(errs)}
         for part in ("forward", "backward", "forward_backward"):
@@ -894,6 +1059,88 @@ def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "max_abs": max(absolute),
                 "median_signed": statistics.median(values),
             }
+        out[key] = entry
+    return out
+
+
+def split_record(
+    predicted: dict[str, Any],
+    backward_ms: float,
+    measured: dict[str, Any],
+) -> dict[str, Any]:
+    """One config's ``split``: the model's B/W (:func:`predict_split`), the
+    measured ones and their errors.
+
+    Args:
+        predicted: :func:`predict_split` of the config.
+        backward_ms: the measured full backward, median ms.
+        measured: what :func:`measure` put under ``"split"`` (the
+            input-gradient pass's ``input_backward_ms`` median and min, ...).
+
+    Returns:
+        ``{"predicted", "measured", "error"}``: measured W = backward - B
+        (medians, ms; noise can make it <= 0) and its share of the backward,
+        and the FLOPs autograd skipped in B (``skipped_flops``, where counted);
+        ``error.share_pp`` = predicted - measured share in percentage points,
+        ``error.weight_gradient`` and ``error.input_backward`` = predicted /
+        measured - 1 (``None`` for W where the measured W is <= 0).
+    """
+    input_ms = measured["input_backward_ms"]["median"]
+    weight_ms = backward_ms - input_ms
+    share = weight_ms / backward_ms
+    derived: dict[str, Any] = {
+        "backward_ms": backward_ms,
+        "weight_gradient_ms": weight_ms,
+        "weight_gradient_share": share,
+    }
+    flops = measured.get("flops", {})
+    if "backward" in flops and "input_backward" in flops:
+        # What autograd left out of B: against the model's W GEMM FLOPs.
+        derived["skipped_flops"] = sum(flops["backward"].values()) - sum(
+            flops["input_backward"].values()
+        )
+    return {
+        "predicted": predicted,
+        "measured": dict(measured, **derived),
+        "error": {
+            "share_pp": 100.0 * (predicted["weight_gradient_share"] - share),
+            "weight_gradient": (
+                predicted["weight_gradient_ms"] / weight_ms - 1.0
+                if weight_ms > 0
+                else None
+            ),
+            "input_backward": predicted["input_backward_ms"] / input_ms - 1.0,
+        },
+    }
+
+
+def summarize_split(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Per group (as :func:`summarize`): median, max and signed median of
+    |predicted - measured W share| in percentage points and of the relative
+    errors of W and of B; ``weight_gradient.count`` leaves out the rows whose
+    measured W is <= 0 (``measured_w_nonpositive``)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("status") != "ok" or "error" not in row.get("split", {}):
+            continue
+        for key in _group_keys(row["config"]):
+            groups.setdefault(key, []).append(row["split"]["error"])
+    out = {}
+    for key in _summary_order(groups):
+        errs = groups[key]
+        entry: dict[str, Any] = {"count": len(errs)}
+        for part in ("share_pp", "weight_gradient", "input_backward"):
+            values = [e[part] for e in errs if e[part] is not None]
+            absolute = [abs(v) for v in values]
+            entry[part] = {
+                "count": len(values),
+                "median_abs": statistics.median(absolute) if values else None,
+                "max_abs": max(absolute) if values else None,
+                "median_signed": statistics.median(values) if values else None,
+            }
+        entry["measured_w_nonpositive"] = sum(
+            e["weight_gradient"] is None for e in errs
+        )
         out[key] = entry
     return out
 
@@ -946,6 +1193,69 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         print((f"  {key:14s} {entry['count']:3d}  " + "".join(parts)).rstrip())
 
 
+SPLIT_HEADER = (
+    "style prec attn   hidden   seq  b   bwd ms     B ms   pred B    err     W ms"
+    "   pred W    err W share   pred  pp diff  launch-bound"
+)
+
+
+def _split_line(row: dict[str, Any]) -> str:
+    config = row["config"]
+    head = (
+        f"{config['style']:5s} {config['precision']:4s} "
+        f"{'flash' if config['flash_attention'] else 'unfsd':5s} "
+        f"{config['hidden_size']:5d} {config['seq_length']:5d} {config['mbs']:2d}"
+    )
+    split = row.get("split", {})
+    if row.get("status") != "ok" or "error" not in split:
+        return f"{head}  {row.get('status')}"
+    pred, meas, err = split["predicted"], split["measured"], split["error"]
+    w_err = err["weight_gradient"]
+    return (
+        f"{head} {meas['backward_ms']:8.3f} "
+        f"{meas['input_backward_ms']['median']:8.3f} "
+        f"{pred['input_backward_ms']:8.3f} {100 * err['input_backward']:+6.1f}% "
+        f"{meas['weight_gradient_ms']:8.3f} {pred['weight_gradient_ms']:8.3f} "
+        + (f"{100 * w_err:+6.1f}% " if w_err is not None else "    n/a ")
+        + f"{100 * meas['weight_gradient_share']:6.1f}% "
+        f"{100 * pred['weight_gradient_share']:5.1f}% {err['share_pp']:+7.1f}  "
+        f"{'B' if meas.get('launch_bound') else ''}"
+    ).rstrip()
+
+
+def _format_stats(stats: dict[str, Any], scale: float, unit: str) -> str:
+    if stats["median_abs"] is None:
+        return f"{'n/a':25s}"
+    values = {key: scale * stats[key] for key in ("median_abs", "max_abs")}
+    signed = scale * stats["median_signed"]
+    return (
+        f"{values['median_abs']:5.1f}{unit} /{values['max_abs']:6.1f}{unit} "
+        f"({signed:+6.1f}{unit}) "
+    )
+
+
+def print_split_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    print(SPLIT_HEADER)
+    for row in rows:
+        print(_split_line(row))
+    print()
+    print(
+        "split summary: |predicted - measured W share| in percentage points, "
+        "|predicted / measured - 1| of W and of B, median / max (signed median)"
+    )
+    print(f"  {'group':14s} {'n':>3s}  {'W share':29s}{'W':26s}B")
+    for key, entry in summary.items():
+        line = (
+            f"  {key:14s} {entry['count']:3d}  "
+            + _format_stats(entry["share_pp"], 1.0, "pp")
+            + _format_stats(entry["weight_gradient"], 100.0, "%")
+            + _format_stats(entry["input_backward"], 100.0, "%")
+        )
+        if entry["measured_w_nonpositive"]:
+            line += f" ({entry['measured_w_nonpositive']} with measured W <= 0)"
+        print(line.rstrip())
+
+
 def write_json(path: str, result: dict[str, Any]) -> None:
     directory = os.path.dirname(path)
     if directory:
@@ -976,6 +1286,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-activation-gb", type=float, default=40.0)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--only", help="run configs whose name contains this")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the input-gradient backward (B) and report W = full - B",
+    )
     args = parser.parse_args(argv)
     if args.reps is None:
         args.reps = 2 if args.smoke else 10
@@ -1037,17 +1352,27 @@ def main(argv: list[str] | None = None) -> int:
         grid = [config for config in grid if args.only in config.name]
     if args.no_profile:
         grid = [dataclasses.replace(config, profile=False) for config in grid]
-    predictions, estimates = [], []
+    predictions, estimates, split_predictions = [], [], []
     for config in grid:
+        split_prediction = None
         try:  # e.g. a GPU without a bf16 peak on the sheet
             prediction = predict(config, gpu)
+            if args.split:
+                split_prediction = predict_split(config, gpu)
             estimate = estimate_seconds(
-                prediction, config, args.warmup, args.reps, args.min_reps, args.config_s
+                prediction,
+                config,
+                args.warmup,
+                args.reps,
+                args.min_reps,
+                args.config_s,
+                split=split_prediction,
             )
         except ValueError as error:
             prediction, estimate = {"error": str(error)}, 0.0
         predictions.append(prediction)
         estimates.append(estimate)
+        split_predictions.append(split_prediction)
     print(
         f"{len(grid)} configs; estimated {sum(estimates):.0f} s on a {gpu.name} "
         f"(budget {args.budget_s:.0f} s)",
@@ -1102,10 +1427,25 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
         "skipped": [],
     }
+    if args.split:
+        result["settings"].update(
+            split=True,
+            split_timing=(
+                "after each timed full step, a step whose backward is "
+                "torch.autograd.grad(out, [x], grad_outputs=grad_out) (the "
+                "input-gradient pass B), timed the same way; W = full backward "
+                "- B (medians), share = W / full backward"
+            ),
+            split_error=(
+                "share_pp: predicted - measured W share, percentage points; "
+                "weight_gradient, input_backward: predicted / measured - 1"
+            ),
+        )
+        result["split_differences"] = list(SPLIT_DIFFERENCES)
     rows = result["rows"]
     overrun: list[float] = []
-    for index, (config, prediction, estimate) in enumerate(
-        zip(grid, predictions, estimates, strict=True)
+    for index, (config, prediction, estimate, split_prediction) in enumerate(
+        zip(grid, predictions, estimates, split_predictions, strict=True)
     ):
         row: dict[str, Any] = {
             "name": config.name,
@@ -1113,6 +1453,8 @@ def main(argv: list[str] | None = None) -> int:
             "predicted": prediction,
             "estimated_s": estimate,
         }
+        if split_prediction is not None:
+            row["split"] = {"predicted": split_prediction}
         elapsed = time.perf_counter() - run_started
         # Scale the estimate by how far the configs so far overran theirs.
         scale = max(1.0, statistics.median(overrun)) if overrun else 1.0
@@ -1137,9 +1479,16 @@ def main(argv: list[str] | None = None) -> int:
                     min_reps=args.min_reps,
                     config_s=args.config_s,
                     seed=index,
+                    split=args.split,
                 )
                 row["status"] = "ok"
                 row["error"] = errors(row)
+                if args.split:
+                    row["split"] = split_record(
+                        split_prediction,
+                        row["measured"]["backward_ms"]["median"],
+                        row["measured"].pop("split"),
+                    )
             except Exception as error:
                 oom = "out of memory" in str(error).lower()
                 row.update(
@@ -1155,11 +1504,18 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"].append({"name": config.name, "reason": row["reason"]})
         rows.append(row)
         print(f"[{index + 1}/{len(grid)}] {_row_line(row)}", flush=True)
+        if args.split and row["status"] == "ok":
+            print(f"  split: {_split_line(row)}", flush=True)
         result["seconds"] = time.perf_counter() - run_started
         result["summary"] = summarize(rows)
+        if args.split:
+            result["split_summary"] = summarize_split(rows)
         write_json(args.out, result)
     print()
     print_table(rows, result["summary"])
+    if args.split:
+        print()
+        print_split_table(rows, result["split_summary"])
     print(f"wrote {args.out} ({result['seconds']:.1f} s)")
     return 0
 
