@@ -151,10 +151,6 @@ OP_DIFFERENCES = (
 
 #: Where the measured B/W split (``--split``) is not the model's.
 SPLIT_DIFFERENCES = (
-    "unfused attention core: the model's weight_gradient_seconds counts "
-    "scores.wgrad and context.wgrad (the batched GEMMs' second-operand "
-    "gradients, dK and dV: activation gradients) as W; autograd computes them "
-    "in B, since the block input's gradient needs them",
     "bias gradients (gpt style): column sums of the output gradients, skipped "
     "in B, so measured in W; the model counts none",
     "norm weight gradients (LayerNorm gamma and beta, RMSNorm weight): the "
