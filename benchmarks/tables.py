@@ -798,8 +798,41 @@ def t_plan_knobs() -> str:
     )
 
 
+def t_zero_bubble_split() -> str:
+    data = load("gpu_zero_bubble_split.json")
+    rows = []
+    for group, label in (
+        ("bf16-flash", "bf16, flash attention"),
+        ("bf16-unfused", "bf16, unfused attention"),
+        ("fp32-unfused", "fp32 (TF32 off), unfused"),
+        ("all", "all"),
+    ):
+        entry = data["split_summary"][group]
+        share, w, b = (
+            entry[k] for k in ("share_pp", "weight_gradient", "input_backward")
+        )
+        rows.append(
+            [
+                label,
+                entry["count"],
+                f"{share['median_abs']:.1f} / {share['max_abs']:.1f} pp",
+                f"{pct(w['median_signed'])}",
+                f"{pct(b['median_signed'])}",
+            ]
+        )
+    head = [
+        "blocks",
+        "n",
+        "W share of the backward: error median / max",
+        "W, predicted / measured - 1 (median)",
+        "B, predicted / measured - 1 (median)",
+    ]
+    return table(head, rows) + source("gpu_zero_bubble_split.json")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "plan_knobs": t_plan_knobs,
+    "zero_bubble_split": t_zero_bubble_split,
     "gpu_blocks": t_gpu_blocks,
     "layout": t_layout,
     "published_runs": t_published_runs,
