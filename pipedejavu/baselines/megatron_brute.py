@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import predict_plan
@@ -58,9 +58,12 @@ def enumerate_plans(
     *,
     uniform_tp: bool = True,
     max_plans: int = 200_000,
+    max_stages: int | None = None,
+    rank_order: str = RANK_ORDERS[0],
 ) -> Iterator[tuple[Plan3D, float]]:
-    """Every plan of the search space with its planning objective (``inf`` when
-    a stage breaks the memory rule)."""
+    """Every plan of the search space (at most ``max_stages`` stages) with its
+    planning objective (``inf`` when a stage breaks the memory rule), placed
+    in ``rank_order`` (the objective is the default order's)."""
     info = data.model_info(model)
     layers = info.num_layers
     count = 0
@@ -81,7 +84,8 @@ def enumerate_plans(
                     continue
                 steps = global_batch // (mbs * dp)
                 budget = available // dp
-                for num_stages in range(1, min(layers, budget) + 1):
+                most = min(layers, budget, max_stages or layers)
+                for num_stages in range(1, most + 1):
                     degree_sets = (
                         [(t,) * num_stages for t in tps]
                         if uniform_tp
@@ -120,10 +124,11 @@ def enumerate_plans(
                                 global_batch,
                                 model,
                                 spec.gpus_per_node,
+                                rank_order,
                             )
 
 
-def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn):
+def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn, order):
     num_stages = len(degrees)
     costs, tails = [], []
     feasible = True
@@ -147,6 +152,7 @@ def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn):
         model=model,
         gpus_per_node=gpn,
         zone=DEFAULT_ZONE,
+        rank_order=order,
     )
     return plan, value
 

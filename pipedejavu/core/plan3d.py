@@ -56,6 +56,7 @@ __all__ = [
     "MAX_PLAN_FILE_BYTES",
     "PLAN3D_FORMAT",
     "PLAN3D_KIND",
+    "RANK_ORDERS",
     "Plan3D",
     "Replica",
     "Stage3D",
@@ -76,6 +77,11 @@ MAX_GPUS = 4096
 _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"
+#: Megatron-LM's rank orders of a 3D plan, innermost first: ``tp-dp-pp`` (its
+#: default ``tp-cp-ep-dp-pp``: a stage's replicas take consecutive ranks, then
+#: the next stage) and ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``: a pipeline's
+#: stages take consecutive ranks, then the next pipeline).
+RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 #: Plan files larger than this are refused before parsing (16 MiB).
 MAX_PLAN_FILE_BYTES = 16 * 2**20
 

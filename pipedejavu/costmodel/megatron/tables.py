@@ -36,7 +36,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica, Stage3D
+from pipedejavu.core.plan3d import (
+    DEFAULT_ZONE,
+    RANK_ORDERS,
+    Plan3D,
+    Replica,
+    Stage3D,
+)
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
 from pipedejavu.costmodel.megatron.comm import (
     p2p_time,
@@ -69,6 +76,7 @@ __all__ = [
     "StageTables",
     "boundary_time",
     "canonical_nodes",
+    "rank_order_of",
     "compile_tables",
     "plan_tables",
     "plan_from_mixed_stages",
@@ -119,20 +127,60 @@ def usable_degrees(
     ]
 
 
-def rank_nodes(first: int, dp: int, tp: int, gpus_per_node: int) -> list[int]:
-    """Megatron's rank order (TP innermost, then data): the node of each of the
-    ``dp`` replicas of a stage whose ranks start at ``first``."""
-    return [(first + j * tp) // gpus_per_node for j in range(dp)]
+def rank_nodes(
+    first: int, dp: int, tp: int, gpus_per_node: int, stride: int | None = None
+) -> list[int]:
+    """The node of each of the ``dp`` replicas of a stage whose ranks start at
+    ``first``, replica ``j`` at ``first + j x stride``: ``stride = tp`` in
+    Megatron's default rank order (TP innermost, then data; ``None``), the
+    GPUs of a pipeline with ``--use-tp-pp-dp-mapping``."""
+    step = tp if stride is None else stride
+    return [(first + j * step) // gpus_per_node for j in range(dp)]
 
 
-def canonical_nodes(stage_tps: Sequence[int], dp: int, gpus_per_node: int) -> list:
-    """Node of replica ``j`` of stage ``s`` in Megatron's rank order: rank
-    ``dp sum_{r<s} tp_r + j tp_s``, node ``rank // gpus_per_node``."""
+def canonical_nodes(
+    stage_tps: Sequence[int],
+    dp: int,
+    gpus_per_node: int,
+    order: str = RANK_ORDERS[0],
+) -> list:
+    """Node of replica ``j`` of stage ``s`` in a rank order of
+    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: rank ``dp sum_{r<s} tp_r + j
+    tp_s`` (``tp-dp-pp``) or ``j G + sum_{r<s} tp_r`` with ``G = sum_r tp_r``
+    the GPUs of a pipeline (``tp-pp-dp``); node ``rank // gpus_per_node``."""
+    if order not in RANK_ORDERS:
+        raise ProblemError(f"rank order must be one of {RANK_ORDERS}, got {order!r}")
+    pipeline = sum(stage_tps)
     nodes, offset = [], 0
     for tp in stage_tps:
-        nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
-        offset += dp * tp
+        if order == RANK_ORDERS[0]:
+            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
+            offset += dp * tp
+        else:
+            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node, pipeline))
+            offset += tp
     return nodes
+
+
+def rank_order_of(plan: Plan3D, gpus_per_node: int) -> str | None:
+    """The rank order of :data:`~pipedejavu.core.plan3d.RANK_ORDERS` whose
+    placement the plan's nodes follow (numbered from its first node), the
+    default first where both do; ``None``: neither (or replicas without a
+    node, several GPU types, TP degrees differing within a stage)."""
+    replicas = [r for stage in plan.stages for r in stage.replicas]
+    if any(r.node is None for r in replicas):
+        return None
+    if len({r.gpu_type for r in replicas}) > 1:
+        return None
+    tps = [stage.replicas[0].tp for stage in plan.stages]
+    if any(r.tp != s.replicas[0].tp for s in plan.stages for r in s.replicas):
+        return None
+    base = min(r.node for r in replicas)
+    have = [[r.node - base for r in stage.replicas] for stage in plan.stages]
+    for order in RANK_ORDERS:
+        if canonical_nodes(tps, plan.dp, gpus_per_node, order) == have:
+            return order
+    return None
 
 
 def boundary_time(
@@ -167,9 +215,11 @@ def plan_from_stages(
     gpus_per_node: int,
     zone: str,
     node_offset: int = 0,
+    rank_order: str = RANK_ORDERS[0],
 ) -> Plan3D:
-    """A :class:`Plan3D` from ``(start, stop, tp)`` stages, canonically placed."""
-    nodes = canonical_nodes([tp for _, _, tp in stages], dp, gpus_per_node)
+    """A :class:`Plan3D` from ``(start, stop, tp)`` stages, placed in
+    ``rank_order`` (:func:`canonical_nodes`)."""
+    nodes = canonical_nodes([tp for _, _, tp in stages], dp, gpus_per_node, rank_order)
     return Plan3D(
         stages=tuple(
             Stage3D(

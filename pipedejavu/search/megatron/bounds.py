@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D, Replica
 from pipedejavu.costmodel.megatron.comm import ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
@@ -91,11 +91,23 @@ def stage_bounds(
     constants: PredictorConstants,
     group: ConfigGroup,
     cache: BoundCache | None = None,
+    rank_order: str = RANK_ORDERS[0],
 ) -> dict[int, StageTable]:
-    """``{tp: StageTable}`` of the group's GPU type (:func:`kind_bounds`)."""
+    """``{tp: StageTable}`` of the group's GPU type (:func:`kind_bounds`) for
+    plans placed in ``rank_order`` (``tp-pp-dp``: the transfers and all-reduces
+    least over the group's pipeline sizes as strides)."""
     kinds = [(group.gpu, t) for t in group.tps]
+    strides = tuple(group.sizes) if rank_order == RANK_ORDERS[1] else None
     out = kind_bounds(
-        data, model, constants, kinds, group.mbs, group.dp, group.steps, cache
+        data,
+        model,
+        constants,
+        kinds,
+        group.mbs,
+        group.dp,
+        group.steps,
+        cache,
+        strides=strides,
     )
     return {t: out[(group.gpu, t)] for t in group.tps}
 
@@ -112,13 +124,15 @@ def kind_bounds(
     *,
     with_sends: bool = True,
     placed: dict[str, int] | None = None,
+    strides: tuple[int, ...] | None = None,
 ) -> dict[Kind, StageTable]:
     """``{(gpu, tp): StageTable}`` for a stage of each kind (GPU type, TP
     degree) that stages of a plan may have. The layers before and after a
     stage are counted at the fastest kind. ``placed``: ``{type: rank}`` where a
     type's stage starts (its all-reduce priced there exactly); ``w`` then
     leaves out the blocking transfers on both sides, which the caller adds for
-    known neighbours."""
+    known neighbours. ``strides``: the ``tp-pp-dp`` rank order
+    (:func:`~pipedejavu.search.megatron.transfers.blocking_transfers`)."""
     info = data.model_info(model)
     num_layers = info.num_layers
     overhead = constants.op_overhead_s
@@ -133,7 +147,9 @@ def kind_bounds(
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = BoundCache() if cache is None else cache  # shared by one proof
-    transfers = blocking_transfers(data, model, constants, kinds, mbs, dp, cache)
+    transfers = blocking_transfers(
+        data, model, constants, kinds, mbs, dp, cache, strides
+    )
     sends, receives = transfers.sends, transfers.receives
     links = link_rows(transfers.links, layers, times, steps)
     if not with_sends or placed is not None or zero_bubble:  # the caller adds them
@@ -148,8 +164,8 @@ def kind_bounds(
         stage_f = span_sums(entry.forward, starts, stops) + overhead
         compute = span_sums(entry.forward + entry.backward, starts, stops)
         compute = compute + (3 if zero_bubble else 2) * overhead
-        busy = compute.copy()
-        busy += np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
+        pair_in = np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
+        busy = compute + pair_in
         busy += np.where(
             stops < num_layers, sends[kind][np.minimum(ends, num_layers - 2)], 0.0
         )
@@ -159,10 +175,10 @@ def kind_bounds(
         # The least all-reduce over the offsets the stage can have in a node
         # (or at the one it has).
         spots = None if placed is None else (placed[gpu] % spec.gpus_per_node,)
-        key = (gpu, t, dp, spots)
+        key = (gpu, t, dp, spots, strides)
         if key not in cache.allreduce:
             cache.allreduce[key] = least_allreduce(
-                data, model, gpu, t, dp, held, starts, ends, spots
+                data, model, gpu, t, dp, held, starts, ends, spots, strides
             )
         allreduce, largest = cache.allreduce[key]
         tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t, dp)
@@ -180,7 +196,11 @@ def kind_bounds(
             constants,
             gpu,
         )
-        head = before_f[starts] + steps * busy
+        # The gradient of the last micro-batch goes back over the boundary
+        # before the stage after its last backward, which ends the stage's
+        # pipeline for the predictor: one receive pair less (found on OPT-350,
+        # 3 stages on one A100-40 node: the bound was one transfer too high).
+        head = before_f[starts] + steps * busy - pair_in
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])
         shape = (num_layers + 1, num_layers + 1)
         w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
@@ -211,16 +231,23 @@ def least_allreduce(
     starts: NDArray[np.int64],
     ends: NDArray[np.int64],
     spots: tuple[int, ...] | None,
+    strides: tuple[int, ...] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The bucketed all-reduce of every span, least over the offsets of its
-    replicas within a node (``spots``; ``None``: every offset), and its
-    largest bucket."""
+    replicas within a node (``spots``; ``None``: every offset) and, in the
+    ``tp-pp-dp`` rank order, over the ``strides`` between them (a pipeline's
+    GPUs), and its largest bucket."""
     info = data.model_info(model)
     gpn = data.gpu_spec(gpu).gpus_per_node
     replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp
     allreduce, largest, seen = None, None, set()
-    for offset in range(gpn) if spots is None else spots:
-        nodes = rank_nodes(offset, dp, tp, gpn)
+    placements = [
+        (offset, stride)
+        for offset in (range(gpn) if spots is None else spots)
+        for stride in (strides or (None,))
+    ]
+    for offset, stride in placements:
+        nodes = rank_nodes(offset, dp, tp, gpn, stride)
         hops = ring_hops(data.network, replicas, nodes) if dp > 1 else []
         if tuple(hops) in seen:
             continue
@@ -330,8 +357,10 @@ def single_plans(
     g: NDArray[np.float64],
     size: int,
     best: Incumbent,
+    rank_order: str = RANK_ORDERS[0],
 ) -> Iterator[Plan3D]:
-    """The plans of a one-type configuration left to predict."""
+    """The plans of a one-type configuration left to predict, placed in
+    ``rank_order``."""
     spec = data.gpu_spec(group.gpu)
     for stages in chains(bounds, g, size, best):
         yield plan_from_stages(
@@ -343,4 +372,5 @@ def single_plans(
             model=model,
             gpus_per_node=spec.gpus_per_node,
             zone=DEFAULT_ZONE,
+            rank_order=rank_order,
         )

@@ -13,8 +13,10 @@ docstring of :mod:`pipedejavu.costmodel.megatron.predictor`):
 * a stage starts its first forward no earlier than the forwards of the stages
   before it took, ``F(a_s)`` (their layers' forward times plus one instruction
   overhead at least; transfers only add), and is then busy ``B x busy_s``
-  (its layers' forward and backward plus two overheads per micro-batch;
-  blocking transfers only add): its last backward ends at ``>= F(a_s) + B busy_s``;
+  (its layers' forward and backward plus two overheads per micro-batch, and
+  its blocking transfers) but for the last gradient it sends back, after its
+  last backward: that backward ends at ``>= F(a_s) + B busy_s - r_s`` (``r_s``:
+  the least blocking pair over the boundary before it);
 * the last backward of stage ``s - 1`` follows the gradient of the micro-batch
   whose backward ends last on stage ``s``, so stage 0 ends ``>= F(a_s) + B
   busy_s + G(a_s)`` (``G``: the backward times of the layers before, plus an
@@ -24,8 +26,8 @@ docstring of :mod:`pipedejavu.costmodel.megatron.predictor`):
   stage's replicas can have within a node in Megatron's rank order) follow its
   last backward; the tied-embedding all-reduce only adds.
 
-So ``predicted(plan) >= max_s w(a_s, b_s, tp_s)`` with ``w = max(F + B busy +
-tail, F + B busy + G)``. Under the ZB-H1 schedule (the source's
+So ``predicted(plan) >= max_s w(a_s, b_s, tp_s)`` with ``w = F + B busy - r +
+max(tail, G)``. Under the ZB-H1 schedule (the source's
 ``options.zero_bubble``) a stage's backward is split in ``B`` and ``W``, its
 sends do not block and its last command may be a ``W`` that no stage waits
 for: ``w = F + B busy + tail`` with ``busy`` its forward, backward and three
@@ -77,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
@@ -191,6 +193,7 @@ def certify_predicted(
     mixed_types: bool = True,
     mixed_state_limit: int = 4000,
     cutoff_s: float = math.inf,
+    rank_order: str = RANK_ORDERS[0],
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -215,6 +218,10 @@ def certify_predicted(
             (or the incumbent, which may not fit, when none is): with
             ``proven``, no plan of this space that fits is faster than
             ``min(cutoff_s, prediction)``.
+        rank_order: the placement of the plans searched
+            (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`; ``tp-pp-dp``, one GPU
+            type per plan: its bounds take the transfers and all-reduces least
+            over that order's placements).
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -222,6 +229,15 @@ def certify_predicted(
             best)`` is a lower bound on every plan at that moment).
     """
     started = time.perf_counter()
+    if rank_order not in RANK_ORDERS:
+        raise ProblemError(
+            f"rank order must be one of {RANK_ORDERS}, got {rank_order!r}"
+        )
+    if rank_order != RANK_ORDERS[0] and mixed_types and uniform_tp and len(gpus) > 1:
+        raise ProblemError(
+            f"the {rank_order} rank order's bounds cover plans on one GPU type; "
+            "search mixed GPU types in the default order"
+        )
     if data.options.zero_bubble and mixed_types and uniform_tp and len(gpus) > 1:
         raise ProblemError(
             "the zero-bubble schedule's bounds cover plans on one GPU type; "
@@ -252,7 +268,7 @@ def certify_predicted(
             continue
         bounds = StageBounds(
             group,
-            stage_bounds(data, model, constants, group, cache),
+            stage_bounds(data, model, constants, group, cache, rank_order),
             constants.op_overhead_s,
         )
         g = bounds.bottleneck(max(group.sizes))
@@ -260,7 +276,15 @@ def certify_predicted(
             value = float(g[size, 0])
             if math.isfinite(value):
                 plans = functools.partial(
-                    single_plans, data, model, global_batch, group, bounds, g, size
+                    single_plans,
+                    data,
+                    model,
+                    global_batch,
+                    group,
+                    bounds,
+                    g,
+                    size,
+                    rank_order=rank_order,
                 )
                 items.append(_Item(value, len(items), plans=plans))
     skipped_mixes = 0

@@ -124,11 +124,13 @@ def pipeline_transfers(
     first: int,
     second: int,
     memo: dict,
+    stride: int | None = None,
 ) -> list[tuple[float, float]]:
     """Per pipeline ``j``, (activation, gradient) seconds over the boundary
     from a stage of kind ``a`` whose replicas start at rank ``first`` of its
     type to the next of kind ``b`` starting at rank ``second`` of its type (TP
-    innermost, then data: replica ``j`` at ``first + j x tp``). The placement
+    innermost, then data: replica ``j`` at ``first + j x tp``; with ``stride``,
+    the ``tp-pp-dp`` rank order: at ``first + j x stride``). The placement
     fixes whether the two replicas share a node (one type) and how many
     pipelines share their node pair (what ``p2p_time`` reads); ``inf`` where no
     link fit prices it. ``memo``: shared by calls with the same kinds and
@@ -137,8 +139,8 @@ def pipeline_transfers(
     gpn_b = data.gpu_spec(b[0]).gpus_per_node
     nodes = list(
         zip(
-            rank_nodes(first, dp, a[1], gpn_a),
-            rank_nodes(second, dp, b[1], gpn_b),
+            rank_nodes(first, dp, a[1], gpn_a, stride),
+            rank_nodes(second, dp, b[1], gpn_b, stride),
             strict=True,
         )
     )
@@ -174,6 +176,7 @@ def blocking_transfers(
     mbs: int,
     dp: int,
     cache: BoundCache,
+    strides: tuple[int, ...] | None = None,
 ) -> BlockingTransfers:
     """The blocking transfers of every boundary (:class:`BlockingTransfers`;
     a rendezvous keeps both stages busy). The least is over the other stage's
@@ -183,12 +186,15 @@ def blocking_transfers(
     stage of another type sits on nodes of its own; each placement fixes, per
     pipeline, whether the two replicas share a node and how many pipelines
     share their node pair (what ``p2p_time`` reads). ``inf`` where no link fit
-    prices it (no plan the predictor prices has it)."""
+    prices it (no plan the predictor prices has it). ``strides``: the
+    ``tp-pp-dp`` rank order (one GPU type), a pipeline's GPUs in each plan the
+    bound covers: a stage starts at a multiple of the gcd of the degrees, its
+    neighbour right after it, replica ``j`` ``j x stride`` later."""
     info = data.model_info(model)
     boundaries = info.num_layers - 1
     step: dict[str, int] = {}  # a type's stages start at multiples of dp x gcd
     for gpu, t in kinds:
-        step[gpu] = math.gcd(step.get(gpu, 0), dp * t)
+        step[gpu] = math.gcd(step.get(gpu, 0), t if strides else dp * t)
 
     def offsets(gpu: str) -> list[int]:
         gpn = data.gpu_spec(gpu).gpus_per_node
@@ -201,8 +207,12 @@ def blocking_transfers(
             combos = [(o, r) for o in offsets(a[0]) for r in offsets(b[0])]
         memo: dict = {}
         worst = anyone = dear_there = dear_back = math.inf
-        for o, r in combos:
-            each = pipeline_transfers(data, a, b, nbytes, dp, o, r, memo)
+        if strides:  # one type: the next stage takes the pipeline's next ranks
+            placed = [(o, o + a[1], g) for o in offsets(a[0]) for g in strides]
+        else:
+            placed = [(o, r, None) for o, r in combos]
+        for o, r, g in placed:
+            each = pipeline_transfers(data, a, b, nbytes, dp, o, r, memo, g)
             both = [x + y for x, y in each]
             if max(both) < math.inf:
                 worst = min(worst, max(both))
@@ -214,7 +224,7 @@ def blocking_transfers(
     def blocked(a: Kind, b: Kind, k: int) -> TransferPrice:
         """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
         nbytes = float(message_bytes(info, a[1], k, mbs))
-        key = (a, b, nbytes, dp, step[a[0]], step[b[0]])
+        key = (a, b, nbytes, dp, step[a[0]], step[b[0]], strides)
         if key not in cache.transfers:
             cache.transfers[key] = price(a, b, nbytes)
         found = cache.transfers[key]

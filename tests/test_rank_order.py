@@ -1,0 +1,154 @@
+"""Megatron-LM's two rank orders (``tp-dp-pp``, its default, and ``tp-pp-dp``,
+``--use-tp-pp-dp-mapping``): the placement against Megatron's own example, the
+proof's bounds in the ``tp-pp-dp`` order against every plan's prediction, and
+its answer against brute force."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+from pipedejavu.baselines.megatron_brute import enumerate_plans
+from pipedejavu.core.plan3d import RANK_ORDERS, check_nodes
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.tables import (
+    canonical_nodes,
+    plan_from_stages,
+    rank_order_of,
+)
+from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.space import config_groups
+
+DATA = load_sailor_data()
+# (model, pool, gbs, most stages): several nodes (4 and 8 GPUs per node)
+SMALL = [
+    ("OPT-350", (("A100-40", 8),), 16, 3),
+    ("OPT-350", (("RTX-2080", 16),), 32, 3),
+]
+
+
+def test_placement_is_megatrons():
+    # parallel_state's example: 16 GPUs, TP 2, PP 4 (so DP 2). tp-dp-pp: a
+    # stage's two replicas on ranks 0-3, the next stage on 4-7, ...; tp-pp-dp:
+    # a pipeline on ranks 0-7 (stage s at 2 s), the other on 8-15.
+    default = canonical_nodes([2] * 4, 2, 4)
+    assert default == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    other = canonical_nodes([2] * 4, 2, 4, "tp-pp-dp")
+    assert other == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    with pytest.raises(ProblemError, match="rank order must be one of"):
+        canonical_nodes([2], 2, 4, "pp-dp-tp")
+
+
+@pytest.mark.parametrize("order", RANK_ORDERS)
+def test_plans_know_their_order(order):
+    plan = plan_from_stages(
+        [(0, 10, 2), (10, 20, 2), (20, 26, 2)],
+        gpu_type="A100-40",
+        dp=4,
+        mbs=1,
+        gbs=16,
+        model="OPT-350",
+        gpus_per_node=4,
+        zone="z",
+        rank_order=order,
+    )
+    check_nodes(plan, lambda gpu: 4)
+    assert rank_order_of(plan, 4) == order
+
+
+@functools.cache
+def _every_plan(model, pool, gbs, stages, order):
+    return [
+        (plan, predict_plan(plan, DATA, constants=C))
+        for plan, _ in enumerate_plans(
+            DATA, model, dict(pool), gbs, C, max_stages=stages, rank_order=order
+        )
+    ]
+
+
+@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
+def test_tp_pp_dp_bounds_are_below_every_prediction(model, pool, gbs, stages):
+    groups = config_groups(
+        DATA,
+        model,
+        dict(pool),
+        gbs,
+        uniform_tp=True,
+        allow_fewer_gpus=True,
+        mbs_values=None,
+        max_stages=stages,
+    )
+    bounds = {}
+    for group in groups:
+        tables = stage_bounds(DATA, model, C, group, rank_order="tp-pp-dp")
+        table = StageBounds(group, tables, C.op_overhead_s)
+        for tp in group.tps:
+            bounds[(group.gpu, group.mbs, group.dp, tp)] = table
+    checked = tight = 0
+    for plan, prediction in _every_plan(model, pool, gbs, stages, "tp-pp-dp"):
+        if not prediction.fits_memory:
+            continue
+        first = plan.stages[0].replicas[0]
+        table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
+        left = sum(stage.replicas[0].tp for stage in plan.stages)
+        largest = -math.inf
+        for stage in plan.stages:
+            tp = stage.replicas[0].tp
+            largest = max(largest, table.weights(tp, left)[stage.start, stage.stop])
+            left -= tp
+        assert largest <= prediction.iteration_time_s * (1 + 1e-12)
+        checked += 1
+        tight += largest >= 0.9 * prediction.iteration_time_s
+    assert checked >= 100 and tight > checked / 4
+
+
+@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
+def test_tp_pp_dp_proof_is_the_brute_force_optimum(model, pool, gbs, stages):
+    every = _every_plan(model, pool, gbs, stages, "tp-pp-dp")
+    fits = [(p, r) for p, r in every if r.fits_memory]
+    best = min(r.iteration_time_s for _, r in fits)
+    worst = max(fits, key=lambda item: item[1].iteration_time_s)[0]
+    certificate = certify_predicted(
+        DATA,
+        model,
+        dict(pool),
+        gbs,
+        C,
+        worst,
+        max_stages=stages,
+        mixed_types=False,
+        rank_order="tp-pp-dp",
+    )
+    assert certificate.proven
+    assert certificate.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert rank_order_of(certificate.plan, 8 if "RTX" in pool[0][0] else 4) in (
+        "tp-pp-dp",
+        "tp-dp-pp",  # both orders place a plan alike (one stage, or one node)
+    )
+    # the orders differ on these settings
+    default = min(
+        r.iteration_time_s
+        for _, r in _every_plan(model, pool, gbs, stages, "tp-dp-pp")
+        if r.fits_memory
+    )
+    assert default != pytest.approx(best, rel=1e-9)
+
+
+def test_mixed_types_stay_in_the_default_order():
+    plan = _every_plan("OPT-350", (("A100-40", 8),), 16, 3, "tp-dp-pp")[0][0]
+    with pytest.raises(ProblemError, match="one GPU type"):
+        certify_predicted(
+            DATA,
+            "OPT-350",
+            {"A100-40": 4, "V100-16": 4},
+            16,
+            C,
+            plan,
+            rank_order="tp-pp-dp",
+        )
