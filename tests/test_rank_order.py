@@ -11,16 +11,17 @@ import math
 import pytest
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
-from pipedejavu.core.plan3d import RANK_ORDERS, check_nodes
+from pipedejavu.core.plan3d import (
+    RANK_ORDERS,
+    canonical_nodes,
+    check_nodes,
+    rank_order_of,
+)
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-from pipedejavu.costmodel.megatron.tables import (
-    canonical_nodes,
-    plan_from_stages,
-    rank_order_of,
-)
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.space import config_groups

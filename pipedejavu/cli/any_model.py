@@ -21,6 +21,7 @@ from typing import Any
 
 from pipedejavu.cli.megatron_report import format_knobs, format_prediction
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
@@ -104,6 +105,14 @@ def add_knob_options(parser: Any) -> None:
         "list (default: auto for a model priced by the analytical model; none "
         "for a Sailor model priced by its profiles)",
     )
+    parser.add_argument(
+        "--rank-order",
+        choices=("auto", RANK_ORDERS[0]),
+        help="Megatron-LM's rank orders to search: auto (tp-dp-pp, its default, "
+        "and tp-pp-dp, --use-tp-pp-dp-mapping, with the 1F1B and ZB-H1 "
+        "schedules; with --export, those the target lays out) or tp-dp-pp "
+        "alone (default: auto)",
+    )
     for flag, what in (
         ("--sequence-parallel", "Megatron-LM's --sequence-parallel (TP > 1)"),
         (
@@ -130,6 +139,7 @@ def knobs_asked(args: argparse.Namespace) -> bool:
             "recompute",
             "sequence_parallel",
             "distributed_optimizer",
+            "rank_order",
         )
     )
 
@@ -152,6 +162,9 @@ def knob_space(
         if args.distributed_optimizer
         else auto.distributed_optimizer,
         _schedules(args.schedule, schedules) if args.schedule else auto.schedules,
+        RANK_ORDERS[:1]
+        if getattr(args, "rank_order", None) == RANK_ORDERS[0]
+        else auto.rank_orders,
     )
 
 
@@ -202,6 +215,7 @@ def any_model_options(args: argparse.Namespace) -> list[str]:
         "recompute",
         "sequence_parallel",
         "distributed_optimizer",
+        "rank_order",
         "seq_len",
         "gpu_sheet",
     )

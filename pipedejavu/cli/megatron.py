@@ -37,7 +37,12 @@ from pipedejavu.cli.megatron_report import (
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.exports import EXPORTS, LAUNCHED_SCHEDULES, export_plan
+from pipedejavu.io.exports import (
+    EXPORTS,
+    LAUNCHED_RANK_ORDERS,
+    LAUNCHED_SCHEDULES,
+    export_plan,
+)
 from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
@@ -323,9 +328,14 @@ def _plan(args: argparse.Namespace) -> int:
     launchable = LAUNCHED_SCHEDULES.get(args.export, SCHEDULES)
     if not choice.measured and args.export:  # what the target launches
         auto = dataclasses.replace(auto, schedules=launchable)
+    if args.export:
+        orders = LAUNCHED_RANK_ORDERS[args.export]
+        auto = dataclasses.replace(auto, rank_orders=orders)
     space, asked = knob_space(args, auto, launchable), knobs_asked(args)
     knobs = None
-    if choice.analytical or asked:
+    # A model priced by its profiles searches the rank orders (a placement,
+    # the same costs) with its profiled training.
+    if choice.analytical or asked or len(space.rank_orders) > 1:
         knobs = plan_with_knobs(
             args.model,
             pool,

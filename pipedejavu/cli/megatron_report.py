@@ -70,7 +70,13 @@ def format_training_plan(result) -> str:
     if sum(used.values()) < sum(available.values()):
         lines.append(f"  uses fewer GPUs than available: {used}")
     chunks = result.options.virtual_stages
-    if chunks > 1:
+    if chunks == 1 and not mixed and result.optimum_s != result.optimum_s:
+        objective = [
+            "planning objective: n/a (the closed form prices Megatron's default "
+            "rank order); plans in the tp-pp-dp order searched by the branch "
+            "and bound on the predictor",
+        ]
+    elif chunks > 1:
         objective = [
             f"  Megatron-LM's interleaved 1F1B, {chunks} model chunks per stage "
             "(the stages' layers are each rank's chunks together)",
@@ -147,7 +153,8 @@ def format_knobs(knobs) -> str:
     lines = [
         f"knobs: {schedule_name(options)}, recompute {options.recompute}, "
         f"sequence parallel {_on(options.sequence_parallel)}, distributed optimizer "
-        f"{_on(options.distributed_optimizer)} (searched: "
+        f"{_on(options.distributed_optimizer)}, rank order {knobs.rank_order} "
+        f"(searched: "
         f"{knobs.space.describe()})"
     ]
     dominated = [o for o in knobs.outcomes if o.how == "dominated"]
@@ -157,6 +164,8 @@ def format_knobs(knobs) -> str:
         o = outcome.options
         schedule = "interleaved" if outcome.how == "interleaved" else "1F1B"
         schedule = "ZB-H1" if o.zero_bubble else schedule
+        if outcome.rank_order != "tp-dp-pp":
+            schedule += f" ({outcome.rank_order})"
         name = (
             f"  {schedule}, recompute {o.recompute}, SP "
             f"{_on(o.sequence_parallel)}, dist-opt {_on(o.distributed_optimizer)}: "

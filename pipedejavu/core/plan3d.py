@@ -60,8 +60,11 @@ __all__ = [
     "Plan3D",
     "Replica",
     "Stage3D",
+    "canonical_nodes",
     "check_nodes",
     "is_stage_plan",
+    "rank_nodes",
+    "rank_order_of",
 ]
 
 PLAN3D_FORMAT = "pipedejavu.core.plan3d"
@@ -451,3 +454,66 @@ def same_structure(a: Plan3D, b: Plan3D) -> bool:
 def replicas_of(stages: Sequence[Stage3D], j: int) -> list[Replica]:
     """Pipeline ``j``: replica ``j`` of every stage."""
     return [stage.replicas[j] for stage in stages]
+
+
+def rank_nodes(
+    first: int, dp: int, tp: int, gpus_per_node: int, stride: int | None = None
+) -> list[int]:
+    """The node of each of the ``dp`` replicas of a stage whose ranks start at
+    ``first``, replica ``j`` at ``first + j x stride``: ``stride = tp`` in
+    Megatron's default rank order (TP innermost, then data; ``None``), the
+    GPUs of a pipeline with ``--use-tp-pp-dp-mapping``."""
+    step = tp if stride is None else stride
+    return [(first + j * step) // gpus_per_node for j in range(dp)]
+
+
+def canonical_nodes(
+    stage_tps: Sequence[int],
+    dp: int,
+    gpus_per_node: int,
+    order: str = RANK_ORDERS[0],
+) -> list:
+    """Node of replica ``j`` of stage ``s`` in a rank order of
+    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: rank ``dp sum_{r<s} tp_r + j
+    tp_s`` (``tp-dp-pp``) or ``j G + sum_{r<s} tp_r`` with ``G = sum_r tp_r``
+    the GPUs of a pipeline (``tp-pp-dp``); node ``rank // gpus_per_node``."""
+    if order not in RANK_ORDERS:
+        raise ProblemError(f"rank order must be one of {RANK_ORDERS}, got {order!r}")
+    pipeline = sum(stage_tps)
+    nodes, offset = [], 0
+    for tp in stage_tps:
+        if order == RANK_ORDERS[0]:
+            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
+            offset += dp * tp
+        else:
+            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node, pipeline))
+            offset += tp
+    return nodes
+
+
+def rank_order_of(plan: Plan3D, gpus_per_node: int | None = None) -> str | None:
+    """The rank order of :data:`~pipedejavu.core.plan3d.RANK_ORDERS` whose
+    placement the plan's nodes follow (numbered from its first node), the
+    default first where both do; ``None``: neither (or replicas without a
+    node, several GPU types, TP degrees differing within a stage).
+    ``gpus_per_node`` ``None``: the most GPUs the plan puts on one node (a
+    placement in either order fills its first node, or fits in one)."""
+    replicas = [r for stage in plan.stages for r in stage.replicas]
+    if any(r.node is None for r in replicas):
+        return None
+    if gpus_per_node is None:
+        load: dict[int, int] = {}
+        for r in replicas:
+            load[r.node] = load.get(r.node, 0) + r.tp
+        gpus_per_node = max(load.values())
+    if len({r.gpu_type for r in replicas}) > 1:
+        return None
+    tps = [stage.replicas[0].tp for stage in plan.stages]
+    if any(r.tp != s.replicas[0].tp for s in plan.stages for r in s.replicas):
+        return None
+    base = min(r.node for r in replicas)
+    have = [[r.node - base for r in stage.replicas] for stage in plan.stages]
+    for order in RANK_ORDERS:
+        if canonical_nodes(tps, plan.dp, gpus_per_node, order) == have:
+            return order
+    return None

@@ -61,7 +61,7 @@ import json
 import shlex
 from collections.abc import Mapping
 
-from pipedejavu.core.plan3d import Plan3D, check_nodes
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, check_nodes, rank_order_of
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.io.export_alpa import to_alpa
@@ -77,6 +77,7 @@ from pipedejavu.io.sailor_plan import plan_to_sailor
 
 __all__ = [
     "EXPORTS",
+    "LAUNCHED_RANK_ORDERS",
     "LAUNCHED_SCHEDULES",
     "SAILOR_VERSION",
     "export_plan",
@@ -100,6 +101,14 @@ LAUNCHED_SCHEDULES = {
     "torchtitan": ("1f1b", "interleaved", "zb-h1"),
     "alpa": ("1f1b",),
     "sailor": ("1f1b",),
+}
+#: The rank orders each target launches (:data:`~pipedejavu.core.plan3d.
+#: RANK_ORDERS`); the others it refuses. Megatron-LM takes
+#: ``--use-tp-pp-dp-mapping``; torchtitan's mesh and DeepSpeed's topology put
+#: the pipeline outermost (the default order).
+LAUNCHED_RANK_ORDERS = {
+    target: RANK_ORDERS if target == "megatron" else RANK_ORDERS[:1]
+    for target in EXPORTS
 }
 #: Sailor's plan reader the ``plan_config`` export was checked against.
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
@@ -180,21 +189,35 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
     return data
 
 
+def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str | None:
+    """The plan's rank order (``None``: not one Megatron-LM lays out)."""
+    gpu = plan.stages[0].replicas[0].gpu_type
+    per_node = None if gpus_per_node is None else gpus_per_node.get(gpu)
+    return rank_order_of(plan, per_node)
+
+
 def _build(
     plan: Plan3D,
     target: str,
     gpus_per_node: Mapping[str, int] | None,
     options: TrainingOptions | None = None,
 ) -> str:
+    order = _order(plan, gpus_per_node)
+    if order is not None and order not in LAUNCHED_RANK_ORDERS.get(target, ()):
+        raise ExportRefused(
+            f"{target}: the plan places each pipeline's stages on consecutive "
+            f"ranks ({order}); the target lays out {RANK_ORDERS[0]} only"
+        )
     if target == "megatron":
         text = megatron_text(plan)
         if options is not None and options.zero_bubble:
             raise ExportRefused(NO_ZERO_BUBBLE)
+        extra = ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
         if options is not None:
-            extra = interleaving_flags(plan, options.virtual_stages)
+            extra += interleaving_flags(plan, options.virtual_stages)
             extra += option_flags(options)
-            if extra:
-                text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
+        if extra:
+            text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
         return text
     if target == "deepspeed":
         data = _deepspeed_options(to_deepspeed(plan), options, target)

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 from typing import Any
 
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
     RecomputeGranularity,
@@ -57,12 +58,18 @@ class KnobSpace:
             zero-bubble schedule ZB-H1, any stages:
             :mod:`pipedejavu.simulation.zero_bubble`; priced analytically only,
             profiles do not split the backward).
+        rank_orders: Megatron-LM's rank orders
+            (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`: ``tp-dp-pp``, its
+            default, and ``tp-pp-dp``, ``--use-tp-pp-dp-mapping``), a placement
+            of the same plans: searched with the 1F1B and ZB-H1 schedules
+            (interleaved plans keep the default order).
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
     sequence_parallel: tuple[bool, ...] = _ON_OFF
     distributed_optimizer: tuple[bool, ...] = _ON_OFF
     schedules: tuple[str, ...] = SCHEDULES
+    rank_orders: tuple[str, ...] = RANK_ORDERS
 
     def __post_init__(self) -> None:
         if (
@@ -73,6 +80,21 @@ class KnobSpace:
         ):
             raise ValueError(
                 f"schedules: distinct values from {SCHEDULES}; got {self.schedules}"
+            )
+        if (
+            not isinstance(self.rank_orders, tuple)
+            or not self.rank_orders
+            or any(v not in RANK_ORDERS for v in self.rank_orders)
+            or len(set(self.rank_orders)) != len(self.rank_orders)
+        ):
+            raise ValueError(
+                f"rank_orders: distinct values from {RANK_ORDERS}; got "
+                f"{self.rank_orders}"
+            )
+        if RANK_ORDERS[0] not in self.rank_orders:
+            raise ValueError(
+                f"rank_orders: the default order {RANK_ORDERS[0]} is always "
+                f"searched (the others are added to it); got {self.rank_orders}"
             )
         for name, allowed in (
             ("recompute", RECOMPUTE_GRANULARITIES),
@@ -93,9 +115,12 @@ class KnobSpace:
                 )
 
     @classmethod
-    def fixed(cls, options: TrainingOptions) -> KnobSpace:
+    def fixed(
+        cls, options: TrainingOptions, rank_orders: tuple[str, ...] = RANK_ORDERS
+    ) -> KnobSpace:
         """The one choice ``options`` makes (its schedule: 1F1B, interleaved
-        when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``)."""
+        when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``), in
+        ``rank_orders`` (a placement: the same costs)."""
         schedule = "1f1b"
         if options.virtual_stages > 1:
             schedule = "interleaved"
@@ -106,6 +131,7 @@ class KnobSpace:
             (options.sequence_parallel,),
             (options.distributed_optimizer,),
             (schedule,),
+            rank_orders,
         )
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
@@ -159,7 +185,8 @@ class KnobSpace:
             f"schedule {'|'.join(self.schedules)}, "
             f"recompute {'|'.join(self.recompute)}, sequence parallel "
             f"{flags(self.sequence_parallel)}, distributed optimizer "
-            f"{flags(self.distributed_optimizer)}"
+            f"{flags(self.distributed_optimizer)}, rank order "
+            f"{'|'.join(self.rank_orders)}"
         )
 
 
@@ -181,6 +208,7 @@ class KnobOutcome:
         proven: the choice holds no plan that fits faster than
             ``min(cutoff_s, best_s)``.
         time_s: seconds spent.
+        rank_order: the placement searched.
     """
 
     options: TrainingOptions
@@ -189,10 +217,12 @@ class KnobOutcome:
     cutoff_s: float
     proven: bool
     time_s: float
+    rank_order: str = RANK_ORDERS[0]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "options": self.options.to_json(),
+            "rank_order": self.rank_order,
             "how": self.how,
             "best_s": finite_or_none(self.best_s),
             "cutoff_s": finite_or_none(self.cutoff_s),

@@ -59,6 +59,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipedejavu.core.plan3d import (
+    RANK_ORDERS,
+    rank_order_of,
+)
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import (
     TrainingOptions,
@@ -75,7 +79,7 @@ from pipedejavu.planning.training import (
     plan_training,
     search_config,
 )
-from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.certify import PredictedCertificate, certify_predicted
 from pipedejavu.search.megatron.interleaved import (
     InterleavedResult,
     search_interleaved,
@@ -103,8 +107,17 @@ class KnobPlan:
     space: KnobSpace
     outcomes: tuple[KnobOutcome, ...]
 
+    @property
+    def rank_order(self) -> str | None:
+        """The plan's rank order (:func:`~pipedejavu.costmodel.megatron.tables.
+        rank_order_of`; the default where both place it alike)."""
+        plan = self.result.plan
+        gpu = plan.stages[0].replicas[0].gpu_type
+        return rank_order_of(plan, self.choice.data.gpu_spec(gpu).gpus_per_node)
+
     def to_json(self) -> dict[str, Any]:
         out = self.result.to_json()
+        out["rank_order"] = self.rank_order
         out["knobs"] = {
             "space": self.space.to_json(),
             "choices": [o.to_json() for o in self.outcomes],
@@ -383,6 +396,50 @@ def search_knobs(
                 time.perf_counter() - tick,
             )
         )
+    # 4. the tp-pp-dp rank order: the 1F1B and ZB-H1 choices' proofs again,
+    # their plans placed pipeline by pipeline (interleaved plans keep the
+    # default order)
+    if RANK_ORDERS[1] in space.rank_orders and state.best is not None:
+        placed = [(c, "proof") for c in one_f] + [(c, "zero-bubble") for c in zero]
+        if not one_f:
+            placed = [(c, "zero-bubble") for c in choices]
+        for index, (choice, how) in enumerate(placed, 4 * len(knobs)):
+            tick = time.perf_counter()
+            certificate = certify_predicted(
+                choice.data,
+                choice.model,
+                choice.pool(pool),
+                global_batch,
+                FITTED_CONSTANTS,
+                state.best[0].plan,
+                uniform_tp=config.uniform_tp,
+                allow_fewer_gpus=config.allow_fewer_gpus,
+                mbs_values=config.mbs_values,
+                max_stages=config.max_stages,
+                max_plans=config.proof_budget,
+                mixed_types=False,
+                cutoff_s=state.best_s,
+                rank_order=RANK_ORDERS[1],
+                progress_fn=_tagged(progress_fn, index),
+            )
+            found = certificate.prediction
+            beats = found.fits_memory and found.iteration_time_s < state.best_s
+            cutoff = state.best_s
+            state.lower = min(state.lower, certificate.lower_bound_s)
+            if beats:
+                plan = _proof_plan(certificate, choice, pool, method)
+                state.take((plan, choice), searched=True)  # its own placement
+            outcomes.append(
+                KnobOutcome(
+                    choice.options,
+                    how,
+                    found.iteration_time_s if beats else math.nan,
+                    cutoff,
+                    certificate.proven,
+                    time.perf_counter() - tick,
+                    RANK_ORDERS[1],
+                )
+            )
     outcomes += [
         KnobOutcome(knobs, "dominated", math.nan, math.nan, True, 0.0)
         for knobs in space.dominated(base)
@@ -459,6 +516,35 @@ def _interleaved_plan(
         mixed_types=False,
         cost_source=plan_cost_source(found.plan, choice.data),
         options=options,
+    )
+
+
+def _proof_plan(
+    certificate: PredictedCertificate,
+    choice: CostChoice,
+    pool: Mapping[str, int],
+    method: str,
+) -> TrainingPlan:
+    """A :class:`TrainingPlan` for a plan found by a proof in the ``tp-pp-dp``
+    rank order: no planning objective (the closed form prices the default
+    placement), its proof the certificate's."""
+    return TrainingPlan(
+        plan=certificate.plan,
+        prediction=certificate.prediction,
+        objective_s=math.nan,
+        optimum_s=math.nan,
+        lower_bound_s=math.nan,
+        gap=math.nan,
+        gpus_available=dict(pool),
+        search_time_s=certificate.time_s,
+        method=method,
+        configurations=certificate.configurations,
+        solved=certificate.enumerated,
+        predicted_lower_bound_s=certificate.lower_bound_s,
+        proven=certificate.proven,
+        mixed_types=False,
+        cost_source=plan_cost_source(certificate.plan, choice.data),
+        options=choice.options,
     )
 
 

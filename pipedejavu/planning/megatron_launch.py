@@ -23,12 +23,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
-from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.plan3d import (
+    Plan3D,
+    Replica,
+    Stage3D,
+    canonical_nodes,
+)
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
-from pipedejavu.costmodel.megatron.tables import canonical_nodes
 from pipedejavu.io.megatron_args import MegatronRun
 
 __all__ = [

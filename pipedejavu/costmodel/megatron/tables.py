@@ -21,8 +21,8 @@ With these, ``sum c + (B - 1) max c + max tail`` is the planning objective of a
 plan (the closed form of the pipeline; the predictor's simulation re-scores).
 
 Placement (the canonical Megatron/DeepSpeed rank order: TP innermost, then
-data, then pipeline; :func:`canonical_nodes`): a stage whose ``dp x tp`` GPUs
-fill whole nodes talks to its neighbours across nodes, ``gpus_per_node / tp``
+data, then pipeline; :func:`~pipedejavu.core.plan3d.canonical_nodes`): a stage
+whose ``dp x tp`` GPUs fill whole nodes talks to its neighbours across nodes, ``gpus_per_node / tp``
 replicas at once; a smaller stage shares its node with its neighbours (intra-node
 links). The predictor prices each plan with its exact placement.
 """
@@ -42,8 +42,9 @@ from pipedejavu.core.plan3d import (
     Plan3D,
     Replica,
     Stage3D,
+    canonical_nodes,
+    rank_nodes,
 )
-from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
 from pipedejavu.costmodel.megatron.comm import (
     p2p_time,
@@ -75,13 +76,10 @@ from pipedejavu.costmodel.megatron.sailor_data import (
 __all__ = [
     "StageTables",
     "boundary_time",
-    "canonical_nodes",
-    "rank_order_of",
     "compile_tables",
     "plan_tables",
     "plan_from_mixed_stages",
     "plan_from_stages",
-    "rank_nodes",
     "span_allreduce",
     "usable_degrees",
 ]
@@ -127,62 +125,6 @@ def usable_degrees(
     ]
 
 
-def rank_nodes(
-    first: int, dp: int, tp: int, gpus_per_node: int, stride: int | None = None
-) -> list[int]:
-    """The node of each of the ``dp`` replicas of a stage whose ranks start at
-    ``first``, replica ``j`` at ``first + j x stride``: ``stride = tp`` in
-    Megatron's default rank order (TP innermost, then data; ``None``), the
-    GPUs of a pipeline with ``--use-tp-pp-dp-mapping``."""
-    step = tp if stride is None else stride
-    return [(first + j * step) // gpus_per_node for j in range(dp)]
-
-
-def canonical_nodes(
-    stage_tps: Sequence[int],
-    dp: int,
-    gpus_per_node: int,
-    order: str = RANK_ORDERS[0],
-) -> list:
-    """Node of replica ``j`` of stage ``s`` in a rank order of
-    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: rank ``dp sum_{r<s} tp_r + j
-    tp_s`` (``tp-dp-pp``) or ``j G + sum_{r<s} tp_r`` with ``G = sum_r tp_r``
-    the GPUs of a pipeline (``tp-pp-dp``); node ``rank // gpus_per_node``."""
-    if order not in RANK_ORDERS:
-        raise ProblemError(f"rank order must be one of {RANK_ORDERS}, got {order!r}")
-    pipeline = sum(stage_tps)
-    nodes, offset = [], 0
-    for tp in stage_tps:
-        if order == RANK_ORDERS[0]:
-            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
-            offset += dp * tp
-        else:
-            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node, pipeline))
-            offset += tp
-    return nodes
-
-
-def rank_order_of(plan: Plan3D, gpus_per_node: int) -> str | None:
-    """The rank order of :data:`~pipedejavu.core.plan3d.RANK_ORDERS` whose
-    placement the plan's nodes follow (numbered from its first node), the
-    default first where both do; ``None``: neither (or replicas without a
-    node, several GPU types, TP degrees differing within a stage)."""
-    replicas = [r for stage in plan.stages for r in stage.replicas]
-    if any(r.node is None for r in replicas):
-        return None
-    if len({r.gpu_type for r in replicas}) > 1:
-        return None
-    tps = [stage.replicas[0].tp for stage in plan.stages]
-    if any(r.tp != s.replicas[0].tp for s in plan.stages for r in s.replicas):
-        return None
-    base = min(r.node for r in replicas)
-    have = [[r.node - base for r in stage.replicas] for stage in plan.stages]
-    for order in RANK_ORDERS:
-        if canonical_nodes(tps, plan.dp, gpus_per_node, order) == have:
-            return order
-    return None
-
-
 def boundary_time(
     network: NetworkTables,
     gpu_type: str,
@@ -218,7 +160,7 @@ def plan_from_stages(
     rank_order: str = RANK_ORDERS[0],
 ) -> Plan3D:
     """A :class:`Plan3D` from ``(start, stop, tp)`` stages, placed in
-    ``rank_order`` (:func:`canonical_nodes`)."""
+    ``rank_order`` (:func:`~pipedejavu.core.plan3d.canonical_nodes`)."""
     nodes = canonical_nodes([tp for _, _, tp in stages], dp, gpus_per_node, rank_order)
     return Plan3D(
         stages=tuple(

@@ -18,7 +18,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D, Replica
+from pipedejavu.core.plan3d import (
+    DEFAULT_ZONE,
+    RANK_ORDERS,
+    Plan3D,
+    Replica,
+    rank_nodes,
+)
 from pipedejavu.costmodel.megatron.comm import ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
@@ -32,7 +38,6 @@ from pipedejavu.costmodel.megatron.rules import (
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
     plan_from_stages,
-    rank_nodes,
     span_allreduce,
 )
 from pipedejavu.search.megatron.space import ConfigGroup

@@ -44,7 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D, Replica
+from pipedejavu.core.plan3d import (
+    DEFAULT_ZONE,
+    Plan3D,
+    Replica,
+    canonical_nodes,
+)
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_times, ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
@@ -59,7 +64,6 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
     StageTables,
     boundary_time,
-    canonical_nodes,
     compile_tables,
     plan_from_stages,
     plan_tables,

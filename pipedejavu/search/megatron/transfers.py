@@ -17,12 +17,15 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Replica
+from pipedejavu.core.plan3d import (
+    DEFAULT_ZONE,
+    Replica,
+    rank_nodes,
+)
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import is_blocking, message_bytes, p2p_pair
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, SailorData
-from pipedejavu.costmodel.megatron.tables import rank_nodes
 
 __all__ = [
     "BlockingTransfers",
