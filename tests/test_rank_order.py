@@ -6,6 +6,7 @@ its answer against brute force."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -22,6 +23,8 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.io.export_rules import ExportRefused
+from pipedejavu.io.exports import EXPORTS, LAUNCHED_RANK_ORDERS, export_plan
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.space import config_groups
@@ -153,3 +156,65 @@ def test_mixed_types_stay_in_the_default_order():
             plan,
             rank_order="tp-pp-dp",
         )
+
+
+def _cli(capsys, *argv):
+    from pipedejavu.cli.main import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_knob_search_places_by_rank_order_and_exports_it(capsys):
+    """The issue's case (GPT-Neo-2.7 on 64 GH-96, gbs 1024, its profiles):
+    with tp-pp-dp searched, a plan whose pipelines sit inside nodes is faster
+    than the best in the default order and is proven; the Megatron-LM export
+    says so, and --rank-order tp-dp-pp keeps the default."""
+    argv = ["plan", "--model", "GPT-Neo-2.7", "--gpus", "GH-96:64"]
+    argv += ["--global-batch", 1024, "--json"]
+    code, out, err = _cli(capsys, *argv, "--export", "megatron")
+    assert code == 0, err
+    both = json.loads(out)
+    assert both["rank_order"] == "tp-pp-dp" and both["proven_optimal"]
+    assert "--use-tp-pp-dp-mapping" in both["export"]["text"]
+    code, out, err = _cli(capsys, *argv, "--rank-order", "tp-dp-pp")
+    assert code == 0, err
+    default = json.loads(out)
+    assert default["rank_order"] == "tp-dp-pp"
+    assert both["iteration_time_s"] < default["iteration_time_s"]
+
+
+def test_exports_of_a_tp_pp_dp_plan():
+    plan = plan_from_stages(
+        [(0, 13, 1), (13, 26, 1)],
+        gpu_type="A100-40",
+        dp=4,
+        mbs=1,
+        gbs=16,
+        model="OPT-350",
+        gpus_per_node=4,
+        zone="z",
+        rank_order="tp-pp-dp",
+    )
+    hosts = {"A100-40": 4}
+    for target in EXPORTS:
+        if RANK_ORDERS[1] in LAUNCHED_RANK_ORDERS[target]:
+            text = export_plan(plan, target, gpus_per_node=hosts)
+            assert "--use-tp-pp-dp-mapping" in text
+            continue
+        with pytest.raises(ExportRefused, match="tp-pp-dp") as refusal:
+            export_plan(plan, target, gpus_per_node=hosts)
+        assert "\n" not in str(refusal.value)
+    # the default order writes no flag
+    default = plan_from_stages(
+        [(0, 13, 1), (13, 26, 1)],
+        gpu_type="A100-40",
+        dp=4,
+        mbs=1,
+        gbs=16,
+        model="OPT-350",
+        gpus_per_node=4,
+        zone="z",
+    )
+    assert "--use-tp-pp-dp-mapping" not in export_plan(default, "megatron")
