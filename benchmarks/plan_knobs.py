@@ -8,7 +8,8 @@ proven optimal over its own space:
 * ``+recompute``: recomputation none, selective or full;
 * ``+SP, dist-opt``: sequence parallelism and the distributed optimizer too;
 * ``+interleaved``: Megatron-LM's interleaved schedule too;
-* ``all``: the zero-bubble schedule ZB-H1 too.
+* ``all``: the zero-bubble schedule ZB-H1 and the ``tp-pp-dp`` rank order too
+  (the spaces before keep Megatron-LM's default order).
 
 And for the published runs of ``pipedejavu/data/published`` named here, the
 published configuration as predicted beside the best plan for the same model,
@@ -32,6 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipedejavu.core.plan3d import rank_order_of
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
@@ -66,13 +68,17 @@ SETTINGS = [
 ]
 PUBLISHED = ["sc21_table1_1T"]
 
+DEFAULT_ORDER = ("tp-dp-pp",)
 SPACES = {
-    "today": KnobSpace(("none",), (False,), (False,), ("1f1b",)),
+    "today": KnobSpace(("none",), (False,), (False,), ("1f1b",), DEFAULT_ORDER),
     "+recompute": KnobSpace(
-        schedules=("1f1b",), sequence_parallel=(False,), distributed_optimizer=(False,)
+        schedules=("1f1b",), sequence_parallel=(False,), distributed_optimizer=(False,),
+        rank_orders=DEFAULT_ORDER,
     ),  # fmt: skip
-    "+SP, dist-opt": KnobSpace(schedules=("1f1b",)),
-    "+interleaved": KnobSpace(schedules=("1f1b", "interleaved")),
+    "+SP, dist-opt": KnobSpace(schedules=("1f1b",), rank_orders=DEFAULT_ORDER),
+    "+interleaved": KnobSpace(
+        schedules=("1f1b", "interleaved"), rank_orders=DEFAULT_ORDER
+    ),
     "all": KnobSpace(),
 }
 
@@ -83,6 +89,7 @@ def summary(result, seconds: float) -> dict:
         "iteration_time_s": result.prediction.iteration_time_s,
         "plan": result.plan.describe(),
         "schedule": KnobSpace.fixed(options).schedules[0],
+        "rank_order": rank_order_of(result.plan),
         "chunks": options.virtual_stages,
         "recompute": options.recompute,
         "sequence_parallel": options.sequence_parallel,

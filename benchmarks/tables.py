@@ -723,6 +723,8 @@ def _knobs(entry: dict) -> str:
         parts.append("SP")
     if entry["distributed_optimizer"]:
         parts.append("dist-opt")
+    if entry.get("rank_order") == "tp-pp-dp":
+        parts.append("tp-pp-dp")
     return ", ".join(parts)
 
 
