@@ -156,9 +156,10 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     assert zero.result.proven and zero.result.options.zero_bubble
     assert zero.result.prediction.iteration_time_s == pytest.approx(min(zbs), rel=1e-12)
     # every choice is accounted for, each way it was settled is proven
-    assert len(result.outcomes) == 3 * len(space.all_choices(options)) - 2 * len(
-        space.dominated(options)
-    )
+    # (three schedules, and the tp-pp-dp order for 1F1B and ZB-H1: one node
+    # here, where both orders place every plan alike)
+    settled = len(space.all_choices(options)) - len(space.dominated(options))
+    assert len(result.outcomes) == 5 * settled + len(space.dominated(options))
     assert all(o.proven for o in result.outcomes)
 
 
@@ -242,12 +243,25 @@ def test_a_fixed_space_is_plan_any_model(model_files):
         pool,
         gbs,
         options=options,
-        space=KnobSpace.fixed(options),
+        space=KnobSpace.fixed(options, ("tp-dp-pp",)),
     )
     plain, _ = plan_any_model(model_files["selective-wins"], pool, gbs, options=options)
     assert knobs.result.plan == plain.plan
     assert knobs.result.prediction.iteration_time_s == plain.prediction.iteration_time_s
     assert [o.how for o in knobs.outcomes] == ["searched"]
+    # with the other rank order: one proof more (one node: it places alike)
+    both = plan_with_knobs(
+        model_files["selective-wins"],
+        pool,
+        gbs,
+        options=options,
+        space=KnobSpace.fixed(options),
+    )
+    assert [(o.how, o.rank_order) for o in both.outcomes] == [
+        ("searched", "tp-dp-pp"),
+        ("proof", "tp-pp-dp"),
+    ]
+    assert both.result.plan == plain.plan
 
 
 def test_no_choice_fits_says_which_were_tried(model_files):
@@ -294,9 +308,9 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"]["recompute"] == "selective"
-    # 6 choices for each of 3 schedules, 6 settled by the distributed
-    # optimizer's rule
-    assert len(full["knobs"]["choices"]) == 24 and full["proven_optimal"]
+    # 6 choices for each of 3 schedules and for 1F1B and ZB-H1 in the
+    # tp-pp-dp order, 6 settled by the distributed optimizer's rule
+    assert len(full["knobs"]["choices"]) == 36 and full["proven_optimal"]
     # today's space: one choice, the same as planning with those options
     code, out, err = _cli(
         capsys,
@@ -312,10 +326,12 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     narrow = json.loads(out)
     plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
     assert narrow["iteration_time_s"] == plain.prediction.iteration_time_s
-    assert [c["how"] for c in narrow["knobs"]["choices"]] == [
-        "searched",
-        "interleaved",
-        "zero-bubble",
+    assert [(c["how"], c["rank_order"]) for c in narrow["knobs"]["choices"]] == [
+        ("searched", "tp-dp-pp"),
+        ("interleaved", "tp-dp-pp"),
+        ("zero-bubble", "tp-dp-pp"),
+        ("proof", "tp-pp-dp"),
+        ("zero-bubble", "tp-pp-dp"),
     ]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # one schedule

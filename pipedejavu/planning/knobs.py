@@ -59,16 +59,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipedejavu.core.plan3d import (
-    RANK_ORDERS,
-    rank_order_of,
-)
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, rank_order_of
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import (
     TrainingOptions,
     TrainingPrecision,
 )
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.knob_space import KnobOutcome, KnobSpace
 from pipedejavu.planning.training import (
@@ -79,11 +77,8 @@ from pipedejavu.planning.training import (
     plan_training,
     search_config,
 )
-from pipedejavu.search.megatron.certify import PredictedCertificate, certify_predicted
-from pipedejavu.search.megatron.interleaved import (
-    InterleavedResult,
-    search_interleaved,
-)
+from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.interleaved import search_interleaved
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
 
@@ -279,8 +274,7 @@ def search_knobs(
     # 1. the first 1F1B choice that has a plan: the full search (ZB-H1's when
     # 1F1B is not in the space)
     pending = list(enumerate(one_f or zero))
-    if not one_f:
-        zero = []
+    later_zero = zero if one_f else []  # else searched in step 1
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
@@ -332,7 +326,17 @@ def search_knobs(
             options = choice.options
             if found.plan is not None:
                 options = dataclasses.replace(options, virtual_stages=found.chunks)
-                plan = _interleaved_plan(found, choice, options, pool, method)
+                assert found.prediction is not None
+                proof = (
+                    found.lower_bound_s,
+                    found.proven,
+                    found.candidates,
+                    found.predicted,
+                    found.time_s,
+                )
+                plan = _objective_free_plan(
+                    found.plan, found.prediction, proof, choice, options, pool, method
+                )
                 state.take((plan, choice), searched=True)  # no objective to search
             outcomes.append(
                 KnobOutcome(
@@ -345,17 +349,32 @@ def search_knobs(
                 )
             )
     # 3. ZB-H1 per choice, then the other 1F1B choices: the proof's branch and
-    # bound with the cutoff
-    sequence = [(i, c, "zero-bubble") for i, c in enumerate(zero, 2 * len(knobs))]
-    sequence += [(i, c, "proof" if one_f else "zero-bubble") for i, c in pending]
-    for index, choice, how in sequence:
+    # bound with the cutoff; 4. the tp-pp-dp rank order: the 1F1B and ZB-H1
+    # choices' proofs again, their plans placed pipeline by pipeline
+    # (interleaved plans and plans mixing GPU types keep the default order)
+    sequence = [
+        (i, c, "zero-bubble", RANK_ORDERS[0])
+        for i, c in enumerate(later_zero, 2 * len(knobs))
+    ]
+    sequence += [
+        (i, c, "proof" if one_f else "zero-bubble", RANK_ORDERS[0]) for i, c in pending
+    ]
+    if RANK_ORDERS[1] in space.rank_orders:
+        placed = [(c, "proof") for c in one_f] + [(c, "zero-bubble") for c in zero]
+        sequence += [
+            (i, c, how, RANK_ORDERS[1])
+            for i, (c, how) in enumerate(placed, 4 * len(knobs))
+        ]
+    for index, choice, how, order in sequence:
         tick = time.perf_counter()
         if state.best is None:
-            # Only ZB-H1 choices pend here (1F1B ones would have been searched):
-            # the same plans as 1F1B's with at least as many micro-batches in
-            # flight per stage (min(P, B) >= min(P - s, B)), so none fits.
+            # Every 1F1B choice was searched and none fits; the same plans under
+            # ZB-H1 hold at least as many micro-batches in flight per stage
+            # (min(P, B) >= min(P - s, B)), and in another order as many.
             outcomes.append(
-                KnobOutcome(choice.options, "infeasible", math.nan, math.inf, True, 0.0)
+                KnobOutcome(
+                    choice.options, "infeasible", math.nan, math.inf, True, 0.0, order
+                )
             )
             continue
         certificate = certify_predicted(
@@ -370,15 +389,16 @@ def search_knobs(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
-            mixed_types=config.mixed_types,
+            mixed_types=config.mixed_types and order == RANK_ORDERS[0],
             cutoff_s=state.best_s,
+            rank_order=order,
             progress_fn=_tagged(progress_fn, index),
         )
         found = certificate.prediction
         beats = found.fits_memory and found.iteration_time_s < state.best_s
         cutoff = state.best_s
         state.lower = min(state.lower, certificate.lower_bound_s)
-        if beats:
+        if beats and order == RANK_ORDERS[0]:
             plan = dataclasses.replace(
                 state.best[0],
                 plan=certificate.plan,
@@ -386,6 +406,18 @@ def search_knobs(
                 options=choice.options,
             )
             state.take((plan, choice), searched=False)
+        elif beats:  # its own placement: no objective to search again
+            proof = (
+                certificate.lower_bound_s,
+                certificate.proven,
+                certificate.configurations,
+                certificate.enumerated,
+                certificate.time_s,
+            )
+            plan = _objective_free_plan(
+                certificate.plan, found, proof, choice, choice.options, pool, method
+            )
+            state.take((plan, choice), searched=True)
         outcomes.append(
             KnobOutcome(
                 choice.options,
@@ -394,52 +426,9 @@ def search_knobs(
                 cutoff,
                 certificate.proven,
                 time.perf_counter() - tick,
+                order,
             )
         )
-    # 4. the tp-pp-dp rank order: the 1F1B and ZB-H1 choices' proofs again,
-    # their plans placed pipeline by pipeline (interleaved plans keep the
-    # default order)
-    if RANK_ORDERS[1] in space.rank_orders and state.best is not None:
-        placed = [(c, "proof") for c in one_f] + [(c, "zero-bubble") for c in zero]
-        if not one_f:
-            placed = [(c, "zero-bubble") for c in choices]
-        for index, (choice, how) in enumerate(placed, 4 * len(knobs)):
-            tick = time.perf_counter()
-            certificate = certify_predicted(
-                choice.data,
-                choice.model,
-                choice.pool(pool),
-                global_batch,
-                FITTED_CONSTANTS,
-                state.best[0].plan,
-                uniform_tp=config.uniform_tp,
-                allow_fewer_gpus=config.allow_fewer_gpus,
-                mbs_values=config.mbs_values,
-                max_stages=config.max_stages,
-                max_plans=config.proof_budget,
-                mixed_types=False,
-                cutoff_s=state.best_s,
-                rank_order=RANK_ORDERS[1],
-                progress_fn=_tagged(progress_fn, index),
-            )
-            found = certificate.prediction
-            beats = found.fits_memory and found.iteration_time_s < state.best_s
-            cutoff = state.best_s
-            state.lower = min(state.lower, certificate.lower_bound_s)
-            if beats:
-                plan = _proof_plan(certificate, choice, pool, method)
-                state.take((plan, choice), searched=True)  # its own placement
-            outcomes.append(
-                KnobOutcome(
-                    choice.options,
-                    how,
-                    found.iteration_time_s if beats else math.nan,
-                    cutoff,
-                    certificate.proven,
-                    time.perf_counter() - tick,
-                    RANK_ORDERS[1],
-                )
-            )
     outcomes += [
         KnobOutcome(knobs, "dominated", math.nan, math.nan, True, 0.0)
         for knobs in space.dominated(base)
@@ -488,63 +477,38 @@ class _Search:
         self.best_s = best[0].prediction.iteration_time_s
 
 
-def _interleaved_plan(
-    found: InterleavedResult,
+def _objective_free_plan(
+    plan: Plan3D,
+    prediction: Prediction,
+    proof: tuple[float, bool, int, int, float],
     choice: CostChoice,
     options: TrainingOptions,
     pool: Mapping[str, int],
     method: str,
 ) -> TrainingPlan:
-    """A :class:`TrainingPlan` for an interleaved plan: no planning objective
-    (the closed form is the non-interleaved pipeline's), its proof the
-    interleaved branch and bound's."""
-    assert found.plan is not None and found.prediction is not None
+    """A :class:`TrainingPlan` for a plan the planning objective does not
+    price (interleaved: the closed form is the non-interleaved pipeline's;
+    ``tp-pp-dp``: it prices the default placement), found and proven by a
+    branch and bound on the predictor; ``proof``: its lower bound, proven,
+    configurations, those settled, seconds."""
+    lower, proven, configurations, solved, seconds = proof
     return TrainingPlan(
-        plan=found.plan,
-        prediction=found.prediction,
+        plan=plan,
+        prediction=prediction,
         objective_s=math.nan,
         optimum_s=math.nan,
         lower_bound_s=math.nan,
         gap=math.nan,
         gpus_available=dict(pool),
-        search_time_s=found.time_s,
+        search_time_s=seconds,
         method=method,
-        configurations=found.candidates,
-        solved=found.predicted,
-        predicted_lower_bound_s=found.lower_bound_s,
-        proven=found.proven,
+        configurations=configurations,
+        solved=solved,
+        predicted_lower_bound_s=lower,
+        proven=proven,
         mixed_types=False,
-        cost_source=plan_cost_source(found.plan, choice.data),
+        cost_source=plan_cost_source(plan, choice.data),
         options=options,
-    )
-
-
-def _proof_plan(
-    certificate: PredictedCertificate,
-    choice: CostChoice,
-    pool: Mapping[str, int],
-    method: str,
-) -> TrainingPlan:
-    """A :class:`TrainingPlan` for a plan found by a proof in the ``tp-pp-dp``
-    rank order: no planning objective (the closed form prices the default
-    placement), its proof the certificate's."""
-    return TrainingPlan(
-        plan=certificate.plan,
-        prediction=certificate.prediction,
-        objective_s=math.nan,
-        optimum_s=math.nan,
-        lower_bound_s=math.nan,
-        gap=math.nan,
-        gpus_available=dict(pool),
-        search_time_s=certificate.time_s,
-        method=method,
-        configurations=certificate.configurations,
-        solved=certificate.enumerated,
-        predicted_lower_bound_s=certificate.lower_bound_s,
-        proven=certificate.proven,
-        mixed_types=False,
-        cost_source=plan_cost_source(certificate.plan, choice.data),
-        options=choice.options,
     )
 
 
