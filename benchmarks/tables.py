@@ -145,8 +145,9 @@ def t_headline() -> str:
             "published_runs.json",
         ],
         [
-            "schedule, recomputation, SP and optimizer sharding searched with the "
-            "plan: predicted speed-up over today's space (geometric mean, 4 settings)",
+            "schedule (interleaved, ZB-H1), recomputation, SP, optimizer sharding "
+            "and rank order searched with the plan: predicted speed-up over "
+            "today's space (geometric mean, 4 settings)",
             f"x{_knob_gain():.2f}",
             "plan_knobs.json",
         ],
