@@ -151,9 +151,9 @@ def interleaved_order(
     Args and Raises: as :func:`warmup_count`.
 
     Example:
-        >>> [(int(o.backward), o.chunk, o.microbatch)
-        ...  for o in interleaved_order(1, 2, 2, 2)][:4]
-        [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 1, 0)]
+        >>> ops = interleaved_order(1, 2, 2, 2)
+        >>> " ".join("FB"[o.backward] + f"{o.chunk}.{o.microbatch}" for o in ops[:4])
+        'F0.0 F0.1 F1.0 B1.0'
     """
     warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
     table = [

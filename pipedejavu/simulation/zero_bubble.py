@@ -59,9 +59,9 @@ def zero_bubble_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
     """The commands of rank ``rank`` in run order (module docstring).
 
     Example:
-        >>> ["FBW"[o.backward + o.weight] + str(o.microbatch)
-        ...  for o in zero_bubble_order(1, 2, 3)]
-        ['F0', 'B0', 'F1', 'B1', 'W0', 'F2', 'B2', 'W1', 'W2']
+        >>> ops = zero_bubble_order(1, 2, 3)
+        >>> " ".join("FBW"[o.backward + o.weight] + str(o.microbatch) for o in ops)
+        'F0 B0 F1 B1 W0 F2 B2 W1 W2'
 
     Raises:
         ValueError: a size below 1, or ``rank`` outside ``[0, num_ranks)``.
