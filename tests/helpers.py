@@ -116,3 +116,16 @@ def mixed_plan(data, constants, edges, types, tp, dp, mbs, gbs, pool, model):
         return plan, predict_plan(plan, data, constants=constants)
     except ProblemError:  # no link fit between two of the types
         return plan, None
+
+
+def largest_stage_bound(table, plan) -> float:
+    """The largest of the proof's stage bounds over a plan's stages, each at
+    its position (``table``: the ``StageBounds`` of the plan's configuration;
+    ``inf`` where a stage fails the memory test its position asks for)."""
+    left = sum(stage.replicas[0].tp for stage in plan.stages)
+    largest = -math.inf
+    for stage in plan.stages:
+        tp = stage.replicas[0].tp
+        largest = max(largest, float(table.weights(tp, left)[stage.start, stage.stop]))
+        left -= tp
+    return largest

@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
@@ -429,12 +430,7 @@ def _check_zero_bubble_bounds(choice, pool, gbs, uniform):
             continue
         first = plan.stages[0].replicas[0]
         table = bounds[(plan.mbs, plan.dp, first.tp)]
-        left = sum(stage.replicas[0].tp for stage in plan.stages)
-        largest = -math.inf
-        for stage in plan.stages:
-            tp = stage.replicas[0].tp
-            largest = max(largest, table.weights(tp, left)[stage.start, stage.stop])
-            left -= tp
+        largest = largest_stage_bound(table, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         least, steps = work[(plan.mbs, plan.dp, first.tp)]
         gpus = sum(stage.replicas[0].tp for stage in plan.stages)

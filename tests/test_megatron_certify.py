@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import mixed_plan, placed_mix_bounds
+from helpers import largest_stage_bound, mixed_plan, placed_mix_bounds
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
@@ -94,13 +94,7 @@ def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
             continue
         first = plan.stages[0].replicas[0]
         table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
-        left = sum(stage.replicas[0].tp for stage in plan.stages)
-        largest = -math.inf
-        for stage in plan.stages:
-            tp = stage.replicas[0].tp
-            # finite: the stage passes the memory test its position asks for
-            largest = max(largest, table.weights(tp, left)[stage.start, stage.stop])
-            left -= tp
+        largest = largest_stage_bound(table, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         checked += 1
         tight += largest >= 0.9 * prediction.iteration_time_s

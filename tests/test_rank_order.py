@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import pytest
+from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import (
@@ -100,12 +100,7 @@ def test_tp_pp_dp_bounds_are_below_every_prediction(model, pool, gbs, stages):
             continue
         first = plan.stages[0].replicas[0]
         table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
-        left = sum(stage.replicas[0].tp for stage in plan.stages)
-        largest = -math.inf
-        for stage in plan.stages:
-            tp = stage.replicas[0].tp
-            largest = max(largest, table.weights(tp, left)[stage.start, stage.stop])
-            left -= tp
+        largest = largest_stage_bound(table, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         checked += 1
         tight += largest >= 0.9 * prediction.iteration_time_s
@@ -185,8 +180,8 @@ def test_knob_search_places_by_rank_order_and_exports_it(capsys):
     assert both["iteration_time_s"] < default["iteration_time_s"]
 
 
-def test_exports_of_a_tp_pp_dp_plan():
-    plan = plan_from_stages(
+def _two_stages(order: str):
+    return plan_from_stages(
         [(0, 13, 1), (13, 26, 1)],
         gpu_type="A100-40",
         dp=4,
@@ -195,8 +190,12 @@ def test_exports_of_a_tp_pp_dp_plan():
         model="OPT-350",
         gpus_per_node=4,
         zone="z",
-        rank_order="tp-pp-dp",
+        rank_order=order,
     )
+
+
+def test_exports_of_a_tp_pp_dp_plan():
+    plan = _two_stages("tp-pp-dp")
     hosts = {"A100-40": 4}
     for target in EXPORTS:
         if RANK_ORDERS[1] in LAUNCHED_RANK_ORDERS[target]:
@@ -206,15 +205,8 @@ def test_exports_of_a_tp_pp_dp_plan():
         with pytest.raises(ExportRefused, match="tp-pp-dp") as refusal:
             export_plan(plan, target, gpus_per_node=hosts)
         assert "\n" not in str(refusal.value)
-    # the default order writes no flag
-    default = plan_from_stages(
-        [(0, 13, 1), (13, 26, 1)],
-        gpu_type="A100-40",
-        dp=4,
-        mbs=1,
-        gbs=16,
-        model="OPT-350",
-        gpus_per_node=4,
-        zone="z",
-    )
-    assert "--use-tp-pp-dp-mapping" not in export_plan(default, "megatron")
+    # the default order writes no flag; without the hosts' size the plan's
+    # fullest node gives it
+    default = export_plan(_two_stages("tp-dp-pp"), "megatron")
+    assert "--use-tp-pp-dp-mapping" not in default
+    assert "--use-tp-pp-dp-mapping" in export_plan(plan, "megatron")
