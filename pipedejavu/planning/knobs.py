@@ -79,6 +79,7 @@ from pipedejavu.planning.training import (
 )
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.interleaved import search_interleaved
+from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
 
@@ -365,6 +366,7 @@ def search_knobs(
             (i, c, how, RANK_ORDERS[1])
             for i, (c, how) in enumerate(placed, 4 * len(knobs))
         ]
+    shared = BoundCache()  # the choices' links are priced alike
     for index, choice, how, order in sequence:
         tick = time.perf_counter()
         if state.best is None:
@@ -392,6 +394,7 @@ def search_knobs(
             mixed_types=config.mixed_types and order == RANK_ORDERS[0],
             cutoff_s=state.best_s,
             rank_order=order,
+            cache=shared,
             progress_fn=_tagged(progress_fn, index),
         )
         found = certificate.prediction

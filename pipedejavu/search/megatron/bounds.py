@@ -49,6 +49,7 @@ from pipedejavu.search.megatron.transfers import (
     kind_times,
     layer_bounds,
     link_rows,
+    links_key,
 )
 
 __all__ = [
@@ -152,6 +153,7 @@ def kind_bounds(
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = BoundCache() if cache is None else cache  # shared by one proof
+    priced_by = links_key(data)
     transfers = blocking_transfers(
         data, model, constants, kinds, mbs, dp, cache, strides
     )
@@ -180,7 +182,17 @@ def kind_bounds(
         # The least all-reduce over the offsets the stage can have in a node
         # (or at the one it has).
         spots = None if placed is None else (placed[gpu] % spec.gpus_per_node,)
-        key = (gpu, t, dp, spots, strides)
+        key = (
+            gpu,
+            t,
+            dp,
+            spots,
+            strides,
+            priced_by,
+            info.gradient_bytes,
+            hash(held.tobytes()),
+            hash(info.params[t].tobytes()),  # the buckets follow the layers
+        )
         if key not in cache.allreduce:
             cache.allreduce[key] = least_allreduce(
                 data, model, gpu, t, dp, held, starts, ends, spots, strides

@@ -194,6 +194,7 @@ def certify_predicted(
     mixed_state_limit: int = 4000,
     cutoff_s: float = math.inf,
     rank_order: str = RANK_ORDERS[0],
+    cache: BoundCache | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -222,6 +223,8 @@ def certify_predicted(
             (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`; ``tp-pp-dp``, one GPU
             type per plan: its bounds take the transfers and all-reduces least
             over that order's placements).
+        cache: bound tables to reuse and fill (proofs over sources that price
+            links alike may share one: its keys say what each value read).
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -258,7 +261,7 @@ def certify_predicted(
         max_stages=max_stages,
     )
     items: list[_Item] = []
-    cache = BoundCache()
+    cache = BoundCache() if cache is None else cache
     early = 0  # configurations settled by the work bound alone
     for group in groups:
         work = least_work(data, model, constants, group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -26,8 +26,10 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import is_blocking, message_bytes, p2p_pair
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, SailorData
+from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
 
 __all__ = [
+    "links_key",
     "BlockingTransfers",
     "BoundCache",
     "Kind",
@@ -102,12 +104,16 @@ class SendRow(NamedTuple):
 
 @dataclasses.dataclass
 class BoundCache:
-    """What the bounds of one proof share.
+    """What the bounds of one proof share, or of several proofs over sources
+    that price links alike (the knob search's choices: every key names the
+    links, :func:`links_key`, and what else its value reads).
 
     Attributes:
-        transfers: :class:`TransferPrice` by (kinds, bytes, dp, rank steps).
+        transfers: :class:`TransferPrice` by (kinds, bytes, dp, rank steps,
+            strides, links).
         allreduce: ``(seconds, largest bucket)`` of every span by (type, TP,
-            dp, offsets in a node).
+            dp, offsets in a node, strides, links, gradient bytes, parameters
+            held).
         placed_weights: the weight tables of every placed mix
             (:class:`~pipedejavu.search.megatron.mixed.PlacedMix`), to bound
             their total size.
@@ -116,6 +122,22 @@ class BoundCache:
     transfers: dict[tuple, TransferPrice] = dataclasses.field(default_factory=dict)
     allreduce: dict[tuple, tuple[Row, Row]] = dataclasses.field(default_factory=dict)
     placed_weights: list[dict] = dataclasses.field(default_factory=list)
+
+
+def links_key(data: SailorData) -> Hashable:
+    """What prices the links of ``data``: a sheet network's entries, efficiency,
+    measured fits and overrides (sources built alike share it), else the
+    network object itself."""
+    network = data.network
+    if isinstance(network, SheetNetwork):
+        measured = None if network.measured is None else id(network.measured)
+        return (
+            tuple(sorted((name, repr(entry)) for name, entry in network.sheet.items())),
+            network.efficiency,
+            measured,
+            tuple(sorted(network.inter_override.items())),
+        )
+    return ("network", id(network))
 
 
 def pipeline_transfers(
@@ -195,6 +217,7 @@ def blocking_transfers(
     neighbour right after it, replica ``j`` ``j x stride`` later."""
     info = data.model_info(model)
     boundaries = info.num_layers - 1
+    links = links_key(data)
     step: dict[str, int] = {}  # a type's stages start at multiples of dp x gcd
     for gpu, t in kinds:
         step[gpu] = math.gcd(step.get(gpu, 0), t if strides else dp * t)
@@ -227,7 +250,7 @@ def blocking_transfers(
     def blocked(a: Kind, b: Kind, k: int) -> TransferPrice:
         """A stage of kind ``a`` sends to one of kind ``b`` over boundary ``k``."""
         nbytes = float(message_bytes(info, a[1], k, mbs))
-        key = (a, b, nbytes, dp, step[a[0]], step[b[0]], strides)
+        key = (a, b, nbytes, dp, step[a[0]], step[b[0]], strides, links)
         if key not in cache.transfers:
             cache.transfers[key] = price(a, b, nbytes)
         found = cache.transfers[key]
