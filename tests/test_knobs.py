@@ -14,6 +14,7 @@ import pytest
 from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
@@ -23,12 +24,13 @@ from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
 from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
-from pipedejavu.search.megatron.certify import least_work
+from pipedejavu.search.megatron.certify import certify_predicted, least_work
 from pipedejavu.search.megatron.interleaved import (
     candidate_plan,
     interleaved_candidates,
 )
 from pipedejavu.search.megatron.space import config_groups
+from pipedejavu.search.megatron.transfers import BoundCache
 
 BASE = {
     "name": "tiny-knobs",
@@ -456,3 +458,36 @@ def test_zero_bubble_needs_the_weight_gradient_split():
     )
     assert result.choice.analytical and result.result.options.zero_bubble
     assert "analytical model" in result.choice.notes[0]
+
+
+def test_shared_bound_tables_change_no_proof(model_files):
+    """The knob search's proofs share their bound tables across choices: the
+    certificates equal those of proofs with tables of their own."""
+    _, pool, gbs, options = SETTINGS["selective-wins"]
+    incumbent = plan_with_knobs(model_files["selective-wins"], pool, gbs).result
+    shared = BoundCache()
+    for recompute in ("none", "selective", "full"):
+        for order in RANK_ORDERS:
+            knobs = dataclasses.replace(options, recompute=recompute)
+            choice = choose_cost_source(
+                model_files["selective-wins"], pool, options=knobs
+            )
+            runs = [
+                certify_predicted(
+                    choice.data,
+                    choice.model,
+                    choice.pool(pool),
+                    gbs,
+                    C,
+                    incumbent.plan,
+                    mixed_types=False,
+                    cutoff_s=2 * incumbent.prediction.iteration_time_s,
+                    rank_order=order,
+                    cache=cache,
+                )
+                for cache in (shared, None)
+            ]
+            assert runs[0].plan == runs[1].plan
+            assert runs[0].lower_bound_s == runs[1].lower_bound_s
+            assert runs[0].plans_predicted == runs[1].plans_predicted
+    assert shared.allreduce and shared.transfers
