@@ -365,15 +365,9 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
 def format_comparison(comparison: RunComparison, best_report: str) -> str:
     """The text report of ``plan --megatron-args``."""
     given, best = comparison.given, comparison.best
-    chunks = given.options.virtual_stages
     lines = [
         "--- your launch ---",
-        format_prediction(
-            given.plan,
-            given.prediction,
-            chunks,
-            zero_bubble=given.options.zero_bubble,
-        ),
+        format_prediction(given.plan, given.prediction, given.options),
         f"{given.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * given.mfu:.1f}%; "
         f"costs: {given.cost_source}",
         "",

@@ -199,8 +199,7 @@ def _predict_launch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(launch.to_json()))
     else:
-        chunks = launch.options.virtual_stages
-        print(format_prediction(launch.plan, prediction, chunks))
+        print(format_prediction(launch.plan, prediction, launch.options))
         print(
             f"model FLOPs per iteration: {launch.model_flops_per_iteration:.4g} "
             f"(Megatron-LM's count); {launch.tflops_per_gpu:.1f} TFLOP/s per GPU, "
@@ -238,14 +237,7 @@ def _predict(args: argparse.Namespace) -> int:
         out.update(cost_source=cost_source, options=choice.options.to_json())
         print(json.dumps(out))
     else:
-        print(
-            format_prediction(
-                plan,
-                prediction,
-                choice.options.virtual_stages,
-                zero_bubble=choice.options.zero_bubble,
-            )
-        )
+        print(format_prediction(plan, prediction, choice.options))
         if choice.analytical:
             print(costs_line(choice, cost_source))
             for note in choice.notes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.planning.knob_space import schedule_name
 
 __all__ = [
@@ -16,17 +17,16 @@ __all__ = [
 GB = 1e9
 
 
-def format_prediction(
-    plan, prediction, virtual_stages: int = 1, *, zero_bubble: bool = False
-) -> str:
-    """The text report of ``pipedejavu predict``."""
+def format_prediction(plan, prediction, options: TrainingOptions | None = None) -> str:
+    """The text report of ``pipedejavu predict`` (``options``: the training
+    the prediction priced; its schedule names the pipeline line)."""
     breakdown = prediction.to_json()["breakdown"]
-    schedule = (
-        "1F1B, DeepSpeed order"
-        if virtual_stages == 1
-        else f"Megatron's interleaved 1F1B, {virtual_stages} chunks per stage"
-    )
-    if zero_bubble:
+    options = options or TrainingOptions()
+    chunks = options.virtual_stages
+    schedule = "1F1B, DeepSpeed order"
+    if chunks > 1:
+        schedule = f"Megatron's interleaved 1F1B, {chunks} chunks per stage"
+    elif options.zero_bubble:
         schedule = "ZB-H1 zero bubble"
     lines = [
         f"plan: {plan.model}, {plan.describe()}, "
@@ -99,9 +99,7 @@ def format_training_plan(result) -> str:
         *objective,
         proof_line(result),
         f"search time: {result.search_time_s:.3f} s",
-        format_prediction(
-            plan, prediction, chunks, zero_bubble=result.options.zero_bubble
-        ).split("\n", 1)[1],
+        format_prediction(plan, prediction, result.options).split("\n", 1)[1],
     ]
     return "\n".join(lines)
 

@@ -209,9 +209,9 @@ def _build(
             f"ranks ({order}); the target lays out {RANK_ORDERS[0]} only"
         )
     if target == "megatron":
-        text = megatron_text(plan)
         if options is not None and options.zero_bubble:
             raise ExportRefused(NO_ZERO_BUBBLE)
+        text = megatron_text(plan)
         extra = ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
         if options is not None:
             extra += interleaving_flags(plan, options.virtual_stages)

@@ -105,8 +105,8 @@ class KnobPlan:
 
     @property
     def rank_order(self) -> str | None:
-        """The plan's rank order (:func:`~pipedejavu.costmodel.megatron.tables.
-        rank_order_of`; the default where both place it alike)."""
+        """The plan's rank order (:func:`~pipedejavu.core.plan3d.rank_order_of`;
+        the default where both place it alike)."""
         plan = self.result.plan
         gpu = plan.stages[0].replicas[0].gpu_type
         return rank_order_of(plan, self.choice.data.gpu_spec(gpu).gpus_per_node)

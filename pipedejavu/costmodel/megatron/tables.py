@@ -24,7 +24,8 @@ Placement (the canonical Megatron/DeepSpeed rank order: TP innermost, then
 data, then pipeline; :func:`~pipedejavu.core.plan3d.canonical_nodes`): a stage
 whose ``dp x tp`` GPUs fill whole nodes talks to its neighbours across nodes,
 ``gpus_per_node / tp`` replicas at once; a smaller stage shares its node with
-its neighbours (intra-node links). The predictor prices each plan with its exact placement.
+its neighbours (intra-node links). The predictor prices each plan with its
+exact placement.
 """
 
 from __future__ import annotations

@@ -228,11 +228,12 @@ def kind_bounds(
             w = np.maximum(w, least[None, :])
         cap[starts, stops] = np.minimum(fits, float(steps))
         # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
-        late[starts, stops] = (
-            before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
-        )
         if zero_bubble:
             late[starts, stops] = -np.inf
+        else:
+            late[starts, stops] = (
+                before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
+            )
         fwd[starts, stops] = stage_f
         out[kind] = StageTable(w, cap, late, fwd)
     return out
