@@ -7,10 +7,13 @@ import math
 import numpy as np
 
 from pipedejavu import Problem, get_submesh_choices
-from pipedejavu.core.plan3d import DEFAULT_ZONE
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
+from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.space import config_groups
 
 UNLIMITED = 2**20
 
@@ -118,10 +121,47 @@ def mixed_plan(data, constants, edges, types, tp, dp, mbs, gbs, pool, model):
         return plan, None
 
 
+def stage_bound_tables(
+    data,
+    model,
+    pool,
+    gbs,
+    *,
+    uniform,
+    max_stages=None,
+    rank_order=RANK_ORDERS[0],
+    constants=FITTED_CONSTANTS,
+):
+    """``(groups, tables)``: the proof's configuration groups of a search
+    space and each one's ``StageBounds`` by ``(gpu, mbs, dp, tp)`` (a uniform
+    group holds one degree)."""
+    groups = config_groups(
+        data,
+        model,
+        dict(pool),
+        gbs,
+        uniform_tp=uniform,
+        allow_fewer_gpus=True,
+        mbs_values=None,
+        max_stages=max_stages,
+    )
+    tables = {}
+    for group in groups:
+        bounds = stage_bounds(data, model, constants, group, rank_order=rank_order)
+        table = StageBounds(group, bounds, constants.op_overhead_s)
+        for tp in group.tps:
+            tables[(group.gpu, group.mbs, group.dp, tp)] = table
+    return groups, tables
+
+
 def largest_stage_bound(table, plan) -> float:
     """The largest of the proof's stage bounds over a plan's stages, each at
-    its position (``table``: the ``StageBounds`` of the plan's configuration;
-    ``inf`` where a stage fails the memory test its position asks for)."""
+    its position (``table``: the ``StageBounds`` of the plan's configuration,
+    or the ``tables`` of :func:`stage_bound_tables`; ``inf`` where a stage
+    fails the memory test its position asks for)."""
+    if isinstance(table, dict):
+        first = plan.stages[0].replicas[0]
+        table = table[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
     left = sum(stage.replicas[0].tp for stage in plan.stages)
     largest = -math.inf
     for stage in plan.stages:

@@ -11,7 +11,7 @@ import json
 import math
 
 import pytest
-from helpers import largest_stage_bound
+from helpers import largest_stage_bound, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import RANK_ORDERS
@@ -23,13 +23,11 @@ from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
 from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.certify import certify_predicted, least_work
 from pipedejavu.search.megatron.interleaved import (
     candidate_plan,
     interleaved_candidates,
 )
-from pipedejavu.search.megatron.space import config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 
 BASE = {
@@ -405,21 +403,12 @@ def test_zero_bubble_stage_bounds_are_below_every_prediction(model_files, name):
 
 def _check_zero_bubble_bounds(choice, pool, gbs, uniform):
     data, model = choice.data, choice.model
-    groups = config_groups(
-        data,
-        model,
-        choice.pool(pool),
-        gbs,
-        uniform_tp=uniform,
-        allow_fewer_gpus=True,
-        mbs_values=None,
-        max_stages=None,
+    groups, bounds = stage_bound_tables(
+        data, model, choice.pool(pool), gbs, uniform=uniform
     )
-    bounds, work, checked, tight = {}, {}, 0, 0
+    work, checked, tight = {}, 0, 0
     for group in groups:
-        table = StageBounds(group, stage_bounds(data, model, C, group), C.op_overhead_s)
         for tp in group.tps:  # uniform TP: a group per degree
-            bounds[(group.mbs, group.dp, tp)] = table
             work[(group.mbs, group.dp, tp)] = (
                 least_work(data, model, C, group),
                 group.steps,
@@ -431,8 +420,7 @@ def _check_zero_bubble_bounds(choice, pool, gbs, uniform):
         if not prediction.fits_memory:
             continue
         first = plan.stages[0].replicas[0]
-        table = bounds[(plan.mbs, plan.dp, first.tp)]
-        largest = largest_stage_bound(table, plan)
+        largest = largest_stage_bound(bounds, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         least, steps = work[(plan.mbs, plan.dp, first.tp)]
         gpus = sum(stage.replicas[0].tp for stage in plan.stages)

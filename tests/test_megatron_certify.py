@@ -12,13 +12,17 @@ import math
 
 import numpy as np
 import pytest
-from helpers import largest_stage_bound, mixed_plan, placed_mix_bounds
+from helpers import (
+    largest_stage_bound,
+    mixed_plan,
+    placed_mix_bounds,
+    stage_bound_tables,
+)
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.certify import least_work
 from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
@@ -73,28 +77,12 @@ def test_warm_up_keeps_stages_in_flight():
 def test_stage_bounds_are_below_every_prediction(model, pool, gbs, uniform):
     """For every plan that fits: the largest stage bound (both bounds and the
     memory test the stage's position asks for) <= its predicted time."""
-    groups = config_groups(
-        DATA,
-        model,
-        dict(pool),
-        gbs,
-        uniform_tp=uniform,
-        allow_fewer_gpus=True,
-        mbs_values=None,
-        max_stages=None,
-    )
-    bounds = {}
-    for group in groups:
-        table = StageBounds(group, stage_bounds(DATA, model, C, group), C.op_overhead_s)
-        for tp in group.tps:
-            bounds[(group.gpu, group.mbs, group.dp, tp)] = table
+    _, bounds = stage_bound_tables(DATA, model, pool, gbs, uniform=uniform)
     checked = tight = 0
     for plan, prediction in _every_plan(model, pool, gbs, uniform):
         if not prediction.fits_memory:
             continue
-        first = plan.stages[0].replicas[0]
-        table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
-        largest = largest_stage_bound(table, plan)
+        largest = largest_stage_bound(bounds, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         checked += 1
         tight += largest >= 0.9 * prediction.iteration_time_s

@@ -9,7 +9,7 @@ import functools
 import json
 
 import pytest
-from helpers import largest_stage_bound
+from helpers import largest_stage_bound, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import (
@@ -25,9 +25,7 @@ from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.exports import EXPORTS, LAUNCHED_RANK_ORDERS, export_plan
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.certify import certify_predicted
-from pipedejavu.search.megatron.space import config_groups
 
 DATA = load_sailor_data()
 # (model, pool, gbs, most stages): several nodes (4 and 8 GPUs per node)
@@ -78,29 +76,14 @@ def _every_plan(model, pool, gbs, stages, order):
 
 @pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
 def test_tp_pp_dp_bounds_are_below_every_prediction(model, pool, gbs, stages):
-    groups = config_groups(
-        DATA,
-        model,
-        dict(pool),
-        gbs,
-        uniform_tp=True,
-        allow_fewer_gpus=True,
-        mbs_values=None,
-        max_stages=stages,
+    _, bounds = stage_bound_tables(
+        DATA, model, pool, gbs, uniform=True, max_stages=stages, rank_order="tp-pp-dp"
     )
-    bounds = {}
-    for group in groups:
-        tables = stage_bounds(DATA, model, C, group, rank_order="tp-pp-dp")
-        table = StageBounds(group, tables, C.op_overhead_s)
-        for tp in group.tps:
-            bounds[(group.gpu, group.mbs, group.dp, tp)] = table
     checked = tight = 0
     for plan, prediction in _every_plan(model, pool, gbs, stages, "tp-pp-dp"):
         if not prediction.fits_memory:
             continue
-        first = plan.stages[0].replicas[0]
-        table = bounds[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
-        largest = largest_stage_bound(table, plan)
+        largest = largest_stage_bound(bounds, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         checked += 1
         tight += largest >= 0.9 * prediction.iteration_time_s
