@@ -25,6 +25,7 @@ from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.search.megatron.certify import certify_predicted, least_work
 from pipedejavu.search.megatron.interleaved import (
+    candidate_floor,
     candidate_plan,
     interleaved_candidates,
 )
@@ -107,6 +108,15 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
             plan, choice.data, constants=C, virtual_stages=item.chunks
         )
         assert item.bound <= prediction.iteration_time_s * (1 + 1e-12)
+        # the floor the search prices before predicting: memory and tails
+        fits, tails = candidate_floor(choice.data, choice.model, C, plan, item.chunks)
+        assert fits or not prediction.fits_memory
+        if fits:
+            parts = item.parts
+            refined = max(
+                parts[0] + tails.min(), parts[1] + tails[0], parts[2] + tails[-1]
+            )
+            assert refined <= prediction.iteration_time_s * (1 + 1e-12)
         if prediction.fits_memory:
             interleaved = min(interleaved, prediction.iteration_time_s)
     return best, interleaved, zb

@@ -6,9 +6,14 @@ import pytest
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-from pipedejavu.costmodel.megatron.interleaving import chunk_layers
+from pipedejavu.costmodel.megatron.interleaving import (
+    chunk_layers,
+    chunk_stash,
+    warmup_stash,
+)
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.simulation.interleaved import interleaved_order
 
 
 def _plan(edges, dp=1, gbs=16, model="OPT-350"):
@@ -72,3 +77,33 @@ def test_interleaving_refuses_what_megatron_cannot_run():
         predict_plan(_plan([0, 13, 26]), data, virtual_stages=5)
     with pytest.raises(ProblemError, match="multiple of the pipeline stages"):
         predict_plan(_plan([0, 13, 26], gbs=15), data, virtual_stages=2)
+
+
+@pytest.mark.parametrize(
+    ("edges", "chunks", "gbs"),
+    [
+        ([0, 13, 26], 2, 2),
+        ([0, 13, 26], 3, 16),
+        ([0, 9, 17, 26], 2, 3),
+        ([0, 9, 17, 26], 4, 12),
+        ([0, 7, 13, 19, 26], 3, 40),
+    ],
+)
+def test_warmup_stash_is_the_stash_at_the_first_backward(edges, chunks, gbs):
+    # The stash each rank holds when its first backward starts, read off
+    # Megatron's command order itself: at most the simulated peak the
+    # predictor reports (the search's memory floor relies on both).
+    data = load_sailor_data()
+    plan = _plan(edges, gbs=gbs)
+    info = data.model_info("OPT-350")
+    floor = warmup_stash(plan, info, chunks)
+    memory = chunk_stash(plan, info, chunk_layers(plan, chunks), 0)
+    ranks, count = plan.num_stages, plan.num_microbatches
+    for r in range(ranks):
+        ops = interleaved_order(r, ranks, chunks, count)
+        first = next(i for i, op in enumerate(ops) if op.backward)
+        held = sum(memory[r, op.chunk] for op in ops[:first])  # forwards only
+        assert floor[r] == pytest.approx(held, rel=1e-12)
+    prediction = predict_plan(plan, data, virtual_stages=chunks)
+    assert np.all(floor <= prediction.activation_bytes * (1 + 1e-12))
+    assert floor.max() > 0

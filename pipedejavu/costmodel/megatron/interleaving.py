@@ -34,9 +34,18 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
 )
 from pipedejavu.costmodel.megatron.rules import message_bytes, stash_bytes
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
-from pipedejavu.simulation.interleaved import simulate_interleaved
+from pipedejavu.simulation.interleaved import (
+    peak_in_flight_count,
+    simulate_interleaved,
+)
 
-__all__ = ["InterleavedPipelines", "chunk_layers", "interleaved_pipelines"]
+__all__ = [
+    "InterleavedPipelines",
+    "chunk_layers",
+    "chunk_stash",
+    "interleaved_pipelines",
+    "warmup_stash",
+]
 
 
 def chunk_layers(plan: Plan3D, num_chunks: int) -> list[list[tuple[int, int]]]:
@@ -75,6 +84,54 @@ def chunk_layers(plan: Plan3D, num_chunks: int) -> list[list[tuple[int, int]]]:
             start, stop = 1 + k * size, 1 + (k + 1) * size
             row.append((0 if k == 0 else start, stop + 1 if k == last else stop))
         out.append(row)
+    return out
+
+
+def chunk_stash(
+    plan: Plan3D, info: ModelInfo, chunks: list[list[tuple[int, int]]], pipeline: int
+) -> NDArray[np.float64]:
+    """``f64[P, V]``: the activation bytes one micro-batch stashes on each chunk
+    of ``pipeline`` (its layers' ``act_mem`` and the input it received, as
+    :func:`~pipedejavu.costmodel.megatron.rules.stash_bytes` counts them);
+    ``chunks``: :func:`chunk_layers`."""
+    out = np.zeros((len(chunks), len(chunks[0])))
+    for r, row in enumerate(chunks):
+        tp = plan.stages[r].replicas[pipeline].tp
+        for c, (start, stop) in enumerate(row):
+            act = float(info.act_mem[tp][start:stop].sum())
+            received = float(info.act_output[tp][start - 1]) if start else 0
+            out[r, c] = stash_bytes(info, act, received, plan.mbs)
+    return out
+
+
+def warmup_stash(plan: Plan3D, info: ModelInfo, num_chunks: int) -> NDArray[np.float64]:
+    """``f64[P]``: the activation bytes each rank holds (the most over the
+    pipelines) when its first backward starts: the forwards of its warm-up and
+    the one after it, every one still in flight
+    (:func:`~pipedejavu.simulation.interleaved.peak_in_flight_count` of them, in
+    Megatron-LM's order: ``P`` micro-batches per chunk, chunk by chunk). The
+    schedule's peak (:attr:`InterleavedPipelines.stash_bytes`) is at least this,
+    with no simulation (``tests/test_interleaved.py``).
+
+    Raises:
+        ProblemError: as :func:`chunk_layers`.
+    """
+    chunks = chunk_layers(plan, num_chunks)
+    ranks, count = plan.num_stages, plan.num_microbatches
+    out = np.zeros(ranks)
+    seen = set()  # pipelines of the same degrees stash alike
+    for j in range(plan.dp):
+        degrees = tuple(stage.replicas[j].tp for stage in plan.stages)
+        if degrees in seen:
+            continue
+        seen.add(degrees)
+        memory = chunk_stash(plan, info, chunks, j)
+        for r in range(ranks):
+            held = peak_in_flight_count(r, ranks, num_chunks, count)
+            per_chunk = np.bincount(
+                (np.arange(held) // ranks) % num_chunks, minlength=num_chunks
+            )
+            out[r] = max(out[r], float(per_chunk @ memory[r]))
     return out
 
 
@@ -145,17 +202,14 @@ def interleaved_pipelines(
     for j in range(dp):
         forward = np.zeros((ranks, num_chunks))
         backward = np.zeros((ranks, num_chunks))
-        memory = np.zeros((ranks, num_chunks))
         transfer = np.zeros(ranks)
+        memory = chunk_stash(plan, info, chunks, j)
         for r in range(ranks):
             replica = plan.stages[r].replicas[j]
             entry = times[(replica.gpu_type, replica.tp)]
             for c, (start, stop) in enumerate(chunks[r]):
                 forward[r, c] = float(entry.forward[start:stop].sum()) + overhead_s
                 backward[r, c] = float(entry.backward[start:stop].sum()) + overhead_s
-                act = float(info.act_mem[replica.tp][start:stop].sum())
-                received = float(info.act_output[replica.tp][start - 1]) if start else 0
-                memory[r, c] = stash_bytes(info, act, received, mbs)
             last_layer = chunks[r][0][1] - 1
             nbytes = float(message_bytes(info, replica.tp, last_layer, mbs))
             receiver = (r + 1) % ranks

@@ -69,7 +69,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D, check_nodes
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.costmodel.megatron.comm import node_key, ring_allreduce_time
+from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
     PredictorConstants,
@@ -80,13 +80,13 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.rules import (
-    buckets,
     is_blocking,
     memory_bytes,
     message_bytes,
     model_state_bytes,
     optimizer_time,
     p2p_pair,
+    stage_allreduce,
     stage_params,
     stash_bytes,
     tied_allreduce_time,
@@ -406,12 +406,8 @@ def predict_plan(
     finish = np.zeros((num_stages, dp))
     for s, stage in enumerate(plan.stages):
         tp = stage.replicas[0].tp
-        sizes = buckets(info, tp, stage.start, stage.stop)
-        allreduce[s] = sum(
-            ring_allreduce_time(
-                network, stage.replicas, nodes[s], elements * info.gradient_bytes
-            )
-            for elements in sizes
+        allreduce[s], largest = stage_allreduce(
+            network, info, list(stage.replicas), nodes[s], stage.start, stage.stop
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
@@ -421,7 +417,7 @@ def predict_plan(
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]
-        state = model_state_bytes(info, held, max(sizes), dp)
+        state = model_state_bytes(info, held, largest, dp)
         model_state[s] = state
         used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):

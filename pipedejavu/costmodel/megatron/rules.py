@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Replica
-from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time
+from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time, ring_hops
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
     PredictorConstants,
@@ -42,6 +42,7 @@ __all__ = [
     "p2p_pair",
     "profiling_params",
     "span_sums",
+    "stage_allreduce",
     "stage_params",
     "stash_bytes",
     "tied_allreduce_time",
@@ -227,3 +228,26 @@ def tied_allreduce_time(
     last stage (on ``nodes``)."""
     nbytes = info.tied_params(first.tp) * info.gradient_bytes
     return ring_allreduce_time(network, [first, last], nodes, nbytes)
+
+
+def stage_allreduce(
+    network: NetworkTables,
+    info: ModelInfo,
+    replicas: list[Replica],
+    nodes: list,
+    start: int,
+    stop: int,
+) -> tuple[float, float]:
+    """``(seconds, largest bucket)``: the data-parallel all-reduce of a stage
+    of layers ``start..stop-1`` over its ``replicas`` (on ``nodes``), one ring
+    per :func:`buckets` entry, and that entry's largest (elements)."""
+    tp = replicas[0].tp
+    sizes = buckets(info, tp, start, stop)
+    hops = ring_hops(network, replicas, nodes) if len(replicas) > 1 else []
+    seconds = sum(
+        ring_allreduce_time(
+            network, replicas, nodes, elements * info.gradient_bytes, hops=hops
+        )
+        for elements in sizes
+    )
+    return seconds, max(sizes)

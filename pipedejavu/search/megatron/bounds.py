@@ -331,8 +331,10 @@ class StageBounds:
         for u in range(1, most_gpus + 1):
             best = g[u]
             for t in self.tables:
-                if t <= u:
-                    # a stage a..b-1 at degree t, the rest from b on u - t GPUs
+                # a stage a..b-1 at degree t, the rest from b on u - t GPUs
+                # (none where no chain covers any rest on u - t GPUs: with one
+                # degree, every u not a multiple of it)
+                if t <= u and (g[u - t] < np.inf).any():
                     stage = self.weights(t, u)
                     rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
                     best = np.minimum(best, rest)

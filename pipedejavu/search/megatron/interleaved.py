@@ -22,9 +22,21 @@ last operation is a backward of some chunk ``c >= P - 1``, after which the
 backwards of chunks ``c - 1 .. 0`` of that micro-batch remain): that adds the
 forward and backward of ``P - 1`` chunks (the embedding with the first) to its
 work, the interleaved schedule's least bubble.
-Candidates are predicted in increasing order of it; the search stops when the
-bound reaches the best predicted time (or a ``cutoff_s`` reached elsewhere),
-so the best plan found is the predictor's optimum over these plans.
+Each rank's gradient all-reduce and optimizer step follow its last backward
+(the predictor's own rules, exact for the candidate's plan): the busiest rank
+adds at least the least of them, rank 0 its own, rank ``P - 1`` its own.
+
+**Memory.** When a rank starts its first backward it holds every forward of
+its warm-up and the one after (Megatron-LM's order, chunk by chunk:
+:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`); the
+schedule's peak is at least that, so a candidate whose model state and that
+stash exceed a GPU fits in no run and is settled unpredicted.
+
+Candidates are taken in increasing order of the first bound; the first time a
+candidate comes up, its tails and memory are priced and it goes back at the
+larger bound (or is settled); the second time it is predicted. The search stops
+when the least bound reaches the best predicted time (or a ``cutoff_s`` reached
+elsewhere), so the best plan found is the predictor's optimum over these plans.
 """
 
 from __future__ import annotations
@@ -36,10 +48,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.interleaving import warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.rules import (
+    memory_bytes,
+    model_state_bytes,
+    optimizer_time,
+    stage_allreduce,
+    stage_params,
+)
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
 from pipedejavu.search.megatron.space import divisors
@@ -47,6 +71,7 @@ from pipedejavu.search.megatron.space import divisors
 __all__ = [
     "Candidate",
     "InterleavedResult",
+    "candidate_floor",
     "candidate_plan",
     "interleaved_candidates",
     "search_interleaved",
@@ -55,7 +80,11 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Candidate:
-    """An interleaved plan, least bound first."""
+    """An interleaved plan, least bound first.
+
+    ``parts``: the bound's three terms (module docstring), each before the tail
+    of its rank: the busiest rank's (any rank), rank 0's and rank ``P - 1``'s;
+    ``tails``: whether :attr:`bound` already adds the tails."""
 
     bound: float
     gpu: str = dataclasses.field(compare=False)
@@ -64,6 +93,10 @@ class Candidate:
     ranks: int = dataclasses.field(compare=False)
     dp: int = dataclasses.field(compare=False)
     chunks: int = dataclasses.field(compare=False)
+    parts: tuple[float, float, float] = dataclasses.field(
+        default=(0.0, 0.0, 0.0), compare=False
+    )
+    tails: bool = dataclasses.field(default=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +165,8 @@ def interleaved_candidates(
                         continue
                     # the busiest rank works at least the mean, and rank 0
                     # (P - 1) runs the embedding (head) beside its blocks
-                    rank_s = max(
-                        total / ranks,
-                        first + per_rank * least,
-                    )
+                    mean_s = total / ranks
+                    first_rank_s = first + per_rank * least
                     last_rank_s = last + per_rank * least
                     most = count // (ranks * tp)
                     for dp in range(1, most + 1):
@@ -148,8 +179,14 @@ def interleaved_candidates(
                             # rank P - 1 waits for the model chunks before its
                             # first (forward) and after its last (backward)
                             ramp = first + (ranks - 1) * (per_rank // v) * least
-                            bound = max(steps * rank_s, steps * last_rank_s + ramp)
-                            out.append(Candidate(bound, gpu, mbs, tp, ranks, dp, v))
+                            parts = (
+                                steps * mean_s,
+                                steps * first_rank_s,
+                                steps * last_rank_s + ramp,
+                            )
+                            out.append(
+                                Candidate(max(parts), gpu, mbs, tp, ranks, dp, v, parts)
+                            )
     return out
 
 
@@ -170,6 +207,44 @@ def candidate_plan(
         gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
         zone=DEFAULT_ZONE,
     )
+
+
+def candidate_floor(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    plan: Plan3D,
+    chunks: int,
+) -> tuple[bool, NDArray[np.float64]]:
+    """``(fits, tails)`` of an interleaved plan without simulating it: whether
+    every rank's model state and its stash at its first backward
+    (:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`) fit its
+    GPUs (else the predicted memory does not), and ``f64[P]`` the all-reduce
+    and optimizer step that follow each rank's last backward, as the predictor
+    prices them (the slowest replica's)."""
+    info = data.model_info(model)
+    stash = warmup_stash(plan, info, chunks)
+    tails = np.zeros(plan.num_stages)
+    for s, stage in enumerate(plan.stages):
+        replicas = list(stage.replicas)
+        nodes = [node_key(r, s, j) for j, r in enumerate(replicas)]
+        allreduce, largest = stage_allreduce(
+            data.network, info, replicas, nodes, stage.start, stage.stop
+        )
+        held = stage_params(info, replicas[0].tp, stage.start, stage.stop)
+        state = model_state_bytes(info, held, largest, plan.dp)
+        step = 0.0
+        for replica in {(r.gpu_type, r.tp) for r in replicas}:
+            gpu, tp = replica
+            update = data.layer_times(
+                model, gpu, plan.mbs, tp, smooth=constants.smooth_profiles
+            ).update
+            step = max(step, optimizer_time(float(update[0]), held, info, tp, plan.dp))
+            used = memory_bytes(state, stash[s], constants, gpu)
+            if used > data.gpu_spec(gpu).memory_bytes:
+                return False, tails
+        tails[s] = allreduce + step
+    return True, tails
 
 
 def search_interleaved(
@@ -225,6 +300,23 @@ def search_interleaved(
             lower = item.bound
             break
         plan = candidate_plan(data, model, global_batch, item)
+        if not item.tails:
+            try:
+                fits, tails = candidate_floor(data, model, constants, plan, item.chunks)
+            except ProblemError:  # a link the network tables do not price
+                continue
+            if fits:
+                parts = item.parts
+                bound = max(
+                    item.bound,
+                    parts[0] + float(tails.min()),
+                    parts[1] + float(tails[0]),
+                    parts[2] + float(tails[-1]),
+                )
+                heapq.heappush(
+                    items, dataclasses.replace(item, bound=bound, tails=True)
+                )
+            continue
         predicted += 1
         try:
             prediction = predict_plan(
