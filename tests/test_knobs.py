@@ -338,12 +338,13 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
     assert narrow["iteration_time_s"] == plain.prediction.iteration_time_s
     assert [(c["how"], c["rank_order"]) for c in narrow["knobs"]["choices"]] == [
-        ("searched", "tp-dp-pp"),
+        ("searched", "tp-dp-pp"),  # ZB-H1's first, then the others' proofs
         ("interleaved", "tp-dp-pp"),
-        ("zero-bubble", "tp-dp-pp"),
-        ("proof", "tp-pp-dp"),
+        ("proof", "tp-dp-pp"),
         ("zero-bubble", "tp-pp-dp"),
+        ("proof", "tp-pp-dp"),
     ]
+    assert narrow["knobs"]["choices"][0]["options"]["zero_bubble"]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # one schedule
     for schedule in SCHEDULES:

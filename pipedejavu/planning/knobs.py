@@ -9,22 +9,24 @@ same plans (stages, TP, DP, mbs, GPUs). The search takes the choices in order
 (the fastest per plan first: no recomputation before selective before full;
 sequence parallelism and the distributed optimizer on before off):
 
-1. the first 1F1B choice with a plan that fits: the full search and its proof
-   (:func:`~pipedejavu.planning.training.plan_training`);
+1. the first choice with a plan that fits: the full search and its proof
+   (:func:`~pipedejavu.planning.training.plan_training`), over the ZB-H1
+   choices first when the space has that schedule (it is most often the
+   fastest, and its full search is the quicker: fewer plans lie below its
+   bounds), then the 1F1B ones;
 2. Megatron-LM's interleaved schedule for every choice
    (:func:`~pipedejavu.search.megatron.interleaved.search_interleaved`: a
    branch and bound on the predictor over its few equal-chunk plans) with the
    best predicted time so far as its cutoff; a faster plan becomes the
    incumbent;
-3. the zero-bubble schedule ZB-H1 for every choice, then every other 1F1B
-   choice: the proof's branch and bound alone
+3. every choice step 1 did not search, ZB-H1's then 1F1B's: the proof's
+   branch and bound alone
    (:func:`~pipedejavu.search.megatron.certify.certify_predicted`, on the
    choice's own predictor and bounds), with the best predicted time so far as
    its cutoff. Its configurations whose lower bound reaches the cutoff are
    settled at once; a plan it finds below the cutoff becomes the incumbent
    (step 2 first: an interleaved incumbent is often faster, which settles more
-   configurations here). A space without 1F1B searches its first ZB-H1 choice
-   in full in step 1 instead;
+   configurations here); then the same for the ``tp-pp-dp`` rank order;
 4. if the winning choice was settled by the proof alone, its full search runs
    once more so that the report holds its planning objective (its proof finds
    the same predicted optimum).
@@ -241,6 +243,8 @@ def search_knobs(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
     )
 
+    shared = BoundCache()  # the choices' links are priced alike
+
     def search(choice: CostChoice, index: int) -> TrainingPlan:
         return plan_training(
             choice.model,
@@ -253,6 +257,7 @@ def search_knobs(
             mbs_values=mbs_values,
             mixed_types=mixed_types,
             progress_fn=_tagged(progress_fn, index),
+            bound_cache=shared,
         )
 
     outcomes: list[KnobOutcome] = []
@@ -272,10 +277,10 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
-    # 1. the first 1F1B choice that has a plan: the full search (ZB-H1's when
-    # 1F1B is not in the space)
-    pending = list(enumerate(one_f or zero))
-    later_zero = zero if one_f else []  # else searched in step 1
+    # 1. the first choice that has a plan: the full search, ZB-H1's first when
+    # it is in the space (then the 1F1B choices, should no ZB-H1 plan fit)
+    zero_first = list(enumerate(zero, 2 * len(knobs)))
+    pending = zero_first + list(enumerate(one_f))
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
@@ -349,30 +354,25 @@ def search_knobs(
                     time.perf_counter() - tick,
                 )
             )
-    # 3. ZB-H1 per choice, then the other 1F1B choices: the proof's branch and
-    # bound with the cutoff; 4. the tp-pp-dp rank order: the 1F1B and ZB-H1
+    # 3. the choices step 1 left, ZB-H1's then 1F1B's: the proof's branch and
+    # bound with the cutoff; then the tp-pp-dp rank order: the ZB-H1 and 1F1B
     # choices' proofs again, their plans placed pipeline by pipeline
     # (interleaved plans and plans mixing GPU types keep the default order)
     sequence = [
-        (i, c, "zero-bubble", RANK_ORDERS[0])
-        for i, c in enumerate(later_zero, 2 * len(knobs))
-    ]
-    sequence += [
-        (i, c, "proof" if one_f else "zero-bubble", RANK_ORDERS[0]) for i, c in pending
+        (i, c, "zero-bubble" if c.options.zero_bubble else "proof", RANK_ORDERS[0])
+        for i, c in pending
     ]
     if RANK_ORDERS[1] in space.rank_orders:
-        placed = [(c, "proof") for c in one_f] + [(c, "zero-bubble") for c in zero]
+        placed = [(c, "zero-bubble") for c in zero] + [(c, "proof") for c in one_f]
         sequence += [
             (i, c, how, RANK_ORDERS[1])
             for i, (c, how) in enumerate(placed, 4 * len(knobs))
         ]
-    shared = BoundCache()  # the choices' links are priced alike
     for index, choice, how, order in sequence:
         tick = time.perf_counter()
         if state.best is None:
-            # Every 1F1B choice was searched and none fits; the same plans under
-            # ZB-H1 hold at least as many micro-batches in flight per stage
-            # (min(P, B) >= min(P - s, B)), and in another order as many.
+            # Every choice was searched and none fits; in another order the
+            # same plans hold as much.
             outcomes.append(
                 KnobOutcome(
                     choice.options, "infeasible", math.nan, math.inf, True, 0.0, order

@@ -24,6 +24,7 @@ from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
 from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = [
     "TrainingPlan",
@@ -243,6 +244,7 @@ def plan_training(
     constants: Any = None,
     mixed_types: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    bound_cache: BoundCache | None = None,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -272,6 +274,8 @@ def plan_training(
             (searched by the proof under the predictor).
         progress_fn: called with a dict as the search goes
             (:func:`~pipedejavu.search.megatron.planner.search_megatron`).
+        bound_cache: the proof's bound tables, shared with other proofs over
+            sources that price links alike (``search_megatron``).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -295,6 +299,7 @@ def plan_training(
         constants or FITTED_CONSTANTS,
         config,
         progress_fn=progress_fn,
+        bound_cache=bound_cache,
     )
     return TrainingPlan(
         plan=result.plan,

@@ -153,7 +153,7 @@ def kind_bounds(
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = BoundCache() if cache is None else cache  # shared by one proof
-    priced_by = links_key(data)
+    priced_by = links_key(data, cache)
     transfers = blocking_transfers(
         data, model, constants, kinds, mbs, dp, cache, strides
     )

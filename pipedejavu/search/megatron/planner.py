@@ -73,6 +73,7 @@ from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
 from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.space import config_groups
+from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
 
@@ -366,6 +367,7 @@ def search_megatron(
     config: MegatronSearchConfig | None = None,
     *,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    bound_cache: BoundCache | None = None,
 ) -> MegatronSearchResult:
     """The best plan for ``model`` on the GPU pool (module docstring).
 
@@ -380,6 +382,8 @@ def search_megatron(
             (``{"solved", "best", "bound"}``), then during the proof
             (``{"phase": "proof", ...}``:
             :func:`~pipedejavu.search.megatron.certify.certify_predicted`).
+        bound_cache: the proof's bound tables, to reuse and fill
+            (``certify_predicted``'s ``cache``).
 
     Raises:
         ProblemError: unknown model or GPU type, bad counts.
@@ -496,6 +500,7 @@ def search_megatron(
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
             mixed_types=config.mixed_types,
+            cache=bound_cache,
             progress_fn=progress_fn,
         )
         if certificate.improved:

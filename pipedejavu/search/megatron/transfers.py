@@ -114,6 +114,10 @@ class BoundCache:
         allreduce: ``(seconds, largest bucket)`` of every span by (type, TP,
             dp, offsets in a node, strides, links, gradient bytes, parameters
             held).
+        blocking: :class:`BlockingTransfers` by (kinds, mbs, dp, strides,
+            links, the messages' bytes, constants).
+        links: :func:`links_key` by the network's ``id`` (with the network,
+            kept alive so that the ``id`` is not reused).
         placed_weights: the weight tables of every placed mix
             (:class:`~pipedejavu.search.megatron.mixed.PlacedMix`), to bound
             their total size.
@@ -121,14 +125,20 @@ class BoundCache:
 
     transfers: dict[tuple, TransferPrice] = dataclasses.field(default_factory=dict)
     allreduce: dict[tuple, tuple[Row, Row]] = dataclasses.field(default_factory=dict)
+    blocking: dict[tuple, BlockingTransfers] = dataclasses.field(default_factory=dict)
+    links: dict[int, tuple[object, Hashable]] = dataclasses.field(default_factory=dict)
     placed_weights: list[dict] = dataclasses.field(default_factory=list)
 
 
-def links_key(data: SailorData) -> Hashable:
+def links_key(data: SailorData, cache: BoundCache | None = None) -> Hashable:
     """What prices the links of ``data``: a sheet network's entries, efficiency,
     measured fits and overrides (sources built alike share it), else the
-    network object itself."""
+    network object itself; computed once per network of a ``cache``."""
     network = data.network
+    if cache is not None:
+        if id(network) not in cache.links:
+            cache.links[id(network)] = (network, links_key(data))
+        return cache.links[id(network)][1]
     if isinstance(network, SheetNetwork):
         measured = None if network.measured is None else id(network.measured)
         return (
@@ -217,7 +227,15 @@ def blocking_transfers(
     neighbour right after it, replica ``j`` ``j x stride`` later."""
     info = data.model_info(model)
     boundaries = info.num_layers - 1
-    links = links_key(data)
+    links = links_key(data, cache)
+    spans = slice(0, boundaries)
+    messages = tuple(
+        (t, np.asarray(message_bytes(info, t, spans, mbs)).tobytes())
+        for t in sorted({t for _, t in kinds})
+    )
+    whole = (tuple(kinds), mbs, dp, strides, links, messages, constants)
+    if whole in cache.blocking:
+        return cache.blocking[whole]
     step: dict[str, int] = {}  # a type's stages start at multiples of dp x gcd
     for gpu, t in kinds:
         step[gpu] = math.gcd(step.get(gpu, 0), t if strides else dp * t)
@@ -268,7 +286,8 @@ def blocking_transfers(
     }
     sends = {a: np.min([pairs[(a, b)] for b in kinds], axis=0) for a in kinds}
     receives = {b: np.min([anyone[(a, b)] for a in kinds], axis=0) for b in kinds}
-    return BlockingTransfers(sends, receives, pairs, links)
+    cache.blocking[whole] = BlockingTransfers(sends, receives, pairs, links)
+    return cache.blocking[whole]
 
 
 def kind_times(
