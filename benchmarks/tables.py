@@ -833,8 +833,52 @@ def t_zero_bubble_split() -> str:
     return table(head, rows) + source("gpu_zero_bubble_split.json")
 
 
+def t_fp8_gemms() -> str:
+    data = load("gpu_fp8_gemms.json")
+    rows = [r for r in data["rows"] if r["measured"]["fp8"].get("status") == "ok"]
+
+    def error(row: dict, precision: str) -> float:
+        measured = row["measured"][precision]["median"] * 1e-3
+        return row["predicted"][precision]["seconds"] / measured - 1
+
+    def line(label: str, chosen: list[dict]) -> list:
+        cells: list = [label, len(chosen)]
+        for precision in ("bf16", "fp8"):
+            errors = [error(r, precision) for r in chosen]
+            big = max(errors, key=abs)
+            cells.append(f"{pct(statistics.median(errors))} / {pct(big)}")
+        speed = [
+            r["measured"]["bf16"]["median"] / r["measured"]["fp8"]["median"]
+            for r in chosen
+        ]
+        model = [
+            r["predicted"]["bf16"]["seconds"] / r["predicted"]["fp8"]["seconds"]
+            for r in chosen
+        ]
+        cells.append(
+            f"{statistics.median(speed):.2f}x / {statistics.median(model):.2f}x"
+        )
+        return cells
+
+    large = [r for r in rows if r["measured"]["bf16"]["median"] >= 0.25]
+    body = [
+        line(kind, [r for r in rows if r["kind"] == kind])
+        for kind in ("forward", "dgrad", "wgrad")
+    ]
+    body += [line("all", rows), line("all, bf16 >= 0.25 ms", large)]
+    head = [
+        "GEMMs",
+        "n",
+        "bf16, predicted / measured - 1: median / largest",
+        "fp8, predicted / measured - 1: median / largest",
+        "fp8 speed-up over bf16, median: measured / predicted",
+    ]
+    return table(head, body) + source("gpu_fp8_gemms.json")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "plan_knobs": t_plan_knobs,
+    "fp8_gemms": t_fp8_gemms,
     "zero_bubble_split": t_zero_bubble_split,
     "gpu_blocks": t_gpu_blocks,
     "layout": t_layout,
