@@ -9,7 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipedejavu.simulation.interleaved import Op, simulate_interleaved
-from pipedejavu.simulation.zero_bubble import simulate_zero_bubble, zero_bubble_order
+from pipedejavu.simulation.zero_bubble import (
+    simulate_zero_bubble,
+    zero_bubble_in_flight,
+    zero_bubble_order,
+)
 
 
 def F(b):  # noqa: N802 - the paper's notation
@@ -122,3 +126,16 @@ def test_bad_input(args, message):
         simulate_zero_bubble(*args)
     with pytest.raises(ValueError, match="rank must be in"):
         zero_bubble_order(3, 3, 2)
+
+
+def test_in_flight_count_is_the_orders_peak_on_every_rank():
+    # What the planning tables hold a ZB-H1 stage to (min(P, M)), read off
+    # the command order: +1 at each forward, -1 at each W.
+    for ranks in range(1, 9):
+        for count in range(1, 20):
+            for rank in range(ranks):
+                held = peak = 0
+                for op in zero_bubble_order(rank, ranks, count):
+                    held += 1 if not op.backward else -1 if op.weight else 0
+                    peak = max(peak, held)
+                assert peak == zero_bubble_in_flight(ranks, count)

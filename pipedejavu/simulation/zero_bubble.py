@@ -38,13 +38,19 @@ peaks at ``min(P, M)`` micro-batches, every rank as many as 1F1B's first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from pipedejavu.simulation.interleaved import Op, checked_array, run_interleaved
 
-__all__ = ["ZeroBubbleResult", "simulate_zero_bubble", "zero_bubble_order"]
+__all__ = [
+    "ZeroBubbleResult",
+    "simulate_zero_bubble",
+    "zero_bubble_in_flight",
+    "zero_bubble_order",
+]
 
 
 def _count(value, name: str, least: int) -> int:
@@ -53,6 +59,16 @@ def _count(value, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
     return int(value)
+
+
+def zero_bubble_in_flight(num_ranks: int, num_microbatches: int) -> int:
+    """The most micro-batches any rank holds in flight (forward done, ``W`` not
+    yet) under :func:`zero_bubble_order`: ``min(P, M)``, on every rank
+    (``tests/test_zero_bubble.py`` checks it against the order)."""
+    return min(
+        _count(num_ranks, "num_ranks", 1),
+        _count(num_microbatches, "num_microbatches", 1),
+    )
 
 
 def zero_bubble_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
@@ -83,6 +99,24 @@ def zero_bubble_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
             pending += 1
     order += [Op(True, 0, b, True) for b in range(pending, count)]
     return order
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(rank: int, num_ranks: int, num_microbatches: int) -> tuple[Op, ...]:
+    """:func:`zero_bubble_order`, kept (the predictor asks for the same orders
+    over and over)."""
+    return tuple(zero_bubble_order(rank, num_ranks, num_microbatches))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak(rank: int, num_ranks: int, num_microbatches: int) -> int:
+    """The most micro-batches the rank holds between a forward and its ``W``
+    under its order."""
+    held = peak = 0
+    for op in _order(rank, num_ranks, num_microbatches):
+        held += 1 if not op.backward else (-1 if op.weight else 0)
+        peak = max(peak, held)
+    return peak
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,7 +186,7 @@ def simulate_zero_bubble(
     links = np.zeros(ranks)
     if transfer is not None:
         links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
-    orders = [zero_bubble_order(r, ranks, count) for r in range(ranks)]
+    orders = [_order(r, ranks, count) for r in range(ranks)]
     grids = run_interleaved(
         f[:, None].tolist(),
         b[:, None].tolist(),
@@ -163,13 +197,7 @@ def simulate_zero_bubble(
     )
     f_end, b_end, w_end = (np.array(grids[k])[:, 0, :] for k in (1, 3, 9))
     iteration = float(max(f_end.max(), b_end.max(), w_end.max()))
-    signs = np.array(
-        [
-            [0 if o.backward and not o.weight else (-1 if o.weight else 1) for o in o_]
-            for o_ in orders
-        ]
-    )
-    peak = np.cumsum(signs, axis=1).max(axis=1).astype(np.int64)
+    peak = np.array([_peak(r, ranks, count) for r in range(ranks)], dtype=np.int64)
     memory = None
     if memory_per_microbatch is not None:
         memory = peak * checked_array(

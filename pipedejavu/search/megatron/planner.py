@@ -74,6 +74,7 @@ from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.space import config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
+from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 __all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
 
@@ -323,13 +324,25 @@ def _configs(
     return out
 
 
-def _problem(tables: StageTables, tps: tuple[int, ...], gpus: int) -> Problem:
+def _problem(
+    tables: StageTables, tps: tuple[int, ...], gpus: int, zero_bubble: bool = False
+) -> Problem:
     index = [tables.tps.index(t) for t in tps]
+    memory = tables.max_n_succ_stages[:, :, index]
+    if zero_bubble:
+        # ZB-H1 holds min(P, B) micro-batches on every stage, wherever it
+        # sits: a stage is usable only if it holds that many at the most stages
+        # these GPUs allow (the 1F1B rule then holds too: it asks no more).
+        most = zero_bubble_in_flight(gpus // min(tps), tables.num_microbatches)
+        memory = np.where(memory >= most - 1, memory, -1)
+    # GPUs counted in units of the degrees' gcd: the same plans, a DP over
+    # that many times fewer device counts.
+    unit = math.gcd(gpus, *tps)
     return Problem(
         compute_cost=tables.compute_cost[:, :, index],
-        max_n_succ_stages=tables.max_n_succ_stages[:, :, index],
-        submesh_shapes=np.array([[1, t] for t in tps], dtype=np.int64),
-        cluster_shape=(1, gpus),
+        max_n_succ_stages=memory,
+        submesh_shapes=np.array([[1, t // unit] for t in tps], dtype=np.int64),
+        cluster_shape=(1, gpus // unit),
         num_microbatches=tables.num_microbatches,
         stage_tail_cost=tables.stage_tail_cost[:, :, index],
     )
@@ -442,7 +455,9 @@ def search_megatron(
                 pipeline_gpus=item.gpus if one_node else None,
             )
         try:
-            problem = _problem(tables[key], item.tps, item.gpus)
+            problem = _problem(
+                tables[key], item.tps, item.gpus, bool(data.options.zero_bubble)
+            )
         except ProblemError:  # the TP degrees cannot add up to these GPUs
             continue
         solved += 1
