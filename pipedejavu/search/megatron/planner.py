@@ -331,10 +331,12 @@ def _problem(
     memory = tables.max_n_succ_stages[:, :, index]
     if zero_bubble:
         # ZB-H1 holds min(P, B) micro-batches on every stage, wherever it
-        # sits: a stage is usable only if it holds that many at the most stages
-        # these GPUs allow (the 1F1B rule then holds too: it asks no more).
-        most = zero_bubble_in_flight(gpus // min(tps), tables.num_microbatches)
-        memory = np.where(memory >= most - 1, memory, -1)
+        # sits: a stage is usable only if it holds that many at the fewest
+        # stages these GPUs take (exact with one degree; the 1F1B rule then
+        # asks no more).
+        fewest = -(-gpus // max(tps))
+        least = zero_bubble_in_flight(fewest, tables.num_microbatches)
+        memory = np.where(memory >= least - 1, memory, -1)
     # GPUs counted in units of the degrees' gcd: the same plans, a DP over
     # that many times fewer device counts.
     unit = math.gcd(gpus, *tps)
@@ -499,7 +501,11 @@ def search_megatron(
         )
         prediction = predict_plan(plan, data, constants=constants)
         candidates.append((plan, value, prediction))
-    chosen = min(candidates, key=lambda c: (c[2].iteration_time_s, c[1]))
+    # the fastest predicted plan that fits (under ZB-H1 with several TP
+    # degrees the tables' memory rule is a relaxation)
+    chosen = min(
+        candidates, key=lambda c: (not c[2].fits_memory, c[2].iteration_time_s, c[1])
+    )
     certificate = None
     if config.certify:
         certificate = certify_predicted(
