@@ -23,7 +23,11 @@ from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
 from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
-from pipedejavu.search.megatron.certify import certify_predicted, least_work
+from pipedejavu.search.megatron.certify import (
+    any_plan_fits,
+    certify_predicted,
+    least_work,
+)
 from pipedejavu.search.megatron.interleaved import (
     candidate_floor,
     candidate_plan,
@@ -490,3 +494,25 @@ def test_shared_bound_tables_change_no_proof(model_files):
             assert runs[0].lower_bound_s == runs[1].lower_bound_s
             assert runs[0].plans_predicted == runs[1].plans_predicted
     assert shared.allreduce and shared.transfers
+
+
+def test_the_quick_infeasibility_test_matches_the_search(model_files):
+    # any_plan_fits (the proof's memory rule over every configuration) says
+    # "none fits" exactly where the full search finds no plan, on both
+    # schedules of the setting where only full recomputation fits.
+    _, pool, gbs, options = SETTINGS["only-full-fits"]
+    path = model_files["only-full-fits"]
+    for recompute in ("none", "selective", "full"):
+        for zero_bubble in (False, True):
+            knobs = dataclasses.replace(
+                options, recompute=recompute, zero_bubble=zero_bubble
+            )
+            choice = choose_cost_source(path, pool, options=knobs)
+            fits = any_plan_fits(choice.data, choice.model, choice.pool(pool), gbs, C)
+            assert fits == (recompute == "full")
+            try:
+                plan_any_model(path, pool, gbs, options=knobs)
+            except InfeasibleProblemError:
+                assert not fits
+            else:
+                assert fits

@@ -262,3 +262,29 @@ def test_bad_inputs():
         plan_training("OPT-350", {"GH-96": 4}, 64, method="anneal")
     with pytest.raises(InfeasibleProblemError, match="no plan of GPT-Neo-2.7 fits"):
         plan_training("GPT-Neo-2.7", {"V100-16": 2}, 8)
+
+
+def test_the_memory_reachability_test_agrees_with_enumeration():
+    # The planner skips the DP of a configuration where no chain of exactly P
+    # stages meets the memory rule (a stage with n stages after it needs
+    # memory >= n); every partition of the layers, enumerated, agrees.
+    import itertools
+
+    from pipedejavu.search.megatron.planner import _chains_fit
+
+    rng = np.random.default_rng(0)
+    found = {True: 0, False: 0}
+    for _ in range(2000):
+        layers, stages = int(rng.integers(1, 7)), int(rng.integers(1, 7))
+        memory = rng.integers(-1, 5, size=(layers, layers))
+        fits = any(
+            all(
+                memory[edges[s], edges[s + 1] - 1] >= stages - 1 - s
+                for s in range(stages)
+            )
+            for cuts in itertools.combinations(range(1, layers), stages - 1)
+            for edges in [(0, *cuts, layers)]
+        )
+        assert _chains_fit(memory, stages) == fits
+        found[fits] += 1
+    assert min(found.values()) > 100  # both answers were exercised

@@ -79,7 +79,7 @@ from pipedejavu.planning.training import (
     plan_training,
     search_config,
 )
-from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
 from pipedejavu.search.megatron.interleaved import search_interleaved
 from pipedejavu.search.megatron.transfers import BoundCache
 
@@ -244,6 +244,8 @@ def search_knobs(
     )
 
     shared = BoundCache()  # the choices' links are priced alike
+    # plans on one GPU type only: the quick infeasibility test covers those
+    one_type = len(pool) == 1 or not (mixed_types and uniform_tp)
 
     def search(choice: CostChoice, index: int) -> TrainingPlan:
         return plan_training(
@@ -285,6 +287,19 @@ def search_knobs(
         index, choice = pending.pop(0)
         tick = time.perf_counter()
         try:
+            if one_type and not any_plan_fits(
+                choice.data,
+                choice.model,
+                choice.pool(pool),
+                global_batch,
+                FITTED_CONSTANTS,
+                uniform_tp=config.uniform_tp,
+                allow_fewer_gpus=config.allow_fewer_gpus,
+                mbs_values=config.mbs_values,
+                max_stages=config.max_stages,
+                cache=shared,
+            ):
+                raise InfeasibleProblemError("no chain of stages fits")
             result = search(choice, index)
         except InfeasibleProblemError:
             outcomes.append(

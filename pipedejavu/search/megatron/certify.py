@@ -101,7 +101,7 @@ from pipedejavu.search.megatron.mixed import (
 from pipedejavu.search.megatron.space import ConfigGroup, config_groups, mixes
 from pipedejavu.search.megatron.transfers import BoundCache, send_rows
 
-__all__ = ["PredictedCertificate", "certify_predicted", "least_work"]
+__all__ = ["PredictedCertificate", "any_plan_fits", "certify_predicted", "least_work"]
 
 
 def least_work(
@@ -121,6 +121,46 @@ def least_work(
         )
         per_tp.append(tp * (times.forward + times.backward))
     return float(np.minimum.reduce(per_tp).sum())
+
+
+def any_plan_fits(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    *,
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mbs_values: tuple[int, ...] | None = None,
+    max_stages: int | None = None,
+    cache: BoundCache | None = None,
+) -> bool:
+    """``False`` when no one-type plan of the search space can fit in memory
+    (or be priced): every configuration's least bound is infinite, the
+    proof's memory rule (a relaxation, module docstring) leaving no chain of
+    stages. A quick test before a full search that would otherwise solve every
+    configuration to find nothing; ``True`` promises nothing."""
+    groups = config_groups(
+        data,
+        model,
+        gpus,
+        global_batch,
+        uniform_tp=uniform_tp,
+        allow_fewer_gpus=allow_fewer_gpus,
+        mbs_values=mbs_values,
+        max_stages=max_stages,
+    )
+    for group in groups:
+        bounds = StageBounds(
+            group,
+            stage_bounds(data, model, constants, group, cache),
+            constants.op_overhead_s,
+        )
+        g = bounds.bottleneck(max(group.sizes))
+        if np.isfinite(g[list(group.sizes), 0]).any():
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
@@ -324,11 +325,11 @@ def _configs(
     return out
 
 
-def _problem(
-    tables: StageTables, tps: tuple[int, ...], gpus: int, zero_bubble: bool = False
-) -> Problem:
-    index = [tables.tps.index(t) for t in tps]
-    memory = tables.max_n_succ_stages[:, :, index]
+def _memory(
+    tables: StageTables, tps: tuple[int, ...], gpus: int, zero_bubble: bool
+) -> NDArray[np.int64]:
+    """The problem's ``max_n_succ_stages`` for these degrees and GPUs."""
+    memory = tables.max_n_succ_stages[:, :, [tables.tps.index(t) for t in tps]]
     if zero_bubble:
         # ZB-H1 holds min(P, B) micro-batches on every stage, wherever it
         # sits: a stage is usable only if it holds that many at the fewest
@@ -337,6 +338,14 @@ def _problem(
         fewest = -(-gpus // max(tps))
         least = zero_bubble_in_flight(fewest, tables.num_microbatches)
         memory = np.where(memory >= least - 1, memory, -1)
+    return memory
+
+
+def _problem(
+    tables: StageTables, tps: tuple[int, ...], gpus: int, memory: NDArray[np.int64]
+) -> Problem:
+    """The configuration's planning problem (``memory``: :func:`_memory`)."""
+    index = [tables.tps.index(t) for t in tps]
     # GPUs counted in units of the degrees' gcd: the same plans, a DP over
     # that many times fewer device counts.
     unit = math.gcd(gpus, *tps)
@@ -348,6 +357,25 @@ def _problem(
         num_microbatches=tables.num_microbatches,
         stage_tail_cost=tables.stage_tail_cost[:, :, index],
     )
+
+
+def _chains_fit(memory: np.ndarray, stages: int) -> bool:
+    """Whether some chain of exactly ``stages`` stages covers every layer with
+    each stage's ``memory[start, end]`` (most stages that may follow it,
+    ``end`` inclusive) at least the stages after it: the memory rule of the
+    planning problem alone, decided by reachability (``O(stages L^2)``), so
+    that a configuration with no plan that fits skips the DP's passes."""
+    num_layers = memory.shape[0]
+    spans = np.triu(np.ones((num_layers, num_layers), dtype=bool))  # i <= j
+    reach = np.zeros(num_layers + 1, dtype=bool)
+    reach[num_layers] = True  # no layer left, no stage
+    for after in range(stages):
+        # a stage i..j followed by `after` stages that cover j + 1..
+        step = (spans & (memory >= after) & reach[None, 1:]).any(axis=1)
+        reach = np.append(step, False)
+        if not reach.any():
+            return False
+    return bool(reach[0])
 
 
 def _solve_diff(problem: Problem, seed: int) -> tuple[float, list, float]:
@@ -456,10 +484,14 @@ def search_megatron(
                 zone=DEFAULT_ZONE,
                 pipeline_gpus=item.gpus if one_node else None,
             )
+        zero_bubble = bool(data.options.zero_bubble)
+        memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
+        one = len(item.tps) == 1 and item.gpus % item.tps[0] == 0
+        if one and not _chains_fit(memory[:, :, 0, 0], item.gpus // item.tps[0]):
+            solved += 1
+            continue  # what the DP would find, without its passes
         try:
-            problem = _problem(
-                tables[key], item.tps, item.gpus, bool(data.options.zero_bubble)
-            )
+            problem = _problem(tables[key], item.tps, item.gpus, memory)
         except ProblemError:  # the TP degrees cannot add up to these GPUs
             continue
         solved += 1
