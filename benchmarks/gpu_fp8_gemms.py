@@ -71,7 +71,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import json
 import math
 import os
 import platform
@@ -90,7 +89,7 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_blocks import environment, sheet_name_for  # noqa: E402
+from gpu_blocks import environment, sheet_name_for, write_json  # noqa: E402
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry  # noqa: E402
 from pipedejavu.core.transformer import TransformerSpec  # noqa: E402
@@ -690,14 +689,6 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                 f"predicted {speedup['predicted_median']:.2f}x"
             )
         print(f"  {key:8s} " + ("; ".join(parts) or "nothing measured"))
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
 
 
 # --------------------------------------------------------------------- main
