@@ -204,12 +204,14 @@ def run_one_chunk(
             f_end[r][microbatch] = now
             if r < last:
                 f_ready[r + 1][microbatch] = send(r, now)
-                try_start(r + 1)
+                if idle[r + 1]:  # (a busy rank starts nothing)
+                    try_start(r + 1)
         else:
             b_end[r][microbatch] = now
             if r > 0:
                 b_ready[r - 1][microbatch] = send(r - 1, now)
-                try_start(r - 1)
+                if idle[r - 1]:
+                    try_start(r - 1)
         try_start(r)
     if pointer != lengths:
         raise RuntimeError("the ZB-H1 schedule deadlocked")  # pragma: no cover
