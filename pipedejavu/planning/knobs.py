@@ -10,10 +10,11 @@ same plans (stages, TP, DP, mbs, GPUs). The search takes the choices in order
 sequence parallelism and the distributed optimizer on before off):
 
 1. the first choice with a plan that fits: the full search and its proof
-   (:func:`~pipedejavu.planning.training.plan_training`), over the ZB-H1
-   choices first when the space has that schedule (it is most often the
-   fastest, and its full search is the quicker: fewer plans lie below its
-   bounds), then the 1F1B ones;
+   (:func:`~pipedejavu.planning.training.plan_training`). With both 1F1B and
+   ZB-H1 in the space, the planning DP alone (no proof) of each schedule
+   decides which is searched first: the faster plan's (the later proofs are
+   the quicker, the sooner the best plan is known); a ZB-H1 choice whose DP
+   finds no plan is settled by it (:func:`_first_order`);
 2. Megatron-LM's interleaved schedule for every choice
    (:func:`~pipedejavu.search.megatron.interleaved.search_interleaved`: a
    branch and bound on the predictor over its few equal-chunk plans) with the
@@ -36,20 +37,14 @@ proven step: the incumbent of its time); when the least of them reaches the
 plan's time, the plan is the predictor's optimum over the union of the
 choices' spaces (``proven``), else that least bound is reported.
 
-The distributed optimizer dominates: it changes only the model-state bytes
-(fewer: :func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`) and the
-optimizer step (over ``1 / dp`` of the parameters:
-:func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`), and the predictor
-only adds both (memory per stage, the step after the pipeline), so every plan is
-predicted at least as fast with it and fits wherever it fits without it. When
-the space allows both, the choices without it are settled by that rule
-(``how == "dominated"``; ``tests/test_knobs.py`` checks the rule on random
-plans). Sequence parallelism is searched both ways: its two collectives can cost
-more than one all-reduce on small messages.
-
-Sequence parallelism changes nothing at TP 1 and the distributed optimizer
-nothing at DP 1 (the predictor prices them identically); a plan with TP 1
-everywhere (DP 1) reports them off, as Megatron-LM runs it.
+The distributed optimizer dominates: it lowers only the model-state bytes
+(:func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`) and the
+optimizer step (:func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`),
+which the predictor only adds, so no plan is slower or larger with it; the
+choices without it are settled by that rule (``how == "dominated"``, checked on
+random plans by ``tests/test_knobs.py``). Sequence parallelism is searched both
+ways (its two collectives can cost more than one all-reduce on small messages).
+Neither changes anything at TP 1 (DP 1); such a plan reports it off.
 """
 
 from __future__ import annotations
@@ -81,6 +76,7 @@ from pipedejavu.planning.training import (
 )
 from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
 from pipedejavu.search.megatron.interleaved import search_interleaved
+from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
 from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
@@ -279,39 +275,41 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
-    # 1. the first choice that has a plan: the full search, ZB-H1's first when
-    # it is in the space (then the 1F1B choices, should no ZB-H1 plan fit)
-    zero_first = list(enumerate(zero, 2 * len(knobs)))
-    pending = zero_first + list(enumerate(one_f))
+    # 1. the first choice that has a plan: the full search, on the schedule
+    # whose planning DP predicts faster when the space has 1F1B and ZB-H1
+    pending = list(enumerate(one_f)) + list(enumerate(zero, 2 * len(knobs)))
+
+    def could_fit(choice: CostChoice) -> bool:
+        return not one_type or any_plan_fits(
+            choice.data,
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            FITTED_CONSTANTS,
+            uniform_tp=config.uniform_tp,
+            allow_fewer_gpus=config.allow_fewer_gpus,
+            mbs_values=config.mbs_values,
+            max_stages=config.max_stages,
+            cache=shared,
+        )
+
+    if one_f and zero:
+        pending, settled = _first_order(
+            one_f, zero, pool, global_batch, config, could_fit
+        )
+        outcomes += settled
+    infeasible = [o.options for o in outcomes]
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
         try:
-            if one_type and not any_plan_fits(
-                choice.data,
-                choice.model,
-                choice.pool(pool),
-                global_batch,
-                FITTED_CONSTANTS,
-                uniform_tp=config.uniform_tp,
-                allow_fewer_gpus=config.allow_fewer_gpus,
-                mbs_values=config.mbs_values,
-                max_stages=config.max_stages,
-                cache=shared,
-            ):
+            if not could_fit(choice):
                 raise InfeasibleProblemError("no chain of stages fits")
             result = search(choice, index)
         except InfeasibleProblemError:
-            outcomes.append(
-                KnobOutcome(
-                    choice.options,
-                    "infeasible",
-                    math.nan,
-                    math.inf,
-                    True,
-                    time.perf_counter() - tick,
-                )
-            )
+            seconds = time.perf_counter() - tick
+            outcomes.append(_infeasible(choice, seconds))
+            infeasible.append(choice.options)
             continue
         state.take((result, choice), searched=True)
         state.lower = min(state.lower, result.predicted_lower_bound_s)
@@ -369,16 +367,17 @@ def search_knobs(
                     time.perf_counter() - tick,
                 )
             )
-    # 3. the choices step 1 left, ZB-H1's then 1F1B's: the proof's branch and
-    # bound with the cutoff; then the tp-pp-dp rank order: the ZB-H1 and 1F1B
-    # choices' proofs again, their plans placed pipeline by pipeline
-    # (interleaved plans and plans mixing GPU types keep the default order)
+    # 3. the choices step 1 left: the proof with the cutoff; then the tp-pp-dp
+    # order's proofs (not interleaved plans nor plans mixing GPU types)
     sequence = [
         (i, c, "zero-bubble" if c.options.zero_bubble else "proof", RANK_ORDERS[0])
         for i, c in pending
     ]
-    if RANK_ORDERS[1] in space.rank_orders:
-        placed = [(c, "zero-bubble") for c in zero] + [(c, "proof") for c in one_f]
+    if RANK_ORDERS[1] in space.rank_orders:  # (no plan fits: in no order)
+        fits = [c for c in zero + one_f if c.options not in infeasible]
+        placed = [
+            (c, "zero-bubble" if c.options.zero_bubble else "proof") for c in fits
+        ]
         sequence += [
             (i, c, how, RANK_ORDERS[1])
             for i, (c, how) in enumerate(placed, 4 * len(knobs))
@@ -476,6 +475,64 @@ def search_knobs(
         options=_normalized(result.options, result),
     )
     return KnobPlan(result, choice, space, tuple(outcomes))
+
+
+def _first_order(
+    one_f: list[CostChoice],
+    zero: list[CostChoice],
+    pool: Mapping[str, int],
+    global_batch: int,
+    config: MegatronSearchConfig,
+    could_fit: Callable[[CostChoice], bool],
+) -> tuple[list[tuple[int, CostChoice]], list[KnobOutcome]]:
+    """Step 1's order with both 1F1B and ZB-H1 (``one_f[k]`` and ``zero[k]``
+    share their other knobs): per knob values in turn, the planning DP alone
+    (no proof) of the ZB-H1 choice, after ``could_fit`` (the quick test);
+    where they find no plan, that choice is settled (its full search would
+    end there); else the DP of the 1F1B choice
+    too, and the schedule of the faster plan is searched first (the later
+    proofs are the quicker, the sooner the best plan is known). Returns the
+    choices left in order (index, choice) and the settled ones."""
+    probe = dataclasses.replace(config, certify=False)
+    settled: list[KnobOutcome] = []
+
+    def fastest(choice: CostChoice) -> float:
+        if not could_fit(choice):
+            raise InfeasibleProblemError("no chain of stages fits")
+        found = search_megatron(
+            choice.data,
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            FITTED_CONSTANTS,
+            probe,
+        )
+        fits = found.prediction.fits_memory
+        return found.prediction.iteration_time_s if fits else math.inf
+
+    n = len(one_f)
+    for k in range(n):
+        tick = time.perf_counter()
+        try:
+            zero_s = fastest(zero[k])
+        except InfeasibleProblemError:
+            settled.append(_infeasible(zero[k], time.perf_counter() - tick))
+            continue
+        try:
+            one_s = fastest(one_f[k])
+        except InfeasibleProblemError:
+            one_s = math.inf
+        pair = [(2 * n + k, zero[k]), (k, one_f[k])]
+        if one_s < zero_s:
+            pair.reverse()
+        rest = [(2 * n + i, zero[i]) for i in range(k + 1, n)]
+        return pair + rest + [(i, one_f[i]) for i in range(n) if i != k], settled
+    return list(enumerate(one_f)), settled
+
+
+def _infeasible(choice: CostChoice, seconds: float) -> KnobOutcome:
+    """A choice with no plan that fits (proven)."""
+    return KnobOutcome(choice.options, "infeasible", math.nan, math.inf, True, seconds)
 
 
 @dataclasses.dataclass

@@ -331,10 +331,8 @@ def _memory(
     """The problem's ``max_n_succ_stages`` for these degrees and GPUs."""
     memory = tables.max_n_succ_stages[:, :, [tables.tps.index(t) for t in tps]]
     if zero_bubble:
-        # ZB-H1 holds min(P, B) micro-batches on every stage, wherever it
-        # sits: a stage is usable only if it holds that many at the fewest
-        # stages these GPUs take (exact with one degree; the 1F1B rule then
-        # asks no more).
+        # ZB-H1 holds min(P, B) on every stage: at the fewest stages these
+        # GPUs take (exact with one degree; 1F1B's rule then asks no more)
         fewest = -(-gpus // max(tps))
         least = zero_bubble_in_flight(fewest, tables.num_microbatches)
         memory = np.where(memory >= least - 1, memory, -1)
@@ -359,23 +357,22 @@ def _problem(
     )
 
 
-def _chains_fit(memory: np.ndarray, stages: int) -> bool:
-    """Whether some chain of exactly ``stages`` stages covers every layer with
-    each stage's ``memory[start, end]`` (most stages that may follow it,
-    ``end`` inclusive) at least the stages after it: the memory rule of the
-    planning problem alone, decided by reachability (``O(stages L^2)``), so
-    that a configuration with no plan that fits skips the DP's passes."""
+def _stage_counts(memory: np.ndarray, most: int) -> NDArray[np.bool_]:
+    """``fits[k]``, ``k <= most``: a chain of exactly ``k`` stages covers every
+    layer, each stage's ``memory[start, end]`` (``end`` inclusive) at least
+    the stages after it: the problem's memory rule alone, by reachability."""
     num_layers = memory.shape[0]
     spans = np.triu(np.ones((num_layers, num_layers), dtype=bool))  # i <= j
+    fits = np.zeros(most + 1, dtype=bool)
     reach = np.zeros(num_layers + 1, dtype=bool)
     reach[num_layers] = True  # no layer left, no stage
-    for after in range(stages):
+    for after in range(most):
         # a stage i..j followed by `after` stages that cover j + 1..
-        step = (spans & (memory >= after) & reach[None, 1:]).any(axis=1)
-        reach = np.append(step, False)
+        reach = np.append((spans & (memory >= after) & reach[None, 1:]).any(1), False)
+        fits[after + 1] = reach[0]
         if not reach.any():
-            return False
-    return bool(reach[0])
+            break
+    return fits
 
 
 def _solve_diff(problem: Problem, seed: int) -> tuple[float, list, float]:
@@ -454,6 +451,7 @@ def search_megatron(
     total = len(configs)
     heapq.heapify(configs)
     tables: dict[tuple, StageTables] = {}
+    counts: dict[tuple, NDArray[np.bool_]] = {}  # _stage_counts per rule
     found: list[tuple[float, _Config, list]] = []
     best = math.inf
     lower = math.inf  # least bound of what the search did not solve exactly
@@ -485,11 +483,17 @@ def search_megatron(
                 pipeline_gpus=item.gpus if one_node else None,
             )
         zero_bubble = bool(data.options.zero_bubble)
+        if len(item.tps) == 1 and item.gpus % item.tps[0] == 0:
+            stages = item.gpus // item.tps[0]
+            steps = tables[key].num_microbatches  # ZB-H1's rule reads min(P, B)
+            rule = (key, item.tps, min(stages, steps) if zero_bubble else 0)
+            if rule not in counts:  # every stage count at once
+                memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
+                counts[rule] = _stage_counts(memory[:, :, 0, 0], len(memory))
+            if stages >= len(counts[rule]) or not counts[rule][stages]:
+                solved += 1
+                continue  # what the DP would find, without its passes
         memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
-        one = len(item.tps) == 1 and item.gpus % item.tps[0] == 0
-        if one and not _chains_fit(memory[:, :, 0, 0], item.gpus // item.tps[0]):
-            solved += 1
-            continue  # what the DP would find, without its passes
         try:
             problem = _problem(tables[key], item.tps, item.gpus, memory)
         except ProblemError:  # the TP degrees cannot add up to these GPUs
