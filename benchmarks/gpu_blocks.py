@@ -756,29 +756,32 @@ def choose_attention(config: BlockConfig, state: dict[str, Any]) -> dict[str, st
 
 
 # ----------------------------------------------------------------- measuring
+
+
+def calibrate_sleep() -> float | None:
+    """Cycles per millisecond of ``torch.cuda._sleep`` (``None``: no sleep)."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return None
+    cycles = 20_000_000
+    best = math.inf
+    for _ in range(3):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return cycles / best if best > 0 else None
+
+
 class Timer:
     """Forward and backward times of one step: CUDA events on a GPU (after a
     queued sleep), ``perf_counter`` on the CPU; CPU enqueue time beside."""
 
     def __init__(self, device: str):
         self.device = device
-        self.cycles_per_ms = self._calibrate_sleep() if device == "cuda" else None
-
-    @staticmethod
-    def _calibrate_sleep() -> float | None:
-        if not hasattr(torch.cuda, "_sleep"):
-            return None
-        cycles = 20_000_000
-        best = math.inf
-        for _ in range(3):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            torch.cuda.synchronize()
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end))
-        return cycles / best if best > 0 else None
+        self.cycles_per_ms = calibrate_sleep() if device == "cuda" else None
 
     def step(
         self,

@@ -71,7 +71,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import math
 import os
 import platform
 import statistics
@@ -89,7 +88,12 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_blocks import environment, sheet_name_for, write_json  # noqa: E402
+from gpu_blocks import (  # noqa: E402
+    calibrate_sleep,
+    environment,
+    sheet_name_for,
+    write_json,
+)
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry  # noqa: E402
 from pipedejavu.core.transformer import TransformerSpec  # noqa: E402
@@ -309,22 +313,6 @@ def estimate_seconds(
 
 
 # --------------------------------------------------------------- measuring
-def _calibrate_sleep() -> float | None:
-    """Cycles per millisecond of ``torch.cuda._sleep`` (``None``: no sleep)."""
-    if not hasattr(torch.cuda, "_sleep"):
-        return None
-    cycles, best = 20_000_000, math.inf
-    for _ in range(3):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        torch.cuda.synchronize()
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return cycles / best if best > 0 else None
-
-
 def time_calls(
     call_fn: Callable[[], Any],
     device: str,
@@ -802,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(limit {args.max_seconds:.0f} s)",
         flush=True,
     )
-    cycles_per_ms = _calibrate_sleep() if device == "cuda" else None
+    cycles_per_ms = calibrate_sleep() if device == "cuda" else None
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(env),
