@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipedejavu.simulation.interleaved import Op, run_interleaved, simulate_interleaved
+from pipedejavu.simulation.interleaved import Op, simulate_interleaved
 from pipedejavu.simulation.zero_bubble import (
-    run_one_chunk,
     simulate_zero_bubble,
     zero_bubble_in_flight,
     zero_bubble_order,
@@ -140,28 +139,3 @@ def test_in_flight_count_is_the_orders_peak_on_every_rank():
                     held += 1 if not op.backward else -1 if op.weight else 0
                     peak = max(peak, held)
                 assert peak == zero_bubble_in_flight(ranks, count)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    ranks=st.integers(1, 6),
-    count=st.integers(1, 12),
-    data=st.data(),
-)
-def test_one_chunk_loop_is_the_interleaved_event_loop(ranks, count, data):
-    # run_one_chunk (what the predictor runs) against the general event loop
-    # on the same ZB-H1 orders: the same end times, exactly (links with and
-    # without transfers, ties included: times on a coarse grid).
-    def seconds(n, low):
-        values = st.integers(low, 4).map(lambda x: x / 2)
-        return data.draw(st.lists(values, min_size=n, max_size=n))
-
-    f, b, w = seconds(ranks, 1), seconds(ranks, 1), seconds(ranks, 0)
-    links = seconds(ranks - 1, 0) + [0.0]
-    orders = [zero_bubble_order(r, ranks, count) for r in range(ranks)]
-    column = [[x] for x in f], [[x] for x in b], [[x] for x in w]
-    grids = run_interleaved(column[0], column[1], links, orders, count, column[2])
-    expected = [[row[0] for row in grids[k]] for k in (1, 3, 9)]
-    got = run_one_chunk(f, b, w, links, count)
-    for one, other in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(np.array(one), np.array(other))

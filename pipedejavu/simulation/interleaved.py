@@ -195,6 +195,7 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
     f_ready[0][0] = [0.0] * count
     b_ready[last_rank][last_chunk] = [0.0] * count
     pointer = [0] * num_ranks
+    lengths = [len(order) for order in orders]
     free = [0.0] * num_ranks
     idle = [True] * num_ranks
     link_free = [0.0] * num_ranks
@@ -203,30 +204,30 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
 
     def try_start(r):
         nonlocal counter
-        if not idle[r] or pointer[r] == len(orders[r]):
+        if not idle[r] or pointer[r] == lengths[r]:
             return
-        op = orders[r][pointer[r]]
-        if op.weight:
+        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
+        if is_weight:
             ready = free[r]  # its B ran earlier on this rank
         else:
-            ready = (b_ready if op.backward else f_ready)[r][op.chunk][op.microbatch]
-        if ready is None:
-            return
+            ready = (b_ready if is_backward else f_ready)[r][chunk][microbatch]
+            if ready is None:
+                return
         start = ready if ready > free[r] else free[r]
-        if op.weight:
-            w_start[r][op.chunk][op.microbatch] = start
-            end = start + weight[r][op.chunk]
-        elif op.backward:
-            b_start[r][op.chunk][op.microbatch] = start
-            end = start + backward[r][op.chunk]
+        if is_weight:
+            w_start[r][chunk][microbatch] = start
+            end = start + weight[r][chunk]
+        elif is_backward:
+            b_start[r][chunk][microbatch] = start
+            end = start + backward[r][chunk]
         else:
-            f_start[r][op.chunk][op.microbatch] = start
-            end = start + forward[r][op.chunk]
+            f_start[r][chunk][microbatch] = start
+            end = start + forward[r][chunk]
         idle[r] = False
         counter += 1
         # At equal end times backwards pop first, so a gradient claims a link
         # before an activation requested at the same instant.
-        heapq.heappush(heap, (end, not op.backward, counter, r))
+        heapq.heappush(heap, (end, not is_backward, counter, r))
 
     def send(link, now):
         if transfer[link] <= 0:
@@ -239,21 +240,21 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
         try_start(r)
     while heap:
         now, _, _, r = heapq.heappop(heap)
-        op = orders[r][pointer[r]]
-        chunk, microbatch = op.chunk, op.microbatch
+        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
         pointer[r] += 1
         free[r] = now
         idle[r] = True
-        if op.weight:
+        if is_weight:
             w_end[r][chunk][microbatch] = now
-        elif not op.backward:
+        elif not is_backward:
             f_end[r][chunk][microbatch] = now
             target = (r + 1, chunk) if r < last_rank else (0, chunk + 1)
             if target[1] <= last_chunk:
                 arrival, start, end = send(r, now)
                 a_start[r][chunk][microbatch], a_end[r][chunk][microbatch] = start, end
                 f_ready[target[0]][target[1]][microbatch] = arrival
-                try_start(target[0])
+                if idle[target[0]]:  # (a busy rank starts nothing)
+                    try_start(target[0])
         else:
             b_end[r][chunk][microbatch] = now
             target = (r - 1, chunk) if r > 0 else (last_rank, chunk - 1)
@@ -261,9 +262,10 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
                 arrival, start, end = send(target[0], now)
                 g_start[r][chunk][microbatch], g_end[r][chunk][microbatch] = start, end
                 b_ready[target[0]][target[1]][microbatch] = arrival
-                try_start(target[0])
+                if idle[target[0]]:
+                    try_start(target[0])
         try_start(r)
-    if any(k != len(order) for k, order in zip(pointer, orders, strict=True)):
+    if pointer != lengths:
         raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover
     return (
         f_start,

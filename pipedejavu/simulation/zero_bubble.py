@@ -15,10 +15,9 @@ paper's ZB-1p) with one stage per rank, which torchtitan launches as
   passes pending, which the cool-down then fills in);
 * then the remaining ``B`` passes with the same rule, then the remaining ``W``.
 
-The events are those of :func:`pipedejavu.simulation.interleaved.run_interleaved`
-(links, buffered sends and first-come-first-served as there), run by
-:func:`run_one_chunk`, its one-chunk copy without the grids this schedule does
-not read; a ``W`` runs on its rank after its ``B`` and sends nothing.
+The event loop is :func:`pipedejavu.simulation.interleaved.run_interleaved`
+(links, buffered sends and first-come-first-served as there); a ``W`` runs on
+its rank after its ``B`` and sends nothing.
 
 **Closed form** (``tests/test_zero_bubble.py``): equal stages ``f``, ``b``,
 ``w`` with ``w <= f`` and ``w <= b <= w + f`` (the paper's ``F = B = W`` among
@@ -40,17 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
-import math
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from pipedejavu.simulation.interleaved import Op, checked_array
+from pipedejavu.simulation.interleaved import Op, checked_array, run_interleaved
 
 __all__ = [
     "ZeroBubbleResult",
-    "run_one_chunk",
     "simulate_zero_bubble",
     "zero_bubble_in_flight",
     "zero_bubble_order",
@@ -123,101 +119,6 @@ def _peak(rank: int, num_ranks: int, num_microbatches: int) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=4096)
-def _codes(rank: int, num_ranks: int, num_microbatches: int) -> tuple[tuple, tuple]:
-    """The rank's order as ``(kinds, micro-batches)``: 0 ``F``, 1 ``B``, 2
-    ``W``."""
-    order = _order(rank, num_ranks, num_microbatches)
-    kinds = tuple(2 if op.weight else int(op.backward) for op in order)
-    return kinds, tuple(op.microbatch for op in order)
-
-
-def run_one_chunk(
-    forward: list[float],
-    input_grad: list[float],
-    weight_grad: list[float],
-    links: list[float],
-    num_microbatches: int,
-) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
-    """:func:`~pipedejavu.simulation.interleaved.run_interleaved` on the
-    ZB-H1 orders with one chunk per rank, event for event (the same commands,
-    links, ties and heap order; ``tests/test_zero_bubble.py`` compares the two),
-    without the grids this schedule does not read: ``(F, B, W)`` end times,
-    ``[P][M]`` each. ``links[l]``: seconds per transfer over the link after
-    rank ``l`` (the last entry unused)."""
-    ranks, count = len(forward), num_microbatches
-    last = ranks - 1
-    codes = [_codes(r, ranks, count) for r in range(ranks)]
-    durations = [(forward[r], input_grad[r], weight_grad[r]) for r in range(ranks)]
-    f_end = [[0.0] * count for _ in range(ranks)]
-    b_end = [[0.0] * count for _ in range(ranks)]
-    w_end = [[math.nan] * count for _ in range(ranks)]
-    f_ready: list[list[float | None]] = [[None] * count for _ in range(ranks)]
-    b_ready: list[list[float | None]] = [[None] * count for _ in range(ranks)]
-    f_ready[0] = [0.0] * count
-    b_ready[last] = [0.0] * count
-    pointer = [0] * ranks
-    lengths = [len(kinds) for kinds, _ in codes]
-    free = [0.0] * ranks
-    idle = [True] * ranks
-    link_free = [0.0] * ranks
-    heap: list[tuple[float, bool, int, int]] = []
-    counter = 0
-
-    def try_start(r: int) -> None:
-        nonlocal counter
-        k = pointer[r]
-        if not idle[r] or k == lengths[r]:
-            return
-        kind = codes[r][0][k]
-        if kind == 2:
-            ready = free[r]
-        else:
-            ready = (b_ready if kind else f_ready)[r][codes[r][1][k]]
-            if ready is None:
-                return
-        start = ready if ready > free[r] else free[r]
-        idle[r] = False
-        counter += 1
-        heapq.heappush(heap, (start + durations[r][kind], kind == 0, counter, r))
-
-    def send(link: int, now: float) -> float:
-        seconds = links[link]
-        if seconds <= 0:
-            return now
-        start = now if now > link_free[link] else link_free[link]
-        link_free[link] = start + seconds
-        return link_free[link]
-
-    for r in range(ranks):
-        try_start(r)
-    while heap:
-        now, _, _, r = heapq.heappop(heap)
-        k = pointer[r]
-        kind, microbatch = codes[r][0][k], codes[r][1][k]
-        pointer[r] = k + 1
-        free[r] = now
-        idle[r] = True
-        if kind == 2:
-            w_end[r][microbatch] = now
-        elif kind == 0:
-            f_end[r][microbatch] = now
-            if r < last:
-                f_ready[r + 1][microbatch] = send(r, now)
-                if idle[r + 1]:  # (a busy rank starts nothing)
-                    try_start(r + 1)
-        else:
-            b_end[r][microbatch] = now
-            if r > 0:
-                b_ready[r - 1][microbatch] = send(r - 1, now)
-                if idle[r - 1]:
-                    try_start(r - 1)
-        try_start(r)
-    if pointer != lengths:
-        raise RuntimeError("the ZB-H1 schedule deadlocked")  # pragma: no cover
-    return f_end, b_end, w_end
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ZeroBubbleResult:
     """The timed ZB-H1 schedule of one iteration.
@@ -285,8 +186,16 @@ def simulate_zero_bubble(
     links = np.zeros(ranks)
     if transfer is not None:
         links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
-    ends = run_one_chunk(f.tolist(), b.tolist(), w.tolist(), links.tolist(), count)
-    f_end, b_end, w_end = (np.array(grid) for grid in ends)
+    orders = [_order(r, ranks, count) for r in range(ranks)]
+    grids = run_interleaved(
+        f[:, None].tolist(),
+        b[:, None].tolist(),
+        links.tolist(),
+        orders,
+        count,
+        weight=w[:, None].tolist(),
+    )
+    f_end, b_end, w_end = (np.array(grids[k])[:, 0, :] for k in (1, 3, 9))
     iteration = float(max(f_end.max(), b_end.max(), w_end.max()))
     peak = np.array([_peak(r, ranks, count) for r in range(ranks)], dtype=np.int64)
     memory = None
