@@ -275,12 +275,15 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
-    # 1. the first choice that has a plan: the full search, on the schedule
-    # whose planning DP predicts faster when the space has 1F1B and ZB-H1
+    # 1. the first choice with a plan: the full search (order: _first_order)
     pending = list(enumerate(one_f)) + list(enumerate(zero, 2 * len(knobs)))
 
+    fitting: dict[int, bool] = {}  # asked of a choice once (step 1, its probe)
+
     def could_fit(choice: CostChoice) -> bool:
-        return not one_type or any_plan_fits(
+        if id(choice) in fitting:
+            return fitting[id(choice)]
+        fitting[id(choice)] = not one_type or any_plan_fits(
             choice.data,
             choice.model,
             choice.pool(pool),
@@ -292,13 +295,13 @@ def search_knobs(
             max_stages=config.max_stages,
             cache=shared,
         )
+        return fitting[id(choice)]
 
     if one_f and zero:
         pending, settled = _first_order(
             one_f, zero, pool, global_batch, config, could_fit
         )
         outcomes += settled
-    infeasible = [o.options for o in outcomes]
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
@@ -307,9 +310,7 @@ def search_knobs(
                 raise InfeasibleProblemError("no chain of stages fits")
             result = search(choice, index)
         except InfeasibleProblemError:
-            seconds = time.perf_counter() - tick
-            outcomes.append(_infeasible(choice, seconds))
-            infeasible.append(choice.options)
+            outcomes.append(_infeasible(choice, time.perf_counter() - tick))
             continue
         state.take((result, choice), searched=True)
         state.lower = min(state.lower, result.predicted_lower_bound_s)
@@ -374,6 +375,7 @@ def search_knobs(
         for i, c in pending
     ]
     if RANK_ORDERS[1] in space.rank_orders:  # (no plan fits: in no order)
+        infeasible = [o.options for o in outcomes if o.how == "infeasible"]
         fits = [c for c in zero + one_f if c.options not in infeasible]
         placed = [
             (c, "zero-bubble" if c.options.zero_bubble else "proof") for c in fits
@@ -387,11 +389,7 @@ def search_knobs(
         if state.best is None:
             # Every choice was searched and none fits; in another order the
             # same plans hold as much.
-            outcomes.append(
-                KnobOutcome(
-                    choice.options, "infeasible", math.nan, math.inf, True, 0.0, order
-                )
-            )
+            outcomes.append(_infeasible(choice, 0.0, order))
             continue
         certificate = certify_predicted(
             choice.data,
@@ -489,10 +487,10 @@ def _first_order(
     share their other knobs): per knob values in turn, the planning DP alone
     (no proof) of the ZB-H1 choice, after ``could_fit`` (the quick test);
     where they find no plan, that choice is settled (its full search would
-    end there); else the DP of the 1F1B choice
-    too, and the schedule of the faster plan is searched first (the later
-    proofs are the quicker, the sooner the best plan is known). Returns the
-    choices left in order (index, choice) and the settled ones."""
+    end there); else the DP of the 1F1B choice too, and the schedule of the
+    faster plan is searched first (the later proofs are the quicker, the
+    sooner the best plan is known). Returns the choices left in order
+    (index, choice) and the settled ones."""
     probe = dataclasses.replace(config, certify=False)
     settled: list[KnobOutcome] = []
 
@@ -530,9 +528,12 @@ def _first_order(
     return list(enumerate(one_f)), settled
 
 
-def _infeasible(choice: CostChoice, seconds: float) -> KnobOutcome:
-    """A choice with no plan that fits (proven)."""
-    return KnobOutcome(choice.options, "infeasible", math.nan, math.inf, True, seconds)
+def _infeasible(
+    choice: CostChoice, seconds: float, order: str = RANK_ORDERS[0]
+) -> KnobOutcome:
+    """A choice with no plan that fits in ``order`` (proven)."""
+    options = choice.options
+    return KnobOutcome(options, "infeasible", math.nan, math.inf, True, seconds, order)
 
 
 @dataclasses.dataclass

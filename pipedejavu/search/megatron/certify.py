@@ -78,6 +78,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
@@ -101,7 +102,13 @@ from pipedejavu.search.megatron.mixed import (
 from pipedejavu.search.megatron.space import ConfigGroup, config_groups, mixes
 from pipedejavu.search.megatron.transfers import BoundCache, send_rows
 
-__all__ = ["PredictedCertificate", "any_plan_fits", "certify_predicted", "least_work"]
+__all__ = [
+    "PredictedCertificate",
+    "any_plan_fits",
+    "certify_predicted",
+    "group_bounds",
+    "least_work",
+]
 
 
 def least_work(
@@ -152,15 +159,30 @@ def any_plan_fits(
         max_stages=max_stages,
     )
     for group in groups:
-        bounds = StageBounds(
-            group,
-            stage_bounds(data, model, constants, group, cache),
-            constants.op_overhead_s,
-        )
-        g = bounds.bottleneck(max(group.sizes))
+        _, g = group_bounds(data, model, constants, group, cache)
         if np.isfinite(g[list(group.sizes), 0]).any():
             return True
     return False
+
+
+def group_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: ConfigGroup,
+    cache: BoundCache | None = None,
+    rank_order: str = RANK_ORDERS[0],
+) -> tuple[StageBounds, NDArray[np.float64]]:
+    """A group's stage bounds and their bottleneck ``g[u, p]``
+    (:meth:`~pipedejavu.search.megatron.bounds.StageBounds.bottleneck`), on
+    up to its largest pipeline: what the proof and :func:`any_plan_fits` read
+    of a configuration."""
+    bounds = StageBounds(
+        group,
+        stage_bounds(data, model, constants, group, cache, rank_order),
+        constants.op_overhead_s,
+    )
+    return bounds, bounds.bottleneck(max(group.sizes))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,12 +331,7 @@ def certify_predicted(
         early += len(group.sizes) - len(sizes)
         if not sizes:
             continue
-        bounds = StageBounds(
-            group,
-            stage_bounds(data, model, constants, group, cache, rank_order),
-            constants.op_overhead_s,
-        )
-        g = bounds.bottleneck(max(group.sizes))
+        bounds, g = group_bounds(data, model, constants, group, cache, rank_order)
         for size in sizes:
             value = float(g[size, 0])
             if math.isfinite(value):

@@ -234,8 +234,7 @@ def candidate_floor(
         held = stage_params(info, replicas[0].tp, stage.start, stage.stop)
         state = model_state_bytes(info, held, largest, plan.dp)
         step = 0.0
-        for replica in {(r.gpu_type, r.tp) for r in replicas}:
-            gpu, tp = replica
+        for gpu, tp in {(r.gpu_type, r.tp) for r in replicas}:
             update = data.layer_times(
                 model, gpu, plan.mbs, tp, smooth=constants.smooth_profiles
             ).update

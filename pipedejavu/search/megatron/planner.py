@@ -452,6 +452,7 @@ def search_megatron(
     heapq.heapify(configs)
     tables: dict[tuple, StageTables] = {}
     counts: dict[tuple, NDArray[np.bool_]] = {}  # _stage_counts per rule
+    zero_bubble = bool(data.options.zero_bubble)
     found: list[tuple[float, _Config, list]] = []
     best = math.inf
     lower = math.inf  # least bound of what the search did not solve exactly
@@ -482,7 +483,7 @@ def search_megatron(
                 zone=DEFAULT_ZONE,
                 pipeline_gpus=item.gpus if one_node else None,
             )
-        zero_bubble = bool(data.options.zero_bubble)
+        memory = None
         if len(item.tps) == 1 and item.gpus % item.tps[0] == 0:
             stages = item.gpus // item.tps[0]
             steps = tables[key].num_microbatches  # ZB-H1's rule reads min(P, B)
@@ -493,7 +494,8 @@ def search_megatron(
             if stages >= len(counts[rule]) or not counts[rule][stages]:
                 solved += 1
                 continue  # what the DP would find, without its passes
-        memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
+        if memory is None:
+            memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
         try:
             problem = _problem(tables[key], item.tps, item.gpus, memory)
         except ProblemError:  # the TP degrees cannot add up to these GPUs
@@ -537,8 +539,7 @@ def search_megatron(
         )
         prediction = predict_plan(plan, data, constants=constants)
         candidates.append((plan, value, prediction))
-    # the fastest predicted plan that fits (under ZB-H1 with several TP
-    # degrees the tables' memory rule is a relaxation)
+    # the fastest that fits (ZB-H1's tables relax memory with several degrees)
     chosen = min(
         candidates, key=lambda c: (not c[2].fits_memory, c[2].iteration_time_s, c[1])
     )
