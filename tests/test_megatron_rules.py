@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
 from pipedejavu.core.plan3d import Plan3D
@@ -57,13 +58,7 @@ def _proof_bound(plan: Plan3D, constants: PredictorConstants) -> float:
     bounds = StageBounds(
         group, stage_bounds(DATA, MODEL, constants, group), constants.op_overhead_s
     )
-    left = sum(stage.replicas[0].tp for stage in plan.stages)
-    largest = -math.inf
-    for stage in plan.stages:
-        tp = stage.replicas[0].tp
-        largest = max(largest, float(bounds.weights(tp, left)[stage.start, stage.stop]))
-        left -= tp
-    return largest
+    return largest_stage_bound(bounds, plan)
 
 
 def _just_too_tight(name: str, prediction: Prediction) -> PredictorConstants:
