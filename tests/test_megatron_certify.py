@@ -301,3 +301,44 @@ def test_placed_mixed_bounds_are_below_every_prediction():
         ratios.append(largest / time_s)
     # 304 plans checked; ratio bound / predicted: median 0.82, largest 0.9994
     assert checked >= 200 and np.median(ratios) > 0.75 and max(ratios) > 0.99
+
+
+def test_memory_counts_match_the_bounds_they_skip():
+    """The proof skips a pipeline size whose chains all fail the memory rule
+    (``memory_counts``) before building any table: on every one-degree group
+    of these spaces (profiled and analytical, 1F1B and ZB-H1) it is False
+    exactly where the group's bottleneck bound is infinite."""
+    from pipedejavu.planning.any_model import choose_cost_source
+    from pipedejavu.search.megatron.bounds import memory_counts
+    from pipedejavu.search.megatron.certify import group_bounds
+
+    llama = choose_cost_source("Llama-3-8B", {"A100-40": 16}, seq_length=4096)
+    zero = choose_cost_source(
+        "Llama-3-8B",
+        {"A100-40": 16},
+        seq_length=4096,
+        options=dataclasses.replace(llama.options, zero_bubble=True),
+    )
+    spaces = [(DATA, model, dict(pool), gbs) for model, pool, gbs, _ in SMALL]
+    spaces += [(c.data, c.model, c.pool({"A100-40": 16}), 64) for c in (llama, zero)]
+    seen = {True: 0, False: 0}
+    for data, model, pool, gbs in spaces:
+        groups = config_groups(
+            data,
+            model,
+            pool,
+            gbs,
+            uniform_tp=True,
+            allow_fewer_gpus=True,
+            mbs_values=None,
+            max_stages=None,
+        )
+        for group in groups:
+            counts = memory_counts(data, model, C, group)
+            _, g = group_bounds(data, model, C, group)
+            (t,) = group.tps
+            for size in group.sizes:
+                fits = size // t < len(counts) and bool(counts[size // t])
+                assert fits == bool(np.isfinite(g[size, 0])), (group, size)
+                seen[fits] += 1
+    assert min(seen.values()) > 20  # both answers were exercised

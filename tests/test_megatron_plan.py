@@ -270,7 +270,7 @@ def test_the_memory_reachability_test_agrees_with_enumeration():
     # memory >= n); every partition of the layers, enumerated, agrees.
     import itertools
 
-    from pipedejavu.search.megatron.planner import _stage_counts
+    from pipedejavu.search.megatron.space import chain_counts
 
     rng = np.random.default_rng(0)
     found = {True: 0, False: 0}
@@ -285,6 +285,6 @@ def test_the_memory_reachability_test_agrees_with_enumeration():
             for cuts in itertools.combinations(range(1, layers), stages - 1)
             for edges in [(0, *cuts, layers)]
         )
-        assert _stage_counts(memory, 7)[stages] == fits
+        assert chain_counts(memory, 7)[stages] == fits
         found[fits] += 1
     assert min(found.values()) > 100  # both answers were exercised

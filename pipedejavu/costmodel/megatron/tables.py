@@ -82,6 +82,7 @@ __all__ = [
     "plan_from_mixed_stages",
     "plan_from_stages",
     "span_allreduce",
+    "span_largest_bucket",
     "usable_degrees",
 ]
 
@@ -227,24 +228,49 @@ def span_allreduce(
     parameters), and its largest bucket (elements): DeepSpeed's buckets, whole
     layers added until a bucket holds more than ``BUCKET_ELEMENTS``
     (:func:`~pipedejavu.costmodel.megatron.rules.add_to_bucket`)."""
-    params = info.params[tp]
-    num_layers = len(params)
-    if float(params.sum()) <= BUCKET_ELEMENTS:  # one bucket per stage
+    buckets = _span_buckets(info, tp, starts, ends)
+    if buckets is None:  # one bucket per stage
         return ring_allreduce_times(hops, dp, held * info.gradient_bytes), held
-    # the last layer of the span of every layer holds the tied embedding once
-    whole_last = float(held_params(info, tp, 0, num_layers, float(params[-1])))
-    open_size, largest, closed_sizes, closed_span = _buckets(
-        np.asarray(params, dtype=np.float64).tobytes(),
-        whole_last,
-        np.asarray(starts, dtype=np.int64).tobytes(),
-        np.asarray(ends, dtype=np.int64).tobytes(),
-    )
+    open_size, largest, closed_sizes, closed_span = buckets
     largest = largest.copy()
     allreduce = ring_allreduce_times(hops, dp, open_size * info.gradient_bytes)
     if len(closed_sizes):
         closed = ring_allreduce_times(hops, dp, closed_sizes * info.gradient_bytes)
         np.add.at(allreduce, closed_span, closed)
     return allreduce, largest
+
+
+def span_largest_bucket(
+    info: ModelInfo,
+    tp: int,
+    held: NDArray[np.float64],
+    starts: NDArray[np.int64],
+    ends: NDArray[np.int64],
+) -> NDArray[np.float64]:
+    """The largest bucket (elements) of each span's all-reduce
+    (:func:`span_allreduce`'s second value, which does not depend on the
+    ring)."""
+    buckets = _span_buckets(info, tp, starts, ends)
+    return held if buckets is None else buckets[1].copy()
+
+
+def _span_buckets(
+    info: ModelInfo, tp: int, starts: NDArray[np.int64], ends: NDArray[np.int64]
+) -> tuple[NDArray[np.float64], ...] | None:
+    """:func:`_buckets` of the spans (``None``: the whole model fits one
+    bucket, each span's is its parameters held)."""
+    params = info.params[tp]
+    num_layers = len(params)
+    if float(params.sum()) <= BUCKET_ELEMENTS:
+        return None
+    # the last layer of the span of every layer holds the tied embedding once
+    whole_last = float(held_params(info, tp, 0, num_layers, float(params[-1])))
+    return _buckets(
+        np.asarray(params, dtype=np.float64).tobytes(),
+        whole_last,
+        np.asarray(starts, dtype=np.int64).tobytes(),
+        np.asarray(ends, dtype=np.int64).tobytes(),
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,8 +39,9 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
     plan_from_stages,
     span_allreduce,
+    span_largest_bucket,
 )
-from pipedejavu.search.megatron.space import ConfigGroup
+from pipedejavu.search.megatron.space import ConfigGroup, chain_counts
 from pipedejavu.search.megatron.transfers import (
     BoundCache,
     Kind,
@@ -58,7 +59,9 @@ __all__ = [
     "StageTable",
     "chains",
     "kind_bounds",
+    "memory_counts",
     "single_plans",
+    "span_capacity",
     "stage_bounds",
 ]
 
@@ -199,19 +202,8 @@ def kind_bounds(
             )
         allreduce, largest = cache.allreduce[key]
         tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t, dp)
-        # How many micro-batches' stashes fit beside the model state.
-        received = np.where(
-            starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0
-        )
-        stash = stash_bytes(
-            info, span_sums(info.act_mem[t], starts, stops), received, mbs
-        )
-        fits = in_flight_capacity(
-            spec.memory_bytes,
-            model_state_bytes(info, held, largest, dp),
-            stash,
-            constants,
-            gpu,
+        fits = span_capacity(
+            data, model, constants, kind, mbs, dp, steps, (starts, stops), held, largest
         )
         # The gradient of the last micro-batch goes back over the boundary
         # before the stage after its last backward, which ends the stage's
@@ -226,7 +218,7 @@ def kind_bounds(
         if with_sends and not zero_bubble:  # the boundary after the stage
             least = np.min([links[(kind, other)] for other in kinds], axis=0)
             w = np.maximum(w, least[None, :])
-        cap[starts, stops] = np.minimum(fits, float(steps))
+        cap[starts, stops] = fits
         # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
         if zero_bubble:
             late[starts, stops] = -np.inf
@@ -237,6 +229,75 @@ def kind_bounds(
         fwd[starts, stops] = stage_f
         out[kind] = StageTable(w, cap, late, fwd)
     return out
+
+
+def span_capacity(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    kind: Kind,
+    mbs: int,
+    dp: int,
+    steps: int,
+    spans: tuple[NDArray[np.int64], NDArray[np.int64]],
+    held: NDArray[np.float64],
+    largest: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """How many micro-batches' stashes fit beside the model state of each span
+    ``starts[n]..stops[n] - 1`` (``spans``) of layers on a GPU of ``kind`` (at
+    most ``steps``; -1: not even the model state): the predictor's memory
+    rules (``held``: the span's parameters per GPU, ``largest``: its largest
+    bucket)."""
+    info = data.model_info(model)
+    gpu, t = kind
+    starts, stops = spans
+    received = np.where(starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0)
+    stash = stash_bytes(info, span_sums(info.act_mem[t], starts, stops), received, mbs)
+    fits = in_flight_capacity(
+        data.gpu_spec(gpu).memory_bytes,
+        model_state_bytes(info, held, largest, dp),
+        stash,
+        constants,
+        gpu,
+    )
+    return np.minimum(fits, float(steps))
+
+
+def memory_counts(
+    data: SailorData, model: str, constants: PredictorConstants, group: ConfigGroup
+) -> NDArray[np.bool_] | None:
+    """``fits[k]``: some chain of exactly ``k`` stages of a one-degree group
+    meets the proof's memory rule (:meth:`StageBounds.weights`: a stage with
+    ``n`` stages after it holds ``min(n + 1, B)`` micro-batches), read off the
+    stages' capacities alone: where it is ``False`` the group's bound on
+    ``k`` stages is infinite, with no transfer, all-reduce or time table
+    built. ``None`` with several TP degrees."""
+    if len(group.tps) != 1:
+        return None
+    (t,) = group.tps
+    info = data.model_info(model)
+    num_layers = info.num_layers
+    starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
+    stops = ends + 1
+    held = held_params(info, t, starts, stops, span_sums(info.params[t], starts, stops))
+    largest = span_largest_bucket(info, t, held, starts, ends)
+    cap = span_capacity(
+        data,
+        model,
+        constants,
+        (group.gpu, t),
+        group.mbs,
+        group.dp,
+        group.steps,
+        (starts, stops),
+        held,
+        largest,
+    )
+    most = max(group.sizes) // t
+    memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
+    # stages after it that a stage admits: any number once it holds all B
+    memory[starts, ends] = np.where(cap >= group.steps, most, cap - 1)
+    return chain_counts(memory, most)
 
 
 def least_allreduce(

@@ -41,7 +41,13 @@ its GPU is in no plan that fits.
 
 **Per configuration** (GPU type, mbs, dp, TP, GPUs: the search's space), the
 least ``max_s w`` over its chains of stages is a bottleneck path, solved exactly
-by a DP over (GPUs used, layers covered). A configuration whose least bound
+by a DP over (GPUs used, layers covered). Before any table is built, a
+configuration is dropped where ``B`` times its least work per GPU
+(:func:`least_work`) reaches the incumbent, or (one TP degree) where no chain
+of its stages meets the memory rule
+(:func:`~pipedejavu.search.megatron.bounds.memory_counts`: the stages'
+capacities alone, by reachability; its bound would be infinite). A
+configuration whose least bound
 reaches the incumbent's predicted time holds no better plan. The others are
 settled by enumerating their chains whose every stage has ``w`` below the
 incumbent (depth first, pruned by the DP's bound on the rest) and predicting
@@ -74,7 +80,7 @@ import functools
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +95,7 @@ from pipedejavu.search.megatron.bounds import (
     Incumbent,
     StageBounds,
     kind_bounds,
+    memory_counts,
     single_plans,
     stage_bounds,
 )
@@ -106,6 +113,7 @@ __all__ = [
     "PredictedCertificate",
     "any_plan_fits",
     "certify_predicted",
+    "fitting_sizes",
     "group_bounds",
     "least_work",
 ]
@@ -159,10 +167,30 @@ def any_plan_fits(
         max_stages=max_stages,
     )
     for group in groups:
-        _, g = group_bounds(data, model, constants, group, cache)
-        if np.isfinite(g[list(group.sizes), 0]).any():
-            return True
+        sizes = fitting_sizes(data, model, constants, group, group.sizes)
+        if sizes:
+            _, g = group_bounds(data, model, constants, group, cache)
+            if np.isfinite(g[sizes, 0]).any():
+                return True
     return False
+
+
+def fitting_sizes(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: ConfigGroup,
+    sizes: Sequence[int],
+) -> list[int]:
+    """The ``sizes`` (GPUs of a pipeline) of a group left after the memory
+    rule of its stage bounds alone
+    (:func:`~pipedejavu.search.megatron.bounds.memory_counts`; all of them
+    with several TP degrees): on the others the group's bound is infinite."""
+    counts = memory_counts(data, model, constants, group)
+    if counts is None:
+        return list(sizes)
+    (t,) = group.tps
+    return [n for n in sizes if n // t < len(counts) and counts[n // t]]
 
 
 def group_bounds(
@@ -329,6 +357,10 @@ def certify_predicted(
         work = least_work(data, model, constants, group)
         sizes = [n for n in group.sizes if group.steps * work / n < best]
         early += len(group.sizes) - len(sizes)
+        if not sizes:
+            continue
+        # a size whose chains cannot fit has an infinite bound: no item
+        sizes = fitting_sizes(data, model, constants, group, sizes)
         if not sizes:
             continue
         bounds, g = group_bounds(data, model, constants, group, cache, rank_order)

@@ -73,7 +73,7 @@ from pipedejavu.costmodel.megatron.tables import (
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
 from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.megatron.certify import certify_predicted
-from pipedejavu.search.megatron.space import config_groups
+from pipedejavu.search.megatron.space import chain_counts, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
@@ -357,24 +357,6 @@ def _problem(
     )
 
 
-def _stage_counts(memory: np.ndarray, most: int) -> NDArray[np.bool_]:
-    """``fits[k]``, ``k <= most``: a chain of exactly ``k`` stages covers every
-    layer, each stage's ``memory[start, end]`` (``end`` inclusive) at least
-    the stages after it: the problem's memory rule alone, by reachability."""
-    num_layers = memory.shape[0]
-    spans = np.triu(np.ones((num_layers, num_layers), dtype=bool))  # i <= j
-    fits = np.zeros(most + 1, dtype=bool)
-    reach = np.zeros(num_layers + 1, dtype=bool)
-    reach[num_layers] = True  # no layer left, no stage
-    for after in range(most):
-        # a stage i..j followed by `after` stages that cover j + 1..
-        reach = np.append((spans & (memory >= after) & reach[None, 1:]).any(1), False)
-        fits[after + 1] = reach[0]
-        if not reach.any():
-            break
-    return fits
-
-
 def _solve_diff(problem: Problem, seed: int) -> tuple[float, list, float]:
     """The engine on the tail-free problem; plus the tail of its plan.
 
@@ -451,7 +433,7 @@ def search_megatron(
     total = len(configs)
     heapq.heapify(configs)
     tables: dict[tuple, StageTables] = {}
-    counts: dict[tuple, NDArray[np.bool_]] = {}  # _stage_counts per rule
+    counts: dict[tuple, NDArray[np.bool_]] = {}  # chain_counts per rule
     zero_bubble = bool(data.options.zero_bubble)
     found: list[tuple[float, _Config, list]] = []
     best = math.inf
@@ -490,7 +472,7 @@ def search_megatron(
             rule = (key, item.tps, min(stages, steps) if zero_bubble else 0)
             if rule not in counts:  # every stage count at once
                 memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
-                counts[rule] = _stage_counts(memory[:, :, 0, 0], len(memory))
+                counts[rule] = chain_counts(memory[:, :, 0, 0], len(memory))
             if stages >= len(counts[rule]) or not counts[rule][stages]:
                 solved += 1
                 continue  # what the DP would find, without its passes

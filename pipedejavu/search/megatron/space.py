@@ -19,10 +19,20 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import numpy as np
+from numpy.typing import NDArray
+
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import usable_degrees
 
-__all__ = ["ConfigGroup", "Mix", "config_groups", "divisors", "mixes"]
+__all__ = [
+    "ConfigGroup",
+    "Mix",
+    "chain_counts",
+    "config_groups",
+    "divisors",
+    "mixes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,3 +161,22 @@ def mixes(
                 )
                 out.append(Mix(mbs, dp, gbs // (mbs * dp), tp, caps, most))
     return out
+
+
+def chain_counts(memory: NDArray[np.int64], most: int) -> NDArray[np.bool_]:
+    """``fits[k]``, ``k <= most``: a chain of exactly ``k`` stages covers every
+    layer, each stage's ``memory[start, end]`` (``end`` inclusive) at least
+    the stages after it: a memory rule alone, by reachability (every stage
+    count at once; the planner's and the proof's rules both read so)."""
+    num_layers = memory.shape[0]
+    spans = np.triu(np.ones((num_layers, num_layers), dtype=bool))  # i <= j
+    fits = np.zeros(most + 1, dtype=bool)
+    reach = np.zeros(num_layers + 1, dtype=bool)
+    reach[num_layers] = True  # no layer left, no stage
+    for after in range(most):
+        # a stage i..j followed by `after` stages that cover j + 1..
+        reach = np.append((spans & (memory >= after) & reach[None, 1:]).any(1), False)
+        fits[after + 1] = reach[0]
+        if not reach.any():
+            break
+    return fits
