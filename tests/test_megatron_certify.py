@@ -25,7 +25,8 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.search.megatron.certify import least_work
 from pipedejavu.search.megatron.mixed import PlacedMix
-from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.settings import MegatronSearchConfig
 from pipedejavu.search.megatron.space import Mix, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 from pipedejavu.simulation.simulate import simulate

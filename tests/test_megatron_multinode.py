@@ -22,7 +22,8 @@ from pipedejavu.costmodel.megatron.tables import (
 )
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.mixed import PlacedMix
-from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.settings import MegatronSearchConfig
 from pipedejavu.search.megatron.space import Mix, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 

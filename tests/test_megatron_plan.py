@@ -20,7 +20,8 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import compile_tables, plan_from_stages
 from pipedejavu.planning.training import parse_gpu_pool, plan_training
 from pipedejavu.search import exact_dp
-from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.settings import MegatronSearchConfig
 
 DATA = SailorData()
 
@@ -288,3 +289,23 @@ def test_the_memory_reachability_test_agrees_with_enumeration():
         assert chain_counts(memory, 7)[stages] == fits
         found[fits] += 1
     assert min(found.values()) > 100  # both answers were exercised
+
+
+def test_a_probe_result_is_proven_as_the_whole_search():
+    # The knob search keeps its probe's DP (certify off) and proves it:
+    # the same plan, objective, candidates and proof as one whole search.
+    pool, gbs = {"A100-40": 8}, 32
+    whole = search_megatron(DATA, "GPT-Neo-2.7", pool, gbs, C)
+    config = MegatronSearchConfig()
+    probe = search_megatron(
+        DATA, "GPT-Neo-2.7", pool, gbs, C, MegatronSearchConfig(certify=False)
+    )
+    assert probe.certificate is None and not probe.proven
+    proven = search_megatron(DATA, "GPT-Neo-2.7", pool, gbs, C, config, solved=probe)
+    assert proven.plan == whole.plan and proven.proven and whole.proven
+    assert proven.objective_s == whole.objective_s
+    assert proven.candidates == whole.candidates
+    assert proven.predicted_lower_bound_s == whole.predicted_lower_bound_s
+    assert proven.search_time_s >= probe.search_time_s
+    with pytest.raises(ProblemError, match="not yet proven"):
+        search_megatron(DATA, "GPT-Neo-2.7", pool, gbs, C, config, solved=proven)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 from pipedejavu.core.plan3d import RANK_ORDERS
@@ -229,3 +230,10 @@ class KnobOutcome:
             "proven": self.proven,
             "time_s": self.time_s,
         }
+
+    @classmethod
+    def infeasible(
+        cls, options: TrainingOptions, seconds: float, order: str = RANK_ORDERS[0]
+    ) -> KnobOutcome:
+        """A choice with no plan that fits in ``order`` (proven)."""
+        return cls(options, "infeasible", math.nan, math.inf, True, seconds, order)

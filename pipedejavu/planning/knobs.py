@@ -14,7 +14,9 @@ sequence parallelism and the distributed optimizer on before off):
    ZB-H1 in the space, the planning DP alone (no proof) of each schedule
    decides which is searched first: the faster plan's (the later proofs are
    the quicker, the sooner the best plan is known); a ZB-H1 choice whose DP
-   finds no plan is settled by it (:func:`_first_order`);
+   finds no plan is settled by it
+   (:func:`~pipedejavu.planning.knob_order.first_order`, whose DP the full
+   search then reuses);
 2. Megatron-LM's interleaved schedule for every choice
    (:func:`~pipedejavu.search.megatron.interleaved.search_interleaved`: a
    branch and bound on the predictor over its few equal-chunk plans) with the
@@ -65,6 +67,7 @@ from pipedejavu.core.training_options import (
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
+from pipedejavu.planning.knob_order import first_order
 from pipedejavu.planning.knob_space import KnobOutcome, KnobSpace
 from pipedejavu.planning.training import (
     TrainingPlan,
@@ -76,7 +79,7 @@ from pipedejavu.planning.training import (
 )
 from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
 from pipedejavu.search.megatron.interleaved import search_interleaved
-from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.settings import MegatronSearchResult
 from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
@@ -243,6 +246,8 @@ def search_knobs(
     # plans on one GPU type only: the quick infeasibility test covers those
     one_type = len(pool) == 1 or not (mixed_types and uniform_tp)
 
+    probes: dict[int, MegatronSearchResult] = {}  # step 1's DP, by id(choice)
+
     def search(choice: CostChoice, index: int) -> TrainingPlan:
         return plan_training(
             choice.model,
@@ -256,6 +261,7 @@ def search_knobs(
             mixed_types=mixed_types,
             progress_fn=_tagged(progress_fn, index),
             bound_cache=shared,
+            solved=probes.get(id(choice)),
         )
 
     outcomes: list[KnobOutcome] = []
@@ -275,7 +281,7 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
-    # 1. the first choice with a plan: the full search (order: _first_order)
+    # 1. the first choice with a plan: the full search (order: first_order)
     pending = list(enumerate(one_f)) + list(enumerate(zero, 2 * len(knobs)))
 
     fitting: dict[int, bool] = {}  # asked of a choice once (step 1, its probe)
@@ -298,10 +304,9 @@ def search_knobs(
         return fitting[id(choice)]
 
     if one_f and zero:
-        pending, settled = _first_order(
-            one_f, zero, pool, global_batch, config, could_fit
-        )
-        outcomes += settled
+        order = first_order(one_f, zero, pool, global_batch, config, could_fit)
+        pending, probes = order.pending, order.probes
+        outcomes += order.settled
     while pending and state.best is None:
         index, choice = pending.pop(0)
         tick = time.perf_counter()
@@ -310,7 +315,9 @@ def search_knobs(
                 raise InfeasibleProblemError("no chain of stages fits")
             result = search(choice, index)
         except InfeasibleProblemError:
-            outcomes.append(_infeasible(choice, time.perf_counter() - tick))
+            outcomes.append(
+                KnobOutcome.infeasible(choice.options, time.perf_counter() - tick)
+            )
             continue
         state.take((result, choice), searched=True)
         state.lower = min(state.lower, result.predicted_lower_bound_s)
@@ -389,7 +396,7 @@ def search_knobs(
         if state.best is None:
             # Every choice was searched and none fits; in another order the
             # same plans hold as much.
-            outcomes.append(_infeasible(choice, 0.0, order))
+            outcomes.append(KnobOutcome.infeasible(choice.options, 0.0, order))
             continue
         certificate = certify_predicted(
             choice.data,
@@ -473,67 +480,6 @@ def search_knobs(
         options=_normalized(result.options, result),
     )
     return KnobPlan(result, choice, space, tuple(outcomes))
-
-
-def _first_order(
-    one_f: list[CostChoice],
-    zero: list[CostChoice],
-    pool: Mapping[str, int],
-    global_batch: int,
-    config: MegatronSearchConfig,
-    could_fit: Callable[[CostChoice], bool],
-) -> tuple[list[tuple[int, CostChoice]], list[KnobOutcome]]:
-    """Step 1's order with both 1F1B and ZB-H1 (``one_f[k]`` and ``zero[k]``
-    share their other knobs): per knob values in turn, the planning DP alone
-    (no proof) of the ZB-H1 choice, after ``could_fit`` (the quick test);
-    where they find no plan, that choice is settled (its full search would
-    end there); else the DP of the 1F1B choice too, and the schedule of the
-    faster plan is searched first (the later proofs are the quicker, the
-    sooner the best plan is known). Returns the choices left in order
-    (index, choice) and the settled ones."""
-    probe = dataclasses.replace(config, certify=False)
-    settled: list[KnobOutcome] = []
-
-    def fastest(choice: CostChoice) -> float:
-        if not could_fit(choice):
-            raise InfeasibleProblemError("no chain of stages fits")
-        found = search_megatron(
-            choice.data,
-            choice.model,
-            choice.pool(pool),
-            global_batch,
-            FITTED_CONSTANTS,
-            probe,
-        )
-        fits = found.prediction.fits_memory
-        return found.prediction.iteration_time_s if fits else math.inf
-
-    n = len(one_f)
-    for k in range(n):
-        tick = time.perf_counter()
-        try:
-            zero_s = fastest(zero[k])
-        except InfeasibleProblemError:
-            settled.append(_infeasible(zero[k], time.perf_counter() - tick))
-            continue
-        try:
-            one_s = fastest(one_f[k])
-        except InfeasibleProblemError:
-            one_s = math.inf
-        pair = [(2 * n + k, zero[k]), (k, one_f[k])]
-        if one_s < zero_s:
-            pair.reverse()
-        rest = [(2 * n + i, zero[i]) for i in range(k + 1, n)]
-        return pair + rest + [(i, one_f[i]) for i in range(n) if i != k], settled
-    return list(enumerate(one_f)), settled
-
-
-def _infeasible(
-    choice: CostChoice, seconds: float, order: str = RANK_ORDERS[0]
-) -> KnobOutcome:
-    """A choice with no plan that fits in ``order`` (proven)."""
-    options = choice.options
-    return KnobOutcome(options, "infeasible", math.nan, math.inf, True, seconds, order)
 
 
 @dataclasses.dataclass

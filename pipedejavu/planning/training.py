@@ -23,7 +23,11 @@ from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
-from pipedejavu.search.megatron.planner import MegatronSearchConfig, search_megatron
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.settings import (
+    MegatronSearchConfig,
+    MegatronSearchResult,
+)
 from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = [
@@ -245,6 +249,7 @@ def plan_training(
     mixed_types: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     bound_cache: BoundCache | None = None,
+    solved: MegatronSearchResult | None = None,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -276,6 +281,8 @@ def plan_training(
             (:func:`~pipedejavu.search.megatron.planner.search_megatron`).
         bound_cache: the proof's bound tables, shared with other proofs over
             sources that price links alike (``search_megatron``).
+        solved: this search's result with the proof off
+            (``search_megatron``'s ``solved``): only the proof runs.
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -300,6 +307,7 @@ def plan_training(
         config,
         progress_fn=progress_fn,
         bound_cache=bound_cache,
+        solved=solved,
     )
     return TrainingPlan(
         plan=result.plan,

@@ -54,7 +54,7 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_times, ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
-from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.rules import (
     is_blocking,
     optimizer_share,
@@ -73,135 +73,15 @@ from pipedejavu.costmodel.megatron.tables import (
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
 from pipedejavu.search.engine.config import SearchConfig
 from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.settings import (
+    MegatronSearchConfig,
+    MegatronSearchResult,
+)
 from pipedejavu.search.megatron.space import chain_counts, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
-__all__ = ["MegatronSearchConfig", "MegatronSearchResult", "search_megatron"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MegatronSearchConfig:
-    """Static settings of :func:`search_megatron`.
-
-    Args:
-        uniform_tp: one TP degree for every stage (Megatron-LM, DeepSpeed and
-            torchtitan need it); ``False``: a degree per stage.
-        allow_fewer_gpus: also consider plans that leave GPUs idle.
-        mbs_values: micro-batch sizes to consider (``None``: every profiled one).
-        max_stages: most pipeline stages (``None``: the model's layers).
-        rescore_tolerance: re-score by the predictor every configuration optimum
-            within this fraction of the best planning objective.
-        method: ``"dp"`` (exact) or ``"diff"`` (the differentiable engine per
-            configuration, with its certified lower bound).
-        diff_configs: with ``"diff"``, after how many configurations with a plan
-            (best bound first) the engine stops; the bound of the first
-            configuration left enters the certified lower bound.
-        certify: prove the chosen plan (of either method) the predictor's
-            optimum (:mod:`pipedejavu.search.megatron.certify`; a better plan it
-            finds is chosen instead).
-        certify_max_plans: most predictor calls the proof may spend; beyond,
-            it certifies a lower bound on the predicted time instead (``None``:
-            3000, or 10000 with ``mixed_types``, whose plans have more stages
-            and whose proof needs more predictions: 3,600-5,000 on the RTX
-            cluster of the measured runs).
-        mixed_types: with several GPU types and ``uniform_tp``, also plans whose
-            stages run on different types (``dp`` replicas of one type per
-            stage); the proof's branch and bound searches them
-            (:mod:`pipedejavu.search.megatron.certify`), so it needs
-            ``certify``, and ``uniform_tp`` (a TP degree per stage together
-            with mixed types is not searched).
-    """
-
-    uniform_tp: bool = True
-    allow_fewer_gpus: bool = True
-    mbs_values: tuple[int, ...] | None = None
-    max_stages: int | None = None
-    rescore_tolerance: float = 0.02
-    method: str = "dp"
-    diff_configs: int = 8
-    certify: bool = True
-    certify_max_plans: int | None = None
-    mixed_types: bool = False
-
-    def __post_init__(self) -> None:
-        if self.method not in ("dp", "diff"):
-            raise ValueError(f"method must be 'dp' or 'diff', got {self.method!r}")
-        if not (math.isfinite(self.rescore_tolerance) and self.rescore_tolerance >= 0):
-            raise ValueError(
-                f"rescore_tolerance must be >= 0, got {self.rescore_tolerance}"
-            )
-        if self.max_stages is not None and self.max_stages < 1:
-            raise ValueError(f"max_stages must be >= 1, got {self.max_stages}")
-        if self.diff_configs < 1:
-            raise ValueError(f"diff_configs must be >= 1, got {self.diff_configs}")
-        if self.mixed_types and not self.certify:
-            raise ValueError("mixed_types needs certify (the proof searches them)")
-        if self.mixed_types and not self.uniform_tp:
-            raise ValueError(
-                "mixed_types needs one TP degree for all stages (uniform_tp; "
-                "plans mixing GPU types and TP degrees are not searched)"
-            )
-        if self.certify_max_plans is not None and self.certify_max_plans < 0:
-            raise ValueError(
-                f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
-            )
-
-    @property
-    def proof_budget(self) -> int:
-        """``certify_max_plans``, its default filled in."""
-        if self.certify_max_plans is not None:
-            return self.certify_max_plans
-        return 10_000 if self.mixed_types else 3000
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MegatronSearchResult:
-    """The chosen plan and what is known about it.
-
-    Attributes:
-        plan: the chosen plan (canonically placed).
-        prediction: the predictor's view of it.
-        objective_s: its planning objective (closed form; ``nan`` for a plan
-            mixing GPU types).
-        optimum_s: the least planning objective found.
-        lower_bound_s: a certified lower bound on the planning objective over
-            the whole search space (``== optimum_s`` for the exact method).
-        gap: ``optimum_s / lower_bound_s - 1``.
-        configurations: configurations in the search space.
-        solved: configurations whose optimum was computed.
-        candidates: ``(plan, objective, predicted)`` of the re-scored optima.
-        search_time_s: wall-clock seconds (the proof included).
-        predicted_lower_bound_s: certified lower bound on the predicted time of
-            every plan of the search space that fits (``nan`` with
-            ``certify=False``).
-        proven: the plan is the predictor's optimum over the search space.
-        certificate: the proof's record
-            (:class:`~pipedejavu.search.megatron.certify.PredictedCertificate`),
-            or ``None``.
-    """
-
-    plan: Plan3D
-    prediction: Prediction
-    objective_s: float
-    optimum_s: float
-    lower_bound_s: float
-    gap: float
-    configurations: int
-    solved: int
-    candidates: tuple[tuple[Plan3D, float, float], ...]
-    search_time_s: float
-    method: str
-    predicted_lower_bound_s: float = math.nan
-    proven: bool = False
-    certificate: Any = None
-
-    @property
-    def predicted_gap(self) -> float:
-        """Certified relative gap of the predicted time (``nan``: none)."""
-        if not self.predicted_lower_bound_s > 0:
-            return math.nan
-        return self.prediction.iteration_time_s / self.predicted_lower_bound_s - 1
+__all__ = ["search_megatron"]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -390,6 +270,7 @@ def search_megatron(
     *,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     bound_cache: BoundCache | None = None,
+    solved: MegatronSearchResult | None = None,
 ) -> MegatronSearchResult:
     """The best plan for ``model`` on the GPU pool (module docstring).
 
@@ -406,12 +287,70 @@ def search_megatron(
             :func:`~pipedejavu.search.megatron.certify.certify_predicted`).
         bound_cache: the proof's bound tables, to reuse and fill
             (``certify_predicted``'s ``cache``).
+        solved: the result of this same search (the same arguments) with
+            ``certify`` off, e.g. a probe's: its DP is not run again, only the
+            proof (its seconds count in ``search_time_s``).
 
     Raises:
         ProblemError: unknown model or GPU type, bad counts.
         InfeasibleProblemError: no plan fits (memory, divisibility); says why.
     """
     config = config or MegatronSearchConfig()
+    started = time.perf_counter()
+    if solved is None:
+        result = _solve(data, model, gpus, global_batch, constants, config, progress_fn)
+    elif solved.certificate is not None or solved.method != config.method:
+        raise ProblemError("solved: a result of the same method, not yet proven")
+    else:
+        result = solved
+    if not config.certify:
+        return result
+    plan, objective, prediction = result.plan, result.objective_s, result.prediction
+    candidates = result.candidates
+    certificate = certify_predicted(
+        data,
+        model,
+        gpus,
+        global_batch,
+        constants,
+        plan,
+        uniform_tp=config.uniform_tp,
+        allow_fewer_gpus=config.allow_fewer_gpus,
+        mbs_values=config.mbs_values,
+        max_stages=config.max_stages,
+        max_plans=config.proof_budget,
+        mixed_types=config.mixed_types,
+        cache=bound_cache,
+        progress_fn=progress_fn,
+    )
+    if certificate.improved:
+        plan, prediction = certificate.plan, certificate.prediction
+        objective = _objective(data, model, constants, plan)
+        candidates += ((plan, objective, prediction.iteration_time_s),)
+    earlier = 0.0 if solved is None else solved.search_time_s
+    return dataclasses.replace(
+        result,
+        plan=plan,
+        prediction=prediction,
+        objective_s=objective,
+        candidates=candidates,
+        search_time_s=earlier + time.perf_counter() - started,
+        predicted_lower_bound_s=certificate.lower_bound_s,
+        proven=certificate.proven,
+        certificate=certificate,
+    )
+
+
+def _solve(
+    data: SailorData,
+    model: str,
+    gpus: Mapping[str, int],
+    global_batch: int,
+    constants: PredictorConstants,
+    config: MegatronSearchConfig,
+    progress_fn: Callable[[dict[str, Any]], None] | None,
+) -> MegatronSearchResult:
+    """:func:`search_megatron` without its proof."""
     started = time.perf_counter()
     if global_batch < 1:
         raise ProblemError(f"global batch must be >= 1, got {global_batch}")
@@ -525,29 +464,6 @@ def search_megatron(
     chosen = min(
         candidates, key=lambda c: (not c[2].fits_memory, c[2].iteration_time_s, c[1])
     )
-    certificate = None
-    if config.certify:
-        certificate = certify_predicted(
-            data,
-            model,
-            gpus,
-            global_batch,
-            constants,
-            chosen[0],
-            uniform_tp=config.uniform_tp,
-            allow_fewer_gpus=config.allow_fewer_gpus,
-            mbs_values=config.mbs_values,
-            max_stages=config.max_stages,
-            max_plans=config.proof_budget,
-            mixed_types=config.mixed_types,
-            cache=bound_cache,
-            progress_fn=progress_fn,
-        )
-        if certificate.improved:
-            plan = certificate.plan
-            value = _objective(data, model, constants, plan)
-            chosen = (plan, value, certificate.prediction)
-            candidates.append(chosen)
     return MegatronSearchResult(
         plan=chosen[0],
         prediction=chosen[2],
@@ -560,11 +476,6 @@ def search_megatron(
         candidates=tuple((p, v, r.iteration_time_s) for p, v, r in candidates),
         search_time_s=time.perf_counter() - started,
         method=config.method,
-        predicted_lower_bound_s=(
-            math.nan if certificate is None else certificate.lower_bound_s
-        ),
-        proven=certificate is not None and certificate.proven,
-        certificate=certificate,
     )
 
 

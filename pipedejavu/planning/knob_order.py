@@ -1,0 +1,98 @@
+"""Which choice of knobs the knob search (:mod:`pipedejavu.planning.knobs`)
+searches in full first, when both 1F1B and ZB-H1 are in its space: the planning
+DP alone (no proof) of each schedule's first choice decides. The later proofs
+are the quicker, the sooner the best plan is known: ZB-H1 always first was 2x
+slower on Llama-3-70B, 1F1B always first 2x slower on GPT-3 175B
+(``benchmarks/plan_knobs.py``). The probes' results are kept: the full search
+of a probed choice runs only its proof on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.planning.any_model import CostChoice
+from pipedejavu.planning.knob_space import KnobOutcome
+from pipedejavu.search.megatron.planner import search_megatron
+from pipedejavu.search.megatron.settings import (
+    MegatronSearchConfig,
+    MegatronSearchResult,
+)
+
+__all__ = ["FirstOrder", "first_order"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstOrder:
+    """Step 1's order.
+
+    Attributes:
+        pending: ``(index, choice)`` left to search, in order.
+        settled: the ZB-H1 choices whose DP found no plan (infeasible).
+        probes: the DP's result (``certify`` off) of each probed choice that
+            found a plan, by the choice's ``id``.
+    """
+
+    pending: list[tuple[int, CostChoice]]
+    settled: list[KnobOutcome]
+    probes: dict[int, MegatronSearchResult]  # by id(choice)
+
+
+def first_order(
+    one_f: list[CostChoice],
+    zero: list[CostChoice],
+    pool: Mapping[str, int],
+    global_batch: int,
+    config: MegatronSearchConfig,
+    could_fit: Callable[[CostChoice], bool],
+) -> FirstOrder:
+    """Step 1's order with both 1F1B and ZB-H1 (``one_f[k]`` and ``zero[k]``
+    share their other knobs; indices: ``k`` and ``2 len(one_f) + k``): per knob
+    values in turn, the planning DP alone (no proof) of the ZB-H1 choice, after
+    ``could_fit`` (the quick test); where they find no plan, that choice is
+    settled (its full search would end there); else the DP of the 1F1B choice
+    too, and the schedule of the faster plan is searched first."""
+    probe = dataclasses.replace(config, certify=False)
+    settled: list[KnobOutcome] = []
+    probes: dict[int, MegatronSearchResult] = {}
+
+    def fastest(choice: CostChoice) -> float:
+        if not could_fit(choice):
+            raise InfeasibleProblemError("no chain of stages fits")
+        found = search_megatron(
+            choice.data,
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            FITTED_CONSTANTS,
+            probe,
+        )
+        probes[id(choice)] = found
+        fits = found.prediction.fits_memory
+        return found.prediction.iteration_time_s if fits else math.inf
+
+    n = len(one_f)
+    for k in range(n):
+        tick = time.perf_counter()
+        try:
+            zero_s = fastest(zero[k])
+        except InfeasibleProblemError:
+            seconds = time.perf_counter() - tick
+            settled.append(KnobOutcome.infeasible(zero[k].options, seconds))
+            continue
+        try:
+            one_s = fastest(one_f[k])
+        except InfeasibleProblemError:
+            one_s = math.inf
+        pair = [(2 * n + k, zero[k]), (k, one_f[k])]
+        if one_s < zero_s:
+            pair.reverse()
+        rest = [(2 * n + i, zero[i]) for i in range(k + 1, n)]
+        pending = pair + rest + [(i, one_f[i]) for i in range(n) if i != k]
+        return FirstOrder(pending, settled, probes)
+    return FirstOrder(list(enumerate(one_f)), settled, probes)
