@@ -25,7 +25,9 @@ from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.exports import EXPORTS, LAUNCHED_RANK_ORDERS, export_plan
+from pipedejavu.search.megatron.bounds import EITHER_ORDER
 from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.transfers import BoundCache
 
 DATA = load_sailor_data()
 # (model, pool, gbs, most stages): several nodes (4 and 8 GPUs per node)
@@ -120,6 +122,55 @@ def test_tp_pp_dp_proof_is_the_brute_force_optimum(model, pool, gbs, stages):
         if r.fits_memory
     )
     assert default != pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
+def test_either_order_bounds_cover_both_orders(model, pool, gbs, stages):
+    # The knob search's shared pre-bound: least over both orders' placements,
+    # below every plan's prediction in either order, and it still bites.
+    _, bounds = stage_bound_tables(
+        DATA, model, pool, gbs, uniform=True, max_stages=stages, rank_order=EITHER_ORDER
+    )
+    checked = tight = 0
+    for order in RANK_ORDERS:
+        for plan, prediction in _every_plan(model, pool, gbs, stages, order):
+            if prediction.fits_memory:
+                largest = largest_stage_bound(bounds, plan)
+                assert largest <= prediction.iteration_time_s * (1 + 1e-12)
+                checked += 1
+                tight += largest >= 0.9 * prediction.iteration_time_s
+    assert checked >= 200 and tight > checked / 4
+
+
+@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
+def test_proofs_sharing_the_either_order_bound_agree_with_brute_force(
+    model, pool, gbs, stages
+):
+    cache = BoundCache()
+    for order in RANK_ORDERS:
+        fits = [
+            (p, r)
+            for p, r in _every_plan(model, pool, gbs, stages, order)
+            if r.fits_memory
+        ]
+        worst = max(fits, key=lambda item: item[1].iteration_time_s)[0]
+        certificate = certify_predicted(
+            DATA,
+            model,
+            dict(pool),
+            gbs,
+            C,
+            worst,
+            max_stages=stages,
+            mixed_types=False,
+            rank_order=order,
+            cache=cache,
+            either_order=True,
+        )
+        best = min(r.iteration_time_s for _, r in fits)
+        assert certificate.proven
+        assert certificate.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert cache.either  # the second order read the first one's bounds
 
 
 def test_mixed_types_stay_in_the_default_order():

@@ -381,6 +381,7 @@ def search_knobs(
         (i, c, "zero-bubble" if c.options.zero_bubble else "proof", RANK_ORDERS[0])
         for i, c in pending
     ]
+    both_orders = RANK_ORDERS[1] in space.rank_orders
     if RANK_ORDERS[1] in space.rank_orders:  # (no plan fits: in no order)
         infeasible = [o.options for o in outcomes if o.how == "infeasible"]
         fits = [c for c in zero + one_f if c.options not in infeasible]
@@ -414,6 +415,7 @@ def search_knobs(
             cutoff_s=state.best_s,
             rank_order=order,
             cache=shared,
+            either_order=both_orders,
             progress_fn=_tagged(progress_fn, index),
         )
         found = certificate.prediction

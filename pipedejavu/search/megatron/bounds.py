@@ -12,6 +12,7 @@ what depends on the rest of the plan (placement, neighbours, the schedule).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -54,6 +55,7 @@ from pipedejavu.search.megatron.transfers import (
 )
 
 __all__ = [
+    "EITHER_ORDER",
     "Incumbent",
     "StageBounds",
     "StageTable",
@@ -66,6 +68,9 @@ __all__ = [
 ]
 
 Table = NDArray[np.float64]
+#: A ``rank_order`` for :func:`stage_bounds`: transfers and all-reduces least
+#: over the placements of both :data:`~pipedejavu.core.plan3d.RANK_ORDERS`.
+EITHER_ORDER = "either"
 
 
 @dataclasses.dataclass
@@ -104,9 +109,14 @@ def stage_bounds(
 ) -> dict[int, StageTable]:
     """``{tp: StageTable}`` of the group's GPU type (:func:`kind_bounds`) for
     plans placed in ``rank_order`` (``tp-pp-dp``: the transfers and all-reduces
-    least over the group's pipeline sizes as strides)."""
+    least over the group's pipeline sizes as strides; :data:`EITHER_ORDER`:
+    least over both orders' placements, a bound on the plans of both)."""
     kinds = [(group.gpu, t) for t in group.tps]
-    strides = tuple(group.sizes) if rank_order == RANK_ORDERS[1] else None
+    strides: tuple[int | None, ...] | None = None
+    if rank_order == RANK_ORDERS[1]:
+        strides = tuple(group.sizes)
+    elif rank_order == EITHER_ORDER:
+        strides = (None, *group.sizes)
     out = kind_bounds(
         data,
         model,
@@ -133,7 +143,7 @@ def kind_bounds(
     *,
     with_sends: bool = True,
     placed: dict[str, int] | None = None,
-    strides: tuple[int, ...] | None = None,
+    strides: tuple[int | None, ...] | None = None,
 ) -> dict[Kind, StageTable]:
     """``{(gpu, tp): StageTable}`` for a stage of each kind (GPU type, TP
     degree) that stages of a plan may have. The layers before and after a
@@ -141,7 +151,8 @@ def kind_bounds(
     type's stage starts (its all-reduce priced there exactly); ``w`` then
     leaves out the blocking transfers on both sides, which the caller adds for
     known neighbours. ``strides``: the ``tp-pp-dp`` rank order
-    (:func:`~pipedejavu.search.megatron.transfers.blocking_transfers`)."""
+    (:func:`~pipedejavu.search.megatron.transfers.blocking_transfers`; a
+    ``None`` among them: Megatron's default order too)."""
     info = data.model_info(model)
     num_layers = info.num_layers
     overhead = constants.op_overhead_s
@@ -264,14 +275,20 @@ def span_capacity(
 
 
 def memory_counts(
-    data: SailorData, model: str, constants: PredictorConstants, group: ConfigGroup
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: ConfigGroup,
+    cache: BoundCache | None = None,
 ) -> NDArray[np.bool_] | None:
     """``fits[k]``: some chain of exactly ``k`` stages of a one-degree group
     meets the proof's memory rule (:meth:`StageBounds.weights`: a stage with
     ``n`` stages after it holds ``min(n + 1, B)`` micro-batches), read off the
     stages' capacities alone: where it is ``False`` the group's bound on
     ``k`` stages is infinite, with no transfer, all-reduce or time table
-    built. ``None`` with several TP degrees."""
+    built. ``None`` with several TP degrees. ``cache``: the reachability is
+    kept by the rule's digest (choices that differ in the schedule or the rank
+    order only ask the same)."""
     if len(group.tps) != 1:
         return None
     (t,) = group.tps
@@ -297,7 +314,12 @@ def memory_counts(
     memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
     # stages after it that a stage admits: any number once it holds all B
     memory[starts, ends] = np.where(cap >= group.steps, most, cap - 1)
-    return chain_counts(memory, most)
+    if cache is None:
+        return chain_counts(memory, most)
+    key = hashlib.blake2b(memory.tobytes(), digest_size=16).digest()
+    if (key, most) not in cache.counts:
+        cache.counts[(key, most)] = chain_counts(memory, most)
+    return cache.counts[(key, most)]
 
 
 def least_allreduce(
@@ -310,12 +332,12 @@ def least_allreduce(
     starts: NDArray[np.int64],
     ends: NDArray[np.int64],
     spots: tuple[int, ...] | None,
-    strides: tuple[int, ...] | None = None,
+    strides: tuple[int | None, ...] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The bucketed all-reduce of every span, least over the offsets of its
     replicas within a node (``spots``; ``None``: every offset) and, in the
     ``tp-pp-dp`` rank order, over the ``strides`` between them (a pipeline's
-    GPUs), and its largest bucket."""
+    GPUs; ``None``: the default order's), and its largest bucket."""
     info = data.model_info(model)
     gpn = data.gpu_spec(gpu).gpus_per_node
     replicas = [Replica(gpu, tp, zone=DEFAULT_ZONE)] * dp

@@ -92,6 +92,7 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.search.megatron.bounds import (
+    EITHER_ORDER,
     Incumbent,
     StageBounds,
     kind_bounds,
@@ -113,6 +114,7 @@ __all__ = [
     "PredictedCertificate",
     "any_plan_fits",
     "certify_predicted",
+    "either_order_bounds",
     "fitting_sizes",
     "group_bounds",
     "least_work",
@@ -167,7 +169,7 @@ def any_plan_fits(
         max_stages=max_stages,
     )
     for group in groups:
-        sizes = fitting_sizes(data, model, constants, group, group.sizes)
+        sizes = fitting_sizes(data, model, constants, group, group.sizes, cache)
         if sizes:
             _, g = group_bounds(data, model, constants, group, cache)
             if np.isfinite(g[sizes, 0]).any():
@@ -181,12 +183,13 @@ def fitting_sizes(
     constants: PredictorConstants,
     group: ConfigGroup,
     sizes: Sequence[int],
+    cache: BoundCache | None = None,
 ) -> list[int]:
     """The ``sizes`` (GPUs of a pipeline) of a group left after the memory
     rule of its stage bounds alone
     (:func:`~pipedejavu.search.megatron.bounds.memory_counts`; all of them
     with several TP degrees): on the others the group's bound is infinite."""
-    counts = memory_counts(data, model, constants, group)
+    counts = memory_counts(data, model, constants, group, cache)
     if counts is None:
         return list(sizes)
     (t,) = group.tps
@@ -211,6 +214,24 @@ def group_bounds(
         constants.op_overhead_s,
     )
     return bounds, bounds.bottleneck(max(group.sizes))
+
+
+def either_order_bounds(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    group: ConfigGroup,
+    cache: BoundCache,
+) -> dict[int, float]:
+    """``{size: least bound}`` of a group's pipelines in either rank order
+    (:data:`~pipedejavu.search.megatron.bounds.EITHER_ORDER`), computed once
+    per source, constants and group of a ``cache``."""
+    key = (id(data), model, id(constants), group)
+    if key not in cache.either:
+        _, g = group_bounds(data, model, constants, group, cache, EITHER_ORDER)
+        values = {n: float(g[n, 0]) for n in group.sizes}
+        cache.either[key] = (data, constants, values)  # kept: ids not reused
+    return cache.either[key][2]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -285,6 +306,7 @@ def certify_predicted(
     cutoff_s: float = math.inf,
     rank_order: str = RANK_ORDERS[0],
     cache: BoundCache | None = None,
+    either_order: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -315,6 +337,10 @@ def certify_predicted(
             over that order's placements).
         cache: bound tables to reuse and fill (proofs over sources that price
             links alike may share one: its keys say what each value read).
+        either_order: the proofs of one source in both rank orders share
+            ``cache``: a configuration is first bounded least over both
+            orders' placements (kept in ``cache``), and where that settles it,
+            it is settled in both proofs with one set of tables.
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -360,9 +386,16 @@ def certify_predicted(
         if not sizes:
             continue
         # a size whose chains cannot fit has an infinite bound: no item
-        sizes = fitting_sizes(data, model, constants, group, sizes)
+        sizes = fitting_sizes(data, model, constants, group, sizes, cache)
         if not sizes:
             continue
+        if either_order:
+            least = either_order_bounds(data, model, constants, group, cache)
+            settled = [n for n in sizes if least[n] >= best]
+            early += sum(1 for n in settled if math.isfinite(least[n]))
+            sizes = [n for n in sizes if least[n] < best]
+            if not sizes:
+                continue
         bounds, g = group_bounds(data, model, constants, group, cache, rank_order)
         for size in sizes:
             value = float(g[size, 0])

@@ -36,6 +36,7 @@ bound only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -119,6 +120,7 @@ def _configs(
 
     least_output = min(float(v[:-1].min()) for v in info.act_output.values())
 
+    @functools.cache
     def boundary(mbs: int, tp: int, dp: int) -> float:
         """The least blocking transfer a boundary costs each of its two stages
         (twice: activation and gradient), as the tables price it."""

@@ -118,6 +118,13 @@ class BoundCache:
             links, the messages' bytes, constants).
         links: :func:`links_key` by the network's ``id`` (with the network,
             kept alive so that the ``id`` is not reused).
+        counts: a memory rule's chain counts
+            (:func:`~pipedejavu.search.megatron.bounds.memory_counts`) by the
+            rule's digest and the most stages.
+        either: a source's configurations' bounds least over both rank
+            orders (:func:`~pipedejavu.search.megatron.certify.
+            either_order_bounds`) by the source's and the constants' ``id``
+            (both kept alive), the model and the configuration.
         placed_weights: the weight tables of every placed mix
             (:class:`~pipedejavu.search.megatron.mixed.PlacedMix`), to bound
             their total size.
@@ -127,6 +134,8 @@ class BoundCache:
     allreduce: dict[tuple, tuple[Row, Row]] = dataclasses.field(default_factory=dict)
     blocking: dict[tuple, BlockingTransfers] = dataclasses.field(default_factory=dict)
     links: dict[int, tuple[object, Hashable]] = dataclasses.field(default_factory=dict)
+    counts: dict[tuple, NDArray[np.bool_]] = dataclasses.field(default_factory=dict)
+    either: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     placed_weights: list[dict] = dataclasses.field(default_factory=list)
 
 
@@ -211,7 +220,7 @@ def blocking_transfers(
     mbs: int,
     dp: int,
     cache: BoundCache,
-    strides: tuple[int, ...] | None = None,
+    strides: tuple[int | None, ...] | None = None,
 ) -> BlockingTransfers:
     """The blocking transfers of every boundary (:class:`BlockingTransfers`;
     a rendezvous keeps both stages busy). The least is over the other stage's
@@ -224,7 +233,8 @@ def blocking_transfers(
     prices it (no plan the predictor prices has it). ``strides``: the
     ``tp-pp-dp`` rank order (one GPU type), a pipeline's GPUs in each plan the
     bound covers: a stage starts at a multiple of the gcd of the degrees, its
-    neighbour right after it, replica ``j`` ``j x stride`` later."""
+    neighbour right after it, replica ``j`` ``j x stride`` later (a ``None``
+    stride: Megatron's order, the neighbour ``dp`` replicas later)."""
     info = data.model_info(model)
     boundaries = info.num_layers - 1
     links = links_key(data, cache)
@@ -252,7 +262,11 @@ def blocking_transfers(
         memo: dict = {}
         worst = anyone = dear_there = dear_back = math.inf
         if strides:  # one type: the next stage takes the pipeline's next ranks
-            placed = [(o, o + a[1], g) for o in offsets(a[0]) for g in strides]
+            placed = [
+                (o, o + (a[1] if g else dp * a[1]), g)
+                for o in offsets(a[0])
+                for g in strides
+            ]
         else:
             placed = [(o, r, None) for o, r in combos]
         for o, r, g in placed:
