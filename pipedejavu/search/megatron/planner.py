@@ -175,34 +175,36 @@ def _configs(
         mbs, dp, steps = group.mbs, group.dp, group.steps
         layer, optimizer, total_params, work_all = layer_terms(mbs)
         small = min(group.tps)
+        if config.uniform_tp:
+            # S = gpus / tp stages: sum c >= the layers' time plus 2 S
+            # overheads, max c >= sum c / S, and the largest optimizer step >=
+            # the average one (every size of the group at once).
+            stages = np.array(group.sizes) // small
+            total = (
+                float(layer[small].sum())
+                + 2 * stages * overhead
+                + 4 * (stages - 1) * boundary(mbs, small, dp)
+            )
+            bounds = total * (stages + steps - 1) / stages
+            bounds = np.maximum(bounds, steps * float(layer[small].max()))
+            # The stage with the most parameters holds >= 1/S of them; its
+            # all-reduce and step cost at least as much as for exactly 1/S
+            # (ring time grows with bytes).
+            share = total_params[small] / stages * info.gradient_bytes
+            bounds += optimizer[small] * optimizer_share(info, dp) / stages
+            bounds += ring_allreduce_times(hops(small, dp), dp, share)
+            out += [
+                _Config(float(b), gpu, mbs, dp, group.tps, gpus)
+                for b, gpus in zip(bounds.tolist(), group.sizes, strict=True)
+            ]
+            continue
         for gpus in group.sizes:
             usable = tuple(t for t in group.tps if t <= gpus)
-            if config.uniform_tp:
-                # S = gpus / tp stages: sum c >= the layers' time plus 2 S
-                # overheads, max c >= sum c / S, and the largest optimizer
-                # step >= the average one.
-                stages = gpus // small
-                total = (
-                    float(layer[small].sum())
-                    + 2 * stages * overhead
-                    + 4 * (stages - 1) * boundary(mbs, small, dp)
-                )
-                bound = total * (stages + steps - 1) / stages
-                bound = max(bound, steps * float(layer[small].max()))
-                # The stage with the most parameters holds >= 1/S of them; its
-                # all-reduce and step cost at least as much as for exactly 1/S
-                # (ring time grows with bytes).
-                share = total_params[small] / stages * info.gradient_bytes
-                bound += (
-                    optimizer[small] * optimizer_share(info, dp) / stages
-                    + ring_allreduce_times(hops(small, dp), dp, np.array([share]))[0]
-                )
-            else:
-                # sum c >= the fastest layers' time, max c >= W / G.
-                fastest = float(np.min([layer[t] for t in usable], axis=0).sum())
-                longest = float(np.min([layer[t].max() for t in usable]))
-                share = max(work_all / gpus, longest)
-                bound = max(fastest + (steps - 1) * share, steps * share)
+            # sum c >= the fastest layers' time, max c >= W / G.
+            fastest = float(np.min([layer[t] for t in usable], axis=0).sum())
+            longest = float(np.min([layer[t].max() for t in usable]))
+            share = max(work_all / gpus, longest)
+            bound = max(fastest + (steps - 1) * share, steps * share)
             out.append(_Config(bound, gpu, mbs, dp, usable, gpus))
     return out
 
