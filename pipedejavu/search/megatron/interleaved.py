@@ -10,18 +10,19 @@ per rank, and ``dp`` (one TP degree for every stage; the embedding on rank 0 and
 the final norm with the LM head on rank ``P - 1``, as Megatron places them).
 
 **Bound.** Whatever the chunks' order, a rank runs every forward and backward
-of its layers for each of the ``B`` micro-batches, one after another, so the
-pipeline phase lasts at least ``B`` times the busiest rank's layer times (the
-predictor's own per-layer times; instruction overheads, transfers, the
-optimizer step and the all-reduces only add). The busiest rank works at least
-the mean over ranks, and at least rank 0's embedding (rank ``P - 1``'s head)
-plus its blocks at their least. And rank ``P - 1`` cannot start before the
-forwards of the model chunks ``0 .. P - 2`` of the first micro-batch, nor
-finish before its last backward is followed by those chunks' backwards (its
-last operation is a backward of some chunk ``c >= P - 1``, after which the
-backwards of chunks ``c - 1 .. 0`` of that micro-batch remain): that adds the
-forward and backward of ``P - 1`` chunks (the embedding with the first) to its
-work, the interleaved schedule's least bubble.
+of its layers for each of the ``B`` micro-batches, one after another, as ``2
+V`` instructions (each with the predictor's per-instruction overhead), so the
+pipeline phase lasts at least ``B`` times the busiest rank's layer times and
+overheads (the predictor's own per-layer times; transfers, the optimizer step
+and the all-reduces only add). The busiest rank works at least the mean over
+ranks, and at least rank 0's embedding (rank ``P - 1``'s head) plus its blocks
+at their least. And rank ``P - 1`` cannot start before the forwards of the
+model chunks ``0 .. P - 2`` of the first micro-batch, nor finish before its
+last backward is followed by those chunks' backwards (its last operation is a
+backward of some chunk ``c >= P - 1``, after which the backwards of chunks ``c
+- 1 .. 0`` of that micro-batch remain): that adds the forward and backward of
+``P - 1`` chunks (the embedding with the first) and their ``2 (P - 1)``
+instructions to its work, the interleaved schedule's least bubble.
 Each rank's gradient all-reduce and optimizer step follow its last backward
 (the predictor's own rules, exact for the candidate's plan): the busiest rank
 adds at least the least of them, rank 0 its own, rank ``P - 1`` its own.
@@ -137,6 +138,7 @@ def interleaved_candidates(
     """Every interleaved plan of the space (module docstring) with its bound."""
     info = data.model_info(model)
     blocks = info.num_layers - 2
+    overhead = constants.op_overhead_s
     out: list[Candidate] = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -176,13 +178,16 @@ def interleaved_candidates(
                         if steps % ranks:
                             continue
                         for v in chunk_counts:
+                            # every rank runs 2 V instructions per micro-batch
+                            ops = 2 * v * overhead
                             # rank P - 1 waits for the model chunks before its
                             # first (forward) and after its last (backward)
                             ramp = first + (ranks - 1) * (per_rank // v) * least
+                            ramp += 2 * (ranks - 1) * overhead
                             parts = (
-                                steps * mean_s,
-                                steps * first_rank_s,
-                                steps * last_rank_s + ramp,
+                                steps * (mean_s + ops),
+                                steps * (first_rank_s + ops),
+                                steps * (last_rank_s + ops) + ramp,
                             )
                             out.append(
                                 Candidate(max(parts), gpu, mbs, tp, ranks, dp, v, parts)
