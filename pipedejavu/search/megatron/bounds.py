@@ -280,17 +280,25 @@ def memory_counts(
     constants: PredictorConstants,
     group: ConfigGroup,
     cache: BoundCache | None = None,
+    rules: BoundCache | None = None,
 ) -> NDArray[np.bool_] | None:
     """``fits[k]``: some chain of exactly ``k`` stages of a one-degree group
     meets the proof's memory rule (:meth:`StageBounds.weights`: a stage with
     ``n`` stages after it holds ``min(n + 1, B)`` micro-batches), read off the
     stages' capacities alone: where it is ``False`` the group's bound on
     ``k`` stages is infinite, with no transfer, all-reduce or time table
-    built. ``None`` with several TP degrees. ``cache``: the reachability is
-    kept by the rule's digest (choices that differ in the schedule or the rank
-    order only ask the same)."""
+    built. ``None`` with several TP degrees. ``cache``: the answer is kept by
+    the source's, the constants' and the group's identity, and (``rules``) the
+    reachability by the rule's digest (choices that differ in the schedule
+    only ask the same)."""
     if len(group.tps) != 1:
         return None
+    if cache is not None:
+        key = (id(data), model, id(constants), group)
+        if key not in cache.fitting:  # both rank orders' proofs ask it
+            counts = memory_counts(data, model, constants, group, None, cache)
+            cache.fitting[key] = (data, constants, counts)  # kept: ids not reused
+        return cache.fitting[key][2]
     (t,) = group.tps
     info = data.model_info(model)
     num_layers = info.num_layers
@@ -314,12 +322,12 @@ def memory_counts(
     memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
     # stages after it that a stage admits: any number once it holds all B
     memory[starts, ends] = np.where(cap >= group.steps, most, cap - 1)
-    if cache is None:
+    if rules is None:
         return chain_counts(memory, most)
-    key = hashlib.blake2b(memory.tobytes(), digest_size=16).digest()
-    if (key, most) not in cache.counts:
-        cache.counts[(key, most)] = chain_counts(memory, most)
-    return cache.counts[(key, most)]
+    digest = hashlib.blake2b(memory.tobytes(), digest_size=16).digest()
+    if (digest, most) not in rules.counts:
+        rules.counts[(digest, most)] = chain_counts(memory, most)
+    return rules.counts[(digest, most)]
 
 
 def least_allreduce(

@@ -121,6 +121,10 @@ class BoundCache:
         counts: a memory rule's chain counts
             (:func:`~pipedejavu.search.megatron.bounds.memory_counts`) by the
             rule's digest and the most stages.
+        fitting: a source's configurations' memory reachability
+            (:func:`~pipedejavu.search.megatron.bounds.memory_counts`) by the
+            source's and the constants' ``id`` (both kept alive), the model
+            and the configuration.
         either: a source's configurations' bounds least over both rank
             orders (:func:`~pipedejavu.search.megatron.certify.
             either_order_bounds`) by the source's and the constants' ``id``
@@ -135,6 +139,7 @@ class BoundCache:
     blocking: dict[tuple, BlockingTransfers] = dataclasses.field(default_factory=dict)
     links: dict[int, tuple[object, Hashable]] = dataclasses.field(default_factory=dict)
     counts: dict[tuple, NDArray[np.bool_]] = dataclasses.field(default_factory=dict)
+    fitting: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     either: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     placed_weights: list[dict] = dataclasses.field(default_factory=list)
 
