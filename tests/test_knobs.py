@@ -29,6 +29,7 @@ from pipedejavu.search.megatron.certify import (
     least_work,
 )
 from pipedejavu.search.megatron.interleaved import (
+    candidate_fits,
     candidate_floor,
     candidate_plan,
     interleaved_candidates,
@@ -115,6 +116,8 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
         # the floor the search prices before predicting: memory and tails
         fits, tails = candidate_floor(choice.data, choice.model, C, plan, item.chunks)
         assert fits or not prediction.fits_memory
+        # the same test on one pipeline, before the plan is placed
+        assert candidate_fits(choice.data, choice.model, C, gbs, item) == fits
         if fits:
             parts = item.parts
             refined = max(
@@ -171,16 +174,17 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     assert zero.result.proven and zero.result.options.zero_bubble
     assert zero.result.prediction.iteration_time_s == pytest.approx(min(zbs), rel=1e-12)
     # every choice is accounted for, each way it was settled is proven
-    # (three schedules, and the tp-pp-dp order for 1F1B and ZB-H1: one node
-    # here, where both orders place every plan alike; a choice with no plan
-    # that fits has none in either order, and is listed once)
+    # (three schedules, each in both rank orders: one node here, where both
+    # orders place every plan alike; a 1F1B or ZB-H1 choice with no plan that
+    # fits has none in either order, and is listed once)
     settled = len(space.all_choices(options)) - len(space.dominated(options))
     none_fit = [o.options for o in result.outcomes if o.how == "infeasible"]
-    expected = 5 * settled - len(none_fit) + len(space.dominated(options))
+    expected = 6 * settled - len(none_fit) + len(space.dominated(options))
     assert len(result.outcomes) == expected
     assert all(o.proven for o in result.outcomes)
     for o in result.outcomes:
-        assert o.rank_order == "tp-dp-pp" or o.options not in none_fit
+        if o.how != "interleaved":
+            assert o.rank_order == "tp-dp-pp" or o.options not in none_fit
         if o.options in none_fit:  # the brute force agrees: nothing fits
             key = (o.options.recompute, o.options.sequence_parallel)
             schedule = "zb-h1" if o.options.zero_bubble else "1f1b"
@@ -332,9 +336,9 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"]["recompute"] == "selective"
-    # 6 choices for each of 3 schedules and for 1F1B and ZB-H1 in the
-    # tp-pp-dp order, 6 settled by the distributed optimizer's rule
-    assert len(full["knobs"]["choices"]) == 36 and full["proven_optimal"]
+    # 6 choices for each of 3 schedules in each of 2 rank orders, 6 settled
+    # by the distributed optimizer's rule
+    assert len(full["knobs"]["choices"]) == 42 and full["proven_optimal"]
     # today's space: one choice, the same as planning with those options
     code, out, err = _cli(
         capsys,
@@ -353,6 +357,7 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     assert [(c["how"], c["rank_order"]) for c in narrow["knobs"]["choices"]] == [
         ("searched", "tp-dp-pp"),  # the schedule whose DP plan is faster
         ("interleaved", "tp-dp-pp"),
+        ("interleaved", "tp-pp-dp"),
         ("zero-bubble", "tp-dp-pp"),
         ("zero-bubble", "tp-pp-dp"),
         ("proof", "tp-pp-dp"),

@@ -173,6 +173,44 @@ def test_proofs_sharing_the_either_order_bound_agree_with_brute_force(
     assert cache.either  # the second order read the first one's bounds
 
 
+def test_interleaved_search_in_each_order_is_the_brute_force_optimum():
+    # Llama-3-8B on two L4 nodes: the orders place the interleaved plans
+    # differently (their optima differ); in each, the search's plan is the
+    # best of every candidate placed in that order.
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.planning.any_model import choose_cost_source
+    from pipedejavu.search.megatron.interleaved import (
+        candidate_plan,
+        interleaved_candidates,
+        search_interleaved,
+    )
+
+    pool, gbs = {"L4": 16}, 32
+    choice = choose_cost_source(
+        "Llama-3-8B",
+        pool,
+        options=TrainingOptions("bf16", recompute="full"),
+        seq_length=2048,
+    )
+    data, model, gpus = choice.data, choice.model, choice.pool(pool)
+    best = {}
+    for order in RANK_ORDERS:
+        times = []
+        for item in interleaved_candidates(data, model, gpus, gbs, C):
+            plan = candidate_plan(data, model, gbs, item, order)
+            assert rank_order_of(plan) in (order, RANK_ORDERS[0])
+            found = predict_plan(plan, data, constants=C, virtual_stages=item.chunks)
+            if found.fits_memory:
+                times.append(found.iteration_time_s)
+        result = search_interleaved(data, model, gpus, gbs, C, rank_order=order)
+        assert result.proven and rank_order_of(result.plan) in (order, RANK_ORDERS[0])
+        assert result.prediction.iteration_time_s == pytest.approx(
+            min(times), rel=1e-12
+        )
+        best[order] = min(times)
+    assert best[RANK_ORDERS[0]] != pytest.approx(best[RANK_ORDERS[1]], rel=1e-3)
+
+
 def test_mixed_types_stay_in_the_default_order():
     plan = _every_plan("OPT-350", (("A100-40", 8),), 16, 3, "tp-dp-pp")[0][0]
     with pytest.raises(ProblemError, match="one GPU type"):

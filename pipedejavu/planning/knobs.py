@@ -17,7 +17,8 @@ sequence parallelism and the distributed optimizer on before off):
    finds no plan is settled by it
    (:func:`~pipedejavu.planning.knob_order.first_order`, whose DP the full
    search then reuses);
-2. Megatron-LM's interleaved schedule for every choice
+2. Megatron-LM's interleaved schedule for every choice, in each rank order
+   of the space
    (:func:`~pipedejavu.search.megatron.interleaved.search_interleaved`: a
    branch and bound on the predictor over its few equal-chunk plans) with the
    best predicted time so far as its cutoff; a faster plan becomes the
@@ -78,7 +79,10 @@ from pipedejavu.planning.training import (
     search_config,
 )
 from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
-from pipedejavu.search.megatron.interleaved import search_interleaved
+from pipedejavu.search.megatron.interleaved import (
+    InterleavedMemo,
+    search_interleaved,
+)
 from pipedejavu.search.megatron.settings import MegatronSearchResult
 from pipedejavu.search.megatron.transfers import BoundCache
 
@@ -334,7 +338,13 @@ def search_knobs(
     # 2. the interleaved schedule per choice (its cutoff is the best so far;
     # it often beats 1F1B, which tightens the proofs of step 3)
     if "interleaved" in space.schedules:
-        for index, choice in enumerate(choices, start=len(choices)):
+        runs = [
+            (index + o * 5 * len(knobs), choice, order)
+            for o, order in enumerate(space.rank_orders)
+            for index, choice in enumerate(choices, start=len(choices))
+        ]
+        memo = InterleavedMemo()  # the candidates and memory, either order
+        for index, choice, order in runs:
             tick = time.perf_counter()
             found = search_interleaved(
                 choice.data,
@@ -346,6 +356,8 @@ def search_knobs(
                 allow_fewer_gpus=allow_fewer_gpus,
                 mbs_values=config.mbs_values,
                 max_plans=config.proof_budget,
+                rank_order=order,
+                memo=memo,
                 progress_fn=_tagged(progress_fn, index),
             )
             state.lower = min(state.lower, found.lower_bound_s)
@@ -373,6 +385,7 @@ def search_knobs(
                     cutoff,
                     found.proven,
                     time.perf_counter() - tick,
+                    order,
                 )
             )
     # 3. the choices step 1 left: the proof with the cutoff; then the tp-pp-dp

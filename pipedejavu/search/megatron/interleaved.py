@@ -38,6 +38,9 @@ candidate comes up, its tails and memory are priced and it goes back at the
 larger bound (or is settled); the second time it is predicted. The search stops
 when the least bound reaches the best predicted time (or a ``cutoff_s`` reached
 elsewhere), so the best plan found is the predictor's optimum over these plans.
+The plans are placed in one of Megatron-LM's rank orders (``rank_order``):
+neither bound nor the memory test depends on it, and the tails are priced on
+the placed plan.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
@@ -71,7 +74,9 @@ from pipedejavu.search.megatron.space import divisors
 
 __all__ = [
     "Candidate",
+    "InterleavedMemo",
     "InterleavedResult",
+    "candidate_fits",
     "candidate_floor",
     "candidate_plan",
     "interleaved_candidates",
@@ -98,6 +103,23 @@ class Candidate:
         default=(0.0, 0.0, 0.0), compare=False
     )
     tails: bool = dataclasses.field(default=False, compare=False)
+
+
+@dataclasses.dataclass
+class InterleavedMemo:
+    """What :func:`search_interleaved` finds that does not depend on the rank
+    order, for its searches in the other orders.
+
+    Attributes:
+        candidates: the candidates by (source ``id``, model, pool, batch,
+            constants ``id``, settings), with the source and constants kept
+            alive (their ``id`` not reused).
+        fits: the memory test (:func:`candidate_fits`) by (source ``id``,
+            model, the candidate's type, mbs, TP, stages, dp, chunks, batch).
+    """
+
+    candidates: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+    fits: dict[tuple, bool] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +218,14 @@ def interleaved_candidates(
 
 
 def candidate_plan(
-    data: SailorData, model: str, global_batch: int, c: Candidate
+    data: SailorData,
+    model: str,
+    global_batch: int,
+    c: Candidate,
+    rank_order: str = RANK_ORDERS[0],
 ) -> Plan3D:
-    """The candidate as a plan: ``P`` stages of equally many blocks."""
+    """The candidate as a plan: ``P`` stages of equally many blocks, placed in
+    ``rank_order``."""
     blocks = data.model_info(model).num_layers - 2
     per_rank = blocks // c.ranks
     bounds = [0] + [1 + per_rank * r for r in range(1, c.ranks)] + [blocks + 2]
@@ -211,6 +238,7 @@ def candidate_plan(
         model=model,
         gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
         zone=DEFAULT_ZONE,
+        rank_order=rank_order,
     )
 
 
@@ -220,14 +248,18 @@ def candidate_floor(
     constants: PredictorConstants,
     plan: Plan3D,
     chunks: int,
+    dp: int | None = None,
 ) -> tuple[bool, NDArray[np.float64]]:
     """``(fits, tails)`` of an interleaved plan without simulating it: whether
     every rank's model state and its stash at its first backward
     (:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`) fit its
     GPUs (else the predicted memory does not), and ``f64[P]`` the all-reduce
     and optimizer step that follow each rank's last backward, as the predictor
-    prices them (the slowest replica's)."""
+    prices them (the slowest replica's). ``dp``: the replicas the model state
+    is sharded over (``None``: the plan's; :func:`candidate_fits` asks one
+    pipeline of a plan with more)."""
     info = data.model_info(model)
+    dp = plan.dp if dp is None else dp
     stash = warmup_stash(plan, info, chunks)
     tails = np.zeros(plan.num_stages)
     for s, stage in enumerate(plan.stages):
@@ -237,18 +269,33 @@ def candidate_floor(
             data.network, info, replicas, nodes, stage.start, stage.stop
         )
         held = stage_params(info, replicas[0].tp, stage.start, stage.stop)
-        state = model_state_bytes(info, held, largest, plan.dp)
+        state = model_state_bytes(info, held, largest, dp)
         step = 0.0
         for gpu, tp in {(r.gpu_type, r.tp) for r in replicas}:
             update = data.layer_times(
                 model, gpu, plan.mbs, tp, smooth=constants.smooth_profiles
             ).update
-            step = max(step, optimizer_time(float(update[0]), held, info, tp, plan.dp))
+            step = max(step, optimizer_time(float(update[0]), held, info, tp, dp))
             used = memory_bytes(state, stash[s], constants, gpu)
             if used > data.gpu_spec(gpu).memory_bytes:
                 return False, tails
         tails[s] = allreduce + step
     return True, tails
+
+
+def candidate_fits(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    global_batch: int,
+    c: Candidate,
+) -> bool:
+    """:func:`candidate_floor`'s memory test of a candidate, on one of its
+    pipelines (its replicas alike, each rank's stash and model state do not
+    depend on the placement): no plan of ``P x dp`` replicas is built."""
+    one = dataclasses.replace(c, dp=1)
+    skeleton = candidate_plan(data, model, global_batch // c.dp, one)
+    return candidate_floor(data, model, constants, skeleton, c.chunks, c.dp)[0]
 
 
 def search_interleaved(
@@ -263,9 +310,12 @@ def search_interleaved(
     mbs_values: Sequence[int] | None = None,
     max_chunks: int | None = None,
     max_plans: int = 3000,
+    rank_order: str = RANK_ORDERS[0],
+    memo: InterleavedMemo | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> InterleavedResult:
-    """The fastest interleaved plan below ``cutoff_s`` (module docstring).
+    """The fastest interleaved plan below ``cutoff_s`` (module docstring),
+    placed in ``rank_order``.
 
     Args:
         data, model, gpus, global_batch, constants: as for the 1F1B search.
@@ -275,20 +325,33 @@ def search_interleaved(
         max_chunks: the most chunks per rank (``None``: any that divide).
         max_plans: most predictor calls; beyond, the least bound left is a
             certified lower bound instead of a proof.
+        rank_order: the plans' placement
+            (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`; the bounds hold for
+            any: the tails are priced on the placed plan).
+        memo: what does not depend on the placement (the candidates and
+            their memory test), kept for the searches of other rank orders
+            (its keys name the source, model, pool and settings).
         progress_fn: called about every second with ``{"phase":
             "interleaved", "predicted", "best", "bound"}``.
     """
     started = time.perf_counter()
-    items = interleaved_candidates(
-        data,
-        model,
-        gpus,
-        global_batch,
-        constants,
-        allow_fewer_gpus=allow_fewer_gpus,
-        mbs_values=mbs_values,
-        max_chunks=max_chunks,
-    )
+    memo = InterleavedMemo() if memo is None else memo
+    mbs_key = None if mbs_values is None else tuple(mbs_values)
+    space = (id(data), model, tuple(gpus.items()), global_batch, id(constants))
+    space += (allow_fewer_gpus, mbs_key, max_chunks)
+    if space not in memo.candidates:
+        found_items = interleaved_candidates(
+            data,
+            model,
+            gpus,
+            global_batch,
+            constants,
+            allow_fewer_gpus=allow_fewer_gpus,
+            mbs_values=mbs_values,
+            max_chunks=max_chunks,
+        )
+        memo.candidates[space] = (data, constants, found_items)  # ids kept alive
+    items = list(memo.candidates[space][2])
     heapq.heapify(items)
     total = len(items)
     best = cutoff_s
@@ -303,7 +366,15 @@ def search_interleaved(
         if predicted >= max_plans:
             lower = item.bound
             break
-        plan = candidate_plan(data, model, global_batch, item)
+        shape = (*space[:2], item.gpu, item.mbs, item.tp, item.ranks, item.dp)
+        shape += (item.chunks, global_batch)
+        if shape not in memo.fits:  # memory: whatever the placement
+            memo.fits[shape] = candidate_fits(
+                data, model, constants, global_batch, item
+            )
+        if not memo.fits[shape]:
+            continue
+        plan = candidate_plan(data, model, global_batch, item, rank_order)
         if not item.tails:
             try:
                 fits, tails = candidate_floor(data, model, constants, plan, item.chunks)
