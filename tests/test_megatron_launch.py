@@ -262,3 +262,29 @@ def test_launch_numbers_are_bounded(capsys, flag, value):
     if code:
         assert len(err.strip().splitlines()) == 1, err
     assert time.perf_counter() - started < 10.0
+
+
+def test_predict_cli_prices_block_recomputation(capsys):
+    # --checkpoint-activations recomputes every block; the block method with
+    # 24 of each stage's 24 blocks is the same, with 1 it is faster and larger
+    def predicted(extra):
+        code = main(
+            [
+                "predict",
+                "--megatron-args",
+                SC21_39B.replace(" --checkpoint-activations", "") + extra,
+                "--gpus",
+                "A100-80:512",
+                "--json",
+            ]
+        )
+        assert code == 0, capsys.readouterr().err
+        out = json.loads(capsys.readouterr().out)
+        return out["iteration_time_s"], out["peak_memory_bytes"]
+
+    full = predicted(" --recompute-granularity full --recompute-method uniform")
+    block = " --recompute-granularity full --recompute-method block"
+    assert predicted(block + " --recompute-num-layers 24") == pytest.approx(full)
+    time, memory = predicted(block + " --recompute-num-layers 1")
+    none = predicted("")
+    assert none[0] < time < full[0] and full[1] < memory < none[1]

@@ -165,3 +165,107 @@ def test_activations_follow_korthikanti(
     )[1]
     expected = _korthikanti_per_sbh(recompute, sequence_parallel, tp, a, s, h)
     np.testing.assert_allclose(block / (s * mbs * h), expected, rtol=1e-12)
+
+
+def _block_sources(n_values, **options):
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.planning.any_model import choose_cost_source
+
+    def source(**extra):
+        return choose_cost_source(
+            "Llama-3-8B",
+            {"A100-80": 16},
+            options=TrainingOptions("bf16", **options, **extra),
+            seq_length=4096,
+        )
+
+    return (
+        source(),
+        source(recompute="full"),
+        {n: source(recompute="full", recompute_num_layers=n) for n in n_values},
+    )
+
+
+def test_block_recomputation_reruns_the_first_blocks_of_a_stage():
+    """Megatron's block method on one stage of all 32 blocks: time and memory
+    move from no recomputation to full by n / 32 (each block reruns the same
+    forward and keeps the same activations), and at n >= 32 it is full."""
+    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+    from pipedejavu.costmodel.megatron.predictor import predict_plan
+    from pipedejavu.costmodel.megatron.tables import plan_from_stages
+
+    none, full, block = _block_sources((1, 5, 32, 40))
+    layers = none.data.model_info(none.model).num_layers
+    plan = plan_from_stages(
+        [(0, layers, 8)],
+        gpu_type="A100-80",
+        dp=2,
+        mbs=1,
+        gbs=16,
+        model=none.model,
+        gpus_per_node=8,
+        zone="z",
+    )
+
+    def predicted(choice):
+        found = predict_plan(plan, choice.data, constants=C)
+        return found.iteration_time_s, float(found.stage_memory_bytes[0])
+
+    t0, m0 = predicted(none)
+    t1, m1 = predicted(full)
+    assert t1 > t0 and m1 < m0
+    for n, choice in block.items():
+        t, m = predicted(choice)
+        share = min(n, 32) / 32
+        assert t - t0 == pytest.approx(share * (t1 - t0), rel=1e-9)
+        assert m - m0 == pytest.approx(share * (m1 - m0), rel=1e-9)
+
+
+@pytest.mark.parametrize(("chunks", "zero_bubble"), [(1, False), (2, False), (1, True)])
+def test_block_recomputation_applies_per_stage_and_chunk(chunks, zero_bubble):
+    """Four stages of 8 blocks (the first and last also hold the embedding and
+    the head): n >= the blocks of a model chunk is full recomputation, n = 1
+    lies strictly between, on every stage, in 1F1B, interleaved and ZB-H1."""
+    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+    from pipedejavu.costmodel.megatron.predictor import predict_plan
+    from pipedejavu.costmodel.megatron.tables import plan_from_stages
+
+    per_chunk = 8 // chunks
+    none, full, block = _block_sources(
+        (1, per_chunk, 32), zero_bubble=zero_bubble, sequence_parallel=True
+    )
+    layers = none.data.model_info(none.model).num_layers
+    plan = plan_from_stages(
+        [(0, 9, 2), (9, 17, 2), (17, 25, 2), (25, layers, 2)],
+        gpu_type="A100-80",
+        dp=2,
+        mbs=1,
+        gbs=64,
+        model=none.model,
+        gpus_per_node=8,
+        zone="z",
+    )
+
+    def predicted(choice):
+        found = predict_plan(plan, choice.data, constants=C, virtual_stages=chunks)
+        return found.iteration_time_s, found.stage_memory_bytes
+
+    t0, m0 = predicted(none)
+    t1, m1 = predicted(full)
+    for n in (per_chunk, 32):
+        t, m = predicted(block[n])
+        assert t == pytest.approx(t1, rel=1e-12)
+        assert np.allclose(m, m1, rtol=1e-12)
+    t, m = predicted(block[1])
+    assert t0 < t < t1
+    assert (m1 < m).all() and (m < m0).all()
+
+
+def test_block_recomputation_is_predicted_not_searched():
+    from pipedejavu.core.problem import ProblemError
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.planning.any_model import plan_any_model
+
+    options = TrainingOptions("bf16", recompute="full", recompute_num_layers=2)
+    with pytest.raises(ProblemError, match="priced by predict only"):
+        plan_any_model("Llama-3-8B", {"A100-80": 16}, 64, options=options)

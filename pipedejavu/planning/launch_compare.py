@@ -39,7 +39,7 @@ SEARCH_SPACE_NOTE = (
     "stages of contiguous layers, one TP degree, DP, micro-batch size and the "
     "GPUs used; the 1F1B and Megatron's interleaved schedules; recomputation "
     "none, selective or full; sequence parallelism and the distributed "
-    "optimizer on or off; Megatron-LM's two rank orders (1F1B plans); the "
+    "optimizer on or off; Megatron-LM's two rank orders; the "
     "launch's precision, attention kernel and global batch"
 )
 

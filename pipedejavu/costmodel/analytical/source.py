@@ -250,11 +250,6 @@ class AnalyticalSource:
         if profiled is not None:
             self._sources[(gpu, mbs, tp)] = "profiles"
             return profiled
-        if self._options.recompute_num_layers is not None:
-            raise ProblemError(
-                "recompute_num_layers is not supported by the analytical predictor "
-                "yet: it recomputes every layer (full) or none"
-            )
         entry = self._entry(gpu)
         spec, options = self.padded(tp), self._options
         precision = gemm_precision(options, entry)
@@ -276,8 +271,17 @@ class AnalyticalSource:
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
         backward = backward.copy()
-        # Full recomputation reruns each block's forward (forward[1]).
-        backward[1:-1] += recompute_time(options.recompute, float(forward[1]), core)
+        # Full recomputation reruns each block's forward (forward[1]); with
+        # Megatron's block method only some blocks of a stage do, which the
+        # predictor adds (rules.span_backward).
+        rerun = recompute_time(options.recompute, float(forward[1]), core)
+        recompute = None
+        if options.recompute_num_layers is None:
+            backward[1:-1] += rerun
+        else:
+            recompute = np.zeros(len(backward))
+            recompute[1:-1] = rerun
+            recompute = self._split_head(recompute)
         # The Adam step is memory-bound: seconds per parameter of a block, for
         # the profiling model's parameters (what LayerTimes.update holds).
         info = self.model_info(self.spec.name)
@@ -287,7 +291,9 @@ class AnalyticalSource:
         weight = self._split_head(weight)
         update_s = np.full(len(forward), per_param * profiling)
         self._sources[(gpu, mbs, tp)] = "analytical"
-        return LayerTimes(forward, backward, update_s, weight_grad=weight)
+        return LayerTimes(
+            forward, backward, update_s, weight_grad=weight, recompute=recompute
+        )
 
     def _split_head(self, row: np.ndarray, norm: float = 0.0) -> np.ndarray:
         """A profile whose final norm and LM head are two layers: the head's
@@ -319,21 +325,31 @@ class AnalyticalSource:
         spec, options = self.spec, self._options
         element = activation_element_bytes(options.precision)
         params, outputs, memories, tied = {}, {}, {}, {}
+        recomputed: dict[int, np.ndarray] = {}
+        # Megatron's block method: a block keeps its activations unless it is
+        # among the first recompute_num_layers of its stage (rules.span_act_mem)
+        block = options.recompute_num_layers is not None
         degrees = sorted({tp for gpu in self.sheet for tp in self.tp_values(gpu)})
         for tp in degrees or [1]:
             params[tp] = np.asarray(spec.layer_params(tp, tied_copy=True), float)
             tied[tp] = float(spec.tied_params(tp))
-            stash = activation_bytes(
-                self.padded(tp),
-                1,
-                tp,
-                options.precision,
-                recompute=options.recompute,
-                sequence_parallel=options.sequence_parallel,
-                flash_attention=options.flash_attention,
-                attention_dropout=options.attention_dropout,
-            )
-            memories[tp] = self._split_head(stash / element)
+
+            def kept(recompute: str, tp: int = tp) -> np.ndarray:
+                stash = activation_bytes(
+                    self.padded(tp),
+                    1,
+                    tp,
+                    options.precision,
+                    recompute=recompute,
+                    sequence_parallel=options.sequence_parallel,
+                    flash_attention=options.flash_attention,
+                    attention_dropout=options.attention_dropout,
+                )
+                return self._split_head(stash / element)
+
+            memories[tp] = kept("none" if block else options.recompute)
+            if block:
+                recomputed[tp] = kept(options.recompute)
             output = layer_output_bytes(self.padded(tp), 1, options.precision)
             output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
@@ -350,4 +366,7 @@ class AnalyticalSource:
             sharded_state_bytes_per_param=float(sharded),
             distributed_optimizer=options.distributed_optimizer,
             tied=tied,
+            recompute_layers=options.recompute_num_layers,
+            recomputed_mem=recomputed if block else None,
+            blocks=(1, 1 + spec.num_layers) if block else None,
         )

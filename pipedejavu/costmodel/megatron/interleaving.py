@@ -32,7 +32,12 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
     pipeline_summary,
 )
-from pipedejavu.costmodel.megatron.rules import message_bytes, stash_bytes
+from pipedejavu.costmodel.megatron.rules import (
+    message_bytes,
+    span_act_mem,
+    span_backward,
+    stash_bytes,
+)
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
 from pipedejavu.simulation.interleaved import (
     peak_in_flight_count,
@@ -98,7 +103,7 @@ def chunk_stash(
     for r, row in enumerate(chunks):
         tp = plan.stages[r].replicas[pipeline].tp
         for c, (start, stop) in enumerate(row):
-            act = float(info.act_mem[tp][start:stop].sum())
+            act = span_act_mem(info, tp, start, stop)
             received = float(info.act_output[tp][start - 1]) if start else 0
             out[r, c] = stash_bytes(info, act, received, plan.mbs)
     return out
@@ -209,7 +214,7 @@ def interleaved_pipelines(
             entry = times[(replica.gpu_type, replica.tp)]
             for c, (start, stop) in enumerate(chunks[r]):
                 forward[r, c] = float(entry.forward[start:stop].sum()) + overhead_s
-                backward[r, c] = float(entry.backward[start:stop].sum()) + overhead_s
+                backward[r, c] = span_backward(info, entry, start, stop) + overhead_s
             last_layer = chunks[r][0][1] - 1
             nbytes = float(message_bytes(info, replica.tp, last_layer, mbs))
             receiver = (r + 1) % ranks

@@ -189,9 +189,10 @@ def recompute_time(
 
     Args:
         recompute: ``"none"``, ``"selective"`` or ``"full"``.
-        recomputed_forward_s: the forward seconds of the chunk's
-            :func:`recomputed_layers` (``full`` runs them again before their
-            backward).
+        recomputed_forward_s: the forward seconds of the chunk's recomputed
+            layers (``full`` runs them again before their backward: every
+            block, or with Megatron's ``block`` method
+            :func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers`).
         attention_core_forward_s: the forward seconds of the chunk's attention
             cores (``QK^T``, softmax, dropout, ``x V``), which ``selective``
             runs again.

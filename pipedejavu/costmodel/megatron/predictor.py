@@ -86,6 +86,8 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     p2p_pair,
+    span_act_mem,
+    span_backward,
     stage_allreduce,
     stage_params,
     stash_bytes,
@@ -275,7 +277,7 @@ def predict_plan(
                 params = stage_params(info, replica.tp, stage.start, stage.stop)
                 per_kind[key] = (
                     float(entry.forward[layers].sum()) + overhead,
-                    float(entry.backward[layers].sum()) + overhead,
+                    span_backward(info, entry, stage.start, stage.stop) + overhead,
                     optimizer_time(
                         float(entry.update[0]), params, info, replica.tp, dp
                     ),
@@ -411,7 +413,7 @@ def predict_plan(
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
-        act = float(info.act_mem[tp][stage.start : stage.stop].sum())
+        act = span_act_mem(info, tp, stage.start, stage.stop)
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         held = stage_params(info, tp, stage.start, stage.stop)
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)

@@ -26,7 +26,11 @@ from pipedejavu.costmodel.megatron.constants import (
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.options import optimizer_update_fraction
-from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
+from pipedejavu.costmodel.megatron.sailor_data import (
+    LayerTimes,
+    ModelInfo,
+    NetworkTables,
+)
 
 __all__ = [
     "add_to_bucket",
@@ -41,6 +45,9 @@ __all__ = [
     "optimizer_time",
     "p2p_pair",
     "profiling_params",
+    "recomputed_layers",
+    "span_act_mem",
+    "span_backward",
     "span_sums",
     "stage_allreduce",
     "stage_params",
@@ -96,6 +103,43 @@ def optimizer_time(
     (``update_s``) scaled by the parameters it updates
     (:func:`optimizer_share` of them)."""
     return update_s * held * optimizer_share(info, dp) / profiling_params(info, tp)
+
+
+# ------------------------------------------- recomputation (block method)
+def recomputed_layers(info: ModelInfo, start: int, stop: int) -> tuple[int, int]:
+    """``[a, b)``: the layers of the span ``start..stop-1`` (a stage, or a
+    model chunk) that Megatron's ``block`` method recomputes: its first
+    ``info.recompute_layers`` transformer blocks (``a == b``: none, or no
+    partial recomputation priced)."""
+    if info.recompute_layers is None or info.blocks is None:
+        return start, start
+    first = max(start, info.blocks[0])
+    end = min(stop, info.blocks[1])
+    if first >= end:
+        return start, start
+    return first, min(end, first + info.recompute_layers)
+
+
+def span_backward(info: ModelInfo, times: LayerTimes, start: int, stop: int) -> float:
+    """Seconds of the backward passes of layers ``start..stop-1`` (one stage
+    or model chunk), with the forwards :func:`recomputed_layers` reruns."""
+    total = float(times.backward[start:stop].sum())
+    a, b = recomputed_layers(info, start, stop)
+    if b > a and times.recompute is not None:
+        total += float(times.recompute[a:b].sum())
+    return total
+
+
+def span_act_mem(info: ModelInfo, tp: int, start: int, stop: int) -> float:
+    """Floats (at mbs 1) that layers ``start..stop-1`` of one stage or model
+    chunk keep for their backward: ``act_mem``, but a layer
+    :func:`recomputed_layers` reruns keeps only ``recomputed_mem``."""
+    total = float(info.act_mem[tp][start:stop].sum())
+    a, b = recomputed_layers(info, start, stop)
+    if b > a and info.recomputed_mem is not None:
+        kept = info.recomputed_mem[tp][a:b].sum() - info.act_mem[tp][a:b].sum()
+        total += float(kept)
+    return total
 
 
 # ----------------------------------------------------------------- buckets

@@ -100,12 +100,16 @@ class LayerTimes:
         weight_grad: f64[L + 2] the part of ``backward`` that computes and
             accumulates weight gradients (what a zero-bubble schedule defers),
             or ``None`` where the source does not split it (profiles).
+        recompute: f64[L + 2] seconds a layer's backward adds when Megatron's
+            ``block`` method reruns it (``rules.span_backward``); ``None``:
+            ``backward`` holds every recomputation.
     """
 
     forward: NDArray[np.float64]
     backward: NDArray[np.float64]
     update: NDArray[np.float64]
     weight_grad: NDArray[np.float64] | None = None
+    recompute: NDArray[np.float64] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,6 +140,11 @@ class ModelInfo:
             ``--use-distributed-optimizer``).
         tied: ``{tp: floats}`` of the word embedding the first and last layer
             share, where known exactly (``None``: :meth:`tied_params` infers it).
+        recompute_layers: ``--recompute-method block --recompute-num-layers``:
+            the first this many blocks of each stage (model chunk) rerun
+            (``None``: ``act_mem`` says what every layer keeps).
+        recomputed_mem: ``{tp: f64[L + 2]}`` what a rerun layer keeps (its
+            input); ``blocks``: the layers ``[first, stop)`` that are blocks.
     """
 
     name: str
@@ -148,6 +157,9 @@ class ModelInfo:
     sharded_state_bytes_per_param: float = 0.0
     distributed_optimizer: bool = False
     tied: Mapping[int, float] | None = None
+    recompute_layers: int | None = None
+    recomputed_mem: Mapping[int, NDArray[np.float64]] | None = None
+    blocks: tuple[int, int] | None = None
 
     @property
     def num_layers(self) -> int:
