@@ -531,3 +531,43 @@ def test_the_quick_infeasibility_test_matches_the_search(model_files):
                 assert not fits
             else:
                 assert fits
+
+
+@pytest.mark.parametrize(
+    ("name", "layers"),
+    [("selective-wins", 1), ("selective-wins", 2), ("only-full-fits", 4)],
+)
+def test_block_recomputation_is_searched_and_proven(model_files, name, layers):
+    """A fixed ``recompute_num_layers`` (Megatron's block method) is searched
+    and proven like the other options: the stage bounds lie below every plan's
+    prediction, and the proven plan is the brute-force optimum (1F1B and
+    ZB-H1; where memory is tight, recomputing 4 of a stage's blocks fits
+    under 1F1B, never under ZB-H1)."""
+    _, pool, gbs, options = SETTINGS[name]
+    block = dataclasses.replace(options, recompute="full", recompute_num_layers=layers)
+    best, _, zb = _brute_force(model_files[name], tuple(pool.items()), gbs, block)
+    assert math.isfinite(best)
+    choice = choose_cost_source(model_files[name], pool, options=block)
+    _, bounds = stage_bound_tables(
+        choice.data, choice.model, tuple(choice.pool(pool).items()), gbs,
+        uniform=True,
+    )  # fmt: skip
+    checked = 0
+    for plan, _ in enumerate_plans(
+        choice.data, choice.model, choice.pool(pool), gbs, C
+    ):
+        prediction = predict_plan(plan, choice.data, constants=C)
+        if prediction.fits_memory:
+            bound = largest_stage_bound(bounds, plan)
+            assert bound <= prediction.iteration_time_s * (1 + 1e-12)
+            checked += 1
+    assert checked  # one plan fits where memory is tight, more elsewhere
+    for zero_bubble, expected in ((False, best), (True, zb)):
+        knobs = dataclasses.replace(block, zero_bubble=zero_bubble)
+        if not math.isfinite(expected):
+            with pytest.raises(InfeasibleProblemError):
+                plan_any_model(model_files[name], pool, gbs, options=knobs)
+            continue
+        found, _ = plan_any_model(model_files[name], pool, gbs, options=knobs)
+        assert found.proven
+        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)

@@ -259,13 +259,3 @@ def test_block_recomputation_applies_per_stage_and_chunk(chunks, zero_bubble):
     t, m = predicted(block[1])
     assert t0 < t < t1
     assert (m1 < m).all() and (m < m0).all()
-
-
-def test_block_recomputation_is_predicted_not_searched():
-    from pipedejavu.core.problem import ProblemError
-    from pipedejavu.core.training_options import TrainingOptions
-    from pipedejavu.planning.any_model import plan_any_model
-
-    options = TrainingOptions("bf16", recompute="full", recompute_num_layers=2)
-    with pytest.raises(ProblemError, match="priced by predict only"):
-        plan_any_model("Llama-3-8B", {"A100-80": 16}, 64, options=options)

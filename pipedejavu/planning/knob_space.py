@@ -62,8 +62,7 @@ class KnobSpace:
         rank_orders: Megatron-LM's rank orders
             (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`: ``tp-dp-pp``, its
             default, and ``tp-pp-dp``, ``--use-tp-pp-dp-mapping``), a placement
-            of the same plans: searched with the 1F1B and ZB-H1 schedules
-            (interleaved plans keep the default order).
+            of the same plans, searched with every schedule.
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES

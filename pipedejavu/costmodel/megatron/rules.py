@@ -49,6 +49,8 @@ __all__ = [
     "span_act_mem",
     "span_backward",
     "span_sums",
+    "spans_act_mem",
+    "spans_recompute",
     "stage_allreduce",
     "stage_params",
     "stash_bytes",
@@ -106,18 +108,19 @@ def optimizer_time(
 
 
 # ------------------------------------------- recomputation (block method)
-def recomputed_layers(info: ModelInfo, start: int, stop: int) -> tuple[int, int]:
-    """``[a, b)``: the layers of the span ``start..stop-1`` (a stage, or a
-    model chunk) that Megatron's ``block`` method recomputes: its first
-    ``info.recompute_layers`` transformer blocks (``a == b``: none, or no
-    partial recomputation priced)."""
+def recomputed_layers(info: ModelInfo, starts: Number, stops: Number) -> tuple:
+    """``(a, b)``: the layers ``[a, b)`` of each span ``starts..stops-1`` (a
+    stage, or a model chunk) that Megatron's ``block`` method recomputes: its
+    first ``info.recompute_layers`` transformer blocks (``a == b``: none, or
+    no partial recomputation priced)."""
     if info.recompute_layers is None or info.blocks is None:
-        return start, start
-    first = max(start, info.blocks[0])
-    end = min(stop, info.blocks[1])
-    if first >= end:
-        return start, start
-    return first, min(end, first + info.recompute_layers)
+        return starts, starts
+    first = np.maximum(starts, info.blocks[0])
+    end = np.minimum(stops, info.blocks[1])
+    some = first < end
+    a = np.where(some, first, starts)
+    b = np.where(some, np.minimum(end, first + info.recompute_layers), starts)
+    return a, b
 
 
 def span_backward(info: ModelInfo, times: LayerTimes, start: int, stop: int) -> float:
@@ -140,6 +143,31 @@ def span_act_mem(info: ModelInfo, tp: int, start: int, stop: int) -> float:
         kept = info.recomputed_mem[tp][a:b].sum() - info.act_mem[tp][a:b].sum()
         total += float(kept)
     return total
+
+
+def spans_recompute(
+    info: ModelInfo,
+    times: LayerTimes,
+    starts: NDArray[np.int64],
+    stops: NDArray[np.int64],
+) -> NDArray[np.float64]:
+    """:func:`span_backward`'s recomputation of every span at once (the
+    tables' and bounds' form; zeros without the block method)."""
+    if times.recompute is None:
+        return np.zeros(len(starts))
+    a, b = recomputed_layers(info, starts, stops)
+    return span_sums(times.recompute, a, b)
+
+
+def spans_act_mem(
+    info: ModelInfo, tp: int, starts: NDArray[np.int64], stops: NDArray[np.int64]
+) -> NDArray[np.float64]:
+    """:func:`span_act_mem` of every span at once."""
+    total = span_sums(info.act_mem[tp], starts, stops)
+    if info.recomputed_mem is None:
+        return total
+    a, b = recomputed_layers(info, starts, stops)
+    return total + span_sums(info.recomputed_mem[tp] - info.act_mem[tp], a, b)
 
 
 # ----------------------------------------------------------------- buckets

@@ -65,6 +65,8 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     span_sums,
+    spans_act_mem,
+    spans_recompute,
     stash_bytes,
     tied_allreduce_time,
 )
@@ -359,6 +361,7 @@ def compile_tables(
         work = np.minimum(work, tp * layer)
         prefix = np.concatenate([[0.0], np.cumsum(layer)])
         busy = prefix[ends + 1] - prefix[starts] + 2 * overhead
+        busy = busy + spans_recompute(info, times, starts, ends + 1)
         # Boundary b (after layer b): the transfer a stage takes part in.
         replica = Replica(gpu_type, tp, zone=zone)
         one_node = pipeline_gpus is not None and dp * pipeline_gpus <= gpn
@@ -389,7 +392,7 @@ def compile_tables(
         received = np.where(
             starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0
         )
-        act = span_sums(info.act_mem[tp], starts, stops)
+        act = spans_act_mem(info, tp, starts, stops)
         per_microbatch = stash_bytes(info, act, received, mbs)
         # Largest bucket, layer by layer, and the tail of each span.
         nodes = canonical_nodes([tp], dp, gpn)[0]

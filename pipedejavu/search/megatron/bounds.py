@@ -34,6 +34,8 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     span_sums,
+    spans_act_mem,
+    spans_recompute,
     stash_bytes,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
@@ -184,6 +186,7 @@ def kind_bounds(
         entry = times[kind]
         stage_f = span_sums(entry.forward, starts, stops) + overhead
         compute = span_sums(entry.forward + entry.backward, starts, stops)
+        compute = compute + spans_recompute(info, entry, starts, stops)
         compute = compute + (3 if zero_bubble else 2) * overhead
         pair_in = np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
         busy = compute + pair_in
@@ -263,7 +266,7 @@ def span_capacity(
     gpu, t = kind
     starts, stops = spans
     received = np.where(starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0)
-    stash = stash_bytes(info, span_sums(info.act_mem[t], starts, stops), received, mbs)
+    stash = stash_bytes(info, spans_act_mem(info, t, starts, stops), received, mbs)
     fits = in_flight_capacity(
         data.gpu_spec(gpu).memory_bytes,
         model_state_bytes(info, held, largest, dp),

@@ -22,8 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.problem import ProblemError
-from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, SailorData
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import usable_degrees
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "config_groups",
     "divisors",
     "mixes",
-    "searchable",
 ]
 
 
@@ -53,26 +51,6 @@ class ConfigGroup:
     steps: int
     tps: tuple[int, ...]
     sizes: tuple[int, ...]
-
-
-def searchable(data: SailorData, model: str) -> ModelInfo:
-    """The model's sizes, when the search and its proof can price its stages
-    from per-layer tables: not with Megatron's ``block`` recomputation, where
-    a layer's cost depends on its place in its stage
-    (:func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers`; the
-    predictor prices it, plans are searched with every block recomputed).
-
-    Raises:
-        ProblemError: with ``recompute_layers`` set.
-    """
-    info = data.model_info(model)
-    if info.recompute_layers is not None:
-        raise ProblemError(
-            f"recompute_num_layers={info.recompute_layers} (Megatron's block "
-            "method) is priced by predict only; plans are searched with every "
-            "block recomputed (recompute full) or none"
-        )
-    return info
 
 
 def divisors(n: int) -> list[int]:
@@ -98,7 +76,7 @@ def config_groups(
     max_stages: int | None,
 ) -> list[ConfigGroup]:
     """The one-type configurations of the pool (module docstring), grouped."""
-    info = searchable(data, model)
+    info = data.model_info(model)
     out = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -152,7 +130,7 @@ def mixes(
     max_stages: int | None,
 ) -> list[Mix]:
     """The (mbs, dp, TP) settings at which two types or more can hold stages."""
-    info = searchable(data, model)
+    info = data.model_info(model)
     profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
     out = []
     for mbs in sorted({m for table in profiles.values() for m, _ in table}):
