@@ -21,7 +21,7 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.any_model import choose_cost_source, plan_any_model
-from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
+from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace, recompute_name
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.search.megatron.certify import (
     any_plan_fits,
@@ -312,6 +312,11 @@ def test_no_choice_fits_says_which_were_tried(model_files):
         {"recompute": ("some",)},
         {"sequence_parallel": (1,)},
         {"distributed_optimizer": [True]},
+        {"recompute_layers": ()},
+        {"recompute_layers": (0,)},
+        {"recompute_layers": (2, 2)},
+        {"recompute_layers": (True,)},
+        {"recompute_layers": [1]},
     ],
 )
 def test_bad_spaces_are_refused(fields):
@@ -571,3 +576,47 @@ def test_block_recomputation_is_searched_and_proven(model_files, name, layers):
         found, _ = plan_any_model(model_files[name], pool, gbs, options=knobs)
         assert found.proven
         assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_blocks_recomputed_are_a_knob(model_files):
+    """``recompute_layers``: each block count of full recomputation is a
+    choice (fewer blocks first); the knob search's plan is the brute-force
+    optimum over every choice, 1F1B and ZB-H1 (a partial count wins here:
+    it fits plans that recompute less than full)."""
+    name = "selective-wins"
+    _, pool, gbs, options = SETTINGS[name]
+    space = KnobSpace(
+        recompute=("none", "full"),
+        sequence_parallel=(False,),
+        distributed_optimizer=(True,),
+        schedules=("1f1b", "zb-h1"),
+        recompute_layers=(2, None, 1),
+    )
+    choices = space.all_choices(options)
+    layers = [c.recompute_num_layers for c in choices if c.recompute == "full"]
+    assert layers == [1, 2, None]
+    best = {}
+    for choice in choices:
+        one, _, zb = _brute_force(model_files[name], tuple(pool.items()), gbs, choice)
+        best[choice.recompute_num_layers, choice.recompute] = min(one, zb)
+    result = plan_with_knobs(model_files[name], pool, gbs, options=options, space=space)
+    assert result.result.proven
+    found = result.result.prediction.iteration_time_s
+    assert found == pytest.approx(min(best.values()), rel=1e-12)
+    won = result.result.options
+    assert won.recompute == "full" and won.recompute_num_layers in (1, 2)
+    assert best[won.recompute_num_layers, "full"] == pytest.approx(found, rel=1e-12)
+    assert "first" in recompute_name(won)
+
+
+def test_cli_searches_the_blocks_recomputed(capsys, model_files):
+    path = model_files["selective-wins"]
+    argv = ["--model", path, "--gpus", "L4:8", "--global-batch", 16, "--json"]
+    argv += ["--recompute", "full", "--schedule", "1f1b", "--rank-order", "tp-dp-pp"]
+    code, out, err = _cli(capsys, *argv, "--recompute-num-layers", "all,2")
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["knobs"]["space"]["recompute_layers"] == [None, 2]
+    assert found["options"]["recompute_num_layers"] == 2  # fits more, wins
+    code, out, err = _cli(capsys, *argv, "--recompute-num-layers", "2,x")
+    assert code == 2 and "--recompute-num-layers takes" in err

@@ -36,11 +36,17 @@ from pipedejavu.planning.any_model import (
     choose_cost_source,
     predict_any_plan,
 )
-from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, SCHEDULES, KnobSpace
+from pipedejavu.planning.knob_space import (
+    MEGATRON_SCHEDULES,
+    SCHEDULES,
+    KnobSpace,
+    recompute_name,
+)
 from pipedejavu.planning.launch_compare import (
     SEARCH_SPACE_NOTE,
     RunComparison,
     compare_megatron_run,
+    launch_recompute_layers,
 )
 from pipedejavu.planning.training import parse_gpu_pool
 
@@ -58,6 +64,7 @@ __all__ = [
     "predict_plan_file",
     "read_launch",
     "recompute_choices",
+    "recompute_layer_choices",
 ]
 
 #: Longest sequence ``--seq-len`` takes (16 Mi tokens).
@@ -79,6 +86,26 @@ def recompute_choices(text: str) -> tuple[str, ...]:
 
 
 _ON_OFF = {"auto": (True, False), "on": (True,), "off": (False,)}
+
+
+def recompute_layer_choices(text: str) -> tuple[int | None, ...]:
+    """``plan --recompute-num-layers``: a comma list of block counts and
+    ``all`` (every block)."""
+    values: list[int | None] = []
+    for token in (v.strip() for v in text.split(",")):
+        if token == "all":
+            values.append(None)
+        elif token.isdigit() and 1 <= int(token) <= 100_000:
+            values.append(int(token))
+        else:
+            values = []
+            break
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            "--recompute-num-layers takes distinct block counts >= 1 and 'all' "
+            f"separated by commas, got {text!r}"
+        )
+    return tuple(values)
 
 
 def add_knob_options(parser: Any) -> None:
@@ -106,12 +133,21 @@ def add_knob_options(parser: Any) -> None:
         "for a Sailor model priced by its profiles)",
     )
     parser.add_argument(
+        "--recompute-num-layers",
+        type=recompute_layer_choices,
+        metavar="N|all[,...]",
+        help="with full recomputation, the transformer blocks of each stage "
+        "(model chunk) to recompute: N, the first N (Megatron-LM's "
+        "--recompute-method block --recompute-num-layers N), or all (its "
+        "uniform method); a comma list searches each (default: all; with "
+        "--megatron-args, the launch's value and all)",
+    )
+    parser.add_argument(
         "--rank-order",
         choices=("auto", RANK_ORDERS[0]),
         help="Megatron-LM's rank orders to search: auto (tp-dp-pp, its default, "
-        "and tp-pp-dp, --use-tp-pp-dp-mapping, with the 1F1B and ZB-H1 "
-        "schedules; with --export, those the target lays out) or tp-dp-pp "
-        "alone (default: auto)",
+        "and tp-pp-dp, --use-tp-pp-dp-mapping; with --export, those the target "
+        "lays out) or tp-dp-pp alone (default: auto)",
     )
     for flag, what in (
         ("--sequence-parallel", "Megatron-LM's --sequence-parallel (TP > 1)"),
@@ -140,6 +176,7 @@ def knobs_asked(args: argparse.Namespace) -> bool:
             "sequence_parallel",
             "distributed_optimizer",
             "rank_order",
+            "recompute_num_layers",
         )
     )
 
@@ -165,6 +202,7 @@ def knob_space(
         RANK_ORDERS[:1]
         if getattr(args, "rank_order", None) == RANK_ORDERS[0]
         else auto.rank_orders,
+        getattr(args, "recompute_num_layers", None) or auto.recompute_layers,
     )
 
 
@@ -228,7 +266,8 @@ def costs_line(
     """What priced a plan, in one line of the text report (``options``: the
     plan's, default the choice's)."""
     options = options or choice.options
-    line = f"costs: {cost_source} ({options.precision}, recompute {options.recompute}"
+    recompute = recompute_name(options)
+    line = f"costs: {cost_source} ({options.precision}, recompute {recompute}"
     if options.sequence_parallel:
         line += ", sequence parallel"
     if options.distributed_optimizer:
@@ -347,9 +386,10 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch-size {run.global_batch}"
             )
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
-    space = knob_space(
-        args, KnobSpace(schedules=MEGATRON_SCHEDULES), MEGATRON_SCHEDULES
+    auto = KnobSpace(
+        schedules=MEGATRON_SCHEDULES, recompute_layers=launch_recompute_layers(run)
     )
+    space = knob_space(args, auto, MEGATRON_SCHEDULES)
     return compare_megatron_run(
         run,
         gpu,

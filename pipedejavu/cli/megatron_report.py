@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.planning.knob_space import schedule_name
+from pipedejavu.planning.knob_space import recompute_name, schedule_name
 
 __all__ = [
     "format_knobs",
@@ -149,7 +149,7 @@ def format_knobs(knobs) -> str:
     was settled, a line each."""
     options = knobs.result.options
     lines = [
-        f"knobs: {schedule_name(options)}, recompute {options.recompute}, "
+        f"knobs: {schedule_name(options)}, recompute {recompute_name(options)}, "
         f"sequence parallel {_on(options.sequence_parallel)}, distributed optimizer "
         f"{_on(options.distributed_optimizer)}, rank order {knobs.rank_order} "
         f"(searched: "
@@ -165,7 +165,7 @@ def format_knobs(knobs) -> str:
         if outcome.rank_order != "tp-dp-pp":
             schedule += f" ({outcome.rank_order})"
         name = (
-            f"  {schedule}, recompute {o.recompute}, SP "
+            f"  {schedule}, recompute {recompute_name(o)}, SP "
             f"{_on(o.sequence_parallel)}, dist-opt {_on(o.distributed_optimizer)}: "
         )
         if outcome.how == "interleaved":

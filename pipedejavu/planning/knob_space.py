@@ -24,6 +24,7 @@ __all__ = [
     "SCHEDULES",
     "KnobOutcome",
     "KnobSpace",
+    "recompute_name",
     "schedule_name",
 ]
 
@@ -32,6 +33,14 @@ _ON_OFF = (True, False)
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 #: Those Megatron-LM runs (it has no flag for ZB-H1).
 MEGATRON_SCHEDULES = LAUNCHED_SCHEDULES["megatron"]
+
+
+def recompute_name(options: TrainingOptions) -> str:
+    """The recomputation ``options`` run, for a report: ``none``,
+    ``selective``, ``full`` or ``full (first N blocks)``."""
+    if options.recompute_num_layers is None:
+        return options.recompute
+    return f"{options.recompute} (first {options.recompute_num_layers} blocks)"
 
 
 def schedule_name(options: TrainingOptions) -> str:
@@ -63,6 +72,11 @@ class KnobSpace:
             (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`: ``tp-dp-pp``, its
             default, and ``tp-pp-dp``, ``--use-tp-pp-dp-mapping``), a placement
             of the same plans, searched with every schedule.
+        recompute_layers: with ``full``, how many transformer blocks of each
+            stage (model chunk) are recomputed: ``None`` every one (the
+            ``uniform`` method), ``N`` the first ``N`` (Megatron-LM's
+            ``--recompute-method block --recompute-num-layers N``); each value
+            is a choice, fewer blocks first.
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
@@ -70,8 +84,24 @@ class KnobSpace:
     distributed_optimizer: tuple[bool, ...] = _ON_OFF
     schedules: tuple[str, ...] = SCHEDULES
     rank_orders: tuple[str, ...] = RANK_ORDERS
+    recompute_layers: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
+        layers = self.recompute_layers
+        if (
+            not isinstance(layers, tuple)
+            or not layers
+            or len(set(layers)) != len(layers)
+            or any(
+                v is not None
+                and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+                for v in layers
+            )
+        ):
+            raise ValueError(
+                "recompute_layers: distinct values, each None (every block) or "
+                f"an int >= 1; got {layers}"
+            )
         if (
             not isinstance(self.schedules, tuple)
             or not self.schedules
@@ -132,6 +162,7 @@ class KnobSpace:
             (options.distributed_optimizer,),
             (schedule,),
             rank_orders,
+            (options.recompute_num_layers,),
         )
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
@@ -151,10 +182,17 @@ class KnobSpace:
     def all_choices(self, base: TrainingOptions) -> list[TrainingOptions]:
         """Every choice of the space, in search order."""
         order = {value: i for i, value in enumerate(RECOMPUTE_GRANULARITIES)}
-        recompute = sorted(self.recompute, key=order.__getitem__)
+        modes = []  # (granularity, blocks recomputed): fewer blocks first
+        for r in sorted(self.recompute, key=order.__getitem__):
+            if r != "full":
+                modes.append((r, None))
+                continue
+            some = sorted(n for n in self.recompute_layers if n is not None)
+            every = [None] if None in self.recompute_layers else []
+            modes += [(r, n) for n in [*some, *every]]
         out = []
-        for r, sp, dist in itertools.product(
-            recompute,
+        for (r, layers), sp, dist in itertools.product(
+            modes,
             sorted(self.sequence_parallel, reverse=True),
             sorted(self.distributed_optimizer, reverse=True),
         ):
@@ -162,7 +200,7 @@ class KnobSpace:
                 dataclasses.replace(
                     base,
                     recompute=r,
-                    recompute_num_layers=None,
+                    recompute_num_layers=layers,
                     sequence_parallel=sp,
                     distributed_optimizer=dist,
                     virtual_stages=1,
@@ -181,9 +219,13 @@ class KnobSpace:
         def flags(values: tuple[bool, ...]) -> str:
             return "|".join("on" if v else "off" for v in values)
 
+        blocks = ""
+        if self.recompute_layers != (None,) and "full" in self.recompute:
+            names = ["all" if n is None else str(n) for n in self.recompute_layers]
+            blocks = f" (full: {'|'.join(names)} blocks a stage)"
         return (
             f"schedule {'|'.join(self.schedules)}, "
-            f"recompute {'|'.join(self.recompute)}, sequence parallel "
+            f"recompute {'|'.join(self.recompute)}{blocks}, sequence parallel "
             f"{flags(self.sequence_parallel)}, distributed optimizer "
             f"{flags(self.distributed_optimizer)}, rank order "
             f"{'|'.join(self.rank_orders)}"

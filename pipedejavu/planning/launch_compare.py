@@ -32,13 +32,19 @@ from pipedejavu.planning.megatron_launch import (
 )
 from pipedejavu.planning.training import TrainingPlan
 
-__all__ = ["SEARCH_SPACE_NOTE", "RunComparison", "compare_megatron_run"]
+__all__ = [
+    "SEARCH_SPACE_NOTE",
+    "RunComparison",
+    "compare_megatron_run",
+    "launch_recompute_layers",
+]
 
 #: What the best plan of :func:`compare_megatron_run` was chosen among.
 SEARCH_SPACE_NOTE = (
     "stages of contiguous layers, one TP degree, DP, micro-batch size and the "
     "GPUs used; the 1F1B and Megatron's interleaved schedules; recomputation "
-    "none, selective or full; sequence parallelism and the distributed "
+    "none, selective or full (with a block launch, also its recomputed "
+    "blocks); sequence parallelism and the distributed "
     "optimizer on or off; Megatron-LM's two rank orders; the "
     "launch's precision, attention kernel and global batch"
 )
@@ -83,6 +89,13 @@ class RunComparison:
         return out
 
 
+def launch_recompute_layers(run: MegatronRun) -> tuple[int | None, ...]:
+    """The blocks a stage recomputes to search for a launch: its own
+    ``--recompute-num-layers`` (``block`` method) and every block."""
+    layers = options_of_run(run).recompute_num_layers
+    return (None,) if layers is None else (layers, None)
+
+
 def compare_megatron_run(
     run: MegatronRun,
     gpu_type: str,
@@ -100,7 +113,9 @@ def compare_megatron_run(
         num_gpus: GPUs of the launch (the best plan may use fewer).
         sheet: the GPU sheet.
         space: the knobs searched (``None``: all, with the schedules Megatron-LM
-            runs: :data:`~pipedejavu.planning.knob_space.MEGATRON_SCHEDULES`).
+            runs: :data:`~pipedejavu.planning.knob_space.MEGATRON_SCHEDULES`,
+            and the launch's block recomputation beside the uniform one:
+            :func:`launch_recompute_layers`).
         **plan_options: passed to :func:`~pipedejavu.planning.knobs.
             search_knobs` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
 
@@ -122,7 +137,11 @@ def compare_megatron_run(
         base,
         {gpu: num_gpus},
         given.plan.gbs,
-        space=space or KnobSpace(schedules=MEGATRON_SCHEDULES),
+        space=space
+        or KnobSpace(
+            schedules=MEGATRON_SCHEDULES,
+            recompute_layers=launch_recompute_layers(run),
+        ),
         **plan_options,
     )
     return RunComparison(given, knobs, knobs.choice.data)
