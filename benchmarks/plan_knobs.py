@@ -9,7 +9,10 @@ proven optimal over its own space:
 * ``+SP, dist-opt``: sequence parallelism and the distributed optimizer too;
 * ``+interleaved``: Megatron-LM's interleaved schedule too;
 * ``all``: the zero-bubble schedule ZB-H1 and the ``tp-pp-dp`` rank order too
-  (the spaces before keep Megatron-LM's default order).
+  (the spaces before keep Megatron-LM's default order);
+* ``all + blocks 1/2/4``: full recomputation of only the first 1, 2 or 4
+  blocks of each stage too (Megatron-LM's block method; an option, not the
+  default space).
 
 And for the published runs of ``pipedejavu/data/published`` named here, the
 published configuration as predicted beside the best plan for the same model,
@@ -80,6 +83,8 @@ SPACES = {
         schedules=("1f1b", "interleaved"), rank_orders=DEFAULT_ORDER
     ),
     "all": KnobSpace(),
+    # full recomputation of 1, 2 or 4 blocks of a stage beside every block
+    "all + blocks 1/2/4": KnobSpace(recompute_layers=(1, 2, 4, None)),
 }
 
 
@@ -92,6 +97,7 @@ def summary(result, seconds: float) -> dict:
         "rank_order": rank_order_of(result.plan),
         "chunks": options.virtual_stages,
         "recompute": options.recompute,
+        "recompute_num_layers": options.recompute_num_layers,
         "sequence_parallel": options.sequence_parallel,
         "distributed_optimizer": options.distributed_optimizer,
         "peak_memory_gb": result.prediction.peak_memory_bytes / 1e9,

@@ -719,7 +719,9 @@ def _knobs(entry: dict) -> str:
     parts = [
         entry["schedule"] if entry["chunks"] == 1 else f"interleaved x{entry['chunks']}"
     ]
-    parts.append(f"recompute {entry['recompute']}")
+    blocks = entry.get("recompute_num_layers")
+    recompute = entry["recompute"] if blocks is None else f"full (first {blocks})"
+    parts.append(f"recompute {recompute}")
     if entry["sequence_parallel"]:
         parts.append("SP")
     if entry["distributed_optimizer"]:
