@@ -1,10 +1,11 @@
 """Which choice of knobs the knob search (:mod:`pipedejavu.planning.knobs`)
 searches in full first, when both 1F1B and ZB-H1 are in its space: the planning
 DP alone (no proof) of each schedule's first choice decides. The later proofs
-are the quicker, the sooner the best plan is known: ZB-H1 always first was 2x
-slower on Llama-3-70B, 1F1B always first 2x slower on GPT-3 175B
-(``benchmarks/plan_knobs.py``). The probes' results are kept: the full search
-of a probed choice runs only its proof on them.
+are the quicker, the sooner the best plan is known, and which schedule finds
+it depends on the setting (ZB-H1 on GPT-3 175B, 1F1B on Llama-3-70B in
+``benchmarks/plan_knobs.py``): either fixed order made one of them much
+slower. The probes' results are kept: the full search of a probed choice runs
+only its proof on them.
 """
 
 from __future__ import annotations
