@@ -167,6 +167,22 @@ def test_activations_follow_korthikanti(
     np.testing.assert_allclose(block / (s * mbs * h), expected, rtol=1e-12)
 
 
+def _a100_plan(stages, model, gbs):
+    """A plan of ``(start, stop, tp)`` stages on A100-80 nodes, DP 2."""
+    from pipedejavu.costmodel.megatron.tables import plan_from_stages
+
+    return plan_from_stages(
+        stages,
+        gpu_type="A100-80",
+        dp=2,
+        mbs=1,
+        gbs=gbs,
+        model=model,
+        gpus_per_node=8,
+        zone="z",
+    )
+
+
 def _block_sources(n_values, **options):
     from pipedejavu.core.training_options import TrainingOptions
     from pipedejavu.planning.any_model import choose_cost_source
@@ -192,20 +208,10 @@ def test_block_recomputation_reruns_the_first_blocks_of_a_stage():
     forward and keeps the same activations), and at n >= 32 it is full."""
     from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
     from pipedejavu.costmodel.megatron.predictor import predict_plan
-    from pipedejavu.costmodel.megatron.tables import plan_from_stages
 
     none, full, block = _block_sources((1, 5, 32, 40))
     layers = none.data.model_info(none.model).num_layers
-    plan = plan_from_stages(
-        [(0, layers, 8)],
-        gpu_type="A100-80",
-        dp=2,
-        mbs=1,
-        gbs=16,
-        model=none.model,
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _a100_plan([(0, layers, 8)], none.model, 16)
 
     def predicted(choice):
         found = predict_plan(plan, choice.data, constants=C)
@@ -228,23 +234,14 @@ def test_block_recomputation_applies_per_stage_and_chunk(chunks, zero_bubble):
     lies strictly between, on every stage, in 1F1B, interleaved and ZB-H1."""
     from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
     from pipedejavu.costmodel.megatron.predictor import predict_plan
-    from pipedejavu.costmodel.megatron.tables import plan_from_stages
 
     per_chunk = 8 // chunks
     none, full, block = _block_sources(
         (1, per_chunk, 32), zero_bubble=zero_bubble, sequence_parallel=True
     )
     layers = none.data.model_info(none.model).num_layers
-    plan = plan_from_stages(
-        [(0, 9, 2), (9, 17, 2), (17, 25, 2), (25, layers, 2)],
-        gpu_type="A100-80",
-        dp=2,
-        mbs=1,
-        gbs=64,
-        model=none.model,
-        gpus_per_node=8,
-        zone="z",
-    )
+    stages = [(0, 9, 2), (9, 17, 2), (17, 25, 2), (25, layers, 2)]
+    plan = _a100_plan(stages, none.model, 64)
 
     def predicted(choice):
         found = predict_plan(plan, choice.data, constants=C, virtual_stages=chunks)

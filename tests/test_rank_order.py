@@ -92,11 +92,11 @@ def test_tp_pp_dp_bounds_are_below_every_prediction(model, pool, gbs, stages):
     assert checked >= 100 and tight > checked / 4
 
 
-@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
-def test_tp_pp_dp_proof_is_the_brute_force_optimum(model, pool, gbs, stages):
-    every = _every_plan(model, pool, gbs, stages, "tp-pp-dp")
+def _proof_from_the_worst(model, pool, gbs, stages, order, **options):
+    """The proof in ``order`` started from the slowest plan that fits, and
+    the brute-force optimum of that order."""
+    every = _every_plan(model, pool, gbs, stages, order)
     fits = [(p, r) for p, r in every if r.fits_memory]
-    best = min(r.iteration_time_s for _, r in fits)
     worst = max(fits, key=lambda item: item[1].iteration_time_s)[0]
     certificate = certify_predicted(
         DATA,
@@ -107,8 +107,15 @@ def test_tp_pp_dp_proof_is_the_brute_force_optimum(model, pool, gbs, stages):
         worst,
         max_stages=stages,
         mixed_types=False,
-        rank_order="tp-pp-dp",
+        rank_order=order,
+        **options,
     )
+    return certificate, min(r.iteration_time_s for _, r in fits)
+
+
+@pytest.mark.parametrize(("model", "pool", "gbs", "stages"), SMALL)
+def test_tp_pp_dp_proof_is_the_brute_force_optimum(model, pool, gbs, stages):
+    certificate, best = _proof_from_the_worst(model, pool, gbs, stages, "tp-pp-dp")
     assert certificate.proven
     assert certificate.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
     assert rank_order_of(certificate.plan, 8 if "RTX" in pool[0][0] else 4) in (
@@ -148,26 +155,9 @@ def test_proofs_sharing_the_either_order_bound_agree_with_brute_force(
 ):
     cache = BoundCache()
     for order in RANK_ORDERS:
-        fits = [
-            (p, r)
-            for p, r in _every_plan(model, pool, gbs, stages, order)
-            if r.fits_memory
-        ]
-        worst = max(fits, key=lambda item: item[1].iteration_time_s)[0]
-        certificate = certify_predicted(
-            DATA,
-            model,
-            dict(pool),
-            gbs,
-            C,
-            worst,
-            max_stages=stages,
-            mixed_types=False,
-            rank_order=order,
-            cache=cache,
-            either_order=True,
+        certificate, best = _proof_from_the_worst(
+            model, pool, gbs, stages, order, cache=cache, either_order=True
         )
-        best = min(r.iteration_time_s for _, r in fits)
         assert certificate.proven
         assert certificate.prediction.iteration_time_s == pytest.approx(best, rel=1e-12)
     assert cache.either  # the second order read the first one's bounds
