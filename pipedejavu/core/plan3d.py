@@ -411,9 +411,12 @@ def check_nodes(plan: Plan3D, gpus_per_node: Callable[[str], int]) -> None:
         ProblemError: naming the node, its GPUs and what the plan puts there.
     """
     placed: dict[int, list[tuple[int, int, str]]] = {}
+    capacities: dict[str, int] = {}  # asked once per GPU type
     for s, stage in enumerate(plan.stages):
         for replica in stage.replicas:
-            capacity = gpus_per_node(replica.gpu_type)
+            if replica.gpu_type not in capacities:
+                capacities[replica.gpu_type] = gpus_per_node(replica.gpu_type)
+            capacity = capacities[replica.gpu_type]
             if replica.tp > capacity:
                 raise ProblemError(
                     f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "

@@ -296,10 +296,12 @@ def predict_plan(
         for j in range(dp):
             pair = (nodes[s][j], nodes[s + 1][j])
             pairs[pair] = pairs.get(pair, 0) + 1
+        # a stage's replicas share its TP degree (_check): one message size
+        send_tp, receive_tp = a_stage.replicas[0].tp, b_stage.replicas[0].tp
+        nbytes = float(message_bytes(info, send_tp, a_stage.stop - 1, mbs))
+        blocking[s, :] = is_blocking(nbytes, send_tp, receive_tp, constants)
         for j in range(dp):
             sender, receiver = a_stage.replicas[j], b_stage.replicas[j]
-            nbytes = float(message_bytes(info, sender.tp, a_stage.stop - 1, mbs))
-            blocking[s, j] = is_blocking(nbytes, sender.tp, receiver.tp, constants)
             same = nodes[s][j] == nodes[s + 1][j]
             shared = pairs[(nodes[s][j], nodes[s + 1][j])]
             key = (_kind(sender), _kind(receiver), nbytes, same, shared)
