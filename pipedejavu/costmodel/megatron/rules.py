@@ -51,6 +51,7 @@ __all__ = [
     "span_sums",
     "spans_act_mem",
     "spans_recompute",
+    "spans_stash",
     "stage_allreduce",
     "stage_params",
     "stash_bytes",
@@ -168,6 +169,20 @@ def spans_act_mem(
         return total
     a, b = recomputed_layers(info, starts, stops)
     return total + span_sums(info.recomputed_mem[tp] - info.act_mem[tp], a, b)
+
+
+def spans_stash(
+    info: ModelInfo,
+    tp: int,
+    starts: NDArray[np.int64],
+    stops: NDArray[np.int64],
+    mbs: int,
+) -> NDArray[np.float64]:
+    """:func:`stash_bytes` of one micro-batch of ``mbs`` samples on every span
+    at once: its :func:`spans_act_mem` and the input it received (the
+    tables' and bounds' form of the predictor's stage stash)."""
+    received = np.where(starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0)
+    return stash_bytes(info, spans_act_mem(info, tp, starts, stops), received, mbs)
 
 
 # ----------------------------------------------------------------- buckets

@@ -65,9 +65,8 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     span_sums,
-    spans_act_mem,
     spans_recompute,
-    stash_bytes,
+    spans_stash,
     tied_allreduce_time,
 )
 from pipedejavu.costmodel.megatron.sailor_data import (
@@ -389,11 +388,7 @@ def compile_tables(
         held = held_params(
             info, tp, starts, stops, span_sums(info.params[tp], starts, stops)
         )
-        received = np.where(
-            starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0
-        )
-        act = spans_act_mem(info, tp, starts, stops)
-        per_microbatch = stash_bytes(info, act, received, mbs)
+        per_microbatch = spans_stash(info, tp, starts, stops, mbs)
         # Largest bucket, layer by layer, and the tail of each span.
         nodes = canonical_nodes([tp], dp, gpn)[0]
         replicas = [replica] * dp

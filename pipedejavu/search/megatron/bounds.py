@@ -34,9 +34,8 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     span_sums,
-    spans_act_mem,
     spans_recompute,
-    stash_bytes,
+    spans_stash,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
@@ -264,13 +263,10 @@ def span_capacity(
     bucket)."""
     info = data.model_info(model)
     gpu, t = kind
-    starts, stops = spans
-    received = np.where(starts > 0, info.act_output[t][np.maximum(starts - 1, 0)], 0.0)
-    stash = stash_bytes(info, spans_act_mem(info, t, starts, stops), received, mbs)
     fits = in_flight_capacity(
         data.gpu_spec(gpu).memory_bytes,
         model_state_bytes(info, held, largest, dp),
-        stash,
+        spans_stash(info, t, *spans, mbs),
         constants,
         gpu,
     )
@@ -283,7 +279,6 @@ def memory_counts(
     constants: PredictorConstants,
     group: ConfigGroup,
     cache: BoundCache | None = None,
-    rules: BoundCache | None = None,
 ) -> NDArray[np.bool_] | None:
     """``fits[k]``: some chain of exactly ``k`` stages of a one-degree group
     meets the proof's memory rule (:meth:`StageBounds.weights`: a stage with
@@ -291,16 +286,13 @@ def memory_counts(
     stages' capacities alone: where it is ``False`` the group's bound on
     ``k`` stages is infinite, with no transfer, all-reduce or time table
     built. ``None`` with several TP degrees. ``cache``: the answer is kept by
-    the source's, the constants' and the group's identity, and (``rules``) the
-    reachability by the rule's digest (choices that differ in the schedule
-    only ask the same)."""
+    the source's, the constants' and the group's identity (both rank orders'
+    proofs ask it), the reachability by the rule's digest (choices that differ
+    in the schedule only ask the same)."""
     if len(group.tps) != 1:
         return None
-    if cache is not None:
-        key = (id(data), model, id(constants), group)
-        if key not in cache.fitting:  # both rank orders' proofs ask it
-            counts = memory_counts(data, model, constants, group, None, cache)
-            cache.fitting[key] = (data, constants, counts)  # kept: ids not reused
+    key = (id(data), model, id(constants), group)
+    if cache is not None and key in cache.fitting:
         return cache.fitting[key][2]
     (t,) = group.tps
     info = data.model_info(model)
@@ -325,12 +317,13 @@ def memory_counts(
     memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
     # stages after it that a stage admits: any number once it holds all B
     memory[starts, ends] = np.where(cap >= group.steps, most, cap - 1)
-    if rules is None:
+    if cache is None:
         return chain_counts(memory, most)
-    digest = hashlib.blake2b(memory.tobytes(), digest_size=16).digest()
-    if (digest, most) not in rules.counts:
-        rules.counts[(digest, most)] = chain_counts(memory, most)
-    return rules.counts[(digest, most)]
+    digest = (hashlib.blake2b(memory.tobytes(), digest_size=16).digest(), most)
+    if digest not in cache.counts:
+        cache.counts[digest] = chain_counts(memory, most)
+    cache.fitting[key] = (data, constants, cache.counts[digest])  # ids kept
+    return cache.counts[digest]
 
 
 def least_allreduce(
