@@ -114,8 +114,9 @@ class InterleavedMemo:
         candidates: the candidates by (source ``id``, model, pool, batch,
             constants ``id``, settings), with the source and constants kept
             alive (their ``id`` not reused).
-        fits: the memory test (:func:`candidate_fits`) by (source ``id``,
-            model, the candidate's type, mbs, TP, stages, dp, chunks, batch).
+        fits: the memory test (:func:`candidate_fits`) by the key of
+            ``candidates`` and the candidate's type, mbs, TP, stages, dp and
+            chunks.
     """
 
     candidates: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
@@ -366,8 +367,7 @@ def search_interleaved(
         if predicted >= max_plans:
             lower = item.bound
             break
-        shape = (*space[:2], item.gpu, item.mbs, item.tp, item.ranks, item.dp)
-        shape += (item.chunks, global_batch)
+        shape = (space, item.gpu, item.mbs, item.tp, item.ranks, item.dp, item.chunks)
         if shape not in memo.fits:  # memory: whatever the placement
             memo.fits[shape] = candidate_fits(
                 data, model, constants, global_batch, item
