@@ -46,7 +46,7 @@ from pipedejavu.planning.launch_compare import (
     SEARCH_SPACE_NOTE,
     RunComparison,
     compare_megatron_run,
-    launch_recompute_layers,
+    launch_knob_space,
 )
 from pipedejavu.planning.training import parse_gpu_pool
 
@@ -386,10 +386,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch-size {run.global_batch}"
             )
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
-    auto = KnobSpace(
-        schedules=MEGATRON_SCHEDULES, recompute_layers=launch_recompute_layers(run)
-    )
-    space = knob_space(args, auto, MEGATRON_SCHEDULES)
+    space = knob_space(args, launch_knob_space(run), MEGATRON_SCHEDULES)
     return compare_megatron_run(
         run,
         gpu,

@@ -389,13 +389,14 @@ def search_knobs(
                 )
             )
     # 3. the choices step 1 left: the proof with the cutoff; then the tp-pp-dp
-    # order's proofs (not interleaved plans nor plans mixing GPU types)
+    # order's proofs of the 1F1B and ZB-H1 choices (not of plans mixing GPU
+    # types; step 2 placed the interleaved plans in either order)
     sequence = [
         (i, c, "zero-bubble" if c.options.zero_bubble else "proof", RANK_ORDERS[0])
         for i, c in pending
     ]
     both_orders = RANK_ORDERS[1] in space.rank_orders
-    if RANK_ORDERS[1] in space.rank_orders:  # (no plan fits: in no order)
+    if both_orders:  # (no plan fits: in no order)
         infeasible = [o.options for o in outcomes if o.how == "infeasible"]
         fits = [c for c in zero + one_f if c.options not in infeasible]
         placed = [

@@ -36,7 +36,7 @@ __all__ = [
     "SEARCH_SPACE_NOTE",
     "RunComparison",
     "compare_megatron_run",
-    "launch_recompute_layers",
+    "launch_knob_space",
 ]
 
 #: What the best plan of :func:`compare_megatron_run` was chosen among.
@@ -89,11 +89,16 @@ class RunComparison:
         return out
 
 
-def launch_recompute_layers(run: MegatronRun) -> tuple[int | None, ...]:
-    """The blocks a stage recomputes to search for a launch: its own
-    ``--recompute-num-layers`` (``block`` method) and every block."""
+def launch_knob_space(run: MegatronRun) -> KnobSpace:
+    """The knobs searched beside a launch by default: every knob, with the
+    schedules Megatron-LM runs
+    (:data:`~pipedejavu.planning.knob_space.MEGATRON_SCHEDULES`), and the
+    launch's own block recomputation beside every block recomputed."""
     layers = options_of_run(run).recompute_num_layers
-    return (None,) if layers is None else (layers, None)
+    return KnobSpace(
+        schedules=MEGATRON_SCHEDULES,
+        recompute_layers=(None,) if layers is None else (layers, None),
+    )
 
 
 def compare_megatron_run(
@@ -112,10 +117,7 @@ def compare_megatron_run(
         gpu_type: a GPU type of ``sheet`` (its canonical name).
         num_gpus: GPUs of the launch (the best plan may use fewer).
         sheet: the GPU sheet.
-        space: the knobs searched (``None``: all, with the schedules Megatron-LM
-            runs: :data:`~pipedejavu.planning.knob_space.MEGATRON_SCHEDULES`,
-            and the launch's block recomputation beside the uniform one:
-            :func:`launch_recompute_layers`).
+        space: the knobs searched (``None``: :func:`launch_knob_space`).
         **plan_options: passed to :func:`~pipedejavu.planning.knobs.
             search_knobs` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
 
@@ -137,11 +139,7 @@ def compare_megatron_run(
         base,
         {gpu: num_gpus},
         given.plan.gbs,
-        space=space
-        or KnobSpace(
-            schedules=MEGATRON_SCHEDULES,
-            recompute_layers=launch_recompute_layers(run),
-        ),
+        space=space or launch_knob_space(run),
         **plan_options,
     )
     return RunComparison(given, knobs, knobs.choice.data)

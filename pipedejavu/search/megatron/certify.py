@@ -391,8 +391,7 @@ def certify_predicted(
             continue
         if either_order:
             least = either_order_bounds(data, model, constants, group, cache)
-            settled = [n for n in sizes if least[n] >= best]
-            early += sum(1 for n in settled if math.isfinite(least[n]))
+            early += sum(1 for n in sizes if best <= least[n] < math.inf)
             sizes = [n for n in sizes if least[n] < best]
             if not sizes:
                 continue
