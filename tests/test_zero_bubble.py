@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from pipedejavu.simulation.interleaved import Op, simulate_interleaved
 from pipedejavu.simulation.zero_bubble import (
+    held_by_order,
     simulate_zero_bubble,
     zero_bubble_in_flight,
     zero_bubble_order,
+    zero_bubble_warmup,
 )
 
 
@@ -118,10 +120,19 @@ def test_transfers_delay_and_memory_counts_until_w():
         (([1.0], [1.0], [1.0], 0), "num_microbatches must be >= 1"),
         (([1.0], [1.0, 2.0], [1.0], 2), "input_grad must have shape"),
         (([1.0], [1.0], [-1.0], 2), "weight_grad must be finite and >= 0"),
-        (([[1.0]], [1.0], [1.0], 2), "forward must have shape"),
+        (([[[1.0]]], [1.0], [1.0], 2), "forward must have shape"),
+        (([[1.0]], [1.0], [1.0], 2), "input_grad must have shape"),
+        (([[1.0]] * 2, [[1.0]] * 2, [[1.0]] * 2, 2), None),
+        (([[1.0, 1.0]] * 2, [[1.0, 1.0]] * 2, [[1.0, 1.0]] * 2, 3), "a multiple"),
     ],
 )
 def test_bad_input(args, message):
+    if message is None:  # 2-D times with one chunk: ZB-H1 itself
+        two = simulate_zero_bubble(*args, transfer=[0.5, 0.0])
+        one = simulate_zero_bubble([1.0] * 2, [1.0] * 2, [1.0] * 2, 2, transfer=[0.5])
+        assert two.iteration_time == one.iteration_time
+        np.testing.assert_array_equal(two.forward_end[:, 0, :], one.forward_end)
+        return
     with pytest.raises(ValueError, match=message):
         simulate_zero_bubble(*args)
     with pytest.raises(ValueError, match="rank must be in"):
@@ -139,3 +150,107 @@ def test_in_flight_count_is_the_orders_peak_on_every_rank():
                     held += 1 if not op.backward else -1 if op.weight else 0
                     peak = max(peak, held)
                 assert peak == zero_bubble_in_flight(ranks, count)
+
+
+# ---- the interleaved form: V model chunks per rank -------------------------
+
+
+def test_interleaved_orders_by_hand():
+    # P = 2, V = 2, M = 2. Rank 1: one warm-up forward per chunk beyond the
+    # first (P of them), none for its distance to the end; its first B is
+    # chunk 1's (the last virtual stage), and it keeps one W pending.
+    f = [Op(False, c, b) for c, b in ((0, 0), (0, 1), (1, 0), (1, 1))]
+    b = [Op(True, c, m) for c, m in ((1, 0), (1, 1), (0, 0), (0, 1))]
+    w = [op._replace(weight=True) for op in b]
+    assert zero_bubble_order(1, 2, 2, 2) == [
+        f[0], f[1], f[2], b[0], f[3], b[1], w[0], b[2], w[1], b[3], w[2], w[3]
+    ]  # fmt: skip
+    # Rank 0: P + P - 1 = 3 warm-up forwards, then W right after each B.
+    assert zero_bubble_order(0, 2, 2, 2) == [
+        f[0], f[1], f[2], f[3], b[0], w[0], b[1], w[1], b[2], w[2], b[3], w[3]
+    ]  # fmt: skip
+    assert [zero_bubble_warmup(r, 4, 8, 3) for r in range(4)] == [11, 10, 9, 8]
+
+
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4))
+def test_interleaved_every_command_once_and_in_dependency_order(ranks, chunks, k):
+    count = k * ranks
+    for r in range(ranks):
+        order = zero_bubble_order(r, ranks, count, chunks)
+        expected = [
+            Op(kind > 0, c, b, kind == 2)
+            for kind in range(3)
+            for c in range(chunks)
+            for b in range(count)
+        ]
+        assert sorted(order) == sorted(expected)
+        position = {op: i for i, op in enumerate(order)}
+        for c in range(chunks):
+            for b in range(count):
+                fwd, inp = Op(False, c, b), Op(True, c, b)
+                assert (
+                    position[fwd] < position[inp] < position[inp._replace(weight=True)]
+                )
+                # a rank's later chunk follows its earlier one (forward), and
+                # precedes it (backward), for each micro-batch
+                if c:
+                    assert position[Op(False, c - 1, b)] < position[fwd]
+                    assert position[Op(True, c - 1, b)] > position[inp]
+        # W passes run in the order of their B passes
+        inputs = [op for op in order if op.backward and not op.weight]
+        weights = [op._replace(weight=False) for op in order if op.weight]
+        assert inputs == weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 5),
+    st.integers(2, 4),
+    st.integers(1, 3),
+    st.floats(0.1, 3.0),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1.0),
+)
+def test_interleaved_closed_form_with_equal_chunks(ranks, chunks, k, f, sw, sb):
+    # Per-rank f, b, w split equally over V chunks, free links, M = k P, in
+    # the regime of the one-chunk closed form: the bubble (P - 1)(f + b - w)
+    # divided by V, as interleaving divides 1F1B's.
+    count = k * ranks
+    w = sw * f
+    b = w + sb * f
+    shape = (ranks, chunks)
+    result = simulate_zero_bubble(
+        np.full(shape, f / chunks),
+        np.full(shape, b / chunks),
+        np.full(shape, w / chunks),
+        count,
+        memory_per_microbatch=np.full(shape, 1.0 / chunks),
+    )
+    expected = count * (f + b + w) + (ranks - 1) * (f + b - w) / chunks
+    assert result.iteration_time == pytest.approx(expected, rel=1e-9)
+    # every rank holds the chunks of P micro-batches at its peak: P
+    # micro-batches' worth, as ZB-H1 (no interleaving penalty)
+    assert np.all(result.peak_in_flight == chunks * ranks)
+    np.testing.assert_allclose(result.peak_memory, ranks)
+    assert result.forward_end.shape == (ranks, chunks, count)
+
+
+def test_interleaved_memory_is_the_orders_peak_per_chunk():
+    memory = np.array([[4.0, 1.0], [2.0, 8.0]])
+    result = simulate_zero_bubble(
+        np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), 4,
+        transfer=[0.1, 0.2], memory_per_microbatch=memory,
+    )  # fmt: skip
+    for r in range(2):
+        held = peak = 0.0
+        for op in zero_bubble_order(r, 2, 4, 2):
+            if not op.backward:
+                held += memory[r, op.chunk]
+            elif op.weight:
+                held -= memory[r, op.chunk]
+            peak = max(peak, held)
+        assert result.peak_memory[r] == peak
+        assert held_by_order(zero_bubble_order(r, 2, 4, 2), memory[r]) == peak
+    # rank 0 (chunk 0: 4 bytes, chunk 1: 1): F00 F01 F10 F11 hold 10 at its
+    # first B; B10 W10 free 1, F02 adds 4, B11 W11 free 1, F03 adds 4: 16
+    assert result.peak_memory[0] == 16.0

@@ -1,4 +1,5 @@
-"""The ZB-H1 zero-bubble pipeline schedule on the discrete-event simulator.
+"""The zero-bubble pipeline schedules ZB-H1 and its interleaved form on the
+discrete-event simulator.
 
 Qi et al. (ICLR'24, "Zero Bubble Pipeline Parallelism") split each backward
 into ``B`` (the input gradient, which the previous stage waits for) and ``W``
@@ -6,10 +7,18 @@ into ``B`` (the input gradient, which the previous stage waits for) and ``W``
 defers the ``W`` passes so that they fill the cool-down, where 1F1B's ranks wait
 for gradients. This is the order of PyTorch's
 ``ScheduleInterleavedZeroBubble`` (``torch.distributed.pipelining``, the
-paper's ZB-1p) with one stage per rank, which torchtitan launches as
-``InterleavedZeroBubble``:
+paper's ZB-1p), which torchtitan launches as ``InterleavedZeroBubble``, with
+``V`` model chunks per rank (``V = 1``: ZB-H1; chunk ``c`` of rank ``r`` is
+virtual stage ``c P + r``, as in :mod:`pipedejavu.simulation.interleaved`):
 
-* rank ``r`` of ``P`` runs ``min(P - r - 1, M)`` warm-up forwards;
+* rank ``r`` of ``P`` runs ``min((V - 1) P + P - r - 1, V M)`` warm-up
+  forwards (one per rank closer to the end, where Megatron-LM's interleaved
+  1F1B runs two);
+* the forwards are taken in groups of ``P`` micro-batches, chunk by chunk
+  (micro-batches ``0 .. P - 1`` on chunk 0, then on chunk 1, ...), the
+  backwards from the same table with the chunk reversed (PyTorch's order with
+  ``M`` a multiple of ``P``, which ``V > 1`` needs here; with ``V = 1`` any
+  ``M``);
 * then per step one forward and one ``B``; after its ``j``-th ``B`` (from 0) it
   runs the oldest pending ``W`` once ``j >= r`` (rank ``r`` keeps ``r`` weight
   passes pending, which the cool-down then fills in);
@@ -21,24 +30,26 @@ its rank after its ``B`` and sends nothing.
 
 **Closed form** (``tests/test_zero_bubble.py``): equal stages ``f``, ``b``,
 ``w`` with ``w <= f`` and ``w <= b <= w + f`` (the paper's ``F = B = W`` among
-them) and free links, ``M >= P``: the iteration takes
+them), ``V = 1`` and free links, ``M >= P``: the iteration takes
 ``M (f + b + w) + (P - 1)(f + b - w)``, against 1F1B's ``M (f + b + w) + (P -
 1)(f + b + w)`` with the backward whole: the bubble shrinks by ``2 (P - 1) w``.
 Outside that regime it is longer (with ``w > b`` the last rank ends at ``(P -
 1) f + M (f + b + w)``: its ``P - 1`` pending ``W`` passes run after its last
 ``B``).
 
-**Memory.** A micro-batch counts as in flight from its forward to its ``W``
-(:attr:`ZeroBubbleResult.peak_in_flight`), holding all its stashed activations
-until then: an upper bound (after ``B`` the real runtime keeps only what ``W``
-needs, the inputs of the linear layers and their output gradients). Rank ``r``
-peaks at ``min(P, M)`` micro-batches, every rank as many as 1F1B's first.
+**Memory.** A micro-batch-chunk counts as in flight from its forward to its
+``W`` (:attr:`ZeroBubbleResult.peak_in_flight`), holding all its stashed
+activations until then: an upper bound (after ``B`` the real runtime keeps
+only what ``W`` needs, the inputs of the linear layers and their output
+gradients). With ``V = 1`` rank ``r`` peaks at ``min(P, M)`` micro-batches,
+every rank as many as 1F1B's first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -48,8 +59,10 @@ from pipedejavu.simulation.interleaved import Op, checked_array, run_interleaved
 __all__ = [
     "ZeroBubbleResult",
     "simulate_zero_bubble",
+    "held_by_order",
     "zero_bubble_in_flight",
     "zero_bubble_order",
+    "zero_bubble_warmup",
 ]
 
 
@@ -61,18 +74,51 @@ def _count(value, name: str, least: int) -> int:
     return int(value)
 
 
+def _sizes(rank, num_ranks, num_microbatches, num_chunks) -> tuple[int, int, int, int]:
+    ranks = _count(num_ranks, "num_ranks", 1)
+    count = _count(num_microbatches, "num_microbatches", 1)
+    chunks = _count(num_chunks, "num_chunks", 1)
+    rank = _count(rank, "rank", 0)
+    if rank >= ranks:
+        raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
+    if chunks > 1 and count % ranks:
+        raise ValueError(
+            f"the interleaved zero-bubble schedule needs num_microbatches to be a "
+            f"multiple of the pipeline size {ranks}, got {count}"
+        )
+    return rank, ranks, count, chunks
+
+
+def zero_bubble_warmup(
+    rank: int, num_ranks: int, num_microbatches: int, num_chunks: int = 1
+) -> int:
+    """Forwards rank ``rank`` runs before its first ``B``: ``min((V - 1) P + P -
+    r - 1, V M)`` (module docstring).
+
+    Raises:
+        ValueError: a size below 1, ``rank`` outside ``[0, num_ranks)``, or
+            ``V > 1`` with ``M`` not a multiple of ``P``.
+    """
+    rank, ranks, count, chunks = _sizes(rank, num_ranks, num_microbatches, num_chunks)
+    return min((chunks - 1) * ranks + ranks - rank - 1, chunks * count)
+
+
 def zero_bubble_in_flight(num_ranks: int, num_microbatches: int) -> int:
     """The most micro-batches any rank holds in flight (forward done, ``W`` not
-    yet) under :func:`zero_bubble_order`: ``min(P, M)``, on every rank
-    (``tests/test_zero_bubble.py`` checks it against the order)."""
+    yet) under :func:`zero_bubble_order` with one chunk per rank: ``min(P,
+    M)``, on every rank (``tests/test_zero_bubble.py`` checks it against the
+    order)."""
     return min(
         _count(num_ranks, "num_ranks", 1),
         _count(num_microbatches, "num_microbatches", 1),
     )
 
 
-def zero_bubble_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
-    """The commands of rank ``rank`` in run order (module docstring).
+def zero_bubble_order(
+    rank: int, num_ranks: int, num_microbatches: int, num_chunks: int = 1
+) -> list[Op]:
+    """The commands of rank ``rank`` in run order (module docstring), with
+    ``num_chunks`` model chunks per rank.
 
     Example:
         >>> ops = zero_bubble_order(1, 2, 3)
@@ -80,59 +126,78 @@ def zero_bubble_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
         'F0 B0 F1 B1 W0 F2 B2 W1 W2'
 
     Raises:
-        ValueError: a size below 1, or ``rank`` outside ``[0, num_ranks)``.
+        ValueError: as :func:`zero_bubble_warmup`.
     """
-    ranks = _count(num_ranks, "num_ranks", 1)
-    count = _count(num_microbatches, "num_microbatches", 1)
-    rank = _count(rank, "rank", 0)
-    if rank >= ranks:
-        raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
-    warmup = min(ranks - rank - 1, count)
-    order = [Op(False, 0, b) for b in range(warmup)]
-    pending = 0  # the oldest micro-batch whose W has not run
-    for j in range(count):
-        if warmup + j < count:
-            order.append(Op(False, 0, warmup + j))
-        order.append(Op(True, 0, j))
+    warmup = zero_bubble_warmup(rank, num_ranks, num_microbatches, num_chunks)
+    ranks, count, chunks = int(num_ranks), int(num_microbatches), int(num_chunks)
+    table = [
+        (microbatch, chunk)
+        for group in range(0, count, ranks)
+        for chunk in range(chunks)
+        for microbatch in range(group, min(group + ranks, count))
+    ]
+    forwards = [Op(False, c, b) for b, c in table]
+    inputs = [Op(True, chunks - 1 - c, b) for b, c in table]
+    weights = [Op(True, chunks - 1 - c, b, True) for b, c in table]
+    order = forwards[:warmup]
+    pending = 0  # the oldest B whose W has not run
+    for j in range(len(table)):
+        if warmup + j < len(table):
+            order.append(forwards[warmup + j])
+        order.append(inputs[j])
         if j >= rank:
-            order.append(Op(True, 0, pending, True))
+            order.append(weights[pending])
             pending += 1
-    order += [Op(True, 0, b, True) for b in range(pending, count)]
-    return order
+    return order + weights[pending:]
 
 
 @functools.lru_cache(maxsize=4096)
-def _order(rank: int, num_ranks: int, num_microbatches: int) -> tuple[Op, ...]:
+def _order(
+    rank: int, num_ranks: int, num_microbatches: int, chunks: int
+) -> tuple[Op, ...]:
     """:func:`zero_bubble_order`, kept (the predictor asks for the same orders
     over and over)."""
-    return tuple(zero_bubble_order(rank, num_ranks, num_microbatches))
+    return tuple(zero_bubble_order(rank, num_ranks, num_microbatches, chunks))
+
+
+def held_by_order(order: Sequence[Op], memory: Sequence[float]) -> float:
+    """The most bytes a rank holds at once under ``order`` when one
+    micro-batch's chunk ``c`` holds ``memory[c]`` from its forward to its
+    ``W``: the zero-bubble schedules' stash, shared by the simulator and the
+    planners' memory tests."""
+    held = peak = 0.0
+    for op in order:
+        if not op.backward:
+            held += memory[op.chunk]
+            peak = max(peak, held)
+        elif op.weight:
+            held -= memory[op.chunk]
+    return peak
 
 
 @functools.lru_cache(maxsize=4096)
-def _peak(rank: int, num_ranks: int, num_microbatches: int) -> int:
-    """The most micro-batches the rank holds between a forward and its ``W``
-    under its order."""
-    held = peak = 0
-    for op in _order(rank, num_ranks, num_microbatches):
-        held += 1 if not op.backward else (-1 if op.weight else 0)
-        peak = max(peak, held)
-    return peak
+def _peak(rank: int, num_ranks: int, num_microbatches: int, chunks: int) -> int:
+    """The most micro-batch-chunks the rank holds between a forward and its
+    ``W`` under its order."""
+    ones = [1.0] * chunks
+    return int(held_by_order(_order(rank, num_ranks, num_microbatches, chunks), ones))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ZeroBubbleResult:
-    """The timed ZB-H1 schedule of one iteration.
+    """The timed zero-bubble schedule of one iteration.
 
     Attributes:
         num_microbatches: M.
         iteration_time: seconds until the last command ends.
-        forward_end, input_grad_end, weight_grad_end: f64[P, M] seconds at
-            which each rank ends ``F``, ``B`` and ``W`` of each micro-batch.
-        busy_time: f64[P] seconds each rank computes, ``M (f + b + w)``.
-        peak_in_flight: i64[P] most micro-batches forwarded whose ``W`` has
-            not yet run.
-        peak_memory: f64[P] ``peak_in_flight x memory_per_microbatch`` (the
-            order's peak), or ``None``.
+        forward_end, input_grad_end, weight_grad_end: seconds at which each
+            rank ends ``F``, ``B`` and ``W`` of each micro-batch: f64[P, M]
+            with one chunk per rank (1-D times), f64[P, V, M] with ``V`` (2-D).
+        busy_time: f64[P] seconds each rank computes, ``M sum_c (f + b + w)``.
+        peak_in_flight: i64[P] most micro-batch-chunks forwarded whose ``W``
+            has not yet run.
+        peak_memory: f64[P] the most bytes the in-flight micro-batch-chunks
+            hold at once (:func:`held_by_order`), or ``None``.
     """
 
     num_microbatches: int
@@ -154,18 +219,24 @@ def simulate_zero_bubble(
     transfer: ArrayLike | None = None,
     memory_per_microbatch: ArrayLike | None = None,
 ) -> ZeroBubbleResult:
-    """Simulate one iteration of ZB-H1 (module docstring).
+    """Simulate one iteration of ZB-H1, or of its interleaved form with 2-D
+    times (module docstring).
 
     Args:
-        forward: f64[P] seconds of each rank's forward per micro-batch.
-        input_grad: f64[P] seconds of its ``B`` (input gradient; any
+        forward: f64[P] seconds of each rank's forward per micro-batch, or
+            f64[P, V] of each of its ``V`` chunks (``V > 1`` needs ``M`` a
+            multiple of ``P``).
+        input_grad: the same shape, seconds of its ``B`` (input gradient; any
             recomputation belongs here).
-        weight_grad: f64[P] seconds of its ``W``.
+        weight_grad: the same shape, seconds of its ``W``.
         num_microbatches: M >= 1.
-        transfer: f64[P - 1] seconds per micro-batch per direction over the
-            link after each rank but the last (``None``: free links).
-        memory_per_microbatch: f64[P] bytes one micro-batch holds on a rank
-            from its forward to its ``W`` (``None``: no memory report).
+        transfer: seconds per micro-batch per direction over the link after
+            each rank: f64[P - 1] with 1-D times (no wrap-around), f64[P] with
+            2-D times (link ``P - 1`` is the wrap-around to rank 0). ``None``:
+            free links.
+        memory_per_microbatch: the shape of ``forward``, bytes one
+            micro-batch holds on a rank's chunk from its forward to its ``W``
+            (``None``: no memory report).
 
     Raises:
         ValueError: naming the bad argument, what was expected and what arrived.
@@ -176,32 +247,51 @@ def simulate_zero_bubble(
         27.0
     """
     array = np.asarray(forward)
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"forward must have shape (P,) with P >= 1, got {array.shape}")
-    ranks = array.size
+    if array.ndim not in (1, 2) or 0 in array.shape:
+        raise ValueError(
+            f"forward must have shape (P,) or (P, V) with P, V >= 1, got {array.shape}"
+        )
+    flat = array.ndim == 1
+    shape = array.shape
+    ranks, chunks = (shape[0], 1) if flat else shape
     count = _count(num_microbatches, "num_microbatches", 1)
-    f = checked_array(forward, "forward", (ranks,))
-    b = checked_array(input_grad, "input_grad", (ranks,))
-    w = checked_array(weight_grad, "weight_grad", (ranks,))
+    if chunks > 1 and count % ranks:
+        raise ValueError(
+            f"the interleaved zero-bubble schedule needs num_microbatches to be a "
+            f"multiple of the pipeline size {ranks}, got {count}"
+        )
+    f, b, w = (
+        checked_array(value, name, shape).reshape(ranks, chunks)
+        for value, name in (
+            (forward, "forward"),
+            (input_grad, "input_grad"),
+            (weight_grad, "weight_grad"),
+        )
+    )
     links = np.zeros(ranks)
     if transfer is not None:
-        links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
-    orders = [_order(r, ranks, count) for r in range(ranks)]
+        if flat:
+            links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
+        else:
+            links[:] = checked_array(transfer, "transfer", (ranks,))
+    orders = [_order(r, ranks, count, chunks) for r in range(ranks)]
     grids = run_interleaved(
-        f[:, None].tolist(),
-        b[:, None].tolist(),
-        links.tolist(),
-        orders,
-        count,
-        weight=w[:, None].tolist(),
+        f.tolist(), b.tolist(), links.tolist(), orders, count, weight=w.tolist()
     )
-    f_end, b_end, w_end = (np.array(grids[k])[:, 0, :] for k in (1, 3, 9))
+    f_end, b_end, w_end = (np.array(grids[k]) for k in (1, 3, 9))
     iteration = float(max(f_end.max(), b_end.max(), w_end.max()))
-    peak = np.array([_peak(r, ranks, count) for r in range(ranks)], dtype=np.int64)
+    if flat:
+        f_end, b_end, w_end = f_end[:, 0, :], b_end[:, 0, :], w_end[:, 0, :]
+    peak = np.array(
+        [_peak(r, ranks, count, chunks) for r in range(ranks)], dtype=np.int64
+    )
     memory = None
     if memory_per_microbatch is not None:
-        memory = peak * checked_array(
-            memory_per_microbatch, "memory_per_microbatch", (ranks,)
+        per_chunk = checked_array(
+            memory_per_microbatch, "memory_per_microbatch", shape
+        ).reshape(ranks, chunks)
+        memory = np.array(
+            [held_by_order(orders[r], per_chunk[r].tolist()) for r in range(ranks)]
         )
     return ZeroBubbleResult(
         num_microbatches=count,
@@ -209,7 +299,7 @@ def simulate_zero_bubble(
         forward_end=f_end,
         input_grad_end=b_end,
         weight_grad_end=w_end,
-        busy_time=count * (f + b + w),
+        busy_time=count * (f + b + w).sum(axis=1),
         peak_in_flight=peak,
         peak_memory=memory,
     )
