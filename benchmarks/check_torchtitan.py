@@ -13,13 +13,13 @@ the error classes and the rank check). For each torchtitan export
   part (``"full"``: every block wrapped), and the precision through
   ``maybe_enable_amp`` (fp32: no autocast, or a float32 one);
 * for the knobs (:func:`knob_cases`: ``P`` of 2 to 8, ``V`` of 1 to 4, ``M``
-  multiples of ``P`` and not, TP 1 and 2, recomputation none and full, ZB-H1):
+  multiples of ``P`` and not, TP 1 and 2, recomputation none and full, ZB-H1
+  and its interleaved form):
   the parts of rank ``r`` are Megatron-LM's chunks (virtual stage ``c P + r``)
   and PyTorch's per-rank actions (``pipeline_order`` without its empty slots)
   are our simulators' orders: ``interleaved_order`` for ``1F1B`` (``V = 1``)
-  and ``Interleaved1F1B``, the ZB-H1 rule of
-  :mod:`pipedejavu.simulation.zero_bubble` (and its ``zero_bubble_order``
-  where this checkout has it) for ``InterleavedZeroBubble``. For ``1F1B`` the
+  and ``Interleaved1F1B``, ``zero_bubble_order`` (and the tests' re-statement
+  of PyTorch's rule) for ``InterleavedZeroBubble`` with ``V`` of 1 to 4. For ``1F1B`` the
   order compared is ``Schedule1F1B._get_pipeline_order``, PyTorch's statement
   of what its ``_step_microbatches`` runs (``min(M, P - r)`` forwards, then
   backward-forward pairs: the same sequence).
@@ -58,6 +58,7 @@ from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.export_torchtitan import module_fqns, schedule_name  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 from pipedejavu.simulation.interleaved import interleaved_order  # noqa: E402
+from pipedejavu.simulation.zero_bubble import zero_bubble_order  # noqa: E402
 
 
 class Mismatch(AssertionError):
@@ -190,12 +191,8 @@ def our_order(schedule: str, rank: int, ranks: int, chunks: int, count: int):
     if schedule in ("1F1B", "Interleaved1F1B"):
         ops = interleaved_order(rank, ranks, chunks, count)
         return [("B" if op.backward else "F", op.chunk, op.microbatch) for op in ops]
-    order = knob_rules.zero_bubble_rule(rank, ranks, count)
-    try:
-        from pipedejavu.simulation.zero_bubble import zero_bubble_order
-    except ImportError:  # not in this checkout yet: the rule it states
-        return order
-    ops = zero_bubble_order(rank, ranks, count)
+    order = knob_rules.pytorch_order(rank, ranks, chunks, count, True)
+    ops = zero_bubble_order(rank, ranks, count, chunks)
     real = [("FBW"[o.backward + o.weight], o.chunk, o.microbatch) for o in ops]
     expect(real == order, f"zero_bubble_order rank {rank} differs from its rule")
     return real
@@ -500,11 +497,10 @@ def knob_cases() -> list[tuple[str, object, TrainingOptions]]:
     out = []
     for ranks in (2, 3, 4, 8):
         for chunks in (1, 2, 3, 4):
-            schedules = (
-                [TrainingOptions(), TrainingOptions(zero_bubble=True)]
-                if chunks == 1
-                else [TrainingOptions(virtual_stages=chunks)]
-            )
+            schedules = [
+                TrainingOptions(virtual_stages=chunks),
+                TrainingOptions(virtual_stages=chunks, zero_bubble=True),
+            ]
             counts = sorted({ranks, 2 * ranks, 3 * ranks, ranks + 1, 2 * ranks + 1})
             for base in schedules:
                 for count in counts:

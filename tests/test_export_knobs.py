@@ -80,10 +80,10 @@ def torchtitan_refusal(plan, options):
         return f"not the first {limit} of each chunk"
     if pp == 1:
         return None
-    if options.zero_bubble:
+    if options.zero_bubble and chunks == 1:
         rounds = max(1, count // pp)
         return None if count % rounds == 0 else "multiple of max(1, M // P)"
-    if chunks > 1:
+    if chunks > 1:  # (our orders: Megatron-LM's rounds of P micro-batches)
         return None if count % pp == 0 else "multiple of the"
     return None if count >= pp else "at least as many micro-batches"
 
@@ -127,6 +127,7 @@ def check_torchtitan(plan, options, text):
         (False, False): "1F1B",
         (True, False): "Interleaved1F1B",
         (False, True): "InterleavedZeroBubble",
+        (True, True): "InterleavedZeroBubble",
     }[chunks > 1, options.zero_bubble]
     assert par["pipeline_parallel_schedule"] == expected
     check_parts(plan, chunks, par["module_fqns_per_model_part"])
@@ -177,6 +178,8 @@ KNOBS = [
     TrainingOptions(virtual_stages=3),
     TrainingOptions(zero_bubble=True),
     TrainingOptions(zero_bubble=True, sequence_parallel=True, recompute="full"),
+    TrainingOptions(zero_bubble=True, virtual_stages=2),
+    TrainingOptions(zero_bubble=True, virtual_stages=3, recompute="full"),
     TrainingOptions(recompute="full", recompute_num_layers=4),
     TrainingOptions(recompute="full", recompute_num_layers=2, virtual_stages=2),
     TrainingOptions(recompute="selective"),
@@ -327,6 +330,17 @@ def test_pytorch_zero_bubble_order_is_zb_h1(num_ranks):
             assert theirs == ours(zero_bubble_order(rank, num_ranks, count))
 
 
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("num_chunks", [2, 3, 4])
+def test_pytorch_interleaved_zero_bubble_order_is_ours(num_ranks, num_chunks):
+    for rounds in (1, 2, 3):
+        count = rounds * num_ranks
+        for rank in range(num_ranks):
+            theirs = pytorch_order(rank, num_ranks, num_chunks, count, True)
+            mine = zero_bubble_order(rank, num_ranks, count, num_chunks)
+            assert theirs == ours(mine)
+
+
 @pytest.mark.parametrize("target", EXPORTS)
 def test_launched_schedules_are_what_the_exports_accept(target):
     """The schedules a target launches (what ``plan --export`` searches) are
@@ -337,6 +351,7 @@ def test_launched_schedules_are_what_the_exports_accept(target):
         ("1f1b", TrainingOptions()),
         ("interleaved", TrainingOptions(virtual_stages=2)),
         ("zb-h1", TrainingOptions(zero_bubble=True)),
+        ("interleaved-zb", TrainingOptions(zero_bubble=True, virtual_stages=2)),
     ):
         try:
             export_plan(plan, target, gpus_per_node={"B-80": 2}, options=options)

@@ -118,7 +118,8 @@ def add_knob_options(parser: Any) -> None:
         help="pipeline schedule to search: 1f1b, interleaved (Megatron-LM's "
         "interleaved 1F1B, equal chunks), zb-h1 (the zero-bubble ZB-H1: "
         "backward split into input- and weight-gradient passes; torchtitan's "
-        "InterleavedZeroBubble with one stage per rank) or auto, all three "
+        "InterleavedZeroBubble with one stage per rank), interleaved-zb (the "
+        "same over equal chunks, several per rank) or auto, all four "
         "(with --megatron-args: the two Megatron-LM runs) (default: auto for "
         "a model priced by the analytical model; 1f1b for a Sailor model "
         "priced by its profiles)",

@@ -23,7 +23,8 @@ Each field names the Megatron-LM argument it stands for:
   split into an input-gradient pass and a weight-gradient pass, the latter
   deferred to fill the pipeline's bubble (PyTorch's
   ``ScheduleInterleavedZeroBubble`` with one stage per rank, torchtitan's
-  ``InterleavedZeroBubble``; no Megatron-LM flag).
+  ``InterleavedZeroBubble``; no Megatron-LM flag); with ``virtual_stages > 1``
+  the same schedule over that many stages per rank.
 * ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
   attention), which never materializes the ``s x s`` attention scores.
 """
@@ -79,8 +80,8 @@ class TrainingOptions:
         sequence_parallel: split the layer norms' and dropouts' activations over
             the tensor-parallel ranks along the sequence.
         zero_bubble: the ZB-H1 schedule (backward split into input- and
-            weight-gradient passes, the weight passes deferred); needs
-            ``virtual_stages == 1``.
+            weight-gradient passes, the weight passes deferred), interleaved
+            over ``virtual_stages`` chunks per rank when that is above 1.
         flash_attention: fused attention that never stores the ``s x s`` scores.
         attention_dropout: dropout on the attention probabilities (without
             flash attention its mask and output are stored and its kernel runs).
@@ -140,11 +141,6 @@ class TrainingOptions:
             raise ValueError(f"virtual_stages must be an int, got {chunks!r}")
         if chunks < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {chunks}")
-        if self.zero_bubble and chunks != 1:
-            raise ValueError(
-                "zero_bubble (ZB-H1) needs virtual_stages == 1, got "
-                f"virtual_stages={chunks}"
-            )
 
     def to_json(self) -> dict[str, Any]:
         """Every field under its own name (exact round trip)."""

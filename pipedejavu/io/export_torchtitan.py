@@ -62,6 +62,11 @@ the fragment leaves unset):
   raises ``ValueError`` unless ``M`` is a multiple of ``max(1, M // P)``, so
   such a plan is refused. With one stage torchtitan runs no schedule: each
   micro-batch's forward and whole backward, the ZB-H1 order of one rank.
+* Interleaved zero bubble (``zero_bubble`` with ``V > 1``):
+  ``"InterleavedZeroBubble"`` with ``V`` parts per rank, Megatron-LM's chunks
+  (as ``Interleaved1F1B``); with ``M`` a multiple of ``P`` its order is
+  :func:`~pipedejavu.simulation.zero_bubble.zero_bubble_order` with ``V``
+  chunks. Refused as ``Interleaved1F1B`` is.
 
 **Recomputation** (``[activation_checkpoint] mode``, always written:
 torchtitan's default is ``"selective"`` with ``selective_ac_option = "2"``,
@@ -247,9 +252,10 @@ def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
             f"'s 1F1B schedule (PyTorch's Schedule1F1B) needs at least as many "
             f"micro-batches as stages; the plan runs {count} over {stages} stages"
         )
-    if name == "Interleaved1F1B" and count % stages:
+    interleaved = options.virtual_stages > 1
+    if (name == "Interleaved1F1B" or interleaved) and count % stages:
         raise _refuse(
-            f"'s Interleaved1F1B runs Megatron-LM's order only for a number of "
+            f"'s {name} runs Megatron-LM's order only for a number of "
             f"micro-batches that is a multiple of the {stages} stages (PyTorch's "
             f"rounds of M / max(1, M // P)); the plan runs {count}"
         )

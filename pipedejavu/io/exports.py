@@ -39,13 +39,15 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
   refused (the pipeline engine sets recomputation in code,
   ``activation_checkpoint_interval``, and has no sequence parallelism), and so
   is any schedule but 1F1B (its engine runs ``TrainSchedule``).
-* torchtitan carries the schedule (1F1B, interleaved, ZB-H1), full
+* torchtitan carries the schedule (1F1B, interleaved, ZB-H1, interleaved
+  zero bubble), full
   recomputation, fp32 precision and sequence parallelism, and refuses what its
   file cannot express exactly (:mod:`pipedejavu.io.export_torchtitan`).
 * The other targets, whose files carry no such settings, refuse any options
   but plain fp32 1F1B training.
 
-**Zero bubble.** A ZB-H1 plan (``zero_bubble``) is refused by Megatron-LM
+**Zero bubble.** A ZB-H1 plan (``zero_bubble``, one chunk per rank or more)
+is refused by Megatron-LM
 (megatron-core 0.16.1's ``get_forward_backward_func`` runs no pipelining,
 1F1B or interleaved 1F1B; its ``--delay-wgrad-compute`` defers weight
 gradients only inside the MoE expert-parallel overlap of one 1F1B step, which
@@ -93,12 +95,13 @@ EXPORTS = (
     "sailor",
 )
 #: The pipeline schedules each target launches (the knob space's names:
-#: ``1f1b``, ``interleaved``, ``zb-h1``); the others it refuses.
+#: ``1f1b``, ``interleaved``, ``zb-h1``, ``interleaved-zb``); the others it
+#: refuses.
 LAUNCHED_SCHEDULES = {
     "megatron": ("1f1b", "interleaved"),
     "deepspeed": ("1f1b",),
     "megatron-deepspeed": ("1f1b",),
-    "torchtitan": ("1f1b", "interleaved", "zb-h1"),
+    "torchtitan": ("1f1b", "interleaved", "zb-h1", "interleaved-zb"),
     "alpa": ("1f1b",),
     "sailor": ("1f1b",),
 }

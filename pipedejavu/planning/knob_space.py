@@ -30,8 +30,8 @@ __all__ = [
 
 _ON_OFF = (True, False)
 #: The pipeline schedules searched.
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-#: Those Megatron-LM runs (it has no flag for ZB-H1).
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
+#: Those Megatron-LM runs (it has no flag for the zero-bubble schedules).
 MEGATRON_SCHEDULES = LAUNCHED_SCHEDULES["megatron"]
 
 
@@ -45,9 +45,10 @@ def recompute_name(options: TrainingOptions) -> str:
 
 def schedule_name(options: TrainingOptions) -> str:
     """The schedule ``options`` run, for a report: ``1F1B``, ``interleaved 1F1B
-    (V chunks)`` or ``ZB-H1``."""
+    (V chunks)``, ``ZB-H1`` or ``interleaved ZB (V chunks)``."""
     if options.virtual_stages > 1:
-        return f"interleaved 1F1B ({options.virtual_stages} chunks)"
+        kind = "ZB" if options.zero_bubble else "1F1B"
+        return f"interleaved {kind} ({options.virtual_stages} chunks)"
     return "ZB-H1" if options.zero_bubble else "1F1B"
 
 
@@ -67,7 +68,9 @@ class KnobSpace:
             :mod:`pipedejavu.search.megatron.interleaved`) and ``zb-h1`` (the
             zero-bubble schedule ZB-H1, any stages:
             :mod:`pipedejavu.simulation.zero_bubble`; priced analytically only,
-            profiles do not split the backward).
+            profiles do not split the backward) and ``interleaved-zb`` (the
+            same over ``V >= 2`` equal chunks per rank, PyTorch's
+            ``ScheduleInterleavedZeroBubble``; the interleaved plans' search).
         rank_orders: Megatron-LM's rank orders
             (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`: ``tp-dp-pp``, its
             default, and ``tp-pp-dp``, ``--use-tp-pp-dp-mapping``), a placement
@@ -149,11 +152,12 @@ class KnobSpace:
         cls, options: TrainingOptions, rank_orders: tuple[str, ...] = RANK_ORDERS
     ) -> KnobSpace:
         """The one choice ``options`` makes (its schedule: 1F1B, interleaved
-        when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``), in
-        ``rank_orders`` (a placement: the same costs)."""
+        when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``,
+        interleaved-zb with both), in ``rank_orders`` (a placement: the same
+        costs)."""
         schedule = "1f1b"
         if options.virtual_stages > 1:
-            schedule = "interleaved"
+            schedule = "interleaved-zb" if options.zero_bubble else "interleaved"
         elif options.zero_bubble:
             schedule = "zb-h1"
         return cls(
@@ -241,9 +245,10 @@ class KnobOutcome:
         how: ``searched`` (full search and proof), ``proof`` (the proof's
             branch and bound with the cutoff), ``infeasible`` (no plan fits),
             ``dominated`` (the distributed optimizer's rule, module docstring)
-            ``interleaved`` (the interleaved schedule's branch and bound,
-            with the cutoff) or ``zero-bubble`` (the proof's branch and bound on
-            the ZB-H1 predictor, with the cutoff).
+            ``interleaved`` (the interleaved schedules' branch and bound,
+            with the cutoff; ``options.zero_bubble``: interleaved-zb) or
+            ``zero-bubble`` (the proof's branch and bound on the ZB-H1
+            predictor, with the cutoff).
         best_s: the best predicted time found in this choice (``nan``: none
             found, or none below the cutoff).
         cutoff_s: the best predicted time before this choice (``inf`` first).

@@ -238,9 +238,12 @@ def search_knobs(
     knobs = space.choices(base)
     one_f = [make_choice(k) for k in knobs] if "1f1b" in space.schedules else []
     choices = one_f or [make_choice(k) for k in knobs]
-    zero = []
-    if "zb-h1" in space.schedules:
-        zero = [make_choice(dataclasses.replace(k, zero_bubble=True)) for k in knobs]
+    split = [dataclasses.replace(k, zero_bubble=True) for k in knobs]
+    zero = [make_choice(k) for k in split] if "zb-h1" in space.schedules else []
+    if "interleaved-zb" in space.schedules:
+        zero_v = zero or [make_choice(k) for k in split]
+    else:
+        zero_v = []
     first = choices[0]
     config = search_config(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
@@ -269,11 +272,12 @@ def search_knobs(
         )
 
     outcomes: list[KnobOutcome] = []
-    if zero and any(c.measured for c in zero):
+    if any(c.measured for c in zero + zero_v):
         raise ProblemError(
-            f"the zero-bubble schedule needs each layer's weight-gradient time, "
-            f"which {first.model}'s profiles do not give: price it analytically "
-            "(another --precision) or leave zb-h1 out of --schedule"
+            f"the zero-bubble schedules need each layer's weight-gradient time, "
+            f"which {first.model}'s profiles do not give: price them analytically "
+            "(another --precision) or leave zb-h1 and interleaved-zb out of "
+            "--schedule"
         )
     if len(choices) > 1 and any(c.measured for c in choices):
         raise ProblemError(
@@ -337,11 +341,16 @@ def search_knobs(
         )
     # 2. the interleaved schedule per choice (its cutoff is the best so far;
     # it often beats 1F1B, which tightens the proofs of step 3)
-    if "interleaved" in space.schedules:
+    interleaved = choices if "interleaved" in space.schedules else []
+    if interleaved or zero_v:
         runs = [
             (index + o * 5 * len(knobs), choice, order)
             for o, order in enumerate(space.rank_orders)
-            for index, choice in enumerate(choices, start=len(choices))
+            for index, choice in enumerate(interleaved, start=len(choices))
+        ] + [
+            (index + o * 5 * len(knobs), choice, order)
+            for o, order in enumerate(space.rank_orders)
+            for index, choice in enumerate(zero_v, start=3 * len(knobs))
         ]
         memo = InterleavedMemo()  # the candidates and memory, either order
         for index, choice, order in runs:

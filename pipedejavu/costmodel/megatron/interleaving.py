@@ -39,9 +39,14 @@ from pipedejavu.costmodel.megatron.rules import (
     stash_bytes,
 )
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
+from pipedejavu.costmodel.megatron.zero_bubble import stage_weight_grad
 from pipedejavu.simulation.interleaved import (
     peak_in_flight_count,
     simulate_interleaved,
+)
+from pipedejavu.simulation.zero_bubble import (
+    simulate_zero_bubble,
+    zero_bubble_warmup,
 )
 
 __all__ = [
@@ -109,14 +114,18 @@ def chunk_stash(
     return out
 
 
-def warmup_stash(plan: Plan3D, info: ModelInfo, num_chunks: int) -> NDArray[np.float64]:
+def warmup_stash(
+    plan: Plan3D, info: ModelInfo, num_chunks: int, zero_bubble: bool = False
+) -> NDArray[np.float64]:
     """``f64[P]``: the activation bytes each rank holds (the most over the
     pipelines) when its first backward starts: the forwards of its warm-up and
     the one after it, every one still in flight
     (:func:`~pipedejavu.simulation.interleaved.peak_in_flight_count` of them, in
-    Megatron-LM's order: ``P`` micro-batches per chunk, chunk by chunk). The
-    schedule's peak (:attr:`InterleavedPipelines.stash_bytes`) is at least this,
-    with no simulation (``tests/test_interleaved.py``).
+    Megatron-LM's order: ``P`` micro-batches per chunk, chunk by chunk; with
+    ``zero_bubble`` the warm-up of
+    :func:`~pipedejavu.simulation.zero_bubble.zero_bubble_warmup`, the same
+    table). The schedule's peak (:attr:`InterleavedPipelines.stash_bytes`) is
+    at least this, with no simulation (``tests/test_interleaved.py``).
 
     Raises:
         ProblemError: as :func:`chunk_layers`.
@@ -132,7 +141,11 @@ def warmup_stash(plan: Plan3D, info: ModelInfo, num_chunks: int) -> NDArray[np.f
         seen.add(degrees)
         memory = chunk_stash(plan, info, chunks, j)
         for r in range(ranks):
-            held = peak_in_flight_count(r, ranks, num_chunks, count)
+            if zero_bubble:
+                warmup = zero_bubble_warmup(r, ranks, count, num_chunks)
+                held = min(warmup + 1, num_chunks * count)
+            else:
+                held = peak_in_flight_count(r, ranks, num_chunks, count)
             per_chunk = np.bincount(
                 (np.arange(held) // ranks) % num_chunks, minlength=num_chunks
             )
@@ -145,12 +158,13 @@ class InterleavedPipelines(NamedTuple):
 
     Attributes:
         ends: f64[P, dp] seconds at which each rank of each pipeline ends its
-            last backward.
+            last backward (with ``zero_bubble``: its last ``B`` or ``W``).
         busy_s: seconds all GPUs compute, summed.
         peak_in_flight: i64[P] most micro-batch-chunks a rank holds.
         stash_bytes: f64[P] the most activation bytes a rank holds at once.
         forward_s, backward_s: f64[P, dp] seconds per micro-batch of each rank
-            (all its chunks).
+            (all its chunks; the backward whole, ``B`` and ``W`` with one
+            overhead).
         transfer_s: f64[P, dp] seconds per micro-batch per direction over the
             link after each rank (``P - 1``: the wrap-around).
     """
@@ -172,8 +186,13 @@ def interleaved_pipelines(
     overhead_s: float,
     transfer_fn: Callable[[int, int, float, Hashable, Hashable], float],
     nodes: Sequence[Sequence[Hashable]],
+    zero_bubble: bool = False,
 ) -> InterleavedPipelines:
-    """Time every pipeline of ``plan`` under the interleaved schedule.
+    """Time every pipeline of ``plan`` under the interleaved schedule, or with
+    ``zero_bubble`` under the interleaved zero-bubble schedule
+    (:mod:`pipedejavu.simulation.zero_bubble`: each chunk's backward split
+    into ``B`` and ``W``, ``W`` its layers' weight-gradient operations plus one
+    instruction overhead, as ZB-H1 prices them).
 
     Args:
         plan: ``P`` stages, equally many blocks each (:func:`chunk_layers`).
@@ -186,8 +205,9 @@ def interleaved_pipelines(
         nodes: ``[rank][pipeline]`` node keys.
 
     Raises:
-        ProblemError: the chunks do not divide, or the micro-batch count is not
-            a multiple of ``P`` (Megatron-LM requires it).
+        ProblemError: the chunks do not divide, the micro-batch count is not
+            a multiple of ``P`` (Megatron-LM requires it), or (``zero_bubble``)
+            the times do not split the backward.
     """
     chunks = chunk_layers(plan, num_chunks)
     ranks, dp, count, mbs = plan.num_stages, plan.dp, plan.num_microbatches, plan.mbs
@@ -207,6 +227,7 @@ def interleaved_pipelines(
     for j in range(dp):
         forward = np.zeros((ranks, num_chunks))
         backward = np.zeros((ranks, num_chunks))
+        weight = np.zeros((ranks, num_chunks))
         transfer = np.zeros(ranks)
         memory = chunk_stash(plan, info, chunks, j)
         for r in range(ranks):
@@ -215,14 +236,36 @@ def interleaved_pipelines(
             for c, (start, stop) in enumerate(chunks[r]):
                 forward[r, c] = float(entry.forward[start:stop].sum()) + overhead_s
                 backward[r, c] = span_backward(info, entry, start, stop) + overhead_s
+                if zero_bubble:
+                    weight[r, c] = stage_weight_grad(entry, start, stop)
             last_layer = chunks[r][0][1] - 1
             nbytes = float(message_bytes(info, replica.tp, last_layer, mbs))
             receiver = (r + 1) % ranks
             transfer[r] = transfer_fn(r, j, nbytes, nodes[r][j], nodes[receiver][j])
-        key = b"".join(a.tobytes() for a in (forward, backward, memory, transfer))
-        if key not in simulated:
+        columns = (forward, backward, transfer, memory, weight)
+        key = b"".join(a.tobytes() for a in columns)
+        if key not in simulated and zero_bubble:
 
-            def run(m: int, args=(forward, backward, transfer, memory)):
+            def run(m: int, args=columns):
+                f, b, links, stash, w = args
+                result = simulate_zero_bubble(
+                    f, b - w, w + overhead_s, m, transfer=links,
+                    memory_per_microbatch=stash,
+                )  # fmt: skip
+                return PipelineSummary(
+                    np.maximum(
+                        result.input_grad_end.max(axis=(1, 2)),
+                        result.weight_grad_end.max(axis=(1, 2)),
+                    ),
+                    float(result.busy_time.sum()),
+                    result.peak_in_flight,
+                    result.peak_memory,
+                )
+
+            simulated[key] = pipeline_summary(run, count, num_stages=ranks, step=ranks)
+        elif key not in simulated:
+
+            def run(m: int, args=columns):
                 result = simulate_interleaved(
                     args[0], args[1], m, transfer=args[2], memory_per_microbatch=args[3]
                 )

@@ -227,9 +227,11 @@ def predict_plan(
         virtual_stages: model chunks per pipeline rank (``V > 1``: Megatron-LM's
             interleaved 1F1B, :mod:`pipedejavu.costmodel.megatron.interleaving`;
             ``None``: ``data.options.virtual_stages``).
-        zero_bubble: the ZB-H1 schedule
-            (:mod:`pipedejavu.costmodel.megatron.zero_bubble`; ``None``:
-            ``data.options.zero_bubble``).
+        zero_bubble: the zero-bubble schedule: ZB-H1
+            (:mod:`pipedejavu.costmodel.megatron.zero_bubble`), or with
+            ``virtual_stages > 1`` its interleaved form
+            (:func:`~pipedejavu.costmodel.megatron.interleaving.interleaved_pipelines`;
+            ``None``: ``data.options.zero_bubble``).
 
     Raises:
         ProblemError: the plan does not fit the model, or names a GPU type or an
@@ -313,6 +315,8 @@ def predict_plan(
 
     if virtual_stages is None:
         virtual_stages = data.options.virtual_stages
+    if zero_bubble is None:
+        zero_bubble = data.options.zero_bubble
     interleaved = None
     if virtual_stages > 1:
 
@@ -330,20 +334,13 @@ def predict_plan(
             return max(pair)
 
         interleaved = interleaved_pipelines(
-            plan, info, virtual_stages, times, overhead, link_time, nodes
+            plan, info, virtual_stages, times, overhead, link_time, nodes, zero_bubble
         )
         forward, backward = interleaved.forward_s, interleaved.backward_s
         activation = gradient = interleaved.transfer_s[:-1]
 
-    if zero_bubble is None:
-        zero_bubble = data.options.zero_bubble
     zero = None
-    if zero_bubble:
-        if interleaved is not None:
-            raise ProblemError(
-                "the zero-bubble schedule (ZB-H1) runs one model chunk per rank, "
-                f"not {virtual_stages}"
-            )
+    if zero_bubble and interleaved is None:
         transfer = np.maximum(activation, gradient)
         zero = zero_bubble_pipelines(plan, times, overhead, forward, backward, transfer)
 

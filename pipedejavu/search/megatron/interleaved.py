@@ -33,6 +33,15 @@ its warm-up and the one after (Megatron-LM's order, chunk by chunk:
 schedule's peak is at least that, so a candidate whose model state and that
 stash exceed a GPU fits in no run and is settled unpredicted.
 
+**Interleaved zero bubble.** With ``data.options.zero_bubble`` the same
+plans run PyTorch's ``ScheduleInterleavedZeroBubble``
+(:mod:`pipedejavu.simulation.zero_bubble`): each rank runs ``3 V``
+instructions per micro-batch (``F``, ``B``, ``W``); rank ``P - 1`` still
+waits for the forwards of the chunks before its first, but its ``W`` passes
+may run after its last ``B``, so no backward tail is added; the stash at the
+first ``B`` counts that schedule's warm-up (one forward per rank closer to
+the end).
+
 Candidates are taken in increasing order of the first bound; the first time a
 candidate comes up, its tails and memory are priced and it goes back at the
 larger bound (or is settled); the second time it is predicted. The search stops
@@ -162,6 +171,7 @@ def interleaved_candidates(
     info = data.model_info(model)
     blocks = info.num_layers - 2
     overhead = constants.op_overhead_s
+    zero_bubble = bool(data.options.zero_bubble)
     out: list[Candidate] = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -175,6 +185,10 @@ def interleaved_candidates(
                 )
                 work = times.forward + times.backward
                 least = float(work[1 : blocks + 1].min())
+                # zero bubble: rank P - 1's W passes may follow its last B, so
+                # only the forwards before its first command count
+                ahead = times.forward if zero_bubble else work
+                ahead_least = float(ahead[1 : blocks + 1].min())
                 total = float(work.sum())
                 first, last = float(work[0]), float(work[-1])
                 for ranks in divisors(blocks):
@@ -202,11 +216,14 @@ def interleaved_candidates(
                             continue
                         for v in chunk_counts:
                             # every rank runs 2 V instructions per micro-batch
-                            ops = 2 * v * overhead
+                            # (3 V with zero bubble: F, B and W)
+                            ops = (3 if zero_bubble else 2) * v * overhead
                             # rank P - 1 waits for the model chunks before its
-                            # first (forward) and after its last (backward)
-                            ramp = first + (ranks - 1) * (per_rank // v) * least
-                            ramp += 2 * (ranks - 1) * overhead
+                            # first (forward) and after its last (backward;
+                            # with zero bubble: before its first only)
+                            chunk = (ranks - 1) * (per_rank // v) * ahead_least
+                            ramp = float(ahead[0]) + chunk
+                            ramp += (1 if zero_bubble else 2) * (ranks - 1) * overhead
                             parts = (
                                 steps * (mean_s + ops),
                                 steps * (first_rank_s + ops),
@@ -261,7 +278,7 @@ def candidate_floor(
     pipeline of a plan with more)."""
     info = data.model_info(model)
     dp = plan.dp if dp is None else dp
-    stash = warmup_stash(plan, info, chunks)
+    stash = warmup_stash(plan, info, chunks, bool(data.options.zero_bubble))
     tails = np.zeros(plan.num_stages)
     for s, stage in enumerate(plan.stages):
         replicas = list(stage.replicas)
