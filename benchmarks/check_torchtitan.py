@@ -19,8 +19,8 @@ the error classes and the rank check). For each torchtitan export
   and PyTorch's per-rank actions (``pipeline_order`` without its empty slots)
   are our simulators' orders: ``interleaved_order`` for ``1F1B`` (``V = 1``)
   and ``Interleaved1F1B``, ``zero_bubble_order`` (and the tests' re-statement
-  of PyTorch's rule) for ``InterleavedZeroBubble`` with ``V`` of 1 to 4. For ``1F1B`` the
-  order compared is ``Schedule1F1B._get_pipeline_order``, PyTorch's statement
+  of PyTorch's rule) for ``InterleavedZeroBubble`` with ``V`` of 1 to 4. For
+  ``1F1B`` the order compared is ``Schedule1F1B._get_pipeline_order``, PyTorch's statement
   of what its ``_step_microbatches`` runs (``min(M, P - r)`` forwards, then
   backward-forward pairs: the same sequence).
 

@@ -146,7 +146,7 @@ def t_headline() -> str:
             "published_runs.json",
         ],
         [
-            "schedule (interleaved, ZB-H1), recomputation, SP, optimizer sharding "
+            "schedule (interleaved, zero bubble), recomputation, SP, optimizer sharding "
             "and rank order searched with the plan: predicted speed-up over "
             "today's space (geometric mean, 4 settings)",
             f"x{_knob_gain():.2f}",
