@@ -12,6 +12,7 @@ from pipedejavu.simulation.interleaved import Op, simulate_interleaved
 from pipedejavu.simulation.zero_bubble import (
     held_by_order,
     simulate_zero_bubble,
+    zbv_order,
     zero_bubble_in_flight,
     zero_bubble_order,
     zero_bubble_warmup,
@@ -254,3 +255,101 @@ def test_interleaved_memory_is_the_orders_peak_per_chunk():
     # rank 0 (chunk 0: 4 bytes, chunk 1: 1): F00 F01 F10 F11 hold 10 at its
     # first B; B10 W10 free 1, F02 adds 4, B11 W11 free 1, F03 adds 4: 16
     assert result.peak_memory[0] == 16.0
+
+
+# ---- ZB-V: two chunks per rank in a V ---------------------------------------
+
+
+def test_zbv_order_by_hand():
+    # P = 2, M = 3 (PyTorch pads to 2P - 1 = 3 rounds). Rank 1 holds virtual
+    # stages 1 (chunk 0) and 2 (chunk 1): one forward of chunk 0, then its
+    # chunk-1 forward turns the micro-batch round at once.
+    f0, f1 = (lambda b: Op(False, 0, b)), (lambda b: Op(False, 1, b))
+    b0, b1 = (lambda b: Op(True, 0, b)), (lambda b: Op(True, 1, b))
+    w0, w1 = (lambda b: Op(True, 0, b, True)), (lambda b: Op(True, 1, b, True))
+    assert zbv_order(1, 2, 3) == [
+        f0(0), f1(0), f0(1),  # warm-up: chunk 0, then chunk 1 beside it
+        f1(1), b1(0), w1(0),  # chunk 1 turns round
+        f0(2), b0(0), w0(0), f1(2), b1(1), w1(1),  # steady
+        b0(1), b1(2),  # cool-down: input gradients first
+        b0(2), w0(1), w1(2), w0(2),
+    ]  # fmt: skip
+    assert [op for op in zbv_order(0, 2, 3) if not op.backward] == [
+        f0(0), f0(1), f0(2), f1(0), f1(1), f1(2)
+    ]  # fmt: skip
+
+
+@given(st.integers(1, 6), st.integers(1, 20))
+def test_zbv_every_command_once_and_in_dependency_order(ranks, count):
+    for r in range(ranks):
+        order = zbv_order(r, ranks, count)
+        expected = [
+            Op(kind > 0, c, b, kind == 2)
+            for kind in range(3)
+            for c in range(2)
+            for b in range(count)
+        ]
+        assert sorted(order) == sorted(expected)
+        position = {op: i for i, op in enumerate(order)}
+        for c in range(2):
+            for b in range(count):
+                fwd, inp = Op(False, c, b), Op(True, c, b)
+                assert (
+                    position[fwd] < position[inp] < position[inp._replace(weight=True)]
+                )
+        if r == ranks - 1:  # the V's turn is on this rank: F0 before F1, B1 before B0
+            for b in range(count):
+                assert position[Op(False, 0, b)] < position[Op(False, 1, b)]
+                assert position[Op(True, 1, b)] < position[Op(True, 0, b)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 10), st.floats(0.1, 3.0))
+def test_zbv_with_equal_passes_reaches_the_least_time(ranks, extra, f):
+    # F = B = W on every chunk (the schedule's design point), M >= 2P - 1: the
+    # last rank starts after the P - 1 forwards before it and never waits
+    # again; no schedule can do better (each rank computes 6 M f).
+    count = 2 * ranks - 1 + extra
+    times = np.full((ranks, 2), f)
+    result = simulate_zero_bubble(
+        times, times, times, count, v_shape=True,
+        memory_per_microbatch=np.full((ranks, 2), 0.5),
+    )  # fmt: skip
+    assert result.iteration_time == pytest.approx(
+        (ranks - 1) * f + 6 * count * f, rel=1e-12
+    )
+    # every rank holds 2 P chunks at its peak (P micro-batches of its layers,
+    # as 1F1B's first stage)
+    assert np.all(result.peak_in_flight == 2 * ranks)
+    np.testing.assert_allclose(result.peak_memory, ranks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 10), st.floats(0.1, 3.0), st.floats(0.1, 3.0))
+def test_zbv_without_weight_passes_halves_the_1f1b_bubble(ranks, extra, f, b):
+    # W = 0, each chunk of the V half a rank's layers (per-rank f, b): the
+    # bubble is (P - 1) max(f, b), 1F1B's (P - 1)(f + b) halved when f = b
+    # (found by this test: with b > f the backward chain sets it).
+    count = 2 * ranks - 1 + extra
+    result = simulate_zero_bubble(
+        np.full((ranks, 2), f / 2), np.full((ranks, 2), b / 2),
+        np.zeros((ranks, 2)), count, v_shape=True,
+    )  # fmt: skip
+    expected = count * (f + b) + (ranks - 1) * max(f, b)
+    assert result.iteration_time == pytest.approx(expected, rel=1e-9)
+
+
+def test_zbv_links_and_shapes():
+    # the turn on rank P - 1 uses no link: a slow link 0 delays both ways
+    times = np.ones((2, 2))
+    free = simulate_zero_bubble(times, times, times, 3, v_shape=True)
+    slow = simulate_zero_bubble(times, times, times, 3, v_shape=True, transfer=[0.5])
+    assert slow.iteration_time > free.iteration_time
+    assert free.forward_end.shape == (2, 2, 3)
+    with pytest.raises(ValueError, match="v_shape needs times of shape"):
+        simulate_zero_bubble(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)), 3,
+                             v_shape=True)  # fmt: skip
+    with pytest.raises(ValueError, match="transfer must have shape"):
+        simulate_zero_bubble(times, times, times, 3, v_shape=True, transfer=[1, 1])
+    with pytest.raises(ValueError, match="v_shape must be a bool"):
+        simulate_zero_bubble(times, times, times, 3, v_shape=1)

@@ -174,7 +174,9 @@ def interleaved_order(
     return order
 
 
-def run_interleaved(forward, backward, transfer, orders, num_microbatches, weight=None):
+def run_interleaved(
+    forward, backward, transfer, orders, num_microbatches, weight=None, v_shape=False
+):
     """The event loop: ``forward``/``backward`` ``[P][V]`` seconds, ``transfer``
     ``[P]`` seconds, ``orders`` ``[P]`` lists of :class:`Op`, ``weight``
     ``[P][V]`` seconds of the ``W`` commands (``None``: the orders have none).
@@ -182,9 +184,65 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
     activation transfer start/end (of ``F(r, c, b)``'s output), gradient
     transfer start/end (of ``B(r, c, b)``'s output; NaN where no transfer is
     modelled), weight-gradient start/end (NaN without ``W`` commands). A ``W``
-    follows its own rank's ``B`` (the order puts it later) and sends nothing."""
+    follows its own rank's ``B`` (the order puts it later) and sends nothing.
+
+    ``v_shape`` (``V = 2``): the zero-bubble V placement instead of the loop,
+    chunk 0 of rank ``r`` is virtual stage ``r`` and chunk 1 is ``2 P - 1 -
+    r``: activations run down the ranks on chunk 0, pass from chunk 0 to chunk
+    1 on rank ``P - 1`` without a link, and run back up on chunk 1 (link ``l``
+    still joins ranks ``l`` and ``l + 1``; link ``P - 1`` is unused); the last
+    virtual stage is chunk 1 of rank 0."""
     num_ranks, num_chunks, count = len(orders), len(forward[0]), num_microbatches
+    last_rank = num_ranks - 1
+    if v_shape:
+        routes = _v_routes(num_ranks)
+        return _run(forward, backward, transfer, orders, count, weight, routes, 0)
+    routes = _loop_routes(num_ranks, num_chunks)
+    return _run(forward, backward, transfer, orders, count, weight, routes, last_rank)
+
+
+Route = tuple[int, int, int | None] | None
+
+
+def _loop_routes(num_ranks: int, num_chunks: int):
+    """``(after_forward, after_backward)``: ``[r][c] -> (rank, chunk, link)``
+    the output of ``F(r, c)`` / ``B(r, c)`` goes to (``link`` ``None``: on
+    the same rank), ``None`` at the pipeline's end; the loop placement."""
     last_rank, last_chunk = num_ranks - 1, num_chunks - 1
+    after_f: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
+    after_b: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
+    for r in range(num_ranks):
+        for c in range(num_chunks):
+            if r < last_rank:
+                after_f[r][c] = (r + 1, c, r)
+            elif c < last_chunk:
+                after_f[r][c] = (0, c + 1, r)
+            if r > 0:
+                after_b[r][c] = (r - 1, c, r - 1)
+            elif c > 0:
+                after_b[r][c] = (last_rank, c - 1, last_rank)
+    return after_f, after_b
+
+
+def _v_routes(num_ranks: int):
+    """:func:`_loop_routes` for the V placement (two chunks per rank)."""
+    last_rank = num_ranks - 1
+    after_f: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
+    after_b: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
+    for r in range(num_ranks):
+        after_f[r][0] = (r + 1, 0, r) if r < last_rank else (r, 1, None)
+        after_f[r][1] = (r - 1, 1, r - 1) if r > 0 else None
+        after_b[r][1] = (r + 1, 1, r) if r < last_rank else (r, 0, None)
+        after_b[r][0] = (r - 1, 0, r - 1) if r > 0 else None
+    return after_f, after_b
+
+
+def _run(forward, backward, transfer, orders, count, weight, routes, end_rank):
+    """:func:`run_interleaved`'s loop over ``routes``; the last virtual stage
+    is the last chunk of ``end_rank``."""
+    num_ranks, num_chunks = len(orders), len(forward[0])
+    last_chunk = num_chunks - 1
+    after_f, after_b = routes
 
     def grid(fill):
         return [[[fill] * count for _ in range(num_chunks)] for _ in range(num_ranks)]
@@ -193,7 +251,7 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
     a_start, a_end, g_start, g_end, w_start, w_end = (grid(math.nan) for _ in range(6))
     f_ready, b_ready = grid(None), grid(None)
     f_ready[0][0] = [0.0] * count
-    b_ready[last_rank][last_chunk] = [0.0] * count
+    b_ready[end_rank][last_chunk] = [0.0] * count
     pointer = [0] * num_ranks
     lengths = [len(order) for order in orders]
     free = [0.0] * num_ranks
@@ -248,22 +306,30 @@ def run_interleaved(forward, backward, transfer, orders, num_microbatches, weigh
             w_end[r][chunk][microbatch] = now
         elif not is_backward:
             f_end[r][chunk][microbatch] = now
-            target = (r + 1, chunk) if r < last_rank else (0, chunk + 1)
-            if target[1] <= last_chunk:
-                arrival, start, end = send(r, now)
-                a_start[r][chunk][microbatch], a_end[r][chunk][microbatch] = start, end
-                f_ready[target[0]][target[1]][microbatch] = arrival
-                if idle[target[0]]:  # (a busy rank starts nothing)
-                    try_start(target[0])
+            route = after_f[r][chunk]
+            if route is not None:
+                to, to_chunk, link = route
+                arrival = now
+                if link is not None:
+                    arrival, start, end = send(link, now)
+                    a_start[r][chunk][microbatch] = start
+                    a_end[r][chunk][microbatch] = end
+                f_ready[to][to_chunk][microbatch] = arrival
+                if idle[to]:  # (a busy rank starts nothing)
+                    try_start(to)
         else:
             b_end[r][chunk][microbatch] = now
-            target = (r - 1, chunk) if r > 0 else (last_rank, chunk - 1)
-            if target[1] >= 0:
-                arrival, start, end = send(target[0], now)
-                g_start[r][chunk][microbatch], g_end[r][chunk][microbatch] = start, end
-                b_ready[target[0]][target[1]][microbatch] = arrival
-                if idle[target[0]]:
-                    try_start(target[0])
+            route = after_b[r][chunk]
+            if route is not None:
+                to, to_chunk, link = route
+                arrival = now
+                if link is not None:
+                    arrival, start, end = send(link, now)
+                    g_start[r][chunk][microbatch] = start
+                    g_end[r][chunk][microbatch] = end
+                b_ready[to][to_chunk][microbatch] = arrival
+                if idle[to]:
+                    try_start(to)
         try_start(r)
     if pointer != lengths:
         raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover

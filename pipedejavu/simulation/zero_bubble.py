@@ -1,5 +1,5 @@
-"""The zero-bubble pipeline schedules ZB-H1 and its interleaved form on the
-discrete-event simulator.
+"""The zero-bubble pipeline schedules ZB-H1, its interleaved form and ZB-V on
+the discrete-event simulator.
 
 Qi et al. (ICLR'24, "Zero Bubble Pipeline Parallelism") split each backward
 into ``B`` (the input gradient, which the previous stage waits for) and ``W``
@@ -23,6 +23,22 @@ virtual stage ``c P + r``, as in :mod:`pipedejavu.simulation.interleaved`):
   runs the oldest pending ``W`` once ``j >= r`` (rank ``r`` keeps ``r`` weight
   passes pending, which the cool-down then fills in);
 * then the remaining ``B`` passes with the same rule, then the remaining ``W``.
+
+**ZB-V** (the paper's Section 6; PyTorch's ``ScheduleZBVZeroBubble``,
+torchtitan's ``ZBVZeroBubble``; :func:`zbv_order`): two chunks per rank
+placed in a V, chunk 0 of rank ``r`` virtual stage ``r`` and chunk 1 virtual
+stage ``2 P - 1 - r``, so a micro-batch runs down the ranks and back up, and
+the turn on rank ``P - 1`` needs no link. Rank ``r`` runs ``2 (P - r) - 1``
+chunk-0 forwards, then ``r`` pairs of chunk-1 and chunk-0 forwards, then ``P -
+r`` times a chunk-1 ``F``, ``B``, ``W``; in the steady state a chunk-0 ``F``,
+``B``, ``W`` and a chunk-1 ``F``, ``B``, ``W``; it cools down with ``r``
+pairs of input gradients, then ``P - r`` chunk-0 ``B``/``W`` pairs, then the
+pending ``W`` passes (chunk 1's first). PyTorch plans at least ``2 P - 1``
+micro-batches and drops the commands of the missing ones; so does this
+order. With ``F = B = W`` on every chunk and ``M >= 2 P - 1`` the last rank
+starts after ``P - 1`` forwards and never waits again: the least time any
+schedule can take; without ``W`` (per-rank ``f``, ``b``) the bubble is ``(P -
+1) max(f, b)`` (tests).
 
 The event loop is :func:`pipedejavu.simulation.interleaved.run_interleaved`
 (links, buffered sends and first-come-first-served as there); a ``W`` runs on
@@ -63,6 +79,7 @@ __all__ = [
     "zero_bubble_in_flight",
     "zero_bubble_order",
     "zero_bubble_warmup",
+    "zbv_order",
 ]
 
 
@@ -72,6 +89,11 @@ def _count(value, name: str, least: int) -> int:
     if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
     return int(value)
+
+
+def _check_bool(value, name: str) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _sizes(rank, num_ranks, num_microbatches, num_chunks) -> tuple[int, int, int, int]:
@@ -151,12 +173,67 @@ def zero_bubble_order(
     return order + weights[pending:]
 
 
+def zbv_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
+    """The commands of rank ``rank`` under the ZB-V schedule (module
+    docstring; chunk 0 is virtual stage ``r``, chunk 1 is ``2 P - 1 - r``).
+
+    Example:
+        >>> ops = zbv_order(0, 1, 2)
+        >>> " ".join("FBW"[o.backward + o.weight] + str(o.chunk) for o in ops)
+        'F0 F1 B1 W1 F0 B0 W0 F1 B1 W1 B0 W0'
+
+    Raises:
+        ValueError: a size below 1, or ``rank`` outside ``[0, num_ranks)``.
+    """
+    rank, ranks, count, _ = _sizes(rank, num_ranks, num_microbatches, 1)
+    rounds = max(2 * ranks - 1, count)  # then the extra micro-batches dropped
+    done = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}
+    order: list[Op] = []
+
+    def run(kind: str, chunk: int) -> None:
+        b = done[kind][chunk]
+        done[kind][chunk] += 1
+        if b < count:
+            order.append(Op(kind != "F", chunk, b, kind == "W"))
+
+    for _ in range(2 * (ranks - rank) - 1):  # warm-up: chunk 0's forwards
+        run("F", 0)
+    for _ in range(rank):  # then both chunks
+        run("F", 1)
+        run("F", 0)
+    for _ in range(ranks - rank):  # chunk 1 turns round
+        run("F", 1)
+        run("B", 1)
+        run("W", 1)
+    while done["F"][1] < done["F"][0] or done["F"][0] < rounds:  # steady
+        if done["F"][0] < rounds:
+            run("F", 0)
+        run("B", 0)
+        run("W", 0)
+        run("F", 1)
+        run("B", 1)
+        run("W", 1)
+    for _ in range(rank):  # cool-down: input gradients first
+        run("B", 0)
+        run("B", 1)
+    for _ in range(ranks - rank):
+        run("B", 0)
+        run("W", 0)
+    while done["W"][1] < done["B"][1]:
+        run("W", 1)
+    while done["W"][0] < done["B"][0]:
+        run("W", 0)
+    return order
+
+
 @functools.lru_cache(maxsize=4096)
 def _order(
-    rank: int, num_ranks: int, num_microbatches: int, chunks: int
+    rank: int, num_ranks: int, num_microbatches: int, chunks: int, v_shape: bool
 ) -> tuple[Op, ...]:
-    """:func:`zero_bubble_order`, kept (the predictor asks for the same orders
-    over and over)."""
+    """:func:`zero_bubble_order` or :func:`zbv_order`, kept (the predictor
+    asks for the same orders over and over)."""
+    if v_shape:
+        return tuple(zbv_order(rank, num_ranks, num_microbatches))
     return tuple(zero_bubble_order(rank, num_ranks, num_microbatches, chunks))
 
 
@@ -176,11 +253,13 @@ def held_by_order(order: Sequence[Op], memory: Sequence[float]) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _peak(rank: int, num_ranks: int, num_microbatches: int, chunks: int) -> int:
+def _peak(
+    rank: int, num_ranks: int, num_microbatches: int, chunks: int, v_shape: bool
+) -> int:
     """The most micro-batch-chunks the rank holds between a forward and its
     ``W`` under its order."""
-    ones = [1.0] * chunks
-    return int(held_by_order(_order(rank, num_ranks, num_microbatches, chunks), ones))
+    order = _order(rank, num_ranks, num_microbatches, chunks, v_shape)
+    return int(held_by_order(order, [1.0] * chunks))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -218,9 +297,10 @@ def simulate_zero_bubble(
     *,
     transfer: ArrayLike | None = None,
     memory_per_microbatch: ArrayLike | None = None,
+    v_shape: bool = False,
 ) -> ZeroBubbleResult:
-    """Simulate one iteration of ZB-H1, or of its interleaved form with 2-D
-    times (module docstring).
+    """Simulate one iteration of ZB-H1, of its interleaved form with 2-D
+    times, or of ZB-V with ``v_shape`` (module docstring).
 
     Args:
         forward: f64[P] seconds of each rank's forward per micro-batch, or
@@ -231,12 +311,14 @@ def simulate_zero_bubble(
         weight_grad: the same shape, seconds of its ``W``.
         num_microbatches: M >= 1.
         transfer: seconds per micro-batch per direction over the link after
-            each rank: f64[P - 1] with 1-D times (no wrap-around), f64[P] with
-            2-D times (link ``P - 1`` is the wrap-around to rank 0). ``None``:
-            free links.
+            each rank: f64[P - 1] with 1-D times or ``v_shape`` (no
+            wrap-around), f64[P] with 2-D times (link ``P - 1`` is the
+            wrap-around to rank 0). ``None``: free links.
         memory_per_microbatch: the shape of ``forward``, bytes one
             micro-batch holds on a rank's chunk from its forward to its ``W``
             (``None``: no memory report).
+        v_shape: ZB-V (:func:`zbv_order`): 2-D times of two chunks per rank,
+            chunk 0 virtual stage ``r`` and chunk 1 ``2 P - 1 - r``, any ``M``.
 
     Raises:
         ValueError: naming the bad argument, what was expected and what arrived.
@@ -255,7 +337,10 @@ def simulate_zero_bubble(
     shape = array.shape
     ranks, chunks = (shape[0], 1) if flat else shape
     count = _count(num_microbatches, "num_microbatches", 1)
-    if chunks > 1 and count % ranks:
+    _check_bool(v_shape, "v_shape")
+    if v_shape and chunks != 2:
+        raise ValueError(f"v_shape needs times of shape (P, 2), got {shape}")
+    if chunks > 1 and count % ranks and not v_shape:
         raise ValueError(
             f"the interleaved zero-bubble schedule needs num_microbatches to be a "
             f"multiple of the pipeline size {ranks}, got {count}"
@@ -270,20 +355,27 @@ def simulate_zero_bubble(
     )
     links = np.zeros(ranks)
     if transfer is not None:
-        if flat:
+        if flat or v_shape:
             links[:-1] = checked_array(transfer, "transfer", (ranks - 1,))
         else:
             links[:] = checked_array(transfer, "transfer", (ranks,))
-    orders = [_order(r, ranks, count, chunks) for r in range(ranks)]
+    orders = [_order(r, ranks, count, chunks, v_shape) for r in range(ranks)]
     grids = run_interleaved(
-        f.tolist(), b.tolist(), links.tolist(), orders, count, weight=w.tolist()
+        f.tolist(),
+        b.tolist(),
+        links.tolist(),
+        orders,
+        count,
+        weight=w.tolist(),
+        v_shape=v_shape,
     )
     f_end, b_end, w_end = (np.array(grids[k]) for k in (1, 3, 9))
     iteration = float(max(f_end.max(), b_end.max(), w_end.max()))
     if flat:
         f_end, b_end, w_end = f_end[:, 0, :], b_end[:, 0, :], w_end[:, 0, :]
     peak = np.array(
-        [_peak(r, ranks, count, chunks) for r in range(ranks)], dtype=np.int64
+        [_peak(r, ranks, count, chunks, v_shape) for r in range(ranks)],
+        dtype=np.int64,
     )
     memory = None
     if memory_per_microbatch is not None:
