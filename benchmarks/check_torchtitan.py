@@ -13,16 +13,17 @@ the error classes and the rank check). For each torchtitan export
   part (``"full"``: every block wrapped), and the precision through
   ``maybe_enable_amp`` (fp32: no autocast, or a float32 one);
 * for the knobs (:func:`knob_cases`: ``P`` of 2 to 8, ``V`` of 1 to 4, ``M``
-  multiples of ``P`` and not, TP 1 and 2, recomputation none and full, ZB-H1
-  and its interleaved form):
+  multiples of ``P`` and not, TP 1 and 2, recomputation none and full, ZB-H1,
+  its interleaved form and ZB-V):
   the parts of rank ``r`` are Megatron-LM's chunks (virtual stage ``c P + r``)
   and PyTorch's per-rank actions (``pipeline_order`` without its empty slots)
   are our simulators' orders: ``interleaved_order`` for ``1F1B`` (``V = 1``)
   and ``Interleaved1F1B``, ``zero_bubble_order`` (and the tests' re-statement
-  of PyTorch's rule) for ``InterleavedZeroBubble`` with ``V`` of 1 to 4. For
-  ``1F1B`` the order compared is ``Schedule1F1B._get_pipeline_order``, PyTorch's statement
-  of what its ``_step_microbatches`` runs (``min(M, P - r)`` forwards, then
-  backward-forward pairs: the same sequence).
+  of PyTorch's rule) for ``InterleavedZeroBubble`` with ``V`` of 1 to 4, and
+  ``zbv_order`` for ``ZBVZeroBubble`` (its parts placed in a V). For ``1F1B``
+  the order compared is ``Schedule1F1B._get_pipeline_order``, PyTorch's
+  statement of what its ``_step_microbatches`` runs (``min(M, P - r)``
+  forwards, then backward-forward pairs: the same sequence).
 
 A refusal of ours is checked against the real code too (:func:`titan_rejects`):
 the config the plan would need raises, or torchtitan's own code shows that it
@@ -58,7 +59,10 @@ from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.export_torchtitan import module_fqns, schedule_name  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 from pipedejavu.simulation.interleaved import interleaved_order  # noqa: E402
-from pipedejavu.simulation.zero_bubble import zero_bubble_order  # noqa: E402
+from pipedejavu.simulation.zero_bubble import (  # noqa: E402
+    zbv_order,
+    zero_bubble_order,
+)
 
 
 class Mismatch(AssertionError):
@@ -188,6 +192,9 @@ def megatron_part(plan, chunks: int, k: int) -> list[int]:
 
 def our_order(schedule: str, rank: int, ranks: int, chunks: int, count: int):
     """Our simulators' order as ``(kind, chunk, micro-batch)``."""
+    if schedule == "ZBVZeroBubble":
+        ops = zbv_order(rank, ranks, count)
+        return [("FBW"[o.backward + o.weight], o.chunk, o.microbatch) for o in ops]
     if schedule in ("1F1B", "Interleaved1F1B"):
         ops = interleaved_order(rank, ranks, chunks, count)
         return [("B" if op.backward else "F", op.chunk, op.microbatch) for op in ops]
@@ -212,13 +219,19 @@ def runtime_1f1b(rank: int, ranks: int, count: int):
 
 def pytorch_order(schedule, rank: int, ranks: int):
     kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    v_shape = type(schedule).__name__ == "ScheduleZBVZeroBubble"
     out = []
     for action in schedule.pipeline_order[rank]:
         if action is None or action.computation_type.value not in kinds:
             continue  # empty slots, gradient reductions
-        expect(action.stage_index % ranks == rank, f"rank {rank} runs {action}")
         kind = kinds[action.computation_type.value]
-        out.append((kind, action.stage_index // ranks, action.microbatch_index))
+        if v_shape:  # chunk 0: stage r, chunk 1: stage 2 P - 1 - r
+            chunk = int(action.stage_index != rank)
+            expect(action.stage_index in (rank, 2 * ranks - 1 - rank), "V stage")
+        else:
+            chunk = action.stage_index // ranks
+            expect(action.stage_index % ranks == rank, f"rank {rank} runs {action}")
+        out.append((kind, chunk, action.microbatch_index))
     return out
 
 
@@ -295,6 +308,8 @@ def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) ->
                 expect(len(parts) == chunks, f"rank {rank}: {len(parts)} parts")
                 for chunk, (pstage, part) in enumerate(zip(stages, parts, strict=True)):
                     index = chunk * plan.num_stages + stage
+                    if options.v_shape:  # torchtitan's V style
+                        index = 2 * plan.num_stages - 1 - stage if chunk else stage
                     expect(pstage.stage_index == index, f"rank {rank} stage index")
                     built = [0] if part.tok_embeddings is not None else []
                     built += sorted(int(k) + 1 for k in part.layers.keys())
@@ -501,6 +516,10 @@ def knob_cases() -> list[tuple[str, object, TrainingOptions]]:
                 TrainingOptions(virtual_stages=chunks),
                 TrainingOptions(virtual_stages=chunks, zero_bubble=True),
             ]
+            if chunks == 2:
+                schedules.append(
+                    TrainingOptions(virtual_stages=2, zero_bubble=True, v_shape=True)
+                )
             counts = sorted({ranks, 2 * ranks, 3 * ranks, ranks + 1, 2 * ranks + 1})
             for base in schedules:
                 for count in counts:
@@ -511,7 +530,7 @@ def knob_cases() -> list[tuple[str, object, TrainingOptions]]:
                         plan = even(ranks, 2 * chunks, tp=tp, num_microbatches=count)
                         name = f"P {ranks} V {chunks} M {count} tp {tp} {recompute}"
                         if base.zero_bubble:
-                            name += " zb"
+                            name += " zbv" if base.v_shape else " zb"
                         out.append((name, plan, options))
     refused = [
         (even(2, 4), TrainingOptions(recompute="selective")),

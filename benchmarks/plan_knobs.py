@@ -8,8 +8,8 @@ proven optimal over its own space:
 * ``+recompute``: recomputation none, selective or full;
 * ``+SP, dist-opt``: sequence parallelism and the distributed optimizer too;
 * ``+interleaved``: Megatron-LM's interleaved schedule too;
-* ``all``: the zero-bubble schedules (ZB-H1 and its interleaved form) and
-  the ``tp-pp-dp`` rank order too (the spaces before keep Megatron-LM's
+* ``all``: the zero-bubble schedules (ZB-H1, its interleaved form and ZB-V)
+  and the ``tp-pp-dp`` rank order too (the spaces before keep Megatron-LM's
   default order);
 * ``all + blocks 1/2/4``: full recomputation of only the first 1, 2 or 4
   blocks of each stage too (Megatron-LM's block method; an option, not the

@@ -83,6 +83,8 @@ def torchtitan_refusal(plan, options):
     if options.zero_bubble and chunks == 1:
         rounds = max(1, count // pp)
         return None if count % rounds == 0 else "multiple of max(1, M // P)"
+    if options.v_shape:  # ScheduleZBVZeroBubble: any M
+        return None
     if chunks > 1:  # (our orders: Megatron-LM's rounds of P micro-batches)
         return None if count % pp == 0 else "multiple of the"
     return None if count >= pp else "at least as many micro-batches"
@@ -129,15 +131,19 @@ def check_torchtitan(plan, options, text):
         (False, True): "InterleavedZeroBubble",
         (True, True): "InterleavedZeroBubble",
     }[chunks > 1, options.zero_bubble]
+    if options.v_shape:
+        expected = "ZBVZeroBubble"
     assert par["pipeline_parallel_schedule"] == expected
-    check_parts(plan, chunks, par["module_fqns_per_model_part"])
+    check_parts(plan, chunks, par["module_fqns_per_model_part"], options.v_shape)
 
 
-def check_parts(plan, chunks, parts):
+def check_parts(plan, chunks, parts, v_shape=False):
     """The parts are the model in order; rank ``r`` (parts ``k`` with ``k mod
     P == r``) holds the plan's stage ``r`` layers (``chunks = 1``) or its
     count of transformer layers in ``chunks`` equal chunks, the embedding on
-    rank 0 and the head on rank ``P - 1`` (Megatron-LM's chunks)."""
+    rank 0 and the head on rank ``P - 1`` (Megatron-LM's chunks); with
+    ``v_shape`` (torchtitan's V style) rank ``r`` holds parts ``r`` and ``2 P
+    - 1 - r``, the embedding and the head both on rank 0."""
     last = plan.num_layers - 1
     pp = plan.num_stages
     assert len(parts) == pp * chunks
@@ -157,6 +163,8 @@ def check_parts(plan, chunks, parts):
     counts = transformer_counts(plan)
     for rank in range(pp):
         mine = [profile[k] for k in range(rank, pp * chunks, pp)]
+        if v_shape:
+            mine = [profile[rank], profile[2 * pp - 1 - rank]]
         if chunks == 1:
             assert mine == [
                 list(range(plan.stages[rank].start, plan.stages[rank].stop))
@@ -165,7 +173,8 @@ def check_parts(plan, chunks, parts):
         for layers in mine:
             assert sum(0 < x < last for x in layers) == counts[rank] // chunks
         held = {x for layers in mine for x in layers}
-        assert (0 in held) == (rank == 0) and (last in held) == (rank == pp - 1)
+        end = 0 if v_shape else pp - 1
+        assert (0 in held) == (rank == 0) and (last in held) == (rank == end)
 
 
 # ----------------------------------------------------------- torchtitan knobs
@@ -180,6 +189,14 @@ KNOBS = [
     TrainingOptions(zero_bubble=True, sequence_parallel=True, recompute="full"),
     TrainingOptions(zero_bubble=True, virtual_stages=2),
     TrainingOptions(zero_bubble=True, virtual_stages=3, recompute="full"),
+    TrainingOptions(zero_bubble=True, virtual_stages=2, v_shape=True),
+    TrainingOptions(
+        zero_bubble=True,
+        virtual_stages=2,
+        v_shape=True,
+        recompute="full",
+        sequence_parallel=True,
+    ),
     TrainingOptions(recompute="full", recompute_num_layers=4),
     TrainingOptions(recompute="full", recompute_num_layers=2, virtual_stages=2),
     TrainingOptions(recompute="selective"),
@@ -352,6 +369,7 @@ def test_launched_schedules_are_what_the_exports_accept(target):
         ("interleaved", TrainingOptions(virtual_stages=2)),
         ("zb-h1", TrainingOptions(zero_bubble=True)),
         ("interleaved-zb", TrainingOptions(zero_bubble=True, virtual_stages=2)),
+        ("zbv", TrainingOptions(zero_bubble=True, virtual_stages=2, v_shape=True)),
     ):
         try:
             export_plan(plan, target, gpus_per_node={"B-80": 2}, options=options)

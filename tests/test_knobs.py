@@ -88,8 +88,8 @@ def model_files(tmp_path_factory):
 @functools.cache
 def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
     """Least predicted time of a plan that fits, over every plan of one choice:
-    ``(1F1B, interleaved, ZB-H1, interleaved-zb)``. Checks each interleaved
-    plan's bound on the way."""
+    ``(1F1B, interleaved, ZB-H1, interleaved-zb, zbv)``. Checks each
+    interleaved plan's bound on the way."""
     choice = choose_cost_source(path, dict(pool), options=options)
     zero = choose_cost_source(
         path, dict(pool), options=dataclasses.replace(options, zero_bubble=True)
@@ -104,8 +104,12 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
         prediction = predict_plan(plan, zero.data, constants=C)
         if prediction.fits_memory:
             zb = min(zb, prediction.iteration_time_s)
-    interleaved = [math.inf, math.inf]  # interleaved 1F1B, interleaved-zb
-    for k, source in enumerate((choice, zero)):
+    shaped = dataclasses.replace(
+        options, zero_bubble=True, virtual_stages=2, v_shape=True
+    )
+    zbv = choose_cost_source(path, dict(pool), options=shaped)
+    interleaved = [math.inf] * 3  # interleaved 1F1B, interleaved-zb, zbv
+    for k, source in enumerate((choice, zero, zbv)):
         for item in interleaved_candidates(
             source.data, source.model, source.pool(dict(pool)), gbs, C
         ):
@@ -129,7 +133,7 @@ def _brute_force(path: str, pool: tuple, gbs: int, options: TrainingOptions):
                 assert refined <= prediction.iteration_time_s * (1 + 1e-12)
             if prediction.fits_memory:
                 interleaved[k] = min(interleaved[k], prediction.iteration_time_s)
-    return best, interleaved[0], zb, interleaved[1]
+    return best, interleaved[0], zb, interleaved[1], interleaved[2]
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -176,29 +180,31 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     zbs = [v for k, v in per_choice.items() if k[-1] == "zb-h1"]
     assert zero.result.proven and zero.result.options.zero_bubble
     assert zero.result.prediction.iteration_time_s == pytest.approx(min(zbs), rel=1e-12)
-    # and the interleaved zero-bubble space alone
-    zero_v = plan_with_knobs(
-        model_files[name],
-        pool,
-        gbs,
-        options=options,
-        space=KnobSpace(schedules=("interleaved-zb",)),
-    )
-    zbv = min(v for k, v in per_choice.items() if k[-1] == "interleaved-zb")
-    assert zero_v.result.proven
-    if math.isfinite(zbv):
-        won = zero_v.result.options
-        assert won.zero_bubble and won.virtual_stages > 1
-        assert zero_v.result.prediction.iteration_time_s == pytest.approx(
-            zbv, rel=1e-12
+    # and the interleaved zero-bubble and ZB-V spaces alone
+    for schedule in ("interleaved-zb", "zbv"):
+        alone = plan_with_knobs(
+            model_files[name],
+            pool,
+            gbs,
+            options=options,
+            space=KnobSpace(schedules=(schedule,)),
         )
+        least = min(v for k, v in per_choice.items() if k[-1] == schedule)
+        assert alone.result.proven
+        if math.isfinite(least):
+            won = alone.result.options
+            assert won.zero_bubble and won.virtual_stages > 1
+            assert won.v_shape == (schedule == "zbv")
+            assert alone.result.prediction.iteration_time_s == pytest.approx(
+                least, rel=1e-12
+            )
     # every choice is accounted for, each way it was settled is proven
-    # (four schedules, each in both rank orders: one node here, where both
+    # (five schedules, each in both rank orders: one node here, where both
     # orders place every plan alike; a 1F1B or ZB-H1 choice with no plan that
     # fits has none in either order, and is listed once)
     settled = len(space.all_choices(options)) - len(space.dominated(options))
     none_fit = [o.options for o in result.outcomes if o.how == "infeasible"]
-    expected = 8 * settled - len(none_fit) + len(space.dominated(options))
+    expected = 10 * settled - len(none_fit) + len(space.dominated(options))
     assert len(result.outcomes) == expected
     assert all(o.proven for o in result.outcomes)
     for o in result.outcomes:
@@ -360,35 +366,37 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"]["recompute"] == "selective"
-    # 6 choices for each of 4 schedules in each of 2 rank orders, 6 settled
+    # 6 choices for each of 5 schedules in each of 2 rank orders, 6 settled
     # by the distributed optimizer's rule
-    assert len(full["knobs"]["choices"]) == 54 and full["proven_optimal"]
-    # today's space: one choice, the same as planning with those options
-    code, out, err = _cli(
-        capsys,
-        *argv,
-        "--recompute",
-        "none",
-        "--sequence-parallel",
-        "off",
-        "--distributed-optimizer",
-        "off",
-    )
+    assert len(full["knobs"]["choices"]) == 66 and full["proven_optimal"]
+    # one choice of the other knobs, every schedule
+    one = ("--recompute", "none", "--sequence-parallel", "off")
+    one += ("--distributed-optimizer", "off")
+    code, out, err = _cli(capsys, *argv, *one)
     assert code == 0, err
     narrow = json.loads(out)
+    # today's space (1F1B too): the same as planning with those options
+    code, out, err = _cli(capsys, *argv, *one, "--schedule", "1f1b")
+    assert code == 0, err
+    today = json.loads(out)
     plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
-    assert narrow["iteration_time_s"] == plain.prediction.iteration_time_s
+    assert today["iteration_time_s"] == plain.prediction.iteration_time_s
+    # ZB-V beats it here (brute force: test_knob_plan_is_the_brute_force_...)
+    assert narrow["iteration_time_s"] < today["iteration_time_s"]
+    assert narrow["options"]["v_shape"]
     assert [(c["how"], c["rank_order"]) for c in narrow["knobs"]["choices"]] == [
         ("searched", "tp-dp-pp"),  # the schedule whose DP plan is faster
         ("interleaved", "tp-dp-pp"),
         ("interleaved", "tp-pp-dp"),
         ("interleaved", "tp-dp-pp"),  # interleaved-zb
         ("interleaved", "tp-pp-dp"),
+        ("interleaved", "tp-dp-pp"),  # zbv
+        ("interleaved", "tp-pp-dp"),
         ("zero-bubble", "tp-dp-pp"),
         ("zero-bubble", "tp-pp-dp"),
         ("proof", "tp-pp-dp"),
     ]
-    # here 1F1B's (the plan above: 1F1B's optimum is the best)
+    # here 1F1B's (its planning DP finds a faster plan than ZB-H1's)
     assert not narrow["knobs"]["choices"][0]["options"]["zero_bubble"]
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # one schedule
@@ -397,12 +405,12 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
         assert code == 0, err
         choices = json.loads(out)["knobs"]["choices"]
         hows = {c["how"] for c in choices}
-        interleaved = schedule.startswith("interleaved")
+        interleaved = schedule.startswith("interleaved") or schedule == "zbv"
         assert ("interleaved" in hows) == interleaved
         assert ("proof" in hows) == (schedule == "1f1b")
         assert ("searched" in hows) == (not interleaved)
         zero = {c["options"]["zero_bubble"] for c in choices if c["how"] != "dominated"}
-        assert zero == {schedule in ("zb-h1", "interleaved-zb")}
+        assert zero == {schedule in ("zb-h1", "interleaved-zb", "zbv")}
     # an export target: the schedules it launches (Megatron-LM has no ZB-H1)
     code, out, err = _cli(capsys, *argv, "--export", "megatron")
     assert code == 0, err
@@ -572,7 +580,7 @@ def test_block_recomputation_is_searched_and_proven(model_files, name, layers):
     under 1F1B, never under ZB-H1)."""
     _, pool, gbs, options = SETTINGS[name]
     block = dataclasses.replace(options, recompute="full", recompute_num_layers=layers)
-    best, _, zb, _ = _brute_force(model_files[name], tuple(pool.items()), gbs, block)
+    best, _, zb, *_ = _brute_force(model_files[name], tuple(pool.items()), gbs, block)
     assert math.isfinite(best)
     choice = choose_cost_source(model_files[name], pool, options=block)
     _, bounds = stage_bound_tables(
@@ -619,7 +627,7 @@ def test_the_blocks_recomputed_are_a_knob(model_files):
     assert layers == [1, 2, None]
     best = {}
     for choice in choices:
-        one, _, zb, _ = _brute_force(
+        one, _, zb, *_ = _brute_force(
             model_files[name], tuple(pool.items()), gbs, choice
         )
         best[choice.recompute_num_layers, choice.recompute] = min(one, zb)

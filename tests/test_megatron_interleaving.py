@@ -5,15 +5,21 @@ import pytest
 
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.interleaving import (
     chunk_layers,
     chunk_stash,
+    rank_layers,
     warmup_stash,
 )
 from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.costmodel.megatron.rules import rank_params
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.planning.any_model import choose_cost_source
 from pipedejavu.simulation.interleaved import interleaved_order
+from pipedejavu.simulation.zero_bubble import zbv_order, zero_bubble_order
 
 
 def _plan(edges, dp=1, gbs=16, model="OPT-350"):
@@ -107,3 +113,88 @@ def test_warmup_stash_is_the_stash_at_the_first_backward(edges, chunks, gbs):
     prediction = predict_plan(plan, data, virtual_stages=chunks)
     assert np.all(floor <= prediction.activation_bytes * (1 + 1e-12))
     assert floor.max() > 0
+
+
+# ---- the zero-bubble forms: interleaved (loop) and ZB-V ---------------------
+
+
+def _zero_bubble_source(v_shape: bool, recompute: str = "none"):
+    options = TrainingOptions(
+        "bf16",
+        recompute=recompute,
+        zero_bubble=True,
+        virtual_stages=2 if v_shape else 1,
+        v_shape=v_shape,
+    )
+    return choose_cost_source("Llama-3-8B", {"A100-80": 8}, options=options,
+                              seq_length=2048)  # fmt: skip
+
+
+def _even(choice, ranks, gbs, dp=1):
+    blocks = choice.data.model_info(choice.model).num_layers - 2
+    per = blocks // ranks
+    edges = [0] + [1 + per * r for r in range(1, ranks)] + [blocks + 2]
+    return plan_from_stages(
+        [(a, b, 1) for a, b in zip(edges, edges[1:], strict=False)],
+        gpu_type="A100-80", dp=dp, mbs=1, gbs=gbs, model=choice.model,
+        gpus_per_node=8, zone="z",
+    )  # fmt: skip
+
+
+def test_v_chunks_hold_the_embedding_and_head_on_rank_0():
+    choice = _zero_bubble_source(True)
+    plan = _even(choice, 4, 8)  # 32 blocks: 8 virtual stages of 4
+    chunks = chunk_layers(plan, 2, v_shape=True)
+    assert chunks[0] == [(0, 5), (29, 34)]  # stages 0 and 7
+    assert chunks[3] == [(13, 17), (17, 21)]  # stages 3 and 4: the turn
+    assert rank_layers(plan, v_shape=True) == chunks
+    assert rank_layers(plan) == [[(s.start, s.stop)] for s in plan.stages]
+    info = choice.data.model_info(choice.model)
+    # rank 0 holds the (untied) head's parameters, rank 3 only blocks
+    head = float(info.params[1][-1])
+    assert rank_params(info, 1, chunks[0]) == pytest.approx(
+        float(info.params[1][0:5].sum()) + float(info.params[1][29:34].sum())
+    )
+    assert rank_params(info, 1, chunks[0]) > head
+    prediction = predict_plan(plan, choice.data, virtual_stages=2)
+    loop = predict_plan(
+        plan, _zero_bubble_source(False).data, virtual_stages=2, zero_bubble=True
+    )
+    state = prediction.model_state_bytes[:, 0]
+    assert state[0] > state[-1]  # the head moved to rank 0
+    assert loop.model_state_bytes[0, 0] < loop.model_state_bytes[-1, 0]
+    assert np.all(prediction.tied_allreduce_s == 0)
+    with pytest.raises(ProblemError, match="2 chunks per rank"):
+        predict_plan(plan, choice.data, virtual_stages=4)
+
+
+@pytest.mark.parametrize(
+    ("v_shape", "ranks", "chunks", "gbs"),
+    [(False, 2, 2, 4), (False, 4, 2, 8), (False, 2, 4, 6), (True, 2, 2, 3),
+     (True, 4, 2, 5), (True, 4, 2, 16), (True, 8, 2, 20)],
+)  # fmt: skip
+def test_zero_bubble_warmup_stash_is_the_stash_at_the_first_b(
+    v_shape, ranks, chunks, gbs
+):
+    # The memory floor of the interleaved search under the zero-bubble forms:
+    # what each rank holds when its first B starts, read off the orders, and
+    # at most the simulated peak the predictor reports.
+    choice = _zero_bubble_source(v_shape, recompute="selective")
+    plan = _even(choice, ranks, gbs)
+    info = choice.data.model_info(choice.model)
+    floor = warmup_stash(plan, info, chunks, zero_bubble=True, v_shape=v_shape)
+    layers = chunk_layers(plan, chunks, v_shape)
+    memory = chunk_stash(plan, info, layers, 0)
+    count = plan.num_microbatches
+    for r in range(ranks):
+        if v_shape:
+            ops = zbv_order(r, ranks, count)
+        else:
+            ops = zero_bubble_order(r, ranks, count, chunks)
+        first = next(i for i, op in enumerate(ops) if op.backward)
+        held = sum(memory[r, op.chunk] for op in ops[:first])  # forwards only
+        assert floor[r] == pytest.approx(held, rel=1e-12)
+    prediction = predict_plan(plan, choice.data, virtual_stages=chunks,
+                              zero_bubble=True)  # fmt: skip
+    assert np.all(floor <= prediction.activation_bytes * (1 + 1e-12))
+    assert floor.min() > 0

@@ -119,7 +119,8 @@ def add_knob_options(parser: Any) -> None:
         "interleaved 1F1B, equal chunks), zb-h1 (the zero-bubble ZB-H1: "
         "backward split into input- and weight-gradient passes; torchtitan's "
         "InterleavedZeroBubble with one stage per rank), interleaved-zb (the "
-        "same over equal chunks, several per rank) or auto, all four "
+        "same over equal chunks, several per rank), zbv (ZB-V: two chunks per "
+        "rank placed in a V, torchtitan's ZBVZeroBubble) or auto, all five "
         "(with --megatron-args: the two Megatron-LM runs) (default: auto for "
         "a model priced by the analytical model; 1f1b for a Sailor model "
         "priced by its profiles)",

@@ -24,7 +24,11 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
     options = options or TrainingOptions()
     chunks = options.virtual_stages
     schedule = "1F1B, DeepSpeed order"
-    if chunks > 1:
+    if options.v_shape:
+        schedule = "ZB-V zero bubble, 2 chunks per stage in a V"
+    elif chunks > 1 and options.zero_bubble:
+        schedule = f"interleaved zero bubble, {chunks} chunks per stage"
+    elif chunks > 1:
         schedule = f"Megatron's interleaved 1F1B, {chunks} chunks per stage"
     elif options.zero_bubble:
         schedule = "ZB-H1 zero bubble"
@@ -78,8 +82,13 @@ def format_training_plan(result) -> str:
         ]
     elif chunks > 1:
         objective = [
-            f"  Megatron-LM's interleaved 1F1B, {chunks} model chunks per stage "
-            "(the stages' layers are each rank's chunks together)",
+            f"  {schedule_name(result.options)}: {chunks} model chunks per stage "
+            + (
+                "placed in a V (rank r holds chunks r and 2P-1-r of equal "
+                "blocks; rank 0 the embedding and the head)"
+                if result.options.v_shape
+                else "(the stages' layers count each rank's chunks together)"
+            ),
             "planning objective: n/a (the closed form is the non-interleaved "
             "pipeline's); interleaved plans searched by the branch and bound on "
             "the predictor",
@@ -161,7 +170,9 @@ def format_knobs(knobs) -> str:
             continue
         o = outcome.options
         schedule = "interleaved" if outcome.how == "interleaved" else "1F1B"
-        schedule = "ZB-H1" if o.zero_bubble else schedule
+        if o.zero_bubble:
+            zb = {"1F1B": "ZB-H1", "interleaved": "interleaved ZB"}[schedule]
+            schedule = "ZB-V" if o.v_shape else zb
         if outcome.rank_order != "tp-dp-pp":
             schedule += f" ({outcome.rank_order})"
         name = (

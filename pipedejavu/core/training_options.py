@@ -24,7 +24,8 @@ Each field names the Megatron-LM argument it stands for:
   deferred to fill the pipeline's bubble (PyTorch's
   ``ScheduleInterleavedZeroBubble`` with one stage per rank, torchtitan's
   ``InterleavedZeroBubble``; no Megatron-LM flag); with ``virtual_stages > 1``
-  the same schedule over that many stages per rank.
+  the same schedule over that many stages per rank; ``v_shape``: ZB-V, two
+  stages per rank placed in a V (torchtitan's ``ZBVZeroBubble``).
 * ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
   attention), which never materializes the ``s x s`` attention scores.
 """
@@ -85,6 +86,10 @@ class TrainingOptions:
         flash_attention: fused attention that never stores the ``s x s`` scores.
         attention_dropout: dropout on the attention probabilities (without
             flash attention its mask and output are stored and its kernel runs).
+        v_shape: with ``zero_bubble`` and ``virtual_stages == 2``, ZB-V: the
+            two chunks of rank ``r`` are virtual stages ``r`` and ``2 P - 1 -
+            r`` (a V, PyTorch's ``ScheduleZBVZeroBubble``) instead of ``r``
+            and ``P + r``.
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -103,6 +108,7 @@ class TrainingOptions:
     zero_bubble: bool = False
     flash_attention: bool = True
     attention_dropout: bool = False
+    v_shape: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -121,6 +127,7 @@ class TrainingOptions:
             "zero_bubble",
             "flash_attention",
             "attention_dropout",
+            "v_shape",
         ):
             _check_bool(getattr(self, name), name)
         layers = self.recompute_num_layers
@@ -141,6 +148,11 @@ class TrainingOptions:
             raise ValueError(f"virtual_stages must be an int, got {chunks!r}")
         if chunks < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {chunks}")
+        if self.v_shape and not (self.zero_bubble and chunks == 2):
+            raise ValueError(
+                "v_shape (ZB-V) needs zero_bubble=True and virtual_stages=2, got "
+                f"zero_bubble={self.zero_bubble}, virtual_stages={chunks}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """Every field under its own name (exact round trip)."""

@@ -67,6 +67,13 @@ the fragment leaves unset):
   (as ``Interleaved1F1B``); with ``M`` a multiple of ``P`` its order is
   :func:`~pipedejavu.simulation.zero_bubble.zero_bubble_order` with ``V``
   chunks. Refused as ``Interleaved1F1B`` is.
+* ZB-V (``v_shape``): ``"ZBVZeroBubble"`` with the same ``2 P`` parts in
+  model order; torchtitan's ``pipeline_module_split`` places them in a V for
+  this schedule (rank ``r`` gets parts ``r`` and ``2 P - 1 - r``: our
+  chunks 0 and 1) and PyTorch's ``ScheduleZBVZeroBubble`` runs
+  :func:`~pipedejavu.simulation.zero_bubble.zbv_order` for any ``M``.
+  Refused: one stage, unequal stages, stages that do not split into two
+  chunks.
 
 **Recomputation** (``[activation_checkpoint] mode``, always written:
 torchtitan's default is ``"selective"`` with ``selective_ac_option = "2"``,
@@ -141,6 +148,8 @@ def _refuse(reason: str) -> ExportRefused:
 
 def schedule_name(options: TrainingOptions) -> str:
     """torchtitan's ``pipeline_parallel_schedule`` for ``options``."""
+    if options.v_shape:
+        return "ZBVZeroBubble"
     if options.zero_bubble:
         return "InterleavedZeroBubble"
     return "Interleaved1F1B" if options.virtual_stages > 1 else "1F1B"
@@ -149,7 +158,8 @@ def schedule_name(options: TrainingOptions) -> str:
 def part_layers(plan: Plan3D, chunks: int = 1) -> list[range]:
     """Profile layers of each model part: the plan's stages (``chunks = 1``),
     or Megatron-LM's ``P chunks`` equal virtual stages in order (module
-    docstring), part ``k = c P + r`` being chunk ``c`` of rank ``r``.
+    docstring), part ``k = c P + r`` being chunk ``c`` of rank ``r`` (under
+    ZB-V torchtitan gives rank ``r`` parts ``r`` and ``2 P - 1 - r``).
 
     Raises:
         ExportRefused: ``chunks > 1`` with one stage, unequal stages, or
@@ -252,7 +262,7 @@ def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
             f"'s 1F1B schedule (PyTorch's Schedule1F1B) needs at least as many "
             f"micro-batches as stages; the plan runs {count} over {stages} stages"
         )
-    interleaved = options.virtual_stages > 1
+    interleaved = options.virtual_stages > 1 and not options.v_shape
     if (name == "Interleaved1F1B" or interleaved) and count % stages:
         raise _refuse(
             f"'s {name} runs Megatron-LM's order only for a number of "

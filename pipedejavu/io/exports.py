@@ -95,13 +95,13 @@ EXPORTS = (
     "sailor",
 )
 #: The pipeline schedules each target launches (the knob space's names:
-#: ``1f1b``, ``interleaved``, ``zb-h1``, ``interleaved-zb``); the others it
-#: refuses.
+#: ``1f1b``, ``interleaved``, ``zb-h1``, ``interleaved-zb``, ``zbv``); the
+#: others it refuses.
 LAUNCHED_SCHEDULES = {
     "megatron": ("1f1b", "interleaved"),
     "deepspeed": ("1f1b",),
     "megatron-deepspeed": ("1f1b",),
-    "torchtitan": ("1f1b", "interleaved", "zb-h1", "interleaved-zb"),
+    "torchtitan": ("1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv"),
     "alpa": ("1f1b",),
     "sailor": ("1f1b",),
 }

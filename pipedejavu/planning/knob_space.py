@@ -30,7 +30,7 @@ __all__ = [
 
 _ON_OFF = (True, False)
 #: The pipeline schedules searched.
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv")
 #: Those Megatron-LM runs (it has no flag for the zero-bubble schedules).
 MEGATRON_SCHEDULES = LAUNCHED_SCHEDULES["megatron"]
 
@@ -45,7 +45,9 @@ def recompute_name(options: TrainingOptions) -> str:
 
 def schedule_name(options: TrainingOptions) -> str:
     """The schedule ``options`` run, for a report: ``1F1B``, ``interleaved 1F1B
-    (V chunks)``, ``ZB-H1`` or ``interleaved ZB (V chunks)``."""
+    (V chunks)``, ``ZB-H1``, ``interleaved ZB (V chunks)`` or ``ZB-V``."""
+    if options.v_shape:
+        return "ZB-V"
     if options.virtual_stages > 1:
         kind = "ZB" if options.zero_bubble else "1F1B"
         return f"interleaved {kind} ({options.virtual_stages} chunks)"
@@ -70,7 +72,9 @@ class KnobSpace:
             :mod:`pipedejavu.simulation.zero_bubble`; priced analytically only,
             profiles do not split the backward) and ``interleaved-zb`` (the
             same over ``V >= 2`` equal chunks per rank, PyTorch's
-            ``ScheduleInterleavedZeroBubble``; the interleaved plans' search).
+            ``ScheduleInterleavedZeroBubble``; the interleaved plans' search)
+            and ``zbv`` (ZB-V: two equal chunks per rank in a V, PyTorch's
+            ``ScheduleZBVZeroBubble``; the same search).
         rank_orders: Megatron-LM's rank orders
             (:data:`~pipedejavu.core.plan3d.RANK_ORDERS`: ``tp-dp-pp``, its
             default, and ``tp-pp-dp``, ``--use-tp-pp-dp-mapping``), a placement
@@ -153,10 +157,12 @@ class KnobSpace:
     ) -> KnobSpace:
         """The one choice ``options`` makes (its schedule: 1F1B, interleaved
         when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``,
-        interleaved-zb with both), in ``rank_orders`` (a placement: the same
-        costs)."""
+        interleaved-zb with both, zbv with ``v_shape``), in ``rank_orders``
+        (a placement: the same costs)."""
         schedule = "1f1b"
-        if options.virtual_stages > 1:
+        if options.v_shape:
+            schedule = "zbv"
+        elif options.virtual_stages > 1:
             schedule = "interleaved-zb" if options.zero_bubble else "interleaved"
         elif options.zero_bubble:
             schedule = "zb-h1"
@@ -209,6 +215,7 @@ class KnobSpace:
                     distributed_optimizer=dist,
                     virtual_stages=1,
                     zero_bubble=False,
+                    v_shape=False,
                 )
             )
         return out
@@ -246,7 +253,8 @@ class KnobOutcome:
             branch and bound with the cutoff), ``infeasible`` (no plan fits),
             ``dominated`` (the distributed optimizer's rule, module docstring)
             ``interleaved`` (the interleaved schedules' branch and bound,
-            with the cutoff; ``options.zero_bubble``: interleaved-zb) or
+            with the cutoff; ``options.zero_bubble``: interleaved-zb,
+            ``options.v_shape``: zbv) or
             ``zero-bubble`` (the proof's branch and bound on the ZB-H1
             predictor, with the cutoff).
         best_s: the best predicted time found in this choice (``nan``: none

@@ -244,6 +244,8 @@ def search_knobs(
         zero_v = zero or [make_choice(k) for k in split]
     else:
         zero_v = []
+    shaped = [dataclasses.replace(k, virtual_stages=2, v_shape=True) for k in split]
+    zbv = [make_choice(k) for k in shaped] if "zbv" in space.schedules else []
     first = choices[0]
     config = search_config(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
@@ -272,11 +274,11 @@ def search_knobs(
         )
 
     outcomes: list[KnobOutcome] = []
-    if any(c.measured for c in zero + zero_v):
+    if any(c.measured for c in zero + zero_v + zbv):
         raise ProblemError(
             f"the zero-bubble schedules need each layer's weight-gradient time, "
             f"which {first.model}'s profiles do not give: price them analytically "
-            "(another --precision) or leave zb-h1 and interleaved-zb out of "
+            "(another --precision) or leave zb-h1, interleaved-zb and zbv out of "
             "--schedule"
         )
     if len(choices) > 1 and any(c.measured for c in choices):
@@ -342,15 +344,12 @@ def search_knobs(
     # 2. the interleaved schedule per choice (its cutoff is the best so far;
     # it often beats 1F1B, which tightens the proofs of step 3)
     interleaved = choices if "interleaved" in space.schedules else []
-    if interleaved or zero_v:
+    if interleaved or zero_v or zbv:
         runs = [
             (index + o * 5 * len(knobs), choice, order)
+            for first, kind in ((1, interleaved), (3, zero_v), (11, zbv))
             for o, order in enumerate(space.rank_orders)
-            for index, choice in enumerate(interleaved, start=len(choices))
-        ] + [
-            (index + o * 5 * len(knobs), choice, order)
-            for o, order in enumerate(space.rank_orders)
-            for index, choice in enumerate(zero_v, start=3 * len(knobs))
+            for index, choice in enumerate(kind, start=first * len(knobs))
         ]
         memo = InterleavedMemo()  # the candidates and memory, either order
         for index, choice, order in runs:

@@ -54,17 +54,25 @@ __all__ = [
     "chunk_layers",
     "chunk_stash",
     "interleaved_pipelines",
+    "rank_layers",
     "warmup_stash",
 ]
 
 
-def chunk_layers(plan: Plan3D, num_chunks: int) -> list[list[tuple[int, int]]]:
-    """``[rank][chunk] -> (start, stop)`` profile layers of each model chunk.
+def chunk_layers(
+    plan: Plan3D, num_chunks: int, v_shape: bool = False
+) -> list[list[tuple[int, int]]]:
+    """``[rank][chunk] -> (start, stop)`` profile layers of each model chunk:
+    chunk ``c`` of rank ``r`` is virtual stage ``c P + r``, or with
+    ``v_shape`` (two chunks, ZB-V) ``r`` and ``2 P - 1 - r``: rank 0 then
+    holds the embedding and the head.
 
     Raises:
         ProblemError: the plan's stages do not hold equally many blocks, or the
             blocks do not split into ``P V`` equal chunks.
     """
+    if v_shape and num_chunks != 2:
+        raise ProblemError(f"the V placement needs 2 chunks per rank, not {num_chunks}")
     ranks = plan.num_stages
     blocks = plan.num_layers - 2
     if ranks < 2:
@@ -90,11 +98,25 @@ def chunk_layers(plan: Plan3D, num_chunks: int) -> list[list[tuple[int, int]]]:
     for r in range(ranks):
         row = []
         for c in range(num_chunks):
-            k = c * ranks + r
+            k = (2 * ranks - 1 - r if c else r) if v_shape else c * ranks + r
             start, stop = 1 + k * size, 1 + (k + 1) * size
             row.append((0 if k == 0 else start, stop + 1 if k == last else stop))
         out.append(row)
     return out
+
+
+def rank_layers(plan: Plan3D, v_shape: bool = False) -> list[list[tuple[int, int]]]:
+    """``[rank] -> [(start, stop), ...]``: the layers each rank holds, for its
+    parameters, all-reduce and optimizer step: its stage, or with ``v_shape``
+    (ZB-V) its two chunks of the V (:func:`chunk_layers`). Megatron-LM's
+    interleaved chunks hold the stage's layers in total, so its stage serves.
+
+    Raises:
+        ProblemError: as :func:`chunk_layers`.
+    """
+    if v_shape:
+        return chunk_layers(plan, 2, v_shape=True)
+    return [[(stage.start, stage.stop)] for stage in plan.stages]
 
 
 def chunk_stash(
@@ -115,7 +137,11 @@ def chunk_stash(
 
 
 def warmup_stash(
-    plan: Plan3D, info: ModelInfo, num_chunks: int, zero_bubble: bool = False
+    plan: Plan3D,
+    info: ModelInfo,
+    num_chunks: int,
+    zero_bubble: bool = False,
+    v_shape: bool = False,
 ) -> NDArray[np.float64]:
     """``f64[P]``: the activation bytes each rank holds (the most over the
     pipelines) when its first backward starts: the forwards of its warm-up and
@@ -124,13 +150,15 @@ def warmup_stash(
     Megatron-LM's order: ``P`` micro-batches per chunk, chunk by chunk; with
     ``zero_bubble`` the warm-up of
     :func:`~pipedejavu.simulation.zero_bubble.zero_bubble_warmup`, the same
-    table). The schedule's peak (:attr:`InterleavedPipelines.stash_bytes`) is
-    at least this, with no simulation (``tests/test_interleaved.py``).
+    table; with ``v_shape``, ZB-V's ``min(2 P - r - 1, M)`` chunk-0 and
+    ``min(r + 1, M)`` chunk-1 forwards). The schedule's peak
+    (:attr:`InterleavedPipelines.stash_bytes`) is at least this, with no
+    simulation (``tests/test_interleaved.py``).
 
     Raises:
         ProblemError: as :func:`chunk_layers`.
     """
-    chunks = chunk_layers(plan, num_chunks)
+    chunks = chunk_layers(plan, num_chunks, v_shape)
     ranks, count = plan.num_stages, plan.num_microbatches
     out = np.zeros(ranks)
     seen = set()  # pipelines of the same degrees stash alike
@@ -141,6 +169,10 @@ def warmup_stash(
         seen.add(degrees)
         memory = chunk_stash(plan, info, chunks, j)
         for r in range(ranks):
+            if v_shape:
+                per_chunk = np.array([min(2 * ranks - r - 1, count), min(r + 1, count)])
+                out[r] = max(out[r], float(per_chunk @ memory[r]))
+                continue
             if zero_bubble:
                 warmup = zero_bubble_warmup(r, ranks, count, num_chunks)
                 held = min(warmup + 1, num_chunks * count)
@@ -187,12 +219,15 @@ def interleaved_pipelines(
     transfer_fn: Callable[[int, int, float, Hashable, Hashable], float],
     nodes: Sequence[Sequence[Hashable]],
     zero_bubble: bool = False,
+    v_shape: bool = False,
 ) -> InterleavedPipelines:
     """Time every pipeline of ``plan`` under the interleaved schedule, or with
     ``zero_bubble`` under the interleaved zero-bubble schedule
     (:mod:`pipedejavu.simulation.zero_bubble`: each chunk's backward split
     into ``B`` and ``W``, ``W`` its layers' weight-gradient operations plus one
-    instruction overhead, as ZB-H1 prices them).
+    instruction overhead, as ZB-H1 prices them), and with ``v_shape`` (two
+    chunks) under ZB-V, whose turn on rank ``P - 1`` uses no link (link ``P -
+    1`` is unused and priced 0).
 
     Args:
         plan: ``P`` stages, equally many blocks each (:func:`chunk_layers`).
@@ -209,9 +244,12 @@ def interleaved_pipelines(
             a multiple of ``P`` (Megatron-LM requires it), or (``zero_bubble``)
             the times do not split the backward.
     """
-    chunks = chunk_layers(plan, num_chunks)
+    if v_shape and not zero_bubble:
+        raise ProblemError("the V placement runs the zero-bubble schedule ZB-V only")
+    chunks = chunk_layers(plan, num_chunks, v_shape)
     ranks, dp, count, mbs = plan.num_stages, plan.dp, plan.num_microbatches, plan.mbs
-    if count % ranks:
+    step = 1 if v_shape else ranks
+    if count % step:
         raise ProblemError(
             f"the interleaved schedule needs the micro-batch count ({count}) to be "
             f"a multiple of the pipeline stages ({ranks})"
@@ -241,6 +279,8 @@ def interleaved_pipelines(
             last_layer = chunks[r][0][1] - 1
             nbytes = float(message_bytes(info, replica.tp, last_layer, mbs))
             receiver = (r + 1) % ranks
+            if v_shape and receiver == 0:
+                continue  # the V turns on this rank
             transfer[r] = transfer_fn(r, j, nbytes, nodes[r][j], nodes[receiver][j])
         columns = (forward, backward, transfer, memory, weight)
         key = b"".join(a.tobytes() for a in columns)
@@ -249,8 +289,9 @@ def interleaved_pipelines(
             def run(m: int, args=columns):
                 f, b, links, stash, w = args
                 result = simulate_zero_bubble(
-                    f, b - w, w + overhead_s, m, transfer=links,
-                    memory_per_microbatch=stash,
+                    f, b - w, w + overhead_s, m,
+                    transfer=links[:-1] if v_shape else links,
+                    memory_per_microbatch=stash, v_shape=v_shape,
                 )  # fmt: skip
                 return PipelineSummary(
                     np.maximum(
@@ -262,7 +303,7 @@ def interleaved_pipelines(
                     result.peak_memory,
                 )
 
-            simulated[key] = pipeline_summary(run, count, num_stages=ranks, step=ranks)
+            simulated[key] = pipeline_summary(run, count, num_stages=ranks, step=step)
         elif key not in simulated:
 
             def run(m: int, args=columns):

@@ -74,7 +74,10 @@ from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
     PredictorConstants,
 )
-from pipedejavu.costmodel.megatron.interleaving import interleaved_pipelines
+from pipedejavu.costmodel.megatron.interleaving import (
+    interleaved_pipelines,
+    rank_layers,
+)
 from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
     pipeline_summary,
@@ -86,10 +89,10 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     p2p_pair,
+    rank_params,
     span_act_mem,
     span_backward,
     stage_allreduce,
-    stage_params,
     stash_bytes,
     tied_allreduce_time,
 )
@@ -248,6 +251,18 @@ def predict_plan(
     num_stages, dp, count = plan.num_stages, plan.dp, plan.num_microbatches
     mbs = plan.mbs
 
+    if virtual_stages is None:
+        virtual_stages = data.options.virtual_stages
+    if zero_bubble is None:
+        zero_bubble = data.options.zero_bubble
+    v_shape = bool(data.options.v_shape)
+    if v_shape and (virtual_stages != 2 or not zero_bubble):
+        raise ProblemError(
+            "ZB-V (v_shape) runs the zero-bubble schedule over 2 chunks per rank, "
+            f"not {virtual_stages}{'' if zero_bubble else ' without zero bubble'}"
+        )
+    spans = rank_layers(plan, v_shape)  # each rank's layers
+
     overhead = constants.op_overhead_s
     times: dict[tuple[str, int], LayerTimes] = {}
     forward = np.zeros((num_stages, dp))
@@ -276,7 +291,7 @@ def predict_plan(
                     )
                 entry = times[key]
                 layers = slice(stage.start, stage.stop)
-                params = stage_params(info, replica.tp, stage.start, stage.stop)
+                params = rank_params(info, replica.tp, spans[s])
                 per_kind[key] = (
                     float(entry.forward[layers].sum()) + overhead,
                     span_backward(info, entry, stage.start, stage.stop) + overhead,
@@ -313,10 +328,6 @@ def predict_plan(
                 )
             activation[s, j], gradient[s, j] = transfers[key]
 
-    if virtual_stages is None:
-        virtual_stages = data.options.virtual_stages
-    if zero_bubble is None:
-        zero_bubble = data.options.zero_bubble
     interleaved = None
     if virtual_stages > 1:
 
@@ -334,7 +345,15 @@ def predict_plan(
             return max(pair)
 
         interleaved = interleaved_pipelines(
-            plan, info, virtual_stages, times, overhead, link_time, nodes, zero_bubble
+            plan,
+            info,
+            virtual_stages,
+            times,
+            overhead,
+            link_time,
+            nodes,
+            zero_bubble,
+            v_shape,
         )
         forward, backward = interleaved.forward_s, interleaved.backward_s
         activation = gradient = interleaved.transfer_s[:-1]
@@ -384,10 +403,11 @@ def predict_plan(
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
     bubble = min(max(bubble, 0.0), 1.0)  # -6.7e-16 is rounding, not a bubble
 
-    # Tied embedding all-reduce between the first and last stage of a pipeline.
+    # Tied embedding all-reduce between the first and last stage of a pipeline
+    # (ZB-V: both on rank 0, no all-reduce).
     tied = np.zeros(dp)
     ready = ends.copy()
-    if num_stages > 1:
+    if num_stages > 1 and not v_shape:
         first, last = plan.stages[0], plan.stages[-1]
         rings: dict[tuple, float] = {}
         for j in range(dp):
@@ -407,14 +427,15 @@ def predict_plan(
     finish = np.zeros((num_stages, dp))
     for s, stage in enumerate(plan.stages):
         tp = stage.replicas[0].tp
+        (start, stop), *more = spans[s]
         allreduce[s], largest = stage_allreduce(
-            network, info, list(stage.replicas), nodes[s], stage.start, stage.stop
+            network, info, list(stage.replicas), nodes[s], start, stop, more
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
         act = span_act_mem(info, tp, stage.start, stage.stop)
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
-        held = stage_params(info, tp, stage.start, stage.stop)
+        held = rank_params(info, tp, spans[s])
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]

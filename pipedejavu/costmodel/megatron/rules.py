@@ -14,6 +14,7 @@ sums one slice, the tables difference prefix sums).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,17 @@ def held_params(
 
 def stage_params(info: ModelInfo, tp: int, start: int, stop: int) -> float:
     """:func:`held_params` of one stage."""
-    total = float(info.params[tp][start:stop].sum())
-    return float(held_params(info, tp, start, stop, total))
+    return rank_params(info, tp, ((start, stop),))
+
+
+def rank_params(info: ModelInfo, tp: int, spans: Sequence[tuple[int, int]]) -> float:
+    """Parameters per GPU of a rank holding the layer ``spans`` (one stage:
+    one span; a ZB-V rank: its two chunks): theirs, the tied embedding once
+    when it holds both the first and the last layer."""
+    total = sum(float(info.params[tp][a:b].sum()) for a, b in spans)
+    first = any(a == 0 for a, _ in spans)
+    last = any(b == info.num_layers for _, b in spans)
+    return float(total - info.tied_params(tp)) if first and last else total
 
 
 def profiling_params(info: ModelInfo, tp: int) -> float:
@@ -204,10 +214,19 @@ def layer_sizes(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
     return sizes
 
 
-def buckets(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
-    """The stage's all-reduce buckets (elements), filled by :func:`add_to_bucket`."""
+def buckets(
+    info: ModelInfo, tp: int, start: int, stop: int, more: Sequence = ()
+) -> list[float]:
+    """The stage's all-reduce buckets (elements), filled by
+    :func:`add_to_bucket`; ``more``: further ``(start, stop)`` spans the rank
+    holds (a ZB-V rank's second chunk), filled after the first."""
     out, current = [], 0.0
-    for size in layer_sizes(info, tp, start, stop):
+    spans = ((start, stop), *more)
+    sizes = [s for a, b in spans for s in layer_sizes(info, tp, a, b)]
+    first = any(a == 0 for a, _ in spans)
+    if more and first and any(b == info.num_layers for _, b in spans):
+        sizes[-1] -= float(info.tied_params(tp))  # the tied embedding once
+    for size in sizes:
         current, closed = add_to_bucket(current, size)
         if closed:
             out.append(closed)
@@ -324,12 +343,14 @@ def stage_allreduce(
     nodes: list,
     start: int,
     stop: int,
+    more: Sequence = (),
 ) -> tuple[float, float]:
     """``(seconds, largest bucket)``: the data-parallel all-reduce of a stage
-    of layers ``start..stop-1`` over its ``replicas`` (on ``nodes``), one ring
-    per :func:`buckets` entry, and that entry's largest (elements)."""
+    of layers ``start..stop-1`` (and the spans ``more``, as :func:`buckets`)
+    over its ``replicas`` (on ``nodes``), one ring per :func:`buckets` entry,
+    and that entry's largest (elements)."""
     tp = replicas[0].tp
-    sizes = buckets(info, tp, start, stop)
+    sizes = buckets(info, tp, start, stop, more)
     hops = ring_hops(network, replicas, nodes) if len(replicas) > 1 else []
     seconds = sum(
         ring_allreduce_time(

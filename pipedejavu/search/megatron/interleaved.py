@@ -68,14 +68,14 @@ from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
-from pipedejavu.costmodel.megatron.interleaving import warmup_stash
+from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
     memory_bytes,
     model_state_bytes,
     optimizer_time,
+    rank_params,
     stage_allreduce,
-    stage_params,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
@@ -172,6 +172,7 @@ def interleaved_candidates(
     blocks = info.num_layers - 2
     overhead = constants.op_overhead_s
     zero_bubble = bool(data.options.zero_bubble)
+    v_shape = bool(data.options.v_shape)  # ZB-V: two chunks, any M
     out: list[Candidate] = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -200,19 +201,22 @@ def interleaved_candidates(
                         for v in divisors(per_rank)
                         if v >= 2 and (max_chunks is None or v <= max_chunks)
                     ]
+                    if v_shape:
+                        chunk_counts = [2] if 2 in chunk_counts else []
                     if not chunk_counts:
                         continue
                     # the busiest rank works at least the mean, and rank 0
                     # (P - 1) runs the embedding (head) beside its blocks
+                    # (ZB-V: rank 0 runs both, rank P - 1 neither)
                     mean_s = total / ranks
-                    first_rank_s = first + per_rank * least
-                    last_rank_s = last + per_rank * least
+                    first_rank_s = first + per_rank * least + v_shape * last
+                    last_rank_s = (not v_shape) * last + per_rank * least
                     most = count // (ranks * tp)
                     for dp in range(1, most + 1):
                         if samples % dp or not (allow_fewer_gpus or dp == most):
                             continue
                         steps = samples // dp
-                        if steps % ranks:
+                        if steps % ranks and not v_shape:
                             continue
                         for v in chunk_counts:
                             # every rank runs 2 V instructions per micro-batch
@@ -278,15 +282,19 @@ def candidate_floor(
     pipeline of a plan with more)."""
     info = data.model_info(model)
     dp = plan.dp if dp is None else dp
-    stash = warmup_stash(plan, info, chunks, bool(data.options.zero_bubble))
+    v_shape = bool(data.options.v_shape)
+    zero_bubble = bool(data.options.zero_bubble)
+    stash = warmup_stash(plan, info, chunks, zero_bubble, v_shape)
+    spans = rank_layers(plan, v_shape)  # each rank's layers
     tails = np.zeros(plan.num_stages)
     for s, stage in enumerate(plan.stages):
         replicas = list(stage.replicas)
         nodes = [node_key(r, s, j) for j, r in enumerate(replicas)]
+        (start, stop), *more = spans[s]
         allreduce, largest = stage_allreduce(
-            data.network, info, replicas, nodes, stage.start, stage.stop
+            data.network, info, replicas, nodes, start, stop, more
         )
-        held = stage_params(info, replicas[0].tp, stage.start, stage.stop)
+        held = rank_params(info, replicas[0].tp, spans[s])
         state = model_state_bytes(info, held, largest, dp)
         step = 0.0
         for gpu, tp in {(r.gpu_type, r.tp) for r in replicas}:
