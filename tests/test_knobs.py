@@ -285,6 +285,24 @@ def test_sequence_parallel_at_tp_1_prices_the_same(model_files):
     assert checked > 10
 
 
+def test_chunked_options_go_to_the_knob_search(model_files):
+    """plan_any_model plans one chunk per rank; options with chunks (here
+    ZB-V) say where they are searched, and a fixed space there finds them."""
+    _, pool, gbs, options = SETTINGS["selective-wins"]
+    shaped = dataclasses.replace(
+        options, zero_bubble=True, virtual_stages=2, v_shape=True
+    )
+    with pytest.raises(ProblemError, match="plan_with_knobs"):
+        plan_any_model(model_files["selective-wins"], pool, gbs, options=shaped)
+    found = plan_with_knobs(
+        model_files["selective-wins"], pool, gbs, options=shaped,
+        space=KnobSpace.fixed(shaped),
+    )  # fmt: skip
+    won = found.result.options
+    assert found.result.proven and won.v_shape and won.virtual_stages == 2
+    assert {o.how for o in found.outcomes} == {"interleaved"}
+
+
 def test_a_fixed_space_is_plan_any_model(model_files):
     """One choice: the same plan and time as planning with those options."""
     _, pool, gbs, options = SETTINGS["selective-wins"]

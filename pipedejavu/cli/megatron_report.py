@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.megatron.interleaving import rank_layers
 from pipedejavu.planning.knob_space import recompute_name, schedule_name
 
 __all__ = [
@@ -45,10 +46,12 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
         "peak memory per GPU:",
     ]
     limits = prediction.memory_limit_bytes.min(axis=1)
-    for s, stage in enumerate(plan.stages):
+    held = rank_layers(plan, options.v_shape)  # ZB-V: each rank's two chunks
+    for s, _stage in enumerate(plan.stages):
         used = prediction.stage_memory_bytes[s]
+        layers = " and ".join(f"{a}-{b - 1}" for a, b in held[s])
         lines.append(
-            f"  stage {s} (layers {stage.start}-{stage.stop - 1}, "
+            f"  stage {s} (layers {layers}, "
             f"{prediction.peak_in_flight[s]} in flight): {used / GB:.2f} GB of "
             f"{limits[s] / GB:.2f} GB" + ("" if used <= limits[s] else "  EXCEEDS")
         )

@@ -299,7 +299,19 @@ def plan_any_model(
 
     Returns:
         ``(TrainingPlan, CostChoice)``.
+
+    Raises:
+        ProblemError: ``options`` with model chunks (``virtual_stages > 1``):
+            those plans are searched by
+            :func:`~pipedejavu.planning.knobs.plan_with_knobs`.
     """
+    if options is not None and options.virtual_stages > 1:
+        raise ProblemError(
+            "plan_any_model searches stage plans of one chunk per rank (1F1B, "
+            f"ZB-H1); options with {options.virtual_stages} chunks per rank are "
+            "searched by pipedejavu.planning.knobs.plan_with_knobs(..., "
+            "space=KnobSpace.fixed(options))"
+        )
     pool = parse_gpu_pool(gpus)
     choice = choose_cost_source(
         model,
