@@ -33,6 +33,8 @@ def test_defaults_are_the_plain_fp32_run():
             sequence_parallel=True,
             flash_attention=False,
         ),
+        TrainingOptions("bf16", zero_bubble=True, virtual_stages=3),
+        TrainingOptions("bf16", zero_bubble=True, virtual_stages=2, v_shape=True),
     ],
 )
 def test_json_round_trip(options):
@@ -66,6 +68,12 @@ def test_from_json_fills_defaults():
         ),
         ({"virtual_stages": 0}, "virtual_stages must be >= 1, got 0"),
         ({"virtual_stages": 2.5}, "virtual_stages must be an int"),
+        ({"v_shape": "yes"}, "v_shape must be a bool"),
+        ({"v_shape": True}, "v_shape .ZB-V. needs zero_bubble=True"),
+        (
+            {"v_shape": True, "zero_bubble": True, "virtual_stages": 3},
+            "virtual_stages=2, got zero_bubble=True, virtual_stages=3",
+        ),
     ],
 )
 def test_bad_values_are_named(kwargs, message):
