@@ -280,11 +280,17 @@ def test_predict_cli_prices_block_recomputation(capsys):
         )
         assert code == 0, capsys.readouterr().err
         out = json.loads(capsys.readouterr().out)
+        flops.append(out["model_flops_per_iteration"])
         return out["iteration_time_s"], out["peak_memory_bytes"]
 
+    flops: list[float] = []
     full = predicted(" --recompute-granularity full --recompute-method uniform")
     block = " --recompute-granularity full --recompute-method block"
     assert predicted(block + " --recompute-num-layers 24") == pytest.approx(full)
     time, memory = predicted(block + " --recompute-num-layers 1")
     none = predicted("")
     assert none[0] < time < full[0] and full[1] < memory < none[1]
+    # model FLOPs count the reruns: all 48 blocks, all 2 x 24, 2 x 1, none
+    assert flops[0] == flops[1] > flops[2] > flops[3]
+    per_block = (flops[0] - flops[3]) / 48  # one block's forward, every sample
+    assert flops[2] - flops[3] == pytest.approx(2 * per_block, rel=1e-12)

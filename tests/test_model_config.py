@@ -142,6 +142,18 @@ def test_flops_reproduce_megatron_sc21_equation(
     )
 
 
+def test_flops_count_the_blocks_recomputed():
+    # the block method reruns some blocks: their forward counts once more
+    spec = load_model_spec("Llama-3-8B")
+    none, full = (spec.model_flops_per_iteration(8, r) for r in (False, True))
+    some = spec.model_flops_per_iteration(8, True, recomputed_blocks=8)
+    np.testing.assert_allclose(some - none, (full - none) * 8 / 32, rtol=1e-12)
+    assert spec.model_flops_per_iteration(8, True, recomputed_blocks=32) == full
+    assert spec.model_flops_per_iteration(8, False, recomputed_blocks=8) == none
+    with pytest.raises(ValueError, match="recomputed_blocks must be an integer"):
+        spec.model_flops_per_iteration(8, True, recomputed_blocks=33)
+
+
 def test_flops_of_gqa_swiglu_count_every_gemm():
     spec = load_model_spec("Llama-3-8B")
     h, f, s, v, kv = 4096, 14336, 8192, 128256, 1024

@@ -292,7 +292,11 @@ class TransformerSpec:
         return sum(self.layer_params(1))
 
     def model_flops_per_iteration(
-        self, global_batch: int, recompute_full: bool, tp: int = 1
+        self,
+        global_batch: int,
+        recompute_full: bool,
+        tp: int = 1,
+        recomputed_blocks: int | None = None,
     ) -> float:
         """Floating-point operations of one training iteration, counted as
         Megatron-LM counts them.
@@ -310,7 +314,8 @@ class TransformerSpec:
         ``2 * 2 s h`` (the full ``s x s`` square: causal masking is not
         discounted, as in Megatron); the LM head costs ``2 h V`` per token.
         The backward pass costs twice the forward, and full recomputation adds
-        one more forward pass of the blocks (not of the LM head). Norms,
+        one more forward pass of the blocks (not of the LM head); with
+        Megatron's ``block`` method, of the blocks it reruns only. Norms,
         activations, softmax, biases and the embedding lookup are not counted.
 
         Args:
@@ -318,6 +323,9 @@ class TransformerSpec:
             recompute_full: every block's forward pass is recomputed in its
                 backward pass (Megatron ``--recompute-granularity full``).
             tp: the vocabulary ``V`` is padded as for this TP degree.
+            recomputed_blocks: with ``recompute_full``, how many of the
+                ``l`` blocks rerun their forward (``--recompute-method block``;
+                ``None``: all of them).
 
         Returns:
             FLOPs per iteration (float).
@@ -331,6 +339,14 @@ class TransformerSpec:
         block = 2 * h * (h + 2 * groups * head_dim) + 2 * h * h
         block += 2 * h * f * (3 if self.gated_mlp else 2) + 4 * s * h
         head = 2 * h * self.padded_vocab_size(tp)
-        passes = 4 if recompute_full else 3
+        rerun = 0
+        if recompute_full:
+            rerun = self.num_layers if recomputed_blocks is None else recomputed_blocks
+            if not _is_int(rerun) or not 0 <= rerun <= self.num_layers:
+                raise ValueError(
+                    f"recomputed_blocks must be an integer in [0, "
+                    f"{self.num_layers}], got {recomputed_blocks!r}"
+                )
         tokens = global_batch * s
-        return float(tokens * (passes * self.num_layers * block + 3 * head))
+        passes = 3 * self.num_layers + rerun
+        return float(tokens * (passes * block + 3 * head))

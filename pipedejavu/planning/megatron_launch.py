@@ -22,6 +22,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.plan3d import (
     Plan3D,
@@ -32,7 +34,10 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
+from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.rules import recomputed_layers
+from pipedejavu.costmodel.megatron.sailor_data import ModelInfo
 from pipedejavu.io.megatron_args import MegatronRun
 
 __all__ = [
@@ -40,6 +45,7 @@ __all__ = [
     "options_of_run",
     "plan_from_megatron_run",
     "predict_megatron_run",
+    "rerun_blocks",
 ]
 
 
@@ -156,13 +162,32 @@ class LaunchPrediction:
             model_flops_formula=(
                 "Megatron-LM (Narayanan et al., SC'21, Eq. 3), generalized to "
                 "grouped-query attention and gated MLPs; the recomputed forward "
-                "counts when every layer is recomputed"
+                "counts for the blocks full recomputation reruns (all, or the "
+                "first N of each stage's model chunks with the block method)"
             ),
             tflops_per_gpu=self.tflops_per_gpu,
             mfu=self.mfu,
             cost_source=self.cost_source,
         )
         return out
+
+
+def rerun_blocks(info: ModelInfo, plan: Plan3D, options: TrainingOptions) -> int | None:
+    """How many blocks rerun their forward under ``options``' full
+    recomputation (the model FLOPs count them): ``None`` for all of them;
+    with Megatron's ``block`` method the first blocks of each stage or model
+    chunk that :func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers`
+    reruns."""
+    if options.recompute != "full" or info.recompute_layers is None:
+        return None
+    chunks = options.virtual_stages
+    if chunks > 1:
+        spans = [span for row in chunk_layers(plan, chunks) for span in row]
+    else:
+        spans = [(stage.start, stage.stop) for stage in plan.stages]
+    starts, stops = (np.array(column) for column in zip(*spans, strict=True))
+    first, end = recomputed_layers(info, starts, stops)
+    return int(np.sum(end - first))
 
 
 def predict_megatron_run(
@@ -201,7 +226,10 @@ def predict_megatron_run(
     plan = plan_from_megatron_run(run, gpu_type, num_gpus, entry.gpus_per_node)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
     flops = run.spec.model_flops_per_iteration(
-        plan.gbs, recompute_full=options.recompute == "full", tp=run.tp
+        plan.gbs,
+        recompute_full=options.recompute == "full",
+        tp=run.tp,
+        recomputed_blocks=rerun_blocks(source.model_info(plan.model), plan, options),
     )
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
