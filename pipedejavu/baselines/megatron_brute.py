@@ -18,7 +18,11 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import compile_tables, plan_from_stages
+from pipedejavu.costmodel.megatron.tables import (
+    compile_tables,
+    plan_from_stages,
+    stage_entry,
+)
 
 __all__ = ["brute_force_megatron", "enumerate_plans"]
 
@@ -134,10 +138,11 @@ def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn, order):
     feasible = True
     for s, (start, stop, tp) in enumerate(zip(split, split[1:], degrees, strict=False)):
         m = tables.tps.index(tp)
-        costs.append(float(tables.compute_cost[start, stop - 1, m, 0]))
-        tails.append(float(tables.stage_tail_cost[start, stop - 1, m, 0]))
-        if num_stages - 1 - s > tables.max_n_succ_stages[start, stop - 1, m, 0]:
-            feasible = False
+        after = num_stages - 1 - s
+        cost, tail, fits = stage_entry(tables, start, stop - 1, m, after)
+        costs.append(cost)
+        tails.append(tail)
+        feasible = feasible and fits
     value = (
         math.fsum(costs) + (steps - 1) * max(costs) + max(tails)
         if feasible

@@ -145,6 +145,16 @@ def add_knob_options(parser: Any) -> None:
         "--megatron-args, the launch's value and all)",
     )
     parser.add_argument(
+        "--recompute-per-stage",
+        action="store_true",
+        default=None,
+        help="with full recomputation, also search plans whose stages each "
+        "rerun their own count of blocks: the least of 0 and "
+        "--recompute-num-layers that fits (AdaPipe-style; 1F1B and ZB-H1; "
+        "Megatron-LM and torchtitan take one count for every stage, so such a "
+        "plan exports only where its stages' counts agree)",
+    )
+    parser.add_argument(
         "--rank-order",
         choices=("auto", RANK_ORDERS[0]),
         help="Megatron-LM's rank orders to search: auto (tp-dp-pp, its default, "
@@ -179,6 +189,7 @@ def knobs_asked(args: argparse.Namespace) -> bool:
             "distributed_optimizer",
             "rank_order",
             "recompute_num_layers",
+            "recompute_per_stage",
         )
     )
 
@@ -205,6 +216,7 @@ def knob_space(
         if getattr(args, "rank_order", None) == RANK_ORDERS[0]
         else auto.rank_orders,
         getattr(args, "recompute_num_layers", None) or auto.recompute_layers,
+        bool(getattr(args, "recompute_per_stage", None)) or auto.recompute_per_stage,
     )
 
 

@@ -59,6 +59,38 @@ def _check_bool(value: Any, name: str) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def _check_counts(options: TrainingOptions, name: str) -> None:
+    """A per-stage recomputation field: a non-empty tuple (a JSON list is
+    taken) of ints >= 0 or ``None``, with ``recompute="full"`` and no
+    uniform count."""
+    values = getattr(options, name)
+    if values is None:
+        return
+    if isinstance(values, list):
+        values = tuple(values)
+        object.__setattr__(options, name, values)
+    if (
+        not isinstance(values, tuple)
+        or not values
+        or any(
+            v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0)
+            for v in values
+        )
+    ):
+        raise ValueError(
+            f"{name} must be a non-empty list of counts (ints >= 0, or None for "
+            f"every block), got {values!r}"
+        )
+    if name == "recompute_choices" and len(set(values)) != len(values):
+        raise ValueError(f"recompute_choices must be distinct, got {values!r}")
+    if options.recompute != "full" or options.recompute_num_layers is not None:
+        raise ValueError(
+            f"{name} applies to recompute='full' without recompute_num_layers, "
+            f"got recompute={options.recompute!r}, recompute_num_layers="
+            f"{options.recompute_num_layers!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingOptions:
     """How a model is trained, beyond its parallel layout.
@@ -90,6 +122,14 @@ class TrainingOptions:
             two chunks of rank ``r`` are virtual stages ``r`` and ``2 P - 1 -
             r`` (a V, PyTorch's ``ScheduleZBVZeroBubble``) instead of ``r``
             and ``P + r``.
+        recompute_choices: with ``recompute="full"``, per-stage
+            recomputation (AdaPipe-style; one chunk per rank): each pipeline
+            stage reruns the first ``n`` of its blocks for the least ``n`` of
+            these counts with which it fits its GPUs (``0``: none; ``None``:
+            every block); the predictor picks them.
+        recompute_stage_layers: with ``recompute="full"``, the count each
+            stage reruns, in stage order (what the predictor picked, or given
+            to price such a plan).
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -109,6 +149,8 @@ class TrainingOptions:
     flash_attention: bool = True
     attention_dropout: bool = False
     v_shape: bool = False
+    recompute_choices: tuple[int | None, ...] | None = None
+    recompute_stage_layers: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -148,11 +190,24 @@ class TrainingOptions:
             raise ValueError(f"virtual_stages must be an int, got {chunks!r}")
         if chunks < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {chunks}")
+        for name in ("recompute_choices", "recompute_stage_layers"):
+            _check_counts(self, name)
         if self.v_shape and not (self.zero_bubble and chunks == 2):
             raise ValueError(
                 "v_shape (ZB-V) needs zero_bubble=True and virtual_stages=2, got "
                 f"zero_bubble={self.zero_bubble}, virtual_stages={chunks}"
             )
+
+    @property
+    def block_recompute(self) -> bool:
+        """Full recomputation of only some blocks of a stage: Megatron's
+        ``block`` method (``recompute_num_layers``) or per-stage counts (the
+        costs then price each block with and without its rerun)."""
+        return self.recompute == "full" and (
+            self.recompute_num_layers is not None
+            or self.recompute_choices is not None
+            or self.recompute_stage_layers is not None
+        )
 
     def to_json(self) -> dict[str, Any]:
         """Every field under its own name (exact round trip)."""

@@ -59,6 +59,7 @@ the weight gradient inside ``BackwardPass`` too); torchtitan runs it as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Mapping
@@ -73,7 +74,7 @@ from pipedejavu.io.export_megatron import (
     interleaving_flags,
     megatron_text,
 )
-from pipedejavu.io.export_rules import ExportRefused
+from pipedejavu.io.export_rules import ExportRefused, transformer_layers
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
@@ -84,6 +85,7 @@ __all__ = [
     "SAILOR_VERSION",
     "export_plan",
     "option_flags",
+    "uniform_recompute",
 ]
 
 EXPORTS = (
@@ -199,12 +201,55 @@ def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str | None:
     return rank_order_of(plan, per_node)
 
 
+def uniform_recompute(
+    plan: Plan3D, options: TrainingOptions | None, target: str
+) -> TrainingOptions | None:
+    """``options`` with per-stage recomputation counts as the one rule every
+    launcher takes, or the reason none can: all stages rerun nothing (no
+    recomputation), every block (full), or ``min(N, its blocks)`` for one
+    ``N`` (Megatron-LM's block method).
+
+    Raises:
+        ExportRefused: counts no single ``N`` gives.
+    """
+    if (
+        options is None
+        or options.recompute_choices is None
+        and (options.recompute_stage_layers is None)
+    ):
+        return options
+    counts = options.recompute_stage_layers
+    if counts is None or len(counts) != plan.num_stages:
+        raise ExportRefused(
+            f"{target}: the options choose per-stage recomputation counts but do "
+            "not give the plan's (recompute_stage_layers)"
+        )
+    blocks = transformer_layers(plan)
+    rerun = [b if n is None else min(n, b) for n, b in zip(counts, blocks, strict=True)]
+    plain = dataclasses.replace(
+        options, recompute_choices=None, recompute_stage_layers=None
+    )
+    if not any(rerun):
+        return dataclasses.replace(plain, recompute="none")
+    if rerun == blocks:
+        return plain
+    most = max(rerun)
+    if all(n == min(most, b) for n, b in zip(rerun, blocks, strict=True)):
+        return dataclasses.replace(plain, recompute_num_layers=most)
+    raise ExportRefused(
+        f"{target}: the plan's stages rerun {rerun} of their {blocks} transformer "
+        "blocks, and the launchers take one count for every stage "
+        "(Megatron-LM's --recompute-num-layers)"
+    )
+
+
 def _build(
     plan: Plan3D,
     target: str,
     gpus_per_node: Mapping[str, int] | None,
     options: TrainingOptions | None = None,
 ) -> str:
+    options = uniform_recompute(plan, options, target)
     order = _order(plan, gpus_per_node)
     if order is not None and order not in LAUNCHED_RANK_ORDERS.get(target, ()):
         raise ExportRefused(

@@ -37,7 +37,14 @@ MEGATRON_SCHEDULES = LAUNCHED_SCHEDULES["megatron"]
 
 def recompute_name(options: TrainingOptions) -> str:
     """The recomputation ``options`` run, for a report: ``none``,
-    ``selective``, ``full`` or ``full (first N blocks)``."""
+    ``selective``, ``full``, ``full (first N blocks)`` or ``full (per stage:
+    n0, n1, ... blocks)``."""
+    if options.recompute_choices is not None:
+        counts = options.recompute_stage_layers or options.recompute_choices
+        names = ", ".join("all" if n is None else str(n) for n in counts)
+        if options.recompute_stage_layers is None:
+            return f"{options.recompute} (per stage, of {names} blocks)"
+        return f"{options.recompute} (per stage: {names} blocks)"
     if options.recompute_num_layers is None:
         return options.recompute
     return f"{options.recompute} (first {options.recompute_num_layers} blocks)"
@@ -84,6 +91,12 @@ class KnobSpace:
             ``uniform`` method), ``N`` the first ``N`` (Megatron-LM's
             ``--recompute-method block --recompute-num-layers N``); each value
             is a choice, fewer blocks first.
+        recompute_per_stage: with ``full``, one more choice: each stage
+            reruns its own count of blocks, the least of 0 and
+            ``recompute_layers`` with which it fits (AdaPipe-style,
+            :mod:`pipedejavu.costmodel.megatron.stage_recompute`; 1F1B and
+            ZB-H1 plans; no launcher takes counts that differ by stage, so
+            such a plan exports only where its counts agree).
     """
 
     recompute: tuple[RecomputeGranularity, ...] = RECOMPUTE_GRANULARITIES
@@ -92,6 +105,7 @@ class KnobSpace:
     schedules: tuple[str, ...] = SCHEDULES
     rank_orders: tuple[str, ...] = RANK_ORDERS
     recompute_layers: tuple[int | None, ...] = (None,)
+    recompute_per_stage: bool = False
 
     def __post_init__(self) -> None:
         layers = self.recompute_layers
@@ -128,6 +142,15 @@ class KnobSpace:
                 f"rank_orders: distinct values from {RANK_ORDERS}; got "
                 f"{self.rank_orders}"
             )
+        if not isinstance(self.recompute_per_stage, bool):
+            raise ValueError(
+                f"recompute_per_stage must be a bool, got {self.recompute_per_stage!r}"
+            )
+        if self.recompute_per_stage and "full" not in self.recompute:
+            raise ValueError(
+                "recompute_per_stage chooses counts of full recomputation: add "
+                f"'full' to recompute, got {self.recompute}"
+            )
         if RANK_ORDERS[0] not in self.rank_orders:
             raise ValueError(
                 f"rank_orders: the default order {RANK_ORDERS[0]} is always "
@@ -158,7 +181,8 @@ class KnobSpace:
         """The one choice ``options`` makes (its schedule: 1F1B, interleaved
         when ``options.virtual_stages > 1``, ZB-H1 with ``zero_bubble``,
         interleaved-zb with both, zbv with ``v_shape``), in ``rank_orders``
-        (a placement: the same costs)."""
+        (a placement: the same costs). Per-stage recomputation's choice comes
+        with the uniform counts it chooses from (which it never loses to)."""
         schedule = "1f1b"
         if options.v_shape:
             schedule = "zbv"
@@ -166,13 +190,18 @@ class KnobSpace:
             schedule = "interleaved-zb" if options.zero_bubble else "interleaved"
         elif options.zero_bubble:
             schedule = "zb-h1"
+        layers: tuple[int | None, ...] = (options.recompute_num_layers,)
+        choices = options.recompute_choices
+        if choices is not None:
+            layers = tuple(n for n in choices if n != 0) or (None,)
         return cls(
             (options.recompute,),
             (options.sequence_parallel,),
             (options.distributed_optimizer,),
             (schedule,),
             rank_orders,
-            (options.recompute_num_layers,),
+            layers,
+            choices is not None,
         )
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
@@ -200,17 +229,22 @@ class KnobSpace:
             some = sorted(n for n in self.recompute_layers if n is not None)
             every = [None] if None in self.recompute_layers else []
             modes += [(r, n) for n in [*some, *every]]
+            if self.recompute_per_stage:
+                modes.append((r, (0, *some, None)))
         out = []
         for (r, layers), sp, dist in itertools.product(
             modes,
             sorted(self.sequence_parallel, reverse=True),
             sorted(self.distributed_optimizer, reverse=True),
         ):
+            per_stage = layers if isinstance(layers, tuple) else None
             out.append(
                 dataclasses.replace(
                     base,
                     recompute=r,
-                    recompute_num_layers=layers,
+                    recompute_num_layers=None if per_stage else layers,
+                    recompute_choices=per_stage,
+                    recompute_stage_layers=None,
                     sequence_parallel=sp,
                     distributed_optimizer=dist,
                     virtual_stages=1,
@@ -220,9 +254,12 @@ class KnobSpace:
             )
         return out
 
-    def to_json(self) -> dict[str, list]:
-        """Each knob's allowed values."""
-        return {k: list(v) for k, v in dataclasses.asdict(self).items()}
+    def to_json(self) -> dict[str, Any]:
+        """Each knob's allowed values (``recompute_per_stage``: a bool)."""
+        return {
+            k: v if isinstance(v, bool) else list(v)
+            for k, v in dataclasses.asdict(self).items()
+        }
 
     def describe(self) -> str:
         """``recompute none|selective|full, sequence parallel on|off, ...``."""
@@ -234,6 +271,8 @@ class KnobSpace:
         if self.recompute_layers != (None,) and "full" in self.recompute:
             names = ["all" if n is None else str(n) for n in self.recompute_layers]
             blocks = f" (full: {'|'.join(names)} blocks a stage)"
+        if self.recompute_per_stage and "full" in self.recompute:
+            blocks += " (and per stage)"
         return (
             f"schedule {'|'.join(self.schedules)}, "
             f"recompute {'|'.join(self.recompute)}{blocks}, sequence parallel "

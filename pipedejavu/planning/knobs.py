@@ -239,12 +239,14 @@ def search_knobs(
     one_f = [make_choice(k) for k in knobs] if "1f1b" in space.schedules else []
     choices = one_f or [make_choice(k) for k in knobs]
     split = [dataclasses.replace(k, zero_bubble=True) for k in knobs]
+    chunked = [k for k in split if k.recompute_choices is None]  # (one chunk)
     zero = [make_choice(k) for k in split] if "zb-h1" in space.schedules else []
     if "interleaved-zb" in space.schedules:
-        zero_v = zero or [make_choice(k) for k in split]
+        shared = [c for c in zero if c.options.recompute_choices is None]
+        zero_v = shared or [make_choice(k) for k in chunked]
     else:
         zero_v = []
-    shaped = [dataclasses.replace(k, virtual_stages=2, v_shape=True) for k in split]
+    shaped = [dataclasses.replace(k, virtual_stages=2, v_shape=True) for k in chunked]
     zbv = [make_choice(k) for k in shaped] if "zbv" in space.schedules else []
     first = choices[0]
     config = search_config(
@@ -344,6 +346,7 @@ def search_knobs(
     # 2. the interleaved schedule per choice (its cutoff is the best so far;
     # it often beats 1F1B, which tightens the proofs of step 3)
     interleaved = choices if "interleaved" in space.schedules else []
+    interleaved = [c for c in interleaved if c.options.recompute_choices is None]
     if interleaved or zero_v or zbv:
         runs = [
             (index + o * 5 * len(knobs), choice, order)

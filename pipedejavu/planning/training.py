@@ -187,6 +187,14 @@ class TrainingPlan:
     cost_source: str = "profiles"
     options: TrainingOptions = TrainingOptions()
 
+    def __post_init__(self) -> None:
+        # per-stage recomputation: the options say which counts the plan's
+        # stages run (the predictor picked them)
+        counts = getattr(self.prediction, "recompute_stage_layers", None)
+        if self.options.recompute_choices is not None and counts is not None:
+            options = dataclasses.replace(self.options, recompute_stage_layers=counts)
+            object.__setattr__(self, "options", options)
+
     @property
     def predicted_gap(self) -> float:
         """Certified relative gap of the predicted time (``nan``: none)."""

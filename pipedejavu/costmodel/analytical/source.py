@@ -276,7 +276,7 @@ class AnalyticalSource:
         # predictor adds (rules.span_backward).
         rerun = recompute_time(options.recompute, float(forward[1]), core)
         recompute = None
-        if options.recompute_num_layers is None:
+        if not options.block_recompute:
             backward[1:-1] += rerun
         else:
             recompute = np.zeros(len(backward))
@@ -328,7 +328,7 @@ class AnalyticalSource:
         recomputed: dict[int, np.ndarray] = {}
         # Megatron's block method: a block keeps its activations unless it is
         # among the first recompute_num_layers of its stage (rules.span_act_mem)
-        block = options.recompute_num_layers is not None
+        block = options.block_recompute
         degrees = sorted({tp for gpu in self.sheet for tp in self.tp_values(gpu)})
         for tp in degrees or [1]:
             params[tp] = np.asarray(spec.layer_params(tp, tied_copy=True), float)

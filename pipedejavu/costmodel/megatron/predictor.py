@@ -61,7 +61,7 @@ per run).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,6 +102,11 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     SailorData,
     load_sailor_data,
 )
+from pipedejavu.costmodel.megatron.stage_recompute import (
+    as_layers,
+    check_one_chunk,
+    stage_recompute_counts,
+)
 from pipedejavu.costmodel.megatron.zero_bubble import zero_bubble_pipelines
 from pipedejavu.simulation.simulate import simulate
 
@@ -131,6 +136,9 @@ class Prediction:
             largest flattened all-reduce bucket per GPU.
         activation_bytes: f64[S] activations stashed at the peak per GPU (before
             ``activation_overhead``).
+        recompute_stage_layers: with per-stage recomputation, the blocks each
+            stage reruns (:mod:`pipedejavu.costmodel.megatron.stage_recompute`;
+            ``None`` otherwise).
     """
 
     iteration_time_s: float
@@ -149,6 +157,7 @@ class Prediction:
     num_microbatches: int
     model_state_bytes: NDArray[np.float64]
     activation_bytes: NDArray[np.float64]
+    recompute_stage_layers: tuple[int | None, ...] | None = None
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -181,6 +190,11 @@ class Prediction:
                 axis=1
             ).tolist(),
             "peak_in_flight": self.peak_in_flight.tolist(),
+            "recompute_stage_layers": (
+                None
+                if self.recompute_stage_layers is None
+                else list(self.recompute_stage_layers)
+            ),
         }
 
 
@@ -218,6 +232,7 @@ def predict_plan(
     constants: PredictorConstants | None = None,
     virtual_stages: int | None = None,
     zero_bubble: bool | None = None,
+    stage_layers: Sequence[int | None] | None = None,
 ) -> Prediction:
     """Predict a plan's iteration time and memory (module docstring).
 
@@ -235,6 +250,10 @@ def predict_plan(
             ``virtual_stages > 1`` its interleaved form
             (:func:`~pipedejavu.costmodel.megatron.interleaving.interleaved_pipelines`;
             ``None``: ``data.options.zero_bubble``).
+        stage_layers: the blocks each stage reruns (per-stage recomputation,
+            :mod:`pipedejavu.costmodel.megatron.stage_recompute`; ``None``:
+            as ``data.options`` say). Needs costs that price the reruns
+            (options with ``recompute_choices``).
 
     Raises:
         ProblemError: the plan does not fit the model, or names a GPU type or an
@@ -262,6 +281,15 @@ def predict_plan(
             f"not {virtual_stages}{'' if zero_bubble else ' without zero bubble'}"
         )
     spans = rank_layers(plan, v_shape)  # each rank's layers
+    check_one_chunk(data.options, virtual_stages)
+    counts = stage_recompute_counts(plan, data, info, constants, bool(zero_bubble))
+    if stage_layers is not None:
+        if not data.options.block_recompute or len(stage_layers) != num_stages:
+            raise ProblemError(
+                "stage_layers needs costs with per-stage recomputation and one "
+                f"count per stage ({num_stages}), got {list(stage_layers)}"
+            )
+        counts = tuple(stage_layers)
 
     overhead = constants.op_overhead_s
     times: dict[tuple[str, int], LayerTimes] = {}
@@ -294,7 +322,14 @@ def predict_plan(
                 params = rank_params(info, replica.tp, spans[s])
                 per_kind[key] = (
                     float(entry.forward[layers].sum()) + overhead,
-                    span_backward(info, entry, stage.start, stage.stop) + overhead,
+                    span_backward(
+                        info,
+                        entry,
+                        stage.start,
+                        stage.stop,
+                        as_layers(info, counts, s),
+                    )
+                    + overhead,
                     optimizer_time(
                         float(entry.update[0]), params, info, replica.tp, dp
                     ),
@@ -433,7 +468,9 @@ def predict_plan(
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
-        act = span_act_mem(info, tp, stage.start, stage.stop)
+        act = span_act_mem(
+            info, tp, stage.start, stage.stop, as_layers(info, counts, s)
+        )
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         held = rank_params(info, tp, spans[s])
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
@@ -466,4 +503,5 @@ def predict_plan(
         model_state_bytes=model_state,
         activation_bytes=stash,
         num_microbatches=count,
+        recompute_stage_layers=counts,
     )

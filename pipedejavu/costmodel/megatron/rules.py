@@ -119,37 +119,44 @@ def optimizer_time(
 
 
 # ------------------------------------------- recomputation (block method)
-def recomputed_layers(info: ModelInfo, starts: Number, stops: Number) -> tuple:
+def recomputed_layers(
+    info: ModelInfo, starts: Number, stops: Number, layers: Number | None = None
+) -> tuple:
     """``(a, b)``: the layers ``[a, b)`` of each span ``starts..stops-1`` (a
     stage, or a model chunk) that Megatron's ``block`` method recomputes: its
-    first ``info.recompute_layers`` transformer blocks (``a == b``: none, or
-    no partial recomputation priced)."""
-    if info.recompute_layers is None or info.blocks is None:
+    first ``info.recompute_layers`` transformer blocks, or ``layers`` of them
+    (per span; per-stage recomputation) when given (``a == b``: none, or no
+    partial recomputation priced)."""
+    count = info.recompute_layers if layers is None else layers
+    if count is None or info.blocks is None:
         return starts, starts
     first = np.maximum(starts, info.blocks[0])
     end = np.minimum(stops, info.blocks[1])
     some = first < end
     a = np.where(some, first, starts)
-    b = np.where(some, np.minimum(end, first + info.recompute_layers), starts)
+    b = np.where(some, np.minimum(end, first + count), starts)
     return a, b
 
 
-def span_backward(info: ModelInfo, times: LayerTimes, start: int, stop: int) -> float:
+def span_backward(
+    info: ModelInfo, times: LayerTimes, start: int, stop: int, layers=None
+) -> float:
     """Seconds of the backward passes of layers ``start..stop-1`` (one stage
-    or model chunk), with the forwards :func:`recomputed_layers` reruns."""
+    or model chunk), with the forwards :func:`recomputed_layers` reruns
+    (``layers``: as there)."""
     total = float(times.backward[start:stop].sum())
-    a, b = recomputed_layers(info, start, stop)
+    a, b = recomputed_layers(info, start, stop, layers)
     if b > a and times.recompute is not None:
         total += float(times.recompute[a:b].sum())
     return total
 
 
-def span_act_mem(info: ModelInfo, tp: int, start: int, stop: int) -> float:
+def span_act_mem(info: ModelInfo, tp: int, start: int, stop: int, layers=None) -> float:
     """Floats (at mbs 1) that layers ``start..stop-1`` of one stage or model
     chunk keep for their backward: ``act_mem``, but a layer
     :func:`recomputed_layers` reruns keeps only ``recomputed_mem``."""
     total = float(info.act_mem[tp][start:stop].sum())
-    a, b = recomputed_layers(info, start, stop)
+    a, b = recomputed_layers(info, start, stop, layers)
     if b > a and info.recomputed_mem is not None:
         kept = info.recomputed_mem[tp][a:b].sum() - info.act_mem[tp][a:b].sum()
         total += float(kept)
@@ -161,23 +168,28 @@ def spans_recompute(
     times: LayerTimes,
     starts: NDArray[np.int64],
     stops: NDArray[np.int64],
+    layers=None,
 ) -> NDArray[np.float64]:
     """:func:`span_backward`'s recomputation of every span at once (the
     tables' and bounds' form; zeros without the block method)."""
     if times.recompute is None:
         return np.zeros(len(starts))
-    a, b = recomputed_layers(info, starts, stops)
+    a, b = recomputed_layers(info, starts, stops, layers)
     return span_sums(times.recompute, a, b)
 
 
 def spans_act_mem(
-    info: ModelInfo, tp: int, starts: NDArray[np.int64], stops: NDArray[np.int64]
+    info: ModelInfo,
+    tp: int,
+    starts: NDArray[np.int64],
+    stops: NDArray[np.int64],
+    layers=None,
 ) -> NDArray[np.float64]:
     """:func:`span_act_mem` of every span at once."""
     total = span_sums(info.act_mem[tp], starts, stops)
     if info.recomputed_mem is None:
         return total
-    a, b = recomputed_layers(info, starts, stops)
+    a, b = recomputed_layers(info, starts, stops, layers)
     return total + span_sums(info.recomputed_mem[tp] - info.act_mem[tp], a, b)
 
 
@@ -187,12 +199,14 @@ def spans_stash(
     starts: NDArray[np.int64],
     stops: NDArray[np.int64],
     mbs: int,
+    layers=None,
 ) -> NDArray[np.float64]:
     """:func:`stash_bytes` of one micro-batch of ``mbs`` samples on every span
     at once: its :func:`spans_act_mem` and the input it received (the
     tables' and bounds' form of the predictor's stage stash)."""
     received = np.where(starts > 0, info.act_output[tp][np.maximum(starts - 1, 0)], 0.0)
-    return stash_bytes(info, spans_act_mem(info, tp, starts, stops), received, mbs)
+    act = spans_act_mem(info, tp, starts, stops, layers)
+    return stash_bytes(info, act, received, mbs)
 
 
 # ----------------------------------------------------------------- buckets

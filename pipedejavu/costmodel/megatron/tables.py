@@ -74,6 +74,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     NetworkTables,
     SailorData,
 )
+from pipedejavu.costmodel.megatron.stage_recompute import rerun_counts
 
 __all__ = [
     "StageTables",
@@ -84,6 +85,7 @@ __all__ = [
     "plan_from_stages",
     "span_allreduce",
     "span_largest_bucket",
+    "stage_entry",
     "usable_degrees",
 ]
 
@@ -95,9 +97,12 @@ class StageTables:
     Attributes:
         gpu_type, mbs, dp, num_microbatches: the configuration.
         tps: the TP degree of each submesh index ``m``.
-        compute_cost: f64[L, L, M, 1] seconds per micro-batch (inf: no stage).
-        max_n_succ_stages: i64[L, L, M, 1].
-        stage_tail_cost: f64[L, L, M, 1] seconds once per iteration.
+        compute_cost: f64[L, L, M, K] seconds per micro-batch (inf: no stage);
+            ``K = 1``, or with per-stage recomputation one configuration per
+            count of ``options.recompute_choices``, fewest blocks first
+            (:mod:`pipedejavu.costmodel.megatron.stage_recompute`).
+        max_n_succ_stages: i64[L, L, M, K].
+        stage_tail_cost: f64[L, L, M, K] seconds once per iteration.
         work: f64[L] the least GPU-seconds per micro-batch of each layer over the
             TP degrees (``tp x (forward + backward)``), for lower bounds.
     """
@@ -342,7 +347,8 @@ def compile_tables(
     spec = data.gpu_spec(gpu_type)
     network = data.network
     num_layers = info.num_layers
-    shape = (num_layers, num_layers, len(tps), 1)
+    variants = _variants(data, info)
+    shape = (num_layers, num_layers, len(tps), len(variants))
     cost = np.full(shape, np.inf)
     memory = np.full(shape, -1, dtype=np.int64)
     tail = np.zeros(shape)
@@ -359,8 +365,10 @@ def compile_tables(
         layer = times.forward + times.backward
         work = np.minimum(work, tp * layer)
         prefix = np.concatenate([[0.0], np.cumsum(layer)])
-        busy = prefix[ends + 1] - prefix[starts] + 2 * overhead
-        busy = busy + spans_recompute(info, times, starts, ends + 1)
+        base = prefix[ends + 1] - prefix[starts] + 2 * overhead
+        busy = [
+            base + spans_recompute(info, times, starts, ends + 1, n) for n in variants
+        ]
         # Boundary b (after layer b): the transfer a stage takes part in.
         replica = Replica(gpu_type, tp, zone=zone)
         one_node = pipeline_gpus is not None and dp * pipeline_gpus <= gpn
@@ -379,16 +387,17 @@ def compile_tables(
                     same_node=not whole_nodes,
                     zone=zone,
                 )
-        busy = busy + np.where(starts > 0, boundary[starts - 1], 0.0)
-        busy = busy + np.where(ends < num_layers - 1, boundary[ends], 0.0)
-        cost[starts, ends, m, 0] = busy
+        for k, row in enumerate(busy):
+            row = row + np.where(starts > 0, boundary[starts - 1], 0.0)
+            row = row + np.where(ends < num_layers - 1, boundary[ends], 0.0)
+            cost[starts, ends, m, k] = row
 
         # Memory: model state + (1 + overhead) x in-flight stash + reserve.
         stops = ends + 1
         held = held_params(
             info, tp, starts, stops, span_sums(info.params[tp], starts, stops)
         )
-        per_microbatch = spans_stash(info, tp, starts, stops, mbs)
+
         # Largest bucket, layer by layer, and the tail of each span.
         nodes = canonical_nodes([tp], dp, gpn)[0]
         replicas = [replica] * dp
@@ -398,19 +407,20 @@ def compile_tables(
         has_tie = (starts == 0) != (ends == num_layers - 1)
         allreduce, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
         optimizer = optimizer_time(float(times.update[0]), held, info, tp, dp)
-        tail[starts, ends, m, 0] = (
-            allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
-        )
+        once = allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
         state = model_state_bytes(info, held, largest, dp)
-        in_flight = in_flight_capacity(
-            spec.memory_bytes, state, per_microbatch, constants, gpu_type
-        )
-        limit = np.where(
-            in_flight >= min(num_microbatches, num_layers),
-            UNLIMITED_SUCCEEDING_STAGES,
-            in_flight - 1,
-        )
-        memory[starts, ends, m, 0] = np.clip(limit, -1, UNLIMITED_SUCCEEDING_STAGES)
+        for k, n in enumerate(variants):
+            tail[starts, ends, m, k] = once
+            per_microbatch = spans_stash(info, tp, starts, stops, mbs, n)
+            in_flight = in_flight_capacity(
+                spec.memory_bytes, state, per_microbatch, constants, gpu_type
+            )
+            limit = np.where(
+                in_flight >= min(num_microbatches, num_layers),
+                UNLIMITED_SUCCEEDING_STAGES,
+                in_flight - 1,
+            )
+            memory[starts, ends, m, k] = np.clip(limit, -1, UNLIMITED_SUCCEEDING_STAGES)
     return StageTables(
         gpu_type=gpu_type,
         mbs=mbs,
@@ -421,6 +431,30 @@ def compile_tables(
         max_n_succ_stages=memory,
         stage_tail_cost=tail,
         work=work,
+    )
+
+
+def _variants(data: SailorData, info: ModelInfo) -> list[int | None]:
+    """The tables' configurations: ``[None]`` (the options' one rule), or
+    each count of per-stage recomputation, fewest blocks first
+    (:func:`~pipedejavu.costmodel.megatron.stage_recompute.rerun_counts`)."""
+    return list(rerun_counts(data, info)) or [None]
+
+
+def stage_entry(
+    tables: StageTables, start: int, end: int, m: int, after: int
+) -> tuple[float, float, bool]:
+    """``(cost, tail, fits)`` of the stage of layers ``start..end`` at TP index
+    ``m`` with ``after`` stages after it: its cheapest configuration whose
+    memory allows that many (the last one, not fitting, when none does)."""
+    memory = tables.max_n_succ_stages[start, end, m]
+    cost = tables.compute_cost[start, end, m]
+    fitting = [k for k in range(len(cost)) if after <= memory[k]]
+    k = min(fitting, key=lambda i: cost[i]) if fitting else len(cost) - 1
+    return (
+        float(cost[k]),
+        float(tables.stage_tail_cost[start, end, m, k]),
+        bool(fitting),
     )
 
 

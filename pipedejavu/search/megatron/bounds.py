@@ -38,6 +38,7 @@ from pipedejavu.costmodel.megatron.rules import (
     spans_stash,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.stage_recompute import bound_counts, rerun_counts
 from pipedejavu.costmodel.megatron.tables import (
     plan_from_stages,
     span_allreduce,
@@ -92,12 +93,16 @@ class StageTable(NamedTuple):
             its model state (at most ``B``; ``-1``: not even the model state).
         late, fwd: the parts of the warm-up bound, ``late - k fwd`` with ``k``
             forwards before the first backward.
+        variants: with per-stage recomputation, the tables of each count of
+            blocks rerun (this table relaxes them all: the fewest reruns'
+            time, the most reruns' memory); ``None`` otherwise.
     """
 
     w: Table
     cap: Table
     late: Table
     fwd: Table
+    variants: tuple[StageTable, ...] | None = None
 
 
 def stage_bounds(
@@ -184,12 +189,9 @@ def kind_bounds(
         spec = data.gpu_spec(gpu)
         entry = times[kind]
         stage_f = span_sums(entry.forward, starts, stops) + overhead
-        compute = span_sums(entry.forward + entry.backward, starts, stops)
-        compute = compute + spans_recompute(info, entry, starts, stops)
-        compute = compute + (3 if zero_bubble else 2) * overhead
+        base = span_sums(entry.forward + entry.backward, starts, stops)
         pair_in = np.where(starts > 0, receives[kind][np.maximum(starts - 1, 0)], 0.0)
-        busy = compute + pair_in
-        busy += np.where(
+        pair_out = np.where(
             stops < num_layers, sends[kind][np.minimum(ends, num_layers - 2)], 0.0
         )
         held = held_params(
@@ -215,32 +217,54 @@ def kind_bounds(
             )
         allreduce, largest = cache.allreduce[key]
         tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t, dp)
-        fits = span_capacity(
-            data, model, constants, kind, mbs, dp, steps, (starts, stops), held, largest
-        )
-        # The gradient of the last micro-batch goes back over the boundary
-        # before the stage after its last backward, which ends the stage's
-        # pipeline for the predictor: one receive pair less (found on OPT-350,
-        # 3 stages on one A100-40 node: the bound was one transfer too high).
-        head = before_f[starts] + steps * busy - pair_in
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])
-        shape = (num_layers + 1, num_layers + 1)
-        w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
-        late, fwd = np.full(shape, np.inf), np.zeros(shape)
-        w[starts, stops] = head + last
         if with_sends and not zero_bubble:  # the boundary after the stage
-            least = np.min([links[(kind, other)] for other in kinds], axis=0)
-            w = np.maximum(w, least[None, :])
-        cap[starts, stops] = fits
-        # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
-        if zero_bubble:
-            late[starts, stops] = -np.inf
+            least_link = np.min([links[(kind, other)] for other in kinds], axis=0)
         else:
-            late[starts, stops] = (
-                before_f[starts] + stage_f + after_fb[stops] + steps * compute + last
-            )
-        fwd[starts, stops] = stage_f
-        out[kind] = StageTable(w, cap, late, fwd)
+            least_link = None
+
+        # per-stage recomputation: the relaxed table (the fewest reruns' time,
+        # the most reruns' memory) and one per count, which StageBounds reads
+        # at each position (the least count that fits it there); else one
+        # table with the options' own rule
+        counts = rerun_counts(data, info)
+        built = []
+        for rerun, kept in [bound_counts(data, info), *((n, n) for n in counts)]:
+            compute = base + spans_recompute(info, entry, starts, stops, rerun)
+            compute = compute + (3 if zero_bubble else 2) * overhead
+            busy = compute + pair_in
+            busy += pair_out
+            fits = span_capacity(
+                data, model, constants, kind, mbs, dp, steps, (starts, stops),
+                held, largest, kept,
+            )  # fmt: skip
+            # The gradient of the last micro-batch goes back over the boundary
+            # before the stage after its last backward, which ends the stage's
+            # pipeline for the predictor: one receive pair less (found on
+            # OPT-350, 3 stages on one A100-40 node: the bound was one transfer
+            # too high).
+            head = before_f[starts] + steps * busy - pair_in
+            shape = (num_layers + 1, num_layers + 1)
+            w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
+            late, fwd = np.full(shape, np.inf), np.zeros(shape)
+            w[starts, stops] = head + last
+            if least_link is not None:
+                w = np.maximum(w, least_link[None, :])
+            cap[starts, stops] = fits
+            # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
+            if zero_bubble:
+                late[starts, stops] = -np.inf
+            else:
+                late[starts, stops] = (
+                    before_f[starts]
+                    + stage_f
+                    + after_fb[stops]
+                    + steps * compute
+                    + last
+                )
+            fwd[starts, stops] = stage_f
+            built.append(StageTable(w, cap, late, fwd))
+        out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
     return out
 
 
@@ -255,18 +279,22 @@ def span_capacity(
     spans: tuple[NDArray[np.int64], NDArray[np.int64]],
     held: NDArray[np.float64],
     largest: NDArray[np.float64],
+    layers: int | None = None,
 ) -> NDArray[np.float64]:
     """How many micro-batches' stashes fit beside the model state of each span
     ``starts[n]..stops[n] - 1`` (``spans``) of layers on a GPU of ``kind`` (at
     most ``steps``; -1: not even the model state): the predictor's memory
     rules (``held``: the span's parameters per GPU, ``largest``: its largest
-    bucket)."""
+    bucket; ``layers``: blocks rerun, per-stage recomputation's count, by
+    default its most)."""
     info = data.model_info(model)
     gpu, t = kind
+    if layers is None:
+        layers = bound_counts(data, info)[1]  # per-stage: the most reruns
     fits = in_flight_capacity(
         data.gpu_spec(gpu).memory_bytes,
         model_state_bytes(info, held, largest, dp),
-        spans_stash(info, t, *spans, mbs),
+        spans_stash(info, t, *spans, mbs, layers),
         constants,
         gpu,
     )
@@ -396,16 +424,20 @@ class StageBounds:
             table = self.tables[tp]
             fewest, most = stages_after(self.group, tp, left)
             k = min(most + 1, self.group.steps)
-            warm = table.late + 2 * self.overhead * fewest - k * table.fwd
-            if send is None:
-                bound = np.maximum(table.w, warm)
-            else:
-                add, link = send[1]
-                bound = np.maximum(
-                    np.maximum(table.w + add[None, :], warm), link[None, :]
-                )
-            fits = table.cap >= min(fewest + 1, self.group.steps)
-            self._weights[key] = np.where(fits, bound, np.inf)
+            need = min(fewest + 1, self.group.steps)
+            # per-stage recomputation: the least over the counts that fit
+            out = np.full(table.w.shape, np.inf)
+            for one in table.variants or (table,):
+                warm = one.late + 2 * self.overhead * fewest - k * one.fwd
+                if send is None:
+                    bound = np.maximum(one.w, warm)
+                else:
+                    add, link = send[1]
+                    bound = np.maximum(
+                        np.maximum(one.w + add[None, :], warm), link[None, :]
+                    )
+                out = np.minimum(out, np.where(one.cap >= need, bound, np.inf))
+            self._weights[key] = out
         return self._weights[key]
 
     def bottleneck(self, most_gpus: int) -> NDArray[np.float64]:

@@ -277,7 +277,8 @@ class PlacedMix:
             for table in self._all_weights:
                 table.clear()
         steps, size = self.mix.steps, self.layers + 1
-        w, cap, late, fwd = self._table(*stage)
+        table = self._table(*stage)  # (per-stage recomputation: relaxed)
+        w, cap, late, fwd = table.w, table.cap, table.late, table.fwd
         low_r = high_r = np.zeros(size)
         if before is not None:
             least, dear, _ = self._pair(before, stage)

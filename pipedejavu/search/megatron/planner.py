@@ -69,6 +69,7 @@ from pipedejavu.costmodel.megatron.tables import (
     compile_tables,
     plan_from_stages,
     plan_tables,
+    stage_entry,
     usable_degrees,
 )
 from pipedejavu.search.alpa.tail import cheaper_plan_with_tail
@@ -415,7 +416,9 @@ def _solve(
             rule = (key, item.tps, min(stages, steps) if zero_bubble else 0)
             if rule not in counts:  # every stage count at once
                 memory = _memory(tables[key], item.tps, item.gpus, zero_bubble)
-                counts[rule] = chain_counts(memory[:, :, 0, 0], len(memory))
+                # (per-stage recomputation: the most any count allows)
+                most = memory[:, :, 0, :].max(axis=-1)
+                counts[rule] = chain_counts(most, len(memory))
             if stages >= len(counts[rule]) or not counts[rule][stages]:
                 solved += 1
                 continue  # what the DP would find, without its passes
@@ -491,7 +494,11 @@ def _objective(
     if len(plan.gpus_by_type()) > 1:
         return math.nan
     tables, spans = plan_tables(data, model, constants, plan)
-    costs = [tables.compute_cost[a, b, m, 0] for a, b, m in spans]
-    tails = [tables.stage_tail_cost[a, b, m, 0] for a, b, m in spans]
+    entries = [
+        stage_entry(tables, a, b, m, len(spans) - 1 - s)
+        for s, (a, b, m) in enumerate(spans)
+    ]
+    costs = [cost for cost, _, _ in entries]
+    tails = [tail for _, tail, _ in entries]
     steps = plan.num_microbatches
     return float(math.fsum(costs) + (steps - 1) * max(costs) + max(tails))

@@ -1,0 +1,173 @@
+"""Per-stage recomputation: how many blocks each pipeline stage reruns.
+
+Megatron-LM's ``--recompute-method block --recompute-num-layers N`` reruns the
+first ``N`` blocks of every stage alike. Under 1F1B the first stage holds the
+most micro-batches in flight and the last the fewest, so a count that lets the
+first stage fit makes the later stages rerun blocks they could have kept
+(AdaPipe, ASPLOS'24, re-balances for this). With
+``TrainingOptions.recompute_choices`` each stage instead reruns the least of
+those counts with which it fits its GPUs (:func:`stage_recompute_counts`).
+
+Why the least one: a stage's count changes only its own backward time (more
+blocks rerun, longer) and its own stash (more, smaller); the schedule's
+command order does not depend on the times, so no stage or pipeline ends
+later when one stage's backward is shorter. For a given plan the least fitting
+count per stage is therefore the fastest assignment that fits
+(``tests/test_stage_recompute.py`` checks it against every assignment). The
+planning tables offer each count as a configuration of the stage
+(:func:`~pipedejavu.costmodel.megatron.tables.compile_tables`), whose DP picks
+the cheapest that fits its stages after it: the same count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.constants import PredictorConstants
+from pipedejavu.costmodel.megatron.rules import (
+    buckets,
+    memory_bytes,
+    model_state_bytes,
+    span_act_mem,
+    stage_params,
+    stash_bytes,
+)
+from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, SailorData
+from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
+
+__all__ = [
+    "as_layers",
+    "bound_counts",
+    "check_one_chunk",
+    "ordered_choices",
+    "rerun_counts",
+    "stage_in_flight",
+    "stage_recompute_counts",
+]
+
+
+def ordered_choices(choices: Sequence[int | None]) -> list[int | None]:
+    """The counts from fewest blocks rerun to most (``None``, every block,
+    last)."""
+    some = sorted(n for n in choices if n is not None)
+    return some + ([None] if None in choices else [])
+
+
+def stage_in_flight(
+    stage: int, num_stages: int, num_microbatches: int, zero_bubble: bool
+) -> int:
+    """The most micro-batches stage ``stage`` holds: ``min(P - s, M)`` under
+    1F1B, ``min(P, M)`` under ZB-H1 (each schedule's simulated peak)."""
+    if zero_bubble:
+        return zero_bubble_in_flight(num_stages, num_microbatches)
+    return min(num_stages - stage, num_microbatches)
+
+
+def stage_recompute_counts(
+    plan: Plan3D,
+    data: SailorData,
+    info: ModelInfo,
+    constants: PredictorConstants,
+    zero_bubble: bool,
+) -> tuple[int | None, ...] | None:
+    """Each stage's recomputed blocks under ``data.options``: the given
+    ``recompute_stage_layers``, or the least ``recompute_choices`` count with
+    which the stage fits its GPUs (the most when none does: the prediction
+    then reports that it does not fit), or ``None`` (no per-stage counts).
+
+    Raises:
+        ProblemError: given counts for another number of stages.
+    """
+    options = data.options
+    if options.recompute_stage_layers is not None:
+        counts = options.recompute_stage_layers
+        if len(counts) != plan.num_stages:
+            raise ProblemError(
+                f"recompute_stage_layers gives {len(counts)} counts for a plan of "
+                f"{plan.num_stages} stages"
+            )
+        return tuple(counts)
+    if options.recompute_choices is None:
+        return None
+    choices = ordered_choices(options.recompute_choices)
+    out: list[int | None] = []
+    for s in range(plan.num_stages):
+        held = (
+            stage_in_flight(s, plan.num_stages, plan.num_microbatches, zero_bubble)
+            * plan.mbs
+        )
+        fitting = choices[-1]
+        for n in choices:
+            layers = info.num_layers if n is None else n
+            if _fits(plan, data, info, constants, s, held, layers):
+                fitting = n
+                break
+        out.append(fitting)
+    return tuple(out)
+
+
+def _fits(plan, data, info, constants, s, held, layers) -> bool:
+    """Whether every GPU of stage ``s`` fits its memory with ``layers``
+    blocks rerun (the predictor's memory rule)."""
+    stage = plan.stages[s]
+    for tp in sorted({r.tp for r in stage.replicas}):
+        act = span_act_mem(info, tp, stage.start, stage.stop, layers)
+        received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
+        stash = stash_bytes(info, act, received, held)
+        params = stage_params(info, tp, stage.start, stage.stop)
+        largest = max(buckets(info, tp, stage.start, stage.stop))
+        state = model_state_bytes(info, params, largest, plan.dp)
+        for gpu in sorted({r.gpu_type for r in stage.replicas if r.tp == tp}):
+            used = memory_bytes(state, stash, constants, gpu)
+            if used > data.gpu_spec(gpu).memory_bytes:
+                return False
+    return True
+
+
+def as_layers(info: ModelInfo, counts: Sequence[int | None] | None, stage: int):
+    """Stage ``stage``'s count as :func:`~pipedejavu.costmodel.megatron.rules.
+    recomputed_layers` takes it (``None``: the uniform rule)."""
+    if counts is None:
+        return None
+    n = counts[stage]
+    return int(info.num_layers if n is None else n)
+
+
+def bound_counts(data: SailorData, info: ModelInfo) -> tuple:
+    """``(least, most)``: the fewest and the most blocks any stage may rerun
+    under per-stage recomputation (``(None, None)``: the options' one rule),
+    as :func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers` takes
+    them. The proof's bounds price time with the least (no stage is faster)
+    and memory with the most (no stage holds less)."""
+    options = data.options
+    counts = options.recompute_stage_layers
+    if counts is None:
+        counts = options.recompute_choices
+    if counts is None:
+        return None, None
+    as_int = [info.num_layers if n is None else n for n in counts]
+    return min(as_int), max(as_int)
+
+
+def rerun_counts(data: SailorData, info: ModelInfo) -> list[int]:
+    """The counts a stage may rerun under per-stage recomputation, fewest
+    first, as :func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers`
+    takes them (every block: the model's layer count); ``[]`` without it."""
+    choices = data.options.recompute_choices
+    if choices is None:
+        return []
+    return [info.num_layers if n is None else n for n in ordered_choices(choices)]
+
+
+def check_one_chunk(options, virtual_stages: int) -> None:
+    """Per-stage counts price stages of one chunk per rank only."""
+    per_stage = options.recompute_choices is not None or (
+        options.recompute_stage_layers is not None
+    )
+    if per_stage and virtual_stages > 1:
+        raise ProblemError(
+            "per-stage recomputation prices one model chunk per rank, not "
+            f"{virtual_stages}"
+        )
