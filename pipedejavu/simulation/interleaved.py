@@ -59,6 +59,7 @@ __all__ = [
     "checked_array",
     "interleaved_order",
     "peak_in_flight_count",
+    "round_table",
     "simulate_interleaved",
     "warmup_count",
 ]
@@ -143,6 +144,21 @@ def peak_in_flight_count(
     return min(warmup + 1, num_chunks * num_microbatches)
 
 
+def round_table(
+    num_ranks: int, num_chunks: int, num_microbatches: int
+) -> list[tuple[int, int]]:
+    """``(microbatch, chunk)`` of a rank's forwards in run order: rounds of
+    ``P`` micro-batches, chunk by chunk (Megatron-LM's order, and PyTorch's
+    for ``M`` a multiple of ``P``); its backwards take the same table with
+    the chunk reversed."""
+    return [
+        (microbatch, chunk)
+        for group in range(0, num_microbatches, num_ranks)
+        for chunk in range(num_chunks)
+        for microbatch in range(group, min(group + num_ranks, num_microbatches))
+    ]
+
+
 def interleaved_order(
     rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
 ) -> list[Op]:
@@ -156,12 +172,7 @@ def interleaved_order(
         'F0.0 F0.1 F1.0 B1.0'
     """
     warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
-    table = [
-        (microbatch, chunk)
-        for group in range(0, num_microbatches, num_ranks)
-        for chunk in range(num_chunks)
-        for microbatch in range(group, min(group + num_ranks, num_microbatches))
-    ]
+    table = round_table(num_ranks, num_chunks, num_microbatches)
     forwards = [Op(False, chunk, microbatch) for microbatch, chunk in table]
     backwards = [
         Op(True, num_chunks - 1 - chunk, microbatch) for microbatch, chunk in table
@@ -304,31 +315,22 @@ def _run(forward, backward, transfer, orders, count, weight, routes, end_rank):
         idle[r] = True
         if is_weight:
             w_end[r][chunk][microbatch] = now
-        elif not is_backward:
-            f_end[r][chunk][microbatch] = now
-            route = after_f[r][chunk]
+        else:  # its output (activation or gradient) goes on
+            if is_backward:
+                b_end[r][chunk][microbatch] = now
+                route, sent, ready = after_b[r][chunk], (g_start, g_end), b_ready
+            else:
+                f_end[r][chunk][microbatch] = now
+                route, sent, ready = after_f[r][chunk], (a_start, a_end), f_ready
             if route is not None:
                 to, to_chunk, link = route
                 arrival = now
                 if link is not None:
                     arrival, start, end = send(link, now)
-                    a_start[r][chunk][microbatch] = start
-                    a_end[r][chunk][microbatch] = end
-                f_ready[to][to_chunk][microbatch] = arrival
+                    sent[0][r][chunk][microbatch] = start
+                    sent[1][r][chunk][microbatch] = end
+                ready[to][to_chunk][microbatch] = arrival
                 if idle[to]:  # (a busy rank starts nothing)
-                    try_start(to)
-        else:
-            b_end[r][chunk][microbatch] = now
-            route = after_b[r][chunk]
-            if route is not None:
-                to, to_chunk, link = route
-                arrival = now
-                if link is not None:
-                    arrival, start, end = send(link, now)
-                    g_start[r][chunk][microbatch] = start
-                    g_end[r][chunk][microbatch] = end
-                b_ready[to][to_chunk][microbatch] = arrival
-                if idle[to]:
                     try_start(to)
         try_start(r)
     if pointer != lengths:

@@ -70,7 +70,12 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from pipedejavu.simulation.interleaved import Op, checked_array, run_interleaved
+from pipedejavu.simulation.interleaved import (
+    Op,
+    checked_array,
+    round_table,
+    run_interleaved,
+)
 
 __all__ = [
     "ZeroBubbleResult",
@@ -152,12 +157,7 @@ def zero_bubble_order(
     """
     warmup = zero_bubble_warmup(rank, num_ranks, num_microbatches, num_chunks)
     ranks, count, chunks = int(num_ranks), int(num_microbatches), int(num_chunks)
-    table = [
-        (microbatch, chunk)
-        for group in range(0, count, ranks)
-        for chunk in range(chunks)
-        for microbatch in range(group, min(group + ranks, count))
-    ]
+    table = round_table(ranks, chunks, count)
     forwards = [Op(False, c, b) for b, c in table]
     inputs = [Op(True, chunks - 1 - c, b) for b, c in table]
     weights = [Op(True, chunks - 1 - c, b, True) for b, c in table]
