@@ -450,6 +450,10 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
         (["--recompute", "some"], "--recompute takes auto or distinct values"),
         (["--recompute", "none,none"], "--recompute takes auto or distinct values"),
         (["--sequence-parallel", "yes"], "invalid choice"),
+        (
+            ["--recompute", "none", "--recompute-per-stage"],
+            "the knob flags: recompute_per_stage chooses counts of full",
+        ),
     ],
 )
 def test_cli_refuses_bad_knobs(capsys, model_files, extra, message):

@@ -202,7 +202,21 @@ def knob_space(
     """The knobs ``plan`` searches: each knob flag given, else ``auto``'s
     values (every value for a model priced by the analytical model alone; the
     profiled value for a model priced by its profiles, where they cover its
-    GPUs); ``--schedule auto`` means ``schedules``."""
+    GPUs); ``--schedule auto`` means ``schedules``.
+
+    Raises:
+        ProblemError: flags that contradict each other (the reason, one
+            line).
+    """
+    try:
+        return _knob_space(args, auto, schedules)
+    except ValueError as error:
+        raise ProblemError(f"the knob flags: {error}") from None
+
+
+def _knob_space(
+    args: argparse.Namespace, auto: KnobSpace, schedules: tuple[str, ...]
+) -> KnobSpace:
     return KnobSpace(
         tuple(args.recompute) if args.recompute else auto.recompute,
         _ON_OFF[args.sequence_parallel]
