@@ -17,6 +17,24 @@ from pipedejavu.search.megatron.space import config_groups
 
 UNLIMITED = 2**20
 
+#: A tiny GPT config (8 blocks of a 4096-wide model) for the analytical
+#: cost source: the knob, schedule and recomputation tests vary it.
+TINY_GPT = {
+    "name": "tiny-knobs",
+    "num_layers": 8,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_query_groups": 32,
+    "ffn_hidden_size": 16384,
+    "vocab_size": 32000,
+    "seq_length": 2048,
+    "norm": "layernorm",
+    "position": "learned",
+    "max_position_embeddings": 2048,
+    "tied_embeddings": True,
+    "linear_bias": True,
+}
+
 
 def tiny_problem(
     rng: np.random.Generator,

@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+from helpers import TINY_GPT as BASE
 from helpers import largest_stage_bound, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
@@ -35,22 +36,6 @@ from pipedejavu.search.megatron.interleaved import (
     interleaved_candidates,
 )
 from pipedejavu.search.megatron.transfers import BoundCache
-
-BASE = {
-    "name": "tiny-knobs",
-    "num_layers": 8,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_query_groups": 32,
-    "ffn_hidden_size": 16384,
-    "vocab_size": 32000,
-    "seq_length": 2048,
-    "norm": "layernorm",
-    "position": "learned",
-    "max_position_embeddings": 2048,
-    "tied_embeddings": True,
-    "linear_bias": True,
-}
 
 # (model fields, pool, gbs, options): each makes the search take another path.
 SETTINGS = {

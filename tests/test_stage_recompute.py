@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from helpers import largest_stage_bound, stage_bound_tables
+from helpers import TINY_GPT, largest_stage_bound, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.cli.main import main
@@ -32,19 +32,10 @@ from pipedejavu.planning.knob_space import KnobSpace, recompute_name
 from pipedejavu.planning.knobs import plan_with_knobs
 
 MODEL = {
+    **TINY_GPT,
     "name": "tiny-stages",
-    "num_layers": 8,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_query_groups": 32,
-    "ffn_hidden_size": 16384,
-    "vocab_size": 32000,
     "seq_length": 8192,
-    "norm": "layernorm",
-    "position": "learned",
     "max_position_embeddings": 8192,
-    "tied_embeddings": True,
-    "linear_bias": True,
 }
 POOL = {"L4": 4}
 GBS = 8

@@ -58,7 +58,16 @@ def test_from_json_fills_defaults():
         ({"distributed_optimizer": 1}, "distributed_optimizer must be a bool"),
         ({"sequence_parallel": "yes"}, "sequence_parallel must be a bool"),
         ({"flash_attention": None}, "flash_attention must be a bool"),
-        ({"recompute": "full", "recompute_num_layers": 0}, "must be >= 1, got 0"),
+        ({"recompute": "full", "recompute_num_layers": 0}, r"in \[1, 100000\], got 0"),
+        (
+            {"recompute": "full", "recompute_num_layers": 10**30},
+            r"in \[1, 100000\], got 1000000000000000000000000000000",
+        ),
+        (
+            {"recompute": "full", "recompute_stage_layers": (10**30, 0)},
+            r"ints in \[0, 100000\]",
+        ),
+        ({"recompute": "full", "recompute_choices": [0, 100001]}, r"ints in \[0,"),
         ({"recompute": "full", "recompute_num_layers": 2.0}, "an int or None"),
         ({"recompute": "full", "recompute_num_layers": True}, "an int or None"),
         ({"recompute_num_layers": 2}, "applies to recompute='full' only"),

@@ -24,6 +24,7 @@ from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
+    MAX_RECOMPUTE_LAYERS,
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
     TrainingOptions,
@@ -95,7 +96,7 @@ def recompute_layer_choices(text: str) -> tuple[int | None, ...]:
     for token in (v.strip() for v in text.split(",")):
         if token == "all":
             values.append(None)
-        elif token.isdigit() and 1 <= int(token) <= 100_000:
+        elif token.isdigit() and 1 <= int(token) <= MAX_RECOMPUTE_LAYERS:
             values.append(int(token))
         else:
             values = []

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_RECOMPUTE_LAYERS",
     "RECOMPUTE_GRANULARITIES",
     "TRAINING_PRECISIONS",
     "RecomputeGranularity",
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 TrainingPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
+#: The most blocks a recomputation count may name (more than any model has).
+MAX_RECOMPUTE_LAYERS = 100_000
 TRAINING_PRECISIONS: tuple[TrainingPrecision, ...] = ("fp32", "fp16", "bf16", "fp8")
 RecomputeGranularity = Literal["none", "selective", "full"]
 RECOMPUTE_GRANULARITIES: tuple[RecomputeGranularity, ...] = (
@@ -73,13 +76,18 @@ def _check_counts(options: TrainingOptions, name: str) -> None:
         not isinstance(values, tuple)
         or not values
         or any(
-            v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0)
+            v is not None
+            and (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or not 0 <= v <= MAX_RECOMPUTE_LAYERS
+            )
             for v in values
         )
     ):
         raise ValueError(
-            f"{name} must be a non-empty list of counts (ints >= 0, or None for "
-            f"every block), got {values!r}"
+            f"{name} must be a non-empty list of counts (ints in [0, "
+            f"{MAX_RECOMPUTE_LAYERS}], or None for every block), got {values!r}"
         )
     if name == "recompute_choices" and len(set(values)) != len(values):
         raise ValueError(f"recompute_choices must be distinct, got {values!r}")
@@ -178,8 +186,11 @@ class TrainingOptions:
                 raise ValueError(
                     f"recompute_num_layers must be an int or None, got {layers!r}"
                 )
-            if layers < 1:
-                raise ValueError(f"recompute_num_layers must be >= 1, got {layers}")
+            if not 1 <= layers <= MAX_RECOMPUTE_LAYERS:
+                raise ValueError(
+                    f"recompute_num_layers must be in [1, {MAX_RECOMPUTE_LAYERS}], "
+                    f"got {layers}"
+                )
             if self.recompute != "full":
                 raise ValueError(
                     "recompute_num_layers applies to recompute='full' only, got "
@@ -199,14 +210,21 @@ class TrainingOptions:
             )
 
     @property
+    def per_stage_recompute(self) -> bool:
+        """Counts of blocks rerun that may differ by stage
+        (``recompute_choices`` or ``recompute_stage_layers``)."""
+        return (
+            self.recompute_choices is not None
+            or self.recompute_stage_layers is not None
+        )
+
+    @property
     def block_recompute(self) -> bool:
         """Full recomputation of only some blocks of a stage: Megatron's
         ``block`` method (``recompute_num_layers``) or per-stage counts (the
         costs then price each block with and without its rerun)."""
         return self.recompute == "full" and (
-            self.recompute_num_layers is not None
-            or self.recompute_choices is not None
-            or self.recompute_stage_layers is not None
+            self.recompute_num_layers is not None or self.per_stage_recompute
         )
 
     def to_json(self) -> dict[str, Any]:

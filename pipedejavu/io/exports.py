@@ -212,11 +212,7 @@ def uniform_recompute(
     Raises:
         ExportRefused: counts no single ``N`` gives.
     """
-    if (
-        options is None
-        or options.recompute_choices is None
-        and (options.recompute_stage_layers is None)
-    ):
+    if options is None or not options.per_stage_recompute:
         return options
     counts = options.recompute_stage_layers
     if counts is None or len(counts) != plan.num_stages:

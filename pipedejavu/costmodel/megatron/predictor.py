@@ -282,14 +282,15 @@ def predict_plan(
         )
     spans = rank_layers(plan, v_shape)  # each rank's layers
     check_one_chunk(data.options, virtual_stages)
-    counts = stage_recompute_counts(plan, data, info, constants, bool(zero_bubble))
-    if stage_layers is not None:
-        if not data.options.block_recompute or len(stage_layers) != num_stages:
-            raise ProblemError(
-                "stage_layers needs costs with per-stage recomputation and one "
-                f"count per stage ({num_stages}), got {list(stage_layers)}"
-            )
+    if stage_layers is None:
+        counts = stage_recompute_counts(plan, data, info, constants, bool(zero_bubble))
+    elif data.options.block_recompute and len(stage_layers) == num_stages:
         counts = tuple(stage_layers)
+    else:
+        raise ProblemError(
+            "stage_layers needs costs with per-stage recomputation and one "
+            f"count per stage ({num_stages}), got {list(stage_layers)}"
+        )
 
     overhead = constants.op_overhead_s
     times: dict[tuple[str, int], LayerTimes] = {}

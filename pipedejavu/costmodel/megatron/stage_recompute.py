@@ -42,10 +42,18 @@ __all__ = [
     "bound_counts",
     "check_one_chunk",
     "ordered_choices",
+    "rerun_count",
     "rerun_counts",
     "stage_in_flight",
     "stage_recompute_counts",
 ]
+
+
+def rerun_count(info: ModelInfo, count: int | None) -> int:
+    """A count as :func:`~pipedejavu.costmodel.megatron.rules.
+    recomputed_layers` takes it: ``None`` (every block) as the model's layer
+    count."""
+    return int(info.num_layers if count is None else count)
 
 
 def ordered_choices(choices: Sequence[int | None]) -> list[int | None]:
@@ -93,33 +101,38 @@ def stage_recompute_counts(
         return None
     choices = ordered_choices(options.recompute_choices)
     out: list[int | None] = []
-    for s in range(plan.num_stages):
+    for s, stage in enumerate(plan.stages):
         held = (
             stage_in_flight(s, plan.num_stages, plan.num_microbatches, zero_bubble)
             * plan.mbs
         )
+        # what does not depend on the count: per TP degree, the model state,
+        # the input received and the GPU types
+        kinds = []
+        for tp in sorted({r.tp for r in stage.replicas}):
+            params = stage_params(info, tp, stage.start, stage.stop)
+            largest = max(buckets(info, tp, stage.start, stage.stop))
+            state = model_state_bytes(info, params, largest, plan.dp)
+            received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
+            gpus = sorted({r.gpu_type for r in stage.replicas if r.tp == tp})
+            kinds.append((tp, state, received, gpus))
         fitting = choices[-1]
         for n in choices:
-            layers = info.num_layers if n is None else n
-            if _fits(plan, data, info, constants, s, held, layers):
+            if _fits(stage, data, info, constants, kinds, held, rerun_count(info, n)):
                 fitting = n
                 break
         out.append(fitting)
     return tuple(out)
 
 
-def _fits(plan, data, info, constants, s, held, layers) -> bool:
-    """Whether every GPU of stage ``s`` fits its memory with ``layers``
-    blocks rerun (the predictor's memory rule)."""
-    stage = plan.stages[s]
-    for tp in sorted({r.tp for r in stage.replicas}):
+def _fits(stage, data, info, constants, kinds, held, layers) -> bool:
+    """Whether every GPU of ``stage`` fits its memory with ``layers`` blocks
+    rerun (the predictor's memory rule; ``kinds``: per TP degree its model
+    state, input received and GPU types)."""
+    for tp, state, received, gpus in kinds:
         act = span_act_mem(info, tp, stage.start, stage.stop, layers)
-        received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
         stash = stash_bytes(info, act, received, held)
-        params = stage_params(info, tp, stage.start, stage.stop)
-        largest = max(buckets(info, tp, stage.start, stage.stop))
-        state = model_state_bytes(info, params, largest, plan.dp)
-        for gpu in sorted({r.gpu_type for r in stage.replicas if r.tp == tp}):
+        for gpu in gpus:
             used = memory_bytes(state, stash, constants, gpu)
             if used > data.gpu_spec(gpu).memory_bytes:
                 return False
@@ -129,10 +142,7 @@ def _fits(plan, data, info, constants, s, held, layers) -> bool:
 def as_layers(info: ModelInfo, counts: Sequence[int | None] | None, stage: int):
     """Stage ``stage``'s count as :func:`~pipedejavu.costmodel.megatron.rules.
     recomputed_layers` takes it (``None``: the uniform rule)."""
-    if counts is None:
-        return None
-    n = counts[stage]
-    return int(info.num_layers if n is None else n)
+    return None if counts is None else rerun_count(info, counts[stage])
 
 
 def bound_counts(data: SailorData, info: ModelInfo) -> tuple:
@@ -147,7 +157,7 @@ def bound_counts(data: SailorData, info: ModelInfo) -> tuple:
         counts = options.recompute_choices
     if counts is None:
         return None, None
-    as_int = [info.num_layers if n is None else n for n in counts]
+    as_int = [rerun_count(info, n) for n in counts]
     return min(as_int), max(as_int)
 
 
@@ -158,15 +168,12 @@ def rerun_counts(data: SailorData, info: ModelInfo) -> list[int]:
     choices = data.options.recompute_choices
     if choices is None:
         return []
-    return [info.num_layers if n is None else n for n in ordered_choices(choices)]
+    return [rerun_count(info, n) for n in ordered_choices(choices)]
 
 
 def check_one_chunk(options, virtual_stages: int) -> None:
     """Per-stage counts price stages of one chunk per rank only."""
-    per_stage = options.recompute_choices is not None or (
-        options.recompute_stage_layers is not None
-    )
-    if per_stage and virtual_stages > 1:
+    if options.per_stage_recompute and virtual_stages > 1:
         raise ProblemError(
             "per-stage recomputation prices one model chunk per rank, not "
             f"{virtual_stages}"
