@@ -725,9 +725,10 @@ def t_gpu_blocks() -> str:
 
 
 def _knobs(entry: dict) -> str:
-    parts = [
-        entry["schedule"] if entry["chunks"] == 1 else f"interleaved x{entry['chunks']}"
-    ]
+    schedule = entry["schedule"]
+    if schedule in ("interleaved", "interleaved-zb"):
+        schedule = f"{schedule} x{entry['chunks']}"
+    parts = [schedule]
     blocks = entry.get("recompute_num_layers")
     recompute = entry["recompute"] if blocks is None else f"full (first {blocks})"
     parts.append(f"recompute {recompute}")

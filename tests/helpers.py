@@ -172,18 +172,23 @@ def stage_bound_tables(
     return groups, tables
 
 
-def largest_stage_bound(table, plan) -> float:
+def largest_stage_bound(table, plan, first_tail: bool = True) -> float:
     """The largest of the proof's stage bounds over a plan's stages, each at
     its position (``table``: the ``StageBounds`` of the plan's configuration,
     or the ``tables`` of :func:`stage_bound_tables`; ``inf`` where a stage
-    fails the memory test its position asks for)."""
+    fails the memory test its position asks for; ``first_tail``: with stage
+    0's all-reduce after each later stage's gradient chain, as the proof's
+    enumeration bounds it)."""
     if isinstance(table, dict):
         first = plan.stages[0].replicas[0]
         table = table[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
     left = sum(stage.replicas[0].tp for stage in plan.stages)
-    largest = -math.inf
+    largest, first = -math.inf, None
     for stage in plan.stages:
         tp = stage.replicas[0].tp
-        largest = max(largest, float(table.weights(tp, left)[stage.start, stage.stop]))
+        row = table.row(tp, left, stage.start, first)
+        largest = max(largest, float(row[stage.stop]))
+        if stage.start == 0 and first_tail:
+            first = table.first_tail(tp, stage.stop)
         left -= tp
     return largest

@@ -96,6 +96,11 @@ class StageTable(NamedTuple):
         variants: with per-stage recomputation, the tables of each count of
             blocks rerun (this table relaxes them all: the fewest reruns'
             time, the most reruns' memory); ``None`` otherwise.
+        chain: where stage 0's last backward ends at the earliest, by this
+            stage's (``F + B busy - r + G``; ``-inf`` under ZB-H1, which has
+            no gradient chain bound); :func:`chains` adds stage 0's own tail.
+        tail: the stage's all-reduce and optimizer step (least over its
+            placements).
     """
 
     w: Table
@@ -103,6 +108,8 @@ class StageTable(NamedTuple):
     late: Table
     fwd: Table
     variants: tuple[StageTable, ...] | None = None
+    chain: Table | None = None
+    tail: Table | None = None
 
 
 def stage_bounds(
@@ -263,7 +270,11 @@ def kind_bounds(
                     + last
                 )
             fwd[starts, stops] = stage_f
-            built.append(StageTable(w, cap, late, fwd))
+            chain, after = np.full(shape, -np.inf), np.full(shape, np.inf)
+            if not zero_bubble:
+                chain[starts, stops] = head + before_b[starts]
+            after[starts, stops] = tail
+            built.append(StageTable(w, cap, late, fwd, chain=chain, tail=after))
         out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
     return out
 
@@ -440,6 +451,25 @@ class StageBounds:
             self._weights[key] = out
         return self._weights[key]
 
+    def row(
+        self, tp: int, left: int, start: int, first: float | None = None
+    ) -> NDArray[np.float64]:
+        """``weights(tp, left)[start]``, and with ``first`` (stage 0's
+        all-reduce and optimizer step, :meth:`first_tail`, for a stage after
+        it) at least the stage's gradient chain to stage 0's last backward
+        plus that tail, which follows it (``StageTable.chain``)."""
+        stage = self.weights(tp, left)[start]
+        chain = self.tables[tp].chain
+        if first is None or chain is None or start == 0:
+            return stage
+        return np.maximum(stage, chain[start] + first)
+
+    def first_tail(self, tp: int, stop: int) -> float | None:
+        """The least all-reduce and optimizer step of a first stage ``0..stop
+        - 1`` at degree ``tp`` (``None``: not tabled)."""
+        tail = self.tables[tp].tail
+        return None if tail is None else float(tail[0, stop])
+
     def bottleneck(self, most_gpus: int) -> NDArray[np.float64]:
         """``g[u, p]``: the least ``max w`` over chains of stages covering
         layers ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP
@@ -468,23 +498,26 @@ def chains(
     stage bound, and the bound of the rest, stay below ``best.time_s`` (read at
     each step: it falls as better plans are found)."""
     last = g.shape[1] - 1
-    stack: list[tuple[int, int, tuple, float]] = [(0, size, (), float(g[size, 0]))]
+    top = float(g[size, 0])
+    stack: list[tuple[int, int, tuple, float, Any]] = [(0, size, (), top, None)]
     while stack:
-        start, left, stages, bound = stack.pop()
+        start, left, stages, bound, first = stack.pop()
         if bound >= best.time_s:
             continue
         if start == last:
             if left == 0:
                 yield list(stages)
             continue
-        for t in bounds.tables:
+        for t, table in bounds.tables.items():
             if t > left:
                 continue
-            stage = bounds.weights(t, left)[start]
+            stage = bounds.row(t, left, start, first)
             row = np.maximum(stage, g[left - t])
             for stop in np.flatnonzero(row < best.time_s).tolist()[::-1]:
                 chain = (*stages, (start, stop, t))
-                stack.append((stop, left - t, chain, max(bound, float(stage[stop]))))
+                tail = bounds.first_tail(t, stop) if start == 0 else first
+                step = max(bound, float(stage[stop]))
+                stack.append((stop, left - t, chain, step, tail))
 
 
 def single_plans(
