@@ -437,17 +437,18 @@ class StageBounds:
             k = min(most + 1, self.group.steps)
             need = min(fewest + 1, self.group.steps)
             # per-stage recomputation: the least over the counts that fit
-            out = np.full(table.w.shape, np.inf)
+            out = None
             for one in table.variants or (table,):
-                warm = one.late + 2 * self.overhead * fewest - k * one.fwd
+                bound = one.late + 2 * self.overhead * fewest
+                bound -= k * one.fwd  # (in place: the bottleneck's hot loop)
                 if send is None:
-                    bound = np.maximum(one.w, warm)
+                    np.maximum(one.w, bound, out=bound)
                 else:
                     add, link = send[1]
-                    bound = np.maximum(
-                        np.maximum(one.w + add[None, :], warm), link[None, :]
-                    )
-                out = np.minimum(out, np.where(one.cap >= need, bound, np.inf))
+                    np.maximum(one.w + add[None, :], bound, out=bound)
+                    np.maximum(bound, link[None, :], out=bound)
+                np.putmask(bound, one.cap < need, np.inf)
+                out = bound if out is None else np.minimum(out, bound, out=out)
             self._weights[key] = out
         return self._weights[key]
 
