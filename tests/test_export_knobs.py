@@ -26,6 +26,7 @@ exporters (the versions: :mod:`pipedejavu.io.export_torchtitan` and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -34,7 +35,12 @@ import tomllib
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_rules import ExportRefused
-from pipedejavu.io.exports import EXPORTS, LAUNCHED_SCHEDULES, export_plan
+from pipedejavu.io.exports import (
+    EXPORTS,
+    LAUNCHED_SCHEDULES,
+    LAUNCHED_TRAINING,
+    export_plan,
+)
 from pipedejavu.simulation.interleaved import interleaved_order
 from pipedejavu.simulation.zero_bubble import zero_bubble_order
 
@@ -377,3 +383,41 @@ def test_launched_schedules_are_what_the_exports_accept(target):
             continue
         accepted.add(schedule)
     assert accepted == set(LAUNCHED_SCHEDULES[target])
+
+
+@pytest.mark.parametrize("target", EXPORTS)
+def test_launched_training_is_what_the_exports_accept(target):
+    """The precisions, recomputation modes, sequence parallelism and optimizer
+    sharding a target launches (what ``plan --export`` searches) are those its
+    export accepts, one knob varied from the target's own first values: on a
+    TP 2 pipeline (sequence parallelism matters there) and, for the
+    optimizer, on plain data parallelism over 2 replicas."""
+    launched = LAUNCHED_TRAINING[target]
+    base = TrainingOptions(
+        precision=launched["precision"][0],
+        recompute=launched["recompute"][0],
+        sequence_parallel=launched["sequence_parallel"][0],
+        distributed_optimizer=launched["distributed_optimizer"][0],
+    )
+    values = {
+        "precision": ("fp32", "fp16", "bf16", "fp8"),
+        "recompute": ("none", "selective", "full"),
+        "sequence_parallel": (True, False),
+        "distributed_optimizer": (True, False),
+    }
+    for knob, candidates in values.items():
+        if knob == "distributed_optimizer":
+            plan = even_plan(1, 4, dp=2)
+        else:
+            plan = even_plan(2, 4, tp=2)
+        accepted = set()
+        for value in candidates:
+            options = dataclasses.replace(base, **{knob: value})
+            try:
+                # one host of the plan's GPUs (Alpa's mesh takes whole hosts)
+                hosts = {"B-80": sum(s.num_gpus for s in plan.stages)}
+                export_plan(plan, target, gpus_per_node=hosts, options=options)
+            except ExportRefused:
+                continue
+            accepted.add(value)
+        assert accepted == set(launched[knob]), knob

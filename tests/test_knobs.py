@@ -420,6 +420,27 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     exported = json.loads(out)
     assert exported["knobs"]["space"]["schedules"] == ["1f1b", "interleaved"]
     assert exported["export"]["target"] == "megatron"
+    # DeepSpeed: 1F1B, no recomputation or sequence parallelism in its config
+    code, out, err = _cli(capsys, *argv, "--export", "deepspeed")
+    assert code == 0, err
+    space = json.loads(out)["knobs"]["space"]
+    assert space["schedules"] == ["1f1b"] and space["recompute"] == ["none"]
+    assert space["sequence_parallel"] == [False]
+    assert space["distributed_optimizer"] == [True, False]
+    # what the target does not launch at all is refused before the search
+    for extra, message in (
+        (["--export", "torchtitan"], "--export torchtitan launches fp32 training"),
+        (
+            ["--export", "deepspeed", "--recompute", "full"],
+            "deepspeed does not launch recompute full as planned",
+        ),
+        (
+            ["--export", "megatron", "--schedule", "zbv"],
+            "megatron does not launch schedules zbv as planned",
+        ),
+    ):
+        code, out, err = _cli(capsys, *argv, *extra)
+        assert code == 2 and message in err and not out, (extra, err)
     # a list of modes
     code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
     assert code == 0, err

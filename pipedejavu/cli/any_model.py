@@ -29,6 +29,7 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
+from pipedejavu.io.exports import LAUNCHED_TRAINING
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
@@ -49,6 +50,7 @@ from pipedejavu.planning.launch_compare import (
     compare_megatron_run,
     launch_knob_space,
 )
+from pipedejavu.planning.megatron_launch import options_of_run
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "format_comparison",
     "knob_space",
     "knobs_asked",
+    "launched_space",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
@@ -402,6 +405,22 @@ def read_launch(
     return run, sheet.resolve(gpu), count, sheet
 
 
+def launched_space(target: str, space: KnobSpace, precision: str) -> KnobSpace:
+    """``space`` cut to what ``target`` launches as planned; a precision or a
+    knob it does not launch at all is refused before the search."""
+    precisions = LAUNCHED_TRAINING[target]["precision"]
+    if precision not in precisions:
+        raise ProblemError(
+            f"--export {target} launches {', '.join(precisions)} training as "
+            f"planned, not {precision} (see `pipedejavu plan --help`): give "
+            f"--precision {precisions[-1]} or another --export"
+        )
+    try:
+        return space.for_target(target)
+    except ValueError as error:
+        raise ProblemError(f"--export {target}: {error}") from None
+
+
 def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunComparison:
     """``plan --megatron-args``: the launch predicted and the best plan."""
     _refuse_with_megatron_args(args)
@@ -416,6 +435,8 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
             )
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
     space = knob_space(args, launch_knob_space(run), MEGATRON_SCHEDULES)
+    if getattr(args, "export", None):  # only what the target launches
+        space = launched_space(args.export, space, options_of_run(run).precision)
     return compare_megatron_run(
         run,
         gpu,

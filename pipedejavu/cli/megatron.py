@@ -7,7 +7,6 @@ Registered by :mod:`pipedejavu.cli.main`; exit codes as there (0 ok, 2 bad input
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import warnings
 from typing import Any
@@ -20,6 +19,7 @@ from pipedejavu.cli.any_model import (
     format_comparison,
     knob_space,
     knobs_asked,
+    launched_space,
     plan_megatron_args,
     predict_plan_file,
     read_launch,
@@ -39,11 +39,9 @@ from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import (
     EXPORTS,
-    LAUNCHED_RANK_ORDERS,
-    LAUNCHED_SCHEDULES,
     export_plan,
 )
-from pipedejavu.planning.knob_space import SCHEDULES, KnobSpace
+from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
 from pipedejavu.planning.training import (
@@ -168,8 +166,10 @@ def add_parsers(commands: Any) -> None:
     plan.add_argument(
         "--export",
         choices=EXPORTS,
-        help="also print the plan for this framework (refused, exit 2, when the "
-        "framework cannot launch it as planned)",
+        help="also print the plan for this framework; the search keeps to the "
+        "schedules, rank orders and training options it launches as planned "
+        "(a precision or knob value it never launches: exit 2 before the "
+        "search; a plan it still cannot launch as planned: exit 2 after it)",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
 
@@ -317,13 +317,9 @@ def _plan(args: argparse.Namespace) -> int:
             flush=True,
         )
     auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
-    launchable = LAUNCHED_SCHEDULES.get(args.export, SCHEDULES)
-    if not choice.measured and args.export:  # what the target launches
-        auto = dataclasses.replace(auto, schedules=launchable)
-    if args.export:
-        orders = LAUNCHED_RANK_ORDERS[args.export]
-        auto = dataclasses.replace(auto, rank_orders=orders)
-    space, asked = knob_space(args, auto, launchable), knobs_asked(args)
+    space, asked = knob_space(args, auto), knobs_asked(args)
+    if args.export:  # only what the target launches as planned
+        space = launched_space(args.export, space, choice.options.precision)
     knobs = None
     # A model priced by its profiles searches the rank orders (a placement,
     # the same costs) with its profiled training.

@@ -66,7 +66,11 @@ from collections.abc import Mapping
 
 from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, check_nodes, rank_order_of
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.training_options import (
+    RECOMPUTE_GRANULARITIES,
+    TRAINING_PRECISIONS,
+    TrainingOptions,
+)
 from pipedejavu.io.export_alpa import to_alpa
 from pipedejavu.io.export_deepspeed import to_deepspeed, to_megatron_deepspeed
 from pipedejavu.io.export_megatron import (
@@ -82,6 +86,7 @@ __all__ = [
     "EXPORTS",
     "LAUNCHED_RANK_ORDERS",
     "LAUNCHED_SCHEDULES",
+    "LAUNCHED_TRAINING",
     "SAILOR_VERSION",
     "export_plan",
     "option_flags",
@@ -115,6 +120,45 @@ LAUNCHED_RANK_ORDERS = {
     target: RANK_ORDERS if target == "megatron" else RANK_ORDERS[:1]
     for target in EXPORTS
 }
+_BOTH = (True, False)
+_PLAIN = {
+    "precision": ("fp32",),
+    "recompute": ("none",),
+    "sequence_parallel": (False,),
+    "distributed_optimizer": (False,),
+}
+#: The training options each target launches as planned (the values of
+#: :class:`~pipedejavu.core.training_options.TrainingOptions`' fields); the
+#: export refuses the others, each with its reason (DeepSpeed: no
+#: recomputation or sequence parallelism in its config, no FP8; torchtitan:
+#: fp32 only without FSDP, no selective recomputation of the attention core,
+#: sequence parallelism always on with TP, optimizer state sharded only with
+#: FSDP: :mod:`pipedejavu.io.export_torchtitan`; Alpa and Sailor: plain fp32
+#: training). ``sequence_parallel`` ``(True,)`` means "with TP > 1": at TP 1
+#: it changes nothing.
+LAUNCHED_TRAINING = {
+    "megatron": {
+        "precision": TRAINING_PRECISIONS,
+        "recompute": RECOMPUTE_GRANULARITIES,
+        "sequence_parallel": _BOTH,
+        "distributed_optimizer": _BOTH,
+    },
+    "deepspeed": {
+        "precision": ("fp32", "fp16", "bf16"),
+        "recompute": ("none",),
+        "sequence_parallel": (False,),
+        "distributed_optimizer": _BOTH,
+    },
+    "torchtitan": {
+        "precision": ("fp32",),
+        "recompute": ("none", "full"),
+        "sequence_parallel": (True,),
+        "distributed_optimizer": (False,),
+    },
+    "alpa": _PLAIN,
+    "sailor": _PLAIN,
+}
+LAUNCHED_TRAINING["megatron-deepspeed"] = LAUNCHED_TRAINING["deepspeed"]
 #: Sailor's plan reader the ``plan_config`` export was checked against.
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
 

@@ -16,7 +16,11 @@ from pipedejavu.core.training_options import (
     RecomputeGranularity,
     TrainingOptions,
 )
-from pipedejavu.io.exports import LAUNCHED_SCHEDULES
+from pipedejavu.io.exports import (
+    LAUNCHED_RANK_ORDERS,
+    LAUNCHED_SCHEDULES,
+    LAUNCHED_TRAINING,
+)
 from pipedejavu.planning.training import finite_or_none
 
 __all__ = [
@@ -59,6 +63,11 @@ def schedule_name(options: TrainingOptions) -> str:
         kind = "ZB" if options.zero_bubble else "1F1B"
         return f"interleaved {kind} ({options.virtual_stages} chunks)"
     return "ZB-H1" if options.zero_bubble else "1F1B"
+
+
+def _shown(value: Any) -> str:
+    """A knob value as the CLI spells it."""
+    return {True: "on", False: "off"}.get(value, str(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +212,41 @@ class KnobSpace:
             layers,
             choices is not None,
         )
+
+    def for_target(self, target: str) -> KnobSpace:
+        """The part of this space that export ``target`` launches as planned
+        (:data:`~pipedejavu.io.exports.LAUNCHED_SCHEDULES`,
+        :data:`~pipedejavu.io.exports.LAUNCHED_RANK_ORDERS`,
+        :data:`~pipedejavu.io.exports.LAUNCHED_TRAINING`).
+
+        Raises:
+            ValueError: a knob none of whose values the target launches (the
+                knob, its values and the target's, one line).
+        """
+        training = LAUNCHED_TRAINING[target]
+        launched = {
+            "schedules": LAUNCHED_SCHEDULES[target],
+            "rank_orders": LAUNCHED_RANK_ORDERS[target],
+            "recompute": training["recompute"],
+            "sequence_parallel": training["sequence_parallel"],
+            "distributed_optimizer": training["distributed_optimizer"],
+        }
+        kept = {}
+        for name, allowed in launched.items():
+            values = tuple(v for v in getattr(self, name) if v in allowed)
+            if name == "sequence_parallel" and not values:
+                # "with TP > 1": plans without it still launch at TP 1
+                values = getattr(self, name)
+            if not values:
+                shown = [_shown(v) for v in getattr(self, name)]
+                raise ValueError(
+                    f"{target} does not launch {name.replace('_', ' ')} "
+                    f"{', '.join(shown)} as planned (it launches "
+                    f"{', '.join(_shown(v) for v in allowed)})"
+                )
+            kept[name] = values
+        per_stage = self.recompute_per_stage and "full" in kept["recompute"]
+        return dataclasses.replace(self, recompute_per_stage=per_stage, **kept)
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
         """Every choice, the fastest per plan first (module docstring);

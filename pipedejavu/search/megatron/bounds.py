@@ -509,7 +509,7 @@ def chains(
             if left == 0:
                 yield list(stages)
             continue
-        for t, table in bounds.tables.items():
+        for t in bounds.tables:
             if t > left:
                 continue
             stage = bounds.row(t, left, start, first)
