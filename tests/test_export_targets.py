@@ -558,10 +558,19 @@ def test_planner_plans_build_as_planned_or_are_refused(setting):
         assert outcomes["alpa"] == "refused"
 
 
-def test_cli_refuses_an_export_the_target_cannot_launch(capsys):
+def test_cli_refuses_an_export_the_target_cannot_launch(capsys, monkeypatch):
+    import pipedejavu.cli.megatron as cli_megatron
     from pipedejavu.cli.main import main
 
     command = ["plan", "--model", "OPT-350", "--gpus", "GH-96:16"]
+    # torchtitan: the search keeps data parallelism alone (its DDP) ...
+    code = main([*command, "--global-batch", "64", "--export", "torchtitan"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "tensor_parallel_degree = 1" in out and "pipeline_parallel_degree = 1" in out
+    assert "data_parallel_replicate_degree = 16" in out
+    # ... without that rule the best plan (TP 4 beside DP) is refused, one line
+    monkeypatch.setattr(cli_megatron, "DATA_PARALLEL_ALONE", frozenset())
     code = main([*command, "--global-batch", "64", "--export", "torchtitan"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""

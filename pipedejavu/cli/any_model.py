@@ -29,7 +29,7 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
-from pipedejavu.io.exports import LAUNCHED_TRAINING
+from pipedejavu.io.exports import DATA_PARALLEL_ALONE, LAUNCHED_TRAINING
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
@@ -446,6 +446,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
         method=args.method,
         allow_fewer_gpus=not args.all_gpus,
         progress_fn=progress_fn,
+        dp_alone=getattr(args, "export", None) in DATA_PARALLEL_ALONE,
     )
 
 

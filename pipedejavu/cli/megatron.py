@@ -37,10 +37,7 @@ from pipedejavu.cli.megatron_report import (
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.exports import (
-    EXPORTS,
-    export_plan,
-)
+from pipedejavu.io.exports import DATA_PARALLEL_ALONE, EXPORTS, export_plan
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import predict_megatron_run
@@ -329,6 +326,7 @@ def _plan(args: argparse.Namespace) -> int:
             pool,
             args.global_batch,
             space=space,
+            dp_alone=args.export in DATA_PARALLEL_ALONE,
             precision=args.precision,
             seq_length=args.seq_len,
             gpu_sheet=args.gpu_sheet,
@@ -351,6 +349,7 @@ def _plan(args: argparse.Namespace) -> int:
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
+            dp_alone=args.export in DATA_PARALLEL_ALONE,
         )
     exported = _export(args, result, choice.data, result.options)
     if args.json:

@@ -87,6 +87,7 @@ __all__ = [
     "LAUNCHED_RANK_ORDERS",
     "LAUNCHED_SCHEDULES",
     "LAUNCHED_TRAINING",
+    "DATA_PARALLEL_ALONE",
     "SAILOR_VERSION",
     "export_plan",
     "option_flags",
@@ -159,6 +160,11 @@ LAUNCHED_TRAINING = {
     "sailor": _PLAIN,
 }
 LAUNCHED_TRAINING["megatron-deepspeed"] = LAUNCHED_TRAINING["deepspeed"]
+#: The targets that run data parallelism as planned (unsharded replicas) only
+#: without TP or PP beside it: torchtitan, whose DDP refuses more than one
+#: dimension of parallelism (beside TP or PP it runs FSDP/HSDP, which shards
+#: what the plan priced unsharded).
+DATA_PARALLEL_ALONE = frozenset({"torchtitan"})
 #: Sailor's plan reader the ``plan_config`` export was checked against.
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
 

@@ -153,6 +153,7 @@ def plan_with_knobs(
     mixed_types: bool = False,
     mbs_values: Sequence[int] | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    dp_alone: bool = False,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -169,8 +170,9 @@ def plan_with_knobs(
         method: how the first feasible choice is searched (``dp`` or
             ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
             the later ones are settled by the proof either way).
-        uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: the plan space,
-            as for :func:`~pipedejavu.planning.training.plan_training`.
+        uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone: the
+            plan space, as for
+            :func:`~pipedejavu.planning.training.plan_training`.
         progress_fn: called as the searches go (each dict gets ``"knobs"``:
             the choice's index).
 
@@ -211,6 +213,7 @@ def plan_with_knobs(
         mixed_types=mixed_types,
         mbs_values=mbs_values,
         progress_fn=progress_fn,
+        dp_alone=dp_alone,
     )
 
 
@@ -227,6 +230,7 @@ def search_knobs(
     mixed_types: bool = False,
     mbs_values: Sequence[int] | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    dp_alone: bool = False,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -250,7 +254,7 @@ def search_knobs(
     zbv = [make_choice(k) for k in shaped] if "zbv" in space.schedules else []
     first = choices[0]
     config = search_config(
-        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
+        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
     )
 
     shared = BoundCache()  # the choices' links are priced alike
@@ -273,6 +277,7 @@ def search_knobs(
             progress_fn=_tagged(progress_fn, index),
             bound_cache=shared,
             solved=probes.get(id(choice)),
+            dp_alone=dp_alone,
         )
 
     outcomes: list[KnobOutcome] = []
@@ -312,6 +317,7 @@ def search_knobs(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             cache=shared,
+            dp_alone=dp_alone,
         )
         return fitting[id(choice)]
 
@@ -370,6 +376,7 @@ def search_knobs(
                 rank_order=order,
                 memo=memo,
                 progress_fn=_tagged(progress_fn, index),
+                dp_alone=dp_alone,
             )
             state.lower = min(state.lower, found.lower_bound_s)
             cutoff = state.best_s
@@ -442,6 +449,7 @@ def search_knobs(
             cache=shared,
             either_order=both_orders,
             progress_fn=_tagged(progress_fn, index),
+            dp_alone=dp_alone,
         )
         found = certificate.prediction
         beats = found.fits_memory and found.iteration_time_s < state.best_s

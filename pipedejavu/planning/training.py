@@ -258,6 +258,7 @@ def plan_training(
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     bound_cache: BoundCache | None = None,
     solved: MegatronSearchResult | None = None,
+    dp_alone: bool = False,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -291,6 +292,8 @@ def plan_training(
             sources that price links alike (``search_megatron``).
         solved: this search's result with the proof off
             (``search_megatron``'s ``solved``): only the proof runs.
+        dp_alone: data parallelism only without TP or PP beside it (what
+            torchtitan's DDP runs; ``MegatronSearchConfig.dp_alone``).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -300,7 +303,7 @@ def plan_training(
     pool = parse_gpu_pool(gpus)
     check_global_batch(global_batch)
     config = search_config(
-        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values
+        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
     )
     if profiles is None or isinstance(profiles, (str, os.PathLike)):
         data = load_sailor_data(profiles)
@@ -343,6 +346,7 @@ def search_config(
     allow_fewer_gpus: bool,
     mixed_types: bool,
     mbs_values: Sequence[int] | None,
+    dp_alone: bool = False,
 ) -> MegatronSearchConfig:
     """The search's settings from :func:`plan_training`'s arguments.
 
@@ -356,6 +360,7 @@ def search_config(
             mbs_values=check_mbs_values(mbs_values),
             method=method,
             mixed_types=mixed_types,
+            dp_alone=dp_alone,
         )
     except ValueError as error:
         raise ProblemError(str(error)) from None

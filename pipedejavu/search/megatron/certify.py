@@ -158,6 +158,7 @@ def any_plan_fits(
     mbs_values: tuple[int, ...] | None = None,
     max_stages: int | None = None,
     cache: BoundCache | None = None,
+    dp_alone: bool = False,
 ) -> bool:
     """``False`` when no one-type plan of the search space can fit in memory
     (or be priced): every configuration's least bound is infinite, the
@@ -173,6 +174,7 @@ def any_plan_fits(
         allow_fewer_gpus=allow_fewer_gpus,
         mbs_values=mbs_values,
         max_stages=max_stages,
+        dp_alone=dp_alone,
     )
     for group in groups:
         sizes = fitting_sizes(data, model, constants, group, group.sizes, cache)
@@ -315,6 +317,7 @@ def certify_predicted(
     cache: BoundCache | None = None,
     either_order: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    dp_alone: bool = False,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
     the search space of :func:`~pipedejavu.search.megatron.planner.search_megatron` with
@@ -324,7 +327,8 @@ def certify_predicted(
         data, model, gpus, global_batch, constants: as for the search.
         incumbent: the plan to prove (it must fit in memory, unless
             ``cutoff_s`` is finite).
-        uniform_tp, allow_fewer_gpus, mbs_values, max_stages: the search space.
+        uniform_tp, allow_fewer_gpus, mbs_values, max_stages, dp_alone: the
+            search space.
         max_plans: most predictor calls in the enumeration.
         mixed_types: with several GPU types (and ``uniform_tp``), also plans
             whose stages run on different types (module docstring).
@@ -382,6 +386,7 @@ def certify_predicted(
         allow_fewer_gpus=allow_fewer_gpus,
         mbs_values=mbs_values,
         max_stages=max_stages,
+        dp_alone=dp_alone,
     )
     items: list[_Item] = []
     cache = BoundCache() if cache is None else cache
@@ -423,7 +428,10 @@ def certify_predicted(
     skipped_mixes = 0
     lower = math.inf
     if mixed_types and uniform_tp and len(gpus) > 1:
-        for mix in mixes(data, model, gpus, global_batch, mbs_values, max_stages):
+        spread = mixes(
+            data, model, gpus, global_batch, mbs_values, max_stages, dp_alone
+        )
+        for mix in spread:
             kinds = [(gpu, mix.tp) for gpu, _ in mix.caps]
             tables = kind_bounds(
                 data,

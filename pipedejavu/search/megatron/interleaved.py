@@ -166,8 +166,10 @@ def interleaved_candidates(
     allow_fewer_gpus: bool = True,
     mbs_values: Sequence[int] | None = None,
     max_chunks: int | None = None,
+    dp_alone: bool = False,
 ) -> list[Candidate]:
-    """Every interleaved plan of the space (module docstring) with its bound."""
+    """Every interleaved plan of the space (module docstring) with its bound
+    (``dp_alone``: at dp 1 only, as these plans have two stages or more)."""
     info = data.model_info(model)
     blocks = info.num_layers - 2
     overhead = constants.op_overhead_s
@@ -212,7 +214,7 @@ def interleaved_candidates(
                     first_rank_s = first + per_rank * least + v_shape * last
                     last_rank_s = (not v_shape) * last + per_rank * least
                     most = count // (ranks * tp)
-                    for dp in range(1, most + 1):
+                    for dp in range(1, 1 + (1 if dp_alone else most)):
                         if samples % dp or not (allow_fewer_gpus or dp == most):
                             continue
                         steps = samples // dp
@@ -339,6 +341,7 @@ def search_interleaved(
     rank_order: str = RANK_ORDERS[0],
     memo: InterleavedMemo | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    dp_alone: bool = False,
 ) -> InterleavedResult:
     """The fastest interleaved plan below ``cutoff_s`` (module docstring),
     placed in ``rank_order``.
@@ -349,6 +352,8 @@ def search_interleaved(
         allow_fewer_gpus: plans may leave GPUs idle.
         mbs_values: micro-batch sizes to consider (``None``: all offered).
         max_chunks: the most chunks per rank (``None``: any that divide).
+        dp_alone: data parallelism only without TP or PP beside it
+            (torchtitan's DDP): no interleaved plan has it, so dp 1 only.
         max_plans: most predictor calls; beyond, the least bound left is a
             certified lower bound instead of a proof.
         rank_order: the plans' placement
@@ -364,7 +369,7 @@ def search_interleaved(
     memo = InterleavedMemo() if memo is None else memo
     mbs_key = None if mbs_values is None else tuple(mbs_values)
     space = (id(data), model, tuple(gpus.items()), global_batch, id(constants))
-    space += (allow_fewer_gpus, mbs_key, max_chunks)
+    space += (allow_fewer_gpus, mbs_key, max_chunks, dp_alone)
     if space not in memo.candidates:
         found_items = interleaved_candidates(
             data,
@@ -375,6 +380,7 @@ def search_interleaved(
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=mbs_values,
             max_chunks=max_chunks,
+            dp_alone=dp_alone,
         )
         memo.candidates[space] = (data, constants, found_items)  # ids kept alive
     items = list(memo.candidates[space][2])

@@ -171,6 +171,7 @@ def _configs(
         allow_fewer_gpus=config.allow_fewer_gpus,
         mbs_values=config.mbs_values,
         max_stages=config.max_stages,
+        dp_alone=config.dp_alone,
     )
     for group in groups:
         mbs, dp, steps = group.mbs, group.dp, group.steps
@@ -325,6 +326,7 @@ def search_megatron(
         max_stages=config.max_stages,
         max_plans=config.proof_budget,
         mixed_types=config.mixed_types,
+        dp_alone=config.dp_alone,
         cache=bound_cache,
         progress_fn=progress_fn,
     )

@@ -22,6 +22,9 @@ class MegatronSearchConfig:
         uniform_tp: one TP degree for every stage (Megatron-LM, DeepSpeed and
             torchtitan need it); ``False``: a degree per stage.
         allow_fewer_gpus: also consider plans that leave GPUs idle.
+        dp_alone: data parallelism only over one-GPU replicas (no TP or PP
+            beside it: torchtitan's DDP; it runs data parallelism with TP or
+            PP only as FSDP, which the predictor does not price).
         mbs_values: micro-batch sizes to consider (``None``: every profiled one).
         max_stages: most pipeline stages (``None``: the model's layers).
         rescore_tolerance: re-score by the predictor every configuration optimum
@@ -57,6 +60,7 @@ class MegatronSearchConfig:
     certify: bool = True
     certify_max_plans: int | None = None
     mixed_types: bool = False
+    dp_alone: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):

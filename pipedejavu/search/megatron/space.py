@@ -74,8 +74,11 @@ def config_groups(
     allow_fewer_gpus: bool,
     mbs_values: tuple[int, ...] | None,
     max_stages: int | None,
+    dp_alone: bool = False,
 ) -> list[ConfigGroup]:
-    """The one-type configurations of the pool (module docstring), grouped."""
+    """The one-type configurations of the pool (module docstring), grouped
+    (``dp_alone``: data parallelism only over one-GPU replicas, no TP or PP
+    beside it, as torchtitan's DDP runs it)."""
     info = data.model_info(model)
     out = []
     for gpu, count in gpus.items():
@@ -93,6 +96,10 @@ def config_groups(
                 budget = count // dp
                 sets = [(t,) for t in tps] if uniform_tp else [tuple(tps)]
                 for tp_set in sets:
+                    if dp_alone and dp > 1:
+                        if 1 not in tp_set:
+                            continue
+                        tp_set = (1,)
                     small = min(tp_set)
                     low = small if allow_fewer_gpus else budget
                     high = min(budget, stages_cap * max(tp_set))
@@ -101,6 +108,8 @@ def config_groups(
                         for g in range(low, high + 1)
                         if not uniform_tp or g % small == 0
                     )
+                    if dp_alone and dp > 1:
+                        sizes = tuple(g for g in sizes if g == 1)
                     usable = tuple(t for t in tp_set if t <= high)
                     if sizes and usable:
                         steps = gbs // (mbs * dp)
@@ -128,8 +137,10 @@ def mixes(
     gbs: int,
     mbs_values: tuple[int, ...] | None,
     max_stages: int | None,
+    dp_alone: bool = False,
 ) -> list[Mix]:
-    """The (mbs, dp, TP) settings at which two types or more can hold stages."""
+    """The (mbs, dp, TP) settings at which two types or more can hold stages
+    (``dp_alone``: dp 1 only, these plans having two stages or more)."""
     info = data.model_info(model)
     profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
     out = []
@@ -145,7 +156,7 @@ def mixes(
             if len(usable) < 2:
                 continue
             for dp in range(1, max(usable.values()) // tp + 1):
-                if (gbs // mbs) % dp:
+                if (gbs // mbs) % dp or (dp_alone and dp > 1):
                     continue
                 caps = tuple(
                     (gpu, count // dp // tp)
