@@ -569,6 +569,7 @@ def test_cli_refuses_an_export_the_target_cannot_launch(capsys, monkeypatch):
     assert code == 0, err
     assert "tensor_parallel_degree = 1" in out and "pipeline_parallel_degree = 1" in out
     assert "data_parallel_replicate_degree = 16" in out
+    assert "searched: data parallelism alone or none" in out
     # ... without that rule the best plan (TP 4 beside DP) is refused, one line
     monkeypatch.setattr(cli_megatron, "DATA_PARALLEL_ALONE", frozenset())
     code = main([*command, "--global-batch", "64", "--export", "torchtitan"])

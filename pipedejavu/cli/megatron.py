@@ -352,6 +352,7 @@ def _plan(args: argparse.Namespace) -> int:
             dp_alone=args.export in DATA_PARALLEL_ALONE,
         )
     exported = _export(args, result, choice.data, result.options)
+    alone = args.export in DATA_PARALLEL_ALONE
     if args.json:
         out = result.to_json() if knobs is None else knobs.to_json()
         if choice.spec is not None:
@@ -360,11 +361,17 @@ def _plan(args: argparse.Namespace) -> int:
             out["notes"] = list(choice.notes)
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
+            out["export"]["data_parallel_alone"] = alone
         print(json.dumps(out))
     else:
         print(format_training_plan(result))
         if knobs is not None:
             print(format_knobs(knobs))
+        if alone:
+            print(
+                f"searched: data parallelism alone or none ({args.export} runs "
+                "unsharded replicas beside no TP or PP)"
+            )
         if choice.analytical:
             print(costs_line(choice, result.cost_source, result.options))
             for note in choice.notes:
