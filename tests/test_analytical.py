@@ -269,3 +269,42 @@ def test_weight_gradient_part_of_the_backward():
         "mlp_down.wgrad",
         "grad_accumulate",
     }
+
+
+def test_a_profiled_machine_prices_tp_collectives_as_the_calibration_does():
+    """With a cluster's measured links, the source prices the TP collectives
+    inside a block on the measured intra-node fit (``tp_bandwidth``, the rule
+    the calibration prices the profiles with), not the sheet's link: the
+    block is the sheet entry's with that link; at TP 1 nothing changes."""
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
+    from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+    from pipedejavu.costmodel.megatron.sheet_network import tp_bandwidth
+    from pipedejavu.io.gpu_sheet import load_gpu_sheet
+    from pipedejavu.io.model_config import load_model_spec
+
+    data, sheet, options = load_sailor_data(), load_gpu_sheet(), TrainingOptions()
+    spec = load_model_spec("OPT-350")
+    measured = AnalyticalSource(spec, sheet, measured_links=data.network)
+    plain = AnalyticalSource(spec, sheet)
+    mbs, tp = 2, 4
+    message = mbs * spec.seq_length * spec.hidden_size * 4.0  # fp32
+    link = tp_bandwidth(data.network, "GH-96", tp, message)
+    # 4 GPUs of a node measured: two pairs share the aggregate fit
+    fit = data.network.intra("GH-96", tp).bandwidth(message)
+    assert link == fit / 2 and link < sheet["GH-96"].intra_node_bytes_per_s / 3
+    entry = dataclasses.replace(sheet["GH-96"], intra_node_bytes_per_s=link)
+    forward, backward, _ = analytical_layer_times(
+        measured.padded(tp), entry, mbs, tp, gemm_precision(options, entry),
+        flash_attention=True, attention_dropout=False,
+        constants=measured.constants,
+    )  # fmt: skip
+    ours = measured.layer_times(spec.name, "GH-96", mbs, tp)
+    assert ours.forward[1] == forward[1] and ours.backward[1] == backward[1]
+    sheet_only = plain.layer_times(spec.name, "GH-96", mbs, tp)
+    assert sheet_only.forward[1] < ours.forward[1]  # the sheet's link is faster
+    one = measured.layer_times(spec.name, "GH-96", mbs, 1)
+    assert np.array_equal(
+        one.forward, plain.layer_times(spec.name, "GH-96", mbs, 1).forward
+    )
+    assert options.precision == "fp32"

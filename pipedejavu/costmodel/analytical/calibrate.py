@@ -67,6 +67,7 @@ from pipedejavu.costmodel.analytical.roofline import (
     stacked_seconds,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
+from pipedejavu.costmodel.megatron.sheet_network import tp_bandwidth
 
 __all__ = [
     "FIT_FIELDS",
@@ -338,15 +339,13 @@ def _make_set(rows, arrays) -> CalibrationSet:
 
 
 def _measured_link(data: SailorData, gpu: GpuSheetEntry, tp: int, message: float):
-    """The profiled machine's link: Sailor's fit of ``tp`` GPUs of a node
-    (``n / 2`` pairs, aggregate) at the message size, per GPU. The fits stop at
-    the GPUs per node of Sailor's cluster config (4 on V100, A100, GH200):
-    a wider TP group (V100 profiles at TP 8) gets the widest fit, shared by
-    as many pairs as it was measured with, not ``tp / 2``."""
+    """``gpu`` with the profiled machine's link for a TP group of ``tp``
+    (:func:`~pipedejavu.costmodel.megatron.sheet_network.tp_bandwidth`; the
+    fits stop at the GPUs per node of Sailor's cluster config, 4 on V100,
+    A100, GH200: V100 profiles at TP 8 get the widest)."""
     if tp == 1:
         return gpu
-    pairs = min(tp, gpu.gpus_per_node) / 2
-    per_gpu = data.network.intra(gpu.name, tp).bandwidth(message) / pairs
+    per_gpu = tp_bandwidth(data.network, gpu.name, tp, message)
     return dataclasses.replace(gpu, intra_node_bytes_per_s=per_gpu)
 
 

@@ -67,7 +67,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     NetworkTables,
     SailorData,
 )
-from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
+from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork, tp_bandwidth
 
 __all__ = ["DEFAULT_MBS_VALUES", "AnalyticalSource", "gemm_precision"]
 
@@ -136,6 +136,7 @@ class AnalyticalSource:
         self._network = SheetNetwork(
             self.sheet, measured=measured_links, efficiency=link_efficiency
         )
+        self._measured = measured_links
         self._info: ModelInfo | None = None
         self._tables: dict[str, dict[tuple[int, int], LayerTimes]] = {}
         self._sources: dict[tuple[str, int, int], str] = {}
@@ -253,6 +254,13 @@ class AnalyticalSource:
         entry = self._entry(gpu)
         spec, options = self.padded(tp), self._options
         precision = gemm_precision(options, entry)
+        measured = self._measured
+        if tp > 1 and measured is not None and measured.intra_sizes(gpu):
+            # the profiled machine's TP link, as the calibration prices it
+            act = activation_element_bytes(options.precision)
+            message = mbs * spec.seq_length * spec.hidden_size * act
+            per_gpu = tp_bandwidth(measured, gpu, tp, message)
+            entry = dataclasses.replace(entry, intra_node_bytes_per_s=per_gpu)
         kwargs = dict(
             flash_attention=options.flash_attention,
             attention_dropout=options.attention_dropout,

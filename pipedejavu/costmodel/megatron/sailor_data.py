@@ -268,8 +268,7 @@ class NetworkTables:
     ``gpu_b`` with ``n`` GPUs on each side sending at once; the fit gives their
     *aggregate* bandwidth (Sailor measured ``n`` concurrent pairs). ``intra(gpu,
     n)``: ``n`` GPUs inside one node, ``n / 2`` concurrent pairs, aggregate.
-    ``n`` is rounded up to the next key the tables hold (down when above them).
-    """
+    ``n`` is rounded up to the next key the tables hold (down when above them)."""
 
     def __init__(self, directory: Path) -> None:
         net = directory / "network"
@@ -315,6 +314,10 @@ class NetworkTables:
         raise ProblemError(
             f"{het_path}: no link fit between {gpu_a} ({zone_a}) and {gpu_b} ({zone_b})"
         )
+
+    def intra_sizes(self, gpu: str) -> tuple[int, ...]:
+        """The GPUs of a node the intra-node fits of ``gpu`` hold (or none)."""
+        return tuple(sorted(int(k) for k in self._intra.get(gpu, {})))
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019
     def intra(self, gpu: str, n: int) -> BandwidthFit:

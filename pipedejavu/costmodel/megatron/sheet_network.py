@@ -29,7 +29,25 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import BandwidthFit, NetworkTables
 
-__all__ = ["SheetNetwork", "flat_fit"]
+__all__ = ["SheetNetwork", "flat_fit", "tp_bandwidth"]
+
+
+def tp_bandwidth(
+    network: NetworkTables, gpu: str, tp: int, message_bytes: float
+) -> float:
+    """Bytes/s per GPU of a TP group of ``tp`` on a ``gpu`` node of a measured
+    cluster, for messages of ``message_bytes``: the aggregate fit of ``tp``
+    GPUs (``intra``) shared by ``min(tp, widest) / 2`` pairs, ``widest`` the
+    most GPUs of a node measured (a wider TP group gets the widest fit,
+    shared by as many pairs as it was measured with). The analytical model's
+    TP link on a profiled machine, in its calibration and its predictions.
+
+    Raises:
+        ProblemError: the tables hold no intra-node fit for ``gpu``.
+    """
+    sizes = network.intra_sizes(gpu)
+    fit = network.intra(gpu, tp)  # (raises without a fit for gpu)
+    return fit.bandwidth(message_bytes) / (min(tp, max(sizes)) / 2)
 
 
 def flat_fit(bytes_per_s: float) -> BandwidthFit:
