@@ -317,6 +317,7 @@ def _plan(args: argparse.Namespace) -> int:
     space, asked = knob_space(args, auto), knobs_asked(args)
     if args.export:  # only what the target launches as planned
         space = launched_space(args.export, space, choice.options.precision)
+    alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     knobs = None
     # A model priced by its profiles searches the rank orders (a placement,
     # the same costs) with its profiled training.
@@ -326,7 +327,7 @@ def _plan(args: argparse.Namespace) -> int:
             pool,
             args.global_batch,
             space=space,
-            dp_alone=args.export in DATA_PARALLEL_ALONE,
+            dp_alone=alone,
             precision=args.precision,
             seq_length=args.seq_len,
             gpu_sheet=args.gpu_sheet,
@@ -349,10 +350,9 @@ def _plan(args: argparse.Namespace) -> int:
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
-            dp_alone=args.export in DATA_PARALLEL_ALONE,
+            dp_alone=alone,
         )
     exported = _export(args, result, choice.data, result.options)
-    alone = args.export in DATA_PARALLEL_ALONE
     if args.json:
         out = result.to_json() if knobs is None else knobs.to_json()
         if choice.spec is not None:

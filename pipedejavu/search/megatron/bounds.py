@@ -235,6 +235,11 @@ def kind_bounds(
         # at each position (the least count that fits it there); else one
         # table with the options' own rule
         counts = rerun_counts(data, info)
+        # what the counts do not change, shared by their tables (read only)
+        shape = (num_layers + 1, num_layers + 1)
+        fwd, after = np.zeros(shape), np.full(shape, np.inf)
+        fwd[starts, stops] = stage_f
+        after[starts, stops] = tail
         built = []
         for rerun, kept in [bound_counts(data, info), *((n, n) for n in counts)]:
             compute = base + spans_recompute(info, entry, starts, stops, rerun)
@@ -251,9 +256,8 @@ def kind_bounds(
             # OPT-350, 3 stages on one A100-40 node: the bound was one transfer
             # too high).
             head = before_f[starts] + steps * busy - pair_in
-            shape = (num_layers + 1, num_layers + 1)
             w, cap = np.full(shape, np.inf), np.full(shape, -1.0)
-            late, fwd = np.full(shape, np.inf), np.zeros(shape)
+            late = np.full(shape, np.inf)
             w[starts, stops] = head + last
             if least_link is not None:
                 w = np.maximum(w, least_link[None, :])
@@ -269,11 +273,9 @@ def kind_bounds(
                     + steps * compute
                     + last
                 )
-            fwd[starts, stops] = stage_f
-            chain, after = np.full(shape, -np.inf), np.full(shape, np.inf)
+            chain = np.full(shape, -np.inf)
             if not zero_bubble:
                 chain[starts, stops] = head + before_b[starts]
-            after[starts, stops] = tail
             built.append(StageTable(w, cap, late, fwd, chain=chain, tail=after))
         out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
     return out
