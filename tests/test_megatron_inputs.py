@@ -16,6 +16,7 @@ from pipedejavu.cli.megatron_report import objective_note
 from pipedejavu.core.plan3d import (
     MAX_GLOBAL_BATCH,
     MAX_GPUS,
+    MAX_SEARCH_GPUS,
     Plan3D,
     Replica,
     Stage3D,
@@ -48,12 +49,12 @@ PLAN = ("plan", "--model", "OPT-350")
     [
         (("--gpus", "GH-96:64", "--global-batch", 10**12), "[1, 65536]"),
         (("--gpus", "GH-96:64", "--global-batch", 0), "[1, 65536]"),
-        (("--gpus", "GH-96:1000000", "--global-batch", 64), "[1, 4096]"),
+        (("--gpus", "GH-96:1000000", "--global-batch", 64), "[1, 16384]"),
         (("--gpus", "GH-96:" + "9" * 5000, "--global-batch", 64), "COUNT in"),
         (("--gpus", "GH-96:8", "--gpus", "GH-96:8", "--global-batch", 64), "twice"),
         (
-            ("--gpus", "GH-96:4096", "--gpus", "RTX-3090:8", "--global-batch", 64),
-            "at most 4096 GPUs in all",
+            ("--gpus", "GH-96:16384", "--gpus", "RTX-3090:8", "--global-batch", 64),
+            "at most 16384 GPUs in all",
         ),
     ],
 )
@@ -111,7 +112,7 @@ def test_python_api_bounds():
     with pytest.raises(ProblemError, match="global batch must be in"):
         plan_training("OPT-350", {"GH-96": 8}, MAX_GLOBAL_BATCH + 1)
     with pytest.raises(ProblemError, match="COUNT must be in"):
-        plan_training("OPT-350", {"GH-96": MAX_GPUS + 1}, 64)
+        plan_training("OPT-350", {"GH-96": MAX_SEARCH_GPUS + 1}, 64)
     with pytest.raises(ProblemError, match="mbs_values"):
         plan_training("OPT-350", {"GH-96": 8}, 64, mbs_values=[0])
     with pytest.raises(ProblemError, match="twice"):
@@ -148,8 +149,8 @@ def test_predict_checks_node_capacity(capsys, tmp_path):
     crowded = [{"gpu": "GH-96", "tp": 1, "node": 0}] * 20  # 4-GPU nodes
     code, _, err = _predict(capsys, tmp_path, _plan_json(crowded))
     _one_error_line(code, err, "node 0 has 4 GH-96 GPUs")
-    many = [{"gpu": "GH-96", "tp": 1, "node": 0}] * 100_000
-    code, _, err = _predict(capsys, tmp_path, _plan_json(many, gbs=100_000))
+    many = [{"gpu": "GH-96", "tp": 1, "node": 0}] * (MAX_GPUS + 1)
+    code, _, err = _predict(capsys, tmp_path, _plan_json(many))
     _one_error_line(code, err, "replicas")
     fine = [{"gpu": "GH-96", "tp": 1, "node": n // 4} for n in range(8)]
     code, out, _ = _predict(capsys, tmp_path, _plan_json(fine))
@@ -220,14 +221,15 @@ def test_report_bubble_not_negative(capsys):
     gbs=st.one_of(st.integers(-5, 300), st.integers(-(10**15), 10**15)),
     gpus=st.one_of(
         st.integers(-2, 8),
-        st.integers(-(10**9), 10**9).filter(lambda g: g <= 8 or g > MAX_GPUS),
+        st.integers(-(10**9), 10**9).filter(lambda g: g <= 8 or g > MAX_SEARCH_GPUS),
     ),
     twice=st.booleans(),
 )
 def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
-    """Small pools (or counts refused at once) only, so every call ends in well
-    under 2 s; a valid pool of tens of GPUs plans in seconds and is not timed
-    here."""
+    """Small pools (or counts refused at once) only, so every call ends in
+    about a second; the generous bound catches a count that starts a huge
+    search (the first call also loads the profiles, once measured at 5 s on a
+    busy 2-core machine)."""
     argv = [*PLAN, "--gpus", f"GH-96:{gpus}", "--global-batch", str(gbs)]
     if twice:
         argv += ["--gpus", "RTX-3090:2"]
@@ -236,7 +238,7 @@ def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
     assert code in (0, 2, 3) and "Traceback" not in err
     if code:
         assert len(err.strip().splitlines()) == 1, err
-    assert time.perf_counter() - started < 5.0
+    assert time.perf_counter() - started < 30.0
 
 
 @settings(

@@ -21,7 +21,7 @@ from typing import Any
 
 from pipedejavu.cli.megatron_report import format_knobs, format_prediction
 from pipedejavu.cli.parsing import int_in
-from pipedejavu.core.plan3d import RANK_ORDERS
+from pipedejavu.core.plan3d import MAX_SEARCH_GPUS, RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
     MAX_RECOMPUTE_LAYERS,
@@ -382,16 +382,22 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
 
 
 def read_launch(
-    megatron_args: str, gpus: str, gpu_sheet: str | None
+    megatron_args: str,
+    gpus: str,
+    gpu_sheet: str | None,
+    *,
+    most: int = MAX_SEARCH_GPUS,
 ) -> tuple[MegatronRun, str, int, GpuSheet]:
-    """A Megatron-LM launch on ``gpus`` (``TYPE:COUNT``): the parsed run, the
-    sheet's name of the GPU type, the count and the sheet; the flags that change
-    nothing are listed on stderr.
+    """A Megatron-LM launch on ``gpus`` (``TYPE:COUNT``, at most ``most``
+    GPUs: a prediction allows :data:`~pipedejavu.core.plan3d.MAX_GPUS`, a
+    search :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS`): the parsed run,
+    the sheet's name of the GPU type, the count and the sheet; the flags that
+    change nothing are listed on stderr.
 
     Raises:
         ProblemError: a bad pool, a GPU type not on the sheet, bad flags.
     """
-    ((gpu, count),) = parse_gpu_pool([gpus]).items()
+    ((gpu, count),) = parse_gpu_pool([gpus], most=most).items()
     sheet = load_gpu_sheet(gpu_sheet)
     if gpu not in sheet:
         raise ProblemError(

@@ -35,7 +35,7 @@ from pipedejavu.cli.megatron_report import (
     format_training_plan,
 )
 from pipedejavu.cli.parsing import int_in
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import DATA_PARALLEL_ALONE, EXPORTS, export_plan
 from pipedejavu.planning.knob_space import KnobSpace
@@ -79,7 +79,8 @@ def add_parsers(commands: Any) -> None:
         "--gpus",
         metavar="TYPE:COUNT",
         help="with --megatron-args: the GPUs of the launch, e.g. A100-80:3072 "
-        "(a type of the GPU sheet; `pipedejavu data gpus.json` prints its path)",
+        f"(a type of the GPU sheet; `pipedejavu data gpus.json` prints its path; "
+        f"at most {MAX_GPUS})",
     )
     predict.add_argument(
         "--model",
@@ -126,7 +127,7 @@ def add_parsers(commands: Any) -> None:
         metavar="TYPE:COUNT",
         help="GPUs available, e.g. GH-96:64 or H100:64 (a type of the profiles "
         "or of the GPU sheet; repeat for a pool of several types, each type "
-        f"once; at most {MAX_GPUS} GPUs in all)",
+        f"once; at most {MAX_SEARCH_GPUS} GPUs in all)",
     )
     add_training_options(plan, knobs=True)
     plan.add_argument(
@@ -184,7 +185,9 @@ def _predict_launch(args: argparse.Namespace) -> int:
         )
     if not args.gpus:
         raise ProblemError("--megatron-args needs --gpus TYPE:COUNT, e.g. A100-80:64")
-    run, gpu, count, sheet = read_launch(args.megatron_args, args.gpus, args.gpu_sheet)
+    run, gpu, count, sheet = read_launch(
+        args.megatron_args, args.gpus, args.gpu_sheet, most=MAX_GPUS
+    )
     launch = predict_megatron_run(run, gpu, count, sheet)
     prediction = launch.prediction
     if not prediction.fits_memory:

@@ -32,7 +32,7 @@ Files (readers never execute anything and bound what they read):
   ``submesh``) is recognized and refused with a pointer to ``evaluate``.
 
 Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` in
-``[1, MAX_GLOBAL_BATCH]`` (65,536 samples), at most :data:`MAX_GPUS` (4,096)
+``[1, MAX_GLOBAL_BATCH]`` (65,536 samples), at most :data:`MAX_GPUS` (131,072)
 GPUs in a plan (the sum of its replicas' ``tp``).
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
@@ -54,6 +54,7 @@ __all__ = [
     "MAX_GLOBAL_BATCH",
     "MAX_GPUS",
     "MAX_PLAN_FILE_BYTES",
+    "MAX_SEARCH_GPUS",
     "PLAN3D_FORMAT",
     "PLAN3D_KIND",
     "RANK_ORDERS",
@@ -74,9 +75,14 @@ PLAN3D_KIND = "training-plan"
 #: predictor simulates every micro-batch, so its time grows with the batch;
 #: this keeps a prediction under a second or so.
 MAX_GLOBAL_BATCH = 2**16
-#: Most GPUs in a plan, and in a ``plan`` pool (all types together); the
-#: predictor's time grows with the replicas (a 4,096-GPU search: ~10-30 s).
-MAX_GPUS = 4096
+#: Most GPUs in a plan, and so in a prediction: the largest clusters trained on
+#: today (the predictor's time grows with the replicas: ~1 s at 131,072 GPUs of
+#: data parallelism alone).
+MAX_GPUS = 2**17
+#: Most GPUs in a pool that ``plan`` searches (all types together): the search
+#: grows with the pool's divisors (Llama-3.1-405B on 16,384 H100: ~6 minutes
+#: on a 2-core machine, 4,096: ~2.5 minutes).
+MAX_SEARCH_GPUS = 2**14
 _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"

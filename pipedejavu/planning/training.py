@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, Plan3D
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
@@ -45,11 +45,15 @@ __all__ = [
 _POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]{0,63})\s*:\s*(\d{1,12})\s*$")
 
 
-def parse_gpu_pool(items: Sequence[str] | Mapping[str, int]) -> dict[str, int]:
+def parse_gpu_pool(
+    items: Sequence[str] | Mapping[str, int], *, most: int = MAX_SEARCH_GPUS
+) -> dict[str, int]:
     """``["GH-96:64", "RTX-3090:8"]`` -> ``{"GH-96": 64, "RTX-3090": 8}``.
 
-    Each type appears once; counts are integers in ``[1, MAX_GPUS]`` and add up
-    to at most :data:`~pipedejavu.core.plan3d.MAX_GPUS` (4,096). A mapping is
+    Each type appears once; counts are integers in ``[1, most]`` and add up to
+    at most ``most``: by default a pool to search,
+    :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS` (16,384); a prediction
+    passes :data:`~pipedejavu.core.plan3d.MAX_GPUS` (131,072). A mapping is
     checked the same way.
 
     Raises:
@@ -67,7 +71,7 @@ def parse_gpu_pool(items: Sequence[str] | Mapping[str, int]) -> dict[str, int]:
             match = _POOL.match(item) if isinstance(item, str) else None
             if not match:
                 raise ProblemError(
-                    f"--gpus must look like TYPE:COUNT with COUNT in [1, {MAX_GPUS}], "
+                    f"--gpus must look like TYPE:COUNT with COUNT in [1, {most}], "
                     f"e.g. GH-96:64; got {item!r:.60}"
                 )
             pairs.append((match.group(1), int(match.group(2)), item))
@@ -78,9 +82,9 @@ def parse_gpu_pool(items: Sequence[str] | Mapping[str, int]) -> dict[str, int]:
             raise ProblemError(
                 f"{name}: the GPU count must be an integer, got {count!r}"
             )
-        if not 1 <= count <= MAX_GPUS:
+        if not 1 <= count <= most:
             raise ProblemError(
-                f"--gpus {name}: COUNT must be in [1, {MAX_GPUS}], got {count}"
+                f"--gpus {name}: COUNT must be in [1, {most}], got {count}"
             )
         if name in pool:
             raise ProblemError(
@@ -91,10 +95,8 @@ def parse_gpu_pool(items: Sequence[str] | Mapping[str, int]) -> dict[str, int]:
     if not pool:
         raise ProblemError("give at least one --gpus TYPE:COUNT")
     total = sum(pool.values())
-    if total > MAX_GPUS:
-        raise ProblemError(
-            f"--gpus: at most {MAX_GPUS} GPUs in all, got {total} ({pool})"
-        )
+    if total > most:
+        raise ProblemError(f"--gpus: at most {most} GPUs in all, got {total} ({pool})")
     return pool
 
 
@@ -267,7 +269,7 @@ def plan_training(
             :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource`:
             its spec's name).
         gpus: ``{type: count}`` or ``["GH-96:64", ...]``; each type once,
-            at most 4,096 GPUs in all (:func:`parse_gpu_pool`).
+            at most 16,384 GPUs in all (:func:`parse_gpu_pool`).
         global_batch: samples per iteration, in ``[1, 65536]``
             (:data:`~pipedejavu.core.plan3d.MAX_GLOBAL_BATCH`).
         profiles: a folder laid out like Sailor's data (``None``: bundled), or
