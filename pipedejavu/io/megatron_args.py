@@ -14,7 +14,10 @@ Defaults and derived values follow Megatron-LM's ``megatron/training/arguments.p
 removes every linear bias; ``--num-query-groups`` counts only with
 ``--group-query-attention``. The old names of the SC'21 scripts are read too:
 ``--checkpoint-activations`` and ``--activations-checkpoint-method`` mean full
-recomputation (``--activations-checkpoint-num-layers``, default 1).
+recomputation (``--activations-checkpoint-num-layers``, default 1). The
+layers' split over pipeline stages (even, uneven first/last stages, the
+embedding or loss counted, an explicit layout, virtual stages) is read by
+:func:`~pipedejavu.io.megatron_layout.split_pipeline`.
 
 Flags that change nothing here (learning rate, data paths, logging, ...) and
 words that are not flags (``torchrun``, ``pretrain_gpt.py``) are returned in
@@ -31,6 +34,7 @@ from typing import Any, Literal
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.io.megatron_layout import split_pipeline
 
 __all__ = ["GPT2_VOCAB_SIZE", "MegatronRun", "spec_from_megatron_args"]
 
@@ -59,6 +63,8 @@ _INT_FLAGS = (
     "activations-checkpoint-num-layers",
     "context-parallel-size",
     "num-experts",
+    "decoder-first-pipeline-num-layers",
+    "decoder-last-pipeline-num-layers",
 )
 _CHOICE_FLAGS = {
     "position-embedding-type": ("learned_absolute", "rope", "none"),
@@ -69,7 +75,14 @@ _CHOICE_FLAGS = {
     "fp8-format": ("e4m3", "hybrid"),
     "attention-backend": ("auto", "flash", "fused", "unfused", "local"),
 }
-_STR_FLAGS = ("tokenizer-type", "vocab-file", "merge-file", "name", "attention-dropout")
+_STR_FLAGS = (
+    "tokenizer-type",
+    "vocab-file",
+    "merge-file",
+    "name",
+    "attention-dropout",
+    "pipeline-model-parallel-layout",
+)
 _BOOL_FLAGS = (
     "swiglu",
     "untie-embeddings-and-output-weights",
@@ -86,6 +99,8 @@ _BOOL_FLAGS = (
     "checkpoint-activations",
     "use-rotary-position-embeddings",
     "use-flash-attn",
+    "account-for-embedding-in-pipeline-split",
+    "account-for-loss-in-pipeline-split",
 )
 _POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
 
@@ -101,6 +116,10 @@ class MegatronRun:
         pp: pipeline-parallel degree.
         virtual_chunks: model chunks per pipeline rank (interleaved 1F1B);
             1 without interleaving.
+        stage_layers: transformer layers of each pipeline stage when they
+            differ (uneven first/last stages, the embedding or loss counted in
+            the split, a layout; :func:`~pipedejavu.io.megatron_layout.
+            split_pipeline`); ``()``: Megatron's even split.
         micro_batch: samples per micro-batch.
         global_batch: samples per iteration; ``None`` if not given (Megatron
             then uses ``micro_batch x data-parallel size``).
@@ -139,6 +158,7 @@ class MegatronRun:
     padded_vocab_size: int
     ignored: tuple[str, ...] = ()
     flash_attention: bool = True
+    stage_layers: tuple[int, ...] = ()
     attention_dropout: bool = True
 
     @property
@@ -280,45 +300,6 @@ def _precision(values: dict[str, Any]) -> tuple[str, str]:
     return ("fp8" if fp8 else params), params
 
 
-def _virtual_chunks(values: dict[str, Any], num_layers: int, pp: int) -> int:
-    per_stage = values.get("num-layers-per-virtual-pipeline-stage")
-    per_rank = values.get("num-virtual-stages-per-pipeline-rank")
-    if per_stage is not None and per_rank is not None:
-        raise ProblemError(
-            "Megatron arguments: give one of --num-layers-per-virtual-pipeline-stage "
-            "and --num-virtual-stages-per-pipeline-rank"
-        )
-    if num_layers % pp:
-        raise ProblemError(
-            f"Megatron arguments: --num-layers {num_layers} is not divisible by "
-            f"--pipeline-model-parallel-size {pp}"
-        )
-    if per_stage is None and per_rank is None:
-        return 1
-    if pp == 1:
-        raise ProblemError(
-            "Megatron arguments: virtual pipeline stages need "
-            "--pipeline-model-parallel-size > 1"
-        )
-    if per_rank is not None:
-        chunks = int(per_rank)
-    else:
-        layers_per_rank = num_layers // pp
-        if layers_per_rank % int(per_stage):
-            raise ProblemError(
-                f"Megatron arguments: {layers_per_rank} layers per pipeline stage "
-                f"are not divisible by --num-layers-per-virtual-pipeline-stage "
-                f"{per_stage}"
-            )
-        chunks = layers_per_rank // int(per_stage)
-    if num_layers % (pp * chunks):
-        raise ProblemError(
-            f"Megatron arguments: --num-layers {num_layers} is not divisible by "
-            f"pipeline stages x virtual stages = {pp} x {chunks}"
-        )
-    return chunks
-
-
 def _spec(values: dict[str, Any], name: str, vocab: int) -> TransformerSpec:
     hidden = _required(values, "hidden-size")
     heads = _required(values, "num-attention-heads")
@@ -393,8 +374,10 @@ def spec_from_megatron_args(
             of the wrong kind, a mixture-of-experts or context-parallel run, or
             contradictory settings: ``--fp16`` with ``--bf16``, sequence
             parallelism with TP 1, heads (or query groups, or MLP width) not
-            divisible by TP, virtual stages with PP 1, layers not divisible by
-            PP x virtual stages, selective recomputation with a method.
+            divisible by TP, virtual stages with PP 1, a pipeline split that
+            does not divide or is not modelled (:func:`~pipedejavu.io.
+            megatron_layout.split_pipeline`), selective recomputation with a
+            method.
     """
     values, ignored = _parse(_tokens(argv))
     if values.get("num-experts", 1) != 1:
@@ -420,7 +403,17 @@ def spec_from_megatron_args(
         spec.check_tp(tp)
     except ValueError as error:
         raise ProblemError(f"Megatron arguments: {error}") from None
-    chunks = _virtual_chunks(values, spec.num_layers, pp)
+    chunks, stage_layers = split_pipeline(
+        spec.num_layers,
+        pp,
+        first=values.get("decoder-first-pipeline-num-layers"),
+        last=values.get("decoder-last-pipeline-num-layers"),
+        embedding=bool(values.get("account-for-embedding-in-pipeline-split")),
+        loss=bool(values.get("account-for-loss-in-pipeline-split")),
+        layout=values.get("pipeline-model-parallel-layout"),
+        layers_per_chunk=values.get("num-layers-per-virtual-pipeline-stage"),
+        chunks_per_rank=values.get("num-virtual-stages-per-pipeline-rank"),
+    )
     micro = _required(values, "micro-batch-size")
     global_batch = values.get("global-batch-size")
     if global_batch is not None and int(global_batch) % micro:
@@ -435,6 +428,7 @@ def spec_from_megatron_args(
         tp=tp,
         pp=pp,
         virtual_chunks=chunks,
+        stage_layers=stage_layers,
         micro_batch=micro,
         global_batch=global_batch,
         sequence_parallel=bool(values.get("sequence-parallel")),

@@ -3,11 +3,12 @@
 :func:`plan_from_megatron_run` turns a
 :class:`~pipedejavu.io.megatron_args.MegatronRun` and a GPU pool into the
 :class:`~pipedejavu.core.plan3d.Plan3D` Megatron-LM would run: ``PP`` stages of
-``L / PP`` transformer layers each (the embedding on the first, the final norm
-and LM head on the last), ``DP = GPUs / (TP x PP)`` replicas, placed in
-Megatron's default rank order (TP fastest, then DP, then PP: rank
-``tp_rank + TP (dp_rank + DP pp_rank)``, node ``rank // gpus_per_node``), and
-the :class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
+``L / PP`` transformer layers each, or the run's uneven split (the embedding on
+the first, the final norm and LM head on the last), ``DP = GPUs / (TP x PP)``
+replicas, placed in Megatron's default rank order (TP fastest, then DP, then
+PP: rank ``tp_rank + TP (dp_rank + DP pp_rank)``, node ``rank //
+gpus_per_node``), and the
+:class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
 
 :func:`predict_megatron_run` prices it with an
 :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` and reports
@@ -80,7 +81,7 @@ def plan_from_megatron_run(
     Raises:
         ProblemError: the GPUs do not split into ``TP x PP`` groups, the global
             batch does not split into micro-batches per replica, or the layers
-            do not split evenly over the stages.
+            do not split over the stages as the run says.
     """
     tp, pp = run.tp, run.pp
     if num_gpus % (tp * pp):
@@ -99,17 +100,18 @@ def plan_from_megatron_run(
             f"TP {tp} does not fit the {gpus_per_node} GPUs of a {gpu_type} node"
         )
     spec = run.spec
-    if spec.num_layers % pp:
+    counts = run.stage_layers or (spec.num_layers // pp,) * pp
+    if len(counts) != pp or sum(counts) != spec.num_layers:
         raise ProblemError(
-            f"{spec.num_layers} layers do not split evenly over {pp} pipeline stages"
+            f"{spec.num_layers} layers do not split into {pp} pipeline stages "
+            f"of {list(counts)}"
         )
-    per_stage = spec.num_layers // pp
     last = spec.num_profile_layers
     nodes = canonical_nodes([tp] * pp, dp, gpus_per_node)
     stages = []
     for s in range(pp):
-        start = 0 if s == 0 else 1 + s * per_stage
-        stop = last if s == pp - 1 else 1 + (s + 1) * per_stage
+        start = 0 if s == 0 else 1 + sum(counts[:s])
+        stop = last if s == pp - 1 else 1 + sum(counts[: s + 1])
         replicas = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
         stages.append(Stage3D(start, stop, replicas))
     return Plan3D(tuple(stages), mbs=run.micro_batch, gbs=gbs, model=spec.name)
