@@ -12,13 +12,16 @@ import pytest
 from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
-from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.plan3d import Plan3D, Replica
+from pipedejavu.costmodel.megatron.comm import ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import in_flight_capacity, memory_bytes
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
 from pipedejavu.costmodel.megatron.tables import plan_tables
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.space import config_groups
@@ -115,3 +118,21 @@ def test_capacity_is_the_inverse_of_the_memory_rule():
             assert memory_bytes(state, (n + 1) * stash, constants, gpu) > limit * (
                 1 - 1e-12
             )
+
+
+@pytest.mark.parametrize(("tp", "members"), [(1, 8), (2, 4), (4, 2), (1, 4)])
+def test_ring_allreduce_inside_a_node_runs_at_each_gpus_link(tp, members):
+    """A ring inside one node of a flat sheet link (every GPU sends at its own
+    NVLink bandwidth) takes 2 (n - 1) steps of bytes / n at that bandwidth:
+    the aggregate of the node's GPUs is shared by their pairs. (It was priced
+    at the aggregate times the pairs' share inverted: 16x too fast with 8
+    GPUs on the node.)"""
+    sheet = load_gpu_sheet()
+    gpu = sheet.resolve("H100")
+    network = SheetNetwork(sheet)
+    replicas = [Replica(gpu, tp, node=0)] * members
+    nbytes = 2e9
+    seconds = ring_allreduce_time(network, replicas, [0] * members, nbytes)
+    link = sheet[gpu].intra_node_bytes_per_s
+    expected = 2 * (members - 1) * (nbytes / members) / link
+    assert seconds == pytest.approx(expected, rel=1e-12)

@@ -123,8 +123,9 @@ def ring_hops(
         streams = min(a.tp, b.tp)
         if nodes[j] == nodes[(j + 1) % count]:
             gpus = per_node[nodes[j]]
-            # per stream: the node's aggregate over the gpus / 2 pairs it measured
-            key = (network.intra(a.gpu_type, gpus), 1.0 / max(gpus / 2.0, 1.0))
+            # per stream: the node's aggregate over the gpus / 2 pairs it
+            # measured, so a hop takes (gpus / 2) x chunk / aggregate
+            key = (network.intra(a.gpu_type, gpus), max(gpus / 2.0, 1.0))
         else:
             fit = network.inter(a.zone, a.gpu_type, b.zone, b.gpu_type, streams)
             key = (fit, float(streams))
