@@ -200,6 +200,13 @@ def _predict_launch(args: argparse.Namespace) -> int:
         print(json.dumps(launch.to_json()))
     else:
         print(format_prediction(launch.plan, prediction, launch.options))
+        cp = launch.context_parallel
+        if cp > 1:
+            print(
+                f"context parallelism {cp}: priced as {cp} x the data-parallel "
+                f"replicas (the plan line's dp and gbs), each with 1/{cp} of every "
+                "sequence"
+            )
         print(
             f"model FLOPs per iteration: {launch.model_flops_per_iteration:.4g} "
             f"(Megatron-LM's count); {launch.tflops_per_gpu:.1f} TFLOP/s per GPU, "

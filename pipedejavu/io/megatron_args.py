@@ -120,6 +120,8 @@ class MegatronRun:
             differ (uneven first/last stages, the embedding or loss counted in
             the split, a layout; :func:`~pipedejavu.io.megatron_layout.
             split_pipeline`); ``()``: Megatron's even split.
+        context_parallel: GPUs sharing each sequence
+            (``--context-parallel-size``; the world is ``TP x CP x PP x DP``).
         micro_batch: samples per micro-batch.
         global_batch: samples per iteration; ``None`` if not given (Megatron
             then uses ``micro_batch x data-parallel size``).
@@ -159,6 +161,7 @@ class MegatronRun:
     ignored: tuple[str, ...] = ()
     flash_attention: bool = True
     stage_layers: tuple[int, ...] = ()
+    context_parallel: int = 1
     attention_dropout: bool = True
 
     @property
@@ -371,7 +374,8 @@ def spec_from_megatron_args(
         ProblemError: a missing model flag (``--num-layers``, ``--hidden-size``,
             ``--num-attention-heads``, ``--seq-length``, ``--micro-batch-size``,
             and ``--max-position-embeddings`` with learned positions), a value
-            of the wrong kind, a mixture-of-experts or context-parallel run, or
+            of the wrong kind, a mixture-of-experts run, context parallelism
+            with a sequence not divisible by ``2 CP`` or unfused attention, or
             contradictory settings: ``--fp16`` with ``--bf16``, sequence
             parallelism with TP 1, heads (or query groups, or MLP width) not
             divisible by TP, virtual stages with PP 1, a pipeline split that
@@ -384,11 +388,6 @@ def spec_from_megatron_args(
         raise ProblemError(
             f"Megatron arguments: mixture-of-experts runs (--num-experts "
             f"{values['num-experts']}) are not supported; only dense models are"
-        )
-    if values.get("context-parallel-size", 1) != 1:
-        raise ProblemError(
-            "Megatron arguments: context parallelism (--context-parallel-size "
-            f"{values['context-parallel-size']}) is not supported"
         )
     tp = int(values.get("tensor-model-parallel-size", 1))
     pp = int(values.get("pipeline-model-parallel-size", 1))
@@ -423,6 +422,19 @@ def spec_from_megatron_args(
         )
     granularity, method, recompute_layers = _recompute(values)
     precision, params_dtype = _precision(values)
+    flash = _flash_attention(values)
+    cp = int(values.get("context-parallel-size", 1))
+    if cp > 1 and spec.seq_length % (2 * cp):
+        raise ProblemError(
+            f"Megatron arguments: --seq-length {spec.seq_length} is not divisible "
+            f"by 2 x --context-parallel-size = {2 * cp}"
+        )
+    if cp > 1 and not flash:
+        raise ProblemError(
+            "Megatron arguments: context parallelism runs Transformer Engine's "
+            "fused attention, not --attention-backend "
+            f"{values.get('attention-backend')}"
+        )
     return MegatronRun(
         spec=spec,
         tp=tp,
@@ -440,7 +452,8 @@ def spec_from_megatron_args(
         use_distributed_optimizer=bool(values.get("use-distributed-optimizer")),
         padded_vocab_size=spec.padded_vocab_size(tp),
         ignored=tuple(ignored),
-        flash_attention=_flash_attention(values),
+        flash_attention=flash,
+        context_parallel=cp,
         attention_dropout=_attention_dropout(values) > 0,
     )
 

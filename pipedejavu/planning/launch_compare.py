@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import (
     DEFAULT_MBS_VALUES,
@@ -122,9 +123,16 @@ def compare_megatron_run(
             search_knobs` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
 
     Raises:
-        ProblemError: the launch cannot run, or the GPU type is unknown.
+        ProblemError: the launch cannot run, the GPU type is unknown, or it
+            uses context parallelism (predicted, not planned).
         InfeasibleProblemError: no plan of the search space fits.
     """
+    if run.context_parallel > 1:
+        raise ProblemError(
+            "plan does not search context parallelism: `pipedejavu predict "
+            "--megatron-args` predicts this launch; plan it with "
+            "--context-parallel-size 1"
+        )
     given = predict_megatron_run(run, gpu_type, num_gpus, sheet)
     base = dataclasses.replace(options_of_run(run), virtual_stages=1)
     mbs_values = sorted({*DEFAULT_MBS_VALUES, run.micro_batch})

@@ -47,6 +47,7 @@ __all__ = [
     "plan_from_megatron_run",
     "predict_megatron_run",
     "rerun_blocks",
+    "sequence_shares",
 ]
 
 
@@ -129,6 +130,10 @@ class LaunchPrediction:
             when every layer is recomputed, as Megatron reports TFLOP/s).
         cost_source: ``profiles``, ``analytical`` or ``mixed``.
         peak_flops_per_gpu: the GPU's dense peak at the GEMMs' precision.
+        context_parallel: GPUs sharing each sequence; above 1, ``plan`` is
+            the priced form (module docstring): ``CP x`` the data-parallel
+            replicas, each with ``1 / CP`` of every sequence, and ``CP x``
+            the global batch of such shares.
     """
 
     plan: Plan3D
@@ -137,6 +142,7 @@ class LaunchPrediction:
     model_flops_per_iteration: float
     cost_source: str
     peak_flops_per_gpu: float
+    context_parallel: int = 1
 
     @property
     def num_gpus(self) -> int:
@@ -170,6 +176,7 @@ class LaunchPrediction:
             tflops_per_gpu=self.tflops_per_gpu,
             mfu=self.mfu,
             cost_source=self.cost_source,
+            context_parallel=self.context_parallel,
         )
         return out
 
@@ -222,17 +229,51 @@ def predict_megatron_run(
             f"{', '.join(sorted(sheet))})"
         )
     options = options_of_run(run)
+    cp = run.context_parallel
+    priced = run if cp == 1 else sequence_shares(run, num_gpus)
     if source is None:
-        source = AnalyticalSource(run.spec, sheet, options)
+        source = AnalyticalSource(priced.spec, sheet, options, context_parallel=cp)
     entry = sheet[gpu_type]
-    plan = plan_from_megatron_run(run, gpu_type, num_gpus, entry.gpus_per_node)
+    plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
     flops = run.spec.model_flops_per_iteration(
-        plan.gbs,
+        plan.gbs // cp,
         recompute_full=options.recompute == "full",
         tp=run.tp,
         recomputed_blocks=rerun_blocks(source.model_info(plan.model), plan, options),
     )
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
-    return LaunchPrediction(plan, options, prediction, flops, cost_source, peak)
+    return LaunchPrediction(plan, options, prediction, flops, cost_source, peak, cp)
+
+
+def sequence_shares(run: MegatronRun, num_gpus: int) -> MegatronRun:
+    """A context-parallel run in the form the predictor prices: each of its
+    ``CP`` GPUs of a sequence as a data-parallel replica of its own, training
+    on ``s / CP`` tokens of each sample (the model's ``seq_length``), so
+    ``CP x`` the replicas and ``CP x`` the global batch of such shares: the
+    same micro-batches per pipeline, the same weights on every GPU, the
+    gradients reduced over ``DP x CP`` GPUs as Megatron-LM reduces them, the
+    replicas of one sequence on neighbouring ranks (its order ``tp-cp-dp-pp``).
+    The attention of a share reads the whole sequence's keys and values (the
+    cost source's ``context_parallel``).
+
+    Raises:
+        ProblemError: the GPUs do not split into ``TP x CP x PP`` groups, or the
+            global batch into micro-batches per replica.
+    """
+    cp, tp, pp = run.context_parallel, run.tp, run.pp
+    if num_gpus % (tp * cp * pp):
+        raise ProblemError(
+            f"{num_gpus} GPUs do not split into groups of TP x CP x PP = "
+            f"{tp} x {cp} x {pp}"
+        )
+    dp = num_gpus // (tp * cp * pp)
+    gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
+    if gbs % (run.micro_batch * dp):
+        raise ProblemError(
+            f"the global batch {gbs} is not a multiple of micro-batch x DP = "
+            f"{run.micro_batch} x {dp}"
+        )
+    spec = dataclasses.replace(run.spec, seq_length=run.spec.seq_length // cp)
+    return dataclasses.replace(run, spec=spec, global_batch=gbs * cp)

@@ -77,6 +77,7 @@ def _options(
     sequence_parallel: bool,
     attention_dropout: bool,
     query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
 ) -> PassOptions:
     opts = PassOptions(
         mbs,
@@ -86,6 +87,7 @@ def _options(
         sequence_parallel,
         attention_dropout,
         query_key_layer_scaling,
+        context_parallel,
     )
     validate_spec(spec, tp)
     return opts
@@ -102,6 +104,7 @@ def analytical_layer_times(
     sequence_parallel: bool = False,
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """Forward, backward and optimizer-step seconds of every layer.
@@ -121,6 +124,9 @@ def analytical_layer_times(
             query-key layer-scaling coefficient in a kernel of their own (a
             fact of the model's code, see
             :data:`~pipedejavu.costmodel.analytical.calibrate.QK_LAYER_SCALING`).
+        context_parallel: Megatron's context parallelism (``spec`` then holds
+            a GPU's share of each sequence; see
+            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
         constants: the roofline's constants.
 
     Returns:
@@ -141,6 +147,7 @@ def analytical_layer_times(
         sequence_parallel,
         attention_dropout,
         query_key_layer_scaling,
+        context_parallel,
     )
     block = (
         pass_seconds(block_forward_ops(spec, opts), gpu, constants),
@@ -211,6 +218,7 @@ def weight_gradient_seconds(
     sequence_parallel: bool = False,
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> NDArray[np.float64]:
     """f64[L + 2] seconds of each layer's weight-gradient operations
@@ -229,6 +237,7 @@ def weight_gradient_seconds(
         sequence_parallel,
         attention_dropout,
         query_key_layer_scaling,
+        context_parallel,
     )
 
     def seconds(ops: LayerPass) -> float:
@@ -252,6 +261,7 @@ def attention_core_forward_seconds(
     flash_attention: bool = True,
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's attention core forward (scores, softmax,
@@ -265,6 +275,7 @@ def attention_core_forward_seconds(
         False,
         attention_dropout,
         query_key_layer_scaling,
+        context_parallel,
     )
     return pass_seconds(attention_core_forward_ops(spec, opts), gpu, constants)
 
@@ -280,6 +291,7 @@ def block_forward_seconds(
     sequence_parallel: bool = False,
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
@@ -293,6 +305,7 @@ def block_forward_seconds(
         sequence_parallel,
         attention_dropout,
         query_key_layer_scaling,
+        context_parallel,
     )
     return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
 

@@ -164,6 +164,13 @@ class PassOptions:
             (its default in the Megatron-DeepSpeed the bundled profiles ran):
             without the fused 16-bit softmax kernel, the scores are multiplied
             by the coefficient in a kernel of their own, forward and backward.
+        context_parallel: Megatron's context parallelism ``c``: the spec's
+            ``seq_length`` is a GPU's share of each sequence (``s / c``
+            tokens), whose queries attend to the keys and values of the whole
+            sequence (``s`` = ``c`` x the share, causal and load-balanced as
+            Transformer Engine splits it); needs flash attention. The exchange
+            of keys and values between the ``c`` GPUs is not priced: it runs
+            beside the attention it feeds.
     """
 
     mbs: int
@@ -173,9 +180,12 @@ class PassOptions:
     sequence_parallel: bool = False
     attention_dropout: bool = False
     query_key_layer_scaling: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("mbs", "tp"):
+        if self.context_parallel > 1 and not self.flash_attention:
+            raise ValueError("context parallelism needs flash attention")
+        for name in ("mbs", "tp", "context_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -270,14 +280,16 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     act, _ = element_bytes(precision)
     if opts.flash_attention:
         # One fused kernel: both products (scores and context), reading Q, K, V
-        # and writing the output.
-        io = b * s * d * (2 * heads + 2 * _kv_heads(spec, t)) * act
+        # and writing the output; with context parallelism the local queries
+        # meet the keys and values of the whole sequence.
+        keys = s * opts.context_parallel
+        io = b * d * (2 * heads * s + 2 * _kv_heads(spec, t) * keys) * act
         return [
             Gemm(
                 "flash_attention",
                 2 * b * heads,
                 s,
-                s,
+                keys,
                 d,
                 act,
                 act,

@@ -106,6 +106,10 @@ class AnalyticalSource:
         query_key_layer_scaling: the model's code scales the attention scores
             in a kernel of its own (Megatron's ``apply_query_key_layer_scaling``;
             the bundled Sailor models but GPT-Neo-2.7 do).
+        context_parallel: Megatron's context parallelism ``c``: ``spec`` holds
+            a GPU's share of each sequence (``seq_length = s / c``), whose
+            attention reads the whole sequence's keys and values
+            (:class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
     """
 
     def __init__(
@@ -121,8 +125,10 @@ class AnalyticalSource:
         mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
         link_efficiency: float = 1.0,
         query_key_layer_scaling: bool = False,
+        context_parallel: int = 1,
     ) -> None:
         self.spec = spec
+        self.context_parallel = int(context_parallel)
         self.sheet = dict(sheet)
         self._options = TrainingOptions() if options is None else options
         self.profiles = profiles
@@ -233,6 +239,7 @@ class AnalyticalSource:
             options.precision == "fp32"
             and options.recompute == "none"
             and not options.sequence_parallel
+            and self.context_parallel == 1
         )
         if self.profiles is None or not plain:
             return None
@@ -265,6 +272,7 @@ class AnalyticalSource:
             flash_attention=options.flash_attention,
             attention_dropout=options.attention_dropout,
             query_key_layer_scaling=self.query_key_layer_scaling,
+            context_parallel=self.context_parallel,
             constants=self.constants,
         )
         args = (spec, entry, mbs, tp, precision)
