@@ -552,11 +552,20 @@ BASE = (
 )
 
 
+def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does():
+    """Megatron-LM's validate_args turns --sequence-parallel off at TP 1
+    (NVIDIA's Llama-3-8B example launches so); it is listed as ignored."""
+    run = spec_from_megatron_args(BASE + "--sequence-parallel")
+    assert not run.sequence_parallel and run.tp == 1
+    assert any(item.startswith("--sequence-parallel") for item in run.ignored)
+    on = spec_from_megatron_args(BASE + "--sequence-parallel --tensor-model-parallel-size 2")
+    assert on.sequence_parallel
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
         ("--fp16 --bf16", "--fp16 and --bf16 are exclusive"),
-        ("--sequence-parallel", "--sequence-parallel needs"),
         ("--tensor-model-parallel-size 3", "tp 3 must divide num_attention_heads"),
         ("--num-layers-per-virtual-pipeline-stage 2", "need --pipeline-model"),
         ("--pipeline-model-parallel-size 5", "not divisible by"),

@@ -13,12 +13,13 @@ import dataclasses
 import math
 from typing import Literal
 
-from pipedejavu.core.plan3d import MAX_GPUS
-
-__all__ = ["PRECISIONS", "GpuSheetEntry", "Precision"]
+__all__ = ["MAX_GPUS_PER_NODE", "PRECISIONS", "GpuSheetEntry", "Precision"]
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+#: Most GPUs of a node (one NVLink/NVSwitch domain): far above the largest
+#: built (576), a bound on a user file's value, not a claim.
+MAX_GPUS_PER_NODE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,9 @@ class GpuSheetEntry:
             raise ValueError(
                 f"{where}: gpus_per_node must be a positive integer, got {count!r}"
             )
-        if count > MAX_GPUS:
+        if count > MAX_GPUS_PER_NODE:
             raise ValueError(
-                f"{where}: gpus_per_node must be at most {MAX_GPUS}, got {count}"
+                f"{where}: gpus_per_node must be at most {MAX_GPUS_PER_NODE}, got {count}"
             )
         if not self.peak_flops:
             raise ValueError(f"{where}: peak_flops must name at least one precision")

@@ -376,8 +376,7 @@ def spec_from_megatron_args(
             and ``--max-position-embeddings`` with learned positions), a value
             of the wrong kind, a mixture-of-experts run, context parallelism
             with a sequence not divisible by ``2 CP`` or unfused attention, or
-            contradictory settings: ``--fp16`` with ``--bf16``, sequence
-            parallelism with TP 1, heads (or query groups, or MLP width) not
+            contradictory settings: ``--fp16`` with ``--bf16``, heads (or query groups, or MLP width) not
             divisible by TP, virtual stages with PP 1, a pipeline split that
             does not divide or is not modelled (:func:`~pipedejavu.io.
             megatron_layout.split_pipeline`), selective recomputation with a
@@ -392,10 +391,9 @@ def spec_from_megatron_args(
     tp = int(values.get("tensor-model-parallel-size", 1))
     pp = int(values.get("pipeline-model-parallel-size", 1))
     if values.get("sequence-parallel") and tp == 1:
-        raise ProblemError(
-            "Megatron arguments: --sequence-parallel needs "
-            "--tensor-model-parallel-size > 1"
-        )
+        # Megatron-LM turns it off at TP 1 (validate_args), with a warning
+        del values["sequence-parallel"]
+        ignored.append("--sequence-parallel (off at TP 1, as Megatron-LM turns it)")
     vocab = _vocab_size(values, vocab_size)
     spec = _spec(values, str(values.get("name", name)), vocab)
     try:
