@@ -404,15 +404,23 @@ def test_launched_training_is_what_the_exports_accept(target):
         "recompute": ("none", "selective", "full"),
         "sequence_parallel": (True, False),
         "distributed_optimizer": (True, False),
+        "overlap_grad_reduce": (True, False),
+        "overlap_param_gather": (True, False),
     }
     for knob, candidates in values.items():
-        if knob == "distributed_optimizer":
+        if knob in ("distributed_optimizer", "overlap_grad_reduce"):
             plan = even_plan(1, 4, dp=2)
         else:
             plan = even_plan(2, 4, tp=2)
         accepted = set()
         for value in candidates:
-            options = dataclasses.replace(base, **{knob: value})
+            changes = {knob: value}
+            if knob == "overlap_param_gather":  # needs the grad overlap
+                changes["overlap_grad_reduce"] = value
+            try:
+                options = dataclasses.replace(base, **changes)
+            except ValueError:  # no such training (e.g. no optimizer sharding)
+                continue
             try:
                 # one host of the plan's GPUs (Alpa's mesh takes whole hosts)
                 hosts = {"B-80": sum(s.num_gpus for s in plan.stages)}

@@ -712,3 +712,41 @@ def test_cli_searches_the_blocks_recomputed(capsys, model_files):
     assert found["options"]["recompute_num_layers"] == 2  # fits more, wins
     code, out, err = _cli(capsys, *argv, "--recompute-num-layers", "2,x")
     assert code == 2 and "--recompute-num-layers takes" in err
+
+
+def test_overlapped_gradient_sync_is_searched_and_proven(model_files):
+    """Megatron-LM's --overlap-grad-reduce/--overlap-param-gather: the stage
+    bounds (which take the overlapped passes as long as any) stay below every
+    plan's prediction, the interleaved candidates' floors too (checked by the
+    brute force), and the proven plan is the brute-force optimum (1F1B and
+    ZB-H1); overlapping never costs time and saves some here."""
+    _, pool, gbs, options = SETTINGS["selective-wins"]
+    plain = dataclasses.replace(options, distributed_optimizer=True)
+    overlap = dataclasses.replace(
+        plain, overlap_grad_reduce=True, overlap_param_gather=True
+    )
+    path, items = model_files["selective-wins"], tuple(pool.items())
+    best, inter, zb, *_ = _brute_force(path, items, gbs, overlap)
+    before, inter_before, zb_before, *_ = _brute_force(path, items, gbs, plain)
+    assert best <= before and zb <= zb_before and inter <= inter_before
+    choice = choose_cost_source(path, pool, options=overlap)
+    _, bounds = stage_bound_tables(choice.data, choice.model, items, gbs, uniform=True)
+    checked = saved = 0
+    unlapped = choose_cost_source(path, pool, options=plain)
+    for plan, _ in enumerate_plans(
+        choice.data, choice.model, choice.pool(pool), gbs, C
+    ):
+        prediction = predict_plan(plan, choice.data, constants=C)
+        without = predict_plan(plan, unlapped.data, constants=C)
+        assert prediction.iteration_time_s <= without.iteration_time_s
+        saved += prediction.iteration_time_s < without.iteration_time_s
+        if prediction.fits_memory:
+            bound = largest_stage_bound(bounds, plan)
+            assert bound <= prediction.iteration_time_s * (1 + 1e-12)
+            checked += 1
+    assert checked and saved
+    for zero_bubble, expected in ((False, best), (True, zb)):
+        knobs = dataclasses.replace(overlap, zero_bubble=zero_bubble)
+        found, _ = plan_any_model(path, pool, gbs, options=knobs)
+        assert found.proven
+        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)

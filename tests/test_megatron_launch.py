@@ -15,11 +15,13 @@ from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.io.exports import option_flags
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.megatron_args import spec_from_megatron_args
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.io.sailor_plan import load_plan3d
 from pipedejavu.planning.megatron_launch import (
+    options_of_run,
     plan_from_megatron_run,
     predict_megatron_run,
 )
@@ -321,3 +323,39 @@ def test_predict_cli_takes_the_largest_clusters_plan_searches_fewer(capsys):
     too_many = f"H100:{MAX_GPUS + 32}"
     assert main(["predict", "--megatron-args", launch, "--gpus", too_many]) == 2
     assert f"[1, {MAX_GPUS}]" in capsys.readouterr().err
+
+
+def test_overlap_flags_are_read_predicted_and_exported():
+    """--overlap-grad-reduce/--overlap-param-gather reach the options (and
+    back out through the Megatron export's flags); overlapped, a launch with
+    data parallelism waits less for its gradients; Megatron-LM's own
+    conditions are refused with one line."""
+    base = SC21_39B.replace("--fp16", "--bf16") + " --use-distributed-optimizer"
+    sheet = load_gpu_sheet()
+    runs = {}
+    for extra in (
+        "",
+        " --overlap-grad-reduce",
+        " --overlap-grad-reduce --overlap-param-gather",
+    ):
+        run = spec_from_megatron_args(base + extra)
+        options = options_of_run(run)
+        again = options_of_run(
+            spec_from_megatron_args([*base.split(), *option_flags(options)])
+        )
+        assert again == options
+        runs[extra] = predict_megatron_run(run, "A100-80", 512, sheet).prediction
+    times = [p.iteration_time_s for p in runs.values()]
+    waits = [float(p.dp_allreduce_s.max()) for p in runs.values()]
+    assert times[0] > times[1] > times[2] and waits[0] > waits[1] > waits[2] > 0
+    for bad, message in (
+        (" --overlap-param-gather", "needs --overlap-grad-reduce"),
+        (" --overlap-grad-reduce --overlap-param-gather", "needs --use-distributed"),
+    ):
+        launch = (
+            base.replace(" --use-distributed-optimizer", "")
+            if "use-dist" in message
+            else base
+        )
+        with pytest.raises(ProblemError, match=message):
+            spec_from_megatron_args(launch + bad)

@@ -17,7 +17,12 @@ from pipedejavu.costmodel.megatron.comm import ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
-from pipedejavu.costmodel.megatron.rules import in_flight_capacity, memory_bytes
+from pipedejavu.costmodel.megatron.rules import (
+    gradient_sync,
+    in_flight_capacity,
+    memory_bytes,
+    overlap_bucket_elements,
+)
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
 from pipedejavu.costmodel.megatron.tables import plan_tables
@@ -136,3 +141,30 @@ def test_ring_allreduce_inside_a_node_runs_at_each_gpus_link(tp, members):
     link = sheet[gpu].intra_node_bytes_per_s
     expected = 2 * (members - 1) * (nbytes / members) / link
     assert seconds == pytest.approx(expected, rel=1e-12)
+
+
+def test_gradient_sync_waits_for_what_outlasts_its_pass():
+    """Without overlap the whole all-reduce (a reduce-scatter and an
+    all-gather of half its time each, with the distributed optimizer);
+    overlapped, what outlasts the pass it runs beside, never less than the
+    last bucket's share; the bounds' infinite passes give exactly that share,
+    below any finite pass."""
+    def sync(backward, forward, distributed=True, grad=True, param=True, held=4e8):
+        return gradient_sync(
+            1.0, held, 8, backward, forward,
+            distributed=distributed, overlap_grad=grad, overlap_param=param,
+        )  # fmt: skip
+
+    assert overlap_bucket_elements(8) == 4e7 and overlap_bucket_elements(64) == 6.4e7
+    for distributed in (True, False):
+        assert sync(5.0, 5.0, distributed, False, False) == 1.0
+    assert sync(0.0, 0.0) == 1.0  # nothing to hide behind
+    assert sync(0.2, 0.1) == pytest.approx(0.3 + 0.4)  # 0.5 - 0.2, 0.5 - 0.1
+    assert sync(5.0, 5.0) == pytest.approx(0.1)  # the last bucket: 4e7 of 4e8
+    assert sync(np.inf, np.inf) == pytest.approx(0.1)
+    assert sync(5.0, 0.0, grad=True, param=False) == pytest.approx(0.05 + 0.5)
+    assert sync(5.0, 5.0, distributed=False, param=False) == pytest.approx(0.1)
+    assert sync(5.0, 5.0, held=1e6) == 1.0  # one bucket: nothing overlaps
+    windows = np.linspace(0.0, 2.0, 41)
+    values = sync(windows, windows)
+    assert (np.diff(values) <= 0).all() and (values >= sync(np.inf, np.inf)).all()

@@ -442,7 +442,15 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
     space = knob_space(args, launch_knob_space(run), MEGATRON_SCHEDULES)
     if getattr(args, "export", None):  # only what the target launches
-        space = launched_space(args.export, space, options_of_run(run).precision)
+        options = options_of_run(run)
+        space = launched_space(args.export, space, options.precision)
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(options, name) not in LAUNCHED_TRAINING[args.export][name]:
+                flag = "--" + name.replace("_", "-")
+                raise ProblemError(
+                    f"--export {args.export} does not launch {flag} as planned: "
+                    f"drop it from --megatron-args or give another --export"
+                )
     return compare_megatron_run(
         run,
         gpu,

@@ -33,6 +33,9 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
         schedule = f"Megatron's interleaved 1F1B, {chunks} chunks per stage"
     elif options.zero_bubble:
         schedule = "ZB-H1 zero bubble"
+    overlapped = ""
+    if options.overlap_grad_reduce or options.overlap_param_gather:
+        overlapped = ", what outlasts the passes it overlaps"
     lines = [
         f"plan: {plan.model}, {plan.describe()}, "
         f"{prediction.num_microbatches} micro-batches per pipeline",
@@ -40,7 +43,7 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
         f"  pipeline ({schedule}): {breakdown['pipeline_s']:.4f} s, "
         f"bubble {100 * breakdown['bubble_fraction']:.1f}%",
         f"  tied-embedding all-reduce: {breakdown['tied_allreduce_s']:.4f} s",
-        f"  data-parallel all-reduce (slowest stage): "
+        f"  data-parallel all-reduce{overlapped} (slowest stage): "
         f"{breakdown['dp_allreduce_s']:.4f} s",
         f"  optimizer step (largest): {breakdown['optimizer_s']:.4f} s",
         "peak memory per GPU:",

@@ -75,7 +75,8 @@ class GpuSheetEntry:
             )
         if count > MAX_GPUS_PER_NODE:
             raise ValueError(
-                f"{where}: gpus_per_node must be at most {MAX_GPUS_PER_NODE}, got {count}"
+                f"{where}: gpus_per_node must be at most {MAX_GPUS_PER_NODE}, "
+                f"got {count}"
             )
         if not self.peak_flops:
             raise ValueError(f"{where}: peak_flops must name at least one precision")

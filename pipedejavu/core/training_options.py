@@ -28,6 +28,11 @@ Each field names the Megatron-LM argument it stands for:
   stages per rank placed in a V (torchtitan's ``ZBVZeroBubble``).
 * ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
   attention), which never materializes the ``s x s`` attention scores.
+* ``overlap_grad_reduce``: ``--overlap-grad-reduce`` (the gradients' data-parallel
+  reduction runs beside the last micro-batch's backward pass);
+  ``overlap_param_gather``: ``--overlap-param-gather`` (with the distributed
+  optimizer, the updated parameters' all-gather runs beside the next forward
+  pass).
 """
 
 from __future__ import annotations
@@ -138,6 +143,11 @@ class TrainingOptions:
         recompute_stage_layers: with ``recompute="full"``, the count each
             stage reruns, in stage order (what the predictor picked, or given
             to price such a plan).
+        overlap_grad_reduce: the data-parallel gradient reduction overlaps the
+            last micro-batch's backward pass.
+        overlap_param_gather: with ``distributed_optimizer`` and
+            ``overlap_grad_reduce``, the parameters' all-gather overlaps the
+            next iteration's forward pass.
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -159,6 +169,8 @@ class TrainingOptions:
     v_shape: bool = False
     recompute_choices: tuple[int | None, ...] | None = None
     recompute_stage_layers: tuple[int | None, ...] | None = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -178,8 +190,18 @@ class TrainingOptions:
             "flash_attention",
             "attention_dropout",
             "v_shape",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
         ):
             _check_bool(getattr(self, name), name)
+        if self.overlap_param_gather and not (
+            self.distributed_optimizer and self.overlap_grad_reduce
+        ):
+            raise ValueError(
+                "overlap_param_gather needs distributed_optimizer and "
+                "overlap_grad_reduce (Megatron-LM's --overlap-param-gather needs "
+                "--use-distributed-optimizer and --overlap-grad-reduce)"
+            )
         layers = self.recompute_num_layers
         if layers is not None:
             if isinstance(layers, bool) or not isinstance(layers, int):

@@ -229,6 +229,11 @@ def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
             "gradients too; the plan prices a distributed optimizer over "
             f"{plan.dp} replicas"
         )
+    if options.overlap_grad_reduce or options.overlap_param_gather:
+        raise _refuse(
+            " overlaps gradients as PyTorch's DDP buckets them, not as the "
+            "Megatron-LM overlap the plan was priced with"
+        )
 
 
 def _checkpoint_mode(plan: Plan3D, options: TrainingOptions) -> str:

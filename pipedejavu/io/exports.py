@@ -32,7 +32,8 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
 
 * Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
   ``--recompute-granularity``, ``--use-distributed-optimizer``,
-  ``--sequence-parallel``, ``--attention-backend unfused``) and
+  ``--sequence-parallel``, ``--overlap-grad-reduce``,
+  ``--overlap-param-gather``, ``--attention-backend unfused``) and
   ``--num-layers-per-virtual-pipeline-stage`` for the interleaved schedule.
 * The DeepSpeed configs get their ``bf16``/``fp16`` sections and ZeRO stage 1
   for the distributed optimizer; recomputation and sequence parallelism are
@@ -127,6 +128,8 @@ _PLAIN = {
     "recompute": ("none",),
     "sequence_parallel": (False,),
     "distributed_optimizer": (False,),
+    "overlap_grad_reduce": (False,),
+    "overlap_param_gather": (False,),
 }
 #: The training options each target launches as planned (the values of
 #: :class:`~pipedejavu.core.training_options.TrainingOptions`' fields); the
@@ -143,18 +146,24 @@ LAUNCHED_TRAINING = {
         "recompute": RECOMPUTE_GRANULARITIES,
         "sequence_parallel": _BOTH,
         "distributed_optimizer": _BOTH,
+        "overlap_grad_reduce": _BOTH,
+        "overlap_param_gather": _BOTH,
     },
     "deepspeed": {
         "precision": ("fp32", "fp16", "bf16"),
         "recompute": ("none",),
         "sequence_parallel": (False,),
         "distributed_optimizer": _BOTH,
+        "overlap_grad_reduce": (False,),
+        "overlap_param_gather": (False,),
     },
     "torchtitan": {
         "precision": ("fp32",),
         "recompute": ("none", "full"),
         "sequence_parallel": (True,),
         "distributed_optimizer": (False,),
+        "overlap_grad_reduce": (False,),
+        "overlap_param_gather": (False,),
     },
     "alpa": _PLAIN,
     "sailor": _PLAIN,
@@ -196,6 +205,10 @@ def option_flags(options: TrainingOptions) -> list[str]:
         flags.append("--use-distributed-optimizer")
     if options.sequence_parallel:
         flags.append("--sequence-parallel")
+    if options.overlap_grad_reduce:
+        flags.append("--overlap-grad-reduce")
+    if options.overlap_param_gather:
+        flags.append("--overlap-param-gather")
     if not options.flash_attention:
         flags += ["--attention-backend", "unfused"]
     return flags
@@ -214,6 +227,8 @@ def _plain(options: TrainingOptions | None) -> bool:
         and not options.sequence_parallel
         and options.virtual_stages == 1
         and not options.zero_bubble
+        and not options.overlap_grad_reduce
+        and not options.overlap_param_gather
     )
 
 
@@ -227,6 +242,11 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
         )
     if options.virtual_stages != 1:
         raise ExportRefused(f"{target}: no interleaved pipeline schedule")
+    if options.overlap_grad_reduce or options.overlap_param_gather:
+        raise ExportRefused(
+            f"{target}: the pipeline engine reduces the gradients after the "
+            "pipeline, not beside the backward pass the plan was priced with"
+        )
     if options.zero_bubble:
         raise ExportRefused(
             f"{target}: no zero-bubble schedule (the pipeline engine runs 1F1B, "

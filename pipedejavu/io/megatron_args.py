@@ -99,6 +99,8 @@ _BOOL_FLAGS = (
     "checkpoint-activations",
     "use-rotary-position-embeddings",
     "use-flash-attn",
+    "overlap-grad-reduce",
+    "overlap-param-gather",
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
 )
@@ -122,6 +124,9 @@ class MegatronRun:
             split_pipeline`); ``()``: Megatron's even split.
         context_parallel: GPUs sharing each sequence
             (``--context-parallel-size``; the world is ``TP x CP x PP x DP``).
+        overlap_grad_reduce, overlap_param_gather: ``--overlap-grad-reduce``,
+            ``--overlap-param-gather`` (the latter needs the distributed
+            optimizer, as Megatron-LM asserts).
         micro_batch: samples per micro-batch.
         global_batch: samples per iteration; ``None`` if not given (Megatron
             then uses ``micro_batch x data-parallel size``).
@@ -162,6 +167,8 @@ class MegatronRun:
     flash_attention: bool = True
     stage_layers: tuple[int, ...] = ()
     context_parallel: int = 1
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     attention_dropout: bool = True
 
     @property
@@ -376,11 +383,12 @@ def spec_from_megatron_args(
             and ``--max-position-embeddings`` with learned positions), a value
             of the wrong kind, a mixture-of-experts run, context parallelism
             with a sequence not divisible by ``2 CP`` or unfused attention, or
-            contradictory settings: ``--fp16`` with ``--bf16``, heads (or query groups, or MLP width) not
-            divisible by TP, virtual stages with PP 1, a pipeline split that
-            does not divide or is not modelled (:func:`~pipedejavu.io.
-            megatron_layout.split_pipeline`), selective recomputation with a
-            method.
+            contradictory settings: ``--fp16`` with ``--bf16``, heads (or
+            query groups, or MLP width) not divisible by TP, virtual stages
+            with PP 1, a pipeline split that does not divide or is not
+            modelled (:func:`~pipedejavu.io.megatron_layout.split_pipeline`),
+            selective recomputation with a method, ``--overlap-param-gather``
+            without ``--use-distributed-optimizer`` or ``--overlap-grad-reduce``.
     """
     values, ignored = _parse(_tokens(argv))
     if values.get("num-experts", 1) != 1:
@@ -421,6 +429,17 @@ def spec_from_megatron_args(
     granularity, method, recompute_layers = _recompute(values)
     precision, params_dtype = _precision(values)
     flash = _flash_attention(values)
+    if values.get("overlap-param-gather") and not values.get(
+        "use-distributed-optimizer"
+    ):
+        raise ProblemError(
+            "Megatron arguments: --overlap-param-gather needs "
+            "--use-distributed-optimizer"
+        )
+    if values.get("overlap-param-gather") and not values.get("overlap-grad-reduce"):
+        raise ProblemError(
+            "Megatron arguments: --overlap-param-gather needs --overlap-grad-reduce"
+        )
     cp = int(values.get("context-parallel-size", 1))
     if cp > 1 and spec.seq_length % (2 * cp):
         raise ProblemError(
@@ -452,6 +471,8 @@ def spec_from_megatron_args(
         ignored=tuple(ignored),
         flash_attention=flash,
         context_parallel=cp,
+        overlap_grad_reduce=bool(values.get("overlap-grad-reduce")),
+        overlap_param_gather=bool(values.get("overlap-param-gather")),
         attention_dropout=_attention_dropout(values) > 0,
     )
 

@@ -71,6 +71,8 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         sequence_parallel=run.sequence_parallel,
         flash_attention=run.flash_attention,
         attention_dropout=run.attention_dropout and not run.flash_attention,
+        overlap_grad_reduce=run.overlap_grad_reduce,
+        overlap_param_gather=run.overlap_param_gather,
     )
 
 

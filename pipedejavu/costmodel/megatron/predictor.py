@@ -30,7 +30,10 @@ pipeline engine as Megatron-DeepSpeed drives it):
    stage of every pipeline once both have finished their last backward.
 4. *Data parallelism.* Then each stage's gradients are all-reduced over its
    ``dp`` replicas, starting when the slowest replica is ready (not overlapped
-   with the backward pass): DeepSpeed's buckets (whole tensors - here whole
+   with the backward pass, unless the options overlap it as Megatron-LM's
+   ``--overlap-grad-reduce``/``--overlap-param-gather`` do:
+   :func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`): DeepSpeed's
+   buckets (whole tensors - here whole
    layers - added until a bucket holds more than 5e8 elements), one ring
    all-reduce per bucket (:func:`~pipedejavu.costmodel.megatron.comm.
    ring_allreduce_time`).
@@ -83,6 +86,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.rules import (
+    gradient_sync,
     is_blocking,
     memory_bytes,
     message_bytes,
@@ -122,7 +126,9 @@ class Prediction:
         pipeline_s: seconds until the last backward of the slowest pipeline.
         tied_allreduce_s: f64[dp] seconds of each pipeline's tied-embedding
             all-reduce (0 with one stage).
-        dp_allreduce_s: f64[S] seconds of each stage's gradient all-reduce.
+        dp_allreduce_s: f64[S] seconds of each stage's gradient all-reduce
+            that the iteration waits for (all of it, unless overlapped:
+            :func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`).
         optimizer_s: f64[S, dp] seconds of each GPU's optimizer step.
         bubble_fraction: idle share of the pipeline phase, averaged over GPUs.
         stage_forward_s, stage_backward_s: f64[S, dp] seconds per micro-batch.
@@ -458,14 +464,27 @@ def predict_plan(
             start = max(ends[0, j], ends[-1, j])
             ready[0, j] = ready[-1, j] = start + tied[j]
 
-    # Data-parallel all-reduce per stage, then the optimizer step.
+    # Data-parallel gradient sync per stage (what of it is not overlapped),
+    # then the optimizer step.
     allreduce = np.zeros(num_stages)
     finish = np.zeros((num_stages, dp))
+    options = data.options
     for s, stage in enumerate(plan.stages):
         tp = stage.replicas[0].tp
         (start, stop), *more = spans[s]
-        allreduce[s], largest = stage_allreduce(
+        collective, largest = stage_allreduce(
             network, info, list(stage.replicas), nodes[s], start, stop, more
+        )
+        held = rank_params(info, tp, spans[s])
+        allreduce[s] = gradient_sync(
+            collective,
+            held,
+            dp,
+            float(backward[s].min()),
+            float(forward[s].min()),
+            distributed=options.distributed_optimizer,
+            overlap_grad=options.overlap_grad_reduce,
+            overlap_param=options.overlap_param_gather,
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
@@ -473,7 +492,6 @@ def predict_plan(
             info, tp, stage.start, stage.stop, as_layers(info, counts, s)
         )
         received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
-        held = rank_params(info, tp, spans[s])
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]

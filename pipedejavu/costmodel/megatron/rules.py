@@ -36,6 +36,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
 __all__ = [
     "add_to_bucket",
     "buckets",
+    "gradient_sync",
     "held_params",
     "in_flight_capacity",
     "is_blocking",
@@ -44,6 +45,7 @@ __all__ = [
     "model_state_bytes",
     "optimizer_share",
     "optimizer_time",
+    "overlap_bucket_elements",
     "p2p_pair",
     "profiling_params",
     "recomputed_layers",
@@ -116,6 +118,51 @@ def optimizer_time(
     (``update_s``) scaled by the parameters it updates
     (:func:`optimizer_share` of them)."""
     return update_s * held * optimizer_share(info, dp) / profiling_params(info, tp)
+
+
+# ------------------------------------------------ data-parallel gradient sync
+def overlap_bucket_elements(dp: Number) -> Number:
+    """Elements of a gradient bucket with Megatron-LM's
+    ``--overlap-grad-reduce``: ``max(40M, 1M x DP)`` (its
+    ``DistributedDataParallel`` default; read in core_v0.16.1)."""
+    return np.maximum(4e7, 1e6 * np.asarray(dp, dtype=np.float64))
+
+
+def gradient_sync(
+    allreduce: Number,
+    held: Number,
+    dp: Number,
+    backward: Number,
+    forward: Number,
+    *,
+    distributed: bool,
+    overlap_grad: bool,
+    overlap_param: bool,
+) -> Number:
+    """Seconds of a stage's data-parallel gradient sync that its iteration
+    waits for: all of ``allreduce`` (the ring all-reduce of its gradients),
+    unless overlapped.
+
+    With the distributed optimizer the all-reduce is a reduce-scatter of the
+    gradients before the optimizer step and an all-gather of the parameters
+    after it, half the time each. ``overlap_grad`` (Megatron-LM's
+    ``--overlap-grad-reduce``): the reduction runs beside the stage's last
+    backward pass (``backward``, one micro-batch's), bucket by bucket as the
+    gradients come, and only what outlasts that pass is waited for, never
+    less than its last bucket (``held`` parameters in buckets of
+    :func:`overlap_bucket_elements`). ``overlap_param`` (``--overlap-param-
+    gather``): the all-gather runs beside the next iteration's first forward
+    pass (``forward``) the same way. The proof's bounds pass infinite
+    passes, which leaves the last bucket's share: a lower bound of this.
+    """
+    grad = allreduce / 2 if distributed else allreduce
+    gather = allreduce - grad
+    last = np.minimum(1.0, overlap_bucket_elements(dp) / np.maximum(held, 1.0))
+    if overlap_grad:
+        grad = np.maximum(grad - backward, grad * last)
+    if overlap_param:
+        gather = np.maximum(gather - forward, gather * last)
+    return grad + gather
 
 
 # ------------------------------------------- recomputation (block method)

@@ -58,6 +58,7 @@ from pipedejavu.costmodel.megatron.constants import (
 )
 from pipedejavu.costmodel.megatron.rules import (
     add_to_bucket,
+    gradient_sync,
     held_params,
     in_flight_capacity,
     is_blocking,
@@ -407,10 +408,21 @@ def compile_tables(
         has_tie = (starts == 0) != (ends == num_layers - 1)
         allreduce, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
         optimizer = optimizer_time(float(times.update[0]), held, info, tp, dp)
-        once = allreduce + optimizer + np.where(has_tie, tied_time, 0.0)
+        once = optimizer + np.where(has_tie, tied_time, 0.0)
         state = model_state_bytes(info, held, largest, dp)
+        forward_prefix = np.concatenate([[0.0], np.cumsum(times.forward)])
+        forward = forward_prefix[ends + 1] - forward_prefix[starts] + overhead
         for k, n in enumerate(variants):
-            tail[starts, ends, m, k] = once
+            tail[starts, ends, m, k] = once + gradient_sync(
+                allreduce,
+                held,
+                dp,
+                busy[k] - forward,  # the span's backward pass, as the predictor's
+                forward,
+                distributed=data.options.distributed_optimizer,
+                overlap_grad=data.options.overlap_grad_reduce,
+                overlap_param=data.options.overlap_param_gather,
+            )
             per_microbatch = spans_stash(info, tp, starts, stops, mbs, n)
             in_flight = in_flight_capacity(
                 spec.memory_bytes, state, per_microbatch, constants, gpu_type

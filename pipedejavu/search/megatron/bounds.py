@@ -29,6 +29,7 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.costmodel.megatron.comm import ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
+    gradient_sync,
     held_params,
     in_flight_capacity,
     model_state_bytes,
@@ -223,7 +224,20 @@ def kind_bounds(
                 data, model, gpu, t, dp, held, starts, ends, spots, strides
             )
         allreduce, largest = cache.allreduce[key]
-        tail = allreduce + optimizer_time(float(entry.update[0]), held, info, t, dp)
+        # the least of the sync the predictor waits for: its passes unknown
+        # here, taken as long as any (gradient_sync's docstring)
+        options = data.options
+        sync = gradient_sync(
+            allreduce,
+            held,
+            dp,
+            np.inf,
+            np.inf,
+            distributed=options.distributed_optimizer,
+            overlap_grad=options.overlap_grad_reduce,
+            overlap_param=options.overlap_param_gather,
+        )
+        tail = sync + optimizer_time(float(entry.update[0]), held, info, t, dp)
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])
         if with_sends and not zero_bubble:  # the boundary after the stage
             least_link = np.min([links[(kind, other)] for other in kinds], axis=0)

@@ -71,6 +71,7 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
+    gradient_sync,
     memory_bytes,
     model_state_bytes,
     optimizer_time,
@@ -279,7 +280,8 @@ def candidate_floor(
     (:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`) fit its
     GPUs (else the predicted memory does not), and ``f64[P]`` the all-reduce
     and optimizer step that follow each rank's last backward, as the predictor
-    prices them (the slowest replica's). ``dp``: the replicas the model state
+    prices them (the slowest replica's; of an overlapped all-reduce, the least
+    the predictor waits for). ``dp``: the replicas the model state
     is sharded over (``None``: the plan's; :func:`candidate_fits` asks one
     pipeline of a plan with more)."""
     info = data.model_info(model)
@@ -307,7 +309,19 @@ def candidate_floor(
             used = memory_bytes(state, stash[s], constants, gpu)
             if used > data.gpu_spec(gpu).memory_bytes:
                 return False, tails
-        tails[s] = allreduce + step
+        # the least sync the predictor waits for (gradient_sync's docstring)
+        options = data.options
+        sync = gradient_sync(
+            allreduce,
+            held,
+            plan.dp,
+            np.inf,
+            np.inf,
+            distributed=options.distributed_optimizer,
+            overlap_grad=options.overlap_grad_reduce,
+            overlap_param=options.overlap_param_gather,
+        )
+        tails[s] = sync + step
     return True, tails
 
 
