@@ -13,6 +13,7 @@ from helpers import largest_stage_bound
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
 from pipedejavu.core.plan3d import Plan3D, Replica
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_time
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
@@ -144,27 +145,34 @@ def test_ring_allreduce_inside_a_node_runs_at_each_gpus_link(tp, members):
 
 
 def test_gradient_sync_waits_for_what_outlasts_its_pass():
-    """Without overlap the whole all-reduce (a reduce-scatter and an
-    all-gather of half its time each, with the distributed optimizer);
-    overlapped, what outlasts the pass it runs beside, never less than the
-    last bucket's share; the bounds' infinite passes give exactly that share,
-    below any finite pass."""
-    def sync(backward, forward, distributed=True, grad=True, param=True, held=4e8):
-        return gradient_sync(
-            1.0, held, 8, backward, forward,
-            distributed=distributed, overlap_grad=grad, overlap_param=param,
-        )  # fmt: skip
+    """Without overlap the whole all-reduce; with the distributed optimizer a
+    reduce-scatter (half its time) and an all-gather of the weights (bf16:
+    half the bytes of the fp32 gradients); overlapped, what outlasts the pass
+    it runs beside, never less than the last bucket's share; the bounds'
+    infinite passes give exactly that share, below any finite pass."""
 
+    def sync(backward, forward, *, held=4e8, precision="fp32", **flags):
+        options = TrainingOptions(precision, **flags)
+        return gradient_sync(1.0, held, 8, backward, forward, options)
+
+    both = dict(
+        distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+    )
     assert overlap_bucket_elements(8) == 4e7 and overlap_bucket_elements(64) == 6.4e7
-    for distributed in (True, False):
-        assert sync(5.0, 5.0, distributed, False, False) == 1.0
-    assert sync(0.0, 0.0) == 1.0  # nothing to hide behind
-    assert sync(0.2, 0.1) == pytest.approx(0.3 + 0.4)  # 0.5 - 0.2, 0.5 - 0.1
-    assert sync(5.0, 5.0) == pytest.approx(0.1)  # the last bucket: 4e7 of 4e8
-    assert sync(np.inf, np.inf) == pytest.approx(0.1)
-    assert sync(5.0, 0.0, grad=True, param=False) == pytest.approx(0.05 + 0.5)
-    assert sync(5.0, 5.0, distributed=False, param=False) == pytest.approx(0.1)
-    assert sync(5.0, 5.0, held=1e6) == 1.0  # one bucket: nothing overlaps
+    assert sync(5.0, 5.0) == 1.0  # plain all-reduce
+    assert sync(5.0, 5.0, distributed_optimizer=True) == 1.0  # fp32: 0.5 + 0.5
+    assert sync(5.0, 5.0, precision="bf16", distributed_optimizer=True) == 0.75
+    assert sync(5.0, 5.0, precision="fp16", distributed_optimizer=True) == 1.0
+    assert sync(0.0, 0.0, **both) == 1.0  # nothing to hide behind
+    assert sync(0.2, 0.1, **both) == pytest.approx(0.3 + 0.4)  # 0.5 - 0.2, 0.5 - 0.1
+    assert sync(5.0, 5.0, **both) == pytest.approx(0.1)  # the last bucket: 4e7 of 4e8
+    assert sync(np.inf, np.inf, **both) == pytest.approx(0.1)
+    grad_only = dict(distributed_optimizer=True, overlap_grad_reduce=True)
+    assert sync(5.0, 0.0, **grad_only) == pytest.approx(0.05 + 0.5)
+    assert sync(5.0, 5.0, overlap_grad_reduce=True) == pytest.approx(0.1)
+    assert sync(5.0, 5.0, held=1e6, **both) == 1.0  # one bucket: nothing overlaps
     windows = np.linspace(0.0, 2.0, 41)
-    values = sync(windows, windows)
-    assert (np.diff(values) <= 0).all() and (values >= sync(np.inf, np.inf)).all()
+    values = sync(windows, windows, **both)
+    assert (np.diff(values) <= 0).all() and (
+        values >= sync(np.inf, np.inf, **both)
+    ).all()

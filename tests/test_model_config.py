@@ -558,7 +558,9 @@ def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does():
     run = spec_from_megatron_args(BASE + "--sequence-parallel")
     assert not run.sequence_parallel and run.tp == 1
     assert any(item.startswith("--sequence-parallel") for item in run.ignored)
-    on = spec_from_megatron_args(BASE + "--sequence-parallel --tensor-model-parallel-size 2")
+    on = spec_from_megatron_args(
+        BASE + "--sequence-parallel --tensor-model-parallel-size 2"
+    )
     assert on.sequence_parallel
 
 

@@ -32,7 +32,7 @@ from pipedejavu.search.megatron.transfers import BoundCache
 DATA = load_sailor_data()
 # (model, pool, gbs, most stages): several nodes (4 and 8 GPUs per node)
 SMALL = [
-    ("OPT-350", (("A100-40", 8),), 16, 3),
+    ("OPT-350", (("V100-16", 8),), 16, 3),
     ("OPT-350", (("RTX-2080", 16),), 32, 3),
 ]
 

@@ -205,6 +205,7 @@ def format_knobs(knobs) -> str:
     if dominated:
         lines.append(
             f"  {len(dominated)} choices without the distributed optimizer: never "
-            "faster than with it (it only lowers memory and the optimizer step)"
+            "faster than with it (it only lowers memory, the optimizer step and the "
+            "data-parallel traffic)"
         )
     return "\n".join(lines)

@@ -255,8 +255,15 @@ class KnobSpace:
         return [c for c in self.all_choices(base) if not self.is_dominated(c)]
 
     def is_dominated(self, options: TrainingOptions) -> bool:
-        """Settled by the distributed optimizer's rule (module docstring)."""
-        return not options.distributed_optimizer and True in self.distributed_optimizer
+        """Settled by the distributed optimizer's rule (module docstring);
+        not when the gradient reduction overlaps the backward pass, where
+        the optimizer's all-gather after its step may wait longer than the
+        whole all-reduce hidden behind that pass."""
+        return (
+            not options.distributed_optimizer
+            and True in self.distributed_optimizer
+            and not options.overlap_grad_reduce
+        )
 
     def dominated(self, base: TrainingOptions) -> list[TrainingOptions]:
         """The choices :meth:`is_dominated` settles."""
@@ -291,6 +298,7 @@ class KnobSpace:
                     recompute_stage_layers=None,
                     sequence_parallel=sp,
                     distributed_optimizer=dist,
+                    overlap_param_gather=base.overlap_param_gather and dist,
                     virtual_stages=1,
                     zero_bubble=False,
                     v_shape=False,

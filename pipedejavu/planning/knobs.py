@@ -41,11 +41,15 @@ plan's time, the plan is the predictor's optimum over the union of the
 choices' spaces (``proven``), else that least bound is reported.
 
 The distributed optimizer dominates: it lowers only the model-state bytes
-(:func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`) and the
-optimizer step (:func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`),
-which the predictor only adds, so no plan is slower or larger with it; the
-choices without it are settled by that rule (``how == "dominated"``, checked on
-random plans by ``tests/test_knobs.py``). Sequence parallelism is searched both
+(:func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`), the
+optimizer step (:func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`)
+and the data-parallel traffic
+(:func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`), which the
+predictor only adds, so no plan is slower or larger with it; the choices
+without it are settled by that rule (``how == "dominated"``, checked on random
+plans by ``tests/test_knobs.py``), except when the gradient reduction overlaps
+the backward pass (:meth:`~pipedejavu.planning.knob_space.KnobSpace.
+is_dominated`). Sequence parallelism is searched both
 ways (its two collectives can cost more than one all-reduce on small messages).
 Neither changes anything at TP 1 (DP 1); such a plan reports it off.
 """

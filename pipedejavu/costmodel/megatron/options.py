@@ -39,6 +39,7 @@ __all__ = [
     "grad_reduce_bytes_per_param",
     "optimizer_update_fraction",
     "param_gather_bytes_per_param",
+    "param_gather_share",
     "param_state_bytes",
     "recompute_time",
 ]
@@ -158,6 +159,16 @@ def param_gather_bytes_per_param(precision: str, distributed_optimizer: bool) ->
     if not distributed_optimizer:
         return 0
     return FLOAT_BYTES if precision == "fp32" else HALF_BYTES
+
+
+def param_gather_share(precision: str) -> float:
+    """The distributed optimizer's all-gather over its reduce-scatter, in
+    bytes per parameter (:func:`param_gather_bytes_per_param` over
+    :func:`grad_reduce_bytes_per_param`): 1 in fp32 and fp16, 1/2 in bf16 and
+    fp8 (bf16 weights gathered, fp32 gradients reduced)."""
+    return param_gather_bytes_per_param(precision, True) / grad_reduce_bytes_per_param(
+        precision
+    )
 
 
 def optimizer_update_fraction(

@@ -482,9 +482,7 @@ def predict_plan(
             dp,
             float(backward[s].min()),
             float(forward[s].min()),
-            distributed=options.distributed_optimizer,
-            overlap_grad=options.overlap_grad_reduce,
-            overlap_param=options.overlap_param_gather,
+            options,
         )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.

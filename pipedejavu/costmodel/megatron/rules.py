@@ -21,12 +21,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Replica
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time, ring_hops
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
     PredictorConstants,
 )
-from pipedejavu.costmodel.megatron.options import optimizer_update_fraction
+from pipedejavu.costmodel.megatron.options import (
+    optimizer_update_fraction,
+    param_gather_share,
+)
 from pipedejavu.costmodel.megatron.sailor_data import (
     LayerTimes,
     ModelInfo,
@@ -134,33 +138,35 @@ def gradient_sync(
     dp: Number,
     backward: Number,
     forward: Number,
-    *,
-    distributed: bool,
-    overlap_grad: bool,
-    overlap_param: bool,
+    options: TrainingOptions,
 ) -> Number:
     """Seconds of a stage's data-parallel gradient sync that its iteration
     waits for: all of ``allreduce`` (the ring all-reduce of its gradients),
     unless overlapped.
 
     With the distributed optimizer the all-reduce is a reduce-scatter of the
-    gradients before the optimizer step and an all-gather of the parameters
-    after it, half the time each. ``overlap_grad`` (Megatron-LM's
-    ``--overlap-grad-reduce``): the reduction runs beside the stage's last
-    backward pass (``backward``, one micro-batch's), bucket by bucket as the
-    gradients come, and only what outlasts that pass is waited for, never
-    less than its last bucket (``held`` parameters in buckets of
-    :func:`overlap_bucket_elements`). ``overlap_param`` (``--overlap-param-
-    gather``): the all-gather runs beside the next iteration's first forward
-    pass (``forward``) the same way. The proof's bounds pass infinite
+    gradients before the optimizer step, half its time, and an all-gather of
+    the parameters after it, that time scaled by the bytes gathered over those
+    reduced (:func:`~pipedejavu.costmodel.megatron.options.param_gather_share`:
+    bf16 weights gathered, fp32 gradients reduced: half). ``options``'
+    ``overlap_grad_reduce`` (Megatron-LM's ``--overlap-grad-reduce``): the
+    reduction runs beside the stage's last backward pass (``backward``, one
+    micro-batch's), bucket by bucket as the gradients come, and only what
+    outlasts that pass is waited for, never less than its last bucket
+    (``held`` parameters in buckets of :func:`overlap_bucket_elements`).
+    ``overlap_param_gather`` (``--overlap-param-gather``): the all-gather runs
+    beside the next iteration's first forward pass (``forward``) the same
+    way. The proof's bounds pass infinite
     passes, which leaves the last bucket's share: a lower bound of this.
     """
+    distributed = options.distributed_optimizer
     grad = allreduce / 2 if distributed else allreduce
-    gather = allreduce - grad
+    share = param_gather_share(options.precision) if distributed else 0.0
+    gather = grad * share
     last = np.minimum(1.0, overlap_bucket_elements(dp) / np.maximum(held, 1.0))
-    if overlap_grad:
+    if options.overlap_grad_reduce:
         grad = np.maximum(grad - backward, grad * last)
-    if overlap_param:
+    if options.overlap_param_gather:
         gather = np.maximum(gather - forward, gather * last)
     return grad + gather
 

@@ -419,9 +419,7 @@ def compile_tables(
                 dp,
                 busy[k] - forward,  # the span's backward pass, as the predictor's
                 forward,
-                distributed=data.options.distributed_optimizer,
-                overlap_grad=data.options.overlap_grad_reduce,
-                overlap_param=data.options.overlap_param_gather,
+                data.options,
             )
             per_microbatch = spans_stash(info, tp, starts, stops, mbs, n)
             in_flight = in_flight_capacity(

@@ -233,9 +233,7 @@ def kind_bounds(
             dp,
             np.inf,
             np.inf,
-            distributed=options.distributed_optimizer,
-            overlap_grad=options.overlap_grad_reduce,
-            overlap_param=options.overlap_param_gather,
+            options,
         )
         tail = sync + optimizer_time(float(entry.update[0]), held, info, t, dp)
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])

@@ -317,9 +317,7 @@ def candidate_floor(
             plan.dp,
             np.inf,
             np.inf,
-            distributed=options.distributed_optimizer,
-            overlap_grad=options.overlap_grad_reduce,
-            overlap_param=options.overlap_param_gather,
+            options,
         )
         tails[s] = sync + step
     return True, tails
