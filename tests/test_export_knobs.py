@@ -406,6 +406,7 @@ def test_launched_training_is_what_the_exports_accept(target):
         "distributed_optimizer": (True, False),
         "overlap_grad_reduce": (True, False),
         "overlap_param_gather": (True, False),
+        "grad_reduce_in_bf16": (True, False),
     }
     for knob, candidates in values.items():
         if knob in ("distributed_optimizer", "overlap_grad_reduce"):
@@ -417,6 +418,8 @@ def test_launched_training_is_what_the_exports_accept(target):
             changes = {knob: value}
             if knob == "overlap_param_gather":  # needs the grad overlap
                 changes["overlap_grad_reduce"] = value
+            if knob == "grad_reduce_in_bf16" and "bf16" in launched["precision"]:
+                changes["precision"] = "bf16"  # bf16 gradients need bf16
             try:
                 options = dataclasses.replace(base, **changes)
             except ValueError:  # no such training (e.g. no optimizer sharding)

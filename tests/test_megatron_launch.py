@@ -359,3 +359,27 @@ def test_overlap_flags_are_read_predicted_and_exported():
         )
         with pytest.raises(ProblemError, match=message):
             spec_from_megatron_args(launch + bad)
+
+
+def test_bf16_gradient_buffers_halve_the_reduction_and_the_gradients():
+    """--grad-reduce-in-bf16: Megatron-LM keeps and reduces the main gradients
+    in bf16 (2 bytes a parameter, fp32's 4): the data-parallel reduction
+    moves half the bytes, each GPU holds 2 bytes a parameter less, and the
+    flag goes back out with the export's flags."""
+    base = SC21_39B.replace("--fp16", "--bf16")
+    sheet = load_gpu_sheet()
+    plain = spec_from_megatron_args(base)
+    halved = spec_from_megatron_args(base + " --grad-reduce-in-bf16")
+    options = options_of_run(halved)
+    assert options.grad_reduce_in_bf16 and "--grad-reduce-in-bf16" in option_flags(
+        options
+    )
+    a = predict_megatron_run(plain, "A100-80", 512, sheet).prediction
+    b = predict_megatron_run(halved, "A100-80", 512, sheet).prediction
+    assert float(b.dp_allreduce_s.max()) < 0.6 * float(a.dp_allreduce_s.max())
+    params = 39.1e9 / 16  # about a GPU's share: TP 8 x PP 2
+    saved = a.peak_memory_bytes - b.peak_memory_bytes
+    # and 2 bytes an element of the flattened all-reduce bucket (5e8 at most)
+    assert 0.9 * 2 * params < saved < 1.1 * 2 * params + 2 * 5e8
+    with pytest.raises(ProblemError, match="needs --bf16"):
+        spec_from_megatron_args(SC21_39B + " --grad-reduce-in-bf16")

@@ -15,6 +15,7 @@ from pipedejavu.costmodel.megatron.options import (
     grad_reduce_bytes_per_param,
     optimizer_update_fraction,
     param_gather_bytes_per_param,
+    param_gather_share,
     param_state_bytes,
     recompute_time,
 )
@@ -256,3 +257,17 @@ def test_block_recomputation_applies_per_stage_and_chunk(chunks, zero_bubble):
     t, m = predicted(block[1])
     assert t0 < t < t1
     assert (m1 < m).all() and (m < m0).all()
+
+
+def test_bf16_gradients_are_two_bytes_where_fp32_takes_four():
+    for precision in ("bf16", "fp8"):
+        plain = param_state_bytes(precision)
+        halved = param_state_bytes(precision, bf16_grads=True)
+        assert plain.replicated - halved.replicated == 2
+        assert plain.shardable == halved.shardable
+        assert grad_reduce_bytes_per_param(precision, bf16_grads=True) == 2
+        assert param_gather_share(precision) == 0.5
+        assert param_gather_share(precision, bf16_grads=True) == 1.0
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ValueError, match="bf16 gradients"):
+            param_state_bytes(precision, bf16_grads=True)

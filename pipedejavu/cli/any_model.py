@@ -444,7 +444,11 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
     if getattr(args, "export", None):  # only what the target launches
         options = options_of_run(run)
         space = launched_space(args.export, space, options.precision)
-        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+        for name in (
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "grad_reduce_in_bf16",
+        ):
             if getattr(options, name) not in LAUNCHED_TRAINING[args.export][name]:
                 flag = "--" + name.replace("_", "-")
                 raise ProblemError(

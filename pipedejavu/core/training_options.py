@@ -28,6 +28,8 @@ Each field names the Megatron-LM argument it stands for:
   stages per rank placed in a V (torchtitan's ``ZBVZeroBubble``).
 * ``flash_attention``: ``--use-flash-attn`` (or Transformer Engine's fused
   attention), which never materializes the ``s x s`` attention scores.
+* ``grad_reduce_in_bf16``: ``--grad-reduce-in-bf16`` (bf16 or fp8 training:
+  the main gradients kept and reduced in bf16, not fp32).
 * ``overlap_grad_reduce``: ``--overlap-grad-reduce`` (the gradients' data-parallel
   reduction runs beside the last micro-batch's backward pass);
   ``overlap_param_gather``: ``--overlap-param-gather`` (with the distributed
@@ -143,6 +145,8 @@ class TrainingOptions:
         recompute_stage_layers: with ``recompute="full"``, the count each
             stage reruns, in stage order (what the predictor picked, or given
             to price such a plan).
+        grad_reduce_in_bf16: with bf16 or fp8 training, the main gradients
+            are kept and reduced in bf16 (Megatron-LM's fp32 by default).
         overlap_grad_reduce: the data-parallel gradient reduction overlaps the
             last micro-batch's backward pass.
         overlap_param_gather: with ``distributed_optimizer`` and
@@ -171,6 +175,7 @@ class TrainingOptions:
     recompute_stage_layers: tuple[int | None, ...] | None = None
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -192,8 +197,14 @@ class TrainingOptions:
             "v_shape",
             "overlap_grad_reduce",
             "overlap_param_gather",
+            "grad_reduce_in_bf16",
         ):
             _check_bool(getattr(self, name), name)
+        if self.grad_reduce_in_bf16 and self.precision not in ("bf16", "fp8"):
+            raise ValueError(
+                "grad_reduce_in_bf16 applies to bf16 or fp8 training, got "
+                f"precision={self.precision!r}"
+            )
         if self.overlap_param_gather and not (
             self.distributed_optimizer and self.overlap_grad_reduce
         ):

@@ -33,7 +33,8 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
 * Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
   ``--recompute-granularity``, ``--use-distributed-optimizer``,
   ``--sequence-parallel``, ``--overlap-grad-reduce``,
-  ``--overlap-param-gather``, ``--attention-backend unfused``) and
+  ``--overlap-param-gather``, ``--grad-reduce-in-bf16``,
+  ``--attention-backend unfused``) and
   ``--num-layers-per-virtual-pipeline-stage`` for the interleaved schedule.
 * The DeepSpeed configs get their ``bf16``/``fp16`` sections and ZeRO stage 1
   for the distributed optimizer; recomputation and sequence parallelism are
@@ -130,6 +131,7 @@ _PLAIN = {
     "distributed_optimizer": (False,),
     "overlap_grad_reduce": (False,),
     "overlap_param_gather": (False,),
+    "grad_reduce_in_bf16": (False,),
 }
 #: The training options each target launches as planned (the values of
 #: :class:`~pipedejavu.core.training_options.TrainingOptions`' fields); the
@@ -148,6 +150,7 @@ LAUNCHED_TRAINING = {
         "distributed_optimizer": _BOTH,
         "overlap_grad_reduce": _BOTH,
         "overlap_param_gather": _BOTH,
+        "grad_reduce_in_bf16": _BOTH,
     },
     "deepspeed": {
         "precision": ("fp32", "fp16", "bf16"),
@@ -156,6 +159,7 @@ LAUNCHED_TRAINING = {
         "distributed_optimizer": _BOTH,
         "overlap_grad_reduce": (False,),
         "overlap_param_gather": (False,),
+        "grad_reduce_in_bf16": (False,),
     },
     "torchtitan": {
         "precision": ("fp32",),
@@ -164,6 +168,7 @@ LAUNCHED_TRAINING = {
         "distributed_optimizer": (False,),
         "overlap_grad_reduce": (False,),
         "overlap_param_gather": (False,),
+        "grad_reduce_in_bf16": (False,),
     },
     "alpa": _PLAIN,
     "sailor": _PLAIN,
@@ -209,6 +214,8 @@ def option_flags(options: TrainingOptions) -> list[str]:
         flags.append("--overlap-grad-reduce")
     if options.overlap_param_gather:
         flags.append("--overlap-param-gather")
+    if options.grad_reduce_in_bf16:
+        flags.append("--grad-reduce-in-bf16")
     if not options.flash_attention:
         flags += ["--attention-backend", "unfused"]
     return flags
@@ -229,6 +236,7 @@ def _plain(options: TrainingOptions | None) -> bool:
         and not options.zero_bubble
         and not options.overlap_grad_reduce
         and not options.overlap_param_gather
+        and not options.grad_reduce_in_bf16
     )
 
 
@@ -246,6 +254,12 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
         raise ExportRefused(
             f"{target}: the pipeline engine reduces the gradients after the "
             "pipeline, not beside the backward pass the plan was priced with"
+        )
+    if options.grad_reduce_in_bf16:
+        raise ExportRefused(
+            f"{target}: the plan was priced with Megatron-LM's bf16 gradient "
+            "buffers (--grad-reduce-in-bf16), which the DeepSpeed config does "
+            "not set"
         )
     if options.zero_bubble:
         raise ExportRefused(

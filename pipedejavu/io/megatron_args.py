@@ -101,6 +101,7 @@ _BOOL_FLAGS = (
     "use-flash-attn",
     "overlap-grad-reduce",
     "overlap-param-gather",
+    "grad-reduce-in-bf16",
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
 )
@@ -127,6 +128,7 @@ class MegatronRun:
         overlap_grad_reduce, overlap_param_gather: ``--overlap-grad-reduce``,
             ``--overlap-param-gather`` (the latter needs the distributed
             optimizer, as Megatron-LM asserts).
+        grad_reduce_in_bf16: ``--grad-reduce-in-bf16`` (with ``--bf16``).
         micro_batch: samples per micro-batch.
         global_batch: samples per iteration; ``None`` if not given (Megatron
             then uses ``micro_batch x data-parallel size``).
@@ -169,6 +171,7 @@ class MegatronRun:
     context_parallel: int = 1
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
     attention_dropout: bool = True
 
     @property
@@ -436,6 +439,8 @@ def spec_from_megatron_args(
             "Megatron arguments: --overlap-param-gather needs "
             "--use-distributed-optimizer"
         )
+    if values.get("grad-reduce-in-bf16") and params_dtype != "bf16":
+        raise ProblemError("Megatron arguments: --grad-reduce-in-bf16 needs --bf16")
     if values.get("overlap-param-gather") and not values.get("overlap-grad-reduce"):
         raise ProblemError(
             "Megatron arguments: --overlap-param-gather needs --overlap-grad-reduce"
@@ -473,6 +478,7 @@ def spec_from_megatron_args(
         context_parallel=cp,
         overlap_grad_reduce=bool(values.get("overlap-grad-reduce")),
         overlap_param_gather=bool(values.get("overlap-param-gather")),
+        grad_reduce_in_bf16=bool(values.get("grad-reduce-in-bf16")),
         attention_dropout=_attention_dropout(values) > 0,
     )
 

@@ -73,6 +73,7 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         attention_dropout=run.attention_dropout and not run.flash_attention,
         overlap_grad_reduce=run.overlap_grad_reduce,
         overlap_param_gather=run.overlap_param_gather,
+        grad_reduce_in_bf16=run.grad_reduce_in_bf16,
     )
 
 

@@ -369,7 +369,8 @@ class AnalyticalSource:
             output = layer_output_bytes(self.padded(tp), 1, options.precision)
             output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
-        parts = param_state_bytes(options.precision)
+        bf16_grads = options.grad_reduce_in_bf16
+        parts = param_state_bytes(options.precision, bf16_grads=bf16_grads)
         sharded = parts.shardable if options.distributed_optimizer else 0
         return ModelInfo(
             name=spec.name,
@@ -377,7 +378,9 @@ class AnalyticalSource:
             act_output=outputs,
             act_mem=memories,
             activation_bytes=float(element),
-            gradient_bytes=float(grad_reduce_bytes_per_param(options.precision)),
+            gradient_bytes=float(
+                grad_reduce_bytes_per_param(options.precision, bf16_grads=bf16_grads)
+            ),
             state_bytes_per_param=float(parts.replicated + parts.shardable - sharded),
             sharded_state_bytes_per_param=float(sharded),
             distributed_optimizer=options.distributed_optimizer,

@@ -85,8 +85,10 @@ class ParamStateBytes(NamedTuple):
     shardable: int
 
 
-def param_state_bytes(precision: str) -> ParamStateBytes:
-    """Megatron-LM's bytes per parameter at ``precision`` with Adam.
+def param_state_bytes(precision: str, *, bf16_grads: bool = False) -> ParamStateBytes:
+    """Megatron-LM's bytes per parameter at ``precision`` with Adam
+    (``bf16_grads``: ``--grad-reduce-in-bf16``, bf16 or fp8 training only: the
+    main gradients kept and reduced in bf16, 2 bytes where fp32 takes 4).
 
     As Megatron-LM documents them (``docs/user-guide/features/
     dist_optimizer.md``: 16, 18 and 20 bytes without, ``8 + 8/d``, ``6 + 12/d``
@@ -110,11 +112,20 @@ def param_state_bytes(precision: str) -> ParamStateBytes:
         ValueError: an unknown precision.
     """
     _check_precision(precision)
+    _check_bf16_grads(precision, bf16_grads)
     if precision == "fp32":
         return ParamStateBytes(2 * FLOAT_BYTES, 2 * FLOAT_BYTES)
     if precision == "fp16":
         return ParamStateBytes(2 * HALF_BYTES, 4 * FLOAT_BYTES)
-    return ParamStateBytes(HALF_BYTES + FLOAT_BYTES, 3 * FLOAT_BYTES)
+    grads = HALF_BYTES if bf16_grads else FLOAT_BYTES
+    return ParamStateBytes(HALF_BYTES + grads, 3 * FLOAT_BYTES)
+
+
+def _check_bf16_grads(precision: str, bf16_grads: bool) -> None:
+    if bf16_grads and precision not in ("bf16", "fp8"):
+        raise ValueError(
+            f"bf16 gradients apply to bf16 or fp8 training, not {precision}"
+        )
 
 
 def bytes_per_param(
@@ -141,13 +152,14 @@ def bytes_per_param(
     return _plain(state.replicated + state.shardable / np.asarray(data_parallel, float))
 
 
-def grad_reduce_bytes_per_param(precision: str) -> int:
+def grad_reduce_bytes_per_param(precision: str, *, bf16_grads: bool = False) -> int:
     """Bytes per parameter the data-parallel gradient reduction moves: the
     gradient buffer's element (4 for fp32 and bf16/fp8, whose gradients are
-    reduced in fp32; 2 for fp16). All-reduced without the distributed optimizer,
-    reduce-scattered with it."""
+    reduced in fp32 unless ``bf16_grads``; 2 for fp16). All-reduced without the
+    distributed optimizer, reduce-scattered with it."""
     _check_precision(precision)
-    return HALF_BYTES if precision == "fp16" else FLOAT_BYTES
+    _check_bf16_grads(precision, bf16_grads)
+    return HALF_BYTES if precision == "fp16" or bf16_grads else FLOAT_BYTES
 
 
 def param_gather_bytes_per_param(precision: str, distributed_optimizer: bool) -> int:
@@ -161,14 +173,14 @@ def param_gather_bytes_per_param(precision: str, distributed_optimizer: bool) ->
     return FLOAT_BYTES if precision == "fp32" else HALF_BYTES
 
 
-def param_gather_share(precision: str) -> float:
+def param_gather_share(precision: str, *, bf16_grads: bool = False) -> float:
     """The distributed optimizer's all-gather over its reduce-scatter, in
     bytes per parameter (:func:`param_gather_bytes_per_param` over
     :func:`grad_reduce_bytes_per_param`): 1 in fp32 and fp16, 1/2 in bf16 and
-    fp8 (bf16 weights gathered, fp32 gradients reduced)."""
-    return param_gather_bytes_per_param(precision, True) / grad_reduce_bytes_per_param(
-        precision
-    )
+    fp8 (bf16 weights gathered, fp32 gradients reduced; 1 with
+    ``bf16_grads``)."""
+    gathered = param_gather_bytes_per_param(precision, True)
+    return gathered / grad_reduce_bytes_per_param(precision, bf16_grads=bf16_grads)
 
 
 def optimizer_update_fraction(

@@ -161,7 +161,11 @@ def gradient_sync(
     """
     distributed = options.distributed_optimizer
     grad = allreduce / 2 if distributed else allreduce
-    share = param_gather_share(options.precision) if distributed else 0.0
+    share = 0.0
+    if distributed:
+        share = param_gather_share(
+            options.precision, bf16_grads=options.grad_reduce_in_bf16
+        )
     gather = grad * share
     last = np.minimum(1.0, overlap_bucket_elements(dp) / np.maximum(held, 1.0))
     if options.overlap_grad_reduce:
