@@ -959,6 +959,21 @@ VALUES: dict[str, Value] = {
     "rtx_time_max": Value(
         "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "max"), _pct1
     ),
+    "split_same": Value(
+        "check_megatron_launch_flags.json",
+        ("pipeline_splits", "same counts"),
+        str,
+    ),
+    "split_refused": Value(
+        "check_megatron_launch_flags.json",
+        ("pipeline_splits", "both refuse"),
+        str,
+    ),
+    "split_negative": Value(
+        "check_megatron_launch_flags.json",
+        ("pipeline_splits", "megatron: negative layers"),
+        str,
+    ),
 }
 
 

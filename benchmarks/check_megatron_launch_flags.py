@@ -1,0 +1,157 @@
+"""The Megatron-LM launch flags ``predict --megatron-args`` reads, checked by
+Megatron-LM's own code.
+
+* **Pipeline splits.** For a grid of layer counts and pipeline sizes, with
+  ``--decoder-first/last-pipeline-num-layers`` and
+  ``--account-for-embedding/loss-in-pipeline-split``, the transformer layers
+  each pipeline rank builds in Megatron Core (``parse_args`` +
+  ``validate_args`` as in ``benchmarks/check_exports.py``, then
+  ``get_num_layers_to_build`` on every rank) against
+  :func:`pipedejavu.io.megatron_layout.split_pipeline`: the same counts, or
+  both refuse. Where Megatron accepts a split with negative layers (its checks
+  let them through), we refuse it; that is counted apart.
+* **Gradient flags.** ``--overlap-grad-reduce``, ``--overlap-param-gather``
+  and ``--grad-reduce-in-bf16`` as our Megatron export writes them
+  (:func:`pipedejavu.io.exports.option_flags`) parse and validate, and set
+  the arguments they name.
+
+Needs the launchers' environment of ``benchmarks/check_exports.py`` (torch,
+megatron-core with the Megatron-LM source of the same version on
+``PYTHONPATH``); not run by CI.
+
+    PYTHONPATH=.:MEGATRON_LM_SOURCE python benchmarks/check_megatron_launch_flags.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
+from check_torchtitan import fake_rank  # noqa: E402
+
+from pipedejavu.core.problem import ProblemError  # noqa: E402
+from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
+from pipedejavu.io.exports import option_flags  # noqa: E402
+from pipedejavu.io.megatron_layout import split_pipeline  # noqa: E402
+
+LAYERS_AND_STAGES = ((30, 4), (31, 4), (32, 4), (126, 16), (10, 2), (8, 4), (6, 2))
+FIRST_LAST = ((None, None), (6, None), (None, 3), (7, 7), (4, None))
+EMBEDDING_LOSS = ((True, False), (False, True), (True, True))
+
+
+def megatron_counts(layers: int, pp: int, extra: list[str]) -> list[int]:
+    """Transformer layers each pipeline rank builds in Megatron Core (TP 1,
+    DP 1)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    argv = [
+        "--num-layers", str(layers), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", "1", "--global-batch-size", "1", *extra,
+    ]  # fmt: skip
+    args, config = check_exports.megatron_args(argv, pp)
+    counts = []
+    for rank in range(pp):
+        with fake_rank(rank, pp):
+            ps.initialize_model_parallel(1, pp, None, create_gloo_process_groups=False)
+            try:
+                counts.append(get_num_layers_to_build(config))
+            finally:
+                ps.destroy_model_parallel()
+    return counts
+
+
+def cases():
+    for layers, pp in LAYERS_AND_STAGES:
+        for first, last in FIRST_LAST:
+            extra = []
+            if first is not None:
+                extra += ["--decoder-first-pipeline-num-layers", str(first)]
+            if last is not None:
+                extra += ["--decoder-last-pipeline-num-layers", str(last)]
+            yield layers, pp, extra, {"first": first, "last": last}
+        for embedding, loss in EMBEDDING_LOSS:
+            extra = ["--account-for-embedding-in-pipeline-split"] * embedding
+            extra += ["--account-for-loss-in-pipeline-split"] * loss
+            yield layers, pp, extra, {"embedding": embedding, "loss": loss}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks/results/check_megatron_launch_flags.json"),
+    )
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    outcomes = {"same counts": 0, "both refuse": 0, "megatron: negative layers": 0}
+    failures = []
+    for layers, pp, extra, flags in cases():
+        try:
+            _, ours = split_pipeline(layers, pp, **flags)
+            ours = list(ours) or [layers // pp] * pp
+        except ProblemError:
+            ours = None
+        try:
+            theirs = megatron_counts(layers, pp, extra)
+        except (AssertionError, ValueError, SystemExit):
+            theirs = None
+        if ours == theirs:
+            outcomes["both refuse" if ours is None else "same counts"] += 1
+        elif ours is None and theirs is not None and min(theirs) < 0:
+            outcomes["megatron: negative layers"] += 1
+        else:
+            failures.append({"layers": layers, "pp": pp, "flags": extra,
+                             "ours": ours, "megatron": theirs})  # fmt: skip
+    options = TrainingOptions(
+        "bf16",
+        distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_reduce_in_bf16=True,
+    )
+    flags = option_flags(options)
+    parsed, _ = check_exports.megatron_args(
+        ["--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
+         *flags],
+        2,
+    )  # fmt: skip
+    gradient_flags = {
+        "flags": flags,
+        "overlap_grad_reduce": parsed.overlap_grad_reduce,
+        "overlap_param_gather": parsed.overlap_param_gather,
+        "grad_reduce_in_bf16": parsed.grad_reduce_in_bf16,
+        "use_distributed_optimizer": parsed.use_distributed_optimizer,
+    }
+    if not all(v for k, v in gradient_flags.items() if k != "flags"):
+        failures.append({"gradient flags": gradient_flags})
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
+        "versions": {
+            name: metadata.version(name) for name in ("torch", "megatron-core")
+        },
+        "pipeline_splits": outcomes,
+        "gradient_flags": gradient_flags,
+        "failures": failures,
+        "seconds": time.perf_counter() - started,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("pipeline_splits", "versions")}))
+    for failure in failures[:10]:
+        print(failure)
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
