@@ -10,6 +10,11 @@ PP: rank ``tp_rank + TP (dp_rank + DP pp_rank)``, node ``rank //
 gpus_per_node``), and the
 :class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
 
+A context-parallel run (``--context-parallel-size CP``) is priced in the form
+of :func:`sequence_shares`: each of the ``CP`` GPUs of a sequence a
+data-parallel replica of its own on ``1 / CP`` of every sample, whose
+attention reads the whole sequence.
+
 :func:`predict_megatron_run` prices it with an
 :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` and reports
 what a user compares with their logs: iteration time, memory, model FLOPs
