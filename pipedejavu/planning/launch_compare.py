@@ -6,7 +6,9 @@ the same model, GPUs, global batch and precision from scratch with every knob
 searched (:func:`~pipedejavu.planning.knobs.search_knobs`: stages, TP, DP,
 micro-batch size, the schedule, recomputation, sequence parallelism and the
 distributed optimizer); the attention kernel and its dropout stay the launch's
-(facts of the model's code).
+(facts of the model's code), and so do its gradient-sync flags
+(``--overlap-grad-reduce``, ``--overlap-param-gather``,
+``--grad-reduce-in-bf16``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ SEARCH_SPACE_NOTE = (
     "none, selective or full (with a block launch, also its recomputed "
     "blocks); sequence parallelism and the distributed "
     "optimizer on or off; Megatron-LM's two rank orders; the "
-    "launch's precision, attention kernel and global batch"
+    "launch's precision, attention kernel, gradient-sync flags and global batch"
 )
 
 
