@@ -383,3 +383,17 @@ def test_bf16_gradient_buffers_halve_the_reduction_and_the_gradients():
     assert 0.9 * 2 * params < saved < 1.1 * 2 * params + 2 * 5e8
     with pytest.raises(ProblemError, match="needs --bf16"):
         spec_from_megatron_args(SC21_39B + " --grad-reduce-in-bf16")
+
+
+def test_an_export_that_does_not_launch_a_kept_flag_is_refused_first(capsys):
+    """The gradient-sync flags the search keeps: DeepSpeed's pipeline engine
+    launches none of them, so `plan --export deepspeed` refuses the launch
+    before searching; Megatron-LM launches them."""
+    launch = (
+        SC21_39B.replace("--fp16", "--bf16")
+        + " --use-distributed-optimizer --overlap-grad-reduce"
+    )
+    argv = ["plan", "--megatron-args", launch, "--gpus", "A100-80:512"]
+    assert main([*argv, "--export", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not launch --overlap-grad-reduce" in err[0]

@@ -21,6 +21,7 @@ from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
     gradient_sync,
     in_flight_capacity,
+    least_gradient_sync,
     memory_bytes,
     overlap_bucket_elements,
 )
@@ -167,6 +168,8 @@ def test_gradient_sync_waits_for_what_outlasts_its_pass():
     assert sync(0.2, 0.1, **both) == pytest.approx(0.3 + 0.4)  # 0.5 - 0.2, 0.5 - 0.1
     assert sync(5.0, 5.0, **both) == pytest.approx(0.1)  # the last bucket: 4e7 of 4e8
     assert sync(np.inf, np.inf, **both) == pytest.approx(0.1)
+    options = TrainingOptions("fp32", **both)
+    assert least_gradient_sync(1.0, 4e8, 8, options) == sync(np.inf, np.inf, **both)
     grad_only = dict(distributed_optimizer=True, overlap_grad_reduce=True)
     assert sync(5.0, 0.0, **grad_only) == pytest.approx(0.05 + 0.5)
     assert sync(5.0, 5.0, overlap_grad_reduce=True) == pytest.approx(0.1)

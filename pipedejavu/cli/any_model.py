@@ -411,16 +411,32 @@ def read_launch(
     return run, sheet.resolve(gpu), count, sheet
 
 
-def launched_space(target: str, space: KnobSpace, precision: str) -> KnobSpace:
-    """``space`` cut to what ``target`` launches as planned; a precision or a
-    knob it does not launch at all is refused before the search."""
-    precisions = LAUNCHED_TRAINING[target]["precision"]
-    if precision not in precisions:
+#: Training options the search keeps as given (not knobs), which an export
+#: target may not launch: refused before the search.
+KEPT_OPTIONS = ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16")
+
+
+def launched_space(
+    target: str, space: KnobSpace, options: TrainingOptions
+) -> KnobSpace:
+    """``space`` cut to what ``target`` launches as planned; a precision, a
+    kept option (:data:`KEPT_OPTIONS`) or a knob it does not launch at all is
+    refused before the search."""
+    launched = LAUNCHED_TRAINING[target]
+    precisions = launched["precision"]
+    if options.precision not in precisions:
         raise ProblemError(
             f"--export {target} launches {', '.join(precisions)} training as "
-            f"planned, not {precision} (see `pipedejavu plan --help`): give "
+            f"planned, not {options.precision} (see `pipedejavu plan --help`): give "
             f"--precision {precisions[-1]} or another --export"
         )
+    for name in KEPT_OPTIONS:
+        if getattr(options, name) not in launched[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ProblemError(
+                f"--export {target} does not launch {flag} as planned: "
+                f"drop it from --megatron-args or give another --export"
+            )
     try:
         return space.for_target(target)
     except ValueError as error:
@@ -442,19 +458,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
     space = knob_space(args, launch_knob_space(run), MEGATRON_SCHEDULES)
     if getattr(args, "export", None):  # only what the target launches
-        options = options_of_run(run)
-        space = launched_space(args.export, space, options.precision)
-        for name in (
-            "overlap_grad_reduce",
-            "overlap_param_gather",
-            "grad_reduce_in_bf16",
-        ):
-            if getattr(options, name) not in LAUNCHED_TRAINING[args.export][name]:
-                flag = "--" + name.replace("_", "-")
-                raise ProblemError(
-                    f"--export {args.export} does not launch {flag} as planned: "
-                    f"drop it from --megatron-args or give another --export"
-                )
+        space = launched_space(args.export, space, options_of_run(run))
     return compare_megatron_run(
         run,
         gpu,

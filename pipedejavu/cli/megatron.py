@@ -326,7 +326,7 @@ def _plan(args: argparse.Namespace) -> int:
     auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
     space, asked = knob_space(args, auto), knobs_asked(args)
     if args.export:  # only what the target launches as planned
-        space = launched_space(args.export, space, choice.options.precision)
+        space = launched_space(args.export, space, choice.options)
     alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     knobs = None
     # A model priced by its profiles searches the rank orders (a placement,

@@ -48,6 +48,7 @@ from pipedejavu.io.megatron_args import MegatronRun
 
 __all__ = [
     "LaunchPrediction",
+    "launch_batch",
     "options_of_run",
     "plan_from_megatron_run",
     "predict_megatron_run",
@@ -98,12 +99,7 @@ def plan_from_megatron_run(
             f"{num_gpus} GPUs do not split into groups of TP x PP = {tp} x {pp}"
         )
     dp = num_gpus // (tp * pp)
-    gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
-    if gbs % (run.micro_batch * dp):
-        raise ProblemError(
-            f"the global batch {gbs} is not a multiple of micro-batch x DP = "
-            f"{run.micro_batch} x {dp}"
-        )
+    gbs = launch_batch(run, dp)
     if tp > gpus_per_node or gpus_per_node % tp:
         raise ProblemError(
             f"TP {tp} does not fit the {gpus_per_node} GPUs of a {gpu_type} node"
@@ -255,6 +251,22 @@ def predict_megatron_run(
     return LaunchPrediction(plan, options, prediction, flops, cost_source, peak, cp)
 
 
+def launch_batch(run: MegatronRun, dp: int) -> int:
+    """The launch's global batch on ``dp`` data-parallel replicas (Megatron's
+    ``micro-batch x DP`` when it gives none).
+
+    Raises:
+        ProblemError: it does not split into micro-batches per replica.
+    """
+    gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
+    if gbs % (run.micro_batch * dp):
+        raise ProblemError(
+            f"the global batch {gbs} is not a multiple of micro-batch x DP = "
+            f"{run.micro_batch} x {dp}"
+        )
+    return gbs
+
+
 def sequence_shares(run: MegatronRun, num_gpus: int) -> MegatronRun:
     """A context-parallel run in the form the predictor prices: each of its
     ``CP`` GPUs of a sequence as a data-parallel replica of its own, training
@@ -276,12 +288,6 @@ def sequence_shares(run: MegatronRun, num_gpus: int) -> MegatronRun:
             f"{num_gpus} GPUs do not split into groups of TP x CP x PP = "
             f"{tp} x {cp} x {pp}"
         )
-    dp = num_gpus // (tp * cp * pp)
-    gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
-    if gbs % (run.micro_batch * dp):
-        raise ProblemError(
-            f"the global batch {gbs} is not a multiple of micro-batch x DP = "
-            f"{run.micro_batch} x {dp}"
-        )
+    gbs = launch_batch(run, num_gpus // (tp * cp * pp))
     spec = dataclasses.replace(run.spec, seq_length=run.spec.seq_length // cp)
     return dataclasses.replace(run, spec=spec, global_batch=gbs * cp)

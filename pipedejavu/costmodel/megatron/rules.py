@@ -43,6 +43,7 @@ __all__ = [
     "gradient_sync",
     "held_params",
     "in_flight_capacity",
+    "least_gradient_sync",
     "is_blocking",
     "memory_bytes",
     "message_bytes",
@@ -156,8 +157,8 @@ def gradient_sync(
     (``held`` parameters in buckets of :func:`overlap_bucket_elements`).
     ``overlap_param_gather`` (``--overlap-param-gather``): the all-gather runs
     beside the next iteration's first forward pass (``forward``) the same
-    way. The proof's bounds pass infinite
-    passes, which leaves the last bucket's share: a lower bound of this.
+    way. With infinite passes only the last bucket's share is left: the
+    proof's lower bound of this (:func:`least_gradient_sync`).
     """
     distributed = options.distributed_optimizer
     grad = allreduce / 2 if distributed else allreduce
@@ -173,6 +174,14 @@ def gradient_sync(
     if options.overlap_param_gather:
         gather = np.maximum(gather - forward, gather * last)
     return grad + gather
+
+
+def least_gradient_sync(
+    allreduce: Number, held: Number, dp: Number, options: TrainingOptions
+) -> Number:
+    """The least of :func:`gradient_sync` over every pass it may overlap (the
+    passes taken as long as any): the proof's bound of it."""
+    return gradient_sync(allreduce, held, dp, np.inf, np.inf, options)
 
 
 # ------------------------------------------- recomputation (block method)

@@ -29,9 +29,9 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.costmodel.megatron.comm import ring_hops
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
-    gradient_sync,
     held_params,
     in_flight_capacity,
+    least_gradient_sync,
     model_state_bytes,
     optimizer_time,
     span_sums,
@@ -224,17 +224,7 @@ def kind_bounds(
                 data, model, gpu, t, dp, held, starts, ends, spots, strides
             )
         allreduce, largest = cache.allreduce[key]
-        # the least of the sync the predictor waits for: its passes unknown
-        # here, taken as long as any (gradient_sync's docstring)
-        options = data.options
-        sync = gradient_sync(
-            allreduce,
-            held,
-            dp,
-            np.inf,
-            np.inf,
-            options,
-        )
+        sync = least_gradient_sync(allreduce, held, dp, data.options)
         tail = sync + optimizer_time(float(entry.update[0]), held, info, t, dp)
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])
         if with_sends and not zero_bubble:  # the boundary after the stage

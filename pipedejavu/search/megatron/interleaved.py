@@ -71,7 +71,7 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
-    gradient_sync,
+    least_gradient_sync,
     memory_bytes,
     model_state_bytes,
     optimizer_time,
@@ -309,16 +309,7 @@ def candidate_floor(
             used = memory_bytes(state, stash[s], constants, gpu)
             if used > data.gpu_spec(gpu).memory_bytes:
                 return False, tails
-        # the least sync the predictor waits for (gradient_sync's docstring)
-        options = data.options
-        sync = gradient_sync(
-            allreduce,
-            held,
-            plan.dp,
-            np.inf,
-            np.inf,
-            options,
-        )
+        sync = least_gradient_sync(allreduce, held, plan.dp, data.options)
         tails[s] = sync + step
     return True, tails
 
