@@ -937,6 +937,14 @@ def _pct1(x: float) -> str:
     return pct(x)
 
 
+def _seconds1(x: float) -> str:
+    return f"{x:.1f} s"
+
+
+def _seconds2(x: float) -> str:
+    return f"{x:.2f} s"
+
+
 VALUES: dict[str, Value] = {
     "mbs_gain_median": Value("mbs_choice.json", ("summary", "gain_median"), _pct1),
     "mbs_gain_mean": Value("mbs_choice.json", ("summary", "gain_mean"), _pct1),
@@ -958,6 +966,41 @@ VALUES: dict[str, Value] = {
     ),
     "rtx_time_max": Value(
         "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "max"), _pct1
+    ),
+    "knobs_175b_interleaved": Value(
+        "plan_knobs.json",
+        ("settings", "gpt3-175b", "spaces", "+interleaved", "iteration_time_s"),
+        _seconds2,
+    ),
+    "knobs_175b_all": Value(
+        "plan_knobs.json",
+        ("settings", "gpt3-175b", "spaces", "all", "iteration_time_s"),
+        _seconds2,
+    ),
+    "knobs_175b_all_search": Value(
+        "plan_knobs.json",
+        ("settings", "gpt3-175b", "spaces", "all", "search_s"),
+        _seconds1,
+    ),
+    "stage_175b_per_stage_search": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "per stage", "search_s"),
+        _seconds1,
+    ),
+    "stage_175b_uniform_search": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "uniform", "search_s"),
+        _seconds1,
+    ),
+    "stage_70b_per_stage_search": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "per stage", "search_s"),
+        _seconds1,
+    ),
+    "stage_70b_uniform_search": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "uniform", "search_s"),
+        _seconds1,
     ),
     "split_same": Value(
         "check_megatron_launch_flags.json",
