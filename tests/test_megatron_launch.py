@@ -226,6 +226,9 @@ _SIZE_FLAGS = (
     "--global-batch-size",
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
 )
 
 
@@ -241,8 +244,9 @@ _SIZE_FLAGS = (
     ),
 )
 def test_launch_numbers_are_bounded(capsys, flag, value):
-    """Any number in any size flag of a small launch: an answer or one line
-    (exit 2), never a traceback, a hang or unbounded memory."""
+    """Any number in any size flag of a small launch (the last three flags
+    added to it): an answer or one line (exit 2), never a traceback, a hang or
+    unbounded memory."""
     base = {
         "--num-layers": 4,
         "--hidden-size": 256,
