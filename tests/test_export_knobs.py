@@ -407,6 +407,7 @@ def test_launched_training_is_what_the_exports_accept(target):
         "overlap_grad_reduce": (True, False),
         "overlap_param_gather": (True, False),
         "grad_reduce_in_bf16": (True, False),
+        "tp_comm_overlap": (True, False),
     }
     for knob, candidates in values.items():
         if knob in ("distributed_optimizer", "overlap_grad_reduce"):
@@ -418,6 +419,8 @@ def test_launched_training_is_what_the_exports_accept(target):
             changes = {knob: value}
             if knob == "overlap_param_gather":  # needs the grad overlap
                 changes["overlap_grad_reduce"] = value
+            if knob == "tp_comm_overlap":  # needs sequence parallelism
+                changes["sequence_parallel"] = value or base.sequence_parallel
             if knob == "grad_reduce_in_bf16" and "bf16" in launched["precision"]:
                 changes["precision"] = "bf16"  # bf16 gradients need bf16
             try:

@@ -783,3 +783,22 @@ def test_overlapped_reduction_searches_both_optimizer_choices():
         base, overlap_grad_reduce=False, overlap_param_gather=False
     )
     assert space.dominated(plain)
+
+
+def test_tp_comm_overlap_is_searched_and_proven(model_files):
+    """Megatron-LM's --tp-comm-overlap (with sequence parallelism): the proven
+    plan is the brute-force optimum over every plan of that choice (1F1B and
+    ZB-H1, the interleaved floors checked on the way), and the overlap never
+    costs time."""
+    _, pool, gbs, options = SETTINGS["selective-wins"]
+    plain = dataclasses.replace(options, sequence_parallel=True)
+    overlap = dataclasses.replace(plain, tp_comm_overlap=True)
+    path, items = model_files["selective-wins"], tuple(pool.items())
+    best, inter, zb, *_ = _brute_force(path, items, gbs, overlap)
+    before, inter_before, zb_before, *_ = _brute_force(path, items, gbs, plain)
+    assert best <= before and zb <= zb_before and inter <= inter_before
+    for zero_bubble, expected in ((False, best), (True, zb)):
+        knobs = dataclasses.replace(overlap, zero_bubble=zero_bubble)
+        found, _ = plan_any_model(path, pool, gbs, options=knobs)
+        assert found.proven
+        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)

@@ -413,7 +413,12 @@ def read_launch(
 
 #: Training options the search keeps as given (not knobs), which an export
 #: target may not launch: refused before the search.
-KEPT_OPTIONS = ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16")
+KEPT_OPTIONS = (
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_bf16",
+    "tp_comm_overlap",
+)
 
 
 def launched_space(

@@ -35,6 +35,9 @@ Each field names the Megatron-LM argument it stands for:
   ``overlap_param_gather``: ``--overlap-param-gather`` (with the distributed
   optimizer, the updated parameters' all-gather runs beside the next forward
   pass).
+* ``tp_comm_overlap``: ``--tp-comm-overlap`` (Transformer Engine runs the
+  tensor-parallel all-gathers and reduce-scatters of sequence parallelism
+  beside the GEMMs they feed or follow).
 """
 
 from __future__ import annotations
@@ -152,6 +155,10 @@ class TrainingOptions:
         overlap_param_gather: with ``distributed_optimizer`` and
             ``overlap_grad_reduce``, the parameters' all-gather overlaps the
             next iteration's forward pass.
+        tp_comm_overlap: with ``sequence_parallel``, the tensor-parallel
+            all-gathers and reduce-scatters of each block run beside the GEMMs
+            they feed or follow (Megatron-LM's ``--tp-comm-overlap``, which
+            needs ``--sequence-parallel``).
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -176,6 +183,7 @@ class TrainingOptions:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -198,8 +206,14 @@ class TrainingOptions:
             "overlap_grad_reduce",
             "overlap_param_gather",
             "grad_reduce_in_bf16",
+            "tp_comm_overlap",
         ):
             _check_bool(getattr(self, name), name)
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError(
+                "tp_comm_overlap needs sequence_parallel (Megatron-LM's "
+                "--tp-comm-overlap needs --sequence-parallel)"
+            )
         if self.grad_reduce_in_bf16 and self.precision not in ("bf16", "fp8"):
             raise ValueError(
                 "grad_reduce_in_bf16 applies to bf16 or fp8 training, got "

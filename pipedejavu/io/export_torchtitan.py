@@ -234,6 +234,11 @@ def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
             " overlaps gradients as PyTorch's DDP buckets them, not as the "
             "Megatron-LM overlap the plan was priced with"
         )
+    if options.tp_comm_overlap:
+        raise _refuse(
+            " overlaps tensor-parallel communication (async TP) with its own "
+            "kernels, not Transformer Engine's overlap the plan was priced with"
+        )
 
 
 def _checkpoint_mode(plan: Plan3D, options: TrainingOptions) -> str:

@@ -33,8 +33,9 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
 * Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
   ``--recompute-granularity``, ``--use-distributed-optimizer``,
   ``--sequence-parallel``, ``--overlap-grad-reduce``,
-  ``--overlap-param-gather``, ``--grad-reduce-in-bf16``,
-  ``--attention-backend unfused``) and
+  ``--overlap-param-gather``, ``--grad-reduce-in-bf16``, ``--tp-comm-overlap``
+  (not at TP 1, where Megatron-LM refuses it), ``--attention-backend
+  unfused``) and
   ``--num-layers-per-virtual-pipeline-stage`` for the interleaved schedule.
 * The DeepSpeed configs get their ``bf16``/``fp16`` sections and ZeRO stage 1
   for the distributed optimizer; recomputation and sequence parallelism are
@@ -132,6 +133,7 @@ _PLAIN = {
     "overlap_grad_reduce": (False,),
     "overlap_param_gather": (False,),
     "grad_reduce_in_bf16": (False,),
+    "tp_comm_overlap": (False,),
 }
 #: The training options each target launches as planned (the values of
 #: :class:`~pipedejavu.core.training_options.TrainingOptions`' fields); the
@@ -151,6 +153,7 @@ LAUNCHED_TRAINING = {
         "overlap_grad_reduce": _BOTH,
         "overlap_param_gather": _BOTH,
         "grad_reduce_in_bf16": _BOTH,
+        "tp_comm_overlap": _BOTH,
     },
     "deepspeed": {
         "precision": ("fp32", "fp16", "bf16"),
@@ -160,6 +163,7 @@ LAUNCHED_TRAINING = {
         "overlap_grad_reduce": (False,),
         "overlap_param_gather": (False,),
         "grad_reduce_in_bf16": (False,),
+        "tp_comm_overlap": (False,),
     },
     "torchtitan": {
         "precision": ("fp32",),
@@ -169,6 +173,7 @@ LAUNCHED_TRAINING = {
         "overlap_grad_reduce": (False,),
         "overlap_param_gather": (False,),
         "grad_reduce_in_bf16": (False,),
+        "tp_comm_overlap": (False,),
     },
     "alpa": _PLAIN,
     "sailor": _PLAIN,
@@ -216,6 +221,8 @@ def option_flags(options: TrainingOptions) -> list[str]:
         flags.append("--overlap-param-gather")
     if options.grad_reduce_in_bf16:
         flags.append("--grad-reduce-in-bf16")
+    if options.tp_comm_overlap:
+        flags.append("--tp-comm-overlap")
     if not options.flash_attention:
         flags += ["--attention-backend", "unfused"]
     return flags
@@ -237,6 +244,7 @@ def _plain(options: TrainingOptions | None) -> bool:
         and not options.overlap_grad_reduce
         and not options.overlap_param_gather
         and not options.grad_reduce_in_bf16
+        and not options.tp_comm_overlap
     )
 
 
@@ -342,6 +350,10 @@ def _build(
         text = megatron_text(plan)
         extra = ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
         if options is not None:
+            if options.tp_comm_overlap and plan.stages[0].replicas[0].tp == 1:
+                # Megatron-LM turns sequence parallelism off at TP 1 and then
+                # asserts on --tp-comm-overlap; without TP it overlaps nothing
+                options = dataclasses.replace(options, tp_comm_overlap=False)
             extra += interleaving_flags(plan, options.virtual_stages)
             extra += option_flags(options)
         if extra:

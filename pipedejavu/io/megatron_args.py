@@ -102,6 +102,7 @@ _BOOL_FLAGS = (
     "overlap-grad-reduce",
     "overlap-param-gather",
     "grad-reduce-in-bf16",
+    "tp-comm-overlap",
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
 )
@@ -129,6 +130,8 @@ class MegatronRun:
             ``--overlap-param-gather`` (the latter needs the distributed
             optimizer, as Megatron-LM asserts).
         grad_reduce_in_bf16: ``--grad-reduce-in-bf16`` (with ``--bf16``).
+        tp_comm_overlap: ``--tp-comm-overlap`` (with ``--sequence-parallel``,
+            as Megatron-LM asserts).
         micro_batch: samples per micro-batch.
         global_batch: samples per iteration; ``None`` if not given (Megatron
             then uses ``micro_batch x data-parallel size``).
@@ -173,6 +176,7 @@ class MegatronRun:
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
     attention_dropout: bool = True
+    tp_comm_overlap: bool = False
 
     @property
     def recompute_full(self) -> bool:
@@ -391,7 +395,9 @@ def spec_from_megatron_args(
             with PP 1, a pipeline split that does not divide or is not
             modelled (:func:`~pipedejavu.io.megatron_layout.split_pipeline`),
             selective recomputation with a method, ``--overlap-param-gather``
-            without ``--use-distributed-optimizer`` or ``--overlap-grad-reduce``.
+            without ``--use-distributed-optimizer`` or ``--overlap-grad-reduce``,
+            ``--tp-comm-overlap`` without ``--sequence-parallel`` (at TP 1,
+            where Megatron-LM turns that off, too).
     """
     values, ignored = _parse(_tokens(argv))
     if values.get("num-experts", 1) != 1:
@@ -405,6 +411,12 @@ def spec_from_megatron_args(
         # Megatron-LM turns it off at TP 1 (validate_args), with a warning
         del values["sequence-parallel"]
         ignored.append("--sequence-parallel (off at TP 1, as Megatron-LM turns it)")
+    if values.get("tp-comm-overlap") and not values.get("sequence-parallel"):
+        at_tp1 = " (which Megatron-LM turns off at TP 1)" if tp == 1 else ""
+        raise ProblemError(
+            "Megatron arguments: --tp-comm-overlap needs --sequence-parallel"
+            f"{at_tp1}, as Megatron-LM asserts"
+        )
     vocab = _vocab_size(values, vocab_size)
     spec = _spec(values, str(values.get("name", name)), vocab)
     try:
@@ -480,6 +492,7 @@ def spec_from_megatron_args(
         overlap_param_gather=bool(values.get("overlap-param-gather")),
         grad_reduce_in_bf16=bool(values.get("grad-reduce-in-bf16")),
         attention_dropout=_attention_dropout(values) > 0,
+        tp_comm_overlap=bool(values.get("tp-comm-overlap")),
     )
 
 

@@ -297,6 +297,7 @@ class KnobSpace:
                     recompute_choices=per_stage,
                     recompute_stage_layers=None,
                     sequence_parallel=sp,
+                    tp_comm_overlap=base.tp_comm_overlap and sp,
                     distributed_optimizer=dist,
                     overlap_param_gather=base.overlap_param_gather and dist,
                     virtual_stages=1,

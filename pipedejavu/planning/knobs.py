@@ -134,7 +134,9 @@ def _normalized(options: TrainingOptions, result: TrainingPlan) -> TrainingOptio
     """Knobs that change nothing on this plan, off (module docstring)."""
     stages = result.plan.stages
     if options.sequence_parallel and all(r.tp == 1 for s in stages for r in s.replicas):
-        options = dataclasses.replace(options, sequence_parallel=False)
+        options = dataclasses.replace(
+            options, sequence_parallel=False, tp_comm_overlap=False
+        )
     if options.distributed_optimizer and all(len(s.replicas) == 1 for s in stages):
         options = dataclasses.replace(options, distributed_optimizer=False)
     return options

@@ -80,6 +80,7 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         overlap_grad_reduce=run.overlap_grad_reduce,
         overlap_param_gather=run.overlap_param_gather,
         grad_reduce_in_bf16=run.grad_reduce_in_bf16,
+        tp_comm_overlap=run.tp_comm_overlap,
     )
 
 

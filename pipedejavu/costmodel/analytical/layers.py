@@ -78,6 +78,7 @@ def _options(
     attention_dropout: bool,
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
+    tp_comm_overlap: bool = False,
 ) -> PassOptions:
     opts = PassOptions(
         mbs,
@@ -88,6 +89,7 @@ def _options(
         attention_dropout,
         query_key_layer_scaling,
         context_parallel,
+        tp_comm_overlap,
     )
     validate_spec(spec, tp)
     return opts
@@ -105,6 +107,7 @@ def analytical_layer_times(
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
+    tp_comm_overlap: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """Forward, backward and optimizer-step seconds of every layer.
@@ -127,6 +130,9 @@ def analytical_layer_times(
         context_parallel: Megatron's context parallelism (``spec`` then holds
             a GPU's share of each sequence; see
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
+        tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
+            ``sequence_parallel``; see
+            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
         constants: the roofline's constants.
 
     Returns:
@@ -148,6 +154,7 @@ def analytical_layer_times(
         attention_dropout,
         query_key_layer_scaling,
         context_parallel,
+        tp_comm_overlap,
     )
     block = (
         pass_seconds(block_forward_ops(spec, opts), gpu, constants),
@@ -219,6 +226,7 @@ def weight_gradient_seconds(
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
+    tp_comm_overlap: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> NDArray[np.float64]:
     """f64[L + 2] seconds of each layer's weight-gradient operations
@@ -238,6 +246,7 @@ def weight_gradient_seconds(
         attention_dropout,
         query_key_layer_scaling,
         context_parallel,
+        tp_comm_overlap,
     )
 
     def seconds(ops: LayerPass) -> float:
@@ -292,6 +301,7 @@ def block_forward_seconds(
     attention_dropout: bool = False,
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
+    tp_comm_overlap: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
@@ -306,6 +316,7 @@ def block_forward_seconds(
         attention_dropout,
         query_key_layer_scaling,
         context_parallel,
+        tp_comm_overlap,
     )
     return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
 

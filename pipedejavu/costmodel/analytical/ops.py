@@ -130,11 +130,18 @@ class Collective(NamedTuple):
         name: ``all_reduce``, ``all_gather`` or ``reduce_scatter`` and where.
         message_bytes: the full (reduced or gathered) tensor's bytes.
         link_bytes: bytes each GPU sends over its link (ring algorithm).
+        beside: the GEMM of the same pass this collective runs beside
+            (Transformer Engine's TP-communication overlap); empty: on the
+            critical path.
+        chunks: the chunks it is pipelined in beside that GEMM (the TP
+            degree).
     """
 
     name: str
     message_bytes: float
     link_bytes: float
+    beside: str = ""
+    chunks: int = 1
 
 
 LayerPass = list[Gemm | MemoryOp | Collective]
@@ -171,6 +178,15 @@ class PassOptions:
             Transformer Engine splits it); needs flash attention. The exchange
             of keys and values between the ``c`` GPUs is not priced: it runs
             beside the attention it feeds.
+        tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
+            ``sequence_parallel``): each block's all-gathers run beside the
+            GEMM they feed and its reduce-scatters beside the GEMM they follow
+            (forward: QKV, MLP up; output projection, MLP down; backward: the
+            input-gradient GEMMs of the same four), pipelined in ``tp``
+            chunks: a collective costs what outlasts its GEMM, never less than
+            one chunk (:func:`~pipedejavu.costmodel.analytical.roofline.
+            stacked_seconds`). The LM head's and the embedding's stay exposed
+            (they are not Transformer Engine layers).
     """
 
     mbs: int
@@ -181,10 +197,13 @@ class PassOptions:
     attention_dropout: bool = False
     query_key_layer_scaling: bool = False
     context_parallel: int = 1
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.context_parallel > 1 and not self.flash_attention:
             raise ValueError("context parallelism needs flash attention")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap needs sequence_parallel")
         for name in ("mbs", "tp", "context_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -240,18 +259,21 @@ def _softmax_passes(act: float, opts: PassOptions) -> int:
 
 
 def _tp_collectives(
-    where: str, message_bytes: float, opts: PassOptions
+    where: str, message_bytes: float, opts: PassOptions, beside: str = ""
 ) -> list[Collective]:
     """One all-reduce of ``message_bytes`` (or the all-gather/reduce-scatter
-    pair that replaces it with sequence parallelism); empty for ``tp == 1``."""
+    pair that replaces it with sequence parallelism); empty for ``tp == 1``.
+    With ``opts.tp_comm_overlap`` the pair runs beside the GEMM ``beside``
+    (a caller keeps the one of the pair that GEMM feeds or follows)."""
     t = opts.tp
     if t == 1:
         return []
     share = (t - 1) / t * message_bytes
     if opts.sequence_parallel:
+        gemm, chunks = (beside, t) if opts.tp_comm_overlap and beside else ("", 1)
         return [
-            Collective(f"reduce_scatter.{where}", message_bytes, share),
-            Collective(f"all_gather.{where}", message_bytes, share),
+            Collective(f"reduce_scatter.{where}", message_bytes, share, gemm, chunks),
+            Collective(f"all_gather.{where}", message_bytes, share, gemm, chunks),
         ]
     return [Collective(f"all_reduce.{where}", message_bytes, 2.0 * share)]
 
@@ -337,12 +359,18 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     gated = spec.gated_mlp
     ops: LayerPass = [MemoryOp("input_norm", 2 * x_bytes)]
     if opts.sequence_parallel and opts.tp > 1:
-        ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" in c.name]
+        ops += [
+            c
+            for c in _tp_collectives("qkv", message, opts, "qkv")
+            if "gather" in c.name
+        ]
     ops.append(gemms["qkv"])
     ops += attention_core_forward_ops(spec, opts)
     ops.append(gemms["out_proj"])
     ops += [
-        c for c in _tp_collectives("out_proj", message, opts) if "gather" not in c.name
+        c
+        for c in _tp_collectives("out_proj", message, opts, "out_proj")
+        if "gather" not in c.name
     ]
     ops += [
         MemoryOp("bias_dropout_add.attention", 3 * x_bytes + MASK_BYTES * x_elems),
@@ -350,7 +378,9 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ]
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
-            c for c in _tp_collectives("mlp_up", message, opts) if "gather" in c.name
+            c
+            for c in _tp_collectives("mlp_up", message, opts, "mlp_up")
+            if "gather" in c.name
         ]
     ops += [
         gemms["mlp_up"],
@@ -358,7 +388,9 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
         gemms["mlp_down"],
     ]
     ops += [
-        c for c in _tp_collectives("mlp_down", message, opts) if "gather" not in c.name
+        c
+        for c in _tp_collectives("mlp_down", message, opts, "mlp_down")
+        if "gather" not in c.name
     ]
     ops.append(MemoryOp("bias_dropout_add.mlp", 3 * x_bytes + MASK_BYTES * x_elems))
     return ops
@@ -406,7 +438,9 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ]
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
-            c for c in _tp_collectives("mlp_down", message, opts) if "gather" in c.name
+            c
+            for c in _tp_collectives("mlp_down", message, opts, "mlp_down.dgrad")
+            if "gather" in c.name
         ]
     ops += _backward_linear(gemms["mlp_down"])
     ops.append(
@@ -417,7 +451,9 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     )
     ops += _backward_linear(gemms["mlp_up"])
     ops += [
-        c for c in _tp_collectives("mlp_up", message, opts) if "gather" not in c.name
+        c
+        for c in _tp_collectives("mlp_up", message, opts, "mlp_up.dgrad")
+        if "gather" not in c.name
     ]
     ops += [
         MemoryOp("post_attention_norm.backward", 3 * x_bytes),
@@ -427,12 +463,18 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ]
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
-            c for c in _tp_collectives("out_proj", message, opts) if "gather" in c.name
+            c
+            for c in _tp_collectives("out_proj", message, opts, "out_proj.dgrad")
+            if "gather" in c.name
         ]
     ops += _backward_linear(gemms["out_proj"])
     ops += _attention_core_backward(spec, opts)
     ops += _backward_linear(gemms["qkv"])
-    ops += [c for c in _tp_collectives("qkv", message, opts) if "gather" not in c.name]
+    ops += [
+        c
+        for c in _tp_collectives("qkv", message, opts, "qkv.dgrad")
+        if "gather" not in c.name
+    ]
     ops += [
         MemoryOp("input_norm.backward", 3 * x_bytes),
         MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * spec.block_params(opts.tp)),
@@ -506,7 +548,9 @@ def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
                 for c in _tp_collectives(
                     f"loss_{name}",
                     per_token,
-                    dataclasses.replace(opts, sequence_parallel=False),
+                    dataclasses.replace(
+                        opts, sequence_parallel=False, tp_comm_overlap=False
+                    ),
                 )
             ]
     return ops

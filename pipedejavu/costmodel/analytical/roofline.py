@@ -19,7 +19,11 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   kernel_overhead_s``, the bandwidth share divided by
   ``backward_memory_efficiency`` more for the kernels of a backward pass;
 * a collective: ``link_bytes / (intra_node_bytes_per_s * link_efficiency) +
-  collective_latency_s`` (ring algorithm; TP groups stay inside a node).
+  collective_latency_s`` (ring algorithm; TP groups stay inside a node); one
+  that runs beside a GEMM (``Collective.beside``, Megatron-LM's
+  ``--tp-comm-overlap``) split in ``tp`` chunks pipelined with the GEMM's: only
+  what outlasts the GEMM, and never less than one chunk, ``max(c - g, c /
+  tp)`` for a collective of ``c`` seconds beside a GEMM of ``g``.
 
 The constants shared by every GPU are fitted by
 :mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
@@ -163,10 +167,15 @@ class PassArrays:
         memory_bytes: total bytes of the memory-bound kernels.
         memory_backward_bytes: the part of them in backward kernels.
         num_memory_kernels: how many there are.
-        link_bytes: total bytes each GPU sends in the pass's collectives.
-        num_collectives: how many collectives.
+        link_bytes: total bytes each GPU sends in the pass's collectives on
+            the critical path.
+        num_collectives: how many collectives on the critical path.
         bandwidth: the GPU's memory bandwidth, bytes/s.
         link_bandwidth: its intra-node bandwidth, bytes/s.
+        beside_link_bytes: f64[K] bytes each GPU sends in each collective
+            that runs beside a GEMM.
+        beside_gemm: i64[K] that GEMM's index in ``gemm_seconds_at_peak``.
+        beside_chunks: f64[K] the chunks it is pipelined in.
     """
 
     gemm_seconds_at_peak: NDArray[np.float64]
@@ -180,6 +189,15 @@ class PassArrays:
     num_collectives: int
     bandwidth: float
     link_bandwidth: float
+    beside_link_bytes: NDArray[np.float64] = dataclasses.field(
+        default_factory=lambda: np.zeros(0)
+    )
+    beside_gemm: NDArray[np.int64] = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
+    beside_chunks: NDArray[np.float64] = dataclasses.field(
+        default_factory=lambda: np.zeros(0)
+    )
 
 
 def _is_backward(name: str) -> bool:
@@ -189,12 +207,16 @@ def _is_backward(name: str) -> bool:
 def pass_arrays(
     ops: Sequence[Gemm | MemoryOp | Collective], gpu: GpuSheetEntry
 ) -> PassArrays:
-    """The operations of a pass as :class:`PassArrays` on ``gpu``.
+    """The operations of a pass as :class:`PassArrays` on ``gpu``; a
+    collective beside a GEMM not in ``ops`` is on the critical path.
 
     Raises:
         ValueError: ``gpu`` lacks the peak of a GEMM's precision.
     """
     gemms = [op for op in ops if isinstance(op, Gemm)]
+    index = {gemm.name: k for k, gemm in enumerate(gemms)}
+    collectives = [op for op in ops if isinstance(op, Collective)]
+    beside = [op for op in collectives if op.beside in index]
     peaks = {}
     for gemm in gemms:
         if gemm.precision not in peaks:
@@ -209,7 +231,7 @@ def pass_arrays(
     memory_backward = [
         op.bytes for op in ops if isinstance(op, MemoryOp) and _is_backward(op.name)
     ]
-    links = [op.link_bytes for op in ops if isinstance(op, Collective)]
+    links = [op.link_bytes for op in collectives if op.beside not in index]
     return PassArrays(
         gemm_seconds_at_peak=np.array(
             [g.flops / peaks[g.precision] for g in gemms], dtype=np.float64
@@ -224,6 +246,9 @@ def pass_arrays(
         num_collectives=len(links),
         bandwidth=gpu.memory_bandwidth_bytes_per_s,
         link_bandwidth=gpu.intra_node_bytes_per_s,
+        beside_link_bytes=np.array([op.link_bytes for op in beside], np.float64),
+        beside_gemm=np.array([index[op.beside] for op in beside], np.int64),
+        beside_chunks=np.array([op.chunks for op in beside], np.float64),
     )
 
 
@@ -266,6 +291,9 @@ class StackedPasses:
         gemm_bandwidth: f64[G] the memory bandwidth of each GEMM's GPU.
         memory_bytes, num_memory_kernels, num_gemms, link_bytes,
         num_collectives, bandwidth, link_bandwidth: f64[N] per pass.
+        beside_pass, beside_gemm, beside_link_bytes, beside_chunks: [K] the
+            collectives beside a GEMM: their pass, their GEMM's index in the
+            ``gemm_*`` arrays, as in :class:`PassArrays`.
     """
 
     gemm_pass: NDArray[np.int64]
@@ -282,6 +310,10 @@ class StackedPasses:
     num_collectives: NDArray[np.float64]
     bandwidth: NDArray[np.float64]
     link_bandwidth: NDArray[np.float64]
+    beside_pass: NDArray[np.int64]
+    beside_gemm: NDArray[np.int64]
+    beside_link_bytes: NDArray[np.float64]
+    beside_chunks: NDArray[np.float64]
 
     @property
     def num_passes(self) -> int:
@@ -298,6 +330,8 @@ def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
         return np.array([float(getattr(p, name)) for p in passes], dtype=np.float64)
 
     bandwidth = per_pass("bandwidth")
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    besides = [len(p.beside_gemm) for p in passes]
     return StackedPasses(
         gemm_pass=np.repeat(np.arange(len(passes)), counts),
         gemm_seconds_at_peak=np.concatenate([p.gemm_seconds_at_peak for p in passes]),
@@ -313,6 +347,16 @@ def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
         num_collectives=per_pass("num_collectives"),
         bandwidth=bandwidth,
         link_bandwidth=per_pass("link_bandwidth"),
+        beside_pass=np.repeat(np.arange(len(passes)), besides),
+        beside_gemm=np.concatenate(
+            [p.beside_gemm + offsets[k] for k, p in enumerate(passes)]
+        ).astype(np.int64),
+        beside_link_bytes=np.concatenate([p.beside_link_bytes for p in passes]).astype(
+            np.float64
+        ),
+        beside_chunks=np.concatenate([p.beside_chunks for p in passes]).astype(
+            np.float64
+        ),
     )
 
 
@@ -347,6 +391,17 @@ def stacked_seconds(
         0.0,
     )
     total += c.collective_latency_s * stacked.num_collectives
+    if len(stacked.beside_pass):
+        pass_of = stacked.beside_pass
+        link = (
+            stacked.beside_link_bytes
+            / (stacked.link_bandwidth[pass_of] * c.link_efficiency)
+            + c.collective_latency_s
+        )
+        exposed = np.maximum(
+            link - gemm[stacked.beside_gemm], link / stacked.beside_chunks
+        )
+        total += np.bincount(pass_of, exposed, minlength=stacked.num_passes)
     return total
 
 

@@ -276,14 +276,14 @@ class AnalyticalSource:
             constants=self.constants,
         )
         args = (spec, entry, mbs, tp, precision)
+        split = dict(
+            sequence_parallel=options.sequence_parallel,
+            tp_comm_overlap=options.tp_comm_overlap,
+        )
         try:
-            forward, backward, update = analytical_layer_times(
-                *args, sequence_parallel=options.sequence_parallel, **kwargs
-            )
+            forward, backward, update = analytical_layer_times(*args, **split, **kwargs)
             core = attention_core_forward_seconds(*args, **kwargs)
-            weight = weight_gradient_seconds(
-                *args, sequence_parallel=options.sequence_parallel, **kwargs
-            )
+            weight = weight_gradient_seconds(*args, **split, **kwargs)
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
         backward = backward.copy()
