@@ -2,15 +2,26 @@
 
 The bundled profiles are fp32 and TF32 (Sailor's Megatron-DeepSpeed runs), so
 they say nothing about 16-bit tensor-core GEMMs or Megatron-LM's fused
-kernels. Two constants of the analytical roofline are therefore fitted for
-16-bit training on the *visible* published runs (``pipedejavu/data/published/
-megatron_sc21_table1.json``: Megatron-LM SC'21 Table 1, GPT 1.7B-1T on 32-3,072
-A100-80GB): the best tensor-core efficiency of a large GEMM
-(``tensor_efficiency``) and the bandwidth share of backward memory-bound
-kernels (``backward_memory_efficiency``); every other constant keeps its value
-fitted on the profiles. :data:`~pipedejavu.costmodel.analytical.roofline.
-HALF_PRECISION_ANALYTICAL` holds the fit on all ten runs; :func:`leave_one_out`
-refits without each run and predicts it, the error to quote.
+kernels. For 16-bit training the roofline's constants therefore come from
+two other sources:
+
+* the best tensor-core efficiency of a large GEMM (``tensor_efficiency``)
+  from measured bf16 GEMMs: 288 Megatron-shaped GEMMs timed on an H200
+  (``benchmarks/results/gpu_fp8_gemms.json``), fitted on every other one by
+  :func:`fit_tensor_efficiency` (:data:`~pipedejavu.costmodel.analytical.
+  roofline.MEASURED_TENSOR_EFFICIENCY`; the held-out half's error is in
+  ``tests/test_published_runs.py``);
+* three constants of the kernels around the GEMMs (:data:`FITTED_FIELDS`:
+  the memory-bound kernels' bandwidth share, forward and backward, and the
+  share of the intra-node link a tensor-parallel collective reaches) fitted
+  on the *visible* published runs (``pipedejavu/data/published/
+  megatron_sc21_table1.json``: Megatron-LM SC'21 Table 1, GPT 1.7B-1T on
+  32-3,072 A100-80GB);
+
+every other constant keeps its value fitted on the profiles.
+:data:`~pipedejavu.costmodel.analytical.roofline.HALF_PRECISION_ANALYTICAL`
+holds the fit on all ten runs; :func:`leave_one_out` refits without each run
+and predicts it, the error to quote.
 
 Each run is launched as its authors' script launched it: the model, TP, PP,
 interleaving, micro/global batch, fp16, full recomputation of every layer, and
@@ -36,9 +47,14 @@ from scipy.optimize import least_squares
 from pipedejavu.core.files import read_json
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.analytical.ops import Gemm
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
+    MEASURED_TENSOR_EFFICIENCY,
     AnalyticalConstants,
+    gemm_efficiency,
+    pass_arrays,
+    stack_passes,
 )
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -47,16 +63,24 @@ from pipedejavu.planning.megatron_launch import options_of_run, predict_megatron
 
 __all__ = [
     "FITTED_FIELDS",
+    "HALF_PRECISION_BASE",
     "bundled_published_path",
     "PublishedRun",
     "fit_half_precision",
+    "fit_tensor_efficiency",
     "leave_one_out",
     "load_published_runs",
     "predict_published",
 ]
 
-#: The constants fitted on the published runs (the rest come from the profiles).
-FITTED_FIELDS = ("tensor_efficiency", "backward_memory_efficiency")
+#: The constants fitted on the published runs (the GEMMs' best efficiency comes
+#: from measured GEMMs, the rest from the profiles).
+FITTED_FIELDS = ("backward_memory_efficiency", "memory_efficiency", "link_efficiency")
+#: What the published-run fit starts from: the profiles' constants with the
+#: tensor cores' efficiency measured on GEMMs.
+HALF_PRECISION_BASE = dataclasses.replace(
+    FITTED_ANALYTICAL, tensor_efficiency=MEASURED_TENSOR_EFFICIENCY
+)
 MAX_PUBLISHED_FILE_BYTES = 4 * 2**20
 
 
@@ -155,6 +179,40 @@ def load_published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
     return _load(str(bundled_published_path() if path is None else path))
 
 
+def fit_tensor_efficiency(
+    gemms: Sequence[Gemm],
+    measured_seconds: Sequence[float],
+    gpu: GpuSheetEntry,
+    base: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> float:
+    """``tensor_efficiency`` fitting measured GEMM times on ``gpu``: least
+    squares on log time over the GEMMs that stay compute-bound at the tensor
+    cores' peak, the curve's shape from ``base`` (closed form: the geometric
+    mean of each GEMM's time at efficiency 1 over its measured time).
+
+    Raises:
+        ValueError: lengths differ, a time is not positive, a GEMM runs on
+            CUDA cores, or none is compute-bound.
+    """
+    measured = np.asarray(measured_seconds, dtype=np.float64)
+    if len(gemms) != len(measured) or not len(measured):
+        raise ValueError("one measured time per GEMM, at least one")
+    if not (np.isfinite(measured) & (measured > 0)).all():
+        raise ValueError("measured times must be positive")
+    arrays = stack_passes([pass_arrays([gemm], gpu) for gemm in gemms])
+    if arrays.gemm_simt.any():
+        raise ValueError("tensor-core GEMMs only (not fp32)")
+    unit = dataclasses.replace(base, tensor_efficiency=1.0)
+    at_peak = arrays.gemm_seconds_at_peak / gemm_efficiency(
+        arrays.gemm_seconds_at_peak, arrays.gemm_simt, arrays.gemm_backward, unit
+    )
+    memory = arrays.gemm_memory_bytes / (arrays.gemm_bandwidth * base.memory_efficiency)
+    bound = at_peak > memory
+    if not bound.any():
+        raise ValueError("no compute-bound GEMM to fit")
+    return float(np.exp(np.mean(np.log(at_peak[bound] / measured[bound]))))
+
+
 def _constants(base: AnalyticalConstants, values: Sequence[float]):
     return dataclasses.replace(base, **dict(zip(FITTED_FIELDS, values, strict=True)))
 
@@ -180,7 +238,7 @@ def predict_published(
 
 def fit_half_precision(
     runs: Sequence[PublishedRun],
-    base: AnalyticalConstants = FITTED_ANALYTICAL,
+    base: AnalyticalConstants = HALF_PRECISION_BASE,
     sheet: Mapping[str, GpuSheetEntry] | None = None,
 ) -> AnalyticalConstants:
     """:data:`FITTED_FIELDS` by least squares on log TFLOP/s over ``runs``."""
@@ -191,16 +249,17 @@ def fit_half_precision(
         predicted = predict_published(runs, _constants(base, x), sheet)
         return np.log(predicted / measured)
 
-    start = [getattr(base, name) for name in FITTED_FIELDS]
+    start = [0.7] * len(FITTED_FIELDS)  # inside the bounds, whatever the base
+    count = len(FITTED_FIELDS)
     fit = least_squares(
-        residuals, x0=start, bounds=([0.05] * 2, [1.0] * 2), diff_step=1e-3
+        residuals, x0=start, bounds=([0.05] * count, [1.0] * count), diff_step=1e-3
     )
     return _constants(base, [round(float(v), 4) for v in fit.x])
 
 
 def leave_one_out(
     runs: Sequence[PublishedRun],
-    base: AnalyticalConstants = FITTED_ANALYTICAL,
+    base: AnalyticalConstants = HALF_PRECISION_BASE,
     sheet: Mapping[str, GpuSheetEntry] | None = None,
 ) -> NDArray[np.float64]:
     """f64[R] relative error of each run predicted with the constants fitted on
