@@ -14,6 +14,9 @@ Megatron-LM's own code.
   and ``--grad-reduce-in-bf16`` as our Megatron export writes them
   (:func:`pipedejavu.io.exports.option_flags`) parse and validate, and set
   the arguments they name.
+* **TP-communication overlap.** ``--tp-comm-overlap`` as our export writes it
+  (with ``--sequence-parallel``, TP 2) validates and sets both; at TP 1
+  Megatron refuses it, and so does our reading of the flags.
 
 Needs the launchers' environment of ``benchmarks/check_exports.py`` (torch,
 megatron-core with the Megatron-LM source of the same version on
@@ -42,6 +45,7 @@ from check_torchtitan import fake_rank  # noqa: E402
 from pipedejavu.core.problem import ProblemError  # noqa: E402
 from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
 from pipedejavu.io.exports import option_flags  # noqa: E402
+from pipedejavu.io.megatron_args import spec_from_megatron_args  # noqa: E402
 from pipedejavu.io.megatron_layout import split_pipeline  # noqa: E402
 
 LAYERS_AND_STAGES = ((30, 4), (31, 4), (32, 4), (126, 16), (10, 2), (8, 4), (6, 2))
@@ -135,6 +139,32 @@ def main(argv=None) -> int:
     }
     if not all(v for k, v in gradient_flags.items() if k != "flags"):
         failures.append({"gradient flags": gradient_flags})
+    overlap = option_flags(
+        TrainingOptions("bf16", sequence_parallel=True, tp_comm_overlap=True)
+    )
+    base = ["--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "2"]
+    parsed, _ = check_exports.megatron_args(
+        [*base, "--tensor-model-parallel-size", "2", *overlap], 2
+    )
+    tp_flags = {
+        "flags": overlap,
+        "tp_comm_overlap": parsed.tp_comm_overlap,
+        "sequence_parallel": parsed.sequence_parallel,
+    }
+    try:
+        check_exports.megatron_args([*base, *overlap], 1)
+        tp_flags["megatron refuses at tp 1"] = False
+    except (AssertionError, ValueError, SystemExit):
+        tp_flags["megatron refuses at tp 1"] = True
+    model = "--hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    model += "--max-position-embeddings 32 --vocab-size 128 "
+    try:
+        spec_from_megatron_args(model + " ".join([*base, *overlap]))
+        tp_flags["we refuse at tp 1"] = False
+    except ProblemError:
+        tp_flags["we refuse at tp 1"] = True
+    if not all(v for k, v in tp_flags.items() if k != "flags"):
+        failures.append({"tp-comm flags": tp_flags})
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
@@ -143,6 +173,7 @@ def main(argv=None) -> int:
         },
         "pipeline_splits": outcomes,
         "gradient_flags": gradient_flags,
+        "tp_comm_flags": tp_flags,
         "failures": failures,
         "seconds": time.perf_counter() - started,
     }

@@ -69,6 +69,7 @@ def run(model: str, gpus: dict, gbs: int, seq: int) -> dict:
                 else list(options.recompute_stage_layers)
             ),
             "proven": bool(result.proven),
+            "lower_bound_s": result.predicted_lower_bound_s,
             "search_s": time.perf_counter() - started,
         }
         print(model, name, out[name], flush=True)

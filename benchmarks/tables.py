@@ -161,14 +161,14 @@ def t_headline() -> str:
             "plan_knobs.json",
         ],
         [
-            "analytical block model vs a GPU (H200, no refitting): bf16 flash, "
-            "median error",
+            "analytical block model vs PyTorch blocks timed on a GPU (H200, "
+            "today's constants): bf16 flash, median error",
             pct(
-                load("gpu_blocks.json")["summary"]["bf16-flash"]["forward_backward"][
-                    "median_abs"
-                ]
+                load("gpu_blocks_repriced.json")["summary"]["bf16-flash"][
+                    "forward_backward"
+                ]["median_abs"]
             ),
-            "gpu_blocks.json",
+            "gpu_blocks_repriced.json",
         ],
         [
             "our plan / Sailor's plan (both priced by our predictor)",
@@ -664,7 +664,7 @@ def t_check_exports() -> str:
 
 
 def t_gpu_blocks() -> str:
-    data = load("gpu_blocks.json")
+    data = load("gpu_blocks_repriced.json")
     rows = []
     groups = [
         (
@@ -719,8 +719,10 @@ def t_gpu_blocks() -> str:
     return (
         table(head, rows)
         + f"\n\nDevice: {device} (GPU-sheet entry `{entry}`), torch "
-        + f"{data['environment']['torch']}; error = predicted / measured - 1."
-        + source("gpu_blocks.json")
+        + f"{data['environment']['torch']}; error = predicted / measured - 1; "
+        + "timed by `gpu_blocks.py`, priced with today's constants by "
+        + "`gpu_blocks_reprice.py`."
+        + source("gpu_blocks.json", "gpu_blocks_repriced.json")
     )
 
 
@@ -995,6 +997,56 @@ VALUES: dict[str, Value] = {
     "stage_70b_per_stage_search": Value(
         "stage_recompute.json",
         ("settings", "llama3-70b", "per stage", "search_s"),
+        _seconds1,
+    ),
+    "stage_175b_uniform_time": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "uniform", "iteration_time_s"),
+        _seconds2,
+    ),
+    "stage_175b_uniform_bound": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "uniform", "lower_bound_s"),
+        _seconds2,
+    ),
+    "stage_175b_per_stage_time": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "per stage", "iteration_time_s"),
+        _seconds2,
+    ),
+    "stage_175b_per_stage_bound": Value(
+        "stage_recompute.json",
+        ("settings", "gpt3-175b", "per stage", "lower_bound_s"),
+        _seconds2,
+    ),
+    "stage_70b_uniform_time": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "uniform", "iteration_time_s"),
+        _seconds2,
+    ),
+    "stage_70b_uniform_bound": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "uniform", "lower_bound_s"),
+        _seconds2,
+    ),
+    "stage_70b_per_stage_time": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "per stage", "iteration_time_s"),
+        _seconds2,
+    ),
+    "stage_70b_per_stage_bound": Value(
+        "stage_recompute.json",
+        ("settings", "llama3-70b", "per stage", "lower_bound_s"),
+        _seconds2,
+    ),
+    "knobs_70b_recompute_bound": Value(
+        "plan_knobs.json",
+        ("settings", "llama3-70b", "spaces", "+recompute", "lower_bound_s"),
+        _seconds2,
+    ),
+    "knobs_175b_today_search": Value(
+        "plan_knobs.json",
+        ("settings", "gpt3-175b", "spaces", "today", "search_s"),
         _seconds1,
     ),
     "stage_70b_uniform_search": Value(

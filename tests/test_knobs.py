@@ -12,7 +12,7 @@ import math
 
 import pytest
 from helpers import TINY_GPT as BASE
-from helpers import largest_stage_bound, stage_bound_tables
+from helpers import largest_stage_bound, pin_path_constants, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import RANK_ORDERS
@@ -36,6 +36,14 @@ from pipedejavu.search.megatron.interleaved import (
     interleaved_candidates,
 )
 from pipedejavu.search.megatron.transfers import BoundCache
+
+
+@pytest.fixture(autouse=True)
+def _path_constants(monkeypatch):
+    """The settings below were chosen under these 16-bit constants
+    (:data:`helpers.PATH_TEST_HALF_PRECISION`)."""
+    pin_path_constants(monkeypatch)
+
 
 # (model fields, pool, gbs, options): each makes the search take another path.
 SETTINGS = {

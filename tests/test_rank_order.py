@@ -9,7 +9,7 @@ import functools
 import json
 
 import pytest
-from helpers import largest_stage_bound, stage_bound_tables
+from helpers import largest_stage_bound, pin_path_constants, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import (
@@ -35,6 +35,13 @@ SMALL = [
     ("OPT-350", (("V100-16", 8),), 16, 3),
     ("OPT-350", (("RTX-2080", 16),), 32, 3),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _path_constants(monkeypatch):
+    """The settings here were chosen under these 16-bit constants
+    (:data:`helpers.PATH_TEST_HALF_PRECISION`)."""
+    pin_path_constants(monkeypatch)
 
 
 def test_placement_is_megatrons():
