@@ -326,6 +326,19 @@ def constants_for(precision: str) -> tuple[str, AnalyticalConstants]:
     return "FITTED_ANALYTICAL", FITTED_ANALYTICAL
 
 
+def constants_record() -> dict[str, Any]:
+    """Which constants price each precision, and their values (for a results
+    file)."""
+    return {
+        "bf16": "HALF_PRECISION_ANALYTICAL",
+        "fp32": "FITTED_ANALYTICAL",
+        "values": {
+            "HALF_PRECISION_ANALYTICAL": dataclasses.asdict(HALF_PRECISION_ANALYTICAL),
+            "FITTED_ANALYTICAL": dataclasses.asdict(FITTED_ANALYTICAL),
+        },
+    }
+
+
 def predict(config: BlockConfig, gpu: GpuSheetEntry) -> dict[str, Any]:
     """The model's block forward and backward on ``gpu`` (tp 1), in ms, with
     the time of each operation, the GEMM FLOPs and the activation bytes."""
@@ -1383,16 +1396,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{env['device_name']}, {env['host']} ({env['cpu']})",
         "environment": env,
         "gpu_sheet_entry": dataclasses.asdict(gpu),
-        "constants": {
-            "bf16": "HALF_PRECISION_ANALYTICAL",
-            "fp32": "FITTED_ANALYTICAL",
-            "values": {
-                "HALF_PRECISION_ANALYTICAL": dataclasses.asdict(
-                    HALF_PRECISION_ANALYTICAL
-                ),
-                "FITTED_ANALYTICAL": dataclasses.asdict(FITTED_ANALYTICAL),
-            },
-        },
+        "constants": constants_record(),
         "settings": {
             "smoke": args.smoke,
             "device": device,

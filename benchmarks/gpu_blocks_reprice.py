@@ -17,7 +17,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -26,10 +25,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
-from pipedejavu.costmodel.analytical.roofline import (
-    FITTED_ANALYTICAL,
-    HALF_PRECISION_ANALYTICAL,
-)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_blocks  # noqa: E402  (the benchmark's own prediction and summary)
@@ -73,16 +68,7 @@ def reprice(measured: dict) -> dict:
         },
         "environment": measured["environment"],
         "gpu_sheet_entry": measured["gpu_sheet_entry"],
-        "constants": {
-            "bf16": "HALF_PRECISION_ANALYTICAL",
-            "fp32": "FITTED_ANALYTICAL",
-            "values": {
-                "HALF_PRECISION_ANALYTICAL": dataclasses.asdict(
-                    HALF_PRECISION_ANALYTICAL
-                ),
-                "FITTED_ANALYTICAL": dataclasses.asdict(FITTED_ANALYTICAL),
-            },
-        },
+        "constants": gpu_blocks.constants_record(),
         "rows": rows,
         "summary": gpu_blocks.summarize(rows),
     }
@@ -97,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for key, entry in result["summary"].items():
         both = entry["forward_backward"]
+        median, signed = 100 * both["median_abs"], 100 * both["median_signed"]
         print(
             f"{key:14s} {entry['count']:3d} configs: fwd+bwd median "
-            f"{100 * both['median_abs']:.1f}% (signed {100 * both['median_signed']:+.1f}%)"
+            f"{median:.1f}% (signed {signed:+.1f}%)"
         )
     return 0
 

@@ -947,6 +947,11 @@ def _seconds2(x: float) -> str:
     return f"{x:.2f} s"
 
 
+def _knob(setting: str, space: str, field: str, fmt) -> Value:
+    """A value of one space of one setting in ``plan_knobs.json``."""
+    return Value("plan_knobs.json", ("settings", setting, "spaces", space, field), fmt)
+
+
 VALUES: dict[str, Value] = {
     "mbs_gain_median": Value("mbs_choice.json", ("summary", "gain_median"), _pct1),
     "mbs_gain_mean": Value("mbs_choice.json", ("summary", "gain_mean"), _pct1),
@@ -969,90 +974,14 @@ VALUES: dict[str, Value] = {
     "rtx_time_max": Value(
         "predict_real_runs.json", ("summary", "rtx-opt350", "time_error", "max"), _pct1
     ),
-    "knobs_175b_interleaved": Value(
-        "plan_knobs.json",
-        ("settings", "gpt3-175b", "spaces", "+interleaved", "iteration_time_s"),
-        _seconds2,
+    "knobs_175b_interleaved": _knob(
+        "gpt3-175b", "+interleaved", "iteration_time_s", _seconds2
     ),
-    "knobs_175b_all": Value(
-        "plan_knobs.json",
-        ("settings", "gpt3-175b", "spaces", "all", "iteration_time_s"),
-        _seconds2,
-    ),
-    "knobs_175b_all_search": Value(
-        "plan_knobs.json",
-        ("settings", "gpt3-175b", "spaces", "all", "search_s"),
-        _seconds1,
-    ),
-    "stage_175b_per_stage_search": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "per stage", "search_s"),
-        _seconds1,
-    ),
-    "stage_175b_uniform_search": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "uniform", "search_s"),
-        _seconds1,
-    ),
-    "stage_70b_per_stage_search": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "per stage", "search_s"),
-        _seconds1,
-    ),
-    "stage_175b_uniform_time": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "uniform", "iteration_time_s"),
-        _seconds2,
-    ),
-    "stage_175b_uniform_bound": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "uniform", "lower_bound_s"),
-        _seconds2,
-    ),
-    "stage_175b_per_stage_time": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "per stage", "iteration_time_s"),
-        _seconds2,
-    ),
-    "stage_175b_per_stage_bound": Value(
-        "stage_recompute.json",
-        ("settings", "gpt3-175b", "per stage", "lower_bound_s"),
-        _seconds2,
-    ),
-    "stage_70b_uniform_time": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "uniform", "iteration_time_s"),
-        _seconds2,
-    ),
-    "stage_70b_uniform_bound": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "uniform", "lower_bound_s"),
-        _seconds2,
-    ),
-    "stage_70b_per_stage_time": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "per stage", "iteration_time_s"),
-        _seconds2,
-    ),
-    "stage_70b_per_stage_bound": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "per stage", "lower_bound_s"),
-        _seconds2,
-    ),
-    "knobs_70b_recompute_bound": Value(
-        "plan_knobs.json",
-        ("settings", "llama3-70b", "spaces", "+recompute", "lower_bound_s"),
-        _seconds2,
-    ),
-    "knobs_175b_today_search": Value(
-        "plan_knobs.json",
-        ("settings", "gpt3-175b", "spaces", "today", "search_s"),
-        _seconds1,
-    ),
-    "stage_70b_uniform_search": Value(
-        "stage_recompute.json",
-        ("settings", "llama3-70b", "uniform", "search_s"),
-        _seconds1,
+    "knobs_175b_all": _knob("gpt3-175b", "all", "iteration_time_s", _seconds2),
+    "knobs_175b_all_search": _knob("gpt3-175b", "all", "search_s", _seconds1),
+    "knobs_175b_today_search": _knob("gpt3-175b", "today", "search_s", _seconds1),
+    "knobs_70b_recompute_bound": _knob(
+        "llama3-70b", "+recompute", "lower_bound_s", _seconds2
     ),
     "split_same": Value(
         "check_megatron_launch_flags.json",
@@ -1070,6 +999,18 @@ VALUES: dict[str, Value] = {
         str,
     ),
 }
+
+# The per-stage recomputation benchmark's plans, bounds and search seconds.
+for _key, _setting in (("175b", "gpt3-175b"), ("70b", "llama3-70b")):
+    for _name, _space in (("uniform", "uniform"), ("per_stage", "per stage")):
+        for _field, _suffix, _format in (
+            ("iteration_time_s", "time", _seconds2),
+            ("lower_bound_s", "bound", _seconds2),
+            ("search_s", "search", _seconds1),
+        ):
+            VALUES[f"stage_{_key}_{_name}_{_suffix}"] = Value(
+                "stage_recompute.json", ("settings", _setting, _space, _field), _format
+            )
 
 
 # ---------------------------------------------------------------- rewriting
