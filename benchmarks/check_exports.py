@@ -365,6 +365,34 @@ def versions() -> dict[str, str]:
     return out
 
 
+def write_check(
+    out: str | Path,
+    started: float,
+    fields: dict,
+    failures: list,
+    shown: tuple[str, ...],
+) -> int:
+    """Write a launcher check's results file (date, machine, the torch and
+    megatron-core versions, ``fields``, ``failures``, seconds), print the
+    ``shown`` entries and the first failures; the exit status (1 on a
+    failure)."""
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
+        "versions": {
+            name: metadata.version(name) for name in ("torch", "megatron-core")
+        },
+        **fields,
+        "failures": failures,
+        "seconds": time.perf_counter() - started,
+    }
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({key: result[key] for key in shown}))
+    for failure in failures[:10]:
+        print(failure)
+    return 0 if not failures else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plans", type=int, default=rules.NUM_PLANS,

@@ -23,13 +23,9 @@ megatron-core with the Megatron-LM source of the same version on
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shlex
 import sys
 import time
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,21 +144,9 @@ def main(argv=None) -> int:
             failures.append(
                 {"plan": plan.describe(), "options": options.to_json(), "why": outcome}
             )
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
-        "versions": {
-            name: metadata.version(name) for name in ("torch", "megatron-core")
-        },
-        "outcomes": outcomes,
-        "failures": failures,
-        "seconds": time.perf_counter() - started,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("outcomes", "versions")}))
-    for failure in failures[:10]:
-        print(failure)
-    return 0 if not failures else 1
+    fields = {"outcomes": outcomes}
+    shown = ("outcomes", "versions")
+    return check_exports.write_check(args.out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":

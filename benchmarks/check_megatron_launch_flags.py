@@ -28,12 +28,8 @@ megatron-core with the Megatron-LM source of the same version on
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,23 +161,13 @@ def main(argv=None) -> int:
         tp_flags["we refuse at tp 1"] = True
     if not all(v for k, v in tp_flags.items() if k != "flags"):
         failures.append({"tp-comm flags": tp_flags})
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
-        "versions": {
-            name: metadata.version(name) for name in ("torch", "megatron-core")
-        },
+    fields = {
         "pipeline_splits": outcomes,
         "gradient_flags": gradient_flags,
         "tp_comm_flags": tp_flags,
-        "failures": failures,
-        "seconds": time.perf_counter() - started,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("pipeline_splits", "versions")}))
-    for failure in failures[:10]:
-        print(failure)
-    return 0 if not failures else 1
+    shown = ("pipeline_splits", "versions")
+    return check_exports.write_check(args.out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":

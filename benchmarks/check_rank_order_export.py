@@ -22,13 +22,9 @@ by CI.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shlex
 import sys
 import time
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,22 +141,9 @@ def main(argv=None) -> int:
         flagged += outcome == "as planned" and rank_order_of(plan, gpn) == "tp-pp-dp"
         if outcome != "as planned":
             failures.append({"plan": plan.describe(), "order": order, "why": outcome})
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
-        "versions": {
-            name: metadata.version(name) for name in ("torch", "megatron-core")
-        },
-        "outcomes": outcomes,
-        "as_planned_with_the_flag": flagged,
-        "failures": failures,
-        "seconds": time.perf_counter() - started,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("outcomes", "as_planned_with_the_flag")}))
-    for failure in failures[:10]:
-        print(failure)
-    return 0 if not failures else 1
+    fields = {"outcomes": outcomes, "as_planned_with_the_flag": flagged}
+    shown = ("outcomes", "as_planned_with_the_flag")
+    return check_exports.write_check(args.out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":
