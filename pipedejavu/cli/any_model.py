@@ -29,7 +29,7 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
-from pipedejavu.io.exports import DATA_PARALLEL_ALONE, LAUNCHED_TRAINING
+from pipedejavu.io.exports import DATA_PARALLEL_ALONE, LAUNCHED_TRAINING, SWITCH_FLAGS
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
@@ -437,7 +437,7 @@ def launched_space(
         )
     for name in KEPT_OPTIONS:
         if getattr(options, name) not in launched[name]:
-            flag = "--" + name.replace("_", "-")
+            flag = SWITCH_FLAGS[name]
             raise ProblemError(
                 f"--export {target} does not launch {flag} as planned: "
                 f"drop it from --megatron-args or give another --export"

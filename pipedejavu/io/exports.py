@@ -93,6 +93,7 @@ __all__ = [
     "DATA_PARALLEL_ALONE",
     "SAILOR_VERSION",
     "export_plan",
+    "SWITCH_FLAGS",
     "option_flags",
     "uniform_recompute",
 ]
@@ -188,6 +189,19 @@ DATA_PARALLEL_ALONE = frozenset({"torchtitan"})
 SAILOR_VERSION = "Sailor cf2c8e3 (2025-08-14) plan_config"
 
 
+#: The training options that are Megatron-LM switches, with their flags (in
+#: the order :func:`option_flags` writes them); every one is off in the plain
+#: training each target runs by default.
+SWITCH_FLAGS = {
+    "distributed_optimizer": "--use-distributed-optimizer",
+    "sequence_parallel": "--sequence-parallel",
+    "overlap_grad_reduce": "--overlap-grad-reduce",
+    "overlap_param_gather": "--overlap-param-gather",
+    "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+    "tp_comm_overlap": "--tp-comm-overlap",
+}
+
+
 def option_flags(options: TrainingOptions) -> list[str]:
     """Megatron-LM's flags for ``options`` (module docstring)."""
     flags = []
@@ -211,18 +225,7 @@ def option_flags(options: TrainingOptions) -> list[str]:
                 str(layers),
             ]
         )
-    if options.distributed_optimizer:
-        flags.append("--use-distributed-optimizer")
-    if options.sequence_parallel:
-        flags.append("--sequence-parallel")
-    if options.overlap_grad_reduce:
-        flags.append("--overlap-grad-reduce")
-    if options.overlap_param_gather:
-        flags.append("--overlap-param-gather")
-    if options.grad_reduce_in_bf16:
-        flags.append("--grad-reduce-in-bf16")
-    if options.tp_comm_overlap:
-        flags.append("--tp-comm-overlap")
+    flags += [flag for name, flag in SWITCH_FLAGS.items() if getattr(options, name)]
     if not options.flash_attention:
         flags += ["--attention-backend", "unfused"]
     return flags
@@ -237,14 +240,9 @@ def _plain(options: TrainingOptions | None) -> bool:
     return (
         options.precision == "fp32"
         and options.recompute == "none"
-        and not options.distributed_optimizer
-        and not options.sequence_parallel
         and options.virtual_stages == 1
         and not options.zero_bubble
-        and not options.overlap_grad_reduce
-        and not options.overlap_param_gather
-        and not options.grad_reduce_in_bf16
-        and not options.tp_comm_overlap
+        and not any(getattr(options, name) for name in SWITCH_FLAGS)
     )
 
 
