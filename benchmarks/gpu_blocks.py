@@ -736,17 +736,24 @@ def _step(config: BlockConfig, state: dict[str, Any]) -> None:
     block_forward(config, state).backward(state["grad_out"])
 
 
-def choose_attention(config: BlockConfig, state: dict[str, Any]) -> dict[str, str]:
-    """Run one step with the flash backend only (and ``enable_gqa``); fall back
-    to ``repeat_interleave`` of K and V, then to any backend. Returns what ran."""
+def choose_attention(
+    config: BlockConfig, state: dict[str, Any], backend: str = "flash"
+) -> dict[str, str]:
+    """Run one step with one fused backend only (``flash``: FlashAttention-2;
+    ``cudnn``: cuDNN's fused attention) and ``enable_gqa``; fall back to
+    ``repeat_interleave`` of K and V, then to any backend. Returns what ran."""
     if not config.flash_attention:
         state["sdpa_backends"] = None
         return {"attention": "unfused (baddbmm, masked_fill_, softmax, bmm)"}
     from torch.nn.attention import SDPBackend
 
-    tries = [([SDPBackend.FLASH_ATTENTION], "enable_gqa")]
+    chosen = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[backend]
+    tries = [([chosen], "enable_gqa")]
     if config.num_query_groups < config.num_heads:
-        tries.append(([SDPBackend.FLASH_ATTENTION], "repeat_interleave"))
+        tries.append(([chosen], "repeat_interleave"))
     tries.append((None, "enable_gqa"))
     errors = []
     for backends, gqa in tries:
@@ -758,7 +765,7 @@ def choose_attention(config: BlockConfig, state: dict[str, Any]) -> dict[str, st
                 raise
             errors.append(f"{backends} {gqa}: {str(error).splitlines()[0][:200]}")
             continue
-        name = "flash" if backends else "default sdpa backends (flash refused)"
+        name = backend if backends else f"default sdpa backends ({backend} refused)"
         out = {"attention": name}
         if config.num_query_groups < config.num_heads:
             out["gqa"] = gqa
@@ -927,13 +934,14 @@ def measure(
     config_s: float,
     seed: int,
     split: bool = False,
+    attention: str = "flash",
 ) -> dict[str, Any]:
     """Build the block, warm it up, time it, profile it if asked, free it;
     with ``split``, also count the FLOPs of both backwards and time an
     input-gradient step after each full step (under ``"split"``)."""
     state = init_block(config, device, seed)
     try:
-        out: dict[str, Any] = choose_attention(config, state)
+        out: dict[str, Any] = choose_attention(config, state, attention)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -1299,6 +1307,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--only", help="run configs whose name contains this")
     parser.add_argument(
+        "--attention",
+        choices=("flash", "cudnn"),
+        default="flash",
+        help="the fused attention backend of the flash rows (default flash: "
+        "FlashAttention-2; cudnn: cuDNN's, which Transformer Engine runs)",
+    )
+    parser.add_argument(
         "--split",
         action="store_true",
         help="also time the input-gradient backward (B) and report W = full - B",
@@ -1423,6 +1438,7 @@ def main(argv: list[str] | None = None) -> int:
             "layout": "[b, s, h] with flash attention, [s, b, h] unfused",
             "hidden_dropout": "0.1 gpt style, 0 llama style",
             "attention_dropout": 0.0,
+            "attention_backend": args.attention,
         },
         "op_differences": list(OP_DIFFERENCES),
         "grid": [dict(dataclasses.asdict(c), name=c.name) for c in grid],
@@ -1483,6 +1499,7 @@ def main(argv: list[str] | None = None) -> int:
                     config_s=args.config_s,
                     seed=index,
                     split=args.split,
+                    attention=args.attention,
                 )
                 row["status"] = "ok"
                 row["error"] = errors(row)

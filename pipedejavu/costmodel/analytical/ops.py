@@ -89,6 +89,12 @@ class Gemm(NamedTuple):
             flash attention skips half the blocks).
         io_bytes: the bytes the kernel moves, where they are not the inputs and
             the output (a fused attention kernel); ``None``: computed.
+        attention: the products of a fused (flash) attention kernel, ``batch``
+            of them per pass, ``m`` queries by ``n`` keys of depth ``k``:
+            priced by the fused-attention rule of
+            :func:`~pipedejavu.costmodel.analytical.roofline.stacked_seconds`
+            (its softmax work, its tiles, its own efficiency), not the GEMM
+            curve.
     """
 
     name: str
@@ -101,6 +107,7 @@ class Gemm(NamedTuple):
     precision: Precision
     fraction: float = 1.0
     io_bytes: float | None = None
+    attention: bool = False
 
     @property
     def flops(self) -> float:
@@ -318,6 +325,7 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
                 precision,
                 FLASH_CAUSAL_FRACTION,
                 io,
+                attention=True,
             ),
         ]
     scores = b * heads * s * s

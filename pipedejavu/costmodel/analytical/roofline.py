@@ -23,11 +23,20 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   that runs beside a GEMM (``Collective.beside``, Megatron-LM's
   ``--tp-comm-overlap``) split in ``tp`` chunks pipelined with the GEMM's: only
   what outlasts the GEMM, and never less than one chunk, ``max(c - g, c /
-  tp)`` for a collective of ``c`` seconds beside a GEMM of ``g``.
+  tp)`` for a collective of ``c`` seconds beside a GEMM of ``g``;
+* a fused (flash) attention kernel (``Gemm.attention``): ``overhead + work /
+  (peak * attention_efficiency)`` (the backward's overhead and efficiency
+  its own), where ``work`` counts every score of the tiles it computes
+  (:data:`ATTENTION_TILE` queries by as many keys; a causal kernel computes the
+  diagonal tiles whole) at ``2 k`` matrix FLOPs per product plus
+  ``attention_softmax_flops`` for the softmax's exponentials, maxima and
+  rescaling, which the tensor cores do not do: a head dimension ``k`` of 64
+  spends a larger share on the softmax than one of 128.
 
 The constants shared by every GPU are fitted by
 :mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
-holds the fit on all the bundled profiles.
+holds the fit on all the bundled profiles. The fused attention's are measured
+(:data:`MEASURED_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from pipedejavu.costmodel.analytical.ops import Collective, Gemm, MemoryOp
 __all__ = [
     "FITTED_ANALYTICAL",
     "HALF_PRECISION_ANALYTICAL",
+    "ATTENTION_TILE",
+    "MEASURED_ATTENTION",
     "MEASURED_TENSOR_EFFICIENCY",
     "AnalyticalConstants",
     "PassArrays",
@@ -52,10 +63,37 @@ __all__ = [
     "StackedPasses",
     "pass_seconds",
     "stack_passes",
+    "attention_seconds",
     "stacked_seconds",
 ]
 
 SIMT_PRECISIONS = ("fp32",)
+
+#: Queries (and keys) per tile of a fused attention kernel: FlashAttention and
+#: cuDNN's fused attention tile both by 128 on Hopper and Ampere.
+ATTENTION_TILE = 128
+
+#: The fused attention kernel's constants, fitted on cuDNN's fused attention
+#: (the kernel behind Transformer Engine's ``FusedAttention``) timed on an
+#: H200, bf16, causal, in ``benchmarks/results/gpu_attention.json``: every
+#: other one of its 77 shapes (7 models' heads per GPU at TP 1-8, head
+#: dimensions 64, 80 and 128, 1k-8k tokens, 1-4 sequences), the other half held
+#: out, by :func:`pipedejavu.costmodel.analytical.kernels.fit_attention`;
+#: ``tests/test_attention_kernel.py`` refits and compares. As fractions of the
+#: tensor-core peak, they assume each GPU's best fused kernel reaches the share
+#: of its peak that cuDNN's reaches on Hopper (not measured elsewhere). The
+#: forward reaches 88% of the peak on its work, the backward 74%; the softmax
+#: costs 152 FLOPs of tensor-core time per score and product (the exponential
+#: unit runs at a 256th of the tensor cores' rate on Hopper: 128 FLOPs for the
+#: one exponential of each score's two forward products, before any overlap);
+#: 14 and 43 microseconds per call.
+MEASURED_ATTENTION = {
+    "attention_efficiency": 0.884,
+    "attention_backward_efficiency": 0.744,
+    "attention_softmax_flops": 151.9,
+    "attention_overhead_s": 1.41e-05,
+    "attention_backward_overhead_s": 4.26e-05,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +122,20 @@ class AnalyticalConstants:
         collective_latency_s: seconds per collective beyond its bytes.
         backward_memory_efficiency: the memory-bound kernels of a backward pass
             (``*.backward``, ``grad_*``) relative to the forward ones.
+        attention_efficiency: best fraction of the tensor-core peak a fused
+            attention kernel's forward reaches on its work (matrix FLOPs of
+            the tiles it computes plus the softmax's).
+        attention_backward_efficiency: the same for its backward (absolute,
+            not relative to the forward).
+        attention_softmax_flops: a fused attention kernel's non-matrix work
+            (exponentials, running maxima, rescaling) per score and product,
+            in FLOPs of tensor-core time.
+        attention_overhead_s, attention_backward_overhead_s: seconds per fused
+            attention call beyond its work, forward and backward (launch,
+            prologue, the last wave's tail).
+
+    Defaults: generic values, except the fused attention's, which are
+    :data:`MEASURED_ATTENTION` (no calibration fits them).
     """
 
     simt_efficiency: float = 0.9
@@ -96,6 +148,15 @@ class AnalyticalConstants:
     link_efficiency: float = 1.0
     collective_latency_s: float = 1e-5
     backward_memory_efficiency: float = 1.0
+    attention_efficiency: float = MEASURED_ATTENTION["attention_efficiency"]
+    attention_backward_efficiency: float = MEASURED_ATTENTION[
+        "attention_backward_efficiency"
+    ]
+    attention_softmax_flops: float = MEASURED_ATTENTION["attention_softmax_flops"]
+    attention_overhead_s: float = MEASURED_ATTENTION["attention_overhead_s"]
+    attention_backward_overhead_s: float = MEASURED_ATTENTION[
+        "attention_backward_overhead_s"
+    ]
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -109,6 +170,8 @@ class AnalyticalConstants:
             "memory_efficiency",
             "link_efficiency",
             "backward_memory_efficiency",
+            "attention_efficiency",
+            "attention_backward_efficiency",
         ):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -116,7 +179,13 @@ class AnalyticalConstants:
         for name in ("gemm_half_seconds", "gemm_exponent"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("kernel_overhead_s", "collective_latency_s"):
+        for name in (
+            "kernel_overhead_s",
+            "collective_latency_s",
+            "attention_softmax_flops",
+            "attention_overhead_s",
+            "attention_backward_overhead_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -190,6 +259,11 @@ class PassArrays:
             that runs beside a GEMM.
         beside_gemm: i64[K] that GEMM's index in ``gemm_seconds_at_peak``.
         beside_chunks: f64[K] the chunks it is pipelined in.
+        gemm_attention: bool[G] the products of a fused attention kernel.
+        gemm_tiles: f64[G] the work a fused attention kernel computes over
+            its FLOPs (the diagonal tiles of a causal one whole); 1 elsewhere.
+        gemm_depth: f64[G] each GEMM's depth ``k`` (a head's dimension in a
+            fused attention kernel).
     """
 
     gemm_seconds_at_peak: NDArray[np.float64]
@@ -212,6 +286,19 @@ class PassArrays:
     beside_chunks: NDArray[np.float64] = dataclasses.field(
         default_factory=lambda: np.zeros(0)
     )
+    gemm_attention: NDArray[np.bool_] | None = None
+    gemm_tiles: NDArray[np.float64] | None = None
+    gemm_depth: NDArray[np.float64] | None = None
+
+    def __post_init__(self) -> None:
+        count = len(self.gemm_seconds_at_peak)
+        for name, value in (
+            ("gemm_attention", np.zeros(count, bool)),
+            ("gemm_tiles", np.ones(count)),
+            ("gemm_depth", np.ones(count)),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
 
 def _is_backward(name: str) -> bool:
@@ -263,7 +350,18 @@ def pass_arrays(
         beside_link_bytes=np.array([op.link_bytes for op in beside], np.float64),
         beside_gemm=np.array([index[op.beside] for op in beside], np.int64),
         beside_chunks=np.array([op.chunks for op in beside], np.float64),
+        gemm_attention=np.array([g.attention for g in gemms], bool),
+        gemm_tiles=np.array([_tiles(g) for g in gemms], dtype=np.float64),
+        gemm_depth=np.array([g.k for g in gemms], dtype=np.float64),
     )
+
+
+def _tiles(gemm: Gemm) -> float:
+    """A fused attention kernel's computed work over its FLOPs: a causal one
+    (``fraction < 1``) computes the diagonal tiles whole, ``(m + T) / m``."""
+    if not gemm.attention or gemm.fraction >= 1.0:
+        return 1.0
+    return 1.0 + min(ATTENTION_TILE, gemm.m) / gemm.m
 
 
 def gemm_efficiency(
@@ -308,6 +406,7 @@ class StackedPasses:
         beside_pass, beside_gemm, beside_link_bytes, beside_chunks: [K] the
             collectives beside a GEMM: their pass, their GEMM's index in the
             ``gemm_*`` arrays, as in :class:`PassArrays`.
+        gemm_attention, gemm_tiles, gemm_depth: [G] as in :class:`PassArrays`.
     """
 
     gemm_pass: NDArray[np.int64]
@@ -328,6 +427,9 @@ class StackedPasses:
     beside_gemm: NDArray[np.int64]
     beside_link_bytes: NDArray[np.float64]
     beside_chunks: NDArray[np.float64]
+    gemm_attention: NDArray[np.bool_]
+    gemm_tiles: NDArray[np.float64]
+    gemm_depth: NDArray[np.float64]
 
     @property
     def num_passes(self) -> int:
@@ -371,6 +473,9 @@ def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
         beside_chunks=np.concatenate([p.beside_chunks for p in passes]).astype(
             np.float64
         ),
+        gemm_attention=np.concatenate([p.gemm_attention for p in passes]).astype(bool),
+        gemm_tiles=np.concatenate([p.gemm_tiles for p in passes]).astype(np.float64),
+        gemm_depth=np.concatenate([p.gemm_depth for p in passes]).astype(np.float64),
     )
 
 
@@ -385,8 +490,13 @@ def stacked_seconds(
         stacked.gemm_backward,
         c,
     )
+    compute = stacked.gemm_seconds_at_peak / eff
+    if stacked.gemm_attention.any():
+        compute = np.where(
+            stacked.gemm_attention, attention_seconds(stacked, c), compute
+        )
     gemm = np.maximum(
-        stacked.gemm_seconds_at_peak / eff,
+        compute,
         stacked.gemm_memory_bytes / (stacked.gemm_bandwidth * c.memory_efficiency),
     )
     total = np.bincount(stacked.gemm_pass, gemm, minlength=stacked.num_passes).astype(
@@ -417,6 +527,25 @@ def stacked_seconds(
         )
         total += np.bincount(pass_of, exposed, minlength=stacked.num_passes)
     return total
+
+
+def attention_seconds(
+    stacked: StackedPasses, constants: AnalyticalConstants
+) -> NDArray[np.float64]:
+    """f64[G] each GEMM's seconds as a fused attention kernel's products (the
+    rule of the module's docstring; meaningful where ``gemm_attention``)."""
+    c = constants
+    backward = stacked.gemm_backward
+    work = (
+        stacked.gemm_seconds_at_peak
+        * stacked.gemm_tiles
+        * (1.0 + c.attention_softmax_flops / (2.0 * stacked.gemm_depth))
+    )
+    best = np.where(backward, c.attention_backward_efficiency, c.attention_efficiency)
+    overhead = np.where(
+        backward, c.attention_backward_overhead_s, c.attention_overhead_s
+    )
+    return overhead + work / best
 
 
 def pass_seconds(
