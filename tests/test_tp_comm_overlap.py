@@ -7,6 +7,7 @@ exports and the knob search."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -170,3 +171,38 @@ def test_knob_search_keeps_overlap_only_with_sequence_parallelism():
     choices = KnobSpace().all_choices(base)
     assert any(c.tp_comm_overlap for c in choices)
     assert all(c.tp_comm_overlap == c.sequence_parallel for c in choices)
+
+
+def test_plan_model_keeps_the_switch_and_refuses_contradictions(capsys):
+    """``plan --model ... --tp-comm-overlap``: every plan searched with sequence
+    parallelism keeps it (and it is exported); contradictory flags exit 2."""
+    from pipedejavu.cli.main import main
+
+    base = ["plan", "--model", "Qwen2.5-7B", "--gpus", "H100:16", "--global-batch",
+            "64", "--schedule", "1f1b", "--recompute", "none",
+            "--distributed-optimizer", "on", "--rank-order", "tp-dp-pp"]  # fmt: skip
+    with_sp = [*base, "--sequence-parallel", "on"]
+    assert main([*with_sp, "--tp-comm-overlap", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["options"]["tp_comm_overlap"] and kept["options"]["sequence_parallel"]
+    assert main([*with_sp, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert not plain["options"]["tp_comm_overlap"]
+    # Overlapping never costs more in the model: the optimum with it is no slower.
+    assert kept["iteration_time_s"] <= plain["iteration_time_s"] * (1 + 1e-12)
+    assert main([*with_sp, "--tp-comm-overlap", "--export", "megatron"]) == 0
+    out = capsys.readouterr().out
+    tp = int(out.split("--tensor-model-parallel-size ")[1].split()[0])
+    assert ("--tp-comm-overlap" in out) == (tp > 1)
+    for argv, reason in (
+        ([*base, "--sequence-parallel", "off", "--tp-comm-overlap"],
+         "--tp-comm-overlap needs --sequence-parallel"),
+        ([*with_sp, "--tp-comm-overlap", "--export", "deepspeed"],
+         "does not launch --tp-comm-overlap"),
+        ([*base, "--overlap-param-gather", "--distributed-optimizer", "off"],
+         "--overlap-param-gather needs --distributed-optimizer"),
+        ([*base, "--grad-reduce-in-bf16", "--precision", "fp16"],
+         "--grad-reduce-in-bf16"),
+    ):  # fmt: skip
+        assert main(argv) == 2
+        assert reason in capsys.readouterr().err

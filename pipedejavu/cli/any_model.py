@@ -16,6 +16,7 @@ Errors propagate to the CLI (exit 2 for bad input, 3 for no feasible plan).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -180,6 +181,15 @@ def add_knob_options(parser: Any) -> None:
             "by the analytical model; off for a Sailor model priced by its "
             "profiles)",
         )
+    for name in KEPT_OPTIONS:
+        parser.add_argument(
+            SWITCH_FLAGS[name],
+            action="store_true",
+            default=None,
+            help=f"{_KEPT_HELP[name]}: kept in every plan searched, as "
+            "Megatron-LM's flag of that name (default: off; a Sailor model is "
+            "then priced by the analytical model)",
+        )
 
 
 def knobs_asked(args: argparse.Namespace) -> bool:
@@ -288,6 +298,7 @@ def any_model_options(args: argparse.Namespace) -> list[str]:
         "rank_order",
         "seq_len",
         "gpu_sheet",
+        *KEPT_OPTIONS,
     )
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
 
@@ -311,15 +322,23 @@ def costs_line(
 
 def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoice:
     """The cost source of ``plan --model`` (before its knobs: a model of the
-    profiles given no knob flag is priced by its profiles)."""
-    return choose_cost_source(
-        args.model,
-        pool,
-        precision=args.precision,
-        seq_length=args.seq_len,
-        gpu_sheet=args.gpu_sheet,
-        profiles=args.profiles,
-    )
+    profiles given no knob flag is priced by its profiles), with the kept
+    switches given (:func:`kept_options`) in its options."""
+
+    def choose(options: TrainingOptions | None) -> CostChoice:
+        return choose_cost_source(
+            args.model,
+            pool,
+            options=options,
+            precision=args.precision,
+            seq_length=args.seq_len,
+            gpu_sheet=args.gpu_sheet,
+            profiles=args.profiles,
+        )
+
+    choice = choose(None)
+    kept = kept_options(args, choice.options)
+    return choice if kept is None else choose(kept)
 
 
 def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
@@ -369,6 +388,7 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             ("--elastic", args.elastic),
             ("--per-stage-tp", args.per_stage_tp),
             ("--mixed-types", args.mixed_types),
+            *((SWITCH_FLAGS[name], getattr(args, name, None)) for name in KEPT_OPTIONS),
         )
         if value
     ]
@@ -421,6 +441,55 @@ KEPT_OPTIONS = (
 )
 
 
+_KEPT_HELP = {
+    "overlap_grad_reduce": "overlap the data-parallel gradient reduction with "
+    "the backward pass",
+    "overlap_param_gather": "overlap the distributed optimizer's parameter "
+    "all-gather with the next forward (needs the distributed optimizer)",
+    "grad_reduce_in_bf16": "reduce gradients in bf16 (bf16 or fp8 training)",
+    "tp_comm_overlap": "run the tensor-parallel collectives beside their GEMMs "
+    "(needs sequence parallelism)",
+}
+#: What a kept option needs: the knob it needs on, and that knob's flag.
+_KEPT_NEEDS = {
+    "tp_comm_overlap": ("sequence_parallel", "--sequence-parallel"),
+    "overlap_param_gather": ("distributed_optimizer", "--distributed-optimizer"),
+}
+
+
+def kept_options(
+    args: argparse.Namespace, options: TrainingOptions
+) -> TrainingOptions | None:
+    """``options`` with the kept switches of ``plan`` (:data:`KEPT_OPTIONS`)
+    given on the command line turned on, and the knob each needs on in the
+    base (the search turns the switch off with the knob:
+    :meth:`~pipedejavu.planning.knob_space.KnobSpace.all_choices`); ``None``
+    where none was given.
+
+    Raises:
+        ProblemError: a switch whose knob was turned off (``--sequence-parallel
+            off --tp-comm-overlap``), or that the precision cannot take.
+    """
+    given = [name for name in KEPT_OPTIONS if getattr(args, name, None)]
+    if not given:
+        return None
+    changes = {}
+    for name in given:
+        changes[name] = True
+        if name in _KEPT_NEEDS:
+            knob, flag = _KEPT_NEEDS[name]
+            if getattr(args, knob, None) == "off":
+                raise ProblemError(
+                    f"{SWITCH_FLAGS[name]} needs {flag}: give no {flag} off with it"
+                )
+            changes[knob] = True
+    try:
+        return dataclasses.replace(options, **changes)
+    except ValueError as error:
+        flags = ", ".join(SWITCH_FLAGS[n] for n in given)
+        raise ProblemError(f"{flags}: {error}") from None
+
+
 def launched_space(
     target: str, space: KnobSpace, options: TrainingOptions
 ) -> KnobSpace:
@@ -440,7 +509,7 @@ def launched_space(
             flag = SWITCH_FLAGS[name]
             raise ProblemError(
                 f"--export {target} does not launch {flag} as planned: "
-                f"drop it from --megatron-args or give another --export"
+                f"drop {flag} or give another --export"
             )
     try:
         return space.for_target(target)
