@@ -17,7 +17,9 @@ backward (``flash_attention.backward`` of
 constants (:func:`~pipedejavu.costmodel.analytical.kernels.fit_attention`) on
 every other row (rows sorted by name), reports the errors on the rest
 (``fit``), and the errors of the planner's constants today on every row
-(``repriced``); a measuring run ends with the same.
+(``repriced``); a measuring run ends with the same. ``--extended`` times
+shapes outside the fitted grid, all held out: ``--fit`` on its file adds the
+errors of the planner's constants today (``repriced``) and fits nothing.
 
 Timing: for each rep, synchronize, queue a GPU sleep long enough for the CPU to
 enqueue the step, then CUDA events around the forward and around the backward
@@ -54,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_blocks import (  # noqa: E402
     calibrate_sleep,
     environment,
+    results_header,
     sheet_name_for,
     write_json,
 )
@@ -111,6 +114,22 @@ class Shape:
         return f"{self.model}-tp{self.tp}-s{self.seq_length}-b{self.mbs}"
 
     def spec(self) -> TransformerSpec:
+        if self.model.startswith(SYNTHETIC):  # a head shape of no preset
+            heads, groups = self.heads * self.tp, self.kv_heads * self.tp
+            return TransformerSpec(
+                name=self.model,
+                num_layers=1,
+                hidden_size=heads * self.head_dim,
+                num_attention_heads=heads,
+                num_query_groups=groups,
+                ffn_hidden_size=4 * heads * self.head_dim,
+                vocab_size=32768,
+                seq_length=self.seq_length,
+                norm="rmsnorm",
+                position="rotary",
+                max_position_embeddings=0,
+                linear_bias=False,
+            )
         spec = load_model_spec(self.model)
         positions = spec.max_position_embeddings and max(
             spec.max_position_embeddings, self.seq_length
@@ -120,7 +139,32 @@ class Shape:
         )
 
 
-def grid(smoke: bool = False) -> list[Shape]:
+#: The name prefix of a shape of no preset (``--extended``).
+SYNTHETIC = "heads"
+
+
+def extended_grid() -> list[Shape]:
+    """Shapes outside the fitted grid, all held out: head dimensions 96 and
+    256, longer sequences (16k, 32k tokens), other grouped-query ratios."""
+    shapes = []
+    for d in (96, 256):
+        for heads, kv in ((8, 8), (16, 4)):
+            for s in (2048, 8192):
+                shapes.append(
+                    Shape(f"{SYNTHETIC}{heads}x{kv}-d{d}", 1, s, 1, heads, kv, d)
+                )
+    for d in (64, 128):
+        for heads, kv in ((8, 1), (32, 8)):
+            for s in (16384, 32768):
+                shapes.append(
+                    Shape(f"{SYNTHETIC}{heads}x{kv}-d{d}", 1, s, 1, heads, kv, d)
+                )
+    return shapes
+
+
+def grid(smoke: bool = False, extended: bool = False) -> list[Shape]:
+    if extended:
+        return extended_grid()
     if smoke:
         return [
             Shape("OPT-350", 1, 128, 1, 16, 16, 64),
@@ -332,7 +376,8 @@ def refit(path: str) -> dict[str, Any]:
     planner's constants today (``repriced``); returns both."""
     result = json.loads(Path(path).read_text())
     gpu = load_gpu_sheet()[result["gpu_sheet_entry"]["name"]]
-    result["fit"] = fit_summary(result, gpu)
+    if not result["settings"].get("grid", "default").startswith("extended"):
+        result["fit"] = fit_summary(result, gpu)  # held-out shapes: no fit
     result["repriced"] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "constants": {
@@ -341,7 +386,7 @@ def refit(path: str) -> dict[str, Any]:
         "errors": summarize(result, gpu, HALF_PRECISION_ANALYTICAL),
     }
     write_json(path, result)
-    return {"fit": result["fit"], "repriced": result["repriced"]}
+    return {"fit": result.get("fit"), "repriced": result["repriced"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -352,6 +397,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu", help="GPU-sheet entry (default: from the device)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument(
+        "--extended",
+        action="store_true",
+        help="the shapes outside the fitted grid (head dimensions 96 and 256, "
+        "16k and 32k tokens): a held-out check of the planner's constants",
+    )
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     args = parser.parse_args(argv)
@@ -390,21 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     cycles_per_ms = calibrate_sleep() if device == "cuda" else None
     env = environment(device)
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{env['device_name']}, {env['host']} ({env['cpu']})",
-        "environment": env,
-        "gpu_sheet_entry": dataclasses.asdict(gpu),
-        "constants": dataclasses.asdict(HALF_PRECISION_ANALYTICAL),
+        **results_header(env, gpu),
         "settings": {
             "precision": "bf16" if device == "cuda" else "fp32 (CPU smoke)",
             "causal": True,
             "reps": args.reps,
             "warmup": args.warmup,
             "backends": list(BACKENDS),
+            "grid": "extended (held out)" if args.extended else "default",
         },
         "rows": [],
     }
-    for shape in grid(args.smoke):
+    for shape in grid(args.smoke, args.extended):
         row = {"name": shape.name, **dataclasses.asdict(shape)}
         row["predicted"] = predict(shape, gpu)
         row["measured"] = {
@@ -436,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summarize(result, gpu, HALF_PRECISION_ANALYTICAL)
     result["seconds"] = time.perf_counter() - started
     write_json(args.out, result)
+    if args.extended:  # held out: the planner's constants, no fit
+        print(json.dumps(result["summary"], indent=1))
+        return 0
     print(json.dumps(refit(args.out), indent=1))
     return 0
 

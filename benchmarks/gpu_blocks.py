@@ -339,6 +339,19 @@ def constants_record() -> dict[str, Any]:
     }
 
 
+def results_header(env: dict[str, Any], gpu: GpuSheetEntry) -> dict[str, Any]:
+    """The fields a GPU results file opens with: date, machine, environment,
+    the sheet entry it priced with and the constants
+    (:func:`constants_record`)."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{env['device_name']}, {env['host']} ({env['cpu']})",
+        "environment": env,
+        "gpu_sheet_entry": dataclasses.asdict(gpu),
+        "constants": constants_record(),
+    }
+
+
 def predict(config: BlockConfig, gpu: GpuSheetEntry) -> dict[str, Any]:
     """The model's block forward and backward on ``gpu`` (tp 1), in ms, with
     the time of each operation, the GEMM FLOPs and the activation bytes."""
@@ -1407,11 +1420,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     timer = Timer(device)
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{env['device_name']}, {env['host']} ({env['cpu']})",
-        "environment": env,
-        "gpu_sheet_entry": dataclasses.asdict(gpu),
-        "constants": constants_record(),
+        **results_header(env, gpu),
         "settings": {
             "smoke": args.smoke,
             "device": device,

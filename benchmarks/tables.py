@@ -752,39 +752,76 @@ def t_gpu_blocks_cudnn() -> str:
 
 def t_gpu_attention() -> str:
     data = load("gpu_attention.json")
+    extended = load("gpu_attention_extended.json")
     names = {"cudnn": "cuDNN fused attention", "flash": "FlashAttention-2"}
     rows = []
     for backend in ("cudnn", "flash"):
         fit = data["fit"][backend]
+        constants = fit["constants"]
         for kind in ("forward", "backward"):
             before = data["summary"][backend][kind]
             held = fit["held_out"][kind]
             field = "_backward" if kind == "backward" else ""
-            efficiency = fit["constants"][f"attention{field}_efficiency"]
+            outside = extended["repriced"]["errors"][backend][kind]
             rows.append(
                 [
                     f"{names[backend]}, {kind}",
                     f"{pct(before['median_abs'])} / {pct(before['max_abs'])}",
                     f"{pct(held['median_abs'])} / {pct(held['max_abs'])}",
-                    f"{efficiency:.2f}",
-                    f"{fit['constants']['attention_softmax_flops']:.0f}",
+                    f"{pct(outside['median_abs'])} / {pct(outside['max_abs'])}"
+                    if backend == "cudnn"
+                    else "- (not the planner's kernel)",
+                    f"{1e6 * constants[f'attention{field}_half_seconds']:.1f} us / "
+                    f"{constants[f'attention{field}_exponent']:.2f}",
+                    f"{constants['attention_softmax_exponentials']:.2f}",
                 ]
             )
     head = [
         "kernel (bf16, causal), pass",
-        "priced as a GEMM: abs. error median / max (all 77)",
+        "priced as a GEMM: abs. error median / max (77 shapes)",
         "fused-attention rule fitted on half: held-out median / max",
-        "efficiency on its work",
-        "softmax FLOPs per score and product",
+        "32 shapes outside the grid, held out: median / max",
+        "fitted floor h / exponent p",
+        "softmax, exponentials per score and product",
     ]
     device = data["environment"]["device_name"]
     return (
         table(head, rows)
         + f"\n\nDevice: {device}, torch {data['environment']['torch']}, "
-        + f"cuDNN {data['environment'].get('cudnn')}; "
-        + f"{len(data['rows'])} shapes; the planner's constants are the cuDNN "
-        + "fit (`MEASURED_ATTENTION`)."
-        + source("gpu_attention.json")
+        + f"cuDNN {data['environment'].get('cudnn')}; the planner's constants "
+        + "are the cuDNN fit (`MEASURED_ATTENTION`); the shapes outside the "
+        + "grid are priced with them."
+        + source("gpu_attention.json", "gpu_attention_extended.json")
+    )
+
+
+def t_gpu_h100() -> str:
+    attention = load("gpu_attention_h100.json")["repriced"]["errors"]["cudnn"]
+    blocks = load("gpu_blocks_cudnn_h100_repriced.json")["summary"]
+
+    def stats(entry: dict) -> list[str]:
+        return [
+            pct(entry["median_abs"]),
+            pct(entry["max_abs"]),
+            f"{100 * entry['median_signed']:+.1f}%",
+        ]
+
+    rows = [
+        ["cuDNN fused attention, forward (77 shapes)", *stats(attention["forward"])],
+        ["cuDNN fused attention, backward", *stats(attention["backward"])],
+        [
+            "bf16 blocks with cuDNN attention, fwd+bwd (41)",
+            *stats(blocks["bf16-flash"]["forward_backward"]),
+        ],
+        [
+            "of them Llama-style (8)",
+            *stats(blocks["style:llama"]["forward_backward"]),
+        ],
+    ]
+    head = ["on an H100 SXM, priced with today's constants", "median", "max",
+            "signed median"]  # fmt: skip
+    return table(head, rows) + source(
+        "gpu_attention_h100.json", "gpu_blocks_cudnn_h100_repriced.json"
     )
 
 
@@ -964,6 +1001,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_blocks": t_gpu_blocks,
     "gpu_blocks_cudnn": t_gpu_blocks_cudnn,
     "gpu_attention": t_gpu_attention,
+    "gpu_h100": t_gpu_h100,
     "layout": t_layout,
     "published_runs": t_published_runs,
     "opt350_no_profile": t_opt350_no_profile,

@@ -49,6 +49,25 @@ def test_dense_peaks(name, precision, tflops):
     np.testing.assert_allclose(load_gpu_sheet()[name].peak(precision), tflops * 1e12)
 
 
+def test_multiprocessors_and_clock_agree_with_the_tensor_peaks():
+    """A 16-bit tensor peak over multiprocessors x clock is the tensor cores'
+    FLOP per clock per multiprocessor: a power of two on every entry (so a
+    wrong count or clock shows); it sets the exponentials' price."""
+    sheet = load_gpu_sheet()
+    per_clock = {}
+    for name in sheet:
+        entry = sheet[name]
+        assert entry.multiprocessors and entry.clock_hz, name
+        half = dict(entry.peak_flops).get("bf16") or entry.peak("fp16")
+        ratio = half / (entry.multiprocessors * entry.clock_hz)
+        power = 2.0 ** round(math.log2(ratio))
+        assert ratio == pytest.approx(power, rel=0.02), (name, ratio)
+        per_clock[name] = power
+        assert entry.exponentials_per_s == 16 * entry.multiprocessors * entry.clock_hz
+    assert per_clock["H100-SXM"] == per_clock["H200"] == 4096
+    assert per_clock["A100-80"] == 2048 and per_clock["V100-16"] == 1024
+
+
 def test_precisions_a_gpu_lacks_are_absent():
     sheet = load_gpu_sheet()
     with pytest.raises(KeyError, match="no fp8"):
@@ -125,6 +144,18 @@ def test_user_file_extends_and_overrides(tmp_path):
             "gpus_per_node must be at most 4096",
         ),
         ({"gpus": {"X": {**NEW_GPU, "speed": 1}}}, "unknown field 'speed'"),
+        (
+            {"gpus": {"X": {**NEW_GPU, "multiprocessors": 132}}},
+            "multiprocessors and clock_hz together",
+        ),
+        (
+            {"gpus": {"X": {**NEW_GPU, "multiprocessors": 0, "clock_hz": 1e9}}},
+            "multiprocessors must be an integer",
+        ),
+        (
+            {"gpus": {"X": {**NEW_GPU, "multiprocessors": 8, "clock_hz": 1e12}}},
+            "clock_hz must be at most",
+        ),
         ({"gpus": {"X": {"memory_bytes": 1e9}}}, "missing field"),
         ({"gpus": {"A100-80": {"inter_node_bytes_per_s": 0}}}, "inter_node"),
         ({"gpus": [1, 2]}, "'gpus' must map"),

@@ -13,13 +13,28 @@ import dataclasses
 import math
 from typing import Literal
 
-__all__ = ["MAX_GPUS_PER_NODE", "PRECISIONS", "GpuSheetEntry", "Precision"]
+__all__ = [
+    "EXPONENTIALS_PER_CLOCK",
+    "MAX_GPUS_PER_NODE",
+    "MAX_MULTIPROCESSORS",
+    "PRECISIONS",
+    "GpuSheetEntry",
+    "Precision",
+]
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 #: Most GPUs of a node (one NVLink/NVSwitch domain): far above the largest
 #: built (576), a bound on a user file's value, not a claim.
 MAX_GPUS_PER_NODE = 4096
+#: Exponentials (the special-function units' ``ex2``) one multiprocessor
+#: issues per clock: 16 on every NVIDIA architecture since Maxwell (the CUDA
+#: C++ Programming Guide's throughput table), taken as the same per compute
+#: unit on AMD's CDNA (an assumption, not checked).
+EXPONENTIALS_PER_CLOCK = 16
+#: Most multiprocessors of one GPU: far above any built (304), a bound on a
+#: user file's value.
+MAX_MULTIPROCESSORS = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +55,10 @@ class GpuSheetEntry:
             (all its NICs together), one direction.
         sources: where the numbers come from (URLs or document titles).
         note: what the numbers assume, and where they are uncertain.
+        multiprocessors: streaming multiprocessors (compute units on AMD);
+            ``None``: unknown.
+        clock_hz: the clock the tensor peaks are quoted at (with
+            ``multiprocessors``, both or neither); ``None``: unknown.
 
     Raises:
         ValueError: a number is not positive and finite, ``gpus_per_node`` is not
@@ -56,6 +75,8 @@ class GpuSheetEntry:
     inter_node_bytes_per_s: float
     sources: tuple[str, ...] = ()
     note: str = ""
+    multiprocessors: int | None = None
+    clock_hz: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -101,11 +122,40 @@ class GpuSheetEntry:
             raise ValueError(f"{where}: sources must be strings")
         if not isinstance(self.note, str):
             raise ValueError(f"{where}: note must be a string")
+        if (self.multiprocessors is None) != (self.clock_hz is None):
+            raise ValueError(
+                f"{where}: give multiprocessors and clock_hz together, or neither"
+            )
+        if self.multiprocessors is not None:
+            count = self.multiprocessors
+            if (
+                not isinstance(count, int)
+                or isinstance(count, bool)
+                or not 0 < count <= MAX_MULTIPROCESSORS
+            ):
+                raise ValueError(
+                    f"{where}: multiprocessors must be an integer in 1.."
+                    f"{MAX_MULTIPROCESSORS}, got {count!r}"
+                )
+            _check_positive(self.clock_hz, f"{where}: clock_hz")
+            if self.clock_hz > 1e11:
+                raise ValueError(
+                    f"{where}: clock_hz must be at most 1e11, got {self.clock_hz!r}"
+                )
 
     @property
     def precisions(self) -> tuple[Precision, ...]:
         """The precisions with a peak on the sheet."""
         return tuple(name for name, _ in self.peak_flops)
+
+    @property
+    def exponentials_per_s(self) -> float | None:
+        """Exponentials per second at the tensor peaks' clock
+        (:data:`EXPONENTIALS_PER_CLOCK` per multiprocessor); ``None`` where
+        the sheet does not give the multiprocessors."""
+        if self.multiprocessors is None or self.clock_hz is None:
+            return None
+        return EXPONENTIALS_PER_CLOCK * self.multiprocessors * self.clock_hz
 
     def peak(self, precision: Precision) -> float:
         """Dense peak FLOP/s at ``precision``; ``KeyError`` if the GPU lacks it."""

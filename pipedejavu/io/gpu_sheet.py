@@ -9,8 +9,13 @@ The bundled sheet is ``pipedejavu/data/gpus.json`` (sources per entry; see
                        "gpus_per_node": 8,
                        "intra_node_bytes_per_s": 3.0e11,
                        "inter_node_bytes_per_s": 2.0e11,
+                       "multiprocessors": 108, "clock_hz": 1.41e9,
                        "sources": ["..."], "note": "..."}},
      "aliases": {"SHORT": "NAME"}}
+
+``multiprocessors`` and ``clock_hz`` (the clock the tensor peaks are quoted
+at) are optional, both or neither: they set the exponential units' rate, which
+prices a fused attention kernel's softmax.
 
 An entry for a new name needs every number; an entry for a name already on the
 sheet overrides only the fields it gives (``peak_flops`` precision by precision).
@@ -46,7 +51,15 @@ _NUMBER_FIELDS = (
     "intra_node_bytes_per_s",
     "inter_node_bytes_per_s",
 )
-_ENTRY_FIELDS = (*_NUMBER_FIELDS, "peak_flops", "gpus_per_node", "sources", "note")
+_ENTRY_FIELDS = (
+    *_NUMBER_FIELDS,
+    "peak_flops",
+    "gpus_per_node",
+    "sources",
+    "note",
+    "multiprocessors",
+    "clock_hz",
+)
 _TOP_KEYS = ("gpus", "aliases", "description")
 
 
@@ -152,6 +165,8 @@ def _build(name: str, fields: Mapping[str, Any], source: str) -> GpuSheetEntry:
             inter_node_bytes_per_s=fields["inter_node_bytes_per_s"],
             sources=tuple(fields.get("sources", ())),
             note=fields.get("note", ""),
+            multiprocessors=fields.get("multiprocessors"),
+            clock_hz=fields.get("clock_hz"),
         )
     except ValueError as error:
         raise ProblemError(f"{source}: {error}") from None

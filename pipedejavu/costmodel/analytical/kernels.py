@@ -31,15 +31,15 @@ __all__ = ["ATTENTION_FIELDS", "attention_errors", "fit_attention"]
 
 #: The fields :func:`fit_attention` fits, in its order.
 ATTENTION_FIELDS = (
-    "attention_efficiency",
-    "attention_backward_efficiency",
-    "attention_softmax_flops",
-    "attention_overhead_s",
-    "attention_backward_overhead_s",
+    "attention_softmax_exponentials",
+    "attention_half_seconds",
+    "attention_exponent",
+    "attention_backward_half_seconds",
+    "attention_backward_exponent",
 )
-_START = (0.6, 0.5, 100.0, 1e-5, 3e-5)
-_LOWER = (0.01, 0.01, 0.0, 0.0, 0.0)
-_UPPER = (1.0, 1.0, 1e4, 1e-3, 1e-3)
+_START = (0.5, 1e-5, 0.5, 1e-5, 0.5)
+_LOWER = (0.0, 1e-8, 0.05, 1e-8, 0.05)
+_UPPER = (10.0, 1e-2, 4.0, 1e-2, 4.0)
 
 
 def _check(ops: Sequence[Gemm], seconds: Sequence[float]) -> NDArray[np.float64]:

@@ -24,19 +24,27 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   ``--tp-comm-overlap``) split in ``tp`` chunks pipelined with the GEMM's: only
   what outlasts the GEMM, and never less than one chunk, ``max(c - g, c /
   tp)`` for a collective of ``c`` seconds beside a GEMM of ``g``;
-* a fused (flash) attention kernel (``Gemm.attention``): ``overhead + work /
-  (peak * attention_efficiency)`` (the backward's overhead and efficiency
-  its own), where ``work`` counts every score of the tiles it computes
-  (:data:`ATTENTION_TILE` queries by as many keys; a causal kernel computes the
-  diagonal tiles whole) at ``2 k`` matrix FLOPs per product plus
-  ``attention_softmax_flops`` for the softmax's exponentials, maxima and
-  rescaling, which the tensor cores do not do: a head dimension ``k`` of 64
-  spends a larger share on the softmax than one of 128.
+* a fused (flash) attention kernel (``Gemm.attention``): ``(w ** p + h **
+  p) ** (1 / p)`` with ``w`` its work in seconds at peak and ``h``, ``p``
+  (``attention_half_seconds``, ``attention_exponent``; the backward's its
+  own) a floor and how slowly the kernel approaches the peak as calls grow
+  (``p < 1``: a large call still gains from growing, as the measured kernels
+  do); ``w`` counts every score of the tiles it computes (128 queries by as
+  many keys, :mod:`~pipedejavu.costmodel.analytical.attention`; a causal
+  kernel computes the diagonal tiles whole) at ``2 k`` matrix FLOPs per
+  product plus the
+  softmax's ``attention_softmax_exponentials`` per score and product (its
+  exponentials, maxima and rescaling, which the tensor cores do not do),
+  each costing the tensor FLOPs the GPU does in the time of one exponential
+  (:attr:`~pipedejavu.core.gpu_sheet.GpuSheetEntry.exponentials_per_s`: 256
+  on Hopper, 128 on the A100, 64 on Volta and Ada's L4/L40S): a head
+  dimension ``k`` of 64 spends a larger share on the softmax than one of
+  128, and a GPU whose tensor cores outrun its exponential units more.
 
 The constants shared by every GPU are fitted by
 :mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
 holds the fit on all the bundled profiles. The fused attention's are measured
-(:data:`MEASURED_ATTENTION`).
+(:data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -48,13 +56,17 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.costmodel.analytical.attention import (
+    MEASURED_ATTENTION,
+    computed_tiles,
+    flops_per_exponential,
+    fused_attention_seconds,
+)
 from pipedejavu.costmodel.analytical.ops import Collective, Gemm, MemoryOp
 
 __all__ = [
     "FITTED_ANALYTICAL",
     "HALF_PRECISION_ANALYTICAL",
-    "ATTENTION_TILE",
-    "MEASURED_ATTENTION",
     "MEASURED_TENSOR_EFFICIENCY",
     "AnalyticalConstants",
     "PassArrays",
@@ -68,32 +80,6 @@ __all__ = [
 ]
 
 SIMT_PRECISIONS = ("fp32",)
-
-#: Queries (and keys) per tile of a fused attention kernel: FlashAttention and
-#: cuDNN's fused attention tile both by 128 on Hopper and Ampere.
-ATTENTION_TILE = 128
-
-#: The fused attention kernel's constants, fitted on cuDNN's fused attention
-#: (the kernel behind Transformer Engine's ``FusedAttention``) timed on an
-#: H200, bf16, causal, in ``benchmarks/results/gpu_attention.json``: every
-#: other one of its 77 shapes (7 models' heads per GPU at TP 1-8, head
-#: dimensions 64, 80 and 128, 1k-8k tokens, 1-4 sequences), the other half held
-#: out, by :func:`pipedejavu.costmodel.analytical.kernels.fit_attention`;
-#: ``tests/test_attention_kernel.py`` refits and compares. As fractions of the
-#: tensor-core peak, they assume each GPU's best fused kernel reaches the share
-#: of its peak that cuDNN's reaches on Hopper (not measured elsewhere). The
-#: forward reaches 88% of the peak on its work, the backward 74%; the softmax
-#: costs 152 FLOPs of tensor-core time per score and product (the exponential
-#: unit runs at a 256th of the tensor cores' rate on Hopper: 128 FLOPs for the
-#: one exponential of each score's two forward products, before any overlap);
-#: 14 and 43 microseconds per call.
-MEASURED_ATTENTION = {
-    "attention_efficiency": 0.884,
-    "attention_backward_efficiency": 0.744,
-    "attention_softmax_flops": 151.9,
-    "attention_overhead_s": 1.41e-05,
-    "attention_backward_overhead_s": 4.26e-05,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,20 +108,20 @@ class AnalyticalConstants:
         collective_latency_s: seconds per collective beyond its bytes.
         backward_memory_efficiency: the memory-bound kernels of a backward pass
             (``*.backward``, ``grad_*``) relative to the forward ones.
-        attention_efficiency: best fraction of the tensor-core peak a fused
-            attention kernel's forward reaches on its work (matrix FLOPs of
-            the tiles it computes plus the softmax's).
-        attention_backward_efficiency: the same for its backward (absolute,
-            not relative to the forward).
-        attention_softmax_flops: a fused attention kernel's non-matrix work
-            (exponentials, running maxima, rescaling) per score and product,
-            in FLOPs of tensor-core time.
-        attention_overhead_s, attention_backward_overhead_s: seconds per fused
-            attention call beyond its work, forward and backward (launch,
-            prologue, the last wave's tail).
+        attention_softmax_exponentials: a fused attention kernel's
+            non-matrix work (exponentials, running maxima, rescaling) per
+            score and product, in the time of exponentials (each worth the
+            tensor FLOPs the GPU does meanwhile).
+        attention_half_seconds, attention_exponent: a fused attention
+            kernel's forward takes ``(w ** p + h ** p) ** (1 / p)`` for ``w``
+            seconds of work at peak: ``h`` its floor, ``p`` how slowly it
+            approaches the peak (the module's docstring).
+        attention_backward_half_seconds, attention_backward_exponent: the
+            same for its backward.
 
     Defaults: generic values, except the fused attention's, which are
-    :data:`MEASURED_ATTENTION` (no calibration fits them).
+    :data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`
+    (no calibration fits them).
     """
 
     simt_efficiency: float = 0.9
@@ -148,14 +134,16 @@ class AnalyticalConstants:
     link_efficiency: float = 1.0
     collective_latency_s: float = 1e-5
     backward_memory_efficiency: float = 1.0
-    attention_efficiency: float = MEASURED_ATTENTION["attention_efficiency"]
-    attention_backward_efficiency: float = MEASURED_ATTENTION[
-        "attention_backward_efficiency"
+    attention_softmax_exponentials: float = MEASURED_ATTENTION[
+        "attention_softmax_exponentials"
     ]
-    attention_softmax_flops: float = MEASURED_ATTENTION["attention_softmax_flops"]
-    attention_overhead_s: float = MEASURED_ATTENTION["attention_overhead_s"]
-    attention_backward_overhead_s: float = MEASURED_ATTENTION[
-        "attention_backward_overhead_s"
+    attention_half_seconds: float = MEASURED_ATTENTION["attention_half_seconds"]
+    attention_exponent: float = MEASURED_ATTENTION["attention_exponent"]
+    attention_backward_half_seconds: float = MEASURED_ATTENTION[
+        "attention_backward_half_seconds"
+    ]
+    attention_backward_exponent: float = MEASURED_ATTENTION[
+        "attention_backward_exponent"
     ]
 
     def __post_init__(self) -> None:
@@ -170,21 +158,24 @@ class AnalyticalConstants:
             "memory_efficiency",
             "link_efficiency",
             "backward_memory_efficiency",
-            "attention_efficiency",
-            "attention_backward_efficiency",
         ):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        for name in ("gemm_half_seconds", "gemm_exponent"):
+        for name in (
+            "gemm_half_seconds",
+            "gemm_exponent",
+            "attention_half_seconds",
+            "attention_exponent",
+            "attention_backward_half_seconds",
+            "attention_backward_exponent",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "kernel_overhead_s",
             "collective_latency_s",
-            "attention_softmax_flops",
-            "attention_overhead_s",
-            "attention_backward_overhead_s",
+            "attention_softmax_exponentials",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -264,6 +255,8 @@ class PassArrays:
             its FLOPs (the diagonal tiles of a causal one whole); 1 elsewhere.
         gemm_depth: f64[G] each GEMM's depth ``k`` (a head's dimension in a
             fused attention kernel).
+        gemm_flops_per_exponential: f64[G] the tensor FLOPs (at each GEMM's
+            precision) the GPU does in the time of one exponential.
     """
 
     gemm_seconds_at_peak: NDArray[np.float64]
@@ -289,6 +282,7 @@ class PassArrays:
     gemm_attention: NDArray[np.bool_] | None = None
     gemm_tiles: NDArray[np.float64] | None = None
     gemm_depth: NDArray[np.float64] | None = None
+    gemm_flops_per_exponential: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         count = len(self.gemm_seconds_at_peak)
@@ -296,6 +290,7 @@ class PassArrays:
             ("gemm_attention", np.zeros(count, bool)),
             ("gemm_tiles", np.ones(count)),
             ("gemm_depth", np.ones(count)),
+            ("gemm_flops_per_exponential", np.full(count, 1.0)),
         ):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -351,17 +346,13 @@ def pass_arrays(
         beside_gemm=np.array([index[op.beside] for op in beside], np.int64),
         beside_chunks=np.array([op.chunks for op in beside], np.float64),
         gemm_attention=np.array([g.attention for g in gemms], bool),
-        gemm_tiles=np.array([_tiles(g) for g in gemms], dtype=np.float64),
+        gemm_tiles=np.array([computed_tiles(g) for g in gemms], dtype=np.float64),
         gemm_depth=np.array([g.k for g in gemms], dtype=np.float64),
+        gemm_flops_per_exponential=np.array(
+            [flops_per_exponential(peaks[g.precision], gpu) for g in gemms],
+            dtype=np.float64,
+        ),
     )
-
-
-def _tiles(gemm: Gemm) -> float:
-    """A fused attention kernel's computed work over its FLOPs: a causal one
-    (``fraction < 1``) computes the diagonal tiles whole, ``(m + T) / m``."""
-    if not gemm.attention or gemm.fraction >= 1.0:
-        return 1.0
-    return 1.0 + min(ATTENTION_TILE, gemm.m) / gemm.m
 
 
 def gemm_efficiency(
@@ -406,7 +397,8 @@ class StackedPasses:
         beside_pass, beside_gemm, beside_link_bytes, beside_chunks: [K] the
             collectives beside a GEMM: their pass, their GEMM's index in the
             ``gemm_*`` arrays, as in :class:`PassArrays`.
-        gemm_attention, gemm_tiles, gemm_depth: [G] as in :class:`PassArrays`.
+        gemm_attention, gemm_tiles, gemm_depth, gemm_flops_per_exponential:
+            [G] as in :class:`PassArrays`.
     """
 
     gemm_pass: NDArray[np.int64]
@@ -430,6 +422,7 @@ class StackedPasses:
     gemm_attention: NDArray[np.bool_]
     gemm_tiles: NDArray[np.float64]
     gemm_depth: NDArray[np.float64]
+    gemm_flops_per_exponential: NDArray[np.float64]
 
     @property
     def num_passes(self) -> int:
@@ -476,6 +469,9 @@ def stack_passes(passes: Sequence[PassArrays]) -> StackedPasses:
         gemm_attention=np.concatenate([p.gemm_attention for p in passes]).astype(bool),
         gemm_tiles=np.concatenate([p.gemm_tiles for p in passes]).astype(np.float64),
         gemm_depth=np.concatenate([p.gemm_depth for p in passes]).astype(np.float64),
+        gemm_flops_per_exponential=np.concatenate(
+            [p.gemm_flops_per_exponential for p in passes]
+        ).astype(np.float64),
     )
 
 
@@ -533,19 +529,18 @@ def attention_seconds(
     stacked: StackedPasses, constants: AnalyticalConstants
 ) -> NDArray[np.float64]:
     """f64[G] each GEMM's seconds as a fused attention kernel's products (the
-    rule of the module's docstring; meaningful where ``gemm_attention``)."""
+    rule of the module's docstring, :func:`~pipedejavu.costmodel.analytical.
+    attention.fused_attention_seconds`; meaningful where ``gemm_attention``)."""
     c = constants
-    backward = stacked.gemm_backward
-    work = (
-        stacked.gemm_seconds_at_peak
-        * stacked.gemm_tiles
-        * (1.0 + c.attention_softmax_flops / (2.0 * stacked.gemm_depth))
+    return fused_attention_seconds(
+        stacked.gemm_seconds_at_peak * stacked.gemm_tiles,
+        stacked.gemm_depth,
+        stacked.gemm_flops_per_exponential,
+        stacked.gemm_backward,
+        softmax_exponentials=c.attention_softmax_exponentials,
+        half_seconds=(c.attention_half_seconds, c.attention_backward_half_seconds),
+        exponent=(c.attention_exponent, c.attention_backward_exponent),
     )
-    best = np.where(backward, c.attention_backward_efficiency, c.attention_efficiency)
-    overhead = np.where(
-        backward, c.attention_backward_overhead_s, c.attention_overhead_s
-    )
-    return overhead + work / best
 
 
 def pass_seconds(
