@@ -125,7 +125,9 @@ def run_deepspeed(
     modes = tuple(bool(x) for x in blocking)
     if num_stages * count <= _CACHED_SIZE:
         program, orders = _cached_program(num_stages, count, modes)
-    else:  # large: built for this call only (a program holds ~6 S B ops)
+    elif num_stages * count <= _LARGE_CACHED_SIZE:  # the last two large ones
+        program, orders = _large_cached_program(num_stages, count, modes)
+    else:  # larger: built for this call only (a program holds ~4 S B ops)
         program, orders = _program(num_stages, count, modes)
 
     def grid(rows):
@@ -180,6 +182,10 @@ _FORWARD_OP, _BACKWARD_OP, _RENDEZVOUS_OP, _SEND_OP, _RECEIVE_OP = range(5)
 # Shapes up to this many (stage, micro-batch) pairs keep their program cached
 # (at most 16 programs of about 6 x 8192 ops: under 100 MB).
 _CACHED_SIZE = 8192
+# Larger shapes up to this many pairs: the last two programs (about 4 x 65536
+# ops each, under 60 MB together); building one takes most of a prediction of
+# a 64-stage pipeline of 512 micro-batches.
+_LARGE_CACHED_SIZE = 65536
 
 
 def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
@@ -256,3 +262,4 @@ def _program(num_stages: int, count: int, blocking: tuple[bool, ...]) -> tuple:
 
 
 _cached_program = functools.lru_cache(maxsize=16)(_program)
+_large_cached_program = functools.lru_cache(maxsize=2)(_program)

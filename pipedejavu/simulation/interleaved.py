@@ -46,6 +46,7 @@ bubble of the non-interleaved schedule divided by ``V``, a fraction ``(P - 1) /
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from typing import NamedTuple
@@ -171,6 +172,20 @@ def interleaved_order(
         >>> " ".join("FB"[o.backward] + f"{o.chunk}.{o.microbatch}" for o in ops[:4])
         'F0.0 F0.1 F1.0 B1.0'
     """
+    warmup_count(rank, num_ranks, num_chunks, num_microbatches)  # checks them
+    if 2 * num_chunks * num_microbatches <= _CACHED_ORDER_OPS:
+        return list(_cached_order(rank, num_ranks, num_chunks, num_microbatches))
+    return _order(rank, num_ranks, num_chunks, num_microbatches)
+
+
+#: A rank's order of at most this many commands is kept (at most 128 of them,
+#: under 100 MB): the planner and the fits predict the same shapes many times.
+_CACHED_ORDER_OPS = 8192
+
+
+def _order(
+    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
+) -> list[Op]:
     warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
     table = round_table(num_ranks, num_chunks, num_microbatches)
     forwards = [Op(False, chunk, microbatch) for microbatch, chunk in table]
@@ -183,6 +198,13 @@ def interleaved_order(
         order += [forwards[warmup + k], backwards[k]]
     order += backwards[total - warmup :]
     return order
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_order(
+    rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
+) -> tuple[Op, ...]:
+    return tuple(_order(rank, num_ranks, num_chunks, num_microbatches))
 
 
 def run_interleaved(
