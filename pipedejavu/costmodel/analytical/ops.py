@@ -93,8 +93,8 @@ class Gemm(NamedTuple):
             of them per pass, ``m`` queries by ``n`` keys of depth ``k``:
             priced by the fused-attention rule of
             :func:`~pipedejavu.costmodel.analytical.roofline.stacked_seconds`
-            (its softmax work, its tiles, its own efficiency), not the GEMM
-            curve.
+            (its softmax work, its tiles, its own floor and exponent), not
+            the GEMM curve.
     """
 
     name: str

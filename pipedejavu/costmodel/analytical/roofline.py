@@ -32,8 +32,8 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   do); ``w`` counts every score of the tiles it computes (128 queries by as
   many keys, :mod:`~pipedejavu.costmodel.analytical.attention`; a causal
   kernel computes the diagonal tiles whole) at ``2 k`` matrix FLOPs per
-  product plus the
-  softmax's ``attention_softmax_exponentials`` per score and product (its
+  product plus the softmax's ``attention_softmax_exponentials`` per score
+  and product (its
   exponentials, maxima and rescaling, which the tensor cores do not do),
   each costing the tensor FLOPs the GPU does in the time of one exponential
   (:attr:`~pipedejavu.core.gpu_sheet.GpuSheetEntry.exponentials_per_s`: 256
@@ -238,6 +238,13 @@ class PassArrays:
         gemm_memory_bytes: f64[G] bytes each GEMM moves.
         gemm_simt: bool[G] the GEMM runs on CUDA cores (fp32).
         gemm_backward: bool[G] a gradient GEMM.
+        gemm_attention: bool[G] the products of a fused attention kernel.
+        gemm_tiles: f64[G] the work a fused attention kernel computes over
+            its FLOPs (the diagonal tiles of a causal one whole); 1 elsewhere.
+        gemm_depth: f64[G] each GEMM's depth ``k`` (a head's dimension in a
+            fused attention kernel).
+        gemm_flops_per_exponential: f64[G] the tensor FLOPs (at each GEMM's
+            precision) the GPU does in the time of one exponential.
         memory_bytes: total bytes of the memory-bound kernels.
         memory_backward_bytes: the part of them in backward kernels.
         num_memory_kernels: how many there are.
@@ -250,19 +257,16 @@ class PassArrays:
             that runs beside a GEMM.
         beside_gemm: i64[K] that GEMM's index in ``gemm_seconds_at_peak``.
         beside_chunks: f64[K] the chunks it is pipelined in.
-        gemm_attention: bool[G] the products of a fused attention kernel.
-        gemm_tiles: f64[G] the work a fused attention kernel computes over
-            its FLOPs (the diagonal tiles of a causal one whole); 1 elsewhere.
-        gemm_depth: f64[G] each GEMM's depth ``k`` (a head's dimension in a
-            fused attention kernel).
-        gemm_flops_per_exponential: f64[G] the tensor FLOPs (at each GEMM's
-            precision) the GPU does in the time of one exponential.
     """
 
     gemm_seconds_at_peak: NDArray[np.float64]
     gemm_memory_bytes: NDArray[np.float64]
     gemm_simt: NDArray[np.bool_]
     gemm_backward: NDArray[np.bool_]
+    gemm_attention: NDArray[np.bool_]
+    gemm_tiles: NDArray[np.float64]
+    gemm_depth: NDArray[np.float64]
+    gemm_flops_per_exponential: NDArray[np.float64]
     memory_bytes: float
     memory_backward_bytes: float
     num_memory_kernels: int
@@ -279,21 +283,6 @@ class PassArrays:
     beside_chunks: NDArray[np.float64] = dataclasses.field(
         default_factory=lambda: np.zeros(0)
     )
-    gemm_attention: NDArray[np.bool_] | None = None
-    gemm_tiles: NDArray[np.float64] | None = None
-    gemm_depth: NDArray[np.float64] | None = None
-    gemm_flops_per_exponential: NDArray[np.float64] | None = None
-
-    def __post_init__(self) -> None:
-        count = len(self.gemm_seconds_at_peak)
-        for name, value in (
-            ("gemm_attention", np.zeros(count, bool)),
-            ("gemm_tiles", np.ones(count)),
-            ("gemm_depth", np.ones(count)),
-            ("gemm_flops_per_exponential", np.full(count, 1.0)),
-        ):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
 
 
 def _is_backward(name: str) -> bool:
