@@ -198,19 +198,18 @@ def largest_stage_bound(table, plan, first_tail: bool = True) -> float:
     """The largest of the proof's stage bounds over a plan's stages, each at
     its position (``table``: the ``StageBounds`` of the plan's configuration,
     or the ``tables`` of :func:`stage_bound_tables`; ``inf`` where a stage
-    fails the memory test its position asks for; ``first_tail``: with stage
-    0's all-reduce after each later stage's gradient chain, as the proof's
-    enumeration bounds it)."""
+    fails the memory test its position asks for; ``first_tail``: with the
+    earlier stages' all-reduces after a later stage's gradient chain, as the
+    proof's enumeration bounds it)."""
     if isinstance(table, dict):
         first = plan.stages[0].replicas[0]
         table = table[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
     left = sum(stage.replicas[0].tp for stage in plan.stages)
-    largest, first = -math.inf, None
+    largest, tails = -math.inf, []
     for stage in plan.stages:
         tp = stage.replicas[0].tp
-        row = table.row(tp, left, stage.start, first)
+        row = table.row(tp, left, stage.start, tails if first_tail else ())
         largest = max(largest, float(row[stage.stop]))
-        if stage.start == 0 and first_tail:
-            first = table.first_tail(tp, stage.stop)
+        tails.append(table.tail_after(tp, stage.start, stage.stop))
         left -= tp
     return largest

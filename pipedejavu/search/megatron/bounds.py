@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -93,15 +94,30 @@ class StageTable(NamedTuple):
         cap: how many micro-batches in flight fit in its GPUs' memory beside
             its model state (at most ``B``; ``-1``: not even the model state).
         late, fwd: the parts of the warm-up bound, ``late - k fwd`` with ``k``
-            forwards before the first backward.
+            forwards before the first backward (``fwd``: a forward and the
+            blocking pairs over both boundaries, which follow the first
+            backward ``B - k`` times).
         variants: with per-stage recomputation, the tables of each count of
             blocks rerun (this table relaxes them all: the fewest reruns'
             time, the most reruns' memory); ``None`` otherwise.
         chain: where stage 0's last backward ends at the earliest, by this
             stage's (``F + B busy - r + G``; ``-inf`` under ZB-H1, which has
             no gradient chain bound); :func:`chains` adds stage 0's own tail.
+        warm_chain: the same by the warm-up bound, ``late`` with ``G`` for
+            the stage's tail, before the ``k fwd`` and the stages after are
+            counted (:meth:`StageBounds.row`).
+        back: ``G`` by first layer (``f64[L + 1]``): the backward of the
+            layers before it, plus an overhead.
+        earlier: by first layer ``a`` (``f64[L + 1]``), the least blocking
+            pair over a boundary before it: each stage before adds one to the
+            first forward's way there and the last gradient's way back
+            (:meth:`StageBounds.row`; 0 under ZB-H1 and in placed tables).
         tail: the stage's all-reduce and optimizer step (least over its
             placements).
+        later: by stop ``b`` (``f64[L + 1]``), the least blocking pair over a
+            boundary after the next stage's first layer: what each stage after
+            the next adds to the warm-up bound's round trip (0 where no
+            such boundary; under ZB-H1 and placed tables, 0).
     """
 
     w: Table
@@ -111,6 +127,10 @@ class StageTable(NamedTuple):
     variants: tuple[StageTable, ...] | None = None
     chain: Table | None = None
     tail: Table | None = None
+    later: NDArray[np.float64] | None = None
+    warm_chain: Table | None = None
+    back: NDArray[np.float64] | None = None
+    earlier: NDArray[np.float64] | None = None
 
 
 def stage_bounds(
@@ -191,6 +211,7 @@ def kind_bounds(
         sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
     if placed is not None or zero_bubble:
         receives = {kind: np.zeros_like(row) for kind, row in receives.items()}
+    later, earlier = later_pairs(receives)
     out = {}
     for kind in kinds:
         gpu, t = kind
@@ -240,7 +261,8 @@ def kind_bounds(
         # what the counts do not change, shared by their tables (read only)
         shape = (num_layers + 1, num_layers + 1)
         fwd, after = np.zeros(shape), np.full(shape, np.inf)
-        fwd[starts, stops] = stage_f
+        pairs = pair_in + pair_out  # 0 under ZB-H1 and in placed tables
+        fwd[starts, stops] = stage_f + pairs
         after[starts, stops] = tail
         built = []
         for rerun, kept in [bound_counts(data, info), *((n, n) for n in counts)]:
@@ -264,23 +286,60 @@ def kind_bounds(
             if least_link is not None:
                 w = np.maximum(w, least_link[None, :])
             cap[starts, stops] = fits
-            # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's).
+            # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's):
+            # the first micro-batch's round trip crosses the boundary after
+            # the stage both ways (pair_out), and each micro-batch's pairs
+            # follow the first backward but those of the k warm-up forwards.
             if zero_bubble:
                 late[starts, stops] = -np.inf
             else:
                 late[starts, stops] = (
                     before_f[starts]
                     + stage_f
+                    + pair_out
                     + after_fb[stops]
-                    + steps * compute
+                    + steps * (compute + pairs)
                     + last
                 )
             chain = np.full(shape, -np.inf)
+            warm_chain = np.full(shape, -np.inf)
             if not zero_bubble:
                 chain[starts, stops] = head + before_b[starts]
-            built.append(StageTable(w, cap, late, fwd, chain=chain, tail=after))
+                warm_chain[starts, stops] = (
+                    late[starts, stops] - last + before_b[starts]
+                )
+            built.append(
+                StageTable(
+                    w,
+                    cap,
+                    late,
+                    fwd,
+                    chain=chain,
+                    tail=after,
+                    later=later,
+                    warm_chain=warm_chain,
+                    back=before_b,
+                    earlier=earlier,
+                )
+            )
         out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
     return out
+
+
+def later_pairs(
+    receives: dict[Kind, NDArray[np.float64]],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """``(StageTable.later, StageTable.earlier)``: by stop ``b``, the least
+    blocking pair (any kind, any pipeline) over the boundaries after layers
+    ``b..L - 2``; by start ``a``, over those after layers ``0..a - 1``; 0
+    where there is none."""
+    least = np.min(list(receives.values()), axis=0)  # f64[L - 1]
+    suffix = np.minimum.accumulate(least[::-1])[::-1]
+    prefix = np.minimum.accumulate(least)
+    return (
+        np.concatenate([suffix, [0.0, 0.0]]),
+        np.concatenate([[0.0], prefix, [prefix[-1] if len(prefix) else 0.0]]),
+    )
 
 
 def span_capacity(
@@ -421,6 +480,8 @@ class StageBounds:
     ) -> None:
         self.group, self.tables, self.overhead = group, tables, overhead
         self._weights: dict[tuple[int, int, Any], Table] = {}
+        self._chain_weights: dict[tuple[int, int], Table] = {}
+        self._chain_g: dict[int, NDArray[np.float64]] = {}
 
     def weights(
         self, tp: int, left: int, send: tuple[Any, SendRow] | None = None
@@ -428,23 +489,28 @@ class StageBounds:
         """``w[a, b]`` of a stage at degree ``tp`` followed by ``left - tp``
         GPUs of stages: ``inf`` where its memory cannot hold the micro-batches
         in flight. The warm-up bound: the stage's first backward waits for one
-        micro-batch's forward to it (``F``), its own forward and the forward and
-        backward of every layer after it (an overhead each per stage); before it
-        the stage runs at most ``k = min(stages after + 1, B)`` forwards (the
-        schedule's peak in flight), so ``B`` backwards and ``B - k`` forwards
-        follow. ``send``: ``(name, SendRow)`` for a known next stage: its
+        micro-batch's forward to it (``F``), its own forward, the blocking
+        pair over the boundary after it and the forward and backward of every
+        layer after it (an overhead each per stage, and the least pair over
+        each later boundary, ``StageTable.later``); before it the stage runs
+        at most ``k = min(stages after + 1, B)`` forwards (the schedule's peak
+        in flight), so ``B`` backwards, ``B - k`` forwards and their ``B - k``
+        pairs over both boundaries follow (DeepSpeed's command stream:
+        ``tests/test_megatron_certify.py`` checks the bound below every
+        prediction). ``send``: ``(name, SendRow)`` for a known next stage: its
         blocking transfers added to the first bound, and its link's bound."""
         key = (tp, left, None if send is None else send[0])
         if key not in self._weights:
             table = self.tables[tp]
-            fewest, most = stages_after(self.group, tp, left)
-            k = min(most + 1, self.group.steps)
+            fewest, k, crossed = self.warm_up(tp, left)
             need = min(fewest + 1, self.group.steps)
             # per-stage recomputation: the least over the counts that fit
             out = None
             for one in table.variants or (table,):
                 bound = one.late + 2 * self.overhead * fewest
                 bound -= k * one.fwd  # (in place: the bottleneck's hot loop)
+                if crossed is not None:
+                    bound += crossed[None, :]
                 if send is None:
                     np.maximum(one.w, bound, out=bound)
                 else:
@@ -456,29 +522,88 @@ class StageBounds:
             self._weights[key] = out
         return self._weights[key]
 
+    def warm_up(
+        self, tp: int, left: int
+    ) -> tuple[int, int, NDArray[np.float64] | None]:
+        """What the warm-up bound of a stage at degree ``tp`` with ``left``
+        GPUs for it and the stages after reads of its position: the fewest
+        stages after it, the most forwards ``k`` before its first backward,
+        and by stop the pairs over the boundaries the round trip crosses after
+        the next stage's (``None``: none counted)."""
+        fewest, most = stages_after(self.group, tp, left)
+        k = min(most + 1, self.group.steps)
+        later = self.tables[tp].later
+        crossed = None
+        if fewest > 1 and later is not None:
+            crossed = (fewest - 1) * later
+        return fewest, k, crossed
+
     def row(
-        self, tp: int, left: int, start: int, first: float | None = None
+        self, tp: int, left: int, start: int, tails: Sequence[float] = ()
     ) -> NDArray[np.float64]:
-        """``weights(tp, left)[start]``, and with ``first`` (stage 0's
-        all-reduce and optimizer step, :meth:`first_tail`, for a stage after
-        it) at least the stage's gradient chain to stage 0's last backward
-        plus that tail, which follows it (``StageTable.chain``)."""
+        """``weights(tp, left)[start]``, and with ``tails`` (the
+        :meth:`tail_after` of each stage before it, in order) at least the
+        stage's gradient chain (``StageTable.chain``, and by the warm-up bound
+        ``StageTable.warm_chain``) to an earlier stage ``r``, plus ``r``'s
+        all-reduce and optimizer step, which follow its last backward.
+
+        The chains count the layers' times and one overhead each way; the
+        first forward crosses the ``n`` boundaries before the stage and runs
+        on ``n`` stages, the last gradient crosses ``n - r`` boundaries back
+        to ``r`` and runs backward on ``n - r`` stages, each with an overhead
+        and (both ways over a boundary) at least its least blocking pair
+        (``StageTable.earlier``)."""
         stage = self.weights(tp, left)[start]
-        chain = self.tables[tp].chain
-        if first is None or chain is None or start == 0:
+        table = self.tables[tp]
+        n = len(tails)
+        if n == 0 or table.chain is None or start == 0:
             return stage
-        return np.maximum(stage, chain[start] + first)
+        pair = 0.0 if table.earlier is None else float(table.earlier[start])
+        o = self.overhead
+        # the largest tail and what the way to its stage crosses
+        reach = max(
+            tail + (n - r) * pair + (n - 1 + n - r - (r == 0)) * o
+            for r, tail in enumerate(tails)
+        )
+        chain = table.chain[start]
+        if table.warm_chain is not None:
+            fewest, k, crossed = self.warm_up(tp, left)
+            warm = table.warm_chain[start] + 2 * o * fewest
+            warm -= k * table.fwd[start]
+            if crossed is not None:
+                warm += crossed
+            chain = np.maximum(chain, warm)
+        return np.maximum(stage, chain + reach)
 
-    def first_tail(self, tp: int, stop: int) -> float | None:
-        """The least all-reduce and optimizer step of a first stage ``0..stop
-        - 1`` at degree ``tp`` (``None``: not tabled)."""
-        tail = self.tables[tp].tail
-        return None if tail is None else float(tail[0, stop])
+    def tail_row(self, tp: int, start: int) -> NDArray[np.float64]:
+        """:meth:`tail_after` of every stop at once (``-inf`` where not
+        tabled; ``inf`` off the stages)."""
+        table = self.tables[tp]
+        if table.tail is None:
+            return np.full(table.w.shape[1], -np.inf)
+        back = 0.0 if table.back is None else float(table.back[start])
+        return table.tail[start] - back
 
-    def bottleneck(self, most_gpus: int) -> NDArray[np.float64]:
+    def tail_after(self, tp: int, start: int, stop: int) -> float:
+        """A stage ``start..stop - 1`` at degree ``tp``: its least all-reduce
+        and optimizer step less the backward of the layers before it
+        (``StageTable.back``), what a later stage's gradient chain to stage 0
+        adds for it (:meth:`row`; ``-inf``: not tabled)."""
+        table = self.tables[tp]
+        if table.tail is None:
+            return -math.inf
+        back = 0.0 if table.back is None else float(table.back[start])
+        return float(table.tail[start, stop]) - back
+
+    def bottleneck(self, most_gpus: int, chain: bool = False) -> NDArray[np.float64]:
         """``g[u, p]``: the least ``max w`` over chains of stages covering
         layers ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP
-        degrees)."""
+        degrees); with ``chain``, of their gradient chains instead
+        (:meth:`chain_weights`: what :func:`chains` adds to the tails of the
+        stages before ``p``)."""
+        if chain and most_gpus in self._chain_g:
+            return self._chain_g[most_gpus]
+        weight = self.chain_weights if chain else self.weights
         size = next(iter(self.tables.values())).w.shape[0]
         g = np.full((most_gpus + 1, size), np.inf)
         g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
@@ -489,40 +614,104 @@ class StageBounds:
                 # (none where no chain covers any rest on u - t GPUs: with one
                 # degree, every u not a multiple of it)
                 if t <= u and (g[u - t] < np.inf).any():
-                    stage = self.weights(t, u)
+                    stage = weight(t, u)
                     rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
                     best = np.minimum(best, rest)
             g[u] = best
+        if chain:
+            self._chain_g[most_gpus] = g
         return g
+
+    def chain_weights(self, tp: int, left: int) -> Table:
+        """The gradient chains of :meth:`row` before the reach is added (the
+        larger of ``StageTable.chain`` and the warm-up's), ``inf`` where
+        :meth:`weights` is (memory), ``-inf`` where none is tabled."""
+        key = (tp, left)
+        if key not in self._chain_weights:
+            table = self.tables[tp]
+            stage = self.weights(tp, left)
+            if table.chain is None:
+                out = np.where(np.isinf(stage), stage, -np.inf)
+            else:
+                out = table.chain.copy()
+                if table.warm_chain is not None:
+                    fewest, k, crossed = self.warm_up(tp, left)
+                    warm = table.warm_chain + 2 * self.overhead * fewest
+                    warm -= k * table.fwd
+                    if crossed is not None:
+                        warm += crossed[None, :]
+                    np.maximum(out, warm, out=out)
+                out[0, :] = -np.inf  # stage 0 has no chain before it
+                out[np.isposinf(stage)] = np.inf
+            self._chain_weights[key] = out
+        return self._chain_weights[key]
+
+    def least_pair(self) -> float:
+        """The least blocking pair over any boundary (``StageTable.earlier``
+        at the last layer; 0 where none is tabled)."""
+        least = [t.earlier[-1] for t in self.tables.values() if t.earlier is not None]
+        return float(min(least)) if least else 0.0
 
 
 def chains(
-    bounds: StageBounds, g: NDArray[np.float64], size: int, best: Incumbent
+    bounds: StageBounds,
+    g: NDArray[np.float64],
+    size: int,
+    best: Incumbent,
+    least_first: bool = False,
 ) -> Iterator[list[tuple[int, int, int]]]:
     """Chains of ``(start, stop, tp)`` stages on exactly ``size`` GPUs whose every
     stage bound, and the bound of the rest, stay below ``best.time_s`` (read at
-    each step: it falls as better plans are found)."""
+    each step: it falls as better plans are found). Depth first, the next
+    stage shortest first (front stages hold the most micro-batches in flight
+    under 1F1B: on GPT-3 175B this finds the best plans early, which lowers
+    ``best``, a seventh of the plans against least bound first) or, with
+    ``least_first``, of least bound (with the rest's) first: the first chain
+    is then the bottleneck DP's."""
     last = g.shape[1] - 1
     top = float(g[size, 0])
-    stack: list[tuple[int, int, tuple, float, Any]] = [(0, size, (), top, None)]
+    h = bounds.bottleneck(size, chain=True)
+    pair, o = bounds.least_pair(), bounds.overhead
+    stack: list[tuple[int, int, tuple, float, tuple]] = [(0, size, (), top, ())]
     while stack:
-        start, left, stages, bound, first = stack.pop()
+        start, left, stages, bound, tails = stack.pop()
         if bound >= best.time_s:
             continue
         if start == last:
             if left == 0:
                 yield list(stages)
             continue
+        # the stages after the next one: their gradient chains (h) plus the
+        # least reach of the tails before them (StageBounds.row with the
+        # least pair of any boundary)
+        n = len(tails)
+        earlier = max(
+            (
+                tail + (n + 1 - r) * pair + (2 * n + 1 - r - (r == 0)) * o
+                for r, tail in enumerate(tails)
+            ),
+            default=-np.inf,
+        )
+        children = []
         for t in bounds.tables:
             if t > left:
                 continue
-            stage = bounds.row(t, left, start, first)
+            stage = bounds.row(t, left, start, tails)
             row = np.maximum(stage, g[left - t])
+            reach = np.maximum(
+                earlier, bounds.tail_row(t, start) + pair + (n + 1 - (n == 0)) * o
+            )
+            with np.errstate(invalid="ignore"):  # inf - inf: no such stage
+                rest = h[left - t] + reach
+            np.maximum(row, np.where(np.isnan(rest), np.inf, rest), out=row)
             for stop in np.flatnonzero(row < best.time_s).tolist()[::-1]:
-                chain = (*stages, (start, stop, t))
-                tail = bounds.first_tail(t, stop) if start == 0 else first
-                step = max(bound, float(stage[stop]))
-                stack.append((stop, left - t, chain, step, tail))
+                children.append((float(row[stop]), stop, t))
+        if least_first:  # else the shortest is popped first
+            children.sort(reverse=True)  # the least bound is popped first
+        for value, stop, t in children:
+            chain = (*stages, (start, stop, t))
+            more = (*tails, bounds.tail_after(t, start, stop))
+            stack.append((stop, left - t, chain, max(bound, value), more))
 
 
 def single_plans(
@@ -535,11 +724,12 @@ def single_plans(
     size: int,
     best: Incumbent,
     rank_order: str = RANK_ORDERS[0],
+    least_first: bool = False,
 ) -> Iterator[Plan3D]:
     """The plans of a one-type configuration left to predict, placed in
-    ``rank_order``."""
+    ``rank_order`` (``least_first``: as :func:`chains`)."""
     spec = data.gpu_spec(group.gpu)
-    for stages in chains(bounds, g, size, best):
+    for stages in chains(bounds, g, size, best, least_first):
         yield plan_from_stages(
             stages,
             gpu_type=group.gpu,

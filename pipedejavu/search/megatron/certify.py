@@ -56,9 +56,14 @@ capacities alone, by reachability; its bound would be infinite). A
 configuration whose least bound
 reaches the incumbent's predicted time holds no better plan. The others are
 settled by enumerating their chains whose every stage has ``w`` below the
-incumbent (depth first, pruned by the DP's bound on the rest) and predicting
-each; a better plan that fits in memory becomes the incumbent. Configurations
-are taken in increasing order of bound. When every configuration is settled the
+incumbent (depth first, pruned by the DP's bound on the rest, and by a
+second bottleneck DP over the rest's gradient chains plus the least reach
+of the tails already chosen) and predicting each; a better plan that fits
+in memory becomes the incumbent. Before any is enumerated, each
+configuration whose bound is below the incumbent has its least-bound chain
+predicted (a probe: an incumbent from a configuration taken later can
+settle one taken earlier). Configurations are taken in increasing order of
+bound. When every configuration is settled the
 incumbent is the predictor's optimum over the search space (``proven``);
 otherwise (``max_plans`` predictions spent) the least bound of the unsettled
 configurations is a certified lower bound on every plan's predicted time.
@@ -287,7 +292,9 @@ class _Item:
     """A configuration in the proof's queue, least bound first (``order``:
     first come first). ``plans``: its plans left to predict (``None``: too
     many count vectors to enumerate); ``refine``, a mixed item at its coarse
-    bound: its exact-placement bound and plans, computed when first taken."""
+    bound: its exact-placement bound and plans, computed when first taken;
+    ``probe``, a one-type item: its plans least bound first (the first is
+    predicted before any configuration is enumerated)."""
 
     bound: float
     order: int
@@ -295,6 +302,7 @@ class _Item:
     refine: Callable[[], tuple[float, PlanSource | None]] | None = dataclasses.field(
         default=None, compare=False
     )
+    probe: PlanSource | None = dataclasses.field(default=None, compare=False)
 
 
 def certify_predicted(
@@ -424,7 +432,8 @@ def certify_predicted(
                     size,
                     rank_order=rank_order,
                 )
-                items.append(_Item(value, len(items), plans=plans))
+                probe = functools.partial(plans, least_first=True)
+                items.append(_Item(value, len(items), plans=plans, probe=probe))
     skipped_mixes = 0
     lower = math.inf
     if mixed_types and uniform_tp and len(gpus) > 1:
@@ -497,6 +506,33 @@ def certify_predicted(
                 }
             )
 
+    # Probes: the first plan of each configuration (its bottleneck DP's
+    # chain), least bound first, predicted before any is enumerated, so that a
+    # configuration of lower bound but slower plans is not enumerated against
+    # a poor incumbent (found on Llama-3-70B with full recomputation: the
+    # budget was spent on TP 1 plans while a TP 2 plan was faster than all).
+    probed: dict[int, Plan3D] = {}
+    for item in sorted(items):
+        if item.bound >= best or predicted >= max_plans // 10:
+            break
+        if item.probe is None:
+            continue
+        plan = next(iter(item.probe(Incumbent(best))), None)
+        if plan is None:
+            continue
+        probed[item.order] = plan
+        predicted += 1
+        try:
+            prediction = predict_plan(plan, data, constants=constants)
+        except ProblemError:
+            continue
+        if prediction.fits_memory and prediction.iteration_time_s < best:
+            best, best_plan, best_prediction = (
+                prediction.iteration_time_s,
+                plan,
+                prediction,
+            )
+            improved = True
     while items:
         item = heapq.heappop(items)
         value, plans = item.bound, item.plans
@@ -514,6 +550,8 @@ def certify_predicted(
         complete = True
         incumbent_time = Incumbent(best)
         for plan in plans(incumbent_time):
+            if plan == probed.get(item.order):  # predicted by its probe
+                continue
             if predicted >= max_plans:
                 complete = False
                 break
