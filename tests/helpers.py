@@ -15,7 +15,8 @@ from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.bounds import stage_bounds
+from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.space import config_groups
 
 UNLIMITED = 2**20

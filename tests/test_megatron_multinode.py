@@ -20,7 +20,8 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import (
     plan_from_stages,
 )
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.bounds import stage_bounds
+from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.settings import MegatronSearchConfig

@@ -29,7 +29,8 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork
 from pipedejavu.costmodel.megatron.tables import plan_tables
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
-from pipedejavu.search.megatron.bounds import StageBounds, stage_bounds
+from pipedejavu.search.megatron.bounds import stage_bounds
+from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.space import config_groups
 

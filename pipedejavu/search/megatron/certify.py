@@ -80,7 +80,8 @@ taken again, its chains are enumerated least bound first and predicted.
 
 Modules: the search space (:mod:`~pipedejavu.search.megatron.space`), the
 transfer tables (:mod:`~pipedejavu.search.megatron.transfers`), the stage
-bounds and one-type enumeration (:mod:`~pipedejavu.search.megatron.bounds`),
+bounds of every span (:mod:`~pipedejavu.search.megatron.bounds`), read at each
+position and enumerated for one type (:mod:`~pipedejavu.search.megatron.chains`),
 mixed types (:mod:`~pipedejavu.search.megatron.mixed`); this module drives them.
 """
 
@@ -104,13 +105,11 @@ from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.search.megatron.bounds import (
     EITHER_ORDER,
-    Incumbent,
-    StageBounds,
     kind_bounds,
     memory_counts,
-    single_plans,
     stage_bounds,
 )
+from pipedejavu.search.megatron.chains import Incumbent, StageBounds, single_plans
 from pipedejavu.search.megatron.mixed import (
     PlacedMix,
     PlanSource,
@@ -219,7 +218,7 @@ def group_bounds(
     most_gpus: int | None = None,
 ) -> tuple[StageBounds, NDArray[np.float64]]:
     """A group's stage bounds and their bottleneck ``g[u, p]``
-    (:meth:`~pipedejavu.search.megatron.bounds.StageBounds.bottleneck`), on
+    (:meth:`~pipedejavu.search.megatron.chains.StageBounds.bottleneck`), on
     up to ``most_gpus`` (default: its largest pipeline): what the proof and
     :func:`any_plan_fits` read of a configuration."""
     bounds = StageBounds(

@@ -24,12 +24,8 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import is_blocking, message_bytes
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
-from pipedejavu.search.megatron.bounds import (
-    Incumbent,
-    StageBounds,
-    StageTable,
-    kind_bounds,
-)
+from pipedejavu.search.megatron.bounds import StageTable, kind_bounds
+from pipedejavu.search.megatron.chains import Incumbent, StageBounds
 from pipedejavu.search.megatron.space import Mix
 from pipedejavu.search.megatron.transfers import (
     BoundCache,

@@ -1,0 +1,326 @@
+"""The proof's stage bounds read at each stage's position, and its one-type
+branch and bound: the chains of stages below the incumbent
+(:mod:`pipedejavu.search.megatron.certify`, whose module docstring derives
+the bounds; the tables of every span are
+:mod:`~pipedejavu.search.megatron.bounds`')."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
+from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.search.megatron.bounds import StageTable
+from pipedejavu.search.megatron.space import ConfigGroup
+from pipedejavu.search.megatron.transfers import SendRow
+
+__all__ = ["Incumbent", "StageBounds", "chains", "single_plans", "stages_after"]
+
+Table = NDArray[np.float64]
+
+
+@dataclasses.dataclass
+class Incumbent:
+    """The best predicted time known; it falls as the proof finds better plans
+    (the enumerations read it at each step)."""
+
+    time_s: float
+
+
+def stages_after(group: ConfigGroup, tp: int, left: int) -> tuple[int, int]:
+    """Least and most stages after a stage at degree ``tp`` when it and the
+    stages after it have ``left`` GPUs."""
+    rest = left - tp
+    return -(-rest // max(group.tps)), rest // min(group.tps)
+
+
+class StageBounds:
+    """A group's stage bounds for a stage with ``left`` GPUs for it and the
+    stages after it (memory and the warm-up depend on how many follow)."""
+
+    def __init__(
+        self, group: ConfigGroup, tables: dict[int, StageTable], overhead: float
+    ) -> None:
+        self.group, self.tables, self.overhead = group, tables, overhead
+        self._weights: dict[tuple[int, int, Any], Table] = {}
+        self._chain_weights: dict[tuple[int, int], Table] = {}
+        self._chain_g: dict[int, NDArray[np.float64]] = {}
+
+    def weights(
+        self, tp: int, left: int, send: tuple[Any, SendRow] | None = None
+    ) -> Table:
+        """``w[a, b]`` of a stage at degree ``tp`` followed by ``left - tp``
+        GPUs of stages: ``inf`` where its memory cannot hold the micro-batches
+        in flight. The warm-up bound: the stage's first backward waits for one
+        micro-batch's forward to it (``F``), its own forward, the blocking
+        pair over the boundary after it and the forward and backward of every
+        layer after it (an overhead each per stage, and the least pair over
+        each later boundary, ``StageTable.later``); before it the stage runs
+        at most ``k = min(stages after + 1, B)`` forwards (the schedule's peak
+        in flight), so ``B`` backwards, ``B - k`` forwards and their ``B - k``
+        pairs over both boundaries follow (DeepSpeed's command stream:
+        ``tests/test_megatron_certify.py`` checks the bound below every
+        prediction). ``send``: ``(name, SendRow)`` for a known next stage: its
+        blocking transfers added to the first bound, and its link's bound."""
+        key = (tp, left, None if send is None else send[0])
+        if key not in self._weights:
+            table = self.tables[tp]
+            fewest, k, crossed = self.warm_up(tp, left)
+            need = min(fewest + 1, self.group.steps)
+            # per-stage recomputation: the least over the counts that fit
+            out = None
+            for one in table.variants or (table,):
+                bound = one.late + 2 * self.overhead * fewest
+                bound -= k * one.fwd  # (in place: the bottleneck's hot loop)
+                if crossed is not None:
+                    bound += crossed[None, :]
+                if send is None:
+                    np.maximum(one.w, bound, out=bound)
+                else:
+                    add, link = send[1]
+                    np.maximum(one.w + add[None, :], bound, out=bound)
+                    np.maximum(bound, link[None, :], out=bound)
+                np.putmask(bound, one.cap < need, np.inf)
+                out = bound if out is None else np.minimum(out, bound, out=out)
+            self._weights[key] = out
+        return self._weights[key]
+
+    def warm_up(
+        self, tp: int, left: int
+    ) -> tuple[int, int, NDArray[np.float64] | None]:
+        """What the warm-up bound of a stage at degree ``tp`` with ``left``
+        GPUs for it and the stages after reads of its position: the fewest
+        stages after it, the most forwards ``k`` before its first backward,
+        and by stop the pairs over the boundaries the round trip crosses after
+        the next stage's (``None``: none counted)."""
+        fewest, most = stages_after(self.group, tp, left)
+        k = min(most + 1, self.group.steps)
+        table = self.tables[tp]
+        crossed = None
+        if fewest > 1 and table.later is not None:
+            # each later stage but the last holds a block and reruns it
+            crossed = (fewest - 1) * (table.later + table.rerun)
+        return fewest, k, crossed
+
+    def row(
+        self, tp: int, left: int, start: int, tails: Sequence[float] = ()
+    ) -> NDArray[np.float64]:
+        """``weights(tp, left)[start]``, and with ``tails`` (the
+        :meth:`tail_after` of each stage before it, in order) at least the
+        stage's gradient chain (``StageTable.chain``, and by the warm-up bound
+        ``StageTable.warm_chain``) to an earlier stage ``r``, plus ``r``'s
+        all-reduce and optimizer step, which follow its last backward.
+
+        The chains count the layers' times and one overhead each way; the
+        first forward crosses the ``n`` boundaries before the stage and runs
+        on ``n`` stages, the last gradient crosses ``n - r`` boundaries back
+        to ``r`` and runs backward on ``n - r`` stages, each with an overhead
+        and (both ways over a boundary) at least its least blocking pair
+        (``StageTable.earlier``)."""
+        stage = self.weights(tp, left)[start]
+        table = self.tables[tp]
+        n = len(tails)
+        if n == 0 or table.chain is None or start == 0:
+            return stage
+        pair = 0.0 if table.earlier is None else float(table.earlier[start])
+        o, rerun = self.overhead, table.rerun
+        # the largest tail and what the way to its stage crosses (every stage
+        # but stage 0 holds a block, and reruns one under the block method)
+        reach = max(
+            tail
+            + (n - r) * pair
+            + (n - 1 + n - r - (r == 0)) * o
+            + (n - r - (r == 0)) * rerun
+            for r, tail in enumerate(tails)
+        )
+        chain = table.chain[start]
+        if table.warm_chain is not None:
+            fewest, k, crossed = self.warm_up(tp, left)
+            warm = table.warm_chain[start] + 2 * o * fewest
+            warm -= k * table.fwd[start]
+            if crossed is not None:
+                warm += crossed
+            chain = np.maximum(chain, warm)
+        return np.maximum(stage, chain + reach)
+
+    def tail_row(self, tp: int, start: int) -> NDArray[np.float64]:
+        """:meth:`tail_after` of every stop at once (``-inf`` where not
+        tabled; ``inf`` off the stages)."""
+        table = self.tables[tp]
+        if table.tail is None:
+            return np.full(table.w.shape[1], -np.inf)
+        back = 0.0 if table.back is None else float(table.back[start])
+        return table.tail[start] - back
+
+    def tail_after(self, tp: int, start: int, stop: int) -> float:
+        """A stage ``start..stop - 1`` at degree ``tp``: its least all-reduce
+        and optimizer step less the backward of the layers before it
+        (``StageTable.back``), what a later stage's gradient chain to stage 0
+        adds for it (:meth:`row`; ``-inf``: not tabled)."""
+        table = self.tables[tp]
+        if table.tail is None:
+            return -math.inf
+        back = 0.0 if table.back is None else float(table.back[start])
+        return float(table.tail[start, stop]) - back
+
+    def bottleneck(self, most_gpus: int, chain: bool = False) -> NDArray[np.float64]:
+        """``g[u, p]``: the least ``max w`` over chains of stages covering
+        layers ``p..`` to the end on exactly ``u`` GPUs (sum of the stages' TP
+        degrees); with ``chain``, of their gradient chains instead
+        (:meth:`chain_weights`: what :func:`chains` adds to the tails of the
+        stages before ``p``)."""
+        if chain and most_gpus in self._chain_g:
+            return self._chain_g[most_gpus]
+        weight = self.chain_weights if chain else self.weights
+        size = next(iter(self.tables.values())).w.shape[0]
+        g = np.full((most_gpus + 1, size), np.inf)
+        g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
+        for u in range(1, most_gpus + 1):
+            best = g[u]
+            for t in self.tables:
+                # a stage a..b-1 at degree t, the rest from b on u - t GPUs
+                # (none where no chain covers any rest on u - t GPUs: with one
+                # degree, every u not a multiple of it)
+                if t <= u and (g[u - t] < np.inf).any():
+                    stage = weight(t, u)
+                    rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
+                    best = np.minimum(best, rest)
+            g[u] = best
+        if chain:
+            self._chain_g[most_gpus] = g
+        return g
+
+    def chain_weights(self, tp: int, left: int) -> Table:
+        """The gradient chains of :meth:`row` before the reach is added (the
+        larger of ``StageTable.chain`` and the warm-up's), ``inf`` where
+        :meth:`weights` is (memory), ``-inf`` where none is tabled."""
+        key = (tp, left)
+        if key not in self._chain_weights:
+            table = self.tables[tp]
+            stage = self.weights(tp, left)
+            if table.chain is None:
+                out = np.where(np.isinf(stage), stage, -np.inf)
+            else:
+                out = table.chain.copy()
+                if table.warm_chain is not None:
+                    fewest, k, crossed = self.warm_up(tp, left)
+                    warm = table.warm_chain + 2 * self.overhead * fewest
+                    warm -= k * table.fwd
+                    if crossed is not None:
+                        warm += crossed[None, :]
+                    np.maximum(out, warm, out=out)
+                out[0, :] = -np.inf  # stage 0 has no chain before it
+                out[np.isposinf(stage)] = np.inf
+            self._chain_weights[key] = out
+        return self._chain_weights[key]
+
+    def least_pair(self) -> float:
+        """The least blocking pair over any boundary (``StageTable.earlier``
+        at the last layer; 0 where none is tabled)."""
+        least = [t.earlier[-1] for t in self.tables.values() if t.earlier is not None]
+        return float(min(least)) if least else 0.0
+
+
+def chains(
+    bounds: StageBounds,
+    g: NDArray[np.float64],
+    size: int,
+    best: Incumbent,
+    least_first: bool = False,
+) -> Iterator[list[tuple[int, int, int]]]:
+    """Chains of ``(start, stop, tp)`` stages on exactly ``size`` GPUs whose every
+    stage bound, and the bound of the rest, stay below ``best.time_s`` (read at
+    each step: it falls as better plans are found). Depth first, the next
+    stage shortest first (front stages hold the most micro-batches in flight
+    under 1F1B: on GPT-3 175B this finds the best plans early, which lowers
+    ``best``, a seventh of the plans against least bound first) or, with
+    ``least_first``, of least bound (with the rest's) first: the first chain
+    is then the bottleneck DP's."""
+    last = g.shape[1] - 1
+    top = float(g[size, 0])
+    h = bounds.bottleneck(size, chain=True)
+    pair, o = bounds.least_pair(), bounds.overhead
+    rerun = min(t.rerun for t in bounds.tables.values())
+    stack: list[tuple[int, int, tuple, float, tuple]] = [(0, size, (), top, ())]
+    while stack:
+        start, left, stages, bound, tails = stack.pop()
+        if bound >= best.time_s:
+            continue
+        if start == last:
+            if left == 0:
+                yield list(stages)
+            continue
+        # the stages after the next one: their gradient chains (h) plus the
+        # least reach of the tails before them (StageBounds.row with the
+        # least pair of any boundary)
+        n = len(tails)
+        earlier = max(
+            (
+                tail
+                + (n + 1 - r) * pair
+                + (2 * n + 1 - r - (r == 0)) * o
+                + (n + 1 - r - (r == 0)) * rerun
+                for r, tail in enumerate(tails)
+            ),
+            default=-np.inf,
+        )
+        children = []
+        for t in bounds.tables:
+            if t > left:
+                continue
+            stage = bounds.row(t, left, start, tails)
+            row = np.maximum(stage, g[left - t])
+            reach = np.maximum(
+                earlier,
+                bounds.tail_row(t, start)
+                + pair
+                + (n + 1 - (n == 0)) * o
+                + (n > 0) * rerun,
+            )
+            with np.errstate(invalid="ignore"):  # inf - inf: no such stage
+                rest = h[left - t] + reach
+            np.maximum(row, np.where(np.isnan(rest), np.inf, rest), out=row)
+            for stop in np.flatnonzero(row < best.time_s).tolist()[::-1]:
+                children.append((float(row[stop]), stop, t))
+        if least_first:  # else the shortest is popped first
+            children.sort(reverse=True)  # the least bound is popped first
+        for value, stop, t in children:
+            chain = (*stages, (start, stop, t))
+            more = (*tails, bounds.tail_after(t, start, stop))
+            stack.append((stop, left - t, chain, max(bound, value), more))
+
+
+def single_plans(
+    data: SailorData,
+    model: str,
+    gbs: int,
+    group: ConfigGroup,
+    bounds: StageBounds,
+    g: NDArray[np.float64],
+    size: int,
+    best: Incumbent,
+    rank_order: str = RANK_ORDERS[0],
+    least_first: bool = False,
+) -> Iterator[Plan3D]:
+    """The plans of a one-type configuration left to predict, placed in
+    ``rank_order`` (``least_first``: as :func:`chains`)."""
+    spec = data.gpu_spec(group.gpu)
+    for stages in chains(bounds, g, size, best, least_first):
+        yield plan_from_stages(
+            stages,
+            gpu_type=group.gpu,
+            dp=group.dp,
+            mbs=group.mbs,
+            gbs=gbs,
+            model=model,
+            gpus_per_node=spec.gpus_per_node,
+            zone=DEFAULT_ZONE,
+            rank_order=rank_order,
+        )
