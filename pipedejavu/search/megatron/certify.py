@@ -510,6 +510,18 @@ def certify_predicted(
     # configuration of lower bound but slower plans is not enumerated against
     # a poor incumbent (found on Llama-3-70B with full recomputation: the
     # budget was spent on TP 1 plans while a TP 2 plan was faster than all).
+    def consider(plan: Plan3D) -> None:
+        """Predict ``plan``: faster, and fitting, it becomes the incumbent."""
+        nonlocal best, best_plan, best_prediction, improved, predicted
+        predicted += 1
+        try:
+            prediction = predict_plan(plan, data, constants=constants)
+        except ProblemError:  # a link the network tables do not price
+            return
+        if prediction.fits_memory and prediction.iteration_time_s < best:
+            best, best_plan = prediction.iteration_time_s, plan
+            best_prediction, improved = prediction, True
+
     probed: dict[int, Plan3D] = {}
     for item in sorted(items):
         if item.bound >= best or predicted >= max_plans // 10:
@@ -517,21 +529,9 @@ def certify_predicted(
         if item.probe is None:
             continue
         plan = next(iter(item.probe(Incumbent(best))), None)
-        if plan is None:
-            continue
-        probed[item.order] = plan
-        predicted += 1
-        try:
-            prediction = predict_plan(plan, data, constants=constants)
-        except ProblemError:
-            continue
-        if prediction.fits_memory and prediction.iteration_time_s < best:
-            best, best_plan, best_prediction = (
-                prediction.iteration_time_s,
-                plan,
-                prediction,
-            )
-            improved = True
+        if plan is not None:
+            probed[item.order] = plan
+            consider(plan)
     while items:
         item = heapq.heappop(items)
         value, plans = item.bound, item.plans
@@ -554,21 +554,10 @@ def certify_predicted(
             if predicted >= max_plans:
                 complete = False
                 break
-            predicted += 1
             if time.perf_counter() - reported > 1.0:
                 report(value)
-            try:
-                prediction = predict_plan(plan, data, constants=constants)
-            except ProblemError:  # a link the network tables do not price
-                continue
-            if prediction.fits_memory and prediction.iteration_time_s < best:
-                best, best_plan, best_prediction = (
-                    prediction.iteration_time_s,
-                    plan,
-                    prediction,
-                )
-                incumbent_time.time_s = best
-                improved = True
+            consider(plan)
+            incumbent_time.time_s = best
         if complete:
             enumerated += 1
         else:
