@@ -206,11 +206,15 @@ def largest_stage_bound(table, plan, first_tail: bool = True) -> float:
         first = plan.stages[0].replicas[0]
         table = table[(first.gpu_type, plan.mbs, plan.dp, first.tp)]
     left = sum(stage.replicas[0].tp for stage in plan.stages)
-    largest, tails = -math.inf, []
+    largest, tails, reruns = -math.inf, [], []
     for stage in plan.stages:
         tp = stage.replicas[0].tp
-        row = table.row(tp, left, stage.start, tails if first_tail else ())
+        if first_tail:
+            row = table.row(tp, left, stage.start, tails, reruns)
+        else:
+            row = table.row(tp, left, stage.start)
         largest = max(largest, float(row[stage.stop]))
         tails.append(table.tail_after(tp, stage.start, stage.stop))
+        reruns.append(float(table.rerun_after(tp, stage.start)[stage.stop]))
         left -= tp
     return largest

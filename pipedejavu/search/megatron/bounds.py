@@ -102,7 +102,11 @@ class StageTable(NamedTuple):
             Megatron's block method (the least block's forward, when every
             stage reruns at least one; else 0): each stage the first
             micro-batch's way back and the last gradient's run through adds
-            it (:meth:`StageBounds.warm_up`, :meth:`StageBounds.row`).
+            it (:meth:`StageBounds.warm_up`).
+        recomputed: what the block method adds to each micro-batch's backward
+            of the stage (the fewest reruns' under per-stage recomputation):
+            the last gradient's way back through a known stage adds it
+            (:meth:`StageBounds.row`).
         tail: the stage's all-reduce and optimizer step (least over its
             placements).
         later: by stop ``b`` (``f64[L + 1]``), the least blocking pair over a
@@ -123,6 +127,7 @@ class StageTable(NamedTuple):
     back: NDArray[np.float64] | None = None
     earlier: NDArray[np.float64] | None = None
     rerun: float = 0.0
+    recomputed: Table | None = None
 
 
 def stage_bounds(
@@ -259,7 +264,10 @@ def kind_bounds(
         after[starts, stops] = tail
         built = []
         for rerun, kept in [bound_counts(data, info), *((n, n) for n in counts)]:
-            compute = base + spans_recompute(info, entry, starts, stops, rerun)
+            again = spans_recompute(info, entry, starts, stops, rerun)
+            recomputed = np.zeros(shape)
+            recomputed[starts, stops] = again
+            compute = base + again
             compute = compute + (3 if zero_bubble else 2) * overhead
             busy = compute + pair_in
             busy += pair_out
@@ -314,6 +322,7 @@ def kind_bounds(
                     back=before_b,
                     earlier=earlier,
                     rerun=least_block,
+                    recomputed=recomputed,
                 )
             )
         out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)

@@ -110,7 +110,12 @@ class StageBounds:
         return fewest, k, crossed
 
     def row(
-        self, tp: int, left: int, start: int, tails: Sequence[float] = ()
+        self,
+        tp: int,
+        left: int,
+        start: int,
+        tails: Sequence[float] = (),
+        reruns: Sequence[float] = (),
     ) -> NDArray[np.float64]:
         """``weights(tp, left)[start]``, and with ``tails`` (the
         :meth:`tail_after` of each stage before it, in order) at least the
@@ -123,21 +128,21 @@ class StageBounds:
         on ``n`` stages, the last gradient crosses ``n - r`` boundaries back
         to ``r`` and runs backward on ``n - r`` stages, each with an overhead
         and (both ways over a boundary) at least its least blocking pair
-        (``StageTable.earlier``)."""
+        (``StageTable.earlier``); ``reruns``: what the block method adds to
+        each of those stages' backward (:meth:`rerun_after`; none: 0)."""
         stage = self.weights(tp, left)[start]
         table = self.tables[tp]
         n = len(tails)
         if n == 0 or table.chain is None or start == 0:
             return stage
         pair = 0.0 if table.earlier is None else float(table.earlier[start])
-        o, rerun = self.overhead, table.rerun
-        # the largest tail and what the way to its stage crosses (every stage
-        # but stage 0 holds a block, and reruns one under the block method)
+        o = self.overhead
+        again = np.zeros(n + 1)  # the reruns of stages r.., by r
+        if len(reruns) == n:
+            again[:n] = np.cumsum(np.asarray(reruns, dtype=float)[::-1])[::-1]
+        # the largest tail and what the way to its stage crosses
         reach = max(
-            tail
-            + (n - r) * pair
-            + (n - 1 + n - r - (r == 0)) * o
-            + (n - r - (r == 0)) * rerun
+            tail + again[r] + (n - r) * pair + (n - 1 + n - r - (r == 0)) * o
             for r, tail in enumerate(tails)
         )
         chain = table.chain[start]
@@ -149,6 +154,15 @@ class StageBounds:
                 warm += crossed
             chain = np.maximum(chain, warm)
         return np.maximum(stage, chain + reach)
+
+    def rerun_after(self, tp: int, start: int) -> NDArray[np.float64]:
+        """By stop, what the block method adds to each backward of a stage
+        from ``start`` at degree ``tp`` (``StageTable.recomputed``; 0 where
+        not tabled)."""
+        table = self.tables[tp]
+        if table.recomputed is None:
+            return np.zeros(table.w.shape[1])
+        return table.recomputed[start]
 
     def tail_row(self, tp: int, start: int) -> NDArray[np.float64]:
         """:meth:`tail_after` of every stop at once (``-inf`` where not
@@ -247,10 +261,11 @@ def chains(
     top = float(g[size, 0])
     h = bounds.bottleneck(size, chain=True)
     pair, o = bounds.least_pair(), bounds.overhead
-    rerun = min(t.rerun for t in bounds.tables.values())
-    stack: list[tuple[int, int, tuple, float, tuple]] = [(0, size, (), top, ())]
+    stack: list[tuple[int, int, tuple, float, tuple, tuple]] = [
+        (0, size, (), top, (), ())
+    ]
     while stack:
-        start, left, stages, bound, tails = stack.pop()
+        start, left, stages, bound, tails, reruns = stack.pop()
         if bound >= best.time_s:
             continue
         if start == last:
@@ -261,12 +276,10 @@ def chains(
         # least reach of the tails before them (StageBounds.row with the
         # least pair of any boundary)
         n = len(tails)
+        again = np.cumsum(np.asarray(reruns, dtype=float)[::-1])[::-1]
         earlier = max(
             (
-                tail
-                + (n + 1 - r) * pair
-                + (2 * n + 1 - r - (r == 0)) * o
-                + (n + 1 - r - (r == 0)) * rerun
+                tail + again[r] + (n + 1 - r) * pair + (2 * n + 1 - r - (r == 0)) * o
                 for r, tail in enumerate(tails)
             ),
             default=-np.inf,
@@ -275,15 +288,12 @@ def chains(
         for t in bounds.tables:
             if t > left:
                 continue
-            stage = bounds.row(t, left, start, tails)
+            stage = bounds.row(t, left, start, tails, reruns)
             row = np.maximum(stage, g[left - t])
             reach = np.maximum(
-                earlier,
-                bounds.tail_row(t, start)
-                + pair
-                + (n + 1 - (n == 0)) * o
-                + (n > 0) * rerun,
+                earlier, bounds.tail_row(t, start) + pair + (n + 1 - (n == 0)) * o
             )
+            reach += bounds.rerun_after(t, start)  # the next stage's reruns
             with np.errstate(invalid="ignore"):  # inf - inf: no such stage
                 rest = h[left - t] + reach
             np.maximum(row, np.where(np.isnan(rest), np.inf, rest), out=row)
@@ -294,7 +304,8 @@ def chains(
         for value, stop, t in children:
             chain = (*stages, (start, stop, t))
             more = (*tails, bounds.tail_after(t, start, stop))
-            stack.append((stop, left - t, chain, max(bound, value), more))
+            again = (*reruns, float(bounds.rerun_after(t, start)[stop]))
+            stack.append((stop, left - t, chain, max(bound, value), more, again))
 
 
 def single_plans(
