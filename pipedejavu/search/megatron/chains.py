@@ -21,7 +21,15 @@ from pipedejavu.search.megatron.bounds import StageTable
 from pipedejavu.search.megatron.space import ConfigGroup
 from pipedejavu.search.megatron.transfers import SendRow
 
-__all__ = ["Incumbent", "StageBounds", "chains", "single_plans", "stages_after"]
+__all__ = [
+    "Incumbent",
+    "StageBounds",
+    "chains",
+    "crossed_to",
+    "reach",
+    "single_plans",
+    "stages_after",
+]
 
 Table = NDArray[np.float64]
 
@@ -132,28 +140,13 @@ class StageBounds:
         each of those stages' backward (:meth:`rerun_after`; none: 0)."""
         stage = self.weights(tp, left)[start]
         table = self.tables[tp]
-        n = len(tails)
-        if n == 0 or table.chain is None or start == 0:
+        if not tails or table.chain is None or start == 0:
             return stage
         pair = 0.0 if table.earlier is None else float(table.earlier[start])
-        o = self.overhead
-        again = np.zeros(n + 1)  # the reruns of stages r.., by r
-        if len(reruns) == n:
-            again[:n] = np.cumsum(np.asarray(reruns, dtype=float)[::-1])[::-1]
-        # the largest tail and what the way to its stage crosses
-        reach = max(
-            tail + again[r] + (n - r) * pair + (n - 1 + n - r - (r == 0)) * o
-            for r, tail in enumerate(tails)
-        )
-        chain = table.chain[start]
-        if table.warm_chain is not None:
-            fewest, k, crossed = self.warm_up(tp, left)
-            warm = table.warm_chain[start] + 2 * o * fewest
-            warm -= k * table.fwd[start]
-            if crossed is not None:
-                warm += crossed
-            chain = np.maximum(chain, warm)
-        return np.maximum(stage, chain + reach)
+        most = reach(tails, reruns, len(tails), pair, self.overhead)
+        if most == -math.inf:  # no tail tabled
+            return stage
+        return np.maximum(stage, self.chain_weights(tp, left)[start] + most)
 
     def rerun_after(self, tp: int, start: int) -> NDArray[np.float64]:
         """By stop, what the block method adds to each backward of a stage
@@ -242,6 +235,41 @@ class StageBounds:
         return float(min(least)) if least else 0.0
 
 
+def crossed_to(position: int, r: int, pair: float, overhead: float) -> float:
+    """What the first forward to stage ``position`` and the last gradient
+    back from it to an earlier stage ``r`` cross beyond the layers' times
+    (:meth:`StageBounds.row`): ``position`` boundaries forward and
+    ``position - r`` back, each at least ``pair`` both ways, and an overhead
+    per stage each way but the one the chains count (stage 0's on the way
+    back, where ``r = 0``, is in ``G``)."""
+    stages = position - 1 + position - r - (r == 0)
+    return (position - r) * pair + stages * overhead
+
+
+def reach(
+    tails: Sequence[float],
+    reruns: Sequence[float],
+    position: int,
+    pair: float,
+    overhead: float,
+) -> float:
+    """The most a stage at ``position`` (stages before it: ``tails``, the
+    :meth:`StageBounds.tail_after` of the first ones, and ``reruns``, their
+    :meth:`StageBounds.rerun_after`; none: 0) adds past its gradient chain:
+    over the earlier stages ``r``, ``r``'s tail, the reruns of the stages from
+    ``r`` on and :func:`crossed_to` (``-inf`` with no tail)."""
+    again = np.zeros(len(tails) + 1)  # the reruns of stages r.., by r
+    if len(reruns) == len(tails):
+        again[:-1] = np.cumsum(np.asarray(reruns, dtype=float)[::-1])[::-1]
+    return max(
+        (
+            tail + again[r] + crossed_to(position, r, pair, overhead)
+            for r, tail in enumerate(tails)
+        ),
+        default=-math.inf,
+    )
+
+
 def chains(
     bounds: StageBounds,
     g: NDArray[np.float64],
@@ -259,7 +287,7 @@ def chains(
     is then the bottleneck DP's."""
     last = g.shape[1] - 1
     top = float(g[size, 0])
-    h = bounds.bottleneck(size, chain=True)
+    h = bounds.bottleneck(g.shape[0] - 1, chain=True)  # g's rows: once a group
     pair, o = bounds.least_pair(), bounds.overhead
     stack: list[tuple[int, int, tuple, float, tuple, tuple]] = [
         (0, size, (), top, (), ())
@@ -275,27 +303,22 @@ def chains(
         # the stages after the next one: their gradient chains (h) plus the
         # least reach of the tails before them (StageBounds.row with the
         # least pair of any boundary)
+        # (the next stage is stage n, the first after it stage n + 1)
         n = len(tails)
-        again = np.cumsum(np.asarray(reruns, dtype=float)[::-1])[::-1]
-        earlier = max(
-            (
-                tail + again[r] + (n + 1 - r) * pair + (2 * n + 1 - r - (r == 0)) * o
-                for r, tail in enumerate(tails)
-            ),
-            default=-np.inf,
-        )
+        earlier = reach(tails, reruns, n + 1, pair, o)
         children = []
         for t in bounds.tables:
             if t > left:
                 continue
             stage = bounds.row(t, left, start, tails, reruns)
             row = np.maximum(stage, g[left - t])
-            reach = np.maximum(
-                earlier, bounds.tail_row(t, start) + pair + (n + 1 - (n == 0)) * o
+            # and the next stage's own tail (r = n), all past its reruns
+            most = np.maximum(
+                earlier, bounds.tail_row(t, start) + crossed_to(n + 1, n, pair, o)
             )
-            reach += bounds.rerun_after(t, start)  # the next stage's reruns
+            most += bounds.rerun_after(t, start)
             with np.errstate(invalid="ignore"):  # inf - inf: no such stage
-                rest = h[left - t] + reach
+                rest = h[left - t] + most
             np.maximum(row, np.where(np.isnan(rest), np.inf, rest), out=row)
             for stop in np.flatnonzero(row < best.time_s).tolist()[::-1]:
                 children.append((float(row[stop]), stop, t))
