@@ -308,3 +308,28 @@ def test_a_profiled_machine_prices_tp_collectives_as_the_calibration_does():
         one.forward, plain.layer_times(spec.name, "GH-96", mbs, 1).forward
     )
     assert options.precision == "fp32"
+
+
+def test_one_entry_is_priced_alone_and_as_in_the_profile():
+    """``layer_times`` prices the entry it is asked for without the whole
+    profile, the same numbers the profile then holds; a TP the model cannot
+    split and a GPU off the sheet fail as before."""
+    from pipedejavu.core.errors import ProblemError
+    from pipedejavu.costmodel.analytical.source import AnalyticalSource
+    from pipedejavu.io.gpu_sheet import load_gpu_sheet
+    from pipedejavu.io.model_config import load_model_spec
+
+    spec = load_model_spec("llama-3-8b")
+    source = AnalyticalSource(spec, load_gpu_sheet())
+    one = source.layer_times(spec.name, "H100-SXM", 2, 4)
+    assert source.source_of("H100-SXM", 2, 4) == "analytical"
+    table = source.profile(spec.name, "H100-SXM")
+    assert len(table) > 1 and table[(2, 4)] is one
+    fresh = AnalyticalSource(spec, load_gpu_sheet()).profile(spec.name, "H100-SXM")
+    for key, times in table.items():
+        assert np.array_equal(times.forward, fresh[key].forward)
+        assert np.array_equal(times.backward, fresh[key].backward)
+    with pytest.raises(ValueError, match="no sizes for tp 3"):
+        source.layer_times(spec.name, "H100-SXM", 2, 3)
+    with pytest.raises(ProblemError, match="not on the GPU sheet"):
+        source.layer_times(spec.name, "H1000", 2, 4)

@@ -146,6 +146,7 @@ class AnalyticalSource:
         self._info: ModelInfo | None = None
         self._tables: dict[str, dict[tuple[int, int], LayerTimes]] = {}
         self._sources: dict[tuple[str, int, int], str] = {}
+        self._entries: dict[tuple[str, int, int], LayerTimes] = {}
 
     # ------------------------------------------------------------ interface
     @property
@@ -200,7 +201,7 @@ class AnalyticalSource:
         self._check_model(model)
         if gpu not in self._tables:
             self._tables[gpu] = {
-                (mbs, tp): self._layer_times(gpu, mbs, tp)
+                (mbs, tp): self._priced(gpu, mbs, tp)
                 for mbs in self.mbs_values
                 for tp in self.tp_values(gpu)
             }
@@ -209,17 +210,18 @@ class AnalyticalSource:
     def layer_times(
         self, model: str, gpu: str, mbs: int, tp: int, *, smooth: bool = False
     ) -> LayerTimes:
+        """One entry, priced alone (a prediction needs one: pricing the whole
+        :meth:`profile` took most of a small model's prediction)."""
         self._check_model(model)
-        table = self.profile(model, gpu)
-        if (mbs, tp) in table:
-            return table[(mbs, tp)]
-        self.model_info(model).check_tp(tp)
-        return self._layer_times(gpu, mbs, tp)
+        if (gpu, mbs, tp) not in self._entries:
+            self._entry(gpu)
+            if mbs not in self.mbs_values or tp not in self.tp_values(gpu):
+                self.model_info(model).check_tp(tp)
+        return self._priced(gpu, mbs, tp)
 
     def source_of(self, gpu: str, mbs: int, tp: int) -> str:
         """``"profiles"`` or ``"analytical"``: what priced an entry."""
-        if (gpu, mbs, tp) not in self._sources:
-            self._layer_times(gpu, mbs, tp)
+        self._priced(gpu, mbs, tp)
         return self._sources[(gpu, mbs, tp)]
 
     def cost_source(self, plan: Plan3D) -> str:
@@ -233,6 +235,12 @@ class AnalyticalSource:
         return sources.pop() if len(sources) == 1 else "mixed"
 
     # -------------------------------------------------------------- pricing
+    def _priced(self, gpu: str, mbs: int, tp: int) -> LayerTimes:
+        key = (gpu, mbs, tp)
+        if key not in self._entries:
+            self._entries[key] = self._layer_times(gpu, mbs, tp)
+        return self._entries[key]
+
     def _profiled(self, gpu: str, mbs: int, tp: int) -> LayerTimes | None:
         options = self._options
         plain = (
