@@ -12,6 +12,7 @@ from pipedejavu.simulation.deepspeed import (
     SEND_ACT,
     compute_order,
     deepspeed_commands,
+    run_deepspeed,
 )
 from pipedejavu.simulation.schedules import command_order
 from pipedejavu.simulation.simulate import simulate
@@ -183,3 +184,79 @@ def test_random_pipelines_respect_every_dependency():
         assert r.iteration_time == pytest.approx(last, rel=1e-12)
         tight += bool(np.isclose(r.forward_start[1:], r.activation_end).any())
     assert tight > 100  # the dependencies bind, not just hold
+
+
+def test_by_steps_matches_the_program_bit_for_bit():
+    """Running one step of every stage at once (numpy) gives the program's
+    orders and times exactly, blocking or buffered, with free or slow links,
+    from one stage and one micro-batch up."""
+    rng = np.random.default_rng(11)
+    shapes = [(1, 1), (1, 5), (2, 1), (17, 1), (16, 3)]
+    shapes += [(int(rng.integers(1, 25)), int(rng.integers(1, 40))) for _ in range(200)]
+    for k, (stages, count) in enumerate(shapes):
+        links = stages - 1
+        transfer = rng.uniform(0, 1, links) * (k % 4 != 0)
+        args = (
+            rng.uniform(0.1, 2, stages).tolist(),
+            rng.uniform(0.1, 4, stages).tolist(),
+            transfer.tolist(),
+            rng.uniform(0, 2, links).tolist(),
+            [bool(k % 2)] * links,
+            count,
+        )
+        program = run_deepspeed(*args, method="program")
+        steps = run_deepspeed(*args, method="steps")
+        assert np.array_equal(np.asarray(program[0]), steps[0])
+        for a, b in zip(program[1], steps[1], strict=True):
+            a = np.array(a, dtype=np.float64).reshape(-1, count)
+            assert np.array_equal(a, b, equal_nan=True), (stages, count, k % 2)
+    with pytest.raises(ValueError, match="all block or all buffer"):
+        run_deepspeed(
+            [1.0] * 3, [1.0] * 3, [1.0] * 2, [1.0] * 2, [True, False], 2, method="steps"
+        )
+    with pytest.raises(ValueError, match="method must be"):
+        run_deepspeed([1.0], [1.0], [], [], [], 2, method="fast")
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_long_pipelines_run_by_steps(blocking):
+    """``simulate`` takes the steps for 16 stages and more: the same result as
+    the program, and the 1F1B closed form on equal stages with free links."""
+    rng = np.random.default_rng(5)
+    stages, count = 20, 37
+    forward, backward = rng.uniform(0.1, 2, stages), rng.uniform(0.1, 4, stages)
+    transfer = rng.uniform(0, 1, stages - 1)
+    result = simulate(
+        forward,
+        backward,
+        count,
+        schedule="deepspeed",
+        transfer=transfer,
+        blocking=blocking,
+    )
+    _, grids = run_deepspeed(
+        forward.tolist(),
+        backward.tolist(),
+        transfer.tolist(),
+        transfer.tolist(),
+        [blocking] * (stages - 1),
+        count,
+        method="program",
+    )
+    assert np.array_equal(result.forward_end, np.array(grids[1]))
+    assert np.array_equal(result.gradient_start, np.array(grids[6]), equal_nan=True)
+    assert result.iteration_time == max(
+        max(map(max, grids[1])), max(map(max, grids[3]))
+    )
+    equal = simulate(
+        [1.5] * stages,
+        [2.5] * stages,
+        count,
+        schedule="deepspeed",
+        transfer=np.zeros(stages - 1),
+        blocking=blocking,
+    )
+    assert equal.iteration_time == pytest.approx((stages + count - 1) * 4.0)
+    assert equal.peak_in_flight.tolist() == [
+        min(stages - s, count) for s in range(stages)
+    ]
