@@ -122,6 +122,40 @@ def _entries(problem: Problem) -> _Entries:
     return entries
 
 
+_STARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _starts(problem: Problem, usable: NDArray[np.bool_]) -> list:
+    """Per start layer, the usable groups that start there and their candidate
+    stage ends, longest stage first (Alpa's loop order): ``(groups, stops,
+    position of each group's stop, submesh of each group)``, or ``None`` where
+    nothing usable starts. Cached per problem and set of usable groups."""
+    by_usable = _STARTS.setdefault(problem, {})
+    key = usable.tobytes()
+    if key in by_usable:
+        return by_usable[key]
+    entries = _entries(problem)
+    out: list = []
+    for start in range(problem.num_layers):
+        groups = np.arange(
+            entries.start_pointer[start], entries.start_pointer[start + 1]
+        )
+        groups = groups[usable[groups]]
+        if groups.size == 0:  # nothing starts here: the rows stay inf
+            out.append(None)
+            continue
+        ascending = np.unique(entries.group_end[groups]) + 1
+        stops = ascending[::-1]
+        position = (
+            stops.size - 1 - np.searchsorted(ascending, entries.group_end[groups] + 1)
+        )
+        out.append((groups, stops, position, entries.group_submesh[groups]))
+    if len(by_usable) >= 8:  # a handful of usable sets per problem in practice
+        by_usable.clear()
+    by_usable[key] = out
+    return out
+
+
 def _stage_tables(
     problem: Problem, cap: float, num_buckets: int
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
@@ -192,14 +226,15 @@ def _dp(
     succ_bucket = np.zeros(shape, dtype=np.int64)
     value[0, num_layers, 0] = 0.0
     count[0, num_layers, 0] = 0
+    below = np.arange(num_buckets)[:, None]  # the bucket each one follows
+    columns = np.arange(width)[None, :]
 
     def hand_over(layer: int) -> None:
         # Buckets 1..NB-1 follow bucket b-1; the lumped bucket follows bucket
         # NB-1 or itself, whichever is better (fewer stages on equal value).
-        for bucket in range(1, num_buckets + 1):
-            succ_value[bucket, layer] = value[bucket - 1, layer]
-            succ_count[bucket, layer] = count[bucket - 1, layer]
-            succ_bucket[bucket, layer] = bucket - 1
+        succ_value[1:, layer] = value[:-1, layer]
+        succ_count[1:, layer] = count[:-1, layer]
+        succ_bucket[1:, layer] = below
         lumped = num_buckets
         better = (value[lumped, layer] < succ_value[lumped, layer]) | (
             (value[lumped, layer] == succ_value[lumped, layer])
@@ -218,21 +253,13 @@ def _dp(
     hand_over(num_layers)
     entries = _entries(problem)
     usable = np.isfinite(stage_cost[1:]).any(axis=0)  # [G]
+    starts = _starts(problem, usable)
     for start in range(num_layers - 1, -1, -1):
-        groups = np.arange(
-            entries.start_pointer[start], entries.start_pointer[start + 1]
-        )
-        groups = groups[usable[groups]]
-        if groups.size == 0:  # nothing starts here: the rows stay inf
+        if starts[start] is None:  # nothing starts here: the rows stay inf
             continue
-        # Candidate stage ends, longest stage first (Alpa's loop order).
-        ascending = np.unique(entries.group_end[groups]) + 1
-        stops = ascending[::-1]
-        position = (
-            stops.size - 1 - np.searchsorted(ascending, entries.group_end[groups] + 1)
-        )
+        groups, stops, position, group_submesh = starts[start]
         costs = np.full((num_buckets, stops.size, len(sizes)), np.inf)
-        costs[:, position, entries.group_submesh[groups]] = stage_cost[1:, groups]
+        costs[:, position, group_submesh] = stage_cost[1:, groups]
         candidates = np.full((num_buckets, stops.size, len(sizes), width), np.inf)
         counts = np.full(candidates.shape, _NO_COUNT, dtype=np.int64)
         for submesh, size in enumerate(sizes.tolist()):
@@ -250,12 +277,10 @@ def _dp(
         found = np.isfinite(best)
         stop_index, submesh = np.divmod(pick, len(sizes))
         chosen_stop = stops[stop_index]
-        devices_left = np.arange(width)[None, :] - sizes[submesh]
+        devices_left = columns - sizes[submesh]
         rows = np.arange(num_buckets)[:, None] + 1
         value[1:, start] = best
-        count[1:, start] = np.where(
-            found, np.take_along_axis(counts, pick[:, None, :], 1)[:, 0], _NO_COUNT
-        )
+        count[1:, start] = np.where(found, counts[rows - 1, pick, columns], _NO_COUNT)
         choice_stop[1:, start] = chosen_stop
         choice_submesh[1:, start] = submesh
         choice_next[1:, start] = np.where(
