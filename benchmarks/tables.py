@@ -556,6 +556,7 @@ def t_published_runs() -> str:
             f"{r['predicted_tflops_per_gpu']:.1f}",
             f"{100 * r['in_sample_error']:+.1f}%",
             f"{100 * r['leave_one_out_error']:+.1f}%",
+            f"{r['prediction_ms']:.0f}",
         ]
         for r in data["runs"]
     ]
@@ -568,12 +569,15 @@ def t_published_runs() -> str:
         "predicted",
         "error (in-sample)",
         "error (leave-one-out)",
+        "prediction (ms)",
     ]
     return (
         table(head, rows)
         + f"\n\nLeave-one-out absolute error: median {pct(loo['median'])}, max "
         f"{pct(loo['max'])}; one constant MFU for all runs (leave-one-out): "
-        f"median {pct(anchor['median'])}, max {pct(anchor['max'])}."
+        f"median {pct(anchor['median'])}, max {pct(anchor['max'])}. Prediction: "
+        "each run's first `predict` in one process (its own cost source, "
+        "nothing of it cached before)."
         + source("published_runs.json")
     )
 
