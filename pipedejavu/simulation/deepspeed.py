@@ -344,7 +344,6 @@ class StepTables(NamedTuple):
     parities: tuple
 
 
-@functools.lru_cache(maxsize=32)
 def step_tables(num_stages: int, count: int) -> StepTables:
     """What :func:`run_by_steps` reads for a shape (the times apart): the
     micro-batch, forward and valid flags of each (step, stage), and per parity
@@ -386,6 +385,12 @@ def step_tables(num_stages: int, count: int) -> StepTables:
     return StepTables(current, previous, forward, valid, width, tuple(tables))
 
 
+# Tables of shapes up to the large programs' size stay cached (19 bytes per
+# (step, stage), measured: at most 16 x 5 MB at 65536 (stage, micro-batch)
+# pairs).
+_cached_step_tables = functools.lru_cache(maxsize=16)(step_tables)
+
+
 def run_by_steps(
     forward, backward, transfer, gradient_transfer, blocking: bool, num_microbatches
 ):
@@ -394,7 +399,10 @@ def run_by_steps(
     count = num_microbatches
     forward = np.asarray(forward, dtype=np.float64)
     num_stages = forward.shape[0]
-    steps = step_tables(num_stages, count)
+    if num_stages * count <= _LARGE_CACHED_SIZE:
+        steps = _cached_step_tables(num_stages, count)
+    else:
+        steps = step_tables(num_stages, count)
     tables, width = steps.parities, steps.width
     num_steps = steps.current.shape[0]
     work = np.zeros((num_steps, width))  # seconds of each (step, padded stage)
