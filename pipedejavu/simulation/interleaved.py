@@ -60,6 +60,7 @@ __all__ = [
     "checked_array",
     "interleaved_order",
     "peak_in_flight_count",
+    "round_commands",
     "round_table",
     "simulate_interleaved",
     "warmup_count",
@@ -183,21 +184,31 @@ def interleaved_order(
 _CACHED_ORDER_OPS = 8192
 
 
+@functools.lru_cache(maxsize=8)
+def round_commands(
+    num_ranks: int, num_chunks: int, num_microbatches: int
+) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """A rank's forwards and its backwards, each in run order
+    (:func:`round_table`; the backwards with the chunk reversed): the same on
+    every rank, so built once for all of a pipeline's ranks."""
+    table = round_table(num_ranks, num_chunks, num_microbatches)
+    forwards = tuple(Op(False, chunk, microbatch) for microbatch, chunk in table)
+    backwards = tuple(
+        Op(True, num_chunks - 1 - chunk, microbatch) for microbatch, chunk in table
+    )
+    return forwards, backwards
+
+
 def _order(
     rank: int, num_ranks: int, num_chunks: int, num_microbatches: int
 ) -> list[Op]:
     warmup = warmup_count(rank, num_ranks, num_chunks, num_microbatches)
-    table = round_table(num_ranks, num_chunks, num_microbatches)
-    forwards = [Op(False, chunk, microbatch) for microbatch, chunk in table]
-    backwards = [
-        Op(True, num_chunks - 1 - chunk, microbatch) for microbatch, chunk in table
-    ]
-    total = len(table)
-    order = forwards[:warmup]
-    for k in range(total - warmup):
-        order += [forwards[warmup + k], backwards[k]]
-    order += backwards[total - warmup :]
-    return order
+    forwards, backwards = round_commands(num_ranks, num_chunks, num_microbatches)
+    steady = len(forwards) - warmup  # one forward, then one backward
+    middle: list[Op] = [forwards[0]] * (2 * steady)
+    middle[0::2] = forwards[warmup:]
+    middle[1::2] = backwards[:steady]
+    return [*forwards[:warmup], *middle, *backwards[steady:]]
 
 
 @functools.lru_cache(maxsize=128)

@@ -73,7 +73,7 @@ from numpy.typing import ArrayLike, NDArray
 from pipedejavu.simulation.interleaved import (
     Op,
     checked_array,
-    round_table,
+    round_commands,
     run_interleaved,
 )
 
@@ -157,20 +157,26 @@ def zero_bubble_order(
     """
     warmup = zero_bubble_warmup(rank, num_ranks, num_microbatches, num_chunks)
     ranks, count, chunks = int(num_ranks), int(num_microbatches), int(num_chunks)
-    table = round_table(ranks, chunks, count)
-    forwards = [Op(False, c, b) for b, c in table]
-    inputs = [Op(True, chunks - 1 - c, b) for b, c in table]
-    weights = [Op(True, chunks - 1 - c, b, True) for b, c in table]
-    order = forwards[:warmup]
+    forwards, inputs, weights = _commands(ranks, chunks, count)
+    order = list(forwards[:warmup])
     pending = 0  # the oldest B whose W has not run
-    for j in range(len(table)):
-        if warmup + j < len(table):
+    for j in range(len(forwards)):
+        if warmup + j < len(forwards):
             order.append(forwards[warmup + j])
         order.append(inputs[j])
         if j >= rank:
             order.append(weights[pending])
             pending += 1
-    return order + weights[pending:]
+    return order + list(weights[pending:])
+
+
+@functools.lru_cache(maxsize=8)
+def _commands(ranks: int, chunks: int, count: int) -> tuple[tuple[Op, ...], ...]:
+    """A rank's ``F``, ``B`` and ``W`` commands, each in run order (the same on
+    every rank): built once for all of a pipeline's ranks."""
+    forwards, inputs = round_commands(ranks, chunks, count)
+    weights = tuple(Op(True, op.chunk, op.microbatch, True) for op in inputs)
+    return forwards, inputs, weights
 
 
 def zbv_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
@@ -189,12 +195,13 @@ def zbv_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
     rounds = max(2 * ranks - 1, count)  # then the extra micro-batches dropped
     done = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}
     order: list[Op] = []
+    commands = _v_commands(count)
 
     def run(kind: str, chunk: int) -> None:
         b = done[kind][chunk]
         done[kind][chunk] += 1
         if b < count:
-            order.append(Op(kind != "F", chunk, b, kind == "W"))
+            order.append(commands[kind][chunk][b])
 
     for _ in range(2 * (ranks - rank) - 1):  # warm-up: chunk 0's forwards
         run("F", 0)
@@ -224,6 +231,19 @@ def zbv_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
     while done["W"][0] < done["B"][0]:
         run("W", 0)
     return order
+
+
+@functools.lru_cache(maxsize=8)
+def _v_commands(count: int) -> dict[str, tuple[tuple[Op, ...], tuple[Op, ...]]]:
+    """``[kind][chunk][b]``: the ``F``, ``B`` and ``W`` command of micro-batch
+    ``b`` on each chunk, built once for all ranks of a ZB-V pipeline."""
+    return {
+        kind: tuple(
+            tuple(Op(kind != "F", chunk, b, kind == "W") for b in range(count))
+            for chunk in (0, 1)
+        )
+        for kind in "FBW"
+    }
 
 
 @functools.lru_cache(maxsize=4096)
