@@ -436,6 +436,33 @@ class InterleavedResult:
         return self.forward.shape[1]
 
 
+def _order_arrays(
+    num_ranks: int, num_chunks: int, num_microbatches: int
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """i64[P, 2 V M] +1 for each forward, -1 for each backward of each
+    rank's :func:`interleaved_order`, and each command's chunk; kept for
+    shapes of up to 2^18 commands (4 MB, 8 shapes)."""
+    if num_ranks * 2 * num_chunks * num_microbatches <= 1 << 18:
+        return _cached_order_arrays(num_ranks, num_chunks, num_microbatches)
+    return _build_order_arrays(num_ranks, num_chunks, num_microbatches)
+
+
+def _build_order_arrays(
+    num_ranks: int, num_chunks: int, num_microbatches: int
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    orders = [
+        interleaved_order(r, num_ranks, num_chunks, num_microbatches)
+        for r in range(num_ranks)
+    ]
+    signs = np.array([[-1 if op.backward else 1 for op in o] for o in orders])
+    chunks = np.array([[op.chunk for op in o] for o in orders])
+    signs.flags.writeable = chunks.flags.writeable = False
+    return signs, chunks
+
+
+_cached_order_arrays = functools.lru_cache(maxsize=8)(_build_order_arrays)
+
+
 def checked_array(
     value: ArrayLike, name: str, shape: tuple[int, ...]
 ) -> NDArray[np.float64]:
@@ -530,11 +557,10 @@ def simulate_interleaved(
     iteration_time = float(max(arrays[1].max(), arrays[3].max()))
     busy = count * (forward + backward).sum(axis=1)
     idle = 1.0 - busy / iteration_time if iteration_time > 0 else np.zeros(num_ranks)
-    signs = np.array([[-1 if op.backward else 1 for op in o] for o in orders])
+    signs, chunks = _order_arrays(num_ranks, num_chunks, count)
     peak = np.cumsum(signs, axis=1).max(axis=1).astype(np.int64)
     peak_memory = None
     if memory is not None:
-        chunks = np.array([[op.chunk for op in o] for o in orders])
         held = np.cumsum(signs * np.take_along_axis(memory, chunks, axis=1), axis=1)
         peak_memory = held.max(axis=1)
     return InterleavedResult(
