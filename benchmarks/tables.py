@@ -998,7 +998,42 @@ def t_fp8_gemms() -> str:
     return table(head, body) + source("gpu_fp8_gemms.json")
 
 
+def t_simulator_speed() -> str:
+    data = load("simulator_speed.json")
+    rows = [
+        [
+            f"{r['stages']} x {r['microbatches']}",
+            "blocking" if r["blocking"] else "buffered",
+            f"{r['program_first_ms']:.1f}",
+            f"{r['program_cached_ms']:.1f}",
+            f"{r['steps_first_ms']:.1f}",
+            f"{r['steps_cached_ms']:.1f}",
+            "yes" if r["same_grids"] else "NO",
+        ]
+        for r in data["deepspeed"]
+    ]
+    head = [
+        "stages x micro-batches",
+        "links",
+        "program, built and run (ms)",
+        "program, cached (ms)",
+        "by steps, first (ms)",
+        "by steps, again (ms)",
+        "same grids",
+    ]
+    orders = ", ".join(
+        f"{r['schedule']} {r['build_ms']:.1f} ms" for r in data["orders_530b_shape"]
+    )
+    return (
+        table(head, rows)
+        + f"\n\nBuilding every rank's command order for SC'21 530B's shape (35 ranks, "
+        f"3 chunks, 280 micro-batches): {orders}."
+        + source("simulator_speed.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "simulator_speed": t_simulator_speed,
     "plan_knobs": t_plan_knobs,
     "fp8_gemms": t_fp8_gemms,
     "zero_bubble_split": t_zero_bubble_split,

@@ -501,3 +501,11 @@ def _step_grids(steps: StepTables, count, seconds, clocks, blocking):
             end_grid[link, b] = start + seconds[parity][phase][j]
         transfers += [start_grid, end_grid]
     return orders, (f_start, f_end, b_start, b_end, *transfers)
+
+
+def clear_caches() -> None:
+    """Forget the programs and step tables kept per shape (to time a cold
+    start: ``benchmarks/simulator_speed.py``)."""
+    _cached_program.cache_clear()
+    _large_cached_program.cache_clear()
+    _cached_step_tables.cache_clear()
