@@ -208,11 +208,12 @@ def run_deepspeed(
 
 
 # From this many stages, or past the cached programs' size, links that all
-# block or all buffer run by steps (:func:`run_by_steps`): one vectorized step
-# of every stage costs about 7 us against 0.5 to 1 us an op for a cached
-# program of 4 to 6 ops per (stage, micro-batch), and building a program
-# costs 4 to 8 times more than running it (64 stages x 512 micro-batches,
-# blocking: 170 ms to build and run, 20 ms by steps).
+# block or all buffer run by steps (:func:`run_by_steps`): a vectorized step of
+# every stage costs a few microseconds whatever the stages, an op of a cached
+# program under one, with 4 to 6 ops per (stage, micro-batch), and building a
+# program costs 4 to 5 times more than running it. At 8 stages a cached
+# program still runs faster, from 16 the steps do
+# (``benchmarks/simulator_speed.py``).
 _BY_STEPS_STAGES = 16
 
 # Ops of a compiled program (:func:`_program`).
