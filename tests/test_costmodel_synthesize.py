@@ -347,9 +347,9 @@ def test_argument_errors(kwargs, match):
 
 def test_l512_on_128x8_builds():
     layers = gpt_layers(512, 4096, 2048, 8, 51200)
-    started = time.perf_counter()
+    started = time.process_time()
     problem = synthesize(layers, (128, 8), num_microbatches=64, noise=0.02, seed=0)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert problem.compute_cost.shape == (512, 512, 11, 4)
     assert problem.submesh_shapes[-1].tolist() == [128, 8]
     assert np.isfinite(problem.compute_cost[0, 511]).sum() == 11 + 10 + 9 + 8

@@ -262,13 +262,13 @@ def test_launch_numbers_are_bounded(capsys, flag, value):
     base[flag] = value
     argv = " ".join(f"{k} {v}" for k, v in base.items())
     argv += " --max-position-embeddings " + str(max(base["--seq-length"], 1))
-    started = time.perf_counter()
+    started = time.process_time()
     code = main(["predict", "--megatron-args", argv, "--gpus", "H100:8"])
     err = capsys.readouterr().err
     assert code in (0, 2) and "Traceback" not in err
     if code:
         assert len(err.strip().splitlines()) == 1, err
-    assert time.perf_counter() - started < 10.0
+    assert time.process_time() - started < 10.0
 
 
 def test_predict_cli_prices_block_recomputation(capsys):
