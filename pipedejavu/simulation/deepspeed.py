@@ -56,14 +56,24 @@ _MATCH = {
 }
 
 
-def _microbatch(step: int, stage: int, num_stages: int) -> tuple[int, bool]:
+def _microbatches(
+    num_stages: int, count: int, stages: NDArray[np.int64] | None = None
+) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
+    """i64[K, S'] the micro-batch each stage works on at each of the ``K = 2
+    (B + S - 1)`` steps (the module docstring's formulas; outside ``0 .. B -
+    1``: nothing), and bool[K, S'] whether that step is a forward, for
+    ``stages`` (``None``: every stage)."""
+    step = np.arange(2 * (count + num_stages - 1))[:, None]
+    stage = np.arange(num_stages) if stages is None else np.asarray(stages)
+    stage = stage[None, :]
     forward = (step + stage) % 2 == 0
-    if forward:
-        base = step // 2 if step % 2 == 0 else (step - 1) // 2
-        return base - stage // 2, True
-    if step % 2 == 0:
-        return step // 2 - num_stages + (stage + 1) // 2, False
-    return (step - 1) // 2 - num_stages + 1 + stage // 2, False
+    half = step // 2  # (k - 1) // 2 == k // 2 for odd k
+    backward = np.where(
+        step % 2 == 1,
+        half - num_stages + 1 + stage // 2,
+        half - num_stages + (stage + 1) // 2,
+    )
+    return np.where(forward, half - stage // 2, backward), forward
 
 
 def deepspeed_commands(
@@ -79,8 +89,10 @@ def deepspeed_commands(
     has_prev, has_next = stage > 0, stage < num_stages - 1
     commands: list[tuple[int, int]] = []
     previous = -1
-    for step in range(2 * (count + num_stages - 1)):
-        current, forward = _microbatch(step, stage, num_stages)
+    ids, forwards = _microbatches(num_stages, count, np.array([stage]))
+    for current, forward in zip(
+        ids[:, 0].tolist(), forwards[:, 0].tolist(), strict=True
+    ):
         current_ok, previous_ok = 0 <= current < count, 0 <= previous < count
         if forward:
             if previous_ok and has_prev:
@@ -350,17 +362,8 @@ def step_tables(num_stages: int, count: int) -> StepTables:
     micro-batch, forward and valid flags of each (step, stage), and per parity
     its pairs' ``u`` and the bool[steps of that parity, pairs] gradient and
     activation exchanges."""
-    num_steps = 2 * (count + num_stages - 1)
-    step = np.arange(num_steps)[:, None]
-    stage = np.arange(num_stages)[None, :]
-    forward = (step + stage) % 2 == 0
-    half = step // 2  # (k - 1) // 2 == k // 2 for odd k
-    backward = np.where(
-        step % 2 == 1,
-        half - num_stages + 1 + stage // 2,
-        half - num_stages + (stage + 1) // 2,
-    )
-    current = np.where(forward, half - stage // 2, backward)
+    current, forward = _microbatches(num_stages, count)
+    step = np.arange(current.shape[0])[:, None]
     previous = np.vstack([np.full((1, num_stages), -1), current[:-1]])
     valid = (current >= 0) & (current < count)
     had = (previous >= 0) & (previous < count)
