@@ -407,12 +407,24 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
+def _strict(text):
+    """JSON as a strict parser (JavaScript's, ``jq``) reads it: no NaN or
+    Infinity."""
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     path = model_files["selective-wins"]
     argv = ["--model", path, "--gpus", "L4:8", "--global-batch", 16, "--json"]
     code, out, err = _cli(capsys, *argv)
     assert code == 0, err
-    full = json.loads(out)
+    # the first choice has no cutoff yet (an infinite one, written null)
+    full = _strict(out)
+    assert full["knobs"]["choices"][0]["cutoff_s"] is None
     direct = plan_with_knobs(path, {"L4": 8}, 16)
     assert full["iteration_time_s"] == direct.result.prediction.iteration_time_s
     assert full["options"] == direct.result.options.to_json()

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import sys
 from typing import Any
 
 from pipedejavu.cli.megatron_report import format_training_plan
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
@@ -167,7 +167,7 @@ def _run_goodput(args, grad, high) -> int:
         ),
     )
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json_text(result.to_json()))
         return 0
     print(
         f"goodput mode: global batch {result.global_batch} of "
@@ -204,7 +204,7 @@ def _run_elastic(args, grad, high) -> int:
         progress_fn=_progress,
     )
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json_text(result.to_json()))
     else:
         print(format_elastic(result))
     if args.plot:

@@ -7,7 +7,6 @@ function takes the parsed arguments, calls the library and prints.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TextIO
 
 from pipedejavu.cli.formatting import format_duration, format_plan
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
+from pipedejavu.core.files import json_text
 from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.npzfile import npz_output_path
 from pipedejavu.core.problem import Problem, get_submesh_choices
@@ -83,7 +83,7 @@ def run_compare(problem: Problem, args: argparse.Namespace) -> None:
         progress_fn=_CompareProgress(),
     )
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json_text(result.to_json()))
     elif args.csv:
         print(result.to_csv(), end="")
     else:
@@ -164,12 +164,7 @@ def _costmodel_report(args: argparse.Namespace) -> None:
             raise
         raise ProblemError(f"{source}: {error}") from None
     if args.json:
-        print(
-            json.dumps(
-                {"summary": summarize(rows), "fits": rows_to_dicts(rows)},
-                allow_nan=False,
-            )
-        )
+        print(json_text({"summary": summarize(rows), "fits": rows_to_dicts(rows)}))
     else:
         print(format_table(rows))
     if args.plot:
@@ -225,7 +220,7 @@ def _costmodel_predict(args: argparse.Namespace) -> None:
     except ValueError as error:
         raise ProblemError(str(error)) from None
     if args.json:
-        print(json.dumps(report))
+        print(json_text(report))
     else:
         print(format_predictor_report(report))
 
@@ -306,7 +301,7 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
             plan = solve(problem, "dp")
         except InfeasibleProblemError as error:
             if as_json:
-                print(json.dumps({"example": name, "infeasible": str(error)}), file=out)
+                print(json_text({"example": name, "infeasible": str(error)}), file=out)
             else:
                 print(
                     f"== {name}: {example_description(name)}\n"
@@ -315,7 +310,7 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
                 )
             continue
         if as_json:
-            print(json.dumps({"example": name, "plan": plan.to_json()}), file=out)
+            print(json_text({"example": name, "plan": plan.to_json()}), file=out)
             continue
         print(f"== {name}: {example_description(name)}", file=out)
         print(format_plan(problem, plan), file=out)

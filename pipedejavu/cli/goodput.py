@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipedejavu.cli.parsing import HelpFormatter, int_in
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.files import read_bytes, read_json
+from pipedejavu.core.files import json_text, read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
     ElasticityError,
     compute_elastic_config,
@@ -246,7 +246,7 @@ def _run_fit(args: argparse.Namespace) -> None:
         )
     if args.json:
         print(
-            json.dumps(
+            json_text(
                 {
                     "perf_params": params._asdict(),
                     "objective": objective,
@@ -372,7 +372,7 @@ def _run_optimize(args: argparse.Namespace) -> None:
             }
         )
     if args.json:
-        print(json.dumps(rows))
+        print(json_text(rows))
         return
     print(
         f"{'nodes':>5} {'replicas':>8} {'atomic':>7} {'accum':>5} {'batch':>7} "
@@ -427,7 +427,7 @@ def _run_elastic(args: argparse.Namespace) -> None:
         out = {"final_batch_size": batch, "valid_gpus": valid, "version": version}
         if micro is not None or len(result) == 3:
             out["micro_batch_size"] = micro
-        print(json.dumps(out))
+        print(json_text(out))
         return
     label = "data-parallel sizes" if version == 0.2 else "GPU counts"
     print(f"{Path(path).name}: elasticity v{version}")

@@ -9,13 +9,13 @@ Exit codes: 0 success; 2 bad input (one line on stderr naming the argument).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
 from pipedejavu.cli.parsing import HelpFormatter, float_in, int_in
+from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.init_search.data import load_digits
 from pipedejavu.init_search.limits import (
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             "learning_rate": args.learning_rate,
             "batch_size": args.batch_size,
         }
-        print(json.dumps(summary))
+        print(json_text(summary))
     else:
         print(_table(summary, targets, args.seeds))
     return EXIT_OK

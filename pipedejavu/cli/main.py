@@ -8,7 +8,6 @@ reader (``pipedejavu ... | head``), nothing printed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from pipedejavu.cli.parsing import (
     join_number_lists,
 )
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
+from pipedejavu.core.files import json_text
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import evaluate_hetero
 from pipedejavu.core.npzfile import npz_output_path
@@ -450,7 +450,7 @@ def _run_solve(args: argparse.Namespace) -> None:
     options = _solve_options(args, isinstance(problem, HeteroProblem))
     plan = solve(problem, args.method, **options)
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json_text(plan.to_json()))
     else:
         print(format_plan(problem, plan))
 

@@ -7,7 +7,6 @@ Registered by :mod:`pipedejavu.cli.main`; exit codes as there (0 ok, 2 bad input
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 from typing import Any
 
@@ -36,6 +35,7 @@ from pipedejavu.cli.megatron_report import (
     format_training_plan,
 )
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import DATA_PARALLEL_ALONE, EXPORTS, export_plan
@@ -198,7 +198,7 @@ def _predict_launch(args: argparse.Namespace) -> int:
             stacklevel=1,
         )
     if args.json:
-        print(json.dumps(launch.to_json()))
+        print(json_text(launch.to_json()))
     else:
         print(format_prediction(launch.plan, prediction, launch.options))
         cp = launch.context_parallel
@@ -243,7 +243,7 @@ def _predict(args: argparse.Namespace) -> int:
         out = {"model": plan.model, "plan": plan.describe()}
         out.update(prediction.to_json())
         out.update(cost_source=cost_source, options=choice.options.to_json())
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         print(format_prediction(plan, prediction, choice.options))
         if choice.analytical:
@@ -374,7 +374,7 @@ def _plan(args: argparse.Namespace) -> int:
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
             out["export"]["data_parallel_alone"] = alone
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         print(format_training_plan(result))
         if knobs is not None:
@@ -415,7 +415,7 @@ def _plan_megatron_args(args: argparse.Namespace) -> int:
         out = comparison.to_json()
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         print(format_comparison(comparison, format_training_plan(best)))
         if exported is not None:

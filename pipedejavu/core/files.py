@@ -5,18 +5,20 @@ Every reader of the package (cluster files, plans, Alpa's pickles and ``.npy``
 profiles, Sailor's JSON, step-time CSVs) reads at most ``limit`` bytes, so a
 huge or endless file (``/dev/zero``) costs bounded memory, and decodes and
 parses with the failures of :mod:`json` (invalid text, nesting too deep,
-numbers too long) turned into that one line.
+numbers too long) turned into that one line. What the package writes as JSON
+goes through :func:`json_text`, strict JSON that every parser reads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 
-__all__ = ["parse_json", "read_bytes", "read_json", "read_text"]
+__all__ = ["json_text", "parse_json", "read_bytes", "read_json", "read_text"]
 
 
 def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
@@ -80,3 +82,27 @@ def read_json(path: str | os.PathLike, limit: int, what: str = "file") -> Any:
         ProblemError: one line naming the file.
     """
     return parse_json(read_text(path, limit, what), os.fspath(path))
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(item) for item in value]
+    return value
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """``json.dumps`` of ``value`` as strict JSON: a float that is not finite
+    (NaN, infinity: a bound never reached, a time not measured) is written
+    ``null``, since JSON has no such numbers and strict parsers (JavaScript's,
+    ``jq``) refuse Python's ``NaN`` and ``Infinity``. ``options`` go to
+    :func:`json.dumps` (``indent``, ``sort_keys``).
+
+    Example:
+        >>> json_text({"best_s": float("inf"), "gap": [0.5, float("nan")]})
+        '{"best_s": null, "gap": [0.5, null]}'
+    """
+    return json.dumps(_strict(value), allow_nan=False, **options)

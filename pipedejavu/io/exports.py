@@ -63,10 +63,10 @@ the weight gradient inside ``BackwardPass`` too); torchtitan runs it as
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from collections.abc import Mapping
 
+from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, check_nodes, rank_order_of
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -359,10 +359,10 @@ def _build(
         return text
     if target == "deepspeed":
         data = _deepspeed_options(to_deepspeed(plan), options, target)
-        return json.dumps(data, indent=1) + "\n"
+        return json_text(data, indent=1) + "\n"
     if target == "megatron-deepspeed":
         data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
-        return json.dumps(data, indent=1) + "\n"
+        return json_text(data, indent=1) + "\n"
     if target == "torchtitan":
         return to_torchtitan(plan, options)
     if not _plain(options):
@@ -373,11 +373,11 @@ def _build(
     if target == "alpa":
         gpu = plan.stages[0].replicas[0].gpu_type
         per_host = (gpus_per_node or {}).get(gpu)
-        return json.dumps(to_alpa(plan, gpus_per_host=per_host), indent=1) + "\n"
+        return json_text(to_alpa(plan, gpus_per_host=per_host), indent=1) + "\n"
     if target == "sailor":
         data = {"target": SAILOR_VERSION}
         data.update(plan_to_sailor(plan, gpus_per_node=gpus_per_node))
-        return json.dumps(data, indent=2) + "\n"
+        return json_text(data, indent=2) + "\n"
     raise ProblemError(f"export must be one of {', '.join(EXPORTS)}, got {target!r}")
 
 

@@ -27,12 +27,11 @@ source.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from pipedejavu.core.files import read_json
+from pipedejavu.core.files import json_text, read_json
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     MAX_PLAN_FILE_BYTES,
@@ -238,7 +237,9 @@ def write_sailor_plan(
 ) -> None:
     """Write :func:`plan_to_sailor` of ``plan`` to ``path`` (indented JSON)."""
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(plan_to_sailor(plan, gpus_per_node=gpus_per_node), handle, indent=2)
+        handle.write(
+            json_text(plan_to_sailor(plan, gpus_per_node=gpus_per_node), indent=2)
+        )
         handle.write("\n")
 
 

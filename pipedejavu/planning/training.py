@@ -12,6 +12,7 @@ the plan's ``iteration_time_s``. Heavy modules load inside the call.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -378,5 +379,5 @@ def plan_cost_source(plan: Plan3D, data: Any) -> str:
 
 
 def finite_or_none(value: float) -> float | None:
-    """JSON has no NaN: ``None`` for a value that is not a number."""
-    return value if value == value else None
+    """JSON has no NaN or infinity: ``None`` for a value that is not finite."""
+    return value if math.isfinite(value) else None
