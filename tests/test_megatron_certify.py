@@ -10,6 +10,8 @@ import functools
 import itertools
 import math
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from helpers import (
@@ -495,3 +497,29 @@ def test_enumeration_reaches_every_plan_below_its_time(setting):
                     raise AssertionError(f"{stages} not enumerated ({order})")
                 reached += chain == stages
     assert reached >= 8
+
+
+def test_link_rows_with_one_step_keep_impossible_links_infinite():
+    """One micro-batch per pipeline: ``(B - 1) x`` a link's time is 0, except
+    for a boundary its link cannot carry (``inf``), which stays ``inf``, not
+    NaN (it warned and left NaN bounds in plans mixing GPU types)."""
+    from pipedejavu.search.megatron.transfers import LayerBounds, link_rows
+
+    forward = np.array([1.0, 2.0, 3.0])
+    times = {("X", 1): SimpleNamespace(forward=forward, backward=2 * forward)}
+    layers = LayerBounds(
+        np.array([0.0, 1.0, 3.0, 6.0]),
+        np.array([0.0, 2.0, 6.0, 12.0]),
+        np.array([18.0, 15.0, 9.0, 0.0]),
+    )
+    there = np.array([0.5, np.inf, 0.25])
+    pair = (("X", 1), ("X", 1))
+    for steps in (1, 3):
+        row = link_rows({pair: (there, there)}, layers, times, steps)[pair]
+        assert not np.isnan(row).any()
+        assert np.isinf(row[2]) and np.isinf(row[0]) and np.isfinite(row[1])
+        # stop 1: the forward side 1 + (B - 1) 0.5 + 15 + 2, the gradient
+        # side 6 + 10 + (B - 1) 0.5 + 2; stop 3: 6 + (B - 1) 0.25 + 0 + 12
+        # and 6 + 0 + (B - 1) 0.25 + 12
+        assert row[1] == 18 + (steps - 1) * 0.5
+        assert row[3] == 18 + (steps - 1) * 0.25 and row[4] == 0.0

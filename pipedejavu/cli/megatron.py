@@ -155,7 +155,8 @@ def add_parsers(commands: Any) -> None:
         "--mixed-types",
         action="store_true",
         help="with several --gpus types, also plans whose stages run on "
-        "different types (searched by the proof under the predictor; slower)",
+        "different types (searched by the proof under the predictor with the "
+        "1F1B schedule in the tp-dp-pp order; slower)",
     )
     plan.add_argument(
         "--all-gpus",

@@ -163,10 +163,12 @@ def format_knobs(knobs) -> str:
     """How each choice of knobs of a :class:`~pipedejavu.planning.knobs.KnobPlan`
     was settled, a line each."""
     options = knobs.result.options
+    # (a plan mixing GPU types, or one whose nodes follow neither order)
+    order = knobs.rank_order or "n/a (not a Megatron-LM placement)"
     lines = [
         f"knobs: {schedule_name(options)}, recompute {recompute_name(options)}, "
         f"sequence parallel {_on(options.sequence_parallel)}, distributed optimizer "
-        f"{_on(options.distributed_optimizer)}, rank order {knobs.rank_order} "
+        f"{_on(options.distributed_optimizer)}, rank order {order} "
         f"(searched: "
         f"{knobs.space.describe()})"
     ]

@@ -58,7 +58,9 @@ def first_order(
     ``could_fit`` (the quick test); where they find no plan, that choice is
     settled (its full search would end there); else the DP of the 1F1B choice
     too, and the schedule of the faster plan is searched first."""
-    probe = dataclasses.replace(config, certify=False)
+    # The DP does not read mixed_types (only the proof searches such plans),
+    # which needs certify: off in the probe, as certify.
+    probe = dataclasses.replace(config, certify=False, mixed_types=False)
     settled: list[KnobOutcome] = []
     probes: dict[int, MegatronSearchResult] = {}
 

@@ -178,7 +178,10 @@ def plan_with_knobs(
             the later ones are settled by the proof either way).
         uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone: the
             plan space, as for
-            :func:`~pipedejavu.planning.training.plan_training`.
+            :func:`~pipedejavu.planning.training.plan_training`; plans mixing
+            GPU types (``mixed_types``) are searched with the 1F1B schedule in
+            the default rank order (the other schedules' and order's bounds
+            cover plans on one GPU type; with them, a plan takes one type).
         progress_fn: called as the searches go (each dict gets ``"knobs"``:
             the choice's index).
 
@@ -279,7 +282,8 @@ def search_knobs(
             uniform_tp=uniform_tp,
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=mbs_values,
-            mixed_types=mixed_types,
+            # (the zero-bubble bounds cover plans on one GPU type)
+            mixed_types=mixed_types and not choice.options.zero_bubble,
             progress_fn=_tagged(progress_fn, index),
             bound_cache=shared,
             solved=probes.get(id(choice)),
@@ -449,7 +453,9 @@ def search_knobs(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
-            mixed_types=config.mixed_types and order == RANK_ORDERS[0],
+            mixed_types=config.mixed_types
+            and order == RANK_ORDERS[0]
+            and not choice.options.zero_bubble,
             cutoff_s=state.best_s,
             rank_order=order,
             cache=shared,

@@ -336,6 +336,11 @@ def layer_bounds(times: Mapping[Kind, LayerTimes], overhead: float) -> LayerBoun
     return LayerBounds(before_f, before_b, after_fb)
 
 
+def _repeated(row: Row, count: int) -> Row:
+    """``count x row``, where ``0 x inf`` stays ``inf`` (not NaN)."""
+    return count * row if count > 0 else np.where(np.isinf(row), row, 0.0)
+
+
 def link_rows(
     links: Mapping[tuple[Kind, Kind], tuple[Row, Row]],
     layers: LayerBounds,
@@ -360,10 +365,11 @@ def link_rows(
     out = {}
     for pair, (there, back) in links.items():
         stops = np.arange(1, len(there) + 1)
-        forward = (
-            before_f[stops] + (steps - 1) * there + after_fb[stops] + before_b[stops]
-        )
-        gradient = before_f[-1] + after_b[stops] + (steps - 1) * back + before_b[stops]
+        # (a link that cannot carry the messages stays inf with one step)
+        there_all = _repeated(there, steps - 1)
+        back_all = _repeated(back, steps - 1)
+        forward = before_f[stops] + there_all + after_fb[stops] + before_b[stops]
+        gradient = before_f[-1] + after_b[stops] + back_all + before_b[stops]
         row = np.zeros(len(there) + 2)
         row[1:-1] = np.maximum(forward, gradient)
         row[0] = np.inf
