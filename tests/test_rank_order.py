@@ -279,3 +279,43 @@ def test_exports_of_a_tp_pp_dp_plan():
     default = export_plan(_two_stages("tp-dp-pp"), "megatron")
     assert "--use-tp-pp-dp-mapping" not in default
     assert "--use-tp-pp-dp-mapping" in export_plan(plan, "megatron")
+
+
+def test_megatron_args_with_the_tp_pp_dp_mapping_price_that_order(capsys):
+    """``--use-tp-pp-dp-mapping`` in a launch: the plan is laid out pipeline
+    by pipeline, as Megatron-LM does and as ``plan --export megatron`` writes
+    such a plan (it was listed as ignored and priced in the default order)."""
+    from pipedejavu.io.gpu_sheet import load_gpu_sheet
+    from pipedejavu.io.megatron_args import spec_from_megatron_args as parse
+    from pipedejavu.planning.megatron_launch import predict_megatron_run
+
+    flags = (
+        "--num-layers 16 --hidden-size 2048 --num-attention-heads 16 "
+        "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
+        "--global-batch-size 64 --bf16 --pipeline-model-parallel-size 4 --vocab-size 32000 "
+        "--use-distributed-optimizer"
+    )
+    sheet = load_gpu_sheet()
+    default = parse(flags)
+    mapped = parse(flags + " --use-tp-pp-dp-mapping")
+    assert default.rank_order == "tp-dp-pp" and mapped.rank_order == "tp-pp-dp"
+    assert not any("mapping" in word for word in mapped.ignored)
+    launches = [
+        predict_megatron_run(r, "H100-SXM", 32, sheet) for r in (default, mapped)
+    ]
+    assert [rank_order_of(x.plan, 8) for x in launches] == ["tp-dp-pp", "tp-pp-dp"]
+    # the pipelines inside nodes, the all-reduce across: not the same time
+    assert (
+        launches[0].prediction.iteration_time_s
+        != launches[1].prediction.iteration_time_s
+    )
+    code, out, err = _cli(
+        capsys, "predict", "--gpus", "H100-SXM:32", "--json", "--megatron-args",
+        flags + " --use-tp-pp-dp-mapping",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (
+        json.loads(out)["iteration_time_s"] == launches[1].prediction.iteration_time_s
+    )
+    with pytest.raises(ProblemError, match="context-parallel"):
+        parse(flags + " --use-tp-pp-dp-mapping --context-parallel-size 2")

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.megatron_layout import split_pipeline
 
@@ -105,6 +106,7 @@ _BOOL_FLAGS = (
     "tp-comm-overlap",
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
+    "use-tp-pp-dp-mapping",
 )
 _POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
 
@@ -152,6 +154,9 @@ class MegatronRun:
         attention_dropout: dropout on the attention probabilities
             (``--attention-dropout``, Megatron-LM's default 0.1, > 0).
         ignored: the arguments read and ignored, in order.
+        rank_order: ``"tp-dp-pp"`` (Megatron-LM's default order of the ranks,
+            ``tp-cp-ep-dp-pp``) or ``"tp-pp-dp"`` (``--use-tp-pp-dp-mapping``:
+            a pipeline's stages on consecutive ranks).
     """
 
     spec: TransformerSpec
@@ -177,6 +182,7 @@ class MegatronRun:
     grad_reduce_in_bf16: bool = False
     attention_dropout: bool = True
     tp_comm_overlap: bool = False
+    rank_order: str = RANK_ORDERS[0]
 
     @property
     def recompute_full(self) -> bool:
@@ -397,7 +403,8 @@ def spec_from_megatron_args(
             selective recomputation with a method, ``--overlap-param-gather``
             without ``--use-distributed-optimizer`` or ``--overlap-grad-reduce``,
             ``--tp-comm-overlap`` without ``--sequence-parallel`` (at TP 1,
-            where Megatron-LM turns that off, too).
+            where Megatron-LM turns that off, too), ``--use-tp-pp-dp-mapping``
+            with context parallelism.
     """
     values, ignored = _parse(_tokens(argv))
     if values.get("num-experts", 1) != 1:
@@ -463,6 +470,12 @@ def spec_from_megatron_args(
             f"Megatron arguments: --seq-length {spec.seq_length} is not divisible "
             f"by 2 x --context-parallel-size = {2 * cp}"
         )
+    mapping = bool(values.get("use-tp-pp-dp-mapping"))
+    if mapping and cp > 1:
+        raise ProblemError(
+            "Megatron arguments: --use-tp-pp-dp-mapping is not used with "
+            "--context-parallel-size > 1 (Megatron-LM's rule)"
+        )
     if cp > 1 and not flash:
         raise ProblemError(
             "Megatron arguments: context parallelism runs Transformer Engine's "
@@ -493,6 +506,7 @@ def spec_from_megatron_args(
         grad_reduce_in_bf16=bool(values.get("grad-reduce-in-bf16")),
         attention_dropout=_attention_dropout(values) > 0,
         tp_comm_overlap=bool(values.get("tp-comm-overlap")),
+        rank_order=RANK_ORDERS[1] if mapping else RANK_ORDERS[0],
     )
 
 

@@ -5,9 +5,10 @@
 :class:`~pipedejavu.core.plan3d.Plan3D` Megatron-LM would run: ``PP`` stages of
 ``L / PP`` transformer layers each, or the run's uneven split (the embedding on
 the first, the final norm and LM head on the last), ``DP = GPUs / (TP x PP)``
-replicas, placed in Megatron's default rank order (TP fastest, then DP, then
-PP: rank ``tp_rank + TP (dp_rank + DP pp_rank)``, node ``rank //
-gpus_per_node``), and the
+replicas, placed in Megatron's rank order (by default TP fastest, then DP,
+then PP: rank ``tp_rank + TP (dp_rank + DP pp_rank)``; with
+``--use-tp-pp-dp-mapping`` PP before DP: ``tp_rank + TP (pp_rank + PP
+dp_rank)``; node ``rank // gpus_per_node``), and the
 :class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
 
 A context-parallel run (``--context-parallel-size CP``) is priced in the form
@@ -113,7 +114,7 @@ def plan_from_megatron_run(
             f"of {list(counts)}"
         )
     last = spec.num_profile_layers
-    nodes = canonical_nodes([tp] * pp, dp, gpus_per_node)
+    nodes = canonical_nodes([tp] * pp, dp, gpus_per_node, run.rank_order)
     stages = []
     for s in range(pp):
         start = 0 if s == 0 else 1 + sum(counts[:s])
