@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 import tomllib
@@ -435,3 +436,30 @@ def test_launched_training_is_what_the_exports_accept(target):
                 continue
             accepted.add(value)
         assert accepted == set(launched[knob]), knob
+
+
+def test_the_sequence_length_and_precision_reach_the_launchers():
+    """The tokens per sample a plan was priced at go where each launcher takes
+    them (without, torchtitan trains 2,048-token samples and Megatron-LM the
+    script's own length); Megatron-DeepSpeed's arguments name the precision
+    too (GPTModelPipe's layer list and the model's dtype follow it)."""
+    plan = even_plan(2, 4)
+    text = export_plan(plan, "megatron", seq_length=8192)
+    assert text.rstrip().endswith("--seq-length 8192")
+    assert "--seq-length" not in export_plan(plan, "megatron")
+    config = tomllib.loads(export_plan(plan, "torchtitan", seq_length=8192))
+    assert config["training"]["seq_len"] == 8192
+    assert "seq_len" not in tomllib.loads(export_plan(plan, "torchtitan"))["training"]
+    for precision in ("fp32", "fp16", "bf16"):
+        options = TrainingOptions(precision)
+        data = json.loads(
+            export_plan(plan, "megatron-deepspeed", options=options, seq_length=4096)
+        )
+        args = data["arguments"]
+        assert args[-3:] == ["--deepspeed", "--deepspeed_config", "ds_config.json"]
+        assert args[args.index("--seq-length") + 1] == "4096"
+        assert (f"--{precision}" in args) == (precision != "fp32")
+        assert (precision in data["ds_config"]) == (precision != "fp32")
+        assert "seq" not in json.dumps(
+            json.loads(export_plan(plan, "deepspeed", options=options, seq_length=4096))
+        )

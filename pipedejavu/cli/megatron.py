@@ -365,7 +365,8 @@ def _plan(args: argparse.Namespace) -> int:
             progress_fn=_PlanProgress(),
             dp_alone=alone,
         )
-    exported = _export(args, result, choice.data, result.options)
+    seq = None if choice.spec is None else choice.spec.seq_length
+    exported = _export(args, result, choice.data, result.options, seq)
     if args.json:
         out = result.to_json() if knobs is None else knobs.to_json()
         if choice.spec is not None:
@@ -395,23 +396,33 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _export(
-    args: argparse.Namespace, result: Any, data: Any, options: Any = None
+    args: argparse.Namespace,
+    result: Any,
+    data: Any,
+    options: Any = None,
+    seq_length: int | None = None,
 ) -> str | None:
-    """The plan for ``--export``'s framework (``None``: not asked)."""
+    """The plan for ``--export``'s framework (``None``: not asked), with the
+    sequence length it was priced at where known."""
     if not args.export:
         return None
     gpus_per_node = {
         gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
     }
     return export_plan(
-        result.plan, args.export, gpus_per_node=gpus_per_node, options=options
+        result.plan,
+        args.export,
+        gpus_per_node=gpus_per_node,
+        options=options,
+        seq_length=seq_length,
     )
 
 
 def _plan_megatron_args(args: argparse.Namespace) -> int:
     comparison = plan_megatron_args(args, _PlanProgress())
     best = comparison.best
-    exported = _export(args, best, comparison.source, best.options)
+    seq = comparison.source.spec.seq_length
+    exported = _export(args, best, comparison.source, best.options, seq)
     if args.json:
         out = comparison.to_json()
         if exported is not None:

@@ -289,13 +289,19 @@ def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
     return name
 
 
-def to_torchtitan(plan: Plan3D, options: TrainingOptions | None = None) -> str:
-    """The TOML fragment: ``[training]`` batch sizes and precision,
-    ``[parallelism]`` and ``[activation_checkpoint]``.
+def to_torchtitan(
+    plan: Plan3D,
+    options: TrainingOptions | None = None,
+    seq_length: int | None = None,
+) -> str:
+    """The TOML fragment: ``[training]`` batch sizes, sequence length and
+    precision, ``[parallelism]`` and ``[activation_checkpoint]``.
 
     Args:
         plan: the plan.
         options: the training it was priced with (``None``: plain fp32).
+        seq_length: its tokens per sample (``seq_len``; ``None``: not written,
+            torchtitan's default 2048 then).
 
     Raises:
         ExportRefused: per-stage TP; data parallelism beside TP or PP; a batch
@@ -329,7 +335,8 @@ def to_torchtitan(plan: Plan3D, options: TrainingOptions | None = None) -> str:
         + "[training]\n"
         f"local_batch_size = {local_batch}\n"
         f"global_batch_size = {plan.gbs}\n"
-        'dtype = "float32"\n'
+        + ("" if seq_length is None else f"seq_len = {seq_length}\n")
+        + 'dtype = "float32"\n'
         'mixed_precision_param = "float32"\n'
         "\n[parallelism]\n"
         f"data_parallel_replicate_degree = {plan.dp}\n"

@@ -273,12 +273,13 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
             "TrainSchedule, with whole backward passes)"
         )
     config = data["ds_config"]
-    if options.precision in ("bf16", "fp8"):
-        if options.precision == "fp8":
-            raise ExportRefused(f"{target}: no FP8 training in the DeepSpeed config")
-        config["bf16"] = {"enabled": True}
-    elif options.precision == "fp16":
-        config["fp16"] = {"enabled": True}
+    if options.precision == "fp8":
+        raise ExportRefused(f"{target}: no FP8 training in the DeepSpeed config")
+    if options.precision in ("bf16", "fp16"):
+        config[options.precision] = {"enabled": True}
+        if "arguments" in data:  # Megatron-DeepSpeed: the model's dtype, and
+            # GPTModelPipe's layer list ("layers", not "layers_fp32")
+            data["arguments"].insert(-3, f"--{options.precision}")
     if options.distributed_optimizer:
         config["zero_optimization"] = {"stage": 1}
     return data
@@ -334,6 +335,7 @@ def _build(
     target: str,
     gpus_per_node: Mapping[str, int] | None,
     options: TrainingOptions | None = None,
+    seq_length: int | None = None,
 ) -> str:
     options = uniform_recompute(plan, options, target)
     order = _order(plan, gpus_per_node)
@@ -354,6 +356,8 @@ def _build(
                 options = dataclasses.replace(options, tp_comm_overlap=False)
             extra += interleaving_flags(plan, options.virtual_stages)
             extra += option_flags(options)
+        if seq_length is not None:
+            extra += ["--seq-length", str(seq_length)]
         if extra:
             text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
         return text
@@ -362,9 +366,11 @@ def _build(
         return json_text(data, indent=1) + "\n"
     if target == "megatron-deepspeed":
         data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
+        if seq_length is not None:
+            data["arguments"][-3:-3] = ["--seq-length", str(seq_length)]
         return json_text(data, indent=1) + "\n"
     if target == "torchtitan":
-        return to_torchtitan(plan, options)
+        return to_torchtitan(plan, options, seq_length)
     if not _plain(options):
         raise ExportRefused(
             f"{target}: its file carries no precision, recomputation, sharding or "
@@ -387,6 +393,7 @@ def export_plan(
     *,
     gpus_per_node: Mapping[str, int] | None = None,
     options: TrainingOptions | None = None,
+    seq_length: int | None = None,
 ) -> str:
     """The export for ``target`` (:data:`EXPORTS`) as text.
 
@@ -400,6 +407,10 @@ def export_plan(
             nodes.
         options: the training the plan was priced with (``None``: plain fp32,
             the targets' defaults); see the module docstring.
+        seq_length: the tokens per sample the plan was priced with, written
+            where the target takes it (Megatron-LM's and Megatron-DeepSpeed's
+            ``--seq-length``, torchtitan's ``[training] seq_len``; DeepSpeed's
+            config, Alpa's and Sailor's files have none); ``None``: not written.
 
     Raises:
         ExportRefused: the target cannot launch the plan as planned; one line
@@ -413,14 +424,14 @@ def export_plan(
     if gpus_per_node is not None:
         check_nodes(plan, lambda gpu: gpus_per_node[gpu])
     try:
-        return _build(plan, target, gpus_per_node, options)
+        return _build(plan, target, gpus_per_node, options, seq_length)
     except ExportRefused as refusal:
         able = []
         for other in EXPORTS:
             if other == target:
                 continue
             try:
-                _build(plan, other, gpus_per_node, options)
+                _build(plan, other, gpus_per_node, options, seq_length)
             except ProblemError:
                 continue
             able.append(other)
