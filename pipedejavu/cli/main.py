@@ -533,8 +533,17 @@ def _closed_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+#: The most characters of an error line (a message quoting a hostile input
+#: whole, e.g. a million hosts, would print megabytes).
+MAX_ERROR_CHARS = 2000
+
+
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
+    text = " ".join(str(error).split())
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    cut = len(text) - MAX_ERROR_CHARS
+    return f"{text[:MAX_ERROR_CHARS]}... ({cut:,} more characters)"
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -193,6 +193,9 @@ def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
 
 #: Largest cluster file read (bytes); a description of 100,000 hosts fits.
 MAX_CLUSTER_FILE_BYTES = 16 * 2**20
+#: The most device types a cluster names (the planner's tables grow with the
+#: square of the count; real clusters mix a handful).
+MAX_DEVICE_TYPES = 64
 
 
 #: A link that costs nothing (Alpa's assumption).
@@ -509,6 +512,11 @@ class Cluster:
                 raise ProblemError(f"cluster: missing key {key!r}")
         if not isinstance(data["device_types"], Mapping):
             raise ProblemError("cluster: device_types must map names to objects")
+        if not 1 <= len(data["device_types"]) <= MAX_DEVICE_TYPES:
+            raise ProblemError(
+                f"cluster: device_types must name 1 to {MAX_DEVICE_TYPES} types, "
+                f"got {len(data['device_types'])}"
+            )
         types = [
             _device_type(str(name), entry)
             for name, entry in data["device_types"].items()

@@ -3,7 +3,8 @@ line that names the file.
 
 Every reader of the package (cluster files, plans, Alpa's pickles and ``.npy``
 profiles, Sailor's JSON, step-time CSVs) reads at most ``limit`` bytes, so a
-huge or endless file (``/dev/zero``) costs bounded memory, and decodes and
+huge or endless file costs bounded memory, refuses devices (``/dev/zero``, a
+terminal's ``/dev/stdin``, which would wait for input), and decodes and
 parses with the failures of :mod:`json` (invalid text, nesting too deep,
 numbers too long) turned into that one line. What the package writes as JSON
 goes through :func:`json_text`, strict JSON that every parser reads.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
@@ -30,10 +32,14 @@ def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes
         what: how the message names the file (e.g. ``"cluster file"``).
 
     Raises:
-        ProblemError: unreadable, or larger than ``limit``.
+        ProblemError: unreadable, a device (a terminal would wait for input,
+            ``/dev/zero`` never ends), or larger than ``limit``.
     """
     try:
         with open(path, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise ProblemError(f"{what} {os.fspath(path)} is a device, not a file")
             data = handle.read(limit + 1)
     except OSError as error:
         raise ProblemError(

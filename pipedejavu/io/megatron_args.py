@@ -28,6 +28,7 @@ with a one-line :class:`ProblemError`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import shlex
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -49,6 +50,7 @@ _INT_FLAGS = (
     "num-attention-heads",
     "ffn-hidden-size",
     "seq-length",
+    "encoder-seq-length",
     "max-position-embeddings",
     "vocab-size",
     "make-vocab-size-divisible-by",
@@ -109,6 +111,7 @@ _BOOL_FLAGS = (
     "use-tp-pp-dp-mapping",
 )
 _POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
+_KNOWN_FLAGS = sorted({*_INT_FLAGS, *_CHOICE_FLAGS, *_STR_FLAGS, *_BOOL_FLAGS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +205,25 @@ def _tokens(argv: str | Sequence[str]) -> list[str]:
     return list(argv)
 
 
+def _refuse_a_typo(flag: str) -> None:
+    """Refuse a flag this reader does not know that is a letter or two from
+    one it reads (``--tensor-model-paralel-size``): Megatron-LM would refuse it,
+    and listing it as ignored would price another run. The cutoff (0.91 of
+    :class:`difflib.SequenceMatcher`'s ratio) leaves every flag spelled in
+    Megatron-LM's sources alone (the closest, ``--fp4-format``, is 0.90 from
+    ``--fp8-format``).
+
+    Raises:
+        ProblemError: naming the flag and the one meant.
+    """
+    close = difflib.get_close_matches(flag, _KNOWN_FLAGS, n=1, cutoff=0.91)
+    if close:
+        raise ProblemError(
+            f"Megatron arguments: unknown flag --{flag[:60]}; did you mean "
+            f"--{close[0]}?"
+        )
+
+
 def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     """``{flag: value}`` for the known flags (last one wins), and the rest."""
     values: dict[str, Any] = {}
@@ -221,6 +243,7 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
             values[flag] = True
             continue
         if not takes_value:
+            _refuse_a_typo(flag)
             if not has_value and index < len(tokens):
                 if not tokens[index].startswith("--"):
                     token = f"{token} {tokens[index]}"
@@ -240,11 +263,15 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 def _value(flag: str, text: str) -> object:
     if flag in _INT_FLAGS:
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
         try:
-            number = int(text)
+            number = int(text) if len(text) <= 40 else None
         except ValueError:
+            number = None
+        if number is None:
             raise ProblemError(
-                f"Megatron arguments: --{flag} must be an integer, got {text!r}"
+                f"Megatron arguments: --{flag} must be an integer of at most 40 "
+                f"digits, got {shown!r}"
             ) from None
         if number <= 0:
             raise ProblemError(
@@ -310,6 +337,11 @@ def _recompute(values: dict[str, Any]) -> tuple[Any, Any, int | None]:
         )
     if granularity is None:
         method = num_layers = None
+    total = values.get("num-layers")
+    if num_layers is not None and total is not None:
+        # Megatron-LM accepts more; a stage recomputes as with all its layers
+        # (block: min(N, its layers); uniform: one unit of its layers)
+        num_layers = min(num_layers, total)
     return granularity, method, num_layers
 
 
@@ -407,6 +439,9 @@ def spec_from_megatron_args(
             with context parallelism.
     """
     values, ignored = _parse(_tokens(argv))
+    if "seq-length" not in values and "encoder-seq-length" in values:
+        # Megatron-LM's validate_args: the encoder's length when none is given
+        values["seq-length"] = values["encoder-seq-length"]
     if values.get("num-experts", 1) != 1:
         raise ProblemError(
             f"Megatron arguments: mixture-of-experts runs (--num-experts "
@@ -423,6 +458,12 @@ def spec_from_megatron_args(
         raise ProblemError(
             "Megatron arguments: --tp-comm-overlap needs --sequence-parallel"
             f"{at_tp1}, as Megatron-LM asserts"
+        )
+    if "num-query-groups" in values and not values.get("group-query-attention"):
+        # Megatron-LM reads the groups only with --group-query-attention
+        ignored.append(
+            f"--num-query-groups {values['num-query-groups']} (without "
+            "--group-query-attention every head has its own keys and values)"
         )
     vocab = _vocab_size(values, vocab_size)
     spec = _spec(values, str(values.get("name", name)), vocab)

@@ -175,11 +175,19 @@ def choose_cost_source(
         mbs_values: micro-batch sizes the analytical source offers.
 
     Raises:
-        ProblemError: an unknown model or GPU type, a bad model file or option.
+        ProblemError: an unknown model or GPU type, a bad model file or option,
+            ``profiles`` given without a profile of ``model``.
     """
     gpu_types = list(gpu_types)
     data = load_sailor_data(profiles)
     profiled = _profiled_name(data, model)
+    if profiled is None and profiles is not None:
+        have = ", ".join(data.models()) or "none"
+        raise ProblemError(
+            f"--profiles {os.fspath(profiles)} holds no profiles of {model} (it "
+            f"has: {have}); without --profiles a model without profiles is "
+            "priced analytically"
+        )
     if profiled is not None:
         options = _options(options, precision, recompute, "fp32")
         return _choose_profiled(

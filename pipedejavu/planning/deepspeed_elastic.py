@@ -474,6 +474,10 @@ def compute_elastic_config(
             "elastic training job."
         )
     section = ds_config["elasticity"]
+    if not isinstance(section, dict):  # (DeepSpeed fails on .get)
+        raise ElasticityConfigError(
+            f"'elasticity' must be an object of settings, got {type(section).__name__}"
+        )
     if not section.get("enabled", _DEFAULTS["enabled"]):
         raise ElasticityConfigError(
             "Elasticity is disabled, please enable it ('enabled':true) if running an "

@@ -87,7 +87,7 @@ from pipedejavu.search.megatron.interleaved import (
     InterleavedMemo,
     search_interleaved,
 )
-from pipedejavu.search.megatron.settings import MegatronSearchResult
+from pipedejavu.search.megatron.settings import MegatronSearchResult, check_plan_size
 from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
@@ -262,6 +262,7 @@ def search_knobs(
     shaped = [dataclasses.replace(k, virtual_stages=2, v_shape=True) for k in chunked]
     zbv = [make_choice(k) for k in shaped] if "zbv" in space.schedules else []
     first = choices[0]
+    check_plan_size(first.data, first.model)
     config = search_config(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
     )

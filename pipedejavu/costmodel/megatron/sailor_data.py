@@ -32,6 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.files import read_json
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 
@@ -72,14 +73,31 @@ def _number(value: Any, path: Path, where: str) -> float:
     return value
 
 
+def _key(text: str, limit: int) -> int:
+    """A JSON key that names a count: ASCII digits only (``int`` also takes
+    ``" 1"`` and ``"1_0"``, which then name no entry), at most ``limit``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise ValueError(text)
+    value = int(text)
+    if value > limit or str(value) != text:
+        raise ValueError(text)
+    return value
+
+
 def _layer_vector(table: Any, path: Path, where: str, pick) -> NDArray[np.float64]:
     """``table`` maps ``"0".."n-1"`` to entries; returns f64[n] of ``pick(entry)``."""
     if not isinstance(table, dict) or not table:
         raise ProblemError(f"{path}: {where} must map layer indices to entries")
     try:
-        keys = sorted(int(k) for k in table)
+        keys = sorted(_key(k, len(table) - 1) for k in table)
     except ValueError:
-        raise ProblemError(f"{path}: {where} has a non-integer layer key") from None
+        raise ProblemError(
+            f"{path}: {where} has a layer key that is not one of 0..{len(table) - 1}"
+        ) from None
     if keys != list(range(len(keys))):
         raise ProblemError(f"{path}: {where} layers must be 0..n-1, got {keys[:5]}...")
     return np.array(
@@ -291,9 +309,12 @@ class NetworkTables:
         if not isinstance(table, dict) or not table:
             raise ProblemError(f"{path}: no link fits for {where}")
         try:
-            keys = sorted(int(k) for k in table)
+            keys = sorted(_key(k, MAX_GPUS) for k in table)
         except ValueError:
-            raise ProblemError(f"{path}: {where} has a non-integer GPU count") from None
+            raise ProblemError(
+                f"{path}: {where} has a GPU count that is not an integer up to "
+                f"{MAX_GPUS}"
+            ) from None
         above = [k for k in keys if k >= n]
         return table[str(above[0] if above else keys[-1])]
 
@@ -316,8 +337,19 @@ class NetworkTables:
         )
 
     def intra_sizes(self, gpu: str) -> tuple[int, ...]:
-        """The GPUs of a node the intra-node fits of ``gpu`` hold (or none)."""
-        return tuple(sorted(int(k) for k in self._intra.get(gpu, {})))
+        """The GPUs of a node the intra-node fits of ``gpu`` hold (or none).
+
+        Raises:
+            ProblemError: a key that is not a GPU count.
+        """
+        table = self._intra.get(gpu, {})
+        try:
+            return tuple(sorted(_key(k, MAX_GPUS) for k in table))
+        except (ValueError, TypeError):
+            raise ProblemError(
+                f"{self._paths[2]}: {gpu} has a GPU count that is not an integer "
+                f"up to {MAX_GPUS}"
+            ) from None
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019
     def intra(self, gpu: str, n: int) -> BandwidthFit:
@@ -473,11 +505,12 @@ def _parse_profile(data: Any, path: Path) -> dict[tuple[int, int], LayerTimes]:
             raise ProblemError(f"{path}: profile[{mbs_key!r}] must be an object")
         for tp_key, layers in per_tp.items():
             try:
-                key = (int(mbs_key), int(tp_key))
+                key = (_key(mbs_key, MAX_GLOBAL_BATCH), _key(tp_key, MAX_GPUS))
             except ValueError:
                 raise ProblemError(
-                    f"{path}: mbs and tp keys must be integers, got "
-                    f"{mbs_key!r}/{tp_key!r}"
+                    f"{path}: mbs and tp keys must be integers up to "
+                    f"{MAX_GLOBAL_BATCH} and {MAX_GPUS}, got "
+                    f"{mbs_key[:20]!r}/{tp_key[:20]!r}"
                 ) from None
             if key[0] < 1 or key[1] < 1:
                 raise ProblemError(f"{path}: mbs and tp must be >= 1, got {key}")

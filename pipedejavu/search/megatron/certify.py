@@ -117,6 +117,7 @@ from pipedejavu.search.megatron.mixed import (
     mixed_bottleneck,
     refine,
 )
+from pipedejavu.search.megatron.settings import check_plan_size
 from pipedejavu.search.megatron.space import ConfigGroup, config_groups, mixes
 from pipedejavu.search.megatron.transfers import BoundCache, send_rows
 
@@ -169,6 +170,7 @@ def any_plan_fits(
     proof's memory rule (a relaxation, module docstring) leaving no chain of
     stages. A quick test before a full search that would otherwise solve every
     configuration to find nothing; ``True`` promises nothing."""
+    check_plan_size(data, model)
     groups = config_groups(
         data,
         model,
@@ -366,6 +368,7 @@ def certify_predicted(
             best)`` is a lower bound on every plan at that moment).
     """
     started = time.perf_counter()
+    check_plan_size(data, model)
     if rank_order not in RANK_ORDERS:
         raise ProblemError(
             f"rank order must be one of {RANK_ORDERS}, got {rank_order!r}"

@@ -80,6 +80,7 @@ from pipedejavu.costmodel.megatron.rules import (
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
+from pipedejavu.search.megatron.settings import check_plan_size
 from pipedejavu.search.megatron.space import divisors
 
 __all__ = [
@@ -370,6 +371,7 @@ def search_interleaved(
     """
     started = time.perf_counter()
     memo = InterleavedMemo() if memo is None else memo
+    check_plan_size(data, model)
     mbs_key = None if mbs_values is None else tuple(mbs_values)
     space = (id(data), model, tuple(gpus.items()), global_batch, id(constants))
     space += (allow_fewer_gpus, mbs_key, max_chunks, dp_alone)

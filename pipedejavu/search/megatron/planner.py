@@ -78,6 +78,7 @@ from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.settings import (
     MegatronSearchConfig,
     MegatronSearchResult,
+    check_plan_size,
 )
 from pipedejavu.search.megatron.space import chain_counts, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
@@ -359,6 +360,7 @@ def _solve(
 ) -> MegatronSearchResult:
     """:func:`search_megatron` without its proof."""
     started = time.perf_counter()
+    check_plan_size(data, model)
     if global_batch < 1:
         raise ProblemError(f"global batch must be >= 1, got {global_batch}")
     configs: list[_Config] = []

@@ -9,9 +9,39 @@ import math
 from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import Prediction
 
-__all__ = ["MegatronSearchConfig", "MegatronSearchResult"]
+__all__ = [
+    "MAX_PLAN_BLOCKS",
+    "MegatronSearchConfig",
+    "MegatronSearchResult",
+    "check_plan_size",
+]
+
+#: The most transformer blocks a plan is searched for. The planning tables
+#: hold every span of layers, and the gradient buckets of every span grow
+#: with the cube of the count: 1,000 blocks took 2.3 GB and 27 s on 8 GPUs,
+#: 2,000 ran out of memory. The largest dense models trained have about 130
+#: blocks. Predicting a given plan or launch has no such limit.
+MAX_PLAN_BLOCKS = 512
+
+
+def check_plan_size(data: Any, model: str) -> None:
+    """Refuse to search plans of a model of more than :data:`MAX_PLAN_BLOCKS`
+    blocks (its ``data.model_info(model).num_layers`` counts the embedding and
+    the head too).
+
+    Raises:
+        ProblemError: naming the model and the limit.
+    """
+    blocks = data.model_info(model).num_layers - 2
+    if blocks > MAX_PLAN_BLOCKS:
+        raise ProblemError(
+            f"{model} has {blocks} transformer layers; plans are searched for "
+            f"models of at most {MAX_PLAN_BLOCKS} (the search's tables grow with "
+            "the cube of the layers): predict a plan or a launch of it instead"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
