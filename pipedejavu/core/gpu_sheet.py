@@ -166,10 +166,11 @@ class GpuSheetEntry:
 
 
 def _check_positive(value: object, where: str) -> None:
+    # An int is finite: math.isfinite would overflow converting a huge one.
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or not math.isfinite(value)
+        or (isinstance(value, float) and not math.isfinite(value))
         or value <= 0
     ):
-        raise ValueError(f"{where} must be a positive finite number, got {value!r}")
+        raise ValueError(f"{where} must be a positive finite number, got {value!r:.40}")

@@ -31,9 +31,12 @@ Files (readers never execute anything and bound what they read):
   ``"training-plan"``. A stage plan of ``pipedejavu solve`` (stages with
   ``submesh``) is recognized and refused with a pointer to ``evaluate``.
 
-Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` in
-``[1, MAX_GLOBAL_BATCH]`` (65,536 samples), at most :data:`MAX_GPUS` (131,072)
-GPUs in a plan (the sum of its replicas' ``tp``).
+Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` and
+``mbs`` in ``[1, MAX_GLOBAL_BATCH]`` (65,536 samples) with ``gbs >= mbs x dp``
+(every replica gets at least one whole micro-batch), at most :data:`MAX_GPUS`
+(131,072) GPUs in a plan (the sum of its replicas' ``tp``); ``tp`` and
+``gpus_on_node`` in ``[1, MAX_GPUS]``, ``node`` in ``[0, MAX_GPUS)``, stage
+bounds in ``[0, 2**20]``.
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
 
@@ -84,6 +87,9 @@ MAX_GPUS = 2**17
 #: on a 2-core machine, 4,096: ~2.5 minutes).
 MAX_SEARCH_GPUS = 2**14
 _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
+#: Last layer a stage may end at: far above any model (Llama-3.1-405B has 128
+#: transformer layers), a bound on a file's value, not a claim.
+_MAX_LAYERS = 2**20
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"
 #: Megatron-LM's rank orders of a 3D plan, innermost first: ``tp-dp-pp`` (its
@@ -95,14 +101,26 @@ RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 MAX_PLAN_FILE_BYTES = 16 * 2**20
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise ProblemError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1:
-        raise ProblemError(f"{name} must be a positive integer, got {value}")
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its repr cut to 40 characters, a huge
+    int by its magnitude (its digits would fill the line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        sign = "-" if value < 0 else ""
+        return f"an integer around {sign}1e{math.floor(math.log10(abs(value)))}"
+    return f"{value!r:.40}"
+
+
+def _positive_int(value: Any, name: str, most: int, unit: str = "") -> int:
+    """``value`` as an int in ``[1, most]``; an integral float is accepted (JSON
+    writers may give ``8.0``). Compared before any arithmetic, so that a huge
+    number is refused here instead of overflowing later."""
+    integral = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if not integral or value < 1:
+        raise ProblemError(f"{name} must be a positive integer, got {_shown(value)}")
+    if value > most:
+        raise ProblemError(f"{name} must be in [1, {most}]{unit}, got {_shown(value)}")
     return int(value)
 
 
@@ -133,15 +151,22 @@ class Replica:
             )
         if not isinstance(self.zone, str) or not self.zone:
             raise ProblemError(f"zone must be a non-empty string, got {self.zone!r}")
-        object.__setattr__(self, "tp", _positive_int(self.tp, "tp"))
+        object.__setattr__(self, "tp", _positive_int(self.tp, "tp", MAX_GPUS))
         if self.node is not None:
             if isinstance(self.node, bool) or not isinstance(self.node, int):
-                raise ProblemError(f"node must be an integer >= 0, got {self.node!r}")
-            if self.node < 0:
-                raise ProblemError(f"node must be an integer >= 0, got {self.node}")
+                raise ProblemError(
+                    f"node must be an integer >= 0, got {_shown(self.node)}"
+                )
+            if not 0 <= self.node < MAX_GPUS:
+                raise ProblemError(
+                    f"node must be an integer in [0, {MAX_GPUS}) (a plan has at "
+                    f"most {MAX_GPUS} GPUs), got {_shown(self.node)}"
+                )
         if self.gpus_on_node is not None:
             object.__setattr__(
-                self, "gpus_on_node", _positive_int(self.gpus_on_node, "gpus_on_node")
+                self,
+                "gpus_on_node",
+                _positive_int(self.gpus_on_node, "gpus_on_node", MAX_GPUS),
             )
 
     def to_json(self) -> dict[str, Any]:
@@ -175,7 +200,11 @@ class Stage3D:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ProblemError(
-                    f"stage {name} must be an integer >= 0, got {value!r}"
+                    f"stage {name} must be an integer >= 0, got {_shown(value)}"
+                )
+            if value > _MAX_LAYERS:
+                raise ProblemError(
+                    f"stage {name} must be at most {_MAX_LAYERS}, got {_shown(value)}"
                 )
         if self.stop <= self.start:
             raise ProblemError(
@@ -238,17 +267,25 @@ class Plan3D:
                 f"(Megatron and DeepSpeed run it so), got {[s.dp for s in stages]}"
             )
         object.__setattr__(self, "stages", stages)
-        object.__setattr__(self, "mbs", _positive_int(self.mbs, "mbs"))
-        object.__setattr__(self, "gbs", _positive_int(self.gbs, "gbs"))
-        if self.gbs > MAX_GLOBAL_BATCH:
-            raise ProblemError(
-                f"gbs must be in [1, {MAX_GLOBAL_BATCH}] samples, got {self.gbs}"
+        for name in ("mbs", "gbs"):
+            value = _positive_int(
+                getattr(self, name), name, MAX_GLOBAL_BATCH, " samples"
             )
+            object.__setattr__(self, name, value)
         gpus = sum(r.tp for stage in stages for r in stage.replicas)
         if gpus > MAX_GPUS:
             raise ProblemError(
                 f"a plan may use at most {MAX_GPUS} GPUs (the sum of its "
                 f"replicas' tp), got {gpus}"
+            )
+        # ceil(gbs / (mbs * dp)) micro-batches (Sailor's convention) allows a last
+        # partial one, but below one micro-batch per replica some replicas would
+        # get no sample at all.
+        dp = stages[0].dp
+        if self.gbs < self.mbs * dp:
+            raise ProblemError(
+                f"gbs {self.gbs} is smaller than mbs x dp = {self.mbs} x {dp}: "
+                "every data-parallel replica needs at least one micro-batch"
             )
         if self.model is not None and (
             not isinstance(self.model, str) or not self.model
@@ -341,30 +378,27 @@ class Plan3D:
                 raise ProblemError(
                     f"'kind' must be {PLAN3D_KIND!r} (or absent), got {kind!r:.60}"
                 )
-            if (
-                sum(
-                    len(s.get("replicas", ()))
-                    for s in stages_data
-                    if isinstance(s, dict)
-                )
-                > _MAX_ITEMS
-            ):
+            # Shapes first, so that counting the replicas below is safe.
+            for index, item in enumerate(stages_data):
+                if not isinstance(item, dict):
+                    raise ProblemError(f"stage {index} is not an object")
+                if not isinstance(item.get("replicas"), list):
+                    raise ProblemError(
+                        f"stage {index}: 'replicas' must be a list, got "
+                        f"{_shown(item.get('replicas'))}"
+                    )
+            if sum(len(item["replicas"]) for item in stages_data) > _MAX_ITEMS:
                 raise ProblemError(
                     f"more than {_MAX_ITEMS} replicas (a plan uses at most "
                     f"{MAX_GPUS} GPUs)"
                 )
             stages = []
             for index, item in enumerate(stages_data):
-                if not isinstance(item, dict):
-                    raise ProblemError(f"stage {index} is not an object")
                 layers = item.get("layers")
                 if not (isinstance(layers, list) and len(layers) == 2):
                     raise ProblemError(f"stage {index}: 'layers' must be [start, stop]")
-                replicas = item.get("replicas")
-                if not isinstance(replicas, list):
-                    raise ProblemError(f"stage {index}: 'replicas' must be a list")
                 built = []
-                for r in replicas:
+                for r in item["replicas"]:
                     if not isinstance(r, dict):
                         raise ProblemError(f"stage {index}: a replica is not an object")
                     built.append(

@@ -19,14 +19,16 @@ prices a fused attention kernel's softmax.
 
 An entry for a new name needs every number; an entry for a name already on the
 sheet overrides only the fields it gives (``peak_flops`` precision by precision).
-Files are read with a size limit and validated (positive finite numbers, known
-precisions); every problem is one :class:`ProblemError` line naming the file.
+Files are read with a size limit and validated (numbers in the plausible
+ranges of :data:`FIELD_RANGES` and :data:`PEAK_FLOPS_RANGE`, known precisions);
+every problem is one :class:`ProblemError` line naming the file and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,7 +39,9 @@ from pipedejavu.core.files import read_json
 from pipedejavu.core.gpu_sheet import PRECISIONS, GpuSheetEntry
 
 __all__ = [
+    "FIELD_RANGES",
     "MAX_GPU_SHEET_BYTES",
+    "PEAK_FLOPS_RANGE",
     "GpuSheet",
     "bundled_gpu_sheet_path",
     "load_gpu_sheet",
@@ -61,6 +65,22 @@ _ENTRY_FIELDS = (
     "clock_hz",
 )
 _TOP_KEYS = ("gpus", "aliases", "description")
+#: ``(lowest, highest, unit)`` of a sheet's numbers: far outside any GPU built
+#: (the bundled entries lie 40x or more inside every bound: memory 11.8 GB to
+#: 206 GB, memory bandwidth 0.3 to 5.3 TB/s, links 3.1 GB/s to 450 GB/s,
+#: clocks 1.4 to 2.5 GHz), bounds on a file's values, not claims. Outside them
+#: the cost model's arithmetic underflows to zero or overflows to infinity
+#: (``5e-324`` bytes/s, ``1e308`` FLOP/s).
+FIELD_RANGES: dict[str, tuple[float, float, str]] = {
+    "memory_bytes": (1e8, 1e13, "bytes"),
+    "memory_bandwidth_bytes_per_s": (1e6, 1e15, "bytes/s"),
+    "intra_node_bytes_per_s": (1e6, 1e15, "bytes/s"),
+    "inter_node_bytes_per_s": (1e6, 1e15, "bytes/s"),
+    "clock_hz": (1e7, 1e11, "Hz"),
+}
+#: ``(lowest, highest)`` dense peak FLOP/s of every precision (the bundled
+#: peaks: 13.4 TFLOP/s to 2.6 PFLOP/s).
+PEAK_FLOPS_RANGE = (1e9, 1e18)
 
 
 class GpuSheet(Mapping[str, GpuSheetEntry]):
@@ -172,6 +192,33 @@ def _build(name: str, fields: Mapping[str, Any], source: str) -> GpuSheetEntry:
         raise ProblemError(f"{source}: {error}") from None
 
 
+def _check_ranges(entry: GpuSheetEntry, source: str) -> GpuSheetEntry:
+    """``entry``, its numbers (already positive and finite) checked against
+    :data:`FIELD_RANGES` and :data:`PEAK_FLOPS_RANGE`."""
+    checks = [
+        (field, getattr(entry, field), low, high, unit)
+        for field, (low, high, unit) in FIELD_RANGES.items()
+    ]
+    low, high = PEAK_FLOPS_RANGE
+    checks += [
+        (f"peak_flops {precision}", value, low, high, "FLOP/s")
+        for precision, value in entry.peak_flops
+    ]
+    for field, value, low, high, unit in checks:
+        # ints compare exactly (no float conversion to overflow); None: absent
+        if value is not None and not low <= value <= high:
+            shown = (
+                f"an integer around 1e{math.floor(math.log10(value))}"
+                if isinstance(value, int) and value > 10**30
+                else f"{value!r:.40}"
+            )
+            raise ProblemError(
+                f"{source}: GPU {entry.name}: {field} must be in [{low:g}, "
+                f"{high:g}] {unit}, got {shown}"
+            )
+    return entry
+
+
 def _entry_as_fields(entry: GpuSheetEntry) -> dict[str, Any]:
     fields = dataclasses.asdict(entry)
     fields.pop("name")
@@ -218,9 +265,9 @@ def load_gpu_sheet(user_file: str | os.PathLike | None = None) -> GpuSheet:
 
     Raises:
         ProblemError: an unreadable, oversized or malformed file, a missing or
-            unknown field, an unknown precision, a number that is not positive
-            and finite, or an alias to a GPU not on the sheet; one line naming
-            the file.
+            unknown field, an unknown precision, a number outside its range
+            (:data:`FIELD_RANGES`, :data:`PEAK_FLOPS_RANGE`), or an alias to a
+            GPU not on the sheet; one line naming the file and the field.
     """
     sources = [bundled_gpu_sheet_path()]
     if user_file is not None:
@@ -237,7 +284,7 @@ def load_gpu_sheet(user_file: str | os.PathLike | None = None) -> GpuSheet:
                 merged["peak_flops"].update(fields.pop("peak_flops", {}))
                 merged.update(fields)
                 fields = merged
-            entries[name] = _build(name, fields, source)
+            entries[name] = _check_ranges(_build(name, fields, source), source)
             aliases.pop(name, None)
         for alias, target in file_aliases.items():
             if target not in entries:
