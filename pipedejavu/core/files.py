@@ -37,10 +37,20 @@ def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes
     """
     try:
         with open(path, "rb") as handle:
-            mode = os.fstat(handle.fileno()).st_mode
+            status = os.fstat(handle.fileno())
+            mode = status.st_mode
             if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
                 raise ProblemError(f"{what} {os.fspath(path)} is a device, not a file")
-            data = handle.read(limit + 1)
+            if stat.S_ISREG(mode) and status.st_size > limit:
+                raise ProblemError(
+                    f"{what} {os.fspath(path)} is larger than {limit} bytes"
+                )
+            # a regular file reads what it holds, not a buffer of the limit
+            # (one byte more shows it grew: the rest then as from a pipe); a
+            # pipe reads in pieces up to the limit
+            data = handle.read(status.st_size + 1) if stat.S_ISREG(mode) else b""
+            if not stat.S_ISREG(mode) or len(data) > status.st_size:
+                data += _read_upto(handle, limit - len(data))
     except OSError as error:
         raise ProblemError(
             f"cannot read {what} {os.fspath(path)}: {error.strerror or error}"
@@ -48,6 +58,18 @@ def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes
     if len(data) > limit:
         raise ProblemError(f"{what} {os.fspath(path)} is larger than {limit} bytes")
     return data
+
+
+def _read_upto(handle: Any, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a stream, read in pieces of 1 MiB."""
+    pieces, total = [], 0
+    while total <= limit:
+        piece = handle.read(min(2**20, limit + 1 - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
 
 
 def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:

@@ -11,7 +11,9 @@ file, anything that is not plain numeric (or text) data whose declared size
 * could come out of that entry (deflate expands at most about 1032:1; a stored
   entry not at all), and
 * keeps the arrays read together under ``max_bytes`` (default
-  :data:`MAX_NPZ_BYTES`).
+  :data:`MAX_NPZ_BYTES`), every element counted as at least 8 bytes: a problem
+  widens its numbers to float64 or int64, so a bool or uint8 table must not
+  slip 8 times its size past the limit.
 
 Only then does it read the data, so memory stays bounded by the smaller of
 ``max_bytes`` and what the file can actually hold. Object arrays (pickles) are
@@ -34,8 +36,18 @@ from pipedejavu.core.errors import ProblemError
 
 __all__ = ["MAX_NPZ_BYTES", "npz_output_path", "read_npz", "write_npz"]
 
-#: Declared bytes of the arrays one :func:`read_npz` call may read (4 GiB).
-MAX_NPZ_BYTES = 4 * 2**30
+#: Declared bytes of the arrays one :func:`read_npz` call may read (256 MiB),
+#: every element counted as at least 8 bytes. A problem's two stage tables
+#: ``[L, L, M, K]`` then hold up to 2**24 entries (e.g. L = 512, M = 16, K = 4;
+#: Alpa's real profiles fill a few thousand). The checks' and solvers' copies
+#: scale with the tables: ``solve`` on the largest single table (L = 5,792)
+#: peaks at 3.2 GB, against 5.7 GB for an L = 8,000 file under the 4 GiB limit
+#: this replaced.
+MAX_NPZ_BYTES = 2**28
+
+# Width of the numbers a problem stores (float64, int64): the least an element
+# is counted against the limit.
+_NUMBER_BYTES = 8
 
 # deflate's largest expansion is 1032:1 (RFC 1951 blocks); a margin for headers.
 _DEFLATE_RATIO = 1100
@@ -50,8 +62,12 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
 def _read_member(
-    archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str, budget: int
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str, what: str, budget: int
 ) -> np.ndarray:
     key = info.filename[: -len(".npy")]
     if info.compress_type == zipfile.ZIP_STORED:
@@ -81,23 +97,30 @@ def _read_member(
             )
         if dtype.hasobject or dtype.kind not in _ALLOWED_KINDS or dtype.fields:
             raise ProblemError(
-                f"{source}: array {key!r} has dtype {dtype}; a problem file holds "
-                "only numbers and text (object arrays would need pickle)"
+                f"{source}: array {key!r} has dtype {dtype}; {what} holds only "
+                "numbers and text (object arrays would need pickle)"
             )
         if not all(type(n) is int and n >= 0 for n in shape):
             raise ProblemError(f"{source}: array {key!r} has a bad shape {shape!r}")
-        num_bytes = math.prod(shape) * dtype.itemsize
+        count = math.prod(shape)
+        num_bytes = count * dtype.itemsize
         header = handle.tell()
-        if num_bytes > budget:
-            raise ProblemError(
-                f"{source}: array {key!r} declares shape {tuple(shape)} of {dtype} "
-                f"({num_bytes / 2**30:.3g} GiB), over the {budget / 2**30:.3g} GiB "
-                "left of the reading limit"
-            )
+        # A declared size the entry does not hold is corruption, whatever the size.
         if num_bytes != info.file_size - header:
             raise ProblemError(
                 f"{source}: array {key!r} declares shape {tuple(shape)} of {dtype} "
-                f"({num_bytes} bytes) but its entry holds {info.file_size - header}"
+                f"({num_bytes} bytes, {_gib(num_bytes)}) but its entry holds "
+                f"{info.file_size - header}"
+            )
+        counted = count * max(dtype.itemsize, _NUMBER_BYTES)
+        if counted > budget:
+            widened = (
+                "" if counted == num_bytes else f" as {_NUMBER_BYTES}-byte numbers"
+            )
+            raise ProblemError(
+                f"{source}: array {key!r} declares shape {tuple(shape)} of {dtype} "
+                f"({_gib(counted)}{widened}), over the {_gib(budget)} left of the "
+                "reading limit"
             )
         data = handle.read(num_bytes)
         if len(data) != num_bytes or handle.read(1):  # the extra read checks CRC
@@ -123,7 +146,8 @@ def read_npz(
         required: keys that must be present.
         optional: keys read when present; every other key is ignored unread.
         what: what the file should be, for messages ("a problem .npz").
-        max_bytes: limit on the declared bytes of the arrays read.
+        max_bytes: limit on the declared bytes of the arrays read, every
+            element counted as at least 8 bytes.
 
     Returns:
         ``{key: array}`` for the required keys and the optional keys present;
@@ -151,8 +175,8 @@ def read_npz(
             arrays = {}
             budget = max_bytes
             for key in required + tuple(k for k in optional if k in members):
-                arrays[key] = _read_member(archive, members[key], source, budget)
-                budget -= arrays[key].nbytes
+                arrays[key] = _read_member(archive, members[key], source, what, budget)
+                budget -= arrays[key].size * max(arrays[key].itemsize, _NUMBER_BYTES)
             return arrays
     except ProblemError:
         raise

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.npzfile import read_npz
 from pipedejavu.core.problem import ProblemError
 
 __all__ = ["Dataset", "Split", "load_digits", "split_dataset"]
@@ -27,6 +28,8 @@ SPLIT_SEED = 20261123
 NUM_PIXELS, NUM_CLASSES, NUM_IMAGES = 64, 10, 1797
 # The images take 115,008 bytes (+ the .npy header): room to spare, no more.
 _MAX_ARRAY_BYTES = 1 << 20
+# What read_npz may read: two such arrays, each element counted as 8 bytes.
+_MAX_READ_BYTES = 2 * 8 * _MAX_ARRAY_BYTES
 
 
 class Split(NamedTuple):
@@ -55,30 +58,34 @@ class Dataset(NamedTuple):
 
 
 def _read(path: Path | str) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
-    """The images and labels of a digits ``.npz``, checked (no pickles, and no
-    array is decompressed before its stored size is known to be small)."""
+    """The images and labels of a digits ``.npz``, checked: the zip directory
+    first (the two arrays, each small), then the arrays through
+    :func:`~pipedejavu.core.npzfile.read_npz` (no pickles, headers checked
+    against the entries, CRC and decompression errors reported)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            largest = max((info.file_size for info in archive.infolist()), default=0)
-    except (OSError, zipfile.BadZipFile) as error:
-        raise ProblemError(f"{path}: not a readable digits .npz ({error})") from None
+            infos = archive.infolist()
+    except Exception as error:  # untrusted input: report, never crash
+        detail = " ".join(str(error).split())[:160] or type(error).__name__
+        raise ProblemError(f"{path}: not a readable digits .npz ({detail})") from None
+    names = sorted(info.filename.removesuffix(".npy") for info in infos)
+    if names != ["images", "labels"]:
+        raise ProblemError(
+            f"{path}: expected the arrays 'images' and 'labels', got {names}"
+        )
+    largest = max(info.file_size for info in infos)
     if largest > _MAX_ARRAY_BYTES:
         raise ProblemError(
             f"{path}: holds a {largest}-byte array; the digits need at most "
             f"{_MAX_ARRAY_BYTES} bytes per array"
         )
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if set(data.files) != {"images", "labels"}:
-                raise ProblemError(
-                    f"{path}: expected the arrays 'images' and 'labels', "
-                    f"got {sorted(data.files)}"
-                )
-            images, labels = data["images"], data["labels"]
-    except (OSError, ValueError) as error:
-        if isinstance(error, ProblemError):
-            raise
-        raise ProblemError(f"{path}: not a readable digits .npz ({error})") from None
+    arrays = read_npz(
+        path,
+        required=("images", "labels"),
+        what="a digits .npz",
+        max_bytes=_MAX_READ_BYTES,
+    )
+    images, labels = arrays["images"], arrays["labels"]
     if images.dtype != np.uint8 or images.shape != (NUM_IMAGES, 8, 8):
         raise ProblemError(
             f"{path}: images must be uint8 [{NUM_IMAGES}, 8, 8], "

@@ -21,8 +21,11 @@ the interpreter; a dtype state can rewrite a dtype's flags). They resolve to
 stand-ins that accept only what ``numpy`` itself writes for plain numeric and
 object data, check sizes against the data, and only then call numpy. Before
 unpickling, a ``pickletools`` pass checks the opcode stream (lengths within the
-file, memo indices in order), so a few corrupt bytes cannot make the C
-unpickler allocate gigabytes. Nothing in this package calls ``pickle.load``.
+file, memo indices in order, at most :data:`MAX_PICKLE_OPCODES` opcodes and
+no sets), so a few corrupt bytes cannot make the C unpickler allocate
+gigabytes, and a file of one-byte opcodes (each an empty dict or list: 60-85
+bytes of memory per byte of file) builds at most ~0.7 GB. Nothing in this
+package calls ``pickle.load``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ from pipedejavu.core.files import read_bytes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io import alpa_records as alpa_types
 
-__all__ = ["UnsafePickleError", "load_alpa_npy", "load_alpa_pickle"]
+__all__ = [
+    "MAX_ALPA_FILE_BYTES",
+    "MAX_PICKLE_OPCODES",
+    "UnsafePickleError",
+    "load_alpa_npy",
+    "load_alpa_pickle",
+]
 
 PathLike = str | os.PathLike
 
@@ -178,6 +187,15 @@ class _AlpaUnpickler(pickle.Unpickler):
 
 
 _MEMO_PUTS = frozenset(["PUT", "BINPUT", "LONG_BINPUT"])
+# An empty set costs 216 bytes for one byte of file; Alpa's files hold no sets.
+_SET_OPCODES = frozenset(["EMPTY_SET", "ADDITEMS", "FROZENSET"])
+
+#: Most opcodes of one pickle. The bundled files hold one opcode per 3.7-4.8
+#: bytes (809,491 in the largest, 3.5 MB), so real files up to ~30 MB stay
+#: under it. Besides what its own bytes hold, an opcode builds at most one small
+#: object (an empty dict, 64 bytes) and a reference, so a hostile stream of
+#: one-byte opcodes builds at most ~0.7 GB (measured: 8.4 million empty dicts).
+MAX_PICKLE_OPCODES = 2**23
 
 
 def _prescan(data: bytes) -> None:
@@ -185,10 +203,19 @@ def _prescan(data: bytes) -> None:
 
     ``pickletools.genops`` checks that every counted string fits in the data;
     memo indices must come in order (as every pickler writes them), since the
-    C unpickler sizes its memo table by the largest index it sees.
+    C unpickler sizes its memo table by the largest index it sees. The opcodes
+    are counted (:data:`MAX_PICKLE_OPCODES`) and sets refused, which bounds the
+    memory the unpickler may build.
     """
     puts = 0
-    for opcode, arg, position in pickletools.genops(data):
+    for count, (opcode, arg, position) in enumerate(pickletools.genops(data)):
+        if count == MAX_PICKLE_OPCODES:
+            raise _Refused(
+                f"more than {MAX_PICKLE_OPCODES} opcodes (at byte {position}); "
+                "Alpa's profiles hold about one per 4 bytes"
+            )
+        if opcode.name in _SET_OPCODES:
+            raise _Refused(f"a set ({opcode.name}) at byte {position}")
         if opcode.name in _MEMO_PUTS:
             if arg != puts:
                 raise _Refused(f"memo index {arg} out of order at byte {position}")
@@ -199,9 +226,10 @@ def _prescan(data: bytes) -> None:
             raise _Refused(f"frame of {arg} bytes at byte {position} overruns")
 
 
-#: Largest Alpa file read (bytes). The bundled ones are 0.3-3.5 MB; the
-#: unpickled objects are bounded by a small multiple of the file's size.
-MAX_ALPA_FILE_BYTES = 2**30
+#: Largest Alpa file read (bytes): 32 MiB, 9x the largest bundled one (the
+#: bundled and reference files are 0.3-3.5 MB). With :data:`MAX_PICKLE_OPCODES`
+#: it bounds what the unpickler builds.
+MAX_ALPA_FILE_BYTES = 2**25
 
 
 def _read_bytes(path: PathLike) -> bytes:

@@ -12,6 +12,8 @@ we count it as unprofiled (``inf`` cost, ``-1`` stages) and warn once.
 
 Keys use Alpa's inclusive layer indexing: ``(start, end, submesh, config)`` is the
 stage holding layers ``start..end``, both included. Units: seconds and bytes.
+The indices size the tables (``L * L * M * K`` entries), so they are bounded
+(:data:`MAX_STAGE_TABLE_ENTRIES`) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.npzfile import MAX_NPZ_BYTES
 from pipedejavu.core.problem import Problem, ProblemError, get_submesh_choices
 from pipedejavu.costmodel.alpa.memory import checked_modules, is_int, stage_memory_stats
 from pipedejavu.io.alpa_pickle import PathLike, load_alpa_npy, load_alpa_pickle
@@ -33,6 +36,7 @@ from pipedejavu.io.alpa_records import MeshProfilingResult, StageProfileResult
 
 __all__ = [
     "BUNDLED",
+    "MAX_STAGE_TABLE_ENTRIES",
     "prof_database_path",
     "problem_from_stage_profile",
     "read_prof_database",
@@ -42,6 +46,14 @@ __all__ = [
 
 StageKey = tuple[int, int, int, int]
 MeshKey = tuple[str, tuple[int, int]]
+
+#: Most entries ``L * L * M * K`` of the stage tables built from a profile
+#: (2**23: 64 MiB per table). Both tables (f64 and i64) then take half the
+#: reading limit of a problem file (:data:`~pipedejavu.core.npzfile.MAX_NPZ_BYTES`),
+#: so what ``pipedejavu convert`` writes reads back. Alpa compiles and runs every
+#: stage it profiles, so real profiles are tiny (the bundled ones: L <= 12, 3
+#: submeshes, 4 configs, 1,728 entries); a key past this is corrupt or hostile.
+MAX_STAGE_TABLE_ENTRIES = MAX_NPZ_BYTES // 32
 
 
 #: The name that stands for the ``prof_database.pkl`` shipped in
@@ -75,7 +87,7 @@ def read_prof_database(path: PathLike) -> dict[MeshKey, MeshProfilingResult]:
 
     Raises:
         UnsafePickleError: the file names a non-allowed global.
-        ProblemError: unreadable, or not a dict of that shape.
+        ProblemError: unreadable, empty, or not a dict of that shape.
     """
     path = prof_database_path(path)
     data = load_alpa_pickle(path)
@@ -84,6 +96,8 @@ def read_prof_database(path: PathLike) -> dict[MeshKey, MeshProfilingResult]:
             f"{path} holds a {type(data).__name__}, not Alpa's profiling database "
             "(a dict of MeshProfilingResult)"
         )
+    if not data:
+        raise ProblemError(f"{path} is an empty profiling database (no mesh entries)")
     database: dict[MeshKey, MeshProfilingResult] = {}
     for key, value in data.items():
         if not (
@@ -139,7 +153,47 @@ def _checked_records(records: Any, source: str) -> dict[StageKey, StageProfileRe
                 "StageProfileResult"
             )
         checked[(start, end, submesh, config)] = value
+    _check_table_size(_needed_sizes(checked), source, "its keys' largest indices")
     return checked
+
+
+def _needed_sizes(records: Mapping[StageKey, Any]) -> tuple[int, int, int]:
+    """``(L, M, K)``: the largest layer, submesh and config index + 1."""
+    return tuple(  # type: ignore[return-value]
+        max((key[axis] for key in records), default=-1) + 1 for axis in (1, 2, 3)
+    )
+
+
+def _check_table_size(sizes: Sequence[int], source: str, cause: str) -> None:
+    """Refuse tables of more than :data:`MAX_STAGE_TABLE_ENTRIES` entries."""
+    num_layers, num_submeshes, num_configs = sizes
+    entries = num_layers * num_layers * num_submeshes * num_configs
+    if entries > MAX_STAGE_TABLE_ENTRIES:
+        raise ProblemError(
+            f"{source}: {cause} make stage tables of L x L x M x K = {num_layers} "
+            f"x {num_layers} x {num_submeshes} x {num_configs} = {entries} "
+            f"entries, over the limit of {MAX_STAGE_TABLE_ENTRIES} (real Alpa "
+            "profiles fill a few thousand)"
+        )
+
+
+def _table_sizes(
+    records: Mapping[StageKey, Any],
+    num_layers: int | None,
+    num_submeshes: int | None,
+    num_configs: int | None,
+    source: str,
+) -> tuple[int, int, int]:
+    """``(L, M, K)`` of the tables: the sizes given (checked against the keys)
+    or the keys' largest indices + 1, bounded by :data:`MAX_STAGE_TABLE_ENTRIES`."""
+    needed = _needed_sizes(records)
+    sizes = (
+        _table_size("num_layers", num_layers, needed[0]),
+        _table_size("num_submeshes", num_submeshes, needed[1]),
+        _table_size("num_configs", num_configs, needed[2]),
+    )
+    _check_table_size(sizes, source, "the sizes and the keys' largest indices")
+    return sizes
 
 
 def read_stage_profile(path: PathLike) -> dict[StageKey, StageProfileResult]:
@@ -197,7 +251,8 @@ def stage_profile_tables(
         :func:`stage_memory_stats` of the single record, ``-1`` where none.
 
     Raises:
-        ProblemError: bad keys, an explicit size below what the keys need, or an
+        ProblemError: bad keys, an explicit size below what the keys need,
+            tables of more than :data:`MAX_STAGE_TABLE_ENTRIES` entries, or an
             inconsistent record.
 
     Warns:
@@ -210,13 +265,10 @@ def stage_profile_tables(
             "profile_results is empty; pass num_layers, num_submeshes and "
             "num_configs to get all-unprofiled tables"
         )
-    needed = [max((key[axis] for key in records), default=-1) + 1 for axis in (1, 2, 3)]
-    shape = (
-        _table_size("num_layers", num_layers, needed[0]),
-        _table_size("num_submeshes", num_submeshes, needed[1]),
-        _table_size("num_configs", num_configs, needed[2]),
+    sizes = _table_sizes(
+        records, num_layers, num_submeshes, num_configs, "profile_results"
     )
-    shape = (shape[0], *shape)
+    shape = (sizes[0], *sizes)
     compute_cost = np.full(shape, np.inf, dtype=np.float64)
     max_n_succ_stages = np.full(shape, -1, dtype=np.int64)
     incomplete = 0
@@ -266,7 +318,8 @@ def problem_from_stage_profile(
         tables from :func:`stage_profile_tables`.
 
     Raises:
-        ProblemError: the profile uses a submesh index outside the choices, or any
+        ProblemError: the profile uses a submesh index outside the choices,
+            tables of more than :data:`MAX_STAGE_TABLE_ENTRIES` entries, or any
             error of the readers.
     """
     if isinstance(path_or_results, Mapping):
@@ -295,6 +348,8 @@ def problem_from_stage_profile(
             f"space of a {num_hosts}x{devices_per_host} cluster has only "
             f"{len(choices)} choices {list(choices)}"
         )
+    # Checked here too, so that the message names the file.
+    _table_sizes(records, num_layers, len(choices), num_configs, source)
     compute_cost, max_n_succ_stages = stage_profile_tables(
         records,
         num_layers=num_layers,
