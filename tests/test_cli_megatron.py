@@ -136,3 +136,53 @@ def test_plan_mixed_types_searches_every_schedule_of_the_knobs(capsys):
     code, out, err = run(capsys, *argv, "--mixed-types")
     assert code == 0, err
     assert "rank order n/a" in out and "None" not in out
+
+
+LLAMA_8B_FLAGS = (
+    "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+    "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu "
+    "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --vocab-size 128256 "
+    "--max-position-embeddings 8192"
+)
+
+
+def test_plan_json_reports_the_utilization_its_launch_has(capsys):
+    """``plan --json`` gives the best plan's model FLOPs, TFLOP/s per GPU and
+    MFU; the launch its Megatron-LM export writes, predicted from the flags,
+    gives the same numbers (and the same time: the export carries the
+    sequence length and the precision it was priced with)."""
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16"]
+    argv += ["--global-batch", "64", "--export", "megatron", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    plan = json.loads(out)
+    exported = plan["export"]["text"].splitlines()[-1]
+    assert f"--seq-length {plan['seq_length']}" in exported
+    code, out, err = run(
+        capsys, "predict", "--gpus", "H100:16", "--json", "--megatron-args",
+        f"{LLAMA_8B_FLAGS} {exported}",
+    )  # fmt: skip
+    assert code == 0, err
+    launch = json.loads(out)
+    for key in ("iteration_time_s", "model_flops_per_iteration", "tflops_per_gpu"):
+        assert plan[key] == pytest.approx(launch[key], rel=1e-12), key
+    assert plan["mfu"] == pytest.approx(launch["mfu"], rel=1e-12)
+    assert plan["mfu"] == pytest.approx(
+        plan["tflops_per_gpu"] * 1e12 / 989.4e12, rel=1e-3
+    )  # (H100 SXM's dense bf16 peak)
+
+
+def test_plan_notes_the_knobs_a_tp1_plan_drops(capsys):
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16"]
+    argv += ["--global-batch", "64", "--sequence-parallel", "on", "--tp-comm-overlap"]
+    code, out, err = run(capsys, *argv, "--json", "--export", "megatron")
+    assert code == 0, err
+    data = json.loads(out)
+    tps = {r["tp"] for s in data["stages"] for r in s["replicas"]}
+    assert tps == {1} and "--sequence-parallel" not in data["export"]["text"]
+    assert any("runs at TP 1, where they do nothing" in n for n in data["notes"])
+    code, out, err = run(capsys, *argv, "--json")  # here a TP 2 plan wins
+    data = json.loads(out)
+    assert {r["tp"] for s in data["stages"] for r in s["replicas"]} == {2}
+    assert not any("TP 1" in n for n in data.get("notes", []))

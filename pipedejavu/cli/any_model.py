@@ -192,6 +192,30 @@ def add_knob_options(parser: Any) -> None:
         )
 
 
+def unused_at_tp1(args: argparse.Namespace, plan: Any) -> list[str]:
+    """A note where the command asked for sequence parallelism or
+    ``--tp-comm-overlap`` and the best plan runs without TP, where they do
+    nothing (Megatron-LM turns them off at TP 1, and so do the plan and its
+    export)."""
+    asked = [
+        flag
+        for flag, given in (
+            (
+                "--sequence-parallel on",
+                getattr(args, "sequence_parallel", None) == "on",
+            ),
+            ("--tp-comm-overlap", getattr(args, "tp_comm_overlap", None)),
+        )
+        if given
+    ]
+    if not asked or any(r.tp > 1 for s in plan.stages for r in s.replicas):
+        return []
+    return [
+        f"{' and '.join(asked)}: the best plan runs at TP 1, where they do nothing "
+        "(Megatron-LM turns them off); the plan and its export run without them"
+    ]
+
+
 def knobs_asked(args: argparse.Namespace) -> bool:
     """A knob flag was given."""
     return any(
@@ -259,9 +283,10 @@ def add_training_options(parser: Any, *, knobs: bool = False) -> None:
     parser.add_argument(
         "--precision",
         choices=TRAINING_PRECISIONS,
-        help="training precision (default: fp32 for the profiled Sailor models "
-        "OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30; bf16 for any other); other "
-        "than fp32, a Sailor model is priced by the analytical model",
+        help="training precision (default: what a PLAN.json records; else fp32 "
+        "for the profiled Sailor models OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30 "
+        "and bf16 for any other); other than fp32, a Sailor model is priced by "
+        "the analytical model",
     )
     if knobs:
         add_knob_options(parser)
@@ -270,14 +295,16 @@ def add_training_options(parser: Any, *, knobs: bool = False) -> None:
             "--recompute",
             choices=RECOMPUTE_GRANULARITIES,
             help="activation recomputation, Megatron-LM's --recompute-granularity "
-            "(default: none)",
+            "(default: what a PLAN.json records; else none)",
         )
     parser.add_argument(
         "--seq-len",
         type=int_in("--seq-len", 1, MAX_SEQ_LENGTH),
         metavar="S",
-        help="tokens per sample (default: the model's context length; a Sailor "
-        "model's profiled length)",
+        help="tokens per sample (default: what a PLAN.json records; else the "
+        "model's training length: a config.json's context length, a preset's "
+        "recorded length (pipedejavu data models/README.md), a Sailor model's "
+        "profiled length)",
     )
     parser.add_argument(
         "--gpu-sheet",

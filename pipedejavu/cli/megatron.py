@@ -23,6 +23,7 @@ from pipedejavu.cli.any_model import (
     plan_megatron_args,
     predict_plan_file,
     read_launch,
+    unused_at_tp1,
 )
 from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
@@ -41,7 +42,7 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import DATA_PARALLEL_ALONE, EXPORTS, export_plan
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
-from pipedejavu.planning.megatron_launch import predict_megatron_run
+from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
 from pipedejavu.planning.training import (
     check_global_batch,
     expected_slow,
@@ -371,8 +372,20 @@ def _plan(args: argparse.Namespace) -> int:
         out = result.to_json() if knobs is None else knobs.to_json()
         if choice.spec is not None:
             out["seq_length"] = choice.spec.seq_length
-        if choice.analytical:
-            out["notes"] = list(choice.notes)
+            out.update(
+                plan_utilization(
+                    choice.spec,
+                    result.plan,
+                    result.options,
+                    choice.data,
+                    choice.data.sheet,
+                    result.prediction.iteration_time_s,
+                )
+            )
+        notes = list(choice.notes) if choice.analytical else []
+        notes += unused_at_tp1(args, result.plan)
+        if notes:
+            out["notes"] = notes
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
             out["export"]["data_parallel_alone"] = alone
@@ -390,6 +403,8 @@ def _plan(args: argparse.Namespace) -> int:
             print(costs_line(choice, result.cost_source, result.options))
             for note in choice.notes:
                 print(f"note: {note}")
+        for note in unused_at_tp1(args, result.plan):
+            print(f"note: {note}")
         if exported is not None:
             print(f"\n--- {args.export} ---\n{exported}", end="")
     return 0

@@ -40,6 +40,7 @@ from pipedejavu.core.plan3d import (
 )
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
 from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
@@ -242,15 +243,55 @@ def predict_megatron_run(
     entry = sheet[gpu_type]
     plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
-    flops = run.spec.model_flops_per_iteration(
-        plan.gbs // cp,
-        recompute_full=options.recompute == "full",
-        tp=run.tp,
-        recomputed_blocks=rerun_blocks(source.model_info(plan.model), plan, options),
-    )
+    flops = plan_model_flops(run.spec, plan, options, source, samples=plan.gbs // cp)
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
     return LaunchPrediction(plan, options, prediction, flops, cost_source, peak, cp)
+
+
+def plan_model_flops(
+    spec: TransformerSpec,
+    plan: Plan3D,
+    options: TrainingOptions,
+    source: Any,
+    *,
+    samples: int | None = None,
+) -> float:
+    """Megatron-LM's model FLOPs of one iteration of ``plan``
+    (:meth:`~pipedejavu.core.transformer.TransformerSpec.model_flops_per_iteration`:
+    the recomputed forward counts when every layer is recomputed, and the
+    blocks the block method reruns); ``samples``: the global batch (``None``:
+    the plan's)."""
+    return spec.model_flops_per_iteration(
+        plan.gbs if samples is None else samples,
+        recompute_full=options.recompute == "full",
+        tp=plan.stages[0].replicas[0].tp,
+        recomputed_blocks=rerun_blocks(source.model_info(plan.model), plan, options),
+    )
+
+
+def plan_utilization(
+    spec: TransformerSpec,
+    plan: Plan3D,
+    options: TrainingOptions,
+    source: Any,
+    sheet: Mapping[str, GpuSheetEntry],
+    iteration_time_s: float,
+) -> dict[str, float]:
+    """``model_flops_per_iteration``, ``tflops_per_gpu`` and ``mfu`` (over the
+    dense peaks of the plan's GPUs at its GEMMs' precision, summed over GPU
+    types) of a plan that takes ``iteration_time_s``, as
+    :class:`LaunchPrediction` reports them."""
+    flops = plan_model_flops(spec, plan, options, source)
+    peaks = sum(
+        count * sheet[gpu].peak(gemm_precision(options, sheet[gpu]))
+        for gpu, count in plan.gpus_by_type().items()
+    )
+    return {
+        "model_flops_per_iteration": float(flops),
+        "tflops_per_gpu": float(flops / (iteration_time_s * plan.num_gpus) / 1e12),
+        "mfu": float(flops / (iteration_time_s * peaks)),
+    }
 
 
 def launch_batch(run: MegatronRun, dp: int) -> int:
