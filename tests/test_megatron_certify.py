@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import itertools
 import math
-
 from types import SimpleNamespace
 
 import numpy as np
