@@ -292,8 +292,8 @@ def test_megatron_args_with_the_tp_pp_dp_mapping_price_that_order(capsys):
     flags = (
         "--num-layers 16 --hidden-size 2048 --num-attention-heads 16 "
         "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
-        "--global-batch-size 64 --bf16 --pipeline-model-parallel-size 4 --vocab-size 32000 "
-        "--use-distributed-optimizer"
+        "--global-batch-size 64 --bf16 --pipeline-model-parallel-size 4 "
+        "--vocab-size 32000 --use-distributed-optimizer"
     )
     sheet = load_gpu_sheet()
     default = parse(flags)
