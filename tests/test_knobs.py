@@ -822,3 +822,17 @@ def test_tp_comm_overlap_is_searched_and_proven(model_files):
         found, _ = plan_any_model(path, pool, gbs, options=knobs)
         assert found.proven
         assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_target_without_sequence_parallelism_refuses_it_before_the_search():
+    """DeepSpeed launches no sequence parallelism: asking for it refuses the
+    export before the search (it was searched, then its TP > 1 plan refused);
+    torchtitan always shards along the sequence with TP, so a space without it
+    still launches its TP 1 plans."""
+    with pytest.raises(ValueError, match="does not launch sequence parallel on"):
+        KnobSpace(sequence_parallel=(True,)).for_target("megatron-deepspeed")
+    assert KnobSpace(sequence_parallel=(False,)).for_target(
+        "torchtitan"
+    ).sequence_parallel == (False,)
+    both = KnobSpace().for_target("deepspeed")
+    assert both.sequence_parallel == (False,)

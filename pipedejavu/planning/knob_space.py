@@ -234,8 +234,10 @@ class KnobSpace:
         kept = {}
         for name, allowed in launched.items():
             values = tuple(v for v in getattr(self, name) if v in allowed)
-            if name == "sequence_parallel" and not values:
-                # "with TP > 1": plans without it still launch at TP 1
+            if name == "sequence_parallel" and not values and True in allowed:
+                # "with TP > 1" (torchtitan's): plans without it still launch
+                # at TP 1; a target without it (DeepSpeed's) is refused here,
+                # not after a search whose TP > 1 plans it cannot launch
                 values = getattr(self, name)
             if not values:
                 shown = [_shown(v) for v in getattr(self, name)]
