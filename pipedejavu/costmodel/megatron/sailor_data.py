@@ -19,7 +19,6 @@ Nothing here reads a measured run (``measured/``): see
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.resources
 import math
@@ -35,8 +34,16 @@ from pipedejavu.core.files import read_json
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.megatron.profile_types import (
+    FIT_LOG2_MB_RANGE,
+    BandwidthFit,
+    GpuSpec,
+    LayerTimes,
+    ModelInfo,
+)
 
 __all__ = [
+    "FIT_LOG2_MB_RANGE",
     "BandwidthFit",
     "GpuSpec",
     "LayerTimes",
@@ -49,10 +56,6 @@ __all__ = [
 ]
 
 MAX_DATA_FILE_BYTES = 64 * 2**20
-#: Message sizes the link fits were measured on: 2**16 .. 2**30 bytes; the fits
-#: are used for messages of 1 MB .. 2**30 bytes (``log2(bytes / 1e6)`` in [0, 10])
-#: and held constant outside (bandwidth of the nearest end).
-FIT_LOG2_MB_RANGE = (0.0, 10.0)
 
 
 def bundled_sailor_dir() -> Path:
@@ -105,150 +108,6 @@ def _layer_vector(table: Any, path: Path, where: str, pick) -> NDArray[np.float6
     )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class LayerTimes:
-    """Per-layer times for one (GPU type, mbs, tp).
-
-    Attributes:
-        forward, backward: f64[L + 2] seconds per micro-batch on one GPU of the
-            TP group (TP communication included).
-        update: f64[L + 2] seconds of the optimizer step of the profiling model
-            (the same value repeated; see
-            :mod:`pipedejavu.costmodel.megatron.predictor`).
-        weight_grad: f64[L + 2] the part of ``backward`` that computes and
-            accumulates weight gradients (what a zero-bubble schedule defers),
-            or ``None`` where the source does not split it (profiles).
-        recompute: f64[L + 2] seconds a layer's backward adds when Megatron's
-            ``block`` method reruns it (``rules.span_backward``); ``None``:
-            ``backward`` holds every recomputation.
-    """
-
-    forward: NDArray[np.float64]
-    backward: NDArray[np.float64]
-    update: NDArray[np.float64]
-    weight_grad: NDArray[np.float64] | None = None
-    recompute: NDArray[np.float64] | None = None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ModelInfo:
-    """Sizes per layer for one model, per TP degree, for one GPU of a TP group.
-
-    Attributes:
-        name: the model's profile name.
-        params: ``{tp: f64[L + 2]}`` parameters (floats) held.
-        act_output: ``{tp: f64[L + 2]}`` floats of the layer's output at mbs 1
-            (what is sent to the next stage after it).
-        act_mem: ``{tp: f64[L + 2]}`` floats allocated by the layer's forward at
-            mbs 1 (kept until its backward).
-        activation_bytes: bytes of one element of ``act_output`` and
-            ``act_mem`` (4: Sailor's fp32 profiles; 2 in fp16/bf16 training).
-        gradient_bytes: bytes of one gradient element in the data-parallel and
-            tied-embedding all-reduces and their buckets (4 in fp32 and bf16
-            training, whose gradients are reduced in fp32; 2 in fp16).
-        state_bytes_per_param: model state bytes per parameter a GPU holds
-            (weights, gradients, optimizer state: 16 in fp32 with Adam; see
-            :func:`pipedejavu.costmodel.megatron.options.bytes_per_param`);
-            with the distributed optimizer only the replicated part.
-        sharded_state_bytes_per_param: the part of the model state the
-            distributed optimizer shards over the data-parallel replicas (0
-            without it).
-        distributed_optimizer: each data-parallel replica steps only its
-            shard of the optimizer state (Megatron-LM's
-            ``--use-distributed-optimizer``).
-        tied: ``{tp: floats}`` of the word embedding the first and last layer
-            share, where known exactly (``None``: :meth:`tied_params` infers it).
-        recompute_layers: ``--recompute-method block --recompute-num-layers``:
-            the first this many blocks of each stage (model chunk) rerun
-            (``None``: ``act_mem`` says what every layer keeps).
-        recomputed_mem: ``{tp: f64[L + 2]}`` what a rerun layer keeps (its
-            input); ``blocks``: the layers ``[first, stop)`` that are blocks.
-    """
-
-    name: str
-    params: Mapping[int, NDArray[np.float64]]
-    act_output: Mapping[int, NDArray[np.float64]]
-    act_mem: Mapping[int, NDArray[np.float64]]
-    activation_bytes: float = 4.0
-    gradient_bytes: float = 4.0
-    state_bytes_per_param: float = 16.0
-    sharded_state_bytes_per_param: float = 0.0
-    distributed_optimizer: bool = False
-    tied: Mapping[int, float] | None = None
-    recompute_layers: int | None = None
-    recomputed_mem: Mapping[int, NDArray[np.float64]] | None = None
-    blocks: tuple[int, int] | None = None
-
-    @property
-    def num_layers(self) -> int:
-        """``L + 2`` profile layers."""
-        return len(next(iter(self.params.values())))
-
-    @property
-    def tp_values(self) -> tuple[int, ...]:
-        return tuple(sorted(self.params))
-
-    def check_tp(self, tp: int) -> None:
-        if tp not in self.params:
-            raise ProblemError(
-                f"model {self.name} has no sizes for tp {tp} (llm_info has "
-                f"{list(self.tp_values)})"
-            )
-
-    def tied_params(self, tp: int) -> float:
-        """Floats of the word embedding shared by the first and last layer (the
-        smaller of the two layers' parameters: Megatron-DeepSpeed's GPT ties the
-        LM head to the input embedding; the two layers differ only by the position
-        embedding and the final norm)."""
-        self.check_tp(tp)
-        if self.tied is not None:
-            return float(self.tied[tp])
-        params = self.params[tp]
-        return float(min(params[0], params[-1]))
-
-
-@dataclasses.dataclass(frozen=True)
-class BandwidthFit:
-    """A fitted link: ``bandwidth = a x^2 + b x + c`` GB/s, ``x = log2(bytes/1e6)``.
-
-    Args:
-        coeffs: ``(a, b, c)``.
-        max_bytes_per_s: the measured maximum; the fit is capped at it.
-
-    ``x`` is clamped to :data:`FIT_LOG2_MB_RANGE` (the fits are positive there).
-    """
-
-    coeffs: tuple[float, float, float]
-    max_bytes_per_s: float
-
-    def bandwidth(self, message_bytes: float) -> float:
-        """Bytes per second for messages of ``message_bytes``."""
-        low, high = FIT_LOG2_MB_RANGE
-        x = math.log2(max(message_bytes, 1.0) / 1e6)
-        x = min(max(x, low), high)
-        a, b, c = self.coeffs
-        fitted = (a * x * x + b * x + c) * 1e9
-        return max(min(fitted, self.max_bytes_per_s), 1e-3 * self.max_bytes_per_s)
-
-    def bandwidths(self, message_bytes: NDArray[np.float64]) -> NDArray[np.float64]:
-        """:meth:`bandwidth` of each entry (vectorized)."""
-        low, high = FIT_LOG2_MB_RANGE
-        x = np.log2(np.maximum(message_bytes, 1.0) / 1e6)
-        x = np.clip(x, low, high)
-        a, b, c = self.coeffs
-        fitted = (a * x * x + b * x + c) * 1e9
-        return np.maximum(
-            np.minimum(fitted, self.max_bytes_per_s), 1e-3 * self.max_bytes_per_s
-        )
-
-    def time(self, total_bytes: float, message_bytes: float | None = None) -> float:
-        """Seconds to move ``total_bytes`` in messages of ``message_bytes``."""
-        if total_bytes <= 0:
-            return 0.0
-        size = total_bytes if message_bytes is None else message_bytes
-        return total_bytes / self.bandwidth(size)
-
-
 def _fit(entry: Any, path: Path, where: str) -> BandwidthFit:
     if not (
         isinstance(entry, list)
@@ -268,15 +127,6 @@ def _fit(entry: Any, path: Path, where: str) -> BandwidthFit:
     if peak <= 0:
         raise ProblemError(f"{path}: {where} max bandwidth must be > 0")
     return BandwidthFit(tuple(coeffs), peak)
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuSpec:
-    """A GPU type: ``gpus_per_node`` and device ``memory_bytes``."""
-
-    name: str
-    gpus_per_node: int
-    memory_bytes: float
 
 
 class NetworkTables:
