@@ -178,3 +178,22 @@ def test_error_lines_stay_readable(capsys):
     line = _one_line(ProblemError("x" * 10**6))
     assert len(line) < MAX_ERROR_CHARS + 50 and line.endswith("more characters)")
     assert _one_line(ProblemError("a\nb")) == "a b"
+
+
+def test_a_plan_that_does_not_price_names_its_file(capsys, tmp_path):
+    """What is wrong with a plan's GPUs or layers, found while pricing it, names
+    the file as the reader's own errors do."""
+    code, out, err = _run(
+        capsys, "plan", "--model", "Llama-3-8B", "--gpus", "H100:8",
+        "--global-batch", 8, "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    for stage in data["stages"]:
+        for replica in stage["replicas"]:
+            replica["gpu"] = "Z999"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    code, _, err = _run(capsys, "predict", path)
+    assert code == 2
+    assert err.startswith(f"pipedejavu: error: {path}: GPU type 'Z999'")

@@ -385,21 +385,26 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             f"{args.plan} names no model; give --model (a model of the profiles, "
             "e.g. OPT-350, a bundled preset or a config.json)"
         )
-    choice = choose_cost_source(
-        model,
-        plan.gpus_by_type(),
-        options=options,
-        precision=args.precision,
-        recompute=args.recompute,
-        seq_length=args.seq_len if args.seq_len is not None else seq_length,
-        gpu_sheet=args.gpu_sheet,
-        profiles=args.profiles,
-    )
-    if not choice.analytical:
-        # Profiles alone: today's reading, which checks --model against the file.
-        plan, _ = load_plan3d(args.plan, model=args.model)
-        plan = plan.replace(model=choice.model)
-    plan, prediction = predict_any_plan(plan, choice)
+    try:  # what is wrong with the plan's GPUs, model or layers names it
+        choice = choose_cost_source(
+            model,
+            plan.gpus_by_type(),
+            options=options,
+            precision=args.precision,
+            recompute=args.recompute,
+            seq_length=args.seq_len if args.seq_len is not None else seq_length,
+            gpu_sheet=args.gpu_sheet,
+            profiles=args.profiles,
+        )
+        if not choice.analytical:
+            # Profiles alone: today's reading, which checks --model against it.
+            plan, _ = load_plan3d(args.plan, model=args.model)
+            plan = plan.replace(model=choice.model)
+        plan, prediction = predict_any_plan(plan, choice)
+    except ProblemError as error:
+        if str(error).startswith(str(args.plan)):
+            raise
+        raise ProblemError(f"{args.plan}: {error}") from None
     return plan, prediction, choice
 
 
