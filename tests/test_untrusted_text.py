@@ -197,3 +197,28 @@ def test_a_plan_that_does_not_price_names_its_file(capsys, tmp_path):
     code, _, err = _run(capsys, "predict", path)
     assert code == 2
     assert err.startswith(f"pipedejavu: error: {path}: GPU type 'Z999'")
+
+
+def test_evaluate_refuses_a_plan_of_other_micro_batches_or_nan_numbers(
+    capsys, tmp_path
+):
+    """``evaluate``: a plan whose recorded numbers are NaN or infinite, or that
+    runs another number of micro-batches than the problem, is one line (a B
+    of 10**30 was called valid)."""
+    code, out, err = _run(capsys, "solve", "generated-gpt-32layers-2x8", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    cases = [
+        ({**plan, "cost": float("nan")}, "cost must be a finite number"),
+        ({**plan, "num_microbatches": 10**30}, "breaks the micro-batch rule"),
+        ({**plan, "num_microbatches": 31}, "the problem B = 32"),
+    ]
+    for index, (data, says) in enumerate(cases):
+        path = tmp_path / f"plan{index}.json"
+        path.write_text(json.dumps(data))  # (Python writes NaN as NaN)
+        code, _, err = _run(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
+        assert code == 2 and says in err, err
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    code, out, err = _run(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
+    assert code == 0 and "a valid plan" in out, err

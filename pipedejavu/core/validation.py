@@ -307,14 +307,18 @@ def json_int(data: Any, key: str, where: str, *, minimum: int = 0) -> int:
 
 
 def json_float(data: Any, key: str, where: str) -> float:
-    """A number field (``int`` or ``float``; not ``bool``, not text)."""
+    """A finite number field (``int`` or ``float``; not ``bool``, not text,
+    not NaN or infinity, which Python's JSON reader accepts)."""
     value = json_field(data, key, where)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProblemError(f"{where}.{key} must be a number, got {value!r:.60}")
     try:
-        return float(value)
+        number = float(value)
     except OverflowError:
         raise ProblemError(f"{where}.{key} is too large: {value!r:.60}") from None
+    if not math.isfinite(number):
+        raise ProblemError(f"{where}.{key} must be a finite number, got {number}")
+    return number
 
 
 def json_list(data: Any, key: str, where: str, *, length: int | None = None) -> list:
