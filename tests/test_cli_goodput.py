@@ -117,6 +117,9 @@ def test_goodput_optimize_matches_the_library(capsys):
     "change,expected",
     [
         (("--perf", "1,2"), "--perf needs 7 numbers"),
+        (("--perf", "0.05,-1,0.1,0.01,0.02,0.001,1.5"), "must be seconds in"),
+        (("--perf", "1e308,0.001,0.1,0.01,0.02,0.001,1.5"), "must be seconds in"),
+        (("--perf", "0.05,0.001,0.1,0.01,0.02,0.001,0.5"), "gamma must be in"),
         (("--grad", "1,x"), "--grad must be comma-separated numbers"),
         (("--nodes", "3"), "num_nodes must not exceed num_replicas"),
         (("--max-batch-size", "5"), "--max-batch-size must be at least --init-batch"),

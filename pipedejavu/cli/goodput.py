@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import os
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from pipedejavu.cli.parsing import HelpFormatter, int_in
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.files import json_text, read_bytes, read_json
+from pipedejavu.core.files import json_text, parse_json, read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
     ElasticityError,
     compute_elastic_config,
@@ -289,20 +288,41 @@ def _integers(text: str, name: str, low: int, high: int) -> list[int]:
     return [int(v) for v in values]
 
 
+#: The most seconds a perf parameter may say (a step of a day); ``gamma`` lies
+#: in ``[1, 10]``, as ``goodput fit`` bounds it (Pollux's).
+MAX_PERF_SECONDS = 86400.0
+
+
 def _perf_params(text: str) -> list[float]:
     if not text.endswith(".json"):
-        return _numbers(text, "--perf", 7)
-    try:
-        document = json.loads(_read_bounded(text, MAX_CONFIG_BYTES))
-        params = document["perf_params"]
-        values = [float(params[name]) for name in PERF_FIELDS]
-    except (ValueError, KeyError, TypeError, RecursionError):
+        values = _numbers(text, "--perf", 7)
+        where = "--perf"
+    else:
+        where = f"{text}: perf_params"
+        try:
+            document = parse_json(
+                _read_bounded(text, MAX_CONFIG_BYTES).decode("utf-8"), text
+            )
+        except UnicodeDecodeError:
+            raise InputError(f"{text}: not UTF-8 text") from None
+        except ProblemError as error:  # (invalid JSON, nested too deeply)
+            raise InputError(str(error)) from None
+        try:
+            params = document["perf_params"]
+            values = [float(params[name]) for name in PERF_FIELDS]
+        except (ValueError, KeyError, TypeError, OverflowError):
+            raise InputError(
+                f"{text}: expected the JSON of `goodput fit --json`, with "
+                "perf_params " + ", ".join(PERF_FIELDS)
+            ) from None
+    times, gamma = values[:6], values[6]
+    if not all(math.isfinite(v) and 0 <= v <= MAX_PERF_SECONDS for v in times):
         raise InputError(
-            f"{text}: expected the JSON of `goodput fit --json`, with perf_params "
-            + ", ".join(PERF_FIELDS)
-        ) from None
-    if not all(math.isfinite(v) for v in values):
-        raise InputError(f"{text}: perf_params must be finite")
+            f"{where}: the first six (alpha_c ... beta_r) must be seconds in "
+            f"[0, {MAX_PERF_SECONDS:g}], got {values[:6]}"
+        )
+    if not (math.isfinite(gamma) and 1 <= gamma <= 10):
+        raise InputError(f"{where}: gamma must be in [1, 10], got {gamma}")
     return values
 
 
