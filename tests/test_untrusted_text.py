@@ -222,3 +222,14 @@ def test_evaluate_refuses_a_plan_of_other_micro_batches_or_nan_numbers(
     path.write_text(json.dumps(plan))
     code, out, err = _run(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
     assert code == 0 and "a valid plan" in out, err
+
+
+def test_gpu_names_in_any_case_and_the_aliases_in_the_message():
+    from pipedejavu.io.gpu_sheet import load_gpu_sheet
+    from pipedejavu.planning.any_model import sheet_name
+
+    sheet = load_gpu_sheet()
+    assert sheet_name(sheet, "h100") == sheet_name(sheet, "H100") == "H100-SXM"
+    assert sheet_name(sheet, "a100-80") == "A100-80" and "gh-96" in sheet
+    with pytest.raises(ProblemError, match="aliases: A100, .*H100"):
+        sheet_name(sheet, "Z999")

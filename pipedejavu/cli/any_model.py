@@ -38,6 +38,7 @@ from pipedejavu.planning.any_model import (
     CostChoice,
     choose_cost_source,
     predict_any_plan,
+    sheet_name,
 )
 from pipedejavu.planning.knob_space import (
     MEGATRON_SCHEDULES,
@@ -451,11 +452,7 @@ def read_launch(
     """
     ((gpu, count),) = parse_gpu_pool([gpus], most=most).items()
     sheet = load_gpu_sheet(gpu_sheet)
-    if gpu not in sheet:
-        raise ProblemError(
-            f"GPU type {gpu!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
-        )
+    gpu = sheet_name(sheet, gpu)
     run = spec_from_megatron_args(megatron_args)
     if run.ignored:
         shown = " ".join(run.ignored)

@@ -105,9 +105,21 @@ class GpuSheet(Mapping[str, GpuSheetEntry]):
             return name
         if name in self.aliases:
             return self.aliases[name]
+        folded = self._folded().get(name.casefold()) if isinstance(name, str) else None
+        if folded is not None:  # (h100 as H100, a100-80 as A100-80)
+            return folded
         raise KeyError(
-            f"GPU {name!r} is not on the GPU sheet (known: {', '.join(self._entries)})"
+            f"GPU {name!r} is not on the GPU sheet (known: {', '.join(self._entries)}; "
+            f"aliases: {', '.join(self.aliases)})"
         )
+
+    def _folded(self) -> dict[str, str]:
+        """Canonical names by case-folded name or alias, where unambiguous."""
+        by: dict[str, set[str]] = {}
+        for key in (*self._entries, *self.aliases):
+            target = self.aliases.get(key, key)
+            by.setdefault(key.casefold(), set()).add(target)
+        return {k: v.pop() for k, v in by.items() if len(v) == 1}
 
     def __getitem__(self, name: str) -> GpuSheetEntry:
         return self._entries[self.resolve(name)]
@@ -119,7 +131,9 @@ class GpuSheet(Mapping[str, GpuSheetEntry]):
         return len(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries or name in self.aliases
+        if name in self._entries or name in self.aliases:
+            return True
+        return isinstance(name, str) and name.casefold() in self._folded()
 
 
 def bundled_gpu_sheet_path() -> Path:

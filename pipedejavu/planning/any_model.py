@@ -57,6 +57,7 @@ __all__ = [
     "choose_cost_source",
     "plan_any_model",
     "predict_any_plan",
+    "sheet_name",
 ]
 
 #: The precision of a model without profiles when none is given: what large
@@ -110,13 +111,20 @@ class CostChoice:
         return out
 
 
-def _sheet_name(sheet: GpuSheet, name: str) -> str:
+def sheet_name(sheet: GpuSheet, name: str) -> str:
+    """The sheet's name of GPU type ``name`` (itself, an alias's or a
+    different case's).
+
+    Raises:
+        ProblemError: not on the sheet; naming its types and aliases.
+    """
     try:
         return sheet.resolve(name)
     except KeyError:
         raise ProblemError(
             f"GPU type {name!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))}); add it with --gpu-sheet FILE"
+            f"{', '.join(sorted(sheet))}; aliases: {', '.join(sheet.aliases)}); "
+            "add it with --gpu-sheet FILE"
         ) from None
 
 
@@ -196,7 +204,7 @@ def choose_cost_source(
     spec = load_model_spec(model, seq_length=seq_length)
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
-    names = {g: _sheet_name(sheet, g) for g in gpu_types}
+    names = {g: sheet_name(sheet, g) for g in gpu_types}
     source = AnalyticalSource(spec, sheet, options, mbs_values=mbs_values)
     return CostChoice(source, spec.name, names, options, spec, ())
 
@@ -243,7 +251,7 @@ def _choose_profiled(
     if plain and all(gpu in have for gpu in gpu_types):
         return CostChoice(data, model, {g: g for g in gpu_types}, options, None)
     sheet = load_gpu_sheet(gpu_sheet)
-    names = {g: g if g in have else _sheet_name(sheet, g) for g in gpu_types}
+    names = {g: g if g in have else sheet_name(sheet, g) for g in gpu_types}
     if plain and all(name in have for name in names.values()):
         return CostChoice(data, model, names, options, None)
     spec = spec or _profiled_spec(model, None)
