@@ -1,7 +1,12 @@
 """Test-session settings shared by every test module."""
 
+import importlib.resources
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 # The engine keeps compiled code in the user's cache folder; the tests (and the
 # command-line runs they start) use a folder of their own instead.
@@ -14,3 +19,12 @@ os.environ.setdefault(
 import pipedejavu  # noqa: E402
 
 pipedejavu.enable_compilation_cache()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Iterator[Path]:
+    """The bundled copies in pipedejavu/data (never ../shared)."""
+    with importlib.resources.as_file(
+        importlib.resources.files("pipedejavu") / "data"
+    ) as path:
+        yield Path(path)

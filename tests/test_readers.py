@@ -10,14 +10,12 @@ hand-built cases were worked out on paper and checked against Alpa's function.
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import io
 import os
 import pickle
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +43,6 @@ PROFILES = {
     "17-25-46": "profile-results-2023-04-25-17-25-46.npy",
 }
 INCOMPLETE = r"of \d+ stage-profile records are incomplete"
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    """The bundled copies in pipedejavu/data (never ../shared)."""
-    with importlib.resources.as_file(
-        importlib.resources.files("pipedejavu") / "data"
-    ) as path:
-        yield Path(path)
 
 
 @functools.cache

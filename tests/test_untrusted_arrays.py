@@ -8,12 +8,11 @@ small, and refused before anything of its declared size is allocated.
 
 from __future__ import annotations
 
-import importlib.resources
 import io
 import struct
 import tracemalloc
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +33,6 @@ _PROFILE = "profile-results-2023-04-25-16-59-36.npy"
 # Its first key, (0, 5, 2, 0): MARK, BININT1 0, BININT1 5, BININT1 2, BININT1 0,
 # TUPLE.
 _FIRST_KEY = b"(K\x00K\x05K\x02K\x00t"
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    """The bundled copies in pipedejavu/data."""
-    with importlib.resources.as_file(
-        importlib.resources.files("pipedejavu") / "data"
-    ) as path:
-        yield Path(path)
 
 
 def _cli(capsys, *argv) -> tuple[int, list[str]]:
