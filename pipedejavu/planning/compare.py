@@ -208,8 +208,9 @@ class Comparison:
         lines.append(
             f"{self.num_layers} layers, {self.num_devices} devices, "
             f"B={self.num_microbatches}; {self.repeats} timed runs after "
-            f"{self.warmup} warm-up; ratios against '{self.reference}'; "
-            "sims in seconds."
+            f"{self.warmup} warm-up; ratios against '{self.reference}'; cost: "
+            "the median over the runs (worst: the worst run); sims and stages: "
+            "the cheapest run's plan, in seconds."
         )
         if self.has_transfers:
             lines.append(
