@@ -483,6 +483,12 @@ def _run_evaluate(args: argparse.Namespace) -> None:
             f"{args.plan} holds a placed plan (device types, hosts); "
             f"{args.problem} is a homogeneous problem"
         )
+    if plan.num_microbatches != problem.num_microbatches:
+        # (the API prices a plan on another B on purpose, e.g. as a score)
+        raise ProblemError(
+            f"{args.plan}: the plan runs B = {plan.num_microbatches:.4g} "
+            f"micro-batches, {args.problem} B = {problem.num_microbatches}"
+        )
     try:
         cost = evaluate_hetero(problem, plan) if hetero else evaluate(problem, plan)
     except PlanError as error:

@@ -433,19 +433,11 @@ def check_plan(problem: Problem, plan: Plan | Sequence[Stage]) -> None:
     stopped, and holds at least one layer); coverage (layers ``0..L-1``); known
     submesh and config indices whose shape matches; a profiled (finite) latency;
     exactly all ``D`` devices used; memory (``S - 1 - s <= max_n_succ_stages``
-    for stage ``s`` of ``S``); a :class:`Plan`'s micro-batches ``B`` those of
-    the problem (its cost counts them).
+    for stage ``s`` of ``S``).
     """
     stages = plan.stages if isinstance(plan, Plan) else tuple(plan)
     if not stages:
         raise PlanError("coverage", None, "the plan has no stages")
-    if isinstance(plan, Plan) and plan.num_microbatches != problem.num_microbatches:
-        raise PlanError(
-            "micro-batch",
-            None,
-            f"the plan runs B = {plan.num_microbatches:.4g} micro-batches, the "
-            f"problem B = {problem.num_microbatches}",
-        )
     num_stages = len(stages)
     expected_start = 0
     for index, stage in enumerate(stages):
@@ -559,7 +551,7 @@ def evaluate(problem: Problem, plan: Plan | Sequence[Stage]) -> float:
         PlanError: naming the broken rule and the stage.
     """
     stages = plan.stages if isinstance(plan, Plan) else tuple(plan)
-    check_plan(problem, plan)
+    check_plan(problem, stages)
     latencies = [
         problem.stage_cost(s.start, s.stop, s.submesh_index, s.config_index)
         for s in stages
