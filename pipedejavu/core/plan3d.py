@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.validation import describe
 
 __all__ = [
     "DEFAULT_ZONE",
@@ -101,15 +102,6 @@ RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 MAX_PLAN_FILE_BYTES = 16 * 2**20
 
 
-def _shown(value: Any) -> str:
-    """``value`` for an error message: its repr cut to 40 characters, a huge
-    int by its magnitude (its digits would fill the line)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
-        sign = "-" if value < 0 else ""
-        return f"an integer around {sign}1e{math.floor(math.log10(abs(value)))}"
-    return f"{value!r:.40}"
-
-
 def _positive_int(value: Any, name: str, most: int, unit: str = "") -> int:
     """``value`` as an int in ``[1, most]``; an integral float is accepted (JSON
     writers may give ``8.0``). Compared before any arithmetic, so that a huge
@@ -118,9 +110,11 @@ def _positive_int(value: Any, name: str, most: int, unit: str = "") -> int:
         isinstance(value, float) and value.is_integer()
     )
     if not integral or value < 1:
-        raise ProblemError(f"{name} must be a positive integer, got {_shown(value)}")
+        raise ProblemError(f"{name} must be a positive integer, got {describe(value)}")
     if value > most:
-        raise ProblemError(f"{name} must be in [1, {most}]{unit}, got {_shown(value)}")
+        raise ProblemError(
+            f"{name} must be in [1, {most}]{unit}, got {describe(value)}"
+        )
     return int(value)
 
 
@@ -155,12 +149,12 @@ class Replica:
         if self.node is not None:
             if isinstance(self.node, bool) or not isinstance(self.node, int):
                 raise ProblemError(
-                    f"node must be an integer >= 0, got {_shown(self.node)}"
+                    f"node must be an integer >= 0, got {describe(self.node)}"
                 )
             if not 0 <= self.node < MAX_GPUS:
                 raise ProblemError(
                     f"node must be an integer in [0, {MAX_GPUS}) (a plan has at "
-                    f"most {MAX_GPUS} GPUs), got {_shown(self.node)}"
+                    f"most {MAX_GPUS} GPUs), got {describe(self.node)}"
                 )
         if self.gpus_on_node is not None:
             object.__setattr__(
@@ -200,11 +194,11 @@ class Stage3D:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ProblemError(
-                    f"stage {name} must be an integer >= 0, got {_shown(value)}"
+                    f"stage {name} must be an integer >= 0, got {describe(value)}"
                 )
             if value > _MAX_LAYERS:
                 raise ProblemError(
-                    f"stage {name} must be at most {_MAX_LAYERS}, got {_shown(value)}"
+                    f"stage {name} must be at most {_MAX_LAYERS}, got {describe(value)}"
                 )
         if self.stop <= self.start:
             raise ProblemError(
@@ -385,7 +379,7 @@ class Plan3D:
                 if not isinstance(item.get("replicas"), list):
                     raise ProblemError(
                         f"stage {index}: 'replicas' must be a list, got "
-                        f"{_shown(item.get('replicas'))}"
+                        f"{describe(item.get('replicas'))}"
                     )
             if sum(len(item["replicas"]) for item in stages_data) > _MAX_ITEMS:
                 raise ProblemError(

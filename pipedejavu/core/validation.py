@@ -104,9 +104,14 @@ class StageTableSizes:
 
 
 def describe(value: Any) -> str:
-    """A short one-line description of a value for an error message."""
+    """A short one-line description of a value for an error message: an array
+    by its shape, an integer past 10**30 by its magnitude (its digits would
+    fill the line, and ``repr`` refuses more than 4,300 of them)."""
     if isinstance(value, np.ndarray) and value.ndim:
         return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        sign = "-" if value < 0 else ""
+        return f"an integer around {sign}1e{math.floor(math.log10(abs(value)))}"
     text = " ".join(repr(value).split())
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_json
 from pipedejavu.core.gpu_sheet import PRECISIONS, GpuSheetEntry
+from pipedejavu.core.validation import describe
 
 __all__ = [
     "FIELD_RANGES",
@@ -221,14 +221,9 @@ def _check_ranges(entry: GpuSheetEntry, source: str) -> GpuSheetEntry:
     for field, value, low, high, unit in checks:
         # ints compare exactly (no float conversion to overflow); None: absent
         if value is not None and not low <= value <= high:
-            shown = (
-                f"an integer around 1e{math.floor(math.log10(value))}"
-                if isinstance(value, int) and value > 10**30
-                else f"{value!r:.40}"
-            )
             raise ProblemError(
                 f"{source}: GPU {entry.name}: {field} must be in [{low:g}, "
-                f"{high:g}] {unit}, got {shown}"
+                f"{high:g}] {unit}, got {describe(value)}"
             )
     return entry
 
