@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipedejavu.cli.parsing import HelpFormatter, int_in
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.files import json_text, parse_json, read_bytes, read_json
+from pipedejavu.core.files import json_text, read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
     ElasticityError,
     compute_elastic_config,
@@ -299,13 +299,9 @@ def _perf_params(text: str) -> list[float]:
         where = "--perf"
     else:
         where = f"{text}: perf_params"
-        try:
-            document = parse_json(
-                _read_bounded(text, MAX_CONFIG_BYTES).decode("utf-8"), text
-            )
-        except UnicodeDecodeError:
-            raise InputError(f"{text}: not UTF-8 text") from None
-        except ProblemError as error:  # (invalid JSON, nested too deeply)
+        try:  # (unreadable, not UTF-8, invalid JSON, nested too deeply)
+            document = read_json(text, MAX_CONFIG_BYTES, "--perf file")
+        except ProblemError as error:
             raise InputError(str(error)) from None
         try:
             params = document["perf_params"]
