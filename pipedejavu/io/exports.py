@@ -277,9 +277,6 @@ def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str)
         raise ExportRefused(f"{target}: no FP8 training in the DeepSpeed config")
     if options.precision in ("bf16", "fp16"):
         config[options.precision] = {"enabled": True}
-        if "arguments" in data:  # Megatron-DeepSpeed: the model's dtype, and
-            # GPTModelPipe's layer list ("layers", not "layers_fp32")
-            data["arguments"].insert(-3, f"--{options.precision}")
     if options.distributed_optimizer:
         config["zero_optimization"] = {"stage": 1}
     return data
@@ -366,8 +363,14 @@ def _build(
         return json_text(data, indent=1) + "\n"
     if target == "megatron-deepspeed":
         data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
+        # Megatron's own arguments, before --deepspeed: the model's dtype (and
+        # so GPTModelPipe's layer list, "layers" not "layers_fp32") and length
+        extra = []
+        if options is not None and options.precision in ("bf16", "fp16"):
+            extra.append(f"--{options.precision}")
         if seq_length is not None:
-            data["arguments"][-3:-3] = ["--seq-length", str(seq_length)]
+            extra += ["--seq-length", str(seq_length)]
+        data["arguments"][-3:-3] = extra
         return json_text(data, indent=1) + "\n"
     if target == "torchtitan":
         return to_torchtitan(plan, options, seq_length)
