@@ -263,12 +263,14 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 def _value(flag: str, text: str) -> object:
     if flag in _INT_FLAGS:
-        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
         try:
-            number = int(text) if len(text) <= 40 else None
+            if len(text) > 40:  # (int() of thousands of digits takes long)
+                raise ValueError(text)
+            number = int(text)
         except ValueError:
-            number = None
-        if number is None:
+            shown = (
+                text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+            )
             raise ProblemError(
                 f"Megatron arguments: --{flag} must be an integer of at most 40 "
                 f"digits, got {shown!r}"

@@ -267,6 +267,13 @@ def search_knobs(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
     )
 
+    def mixes_types(choice: CostChoice, order: str = RANK_ORDERS[0]) -> bool:
+        """Search plans mixing GPU types for ``choice`` in ``order``: only
+        1F1B's in the default order (the other bounds cover one type)."""
+        return (
+            mixed_types and order == RANK_ORDERS[0] and not choice.options.zero_bubble
+        )
+
     shared = BoundCache()  # the choices' links are priced alike
     # plans on one GPU type only: the quick infeasibility test covers those
     one_type = len(pool) == 1 or not (mixed_types and uniform_tp)
@@ -283,8 +290,7 @@ def search_knobs(
             uniform_tp=uniform_tp,
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=mbs_values,
-            # (the zero-bubble bounds cover plans on one GPU type)
-            mixed_types=mixed_types and not choice.options.zero_bubble,
+            mixed_types=mixes_types(choice),
             progress_fn=_tagged(progress_fn, index),
             bound_cache=shared,
             solved=probes.get(id(choice)),
@@ -454,9 +460,7 @@ def search_knobs(
             mbs_values=config.mbs_values,
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
-            mixed_types=config.mixed_types
-            and order == RANK_ORDERS[0]
-            and not choice.options.zero_bubble,
+            mixed_types=mixes_types(choice, order),
             cutoff_s=state.best_s,
             rank_order=order,
             cache=shared,
