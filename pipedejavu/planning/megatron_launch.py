@@ -53,9 +53,12 @@ __all__ = [
     "launch_batch",
     "options_of_run",
     "plan_from_megatron_run",
+    "plan_model_flops",
+    "plan_utilization",
     "predict_megatron_run",
     "rerun_blocks",
     "sequence_shares",
+    "utilization",
 ]
 
 
@@ -157,13 +160,20 @@ class LaunchPrediction:
 
     @property
     def tflops_per_gpu(self) -> float:
-        seconds = self.prediction.iteration_time_s
-        return self.model_flops_per_iteration / (seconds * self.num_gpus) / 1e12
+        return self._utilization()[0]
 
     @property
     def mfu(self) -> float:
         """Model FLOPs utilization: TFLOP/s per GPU over the dense peak."""
-        return self.tflops_per_gpu * 1e12 / self.peak_flops_per_gpu
+        return self._utilization()[1]
+
+    def _utilization(self) -> tuple[float, float]:
+        return utilization(
+            self.model_flops_per_iteration,
+            self.prediction.iteration_time_s,
+            self.num_gpus,
+            self.peak_flops_per_gpu,
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -287,11 +297,23 @@ def plan_utilization(
         count * sheet[gpu].peak(gemm_precision(options, sheet[gpu]))
         for gpu, count in plan.gpus_by_type().items()
     )
+    tflops, mfu = utilization(
+        flops, iteration_time_s, plan.num_gpus, peaks / plan.num_gpus
+    )
     return {
         "model_flops_per_iteration": float(flops),
-        "tflops_per_gpu": float(flops / (iteration_time_s * plan.num_gpus) / 1e12),
-        "mfu": float(flops / (iteration_time_s * peaks)),
+        "tflops_per_gpu": float(tflops),
+        "mfu": float(mfu),
     }
+
+
+def utilization(
+    flops: float, seconds: float, num_gpus: int, peak_flops_per_gpu: float
+) -> tuple[float, float]:
+    """``(TFLOP/s per GPU, MFU)`` of ``flops`` model FLOPs in ``seconds`` on
+    ``num_gpus`` GPUs of (mean) dense peak ``peak_flops_per_gpu``."""
+    tflops = flops / (seconds * num_gpus) / 1e12
+    return tflops, tflops * 1e12 / peak_flops_per_gpu
 
 
 def launch_batch(run: MegatronRun, dp: int) -> int:
