@@ -55,15 +55,25 @@ def test_sc21_run_is_priced_analytically_and_counts_megatron_flops():
     launch = predict_megatron_run(run, "A100-80", 512, sheet)
     assert launch.cost_source == "analytical"
     assert launch.prediction.fits_memory
-    # SC'21 Eq. 3 with recomputation, by hand.
+    # SC'21 Eq. 3 with recomputation (hardware FLOPs, as SC'21 reports
+    # TFLOP/s) and without (model FLOPs, MFU's), by hand.
     b, s, layers, h, v = 1536, 2048, 48, 8192, 51200
     flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
-    np.testing.assert_allclose(launch.model_flops_per_iteration, flops, rtol=1e-12)
+    model = 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
+    np.testing.assert_allclose(launch.hardware_flops, flops, rtol=1e-12)
+    np.testing.assert_allclose(launch.model_flops_per_iteration, model, rtol=1e-12)
     seconds = launch.prediction.iteration_time_s
     np.testing.assert_allclose(
-        launch.tflops_per_gpu, flops / seconds / 512 / 1e12, rtol=1e-12
+        launch.hardware_tflops_per_gpu, flops / seconds / 512 / 1e12, rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        launch.tflops_per_gpu, model / seconds / 512 / 1e12, rtol=1e-12
     )
     np.testing.assert_allclose(launch.mfu, launch.tflops_per_gpu / 312, rtol=1e-9)
+    np.testing.assert_allclose(
+        launch.hfu, launch.hardware_tflops_per_gpu / 312, rtol=1e-9
+    )
+    assert launch.mfu < launch.hfu
 
 
 def test_recomputation_costs_time_and_saves_memory():
@@ -287,18 +297,22 @@ def test_predict_cli_prices_block_recomputation(capsys):
         )
         assert code == 0, capsys.readouterr().err
         out = json.loads(capsys.readouterr().out)
-        flops.append(out["model_flops_per_iteration"])
+        flops.append(out["hardware_flops_per_iteration"])
+        models.append(out["model_flops_per_iteration"])
         return out["iteration_time_s"], out["peak_memory_bytes"]
 
     flops: list[float] = []
+    models: list[float] = []
     full = predicted(" --recompute-granularity full --recompute-method uniform")
     block = " --recompute-granularity full --recompute-method block"
     assert predicted(block + " --recompute-num-layers 24") == pytest.approx(full)
     time, memory = predicted(block + " --recompute-num-layers 1")
     none = predicted("")
     assert none[0] < time < full[0] and full[1] < memory < none[1]
-    # model FLOPs count the reruns: all 48 blocks, all 2 x 24, 2 x 1, none
+    # hardware FLOPs count the reruns: all 48 blocks, all 2 x 24, 2 x 1, none;
+    # the model FLOPs none of them
     assert flops[0] == flops[1] > flops[2] > flops[3]
+    assert len(set(models)) == 1 and models[0] == flops[3]
     per_block = (flops[0] - flops[3]) / 48  # one block's forward, every sample
     assert flops[2] - flops[3] == pytest.approx(2 * per_block, rel=1e-12)
 

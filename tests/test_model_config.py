@@ -138,20 +138,28 @@ def test_flops_reproduce_megatron_sc21_equation(
             * (1 + s / (6 * hidden) + v / (12 * layers * hidden))
         )
     np.testing.assert_allclose(
-        spec.model_flops_per_iteration(batch, recompute), expected, rtol=1e-12
+        spec.hardware_flops_per_iteration(batch, None if recompute else 0),
+        expected,
+        rtol=1e-12,
+    )
+    # the model FLOPs (MFU's numerator) never count the recomputed forward
+    np.testing.assert_allclose(
+        spec.model_flops_per_iteration(batch),
+        spec.hardware_flops_per_iteration(batch, 0),
+        rtol=0,
     )
 
 
 def test_flops_count_the_blocks_recomputed():
     # the block method reruns some blocks: their forward counts once more
     spec = load_model_spec("Llama-3-8B")
-    none, full = (spec.model_flops_per_iteration(8, r) for r in (False, True))
-    some = spec.model_flops_per_iteration(8, True, recomputed_blocks=8)
+    none, full = (spec.hardware_flops_per_iteration(8, r) for r in (0, None))
+    some = spec.hardware_flops_per_iteration(8, 8)
     np.testing.assert_allclose(some - none, (full - none) * 8 / 32, rtol=1e-12)
-    assert spec.model_flops_per_iteration(8, True, recomputed_blocks=32) == full
-    assert spec.model_flops_per_iteration(8, False, recomputed_blocks=8) == none
+    assert spec.hardware_flops_per_iteration(8, 32) == full
+    assert spec.model_flops_per_iteration(8) == none < some < full
     with pytest.raises(ValueError, match="recomputed_blocks must be an integer"):
-        spec.model_flops_per_iteration(8, True, recomputed_blocks=33)
+        spec.hardware_flops_per_iteration(8, 33)
 
 
 def test_flops_of_gqa_swiglu_count_every_gemm():
@@ -159,7 +167,7 @@ def test_flops_of_gqa_swiglu_count_every_gemm():
     h, f, s, v, kv = 4096, 14336, 8192, 128256, 1024
     per_token = 32 * (2 * h * (h + 2 * kv) + 2 * h * h + 6 * h * f + 4 * s * h)
     np.testing.assert_allclose(
-        spec.model_flops_per_iteration(8, False),
+        spec.model_flops_per_iteration(8),
         8 * s * (3 * per_token + 3 * 2 * h * v),
         rtol=1e-12,
     )
@@ -481,7 +489,9 @@ def test_megatron_sc21_runs(row):
         * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
     )
     np.testing.assert_allclose(
-        run.spec.model_flops_per_iteration(gbs, run.recompute_full, run.tp),
+        run.spec.hardware_flops_per_iteration(
+            gbs, None if run.recompute_full else 0, run.tp
+        ),
         eq3,
         rtol=1e-12,
     )

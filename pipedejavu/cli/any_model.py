@@ -575,14 +575,29 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
     )
 
 
+def utilization_line(launch: Any) -> str:
+    """The model and hardware FLOPs of a predicted launch, their TFLOP/s per
+    GPU, MFU and HFU, each named (they differ when blocks are recomputed)."""
+    line = (
+        f"model FLOPs per iteration {launch.model_flops_per_iteration:.4g}: "
+        f"{launch.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * launch.mfu:.1f}%"
+    )
+    if launch.hardware_flops != launch.model_flops_per_iteration:
+        line += (
+            f"; with the recomputed forwards {launch.hardware_flops:.4g}: "
+            f"{launch.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU, "
+            f"HFU {100 * launch.hfu:.1f}%"
+        )
+    return line
+
+
 def format_comparison(comparison: RunComparison, best_report: str) -> str:
     """The text report of ``plan --megatron-args``."""
     given, best = comparison.given, comparison.best
     lines = [
         "--- your launch ---",
         format_prediction(given.plan, given.prediction, given.options),
-        f"{given.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * given.mfu:.1f}%; "
-        f"costs: {given.cost_source}",
+        f"{utilization_line(given)}; costs: {given.cost_source}",
         "",
         "--- the best plan found ---",
         best_report,

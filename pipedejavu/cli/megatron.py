@@ -24,6 +24,7 @@ from pipedejavu.cli.any_model import (
     predict_plan_file,
     read_launch,
     unused_at_tp1,
+    utilization_line,
 )
 from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
@@ -210,11 +211,7 @@ def _predict_launch(args: argparse.Namespace) -> int:
                 f"replicas (the plan line's dp and gbs), each with 1/{cp} of every "
                 "sequence"
             )
-        print(
-            f"model FLOPs per iteration: {launch.model_flops_per_iteration:.4g} "
-            f"(Megatron-LM's count); {launch.tflops_per_gpu:.1f} TFLOP/s per GPU, "
-            f"MFU {100 * launch.mfu:.1f}%; costs: {launch.cost_source}"
-        )
+        print(f"{utilization_line(launch)}; costs: {launch.cost_source}")
     return 0
 
 

@@ -291,20 +291,37 @@ class TransformerSpec:
         twice), with the vocabulary padded as for ``tp = 1``."""
         return sum(self.layer_params(1))
 
-    def model_flops_per_iteration(
-        self,
-        global_batch: int,
-        recompute_full: bool,
-        tp: int = 1,
-        recomputed_blocks: int | None = None,
-    ) -> float:
-        """Floating-point operations of one training iteration, counted as
-        Megatron-LM counts them.
+    def model_flops_per_iteration(self, global_batch: int, tp: int = 1) -> float:
+        """Model FLOPs of one training iteration: the forward and backward
+        passes, no recomputation. Divided by the time and the GPUs' peak, the
+        model FLOPs utilization (MFU); Megatron-LM's logged TFLOP/s per GPU
+        count these (``num_floating_point_operations``: each GEMM three times).
 
-        Megatron-LM (Narayanan et al., SC'21, Eq. 3), for a GPT with a 4h MLP
-        and full activation recomputation, counts
+        For a GPT with a 4h MLP this is SC'21's
+        ``F = 72 B s l h^2 (1 + s / (6h) + V / (12 l h))``; the count is
+        :meth:`hardware_flops_per_iteration` with no block recomputed.
+
+        Args:
+            global_batch: samples per iteration ``B``.
+            tp: the vocabulary ``V`` is padded as for this TP degree.
+
+        Returns:
+            FLOPs per iteration (float).
+        """
+        return self.hardware_flops_per_iteration(global_batch, 0, tp)
+
+    def hardware_flops_per_iteration(
+        self, global_batch: int, recomputed_blocks: int | None, tp: int = 1
+    ) -> float:
+        """Floating-point operations the GPUs run in one training iteration:
+        the model FLOPs plus the forward passes recomputation reruns (the
+        hardware FLOPs utilization, HFU, divides these by time and peak).
+
+        Narayanan et al. (SC'21, Eq. 3), for a GPT with a 4h MLP and full
+        activation recomputation, count
         ``F = 96 B s l h^2 (1 + s / (6h) + V / (16 l h))``, and without
-        recomputation ``F = 72 B s l h^2 (1 + s / (6h) + V / (12 l h))``.
+        recomputation ``F = 72 B s l h^2 (1 + s / (6h) + V / (12 l h))``; SC'21's
+        published TFLOP/s per GPU are these.
 
         Generalization used here (it reproduces both exactly for such a GPT):
         every matrix multiply costs 2 FLOPs per multiply-add; a block's forward
@@ -313,19 +330,17 @@ class TransformerSpec:
         or 3 (MLP, 3 when gated) and the attention scores and context
         ``2 * 2 s h`` (the full ``s x s`` square: causal masking is not
         discounted, as in Megatron); the LM head costs ``2 h V`` per token.
-        The backward pass costs twice the forward, and full recomputation adds
-        one more forward pass of the blocks (not of the LM head); with
-        Megatron's ``block`` method, of the blocks it reruns only. Norms,
+        The backward pass costs twice the forward, and each recomputed block
+        one more forward pass (the LM head is never recomputed). Norms,
         activations, softmax, biases and the embedding lookup are not counted.
 
         Args:
             global_batch: samples per iteration ``B``.
-            recompute_full: every block's forward pass is recomputed in its
-                backward pass (Megatron ``--recompute-granularity full``).
+            recomputed_blocks: how many of the ``l`` blocks rerun their
+                forward in the backward pass (Megatron-LM's full
+                recomputation: ``None``, all of them; ``--recompute-method
+                block``: the blocks it reruns; ``0``: none).
             tp: the vocabulary ``V`` is padded as for this TP degree.
-            recomputed_blocks: with ``recompute_full``, how many of the
-                ``l`` blocks rerun their forward (``--recompute-method block``;
-                ``None``: all of them).
 
         Returns:
             FLOPs per iteration (float).
@@ -339,14 +354,12 @@ class TransformerSpec:
         block = 2 * h * (h + 2 * groups * head_dim) + 2 * h * h
         block += 2 * h * f * (3 if self.gated_mlp else 2) + 4 * s * h
         head = 2 * h * self.padded_vocab_size(tp)
-        rerun = 0
-        if recompute_full:
-            rerun = self.num_layers if recomputed_blocks is None else recomputed_blocks
-            if not _is_int(rerun) or not 0 <= rerun <= self.num_layers:
-                raise ValueError(
-                    f"recomputed_blocks must be an integer in [0, "
-                    f"{self.num_layers}], got {recomputed_blocks!r}"
-                )
+        rerun = self.num_layers if recomputed_blocks is None else recomputed_blocks
+        if not _is_int(rerun) or not 0 <= rerun <= self.num_layers:
+            raise ValueError(
+                f"recomputed_blocks must be an integer in [0, "
+                f"{self.num_layers}], got {recomputed_blocks!r}"
+            )
         tokens = global_batch * s
         passes = 3 * self.num_layers + rerun
         return float(tokens * (passes * block + 3 * head))

@@ -19,8 +19,14 @@ attention reads the whole sequence.
 :func:`predict_megatron_run` prices it with an
 :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` and reports
 what a user compares with their logs: iteration time, memory, model FLOPs
-(Megatron-LM's count, :meth:`~pipedejavu.core.transformer.TransformerSpec.
-model_flops_per_iteration`), TFLOP/s per GPU and MFU.
+(the forward and backward passes, as Megatron-LM logs them:
+:meth:`~pipedejavu.core.transformer.TransformerSpec.model_flops_per_iteration`)
+with their TFLOP/s per GPU and model FLOPs utilization (MFU), and the hardware
+FLOPs (recomputed forwards included, as SC'21 counts them:
+:meth:`~pipedejavu.core.transformer.TransformerSpec.hardware_flops_per_iteration`)
+with their TFLOP/s and hardware FLOPs utilization (HFU). Without
+recomputation the two are equal; with it a slower plan can show a higher HFU,
+never a higher MFU.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ from pipedejavu.costmodel.megatron.sailor_data import ModelInfo
 from pipedejavu.io.megatron_args import MegatronRun
 
 __all__ = [
+    "FLOPS_FORMULA",
     "LaunchPrediction",
     "launch_batch",
     "options_of_run",
     "plan_from_megatron_run",
-    "plan_model_flops",
+    "plan_flops",
     "plan_utilization",
     "predict_megatron_run",
     "rerun_blocks",
@@ -136,14 +143,17 @@ class LaunchPrediction:
         plan: the plan Megatron-LM runs.
         options: its training options.
         prediction: the predictor's answer.
-        model_flops_per_iteration: Megatron-LM's count (recomputation included
-            when every layer is recomputed, as Megatron reports TFLOP/s).
+        model_flops_per_iteration: model FLOPs, no recomputation
+            (Megatron-LM's logged count; MFU's numerator).
         cost_source: ``profiles``, ``analytical`` or ``mixed``.
         peak_flops_per_gpu: the GPU's dense peak at the GEMMs' precision.
         context_parallel: GPUs sharing each sequence; above 1, ``plan`` is
             the priced form (module docstring): ``CP x`` the data-parallel
             replicas, each with ``1 / CP`` of every sequence, and ``CP x``
             the global batch of such shares.
+        hardware_flops_per_iteration: the model FLOPs plus the forwards that
+            recomputation reruns (SC'21's count; HFU's numerator); ``None``:
+            the model FLOPs (nothing recomputed).
     """
 
     plan: Plan3D
@@ -153,23 +163,42 @@ class LaunchPrediction:
     cost_source: str
     peak_flops_per_gpu: float
     context_parallel: int = 1
+    hardware_flops_per_iteration: float | None = None
 
     @property
     def num_gpus(self) -> int:
         return sum(r.tp for stage in self.plan.stages for r in stage.replicas)
 
     @property
+    def hardware_flops(self) -> float:
+        """:attr:`hardware_flops_per_iteration`, the model FLOPs when unset."""
+        hardware = self.hardware_flops_per_iteration
+        return self.model_flops_per_iteration if hardware is None else hardware
+
+    @property
     def tflops_per_gpu(self) -> float:
-        return self._utilization()[0]
+        """Model TFLOP/s per GPU (as Megatron-LM logs them)."""
+        return self._utilization(self.model_flops_per_iteration)[0]
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilization: TFLOP/s per GPU over the dense peak."""
-        return self._utilization()[1]
+        """Model FLOPs utilization: model TFLOP/s per GPU over the dense peak."""
+        return self._utilization(self.model_flops_per_iteration)[1]
 
-    def _utilization(self) -> tuple[float, float]:
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """Hardware TFLOP/s per GPU, recomputation included (as SC'21
+        reports them)."""
+        return self._utilization(self.hardware_flops)[0]
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilization: hardware TFLOP/s over the dense peak."""
+        return self._utilization(self.hardware_flops)[1]
+
+    def _utilization(self, flops: float) -> tuple[float, float]:
         return utilization(
-            self.model_flops_per_iteration,
+            flops,
             self.prediction.iteration_time_s,
             self.num_gpus,
             self.peak_flops_per_gpu,
@@ -184,18 +213,27 @@ class LaunchPrediction:
         out.update(self.prediction.to_json())
         out.update(
             model_flops_per_iteration=self.model_flops_per_iteration,
-            model_flops_formula=(
-                "Megatron-LM (Narayanan et al., SC'21, Eq. 3), generalized to "
-                "grouped-query attention and gated MLPs; the recomputed forward "
-                "counts for the blocks full recomputation reruns (all, or the "
-                "first N of each stage's model chunks with the block method)"
-            ),
+            hardware_flops_per_iteration=self.hardware_flops,
+            model_flops_formula=FLOPS_FORMULA,
             tflops_per_gpu=self.tflops_per_gpu,
             mfu=self.mfu,
+            hardware_tflops_per_gpu=self.hardware_tflops_per_gpu,
+            hfu=self.hfu,
             cost_source=self.cost_source,
             context_parallel=self.context_parallel,
         )
         return out
+
+
+#: How the FLOPs are counted (``--json`` outputs carry it).
+FLOPS_FORMULA = (
+    "Narayanan et al., SC'21, Eq. 3, generalized to grouped-query attention and "
+    "gated MLPs. Model FLOPs (tflops_per_gpu, mfu): forward and backward passes "
+    "only, as Megatron-LM logs them; hardware FLOPs (hardware_tflops_per_gpu, "
+    "hfu): plus the forward of every block full recomputation reruns (all, or "
+    "the first N of each stage's model chunks with the block method), as SC'21 "
+    "reports them"
+)
 
 
 def rerun_blocks(info: ModelInfo, plan: Plan3D, options: TrainingOptions) -> int | None:
@@ -253,30 +291,38 @@ def predict_megatron_run(
     entry = sheet[gpu_type]
     plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
-    flops = plan_model_flops(run.spec, plan, options, source, samples=plan.gbs // cp)
+    model, hardware = plan_flops(
+        run.spec, plan, options, source, samples=plan.gbs // cp
+    )
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
-    return LaunchPrediction(plan, options, prediction, flops, cost_source, peak, cp)
+    return LaunchPrediction(
+        plan, options, prediction, model, cost_source, peak, cp, hardware
+    )
 
 
-def plan_model_flops(
+def plan_flops(
     spec: TransformerSpec,
     plan: Plan3D,
     options: TrainingOptions,
     source: Any,
     *,
     samples: int | None = None,
-) -> float:
-    """Megatron-LM's model FLOPs of one iteration of ``plan``
-    (:meth:`~pipedejavu.core.transformer.TransformerSpec.model_flops_per_iteration`:
-    the recomputed forward counts when every layer is recomputed, and the
-    blocks the block method reruns); ``samples``: the global batch (``None``:
-    the plan's)."""
-    return spec.model_flops_per_iteration(
-        plan.gbs if samples is None else samples,
-        recompute_full=options.recompute == "full",
-        tp=plan.stages[0].replicas[0].tp,
-        recomputed_blocks=rerun_blocks(source.model_info(plan.model), plan, options),
+) -> tuple[float, float]:
+    """``(model FLOPs, hardware FLOPs)`` of one iteration of ``plan``
+    (:meth:`~pipedejavu.core.transformer.TransformerSpec.model_flops_per_iteration`;
+    :meth:`~pipedejavu.core.transformer.TransformerSpec.hardware_flops_per_iteration`
+    with the blocks ``options``' full recomputation reruns, all of them or
+    those of the block method); ``samples``: the global batch (``None``: the
+    plan's)."""
+    samples = plan.gbs if samples is None else samples
+    tp = plan.stages[0].replicas[0].tp
+    rerun = 0
+    if options.recompute == "full":
+        rerun = rerun_blocks(source.model_info(plan.model), plan, options)
+    return (
+        spec.model_flops_per_iteration(samples, tp),
+        spec.hardware_flops_per_iteration(samples, rerun, tp),
     )
 
 
@@ -288,22 +334,25 @@ def plan_utilization(
     sheet: Mapping[str, GpuSheetEntry],
     iteration_time_s: float,
 ) -> dict[str, float]:
-    """``model_flops_per_iteration``, ``tflops_per_gpu`` and ``mfu`` (over the
-    dense peaks of the plan's GPUs at its GEMMs' precision, summed over GPU
-    types) of a plan that takes ``iteration_time_s``, as
+    """Model and hardware FLOPs per iteration, their TFLOP/s per GPU, MFU and
+    HFU (over the dense peaks of the plan's GPUs at its GEMMs' precision,
+    averaged over its GPUs) of a plan that takes ``iteration_time_s``, as
     :class:`LaunchPrediction` reports them."""
-    flops = plan_model_flops(spec, plan, options, source)
+    model, hardware = plan_flops(spec, plan, options, source)
     peaks = sum(
         count * sheet[gpu].peak(gemm_precision(options, sheet[gpu]))
         for gpu, count in plan.gpus_by_type().items()
     )
-    tflops, mfu = utilization(
-        flops, iteration_time_s, plan.num_gpus, peaks / plan.num_gpus
-    )
+    peak = peaks / plan.num_gpus
+    tflops, mfu = utilization(model, iteration_time_s, plan.num_gpus, peak)
+    hardware_tflops, hfu = utilization(hardware, iteration_time_s, plan.num_gpus, peak)
     return {
-        "model_flops_per_iteration": float(flops),
+        "model_flops_per_iteration": float(model),
+        "hardware_flops_per_iteration": float(hardware),
         "tflops_per_gpu": float(tflops),
         "mfu": float(mfu),
+        "hardware_tflops_per_gpu": float(hardware_tflops),
+        "hfu": float(hfu),
     }
 
 
