@@ -1,71 +1,58 @@
 """pipedejavu: pipeline-stage search for large models, measured against Alpa's DP.
 
-The vocabulary (problem, cluster, hetero) comes first; the API modules below it
-import only the vocabulary at load time and the solvers (`pipedejavu.search`,
-`pipedejavu.baselines`, `pipedejavu.costmodel`) when a call needs them, so
-`import pipedejavu` stays light (no JAX)."""
+The public API. Every name is imported on first use (``pdj.solve`` imports
+:mod:`pipedejavu.planning.solve` then), so ``import pipedejavu``, which every
+``pipedejavu`` command runs as the parent of :mod:`pipedejavu.cli`, imports
+nothing but this file: numpy, SciPy and JAX load with the first call that
+needs them. ``__all__`` and ``dir()`` list every name."""
 
-from pipedejavu.core.cluster import Cluster as Cluster
-from pipedejavu.core.cluster import DeviceType as DeviceType
-from pipedejavu.core.cluster import Link as Link
-from pipedejavu.core.hetero import HeteroPlan as HeteroPlan
-from pipedejavu.core.hetero import HeteroProblem as HeteroProblem
-from pipedejavu.core.hetero_rules import check_hetero_plan as check_hetero_plan
-from pipedejavu.core.hetero_rules import evaluate_hetero as evaluate_hetero
-from pipedejavu.core.layer_memory import LayerMemory as LayerMemory
-from pipedejavu.core.problem import InfeasibleProblemError as InfeasibleProblemError
-from pipedejavu.core.problem import Plan as Plan
-from pipedejavu.core.problem import PlanError as PlanError
-from pipedejavu.core.problem import Problem as Problem
-from pipedejavu.core.problem import ProblemError as ProblemError
-from pipedejavu.core.problem import Stage as Stage
-from pipedejavu.core.problem import check_plan as check_plan
-from pipedejavu.core.problem import evaluate as evaluate
-from pipedejavu.core.problem import get_submesh_choices as get_submesh_choices
-from pipedejavu.core.problem import make_plan as make_plan
 from pipedejavu.core.version import __version__ as __version__
-from pipedejavu.planning.compare import compare as compare
-from pipedejavu.planning.inputs import bundled_examples as bundled_examples
-from pipedejavu.planning.inputs import load_cluster as load_cluster
-from pipedejavu.planning.inputs import load_example as load_example
-from pipedejavu.planning.inputs import load_plan as load_plan
-from pipedejavu.planning.inputs import load_problem as load_problem
-from pipedejavu.planning.solve import solve as solve
-from pipedejavu.planning.training import plan_training as plan_training
-from pipedejavu.search.engine.compile_cache import (
-    enable_compilation_cache as enable_compilation_cache,
-)
-from pipedejavu.simulation.simulate import simulate as simulate
-from pipedejavu.simulation.simulate import simulate_plan as simulate_plan
 
-__all__ = [
-    "Cluster",
-    "DeviceType",
-    "HeteroPlan",
-    "HeteroProblem",
-    "InfeasibleProblemError",
-    "LayerMemory",
-    "Link",
-    "Plan",
-    "PlanError",
-    "Problem",
-    "ProblemError",
-    "Stage",
-    "bundled_examples",
-    "check_hetero_plan",
-    "check_plan",
-    "compare",
-    "enable_compilation_cache",
-    "evaluate",
-    "evaluate_hetero",
-    "get_submesh_choices",
-    "load_cluster",
-    "load_example",
-    "load_plan",
-    "load_problem",
-    "make_plan",
-    "plan_training",
-    "simulate",
-    "simulate_plan",
-    "solve",
-]
+#: Each public name and the module (under ``pipedejavu``) that defines it.
+_LAZY = {
+    "Cluster": "core.cluster",
+    "DeviceType": "core.cluster",
+    "Link": "core.cluster",
+    "HeteroPlan": "core.hetero",
+    "HeteroProblem": "core.hetero",
+    "check_hetero_plan": "core.hetero_rules",
+    "evaluate_hetero": "core.hetero_rules",
+    "LayerMemory": "core.layer_memory",
+    "InfeasibleProblemError": "core.problem",
+    "Plan": "core.problem",
+    "PlanError": "core.problem",
+    "Problem": "core.problem",
+    "ProblemError": "core.problem",
+    "Stage": "core.problem",
+    "check_plan": "core.problem",
+    "evaluate": "core.problem",
+    "get_submesh_choices": "core.problem",
+    "make_plan": "core.problem",
+    "compare": "planning.compare",
+    "bundled_examples": "planning.inputs",
+    "load_cluster": "planning.inputs",
+    "load_example": "planning.inputs",
+    "load_plan": "planning.inputs",
+    "load_problem": "planning.inputs",
+    "solve": "planning.solve",
+    "plan_training": "planning.training",
+    "enable_compilation_cache": "search.engine.compile_cache",
+    "simulate": "simulation.simulate",
+    "simulate_plan": "simulation.simulate",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    raise AttributeError(f"module 'pipedejavu' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

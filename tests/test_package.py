@@ -88,10 +88,58 @@ def test_no_public_name_is_also_a_submodule():
         assert not clash, (package_name, sorted(clash))
 
 
-@pytest.mark.parametrize("package", ["pipedejavu.costmodel", "pipedejavu.search"])
+@pytest.mark.parametrize(
+    "package", ["pipedejavu", "pipedejavu.costmodel", "pipedejavu.search"]
+)
 def test_every_lazily_loaded_name_resolves(package):
     import importlib
 
     module = importlib.import_module(package)
     missing = [name for name in module._LAZY if not hasattr(module, name)]
     assert missing == []
+
+
+_FRESH_IMPORT = """
+import importlib, json, sys
+import pipedejavu as pdj
+loaded = sorted(
+    m for m in sys.modules
+    if m.split(".")[0] in ("numpy", "scipy", "jax") or m.startswith("pipedejavu.")
+)
+same = all(
+    getattr(pdj, name)
+    is getattr(importlib.import_module("pipedejavu." + pdj._LAZY[name]), name)
+    for name in pdj.__all__
+)
+try:
+    pdj.no_such_name
+    missing = "found"
+except AttributeError as error:
+    missing = str(error)
+print(json.dumps([loaded, same, pdj.__all__, sorted(set(pdj.__all__) - set(dir(pdj))),
+                  missing]))
+"""
+
+
+def test_import_pipedejavu_loads_no_solver_and_every_public_name_resolves():
+    """`import pipedejavu` (the parent of every command) imports no numpy, SciPy,
+    JAX or other module of ours; each public name loads its module on first use
+    and is the object that module defines."""
+    import json
+
+    child = subprocess.run(
+        [sys.executable, "-c", _FRESH_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded, same, public, not_in_dir, missing = json.loads(child.stdout)
+    assert loaded == ["pipedejavu.core", "pipedejavu.core.version"]
+    assert same and not_in_dir == []
+    assert len(public) == 29 and {
+        "solve",
+        "Problem",
+        "enable_compilation_cache",
+    } <= set(public)
+    assert missing == "module 'pipedejavu' has no attribute 'no_such_name'"
