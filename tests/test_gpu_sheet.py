@@ -191,3 +191,34 @@ def test_hostile_user_files(tmp_path, content, match):
 def test_missing_user_file(tmp_path):
     with pytest.raises(ProblemError, match="cannot read GPU sheet"):
         load_gpu_sheet(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        ("H100-80", "H100-SXM"),  # nvidia-smi: "NVIDIA H100 80GB HBM3", the SXM
+        ("H100-80GB", "H100-SXM"),
+        ("h100-80gb", "H100-SXM"),
+        ("A100-80GB", "A100-80"),
+        ("A100-40GB", "A100-40"),
+        ("V100-16GB", "V100-16"),
+        ("H100-PCIe-80GB", "H100-PCIe"),
+        ("GH200-96", "GH-96"),
+        ("H200-141GB", "H200"),
+        ("RTX-2080-11GB", "RTX-2080"),
+    ],
+)
+def test_a_name_with_its_memory_resolves(given, canonical):
+    sheet = load_gpu_sheet()
+    assert given in sheet and sheet.resolve(given) == canonical
+    assert sheet[given] is sheet[canonical]
+
+
+@pytest.mark.parametrize("given", ["H100-94", "A100-SXM-40", "RTX-3090GB", "B200-80"])
+def test_a_memory_the_gpu_does_not_have_is_unknown(given):
+    # the size is checked against the entry, not stripped: an H100 NVL (94 GB)
+    # is not the sheet's H100, and A100-SXM (80 GB) with 40 is not either A100
+    sheet = load_gpu_sheet()
+    assert given not in sheet
+    with pytest.raises(KeyError, match="memory in GB appended"):
+        sheet.resolve(given)

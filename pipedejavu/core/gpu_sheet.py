@@ -157,6 +157,15 @@ class GpuSheetEntry:
             return None
         return EXPONENTIALS_PER_CLOCK * self.multiprocessors * self.clock_hz
 
+    def has_memory_gb(self, size: int) -> bool:
+        """Whether ``size`` is this GPU's memory in whole GB as names give it
+        (``A100-80``, ``H100 80GB``): the capacity rounded to GiB (the sheet's
+        convention, :file:`GPUS.md`) or to decimal GB (a file's own figure)."""
+        return size in (
+            round(self.memory_bytes / 2**30),
+            round(self.memory_bytes / 1e9),
+        )
+
     def peak(self, precision: Precision) -> float:
         """Dense peak FLOP/s at ``precision``; ``KeyError`` if the GPU lacks it."""
         for name, value in self.peak_flops:

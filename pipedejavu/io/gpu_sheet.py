@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ __all__ = [
     "load_gpu_sheet",
 ]
 
+#: A GPU name with its memory appended: ``H100-80``, ``A100-40GB``.
+_MEMORY_SUFFIX = re.compile(r"(?P<base>.+)-(?P<size>[1-9][0-9]{0,4})(?:GB)?", re.I)
 #: The bundled sheet is about 20 kB; refuse files past 1 MiB.
 MAX_GPU_SHEET_BYTES = 2**20
 _NUMBER_FIELDS = (
@@ -96,22 +99,44 @@ class GpuSheet(Mapping[str, GpuSheetEntry]):
         self.aliases: dict[str, str] = dict(aliases)
 
     def resolve(self, name: str) -> str:
-        """The canonical name of ``name`` (itself or the entry its alias names).
+        """The canonical name of ``name``: itself, the entry its alias names, a
+        name of another case where unambiguous (``h100``, ``a100-80``), or
+        either of those with the GPU's memory in GB appended (``H100-80``,
+        ``H100-80GB``, ``V100-32GB``: the size must be the entry's).
 
         Raises:
-            KeyError: neither a GPU type nor an alias on the sheet.
+            KeyError: none of those.
         """
+        found = self._lookup(name)
+        if found is None and isinstance(name, str):
+            found = self._with_memory(name)
+        if found is None:
+            raise KeyError(
+                f"GPU {name!r} is not on the GPU sheet (known: "
+                f"{', '.join(self._entries)}; aliases: {', '.join(self.aliases)}; "
+                "either with its memory in GB appended, e.g. H100-80GB)"
+            )
+        return found
+
+    def _lookup(self, name: str) -> str | None:
         if name in self._entries:
             return name
         if name in self.aliases:
             return self.aliases[name]
-        folded = self._folded().get(name.casefold()) if isinstance(name, str) else None
-        if folded is not None:  # (h100 as H100, a100-80 as A100-80)
-            return folded
-        raise KeyError(
-            f"GPU {name!r} is not on the GPU sheet (known: {', '.join(self._entries)}; "
-            f"aliases: {', '.join(self.aliases)})"
-        )
+        return self._folded().get(name.casefold()) if isinstance(name, str) else None
+
+    def _with_memory(self, name: str) -> str | None:
+        """``NAME-<size>`` or ``NAME-<size>GB`` where ``NAME`` (or the whole
+        name less ``GB``) is on the sheet with ``size`` GB of memory."""
+        match = _MEMORY_SUFFIX.fullmatch(name)
+        if match is None:
+            return None
+        size = int(match["size"])
+        for candidate in (f"{match['base']}-{match['size']}", match["base"]):
+            found = self._lookup(candidate)
+            if found is not None and self._entries[found].has_memory_gb(size):
+                return found
+        return None
 
     def _folded(self) -> dict[str, str]:
         """Canonical names by case-folded name or alias, where unambiguous."""
@@ -131,9 +156,13 @@ class GpuSheet(Mapping[str, GpuSheetEntry]):
         return len(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        if name in self._entries or name in self.aliases:
-            return True
-        return isinstance(name, str) and name.casefold() in self._folded()
+        if not isinstance(name, str):
+            return False
+        try:
+            self.resolve(name)
+        except KeyError:
+            return False
+        return True
 
 
 def bundled_gpu_sheet_path() -> Path:
