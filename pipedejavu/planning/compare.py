@@ -38,7 +38,7 @@ _SEEDED = {"diff", "anneal", "random"}
 _PERCENTILES = (50, 90, 95, 99)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class MethodResult:
     """One method's measurements.
 
@@ -69,6 +69,16 @@ class MethodResult:
     def worst_cost(self) -> float:
         return max(self.costs) if self.costs else math.nan
 
+    def __repr__(self) -> str:
+        # the plan's info holds the engine's whole loss curve: not printed
+        if self.error:
+            return f"MethodResult({self.method!r}, no plan: {self.error})"
+        stages = self.plan.num_stages if self.plan is not None else None
+        return (
+            f"MethodResult({self.method!r}, cost={self.cost:.6g} s, "
+            f"runs={len(self.costs)}, stages={stages})"
+        )
+
     def time_stats(self) -> dict[str, float]:
         """mean and p50/p90/p95/p99 of the search times (seconds).
 
@@ -86,9 +96,14 @@ class MethodResult:
         return stats
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Comparison:
-    """All methods on one instance; ``reference`` (the exact DP) anchors ratios."""
+    """All methods on one instance; ``reference`` (the exact DP) anchors ratios.
+
+    ``print(comparison)`` prints :meth:`format_table`; ``repr`` is one line.
+    ``hetero``: the instance was a :class:`pipedejavu.HeteroProblem` (the cost
+    is its planner's objective, not Alpa's formula).
+    """
 
     results: tuple[MethodResult, ...]
     reference: str
@@ -97,6 +112,18 @@ class Comparison:
     num_layers: int
     num_devices: int
     num_microbatches: int
+    hetero: bool = False
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+    def __repr__(self) -> str:
+        methods = ", ".join(repr(r) for r in self.results)
+        return (
+            f"Comparison({self.num_layers} layers, {self.num_devices} devices, "
+            f"B={self.num_microbatches}, {self.repeats} runs, reference "
+            f"{self.reference!r}: {methods})"
+        )
 
     @property
     def has_transfers(self) -> bool:
@@ -208,17 +235,53 @@ class Comparison:
         lines.append(
             f"{self.num_layers} layers, {self.num_devices} devices, "
             f"B={self.num_microbatches}; {self.repeats} timed runs after "
-            f"{self.warmup} warm-up; ratios against '{self.reference}'; cost: "
-            "the median over the runs (worst: the worst run); sims and stages: "
-            "the cheapest run's plan, in seconds."
+            f"{self.warmup} warm-up; ratios against '{self.reference}'."
         )
-        if self.has_transfers:
-            lines.append(
-                "cost = the planner's objective, 1F1B's period with its in-flight "
-                "limit (S - s micro-batches at stage s); links shared by both "
-                "directions make the 1F1B sim differ (docs/hetero.md)."
-            )
+        lines.extend(self._legend())
         return "\n".join(lines)
+
+    def _legend(self) -> list[str]:
+        """What the cost and the simulated times are, and why they differ."""
+        runs = "the median over the runs (worst: the worst run)"
+        sims = (
+            "GPipe sim, 1F1B sim, stages: the cheapest run's plan run under each "
+            "schedule by the discrete-event simulator (pipedejavu.simulate), in "
+            "seconds."
+        )
+        if self.hetero:
+            lines = [
+                f"cost: the planner's objective, {runs}: 1F1B's period with its "
+                "in-flight limit (S - s micro-batches at stage s), an estimate of "
+                "the 1F1B sim.",
+                sims,
+            ]
+            if self.has_transfers:
+                lines.append(
+                    "Links shared by both directions make the 1F1B sim differ "
+                    "(docs/hetero.md)."
+                )
+            return lines
+        lines = [
+            f"cost: Alpa's objective sum(t) + (B - 1) max(t) over the stages' "
+            f"latencies t, {runs}; dp returns its exact minimum.",
+            sims,
+        ]
+        below = [
+            row["method"]
+            for row in self.rows()
+            if not row["error"] and row["simulated_1f1b_s"] < row["cost"] * (1 - 1e-9)
+        ]
+        if below:
+            lines.append(
+                f"1F1B sim below the cost ({', '.join(below)}) is no contradiction: "
+                "the cost is the formula, not the schedule's time. It adds each "
+                "other stage's latency once to the slowest stage's B micro-batches; "
+                "1F1B waits for the round trip through the stages after the slowest "
+                "twice (first and last micro-batch) but runs the slowest stage's "
+                "other warm-up forwards and last backwards meanwhile, which can "
+                "take less (docs/cli.md)."
+            )
+        return lines
 
 
 def simulate_schedule(problem: Problem, plan: Plan, schedule: str = "1f1b"):
@@ -329,4 +392,5 @@ def compare(
         num_layers=problem.num_layers,
         num_devices=problem.num_devices,
         num_microbatches=problem.num_microbatches,
+        hetero=hetero,
     )
