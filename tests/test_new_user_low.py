@@ -80,3 +80,23 @@ def test_the_1f1b_time_below_the_cost_is_the_documented_decomposition(comparison
         f"{after * t[slowest]:.3f} = {run.iteration_time:.3f} s",
     ):
         assert quoted in re.sub(r"\s+", " ", page), quoted
+
+
+# --- bundled_examples() lists 3 where load_example takes 6 --------------------
+
+
+def test_the_examples_are_all_named_where_a_user_looks():
+    from pipedejavu.planning import inputs
+
+    names = inputs.example_names()
+    assert len(names) == 6 and len(set(names)) == 6
+    profiles = [example.name for example in pdj.bundled_examples()]
+    assert list(names[: len(profiles)]) == profiles
+    # help(pdj.load_example) names every example, help(pdj.bundled_examples)
+    # says it lists only the profiles and where the rest are
+    for name in names:
+        assert f"``{name}``" in pdj.load_example.__doc__, name
+    assert "example_names" in pdj.bundled_examples.__doc__
+    assert "six" in pdj.bundled_examples.__doc__
+    for name in names[len(profiles) :]:
+        assert pdj.load_example(name).num_layers == 32, name

@@ -189,7 +189,12 @@ _GPT = "GPT-1.3B (24 blocks, hidden 2048, seq 1024), global batch 1024"
 
 
 def bundled_examples() -> tuple[BundledExample, ...]:
-    """The three real Alpa GPT profiles (see ``pipedejavu/data/ATTRIBUTION.md``)."""
+    """The three real Alpa GPT profiles (see ``pipedejavu/data/ATTRIBUTION.md``),
+    with their files and run settings.
+
+    These are three of the six names :func:`load_example` takes; the other
+    three are generated (no profile file). :func:`example_names` lists all six.
+    """
     return (
         BundledExample(
             "gpt1.3b-6layers-B32",
@@ -293,7 +298,9 @@ _GENERATED: dict[str, str] = {
 
 
 def example_names() -> tuple[str, ...]:
-    """Names accepted wherever a problem path is: bundled profiles + generated."""
+    """Every name :func:`load_example` takes, and ``pipedejavu solve`` wherever a
+    problem path goes: the profiles of :func:`bundled_examples`, then the
+    generated examples."""
     return tuple(e.name for e in bundled_examples()) + tuple(_GENERATED)
 
 
@@ -316,10 +323,16 @@ def load_example(
     cluster_shape: tuple[int, int] | None = None,
     cluster: Cluster | str | os.PathLike | None = None,
 ) -> Problem | HeteroProblem:
-    """A bundled example by name (see :func:`example_names`).
+    """A bundled example by name.
 
     Args:
-        name: the example.
+        name: one of :func:`example_names`: the real Alpa profiles of
+            :func:`bundled_examples` (``gpt1.3b-6layers-B32``,
+            ``gpt1.3b-6layers-B128``, ``gpt1.3b-12layers-B32``) and the
+            generated ``generated-gpt-32layers-2x8``,
+            ``generated-gpt-32layers-4x8`` and
+            ``hetero-gpt-32layers-a100-v100``
+            (:func:`example_description` says what each is).
         num_microbatches: replaces the example's B.
         cluster_shape: checked against the example's (which is fixed).
         cluster: a :class:`Cluster`, a cluster file or a bundled cluster name:
