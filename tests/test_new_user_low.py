@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
 from test_readme import ROOT
 
 import pipedejavu as pdj
+from pipedejavu.core.errors import ProblemError
 from pipedejavu.planning.compare import MethodResult, compare
 from pipedejavu.simulation.simulate import simulate_plan
 
@@ -100,3 +105,106 @@ def test_the_examples_are_all_named_where_a_user_looks():
     assert "six" in pdj.bundled_examples.__doc__
     for name in names[len(profiles) :]:
         assert pdj.load_example(name).num_layers == 32, name
+
+
+# --- config.json with a byte-order mark; a config without model_type --------
+
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 100,
+    "n_positions": 128,
+}
+
+
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path):
+    from pipedejavu.io.model_config import load_model_spec
+
+    plain, marked = tmp_path / "plain.json", tmp_path / "config.json"
+    plain.write_text(json.dumps(GPT2), encoding="utf-8")
+    marked.write_text(json.dumps(GPT2), encoding="utf-8-sig")  # Notepad's way
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_model_spec(marked) == load_model_spec(plain)
+    assert load_model_spec(marked).num_layers == 2
+
+
+def test_a_config_without_model_type_is_told_so(tmp_path):
+    from pipedejavu.io.model_config import load_model_spec
+
+    path = tmp_path / "config.json"
+    config = {k: v for k, v in GPT2.items() if k != "model_type"}
+    path.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], **config}))
+    with pytest.raises(ProblemError) as error:
+        load_model_spec(path)
+    message = str(error.value)
+    assert "needs 'model_type'" in message and "gpt2, gpt_neo" in message, message
+    assert str(path) in message and "\n" not in message
+    # the own format with a typo is still told about its unknown key
+    path.write_text(json.dumps({"num_layers": 2, "hiden_size": 64}))
+    with pytest.raises(ProblemError, match="unknown key 'hiden_size'"):
+        load_model_spec(path)
+
+
+# --- a FIFO given as --model blocked forever ---------------------------------
+
+
+def _read_in_thread(path):
+    """``load_model_spec(path)`` in a thread; a reader still blocked after 10 s
+    (the old code, in ``open``) is released by opening the FIFO for writing."""
+    from pipedejavu.io.model_config import load_model_spec
+
+    outcome = {}
+
+    def read():
+        try:
+            outcome["spec"] = load_model_spec(str(path))
+        except ProblemError as error:
+            outcome["error"] = str(error)
+
+    reader = threading.Thread(target=read, daemon=True)
+    started = time.perf_counter()
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join()
+        outcome["blocked"] = True
+    outcome["seconds"] = time.perf_counter() - started
+    return outcome
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_model_fifo_nothing_writes_to_is_refused(tmp_path, monkeypatch):
+    from pipedejavu.io import model_config
+
+    monkeypatch.setattr(model_config, "MODEL_FIFO_WAIT_S", 0.3, raising=False)
+    path = tmp_path / "config.json"
+    os.mkfifo(path)
+    outcome = _read_in_thread(path)
+    assert "blocked" not in outcome and outcome["seconds"] < 5
+    assert outcome["error"] == (
+        f"model file {path} is a FIFO nothing wrote to in 0.3 s; give a file "
+        "(or a command's output, as <(cat FILE) does)"
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_model_fifo_written_a_little_later_is_read(tmp_path, monkeypatch):
+    # process substitution, --model <(jq ... config.json): a writer comes
+    from pipedejavu.io import model_config
+
+    monkeypatch.setattr(model_config, "MODEL_FIFO_WAIT_S", 5.0, raising=False)
+    path = tmp_path / "config.json"
+    os.mkfifo(path)
+
+    def write():
+        time.sleep(0.3)
+        path.write_text(json.dumps(GPT2))
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    outcome = _read_in_thread(path)
+    writer.join()
+    assert outcome.get("spec") is not None and outcome["spec"].num_layers == 2

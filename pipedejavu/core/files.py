@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import stat
 from typing import Any
 
@@ -23,24 +24,37 @@ from pipedejavu.core.errors import ProblemError
 __all__ = ["json_text", "parse_json", "read_bytes", "read_json", "read_text"]
 
 
-def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
+def read_bytes(
+    path: str | os.PathLike,
+    limit: int,
+    what: str = "file",
+    *,
+    fifo_wait_s: float | None = None,
+) -> bytes:
     """The bytes of ``path``, refused past ``limit`` bytes without reading more.
 
     Args:
         path: the file.
         limit: the most bytes accepted.
         what: how the message names the file (e.g. ``"cluster file"``).
+        fifo_wait_s: for a FIFO (a named pipe), the longest wait for its first
+            byte or its end; ``None``: as long as it takes (a FIFO nothing
+            writes to then waits forever, as ``cat`` does). Process
+            substitution (``<(cat config.json)``) writes at once.
 
     Raises:
         ProblemError: unreadable, a device (a terminal would wait for input,
-            ``/dev/zero`` never ends), or larger than ``limit``.
+            ``/dev/zero`` never ends), larger than ``limit``, or a FIFO silent
+            for ``fifo_wait_s``.
     """
     try:
-        with open(path, "rb") as handle:
+        with _open(path, fifo_wait_s is not None) as handle:
             status = os.fstat(handle.fileno())
             mode = status.st_mode
             if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
                 raise ProblemError(f"{what} {os.fspath(path)} is a device, not a file")
+            if fifo_wait_s is not None and stat.S_ISFIFO(mode):
+                _wait_for_writer(handle, fifo_wait_s, f"{what} {os.fspath(path)}")
             if stat.S_ISREG(mode) and status.st_size > limit:
                 raise ProblemError(
                     f"{what} {os.fspath(path)} is larger than {limit} bytes"
@@ -60,6 +74,30 @@ def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes
     return data
 
 
+def _open(path: str | os.PathLike, nonblocking: bool) -> Any:
+    """``path`` opened for reading; ``nonblocking``: without waiting for a
+    FIFO's writer (blocking again once open, for the reads)."""
+    flag = getattr(os, "O_NONBLOCK", 0)  # absent on Windows, which has no FIFOs
+    if not nonblocking or not flag:
+        return open(path, "rb")
+    return os.fdopen(os.open(path, os.O_RDONLY | flag), "rb")
+
+
+def _wait_for_writer(handle: Any, wait_s: float, name: str) -> None:
+    """Wait at most ``wait_s`` for a FIFO's first byte or end, then block as
+    usual: a FIFO nothing writes to is refused instead of waited on forever."""
+    if hasattr(select, "poll"):
+        poll = select.poll()
+        poll.register(handle.fileno(), select.POLLIN | select.POLLHUP)
+        ready = poll.poll(max(wait_s, 0.0) * 1000)
+        if not ready:
+            raise ProblemError(
+                f"{name} is a FIFO nothing wrote to in {wait_s:g} s; give a file "
+                "(or a command's output, as <(cat FILE) does)"
+            )
+    os.set_blocking(handle.fileno(), True)
+
+
 def _read_upto(handle: Any, limit: int) -> bytes:
     """At most ``limit + 1`` bytes of a stream, read in pieces of 1 MiB."""
     pieces, total = [], 0
@@ -72,15 +110,22 @@ def _read_upto(handle: Any, limit: int) -> bytes:
     return b"".join(pieces)
 
 
-def read_text(path: str | os.PathLike, limit: int, what: str = "file") -> str:
-    """:func:`read_bytes` decoded as UTF-8.
+def read_text(
+    path: str | os.PathLike,
+    limit: int,
+    what: str = "file",
+    *,
+    fifo_wait_s: float | None = None,
+) -> str:
+    """:func:`read_bytes` decoded as UTF-8, without a leading byte-order mark
+    (Windows editors write one; JSON's RFC 8259 lets a reader ignore it).
 
     Raises:
         ProblemError: as :func:`read_bytes`, or not UTF-8 text.
     """
-    raw = read_bytes(path, limit, what)
+    raw = read_bytes(path, limit, what, fifo_wait_s=fifo_wait_s)
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ProblemError(
             f"{what} {os.fspath(path)} is not UTF-8 text (a binary file?)"
@@ -103,13 +148,20 @@ def parse_json(text: str, source: str) -> Any:
         raise ProblemError(f"{source}: invalid JSON: {error}") from None
 
 
-def read_json(path: str | os.PathLike, limit: int, what: str = "file") -> Any:
+def read_json(
+    path: str | os.PathLike,
+    limit: int,
+    what: str = "file",
+    *,
+    fifo_wait_s: float | None = None,
+) -> Any:
     """The parsed JSON of ``path`` (:func:`read_text` then :func:`parse_json`).
 
     Raises:
         ProblemError: one line naming the file.
     """
-    return parse_json(read_text(path, limit, what), os.fspath(path))
+    text = read_text(path, limit, what, fifo_wait_s=fifo_wait_s)
+    return parse_json(text, os.fspath(path))
 
 
 def _strict(value: Any) -> Any:

@@ -32,6 +32,7 @@ from pipedejavu.core.transformer import TransformerSpec
 __all__ = [
     "HF_MODEL_TYPES",
     "MAX_MODEL_FILE_BYTES",
+    "MODEL_FIFO_WAIT_S",
     "bundled_models_dir",
     "list_model_presets",
     "load_model_spec",
@@ -41,6 +42,10 @@ __all__ = [
 
 #: A model description is a few kilobytes; refuse anything past 1 MiB.
 MAX_MODEL_FILE_BYTES = 2**20
+#: A model file that is a FIFO (``--model <(cat config.json)``) must start
+#: within this many seconds: ``--model`` names a preset or a file, and a named
+#: pipe nothing writes to would otherwise wait forever.
+MODEL_FIFO_WAIT_S = 15.0
 #: ``model_type`` values :func:`spec_from_hf_config` reads.
 HF_MODEL_TYPES = ("gpt2", "gpt_neo", "gpt_neox", "opt", "llama", "mistral", "qwen2")
 #: Keys that mark a mixture-of-experts configuration.
@@ -52,6 +57,16 @@ _MOE_KEYS = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "moe_layer_freq",
+)
+#: Keys only a Hugging Face ``config.json`` has (the own format has none).
+_HF_ONLY_KEYS = (
+    "architectures",
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "num_hidden_layers",
+    "n_layer",
+    "n_embd",
 )
 #: Keys of the own format beside the TransformerSpec fields.
 _OWN_EXTRA_KEYS = ("source", "note", "format")
@@ -255,7 +270,7 @@ def _spec_from_hf(
 
 
 def _read(path: str | os.PathLike, what: str) -> Any:
-    return read_json(path, MAX_MODEL_FILE_BYTES, what)
+    return read_json(path, MAX_MODEL_FILE_BYTES, what, fifo_wait_s=MODEL_FIFO_WAIT_S)
 
 
 def spec_from_hf_config(
@@ -345,6 +360,13 @@ def list_model_presets() -> dict[str, str]:
 def _spec_from_data(data: Any, source: str, seq_length: int | None) -> TransformerSpec:
     if isinstance(data, dict) and "model_type" in data:
         return _spec_from_hf(_Config(data, source), None, seq_length)
+    hf_keys = [key for key in _HF_ONLY_KEYS if isinstance(data, dict) and key in data]
+    if hf_keys:  # not the own format with a stray key: say what is missing
+        raise ProblemError(
+            f"{source}: a Hugging Face config.json (it has {hf_keys[0]!r}) needs "
+            f"'model_type', which says how to read its keys: one of "
+            f"{', '.join(HF_MODEL_TYPES)}"
+        )
     spec = spec_from_dict(data, source)
     if _seq_length(seq_length, spec.seq_length) != spec.seq_length:
         try:
