@@ -208,3 +208,39 @@ def test_a_model_fifo_written_a_little_later_is_read(tmp_path, monkeypatch):
     outcome = _read_in_thread(path)
     writer.join()
     assert outcome.get("spec") is not None and outcome["spec"].num_layers == 2
+
+
+# --- "s_nan.json.cost must be": the file and the field ran together ----------
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda plan: plan.update(cost=float("nan")),
+            "plan.json: cost must be a finite number, got nan",
+        ),
+        (
+            lambda plan: plan.update(num_microbatches="32"),
+            "plan.json: num_microbatches must be",
+        ),
+        (lambda plan: plan.update(method=3), "plan.json: method must be text"),
+        (lambda plan: plan.update(stages=7), "plan.json: stages must be a list"),
+        (
+            lambda plan: plan["stages"][0].update(latency=float("inf")),
+            "plan.json: stages[0].latency must be a finite number, got inf",
+        ),
+    ],
+)
+def test_a_plan_field_is_named_apart_from_its_file(tmp_path, change, message):
+    from pipedejavu.planning.inputs import load_plan
+
+    problem = pdj.load_example("generated-gpt-32layers-2x8")
+    plan = pdj.solve(problem).to_json()
+    change(plan)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ProblemError) as error:
+        load_plan(path)
+    assert message in str(error.value)
+    assert f"{path}: " in str(error.value)

@@ -37,6 +37,7 @@ from pipedejavu.core.validation import (
     as_count,
     cost_table,
     describe,
+    field_name,
     freeze,
     json_field,
     json_float,
@@ -408,7 +409,8 @@ def plan_fields(data: Any, source: str) -> dict[str, Any]:
     """The plan-level fields of a plan JSON (cost, B, method, search time)."""
     method = json_field(data, "method", source)
     if not isinstance(method, str):
-        raise ProblemError(f"{source}.method must be text, got {describe(method)}")
+        name = field_name(source, "method")
+        raise ProblemError(f"{name} must be text, got {describe(method)}")
     return {
         "cost": json_float(data, "cost", source),
         "num_microbatches": json_int(data, "num_microbatches", source, minimum=1),

@@ -28,6 +28,7 @@ __all__ = [
     "cost_table",
     "describe",
     "freeze",
+    "field_name",
     "in_range",
     "json_field",
     "json_float",
@@ -297,6 +298,13 @@ def freeze(owner: Any, **arrays: NDArray[Any]) -> None:
 
 
 # ------------------------------------------------------------ plan JSON fields
+def field_name(where: str, key: str) -> str:
+    """How a message names field ``key`` of the JSON object at ``where``:
+    ``plan.json: cost`` at the top of a file, ``plan.json: stages[0].latency``
+    where ``where`` already names a place in it (``"FILE: PLACE"``)."""
+    return f"{where}.{key}" if ": " in where else f"{where}: {key}"
+
+
 def json_field(data: Any, key: str, where: str) -> Any:
     """``data[key]`` of a JSON object, or a :class:`ProblemError` saying why not."""
     if not isinstance(data, dict):
@@ -308,21 +316,23 @@ def json_field(data: Any, key: str, where: str) -> Any:
 
 def json_int(data: Any, key: str, where: str, *, minimum: int = 0) -> int:
     """An integer field ``>= minimum`` (integral floats accepted)."""
-    return as_count(json_field(data, key, where), f"{where}.{key}", minimum=minimum)
+    value = json_field(data, key, where)
+    return as_count(value, field_name(where, key), minimum=minimum)
 
 
 def json_float(data: Any, key: str, where: str) -> float:
     """A finite number field (``int`` or ``float``; not ``bool``, not text,
     not NaN or infinity, which Python's JSON reader accepts)."""
     value = json_field(data, key, where)
+    name = field_name(where, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProblemError(f"{where}.{key} must be a number, got {value!r:.60}")
+        raise ProblemError(f"{name} must be a number, got {value!r:.60}")
     try:
         number = float(value)
     except OverflowError:
-        raise ProblemError(f"{where}.{key} is too large: {value!r:.60}") from None
+        raise ProblemError(f"{name} is too large: {value!r:.60}") from None
     if not math.isfinite(number):
-        raise ProblemError(f"{where}.{key} must be a finite number, got {number}")
+        raise ProblemError(f"{name} must be a finite number, got {number}")
     return number
 
 
@@ -331,7 +341,8 @@ def json_list(data: Any, key: str, where: str, *, length: int | None = None) -> 
     value = json_field(data, key, where)
     if not isinstance(value, list) or (length is not None and len(value) != length):
         expected = "a list" if length is None else f"a list of {length} items"
-        raise ProblemError(f"{where}.{key} must be {expected}, got {value!r:.60}")
+        name = field_name(where, key)
+        raise ProblemError(f"{name} must be {expected}, got {value!r:.60}")
     return value
 
 
