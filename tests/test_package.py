@@ -137,9 +137,5 @@ def test_import_pipedejavu_loads_no_solver_and_every_public_name_resolves():
     loaded, same, public, not_in_dir, missing = json.loads(child.stdout)
     assert loaded == ["pipedejavu.core", "pipedejavu.core.version"]
     assert same and not_in_dir == []
-    assert len(public) == 29 and {
-        "solve",
-        "Problem",
-        "enable_compilation_cache",
-    } <= set(public)
+    assert {"solve", "Problem", "enable_compilation_cache"} <= set(public)
     assert missing == "module 'pipedejavu' has no attribute 'no_such_name'"

@@ -1,14 +1,16 @@
 """The differentiable stage/mesh engine and the exact sub-solvers it polishes with.
 
-``pipedejavu.search.alpa.exact`` (numpy only) is imported eagerly; the JAX engine is
-loaded on first use so that ``import pipedejavu.baselines`` stays light. The
-heterogeneous oracle is ``pipedejavu.search.hetero.exact.hetero_exact`` (its
-module keeps the name, so the package does not re-export the function).
+Every name loads its module on first use: ``exact_dp`` from
+``pipedejavu.search.alpa.exact`` (numpy only), the JAX engine from
+``pipedejavu.search.engine``, so importing a module of the package (the
+command line's ``search.engine.compile_cache``) or ``pipedejavu.baselines``
+stays light. The heterogeneous oracle is
+``pipedejavu.search.hetero.exact.hetero_exact`` (its module keeps the name, so
+the package does not re-export the function).
 """
 
-from pipedejavu.search.alpa.exact import exact_dp as exact_dp
-
 _LAZY = {
+    "exact_dp": "alpa.exact",
     "SearchConfig": "engine.config",
     "SearchResult": "engine.config",
     "differentiable": "engine.driver",
@@ -29,4 +31,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pipedejavu.search' has no attribute {name!r}")
 
 
-__all__ = ["exact_dp", *_LAZY]
+__all__ = [*_LAZY]

@@ -46,7 +46,6 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import least_squares
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
@@ -447,6 +446,10 @@ def fit_constants(
     def residuals(x):
         predicted = blocks.predict(_from_vector(x, initial))
         return weights * (np.log(predicted) - log_measured)
+
+    # SciPy's optimizers load only for a fit (0.3-0.5 s): the planning tables
+    # import this module for its constants (QK_LAYER_SCALING) alone.
+    from scipy.optimize import least_squares
 
     x0 = np.clip(_to_vector(initial), bounds[0], bounds[1])
     solution = least_squares(residuals, x0, bounds=bounds, x_scale="jac")
