@@ -244,3 +244,58 @@ def test_a_plan_field_is_named_apart_from_its_file(tmp_path, change, message):
         load_plan(path)
     assert message in str(error.value)
     assert f"{path}: " in str(error.value)
+
+
+# --- a plan file's rank_order "bogus" and an unknown format were accepted ----
+
+
+@pytest.fixture(scope="module")
+def training_plan():
+    from pipedejavu.planning.training import plan_training
+
+    return plan_training("OPT-350", {"GH-96": 16}, global_batch=64).plan.to_json()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "rank_order",
+            "bogus",
+            "'rank_order' must be tp-dp-pp or tp-pp-dp (or null), got 'bogus'",
+        ),
+        ("rank_order", 3, "'rank_order' must be tp-dp-pp or tp-pp-dp"),
+        (
+            "format",
+            "megatron.plan",
+            "'format' must be 'pipedejavu.core.plan3d' (or absent), got "
+            "'megatron.plan'",
+        ),
+        ("kind", "stage-plan", "'kind' must be 'training-plan' (or absent)"),
+    ],
+)
+def test_a_plan_file_with_a_bad_format_or_rank_order_is_refused(
+    tmp_path, training_plan, key, value, message
+):
+    from pipedejavu.io.sailor_plan import load_plan3d
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**training_plan, key: value}))
+    with pytest.raises(ProblemError) as error:
+        load_plan3d(path)
+    assert str(error.value).startswith(f"{path}: not a valid 3D plan: {message}")
+
+
+@pytest.mark.parametrize("order", [None, "tp-dp-pp", "tp-pp-dp", "absent"])
+def test_a_plan_file_with_a_known_rank_order_or_none_is_read(
+    tmp_path, training_plan, order
+):
+    from pipedejavu.io.sailor_plan import load_plan3d
+
+    data = {k: v for k, v in training_plan.items() if k != "format"}
+    if order != "absent":
+        data["rank_order"] = order
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    plan, kind = load_plan3d(path)
+    assert kind == "pipedejavu" and plan.num_gpus == 16

@@ -27,8 +27,10 @@ Files (readers never execute anything and bound what they read):
                 {"layers": [12, 26], "replicas": [{"gpu": "GH-96", "tp": 4}]}]}
 
   Unknown top-level keys (a planner's ``iteration_time_s``, ...) are ignored;
-  ``"kind"`` may be absent (files written before it existed), else it must be
-  ``"training-plan"``. A stage plan of ``pipedejavu solve`` (stages with
+  ``"kind"`` and ``"format"`` may be absent (files written before them), else
+  they must be ``"training-plan"`` and ``"pipedejavu.core.plan3d"``; a
+  ``"rank_order"`` (what ``plan --json`` writes) must be one of
+  :data:`RANK_ORDERS` or ``null``. A stage plan of ``pipedejavu solve`` (stages with
   ``submesh``) is recognized and refused with a pointer to ``evaluate``.
 
 Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` and
@@ -367,10 +369,18 @@ class Plan3D:
                     "this is a stage plan from `pipedejavu solve` (stages with "
                     "'submesh'); use `pipedejavu evaluate`"
                 )
-            kind = data.get("kind", PLAN3D_KIND)
-            if kind != PLAN3D_KIND:
+            for key, expected in (("kind", PLAN3D_KIND), ("format", PLAN3D_FORMAT)):
+                value = data.get(key, expected)
+                if value != expected:
+                    raise ProblemError(
+                        f"{key!r} must be {expected!r} (or absent), got "
+                        f"{describe(value)}"
+                    )
+            order = data.get("rank_order")
+            if order is not None and order not in RANK_ORDERS:
                 raise ProblemError(
-                    f"'kind' must be {PLAN3D_KIND!r} (or absent), got {kind!r:.60}"
+                    f"'rank_order' must be {' or '.join(RANK_ORDERS)} (or null), "
+                    f"got {describe(order)}"
                 )
             # Shapes first, so that counting the replicas below is safe.
             for index, item in enumerate(stages_data):
