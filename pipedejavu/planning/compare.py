@@ -250,9 +250,9 @@ class Comparison:
         )
         if self.hetero:
             lines = [
-                f"cost: the planner's objective, {runs}: 1F1B's period with its "
-                "in-flight limit (S - s micro-batches at stage s), an estimate of "
-                "the 1F1B sim.",
+                "cost: the planner's objective (1F1B's period with its in-flight "
+                "limit, S - s micro-batches at stage s: an estimate of the 1F1B "
+                f"sim), {runs}.",
                 sims,
             ]
             if self.has_transfers:
