@@ -299,3 +299,23 @@ def test_a_plan_file_with_a_known_rank_order_or_none_is_read(
     path.write_text(json.dumps(data))
     plan, kind = load_plan3d(path)
     assert kind == "pipedejavu" and plan.num_gpus == 16
+
+
+# --- H100-80 / H100-80GB unknown while A100-80 is known ----------------------
+
+LAUNCH = (
+    "--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --seq-length 1024 "
+    "--max-position-embeddings 1024 --vocab-size 32000 --micro-batch-size 1 "
+    "--global-batch-size 8 --bf16"
+)
+
+
+@pytest.mark.parametrize("gpu", ["H100-80", "H100-80GB", "h100-80gb", "A100-80GB"])
+def test_predict_takes_a_gpu_named_with_its_memory(capsys, gpu):
+    from pipedejavu.cli.main import main
+
+    code = main(["predict", "--gpus", f"{gpu}:8", "--megatron-args", LAUNCH])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    expected = "H100-SXM:8" if gpu.lower().startswith("h100") else "A100-80:8"
+    assert f"({expected})" in out.splitlines()[0]
