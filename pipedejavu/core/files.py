@@ -4,7 +4,9 @@ line that names the file.
 Every reader of the package (cluster files, plans, Alpa's pickles and ``.npy``
 profiles, Sailor's JSON, step-time CSVs) reads at most ``limit`` bytes, so a
 huge or endless file costs bounded memory, refuses devices (``/dev/zero``, a
-terminal's ``/dev/stdin``, which would wait for input), and decodes and
+terminal's ``/dev/stdin``, which would wait for input) and, where the caller
+bounds the wait (``fifo_wait_s``: the model file), a FIFO nothing writes to,
+drops a leading UTF-8 byte-order mark, and decodes and
 parses with the failures of :mod:`json` (invalid text, nesting too deep,
 numbers too long) turned into that one line. What the package writes as JSON
 goes through :func:`json_text`, strict JSON that every parser reads.
