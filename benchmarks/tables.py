@@ -545,6 +545,52 @@ def t_layout() -> str:
     )
 
 
+_STARTUP_NAMES = {
+    "python": "`python -c pass`",
+    "help": "`pipedejavu --help`",
+    "solve_generated": "`pipedejavu solve generated-gpt-32layers-2x8`",
+    "solve_alpa_profile": "`pipedejavu solve gpt1.3b-6layers-B128`",
+    "import_numpy": "`python -c 'import numpy'`",
+    "import_scipy_optimize": "`python -c 'import scipy.optimize'`",
+    "import_jax": "`python -c 'import jax'`",
+}
+
+
+def t_startup() -> str:
+    data = load("startup.json")
+    rows = {(r["tree"], r["command"]): r for r in data["rows"]}
+    before = data["commits"].get("before")
+    head = ["process", "wall s", "CPU s", "target"]
+    if before:
+        head += [f"before ({before}): wall s", "CPU s"]
+    out = []
+    for name, shown in _STARTUP_NAMES.items():
+        row = rows[("after", name)]
+        target = ""
+        if "target_s" in row:
+            met = "met" if row["met"] else "missed"
+            target = f"<= {row['target_s']} s ({met})"
+        line = [shown, f"{row['wall_s']:.2f}", f"{row['cpu_s']:.2f}", target]
+        if before:
+            old = rows.get(("before", name))
+            line += [f"{old['wall_s']:.2f}", f"{old['cpu_s']:.2f}"] if old else ["", ""]
+        out.append(line)
+    runs = data["in_process"]
+    loads = data["load_average"]
+    note = (
+        f"Median of {data['repeats']} processes each, interleaved; load average "
+        f"{min(loads):.1f} to {max(loads):.1f} on the 2 cores. In one process the "
+        "exact DP takes "
+        f"{runs['generated-gpt-32layers-2x8']['dp_s'] * 1e3:.0f} ms on "
+        "generated-gpt-32layers-2x8 and "
+        f"{runs['gpt1.3b-6layers-B128']['dp_s'] * 1e3:.1f} ms on "
+        "gpt1.3b-6layers-B128, whose profile takes "
+        f"{runs['gpt1.3b-6layers-B128']['load_s']:.2f} s to read (the restricted "
+        "unpickler's checks)."
+    )
+    return note + "\n\n" + table(head, out) + source("startup.json")
+
+
 def t_published_runs() -> str:
     data = load("published_runs.json")["sc21"]
     rows = [
@@ -1059,6 +1105,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "pollux_vs_predictor": t_pollux,
     "init_search": t_init_search,
     "check_exports": t_check_exports,
+    "startup": t_startup,
 }
 
 
