@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 ARGUMENTS_MODULE = "megatron.training.arguments"
+OLD_ARGUMENTS_MODULE = "megatron.arguments"
 ENTRY_FUNCTION = "add_megatron_arguments"
 SCRIPT = "pretrain_gpt.py"
 FACTORY = "ArgumentGroupFactory"
@@ -207,7 +208,9 @@ class Extractor:
 
     # -- the parser ----------------------------------------------------------
     def run(self) -> None:
-        arguments = self.module(ARGUMENTS_MODULE)
+        # (Megatron-LM before 2024, as the SC'21 scripts ran it: megatron.arguments,
+        # whose parse_args calls the _add_* functions itself)
+        arguments = self.module(ARGUMENTS_MODULE) or self.module(OLD_ARGUMENTS_MODULE)
         if arguments is None:
             raise SystemExit(f"{ARGUMENTS_MODULE} not found in {self.source.path}")
         parse_args = arguments.top_level("parse_args")
@@ -217,7 +220,7 @@ class Extractor:
                 f"{arguments.path}: parse_args's ArgumentParser has allow_abbrev="
                 f"{abbrev!r}: prefixes of the flags are accepted too"
             )
-        entry = arguments.top_level(ENTRY_FUNCTION)
+        entry = arguments.top_level(ENTRY_FUNCTION) or parse_args
         if not isinstance(entry, ast.FunctionDef):
             raise SystemExit(f"{ENTRY_FUNCTION} not found in {arguments.path}")
         self.function(arguments, entry, ())
@@ -319,6 +322,8 @@ class Extractor:
         ):
             if call.func.id in {"super", "getattr", "setattr", "isinstance"}:
                 return
+            if call.func.id in {a.arg for a in context.function.args.args}:
+                return  # a callback passed in (old parse_args' extra_args_provider)
             found = context.resolve(self, call.func.id)
             if found is None or not isinstance(found[1], ast.FunctionDef):
                 self.problem(module, call, f"cannot follow {ast.unparse(call)}")
@@ -588,6 +593,7 @@ class _Context:
                     "add_mutually_exclusive_group",
                     "build_group",
                     "extra_args_provider",
+                    "ArgumentParser",  # (old Megatron-LM: parse_args builds it)
                 }:
                     self.parsers.add(target.id)
 

@@ -303,7 +303,10 @@ def test_predict_cli_prices_block_recomputation(capsys):
 
     flops: list[float] = []
     models: list[float] = []
-    full = predicted(" --recompute-granularity full --recompute-method uniform")
+    full = predicted(
+        " --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1"
+    )
     block = " --recompute-granularity full --recompute-method block"
     assert predicted(block + " --recompute-num-layers 24") == pytest.approx(full)
     time, memory = predicted(block + " --recompute-num-layers 1")

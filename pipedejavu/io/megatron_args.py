@@ -19,99 +19,37 @@ layers' split over pipeline stages (even, uneven first/last stages, the
 embedding or loss counted, an explicit layout, virtual stages) is read by
 :func:`~pipedejavu.io.megatron_layout.split_pipeline`.
 
-Flags that change nothing here (learning rate, data paths, logging, ...) and
-words that are not flags (``torchrun``, ``pretrain_gpt.py``) are returned in
-:attr:`MegatronRun.ignored`; contradictory or unsupported settings are refused
-with a one-line :class:`ProblemError`.
+The words are read by :func:`~pipedejavu.io.megatron_command.read_flags`:
+flags Megatron-LM accepts that change nothing here (learning rate, data
+paths, logging, ...) and words that are not flags (``torchrun ...
+pretrain_gpt.py``) are returned in :attr:`MegatronRun.ignored`; a flag or
+value Megatron-LM refuses, and contradictory or unsupported settings, are
+refused with a one-line :class:`ProblemError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import shlex
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.io.megatron_command import read_flags, split_command
 from pipedejavu.io.megatron_layout import split_pipeline
 
-__all__ = ["GPT2_VOCAB_SIZE", "MegatronRun", "spec_from_megatron_args"]
+__all__ = [
+    "GPT2_VOCAB_SIZE",
+    "MegatronRun",
+    "spec_from_megatron_args",
+]
 
 #: Tokens of the GPT-2 BPE vocabulary (``--vocab-file``/``--merge-file``,
 #: ``--tokenizer-type GPT2BPETokenizer``).
 GPT2_VOCAB_SIZE = 50257
 
-_INT_FLAGS = (
-    "num-layers",
-    "hidden-size",
-    "num-attention-heads",
-    "ffn-hidden-size",
-    "seq-length",
-    "encoder-seq-length",
-    "max-position-embeddings",
-    "vocab-size",
-    "make-vocab-size-divisible-by",
-    "num-query-groups",
-    "kv-channels",
-    "tensor-model-parallel-size",
-    "pipeline-model-parallel-size",
-    "num-layers-per-virtual-pipeline-stage",
-    "num-virtual-stages-per-pipeline-rank",
-    "micro-batch-size",
-    "global-batch-size",
-    "recompute-num-layers",
-    "activations-checkpoint-num-layers",
-    "context-parallel-size",
-    "num-experts",
-    "decoder-first-pipeline-num-layers",
-    "decoder-last-pipeline-num-layers",
-)
-_CHOICE_FLAGS = {
-    "position-embedding-type": ("learned_absolute", "rope", "none"),
-    "normalization": ("LayerNorm", "RMSNorm"),
-    "recompute-granularity": ("full", "selective"),
-    "recompute-method": ("uniform", "block"),
-    "activations-checkpoint-method": ("uniform", "block"),
-    "fp8-format": ("e4m3", "hybrid"),
-    "attention-backend": ("auto", "flash", "fused", "unfused", "local"),
-}
-_STR_FLAGS = (
-    "tokenizer-type",
-    "vocab-file",
-    "merge-file",
-    "name",
-    "attention-dropout",
-    "pipeline-model-parallel-layout",
-)
-_BOOL_FLAGS = (
-    "swiglu",
-    "untie-embeddings-and-output-weights",
-    "group-query-attention",
-    "disable-bias-linear",
-    "add-qkv-bias",
-    "sequence-parallel",
-    "fp16",
-    "bf16",
-    "fp8-e4m3",
-    "fp8-hybrid",
-    "use-distributed-optimizer",
-    "recompute-activations",
-    "checkpoint-activations",
-    "use-rotary-position-embeddings",
-    "use-flash-attn",
-    "overlap-grad-reduce",
-    "overlap-param-gather",
-    "grad-reduce-in-bf16",
-    "tp-comm-overlap",
-    "account-for-embedding-in-pipeline-split",
-    "account-for-loss-in-pipeline-split",
-    "use-tp-pp-dp-mapping",
-)
 _POSITIONS = {"learned_absolute": "learned", "rope": "rotary", "none": "none"}
-_KNOWN_FLAGS = sorted({*_INT_FLAGS, *_CHOICE_FLAGS, *_STR_FLAGS, *_BOOL_FLAGS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,100 +132,6 @@ class MegatronRun:
         return self.recompute_granularity == "full"
 
 
-def _tokens(argv: str | Sequence[str]) -> list[str]:
-    if isinstance(argv, str):
-        try:
-            return shlex.split(argv, comments=True)
-        except ValueError as error:
-            raise ProblemError(f"Megatron arguments: cannot split: {error}") from None
-    if not all(isinstance(token, str) for token in argv):
-        raise ProblemError("Megatron arguments must be a string or a list of strings")
-    return list(argv)
-
-
-def _refuse_a_typo(flag: str) -> None:
-    """Refuse a flag this reader does not know that is a letter or two from
-    one it reads (``--tensor-model-paralel-size``): Megatron-LM would refuse it,
-    and listing it as ignored would price another run. The cutoff (0.91 of
-    :class:`difflib.SequenceMatcher`'s ratio) leaves every flag spelled in
-    Megatron-LM's sources alone (the closest, ``--fp4-format``, is 0.90 from
-    ``--fp8-format``).
-
-    Raises:
-        ProblemError: naming the flag and the one meant.
-    """
-    close = difflib.get_close_matches(flag, _KNOWN_FLAGS, n=1, cutoff=0.91)
-    if close:
-        raise ProblemError(
-            f"Megatron arguments: unknown flag --{flag[:60]}; did you mean "
-            f"--{close[0]}?"
-        )
-
-
-def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """``{flag: value}`` for the known flags (last one wins), and the rest."""
-    values: dict[str, Any] = {}
-    ignored: list[str] = []
-    index = 0
-    while index < len(tokens):
-        token = tokens[index]
-        index += 1
-        if not token.startswith("--") or token == "--":
-            ignored.append(token)
-            continue
-        flag, has_value, inline = token[2:].partition("=")
-        takes_value = flag in _INT_FLAGS or flag in _CHOICE_FLAGS or flag in _STR_FLAGS
-        if flag in _BOOL_FLAGS:
-            if has_value:
-                raise ProblemError(f"Megatron arguments: --{flag} takes no value")
-            values[flag] = True
-            continue
-        if not takes_value:
-            _refuse_a_typo(flag)
-            if not has_value and index < len(tokens):
-                if not tokens[index].startswith("--"):
-                    token = f"{token} {tokens[index]}"
-                    index += 1
-            ignored.append(token)
-            continue
-        if has_value:
-            text = inline
-        elif index < len(tokens) and not tokens[index].startswith("--"):
-            text = tokens[index]
-            index += 1
-        else:
-            raise ProblemError(f"Megatron arguments: --{flag} needs a value")
-        values[flag] = _value(flag, text)
-    return values, ignored
-
-
-def _value(flag: str, text: str) -> object:
-    if flag in _INT_FLAGS:
-        try:
-            if len(text) > 40:  # (int() of thousands of digits takes long)
-                raise ValueError(text)
-            number = int(text)
-        except ValueError:
-            shown = (
-                text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
-            )
-            raise ProblemError(
-                f"Megatron arguments: --{flag} must be an integer of at most 40 "
-                f"digits, got {shown!r}"
-            ) from None
-        if number <= 0:
-            raise ProblemError(
-                f"Megatron arguments: --{flag} must be positive, got {number}"
-            )
-        return number
-    if flag in _CHOICE_FLAGS and text not in _CHOICE_FLAGS[flag]:
-        raise ProblemError(
-            f"Megatron arguments: --{flag} {text!r} is not supported "
-            f"(supported: {', '.join(_CHOICE_FLAGS[flag])})"
-        )
-    return text
-
-
 def _required(values: dict[str, Any], flag: str) -> int:
     if flag not in values:
         raise ProblemError(f"Megatron arguments: missing --{flag}")
@@ -336,6 +180,16 @@ def _recompute(values: dict[str, Any]) -> tuple[Any, Any, int | None]:
         raise ProblemError(
             "Megatron arguments: --recompute-method and --recompute-num-layers apply "
             "only to --recompute-granularity full"
+        )
+    if granularity == "full" and (method is None or num_layers is None):
+        # Megatron Core's TransformerConfig refuses either missing (0.16.1)
+        missing = "--recompute-method uniform|block" if method is None else ""
+        if num_layers is None:
+            missing += (" and " if missing else "") + "--recompute-num-layers N"
+        raise ProblemError(
+            f"Megatron arguments: --recompute-granularity full needs {missing}, "
+            "as Megatron-LM does (--recompute-method uniform --recompute-num-layers "
+            "1 recomputes every layer)"
         )
     if granularity is None:
         method = num_layers = None
@@ -440,7 +294,7 @@ def spec_from_megatron_args(
             where Megatron-LM turns that off, too), ``--use-tp-pp-dp-mapping``
             with context parallelism.
     """
-    values, ignored = _parse(_tokens(argv))
+    values, ignored = read_flags(split_command(argv))
     if "seq-length" not in values and "encoder-seq-length" in values:
         # Megatron-LM's validate_args: the encoder's length when none is given
         values["seq-length"] = values["encoder-seq-length"]
@@ -492,6 +346,12 @@ def spec_from_megatron_args(
             f"multiple of --micro-batch-size {micro}"
         )
     granularity, method, recompute_layers = _recompute(values)
+    if granularity is None:  # (Megatron-LM reads them only with a granularity)
+        ignored += [
+            f"--{flag} {values[flag]} (no effect without --recompute-granularity)"
+            for flag in ("recompute-method", "recompute-num-layers")
+            if flag in values
+        ]
     precision, params_dtype = _precision(values)
     flash = _flash_attention(values)
     if values.get("overlap-param-gather") and not values.get(
