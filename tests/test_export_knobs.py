@@ -277,18 +277,21 @@ HOSTS = {"B-80": 8}
 ZERO_BUBBLE = TrainingOptions(zero_bubble=True)
 
 
-@pytest.mark.parametrize("target", [t for t in EXPORTS if t != "torchtitan"])
+ZB_H1_TARGETS = [t for t in EXPORTS if "zb-h1" in LAUNCHED_SCHEDULES[t]]
+
+
+@pytest.mark.parametrize("target", [t for t in EXPORTS if t not in ZB_H1_TARGETS])
 def test_zero_bubble_is_refused_where_no_schedule_runs_it(target):
     plan = even_plan(2, 4)
     with pytest.raises(ExportRefused) as refusal:
         export_plan(plan, target, gpus_per_node=HOSTS, options=ZERO_BUBBLE)
     message = str(refusal.value)
     assert "\n" not in message
-    if target in ("megatron", "deepspeed", "megatron-deepspeed"):
+    if target in ("megatron", "deepspeed"):
         assert "no zero-bubble schedule" in message
     else:
         assert "schedule settings" in message
-    assert message.endswith("--export torchtitan can launch it")
+    assert message.endswith("--export megatron-deepspeed, torchtitan can launch it")
     if target != "alpa":  # two GPUs do not fill its hosts
         assert export_plan(plan, target, gpus_per_node=HOSTS).strip()
 
@@ -445,11 +448,15 @@ def test_the_sequence_length_and_precision_reach_the_launchers():
     too (GPTModelPipe's layer list and the model's dtype follow it)."""
     plan = even_plan(2, 4)
     text = export_plan(plan, "megatron", seq_length=8192)
-    assert text.rstrip().endswith("--seq-length 8192")
-    assert "--seq-length" not in export_plan(plan, "megatron")
+    assert " --seq-length 8192 " in text.splitlines()[-1]
+    unknown = export_plan(plan, "megatron")
+    assert "--seq-length" not in unknown.splitlines()[-1]
+    assert "# --seq-length: the length the plan was priced at is not known" in unknown
     config = tomllib.loads(export_plan(plan, "torchtitan", seq_length=8192))
     assert config["training"]["seq_len"] == 8192
-    assert "seq_len" not in tomllib.loads(export_plan(plan, "torchtitan"))["training"]
+    unknown = export_plan(plan, "torchtitan")
+    assert "seq_len" not in tomllib.loads(unknown)["training"]
+    assert "# seq_len: the length the plan was priced at is not known" in unknown
     for precision in ("fp32", "fp16", "bf16"):
         options = TrainingOptions(precision)
         data = json.loads(
@@ -460,6 +467,92 @@ def test_the_sequence_length_and_precision_reach_the_launchers():
         assert args[args.index("--seq-length") + 1] == "4096"
         assert (f"--{precision}" in args) == (precision != "fp32")
         assert (precision in data["ds_config"]) == (precision != "fp32")
-        assert "seq" not in json.dumps(
-            json.loads(export_plan(plan, "deepspeed", options=options, seq_length=4096))
+        assert data["seq_length"] == 4096  # stated beside the arguments too
+    # The files without a length field state it for the user (issue 43).
+    hosts = {"B-80": 2}
+    for target in ("deepspeed", "alpa", "sailor"):
+        text = export_plan(plan, target, gpus_per_node=hosts, seq_length=4096)
+        assert json.loads(text)["seq_length"] == 4096
+        text = export_plan(plan, target, gpus_per_node=hosts)
+        assert json.loads(text)["seq_length"] is None
+
+
+# ------------------------------------------------- Megatron-DeepSpeed's ZB-H1
+def megatron_deepspeed_zbh1_order(stage, stages, micro_batches):
+    """Stage ``stage``'s compute under Megatron-DeepSpeed's
+    ``ZeroBubbleH1Pipeline.steps`` with ``--enable-zbh1-exact-semantics``
+    (``megatron/core/pipeline_parallel/deepspeed_zbh1_schedule.py`` at
+    f4157bea), re-stated: ``ForwardPass`` is ``F``; ``BackwardOnlyPass`` a
+    ``B`` that stores its linear layers' weight gradients
+    (``WeightGradStore.flush``); ``WeightPass`` the ``W`` of the oldest stored
+    one (``WeightGradStore.pop``); the first stage's ``BackwardPass`` a ``B``
+    with its own ``W`` at once."""
+    first, count = stage == 0, micro_batches
+    done = {"F": 0, "B": 0, "W": 0}
+    order, stored = [], []
+
+    def forward():
+        order.append(("F", 0, done["F"]))
+        done["F"] += 1
+
+    def backward(weight_now):
+        order.append(("B", 0, done["B"]))
+        if weight_now:
+            order.append(("W", 0, done["B"]))
+        else:
+            stored.append(done["B"])
+        done["B"] += 1
+
+    def weight():
+        order.append(("W", 0, stored.pop(0)))
+
+    for _ in range(stages - stage - 1):  # F section
+        if done["F"] < count:
+            forward()
+    for _ in range(stage):  # FB section
+        if done["F"] < count:
+            forward()
+            backward(first)
+    while done["F"] < count:  # FBW section
+        forward()
+        done["W"] += 1
+        backward(first)
+        if not first:
+            weight()
+    while done["B"] < count:  # BW section
+        done["W"] += 1
+        backward(first)
+        if not first:
+            weight()
+    while done["W"] < count:  # W section
+        done["W"] += 1
+        weight()
+    return order
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 8])
+def test_megatron_deepspeed_zbh1_is_our_order(num_ranks):
+    """Its exact-semantics ZB-H1 is our ZB-H1 order exactly when ``M = 1`` or
+    ``M >= P - 1`` (with ``1 < M < P - 1`` its sections skip and each ``W``
+    follows its ``B``), and the export runs it exactly then:
+    ``--enable-zbh1-pipeline --enable-zbh1-exact-semantics``."""
+    for count in range(1, 3 * num_ranks + 2):
+        same = all(
+            megatron_deepspeed_zbh1_order(rank, num_ranks, count)
+            == ours(zero_bubble_order(rank, num_ranks, count))
+            for rank in range(num_ranks)
         )
+        assert same == (count == 1 or count >= num_ranks - 1), count
+        plan = even_plan(num_ranks, 2, num_microbatches=count)
+        try:
+            data = json.loads(
+                export_plan(plan, "megatron-deepspeed", options=ZERO_BUBBLE)
+            )
+        except ExportRefused as refusal:
+            assert not same and "at least P - 1" in str(refusal), refusal
+            continue
+        assert same
+        args = data["arguments"]
+        assert "--enable-zbh1-pipeline" in args
+        assert "--enable-zbh1-exact-semantics" in args
+        assert args.index("--enable-zbh1-pipeline") < args.index("--deepspeed")

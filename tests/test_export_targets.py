@@ -182,15 +182,29 @@ def megatron_layers(opts: dict, pp: int) -> list[list[str]]:
     return stages
 
 
+def megatron_options(tokens: list[str]) -> dict[str, str | bool]:
+    """``{flag: value}`` of an argument list (``True`` for a switch)."""
+    opts, index = {}, 0
+    while index < len(tokens):
+        flag = tokens[index]
+        assert flag.startswith("--") and flag not in opts, flag
+        if index + 1 < len(tokens) and not tokens[index + 1].startswith("--"):
+            opts[flag], index = tokens[index + 1], index + 2
+        else:
+            opts[flag], index = True, index + 1
+    return opts
+
+
 def check_megatron(plan, text, hosts):
     line = text.splitlines()[-1]
-    assert text.startswith("# Megatron-LM (Megatron Core 0.20)")
+    assert text.startswith("# Megatron-LM (Megatron Core 0.16.1)")
     # A POSIX shell's words: '|', ';', '&' unquoted would end the command.
     lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     tokens = list(lexer)
     assert not any(set(t) <= set("|&;()<>") for t in tokens), line
-    opts = dict(zip(tokens[::2], tokens[1::2], strict=True))
+    assert tokens[0] == "pretrain_gpt.py"
+    opts = megatron_options(tokens[1:])
     tp = int(opts["--tensor-model-parallel-size"])
     pp = int(opts["--pipeline-model-parallel-size"])
     mbs, gbs = int(opts["--micro-batch-size"]), int(opts["--global-batch-size"])
@@ -255,7 +269,7 @@ def check_engine(plan, out, text):
 
 def check_deepspeed(plan, text, hosts):
     out = json.loads(text)
-    assert out["target"] == "DeepSpeed 0.16.5 PipelineModule"
+    assert out["target"] == "DeepSpeed 0.19.8 PipelineModule"
     last = plan.num_layers - 1
     to_profile = {"embedding": 0, "head": last} | {
         f"transformer.{i}": i + 1 for i in range(last - 1)

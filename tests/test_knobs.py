@@ -488,7 +488,7 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     assert space["distributed_optimizer"] == [True, False]
     # what the target does not launch at all is refused before the search
     for extra, message in (
-        (["--export", "torchtitan"], "--export torchtitan launches fp32 training"),
+        (["--export", "torchtitan"], "torchtitan trains bf16 as planned (bf16"),
         (
             ["--export", "deepspeed", "--recompute", "full"],
             "deepspeed does not launch recompute full as planned",

@@ -54,7 +54,7 @@ PLANS = {
 # ------------------------------------------------------------- Megatron-LM
 def _megatron_parser() -> argparse.ArgumentParser:
     """The options the export uses, with Megatron-LM's types
-    (megatron/training/arguments.py, core 0.20)."""
+    (megatron/training/arguments.py, core 0.16.1)."""
     parser = argparse.ArgumentParser(exit_on_error=False)
     for name in (
         "--tensor-model-parallel-size",
@@ -133,7 +133,10 @@ def test_megatron_arguments(name):
     assert _megatron_stage_layers(args) == expected
     text = export_plan(plan, "megatron")
     assert f"launch {plan.num_gpus} processes" in text
-    assert shlex.split(text.splitlines()[1]) == to_megatron(plan)
+    line = shlex.split(text.splitlines()[-1])
+    assert line[0] == "pretrain_gpt.py"
+    args = to_megatron(plan)
+    assert any(line[i : i + len(args)] == args for i in range(len(line)))
 
 
 def test_megatron_uses_the_simplest_arguments():
@@ -145,7 +148,7 @@ def test_megatron_uses_the_simplest_arguments():
     assert layout[-2:] == ["--pipeline-model-parallel-layout", "Et*2|t*10|t*3|t*9L"]
     # The layout holds '|': the printed line is quoted for a shell (issue 27).
     line = export_plan(PLANS["irregular"], "megatron").splitlines()[-1]
-    assert line.endswith("--pipeline-model-parallel-layout 'Et*2|t*10|t*3|t*9L'")
+    assert "--pipeline-model-parallel-layout 'Et*2|t*10|t*3|t*9L' " in line
 
 
 # ------------------------------------------------------------- DeepSpeed
@@ -455,7 +458,8 @@ def test_plans_on_several_gpu_types_name_each_rank_block():
     assert "#   ranks 8-11: RTX-2080 (stage 2)" in text
     assert "#   ranks 0-7: Titan-RTX (stages 0-1)" in text
     args = [line for line in text.splitlines() if not line.startswith("#")]
-    assert len(args) == 1 and args[0].startswith("--tensor-model-parallel-size 2")
+    assert len(args) == 1
+    assert args[0].startswith("pretrain_gpt.py --tensor-model-parallel-size 2")
     assert to_deepspeed(plan)["gpu_types_by_rank"] == expected
     with pytest.raises(ExportRefused, match="only as FSDP/HSDP"):
         to_torchtitan(plan)  # dp 2 beside pipeline stages
@@ -502,7 +506,7 @@ def test_training_options_travel_with_the_export():
     text = export_plan(plan, "megatron", options=options).splitlines()[-1]
     model = "--hidden-size 1024 --num-attention-heads 8 --seq-length 128 "
     model += "--max-position-embeddings 128 --vocab-size 1000 "
-    run = spec_from_megatron_args(model + text)
+    run = spec_from_megatron_args(text + " " + model)
     assert run.precision == "bf16" and run.recompute_full
     assert run.use_distributed_optimizer and run.sequence_parallel
     assert (run.tp, run.pp, run.micro_batch, run.global_batch) == (2, 2, 1, 64)
@@ -544,7 +548,7 @@ def test_interleaved_schedule_exports_megatrons_virtual_stages():
         options = TrainingOptions("bf16", virtual_stages=chunks)
         text = export_plan(even, "megatron", options=options).splitlines()[-1]
         assert f"--num-layers-per-virtual-pipeline-stage {per_chunk}" in text
-        run = spec_from_megatron_args(model + text)
+        run = spec_from_megatron_args(text + " " + model)
         assert run.virtual_chunks == chunks and run.pp == 2
     with pytest.raises(ExportRefused, match="split into 3 chunks"):
         export_plan(even, "megatron", options=TrainingOptions(virtual_stages=3))

@@ -154,7 +154,7 @@ def test_megatron_export_writes_the_flag_except_at_tp1():
     flags = text.splitlines()[-1]  # after the comment line
     model = "--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 "
     model += "--max-position-embeddings 2048 --vocab-size 32768"
-    back = spec_from_megatron_args(f"{model} {flags}")
+    back = spec_from_megatron_args(f"{flags} {model}")
     assert back.tp_comm_overlap and back.sequence_parallel
     one = LAUNCH.replace(
         "--tensor-model-parallel-size 4", "--tensor-model-parallel-size 1"

@@ -30,7 +30,12 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
-from pipedejavu.io.exports import DATA_PARALLEL_ALONE, LAUNCHED_TRAINING, SWITCH_FLAGS
+from pipedejavu.io.exports import (
+    DATA_PARALLEL_ALONE,
+    LAUNCHED_TRAINING,
+    SWITCH_FLAGS,
+    precision_refusal,
+)
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
@@ -526,13 +531,9 @@ def launched_space(
     kept option (:data:`KEPT_OPTIONS`) or a knob it does not launch at all is
     refused before the search."""
     launched = LAUNCHED_TRAINING[target]
-    precisions = launched["precision"]
-    if options.precision not in precisions:
-        raise ProblemError(
-            f"--export {target} launches {', '.join(precisions)} training as "
-            f"planned, not {options.precision} (see `pipedejavu plan --help`): give "
-            f"--precision {precisions[-1]} or another --export"
-        )
+    refusal = precision_refusal(target, options.precision)
+    if refusal is not None:  # (the reason, and the targets that run it)
+        raise ProblemError(refusal)
     for name in KEPT_OPTIONS:
         if getattr(options, name) not in launched[name]:
             flag = SWITCH_FLAGS[name]

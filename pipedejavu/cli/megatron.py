@@ -33,14 +33,24 @@ from pipedejavu.cli.batch import (  # goodput and elastic modes
 from pipedejavu.cli.megatron_report import (
     GB,
     format_knobs,
+    format_launchers,
     format_prediction,
     format_training_plan,
+    launchers_json,
+    pool_text,
 )
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.exports import DATA_PARALLEL_ALONE, EXPORTS, export_plan
+from pipedejavu.io.exports import (
+    DATA_PARALLEL_ALONE,
+    EXPORTS,
+    export_plan,
+    launchers,
+    schedule_targets,
+)
+from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
@@ -51,9 +61,17 @@ from pipedejavu.planning.training import (
     plan_training,
 )
 
-__all__ = ["COMMANDS", "add_parsers", "run"]
+__all__ = ["COMMANDS", "LAUNCH_FALLBACK", "add_parsers", "export_model", "run"]
 
 COMMANDS = ("predict", "plan")
+#: Which target runs which schedule, for the help texts.
+_SCHEDULES_BY_TARGET = "; ".join(
+    f"{schedule} by {', '.join(targets)}"
+    for schedule, targets in schedule_targets().items()
+)
+#: The target whose launchable plan a default search reports when its best
+#: plan launches on none: the one that runs the most of the knobs.
+LAUNCH_FALLBACK = "megatron"
 
 
 def add_parsers(commands: Any) -> None:
@@ -168,10 +186,14 @@ def add_parsers(commands: Any) -> None:
     plan.add_argument(
         "--export",
         choices=EXPORTS,
-        help="also print the plan for this framework; the search keeps to the "
-        "schedules, rank orders and training options it launches as planned "
-        "(a precision or knob value it never launches: exit 2 before the "
-        "search; a plan it still cannot launch as planned: exit 2 after it)",
+        help="also print the plan for this framework (megatron: a whole "
+        "pretrain_gpt.py command); the search keeps to the schedules, rank "
+        "orders and training options it launches as planned (schedules: "
+        f"{_SCHEDULES_BY_TARGET}; a precision or knob value it never launches: "
+        "exit 2 before the search; a plan it still cannot launch as planned: "
+        "exit 2 after it). Without --export the report names the targets that "
+        "launch the plan, and where none does, the best plan Megatron-LM "
+        "launches",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
 
@@ -328,7 +350,97 @@ def _plan(args: argparse.Namespace) -> int:
     if args.export:  # only what the target launches as planned
         space = launched_space(args.export, space, choice.options)
     alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
-    knobs = None
+    result, choice, knobs = _search(args, choice, pool, space, asked, alone)
+    spec, spec_note = export_model(choice)
+    seq = None if spec is None else spec.seq_length
+    exported = _export(args, result, choice.data, result.options, spec)
+    targets = _launchers(result, choice.data, spec)
+    other = None
+    if not args.export and not any(why is None for why in targets.values()):
+        other = _launchable_plan(args, choice, pool, space, asked)
+    if args.json:
+        out = result.to_json() if knobs is None else knobs.to_json()
+        if choice.spec is not None:
+            out["seq_length"] = choice.spec.seq_length
+            out.update(
+                plan_utilization(
+                    choice.spec,
+                    result.plan,
+                    result.options,
+                    choice.data,
+                    choice.data.sheet,
+                    result.prediction.iteration_time_s,
+                )
+            )
+        if seq is not None:  # a model priced by its profiles: their length
+            out.setdefault("seq_length", seq)
+        notes = list(choice.notes) if choice.analytical else []
+        notes += unused_at_tp1(args, result.plan)
+        notes += [spec_note] if spec_note else []
+        if notes:
+            out["notes"] = notes
+        out["launchers"] = launchers_json(targets, result, other)
+        if exported is not None:
+            out["export"] = {"target": args.export, "text": exported}
+            out["export"]["data_parallel_alone"] = alone
+        print(json_text(out))
+    else:
+        print(format_training_plan(result, pool=pool_text(pool, choice.gpu_types)))
+        if knobs is not None:
+            print(format_knobs(knobs))
+        if alone:
+            print(
+                f"searched: data parallelism alone or none ({args.export} runs "
+                "unsharded replicas beside no TP or PP)"
+            )
+        if choice.analytical:
+            print(costs_line(choice, result.cost_source, result.options))
+            for note in choice.notes:
+                print(f"note: {note}")
+        for note in unused_at_tp1(args, result.plan):
+            print(f"note: {note}")
+        if spec_note:
+            print(f"note: {spec_note}")
+        print(format_launchers(targets, result, other))
+        if exported is not None:
+            print(f"\n--- {args.export} ---\n{exported}", end="")
+    return 0
+
+
+def export_model(choice: Any) -> tuple[Any, str | None]:
+    """The model a plan's exports build: ``(spec, note)``. A model priced
+    analytically is its spec; one priced by its profiles alone is its bundled
+    description where that has the profile's layers, else ``None`` with a
+    note (the exports then assume one embedding and one head layer)."""
+    if choice.spec is not None:
+        return choice.spec, None
+    layers = choice.data.model_info(choice.model).num_layers
+    try:
+        spec = load_model_spec(choice.model)
+    except ProblemError:
+        spec = None
+    if spec is not None and spec.num_profile_layers == layers:
+        return spec, None
+    return None, (
+        f"no description of {choice.model} with its {layers} profile layers: "
+        "its exports take them as the embedding, the transformer blocks and the "
+        "head, and do not know the length it was profiled at"
+    )
+
+
+def _search(
+    args: argparse.Namespace,
+    choice: Any,
+    pool: dict[str, int],
+    space: KnobSpace,
+    asked: bool,
+    alone: bool,
+    uniform_tp: bool | None = None,
+) -> tuple[Any, Any, Any]:
+    """The best plan of ``space``: ``(result, choice, knobs)`` (``knobs``
+    ``None`` for a model priced by its profiles searched with its profiled
+    training alone)."""
+    uniform = not args.per_stage_tp if uniform_tp is None else uniform_tp
     # A model priced by its profiles searches the rank orders (a placement,
     # the same costs) with its profiled training.
     if choice.analytical or asked or len(space.rank_orders) > 1:
@@ -344,67 +456,62 @@ def _plan(args: argparse.Namespace) -> int:
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
             method=args.method,
-            uniform_tp=not args.per_stage_tp,
+            uniform_tp=uniform,
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
         )
-        result, choice = knobs.result, knobs.choice
-    else:
-        result = plan_training(
-            choice.model,
-            choice.pool(pool),
-            args.global_batch,
-            profiles=choice.data,
-            method=args.method,
-            uniform_tp=not args.per_stage_tp,
-            allow_fewer_gpus=not args.all_gpus,
-            mixed_types=args.mixed_types,
-            progress_fn=_PlanProgress(),
-            dp_alone=alone,
+        return knobs.result, knobs.choice, knobs
+    result = plan_training(
+        choice.model,
+        choice.pool(pool),
+        args.global_batch,
+        profiles=choice.data,
+        method=args.method,
+        uniform_tp=uniform,
+        allow_fewer_gpus=not args.all_gpus,
+        mixed_types=args.mixed_types,
+        progress_fn=_PlanProgress(),
+        dp_alone=alone,
+    )
+    return result, choice, None
+
+
+def _gpus_per_node(result: Any, data: Any) -> dict[str, int]:
+    return {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()}
+
+
+def _launchers(result: Any, data: Any, spec: Any) -> dict[str, str | None]:
+    """:func:`~pipedejavu.io.exports.launchers` of the plan as priced."""
+    return launchers(
+        result.plan,
+        gpus_per_node=_gpus_per_node(result, data),
+        options=result.options,
+        spec=spec,
+    )
+
+
+def _launchable_plan(
+    args: argparse.Namespace,
+    choice: Any,
+    pool: dict[str, int],
+    space: KnobSpace,
+    asked: bool,
+) -> tuple[str, Any]:
+    """The best plan the most capable target (:data:`LAUNCH_FALLBACK`)
+    launches, searched when the best plan of a search without ``--export``
+    launches on none: ``(target, result)``, or ``(target, why none)``."""
+    target = LAUNCH_FALLBACK
+    try:
+        narrowed = launched_space(target, space, choice.options)
+        result, found, _ = _search(
+            args, choice, pool, narrowed, asked, False, uniform_tp=True
         )
-    seq = None if choice.spec is None else choice.spec.seq_length
-    exported = _export(args, result, choice.data, result.options, seq)
-    if args.json:
-        out = result.to_json() if knobs is None else knobs.to_json()
-        if choice.spec is not None:
-            out["seq_length"] = choice.spec.seq_length
-            out.update(
-                plan_utilization(
-                    choice.spec,
-                    result.plan,
-                    result.options,
-                    choice.data,
-                    choice.data.sheet,
-                    result.prediction.iteration_time_s,
-                )
-            )
-        notes = list(choice.notes) if choice.analytical else []
-        notes += unused_at_tp1(args, result.plan)
-        if notes:
-            out["notes"] = notes
-        if exported is not None:
-            out["export"] = {"target": args.export, "text": exported}
-            out["export"]["data_parallel_alone"] = alone
-        print(json_text(out))
-    else:
-        print(format_training_plan(result))
-        if knobs is not None:
-            print(format_knobs(knobs))
-        if alone:
-            print(
-                f"searched: data parallelism alone or none ({args.export} runs "
-                "unsharded replicas beside no TP or PP)"
-            )
-        if choice.analytical:
-            print(costs_line(choice, result.cost_source, result.options))
-            for note in choice.notes:
-                print(f"note: {note}")
-        for note in unused_at_tp1(args, result.plan):
-            print(f"note: {note}")
-        if exported is not None:
-            print(f"\n--- {args.export} ---\n{exported}", end="")
-    return 0
+    except ProblemError as error:  # nothing it launches asked, or no plan
+        return target, str(error)
+    spec, _ = export_model(found)
+    why = _launchers(result, found.data, spec)[target]
+    return target, result if why is None else f"its best plan: {why}"
 
 
 def _export(
@@ -412,36 +519,40 @@ def _export(
     result: Any,
     data: Any,
     options: Any = None,
-    seq_length: int | None = None,
+    spec: Any = None,
+    megatron_args: str | None = None,
 ) -> str | None:
-    """The plan for ``--export``'s framework (``None``: not asked), with the
-    sequence length it was priced at where known."""
+    """The plan for ``--export``'s framework (``None``: not asked), for the
+    model ``spec`` at the sequence length it was priced at."""
     if not args.export:
         return None
-    gpus_per_node = {
-        gpu: data.gpu_spec(gpu).gpus_per_node for gpu in result.plan.gpus_by_type()
-    }
     return export_plan(
         result.plan,
         args.export,
-        gpus_per_node=gpus_per_node,
+        gpus_per_node=_gpus_per_node(result, data),
         options=options,
-        seq_length=seq_length,
+        spec=spec,
+        megatron_args=megatron_args,
     )
 
 
 def _plan_megatron_args(args: argparse.Namespace) -> int:
     comparison = plan_megatron_args(args, _PlanProgress())
     best = comparison.best
-    seq = comparison.source.spec.seq_length
-    exported = _export(args, best, comparison.source, best.options, seq)
+    spec = comparison.source.spec
+    exported = _export(
+        args, best, comparison.source, best.options, spec, args.megatron_args
+    )
+    targets = _launchers(best, comparison.source, spec)
     if args.json:
         out = comparison.to_json()
+        out["launchers"] = launchers_json(targets, best, None)
         if exported is not None:
             out["export"] = {"target": args.export, "text": exported}
         print(json_text(out))
     else:
         print(format_comparison(comparison, format_training_plan(best)))
+        print(format_launchers(targets, best, None))
         if exported is not None:
             print(f"\n--- {args.export} ---\n{exported}", end="")
     return 0

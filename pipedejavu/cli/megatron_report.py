@@ -8,9 +8,12 @@ from pipedejavu.planning.knob_space import recompute_name, schedule_name
 
 __all__ = [
     "format_knobs",
+    "format_launchers",
     "format_prediction",
     "format_training_plan",
+    "launchers_json",
     "objective_note",
+    "pool_text",
     "proof_line",
     "seconds_or_na",
 ]
@@ -24,7 +27,7 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
     breakdown = prediction.to_json()["breakdown"]
     options = options or TrainingOptions()
     chunks = options.virtual_stages
-    schedule = "1F1B, DeepSpeed order"
+    schedule = "1F1B"
     if options.v_shape:
         schedule = "ZB-V zero bubble, 2 chunks per stage in a V"
     elif chunks > 1 and options.zero_bubble:
@@ -61,8 +64,19 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
     return "\n".join(lines)
 
 
-def format_training_plan(result) -> str:
-    """The text report of ``pipedejavu plan``."""
+def pool_text(pool: dict[str, int], names: dict[str, str]) -> str:
+    """The user's GPU pool ``{given name: count}`` as given, each type with
+    the name it resolved to where that differs (``names``): ``H100:64
+    (H100-SXM)``."""
+    return ", ".join(
+        f"{gpu}:{count}" + ("" if names.get(gpu, gpu) == gpu else f" ({names[gpu]})")
+        for gpu, count in pool.items()
+    )
+
+
+def format_training_plan(result, pool: str | None = None) -> str:
+    """The text report of ``pipedejavu plan`` (``pool``: the GPUs as the user
+    gave them, :func:`pool_text`; default the plan's pool)."""
     plan, prediction = result.plan, result.prediction
     used, available = result.gpus_used, result.gpus_available
     mixed = len({s.replicas[0].gpu_type for s in plan.stages}) > 1
@@ -71,14 +85,16 @@ def format_training_plan(result) -> str:
         first = stage.replicas[0]
         return f"{first.gpu_type}, tp {first.tp}" if mixed else f"tp {first.tp}"
 
+    shown = pool or ", ".join(f"{gpu}:{n}" for gpu, n in available.items())
     lines = [
-        f"model {plan.model}, global batch {plan.gbs}, GPUs {available}",
+        f"model {plan.model}, global batch {plan.gbs}, GPUs {shown}",
         f"plan: {plan.describe()}",
         "  stages: "
         + ", ".join(f"layers {s.start}-{s.stop - 1} ({where(s)})" for s in plan.stages),
     ]
     if sum(used.values()) < sum(available.values()):
-        lines.append(f"  uses fewer GPUs than available: {used}")
+        fewer = ", ".join(f"{gpu}:{n}" for gpu, n in used.items())
+        lines.append(f"  uses fewer GPUs than available: {fewer}")
     chunks = result.options.virtual_stages
     if chunks == 1 and not mixed and result.optimum_s != result.optimum_s:
         objective = [
@@ -211,3 +227,71 @@ def format_knobs(knobs) -> str:
             "data-parallel traffic)"
         )
     return "\n".join(lines)
+
+
+def _launched(targets: dict[str, str | None]) -> list[str]:
+    return [target for target, why in targets.items() if why is None]
+
+
+def format_launchers(
+    targets: dict[str, str | None], result, other: tuple[str, object] | None
+) -> str:
+    """Which export targets launch the plan as planned
+    (:func:`~pipedejavu.io.exports.launchers`); where none does, why not, a
+    line each, and ``other``: the best plan a target launches ``(target,
+    result)``, with its time against this one's, or ``(target, why none)``."""
+    able = _launched(targets)
+    if able:
+        return (
+            f"launched as planned by: {', '.join(able)} (--export TARGET writes "
+            "its launch)"
+        )
+    lines = ["launched as planned by: no export target"]
+    lines += [f"  {target}: {why}" for target, why in targets.items()]
+    if other is None:
+        return "\n".join(lines)
+    target, found = other
+    if isinstance(found, str):
+        lines.append(f"no plan {target} launches found ({found})")
+        return "\n".join(lines)
+    best = result.prediction.iteration_time_s
+    time = found.prediction.iteration_time_s
+    lines.append(
+        f"best plan {target} launches: {found.plan.describe()}, "
+        f"{schedule_name(found.options)}, recompute {recompute_name(found.options)}: "
+        f"{time:.4f} s per iteration, {100 * (time / best - 1):.1f}% more than "
+        f"the plan above (rerun with --export {target} for it and its launch)"
+    )
+    return "\n".join(lines)
+
+
+def launchers_json(
+    targets: dict[str, str | None], result, other: tuple[str, object] | None
+) -> dict:
+    """:func:`format_launchers` as JSON: ``launched_by`` (targets),
+    ``refused`` (``{target: why}``) and, where none launches the plan and
+    ``other`` was searched, ``best_launchable`` (``target``, ``plan``,
+    ``options``, ``iteration_time_s``, ``slower_by`` as a fraction; or
+    ``target`` and ``none_because``)."""
+    out: dict = {
+        "launched_by": _launched(targets),
+        "refused": {t: why for t, why in targets.items() if why is not None},
+    }
+    if out["launched_by"]:
+        return out
+    if other is None:
+        return out
+    target, found = other
+    if isinstance(found, str):
+        out["best_launchable"] = {"target": target, "none_because": found}
+        return out
+    best = result.prediction.iteration_time_s
+    time = found.prediction.iteration_time_s
+    out["best_launchable"] = {
+        "target": target,
+        "plan": found.plan.describe(),
+        "options": found.options.to_json(),
+        "iteration_time_s": time,
+        "slower_by": time / best - 1,
+    }
+    return out

@@ -1,21 +1,25 @@
 """Megatron-LM arguments for a plan.
 
-Checked against Megatron Core 0.20 (``megatron/training/arguments.py``:
+Checked against Megatron Core 0.16.1 (``megatron/training/arguments.py``:
 ``parse_args`` + ``validate_args``; ``megatron/core/parallel_state.py``:
 ``RankGenerator``; the micro-batch calculator; no code copied):
 
 * ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
   ``--micro-batch-size``, ``--global-batch-size`` and ``--num-layers``
-  (transformer layers). Data parallelism is the world size over ``TP x PP``:
-  launch ``TP x PP x DP`` processes; the global batch must be a multiple of
-  ``micro-batch x DP``.
+  (the model's transformer blocks,
+  :func:`~pipedejavu.io.export_rules.num_blocks`: a profile with the final
+  norm and the LM head as two layers has ``L + 3``). Data parallelism is the
+  world size over ``TP x PP``: launch ``TP x PP x DP`` processes; the global
+  batch must be a multiple of ``micro-batch x DP``.
 * Layers per stage: an even split needs nothing more; uneven first/last stages
   with equal middle stages use ``--decoder-first-pipeline-num-layers`` /
   ``--decoder-last-pipeline-num-layers`` (what they leave divides evenly over
   the other stages); any other split uses ``--pipeline-model-parallel-layout``
   (``E`` embedding, ``t`` transformer layer, ``L`` loss, stages split by ``|``,
   ``t*n`` repeats). The layout holds ``|``, so the command line is quoted for
-  a POSIX shell (:func:`shlex.join`).
+  a POSIX shell (:func:`shlex.join`). Megatron-LM builds the final norm with
+  the LM head on the last stage: a plan that puts them on different stages is
+  refused.
 * One TP degree for every stage (:func:`~pipedejavu.io.export_rules.uniform_tp`).
 * Megatron-LM's interleaved schedule with ``V`` chunks per rank:
   ``--num-layers-per-virtual-pipeline-stage`` (transformer layers per chunk);
@@ -33,14 +37,13 @@ Checked against Megatron Core 0.20 (``megatron/training/arguments.py``:
 
 from __future__ import annotations
 
-import shlex
-
 from pipedejavu.core.plan3d import Plan3D
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
+    head_layers,
     transformer_layers,
-    type_comment,
     uniform_tp,
 )
 
@@ -48,12 +51,11 @@ __all__ = [
     "MEGATRON_VERSION",
     "NO_ZERO_BUBBLE",
     "interleaving_flags",
-    "megatron_text",
     "pipeline_layout",
     "to_megatron",
 ]
 
-MEGATRON_VERSION = "Megatron-LM (Megatron Core 0.20)"
+MEGATRON_VERSION = "Megatron-LM (Megatron Core 0.16.1)"
 #: Why a ZB-H1 plan is refused (module docstring).
 NO_ZERO_BUBBLE = (
     "Megatron-LM has no zero-bubble schedule (megatron-core 0.16.1 runs 1F1B or "
@@ -73,15 +75,25 @@ def pipeline_layout(counts: list[int]) -> str:
     return "|".join(parts)
 
 
-def to_megatron(plan: Plan3D) -> list[str]:
-    """Megatron-LM arguments (module docstring); one string per token.
+def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
+    """Megatron-LM's parallel, batch and layer-split arguments (module
+    docstring); one string per token. ``spec``: the model, whose block count
+    the arguments must build (``None``: one embedding and one head layer
+    around the blocks).
 
     Raises:
-        ExportRefused: per-stage TP, or a batch that is not whole micro-batches.
+        ExportRefused: per-stage TP, a batch that is not whole micro-batches,
+            or the final norm and the LM head on different stages.
+        ProblemError: a plan of another number of layers than ``spec``.
     """
     tp = uniform_tp(plan, "Megatron-LM")
     check_whole_batch(plan, "Megatron-LM")
-    counts = transformer_layers(plan)
+    counts = transformer_layers(plan, spec)
+    if head_layers(plan, spec) == 2 and plan.stages[-1].start == plan.num_layers - 1:
+        raise ExportRefused(
+            "Megatron-LM builds the final norm with the LM head on the last "
+            "stage; the plan puts them on different stages"
+        )
     num_layers, stages = sum(counts), len(counts)
     args = [
         "--tensor-model-parallel-size",
@@ -109,20 +121,9 @@ def to_megatron(plan: Plan3D) -> list[str]:
     return args + ["--pipeline-model-parallel-layout", pipeline_layout(counts)]
 
 
-def megatron_text(plan: Plan3D) -> str:
-    """The export file: comments, then the arguments as one shell-quoted line."""
-    args = to_megatron(plan)
-    world = plan.num_gpus
-    return (
-        f"# {MEGATRON_VERSION}: launch {world} processes "
-        f"(TP x PP x DP = {world}); arguments quoted for a POSIX shell\n"
-        + type_comment(plan)
-        + shlex.join(args)
-        + "\n"
-    )
-
-
-def interleaving_flags(plan: Plan3D, chunks: int) -> list[str]:
+def interleaving_flags(
+    plan: Plan3D, chunks: int, spec: TransformerSpec | None = None
+) -> list[str]:
     """``--num-layers-per-virtual-pipeline-stage`` for ``chunks`` model chunks
     per rank (none for 1).
 
@@ -132,7 +133,7 @@ def interleaving_flags(plan: Plan3D, chunks: int) -> list[str]:
     """
     if chunks == 1:
         return []
-    counts = transformer_layers(plan)
+    counts = transformer_layers(plan, spec)
     if len(counts) < 2 or len(set(counts)) != 1 or counts[0] % chunks:
         raise ExportRefused(
             f"Megatron-LM's interleaved schedule needs at least 2 stages of "

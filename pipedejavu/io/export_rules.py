@@ -20,10 +20,14 @@ from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.transformer import TransformerSpec
 
 __all__ = [
     "ExportRefused",
+    "check_model_layers",
     "check_whole_batch",
+    "head_layers",
+    "num_blocks",
     "gpu_types_by_rank",
     "rank_of",
     "transformer_layers",
@@ -73,12 +77,54 @@ def check_whole_batch(plan: Plan3D, target: str) -> None:
         )
 
 
-def transformer_layers(plan: Plan3D) -> list[int]:
-    """Transformer layers per stage (profile layers ``1..L``; ``0`` and
-    ``L + 1`` are the embedding and the head)."""
-    last = plan.num_layers - 1
+def check_model_layers(plan: Plan3D, spec: TransformerSpec | None) -> None:
+    """The plan's profile layers must be the model's: the embedding, its
+    ``L`` transformer blocks, then the final norm and the LM head (one layer,
+    or two with ``split_head_layer``, as in Sailor's ``LLAMA-3-8`` profile).
+    A launcher told another block count builds another model (Megatron-LM
+    accepts any ``--num-layers``), so every export checks it.
+
+    Raises:
+        ProblemError: the plan covers another number of layers than ``spec``
+            has (``None``: nothing to check against).
+    """
+    if spec is None or plan.num_layers == spec.num_profile_layers:
+        return
+    head = "final norm and LM head" + (
+        " apart" if spec.split_head_layer else " as one layer"
+    )
+    raise ProblemError(
+        f"the plan covers {plan.num_layers} profile layers, but {spec.name} has "
+        f"{spec.num_profile_layers} (the embedding, {spec.num_layers} transformer "
+        f"blocks, the {head}): a plan for another model?"
+    )
+
+
+def num_blocks(plan: Plan3D, spec: TransformerSpec | None = None) -> int:
+    """The model's transformer blocks ``L``: profile layers ``1..L``
+    (``spec`` ``None``: the convention of one embedding and one head layer,
+    ``plan.num_layers - 2``).
+
+    Raises:
+        ProblemError: as :func:`check_model_layers`.
+    """
+    check_model_layers(plan, spec)
+    return plan.num_layers - 2 if spec is None else spec.num_layers
+
+
+def head_layers(plan: Plan3D, spec: TransformerSpec | None = None) -> int:
+    """Profile layers after the blocks: 1 (the final norm with the LM head)
+    or 2 (norm, then head: ``split_head_layer``)."""
+    return plan.num_layers - 1 - num_blocks(plan, spec)
+
+
+def transformer_layers(plan: Plan3D, spec: TransformerSpec | None = None) -> list[int]:
+    """Transformer blocks per stage (profile layers ``1..L``, ``L`` from
+    :func:`num_blocks`; ``0`` is the embedding, the layers after ``L`` the
+    final norm and the LM head)."""
+    blocks = num_blocks(plan, spec)
     return [
-        sum(1 for layer in range(s.start, s.stop) if 0 < layer < last)
+        sum(1 for layer in range(s.start, s.stop) if 0 < layer <= blocks)
         for s in plan.stages
     ]
 

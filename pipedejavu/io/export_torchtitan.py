@@ -30,7 +30,12 @@ copied. ``benchmarks/check_exports.py`` runs the real code on these files.
   batch, one accumulation step.
 * ``module_fqns_per_model_part`` (``pipeline_module_split``) with the llama3
   decoder's names ``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``
-  (:func:`module_fqns`); uneven splits are kept.
+  (:func:`module_fqns`; the model's own block count,
+  :func:`~pipedejavu.io.export_rules.num_blocks`, and ``norm`` and ``output``
+  on different parts where the profile keeps them apart); uneven splits are
+  kept.
+* ``[training] seq_len``: the length the plan was priced at (torchtitan's
+  default is 2,048); a comment where it is not known.
 
 **Schedule** (``pipeline_parallel_schedule``; ``pipeline_llm`` checks the
 parts per rank only when ``pipeline_parallel_layers_per_stage`` is set, which
@@ -122,9 +127,11 @@ import json
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
+    num_blocks,
     transformer_layers,
     type_comment,
     uniform_tp,
@@ -155,7 +162,9 @@ def schedule_name(options: TrainingOptions) -> str:
     return "Interleaved1F1B" if options.virtual_stages > 1 else "1F1B"
 
 
-def part_layers(plan: Plan3D, chunks: int = 1) -> list[range]:
+def part_layers(
+    plan: Plan3D, chunks: int = 1, spec: TransformerSpec | None = None
+) -> list[range]:
     """Profile layers of each model part: the plan's stages (``chunks = 1``),
     or Megatron-LM's ``P chunks`` equal virtual stages in order (module
     docstring), part ``k = c P + r`` being chunk ``c`` of rank ``r`` (under
@@ -167,7 +176,7 @@ def part_layers(plan: Plan3D, chunks: int = 1) -> list[range]:
     """
     if chunks == 1:
         return [range(s.start, s.stop) for s in plan.stages]
-    counts = transformer_layers(plan)
+    counts = transformer_layers(plan, spec)
     if len(counts) < 2 or len(set(counts)) != 1 or counts[0] % chunks:
         raise _refuse(
             f"'s Interleaved1F1B runs Megatron-LM's chunks "
@@ -183,17 +192,22 @@ def part_layers(plan: Plan3D, chunks: int = 1) -> list[range]:
     return out
 
 
-def module_fqns(plan: Plan3D, chunks: int = 1) -> list[list[str]]:
+def module_fqns(
+    plan: Plan3D, chunks: int = 1, spec: TransformerSpec | None = None
+) -> list[list[str]]:
     """torchtitan's module names of each model part (:func:`part_layers`)."""
-    last = plan.num_layers - 1
+    blocks = num_blocks(plan, spec)
+    # the layers after the blocks: the norm and the head, together or apart
+    after = [["norm", "output"]] if plan.num_layers == blocks + 2 else [["norm"]]
+    after += [["output"]] * (plan.num_layers - blocks - 1 - len(after))
     out = []
-    for layers in part_layers(plan, chunks):
+    for layers in part_layers(plan, chunks, spec):
         names = []
         for layer in layers:
             if layer == 0:
                 names.append("tok_embeddings")
-            elif layer == last:
-                names += ["norm", "output"]
+            elif layer > blocks:
+                names += after[layer - blocks - 1]
             else:
                 names.append(f"layers.{layer - 1}")
         out.append(names)
@@ -241,7 +255,9 @@ def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
         )
 
 
-def _checkpoint_mode(plan: Plan3D, options: TrainingOptions) -> str:
+def _checkpoint_mode(
+    plan: Plan3D, options: TrainingOptions, spec: TransformerSpec | None
+) -> str:
     """``[activation_checkpoint] mode`` (module docstring)."""
     if options.recompute == "none":
         return "none"
@@ -254,7 +270,7 @@ def _checkpoint_mode(plan: Plan3D, options: TrainingOptions) -> str:
     limit = options.recompute_num_layers
     if limit is not None:
         # Equal chunks when interleaved (checked before).
-        most = max(transformer_layers(plan)) // options.virtual_stages
+        most = max(transformer_layers(plan, spec)) // options.virtual_stages
         if limit < most:
             raise _refuse(
                 f" recomputes every block or every n-th block of a rank, not the "
@@ -293,6 +309,7 @@ def to_torchtitan(
     plan: Plan3D,
     options: TrainingOptions | None = None,
     seq_length: int | None = None,
+    spec: TransformerSpec | None = None,
 ) -> str:
     """The TOML fragment: ``[training]`` batch sizes, sequence length and
     precision, ``[parallelism]`` and ``[activation_checkpoint]``.
@@ -300,8 +317,10 @@ def to_torchtitan(
     Args:
         plan: the plan.
         options: the training it was priced with (``None``: plain fp32).
-        seq_length: its tokens per sample (``seq_len``; ``None``: not written,
-            torchtitan's default 2048 then).
+        seq_length: its tokens per sample (``seq_len``; ``None``: not known,
+            a comment says so: torchtitan's default is 2048).
+        spec: the model (``None``: one embedding and one head layer around the
+            blocks).
 
     Raises:
         ExportRefused: per-stage TP; data parallelism beside TP or PP; a batch
@@ -322,8 +341,8 @@ def to_torchtitan(
     _check_training(plan, tp, options)
     chunks = options.virtual_stages
     if chunks > 1:
-        part_layers(plan, chunks)  # refuses what cannot interleave
-    mode = _checkpoint_mode(plan, options)
+        part_layers(plan, chunks, spec)  # refuses what cannot interleave
+    mode = _checkpoint_mode(plan, options, spec)
     name = _schedule(plan, options) if pp > 1 else None
     if pp == 1:
         local_batch = plan.mbs  # one forward/backward per accumulation step
@@ -335,7 +354,12 @@ def to_torchtitan(
         + "[training]\n"
         f"local_batch_size = {local_batch}\n"
         f"global_batch_size = {plan.gbs}\n"
-        + ("" if seq_length is None else f"seq_len = {seq_length}\n")
+        + (
+            "# seq_len: the length the plan was priced at is not known (set "
+            "the model's; torchtitan's default is 2048)\n"
+            if seq_length is None
+            else f"seq_len = {seq_length}\n"
+        )
         + 'dtype = "float32"\n'
         'mixed_precision_param = "float32"\n'
         "\n[parallelism]\n"
@@ -345,7 +369,7 @@ def to_torchtitan(
         f"pipeline_parallel_degree = {pp}\n"
     )
     if name is not None:
-        parts = module_fqns(plan, chunks)
+        parts = module_fqns(plan, chunks, spec)
         fqns = ",\n    ".join(json.dumps(part) for part in parts)
         text += (
             f'pipeline_parallel_schedule = "{name}"\n'

@@ -5,10 +5,11 @@ against and the rules it honours (read from that version's source; no code
 copied); every exported file names that version:
 
 ========================  =====================================================
-``megatron``              :mod:`pipedejavu.io.export_megatron` (Megatron Core
-                          0.20 arguments, one shell-quoted line)
+``megatron``              :mod:`pipedejavu.io.export_megatron_command` (a whole
+                          Megatron Core 0.16.1 ``pretrain_gpt.py`` command,
+                          one shell-quoted line)
 ``deepspeed``             :mod:`pipedejavu.io.export_deepspeed` (DeepSpeed
-                          0.16.5 ``PipelineModule`` ``parts`` of the abstract
+                          0.19.8 ``PipelineModule`` ``parts`` of the abstract
                           list ``[embedding, blocks, head]``)
 ``megatron-deepspeed``    :mod:`pipedejavu.io.export_deepspeed` (the same on
                           Megatron-DeepSpeed's ``GPTModelPipe`` layer list)
@@ -19,9 +20,13 @@ copied); every exported file names that version:
 ========================  =====================================================
 
 An export either builds exactly the plan's stages, the ranks of each stage's
-replicas (TP fastest, then data, then pipeline: :mod:`pipedejavu.io.export_rules`)
-and its batch, or is refused with :class:`~pipedejavu.io.export_rules.ExportRefused`,
-one line saying why and which targets can launch the plan instead. A plan on
+replicas (TP fastest, then data, then pipeline: :mod:`pipedejavu.io.export_rules`),
+the model's transformer blocks (checked against the model's own count:
+:func:`~pipedejavu.io.export_rules.check_model_layers`) and its batch, and
+states the sequence length the plan was priced at, or is refused with
+:class:`~pipedejavu.io.export_rules.ExportRefused`, one line saying why and
+which targets can launch the plan instead (:func:`launchers`, which the
+plan reports use too). A plan on
 several GPU types names the type of each block of global ranks (a comment in
 the Megatron arguments and the torchtitan TOML, ``gpu_types_by_rank`` in the
 DeepSpeed JSON); order the hosts so that those ranks land on them.
@@ -38,10 +43,16 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
   unfused``) and
   ``--num-layers-per-virtual-pipeline-stage`` for the interleaved schedule.
 * The DeepSpeed configs get their ``bf16``/``fp16`` sections and ZeRO stage 1
-  for the distributed optimizer; recomputation and sequence parallelism are
-  refused (the pipeline engine sets recomputation in code,
-  ``activation_checkpoint_interval``, and has no sequence parallelism), and so
-  is any schedule but 1F1B (its engine runs ``TrainSchedule``).
+  for the distributed optimizer. DeepSpeed's abstract layer list refuses
+  recomputation and sequence parallelism (the pipeline engine sets
+  recomputation in code, ``activation_checkpoint_interval``, and has no
+  sequence parallelism) and any schedule but 1F1B (its engine runs
+  ``TrainSchedule``). Megatron-DeepSpeed also runs ZB-H1 and full
+  recomputation of every block (:func:`megatron_deepspeed_flags`); it refuses
+  sequence parallelism: under DeepSpeed's engine nothing all-reduces the
+  norms' gradients over the TP group (Megatron's ``allreduce_layernorm_grads``
+  runs only without ``--deepspeed``, and DeepSpeed 0.19.8 reduces over data
+  parallelism only), so each TP rank would train its own copy of them.
 * torchtitan carries the schedule (1F1B, interleaved, ZB-H1, interleaved
   zero bubble), full
   recomputation, fp32 precision and sequence parallelism, and refuses what its
@@ -54,16 +65,18 @@ is refused by Megatron-LM
 (megatron-core 0.16.1's ``get_forward_backward_func`` runs no pipelining,
 1F1B or interleaved 1F1B; its ``--delay-wgrad-compute`` defers weight
 gradients only inside the MoE expert-parallel overlap of one 1F1B step, which
-``TransformerConfig`` requires) and by DeepSpeed (0.19.8's pipeline engine runs
-``TrainSchedule`` with whole backward passes; its ``DualPipeVSchedule`` keeps
-the weight gradient inside ``BackwardPass`` too); torchtitan runs it as
-``InterleavedZeroBubble``.
+``TransformerConfig`` requires) and by DeepSpeed's abstract list (0.19.8's
+pipeline engine runs ``TrainSchedule`` with whole backward passes; its
+``DualPipeVSchedule`` keeps the weight gradient inside ``BackwardPass`` too);
+torchtitan runs it as ``InterleavedZeroBubble`` and Megatron-DeepSpeed as
+``--enable-zbh1-pipeline --enable-zbh1-exact-semantics``
+(:mod:`pipedejavu.io.export_deepspeed`). :data:`LAUNCHED_SCHEDULES` says which
+target runs which schedule (:func:`schedule_targets` for the help texts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from collections.abc import Mapping
 
 from pipedejavu.core.files import json_text
@@ -74,27 +87,41 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_alpa import to_alpa
-from pipedejavu.io.export_deepspeed import to_deepspeed, to_megatron_deepspeed
+from pipedejavu.io.export_deepspeed import (
+    deepspeed_options,
+    to_deepspeed,
+    to_megatron_deepspeed,
+)
 from pipedejavu.io.export_megatron import (
     NO_ZERO_BUBBLE,
     interleaving_flags,
-    megatron_text,
+    to_megatron,
 )
-from pipedejavu.io.export_rules import ExportRefused, transformer_layers
+from pipedejavu.io.export_megatron_command import megatron_command
+from pipedejavu.io.export_rules import (
+    ExportRefused,
+    check_model_layers,
+    transformer_layers,
+)
 from pipedejavu.io.export_torchtitan import to_torchtitan
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
 __all__ = [
     "EXPORTS",
     "LAUNCHED_RANK_ORDERS",
+    "LAUNCHED_RECOMPUTE_LAYERS",
     "LAUNCHED_SCHEDULES",
     "LAUNCHED_TRAINING",
     "DATA_PARALLEL_ALONE",
     "SAILOR_VERSION",
     "export_plan",
+    "launchers",
+    "precision_refusal",
     "SWITCH_FLAGS",
     "option_flags",
+    "schedule_targets",
     "uniform_recompute",
 ]
 
@@ -112,7 +139,7 @@ EXPORTS = (
 LAUNCHED_SCHEDULES = {
     "megatron": ("1f1b", "interleaved"),
     "deepspeed": ("1f1b",),
-    "megatron-deepspeed": ("1f1b",),
+    "megatron-deepspeed": ("1f1b", "zb-h1"),
     "torchtitan": ("1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv"),
     "alpa": ("1f1b",),
     "sailor": ("1f1b",),
@@ -179,7 +206,25 @@ LAUNCHED_TRAINING = {
     "alpa": _PLAIN,
     "sailor": _PLAIN,
 }
-LAUNCHED_TRAINING["megatron-deepspeed"] = LAUNCHED_TRAINING["deepspeed"]
+LAUNCHED_TRAINING["megatron-deepspeed"] = {
+    **LAUNCHED_TRAINING["deepspeed"],
+    "recompute": ("none", "full"),
+}
+#: The recomputed blocks of each stage (:class:`~pipedejavu.planning.
+#: knob_space.KnobSpace`'s ``recompute_layers``: ``None`` every one, ``N`` the
+#: first ``N``) each target launches with full recomputation; ``None`` here:
+#: every count (Megatron-LM's block method; torchtitan's where it covers
+#: every chunk). Megatron-DeepSpeed recomputes every block or none.
+LAUNCHED_RECOMPUTE_LAYERS: dict[str, tuple[None, ...] | None] = {
+    target: (None,) if target == "megatron-deepspeed" else None for target in EXPORTS
+}
+#: Why a target runs no plan of a precision, where more than its flags is
+#: missing.
+_PRECISION_WHY = {
+    ("torchtitan", "bf16"): "torchtitan trains bf16 as planned (bf16 weights "
+    "beside fp32 master weights) only with FSDP, which shards parameters, "
+    "gradients and optimizer state: plans with FSDP are not searched yet",
+}
 #: The targets that run data parallelism as planned (unsharded replicas) only
 #: without TP or PP beside it: torchtitan, whose DDP refuses more than one
 #: dimension of parallelism (beside TP or PP it runs FSDP/HSDP, which shards
@@ -200,6 +245,30 @@ SWITCH_FLAGS = {
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
     "tp_comm_overlap": "--tp-comm-overlap",
 }
+
+
+def schedule_targets() -> dict[str, list[str]]:
+    """``{schedule: the targets that launch it}`` (:data:`LAUNCHED_SCHEDULES`),
+    for the help texts and the reports."""
+    out: dict[str, list[str]] = {}
+    for target in EXPORTS:
+        for schedule in LAUNCHED_SCHEDULES[target]:
+            out.setdefault(schedule, []).append(target)
+    return out
+
+
+def precision_refusal(target: str, precision: str) -> str | None:
+    """Why ``target`` launches no plan trained in ``precision``, with the
+    targets that do (``None``: it launches some)."""
+    launched = LAUNCHED_TRAINING[target]["precision"]
+    if precision in launched:
+        return None
+    why = _PRECISION_WHY.get(
+        (target, precision),
+        f"{target} launches {', '.join(launched)} training as planned, not {precision}",
+    )
+    others = [t for t in EXPORTS if precision in LAUNCHED_TRAINING[t]["precision"]]
+    return f"--export {target}: {why}; --export {', '.join(others)} run {precision}"
 
 
 def option_flags(options: TrainingOptions) -> list[str]:
@@ -228,6 +297,8 @@ def option_flags(options: TrainingOptions) -> list[str]:
     flags += [flag for name, flag in SWITCH_FLAGS.items() if getattr(options, name)]
     if not options.flash_attention:
         flags += ["--attention-backend", "unfused"]
+        if not options.attention_dropout:  # (Megatron-LM's default is 0.1)
+            flags += ["--attention-dropout", "0"]
     return flags
 
 
@@ -246,42 +317,6 @@ def _plain(options: TrainingOptions | None) -> bool:
     )
 
 
-def _deepspeed_options(data: dict, options: TrainingOptions | None, target: str):
-    if options is None:
-        return data
-    if options.recompute != "none" or options.sequence_parallel:
-        raise ExportRefused(
-            f"{target}: the plan recomputes activations or uses sequence "
-            "parallelism, which the DeepSpeed config cannot express"
-        )
-    if options.virtual_stages != 1:
-        raise ExportRefused(f"{target}: no interleaved pipeline schedule")
-    if options.overlap_grad_reduce or options.overlap_param_gather:
-        raise ExportRefused(
-            f"{target}: the pipeline engine reduces the gradients after the "
-            "pipeline, not beside the backward pass the plan was priced with"
-        )
-    if options.grad_reduce_in_bf16:
-        raise ExportRefused(
-            f"{target}: the plan was priced with Megatron-LM's bf16 gradient "
-            "buffers (--grad-reduce-in-bf16), which the DeepSpeed config does "
-            "not set"
-        )
-    if options.zero_bubble:
-        raise ExportRefused(
-            f"{target}: no zero-bubble schedule (the pipeline engine runs 1F1B, "
-            "TrainSchedule, with whole backward passes)"
-        )
-    config = data["ds_config"]
-    if options.precision == "fp8":
-        raise ExportRefused(f"{target}: no FP8 training in the DeepSpeed config")
-    if options.precision in ("bf16", "fp16"):
-        config[options.precision] = {"enabled": True}
-    if options.distributed_optimizer:
-        config["zero_optimization"] = {"stage": 1}
-    return data
-
-
 def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str | None:
     """The plan's rank order (``None``: not one Megatron-LM lays out)."""
     gpu = plan.stages[0].replicas[0].gpu_type
@@ -290,7 +325,10 @@ def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str | None:
 
 
 def uniform_recompute(
-    plan: Plan3D, options: TrainingOptions | None, target: str
+    plan: Plan3D,
+    options: TrainingOptions | None,
+    target: str,
+    spec: TransformerSpec | None = None,
 ) -> TrainingOptions | None:
     """``options`` with per-stage recomputation counts as the one rule every
     launcher takes, or the reason none can: all stages rerun nothing (no
@@ -308,7 +346,7 @@ def uniform_recompute(
             f"{target}: the options choose per-stage recomputation counts but do "
             "not give the plan's (recompute_stage_layers)"
         )
-    blocks = transformer_layers(plan)
+    blocks = transformer_layers(plan, spec)
     rerun = [b if n is None else min(n, b) for n, b in zip(counts, blocks, strict=True)]
     plain = dataclasses.replace(
         options, recompute_choices=None, recompute_stage_layers=None
@@ -333,8 +371,10 @@ def _build(
     gpus_per_node: Mapping[str, int] | None,
     options: TrainingOptions | None = None,
     seq_length: int | None = None,
+    spec: TransformerSpec | None = None,
+    megatron_args: str | None = None,
 ) -> str:
-    options = uniform_recompute(plan, options, target)
+    options = uniform_recompute(plan, options, target, spec)
     order = _order(plan, gpus_per_node)
     if order is not None and order not in LAUNCHED_RANK_ORDERS.get(target, ()):
         raise ExportRefused(
@@ -344,36 +384,37 @@ def _build(
     if target == "megatron":
         if options is not None and options.zero_bubble:
             raise ExportRefused(NO_ZERO_BUBBLE)
-        text = megatron_text(plan)
-        extra = ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
+        args = to_megatron(plan, spec)
+        args += ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
         if options is not None:
             if options.tp_comm_overlap and plan.stages[0].replicas[0].tp == 1:
                 # Megatron-LM turns sequence parallelism off at TP 1 and then
                 # asserts on --tp-comm-overlap; without TP it overlaps nothing
                 options = dataclasses.replace(options, tp_comm_overlap=False)
-            extra += interleaving_flags(plan, options.virtual_stages)
-            extra += option_flags(options)
-        if seq_length is not None:
-            extra += ["--seq-length", str(seq_length)]
-        if extra:
-            text = text.rstrip("\n") + " " + shlex.join(extra) + "\n"
-        return text
-    if target == "deepspeed":
-        data = _deepspeed_options(to_deepspeed(plan), options, target)
-        return json_text(data, indent=1) + "\n"
-    if target == "megatron-deepspeed":
-        data = _deepspeed_options(to_megatron_deepspeed(plan), options, target)
-        # Megatron's own arguments, before --deepspeed: the model's dtype (and
-        # so GPTModelPipe's layer list, "layers" not "layers_fp32") and length
-        extra = []
-        if options is not None and options.precision in ("bf16", "fp16"):
-            extra.append(f"--{options.precision}")
-        if seq_length is not None:
-            extra += ["--seq-length", str(seq_length)]
-        data["arguments"][-3:-3] = extra
+            args += interleaving_flags(plan, options.virtual_stages, spec)
+            args += option_flags(options)
+        return megatron_command(
+            plan, args, spec=spec, seq_length=seq_length, user_args=megatron_args
+        )
+    if target in ("deepspeed", "megatron-deepspeed"):
+        deepspeed = target == "deepspeed"
+        data = (
+            to_deepspeed(plan, spec) if deepspeed else to_megatron_deepspeed(plan, spec)
+        )
+        flags = deepspeed_options(data, plan, options, target, spec)
+        data["seq_length"] = seq_length
+        if not deepspeed:
+            # Megatron's own arguments, before --deepspeed: the model's dtype
+            # (and so GPTModelPipe's layer list, "layers" not "layers_fp32"),
+            # the length, the schedule, recomputation and attention
+            if options is not None and options.precision in ("bf16", "fp16"):
+                flags.insert(0, f"--{options.precision}")
+            if seq_length is not None:
+                flags += ["--seq-length", str(seq_length)]
+            data["arguments"][-3:-3] = flags
         return json_text(data, indent=1) + "\n"
     if target == "torchtitan":
-        return to_torchtitan(plan, options, seq_length)
+        return to_torchtitan(plan, options, seq_length, spec)
     if not _plain(options):
         raise ExportRefused(
             f"{target}: its file carries no precision, recomputation, sharding or "
@@ -382,12 +423,59 @@ def _build(
     if target == "alpa":
         gpu = plan.stages[0].replicas[0].gpu_type
         per_host = (gpus_per_node or {}).get(gpu)
-        return json_text(to_alpa(plan, gpus_per_host=per_host), indent=1) + "\n"
-    if target == "sailor":
+        data = to_alpa(plan, gpus_per_host=per_host)
+    elif target == "sailor":
         data = {"target": SAILOR_VERSION}
         data.update(plan_to_sailor(plan, gpus_per_node=gpus_per_node))
-        return json_text(data, indent=2) + "\n"
-    raise ProblemError(f"export must be one of {', '.join(EXPORTS)}, got {target!r}")
+    else:
+        raise ProblemError(
+            f"export must be one of {', '.join(EXPORTS)}, got {target!r}"
+        )
+    data["seq_length"] = seq_length  # the model's length, for the user
+    return json_text(data, indent=1 if target == "alpa" else 2) + "\n"
+
+
+def _check(
+    plan: Plan3D,
+    target: str,
+    gpus_per_node: Mapping[str, int] | None,
+    spec: TransformerSpec | None,
+) -> None:
+    if target not in EXPORTS:
+        raise ProblemError(
+            f"export must be one of {', '.join(EXPORTS)}, got {target!r}"
+        )
+    if gpus_per_node is not None:
+        check_nodes(plan, lambda gpu: gpus_per_node[gpu])
+    check_model_layers(plan, spec)
+
+
+def launchers(
+    plan: Plan3D,
+    *,
+    gpus_per_node: Mapping[str, int] | None = None,
+    options: TrainingOptions | None = None,
+    spec: TransformerSpec | None = None,
+) -> dict[str, str | None]:
+    """Which targets launch ``plan`` as planned: ``{target: None}`` for those
+    that do, ``{target: why not}`` for the others, in :data:`EXPORTS`' order
+    (arguments as :func:`export_plan`'s; the one definition the refusals and
+    the plan reports use).
+
+    Raises:
+        ProblemError: nodes that hold too many GPUs, or a plan of another
+            number of layers than ``spec``.
+    """
+    _check(plan, EXPORTS[0], gpus_per_node, spec)
+    out: dict[str, str | None] = {}
+    for target in EXPORTS:
+        try:
+            _build(plan, target, gpus_per_node, options, None, spec)
+        except ProblemError as refusal:  # (or e.g. Alpa's hosts not given)
+            out[target] = str(refusal).removeprefix(f"{target}: ")
+        else:
+            out[target] = None
+    return out
 
 
 def export_plan(
@@ -397,6 +485,8 @@ def export_plan(
     gpus_per_node: Mapping[str, int] | None = None,
     options: TrainingOptions | None = None,
     seq_length: int | None = None,
+    spec: TransformerSpec | None = None,
+    megatron_args: str | None = None,
 ) -> str:
     """The export for ``target`` (:data:`EXPORTS`) as text.
 
@@ -410,34 +500,40 @@ def export_plan(
             nodes.
         options: the training the plan was priced with (``None``: plain fp32,
             the targets' defaults); see the module docstring.
-        seq_length: the tokens per sample the plan was priced with, written
-            where the target takes it (Megatron-LM's and Megatron-DeepSpeed's
-            ``--seq-length``, torchtitan's ``[training] seq_len``; DeepSpeed's
-            config, Alpa's and Sailor's files have none); ``None``: not written.
+        seq_length: the tokens per sample the plan was priced at (default:
+            ``spec``'s), stated in every export: where the target takes it
+            (Megatron-LM's and Megatron-DeepSpeed's ``--seq-length``,
+            torchtitan's ``[training] seq_len``) and as ``seq_length`` in the
+            JSON of the others; ``None`` with no ``spec``: said to be unknown.
+        spec: the model, whose transformer blocks the export builds (checked
+            against the plan's layers) and whose shape the Megatron-LM command
+            carries (``None``: the plan's layers are one embedding, the
+            blocks and one head layer, and the shape is not known).
+        megatron_args: the user's own Megatron-LM command (``plan
+            --megatron-args``): the Megatron-LM export is that command with the
+            plan's flags in place of its own.
 
     Raises:
         ExportRefused: the target cannot launch the plan as planned; one line
             with the reason and the targets that can.
-        ProblemError: an unknown target, or nodes that hold too many GPUs.
+        ProblemError: an unknown target, nodes that hold too many GPUs, or a
+            plan of another number of layers than ``spec``.
     """
-    if target not in EXPORTS:
-        raise ProblemError(
-            f"export must be one of {', '.join(EXPORTS)}, got {target!r}"
-        )
-    if gpus_per_node is not None:
-        check_nodes(plan, lambda gpu: gpus_per_node[gpu])
+    _check(plan, target, gpus_per_node, spec)
+    if seq_length is None and spec is not None:
+        seq_length = spec.seq_length
     try:
-        return _build(plan, target, gpus_per_node, options, seq_length)
+        return _build(
+            plan, target, gpus_per_node, options, seq_length, spec, megatron_args
+        )
     except ExportRefused as refusal:
-        able = []
-        for other in EXPORTS:
-            if other == target:
-                continue
-            try:
-                _build(plan, other, gpus_per_node, options, seq_length)
-            except ProblemError:
-                continue
-            able.append(other)
+        able = [
+            other
+            for other, why in launchers(
+                plan, gpus_per_node=gpus_per_node, options=options, spec=spec
+            ).items()
+            if why is None and other != target
+        ]
         instead = (
             f"--export {', '.join(able)} can launch it"
             if able

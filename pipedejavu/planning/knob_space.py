@@ -18,6 +18,7 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.io.exports import (
     LAUNCHED_RANK_ORDERS,
+    LAUNCHED_RECOMPUTE_LAYERS,
     LAUNCHED_SCHEDULES,
     LAUNCHED_TRAINING,
 )
@@ -217,7 +218,8 @@ class KnobSpace:
         """The part of this space that export ``target`` launches as planned
         (:data:`~pipedejavu.io.exports.LAUNCHED_SCHEDULES`,
         :data:`~pipedejavu.io.exports.LAUNCHED_RANK_ORDERS`,
-        :data:`~pipedejavu.io.exports.LAUNCHED_TRAINING`).
+        :data:`~pipedejavu.io.exports.LAUNCHED_TRAINING`,
+        :data:`~pipedejavu.io.exports.LAUNCHED_RECOMPUTE_LAYERS`).
 
         Raises:
             ValueError: a knob none of whose values the target launches (the
@@ -247,7 +249,19 @@ class KnobSpace:
                     f"{', '.join(_shown(v) for v in allowed)})"
                 )
             kept[name] = values
+        layers = LAUNCHED_RECOMPUTE_LAYERS[target]
+        if layers is not None and "full" in kept["recompute"]:
+            counts = tuple(n for n in self.recompute_layers if n in layers)
+            if not counts:
+                shown = ", ".join(str(n) for n in self.recompute_layers)
+                raise ValueError(
+                    f"{target} recomputes every block of a stage or none, not "
+                    f"the first {shown} (give --recompute-num-layers all)"
+                )
+            kept["recompute_layers"] = counts
+        # (per-stage counts: only where the target takes counts of blocks)
         per_stage = self.recompute_per_stage and "full" in kept["recompute"]
+        per_stage = per_stage and layers is None
         return dataclasses.replace(self, recompute_per_stage=per_stage, **kept)
 
     def choices(self, base: TrainingOptions) -> list[TrainingOptions]:
