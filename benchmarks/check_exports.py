@@ -99,14 +99,31 @@ MODEL_ARGS = [
 ]  # fmt: skip
 
 
+#: Values of the kind Megatron-LM's parser takes for the export's ``<...>``
+#: placeholders (the data, tokenizer and training a plan leaves to the user).
+PLACEHOLDER_VALUES = {
+    "<DATA_PATH>": "data",
+    "<TOKENIZER_TYPE>": "NullTokenizer",
+    "<TOKENIZER>": "tokenizer",
+    "<VOCAB_FILE>": "vocab.json",
+    "<MERGE_FILE>": "merges.txt",
+    "<TRAIN_ITERS>": "10",
+    "<LR>": "0.0001",
+}
+
+
 def megatron_args(argv: list[str], world: int):
+    """Megatron-LM's parsed and validated arguments for ``argv``: flags, or
+    the export's whole command (its script word dropped, its placeholders
+    given values), with :data:`MODEL_ARGS` after them."""
     import megatron.training.arguments as margs
 
     # validate_args asks the GPU's architecture only to word a TP warning.
     margs.get_device_arch_version = lambda: 9
     os.environ.update(WORLD_SIZE=str(world), RANK="0")
     saved = sys.argv
-    sys.argv = ["pretrain_gpt.py", *argv, *MODEL_ARGS]
+    words = [PLACEHOLDER_VALUES.get(w, w) for w in argv if w != "pretrain_gpt.py"]
+    sys.argv = ["pretrain_gpt.py", *words, *MODEL_ARGS]
     try:
         with silenced():
             args = margs.parse_args()

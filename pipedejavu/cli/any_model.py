@@ -35,6 +35,7 @@ from pipedejavu.io.exports import (
     LAUNCHED_TRAINING,
     SWITCH_FLAGS,
     precision_refusal,
+    schedule_targets_text,
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
@@ -134,7 +135,7 @@ def add_knob_options(parser: Any) -> None:
         "rank placed in a V, torchtitan's ZBVZeroBubble) or auto, all five "
         "(with --megatron-args: the two Megatron-LM runs) (default: auto for "
         "a model priced by the analytical model; 1f1b for a Sailor model "
-        "priced by its profiles)",
+        f"priced by its profiles); export targets: {schedule_targets_text()}",
     )
     parser.add_argument(
         "--recompute",

@@ -48,7 +48,7 @@ from pipedejavu.io.exports import (
     EXPORTS,
     export_plan,
     launchers,
-    schedule_targets,
+    schedule_targets_text,
 )
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.knob_space import KnobSpace
@@ -64,11 +64,6 @@ from pipedejavu.planning.training import (
 __all__ = ["COMMANDS", "LAUNCH_FALLBACK", "add_parsers", "export_model", "run"]
 
 COMMANDS = ("predict", "plan")
-#: Which target runs which schedule, for the help texts.
-_SCHEDULES_BY_TARGET = "; ".join(
-    f"{schedule} by {', '.join(targets)}"
-    for schedule, targets in schedule_targets().items()
-)
 #: The target whose launchable plan a default search reports when its best
 #: plan launches on none: the one that runs the most of the knobs.
 LAUNCH_FALLBACK = "megatron"
@@ -189,7 +184,7 @@ def add_parsers(commands: Any) -> None:
         help="also print the plan for this framework (megatron: a whole "
         "pretrain_gpt.py command); the search keeps to the schedules, rank "
         "orders and training options it launches as planned (schedules: "
-        f"{_SCHEDULES_BY_TARGET}; a precision or knob value it never launches: "
+        f"{schedule_targets_text()}; a precision or knob value it never launches: "
         "exit 2 before the search; a plan it still cannot launch as planned: "
         "exit 2 after it). Without --export the report names the targets that "
         "launch the plan, and where none does, the best plan Megatron-LM "

@@ -122,6 +122,7 @@ __all__ = [
     "SWITCH_FLAGS",
     "option_flags",
     "schedule_targets",
+    "schedule_targets_text",
     "uniform_recompute",
 ]
 
@@ -255,6 +256,15 @@ def schedule_targets() -> dict[str, list[str]]:
         for schedule in LAUNCHED_SCHEDULES[target]:
             out.setdefault(schedule, []).append(target)
     return out
+
+
+def schedule_targets_text() -> str:
+    """Which target runs which schedule, for the help texts: ``1f1b by
+    megatron, ...; interleaved by megatron, torchtitan; ...``."""
+    return "; ".join(
+        f"{schedule} by {', '.join(targets)}"
+        for schedule, targets in schedule_targets().items()
+    )
 
 
 def precision_refusal(target: str, precision: str) -> str | None:
