@@ -17,9 +17,16 @@ the same commands of that checkout run in the same rounds (``PYTHONPATH`` set
 to it), so both trees see the same load. Each process gets a fresh folder in
 ``$PIPEDEJAVU_CACHE_DIR`` (the user's cache stays untouched).
 
+Python's compiled bytecode is kept, as an installed package has it: the
+processes write and read it in a temporary ``PYTHONPYCACHEPREFIX`` (the
+checkouts stay clean), after one untimed round, even where
+``PYTHONDONTWRITEBYTECODE`` is set. ``--no-bytecode`` times them compiling
+every module of ours from source instead, as they run where that variable is
+set (a development checkout on a shared machine).
+
 Usage::
 
-    python benchmarks/startup.py [--repeats 7] [--before ../old]
+    python benchmarks/startup.py [--repeats 7] [--before ../old] [--no-bytecode]
         [--out benchmarks/results/startup.json]
 """
 
@@ -56,10 +63,17 @@ COMMANDS = {
 }
 
 
-def _process(argv: list[str], root: Path, cache: Path) -> tuple[float, float]:
+def _process(
+    argv: list[str], root: Path, cache: Path, bytecode: Path | None
+) -> tuple[float, float]:
     """Wall and CPU time (user + system) of one whole process run in ``root``
-    with ``root`` first on the module path."""
+    with ``root`` first on the module path (bytecode kept in ``bytecode``)."""
     env = dict(os.environ, PYTHONPATH=str(root), PIPEDEJAVU_CACHE_DIR=str(cache))
+    if bytecode is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(
@@ -108,6 +122,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--before", type=Path, help="an older checkout to compare")
     parser.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="compile our modules from source in every process",
+    )
+    parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "startup.json"
     )
     args = parser.parse_args()
@@ -121,16 +140,19 @@ def main() -> None:
     )
     print(header, flush=True)
     folder = Path(tempfile.mkdtemp(prefix="pdj-startup-"))
+    bytecode = None if args.no_bytecode else folder / "bytecode"
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
     loads = []
-    for round_ in range(args.repeats):
+    for round_ in range(-1 if bytecode else 0, args.repeats):  # -1: untimed
         loads.append(os.getloadavg()[0])
         for tree, root in trees.items():
             for name, (argv, _, compared) in COMMANDS.items():
                 if tree == "before" and not compared:
                     continue
                 cache = folder / f"cache-{tree}-{name}-{round_}"
-                samples.setdefault((tree, name), []).append(_process(argv, root, cache))
+                times = _process(argv, root, cache, bytecode)
+                if round_ >= 0:
+                    samples.setdefault((tree, name), []).append(times)
     rows = []
     for (tree, name), runs in samples.items():
         argv, target, _ = COMMANDS[name]
@@ -170,6 +192,7 @@ def main() -> None:
     result = {
         "header": header,
         "repeats": args.repeats,
+        "bytecode": "compiled every time" if args.no_bytecode else "kept",
         "commits": {tree: _commit(root) for tree, root in trees.items()},
         "load_average": loads + [os.getloadavg()[0]],
         "rows": rows,

@@ -556,8 +556,8 @@ _STARTUP_NAMES = {
 }
 
 
-def t_startup() -> str:
-    data = load("startup.json")
+def _startup(results: str) -> str:
+    data = load(results)
     rows = {(r["tree"], r["command"]): r for r in data["rows"]}
     before = data["commits"].get("before")
     head = ["process", "wall s", "CPU s", "target"]
@@ -578,7 +578,8 @@ def t_startup() -> str:
     runs = data["in_process"]
     loads = data["load_average"]
     note = (
-        f"Median of {data['repeats']} processes each, interleaved; load average "
+        f"Median of {data['repeats']} processes each, interleaved, our modules' "
+        f"bytecode {data.get('bytecode', 'compiled every time')}; load average "
         f"{min(loads):.1f} to {max(loads):.1f} on the 2 cores. In one process the "
         "exact DP takes "
         f"{runs['generated-gpt-32layers-2x8']['dp_s'] * 1e3:.0f} ms on "
@@ -588,7 +589,15 @@ def t_startup() -> str:
         f"{runs['gpt1.3b-6layers-B128']['load_s']:.2f} s to read (the restricted "
         "unpickler's checks)."
     )
-    return note + "\n\n" + table(head, out) + source("startup.json")
+    return note + "\n\n" + table(head, out) + source(results)
+
+
+def t_startup() -> str:
+    return _startup("startup.json")
+
+
+def t_startup_no_bytecode() -> str:
+    return _startup("startup_no_bytecode.json")
 
 
 def t_published_runs() -> str:
@@ -1106,6 +1115,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "init_search": t_init_search,
     "check_exports": t_check_exports,
     "startup": t_startup,
+    "startup_no_bytecode": t_startup_no_bytecode,
 }
 
 
