@@ -36,6 +36,8 @@ _LAZY = {
     "load_problem": "planning.inputs",
     "solve": "planning.solve",
     "plan_training": "planning.training",
+    "plan_model": "planning.plan_model",
+    "MemoryHeadroom": "core.memory_headroom",
     "enable_compilation_cache": "search.engine.compile_cache",
     "simulate": "simulation.simulate",
     "simulate_plan": "simulation.simulate",

@@ -20,8 +20,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from pipedejavu.cli.megatron_report import format_knobs, format_prediction
-from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.parsing import headroom_type, int_in
 from pipedejavu.core.plan3d import MAX_SEARCH_GPUS, RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -32,15 +31,14 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
-    LAUNCHED_TRAINING,
     SWITCH_FLAGS,
-    precision_refusal,
     schedule_targets_text,
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
 from pipedejavu.planning.any_model import (
+    LONG_CONTEXT,
     CostChoice,
     choose_cost_source,
     predict_any_plan,
@@ -53,12 +51,15 @@ from pipedejavu.planning.knob_space import (
     recompute_name,
 )
 from pipedejavu.planning.launch_compare import (
-    SEARCH_SPACE_NOTE,
     RunComparison,
     compare_megatron_run,
     launch_knob_space,
 )
-from pipedejavu.planning.megatron_launch import options_of_run
+from pipedejavu.planning.megatron_launch import (
+    check_whole_microbatches,
+    options_of_run,
+)
+from pipedejavu.planning.plan_model import KEPT_OPTIONS, launched_space
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
@@ -68,10 +69,8 @@ __all__ = [
     "any_model_options",
     "choose_for_plan",
     "costs_line",
-    "format_comparison",
     "knob_space",
     "knobs_asked",
-    "launched_space",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
@@ -254,9 +253,16 @@ def knob_space(
             line).
     """
     try:
-        return _knob_space(args, auto, schedules)
+        space = _knob_space(args, auto, schedules)
     except ValueError as error:
         raise ProblemError(f"the knob flags: {error}") from None
+    if getattr(args, "recompute_num_layers", None) and "full" not in space.recompute:
+        raise ProblemError(
+            "--recompute-num-layers counts blocks of full recomputation, which "
+            f"--recompute {','.join(space.recompute)} leaves out: add full to "
+            "--recompute or drop it"
+        )
+    return space
 
 
 def _knob_space(
@@ -309,15 +315,24 @@ def add_training_options(parser: Any, *, knobs: bool = False) -> None:
         type=int_in("--seq-len", 1, MAX_SEQ_LENGTH),
         metavar="S",
         help="tokens per sample (default: what a PLAN.json records; else the "
-        "model's training length: a config.json's context length, a preset's "
-        "recorded length (pipedejavu data models/README.md), a Sailor model's "
-        "profiled length)",
+        "model's training length: a preset's recorded length (pipedejavu data "
+        "models/README.md), a Sailor model's profiled length, a config.json's "
+        f"context up to {LONG_CONTEXT} tokens; a longer context needs --seq-len)",
     )
     parser.add_argument(
         "--gpu-sheet",
         metavar="FILE",
         help="a JSON GPU sheet extending or overriding the bundled one (same "
         "schema; `pipedejavu data gpus.json` prints its path)",
+    )
+    parser.add_argument(
+        "--memory-headroom",
+        type=headroom_type,
+        metavar="F|GB",
+        help="memory every GPU keeps free: a fraction of its memory (0.1), a "
+        "percentage (10%%) or gigabytes (8GB); the search, its proof, the "
+        "prediction and the memory report all honour it (default: none; plans "
+        "may fill each GPU's memory less the predictor's runtime reserve)",
     )
 
 
@@ -332,6 +347,7 @@ def any_model_options(args: argparse.Namespace) -> list[str]:
         "rank_order",
         "seq_len",
         "gpu_sheet",
+        "memory_headroom",
         *KEPT_OPTIONS,
     )
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
@@ -368,6 +384,7 @@ def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoic
             seq_length=args.seq_len,
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
+            memory_headroom=args.memory_headroom,
         )
 
     choice = choose(None)
@@ -402,12 +419,15 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             seq_length=args.seq_len if args.seq_len is not None else seq_length,
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
+            memory_headroom=args.memory_headroom,
         )
         if not choice.analytical:
             # Profiles alone: today's reading, which checks --model against it.
             plan, _ = load_plan3d(args.plan, model=args.model)
             plan = plan.replace(model=choice.model)
         plan, prediction = predict_any_plan(plan, choice)
+        # the batch the plan says, not one rounded up to whole micro-batches
+        check_whole_microbatches(plan.gbs, plan.mbs, plan.dp)
     except ProblemError as error:
         if str(error).startswith(str(args.plan)):
             raise
@@ -466,16 +486,6 @@ def read_launch(
     return run, sheet.resolve(gpu), count, sheet
 
 
-#: Training options the search keeps as given (not knobs), which an export
-#: target may not launch: refused before the search.
-KEPT_OPTIONS = (
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "grad_reduce_in_bf16",
-    "tp_comm_overlap",
-)
-
-
 _KEPT_HELP = {
     "overlap_grad_reduce": "overlap the data-parallel gradient reduction with "
     "the backward pass",
@@ -525,29 +535,6 @@ def kept_options(
         raise ProblemError(f"{flags}: {error}") from None
 
 
-def launched_space(
-    target: str, space: KnobSpace, options: TrainingOptions
-) -> KnobSpace:
-    """``space`` cut to what ``target`` launches as planned; a precision, a
-    kept option (:data:`KEPT_OPTIONS`) or a knob it does not launch at all is
-    refused before the search."""
-    launched = LAUNCHED_TRAINING[target]
-    refusal = precision_refusal(target, options.precision)
-    if refusal is not None:  # (the reason, and the targets that run it)
-        raise ProblemError(refusal)
-    for name in KEPT_OPTIONS:
-        if getattr(options, name) not in launched[name]:
-            flag = SWITCH_FLAGS[name]
-            raise ProblemError(
-                f"--export {target} does not launch {flag} as planned: "
-                f"drop {flag} or give another --export"
-            )
-    try:
-        return space.for_target(target)
-    except ValueError as error:
-        raise ProblemError(f"--export {target}: {error}") from None
-
-
 def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunComparison:
     """``plan --megatron-args``: the launch predicted and the best plan."""
     _refuse_with_megatron_args(args)
@@ -574,40 +561,5 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
         allow_fewer_gpus=not args.all_gpus,
         progress_fn=progress_fn,
         dp_alone=getattr(args, "export", None) in DATA_PARALLEL_ALONE,
+        memory_headroom=args.memory_headroom,
     )
-
-
-def utilization_line(launch: Any) -> str:
-    """The model and hardware FLOPs of a predicted launch, their TFLOP/s per
-    GPU, MFU and HFU, each named (they differ when blocks are recomputed)."""
-    line = (
-        f"model FLOPs per iteration {launch.model_flops_per_iteration:.4g}: "
-        f"{launch.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * launch.mfu:.1f}%"
-    )
-    if launch.hardware_flops != launch.model_flops_per_iteration:
-        line += (
-            f"; with the recomputed forwards {launch.hardware_flops:.4g}: "
-            f"{launch.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU, "
-            f"HFU {100 * launch.hfu:.1f}%"
-        )
-    return line
-
-
-def format_comparison(comparison: RunComparison, best_report: str) -> str:
-    """The text report of ``plan --megatron-args``."""
-    given, best = comparison.given, comparison.best
-    lines = [
-        "--- your launch ---",
-        format_prediction(given.plan, given.prediction, given.options),
-        f"{utilization_line(given)}; costs: {given.cost_source}",
-        "",
-        "--- the best plan found ---",
-        best_report,
-        format_knobs(comparison.knobs),
-        f"searched: {SEARCH_SPACE_NOTE}",
-        "",
-        f"your launch: {given.prediction.iteration_time_s:.4f} s per iteration; "
-        f"best plan: {best.iteration_time_s:.4f} s; speed-up "
-        f"x{comparison.speedup:.3f}",
-    ]
-    return "\n".join(lines)

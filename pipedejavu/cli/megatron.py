@@ -15,16 +15,13 @@ from pipedejavu.cli.any_model import (
     any_model_options,
     choose_for_plan,
     costs_line,
-    format_comparison,
     kept_options,
     knob_space,
     knobs_asked,
-    launched_space,
     plan_megatron_args,
     predict_plan_file,
     read_launch,
     unused_at_tp1,
-    utilization_line,
 )
 from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
@@ -32,12 +29,14 @@ from pipedejavu.cli.batch import (  # goodput and elastic modes
 )
 from pipedejavu.cli.megatron_report import (
     GB,
+    format_comparison,
     format_knobs,
     format_launchers,
     format_prediction,
     format_training_plan,
     launchers_json,
     pool_text,
+    utilization_line,
 )
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.files import json_text
@@ -52,8 +51,8 @@ from pipedejavu.io.exports import (
 )
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.knob_space import KnobSpace
-from pipedejavu.planning.knobs import plan_with_knobs
 from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
+from pipedejavu.planning.plan_model import launched_space, plan_model
 from pipedejavu.planning.training import (
     check_global_batch,
     expected_slow,
@@ -197,7 +196,11 @@ def add_parsers(commands: Any) -> None:
 
 def _predict_launch(args: argparse.Namespace) -> int:
 
-    training = [flag for flag in any_model_options(args) if flag != "--gpu-sheet"]
+    training = [
+        flag
+        for flag in any_model_options(args)
+        if flag not in ("--gpu-sheet", "--memory-headroom")
+    ]
     if args.plan is not None or args.model or args.profiles or training:
         raise ProblemError(
             "--megatron-args describes the model, its training and the plan: give "
@@ -209,7 +212,9 @@ def _predict_launch(args: argparse.Namespace) -> int:
     run, gpu, count, sheet = read_launch(
         args.megatron_args, args.gpus, args.gpu_sheet, most=MAX_GPUS
     )
-    launch = predict_megatron_run(run, gpu, count, sheet)
+    launch = predict_megatron_run(
+        run, gpu, count, sheet, memory_headroom=args.memory_headroom
+    )
     prediction = launch.prediction
     if not prediction.fits_memory:
         warnings.warn(
@@ -345,7 +350,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.export:  # only what the target launches as planned
         space = launched_space(args.export, space, choice.options)
     alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
-    result, choice, knobs = _search(args, choice, pool, space, asked, alone)
+    result, choice, knobs = _search(args, choice, pool, space, asked, args.export)
     spec, spec_note = export_model(choice)
     seq = None if spec is None else spec.seq_length
     exported = _export(args, result, choice.data, result.options, spec)
@@ -429,27 +434,30 @@ def _search(
     pool: dict[str, int],
     space: KnobSpace,
     asked: bool,
-    alone: bool,
+    export: str | None,
     uniform_tp: bool | None = None,
 ) -> tuple[Any, Any, Any]:
-    """The best plan of ``space``: ``(result, choice, knobs)`` (``knobs``
-    ``None`` for a model priced by its profiles searched with its profiled
-    training alone)."""
+    """The best plan of ``space`` (what ``export`` launches, if given), as
+    :func:`~pipedejavu.planning.plan_model.plan_model` finds it: ``(result,
+    choice, knobs)`` (``knobs`` ``None`` for a model priced by its profiles
+    searched with its profiled training alone)."""
     uniform = not args.per_stage_tp if uniform_tp is None else uniform_tp
+    alone = export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     # A model priced by its profiles searches the rank orders (a placement,
     # the same costs) with its profiled training.
     if choice.analytical or asked or len(space.rank_orders) > 1:
-        knobs = plan_with_knobs(
+        knobs = plan_model(
             args.model,
             pool,
             args.global_batch,
             space=space,
-            dp_alone=alone,
+            export=export,
             options=kept_options(args, choice.options),
             precision=args.precision,
             seq_length=args.seq_len,
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
+            memory_headroom=args.memory_headroom,
             method=args.method,
             uniform_tp=uniform,
             allow_fewer_gpus=not args.all_gpus,
@@ -500,7 +508,7 @@ def _launchable_plan(
     try:
         narrowed = launched_space(target, space, choice.options)
         result, found, _ = _search(
-            args, choice, pool, narrowed, asked, False, uniform_tp=True
+            args, choice, pool, narrowed, asked, target, uniform_tp=True
         )
     except ProblemError as error:  # nothing it launches asked, or no plan
         return target, str(error)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.interleaving import rank_layers
 from pipedejavu.planning.knob_space import recompute_name, schedule_name
+from pipedejavu.planning.launch_compare import SEARCH_SPACE_NOTE, RunComparison
 
 __all__ = [
+    "format_comparison",
     "format_knobs",
     "format_launchers",
     "format_prediction",
@@ -16,6 +20,7 @@ __all__ = [
     "pool_text",
     "proof_line",
     "seconds_or_na",
+    "utilization_line",
 ]
 
 GB = 1e9
@@ -49,17 +54,27 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
         f"  data-parallel all-reduce{overlapped} (slowest stage): "
         f"{breakdown['dp_allreduce_s']:.4f} s",
         f"  optimizer step (largest): {breakdown['optimizer_s']:.4f} s",
-        "peak memory per GPU:",
     ]
     limits = prediction.memory_limit_bytes.min(axis=1)
+    capacity = prediction.memory_capacity.min(axis=1)
+    kept = prediction.memory_capacity_bytes is not None
+    # with a headroom: "of <usable> GB usable (<capacity> GB)"
+    lines.append(
+        "peak memory per GPU (of what a plan may use: each GPU's memory less the "
+        "--memory-headroom):"
+        if kept
+        else "peak memory per GPU:"
+    )
     held = rank_layers(plan, options.v_shape)  # ZB-V: each rank's two chunks
     for s, _stage in enumerate(plan.stages):
         used = prediction.stage_memory_bytes[s]
         layers = " and ".join(f"{a}-{b - 1}" for a, b in held[s])
+        total = f" usable ({capacity[s] / GB:.2f} GB)" if kept else ""
         lines.append(
             f"  stage {s} (layers {layers}, "
             f"{prediction.peak_in_flight[s]} in flight): {used / GB:.2f} GB of "
-            f"{limits[s] / GB:.2f} GB" + ("" if used <= limits[s] else "  EXCEEDS")
+            f"{limits[s] / GB:.2f} GB{total}"
+            + ("" if used <= limits[s] else "  EXCEEDS")
         )
     return "\n".join(lines)
 
@@ -295,3 +310,39 @@ def launchers_json(
         "slower_by": time / best - 1,
     }
     return out
+
+
+def utilization_line(launch: Any) -> str:
+    """The model and hardware FLOPs of a predicted launch, their TFLOP/s per
+    GPU, MFU and HFU, each named (they differ when blocks are recomputed)."""
+    line = (
+        f"model FLOPs per iteration {launch.model_flops_per_iteration:.4g}: "
+        f"{launch.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * launch.mfu:.1f}%"
+    )
+    if launch.hardware_flops != launch.model_flops_per_iteration:
+        line += (
+            f"; with the recomputed forwards {launch.hardware_flops:.4g}: "
+            f"{launch.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU, "
+            f"HFU {100 * launch.hfu:.1f}%"
+        )
+    return line
+
+
+def format_comparison(comparison: RunComparison, best_report: str) -> str:
+    """The text report of ``plan --megatron-args``."""
+    given, best = comparison.given, comparison.best
+    lines = [
+        "--- your launch ---",
+        format_prediction(given.plan, given.prediction, given.options),
+        f"{utilization_line(given)}; costs: {given.cost_source}",
+        "",
+        "--- the best plan found ---",
+        best_report,
+        format_knobs(comparison.knobs),
+        f"searched: {SEARCH_SPACE_NOTE}",
+        "",
+        f"your launch: {given.prediction.iteration_time_s:.4f} s per iteration; "
+        f"best plan: {best.iteration_time_s:.4f} s; speed-up "
+        f"x{comparison.speedup:.3f}",
+    ]
+    return "\n".join(lines)

@@ -14,6 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pipedejavu.core.memory_headroom import MemoryHeadroom
+
 __all__ = [
     "EXIT_BAD_INPUT",
     "NUMBER_LIST_OPTIONS",
@@ -22,6 +24,7 @@ __all__ = [
     "count",
     "float_in",
     "fraction",
+    "headroom_type",
     "int_in",
     "join_number_lists",
 ]
@@ -151,6 +154,14 @@ def int_in(name: str, low: int, high: int):
         return value
 
     return parse
+
+
+def headroom_type(text: str) -> MemoryHeadroom:
+    """An argparse type: ``--memory-headroom`` (one-line error)."""
+    try:
+        return MemoryHeadroom.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--memory-headroom: {error}") from None
 
 
 def float_in(option: str, low: float, high: float):

@@ -377,7 +377,10 @@ def _spec_from_data(data: Any, source: str, seq_length: int | None) -> Transform
 
 
 def load_model_spec(
-    name_or_path: str | os.PathLike, *, seq_length: int | None = None
+    name_or_path: str | os.PathLike,
+    *,
+    seq_length: int | None = None,
+    longest_context: int | None = None,
 ) -> TransformerSpec:
     """A bundled preset by name (case-insensitive), or a model file.
 
@@ -386,9 +389,15 @@ def load_model_spec(
             file: a Hugging Face ``config.json`` (it has ``model_type``) or this
             package's own format (see :func:`spec_from_dict`).
         seq_length: override the tokens per sample.
+        longest_context: a Hugging Face ``config.json`` gives the model's
+            context, not its training length: without ``seq_length``, a
+            context of more tokens than this is refused (``None``: planned at
+            its context).
 
     Raises:
-        ProblemError: neither a preset nor a readable file, or an invalid one.
+        ProblemError: neither a preset nor a readable file, or an invalid one;
+            a config whose context exceeds ``longest_context`` and no
+            ``seq_length``.
     """
     key = os.fspath(name_or_path)
     by_lower = {name.lower(): name for name in _presets()}
@@ -400,4 +409,16 @@ def load_model_spec(
             f"unknown model {key!r}: not a preset ({', '.join(_presets())}) and "
             f"no such file"
         )
-    return _spec_from_data(_read(key, "model file"), key, seq_length)
+    data = _read(key, "model file")
+    spec = _spec_from_data(data, key, seq_length)
+    context = spec.seq_length  # a config's, given no seq_length
+    hf = isinstance(data, dict) and "model_type" in data
+    if hf and seq_length is None and longest_context is not None:
+        if context > longest_context:
+            raise ProblemError(
+                f"{key} takes up to {context:,} tokens of context, which says "
+                "nothing of the length it trains at (planned at that length, an "
+                "iteration costs many times a pretraining one): give the training "
+                f"length (--seq-len, seq_length), e.g. 4096 or 8192, at most {context}"
+            )
+    return spec

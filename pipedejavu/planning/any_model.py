@@ -32,6 +32,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -49,10 +50,16 @@ from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
-from pipedejavu.planning.training import TrainingPlan, parse_gpu_pool, plan_training
+from pipedejavu.planning.training import (
+    TrainingPlan,
+    headroom_of,
+    parse_gpu_pool,
+    plan_training,
+)
 
 __all__ = [
     "CostChoice",
+    "LONG_CONTEXT",
     "check_plan_layers",
     "choose_cost_source",
     "plan_any_model",
@@ -63,6 +70,10 @@ __all__ = [
 #: The precision of a model without profiles when none is given: what large
 #: models train in.
 DEFAULT_ANALYTICAL_PRECISION: TrainingPrecision = "bf16"
+#: The longest context a model file is planned at without a sequence length
+#: given: a config's ``max_position_embeddings`` past it (131,072 tokens for
+#: Llama 3.1 and Qwen2.5) is a long-context limit, not a pretraining length.
+LONG_CONTEXT = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +175,7 @@ def choose_cost_source(
     gpu_sheet: str | os.PathLike | None = None,
     profiles: str | os.PathLike | None = None,
     mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
+    memory_headroom: MemoryHeadroom | float | str | None = None,
 ) -> CostChoice:
     """The cost source that prices ``model`` on ``gpu_types`` (module doc).
 
@@ -181,12 +193,37 @@ def choose_cost_source(
         gpu_sheet: a JSON file extending the bundled GPU sheet.
         profiles: a folder laid out like Sailor's data (``None``: bundled).
         mbs_values: micro-batch sizes the analytical source offers.
+        memory_headroom: memory every GPU keeps free (a fraction of its
+            memory, a string such as ``"8GB"`` or a
+            :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`; ``None``:
+            none): the source's GPUs offer plans only the rest, so the
+            predictor, the planning tables and the proof honour it alike.
 
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
-            ``profiles`` given without a profile of ``model``.
+            ``profiles`` given without a profile of ``model``, a bad headroom.
     """
-    gpu_types = list(gpu_types)
+    headroom = headroom_of(memory_headroom)
+    choice = _choose(
+        model, list(gpu_types), options, precision, recompute, seq_length,
+        gpu_sheet, profiles, mbs_values,
+    )  # fmt: skip
+    if headroom is None:
+        return choice
+    return dataclasses.replace(choice, data=choice.data.with_memory_headroom(headroom))
+
+
+def _choose(
+    model: str,
+    gpu_types: list[str],
+    options: TrainingOptions | None,
+    precision: TrainingPrecision | None,
+    recompute: RecomputeGranularity | None,
+    seq_length: int | None,
+    gpu_sheet: str | os.PathLike | None,
+    profiles: str | os.PathLike | None,
+    mbs_values: Sequence[int],
+) -> CostChoice:
     data = load_sailor_data(profiles)
     profiled = _profiled_name(data, model)
     if profiled is None and profiles is not None:
@@ -201,7 +238,7 @@ def choose_cost_source(
         return _choose_profiled(
             data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
         )
-    spec = load_model_spec(model, seq_length=seq_length)
+    spec = load_model_spec(model, seq_length=seq_length, longest_context=LONG_CONTEXT)
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: sheet_name(sheet, g) for g in gpu_types}
@@ -308,6 +345,7 @@ def plan_any_model(
     seq_length: int | None = None,
     gpu_sheet: str | os.PathLike | None = None,
     profiles: str | os.PathLike | None = None,
+    memory_headroom: MemoryHeadroom | float | str | None = None,
     **plan_options: Any,
 ) -> tuple[TrainingPlan, CostChoice]:
     """:func:`~pipedejavu.planning.training.plan_training` for any model on any
@@ -338,6 +376,7 @@ def plan_any_model(
         seq_length=seq_length,
         gpu_sheet=gpu_sheet,
         profiles=profiles,
+        memory_headroom=memory_headroom,
     )
     result = plan_training(
         choice.model,

@@ -63,6 +63,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipedejavu.core.memory_headroom import MemoryHeadroom, kept_free
 from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, rank_order_of
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import (
@@ -160,6 +161,7 @@ def plan_with_knobs(
     mbs_values: Sequence[int] | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     dp_alone: bool = False,
+    memory_headroom: MemoryHeadroom | float | str | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -172,7 +174,8 @@ def plan_with_knobs(
             ``None``: the model's defaults, see
             :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         precision: replaces the precision of ``options``.
-        seq_length, gpu_sheet, profiles: as for ``choose_cost_source``.
+        seq_length, gpu_sheet, profiles, memory_headroom: as for
+            ``choose_cost_source``.
         method: how the first feasible choice is searched (``dp`` or
             ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
             the later ones are settled by the proof either way).
@@ -190,25 +193,18 @@ def plan_with_knobs(
         InfeasibleProblemError: no choice has a plan that fits.
     """
     pool = parse_gpu_pool(gpus)
+    fixed: dict[str, Any] = {
+        "seq_length": seq_length,
+        "gpu_sheet": gpu_sheet,
+        "profiles": profiles,
+        "memory_headroom": memory_headroom,
+    }
     first = choose_cost_source(
-        model,
-        pool,
-        options=options,
-        precision=precision,
-        seq_length=seq_length,
-        gpu_sheet=gpu_sheet,
-        profiles=profiles,
+        model, pool, options=options, precision=precision, **fixed
     )
 
     def make_choice(knobs: TrainingOptions) -> CostChoice:
-        return choose_cost_source(
-            model,
-            pool,
-            options=knobs,
-            seq_length=seq_length,
-            gpu_sheet=gpu_sheet,
-            profiles=profiles,
-        )
+        return choose_cost_source(model, pool, options=knobs, **fixed)
 
     return search_knobs(
         make_choice,
@@ -509,7 +505,8 @@ def search_knobs(
     ]
     if state.best is None:
         raise InfeasibleProblemError(
-            f"no plan of {first.model} fits {dict(pool)} with global batch "
+            f"no plan of {first.model} fits {dict(pool)}"
+            f"{kept_free(first.data.memory_headroom)} with global batch "
             f"{global_batch} under any of: {space.describe()}"
         )
     (result, choice), lower = state.best, state.lower

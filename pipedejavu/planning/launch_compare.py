@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import (
@@ -111,6 +112,7 @@ def compare_megatron_run(
     sheet: Mapping[str, GpuSheetEntry],
     *,
     space: KnobSpace | None = None,
+    memory_headroom: MemoryHeadroom | None = None,
     **plan_options: Any,
 ) -> RunComparison:
     """Predict a Megatron-LM launch and plan the same training from scratch.
@@ -121,6 +123,8 @@ def compare_megatron_run(
         num_gpus: GPUs of the launch (the best plan may use fewer).
         sheet: the GPU sheet.
         space: the knobs searched (``None``: :func:`launch_knob_space`).
+        memory_headroom: memory every GPU keeps free, in the launch's
+            prediction and the search alike (``None``: none).
         **plan_options: passed to :func:`~pipedejavu.planning.knobs.
             search_knobs` (``method``, ``allow_fewer_gpus``, ``progress_fn``).
 
@@ -135,13 +139,16 @@ def compare_megatron_run(
             "--megatron-args` predicts this launch; plan it with "
             "--context-parallel-size 1"
         )
-    given = predict_megatron_run(run, gpu_type, num_gpus, sheet)
+    given = predict_megatron_run(
+        run, gpu_type, num_gpus, sheet, memory_headroom=memory_headroom
+    )
     base = dataclasses.replace(options_of_run(run), virtual_stages=1)
     mbs_values = sorted({*DEFAULT_MBS_VALUES, run.micro_batch})
     gpu = given.plan.stages[0].replicas[0].gpu_type
 
     def make_choice(options: TrainingOptions) -> CostChoice:
         source = AnalyticalSource(run.spec, sheet, options, mbs_values=mbs_values)
+        source = source.with_memory_headroom(memory_headroom)
         return CostChoice(source, run.spec.name, {gpu: gpu}, options, run.spec)
 
     knobs = search_knobs(

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import (
     Plan3D,
     Replica,
@@ -57,6 +58,7 @@ from pipedejavu.io.megatron_args import MegatronRun
 __all__ = [
     "FLOPS_FORMULA",
     "LaunchPrediction",
+    "check_whole_microbatches",
     "launch_batch",
     "options_of_run",
     "plan_from_megatron_run",
@@ -261,6 +263,7 @@ def predict_megatron_run(
     sheet: Mapping[str, GpuSheetEntry],
     *,
     source: AnalyticalSource | None = None,
+    memory_headroom: MemoryHeadroom | None = None,
 ) -> LaunchPrediction:
     """Predict a Megatron-LM launch on ``num_gpus`` GPUs of ``gpu_type``.
 
@@ -271,6 +274,7 @@ def predict_megatron_run(
         sheet: the GPU sheet.
         source: the cost source (``None``: analytical on ``sheet`` for the
             run's options).
+        memory_headroom: memory every GPU keeps free (``None``: the source's).
 
     Raises:
         ProblemError: the GPU type is unknown, or the launch cannot run.
@@ -288,6 +292,8 @@ def predict_megatron_run(
     priced = run if cp == 1 else sequence_shares(run, num_gpus)
     if source is None:
         source = AnalyticalSource(priced.spec, sheet, options, context_parallel=cp)
+    if memory_headroom is not None:
+        source = source.with_memory_headroom(memory_headroom)
     entry = sheet[gpu_type]
     plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
@@ -373,12 +379,26 @@ def launch_batch(run: MegatronRun, dp: int) -> int:
         ProblemError: it does not split into micro-batches per replica.
     """
     gbs = run.global_batch if run.global_batch is not None else run.micro_batch * dp
-    if gbs % (run.micro_batch * dp):
+    check_whole_microbatches(gbs, run.micro_batch, dp)
+    return gbs
+
+
+def check_whole_microbatches(gbs: int, mbs: int, dp: int) -> None:
+    """Megatron-LM, DeepSpeed and torchtitan split the global batch into
+    ``gbs / (mbs dp)`` whole micro-batches per pipeline; they refuse any other
+    batch, and a plan priced with the count rounded up would train more
+    samples than it says.
+
+    Raises:
+        ProblemError: ``gbs`` is not a multiple of ``mbs x dp``.
+    """
+    if gbs % (mbs * dp):
+        count = -(-gbs // (mbs * dp))
         raise ProblemError(
             f"the global batch {gbs} is not a multiple of micro-batch x DP = "
-            f"{run.micro_batch} x {dp}"
+            f"{mbs} x {dp} (rounded up to {count} micro-batches a pipeline it "
+            f"would train {count * mbs * dp} samples): give a multiple"
         )
-    return gbs
 
 
 def sequence_shares(run: MegatronRun, num_gpus: int) -> MegatronRun:

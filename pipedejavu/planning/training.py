@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
@@ -36,6 +37,7 @@ __all__ = [
     "check_global_batch",
     "check_mbs_values",
     "expected_slow",
+    "headroom_of",
     "parse_gpu_pool",
     "plan_cost_source",
     "plan_training",
@@ -224,6 +226,10 @@ class TrainingPlan:
             peak_memory_bytes=predicted["peak_memory_bytes"],
             fits_memory=predicted["fits_memory"],
             memory_per_stage_bytes=predicted["memory_per_stage_bytes"],
+            memory_limit_per_stage_bytes=predicted["memory_limit_per_stage_bytes"],
+            memory_capacity_per_stage_bytes=predicted[
+                "memory_capacity_per_stage_bytes"
+            ],
             breakdown=predicted["breakdown"],
             objective_s=finite_or_none(self.objective_s),
             optimum_s=finite_or_none(self.optimum_s),
@@ -262,6 +268,7 @@ def plan_training(
     bound_cache: BoundCache | None = None,
     solved: MegatronSearchResult | None = None,
     dp_alone: bool = False,
+    memory_headroom: MemoryHeadroom | float | str | None = None,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -297,6 +304,11 @@ def plan_training(
             (``search_megatron``'s ``solved``): only the proof runs.
         dp_alone: data parallelism only without TP or PP beside it (what
             torchtitan's DDP runs; ``MegatronSearchConfig.dp_alone``).
+        memory_headroom: memory every GPU keeps free (a fraction of its
+            memory, a string such as ``"8GB"`` or a
+            :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`); the
+            search, its proof and the prediction all honour it. ``None``: the
+            cost source's own (none unless it was given one).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -312,6 +324,16 @@ def plan_training(
         data = load_sailor_data(profiles)
     else:
         data = profiles
+    if isinstance(data, SailorData) and model not in data.models():
+        raise ProblemError(
+            f"plan_training prices a model of the profiles ({', '.join(data.models())}"
+            f" in {data.root}) or of the cost source it is given, not {model!r}: "
+            "plan any model as `pipedejavu plan` does with "
+            "pipedejavu.plan_model(model, gpus, global_batch)"
+        )
+    headroom = headroom_of(memory_headroom)
+    if headroom is not None:
+        data = data.with_memory_headroom(headroom)
     result = search_megatron(
         data,
         model,
@@ -341,6 +363,19 @@ def plan_training(
         cost_source=plan_cost_source(result.plan, data),
         options=data.options,
     )
+
+
+def headroom_of(value: MemoryHeadroom | float | str | None) -> MemoryHeadroom | None:
+    """``value`` as a :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`
+    (:meth:`~pipedejavu.core.memory_headroom.MemoryHeadroom.of`).
+
+    Raises:
+        ProblemError: a value it refuses, one line.
+    """
+    try:
+        return MemoryHeadroom.of(value)
+    except ValueError as error:
+        raise ProblemError(f"memory headroom: {error}") from None
 
 
 def search_config(

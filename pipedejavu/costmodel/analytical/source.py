@@ -31,12 +31,14 @@ tables and the proof ask of their data (the interface of
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
@@ -147,6 +149,14 @@ class AnalyticalSource:
         self._tables: dict[str, dict[tuple[int, int], LayerTimes]] = {}
         self._sources: dict[tuple[str, int, int], str] = {}
         self._entries: dict[tuple[str, int, int], LayerTimes] = {}
+        self.memory_headroom: MemoryHeadroom | None = None
+
+    def with_memory_headroom(self, headroom: MemoryHeadroom | None) -> AnalyticalSource:
+        """This source with ``headroom`` kept free on every GPU
+        (:meth:`gpu_spec`; the priced layers are shared)."""
+        out = copy.copy(self)
+        out.memory_headroom = headroom
+        return out
 
     # ------------------------------------------------------------ interface
     @property
@@ -180,7 +190,8 @@ class AnalyticalSource:
 
     def gpu_spec(self, gpu: str) -> GpuSpec:
         entry = self._entry(gpu)
-        return GpuSpec(gpu, entry.gpus_per_node, entry.memory_bytes)
+        spec = GpuSpec(gpu, entry.gpus_per_node, entry.memory_bytes)
+        return spec.with_headroom(self.memory_headroom)
 
     def tp_values(self, gpu: str) -> tuple[int, ...]:
         """TP degrees that split the model and fit in a node of ``gpu``."""

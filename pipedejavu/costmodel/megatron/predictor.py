@@ -85,6 +85,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
     pipeline_summary,
 )
+from pipedejavu.costmodel.megatron.profile_types import GpuSpec
 from pipedejavu.costmodel.megatron.rules import (
     gradient_sync,
     is_blocking,
@@ -136,7 +137,8 @@ class Prediction:
             micro-batch over each boundary.
         peak_in_flight: i64[S] micro-batches whose activations a stage holds.
         memory_bytes: f64[S, dp] peak device memory of a GPU of each replica.
-        memory_limit_bytes: f64[S, dp] device memory of that GPU type.
+        memory_limit_bytes: f64[S, dp] device memory a plan may use on that
+            GPU type (its capacity less the cost source's headroom).
         num_microbatches: B per pipeline.
         model_state_bytes: f64[S, dp] weights, gradients, Adam states and the
             largest flattened all-reduce bucket per GPU.
@@ -145,6 +147,8 @@ class Prediction:
         recompute_stage_layers: with per-stage recomputation, the blocks each
             stage reruns (:mod:`pipedejavu.costmodel.megatron.stage_recompute`;
             ``None`` otherwise).
+        memory_capacity_bytes: f64[S, dp] device memory of that GPU type
+            before the headroom (``None``: ``memory_limit_bytes``).
     """
 
     iteration_time_s: float
@@ -164,6 +168,13 @@ class Prediction:
     model_state_bytes: NDArray[np.float64]
     activation_bytes: NDArray[np.float64]
     recompute_stage_layers: tuple[int | None, ...] | None = None
+    memory_capacity_bytes: NDArray[np.float64] | None = None
+
+    @property
+    def memory_capacity(self) -> NDArray[np.float64]:
+        """f64[S, dp] :attr:`memory_capacity_bytes`, else the limits."""
+        capacity = self.memory_capacity_bytes
+        return self.memory_limit_bytes if capacity is None else capacity
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -193,6 +204,9 @@ class Prediction:
             },
             "memory_per_stage_bytes": self.stage_memory_bytes.tolist(),
             "memory_limit_per_stage_bytes": self.memory_limit_bytes.min(
+                axis=1
+            ).tolist(),
+            "memory_capacity_per_stage_bytes": self.memory_capacity.min(
                 axis=1
             ).tolist(),
             "peak_in_flight": self.peak_in_flight.tolist(),
@@ -307,12 +321,13 @@ def predict_plan(
     model_state = np.zeros((num_stages, dp))
     stash = np.zeros(num_stages)
     limit = np.zeros((num_stages, dp))
+    capacity = np.zeros((num_stages, dp))
     nodes = [
         [node_key(r, s, j) for j, r in enumerate(stage.replicas)]
         for s, stage in enumerate(plan.stages)
     ]
     for s, stage in enumerate(plan.stages):
-        per_kind: dict[tuple[str, int], tuple[float, float, float, float]] = {}
+        per_kind: dict[tuple[str, int], tuple[float, float, float, GpuSpec]] = {}
         for j, replica in enumerate(stage.replicas):
             key = (replica.gpu_type, replica.tp)
             if key not in per_kind:  # replicas of one kind in a stage agree
@@ -340,9 +355,10 @@ def predict_plan(
                     optimizer_time(
                         float(entry.update[0]), params, info, replica.tp, dp
                     ),
-                    data.gpu_spec(replica.gpu_type).memory_bytes,
+                    data.gpu_spec(replica.gpu_type),
                 )
-            forward[s, j], backward[s, j], optimizer[s, j], limit[s, j] = per_kind[key]
+            forward[s, j], backward[s, j], optimizer[s, j], gpu = per_kind[key]
+            limit[s, j], capacity[s, j] = gpu.memory_bytes, gpu.capacity
 
     # Transfers over each boundary, per pipeline.
     activation = np.zeros((max(num_stages - 1, 0), dp))
@@ -517,6 +533,7 @@ def predict_plan(
         peak_in_flight=peak,
         memory_bytes=memory,
         memory_limit_bytes=limit,
+        memory_capacity_bytes=None if np.array_equal(capacity, limit) else capacity,
         model_state_bytes=model_state,
         activation_bytes=stash,
         num_microbatches=count,

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import ProblemError
 
 __all__ = [
@@ -173,8 +174,35 @@ class BandwidthFit:
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """A GPU type: ``gpus_per_node`` and device ``memory_bytes``."""
+    """A GPU type: ``gpus_per_node`` and the device memory plans may use.
+
+    Attributes:
+        name: the type's name.
+        gpus_per_node: GPUs a node holds.
+        memory_bytes: the memory a plan may use on one GPU (its capacity less
+            the user's headroom: :meth:`with_headroom`); every memory rule
+            reads this.
+        capacity_bytes: the GPU's memory before any headroom (``None``: the
+            same as ``memory_bytes``).
+    """
 
     name: str
     gpus_per_node: int
     memory_bytes: float
+    capacity_bytes: float | None = None
+
+    @property
+    def capacity(self) -> float:
+        """The GPU's memory before any headroom."""
+        return self.memory_bytes if self.capacity_bytes is None else self.capacity_bytes
+
+    def with_headroom(self, headroom: MemoryHeadroom | None) -> GpuSpec:
+        """This GPU type with ``headroom`` kept free of its capacity."""
+        if headroom is None or headroom.is_zero:
+            return self
+        capacity = self.capacity
+        return dataclasses.replace(
+            self,
+            memory_bytes=headroom.usable_bytes(capacity),
+            capacity_bytes=capacity,
+        )

@@ -19,6 +19,7 @@ Nothing here reads a measured run (``measured/``): see
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.resources
 import math
@@ -31,6 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.files import read_json
+from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
@@ -229,6 +231,14 @@ class SailorData:
         self._llm_info: Any = None
         self._network: NetworkTables | None = None
         self._gpus: dict[str, GpuSpec] | None = None
+        self.memory_headroom: MemoryHeadroom | None = None
+
+    def with_memory_headroom(self, headroom: MemoryHeadroom | None) -> SailorData:
+        """These profiles with ``headroom`` kept free on every GPU
+        (:meth:`gpu_spec`; the parsed files are shared)."""
+        out = copy.copy(self)
+        out.memory_headroom = headroom
+        return out
 
     # ----------------------------------------------------------------- lists
     def models(self) -> tuple[str, ...]:
@@ -336,7 +346,7 @@ class SailorData:
                 f"{self.root / 'configs'}: unknown GPU type {gpu!r} (known: "
                 f"{', '.join(sorted(self._gpus))})"
             )
-        return self._gpus[gpu]
+        return self._gpus[gpu].with_headroom(self.memory_headroom)
 
 
 def _parse_profile(data: Any, path: Path) -> dict[tuple[int, int], LayerTimes]:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.memory_headroom import kept_free
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     Plan3D,
@@ -448,9 +449,10 @@ def _solve(
             progress_fn({"solved": solved, "best": best, "bound": item.bound})
     if not found:
         raise InfeasibleProblemError(
-            f"no plan of {model} fits the memory of {dict(gpus)} with global batch "
-            f"{global_batch} (every configuration's stages exceed the GPU memory "
-            "or cannot be placed)"
+            f"no plan of {model} fits the memory of {dict(gpus)}"
+            f"{kept_free(getattr(data, 'memory_headroom', None))} with global "
+            f"batch {global_batch} (every configuration's stages exceed the GPU "
+            "memory or cannot be placed)"
         )
     if config.method == "dp":
         lower = best  # exhausted: every configuration bound >= best, or solved

@@ -1,0 +1,186 @@
+"""Plan any model as ``pipedejavu plan --model`` does: :func:`plan_model`.
+
+One call with the command line's defaults and search, for the Python API and
+the command line alike:
+
+* the cost source of :func:`~pipedejavu.planning.any_model.choose_cost_source`
+  (a model of the profiles trained as profiled: its profiles; any other model
+  or training: the analytical model, bf16 by default);
+* the knobs of :func:`default_space`: every schedule, recomputation, sequence
+  parallelism, the distributed optimizer and both rank orders for a model
+  priced analytically; for a model priced by its profiles, the training they
+  measured in both rank orders;
+* with an export target, only what that target launches as planned
+  (:func:`launched_space`), and data parallelism alone where the target's
+  data parallelism runs only without TP or PP
+  (:data:`~pipedejavu.io.exports.DATA_PARALLEL_ALONE`);
+* the plan proven optimal under the predictor over that space
+  (:func:`~pipedejavu.planning.knobs.plan_with_knobs`), with the memory
+  headroom kept free on every GPU if one is given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.memory_headroom import MemoryHeadroom
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
+from pipedejavu.io.exports import (
+    DATA_PARALLEL_ALONE,
+    EXPORTS,
+    LAUNCHED_TRAINING,
+    SWITCH_FLAGS,
+    precision_refusal,
+)
+from pipedejavu.planning.any_model import CostChoice, choose_cost_source
+from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
+from pipedejavu.planning.training import parse_gpu_pool
+
+__all__ = ["KEPT_OPTIONS", "default_space", "launched_space", "plan_model"]
+
+#: Training options the search keeps as given (not knobs), which an export
+#: target may not launch: refused before the search.
+KEPT_OPTIONS = (
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_bf16",
+    "tp_comm_overlap",
+)
+
+
+def default_space(choice: CostChoice) -> KnobSpace:
+    """The knobs searched when none are given: every knob for a model priced
+    by the analytical model alone; the profiled training (in both rank
+    orders, a placement at the same costs) where profiles price some layers."""
+    return KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+
+
+def launched_space(
+    target: str, space: KnobSpace, options: TrainingOptions
+) -> KnobSpace:
+    """``space`` cut to what ``target`` launches as planned; a precision, a
+    kept option (:data:`KEPT_OPTIONS`) or a knob it does not launch at all is
+    refused before the search.
+
+    Raises:
+        ProblemError: an unknown target, or what it never launches (one line:
+            the reason and what to change).
+    """
+    if target not in EXPORTS:
+        raise ProblemError(
+            f"export must be one of {', '.join(EXPORTS)}, got {target!r}"
+        )
+    launched = LAUNCHED_TRAINING[target]
+    refusal = precision_refusal(target, options.precision)
+    if refusal is not None:  # (the reason, and the targets that run it)
+        raise ProblemError(refusal)
+    for name in KEPT_OPTIONS:
+        if getattr(options, name) not in launched[name]:
+            flag = SWITCH_FLAGS[name]
+            raise ProblemError(
+                f"--export {target} does not launch {flag} as planned: "
+                f"drop {flag} or give another --export"
+            )
+    try:
+        return space.for_target(target)
+    except ValueError as error:
+        raise ProblemError(f"--export {target}: {error}") from None
+
+
+def plan_model(
+    model: str,
+    gpus: Mapping[str, int] | Sequence[str],
+    global_batch: int,
+    *,
+    seq_length: int | None = None,
+    precision: TrainingPrecision | None = None,
+    space: KnobSpace | None = None,
+    options: TrainingOptions | None = None,
+    export: str | None = None,
+    memory_headroom: MemoryHeadroom | float | str | None = None,
+    gpu_sheet: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | None = None,
+    method: str = "dp",
+    uniform_tp: bool = True,
+    allow_fewer_gpus: bool = True,
+    mixed_types: bool = False,
+    mbs_values: Sequence[int] | None = None,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> KnobPlan:
+    """The fastest plan of ``model`` on ``gpus``, as ``pipedejavu plan``
+    finds it (module docstring), proven optimal under the predictor.
+
+    Args:
+        model: a model of the profiles (``OPT-350``), a bundled preset
+            (``Llama-3-8B``; ``pipedejavu data models/README.md`` lists them) or
+            a Hugging Face ``config.json``.
+        gpus: ``{type: count}`` or ``["H100:64", ...]``; GPU sheet names or
+            their aliases, in any case.
+        global_batch: samples per iteration.
+        seq_length: tokens per sample (``None``: a preset's recorded training
+            length, a profiled model's profiled length; a ``config.json``
+            with a context over
+            :data:`~pipedejavu.planning.any_model.LONG_CONTEXT` tokens must
+            be given one).
+        precision: ``fp32``, ``fp16``, ``bf16`` or ``fp8`` (``None``: fp32
+            for a profiled model, bf16 for any other).
+        space: the knobs to search (``None``: :func:`default_space`).
+        options: the other training options (overlaps, the attention kernel,
+            ...); ``None``: the defaults.
+        export: keep to what this target (:data:`~pipedejavu.io.exports.
+            EXPORTS`) launches as planned (``None``: every plan).
+        memory_headroom: memory every GPU keeps free: a fraction (``0.1``),
+            a string (``"10%"``, ``"8GB"``) or a
+            :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`.
+        gpu_sheet: a JSON file extending the bundled GPU sheet.
+        profiles: a folder laid out like Sailor's data (``None``: bundled).
+        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: as for
+            :func:`~pipedejavu.planning.training.plan_training`.
+        progress_fn: called with a dict as the search goes.
+
+    Returns:
+        A :class:`~pipedejavu.planning.knobs.KnobPlan`: ``.result`` the plan
+        (``.plan``, ``.prediction``, ``.options``, ``.proven``), ``.choice``
+        its cost source, ``.space`` and ``.outcomes`` the knobs searched.
+
+    Raises:
+        ProblemError: bad arguments, an unknown model or GPU type, what the
+            export target never launches.
+        InfeasibleProblemError: no plan fits.
+
+    Example:
+        >>> from pipedejavu.planning.plan_model import plan_model
+        >>> best = plan_model("Llama-3-8B", {"H100": 8}, 256)  # doctest: +SKIP
+        >>> best.result.prediction.iteration_time_s  # doctest: +SKIP
+    """
+    pool = parse_gpu_pool(gpus)
+    shared: dict[str, Any] = {
+        "options": options,
+        "precision": precision,
+        "seq_length": seq_length,
+        "gpu_sheet": gpu_sheet,
+        "profiles": profiles,
+        "memory_headroom": memory_headroom,
+    }
+    choice = choose_cost_source(model, pool, **shared)
+    space = default_space(choice) if space is None else space
+    if export is not None:
+        space = launched_space(export, space, choice.options)
+    return plan_with_knobs(
+        model,
+        pool,
+        global_batch,
+        space=space,
+        method=method,
+        uniform_tp=uniform_tp,
+        allow_fewer_gpus=allow_fewer_gpus,
+        mixed_types=mixed_types,
+        mbs_values=mbs_values,
+        progress_fn=progress_fn,
+        dp_alone=export in DATA_PARALLEL_ALONE,
+        **shared,
+    )
