@@ -30,6 +30,7 @@ _LAZY = {
     "make_plan": "core.problem",
     "compare": "planning.compare",
     "bundled_examples": "planning.inputs",
+    "example_names": "planning.inputs",
     "load_cluster": "planning.inputs",
     "load_example": "planning.inputs",
     "load_plan": "planning.inputs",

@@ -139,3 +139,13 @@ def test_import_pipedejavu_loads_no_solver_and_every_public_name_resolves():
     assert same and not_in_dir == []
     assert {"solve", "Problem", "enable_compilation_cache"} <= set(public)
     assert missing == "module 'pipedejavu' has no attribute 'no_such_name'"
+
+
+def test_example_names_lists_every_name_load_example_takes():
+    import pipedejavu as pdj
+
+    names = pdj.example_names()
+    assert len(names) == 6 and len(set(names)) == 6
+    assert {e.name for e in pdj.bundled_examples()} < set(names)
+    for name in names:
+        assert name in (pdj.load_example.__doc__ or "")
