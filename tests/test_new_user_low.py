@@ -319,3 +319,15 @@ def test_predict_takes_a_gpu_named_with_its_memory(capsys, gpu):
     assert code == 0, err
     expected = "H100-SXM:8" if gpu.lower().startswith("h100") else "A100-80:8"
     assert f"({expected})" in out.splitlines()[0]
+
+
+def test_alpas_way_says_how_it_placed_its_stages(capsys):
+    """The bundled heterogeneous example's Alpa plan lands on hosts 3, 2, 1, 0,
+    3 (its runtime slicing: pipeline order would split a 1x4 stage); the
+    report says so instead of 'placed in host order'."""
+    from pipedejavu.cli.main import main
+
+    assert main(["solve", "hetero-gpt-32layers-a100-v100", "--method", "alpa"]) == 0
+    out = capsys.readouterr().out
+    assert "placed blind to the GPU types: by Alpa's runtime slicing" in out
+    assert "host order" not in out

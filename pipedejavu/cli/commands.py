@@ -320,7 +320,8 @@ def run_demo(out: TextIO, *, as_json: bool = False, alpa_scan: bool = False) -> 
             ours = "the optimum" if plan.info.get("gap", 0.0) == 0 else "our plan"
             print(
                 f"Alpa's way (--method alpa: its DP at the average speed, links "
-                f"free, placed in host order): cost {alpa.cost:.6f} s, "
+                f"free, placed as Alpa places stages on hosts): cost "
+                f"{alpa.cost:.6f} s, "
                 f"{alpa.cost / plan.cost:.3f} x {ours}",
                 file=out,
             )

@@ -58,12 +58,24 @@ def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
                 else ""
             )
         )
+    placed = _PLACEMENTS.get(plan.info.get("placement"))
+    if placed:
+        lines.append(f"placed blind to the GPU types: {placed}")
     lines.append(
         f"total: {plan.cost:.6f} s per iteration (1F1B: stages + transfers + "
         f"(B-1) x period), {plan.inter_host_hops(cluster)} inter-host hop(s), "
         f"search {format_duration(plan.search_time_s)}"
     )
     return "\n".join(lines)
+
+
+#: How Alpa's way placed its stages (``plan.info["placement"]`` of
+#: :func:`~pipedejavu.baselines.hetero.alpa_homogeneous`), for the report.
+_PLACEMENTS = {
+    "pipeline": "in pipeline order over the hosts as the cluster lists them",
+    "alpa": "by Alpa's runtime slicing (the larger stages first, whole hosts then "
+    "device ranges), since pipeline order would split a stage across two hosts",
+}
 
 
 def format_plan(problem: Problem | HeteroProblem, plan: Plan | HeteroPlan) -> str:

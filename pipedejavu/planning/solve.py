@@ -203,7 +203,8 @@ HETERO_METHODS: dict[str, tuple[Callable[..., Any], frozenset[str], str]] = {
     "alpa": (
         _hetero_alpa,
         frozenset(),
-        "Alpa's way: its DP at the average speed, no links, placed in host order",
+        "Alpa's way: its DP at the average speed, no links, placed as Alpa "
+        "places stages on hosts (pipeline order, or its runtime slicing)",
     ),
     "brute_force": (
         _hetero_brute_force,
