@@ -245,6 +245,23 @@ def test_megatron_deepspeed_runs_full_recomputation_and_flash_attention():
     assert value(args, "--attention-dropout") == "0"
 
 
+def test_megatron_deepspeed_says_to_set_parts_on_gpt_model_pipe_itself():
+    """DeepSpeed's ``_is_checkpointable`` knows ``GPTModelPipe`` by its class
+    name: ``parts`` given in a subclass of another name make it checkpoint the
+    embedding, the norm and the head too (Megatron-DeepSpeed's own code,
+    ``benchmarks/check_megatron_deepspeed.py``), so the export says where
+    they go."""
+    plan = plan_of([0, 9, 18, 26], tp=1, model="m")
+    full = TrainingOptions("bf16", recompute="full")
+    module = json.loads(export_plan(plan, "megatron-deepspeed", options=full))[
+        "pipeline_module"
+    ]
+    how = module["parts_how"]
+    assert "GPTModelPipe._partition_layers" in how
+    assert "_is_checkpointable" in how and "class name" in how
+    assert "self._set_bounds(start=parts[stage], stop=parts[stage + 1])" in how
+
+
 def test_megatron_deepspeed_refuses_sequence_parallelism_with_tp():
     sp = TrainingOptions("bf16", sequence_parallel=True)
     with pytest.raises(ExportRefused, match="all-reduce the norms' gradients"):

@@ -28,7 +28,13 @@ Checked against DeepSpeed 0.19.8 (``deepspeed/runtime/pipe/module.py``,
     ``0`` is the cast and the embedding, the layers after the blocks the
     norm, the head and the cast back. (Commits before 53db2b14, July 2023,
     also had two transposes around the transformer layers; they are not
-    covered.)
+    covered.) ``parts`` go into ``GPTModelPipe._partition_layers`` itself
+    (:data:`PARTS_HOW`): DeepSpeed's ``PipelineModule._is_checkpointable``
+    knows ``GPTModelPipe`` by its class name and checkpoints its transformer
+    layers only; in a subclass of another name it checkpoints every layer
+    with parameters, the embedding too (whose reentrant checkpoint, says
+    DeepSpeed's comment there, leaves it without gradients): seen with
+    Megatron-DeepSpeed's own code (``benchmarks/check_megatron_deepspeed.py``).
 
 * The engine config's batch rule: ``train_batch_size =
   train_micro_batch_size_per_gpu x gradient_accumulation_steps x
@@ -100,6 +106,7 @@ __all__ = [
     "MEGATRON_DEEPSPEED_VERSION",
     "megatron_deepspeed_flags",
     "megatron_deepspeed_layers",
+    "PARTS_HOW",
     "to_deepspeed",
     "to_megatron_deepspeed",
 ]
@@ -107,6 +114,18 @@ __all__ = [
 DEEPSPEED_VERSION = "DeepSpeed 0.19.8 PipelineModule"
 MEGATRON_DEEPSPEED_VERSION = (
     "Megatron-DeepSpeed f4157bea (2024-12-24) GPTModelPipe on DeepSpeed 0.19.8"
+)
+
+
+#: Where Megatron-DeepSpeed's ``parts`` go (module docstring).
+PARTS_HOW = (
+    "replace GPTModelPipe._partition_layers itself (self.parts = parts; "
+    "stage = self._topo.get_coord(self.global_rank).pipe; "
+    "self._set_bounds(start=parts[stage], stop=parts[stage + 1])), not in a "
+    "subclass of another name: DeepSpeed's _is_checkpointable knows "
+    "GPTModelPipe by its class name, and under another it checkpoints the "
+    "embedding, the final norm and the head too (DeepSpeed's own comment "
+    "there: the embedding's reentrant checkpoint leaves it without gradients)"
 )
 
 
@@ -321,6 +340,7 @@ def to_megatron_deepspeed(
             "num_stages": plan.num_stages,
             "parts_index": "GPTModelPipe's specs (dense model, no MoE): the "
             "'layers' list with --fp16/--bf16, 'layers_fp32' without",
+            "parts_how": PARTS_HOW,
             "layers": half,
             "parts": starts + [len(half)],
             "layers_fp32": full,
