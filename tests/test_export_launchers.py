@@ -215,6 +215,19 @@ def test_megatron_args_export_is_the_users_command_with_the_plans_flags(capsys):
     assert data["launchers"]["launched_by"][0] == "megatron"
 
 
+def test_megatron_args_export_drops_the_users_context_parallelism():
+    """The plan runs no context parallelism: Megatron-LM's data parallelism is
+    the world over TP x CP x PP, so a --context-parallel-size kept from the
+    user's command would run other replicas than the plan's (Megatron Core
+    0.16.1's validate_args refuses this plan's 32 GPUs with CP 2:
+    benchmarks/check_exports.py)."""
+    plan = plan_of(REVIEWED)  # TP 4, 8 stages: 32 GPUs
+    cp = " --context-parallel-size 2 --hierarchical-context-parallel-sizes 2 1"
+    tokens = command(export_plan(plan, "megatron", megatron_args=LAUNCH + cp))
+    assert tokens == command(export_plan(plan, "megatron", megatron_args=LAUNCH))
+    assert value(tokens, "--tensor-model-parallel-size") == "4"
+
+
 # ------------------------------------------------------ Megatron-DeepSpeed
 def megatron_deepspeed_args(plan, options):
     return json.loads(export_plan(plan, "megatron-deepspeed", options=options))[

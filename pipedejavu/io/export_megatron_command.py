@@ -46,6 +46,7 @@ from pipedejavu.io.export_megatron import MEGATRON_VERSION
 from pipedejavu.io.export_rules import ExportRefused, type_comment
 from pipedejavu.io.megatron_args import GPT2_VOCAB_SIZE
 from pipedejavu.io.megatron_command import flag_takes_value
+from pipedejavu.io.megatron_flags import megatron_flags
 
 __all__ = [
     "PLACEHOLDERS",
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 #: Flags (without ``--``) a plan decides: removed from a user's command
-#: before the plan's are added.
+#: before the plan's are added. Context parallelism among them: a plan runs
+#: none (Megatron-LM's data parallelism is the world over TP x CP x PP).
 PLAN_FLAGS = (
     "tensor-model-parallel-size",
     "pipeline-model-parallel-size",
@@ -71,6 +73,8 @@ PLAN_FLAGS = (
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
     "use-tp-pp-dp-mapping",
+    "context-parallel-size",
+    "hierarchical-context-parallel-sizes",
     "sequence-parallel",
     "use-distributed-optimizer",
     "recompute-granularity",
@@ -173,8 +177,9 @@ def model_flags(spec: TransformerSpec, seq_length: int) -> list[str]:
 
 def replace_plan_flags(user_args: str, plan_args: Sequence[str]) -> list[str]:
     """The user's command (one string, split as a shell would) without the
-    flags a plan decides (:data:`PLAN_FLAGS`, ``--flag value`` and
-    ``--flag=value``), then ``plan_args``.
+    flags a plan decides (:data:`PLAN_FLAGS`, ``--flag value``, ``--flag
+    value value ...`` for a flag of several values, and ``--flag=value``),
+    then ``plan_args``.
 
     Raises:
         ProblemError: a command a shell cannot split.
@@ -192,8 +197,13 @@ def replace_plan_flags(user_args: str, plan_args: Sequence[str]) -> list[str]:
         if not token.startswith("--") or flag not in PLAN_FLAGS:
             kept.append(token)
             continue
-        if flag_takes_value(flag) and not has_value and index < len(tokens):
-            index += 1  # its value goes with it
+        if not flag_takes_value(flag) or has_value:
+            continue
+        many = getattr(megatron_flags().get(token), "value", None) == "many"
+        while index < len(tokens) and (not many or not tokens[index].startswith("--")):
+            index += 1  # its values go with it
+            if not many:
+                break
     return kept + list(plan_args)
 
 
