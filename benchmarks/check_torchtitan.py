@@ -2,7 +2,7 @@
 
 ``check_exports.py`` imports this module (one copy of the fake process group,
 the error classes and the rank check). For each torchtitan export
-(torchtitan v0.2.2 on torch 2.14.1, CPU):
+(torchtitan v0.2.2, CPU; the torch version is in the results file):
 
 * ``ConfigManager().parse_args(["--job.config_file", ...])`` reads the TOML
   (its own loader; an unknown key raises); ``ParallelDims`` and its mesh on
@@ -55,7 +55,7 @@ import test_export_knobs as knob_rules  # noqa: E402  (plans, re-stated rules)
 import test_export_targets as rules  # noqa: E402
 
 from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
-from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
+from pipedejavu.io.export_rules import ExportRefused, num_blocks  # noqa: E402
 from pipedejavu.io.export_torchtitan import module_fqns, schedule_name  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 from pipedejavu.simulation.interleaved import interleaved_order  # noqa: E402
@@ -253,8 +253,16 @@ def compare_orders(schedule, par, ranks: int, chunks: int) -> Counter:
     return out
 
 
-def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) -> dict:
-    """Build the export with torchtitan's code; returns what was compared."""
+def check_torchtitan(
+    plan,
+    text: str,
+    options: TrainingOptions | None = None,
+    spec=None,
+    seq_length: int | None = None,
+) -> dict:
+    """Build the export with torchtitan's code; returns what was compared
+    (``spec``: the model, whose blocks it must build; ``seq_length``: the
+    length it must train at)."""
     from torchtitan.distributed.pipeline_parallel import (
         build_pipeline_schedule,
         pipeline_module_split,
@@ -267,8 +275,11 @@ def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) ->
     except (AssertionError, ValueError, SystemExit) as error:
         raise RealRejects(f"config: {error}") from None
     world, last = plan.num_gpus, plan.num_layers - 1
+    blocks = num_blocks(plan, spec)
     training, par = config.training, config.parallelism
     expect(training.dtype == "float32", "training.dtype")
+    if seq_length is not None:
+        expect(training.seq_len == seq_length, f"seq_len {training.seq_len}")
     mode = "none" if options.recompute == "none" else "full"
     expect(config.activation_checkpoint.mode == mode, "activation_checkpoint.mode")
     # train.py: gradient accumulation over the batch degree.
@@ -277,7 +288,7 @@ def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) ->
            "train.py batch assertion")  # fmt: skip
     accumulation = training.global_batch_size // (training.local_batch_size * degree)
     chunks = options.virtual_stages
-    model = titan_model(last - 1)
+    model = titan_model(blocks)
     coords, compared = {}, Counter()
     for rank in range(world):
         with fake_rank(rank, world), silenced():
@@ -297,7 +308,7 @@ def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) ->
                 if world != dims.get_mesh("dp_replicate").size():
                     raise RealRejects("parallelize_llama: DDP > 1D")
             if not dims.pp_enabled:
-                parts, built = [titan_model(last - 1)], list(range(plan.num_layers))
+                parts, built = [titan_model(blocks)], list(range(plan.num_layers))
                 micro, count = training.local_batch_size, accumulation
                 expect(built == profile_of(plan, stage), f"rank {rank} builds {built}")
             else:
@@ -313,7 +324,10 @@ def check_torchtitan(plan, text: str, options: TrainingOptions | None = None) ->
                     expect(pstage.stage_index == index, f"rank {rank} stage index")
                     built = [0] if part.tok_embeddings is not None else []
                     built += sorted(int(k) + 1 for k in part.layers.keys())
-                    if part.norm is not None and part.output is not None:
+                    if last > blocks + 1:  # the norm a profile layer of its own
+                        built += [blocks + 1] if part.norm is not None else []
+                        built += [last] if part.output is not None else []
+                    elif part.norm is not None and part.output is not None:
                         built.append(last)
                     else:
                         expect(part.norm is None and part.output is None, "norm/head")
@@ -492,7 +506,8 @@ def titan_rejects(plan, options: TrainingOptions | None = None) -> str:
         dims.build_mesh()
         try:
             parallelize_llama(titan_model(plan.num_layers - 2), dims, config)
-        except RuntimeError as error:
+        except (RuntimeError, AssertionError) as error:
+            # (no GPU: a CUDA build raises RuntimeError, a CPU build asserts)
             if "DDP has not supported" in str(error):
                 return "parallelize_llama: DDP has not supported > 1D parallelism"
             # TP cannot be applied without a GPU: test parallelize_llama's
