@@ -549,6 +549,7 @@ def megatron_deepspeed_knobs(source: Path, deepspeed_cases: list, problems: list
     tally["refusal confirmed by the real code"] = zbh1_confirmed
     return {
         "exports_through_its_code": dict(outcomes),
+        # the layers but the blocks checkpointed with parts in a subclass
         "parts_in_a_subclass_of_another_name": real["subclass"],
         "exports_from_the_plans_above": len(deepspeed_cases),
         "knob_cases": dict(tally),

@@ -293,17 +293,17 @@ def check(case: dict) -> dict:
 
 
 def subclass_checkpoints(case: dict) -> list[str]:
-    """The layers of stage 0 but its transformer layers that DeepSpeed
-    checkpoints when ``parts`` go to a
-    subclass of ``GPTModelPipe`` of another name (its ``_is_checkpointable``
-    recognises ``GPTModelPipe`` by the class's name)."""
+    """The layers but the transformer layers that DeepSpeed checkpoints, on
+    the first rank of every stage, when ``parts`` go to a subclass of
+    ``GPTModelPipe`` of another name (its ``_is_checkpointable`` recognises
+    ``GPTModelPipe`` by the class's name)."""
     import megatron.model.gpt_model as gpt
 
     class MyGPTModelPipe(gpt.GPTModelPipe):
         pass
 
     out = json.loads(case["export"])
-    pipe = out["pipeline_module"]
+    pipe, plan = out["pipeline_module"], case["plan"]
     half = case["options"]["precision"] in ("bf16", "fp16")
     layers, parts = (
         (pipe["layers"], pipe["parts"])
@@ -311,10 +311,14 @@ def subclass_checkpoints(case: dict) -> list[str]:
         else (pipe["layers_fp32"], pipe["parts_fp32"])
     )
     args = parsed(argv_of(case, out), out["world_size"])
-    module = gpt_model_pipe(args, parts, 0, out["world_size"], MyGPTModelPipe)
-    names = layers[module._local_start : module._local_stop]
-    return [n for n, f in zip(names, module.forward_funcs, strict=True)
-            if module._is_checkpointable([f]) and "transformer." not in n]  # fmt: skip
+    found = []
+    for stage in range(len(plan["stages"])):
+        rank = stage * plan["dp"] * out["model_parallel_size"]
+        module = gpt_model_pipe(args, parts, rank, out["world_size"], MyGPTModelPipe)
+        names = layers[module._local_start : module._local_stop]
+        pairs = zip(names, module.forward_funcs, strict=True)
+        found += [n for n, f in pairs if module._is_checkpointable([f])]
+    return [n for n in found if not n.startswith("transformer.")]
 
 
 def main() -> int:
@@ -331,14 +335,12 @@ def main() -> int:
         results.append({"name": case["name"], **result})
     zbh1 = [[p, m, zbh1_equal(p, m)] for p, m in request.get("zbh1", [])]
     full = [c for c in request.get("cases", []) if c["options"]["recompute"] == "full"]
-    probe = None
-    if full:
-        probe = {
-            "case": full[0]["name"],
-            "checkpointed besides its transformer layers": subclass_checkpoints(
-                full[0]
-            ),
-        }
+    probe = {}  # a model of tied embeddings and one of an untied head
+    for untied in (False, True):
+        for case in full:
+            if ("--untie-embeddings-and-output-weights" in case["structure"]) == untied:
+                probe[case["name"]] = subclass_checkpoints(case)
+                break
     answer = {"results": results, "zbh1": zbh1, "subclass": probe}
     sys.stdout.write(json.dumps(answer) + "\n")
     return 0

@@ -32,9 +32,10 @@ Checked against DeepSpeed 0.19.8 (``deepspeed/runtime/pipe/module.py``,
     (:data:`PARTS_HOW`): DeepSpeed's ``PipelineModule._is_checkpointable``
     knows ``GPTModelPipe`` by its class name and checkpoints its transformer
     layers only; in a subclass of another name it checkpoints every layer
-    with parameters, the embedding too (whose reentrant checkpoint, says
-    DeepSpeed's comment there, leaves it without gradients): seen with
-    Megatron-DeepSpeed's own code (``benchmarks/check_megatron_deepspeed.py``).
+    with parameters: the embedding (whose reentrant checkpoint, says
+    DeepSpeed's comment there, leaves it without gradients), the final norm
+    and an untied head, as Megatron-DeepSpeed's own code showed
+    (``benchmarks/check_megatron_deepspeed.py``).
 
 * The engine config's batch rule: ``train_batch_size =
   train_micro_batch_size_per_gpu x gradient_accumulation_steps x
@@ -124,8 +125,9 @@ PARTS_HOW = (
     "self._set_bounds(start=parts[stage], stop=parts[stage + 1])), not in a "
     "subclass of another name: DeepSpeed's _is_checkpointable knows "
     "GPTModelPipe by its class name, and under another it checkpoints the "
-    "embedding, the final norm and the head too (DeepSpeed's own comment "
-    "there: the embedding's reentrant checkpoint leaves it without gradients)"
+    "embedding, the final norm and an untied head too (DeepSpeed's own "
+    "comment there: the embedding's reentrant checkpoint leaves it without "
+    "gradients)"
 )
 
 
