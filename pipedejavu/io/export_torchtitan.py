@@ -4,9 +4,10 @@ Checked against torchtitan v0.2.2 (commit 73a0e697: ``torchtitan/config/
 job_config.py``, ``distributed/parallel_dims.py``,
 ``distributed/pipeline_parallel.py``, ``distributed/activation_checkpoint.py``,
 ``distributed/utils.py``, ``models/llama3/infra/parallelize.py``,
-``models/attention.py``, ``train.py``) and the PyTorch it ran on (torch 2.14.1,
-``torch/distributed/pipelining/schedules.py`` and ``_utils.py``); no code
-copied. ``benchmarks/check_exports.py`` runs the real code on these files.
+``models/attention.py``, ``train.py``) and the PyTorch it ran on (torch
+2.14.1, and 2.13.0 since 2026-12-06; ``torch/distributed/pipelining/
+schedules.py`` and ``_utils.py``); no code copied.
+``benchmarks/check_exports.py`` runs the real code on these files.
 
 **Layout and batch.**
 
