@@ -1,9 +1,13 @@
-"""Exact sub-solvers for placed plans: fixed boundaries, or a fixed placement.
+"""Sub-solvers for placed plans: fixed boundaries, or a fixed placement.
 
 A *placed plan* is ``(stages, placement)``: ``(start, stop, submesh, config,
 type)`` per stage and ``(hosts, first_device)`` per stage, any placement
-:func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts. Two exact sub-solvers
-serve the engine's rounding repair and its polish:
+:func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts. Two sub-solvers
+serve the engine's rounding repair and its polish, both exact for the
+all-in-flight objective (:func:`~pipedejavu.core.hetero_rules.hetero_bound`)
+and pricing every plan they solve for on the 1F1B objective
+(:func:`~pipedejavu.core.hetero_rules.hetero_objective`, which a cap on the
+slowest stage or link does not capture: its loops add up neighbours):
 
 * :func:`assign` -- given the layer boundaries ``0 = b_0 < ... < b_S = L``, the
   best submesh, config, type and placement of every stage over *every* valid
@@ -14,8 +18,9 @@ serve the engine's rounding repair and its polish:
   price types: the links are fixed by the hosts, so each stage's cost is a
   table over its span (the cheapest memory-admissible config on a tied slowest
   type of its hosts) and each transfer a function of where its stage ends; a
-  DP over stages and end layers per cap and the branch and bound of
-  :func:`pipedejavu.search.alpa.exact.search_caps` over caps.
+  DP over stages and end layers per cap gives the least-sum plan under it, and
+  a scan down the caps solves each distinct such plan once, skipping the caps
+  whose :func:`objective_floor` reaches the incumbent.
 
 :func:`quick_cost` is :func:`pipedejavu.core.hetero_rules.evaluate_hetero`'s arithmetic
 for a placed plan whose placement is known to be valid (only latencies and
@@ -25,6 +30,7 @@ memory are checked), without building the plan.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,7 +39,6 @@ from numpy.typing import NDArray
 from pipedejavu.core.hetero import HeteroProblem
 from pipedejavu.core.hetero_rules import hetero_objective
 from pipedejavu.core.problem import InfeasibleProblemError
-from pipedejavu.search.alpa.caps import search_caps
 from pipedejavu.search.hetero.exact import hetero_exact
 
 __all__ = [
@@ -42,6 +47,7 @@ __all__ = [
     "Stages",
     "assign",
     "links",
+    "objective_floor",
     "partition",
     "quick_cost",
     "split",
@@ -111,6 +117,28 @@ def quick_cost(problem: HeteroProblem, stages: Stages, placement: Placement) -> 
     return hetero_objective(latencies, transfers, problem.num_microbatches)
 
 
+def objective_floor(
+    round_trip: float, largest: float, num_stages: int, num_microbatches: int
+) -> float:
+    """Least 1F1B objective (:func:`~pipedejavu.core.hetero_rules.hetero_objective`)
+    of a plan of ``num_stages`` stages whose ``R_0 = sum t + sum c`` is at
+    least ``round_trip`` and whose largest stage or transfer time is at least
+    ``largest`` (seconds).
+
+    ``T = R_0 + (B - 1) P`` with ``P >= max t, max c``; when ``S < B`` the loop
+    through every stage (``t_0 + c_0 + ... + c_{S-2} + t_{S-1} = R_0``, shared
+    by ``S`` micro-batches) gives ``P >= R_0 / S`` too (``= t_0`` for one
+    stage). The all-in-flight bound ``R_0 + (B - 1) max`` leaves that loop out:
+    with costly links ``R_0 / S`` is the larger (the plans of
+    ``benchmarks/hetero_vs_alpa.py``), and a cap search pruned by it alone
+    solves nearly every cap below the incumbent.
+    """
+    period = largest
+    if num_stages < num_microbatches:
+        period = max(period, round_trip / num_stages)
+    return round_trip + (num_microbatches - 1) * period
+
+
 def assign(
     problem: HeteroProblem,
     boundaries: Sequence[int],
@@ -160,7 +188,7 @@ def split(stages) -> tuple[Stages, Placement]:
 
 
 def _partition_pass(
-    stage_cost: NDArray[np.float64],
+    bands: list[tuple[NDArray[np.float64], NDArray[np.int64]]],
     transfer: NDArray[np.float64],
     cap: float,
     combine: np.ufunc,
@@ -168,23 +196,31 @@ def _partition_pass(
     """Best boundaries for fixed stage slots, every term <= cap.
 
     Args:
-        stage_cost: f64[S, L, L] cost of slot s on span ``[i, j]`` (inclusive).
+        bands: per slot ``(cost, starts)``: f64[L, W] its cost on the span
+            ``[starts[j, d], j]`` (inclusive; inf where ``starts[j, d] < 0``)
+            and i64[L, W] those first layers, increasing in ``d``: its spans
+            of at most ``W`` layers (its own ``W``), by end layer.
         transfer: f64[S - 1, L] transfer after slot s when it ends at layer j.
 
     Returns:
         The optimal value and the stops ``b_1 < ... < b_S = L``, or (inf, None).
     """
-    num_stages, num_layers, _ = stage_cost.shape
-    costs = np.where(stage_cost <= cap, stage_cost, np.inf)
+    num_stages, num_layers = len(bands), bands[0][0].shape[0]
     sends = np.where(transfer <= cap, transfer, np.inf)
-    value = costs[0, 0].copy()  # [L] by end layer
+    cost, starts = bands[0]
+    value = np.where((starts == 0) & (cost <= cap), cost, np.inf).min(axis=1)
+    rows = np.arange(num_layers)
     back = np.zeros((num_stages, num_layers), dtype=np.int64)
     for stage in range(1, num_stages):
+        cost, starts = bands[stage]
         entering = combine(value, sends[stage - 1])  # by the previous end
-        shifted = np.concatenate([[np.inf], entering[:-1]])  # by start i
-        totals = combine(shifted[:, None], costs[stage])  # [i, j]
-        back[stage] = totals.argmin(axis=0)
-        value = totals[back[stage], np.arange(num_layers)]
+        # by the span's first layer (the previous stage ends just before)
+        into = np.where(starts >= 1, entering[np.maximum(starts - 1, 0)], np.inf)
+        totals = combine(into, np.where(cost <= cap, cost, np.inf))  # [L, W]
+        # the first least entry: the smallest start among ties
+        chosen = totals.argmin(axis=1)
+        back[stage] = starts[rows, chosen]
+        value = totals[rows, chosen]
     total = float(value[num_layers - 1])
     if not math.isfinite(total):
         return math.inf, None
@@ -195,17 +231,44 @@ def _partition_pass(
     return total, stops[::-1]
 
 
+#: Per problem, the slot tables last built (a local search prices the same
+#: places over and over): (types, submesh, followers) -> (table, choice,
+#: shortest), ``shortest[n - 1]`` the least entry of a span of ``n`` layers.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Bytes of tables kept per problem (each ``12 L^2``: 0.8 MB at L = 256).
+_TABLE_BYTES = 128 * 2**20
+
+
 def _slot_table(problem: HeteroProblem, hosts, m: int, followers: int):
     """f64[L, L] the least cost of a stage on these hosts over configs and tied
-    slowest types admissible under memory; i64[L, L, 2] its (config, type)."""
+    slowest types admissible under memory; i16[L, L, 2] its (config, type);
+    f64[L] the least of its spans of each length. Only the hosts' types
+    matter; the last tables built are reused."""
     cluster = problem.cluster
     types = sorted({cluster.host_types[x] for x in hosts})
+    cache = _TABLES.setdefault(problem, {})
+    key = (tuple(types), m, followers)
+    if key in cache:
+        cache[key] = cache.pop(key)  # most recently used last
+        return cache[key]
+    while cache and len(cache) * 12 * problem.num_layers**2 >= _TABLE_BYTES:
+        del cache[next(iter(cache))]  # the least recently used
+    table, choice = _build_slot_table(problem, types, m, followers)
+    shortest = np.array(
+        [np.diagonal(table, n).min() for n in range(problem.num_layers)]
+    )
+    cache[key] = (table, choice, shortest)
+    return cache[key]
+
+
+def _build_slot_table(problem: HeteroProblem, types: list[int], m: int, followers):
+    cluster = problem.cluster
     slowest = min(cluster.device_types[t].speed for t in types)
     memory = problem.max_n_succ_stages[:, :, m]  # [L, L, K, T]
     ok = np.all(memory[..., types] >= followers, axis=-1)  # [L, L, K]
     shape = problem.compute_cost.shape[:2]
     best = np.full(shape, np.inf)
-    choice = np.zeros(shape + (2,), dtype=np.int64)
+    choice = np.zeros(shape + (2,), dtype=np.int16)
     for t in types:
         if cluster.device_types[t].speed != slowest:
             continue
@@ -223,7 +286,9 @@ def partition(
     slots: Sequence[Slot],
     incumbent: float = math.inf,
 ) -> tuple[float, Stages | None, Placement | None]:
-    """The best boundaries, configs and types for stages placed on ``slots``.
+    """The best boundaries, configs and types for stages placed on ``slots``
+    (module docstring): the cheapest objective among the least-sum plans of
+    every cap, exact for the all-in-flight objective.
 
     Returns:
         ``(cost, stages, placement)`` of the best such plan if cheaper than
@@ -238,7 +303,6 @@ def partition(
         _slot_table(problem, hosts, m, num_stages - 1 - index)
         for index, (m, hosts, _) in enumerate(slots)
     ]
-    stage_cost = np.stack([table for table, _ in tables])
     transfer = np.zeros((max(num_stages - 1, 0), num_layers))
     for index, link in enumerate(_links(problem, placement)):
         sent = problem.boundary_bytes
@@ -246,28 +310,57 @@ def partition(
             link.latency_s + sent / link.bandwidth
         )
         transfer[index, num_layers - 1] = np.inf  # nothing may follow L - 1
-    smallest, _ = _partition_pass(stage_cost, transfer, math.inf, np.maximum)
-    if not smallest < incumbent / num_microbatches:
+    # A plan with a term above incumbent / B costs more than the incumbent:
+    # only each slot's spans with an entry up to there matter.
+    reach = incumbent / num_microbatches
+    ends = np.arange(num_layers)[:, None]
+    bands = []
+    for table, _, shortest in tables:
+        fits = np.flatnonzero(shortest <= reach)
+        if fits.size == 0:
+            return incumbent, None, None
+        width = int(fits[-1]) + 1
+        starts = ends - width + 1 + np.arange(width)[None, :]  # [L, W]
+        cost = table[np.maximum(starts, 0), ends]
+        bands.append((np.where(starts >= 0, cost, np.inf), starts))
+    smallest, _ = _partition_pass(bands, transfer, math.inf, np.maximum)
+    if not smallest < reach:
         return incumbent, None, None
-    values = np.concatenate([stage_cost.ravel(), transfer.ravel()])
-    caps = np.unique(values[np.isfinite(values) & (values >= smallest)])
+    values = np.concatenate([cost.ravel() for cost, _ in bands] + [transfer.ravel()])
+    caps = np.unique(values[(values >= smallest) & (values < reach)])
     best: list = [incumbent, None]
-
-    def solve_at(index: int) -> float:
-        total, stops = _partition_pass(stage_cost, transfer, float(caps[index]), np.add)
-        if stops is None:
-            return total
-        starts = [0] + stops[:-1]
-        stages = []
-        for s, (a, b, (m, _, _)) in enumerate(zip(starts, stops, slots, strict=True)):
+    # Every distinct least-sum plan that may beat the incumbent, from the
+    # largest useful cap down. The least-sum plan under a cap stays the
+    # least-sum plan down to its own bottleneck, and a plan whose bottleneck
+    # lies in [x, cap] costs at least objective_floor(S(cap), x); so the next
+    # cap solved is the largest candidate below both the bottleneck and the x
+    # at which that floor reaches the incumbent (one DP pass per distinct plan
+    # at most), and the scan stops once the floor at the least cap does.
+    index = caps.size - 1
+    while index >= 0:
+        cap = float(caps[index])
+        total, stops = _partition_pass(bands, transfer, cap, np.add)
+        if stops is None or not (
+            objective_floor(total, smallest, num_stages, num_microbatches) < best[0]
+        ):
+            break
+        firsts = [0] + stops[:-1]
+        stages, bottleneck = [], 0.0
+        for s, (a, b, (m, _, _)) in enumerate(zip(firsts, stops, slots, strict=True)):
             k, t = (int(x) for x in tables[s][1][a, b - 1])
             stages.append((a, b, m, k, t))
+            bottleneck = max(bottleneck, tables[s][0][a, b - 1])
+            if s < num_stages - 1:
+                bottleneck = max(bottleneck, transfer[s, b - 1])
         value = quick_cost(problem, stages, placement)
         if value < best[0]:
             best[:] = [value, stages]
-        return total
-
-    search_caps(caps, solve_at, lambda: best[0], num_microbatches)
+        # beaten: every plan whose bottleneck is at least this
+        beaten = math.inf
+        if num_microbatches > 1:
+            beaten = (best[0] - total) / (num_microbatches - 1)
+        below = np.searchsorted(caps, min(bottleneck, beaten))
+        index = min(int(below), index) - 1
     if best[1] is None:
         return incumbent, None, None
     return best[0], best[1], placement
