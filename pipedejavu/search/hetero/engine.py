@@ -16,20 +16,30 @@ The homogeneous engine's discipline (:mod:`pipedejavu.search.engine.driver`), ex
    and repair them exactly: :func:`pipedejavu.search.hetero.assign.assign`
    picks every stage's submesh, config, type and hosts over every valid plan
    (the exact oracle on exactly those spans).
-4. Polish on the true objective (:mod:`pipedejavu.search.hetero.polish`): a
-   local search alternating exact sub-solvers (best boundaries for the stages'
-   places, best places for the boundaries, merges, splits, swaps) from every
-   repaired restart. Every step searches the oracle's space: any placement,
-   stages over hosts of several types.
+4. Polish on the objective (:mod:`pipedejavu.search.hetero.polish`): the local
+   search's moves that need no oracle call (boundary shifts, the best
+   boundaries for the stages' places, swaps, reorders, splits and merges of
+   places) from every repaired restart. Every step searches the oracle's
+   space: any placement, stages over hosts of several types.
 5. Certify: :func:`pipedejavu.search.hetero.bounds.hetero_lower_bound` (valid
    over every valid plan); ``plan.info`` carries the bound and the gap
    ``cost / bound - 1``. On device grids small enough for its block relaxation
    (rule 8), the relaxation's optimal plans under each cap that pack onto the
    hosts are valid plans too; the best of them replaces the polished plan when
-   cheaper (``info["from_bound"]``).
-6. While the certified gap is open: :func:`pipedejavu.search.hetero.exact.hetero_exact`
-   restricted to spans near the best local optimum's boundaries and midpoints,
-   from its cost (:func:`pipedejavu.search.hetero.polish.exact_polish`).
+   cheaper (``info["from_bound"]``). It is optimal for the all-in-flight
+   objective that the bound bounds, not for the 1F1B objective: while the gap
+   is open it goes through the moves of step 4 as one more start.
+6. While the certified gap is open, from the ``num_exact_polished`` best
+   distinct local optima: every local move (those that call the oracle too:
+   exact places for the boundaries, merges, splits), then
+   :func:`pipedejavu.search.hetero.exact.hetero_exact` restricted to spans near
+   the boundaries and midpoints, from its cost
+   (:func:`pipedejavu.search.hetero.polish.exact_polish`).
+
+Every sub-solver is exact for the all-in-flight objective and prices what it
+finds on the 1F1B one, so under the 1F1B objective the local moves do the work
+the exact steps did alone before (the gap rarely closes: the bound is on the
+all-in-flight objective). Without ``time_budget_s`` nothing is cut short.
 
 The plan's cost is always :func:`pipedejavu.core.hetero_rules.evaluate_hetero` of it.
 """
@@ -56,7 +66,7 @@ from pipedejavu.search.engine.restarts import compiled_chunk, geometric, shard
 from pipedejavu.search.hetero.assign import assign, links, split
 from pipedejavu.search.hetero.bounds import hetero_lower_bound
 from pipedejavu.search.hetero.exact import explain_infeasible
-from pipedejavu.search.hetero.polish import exact_polish, local_search
+from pipedejavu.search.hetero.polish import boundaries_of, exact_polish, local_search
 from pipedejavu.search.hetero.relax import (
     HeteroRelaxedParams,
     HeteroRelaxedProblem,
@@ -84,9 +94,10 @@ class HeteroSearchConfig(SearchConfig):
             (stronger than the homogeneous engine's: more devices always lower
             the relaxed latencies, and the rounding needs budgets that hold).
         max_stages: stage slots of the relaxation (None: min(L, D, 16)).
-        num_polished: distinct rounded restarts taken through the local search.
-        num_exact_polished: best local optima then polished with the windowed
-            exact DP (0: none).
+        num_polished: distinct rounded restarts taken through the local search
+            (its moves that need no oracle call).
+        num_exact_polished: best local optima then taken through every local
+            move and the windowed exact DP while the gap is open (0: none).
         exact_time_limit_s: wall-clock limit of one windowed exact DP call.
     """
 
@@ -373,7 +384,11 @@ def hetero_search(
     optimized = time.perf_counter()
     budget_end = started + (config.time_budget_s or math.inf)
     # The bound gets a share of what is left (it prunes with the incumbent).
-    deadline = budget_end - _BOUND_SHARE * max(budget_end - optimized, 0.0)
+    # Without a budget there is no deadline (inf - inf would be NaN, and every
+    # comparison with NaN is false: the local search would never start).
+    deadline = math.inf
+    if math.isfinite(budget_end):
+        deadline = budget_end - _BOUND_SHARE * max(budget_end - optimized, 0.0)
     trace: list[tuple[float, float]] = []
     best = [math.inf]
 
@@ -396,6 +411,7 @@ def hetero_search(
                 cost,
                 window=4 * max(config.polish_window, 1),
                 deadline=deadline,
+                exact_moves=False,
             )
             record(cost)
         results.append([cost, restart, boundaries, stages, placement])
@@ -441,9 +457,26 @@ def hetero_search(
         best_cost = from_bound[-1].cost
         best_stages, best_placement = split(from_bound[-1].stages)
     bounded = time.perf_counter()
+    if from_bound and best_cost > bound * (1 + 1e-9):
+        # The bound's plan is optimal for hetero_bound, not for the objective:
+        # one more start for the local moves.
+        cost, stages, placement = local_search(
+            problem,
+            best_stages,
+            best_placement,
+            best_cost,
+            window=4 * max(config.polish_window, 1),
+            deadline=budget_end,
+            exact_moves=False,
+        )
+        found.append([cost, None, boundaries_of(stages), stages, placement])
+        found.sort(key=lambda r: r[0])
+        if cost < best_cost:
+            best_cost, best_stages, best_placement = cost, stages, placement
+            record(cost)
 
-    # The windowed exact DP on the best distinct local optima, while the
-    # certified gap is open.
+    # While the certified gap is open: every local move (the exact ones too)
+    # and the windowed exact DP from the best distinct local optima.
     seen = set()
     for result in found:
         if best_cost <= bound * (1 + 1e-9) or len(seen) >= config.num_exact_polished:
@@ -455,6 +488,9 @@ def hetero_search(
         seen.add(signature)
         if time.perf_counter() > budget_end:
             break
+        cost, stages, placement = local_search(
+            problem, stages, placement, cost, deadline=budget_end
+        )
         cost, stages, placement = exact_polish(
             problem,
             boundaries,

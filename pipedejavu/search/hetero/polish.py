@@ -5,16 +5,18 @@ Both phases search the space of :func:`pipedejavu.core.hetero_rules.check_hetero
 exactly (:func:`pipedejavu.search.hetero.assign.quick_cost`, the arithmetic of
 :func:`pipedejavu.core.hetero_rules.evaluate_hetero`):
 
-* :func:`local_search` (milliseconds per pass), until no move improves:
-  boundary hill climbing with every stage's place fixed; the best boundaries
-  for the current sequence of places (:func:`~.hetero_assign.partition`); the
-  best submeshes, configs, types and placement for the current boundaries and
-  for one merge or one split in two or three (:func:`~.hetero_assign.assign`,
-  the exact oracle on those spans); and moves on the sequence of places, each
-  priced with its best boundaries: reorder runs of one host type, swap two
-  stages' places, split a stage's devices in two (a partial stage into two
-  halves of its window, a whole stage into two groups of its hosts), merge two
-  neighbours whose devices together form a submesh.
+* :func:`local_search` (milliseconds per pass on short models, seconds at
+  L = 256), until no move improves: boundary hill climbing with every stage's
+  place fixed; the best boundaries for the current sequence of places
+  (:func:`~pipedejavu.search.hetero.assign.partition`); moves on the sequence
+  of places, each priced with its best boundaries: reorder runs of one host
+  type, swap two stages' places, split a stage's devices in two (a partial
+  stage into two halves of its window, a whole stage into two groups of its
+  hosts), merge two neighbours whose devices together form a submesh; and,
+  unless ``exact_moves=False``, the best submeshes, configs, types and
+  placement for the current boundaries and for one merge or one split in two
+  or three (:func:`~pipedejavu.search.hetero.assign.assign`, the exact oracle
+  on those spans, the costliest moves).
 * :func:`exact_polish`: :func:`pipedejavu.search.hetero.exact.hetero_exact`
   restricted to spans near the current boundaries and stage midpoints
   (:func:`pipedejavu.search.engine.neighbourhood.neighbourhood`), started from the
@@ -205,6 +207,7 @@ def local_search(
     *,
     window: int = 8,
     deadline: float = math.inf,
+    exact_moves: bool = True,
 ) -> tuple[float, Stages, Placement]:
     """The local moves of the module docstring until none improves.
 
@@ -214,6 +217,9 @@ def local_search(
         cost: its objective (seconds).
         window: layers a boundary may move in one hill-climbing step.
         deadline: ``time.perf_counter()`` value after which no pass starts.
+        exact_moves: also the moves that call the exact oracle (the exact
+            places for the current boundaries, one merge, one split), the
+            costliest by far on long models.
 
     Returns:
         ``(cost, stages, placement)`` of a plan no worse than the input.
@@ -226,9 +232,10 @@ def local_search(
         )
         if found is not None:
             cost, stages, placement = value, found, where
-        cost, stages, placement = _boundary_moves(
-            problem, stages, placement, cost, deadline, False
-        )
+        if exact_moves:
+            cost, stages, placement = _boundary_moves(
+                problem, stages, placement, cost, deadline, False
+            )
         if cost < before * _IMPROVES:
             continue
         cost, stages, placement = _sequence_moves(
@@ -236,6 +243,8 @@ def local_search(
         )
         if cost < before * _IMPROVES:
             continue
+        if not exact_moves:
+            break
         # The costliest moves (an exact assignment each) only when all else fails.
         cost, stages, placement = _boundary_moves(
             problem, stages, placement, cost, deadline
@@ -249,7 +258,11 @@ def _exact_window(problem, boundaries, window, incumbent, time_limit):
     """The exact DP on spans near the boundaries and stage midpoints: the best
     plan there if cheaper than ``incumbent``, and whether the DP finished."""
 
-    allowed = neighbourhood(boundaries, problem.num_layers, window)
+    # A window of L layers is the full DP (the neighbourhood of a few anchors
+    # misses spans between two anchors' groups, e.g. every one-layer stage).
+    allowed = None
+    if window < problem.num_layers:
+        allowed = neighbourhood(boundaries, problem.num_layers, window)
     finished = True
     try:
         plan = hetero_exact(
