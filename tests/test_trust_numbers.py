@@ -305,3 +305,17 @@ def test_flags_megatron_knows_are_listed_and_the_launcher_skipped(capsys):
     for words in ("--lr 3e-4", "--data-path 0.5 a 0.5 b", "--train-iters 10"):
         assert words in ignored
     assert json.loads(out)["plan"].startswith("pp 1 ")
+
+
+def test_torchtitan_plans_of_a_profiled_model_run_sequence_parallelism(capsys):
+    """torchtitan shards the norms along the sequence whenever TP > 1: a
+    profiled model (fp32, no SP) planned for it is searched with SP, priced
+    analytically, and exported (it was refused after the search: TP 4 without
+    SP)."""
+    argv = ["--model", "LLAMA-3-8", "--gpus", "GH-96:32", "--global-batch", "256"]
+    data = plan_json(capsys, *argv, "--export", "torchtitan")
+    assert data["options"]["sequence_parallel"] is any(
+        r["tp"] > 1 for s in data["stages"] for r in s["replicas"]
+    )
+    assert data["cost_source"] == "analytical"
+    assert "seq_len = 8192" in data["export"]["text"]

@@ -52,7 +52,7 @@ from pipedejavu.io.exports import (
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
-from pipedejavu.planning.plan_model import launched_space, plan_model
+from pipedejavu.planning.plan_model import default_space, launched_space, plan_model
 from pipedejavu.planning.training import (
     check_global_batch,
     expected_slow,
@@ -345,7 +345,7 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    auto = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    auto = default_space(choice, args.export)
     space, asked = knob_space(args, auto), knobs_asked(args)
     if args.export:  # only what the target launches as planned
         space = launched_space(args.export, space, choice.options)
@@ -444,8 +444,9 @@ def _search(
     uniform = not args.per_stage_tp if uniform_tp is None else uniform_tp
     alone = export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     # A model priced by its profiles searches the rank orders (a placement,
-    # the same costs) with its profiled training.
-    if choice.analytical or asked or len(space.rank_orders) > 1:
+    # the same costs) with its profiled training, or what an export needs.
+    profiled = KnobSpace.fixed(choice.options, space.rank_orders)
+    if choice.analytical or asked or len(space.rank_orders) > 1 or space != profiled:
         knobs = plan_model(
             args.model,
             pool,

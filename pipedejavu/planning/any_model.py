@@ -281,10 +281,14 @@ def _choose_profiled(
     # query-key layer scaling where its code applies it, below).
     options = dataclasses.replace(options, flash_attention=False)
     plain = options == data.options
+    # sequence parallelism changes nothing at TP 1, where the profiles still
+    # price (torchtitan runs it with every TP > 1 plan)
+    but_sp = dataclasses.replace(options, sequence_parallel=False) == data.options
     spec = None
     if seq_length is not None:
         spec = _profiled_spec(model, seq_length)
-        plain = plain and seq_length == _profiled_spec(model, None).seq_length
+        same_length = seq_length == _profiled_spec(model, None).seq_length
+        plain, but_sp = plain and same_length, but_sp and same_length
     if plain and all(gpu in have for gpu in gpu_types):
         return CostChoice(data, model, {g: g for g in gpu_types}, options, None)
     sheet = load_gpu_sheet(gpu_sheet)
@@ -292,7 +296,13 @@ def _choose_profiled(
     if plain and all(name in have for name in names.values()):
         return CostChoice(data, model, names, options, None)
     spec = spec or _profiled_spec(model, None)
-    if plain:
+    if but_sp and not plain:
+        note = (
+            f"the {model} profiles measured no sequence parallelism: priced by the "
+            "analytical model at TP > 1, by the profiles at TP 1 (where it "
+            "changes nothing)"
+        )
+    elif plain:
         missing = ", ".join(sorted({n for n in names.values() if n not in have}))
         note = (
             f"no {model} profile on {missing}: priced there by the analytical "
@@ -309,9 +319,9 @@ def _choose_profiled(
         spec,
         sheet,
         options,
-        profiles=data if plain else None,
+        profiles=data if but_sp else None,
         profile_model=model,
-        measured_links=data.network if plain else None,
+        measured_links=data.network if but_sp else None,
         mbs_values=mbs_values,
         query_key_layer_scaling=model in QK_LAYER_SCALING,
     )

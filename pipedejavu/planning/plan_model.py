@@ -21,6 +21,7 @@ the command line alike:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -52,11 +53,19 @@ KEPT_OPTIONS = (
 )
 
 
-def default_space(choice: CostChoice) -> KnobSpace:
+def default_space(choice: CostChoice, export: str | None = None) -> KnobSpace:
     """The knobs searched when none are given: every knob for a model priced
     by the analytical model alone; the profiled training (in both rank
-    orders, a placement at the same costs) where profiles price some layers."""
-    return KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    orders, a placement at the same costs) where profiles price some layers,
+    but with sequence parallelism where ``export``'s target runs it with every
+    TP > 1 plan (torchtitan's; such plans are then priced analytically, the
+    profiles having measured none; TP 1 plans, where it changes nothing, by
+    the profiles still)."""
+    space = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    launched = LAUNCHED_TRAINING.get(export or "", {})
+    if launched.get("sequence_parallel") == (True,):
+        space = dataclasses.replace(space, sequence_parallel=(True,))
+    return space
 
 
 def launched_space(
@@ -167,7 +176,7 @@ def plan_model(
         "memory_headroom": memory_headroom,
     }
     choice = choose_cost_source(model, pool, **shared)
-    space = default_space(choice) if space is None else space
+    space = default_space(choice, export) if space is None else space
     if export is not None:
         space = launched_space(export, space, choice.options)
     return plan_with_knobs(

@@ -257,7 +257,7 @@ class AnalyticalSource:
         plain = (
             options.precision == "fp32"
             and options.recompute == "none"
-            and not options.sequence_parallel
+            and (not options.sequence_parallel or tp == 1)  # (none at TP 1)
             and self.context_parallel == 1
         )
         if self.profiles is None or not plain:
