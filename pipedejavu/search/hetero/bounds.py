@@ -1,9 +1,12 @@
 """A certified lower bound for hardware-aware stage construction.
 
-:func:`hetero_lower_bound` is ``<=`` the objective
-``T = sum t + sum c + (B - 1) * max(max t, max c)`` of **every** plan that
+:func:`hetero_lower_bound` is ``<=`` the all-in-flight objective
+``T = sum t + sum c + (B - 1) * max(max t, max c)``
+(:func:`~pipedejavu.core.hetero_rules.hetero_bound`) of **every** plan that
 :func:`pipedejavu.core.hetero_rules.check_hetero_plan` accepts (any explicit placement,
-mixed-type stages included), hence ``<=`` the optimum. Proof, for a plan with
+mixed-type stages included), hence ``<=`` its optimum and ``<=`` the 1F1B
+objective (:func:`~pipedejavu.core.hetero_rules.hetero_objective`) of every
+plan. Proof, for a plan with
 stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
 ``n_s`` devices, priced type ``tau_s`` (the slowest type of its hosts):
 
@@ -73,7 +76,11 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    :mod:`pipedejavu.search.hetero.rbound`: the relaxation R of the exact
    oracle (every valid plan at its exact cost, only the packing of partial
    stages onto hosts forgotten) under the cap branch and bound. It equals the
-   optimum whenever R's optimal plan packs, which is usual.
+   optimum whenever R's optimal plan packs, which is usual. Without a time
+   limit it is computed first, and the refinement of rule 5 stops once the
+   best point bound (which its result never exceeds) is at most this one:
+   a result never lower, from fewer DP passes. With a limit it gets the time the
+   anytime refinement leaves.
 
 The result is also at least :func:`pipedejavu.search.engine.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
@@ -441,8 +448,8 @@ def hetero_lower_bound(
             by the Lagrangian dual of the DP over total devices
             (:func:`_dual_bound`).
         max_relaxed_cells: largest device grid ``prod_t (N_t dph + 1)`` on which
-            the block relaxation's bound (rule 8) is also computed, in the time
-            left.
+            the block relaxation's bound (rule 8) is also computed (first
+            without a time limit, else in the time left).
         plan_fn: receives the valid plans rule 8 finds on the way
             (:class:`~pipedejavu.core.hetero.HeteroPlan`; the engine keeps the best).
 
@@ -459,6 +466,12 @@ def hetero_lower_bound(
     batches = problem.num_microbatches
     one_stage = batches * levels.one_stage
     ceiling = math.inf if incumbent_cost is None else float(incumbent_cost)
+    # Without a time limit the block relaxation (rule 8), usually the tighter,
+    # comes first: the refinement below stops once it cannot beat it. With a
+    # limit it comes last, in the time the anytime refinement leaves.
+    block = None
+    if time_limit_s is None:
+        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
     # Plans whose largest relaxed term r exceeds ceiling / B cost > ceiling:
     # the DP only needs the entries up to there (sparser, hence faster).
     reach = ceiling / batches
@@ -472,7 +485,8 @@ def hetero_lower_bound(
     tail = batches * float(above[0]) if above.size else math.inf
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
         bound = max(min(tail, one_stage), simple)
-        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+        if block is None:
+            block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
         return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     # The cheap bound, before any cap is solved: every plan of several stages
@@ -519,6 +533,10 @@ def hetero_lower_bound(
         weakest, low, high = heap[0]
         if high - low < 2 or weakest >= (1.0 - rtol) * min(best_point[0], ceiling):
             break
+        # the result is at most the best point bound: past the block bound,
+        # refining gains nothing
+        if block is not None and min(best_point[0], ceiling) <= block:
+            break
         heapq.heappop(heap)
         # Bisect the cap values (an interval's slack is (B - 1) times its width).
         halfway = 0.5 * (caps[low] + caps[high])
@@ -528,9 +546,9 @@ def hetero_lower_bound(
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
     bound = max(min(relaxed, one_stage), cheap)
-    return max(
-        bound, _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
-    ) * (1.0 - margin)
+    if block is None:
+        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+    return max(bound, block) * (1.0 - margin)
 
 
 def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
