@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -187,8 +188,36 @@ def split(stages) -> tuple[Stages, Placement]:
     )
 
 
+class _Band(NamedTuple):
+    """A slot's spans of at most ``W`` layers, by end layer ``j`` (row).
+
+    Attributes:
+        cost: f64[L, W] its cost on the span ``[starts[j, d], j]`` (inclusive;
+            inf where that start would be negative).
+        starts: i64[L, W] the spans' first layers, increasing in ``d``.
+        before: i64[L, W] the previous stage's last layer (``L`` where the
+            span starts at layer 0 or before).
+        first: f64[L] the cost of the span ``[0, j]`` (inf past ``W`` layers).
+    """
+
+    cost: NDArray[np.float64]
+    starts: NDArray[np.int64]
+    before: NDArray[np.int64]
+    first: NDArray[np.float64]
+
+
+def _band(table: NDArray[np.float64], width: int) -> _Band:
+    num_layers = table.shape[0]
+    ends = np.arange(num_layers)[:, None]
+    starts = ends - width + 1 + np.arange(width)[None, :]  # [L, W]
+    cost = np.where(starts >= 0, table[np.maximum(starts, 0), ends], np.inf)
+    before = np.where(starts >= 1, starts - 1, num_layers)
+    first = np.where(np.arange(num_layers) < width, table[0], np.inf)
+    return _Band(cost, starts, before, first)
+
+
 def _partition_pass(
-    bands: list[tuple[NDArray[np.float64], NDArray[np.int64]]],
+    bands: list[_Band],
     transfer: NDArray[np.float64],
     cap: float,
     combine: np.ufunc,
@@ -196,30 +225,26 @@ def _partition_pass(
     """Best boundaries for fixed stage slots, every term <= cap.
 
     Args:
-        bands: per slot ``(cost, starts)``: f64[L, W] its cost on the span
-            ``[starts[j, d], j]`` (inclusive; inf where ``starts[j, d] < 0``)
-            and i64[L, W] those first layers, increasing in ``d``: its spans
-            of at most ``W`` layers (its own ``W``), by end layer.
+        bands: per slot, its spans (:class:`_Band`, each its own width).
         transfer: f64[S - 1, L] transfer after slot s when it ends at layer j.
 
     Returns:
         The optimal value and the stops ``b_1 < ... < b_S = L``, or (inf, None).
     """
-    num_stages, num_layers = len(bands), bands[0][0].shape[0]
+    num_stages, num_layers = len(bands), bands[0].cost.shape[0]
     sends = np.where(transfer <= cap, transfer, np.inf)
-    cost, starts = bands[0]
-    value = np.where((starts == 0) & (cost <= cap), cost, np.inf).min(axis=1)
+    value = np.where(bands[0].first <= cap, bands[0].first, np.inf)  # by end
     rows = np.arange(num_layers)
+    entering = np.full(num_layers + 1, np.inf)  # [L] inf: nothing before
     back = np.zeros((num_stages, num_layers), dtype=np.int64)
     for stage in range(1, num_stages):
-        cost, starts = bands[stage]
-        entering = combine(value, sends[stage - 1])  # by the previous end
-        # by the span's first layer (the previous stage ends just before)
-        into = np.where(starts >= 1, entering[np.maximum(starts - 1, 0)], np.inf)
-        totals = combine(into, np.where(cost <= cap, cost, np.inf))  # [L, W]
+        band = bands[stage]
+        entering[:num_layers] = combine(value, sends[stage - 1])  # by its end
+        capped = np.where(band.cost <= cap, band.cost, np.inf)
+        totals = combine(entering[band.before], capped)  # [L, W]
         # the first least entry: the smallest start among ties
         chosen = totals.argmin(axis=1)
-        back[stage] = starts[rows, chosen]
+        back[stage] = band.starts[rows, chosen]
         value = totals[rows, chosen]
     total = float(value[num_layers - 1])
     if not math.isfinite(total):
@@ -313,20 +338,16 @@ def partition(
     # A plan with a term above incumbent / B costs more than the incumbent:
     # only each slot's spans with an entry up to there matter.
     reach = incumbent / num_microbatches
-    ends = np.arange(num_layers)[:, None]
     bands = []
     for table, _, shortest in tables:
         fits = np.flatnonzero(shortest <= reach)
         if fits.size == 0:
             return incumbent, None, None
-        width = int(fits[-1]) + 1
-        starts = ends - width + 1 + np.arange(width)[None, :]  # [L, W]
-        cost = table[np.maximum(starts, 0), ends]
-        bands.append((np.where(starts >= 0, cost, np.inf), starts))
+        bands.append(_band(table, int(fits[-1]) + 1))
     smallest, _ = _partition_pass(bands, transfer, math.inf, np.maximum)
     if not smallest < reach:
         return incumbent, None, None
-    values = np.concatenate([cost.ravel() for cost, _ in bands] + [transfer.ravel()])
+    values = np.concatenate([band.cost.ravel() for band in bands] + [transfer.ravel()])
     caps = np.unique(values[(values >= smallest) & (values < reach)])
     best: list = [incumbent, None]
     # Every distinct least-sum plan that may beat the incumbent, from the
@@ -345,14 +366,15 @@ def partition(
         ):
             break
         firsts = [0] + stops[:-1]
-        stages, bottleneck = [], 0.0
+        stages, latencies = [], []
         for s, (a, b, (m, _, _)) in enumerate(zip(firsts, stops, slots, strict=True)):
             k, t = (int(x) for x in tables[s][1][a, b - 1])
             stages.append((a, b, m, k, t))
-            bottleneck = max(bottleneck, tables[s][0][a, b - 1])
-            if s < num_stages - 1:
-                bottleneck = max(bottleneck, transfer[s, b - 1])
-        value = quick_cost(problem, stages, placement)
+            latencies.append(float(tables[s][0][a, b - 1]))
+        transfers = [float(transfer[s, b - 1]) for s, b in enumerate(stops[:-1])]
+        bottleneck = max(latencies + transfers)
+        # quick_cost's arithmetic: the tables hold only admissible entries
+        value = hetero_objective(latencies, transfers, num_microbatches)
         if value < best[0]:
             best[:] = [value, stages]
         # beaten: every plan whose bottleneck is at least this
