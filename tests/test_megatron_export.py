@@ -394,14 +394,20 @@ def test_cli_plan_json_is_accepted_by_predict(capsys, tmp_path):
 def test_cli_plan_text_and_errors(capsys):
     command = ["plan", "--model", "OPT-350", "--gpus", "RTX-2080:4"]
     command += ["--global-batch", "8", "--export", "torchtitan"]
-    # The profiled plan (pp 2, tp 2) was priced without sequence parallelism,
-    # which torchtitan's TP always runs.
-    assert main(command) == 2
+    # The profiled plan (pp 2, tp 2) priced without sequence parallelism,
+    # which torchtitan's TP always runs, is refused when asked for; by default
+    # the search for torchtitan runs it (as with --sequence-parallel on).
+    assert main([*command, "--sequence-parallel", "off"]) == 2
     assert "without sequence parallelism" in capsys.readouterr()[1]
-    code = main([*command, "--sequence-parallel", "on"])
-    out, _ = capsys.readouterr()
-    assert code == 0 and "tp 4" in out and "[parallelism]" in out
-    assert 'mode = "none"' in out
+    outs = []
+    for extra in ([], ["--sequence-parallel", "on"]):
+        code = main([*command, *extra])
+        out, _ = capsys.readouterr()
+        assert code == 0 and "tensor_parallel_degree = 2" in out
+        assert "[parallelism]" in out and 'mode = "none"' in out
+        assert "sequence parallel on" in out
+        outs.append(out.split("--- torchtitan ---")[1])
+    assert outs[0] == outs[1]  # the same export
     assert (
         main(["plan", "--model", "OPT-350", "--gpus", "GH96", "--global-batch", "8"])
         == 2

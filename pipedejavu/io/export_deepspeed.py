@@ -96,6 +96,7 @@ from pipedejavu.io.export_rules import (
     check_whole_batch,
     gpu_types_by_rank,
     head_layers,
+    megatron_parallel_args,
     num_blocks,
     transformer_layers,
     uniform_tp,
@@ -321,18 +322,9 @@ def to_megatron_deepspeed(
     full = megatron_deepspeed_layers(num_layers, half=False)
     # Megatron-DeepSpeed takes the plain Megatron arguments; its pipeline split
     # comes from GPTModelPipe's partition, not from Megatron's layer options.
-    args = [
-        "--tensor-model-parallel-size",
-        str(engine["model_parallel_size"]),
-        "--pipeline-model-parallel-size",
-        str(plan.num_stages),
-        "--micro-batch-size",
-        str(plan.mbs),
-        "--global-batch-size",
-        str(plan.gbs),
-        "--num-layers",
-        str(num_layers),
-    ]
+    args = megatron_parallel_args(
+        engine["model_parallel_size"], plan.num_stages, plan, num_layers
+    )
     return {
         "target": MEGATRON_DEEPSPEED_VERSION,
         "arguments_note": "the plan's arguments: add them to your pretrain_gpt.py "

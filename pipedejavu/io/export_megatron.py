@@ -43,6 +43,7 @@ from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
     head_layers,
+    megatron_parallel_args,
     transformer_layers,
     uniform_tp,
 )
@@ -95,18 +96,7 @@ def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
             "stage; the plan puts them on different stages"
         )
     num_layers, stages = sum(counts), len(counts)
-    args = [
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(stages),
-        "--micro-batch-size",
-        str(plan.mbs),
-        "--global-batch-size",
-        str(plan.gbs),
-        "--num-layers",
-        str(num_layers),
-    ]
+    args = megatron_parallel_args(tp, stages, plan, num_layers)
     if stages == 1 or len(set(counts)) == 1:
         return args  # Megatron's even split
     middle = counts[1:-1]

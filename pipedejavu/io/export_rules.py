@@ -23,6 +23,7 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.transformer import TransformerSpec
 
 __all__ = [
+    "megatron_parallel_args",
     "ExportRefused",
     "check_model_layers",
     "check_whole_batch",
@@ -172,3 +173,23 @@ def type_comment(plan: Plan3D) -> str:
         "that does not fill whole hosts needs per-host process counts)"
     )
     return "\n".join(lines) + "\n"
+
+
+def megatron_parallel_args(
+    tp: int, stages: int, plan: Plan3D, num_layers: int
+) -> list[str]:
+    """Megatron's parallel and batch arguments of a plan (Megatron-LM's and
+    Megatron-DeepSpeed's alike): TP, PP, the micro-batch and global batch,
+    and the transformer layers."""
+    return [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(stages),
+        "--micro-batch-size",
+        str(plan.mbs),
+        "--global-batch-size",
+        str(plan.gbs),
+        "--num-layers",
+        str(num_layers),
+    ]

@@ -31,7 +31,6 @@ tables and the proof ask of their data (the interface of
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -61,6 +60,7 @@ from pipedejavu.costmodel.megatron.options import (
     param_state_bytes,
     recompute_time,
 )
+from pipedejavu.costmodel.megatron.profile_types import with_memory_headroom
 from pipedejavu.costmodel.megatron.rules import profiling_params
 from pipedejavu.costmodel.megatron.sailor_data import (
     GpuSpec,
@@ -154,9 +154,7 @@ class AnalyticalSource:
     def with_memory_headroom(self, headroom: MemoryHeadroom | None) -> AnalyticalSource:
         """This source with ``headroom`` kept free on every GPU
         (:meth:`gpu_spec`; the priced layers are shared)."""
-        out = copy.copy(self)
-        out.memory_headroom = headroom
-        return out
+        return with_memory_headroom(self, headroom)
 
     # ------------------------------------------------------------ interface
     @property

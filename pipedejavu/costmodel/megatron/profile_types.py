@@ -4,9 +4,11 @@ from a Sailor-style folder; the analytical source builds them too)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -20,6 +22,7 @@ __all__ = [
     "GpuSpec",
     "LayerTimes",
     "ModelInfo",
+    "with_memory_headroom",
 ]
 
 #: Message sizes the link fits were measured on: 2**16 .. 2**30 bytes; the fits
@@ -206,3 +209,12 @@ class GpuSpec:
             memory_bytes=headroom.usable_bytes(capacity),
             capacity_bytes=capacity,
         )
+
+
+def with_memory_headroom(source: Any, headroom: MemoryHeadroom | None) -> Any:
+    """A shallow copy of a cost source (a ``SailorData`` or an
+    ``AnalyticalSource``) whose ``gpu_spec`` keeps ``headroom`` free on every
+    GPU; what it has read or priced is shared."""
+    out = copy.copy(source)
+    out.memory_headroom = headroom
+    return out

@@ -19,7 +19,6 @@ Nothing here reads a measured run (``measured/``): see
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.resources
 import math
@@ -42,6 +41,7 @@ from pipedejavu.costmodel.megatron.profile_types import (
     GpuSpec,
     LayerTimes,
     ModelInfo,
+    with_memory_headroom,
 )
 
 __all__ = [
@@ -236,9 +236,7 @@ class SailorData:
     def with_memory_headroom(self, headroom: MemoryHeadroom | None) -> SailorData:
         """These profiles with ``headroom`` kept free on every GPU
         (:meth:`gpu_spec`; the parsed files are shared)."""
-        out = copy.copy(self)
-        out.memory_headroom = headroom
-        return out
+        return with_memory_headroom(self, headroom)
 
     # ----------------------------------------------------------------- lists
     def models(self) -> tuple[str, ...]:
