@@ -76,7 +76,9 @@ DEFAULT_ORDER = ("tp-dp-pp",)
 SPACES = {
     "today": KnobSpace(("none",), (False,), (False,), ("1f1b",), DEFAULT_ORDER),
     "+recompute": KnobSpace(
-        schedules=("1f1b",), sequence_parallel=(False,), distributed_optimizer=(False,),
+        schedules=("1f1b",),
+        sequence_parallel=(False,),
+        distributed_optimizer=(False,),
         rank_orders=DEFAULT_ORDER,
     ),  # fmt: skip
     "+SP, dist-opt": KnobSpace(schedules=("1f1b",), rank_orders=DEFAULT_ORDER),

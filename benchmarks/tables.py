@@ -632,8 +632,7 @@ def t_published_runs() -> str:
         f"{pct(loo['max'])}; one constant MFU for all runs (leave-one-out): "
         f"median {pct(anchor['median'])}, max {pct(anchor['max'])}. Prediction: "
         "each run's first `predict` in one process (its own cost source, "
-        "nothing of it cached before)."
-        + source("published_runs.json")
+        "nothing of it cached before)." + source("published_runs.json")
     )
 
 
@@ -1082,8 +1081,7 @@ def t_simulator_speed() -> str:
     return (
         table(head, rows)
         + f"\n\nBuilding every rank's command order for SC'21 530B's shape (35 ranks, "
-        f"3 chunks, 280 micro-batches): {orders}."
-        + source("simulator_speed.json")
+        f"3 chunks, 280 micro-batches): {orders}." + source("simulator_speed.json")
     )
 
 

@@ -68,7 +68,8 @@ class FitRow:
 
     Attributes:
         collective, cluster, mesh, num_groups, group_size, crosses_hosts,
-            stride, dtype: the curve (see :class:`~pipedejavu.costmodel.alpa.comm_data.GroupShape`).
+            stride, dtype: the curve (see
+            :class:`~pipedejavu.costmodel.alpa.comm_data.GroupShape`).
         num_points: points in the database; ``num_used`` of them were fitted,
             ``num_skipped = num_invalid + num_no_op + num_artifact`` were not
             (inf/nan times; no collective run; ``make_monotonic`` copies of a
@@ -163,7 +164,8 @@ def comm_report(
         prof_db: a path to ``prof_database.pkl`` or the dict from
             :func:`~costmodel.read_prof_database`.
         num_folds: k of the held-out k-fold validation (>= 2).
-        config: fit settings (default :data:`~pipedejavu.costmodel.alpa.comm_fit.DEFAULT_FIT`).
+        config: fit settings (default
+            :data:`~pipedejavu.costmodel.alpa.comm_fit.DEFAULT_FIT`).
 
     Returns:
         One :class:`FitRow` per curve, in database order.

@@ -78,9 +78,12 @@ stages ``s = 0..S-1``, stage ``s`` on layers ``i_s..j_s``, submesh ``m_s`` of
    stages onto hosts forgotten) under the cap branch and bound. It equals the
    optimum whenever R's optimal plan packs, which is usual. Without a time
    limit it is computed first, and the refinement of rule 5 stops once the
-   best point bound (which its result never exceeds) is at most this one:
-   a result never lower, from fewer DP passes. With a limit it gets the time the
-   anytime refinement leaves.
+   best point bound (which its result never exceeds) is at most this one
+   (plus ``gap_rtol`` times its distance to the incumbent: what is left could
+   narrow the distance from the incumbent by no more than that share of it,
+   as in R's own refinement,
+   :func:`~pipedejavu.search.hetero.rbound.relaxed_bound`): fewer DP passes.
+   With a limit it gets the time the anytime refinement leaves.
 
 The result is also at least :func:`pipedejavu.search.engine.bounds.lower_bound` of the
 homogeneous relaxation (costs the least over types, memory the largest over
@@ -431,6 +434,7 @@ def hetero_lower_bound(
     max_cells: int = 20_000,
     max_relaxed_cells: int = 20_000,
     plan_fn=None,
+    gap_rtol: float = 0.05,
 ) -> float:
     """A certified lower bound (s) on every plan's objective (module docstring).
 
@@ -452,6 +456,10 @@ def hetero_lower_bound(
             without a time limit, else in the time left).
         plan_fn: receives the valid plans rule 8 finds on the way
             (:class:`~pipedejavu.core.hetero.HeteroPlan`; the engine keeps the best).
+        gap_rtol: the refinements stop once they could narrow the distance
+            from ``incumbent_cost`` (or a cheaper plan found) by no more than
+            this share of it (rule 8; 0: refine to the end). Without a known
+            plan it does nothing.
 
     Returns:
         The bound in seconds; ``inf`` only when no plan can exist.
@@ -471,7 +479,9 @@ def hetero_lower_bound(
     # limit it comes last, in the time the anytime refinement leaves.
     block = None
     if time_limit_s is None:
-        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+        block = _block_bound(
+            problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
+        )
     # Plans whose largest relaxed term r exceeds ceiling / B cost > ceiling:
     # the DP only needs the entries up to there (sparser, hence faster).
     reach = ceiling / batches
@@ -486,7 +496,9 @@ def hetero_lower_bound(
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
         bound = max(min(tail, one_stage), simple)
         if block is None:
-            block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+            block = _block_bound(
+                problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
+            )
         return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     # The cheap bound, before any cap is solved: every plan of several stages
@@ -535,7 +547,9 @@ def hetero_lower_bound(
             break
         # the result is at most the best point bound: past the block bound,
         # refining gains nothing
-        if block is not None and min(best_point[0], ceiling) <= block:
+        if block is not None and min(best_point[0], ceiling) <= block + gap_rtol * (
+            max(ceiling - block, 0.0) if math.isfinite(ceiling) else 0.0
+        ):
             break
         heapq.heappop(heap)
         # Bisect the cap values (an interval's slack is (B - 1) times its width).
@@ -547,11 +561,13 @@ def hetero_lower_bound(
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
     bound = max(min(relaxed, one_stage), cheap)
     if block is None:
-        block = _block_bound(problem, ceiling, deadline, max_relaxed_cells, plan_fn)
+        block = _block_bound(
+            problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
+        )
     return max(bound, block) * (1.0 - margin)
 
 
-def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
+def _block_bound(problem, ceiling, deadline, max_cells, plan_fn, gap_rtol) -> float:
     """Rule 8, when the device grid is small enough and time is left."""
     cells = 1
     for count in problem.cluster.devices_of_type():
@@ -559,4 +575,10 @@ def _block_bound(problem, ceiling, deadline, max_cells, plan_fn) -> float:
     if cells > max_cells or time.perf_counter() > deadline:
         return -math.inf
 
-    return relaxed_bound(problem, incumbent=ceiling, deadline=deadline, plan_fn=plan_fn)
+    return relaxed_bound(
+        problem,
+        incumbent=ceiling,
+        deadline=deadline,
+        plan_fn=plan_fn,
+        gap_rtol=gap_rtol,
+    )

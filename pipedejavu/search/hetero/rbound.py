@@ -15,6 +15,16 @@ which caps to solve, pruning a piece once it reaches the best point bound so
 far, the incumbent or a plan found on the way: the piece holding the optimum's
 bottleneck is at most the optimum, so it is never pruned before it matters.
 
+**Enough is enough.** With a known plan of cost ``U`` (the incumbent, or a
+cheaper plan found on the way) and ``P`` the least piece so far, a piece is
+also pruned once it reaches ``P - gap_rtol (U - P)``: the result is then at
+least that, and since the exact refinement's result ``R*`` is ``<= P``, the
+distance ``U - bound`` is at most ``(1 + gap_rtol) (U - R*)``, while the last
+passes (at caps a hair apart, each as dear as the first) are saved. When the
+bound proves ``U`` optimal (``P = U``) nothing is given up; with no plan
+known the refinement is exact. Pieces pruned against an earlier, lower
+target are refined again once ``U`` or ``P`` moved (solved caps are reused).
+
 **Plans on the way.** When R's optimal plan under a cap packs onto the hosts
 and obeys the memory rule (:mod:`pipedejavu.search.hetero.place`), it is a
 valid plan; ``plan_fn`` receives it (the engine keeps the best).
@@ -63,12 +73,19 @@ def relaxed_bound(
     incumbent: float = math.inf,
     deadline: float = math.inf,
     plan_fn: Callable[[Any], None] | None = None,
+    gap_rtol: float = 0.05,
 ):
     """A lower bound (s) on every valid plan; ``-inf`` when the deadline
     passed before the first cap; ``inf`` when no plan exists. ``plan_fn``
-    receives every valid plan found on the way (a :class:`HeteroPlan`)."""
+    receives every valid plan found on the way (a :class:`HeteroPlan`);
+    ``gap_rtol``: the refinement stops once it could narrow the distance from
+    the cheapest known plan by no more than this share of it (module
+    docstring; 0: exact)."""
+    if not gap_rtol >= 0:
+        raise ValueError(f"gap_rtol must be >= 0, got {gap_rtol}")
     setup = build(problem)
-    best = [incumbent]
+    best = [incumbent]  # the least piece or plan cost so far
+    upper = [incumbent]  # the cheapest known plan
 
     def offer(units) -> None:
         if units is None or not memory_ok(setup, units):
@@ -80,6 +97,7 @@ def relaxed_bound(
             problem, stage_tuples(units), method="diff", placement=placement
         )
         best[0] = min(best[0], plan.cost)
+        upper[0] = min(upper[0], plan.cost)
         if plan_fn is not None:
             plan_fn(plan)
 
@@ -93,7 +111,14 @@ def relaxed_bound(
     caps = candidate_caps(setup, smallest)
     sums: dict[int, float] = {}
 
+    def target() -> float:
+        if not math.isfinite(upper[0]):
+            return best[0]
+        return best[0] - gap_rtol * max(upper[0] - best[0], 0.0)
+
     def solve_at(index: int) -> float:
+        if index in sums:  # solved in an earlier round
+            return sums[index]
         cap = float(caps[index])
         relaxed = solve_relaxed(setup, cap, np.add, 1, deadline)
         total = sums[index] = relaxed.value
@@ -102,7 +127,14 @@ def relaxed_bound(
         return total
 
     try:
-        search_caps(caps, solve_at, lambda: best[0], batches)
+        while True:
+            solved = len(sums)
+            search_caps(caps, solve_at, target, batches)
+            # Pieces pruned against an earlier target may sit below this one.
+            if len(sums) == solved or min(_cover(sums, caps, batches), best[0]) >= (
+                target()
+            ):
+                break
     except Interrupted:
         if not sums:
             return -math.inf
