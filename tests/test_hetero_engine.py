@@ -201,8 +201,24 @@ def test_lagrangian_bound_on_generated_three_type_instances(seed):
     assert bound >= 0.9 * optimum
 
 
+def _count_calls(monkeypatch, module, name) -> list:
+    """Replace ``module.name`` (a DP pass) by a wrapper that records the cap
+    (its second argument) of every call, for this test only."""
+    calls = []
+    original = getattr(module, name)
+
+    def counting(*args):
+        calls.append(args[1])
+        return original(*args)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 @pytest.mark.parametrize("seed", range(2))
-def test_unlimited_bound_skips_the_refinement_the_block_bound_makes_useless(seed):
+def test_unlimited_bound_skips_the_refinement_the_block_bound_makes_useless(
+    seed, monkeypatch
+):
     # Without a time limit the block relaxation (rule 8) comes first, and the
     # levels refinement stops once its best point cannot beat it: the same
     # bound as in the anytime order (levels, then block), from fewer DP passes
@@ -216,24 +232,14 @@ def test_unlimited_bound_skips_the_refinement_the_block_bound_makes_useless(seed
     )
     problem = hetero_problem(24 + 8 * seed, cluster, num_microbatches=32, seed=0)
     optimum = hetero_exact(problem)
-    passes = []
-    original = bounds_module._relaxed_dp
-
-    def counting(*args):
-        passes.append(args[1])
-        return original(*args)
-
-    bounds_module._relaxed_dp = counting
-    try:
-        results = []
-        for limit in (1e9, None):  # anytime order; block first
-            passes.clear()
-            bound = hetero_lower_bound(
-                problem, incumbent_cost=optimum.cost, time_limit_s=limit
-            )
-            results.append((bound, len(passes)))
-    finally:
-        bounds_module._relaxed_dp = original
+    passes = _count_calls(monkeypatch, bounds_module, "_relaxed_dp")
+    results = []
+    for limit in (1e9, None):  # anytime order; block first
+        passes.clear()
+        bound = hetero_lower_bound(
+            problem, incumbent_cost=optimum.cost, time_limit_s=limit
+        )
+        results.append((bound, len(passes)))
     (anytime, anytime_passes), (unlimited, unlimited_passes) = results
     np.testing.assert_allclose(unlimited, anytime, rtol=1e-12)
     assert unlimited <= optimum.cost * (1 + 1e-12)
@@ -241,7 +247,9 @@ def test_unlimited_bound_skips_the_refinement_the_block_bound_makes_useless(seed
 
 
 @pytest.mark.parametrize("layers", [24, 32, 48])
-def test_block_bound_stops_once_the_rest_would_barely_narrow_the_gap(layers):
+def test_block_bound_stops_once_the_rest_would_barely_narrow_the_gap(
+    layers, monkeypatch
+):
     # The block relaxation's refinement with gap_rtol stops once what is left
     # could narrow U - bound by no more than that share of it: the distance
     # from the incumbent stays within (1 + gap_rtol) of the exact refinement's,
@@ -257,22 +265,12 @@ def test_block_bound_stops_once_the_rest_would_barely_narrow_the_gap(layers):
     problem = hetero_problem(layers, cluster, num_microbatches=32, seed=0)
     exact = hetero_exact(problem)
     incumbent = exact.cost  # its 1F1B objective, above the bound: a gap is open
-    passes = []
-    original = rbound.solve_relaxed
-
-    def counting(*args):
-        passes.append(args[1])
-        return original(*args)
-
-    rbound.solve_relaxed = counting
-    try:
-        results = []
-        for share in (0.0, 0.05):
-            passes.clear()
-            bound = rbound.relaxed_bound(problem, incumbent=incumbent, gap_rtol=share)
-            results.append((bound, len(passes)))
-    finally:
-        rbound.solve_relaxed = original
+    passes = _count_calls(monkeypatch, rbound, "solve_relaxed")
+    results = []
+    for share in (0.0, 0.05):
+        passes.clear()
+        bound = rbound.relaxed_bound(problem, incumbent=incumbent, gap_rtol=share)
+        results.append((bound, len(passes)))
     (full, full_passes), (early, early_passes) = results
     assert early <= full * (1 + 1e-12)
     # Below the exact plan's all-in-flight cost (hetero_bound of its stages).
