@@ -319,3 +319,32 @@ def test_torchtitan_plans_of_a_profiled_model_run_sequence_parallelism(capsys):
     )
     assert data["cost_source"] == "analytical"
     assert "seq_len = 8192" in data["export"]["text"]
+
+
+@pytest.mark.parametrize(
+    "argv, legend",
+    [
+        (
+            QWEN_7B,
+            "  layers: 0 the embedding, 1-28 the 28 transformer blocks, "
+            "29 the final norm and LM head",
+        ),
+        (
+            ["--model", "LLAMA-3-8", "--gpus", "GH-96:32", "--global-batch", "256"],
+            "  layers: 0 the embedding, 1-32 the 32 transformer blocks, "
+            "33 the final norm, 34 the LM head",
+        ),
+    ],
+)
+def test_the_report_says_what_its_layer_numbers_are(capsys, argv, legend):
+    """A 28-block model's stages run over layers 0-29 and Sailor's 32-block
+    LLAMA-3-8 over 0-34: the report says which are the blocks, and its
+    stages cover exactly those numbers."""
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 0, err
+    lines = out.splitlines()
+    stages = next(line for line in lines if line.startswith("  stages: "))
+    assert lines[lines.index(stages) + 1] == legend
+    last = int(legend.rsplit(", ", 1)[1].split()[0])
+    assert stages.startswith("  stages: layers 0-")
+    assert f"-{last} (" in stages.rsplit("layers ", 1)[1]

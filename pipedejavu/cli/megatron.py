@@ -385,7 +385,8 @@ def _plan(args: argparse.Namespace) -> int:
             out["export"]["data_parallel_alone"] = alone
         print(json_text(out))
     else:
-        print(format_training_plan(result, pool=pool_text(pool, choice.gpu_types)))
+        shown = pool_text(pool, choice.gpu_types)
+        print(format_training_plan(result, pool=shown, spec=spec))
         if knobs is not None:
             print(format_knobs(knobs))
         if alone:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.interleaving import rank_layers
+from pipedejavu.io.export_rules import head_layers, num_blocks
 from pipedejavu.planning.knob_space import recompute_name, schedule_name
 from pipedejavu.planning.launch_compare import SEARCH_SPACE_NOTE, RunComparison
 
@@ -89,9 +91,32 @@ def pool_text(pool: dict[str, int], names: dict[str, str]) -> str:
     )
 
 
-def format_training_plan(result, pool: str | None = None) -> str:
+def layers_legend(plan, spec) -> str | None:
+    """What the plan's layer numbers are: ``0`` the embedding, ``1..L`` the
+    model's ``L`` transformer blocks, then the final norm and LM head (one
+    layer, or two in a profile that times them apart); ``None`` without the
+    model, or for a plan of another model's layer count."""
+    if spec is None:
+        return None
+    try:
+        blocks = num_blocks(plan, spec)
+    except ProblemError:
+        return None
+    last = (
+        f"{blocks + 1} the final norm and LM head"
+        if head_layers(plan, spec) == 1
+        else f"{blocks + 1} the final norm, {blocks + 2} the LM head"
+    )
+    return (
+        f"  layers: 0 the embedding, 1-{blocks} the {blocks} transformer blocks, "
+        + last
+    )
+
+
+def format_training_plan(result, pool: str | None = None, spec=None) -> str:
     """The text report of ``pipedejavu plan`` (``pool``: the GPUs as the user
-    gave them, :func:`pool_text`; default the plan's pool)."""
+    gave them, :func:`pool_text`; default the plan's pool; ``spec``: the
+    model, whose layers :func:`layers_legend` names)."""
     plan, prediction = result.plan, result.prediction
     used, available = result.gpus_used, result.gpus_available
     mixed = len({s.replicas[0].gpu_type for s in plan.stages}) > 1
@@ -107,6 +132,9 @@ def format_training_plan(result, pool: str | None = None) -> str:
         "  stages: "
         + ", ".join(f"layers {s.start}-{s.stop - 1} ({where(s)})" for s in plan.stages),
     ]
+    legend = layers_legend(plan, spec)
+    if legend is not None:
+        lines.append(legend)
     if sum(used.values()) < sum(available.values()):
         fewer = ", ".join(f"{gpu}:{n}" for gpu, n in used.items())
         lines.append(f"  uses fewer GPUs than available: {fewer}")
