@@ -348,3 +348,31 @@ def test_the_report_says_what_its_layer_numbers_are(capsys, argv, legend):
     last = int(legend.rsplit(", ", 1)[1].split()[0])
     assert stages.startswith("  stages: layers 0-")
     assert f"-{last} (" in stages.rsplit("layers ", 1)[1]
+
+
+def test_a_pool_of_several_types_reads_with_commas_too(capsys):
+    """``--gpus A100-80:8,H100:8`` is the pool of ``--gpus A100-80:8 --gpus
+    H100:8`` (it was refused as one malformed item); a launch takes one type,
+    and says so (a comma there raised a traceback)."""
+    from pipedejavu.planning.training import parse_gpu_pool
+
+    assert parse_gpu_pool(["A100-80:8,H100:8"]) == {"A100-80": 8, "H100": 8}
+    assert parse_gpu_pool(["A100-80:8, H100:8", "V100:4"]) == parse_gpu_pool(
+        ["A100-80:8", "H100:8", "V100:4"]
+    )
+    with pytest.raises(ProblemError, match="names H100 twice"):
+        parse_gpu_pool(["H100:8,H100:8"])
+    with pytest.raises(ProblemError, match="got ''"):
+        parse_gpu_pool(["H100:8,"])
+    argv = ["--model", "Qwen2.5-7B", "--global-batch", "128", "--seq-len", "4096"]
+    together = plan_json(capsys, *argv, "--gpus", "A100-80:8,H100:8")
+    apart = plan_json(capsys, *argv, "--gpus", "A100-80:8", "--gpus", "H100:8")
+    assert together["stages"] == apart["stages"]
+    launch = "pretrain_gpt.py --num-layers 4 --hidden-size 1024 "
+    launch += "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings "
+    launch += "2048 --micro-batch-size 1 --global-batch-size 8 --bf16"
+    for command in ("predict", "plan"):
+        code, _, err = run(
+            capsys, command, "--megatron-args", launch, "--gpus", "A100-80:8,H100:8"
+        )
+        assert code == 2 and "takes one --gpus TYPE:COUNT, got 2 types" in err

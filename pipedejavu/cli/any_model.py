@@ -476,7 +476,12 @@ def read_launch(
     Raises:
         ProblemError: a bad pool, a GPU type not on the sheet, bad flags.
     """
-    ((gpu, count),) = parse_gpu_pool([gpus], most=most).items()
+    pool = parse_gpu_pool([gpus], most=most)
+    if len(pool) != 1:  # a launch runs on one type (commas give several)
+        raise ProblemError(
+            f"--megatron-args takes one --gpus TYPE:COUNT, got {len(pool)} types"
+        )
+    ((gpu, count),) = pool.items()
     sheet = load_gpu_sheet(gpu_sheet)
     gpu = sheet_name(sheet, gpu)
     run = spec_from_megatron_args(megatron_args)

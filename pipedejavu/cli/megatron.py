@@ -141,8 +141,9 @@ def add_parsers(commands: Any) -> None:
         required=True,
         metavar="TYPE:COUNT",
         help="GPUs available, e.g. GH-96:64 or H100:64 (a type of the profiles "
-        "or of the GPU sheet; repeat for a pool of several types, each type "
-        f"once; at most {MAX_SEARCH_GPUS} GPUs in all)",
+        "or of the GPU sheet; for a pool of several types repeat the flag or "
+        "separate them with commas, each type once; at most "
+        f"{MAX_SEARCH_GPUS} GPUs in all)",
     )
     add_training_options(plan, knobs=True)
     plan.add_argument(

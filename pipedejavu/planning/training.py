@@ -51,7 +51,8 @@ _POOL = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]{0,63})\s*:\s*(\d{1,12})\s*$
 def parse_gpu_pool(
     items: Sequence[str] | Mapping[str, int], *, most: int = MAX_SEARCH_GPUS
 ) -> dict[str, int]:
-    """``["GH-96:64", "RTX-3090:8"]`` -> ``{"GH-96": 64, "RTX-3090": 8}``.
+    """``["GH-96:64", "RTX-3090:8"]`` (or ``["GH-96:64,RTX-3090:8"]``) ->
+    ``{"GH-96": 64, "RTX-3090": 8}``.
 
     Each type appears once; counts are integers in ``[1, most]`` and add up to
     at most ``most``: by default a pool to search,
@@ -70,6 +71,12 @@ def parse_gpu_pool(
     else:
         if isinstance(items, str):
             items = [items]
+        # A comma separates types within one item, as repeating the flag does.
+        items = [
+            part
+            for item in items
+            for part in (item.split(",") if isinstance(item, str) else [item])
+        ]
         for item in items:
             match = _POOL.match(item) if isinstance(item, str) else None
             if not match:
