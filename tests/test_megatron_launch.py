@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedejavu.cli.main import main
-from pipedejavu.core.plan3d import MAX_GPUS, MAX_SEARCH_GPUS
+from pipedejavu.core.layout import MAX_GPUS
+from pipedejavu.core.plan3d import MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource

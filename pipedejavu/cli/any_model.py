@@ -468,7 +468,7 @@ def read_launch(
     most: int = MAX_SEARCH_GPUS,
 ) -> tuple[MegatronRun, str, int, GpuSheet]:
     """A Megatron-LM launch on ``gpus`` (``TYPE:COUNT``, at most ``most``
-    GPUs: a prediction allows :data:`~pipedejavu.core.plan3d.MAX_GPUS`, a
+    GPUs: a prediction allows :data:`~pipedejavu.core.layout.MAX_GPUS`, a
     search :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS`): the parsed run,
     the sheet's name of the GPU type, the count and the sheet; the flags that
     change nothing are listed on stderr.

@@ -40,7 +40,8 @@ from pipedejavu.cli.megatron_report import (
 )
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.files import json_text
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEARCH_GPUS
+from pipedejavu.core.layout import MAX_GPUS
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,

@@ -35,10 +35,10 @@ Files (readers never execute anything and bound what they read):
 
 Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` and
 ``mbs`` in ``[1, MAX_GLOBAL_BATCH]`` (65,536 samples) with ``gbs >= mbs x dp``
-(every replica gets at least one whole micro-batch), at most :data:`MAX_GPUS`
-(131,072) GPUs in a plan (the sum of its replicas' ``tp``); ``tp`` and
-``gpus_on_node`` in ``[1, MAX_GPUS]``, ``node`` in ``[0, MAX_GPUS)``, stage
-bounds in ``[0, 2**20]``.
+(every replica gets at least one whole micro-batch), at most
+:data:`~pipedejavu.core.layout.MAX_GPUS` (131,072) GPUs in a plan (the sum of
+its replicas' ``tp``); ``tp`` and ``gpus_on_node`` in ``[1, MAX_GPUS]``,
+``node`` in ``[0, MAX_GPUS)``, stage bounds in ``[0, 2**20]``.
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
 
@@ -52,6 +52,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.validation import describe
 
@@ -81,10 +82,6 @@ PLAN3D_KIND = "training-plan"
 #: predictor simulates every micro-batch, so its time grows with the batch;
 #: this keeps a prediction under a second or so.
 MAX_GLOBAL_BATCH = 2**16
-#: Most GPUs in a plan, and so in a prediction: the largest clusters trained on
-#: today (the predictor's time grows with the replicas: ~1 s at 131,072 GPUs of
-#: data parallelism alone).
-MAX_GPUS = 2**17
 #: Most GPUs in a pool that ``plan`` searches (all types together): the search
 #: grows with the pool's divisors (Llama-3.1-405B on 16,384 H100: ~6 minutes
 #: on a 2-core machine, 4,096: ~2.5 minutes).

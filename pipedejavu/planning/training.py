@@ -57,7 +57,7 @@ def parse_gpu_pool(
     Each type appears once; counts are integers in ``[1, most]`` and add up to
     at most ``most``: by default a pool to search,
     :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS` (16,384); a prediction
-    passes :data:`~pipedejavu.core.plan3d.MAX_GPUS` (131,072). A mapping is
+    passes :data:`~pipedejavu.core.layout.MAX_GPUS` (131,072). A mapping is
     checked the same way.
 
     Raises:

@@ -31,8 +31,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.files import read_json
+from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.memory_headroom import MemoryHeadroom
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_GPUS
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.profile_types import (
