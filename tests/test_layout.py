@@ -109,12 +109,24 @@ def test_every_gpu_has_one_rank_and_groups_partition_them(layout):
     st.sampled_from(["tp-dp-pp", "tp-pp-dp"]),
 )
 def test_per_stage_tp_places_replicas_as_plans_always_have(tps, dp, per_node, order):
-    """The node of each replica's first GPU is plan3d.canonical_nodes's."""
+    """Replica ``j`` of stage ``s`` starts at rank ``dp sum_{r<s} tp_r + j
+    tp_s`` (tp-dp-pp) or ``j G + sum_{r<s} tp_r`` (tp-pp-dp, ``G = sum tp``),
+    the numbering plans have always had; plan3d.canonical_nodes places them
+    on nodes by it."""
     layout = ParallelLayout(tuple(tps), dp, order=order)
-    nodes = [
-        [layout.rank(s, dp=j) // per_node for j in range(dp)] for s in range(len(tps))
+    expected = []
+    for s, tp in enumerate(tps):
+        if order == "tp-dp-pp":
+            expected.append([dp * sum(tps[:s]) + j * tp for j in range(dp)])
+        else:
+            expected.append([j * sum(tps) + sum(tps[:s]) for j in range(dp)])
+    assert [[layout.rank(s, dp=j) for j in range(dp)] for s in range(len(tps))] == (
+        expected
+    )
+    assert [layout.replica_ranks(s) for s in range(len(tps))] == expected
+    assert canonical_nodes(tps, dp, per_node, order) == [
+        [rank // per_node for rank in ranks] for ranks in expected
     ]
-    assert nodes == canonical_nodes(tps, dp, per_node, order)
     # and a replica's TP group is its consecutive ranks
     for s, tp in enumerate(tps):
         first = layout.rank(s, dp=dp - 1)

@@ -134,6 +134,13 @@ class ParallelLayout:
     dp: int
     cp: int = 1
     order: str = PP_OUTER
+    #: Each stage's first rank and the stride between its replicas (derived).
+    _firsts: tuple[int, ...] = dataclasses.field(
+        init=False, repr=False, compare=False, default=()
+    )
+    _strides: tuple[tuple[int, int], ...] = dataclasses.field(
+        init=False, repr=False, compare=False, default=()
+    )
 
     def __post_init__(self) -> None:
         given = self.stages
@@ -179,6 +186,21 @@ class ParallelLayout:
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "cp", cp)
         object.__setattr__(self, "order", order)
+        # Ranks: stage s from its first; replicas apart by the whole pipeline's
+        # model GPUs (replicas outermost) or by the replica's own GPUs.
+        pipelined = order == DP_OUTER and len(stages) > 1
+        models = [axes.tp * cp for axes in stages]
+        widths = models if pipelined else [m * dp for m in models]
+        firsts = [0]
+        for width in widths[:-1]:
+            firsts.append(firsts[-1] + width)
+        pipeline = sum(models)
+        strides = tuple(
+            (pipeline, pipeline) if pipelined else (model, axes.expert_tp * axes.ep)
+            for model, axes in zip(models, stages, strict=True)
+        )
+        object.__setattr__(self, "_firsts", tuple(firsts))
+        object.__setattr__(self, "_strides", strides)
 
     @classmethod
     def uniform(
@@ -234,26 +256,15 @@ class ParallelLayout:
             "pp": self.pp,
         }
 
-    def _pipelined(self) -> bool:
-        """Whether replicas are outermost with several stages (else each
-        stage's ranks are consecutive, the :data:`PP_OUTER` numbering)."""
-        return self.order == DP_OUTER and self.pp > 1
-
     def first_rank(self, stage: int) -> int:
         """The lowest rank of ``stage``'s first replica."""
-        width = self.model_size if self._pipelined() else self.stage_gpus
-        return sum(width(r) for r in range(stage))
+        return self._firsts[stage]
 
     # ------------------------------------------------------------ the rule
     def rank(self, stage: int, *, tp: int = 0, cp: int = 0, dp: int = 0) -> int:
         """Global rank of the dense coordinates ``(tp, cp, dp)`` of ``stage``."""
         axes = self._coordinates(stage, {"tp": tp, "cp": cp, "dp": dp})
-        replica = (
-            sum(self.model_size(r) for r in range(self.pp))
-            if self._pipelined()
-            else self.model_size(stage)
-        )
-        return self.first_rank(stage) + tp + axes.tp * cp + replica * dp
+        return self._firsts[stage] + tp + axes.tp * cp + self._strides[stage][0] * dp
 
     def expert_rank(
         self, stage: int, *, etp: int = 0, ep: int = 0, edp: int = 0
@@ -261,12 +272,15 @@ class ParallelLayout:
         """Global rank of the expert coordinates ``(etp, ep, edp)`` of ``stage``
         (the same GPUs as the dense ones, laid out again)."""
         axes = self._coordinates(stage, {"etp": etp, "ep": ep, "edp": edp})
-        replica = (
-            sum(self.model_size(r) for r in range(self.pp))
-            if self._pipelined()
-            else self.expert_block(stage)
-        )
-        return self.first_rank(stage) + etp + axes.expert_tp * ep + replica * edp
+        stride = self._strides[stage][1]
+        return self._firsts[stage] + etp + axes.expert_tp * ep + stride * edp
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """The first rank of each of ``stage``'s data-parallel replicas (its
+        ``tp cp`` GPUs are the consecutive ranks from there)."""
+        self._coordinates(stage, {})
+        first, stride = self._firsts[stage], self._strides[stage][0]
+        return [first + j * stride for j in range(self.dp)]
 
     def _coordinates(self, stage: int, coords: dict[str, int]) -> StageAxes:
         if not (isinstance(stage, int) and 0 <= stage < self.pp):

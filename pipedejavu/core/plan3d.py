@@ -52,7 +52,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipedejavu.core.layout import MAX_GPUS
+from pipedejavu.core.layout import MAX_GPUS, ParallelLayout
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.validation import describe
 
@@ -518,21 +518,17 @@ def canonical_nodes(
     order: str = RANK_ORDERS[0],
 ) -> list:
     """Node of replica ``j`` of stage ``s`` in a rank order of
-    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: rank ``dp sum_{r<s} tp_r + j
-    tp_s`` (``tp-dp-pp``) or ``j G + sum_{r<s} tp_r`` with ``G = sum_r tp_r``
-    the GPUs of a pipeline (``tp-pp-dp``); node ``rank // gpus_per_node``."""
+    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: its first rank by the layout's
+    rule (:meth:`~pipedejavu.core.layout.ParallelLayout.replica_ranks`: ``dp
+    sum_{r<s} tp_r + j tp_s`` in ``tp-dp-pp``, ``j G + sum_{r<s} tp_r`` with
+    ``G = sum_r tp_r`` in ``tp-pp-dp``) over ``gpus_per_node``."""
     if order not in RANK_ORDERS:
         raise ProblemError(f"rank order must be one of {RANK_ORDERS}, got {order!r}")
-    pipeline = sum(stage_tps)
-    nodes, offset = [], 0
-    for tp in stage_tps:
-        if order == RANK_ORDERS[0]:
-            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node))
-            offset += dp * tp
-        else:
-            nodes.append(rank_nodes(offset, dp, tp, gpus_per_node, pipeline))
-            offset += tp
-    return nodes
+    layout = ParallelLayout(tuple(stage_tps), dp, order=order)
+    return [
+        [rank // gpus_per_node for rank in layout.replica_ranks(s)]
+        for s in range(layout.pp)
+    ]
 
 
 def rank_order_of(plan: Plan3D, gpus_per_node: int | None = None) -> str | None:
