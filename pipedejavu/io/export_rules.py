@@ -11,13 +11,15 @@ DeepSpeed (``PipeModelDataParallelTopology`` axes ``pipe, data, model``) and
 torchtitan (mesh ``pp, dp_replicate, fsdp, cp, tp``) all put TP fastest, then
 data parallelism, then the pipeline stage: replica ``j`` of stage ``s`` is
 global ranks ``(s dp + j) tp`` to ``(s dp + j + 1) tp - 1``
-(:func:`rank_of`).
+(:meth:`~pipedejavu.core.layout.ParallelLayout.replica_ranks` of
+:func:`launch_layout`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pipedejavu.core.layout import ParallelLayout
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.transformer import TransformerSpec
@@ -30,7 +32,7 @@ __all__ = [
     "head_layers",
     "num_blocks",
     "gpu_types_by_rank",
-    "rank_of",
+    "launch_layout",
     "transformer_layers",
     "type_comment",
     "uniform_tp",
@@ -130,21 +132,25 @@ def transformer_layers(plan: Plan3D, spec: TransformerSpec | None = None) -> lis
     ]
 
 
-def rank_of(plan: Plan3D, stage: int, replica: int, tp_rank: int) -> int:
-    """Global rank of a GPU in the launchers' order (module docstring)."""
+def launch_layout(plan: Plan3D) -> ParallelLayout:
+    """The plan's layout in the launchers' default order (module docstring).
+
+    Raises:
+        ProblemError: TP degrees that differ (the launchers run one).
+    """
     tp = uniform_tp(plan, "the launch rank order")
-    return (stage * plan.dp + replica) * tp + tp_rank
+    return ParallelLayout.uniform(tp=tp, pp=plan.num_stages, dp=plan.dp)
 
 
 def gpu_types_by_rank(plan: Plan3D) -> list[dict[str, Any]]:
     """Consecutive global-rank blocks of one GPU type (module docstring):
     ``{"ranks": [first, last], "gpu_type", "stages": [first, last]}``."""
-    tp = uniform_tp(plan, "the launch rank order")
+    layout = launch_layout(plan)
     blocks: list[dict[str, Any]] = []
     for index, stage in enumerate(plan.stages):
-        for j, replica in enumerate(stage.replicas):
-            first = rank_of(plan, index, j, 0)
-            last = first + tp - 1
+        firsts = layout.replica_ranks(index)
+        for replica, first in zip(stage.replicas, firsts, strict=True):
+            last = first + layout.model_size(index) - 1
             if blocks and blocks[-1]["gpu_type"] == replica.gpu_type:
                 blocks[-1]["ranks"][1] = last
                 blocks[-1]["stages"][1] = index
