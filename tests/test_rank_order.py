@@ -317,5 +317,14 @@ def test_megatron_args_with_the_tp_pp_dp_mapping_price_that_order(capsys):
     assert (
         json.loads(out)["iteration_time_s"] == launches[1].prediction.iteration_time_s
     )
-    with pytest.raises(ProblemError, match="context-parallel"):
+    with pytest.raises(ProblemError, match="context-parallel-size 2 and"):
         parse(flags + " --use-tp-pp-dp-mapping --context-parallel-size 2")
+    # One stage: both orders are one layout, and Megatron Core (0.11 on)
+    # takes the flag with context parallelism (it was refused at any PP).
+    one_stage = flags.replace("--pipeline-model-parallel-size 4", "")
+    one_stage += " --context-parallel-size 2"
+    times = [
+        predict_megatron_run(parse(f), "H100-SXM", 32, sheet).prediction
+        for f in (one_stage, one_stage + " --use-tp-pp-dp-mapping")
+    ]
+    assert times[0].iteration_time_s == times[1].iteration_time_s

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.layout import DP_OUTER, ParallelLayout
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.megatron_command import read_flags, split_command
@@ -374,11 +375,18 @@ def spec_from_megatron_args(
             f"by 2 x --context-parallel-size = {2 * cp}"
         )
     mapping = bool(values.get("use-tp-pp-dp-mapping"))
-    if mapping and cp > 1:
-        raise ProblemError(
-            "Megatron arguments: --use-tp-pp-dp-mapping is not used with "
-            "--context-parallel-size > 1 (Megatron-LM's rule)"
-        )
+    if mapping:
+        # Megatron Core (0.11 on) builds the layout and refuses it when the
+        # expert and dense data parallelism differ across several stages:
+        # with CP > 1 and no experts, always (the layout's own rule).
+        try:
+            ParallelLayout.uniform(tp=tp, pp=pp, cp=cp, order=DP_OUTER)
+        except ProblemError as refused:
+            raise ProblemError(
+                f"Megatron arguments: --use-tp-pp-dp-mapping with "
+                f"--context-parallel-size {cp} and {pp} pipeline stages is refused "
+                f"by Megatron Core's initialize_model_parallel ({refused})"
+            ) from None
     if cp > 1 and not flash:
         raise ProblemError(
             "Megatron arguments: context parallelism runs Transformer Engine's "
