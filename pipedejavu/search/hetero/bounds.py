@@ -474,14 +474,16 @@ def hetero_lower_bound(
     batches = problem.num_microbatches
     one_stage = batches * levels.one_stage
     ceiling = math.inf if incumbent_cost is None else float(incumbent_cost)
+
     # Without a time limit the block relaxation (rule 8), usually the tighter,
     # comes first: the refinement below stops once it cannot beat it. With a
     # limit it comes last, in the time the anytime refinement leaves.
-    block = None
-    if time_limit_s is None:
-        block = _block_bound(
+    def block_bound() -> float:
+        return _block_bound(
             problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
         )
+
+    block = block_bound() if time_limit_s is None else None
     # Plans whose largest relaxed term r exceeds ceiling / B cost > ceiling:
     # the DP only needs the entries up to there (sparser, hence faster).
     reach = ceiling / batches
@@ -495,10 +497,7 @@ def hetero_lower_bound(
     tail = batches * float(above[0]) if above.size else math.inf
     if not math.isfinite(smallest):  # every plan has r > reach (or none exists)
         bound = max(min(tail, one_stage), simple)
-        if block is None:
-            block = _block_bound(
-                problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
-            )
+        block = block_bound() if block is None else block
         return max(bound, block) * (1.0 - margin)
     caps = caps[(caps >= smallest) & (caps <= reach)]
     # The cheap bound, before any cap is solved: every plan of several stages
@@ -560,10 +559,7 @@ def hetero_lower_bound(
             heapq.heappush(heap, part)
     relaxed = min([lowest, tail] + [bound for bound, _, _ in heap])
     bound = max(min(relaxed, one_stage), cheap)
-    if block is None:
-        block = _block_bound(
-            problem, ceiling, deadline, max_relaxed_cells, plan_fn, gap_rtol
-        )
+    block = block_bound() if block is None else block
     return max(bound, block) * (1.0 - margin)
 
 

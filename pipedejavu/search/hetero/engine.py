@@ -397,6 +397,18 @@ def hetero_search(
             best[0] = cost
             trace.append((time.perf_counter() - started, cost))
 
+    def cheap_moves(stages, placement, cost, until):
+        """The local moves that need no oracle call (module docstring, 4)."""
+        return local_search(
+            problem,
+            stages,
+            placement,
+            cost,
+            window=4 * max(config.polish_window, 1),
+            deadline=until,
+            exact_moves=False,
+        )
+
     # Round and repair every candidate, then the cheap local search.
     results = []  # [cost, restart, boundaries, stages, placement]
     for restart, boundaries in candidates:
@@ -404,15 +416,7 @@ def hetero_search(
             break
         cost, stages, placement = assign(problem, boundaries)
         if stages is not None:
-            cost, stages, placement = local_search(
-                problem,
-                stages,
-                placement,
-                cost,
-                window=4 * max(config.polish_window, 1),
-                deadline=deadline,
-                exact_moves=False,
-            )
+            cost, stages, placement = cheap_moves(stages, placement, cost, deadline)
             record(cost)
         results.append([cost, restart, boundaries, stages, placement])
     results.sort(key=lambda r: r[0])
@@ -460,14 +464,8 @@ def hetero_search(
     if from_bound and best_cost > bound * (1 + 1e-9):
         # The bound's plan is optimal for hetero_bound, not for the objective:
         # one more start for the local moves.
-        cost, stages, placement = local_search(
-            problem,
-            best_stages,
-            best_placement,
-            best_cost,
-            window=4 * max(config.polish_window, 1),
-            deadline=budget_end,
-            exact_moves=False,
+        cost, stages, placement = cheap_moves(
+            best_stages, best_placement, best_cost, budget_end
         )
         found.append([cost, None, boundaries_of(stages), stages, placement])
         found.sort(key=lambda r: r[0])
