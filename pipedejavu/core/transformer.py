@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
+from pipedejavu.core.moe import MlaSpec, MoeSpec
+
 __all__ = ["SPEC_LIMITS", "Norm", "Position", "TransformerSpec"]
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -89,6 +91,11 @@ class TransformerSpec:
         split_head_layer: the final norm and the LM head are two profile layers
             (``L + 3`` in all, as in Sailor's ``LLAMA-3-8`` profile) instead of
             one.
+        moe: the expert layers of a mixture of experts (``None``: dense).
+        mla: multi-latent attention instead of grouped-query attention.
+        mtp_layers: multi-token-prediction blocks after the last block
+            (DeepSeek-V3; Megatron-LM's ``--mtp-num-layers``).
+        qk_layernorm: a norm on each query and key head (Qwen3, OLMoE).
 
     Raises:
         ValueError: a field is not of its type, not positive, or the shapes do
@@ -112,11 +119,16 @@ class TransformerSpec:
     qkv_bias: bool = False
     vocab_divisible_by: int = 1
     split_head_layer: bool = False
+    moe: MoeSpec | None = None
+    mla: MlaSpec | None = None
+    mtp_layers: int = 0
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         where = f"model {self.name}"
+        self._check_moe(where)
         for field in _POSITIVE_INTS:
             value = getattr(self, field)
             if not _is_int(value) or value <= 0:
@@ -163,6 +175,42 @@ class TransformerSpec:
             raise ValueError(
                 f"{where}: num_query_groups ({self.num_query_groups}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
+            )
+
+    def _check_moe(self, where: str) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoeSpec):
+            raise ValueError(f"{where}: moe must be a MoeSpec, got {self.moe!r}")
+        if self.mla is not None and not isinstance(self.mla, MlaSpec):
+            raise ValueError(f"{where}: mla must be a MlaSpec, got {self.mla!r}")
+        layers = None if self.moe is None else self.moe.layers
+        if layers is not None and len(layers) != self.num_layers:
+            raise ValueError(
+                f"{where}: the expert-layer pattern names {len(layers)} blocks, "
+                f"the model has {self.num_layers}"
+            )
+        if not _is_int(self.mtp_layers) or not 0 <= self.mtp_layers <= 64:
+            raise ValueError(
+                f"{where}: mtp_layers must be an integer in [0, 64], "
+                f"got {self.mtp_layers!r}"
+            )
+        if not isinstance(self.qk_layernorm, bool):
+            raise ValueError(
+                f"{where}: qk_layernorm must be true or false, "
+                f"got {self.qk_layernorm!r}"
+            )
+
+    @property
+    def is_dense(self) -> bool:
+        """No experts, no multi-latent attention, no multi-token prediction:
+        the shapes every cost below prices."""
+        return self.moe is None and self.mla is None and self.mtp_layers == 0
+
+    def check_dense(self) -> None:
+        """Raise ``ValueError`` for a shape the dense counts do not price."""
+        if not self.is_dense:
+            raise ValueError(
+                f"model {self.name}: mixture-of-experts, multi-latent attention "
+                "and multi-token prediction layers are not priced yet"
             )
 
     @property
@@ -214,6 +262,7 @@ class TransformerSpec:
 
     def block_params(self, tp: int = 1) -> int:
         """Parameters of one transformer block held by one GPU of a TP group."""
+        self.check_dense()
         self.check_tp(tp)
         h, f = self.hidden_size, self.ffn_hidden_size
         kv_heads_per_gpu = max(self.num_query_groups // tp, 1)
@@ -349,6 +398,7 @@ class TransformerSpec:
             raise ValueError(
                 f"global_batch must be a positive integer, got {global_batch!r}"
             )
+        self.check_dense()
         h, f, s = self.hidden_size, self.ffn_hidden_size, self.seq_length
         groups, head_dim = self.num_query_groups, self.head_dim
         block = 2 * h * (h + 2 * groups * head_dim) + 2 * h * h
