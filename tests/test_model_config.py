@@ -330,9 +330,9 @@ def test_hf_gpt2_matches_published_124m():
     ("config", "match"),
     [
         ({**LLAMA_CONFIG, "num_local_experts": 8}, "mixture-of-experts"),
-        (
+        (  # read as a mixture of experts (tests/test_model_config_moe.py)
             {**LLAMA_CONFIG, "model_type": "qwen2_moe", "num_experts": 60},
-            "mixture-of-experts",
+            "missing key 'num_experts_per_tok'",
         ),
         ({**LLAMA_CONFIG, "n_routed_experts": 64}, "mixture-of-experts"),
         ({**LLAMA_CONFIG, "moe_intermediate_size": 1408}, "mixture-of-experts"),

@@ -1,14 +1,17 @@
 """Model descriptions: Hugging Face ``config.json`` files and bundled presets.
 
-:func:`spec_from_hf_config` reads the ``config.json`` of a dense decoder-only
-model (GPT-2, GPT-Neo, GPT-NeoX, OPT, LLaMA, Mistral, Qwen2) into a
-:class:`~pipedejavu.core.transformer.TransformerSpec`. Mixture-of-experts
-configurations are refused: the specification describes dense models only.
+:func:`spec_from_hf_config` reads the ``config.json`` of a decoder-only model
+into a :class:`~pipedejavu.core.transformer.TransformerSpec`: dense models
+(GPT-2, GPT-Neo, GPT-NeoX, OPT, LLaMA, Mistral, Qwen2) here, mixture-of-experts
+models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, OLMoE, Llama 4)
+by :mod:`pipedejavu.io.hf_moe`. Expert keys in a dense model's config are
+refused.
 
 :func:`load_model_spec` resolves a bundled preset name (``pipedejavu/data/models``,
 each file with its ``source``) or a file path, either a Hugging Face config or
-this package's own format: the :class:`TransformerSpec` fields as JSON keys plus
-``source`` and an optional ``note``. Megatron-LM command lines are read by
+this package's own format: the :class:`TransformerSpec` fields as JSON keys
+(``moe`` and ``mla`` as nested objects of their fields) plus ``source`` and an
+optional ``note``. Megatron-LM command lines are read by
 :mod:`pipedejavu.io.megatron_args`.
 
 Every file is read with a size limit; every problem is one
@@ -27,7 +30,10 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_json
+from pipedejavu.core.moe import MlaSpec, MoeSpec
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.io.hf_config import HfConfig, llama_like
+from pipedejavu.io.hf_moe import HF_MOE_MODEL_TYPES, moe_fields
 
 __all__ = [
     "HF_MODEL_TYPES",
@@ -46,9 +52,11 @@ MAX_MODEL_FILE_BYTES = 2**20
 #: within this many seconds: ``--model`` names a preset or a file, and a named
 #: pipe nothing writes to would otherwise wait forever.
 MODEL_FIFO_WAIT_S = 15.0
+#: ``model_type`` values of dense models :func:`spec_from_hf_config` reads.
+_DENSE_MODEL_TYPES = ("gpt2", "gpt_neo", "gpt_neox", "opt", "llama", "mistral", "qwen2")
 #: ``model_type`` values :func:`spec_from_hf_config` reads.
-HF_MODEL_TYPES = ("gpt2", "gpt_neo", "gpt_neox", "opt", "llama", "mistral", "qwen2")
-#: Keys that mark a mixture-of-experts configuration.
+HF_MODEL_TYPES = _DENSE_MODEL_TYPES + HF_MOE_MODEL_TYPES
+#: Keys that mark a mixture-of-experts configuration (refused in a dense one).
 _MOE_KEYS = (
     "num_local_experts",
     "num_experts",
@@ -71,65 +79,21 @@ _HF_ONLY_KEYS = (
 #: Keys of the own format beside the TransformerSpec fields.
 _OWN_EXTRA_KEYS = ("source", "note", "format")
 _SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(TransformerSpec))
+#: The own format's nested objects.
+_NESTED: dict[str, type[MoeSpec] | type[MlaSpec]] = {"moe": MoeSpec, "mla": MlaSpec}
 
 
-class _Config:
-    """A parsed JSON object and the name of where it came from, for messages."""
-
-    def __init__(self, data: Any, source: str):
-        if not isinstance(data, dict):
-            raise ProblemError(
-                f"{source}: a model config must be a JSON object, "
-                f"got {type(data).__name__}"
-            )
-        self.data = data
-        self.source = source
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def get_int(self, key: str, default: int | None = None) -> int:
-        value = self.data.get(key)
-        if value is None:
-            if default is None:
-                raise ProblemError(f"{self.source}: missing key {key!r}")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ProblemError(
-                f"{self.source}: {key} must be a positive integer, got {value!r}"
-            )
-        return value
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.data.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ProblemError(
-                f"{self.source}: {key} must be true or false, got {value!r}"
-            )
-        return value
-
-    def get_str(self, key: str, default: str | None = None) -> str:
-        value = self.data.get(key)
-        if value is None:
-            if default is None:
-                raise ProblemError(f"{self.source}: missing key {key!r}")
-            return default
-        if not isinstance(value, str):
-            raise ProblemError(f"{self.source}: {key} must be a string, got {value!r}")
-        return value
-
-
-def _refuse_moe(config: _Config) -> None:
+def _refuse_moe(config: HfConfig) -> None:
     for key in config.data:
         value = config.data[key]
         if value in (None, 0, False):
             continue
         if key in _MOE_KEYS or key.startswith("moe_"):
             raise ProblemError(
-                f"{config.source}: mixture-of-experts models are not supported "
-                f"({key} = {value!r}); only dense transformers are"
+                f"{config.source}: {key} = {value!r} makes a mixture of experts, "
+                f"but model_type {config.data.get('model_type')!r} is a dense "
+                f"transformer (mixture-of-experts types: "
+                f"{', '.join(HF_MOE_MODEL_TYPES)})"
             )
 
 
@@ -145,50 +109,7 @@ def _seq_length(seq_length: int | None, default: int) -> int:
     return seq_length
 
 
-def _llama_like(config: _Config, model_type: str) -> dict[str, Any]:
-    """LLaMA, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, GQA."""
-    heads = config.get_int("num_attention_heads")
-    hidden = config.get_int("hidden_size")
-    if config.has("head_dim") and config.get_int("head_dim") * heads != hidden:
-        raise ProblemError(
-            f"{config.source}: head_dim {config.data['head_dim']} x "
-            f"num_attention_heads {heads} != hidden_size {hidden} is not supported"
-        )
-    if model_type == "qwen2":
-        linear_bias, qkv_bias = False, True  # Qwen2: bias on q, k, v only
-    else:
-        attention_bias = config.get_bool("attention_bias", False)
-        mlp_bias = config.get_bool("mlp_bias", False)
-        if attention_bias != mlp_bias:
-            raise ProblemError(
-                f"{config.source}: attention_bias {attention_bias} with mlp_bias "
-                f"{mlp_bias} is not supported (both or neither)"
-            )
-        linear_bias, qkv_bias = attention_bias, False
-    hidden_act = config.get_str("hidden_act", "silu")
-    if hidden_act not in ("silu", "swish"):
-        raise ProblemError(
-            f"{config.source}: hidden_act {hidden_act!r} is not supported for "
-            f"{model_type} (a SwiGLU MLP needs silu)"
-        )
-    return dict(
-        num_layers=config.get_int("num_hidden_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=config.get_int("num_key_value_heads", heads),
-        ffn_hidden_size=config.get_int("intermediate_size"),
-        vocab_size=config.get_int("vocab_size"),
-        positions=config.get_int("max_position_embeddings"),
-        gated_mlp=True,
-        norm="rmsnorm",
-        position="rotary",
-        tied_embeddings=config.get_bool("tie_word_embeddings", False),
-        linear_bias=linear_bias,
-        qkv_bias=qkv_bias,
-    )
-
-
-def _gpt_like(config: _Config, model_type: str) -> dict[str, Any]:
+def _gpt_like(config: HfConfig, model_type: str) -> dict[str, Any]:
     """GPT-2, GPT-Neo, GPT-NeoX, OPT: LayerNorm, biases, a two-matrix MLP."""
     if model_type == "gpt2":
         hidden = config.get_int("n_embd")
@@ -243,19 +164,22 @@ def _gpt_like(config: _Config, model_type: str) -> dict[str, Any]:
 
 
 def _spec_from_hf(
-    config: _Config, name: str | None, seq_length: int | None
+    config: HfConfig, name: str | None, seq_length: int | None
 ) -> TransformerSpec:
-    _refuse_moe(config)
     model_type = config.get_str("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ProblemError(
             f"{config.source}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(HF_MODEL_TYPES)})"
         )
-    if model_type in ("llama", "mistral", "qwen2"):
-        fields = _llama_like(config, model_type)
+    if model_type in HF_MOE_MODEL_TYPES:
+        fields = moe_fields(config, model_type)
     else:
-        fields = _gpt_like(config, model_type)
+        _refuse_moe(config)
+        if model_type in ("llama", "mistral", "qwen2"):
+            fields = llama_like(config, model_type)
+        else:
+            fields = _gpt_like(config, model_type)
     positions = fields.pop("positions")
     fields["seq_length"] = _seq_length(seq_length, positions)
     if fields["position"] == "learned":
@@ -288,27 +212,65 @@ def spec_from_hf_config(
             ``max_position_embeddings`` / ``n_positions``, its longest context).
 
     Returns:
-        The spec. The vocabulary is the config's ``vocab_size`` (checkpoints
-        already store it padded), with ``vocab_divisible_by`` 1.
+        The spec (``moe``, ``mla``, ``mtp_layers`` set for a mixture of
+        experts; see :mod:`pipedejavu.io.hf_moe`). The vocabulary is the
+        config's ``vocab_size`` (checkpoints already store it padded), with
+        ``vocab_divisible_by`` 1.
 
     Raises:
         ProblemError: unreadable or oversized file, a missing or mistyped key
-            (named), an unsupported ``model_type``, a mixture-of-experts model,
-            or shapes that do not fit.
+            (named), an unsupported ``model_type``, expert keys in a dense
+            model's config, or shapes the spec cannot represent (named).
     """
     if isinstance(path_or_dict, Mapping):
-        config = _Config(dict(path_or_dict), "model config")
+        config = HfConfig(dict(path_or_dict), "model config")
     else:
         source = os.fspath(path_or_dict)
-        config = _Config(_read(source, "model config"), source)
+        config = HfConfig(_read(source, "model config"), source)
     return _spec_from_hf(config, name, seq_length)
+
+
+def _nested_from_dict(
+    value: Any, key: str, kind: type[MoeSpec] | type[MlaSpec], source: str
+) -> MoeSpec | MlaSpec | None:
+    """The own format's ``moe`` or ``mla`` object (``null``: none)."""
+    if value is None:
+        return None
+    names = [field.name for field in dataclasses.fields(kind)]
+    if not isinstance(value, Mapping):
+        raise ProblemError(
+            f"{source}: {key} must be a JSON object with keys {', '.join(names)} "
+            f"(or null), got {type(value).__name__}"
+        )
+    unknown = [name for name in value if name not in names]
+    if unknown:
+        raise ProblemError(
+            f"{source}: unknown key {key}.{unknown[0]!r} (known: {', '.join(names)})"
+        )
+    missing = [
+        field.name
+        for field in dataclasses.fields(kind)
+        if field.default is dataclasses.MISSING and field.name not in value
+    ]
+    if missing:
+        raise ProblemError(f"{source}: missing key {key}.{missing[0]!r}")
+    fields = dict(value)
+    if isinstance(fields.get("layers"), list):  # JSON has no tuples
+        fields["layers"] = tuple(fields["layers"])
+    try:
+        return kind(**fields)
+    except ValueError as error:
+        raise ProblemError(f"{source}: {error}") from None
 
 
 def spec_from_dict(
     data: Mapping[str, Any], source: str = "model spec"
 ) -> TransformerSpec:
     """This package's own format: the :class:`TransformerSpec` fields by name,
-    plus ``source`` (where the shape comes from) and an optional ``note``.
+    plus ``source`` (where the shape comes from) and an optional ``note``;
+    ``moe`` and ``mla`` are objects of the :class:`~pipedejavu.core.moe.MoeSpec`
+    and :class:`~pipedejavu.core.moe.MlaSpec` fields (``layers``: a list of
+    true/false, one per block, or null for every block), or null.
 
     Raises:
         ProblemError: an unknown or missing key, or an invalid value.
@@ -323,6 +285,8 @@ def spec_from_dict(
             f"{source}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_FIELDS)})"
         )
     fields = {key: data[key] for key in _SPEC_FIELDS if key in data}
+    for key, kind in _NESTED.items():
+        fields[key] = _nested_from_dict(fields.get(key), key, kind, source)
     try:
         return TransformerSpec(**fields)
     except TypeError:
@@ -359,7 +323,7 @@ def list_model_presets() -> dict[str, str]:
 
 def _spec_from_data(data: Any, source: str, seq_length: int | None) -> TransformerSpec:
     if isinstance(data, dict) and "model_type" in data:
-        return _spec_from_hf(_Config(data, source), None, seq_length)
+        return _spec_from_hf(HfConfig(data, source), None, seq_length)
     hf_keys = [key for key in _HF_ONLY_KEYS if isinstance(data, dict) and key in data]
     if hf_keys:  # not the own format with a stray key: say what is missing
         raise ProblemError(
