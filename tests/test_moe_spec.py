@@ -107,11 +107,18 @@ def test_transformer_spec_checks_moe_fields():
         dict(moe=MoeSpec(8, 2, 128)),
         dict(mla=MlaSpec(0, 32, 16, 8, 16)),
         dict(mtp_layers=1),
+        dict(kv_channels=32),  # 4 heads of 32 on a width of 64
     ],
 )
-def test_dense_counts_refuse_shapes_they_do_not_price(extra):
+def test_cost_model_counts_refuse_shapes_they_do_not_price(extra):
+    """block_params / layer_params feed the cost model, which prices dense
+    blocks only; the shapes are counted by layer_param_split and the FLOPs."""
     spec = dataclasses.replace(DENSE, **extra)
     with pytest.raises(ValueError, match="not priced yet"):
         spec.block_params(1)
     with pytest.raises(ValueError, match="not priced yet"):
-        spec.model_flops_per_iteration(8)
+        spec.layer_params(1)
+    pairs = spec.layer_param_split(1)
+    assert len(pairs) == spec.num_profile_layers
+    assert spec.num_params == sum(d + e for d, e in pairs) > DENSE.num_params / 2
+    assert spec.model_flops_per_iteration(8) > 0

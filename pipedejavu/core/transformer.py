@@ -21,8 +21,10 @@ bundled presets) build a :class:`TransformerSpec`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, get_args
 
+from pipedejavu.core import moe_counts
 from pipedejavu.core.moe import MlaSpec, MoeSpec
 
 __all__ = ["SPEC_LIMITS", "Norm", "Position", "TransformerSpec"]
@@ -42,8 +44,9 @@ SPEC_LIMITS = {
     "vocab_size": 2**24,
     "seq_length": 2**24,
     "vocab_divisible_by": 2**16,
+    "kv_channels": 2**16,
 }
-_POSITIVE_INTS = tuple(SPEC_LIMITS)
+_POSITIVE_INTS = tuple(name for name in SPEC_LIMITS if name != "kv_channels")
 _BOOLS = (
     "gated_mlp",
     "tied_embeddings",
@@ -59,7 +62,7 @@ def _is_int(value: object) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerSpec:
-    """A dense decoder-only transformer.
+    """A decoder-only transformer: dense, or a mixture of experts.
 
     Args:
         name: a name for messages and reports.
@@ -95,7 +98,12 @@ class TransformerSpec:
         mla: multi-latent attention instead of grouped-query attention.
         mtp_layers: multi-token-prediction blocks after the last block
             (DeepSeek-V3; Megatron-LM's ``--mtp-num-layers``).
-        qk_layernorm: a norm on each query and key head (Qwen3, OLMoE).
+        qk_layernorm: a norm on each query and key head (Qwen3, OLMoE); with
+            ``mla``, the norms of the query and key/value latents (Megatron-LM's
+            ``--qk-layernorm`` with ``--multi-latent-attention``; DeepSeek).
+        kv_channels: each attention head's width ``d`` when the heads are not
+            ``h / a`` wide (Megatron-LM's ``--kv-channels``, Hugging Face's
+            ``head_dim``: Qwen3, GPT-OSS); ``None``: ``h / a``.
 
     Raises:
         ValueError: a field is not of its type, not positive, or the shapes do
@@ -123,6 +131,7 @@ class TransformerSpec:
     mla: MlaSpec | None = None
     mtp_layers: int = 0
     qk_layernorm: bool = False
+    kv_channels: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -166,7 +175,7 @@ class TransformerSpec:
                 f"{where}: a learned position table needs max_position_embeddings "
                 f">= seq_length ({self.seq_length}), got {rows}"
             )
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"{where}: num_attention_heads ({self.num_attention_heads}) must "
                 f"divide hidden_size ({self.hidden_size})"
@@ -198,23 +207,39 @@ class TransformerSpec:
                 f"{where}: qk_layernorm must be true or false, "
                 f"got {self.qk_layernorm!r}"
             )
+        width, limit = self.kv_channels, SPEC_LIMITS["kv_channels"]
+        if width is not None and (not _is_int(width) or not 0 < width <= limit):
+            raise ValueError(
+                f"{where}: kv_channels must be a positive integer at most {limit} "
+                f"or null, got {width!r}"
+            )
 
     @property
     def is_dense(self) -> bool:
-        """No experts, no multi-latent attention, no multi-token prediction:
-        the shapes every cost below prices."""
-        return self.moe is None and self.mla is None and self.mtp_layers == 0
+        """No experts, no multi-latent attention, no multi-token prediction,
+        attention as wide as the model: the shapes the cost model prices."""
+        return (
+            self.moe is None
+            and self.mla is None
+            and self.mtp_layers == 0
+            and self.num_attention_heads * self.head_dim == self.hidden_size
+        )
 
     def check_dense(self) -> None:
-        """Raise ``ValueError`` for a shape the dense counts do not price."""
+        """Raise ``ValueError`` for a shape the dense counts do not price (the
+        cost model reads them; :meth:`layer_param_split` counts every shape)."""
         if not self.is_dense:
             raise ValueError(
-                f"model {self.name}: mixture-of-experts, multi-latent attention "
-                "and multi-token prediction layers are not priced yet"
+                f"model {self.name}: mixture-of-experts, multi-latent attention, "
+                "multi-token prediction layers and attention heads wider or "
+                "narrower than hidden_size / num_attention_heads are not priced yet"
             )
 
     @property
     def head_dim(self) -> int:
+        """Each attention head's width ``d``: ``kv_channels``, or ``h / a``."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -261,22 +286,10 @@ class TransformerSpec:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
     def block_params(self, tp: int = 1) -> int:
-        """Parameters of one transformer block held by one GPU of a TP group."""
+        """Parameters of one transformer block held by one GPU of a TP group
+        (dense shapes only: :meth:`layer_param_split` counts the others)."""
         self.check_dense()
-        self.check_tp(tp)
-        h, f = self.hidden_size, self.ffn_hidden_size
-        kv_heads_per_gpu = max(self.num_query_groups // tp, 1)
-        qkv_columns = h // tp + 2 * kv_heads_per_gpu * self.head_dim
-        mlp_in_columns = (2 if self.gated_mlp else 1) * f // tp
-        split = h * qkv_columns + (h // tp) * h  # QKV, attention output
-        split += h * mlp_in_columns + (f // tp) * h  # MLP in (gate+up), MLP out
-        replicated = 2 * self._norm_params()
-        if self.linear_bias or self.qkv_bias:
-            split += qkv_columns
-        if self.linear_bias:
-            split += mlp_in_columns
-            replicated += 2 * h  # row-parallel biases: attention output, MLP out
-        return split + replicated
+        return moe_counts.block_param_split(self, 0, tp)[0]
 
     def embedding_params(self, tp: int = 1) -> int:
         """Layer 0 on one GPU: its slice of the word embedding, plus the whole
@@ -312,7 +325,9 @@ class TransformerSpec:
         return self.tied_params(tp) if tied_copy else 0
 
     def layer_params(self, tp: int = 1, *, tied_copy: bool = False) -> tuple[int, ...]:
-        """Parameters per profile layer held by one GPU of a TP group of ``tp``.
+        """Parameters per profile layer held by one GPU of a TP group of ``tp``
+        (dense shapes only: the cost model reads these; a mixture of experts
+        has :meth:`layer_param_split`).
 
         Args:
             tp: tensor-parallel degree (Megatron-LM sharding, see the module doc).
@@ -325,22 +340,48 @@ class TransformerSpec:
             ``split_head_layer``).
 
         Raises:
-            ValueError: ``tp`` does not split the model (see :meth:`check_tp`).
+            ValueError: ``tp`` does not split the model (see :meth:`check_tp`),
+                or the shape is not dense.
         """
-        block = self.block_params(tp)
-        if self.split_head_layer:
-            head = (self._norm_params(), self._lm_head_params(tp, tied_copy))
-        else:
-            head = (self.head_params(tp, tied_copy=tied_copy),)
-        return (self.embedding_params(tp), *([block] * self.num_layers), *head)
+        self.check_dense()
+        pairs = self.layer_param_split(tp, tied_copy=tied_copy)
+        return tuple(dense for dense, _ in pairs)
+
+    def layer_param_split(
+        self,
+        tp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
+        *,
+        tied_copy: bool = False,
+    ) -> tuple[tuple[int, int], ...]:
+        """``(dense, expert)`` parameters per profile layer on one GPU, with the
+        experts spread over ``ep`` GPUs and each split over ``etp`` (default
+        ``tp``); multi-token-prediction depths in the last layer. See
+        :func:`pipedejavu.core.moe_counts.layer_param_split`."""
+        return moe_counts.layer_param_split(self, tp, ep, etp, tied_copy=tied_copy)
 
     @property
     def num_params(self) -> int:
         """Total parameters, each counted once (a tied head is not counted
-        twice), with the vocabulary padded as for ``tp = 1``."""
-        return sum(self.layer_params(1))
+        twice; multi-token-prediction depths included), with the vocabulary
+        padded as for ``tp = 1``."""
+        return sum(d + e for d, e in self.layer_param_split(1))
 
-    def model_flops_per_iteration(self, global_batch: int, tp: int = 1) -> float:
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: :attr:`num_params` less the
+        routed experts it is not sent to."""
+        return moe_counts.active_params(self)
+
+    def model_flops_per_iteration(
+        self,
+        global_batch: int,
+        tp: int = 1,
+        *,
+        causal: bool | None = None,
+        count_gate: bool | None = None,
+    ) -> float:
         """Model FLOPs of one training iteration: the forward and backward
         passes, no recomputation. Divided by the time and the GPUs' peak, the
         model FLOPs utilization (MFU); Megatron-LM's logged TFLOP/s per GPU
@@ -353,14 +394,24 @@ class TransformerSpec:
         Args:
             global_batch: samples per iteration ``B``.
             tp: the vocabulary ``V`` is padded as for this TP degree.
+            causal, count_gate: the counting conventions of
+                :meth:`hardware_flops_per_iteration`.
 
         Returns:
             FLOPs per iteration (float).
         """
-        return self.hardware_flops_per_iteration(global_batch, 0, tp)
+        return self.hardware_flops_per_iteration(
+            global_batch, 0, tp, causal=causal, count_gate=count_gate
+        )
 
     def hardware_flops_per_iteration(
-        self, global_batch: int, recomputed_blocks: int | None, tp: int = 1
+        self,
+        global_batch: int,
+        recomputed_blocks: int | Sequence[bool] | None,
+        tp: int = 1,
+        *,
+        causal: bool | None = None,
+        count_gate: bool | None = None,
     ) -> float:
         """Floating-point operations the GPUs run in one training iteration:
         the model FLOPs plus the forward passes recomputation reruns (the
@@ -374,42 +425,43 @@ class TransformerSpec:
 
         Generalization used here (it reproduces both exactly for such a GPT):
         every matrix multiply costs 2 FLOPs per multiply-add; a block's forward
-        pass per token costs its GEMMs ``2 h (h + 2 g d)`` (QKV, ``g`` query
-        groups of width ``d``), ``2 h^2`` (attention output), ``2 h f`` times 2
-        or 3 (MLP, 3 when gated) and the attention scores and context
-        ``2 * 2 s h`` (the full ``s x s`` square: causal masking is not
-        discounted, as in Megatron); the LM head costs ``2 h V`` per token.
-        The backward pass costs twice the forward, and each recomputed block
-        one more forward pass (the LM head is never recomputed). Norms,
-        activations, softmax, biases and the embedding lookup are not counted.
+        pass per token costs its GEMMs ``2 h (q + 2 g d)`` (QKV: ``q = a d``
+        query columns, ``g`` query groups of width ``d``), ``2 q h``
+        (attention output), ``2 h f`` times 2 or 3 (MLP, 3 when gated) and the
+        attention scores and context ``2 * 2 s q`` (the full ``s x s`` square,
+        as Megatron-LM counted it through core_r0.11), or half of that with
+        ``causal``; the LM head costs ``2 h V`` per token. The backward pass
+        costs twice the forward, and each recomputed block one more forward
+        pass (the LM head is never recomputed). Norms, activations, softmax,
+        biases and the embedding lookup are not counted. Mixture-of-experts
+        blocks (``topk`` routed experts and the shared ones), multi-latent
+        attention and multi-token prediction are counted as Megatron-LM counts
+        them: :func:`pipedejavu.core.moe_counts.training_flops`.
 
         Args:
             global_batch: samples per iteration ``B``.
-            recomputed_blocks: how many of the ``l`` blocks rerun their
-                forward in the backward pass (Megatron-LM's full
-                recomputation: ``None``, all of them; ``--recompute-method
-                block``: the blocks it reruns; ``0``: none).
+            recomputed_blocks: which of the ``l`` blocks rerun their forward
+                in the backward pass (Megatron-LM's full recomputation:
+                ``None``, all of them; ``--recompute-method block``: how many
+                it reruns, or one flag per block where blocks differ; ``0``:
+                none).
             tp: the vocabulary ``V`` is padded as for this TP degree.
+            causal: count half the attention square (Megatron-LM since
+                core_r0.12, Megatron-Bridge); ``None``: only for
+                mixture-of-experts, multi-latent-attention and
+                multi-token-prediction shapes, whose published counts are those.
+            count_gate: count a gated MLP's third matrix (``None``:
+                ``gated_mlp``); ``False`` reproduces Megatron's count of a gate
+                that is not SwiGLU.
 
         Returns:
             FLOPs per iteration (float).
         """
-        if not _is_int(global_batch) or global_batch <= 0:
-            raise ValueError(
-                f"global_batch must be a positive integer, got {global_batch!r}"
-            )
-        self.check_dense()
-        h, f, s = self.hidden_size, self.ffn_hidden_size, self.seq_length
-        groups, head_dim = self.num_query_groups, self.head_dim
-        block = 2 * h * (h + 2 * groups * head_dim) + 2 * h * h
-        block += 2 * h * f * (3 if self.gated_mlp else 2) + 4 * s * h
-        head = 2 * h * self.padded_vocab_size(tp)
-        rerun = self.num_layers if recomputed_blocks is None else recomputed_blocks
-        if not _is_int(rerun) or not 0 <= rerun <= self.num_layers:
-            raise ValueError(
-                f"recomputed_blocks must be an integer in [0, "
-                f"{self.num_layers}], got {recomputed_blocks!r}"
-            )
-        tokens = global_batch * s
-        passes = 3 * self.num_layers + rerun
-        return float(tokens * (passes * block + 3 * head))
+        return moe_counts.training_flops(
+            self,
+            global_batch,
+            recomputed_blocks,
+            tp,
+            causal=causal,
+            count_gate=count_gate,
+        )
