@@ -30,17 +30,17 @@ FLOPs are counted as Megatron-LM's ``num_floating_point_operations``
 (``megatron/training/training.py``, core_v0.16.1) and Megatron-Bridge's
 ``flop_utils`` (v0.4) count them: see :func:`training_flops`.
 
-This module is vocabulary: it imports nothing else of ours (the spec type is
-named for type checking only).
+This module is vocabulary: it imports nothing else of ours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # the spec's module imports this one
-    from pipedejavu.core.transformer import TransformerSpec
+#: A :class:`~pipedejavu.core.transformer.TransformerSpec` (whose module imports
+#: this one, so it is not imported here).
+TransformerSpec = Any
 
 __all__ = [
     "BlockParams",
