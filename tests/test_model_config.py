@@ -594,7 +594,10 @@ def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does():
             "--recompute-granularity selective --recompute-method uniform",
             "only to --recompute-granularity full",
         ),
-        ("--num-experts 8", "mixture-of-experts"),
+        (
+            "--num-experts 8 --expert-model-parallel-size 3",
+            "not a multiple of --expert-model-parallel-size",
+        ),
         ("--hidden-size ${HS}", "--hidden-size must be an integer"),
         ("--normalization BatchNorm", "not supported"),
         ("--fp16=yes", "takes no value"),

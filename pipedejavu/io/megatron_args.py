@@ -5,7 +5,12 @@
 ``--flag=value`` both work) into a :class:`MegatronRun`: a
 :class:`~pipedejavu.core.transformer.TransformerSpec` and the settings a
 prediction needs (TP, PP, interleaving, batch sizes, sequence parallelism,
-activation recomputation, precision, distributed optimizer).
+activation recomputation, precision and its FP8/FP4 recipe, distributed
+optimizer, expert parallelism). The mixture-of-experts, multi-latent-attention
+and multi-token-prediction flags are read by
+:func:`~pipedejavu.io.megatron_moe.read_moe`: the spec's ``moe``, ``mla``,
+``mtp_layers`` and ``qk_layernorm``, the run's ``ep``/``etp`` and
+:class:`~pipedejavu.io.megatron_moe.MoeOptions`.
 
 Defaults and derived values follow Megatron-LM's ``megatron/training/arguments.py``
 (github.com/NVIDIA/Megatron-LM): the MLP width is ``4h``, or with ``--swiglu``
@@ -34,11 +39,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.layout import DP_OUTER, ParallelLayout
+from pipedejavu.core.layout import DP_OUTER, ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.megatron_command import read_flags, split_command
 from pipedejavu.io.megatron_layout import split_pipeline
+from pipedejavu.io.megatron_moe import MoeOptions, read_moe
 
 __all__ = [
     "GPT2_VOCAB_SIZE",
@@ -99,6 +105,16 @@ class MegatronRun:
         rank_order: ``"tp-dp-pp"`` (Megatron-LM's default order of the ranks,
             ``tp-cp-ep-dp-pp``) or ``"tp-pp-dp"`` (``--use-tp-pp-dp-mapping``:
             a pipeline's stages on consecutive ranks).
+        ep: expert parallelism (``--expert-model-parallel-size``).
+        etp: expert tensor parallelism (``--expert-tensor-parallel-size``);
+            ``None``: ``tp``, Megatron-LM's default (as
+            :class:`~pipedejavu.core.layout.StageAxes` says it).
+        moe_options: the experts' dispatcher, grouped GEMM, capacity and
+            overlaps; ``None`` for a dense run.
+        fp8_recipe: ``--fp8-recipe`` with FP8 (``delayed``, Megatron-LM's
+            default, ``tensorwise``, ``blockwise`` or ``mxfp8``); else ``None``.
+        fp4_recipe: ``nvfp4`` with ``--fp4-format`` (``precision`` is then
+            the parameters' dtype); else ``None``.
     """
 
     spec: TransformerSpec
@@ -125,6 +141,32 @@ class MegatronRun:
     attention_dropout: bool = True
     tp_comm_overlap: bool = False
     rank_order: str = RANK_ORDERS[0]
+    ep: int = 1
+    etp: int | None = None
+    moe_options: MoeOptions | None = None
+    fp8_recipe: str | None = None
+    fp4_recipe: str | None = None
+
+    def layout(self, num_gpus: int) -> ParallelLayout:
+        """The run's layout on ``num_gpus`` GPUs: Megatron Core's checks of
+        the world size (``initialize_model_parallel``) are the layout's own.
+
+        Raises:
+            ProblemError: ``num_gpus`` is not whole groups of ``TP x CP x
+                PP``, the expert block ``ETP x EP`` does not divide a stage's
+                GPUs, or the replicas-outermost order with several stages has
+                an expert block other than ``TP x CP``.
+        """
+        model = self.tp * self.context_parallel * self.pp
+        if num_gpus % model:
+            raise ProblemError(
+                f"{num_gpus} GPUs are not whole groups of TP x CP x PP = {self.tp} "
+                f"x {self.context_parallel} x {self.pp}"
+            )
+        axes = StageAxes(self.tp, self.ep, self.etp)
+        return ParallelLayout(
+            (axes,) * self.pp, num_gpus // model, self.context_parallel, self.rank_order
+        )
 
     @property
     def recompute_full(self) -> bool:
@@ -202,14 +244,23 @@ def _recompute(values: dict[str, Any]) -> tuple[Any, Any, int | None]:
     return granularity, method, num_layers
 
 
-def _precision(values: dict[str, Any]) -> tuple[str, str]:
+def _precision(values: dict[str, Any]) -> tuple[str, str, str | None, str | None]:
+    """``(precision, params_dtype, fp8_recipe, fp4_recipe)``."""
     if values.get("fp16") and values.get("bf16"):
         raise ProblemError("Megatron arguments: --fp16 and --bf16 are exclusive")
     params = "fp16" if values.get("fp16") else "bf16" if values.get("bf16") else "fp32"
     fp8 = "fp8-format" in values or values.get("fp8-e4m3") or values.get("fp8-hybrid")
+    fp4 = "fp4-format" in values
+    if fp8 and fp4:  # validate_args (core_v0.16.1)
+        raise ProblemError(
+            "Megatron arguments: --fp4-format and --fp8-format are exclusive"
+        )
     if fp8 and params == "fp32":
         raise ProblemError("Megatron arguments: FP8 needs --bf16 or --fp16")
-    return ("fp8" if fp8 else params), params
+    # TransformerConfig's defaults: the delayed FP8 recipe, NVFP4
+    fp8_recipe = values.get("fp8-recipe", "delayed") if fp8 else None
+    fp4_recipe = values.get("fp4-recipe", "nvfp4") if fp4 else None
+    return ("fp8" if fp8 else params), params, fp8_recipe, fp4_recipe
 
 
 def _spec(values: dict[str, Any], name: str, vocab: int) -> TransformerSpec:
@@ -283,7 +334,8 @@ def spec_from_megatron_args(
         ProblemError: a missing model flag (``--num-layers``, ``--hidden-size``,
             ``--num-attention-heads``, ``--seq-length``, ``--micro-batch-size``,
             and ``--max-position-embeddings`` with learned positions), a value
-            of the wrong kind, a mixture-of-experts run, context parallelism
+            of the wrong kind (MoE flags: :func:`~pipedejavu.io.megatron_moe.
+            read_moe`), context parallelism
             with a sequence not divisible by ``2 CP`` or unfused attention, or
             contradictory settings: ``--fp16`` with ``--bf16``, heads (or
             query groups, or MLP width) not divisible by TP, virtual stages
@@ -299,11 +351,6 @@ def spec_from_megatron_args(
     if "seq-length" not in values and "encoder-seq-length" in values:
         # Megatron-LM's validate_args: the encoder's length when none is given
         values["seq-length"] = values["encoder-seq-length"]
-    if values.get("num-experts", 1) != 1:
-        raise ProblemError(
-            f"Megatron arguments: mixture-of-experts runs (--num-experts "
-            f"{values['num-experts']}) are not supported; only dense models are"
-        )
     tp = int(values.get("tensor-model-parallel-size", 1))
     pp = int(values.get("pipeline-model-parallel-size", 1))
     if values.get("sequence-parallel") and tp == 1:
@@ -353,7 +400,35 @@ def spec_from_megatron_args(
             for flag in ("recompute-method", "recompute-num-layers")
             if flag in values
         ]
-    precision, params_dtype = _precision(values)
+    precision, params_dtype, fp8_recipe, fp4_recipe = _precision(values)
+    ignored += [
+        f"--{flag}-recipe {values[f'{flag}-recipe']} (no effect without "
+        f"--{flag}-format)"
+        for flag, recipe in (("fp8", fp8_recipe), ("fp4", fp4_recipe))
+        if recipe is None and f"{flag}-recipe" in values
+    ]
+    experts = read_moe(
+        values,
+        num_layers=spec.num_layers,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        tp=tp,
+        pp=pp,
+        chunks=chunks,
+        recompute=(granularity, method, recompute_layers),
+        params_dtype=params_dtype,
+        position=str(values.get("position-embedding-type", "learned_absolute")),
+    )
+    ignored += experts.ignored
+    try:
+        spec = dataclasses.replace(
+            spec,
+            moe=experts.moe,
+            mla=experts.mla,
+            mtp_layers=experts.mtp_layers,
+            qk_layernorm=experts.qk_layernorm,
+        )
+    except ValueError as error:
+        raise ProblemError(f"Megatron arguments: {error}") from None
     flash = _flash_attention(values)
     if values.get("overlap-param-gather") and not values.get(
         "use-distributed-optimizer"
@@ -378,14 +453,26 @@ def spec_from_megatron_args(
     if mapping:
         # Megatron Core (0.11 on) builds the layout and refuses it when the
         # expert and dense data parallelism differ across several stages:
-        # with CP > 1 and no experts, always (the layout's own rule).
+        # ETP x EP != TP x CP (the layout's own rule; a data-parallel size of
+        # ETP x EP leaves only that rule to check before the world is known).
+        block = (experts.etp or tp) * experts.ep
         try:
-            ParallelLayout.uniform(tp=tp, pp=pp, cp=cp, order=DP_OUTER)
+            ParallelLayout.uniform(
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                dp=block,
+                ep=experts.ep,
+                etp=experts.etp,
+                order=DP_OUTER,
+            )
         except ProblemError as refused:
+            expert = f", EP {experts.ep}, ETP {block // experts.ep}"
             raise ProblemError(
                 f"Megatron arguments: --use-tp-pp-dp-mapping with "
-                f"--context-parallel-size {cp} and {pp} pipeline stages is refused "
-                f"by Megatron Core's initialize_model_parallel ({refused})"
+                f"--context-parallel-size {cp}{expert if experts.moe else ''} and "
+                f"{pp} pipeline stages is refused by Megatron Core's "
+                f"initialize_model_parallel ({refused})"
             ) from None
     if cp > 1 and not flash:
         raise ProblemError(
@@ -418,6 +505,11 @@ def spec_from_megatron_args(
         attention_dropout=_attention_dropout(values) > 0,
         tp_comm_overlap=bool(values.get("tp-comm-overlap")),
         rank_order=RANK_ORDERS[1] if mapping else RANK_ORDERS[0],
+        ep=experts.ep,
+        etp=experts.etp,
+        moe_options=experts.options,
+        fp8_recipe=fp8_recipe,
+        fp4_recipe=fp4_recipe,
     )
 
 

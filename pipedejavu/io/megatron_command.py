@@ -2,8 +2,9 @@
 
 :func:`read_flags` turns the words of a ``pretrain_gpt.py`` launch into the
 values of the flags this package reads (:data:`INT_FLAGS`,
-:data:`CHOICE_FLAGS`, :data:`STR_FLAGS`, :data:`BOOL_FLAGS`) and the words it
-does not read. Every other ``--flag`` must be one Megatron-LM accepts (the
+:data:`CHOICE_FLAGS`, :data:`STR_FLAGS`, :data:`BOOL_FLAGS`, :data:`LIST_FLAGS`;
+the mixture-of-experts ones come from :mod:`pipedejavu.io.megatron_moe`) and
+the words it does not read. Every other ``--flag`` must be one Megatron-LM accepts (the
 bundled list of :mod:`pipedejavu.io.megatron_flags`: Megatron Core 0.16.1 and
 the newest release when it was written): such a flag is taken with the
 values it takes and listed as ignored, since it changes nothing a prediction
@@ -30,11 +31,19 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.io.megatron_flags import megatron_flags
+from pipedejavu.io.megatron_moe import (
+    MOE_BOOL_FLAGS,
+    MOE_CHOICE_FLAGS,
+    MOE_INT_FLAGS,
+    MOE_LIST_FLAGS,
+    MOE_TEXT_FLAGS,
+)
 
 __all__ = [
     "BOOL_FLAGS",
     "CHOICE_FLAGS",
     "INT_FLAGS",
+    "LIST_FLAGS",
     "READ_FLAGS",
     "STR_FLAGS",
     "flag_takes_value",
@@ -64,9 +73,9 @@ INT_FLAGS = (
     "recompute-num-layers",
     "activations-checkpoint-num-layers",
     "context-parallel-size",
-    "num-experts",
     "decoder-first-pipeline-num-layers",
     "decoder-last-pipeline-num-layers",
+    *MOE_INT_FLAGS,
 )
 #: Flags read as one of some words (those the predictor prices).
 CHOICE_FLAGS = {
@@ -76,7 +85,11 @@ CHOICE_FLAGS = {
     "recompute-method": ("uniform", "block"),
     "activations-checkpoint-method": ("uniform", "block"),
     "fp8-format": ("e4m3", "hybrid"),
+    "fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise"),
+    "fp4-format": ("e2m1",),
+    "fp4-recipe": ("nvfp4",),
     "attention-backend": ("auto", "flash", "fused", "unfused", "local"),
+    **MOE_CHOICE_FLAGS,
 }
 #: Flags read as text.
 STR_FLAGS = (
@@ -86,7 +99,10 @@ STR_FLAGS = (
     "name",
     "attention-dropout",
     "pipeline-model-parallel-layout",
+    *MOE_TEXT_FLAGS,
 )
+#: Flags read as one or more words (a tuple).
+LIST_FLAGS = MOE_LIST_FLAGS
 #: Switches.
 BOOL_FLAGS = (
     "swiglu",
@@ -111,6 +127,7 @@ BOOL_FLAGS = (
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
     "use-tp-pp-dp-mapping",
+    *MOE_BOOL_FLAGS,
 )
 #: Every flag read here (without ``--``).
 READ_FLAGS = tuple(sorted({*INT_FLAGS, *CHOICE_FLAGS, *STR_FLAGS, *BOOL_FLAGS}))
@@ -200,6 +217,17 @@ def read_flags(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
         if flag not in READ_FLAGS:
             index, words = _other_flag(flag, token, has_value, tokens, index)
             ignored.append(words)
+            continue
+        if flag in LIST_FLAGS:
+            words = [inline] if has_value else []
+            while not has_value and index < len(tokens):
+                if tokens[index].startswith("--"):
+                    break
+                words.append(tokens[index])
+                index += 1
+            if not words:
+                raise ProblemError(f"Megatron arguments: --{flag} needs a value")
+            values[flag] = tuple(_value(flag, word) for word in words)
             continue
         if has_value:
             text = inline

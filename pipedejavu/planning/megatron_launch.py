@@ -287,6 +287,7 @@ def predict_megatron_run(
             f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
             f"{', '.join(sorted(sheet))})"
         )
+    _check_priced(run, gpu_type, sheet[gpu_type], num_gpus)
     options = options_of_run(run)
     cp = run.context_parallel
     priced = run if cp == 1 else sequence_shares(run, num_gpus)
@@ -304,6 +305,52 @@ def predict_megatron_run(
     peak = entry.peak(gemm_precision(options, entry))
     return LaunchPrediction(
         plan, options, prediction, model, cost_source, peak, cp, hardware
+    )
+
+
+def _check_priced(
+    run: MegatronRun, gpu_type: str, entry: GpuSheetEntry, num_gpus: int
+) -> None:
+    """Refuse, with one line, a launch the cost model cannot price yet: FP4
+    (on a GPU without it, the refusal TE makes), and the shapes of a mixture
+    of experts, multi-latent attention or MTP (after Megatron Core's checks
+    of the GPU count: :meth:`~pipedejavu.io.megatron_args.MegatronRun.layout`).
+    """
+    if run.fp4_recipe is not None:
+        if "fp4" not in entry.precisions:
+            raise ProblemError(
+                f"Megatron arguments: --fp4-format needs a GPU with FP4 tensor "
+                f"cores (NVFP4: Blackwell); the GPU sheet gives {gpu_type} none"
+            )
+        raise ProblemError(
+            f"Megatron arguments: FP4 training ({run.fp4_recipe}) is read but its "
+            "pricing is not available yet"
+        )
+    spec = run.spec
+    if spec.is_dense:
+        return
+    try:
+        run.layout(num_gpus)
+    except ProblemError as refused:
+        raise ProblemError(
+            f"Megatron arguments on {num_gpus} GPUs: {refused} (Megatron Core's "
+            "initialize_model_parallel refuses it)"
+        ) from None
+    parts = []
+    if spec.moe is not None:
+        etp = run.etp or run.tp
+        parts.append(
+            f"MoE pricing is not available yet (--num-experts "
+            f"{spec.moe.num_experts}, EP {run.ep}, ETP {etp})"
+        )
+    if spec.mla is not None:
+        parts.append("multi-latent attention is not priced yet")
+    if spec.mtp_layers:
+        parts.append(f"{spec.mtp_layers} multi-token-prediction layers are not priced")
+    shapes = "; ".join(parts) or "this model's attention shape is not priced yet"
+    raise ProblemError(
+        f"Megatron arguments: {shapes}: the flags are read, the cost model prices "
+        "dense transformers only"
     )
 
 
