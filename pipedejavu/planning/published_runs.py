@@ -46,7 +46,9 @@ from scipy.optimize import least_squares
 
 from pipedejavu.core.files import read_json
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.moe import MlaSpec, MoeSpec, moe_layer_pattern
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.ops import Gemm
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
@@ -65,11 +67,15 @@ __all__ = [
     "FITTED_FIELDS",
     "HALF_PRECISION_BASE",
     "bundled_published_path",
+    "bundled_moe_published_path",
+    "MoePublishedRun",
     "PublishedRun",
     "fit_half_precision",
     "fit_tensor_efficiency",
     "leave_one_out",
+    "load_moe_published_runs",
     "load_published_runs",
+    "moe_spec_of_record",
     "predict_published",
 ]
 
@@ -178,6 +184,210 @@ def _load(path: str) -> tuple[PublishedRun, ...]:
 def load_published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
     """The runs of a published-runs file (default: the bundled SC'21 table)."""
     return _load(str(bundled_published_path() if path is None else path))
+
+
+class MoePublishedRun(NamedTuple):
+    """One published mixture-of-experts run (``moe_h100.json``).
+
+    Attributes:
+        run_id: its id in the data file.
+        spec: the model, as the record's ``model`` fields define it.
+        count_gate: whether Megatron's FLOP count includes the gate matrix of
+            the model's gated MLP (SwiGLU only: not GPT-OSS's gated quick-GELU).
+        tp, pp, cp, ep, etp, dp: the parallel degrees.
+        virtual_chunks: interleaved pipeline chunks per stage (``None``: none).
+        micro_batch, global_batch: samples.
+        num_gpus: GPUs of the run.
+        tflops_per_gpu: the published model TFLOP/s per GPU.
+        tokens_per_s_per_gpu: the published throughput (``None`` if not given).
+        iteration_time_s: the published step time (``None`` if not given).
+    """
+
+    run_id: str
+    spec: TransformerSpec
+    count_gate: bool
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    virtual_chunks: int | None
+    micro_batch: int
+    global_batch: int
+    num_gpus: int
+    tflops_per_gpu: float
+    tokens_per_s_per_gpu: float | None
+    iteration_time_s: float | None
+
+    @property
+    def published_flops_per_token(self) -> float | None:
+        """Model FLOPs per token the published TFLOP/s imply with the published
+        throughput or step time; ``None`` when neither is published (the
+        record then derives them from the TFLOP/s)."""
+        flops = self.tflops_per_gpu * 1e12
+        if self.tokens_per_s_per_gpu is not None:
+            return flops / self.tokens_per_s_per_gpu
+        if self.iteration_time_s is not None:
+            tokens = self.global_batch * self.spec.seq_length
+            return flops * self.iteration_time_s * self.num_gpus / tokens
+        return None
+
+
+def bundled_moe_published_path() -> Path:
+    """The vendored copy of the thirteen MoE runs on H100."""
+    root = importlib.resources.files("pipedejavu") / "data" / "published"
+    return Path(str(root / "moe_h100.json"))
+
+
+def _count(record: Mapping[str, Any], path: str, where: str, *, null_ok=False):
+    value = _field(record, path, where)
+    if value is None and null_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProblemError(f"{where}: {path} must be a non-negative integer")
+    return value
+
+
+def moe_spec_of_record(
+    record: Mapping[str, Any], where: str, vocab_size: int | None = None
+) -> tuple[TransformerSpec, bool]:
+    """The model of a ``moe_h100.json`` record and whether Megatron's FLOP
+    count includes its gate matrix.
+
+    The activation names the MLP: ``swiglu`` is gated (and counted so);
+    ``gated_linear_unit=True`` with another activation is gated, but
+    Megatron-LM (``--swiglu``) and Megatron-Bridge up to v0.4 (a SiLU gate)
+    count it as two matrices; ``add_bias_linear=True`` gives the linear
+    layers biases. ``vocab_size``: the vocabulary when the record leaves it
+    null (its tokenizer's, from a record of the same model).
+
+    Raises:
+        ProblemError: a field is missing or not of its type.
+    """
+    model = _field(record, "model", where)
+
+    def count(key: str, *, null_ok: bool = False) -> int | None:
+        if null_ok and key not in model:
+            return None
+        return _count(record, f"model.{key}", where, null_ok=null_ok)
+
+    activation = str(model.get("activation", ""))
+    swiglu = activation.startswith("swiglu")
+    gated = swiglu or "gated_linear_unit=True" in activation
+    norm = {"RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}.get(
+        str(model.get("normalization")), None
+    )
+    if norm is None:
+        raise ProblemError(f"{where}: model.normalization must be RMSNorm or LayerNorm")
+    layers = count("num_layers")
+    pattern = moe_layer_pattern(
+        layers, freq=count("moe_layer_freq"), first_dense=count("first_k_dense")
+    )
+    mla = None
+    if model.get("q_lora_rank") is not None or model.get("kv_lora_rank") is not None:
+        mla = MlaSpec(
+            count("q_lora_rank", null_ok=True) or 0,
+            count("kv_lora_rank"),
+            count("qk_head_dim"),
+            count("qk_pos_emb_head_dim"),
+            count("v_head_dim"),
+        )
+    vocab = count("vocab_size", null_ok=True) or vocab_size
+    if vocab is None:
+        raise ProblemError(f"{where}: model.vocab_size is null for every record")
+    try:
+        spec = TransformerSpec(
+            name=str(model.get("name", "model")),
+            num_layers=layers,
+            hidden_size=count("hidden_size"),
+            num_attention_heads=count("num_attention_heads"),
+            num_query_groups=count("num_query_groups"),
+            ffn_hidden_size=count("ffn_hidden_size"),
+            vocab_size=vocab,
+            seq_length=count("seq_length"),
+            gated_mlp=gated,
+            norm=norm,
+            position="rotary",
+            tied_embeddings=bool(model.get("tied_embeddings")),
+            linear_bias="add_bias_linear=True" in activation,
+            vocab_divisible_by=count("make_vocab_size_divisible_by"),
+            moe=MoeSpec(
+                count("num_experts"),
+                count("experts_per_token"),
+                count("moe_ffn_hidden_size"),
+                count("shared_expert_intermediate_size", null_ok=True) or 0,
+                layers=pattern,
+            ),
+            mla=mla,
+            mtp_layers=count("mtp_num_layers", null_ok=True) or 0,
+            qk_layernorm=model.get("qk_layernorm") is True,
+            kv_channels=count("kv_channels"),
+        )
+    except ValueError as error:  # the spec's message names the model
+        raise ProblemError(f"{where}: {error}") from None
+    return spec, swiglu or not gated
+
+
+@functools.lru_cache(maxsize=4)
+def _load_moe(path: str) -> tuple[MoePublishedRun, ...]:
+    data = read_json(Path(path), MAX_PUBLISHED_FILE_BYTES, "published runs file")
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if (
+        not isinstance(runs, list)
+        or not runs
+        or not all(isinstance(record, dict) for record in runs)
+    ):
+        raise ProblemError(f"{path}: expected an object with a list of run objects")
+    vocabularies = {
+        str(r.get("model", {}).get("name")): r["model"]["vocab_size"]
+        for r in runs
+        if isinstance(r.get("model"), dict) and r["model"].get("vocab_size")
+    }
+    out = []
+    for index, record in enumerate(runs):
+        where = f"{path}: run {index}"
+        name = str(_field(record, "model.name", where))
+        spec, count_gate = moe_spec_of_record(record, where, vocabularies.get(name))
+        degrees = [
+            _count(record, f"parallelism.{key}", where)
+            for key in ("tp", "pp", "cp", "ep", "etp", "dp")
+        ]
+        chunks = _count(
+            record, "parallelism.virtual_pipeline_chunks", where, null_ok=True
+        )
+        measured = _field(record, "measured", where)
+        numbers = [measured.get(key) for key in ("tflops_per_gpu",)]
+        optional = [
+            measured.get(key) for key in ("tokens_per_s_per_gpu", "iteration_time_s")
+        ]
+        if not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+            for v in numbers + [v for v in optional if v is not None]
+        ):
+            raise ProblemError(f"{where}: measured numbers must be positive")
+        out.append(
+            MoePublishedRun(
+                str(record.get("id", index)),
+                spec,
+                count_gate,
+                *degrees,
+                None if chunks in (None, 1) else chunks,
+                _count(record, "batch.micro_batch_size", where),
+                _count(record, "batch.global_batch_size", where),
+                _count(record, "hardware.num_gpus", where),
+                float(numbers[0]),
+                *(None if v is None else float(v) for v in optional),
+            )
+        )
+    return tuple(out)
+
+
+def load_moe_published_runs(path: str | None = None) -> tuple[MoePublishedRun, ...]:
+    """The runs of a MoE published-runs file (default: the bundled
+    ``moe_h100.json``: Megatron-Bridge's performance summary and the
+    Megatron-MoE-ModelZoo table, thirteen H100 runs)."""
+    return _load_moe(str(bundled_moe_published_path() if path is None else path))
 
 
 def fit_tensor_efficiency(
