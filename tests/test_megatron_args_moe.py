@@ -555,3 +555,14 @@ def test_mla_mtp_and_fp4_launches_are_refused_in_one_line():
         predict_megatron_run(dense_fp4, without[0], 8, sheet)
     dense = parse(MOE_BASE)
     assert predict_megatron_run(dense, "H100-SXM", 8, sheet).prediction.fits_memory
+
+
+def test_kv_channels_are_read_and_priced_only_at_hidden_over_heads():
+    # validate_args: --kv-channels defaults to h / a, which needs a to divide h
+    assert parse(BASE + "--kv-channels 64").spec.kv_channels is None
+    wide = parse(BASE + "--kv-channels 128")
+    assert (wide.spec.kv_channels, wide.spec.head_dim) == (128, 128)
+    with pytest.raises(ProblemError, match="give --kv-channels"):
+        parse(BASE.replace("--num-attention-heads 8", "--num-attention-heads 7"))
+    with pytest.raises(ProblemError, match="--kv-channels 128 .* not priced yet"):
+        predict_megatron_run(wide, "H100-SXM", 8, load_gpu_sheet())

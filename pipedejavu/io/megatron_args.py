@@ -266,16 +266,14 @@ def _precision(values: dict[str, Any]) -> tuple[str, str, str | None, str | None
 def _spec(values: dict[str, Any], name: str, vocab: int) -> TransformerSpec:
     hidden = _required(values, "hidden-size")
     heads = _required(values, "num-attention-heads")
-    if hidden % heads:
+    kv_channels = values.get("kv-channels")
+    if kv_channels is None and hidden % heads:  # validate_args asserts it
         raise ProblemError(
             f"Megatron arguments: --num-attention-heads {heads} does not divide "
-            f"--hidden-size {hidden}"
+            f"--hidden-size {hidden} (give --kv-channels)"
         )
-    if values.get("kv-channels", hidden // heads) != hidden // heads:
-        raise ProblemError(
-            f"Megatron arguments: --kv-channels {values['kv-channels']} != hidden / "
-            f"heads = {hidden // heads} is not supported"
-        )
+    if kv_channels is not None and kv_channels * heads == hidden:
+        kv_channels = None  # (Megatron-LM's default: h / a)
     swiglu = bool(values.get("swiglu"))
     default_ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
     groups = heads
@@ -307,6 +305,7 @@ def _spec(values: dict[str, Any], name: str, vocab: int) -> TransformerSpec:
             linear_bias=bias,
             qkv_bias=bool(values.get("add-qkv-bias")),
             vocab_divisible_by=int(values.get("make-vocab-size-divisible-by", 128)),
+            kv_channels=kv_channels,
         )
     except ValueError as error:
         raise ProblemError(f"Megatron arguments: {error}") from None

@@ -347,7 +347,12 @@ def _check_priced(
         parts.append("multi-latent attention is not priced yet")
     if spec.mtp_layers:
         parts.append(f"{spec.mtp_layers} multi-token-prediction layers are not priced")
-    shapes = "; ".join(parts) or "this model's attention shape is not priced yet"
+    if spec.kv_channels is not None:
+        parts.append(
+            f"attention heads of --kv-channels {spec.kv_channels} (not hidden / "
+            "heads) are not priced yet"
+        )
+    shapes = "; ".join(parts) or "this model's shape is not priced yet"
     raise ProblemError(
         f"Megatron arguments: {shapes}: the flags are read, the cost model prices "
         "dense transformers only"
