@@ -11,7 +11,11 @@ Parameter counts follow Megatron-LM's tensor-parallel layout: the word embedding
 and LM head are split by rows of the (padded) vocabulary, the QKV and first MLP
 projections by columns (their biases with them), the attention output and second
 MLP projections by rows (their biases replicated), and every norm and the
-learned position table are replicated.
+learned position table are replicated. Mixture-of-experts, multi-latent
+attention and multi-token-prediction blocks are counted, split into a dense
+and an expert part, by :mod:`pipedejavu.core.moe_counts`
+(:meth:`TransformerSpec.layer_param_split`); the dense counts the cost model
+reads (:meth:`TransformerSpec.layer_params`) refuse them.
 
 This module is vocabulary: it imports nothing else of ours. Readers of model
 configuration files (Hugging Face ``config.json``, Megatron-LM arguments,
