@@ -17,13 +17,21 @@ __all__ = [
     "EXPONENTIALS_PER_CLOCK",
     "MAX_GPUS_PER_NODE",
     "MAX_MULTIPROCESSORS",
+    "PEAK_PRECISIONS",
     "PRECISIONS",
     "GpuSheetEntry",
+    "PeakPrecision",
     "Precision",
 ]
 
+#: The precisions the cost model prices an operation in.
 Precision = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+#: The precisions a sheet entry may give a peak for: :data:`PRECISIONS` and
+#: ``fp4`` (Blackwell's FP4 tensor cores, NVFP4/MXFP4), which the sheet records
+#: but no operation is priced in yet.
+PeakPrecision = Literal["fp32", "tf32", "fp16", "bf16", "fp8", "fp4"]
+PEAK_PRECISIONS: tuple[PeakPrecision, ...] = (*PRECISIONS, "fp4")
 #: Most GPUs of a node (one NVLink/NVSwitch domain): far above the largest
 #: built (576), a bound on a user file's value, not a claim.
 MAX_GPUS_PER_NODE = 4096
@@ -45,8 +53,9 @@ class GpuSheetEntry:
         name: the name plans and ``--gpus`` use (``A100-80``, ``H100-SXM``, ...).
         memory_bytes: device memory.
         memory_bandwidth_bytes_per_s: device memory bandwidth (HBM/GDDR).
-        peak_flops: ``(precision, FLOP/s)`` pairs of dense peak throughput; a
-            precision the GPU lacks is absent (``fp8`` before Hopper/Ada).
+        peak_flops: ``(precision, FLOP/s)`` pairs of dense peak throughput
+            (precisions of :data:`PEAK_PRECISIONS`); a precision the GPU lacks
+            is absent (``fp8`` before Hopper/Ada, ``fp4`` before Blackwell).
         gpus_per_node: GPUs in the common node build.
         intra_node_bytes_per_s: one GPU's bandwidth to the others of its node
             (NVLink / Infinity Fabric, or PCIe where there is none), one
@@ -69,7 +78,7 @@ class GpuSheetEntry:
     name: str
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
-    peak_flops: tuple[tuple[Precision, float], ...]
+    peak_flops: tuple[tuple[PeakPrecision, float], ...]
     gpus_per_node: int
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
@@ -109,10 +118,10 @@ class GpuSheetEntry:
                     f"got {pair!r}"
                 )
             precision, value = pair
-            if precision not in PRECISIONS:
+            if precision not in PEAK_PRECISIONS:
                 raise ValueError(
                     f"{where}: unknown precision {precision!r} (known: "
-                    f"{', '.join(PRECISIONS)})"
+                    f"{', '.join(PEAK_PRECISIONS)})"
                 )
             if precision in seen:
                 raise ValueError(f"{where}: precision {precision} given twice")
@@ -144,7 +153,7 @@ class GpuSheetEntry:
                 )
 
     @property
-    def precisions(self) -> tuple[Precision, ...]:
+    def precisions(self) -> tuple[PeakPrecision, ...]:
         """The precisions with a peak on the sheet."""
         return tuple(name for name, _ in self.peak_flops)
 
@@ -166,7 +175,7 @@ class GpuSheetEntry:
             round(self.memory_bytes / 1e9),
         )
 
-    def peak(self, precision: Precision) -> float:
+    def peak(self, precision: PeakPrecision) -> float:
         """Dense peak FLOP/s at ``precision``; ``KeyError`` if the GPU lacks it."""
         for name, value in self.peak_flops:
             if name == precision:

@@ -13,9 +13,12 @@ The bundled sheet is ``pipedejavu/data/gpus.json`` (sources per entry; see
                        "sources": ["..."], "note": "..."}},
      "aliases": {"SHORT": "NAME"}}
 
-``multiprocessors`` and ``clock_hz`` (the clock the tensor peaks are quoted
-at) are optional, both or neither: they set the exponential units' rate, which
-prices a fused attention kernel's softmax.
+``peak_flops`` names precisions of
+:data:`~pipedejavu.core.gpu_sheet.PEAK_PRECISIONS` (``fp32``, ``tf32``,
+``fp16``, ``bf16``, ``fp8``, ``fp4``). ``multiprocessors`` and ``clock_hz``
+(the clock the tensor peaks are quoted at) are optional, both or neither:
+they set the exponential units' rate, which prices a fused attention kernel's
+softmax.
 
 An entry for a new name needs every number; an entry for a name already on the
 sheet overrides only the fields it gives (``peak_flops`` precision by precision).
@@ -36,7 +39,7 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_json
-from pipedejavu.core.gpu_sheet import PRECISIONS, GpuSheetEntry
+from pipedejavu.core.gpu_sheet import PEAK_PRECISIONS, GpuSheetEntry
 from pipedejavu.core.validation import describe
 
 __all__ = [
@@ -69,8 +72,8 @@ _ENTRY_FIELDS = (
 )
 _TOP_KEYS = ("gpus", "aliases", "description")
 #: ``(lowest, highest, unit)`` of a sheet's numbers: far outside any GPU built
-#: (the bundled entries lie 40x or more inside every bound: memory 11.8 GB to
-#: 206 GB, memory bandwidth 0.3 to 5.3 TB/s, links 3.1 GB/s to 450 GB/s,
+#: (the bundled entries lie 30x or more inside every bound: memory 11.8 GB to
+#: 309 GB, memory bandwidth 0.3 to 8 TB/s, links 3.1 GB/s to 7.2 TB/s,
 #: clocks 1.4 to 2.5 GHz), bounds on a file's values, not claims. Outside them
 #: the cost model's arithmetic underflows to zero or overflows to infinity
 #: (``5e-324`` bytes/s, ``1e308`` FLOP/s).
@@ -82,7 +85,7 @@ FIELD_RANGES: dict[str, tuple[float, float, str]] = {
     "clock_hz": (1e7, 1e11, "Hz"),
 }
 #: ``(lowest, highest)`` dense peak FLOP/s of every precision (the bundled
-#: peaks: 13.4 TFLOP/s to 2.6 PFLOP/s).
+#: peaks: 13.4 TFLOP/s to 15 PFLOP/s).
 PEAK_FLOPS_RANGE = (1e9, 1e18)
 
 
@@ -185,14 +188,14 @@ def _entry_fields(raw: Any, source: str, name: str) -> dict[str, Any]:
         peaks = fields["peak_flops"]
         if not isinstance(peaks, dict) or not peaks:
             raise ProblemError(
-                f"{where}: peak_flops must map precisions ({', '.join(PRECISIONS)}) "
-                f"to FLOP/s"
+                f"{where}: peak_flops must map precisions "
+                f"({', '.join(PEAK_PRECISIONS)}) to FLOP/s"
             )
         for precision in peaks:
-            if precision not in PRECISIONS:
+            if precision not in PEAK_PRECISIONS:
                 raise ProblemError(
                     f"{where}: unknown precision {precision!r} in peak_flops (known: "
-                    f"{', '.join(PRECISIONS)})"
+                    f"{', '.join(PEAK_PRECISIONS)})"
                 )
     if "sources" in fields:
         sources = fields["sources"]
@@ -220,7 +223,7 @@ def _build(name: str, fields: Mapping[str, Any], source: str) -> GpuSheetEntry:
             memory_bandwidth_bytes_per_s=fields["memory_bandwidth_bytes_per_s"],
             peak_flops=tuple(
                 (precision, peaks[precision])
-                for precision in PRECISIONS
+                for precision in PEAK_PRECISIONS
                 if precision in peaks
             ),
             gpus_per_node=fields["gpus_per_node"],
