@@ -78,6 +78,54 @@ def test_total_and_active_parameters_equal_the_checkpoints():
     assert DEEPSEEK_V3.active_params == 37_552_282_624
 
 
+OLMOE_1B_7B = TransformerSpec(
+    name="OLMoE-1B-7B-0924",
+    num_layers=16,
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_query_groups=16,
+    ffn_hidden_size=1024,
+    vocab_size=50304,
+    seq_length=4096,
+    gated_mlp=True,
+    norm="rmsnorm",
+    position="rotary",
+    tied_embeddings=False,
+    linear_bias=False,
+    moe=MoeSpec(64, 8, 1024),
+    qk_layernorm="projection",
+)
+
+
+def test_query_key_norms_over_the_projection_equal_olmoes_checkpoint():
+    # allenai/OLMoE-1B-7B-0924's safetensors hold 6,919,161,856 elements
+    # (the Hub's safetensors total; "6.92B"): its q_norm is h wide and its
+    # k_norm g d wide, not one head's width; 1.28B pass a token (8 of 64)
+    assert OLMOE_1B_7B.num_params == 6_919_161_856
+    assert OLMOE_1B_7B.active_params == 6_919_161_856 - 16 * 56 * 3 * 2048 * 1024
+    assert round(OLMOE_1B_7B.active_params / 1e9, 2) == 1.28
+    parts = block_param_parts(OLMOE_1B_7B, 0)
+    assert parts["attention_norms"] == 2048 + 16 * 128
+    # per head (Megatron-Core's --qk-layernorm, Qwen3): one d-wide norm each
+    per_head = dataclasses.replace(OLMOE_1B_7B, qk_layernorm=True)
+    assert block_param_parts(per_head, 0)["attention_norms"] == 2 * 128
+    # split with the heads they normalize: a quarter of each at tp 4, and the
+    # key norm of the one key/value head a GPU holds when tp exceeds g
+    assert block_param_parts(OLMOE_1B_7B, 0, tp=4)["attention_norms"] == 1024
+    few_groups = dataclasses.replace(OLMOE_1B_7B, num_query_groups=2)
+    assert block_param_parts(few_groups, 0, tp=4)["attention_norms"] == 512 + 128
+    # weightless norms (Llama 4's L2 norm): none
+    bare = dataclasses.replace(OLMOE_1B_7B, qk_layernorm=False)
+    assert OLMOE_1B_7B.num_params - bare.num_params == 16 * 4096
+
+
+def test_query_key_norm_scope_is_checked():
+    with pytest.raises(ValueError, match="qk_layernorm must be true, false or"):
+        dataclasses.replace(OLMOE_1B_7B, qk_layernorm="head")
+    with pytest.raises(ValueError, match="needs grouped-query attention"):
+        dataclasses.replace(DEEPSEEK_V3, qk_layernorm="projection")
+
+
 def test_split_per_gpu_shards_experts_over_ep_and_etp():
     spec = DEEPSEEK_V3
     whole = block_param_parts(spec, 10)  # an expert block

@@ -5,10 +5,11 @@ A block's parameters are split in two, because the distributed optimizer
 shards them over different GPUs:
 
 * **dense**: the attention (its projections, the multi-latent projections and
-  norms, the per-head query/key norms), the two block norms, a dense block's
-  MLP, and in an expert block the router, the shared experts and their gate.
+  norms, the query/key norms), the two block norms, a dense block's MLP,
+  and in an expert block the router, the shared experts and their gate.
   Split over the stage's ``tp`` GPUs as Megatron-LM splits a dense block
-  (column-parallel inputs, row-parallel outputs); norms, the router
+  (column-parallel inputs, row-parallel outputs; query/key norms over a whole
+  projection, OLMoE's, with the heads they normalize); other norms, the router
   (``E x h`` and its bias), the shared experts' gate and multi-latent
   attention's down projections (``TELinear`` with ``parallel_mode
   "duplicated"`` in Megatron-Core's Transformer Engine layer spec) are held
@@ -106,10 +107,14 @@ def _attention_parts(spec: TransformerSpec, tp: int) -> dict[str, int]:
         q_columns = heads * d // tp
         qkv_columns = q_columns + 2 * kv_heads_per_gpu * d
         has_qkv_bias = spec.linear_bias or spec.qkv_bias
+        if spec.qk_layernorm == "projection":  # split with the heads they norm
+            norms = _norm(spec, q_columns) + _norm(spec, kv_heads_per_gpu * d)
+        else:  # one d-wide norm for the queries, one for the keys
+            norms = 2 * _norm(spec, d) if spec.qk_layernorm else 0
         return {
             "attention": h * qkv_columns + q_columns * h,
             "attention_duplicated": 0,
-            "attention_norms": 2 * _norm(spec, d) if spec.qk_layernorm else 0,
+            "attention_norms": norms,
             "attention_bias": (qkv_columns if has_qkv_bias else 0)
             + (h if spec.linear_bias else 0),
         }

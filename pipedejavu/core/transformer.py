@@ -31,10 +31,13 @@ from typing import Literal, get_args
 from pipedejavu.core import moe_counts
 from pipedejavu.core.moe import MlaSpec, MoeSpec
 
-__all__ = ["SPEC_LIMITS", "Norm", "Position", "TransformerSpec"]
+__all__ = ["SPEC_LIMITS", "Norm", "Position", "QkNormScope", "TransformerSpec"]
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rotary", "alibi", "none"]
+#: Query/key norms other than Megatron-Core's per-head ones (``qk_layernorm``
+#: ``True``): ``"projection"``, one norm over each whole projection (OLMoE).
+QkNormScope = Literal["projection"]
 
 #: The largest value of each size field (well past any trained model: 10,000
 #: blocks, a 1 Mi-wide hidden state, 16 Mi tokens a sample): arrays of layers
@@ -102,9 +105,14 @@ class TransformerSpec:
         mla: multi-latent attention instead of grouped-query attention.
         mtp_layers: multi-token-prediction blocks after the last block
             (DeepSeek-V3; Megatron-LM's ``--mtp-num-layers``).
-        qk_layernorm: a norm on each query and key head (Qwen3, OLMoE); with
+        qk_layernorm: the query and key norms with weights. ``False``: none
+            (or weightless ones: Llama 4's L2 norm). ``True``: one norm of a
+            head's width ``d`` shared by every query head and one shared by
+            every key head (Megatron-LM's ``--qk-layernorm``, Qwen3); with
             ``mla``, the norms of the query and key/value latents (Megatron-LM's
             ``--qk-layernorm`` with ``--multi-latent-attention``; DeepSeek).
+            ``"projection"``: one norm over the whole query projection (``a d``
+            wide) and one over the whole key projection (``g d``; OLMoE).
         kv_channels: each attention head's width ``d`` when the heads are not
             ``h / a`` wide (Megatron-LM's ``--kv-channels``, Hugging Face's
             ``head_dim``: Qwen3, GPT-OSS); ``None``: ``h / a``.
@@ -134,7 +142,7 @@ class TransformerSpec:
     moe: MoeSpec | None = None
     mla: MlaSpec | None = None
     mtp_layers: int = 0
-    qk_layernorm: bool = False
+    qk_layernorm: bool | QkNormScope = False
     kv_channels: int | None = None
 
     def __post_init__(self) -> None:
@@ -206,10 +214,17 @@ class TransformerSpec:
                 f"{where}: mtp_layers must be an integer in [0, 64], "
                 f"got {self.mtp_layers!r}"
             )
-        if not isinstance(self.qk_layernorm, bool):
+        scopes = get_args(QkNormScope)
+        if not isinstance(self.qk_layernorm, bool) and self.qk_layernorm not in scopes:
             raise ValueError(
-                f"{where}: qk_layernorm must be true or false, "
+                f"{where}: qk_layernorm must be true, false or "
+                f"{', '.join(repr(scope) for scope in scopes)}, "
                 f"got {self.qk_layernorm!r}"
+            )
+        if self.mla is not None and self.qk_layernorm in scopes:
+            raise ValueError(
+                f"{where}: qk_layernorm {self.qk_layernorm!r} needs grouped-query "
+                "attention (with mla: true, the latent norms, or false)"
             )
         width, limit = self.kv_channels, SPEC_LIMITS["kv_channels"]
         if width is not None and (not _is_int(width) or not 0 < width <= limit):
