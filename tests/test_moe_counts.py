@@ -119,6 +119,41 @@ def test_query_key_norms_over_the_projection_equal_olmoes_checkpoint():
     assert OLMOE_1B_7B.num_params - bare.num_params == 16 * 4096
 
 
+def test_expert_blocks_without_shared_experts_have_no_shared_bias():
+    # GPT-OSS: biases on every linear layer, no shared expert. Counted by hand
+    # from openai/gpt-oss's model (gpt_oss/torch/model.py): per block the qkv
+    # and output projections with biases, two norms, the router with its bias,
+    # 128 experts of (2 x 2880 + 2880) x 2880 weights and 5760 + 2880 biases;
+    # embedding, unembedding, final norm. Its 64 attention sinks a block are
+    # not represented: 116,829,156,672 - 36 x 64 ("116.83B", its model card).
+    h, heads, groups, d, experts = 2880, 64, 8, 64, 128
+    attention = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d
+    attention += heads * d * h + h
+    expert = 3 * h * h + 2 * h + h
+    block = attention + 2 * h + experts * h + experts + experts * expert
+    total = 36 * block + 2 * 201088 * h + h
+    assert total == 116_829_156_672 - 36 * 64
+    spec = TransformerSpec(
+        name="GPT-OSS-120B",
+        num_layers=36,
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=d,
+        ffn_hidden_size=h,
+        vocab_size=201088,
+        seq_length=4096,
+        gated_mlp=True,
+        norm="rmsnorm",
+        position="rotary",
+        tied_embeddings=False,
+        linear_bias=True,
+        moe=MoeSpec(experts, 4, h),
+    )
+    assert spec.num_params == total
+    assert block_param_parts(spec, 0)["mlp_bias"] == 0
+
+
 def test_query_key_norm_scope_is_checked():
     with pytest.raises(ValueError, match="qk_layernorm must be true, false or"):
         dataclasses.replace(OLMOE_1B_7B, qk_layernorm="head")

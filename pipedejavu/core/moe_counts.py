@@ -91,7 +91,9 @@ def check_expert_split(spec: TransformerSpec, ep: int, etp: int) -> None:
 def _mlp_params(spec: TransformerSpec, width: int, tp: int) -> tuple[int, int]:
     """(weights, biases) of one MLP of inner ``width`` on one of ``tp`` GPUs:
     first projection split by columns (its bias with it), second by rows (its
-    bias replicated)."""
+    bias replicated); none at all for ``width`` 0 (no shared expert)."""
+    if width == 0:
+        return 0, 0
     h = spec.hidden_size
     in_columns = (2 if spec.gated_mlp else 1) * width // tp
     weights = h * in_columns + (width // tp) * h
