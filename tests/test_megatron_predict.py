@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from pipedejavu.core.layout import ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import (
@@ -162,12 +163,17 @@ def test_memory_beyond_the_device_is_reported():
         (_plan(model=None), "names no model"),
         (
             Plan3D(
-                (Stage3D(0, 26, (Replica("GH-96", 4), Replica("GH-96", 2))),),
+                (Stage3D(0, 26, (Replica("GH-96", 4), Replica("GH-96", 4))),),
                 2,
                 8,
                 model="OPT-350",
+                layout=ParallelLayout((StageAxes(4, ep=2),), 2),
             ),
-            "mixes TP degrees",
+            "context or expert parallelism, which plans are not priced",
+        ),
+        (
+            _plan().replace(layout=ParallelLayout((4,), 1, cp=2)),
+            r"\(pp 1 \[26\], dp 1, tp 4, cp 2,.*not priced",
         ),
     ],
 )

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pipedejavu.core.layout import DP_OUTER, PP_OUTER, ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
@@ -70,11 +71,12 @@ def test_validation(build, message):
 def test_our_json_round_trip(tmp_path):
     plan = _plan(
         stages=(
-            Stage3D(0, 5, (Replica("RTX-3090", 8, node=0), Replica("RTX-2080", 2))),
-            Stage3D(5, 26, (Replica("Titan-RTX", 8, zone="z"), Replica("GH-96", 1))),
+            Stage3D(0, 5, (Replica("RTX-3090", 8, node=0), Replica("RTX-2080", 8))),
+            Stage3D(5, 26, (Replica("Titan-RTX", 2, zone="z"), Replica("GH-96", 2))),
         )
     )
     data = plan.to_json()
+    assert data["layout"] == {"order": "tp-cp-ep-dp-pp", "dp": 2, "cp": 1}
     assert Plan3D.from_json(json.loads(json.dumps(data))) == plan
     data["iteration_time_s"] = 1.0  # extra keys (a planner's) are ignored
     path = tmp_path / "plan.json"
@@ -150,3 +152,138 @@ def test_unreadable_files(tmp_path):
     wrong.write_text('{"stages": [{"layers": [0]}]}')
     with pytest.raises(ProblemError, match="wrong.json: not a valid 3D plan"):
         load_plan3d(wrong)
+
+
+# ------------------------------------------------------------ the plan's layout
+def _placed(order, tp=2, dp=4, pp=2, gpn=8):
+    """A plan on nodes of ``gpn`` GPUs placed in ``order`` (legacy names)."""
+    from pipedejavu.core.placement import canonical_nodes
+
+    nodes = canonical_nodes([tp] * pp, dp, gpn, order)
+    return Plan3D(
+        tuple(
+            Stage3D(s, s + 1, tuple(Replica("A100", tp, node=n) for n in nodes[s]))
+            for s in range(pp)
+        ),
+        mbs=1,
+        gbs=dp,
+        layout=ParallelLayout.uniform(tp=tp, pp=pp, dp=dp, order=order),
+    )
+
+
+def test_every_plan_has_a_layout_its_stages_imply():
+    plan = _plan()
+    assert plan.layout == ParallelLayout.uniform(tp=4, pp=2, dp=2)
+    assert plan.layout.order == PP_OUTER
+    gh = Replica("GH-96", 4)
+    # a plan of one stage stores the default order: both orders are one layout
+    one = Plan3D(
+        (Stage3D(0, 26, (gh, gh)),),
+        mbs=1,
+        gbs=2,
+        layout=ParallelLayout.uniform(tp=4, dp=2, order=DP_OUTER),
+    )
+    assert one.layout.order == PP_OUTER
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (ParallelLayout.uniform(tp=4, pp=3, dp=2), "pp 3 and dp 2"),
+        (ParallelLayout.uniform(tp=4, pp=2, dp=1), "pp 2 and dp 1"),
+        (ParallelLayout.uniform(tp=2, pp=2, dp=2), "layout says tp 2"),
+        ("tp-dp-pp", "must be a ParallelLayout"),
+    ],
+)
+def test_a_layout_must_match_the_stages(layout, message):
+    with pytest.raises(ProblemError, match=message):
+        _plan(layout=layout)
+
+
+def test_a_stage_mixing_tp_degrees_is_refused():
+    stage = Stage3D(0, 26, (Replica("GH-96", 4), Replica("GH-96", 2)))
+    with pytest.raises(ProblemError, match=r"stage 0 mixes TP degrees \[2, 4\]"):
+        Plan3D((stage,), mbs=1, gbs=2)
+
+
+def test_context_and_expert_axes_count_and_round_trip():
+    layout = ParallelLayout((StageAxes(4, ep=8, etp=1), StageAxes(4, ep=4)), dp=2, cp=2)
+    plan = _plan(layout=layout)
+    assert plan.num_gpus == 2 * 4 * 2 * 2 and plan.gpus_by_type() == {"GH-96": 32}
+    assert "cp 2, ep 4/8, etp 1" in plan.describe()
+    data = json.loads(json.dumps(plan.to_json()))
+    assert data["layout"] == {"order": PP_OUTER, "dp": 2, "cp": 2}
+    assert [(s.get("ep"), s.get("etp")) for s in data["stages"]] == [(8, 1), (4, None)]
+    assert Plan3D.from_json(data) == plan
+
+
+def test_old_files_read_their_order_from_rank_order_or_their_nodes():
+    mapped = _placed("tp-pp-dp")
+    assert mapped.layout.order == DP_OUTER
+    data = mapped.to_json()
+    del data["layout"]  # a file written before plans had layouts
+    assert Plan3D.from_json(data).layout.order == DP_OUTER  # from its nodes
+    data["rank_order"] = "tp-pp-dp"
+    assert Plan3D.from_json(data).layout.order == DP_OUTER
+    # without nodes nothing tells: Megatron's default
+    for stage in data["stages"]:
+        for replica in stage["replicas"]:
+            del replica["node"]
+    del data["rank_order"]
+    assert Plan3D.from_json(data).layout.order == PP_OUTER
+    # the layout's own order wins over the nodes (checked where exports read it)
+    data = _placed("tp-dp-pp").to_json()
+    data["layout"]["order"] = "tp-pp-dp"  # legacy name read
+    assert Plan3D.from_json(data).layout.order == DP_OUTER
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ([], "'layout' must be an object"),
+        ({"order": "pp-tp"}, "rank order must be one of"),
+        ({"size": 3}, "unknown key 'size'"),
+        ({"dp": 3}, "the layout's dp 3 is not the 4 replicas"),
+        ({"cp": 0}, "cp must be >= 1, got 0"),
+        ({"cp": 2**40}, "cp must be <= 131072"),
+    ],
+)
+def test_bad_layout_objects_in_files(layout, message):
+    data = _placed("tp-dp-pp").to_json()
+    data["layout"] = layout
+    with pytest.raises(ProblemError, match=message):
+        Plan3D.from_json(data, source="p.json")
+
+
+def test_bad_expert_axes_in_files():
+    data = _placed("tp-dp-pp").to_json()
+    data["stages"][0]["ep"] = 3  # 3 does not divide the stage's 8 GPUs
+    with pytest.raises(ProblemError, match="not whole groups of etp 2 x ep 3"):
+        Plan3D.from_json(data, source="p.json")
+    data["stages"][0]["ep"] = "8"
+    with pytest.raises(ProblemError, match="p.json: .*ep must be"):
+        Plan3D.from_json(data, source="p.json")
+
+
+def test_exports_read_the_layout_order_and_check_it_against_the_nodes():
+    from pipedejavu.core.placement import plan_rank_order
+
+    assert plan_rank_order(_placed("tp-pp-dp"), 8) == "tp-pp-dp"
+    assert plan_rank_order(_placed("tp-dp-pp"), 8) == "tp-dp-pp"
+    # one node: both orders place the GPUs alike, the layout's is kept
+    assert plan_rank_order(_placed("tp-pp-dp", dp=2), 8) == "tp-pp-dp"
+    wrong = _placed("tp-pp-dp")
+    wrong = wrong.replace(layout=_placed("tp-dp-pp").layout)
+    with pytest.raises(ProblemError, match="says rank order tp-dp-pp, but its nodes"):
+        plan_rank_order(wrong, 8)
+
+
+def test_replace_keeps_the_layout_axes_the_new_stages_allow():
+    plan = _placed("tp-pp-dp", pp=3)
+    cut = plan.replace(stages=plan.stages[:2])
+    assert cut.layout == ParallelLayout.uniform(tp=2, pp=2, dp=4, order=DP_OUTER)
+    experts = _plan(layout=ParallelLayout((StageAxes(4, ep=2),) * 2, 2, cp=2))
+    gh = experts.stages[0].replicas
+    moved = (Stage3D(0, 10, gh), Stage3D(10, 26, gh))
+    assert experts.replace(stages=moved).layout == experts.layout
+    assert experts.replace(mbs=1).layout == experts.layout

@@ -49,10 +49,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from pipedejavu.core.layout import MAX_GPUS, ParallelLayout
+from pipedejavu.core.layout import (
+    LEGACY_ORDERS,
+    MAX_GPUS,
+    PP_OUTER,
+    ParallelLayout,
+    StageAxes,
+    rank_order,
+)
+from pipedejavu.core.placement import (
+    RANK_ORDERS,
+    canonical_nodes,
+    check_nodes,
+    rank_nodes,
+    rank_order_of,
+)
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.validation import describe
 
@@ -92,11 +106,6 @@ _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 _MAX_LAYERS = 2**20
 #: Zone written into Sailor files when a plan does not name one (Sailor's default).
 DEFAULT_ZONE = "us-central1-a"
-#: Megatron-LM's rank orders of a 3D plan, innermost first: ``tp-dp-pp`` (its
-#: default ``tp-cp-ep-dp-pp``: a stage's replicas take consecutive ranks, then
-#: the next stage) and ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``: a pipeline's
-#: stages take consecutive ranks, then the next pipeline).
-RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 #: Plan files larger than this are refused before parsing (16 MiB).
 MAX_PLAN_FILE_BYTES = 16 * 2**20
 
@@ -231,15 +240,24 @@ class Plan3D:
         mbs: micro-batch size (samples per micro-batch), >= 1.
         gbs: global batch (samples per iteration over all replicas), >= 1.
         model: the model's profile name (e.g. ``"OPT-350"``), or ``None``.
+        layout: the plan's named axes
+            (:class:`~pipedejavu.core.layout.ParallelLayout`): each stage's TP
+            (its replicas' ``tp``), expert axes, CP, DP (the replicas) and the
+            rank order. ``None``: the stages' TP and DP, no CP or experts, and
+            Megatron's default order (:data:`~pipedejavu.core.layout.PP_OUTER`);
+            a plan of one stage always stores that order (both are one layout).
 
     Raises:
-        ProblemError: gaps or overlaps between stages, unequal ``dp``, bad sizes.
+        ProblemError: gaps or overlaps between stages, unequal ``dp``, a stage
+            whose replicas differ in TP, a layout that does not match the
+            stages, bad sizes.
     """
 
     stages: tuple[Stage3D, ...]
     mbs: int
     gbs: int
     model: str | None = None
+    layout: ParallelLayout | None = None
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -260,17 +278,12 @@ class Plan3D:
                 f"(Megatron and DeepSpeed run it so), got {[s.dp for s in stages]}"
             )
         object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "layout", _stage_layout(stages, self.layout))
         for name in ("mbs", "gbs"):
             value = _positive_int(
                 getattr(self, name), name, MAX_GLOBAL_BATCH, " samples"
             )
             object.__setattr__(self, name, value)
-        gpus = sum(r.tp for stage in stages for r in stage.replicas)
-        if gpus > MAX_GPUS:
-            raise ProblemError(
-                f"a plan may use at most {MAX_GPUS} GPUs (the sum of its "
-                f"replicas' tp), got {gpus}"
-            )
         # ceil(gbs / (mbs * dp)) micro-batches (Sailor's convention) allows a last
         # partial one, but below one micro-batch per replica some replicas would
         # get no sample at all.
@@ -306,17 +319,35 @@ class Plan3D:
 
     @property
     def num_gpus(self) -> int:
-        return sum(stage.num_gpus for stage in self.stages)
+        return self.layout.num_gpus
 
     def gpus_by_type(self) -> dict[str, int]:
-        """GPUs used per type."""
+        """GPUs used per type (a replica holds ``tp x cp`` of them)."""
         counts: dict[str, int] = {}
+        cp = self.layout.cp
         for stage in self.stages:
             for replica in stage.replicas:
-                counts[replica.gpu_type] = counts.get(replica.gpu_type, 0) + replica.tp
+                counts[replica.gpu_type] = (
+                    counts.get(replica.gpu_type, 0) + replica.tp * cp
+                )
         return counts
 
     def replace(self, **changes: Any) -> Plan3D:
+        """A copy with ``changes``; new ``stages`` without a new ``layout``
+        keep the plan's CP, rank order and (as many stages) expert axes, with
+        the new stages' TP and DP."""
+        if "stages" in changes and "layout" not in changes:
+            stages = tuple(changes["stages"])
+            old = self.layout
+            if len(stages) == old.pp:
+                axes = tuple(
+                    a._replace(tp=s.replicas[0].tp)
+                    for a, s in zip(old.stages, stages, strict=True)
+                )
+            else:
+                axes = tuple(s.replicas[0].tp for s in stages)
+            dp = len(stages[0].replicas) if stages else old.dp
+            changes["layout"] = ParallelLayout(axes, dp, old.cp, old.order)
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
@@ -325,9 +356,19 @@ class Plan3D:
         tps = sorted({r.tp for s in self.stages for r in s.replicas})
         tp = "/".join(str(t) for t in tps)
         types = ", ".join(f"{k}:{v}" for k, v in sorted(self.gpus_by_type().items()))
+        layout = self.layout
+        extra = f", cp {layout.cp}" if layout.cp > 1 else ""
+        eps = sorted({axes.ep for axes in layout.stages})
+        if eps != [1]:
+            extra += ", ep " + "/".join(str(e) for e in eps)
+        etps = sorted({a.expert_tp for a in layout.stages if a.etp is not None})
+        if etps:
+            extra += ", etp " + "/".join(str(e) for e in etps)
+        if layout.order != PP_OUTER:
+            extra += f", order {layout.order}"
         return (
-            f"pp {self.num_stages} [{sizes}], dp {self.dp}, tp {tp}, mbs {self.mbs}, "
-            f"gbs {self.gbs} ({types})"
+            f"pp {self.num_stages} [{sizes}], dp {self.dp}, tp {tp}{extra}, "
+            f"mbs {self.mbs}, gbs {self.gbs} ({types})"
         )
 
     # ------------------------------------------------------------------ JSON
@@ -340,12 +381,14 @@ class Plan3D:
             mbs=self.mbs,
             gbs=self.gbs,
             num_microbatches=self.num_microbatches,
+            layout={
+                "order": self.layout.order,
+                "dp": self.layout.dp,
+                "cp": self.layout.cp,
+            },
             stages=[
-                {
-                    "layers": [stage.start, stage.stop],
-                    "replicas": [r.to_json() for r in stage.replicas],
-                }
-                for stage in self.stages
+                _stage_json(stage, axes)
+                for stage, axes in zip(self.stages, self.layout.stages, strict=True)
             ],
         )
         return out
@@ -379,6 +422,7 @@ class Plan3D:
                     f"'rank_order' must be {' or '.join(RANK_ORDERS)} (or null), "
                     f"got {describe(order)}"
                 )
+            order, cp = _file_layout(data.get("layout"), order)
             # Shapes first, so that counting the replicas below is safe.
             for index, item in enumerate(stages_data):
                 if not isinstance(item, dict):
@@ -393,7 +437,7 @@ class Plan3D:
                     f"more than {_MAX_ITEMS} replicas (a plan uses at most "
                     f"{MAX_GPUS} GPUs)"
                 )
-            stages = []
+            stages, axes = [], []
             for index, item in enumerate(stages_data):
                 layers = item.get("layers")
                 if not (isinstance(layers, list) and len(layers) == 2):
@@ -412,14 +456,99 @@ class Plan3D:
                         )
                     )
                 stages.append(Stage3D(layers[0], layers[1], tuple(built)))
-            return cls(
+                axes.append(StageAxes(built[0].tp, item.get("ep", 1), item.get("etp")))
+            layout = ParallelLayout(
+                tuple(axes), len(stages[0].replicas), cp, order or PP_OUTER
+            )
+            stated = (data.get("layout") or {}).get("dp", layout.dp)
+            if stated != layout.dp:
+                raise ProblemError(
+                    f"the layout's dp {describe(stated)} is not the "
+                    f"{layout.dp} replicas of each stage"
+                )
+            plan = cls(
                 stages=tuple(stages),
                 mbs=data.get("mbs"),
                 gbs=data.get("gbs"),
                 model=data.get("model"),
+                layout=layout,
             )
+            inferred = None if order is not None else rank_order_of(plan)
+            if inferred is not None:  # a file written before plans had layouts
+                layout = dataclasses.replace(layout, order=LEGACY_ORDERS[inferred])
+                plan = dataclasses.replace(plan, layout=layout)
+            return plan
         except ProblemError as error:
             raise ProblemError(f"{source}: not a valid 3D plan: {error}") from None
+
+
+def _stage_layout(
+    stages: tuple[Stage3D, ...], layout: ParallelLayout | None
+) -> ParallelLayout:
+    """The plan's layout: ``layout`` checked against the stages, or the one
+    they imply (module docstring of :class:`Plan3D`)."""
+    tps = []
+    for index, stage in enumerate(stages):
+        tp = stage.replicas[0].tp
+        if any(replica.tp != tp for replica in stage.replicas):
+            found = sorted({replica.tp for replica in stage.replicas})
+            raise ProblemError(
+                f"stage {index} mixes TP degrees {found}: the replicas of a stage "
+                "share its tensor-parallel layout"
+            )
+        tps.append(tp)
+    dp = len(stages[0].replicas)
+    if layout is None:
+        layout = ParallelLayout(tuple(tps), dp)
+    elif not isinstance(layout, ParallelLayout):
+        raise ProblemError(f"layout must be a ParallelLayout, got {describe(layout)}")
+    else:
+        if (layout.pp, layout.dp) != (len(stages), dp):
+            raise ProblemError(
+                f"the layout has pp {layout.pp} and dp {layout.dp}, the plan "
+                f"{len(stages)} stages of {dp} replicas"
+            )
+        for index, (axes, tp) in enumerate(zip(layout.stages, tps, strict=True)):
+            if axes.tp != tp:
+                raise ProblemError(
+                    f"stage {index}: the layout says tp {axes.tp}, its replicas {tp}"
+                )
+    if layout.pp == 1 and layout.order != PP_OUTER:
+        layout = dataclasses.replace(layout, order=PP_OUTER)
+    return layout
+
+
+def _stage_json(stage: Stage3D, axes: StageAxes) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "layers": [stage.start, stage.stop],
+        "replicas": [r.to_json() for r in stage.replicas],
+    }
+    if axes.ep != 1:
+        out["ep"] = axes.ep
+    if axes.etp is not None:
+        out["etp"] = axes.etp
+    return out
+
+
+_LAYOUT_KEYS = ("order", "dp", "cp")
+
+
+def _file_layout(data: Any, legacy_order: str | None) -> tuple[str | None, int]:
+    """A file's ``"layout"`` object: its order (``None``: not stated; the
+    legacy ``"rank_order"`` read as the layout's name) and its ``cp``."""
+    order = None if legacy_order is None else LEGACY_ORDERS[legacy_order]
+    if data is None:
+        return order, 1
+    if not isinstance(data, dict):
+        raise ProblemError(f"'layout' must be an object, got {describe(data)}")
+    unknown = sorted(set(data) - set(_LAYOUT_KEYS))
+    if unknown:
+        raise ProblemError(
+            f"'layout': unknown key {unknown[0]!r} (known: {', '.join(_LAYOUT_KEYS)})"
+        )
+    if "order" in data:
+        order = rank_order(data["order"])
+    return order, data.get("cp", 1)
 
 
 def is_stage_plan(data: Any) -> bool:
@@ -438,58 +567,6 @@ def is_stage_plan(data: Any) -> bool:
     )
 
 
-def check_nodes(plan: Plan3D, gpus_per_node: Callable[[str], int]) -> None:
-    """Check that no node holds more GPUs than it has.
-
-    A replica without a node has one of its own (``tp <= gpus_per_node``).
-    Replicas naming node ``k`` are laid on it in plan order (stage, then
-    replica), as Megatron's rank order does, after what spills over from node
-    ``k - 1``: each must start on a GPU of the node (a TP group may run on into
-    the next node, as the per-stage TP search's rank order places it), and a
-    node holds one GPU type.
-
-    Raises:
-        ProblemError: naming the node, its GPUs and what the plan puts there.
-    """
-    placed: dict[int, list[tuple[int, int, str]]] = {}
-    capacities: dict[str, int] = {}  # asked once per GPU type
-    for s, stage in enumerate(plan.stages):
-        for replica in stage.replicas:
-            if replica.gpu_type not in capacities:
-                capacities[replica.gpu_type] = gpus_per_node(replica.gpu_type)
-            capacity = capacities[replica.gpu_type]
-            if replica.tp > capacity:
-                raise ProblemError(
-                    f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
-                    f"of a {replica.gpu_type} node"
-                )
-            if replica.node is not None:
-                placed.setdefault(replica.node, []).append(
-                    (replica.tp, capacity, replica.gpu_type)
-                )
-    spill, previous = 0, None
-    for node in sorted(placed):
-        if previous is None or node != previous + 1:
-            spill = 0
-        items = placed[node]
-        gpu, capacity = items[0][2], items[0][1]
-        if any(t != gpu for _, _, t in items):
-            raise ProblemError(
-                f"node {node} holds replicas of GPU types "
-                f"{sorted({t for _, _, t in items})}; a node has one type"
-            )
-        offset = spill
-        for tp, _, _ in items:
-            if offset >= capacity:
-                raise ProblemError(
-                    f"node {node} has {capacity} {gpu} GPUs, but the plan places "
-                    f"{spill + sum(t for t, _, _ in items)} GPUs on it (replicas' "
-                    "tp summed, with what spills over from the node before)"
-                )
-            offset += tp
-        spill, previous = max(offset - capacity, 0), node
-
-
 def same_structure(a: Plan3D, b: Plan3D) -> bool:
     """Whether two plans have the same stages, replicas, mbs and gbs."""
     return a.stages == b.stages and a.mbs == b.mbs and a.gbs == b.gbs
@@ -498,62 +575,3 @@ def same_structure(a: Plan3D, b: Plan3D) -> bool:
 def replicas_of(stages: Sequence[Stage3D], j: int) -> list[Replica]:
     """Pipeline ``j``: replica ``j`` of every stage."""
     return [stage.replicas[j] for stage in stages]
-
-
-def rank_nodes(
-    first: int, dp: int, tp: int, gpus_per_node: int, stride: int | None = None
-) -> list[int]:
-    """The node of each of the ``dp`` replicas of a stage whose ranks start at
-    ``first``, replica ``j`` at ``first + j x stride``: ``stride = tp`` in
-    Megatron's default rank order (TP innermost, then data; ``None``), the
-    GPUs of a pipeline with ``--use-tp-pp-dp-mapping``."""
-    step = tp if stride is None else stride
-    return [(first + j * step) // gpus_per_node for j in range(dp)]
-
-
-def canonical_nodes(
-    stage_tps: Sequence[int],
-    dp: int,
-    gpus_per_node: int,
-    order: str = RANK_ORDERS[0],
-) -> list:
-    """Node of replica ``j`` of stage ``s`` in a rank order of
-    :data:`~pipedejavu.core.plan3d.RANK_ORDERS`: its first rank by the layout's
-    rule (:meth:`~pipedejavu.core.layout.ParallelLayout.replica_ranks`: ``dp
-    sum_{r<s} tp_r + j tp_s`` in ``tp-dp-pp``, ``j G + sum_{r<s} tp_r`` with
-    ``G = sum_r tp_r`` in ``tp-pp-dp``) over ``gpus_per_node``."""
-    if order not in RANK_ORDERS:
-        raise ProblemError(f"rank order must be one of {RANK_ORDERS}, got {order!r}")
-    layout = ParallelLayout(tuple(stage_tps), dp, order=order)
-    return [
-        [rank // gpus_per_node for rank in layout.replica_ranks(s)]
-        for s in range(layout.pp)
-    ]
-
-
-def rank_order_of(plan: Plan3D, gpus_per_node: int | None = None) -> str | None:
-    """The rank order of :data:`~pipedejavu.core.plan3d.RANK_ORDERS` whose
-    placement the plan's nodes follow (numbered from its first node), the
-    default first where both do; ``None``: neither (or replicas without a
-    node, several GPU types, TP degrees differing within a stage).
-    ``gpus_per_node`` ``None``: the most GPUs the plan puts on one node (a
-    placement in either order fills its first node, or fits in one)."""
-    replicas = [r for stage in plan.stages for r in stage.replicas]
-    if any(r.node is None for r in replicas):
-        return None
-    if gpus_per_node is None:
-        load: dict[int, int] = {}
-        for r in replicas:
-            load[r.node] = load.get(r.node, 0) + r.tp
-        gpus_per_node = max(load.values())
-    if len({r.gpu_type for r in replicas}) > 1:
-        return None
-    tps = [stage.replicas[0].tp for stage in plan.stages]
-    if any(r.tp != s.replicas[0].tp for s in plan.stages for r in s.replicas):
-        return None
-    base = min(r.node for r in replicas)
-    have = [[r.node - base for r in stage.replicas] for stage in plan.stages]
-    for order in RANK_ORDERS:
-        if canonical_nodes(tps, plan.dp, gpus_per_node, order) == have:
-            return order
-    return None

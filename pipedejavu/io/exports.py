@@ -80,7 +80,8 @@ import dataclasses
 from collections.abc import Mapping
 
 from pipedejavu.core.files import json_text
-from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, check_nodes, rank_order_of
+from pipedejavu.core.placement import RANK_ORDERS, check_nodes, plan_rank_order
+from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
@@ -327,11 +328,14 @@ def _plain(options: TrainingOptions | None) -> bool:
     )
 
 
-def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str | None:
-    """The plan's rank order (``None``: not one Megatron-LM lays out)."""
+def _order(plan: Plan3D, gpus_per_node: Mapping[str, int] | None) -> str:
+    """The plan's rank order (its layout's, checked against its nodes)."""
     gpu = plan.stages[0].replicas[0].gpu_type
     per_node = None if gpus_per_node is None else gpus_per_node.get(gpu)
-    return rank_order_of(plan, per_node)
+    try:
+        return plan_rank_order(plan, per_node)
+    except ProblemError as error:
+        raise ExportRefused(str(error)) from None
 
 
 def uniform_recompute(
@@ -386,7 +390,7 @@ def _build(
 ) -> str:
     options = uniform_recompute(plan, options, target, spec)
     order = _order(plan, gpus_per_node)
-    if order is not None and order not in LAUNCHED_RANK_ORDERS.get(target, ()):
+    if order not in LAUNCHED_RANK_ORDERS.get(target, ()):
         raise ExportRefused(
             f"{target}: the plan places each pipeline's stages on consecutive "
             f"ranks ({order}); the target lays out {RANK_ORDERS[0]} only"

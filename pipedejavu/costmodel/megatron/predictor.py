@@ -231,15 +231,16 @@ def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
             f"{info.num_layers} profile layers (embedding, {info.num_layers - 2} "
             "transformer layers, head)"
         )
-    for s, stage in enumerate(plan.stages):
-        tps = {r.tp for r in stage.replicas}
-        if len(tps) != 1:
-            raise ProblemError(
-                f"stage {s} mixes TP degrees {sorted(tps)} across its replicas; "
-                "their gradients could not be all-reduced shard by shard"
-            )
-        for tp in tps:
-            info.check_tp(tp)
+    layout = plan.layout  # a stage's replicas share its TP (Plan3D checks)
+    if layout.cp > 1 or any(a.ep > 1 or a.etp is not None for a in layout.stages):
+        raise ProblemError(
+            f"the plan's layout ({plan.describe()}) has context or expert "
+            "parallelism, which plans are not priced with yet; Megatron-LM's "
+            "context parallelism is predicted from its flags (predict "
+            "--megatron-args)"
+        )
+    for axes in layout.stages:
+        info.check_tp(axes.tp)
     check_nodes(plan, lambda gpu: data.gpu_spec(gpu).gpus_per_node)
     return info
 

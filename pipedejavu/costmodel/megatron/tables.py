@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.layout import ParallelLayout
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     RANK_ORDERS,
@@ -170,7 +171,8 @@ def plan_from_stages(
 ) -> Plan3D:
     """A :class:`Plan3D` from ``(start, stop, tp)`` stages, placed in
     ``rank_order`` (:func:`~pipedejavu.core.plan3d.canonical_nodes`)."""
-    nodes = canonical_nodes([tp for _, _, tp in stages], dp, gpus_per_node, rank_order)
+    tps = [tp for _, _, tp in stages]
+    nodes = canonical_nodes(tps, dp, gpus_per_node, rank_order)
     return Plan3D(
         stages=tuple(
             Stage3D(
@@ -186,6 +188,7 @@ def plan_from_stages(
         mbs=mbs,
         gbs=gbs,
         model=model,
+        layout=ParallelLayout(tuple(tps), dp, order=rank_order),
     )
 
 
