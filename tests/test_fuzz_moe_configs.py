@@ -45,10 +45,10 @@ FUZZ = settings(
 FAMILIES = [
     MIXTRAL_8X7B,
     QWEN2_MOE,
-    {**QWEN3_30B, "head_dim": 64},  # readable: heads hidden / heads wide
+    QWEN3_30B,  # heads wider than hidden / heads: kv_channels
     DEEPSEEK_V2,
     DEEPSEEK_V3,
-    {**GPT_OSS_120B, "head_dim": 45},
+    GPT_OSS_120B,
     OLMOE,
     LLAMA4_SCOUT,
     LLAMA4_MAVERICK_TEXT,
@@ -60,7 +60,7 @@ KEYS = sorted(
     | {"mlp_only_layers", "moe_layers", "qkv_bias", "mlp_bias", "model_type"}
 )
 MODEL_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
-MODEL_TYPES += ["gpt_oss", "olmoe", "llama4", "llama4_text", "llama", "t5"]
+MODEL_TYPES += ["gpt_oss", "olmoe", "llama4", "llama4_text", "llama", "qwen3", "t5"]
 
 #: Hostile JSON values: huge, negative, fractional, wrong types, nesting.
 scalars = st.one_of(

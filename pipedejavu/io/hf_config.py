@@ -4,8 +4,9 @@
 its getters check each value's type and range and raise
 :class:`~pipedejavu.core.errors.ProblemError` naming the file and the key.
 :func:`llama_like` reads the attention, MLP and embedding keys the LLaMA family
-shares (LLaMA, Mistral, Qwen2 and the mixture-of-experts models built on them:
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Llama 4, DeepSeek).
+shares (LLaMA, Mistral, Qwen2, Qwen3 and the mixture-of-experts models built
+on them: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Llama 4, DeepSeek),
+an explicit ``head_dim`` included.
 
 Used by :mod:`pipedejavu.io.model_config` (dense models) and
 :mod:`pipedejavu.io.hf_moe` (mixture-of-experts models).
@@ -138,6 +139,15 @@ def _biases(config: HfConfig, model_type: str) -> tuple[bool, bool]:
     return attention_bias, False
 
 
+def _kv_channels(config: HfConfig, heads: int, hidden: int) -> int | None:
+    """An explicit ``head_dim`` as ``kv_channels`` (``None`` when it is
+    ``hidden_size / num_attention_heads``, as the spec then says)."""
+    if not config.has("head_dim"):
+        return None
+    width = config.get_int("head_dim", limit=SPEC_LIMITS["kv_channels"])
+    return None if width * heads == hidden else width
+
+
 def llama_like(
     config: HfConfig, model_type: str, *, head_dim: bool = True
 ) -> dict[str, Any]:
@@ -148,26 +158,19 @@ def llama_like(
     Args:
         config: the config.
         model_type: its ``model_type`` (biases differ by family).
-        head_dim: check an explicit ``head_dim`` against ``hidden_size /
-            num_attention_heads``, the only head width the spec represents
-            (``False`` where another field gives the heads' widths: DeepSeek's
-            multi-latent attention).
+        head_dim: read an explicit ``head_dim`` as ``kv_channels`` where it
+            is not ``hidden_size / num_attention_heads`` (Qwen3, GPT-OSS,
+            Mistral-NeMo); ``False`` where other fields give the heads'
+            widths (DeepSeek's multi-latent attention) and ``head_dim`` is not
+            read.
 
     Raises:
-        ProblemError: a missing or mistyped key, ``head_dim`` other than
-            ``hidden_size / num_attention_heads``, biases the spec cannot
+        ProblemError: a missing or mistyped key, biases the spec cannot
             represent, an activation other than SiLU.
     """
     heads = config.get_int("num_attention_heads")
     hidden = config.get_int("hidden_size")
-    if head_dim and config.has("head_dim"):
-        width = config.get_int("head_dim")
-        if width * heads != hidden:
-            raise ProblemError(
-                f"{config.source}: head_dim {width} x num_attention_heads {heads} "
-                f"!= hidden_size {hidden} is not supported (the model's heads are "
-                "hidden_size / num_attention_heads wide)"
-            )
+    kv_channels = _kv_channels(config, heads, hidden) if head_dim else None
     linear_bias, qkv_bias = _biases(config, model_type)
     hidden_act = config.get_str("hidden_act", "silu")
     if hidden_act not in ("silu", "swish"):
@@ -189,4 +192,5 @@ def llama_like(
         tied_embeddings=config.get_bool("tie_word_embeddings", False),
         linear_bias=linear_bias,
         qkv_bias=qkv_bias,
+        kv_channels=kv_channels,
     )

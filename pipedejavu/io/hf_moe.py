@@ -87,7 +87,7 @@ def _qwen_moe(config: HfConfig, model_type: str) -> dict[str, Any]:
     shared = 0
     if model_type == "qwen2_moe":
         shared = _width(config, "shared_expert_intermediate_size", 0)
-    else:
+    else:  # Qwen3's q_norm and k_norm: one head_dim-wide weight each
         fields["qk_layernorm"] = True
     fields["moe"] = _moe(
         config,
@@ -107,6 +107,7 @@ def _deepseek(config: HfConfig, model_type: str) -> dict[str, Any]:
     block an expert block; V3's multi-token-prediction modules."""
     fields = llama_like(config, model_type, head_dim=False)
     count = fields["num_layers"]
+    fields["qk_layernorm"] = True  # q_a_layernorm, kv_a_layernorm: always there
     try:
         fields["mla"] = MlaSpec(
             q_lora_rank=config.get_int("q_lora_rank", 0, low=0),  # null: none
@@ -156,9 +157,10 @@ def _gpt_oss(config: HfConfig) -> dict[str, Any]:
 
 
 def _olmoe(config: HfConfig) -> dict[str, Any]:
-    """OLMoE: every block an expert block, query and key norms."""
+    """OLMoE: every block an expert block, query and key norms over the
+    whole projections (``q_norm`` h wide, ``k_norm`` g d)."""
     fields = llama_like(config, "olmoe")
-    fields["qk_layernorm"] = True
+    fields["qk_layernorm"] = "projection"
     fields["moe"] = _moe(
         config,
         (True,) * fields["num_layers"],
@@ -220,7 +222,6 @@ def moe_fields(config: HfConfig, model_type: str) -> dict[str, Any]:
 
     Raises:
         ProblemError: a missing, mistyped or out-of-range key (named), shapes
-            the spec cannot represent (an explicit ``head_dim`` other than
-            ``hidden_size / num_attention_heads``), or contradicting keys.
+            the spec cannot represent, or contradicting keys.
     """
     return _READERS[model_type](config)

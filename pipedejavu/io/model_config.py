@@ -2,10 +2,10 @@
 
 :func:`spec_from_hf_config` reads the ``config.json`` of a decoder-only model
 into a :class:`~pipedejavu.core.transformer.TransformerSpec`: dense models
-(GPT-2, GPT-Neo, GPT-NeoX, OPT, LLaMA, Mistral, Qwen2) here, mixture-of-experts
-models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, OLMoE, Llama 4)
-by :mod:`pipedejavu.io.hf_moe`. Expert keys in a dense model's config are
-refused.
+(GPT-2, GPT-Neo, GPT-NeoX, OPT, LLaMA, Mistral, Qwen2, Qwen3) here,
+mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
+GPT-OSS, OLMoE, Llama 4) by :mod:`pipedejavu.io.hf_moe`. Expert keys in a
+dense model's config are refused.
 
 :func:`load_model_spec` resolves a bundled preset name (``pipedejavu/data/models``,
 each file with its ``source``) or a file path, either a Hugging Face config or
@@ -53,7 +53,18 @@ MAX_MODEL_FILE_BYTES = 2**20
 #: pipe nothing writes to would otherwise wait forever.
 MODEL_FIFO_WAIT_S = 15.0
 #: ``model_type`` values of dense models :func:`spec_from_hf_config` reads.
-_DENSE_MODEL_TYPES = ("gpt2", "gpt_neo", "gpt_neox", "opt", "llama", "mistral", "qwen2")
+_DENSE_MODEL_TYPES = (
+    "gpt2",
+    "gpt_neo",
+    "gpt_neox",
+    "opt",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+)
+#: Dense ``model_type`` values read as LLaMA-like (``head_dim`` included).
+_LLAMA_LIKE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: ``model_type`` values :func:`spec_from_hf_config` reads.
 HF_MODEL_TYPES = _DENSE_MODEL_TYPES + HF_MOE_MODEL_TYPES
 #: Keys that mark a mixture-of-experts configuration (refused in a dense one).
@@ -176,8 +187,10 @@ def _spec_from_hf(
         fields = moe_fields(config, model_type)
     else:
         _refuse_moe(config)
-        if model_type in ("llama", "mistral", "qwen2"):
+        if model_type in _LLAMA_LIKE_TYPES:
             fields = llama_like(config, model_type)
+            # Qwen3's q_norm and k_norm: one head_dim-wide weight each
+            fields["qk_layernorm"] = model_type == "qwen3"
         else:
             fields = _gpt_like(config, model_type)
     positions = fields.pop("positions")
