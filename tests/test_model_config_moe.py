@@ -659,9 +659,11 @@ def test_moe_config_refusals_name_the_file_and_key(tmp_path, config, match):
 # ------------------------------------------------------------- own format
 
 
-@pytest.mark.parametrize("name", ["DeepSeek-V3", "Mixtral-8x22B"])
+@pytest.mark.parametrize(
+    "name", ["DeepSeek-V3", "Mixtral-8x22B", "Qwen3-30B-A3B", "GPT-OSS-120B", "olmoe"]
+)
 def test_own_format_round_trips_moe_and_mla(tmp_path, name):
-    spec = load_model_spec(name)
+    spec = spec_from_hf_config(OLMOE) if name == "olmoe" else load_model_spec(name)
     path = tmp_path / "m.json"
     path.write_text(json.dumps({**dataclasses.asdict(spec), "source": "test"}))
     assert load_model_spec(path) == spec
