@@ -176,3 +176,33 @@ def test_one_stage_is_one_layout_in_both_orders():
         b = ParallelLayout.uniform(tp=2, cp=2, dp=2, ep=ep, etp=etp, order=DP_OUTER)
         for axes in ("tp", "cp", "dp", "ep", "edp", "etp-ep"):
             assert a.groups(axes) == b.groups(axes)
+
+
+@pytest.mark.parametrize(
+    "layout, owners",
+    [
+        # expert blocks of 2 GPUs in replicas of 2: one block a replica
+        (ParallelLayout.uniform(tp=2, pp=2, dp=4, ep=2, etp=1), [0, 1, 2, 3]),
+        # a block of 8 covers all four replicas: one expert-DP member
+        (ParallelLayout.uniform(tp=2, pp=2, dp=4, ep=8, etp=1), [0]),
+        # blocks of 2 inside replicas of 4: two members a replica
+        (
+            ParallelLayout.uniform(tp=4, pp=2, dp=4, ep=2, etp=1),
+            [0, 0, 1, 1, 2, 2, 3, 3],
+        ),
+        # replicas outermost: blocks are the replicas
+        (
+            ParallelLayout.uniform(tp=2, pp=2, dp=4, ep=2, etp=1, order=DP_OUTER),
+            [0, 1, 2, 3],
+        ),
+    ],
+)
+def test_expert_replicas_hold_the_first_gpu_of_each_expert_block(layout, owners):
+    for stage in range(layout.pp):
+        got = layout.expert_replicas(stage)
+        assert got == owners and len(got) == layout.edp(stage)
+        # the block's first rank (expert rank etp 0, ep 0, edp f) lies in it
+        firsts = layout.replica_ranks(stage)
+        for f, j in enumerate(got):
+            rank = layout.expert_rank(stage, edp=f)
+            assert firsts[j] <= rank < firsts[j] + layout.model_size(stage)

@@ -163,7 +163,7 @@ def test_predict_cli_megatron_args(capsys):
     ("argv", "message"),
     [
         (["--megatron-args", SC21_39B], "needs --gpus"),
-        (["--megatron-args", SC21_39B, "--gpus", "B300:8"], "not on the GPU sheet"),
+        (["--megatron-args", SC21_39B, "--gpus", "X900:8"], "not on the GPU sheet"),
         (
             ["--megatron-args", SC21_39B + " --bf16", "--gpus", "A100-80:512"],
             "exclusive",

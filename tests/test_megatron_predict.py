@@ -169,11 +169,11 @@ def test_memory_beyond_the_device_is_reported():
                 model="OPT-350",
                 layout=ParallelLayout((StageAxes(4, ep=2),), 2),
             ),
-            "context or expert parallelism, which plans are not priced",
+            "stage 0 lays out experts \\(ep 2\\), but model OPT-350 has none",
         ),
         (
             _plan().replace(layout=ParallelLayout((4,), 1, cp=2)),
-            r"\(pp 1 \[26\], dp 1, tp 4, cp 2,.*not priced",
+            r"\(pp 1 \[26\], dp 1, tp 4, cp 2,.*context parallelism, which",
         ),
     ],
 )

@@ -220,7 +220,7 @@ def test_megatron_args_interleaved_launch_is_compared(capsys):
     [
         (["--model", "GPT-7", "--gpus", "H100:8"], "unknown model 'GPT-7'"),
         (["--model", "{bad_config}", "--gpus", "H100:8"], "missing key"),
-        (["--model", "Qwen2.5-7B", "--gpus", "B300:8"], "not on the GPU sheet"),
+        (["--model", "Qwen2.5-7B", "--gpus", "X900:8"], "not on the GPU sheet"),
         (
             ["--model", "Qwen2.5-7B", "--gpus", "H100:8", "--gpus", "H100-SXM:8"],
             "twice",

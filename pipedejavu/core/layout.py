@@ -282,6 +282,13 @@ class ParallelLayout:
         first, stride = self._firsts[stage], self._strides[stage][0]
         return [first + j * stride for j in range(self.dp)]
 
+    def expert_replicas(self, stage: int) -> list[int]:
+        """For each expert data-parallel index of ``stage`` (a block of ``etp
+        ep`` GPUs), the data-parallel replica holding its first GPU."""
+        self._coordinates(stage, {})
+        replica, expert = self._strides[stage]
+        return [f * expert // replica for f in range(self.edp(stage))]
+
     def _coordinates(self, stage: int, coords: dict[str, int]) -> StageAxes:
         if not (isinstance(stage, int) and 0 <= stage < self.pp):
             raise ProblemError(

@@ -134,7 +134,12 @@ def plan_from_megatron_run(
         stop = last if s == pp - 1 else 1 + sum(counts[: s + 1])
         replicas = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
         stages.append(Stage3D(start, stop, replicas))
-    return Plan3D(tuple(stages), mbs=run.micro_batch, gbs=gbs, model=spec.name)
+    # The run's layout on the GPUs it prices (a context-parallel run comes as
+    # its sequence shares: sequence_shares), Megatron Core's checks with it.
+    layout = dataclasses.replace(run, context_parallel=1).layout(num_gpus)
+    return Plan3D(
+        tuple(stages), mbs=run.micro_batch, gbs=gbs, model=spec.name, layout=layout
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
 )
 from pipedejavu.costmodel.megatron.profile_types import GpuSpec
 from pipedejavu.costmodel.megatron.rules import (
+    expert_allreduce,
     gradient_sync,
     is_blocking,
     memory_bytes,
@@ -94,6 +95,7 @@ from pipedejavu.costmodel.megatron.rules import (
     model_state_bytes,
     optimizer_time,
     p2p_pair,
+    rank_expert_params,
     rank_params,
     span_act_mem,
     span_backward,
@@ -232,13 +234,24 @@ def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
             "transformer layers, head)"
         )
     layout = plan.layout  # a stage's replicas share its TP (Plan3D checks)
-    if layout.cp > 1 or any(a.ep > 1 or a.etp is not None for a in layout.stages):
+    if layout.cp > 1:
         raise ProblemError(
-            f"the plan's layout ({plan.describe()}) has context or expert "
-            "parallelism, which plans are not priced with yet; Megatron-LM's "
-            "context parallelism is predicted from its flags (predict "
-            "--megatron-args)"
+            f"the plan's layout ({plan.describe()}) has context parallelism, "
+            "which plans are not priced with yet; Megatron-LM's context "
+            "parallelism is predicted from its flags (predict --megatron-args)"
         )
+    ep, etp = info.expert_axes
+    for s, axes in enumerate(layout.stages):
+        if info.expert_params is None and (axes.ep > 1 or axes.etp is not None):
+            raise ProblemError(
+                f"stage {s} lays out experts (ep {axes.ep}), but model {model} has none"
+            )
+        if info.expert_params is not None and (axes.ep, axes.etp) != (ep, etp):
+            raise ProblemError(
+                f"stage {s} lays out its experts over ep {axes.ep}, etp "
+                f"{axes.expert_tp}; the costs are for ep {ep}, etp "
+                f"{axes.tp if etp is None else etp}"
+            )
     for axes in layout.stages:
         info.check_tp(axes.tp)
     check_nodes(plan, lambda gpu: data.gpu_spec(gpu).gpus_per_node)
@@ -343,6 +356,8 @@ def predict_plan(
                 entry = times[key]
                 layers = slice(stage.start, stage.stop)
                 params = rank_params(info, replica.tp, spans[s])
+                experts = rank_expert_params(info, replica.tp, spans[s])
+                edp = plan.layout.edp(s) if experts else 1
                 per_kind[key] = (
                     float(entry.forward[layers].sum()) + overhead,
                     span_backward(
@@ -354,7 +369,13 @@ def predict_plan(
                     )
                     + overhead,
                     optimizer_time(
-                        float(entry.update[0]), params, info, replica.tp, dp
+                        float(entry.update[0]),
+                        params,
+                        info,
+                        replica.tp,
+                        dp,
+                        experts,
+                        edp,
                     ),
                     data.gpu_spec(replica.gpu_type),
                 )
@@ -493,6 +514,16 @@ def predict_plan(
             network, info, list(stage.replicas), nodes[s], start, stop, more
         )
         held = rank_params(info, tp, spans[s])
+        experts, edp = rank_expert_params(info, tp, spans[s]), 1
+        if experts:
+            edp = plan.layout.edp(s)
+            owners = plan.layout.expert_replicas(s)
+            block = plan.layout.expert_block(s)
+            members = [dataclasses.replace(stage.replicas[j], tp=block) for j in owners]
+            seconds, biggest = expert_allreduce(
+                network, info, tp, members, [nodes[s][j] for j in owners], spans[s]
+            )
+            collective, largest = collective + seconds, max(largest, biggest)
         allreduce[s] = gradient_sync(
             collective,
             held,
@@ -510,7 +541,7 @@ def predict_plan(
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]
-        state = model_state_bytes(info, held, largest, dp)
+        state = model_state_bytes(info, held, largest, dp, experts, edp)
         model_state[s] = state
         used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):

@@ -89,6 +89,13 @@ class ModelInfo:
             (``None``: ``act_mem`` says what every layer keeps).
         recomputed_mem: ``{tp: f64[L + 2]}`` what a rerun layer keeps (its
             input); ``blocks``: the layers ``[first, stop)`` that are blocks.
+        expert_params: ``{tp: f64[L + 2]}`` the part of ``params`` that is
+            experts' (a mixture of experts: laid out over ``etp x ep`` GPUs,
+            their gradients reduced and their optimizer state sharded over
+            the expert data-parallel GPUs instead of the replicas); ``None``:
+            none.
+        expert_axes: ``(ep, etp)`` the expert parameters are counted for
+            (``etp`` ``None``: ``tp``); a plan's layout must have them.
     """
 
     name: str
@@ -104,6 +111,8 @@ class ModelInfo:
     recompute_layers: int | None = None
     recomputed_mem: Mapping[int, NDArray[np.float64]] | None = None
     blocks: tuple[int, int] | None = None
+    expert_params: Mapping[int, NDArray[np.float64]] | None = None
+    expert_axes: tuple[int, int | None] = (1, None)
 
     @property
     def num_layers(self) -> int:
@@ -120,6 +129,12 @@ class ModelInfo:
                 f"model {self.name} has no sizes for tp {tp} (llm_info has "
                 f"{list(self.tp_values)})"
             )
+
+    def dense_params(self, tp: int) -> NDArray[np.float64]:
+        """``params`` less the experts': what the replicas all-reduce."""
+        if self.expert_params is None:
+            return self.params[tp]
+        return self.params[tp] - self.expert_params[tp]
 
     def tied_params(self, tp: int) -> float:
         """Floats of the word embedding shared by the first and last layer (the

@@ -40,6 +40,7 @@ from pipedejavu.costmodel.megatron.sailor_data import (
 __all__ = [
     "add_to_bucket",
     "buckets",
+    "expert_allreduce",
     "gradient_sync",
     "held_params",
     "in_flight_capacity",
@@ -48,6 +49,7 @@ __all__ = [
     "memory_bytes",
     "message_bytes",
     "model_state_bytes",
+    "rank_expert_params",
     "optimizer_share",
     "optimizer_time",
     "overlap_bucket_elements",
@@ -117,12 +119,21 @@ def optimizer_share(info: ModelInfo, dp: Number = 1) -> Number:
 
 
 def optimizer_time(
-    update_s: float, held: Number, info: ModelInfo, tp: int, dp: Number = 1
+    update_s: float,
+    held: Number,
+    info: ModelInfo,
+    tp: int,
+    dp: Number = 1,
+    expert_held: Number = 0.0,
+    edp: Number = 1,
 ) -> Number:
     """Adam's step on ``held`` parameters: memory-bound, so the profile's step
     (``update_s``) scaled by the parameters it updates
-    (:func:`optimizer_share` of them)."""
-    return update_s * held * optimizer_share(info, dp) / profiling_params(info, tp)
+    (:func:`optimizer_share` of them: of the ``expert_held`` experts', over
+    the ``edp`` expert data-parallel GPUs)."""
+    updated = (held - expert_held) * optimizer_share(info, dp)
+    updated = updated + expert_held * optimizer_share(info, edp)
+    return update_s * updated / profiling_params(info, tp)
 
 
 # ------------------------------------------------ data-parallel gradient sync
@@ -289,7 +300,7 @@ def add_to_bucket(current: float, size: float) -> tuple[float, float]:
 def layer_sizes(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
     """Parameters per layer of a stage, the tied embedding once (taken off its
     last layer when it holds every layer)."""
-    sizes = [float(x) for x in info.params[tp][start:stop]]
+    sizes = [float(x) for x in info.dense_params(tp)[start:stop]]
     sizes[-1] = float(held_params(info, tp, start, stop, sizes[-1]))
     return sizes
 
@@ -317,13 +328,21 @@ def buckets(
 
 # ------------------------------------------------------------------ memory
 def model_state_bytes(
-    info: ModelInfo, held: Number, largest_bucket: Number, dp: Number = 1
+    info: ModelInfo,
+    held: Number,
+    largest_bucket: Number,
+    dp: Number = 1,
+    expert_held: Number = 0.0,
+    edp: Number = 1,
 ) -> Number:
     """Weights, gradients and optimizer state (``info.state_bytes_per_param``:
     16 for fp32 Adam; ``info.sharded_state_bytes_per_param`` more, divided
-    over the ``dp`` replicas, with the distributed optimizer) and the largest
-    bucket, which DeepSpeed flattens into a new buffer of gradient elements."""
-    sharded = info.sharded_state_bytes_per_param * held / dp
+    over the ``dp`` replicas, with the distributed optimizer; the
+    ``expert_held`` of the ``held`` parameters that are experts' over the
+    ``edp`` expert data-parallel GPUs) and the largest bucket, which DeepSpeed
+    flattens into a new buffer of gradient elements."""
+    dense = held - expert_held
+    sharded = info.sharded_state_bytes_per_param * (dense / dp + expert_held / edp)
     return (
         info.state_bytes_per_param * held
         + sharded
@@ -414,6 +433,49 @@ def tied_allreduce_time(
     last stage (on ``nodes``)."""
     nbytes = info.tied_params(first.tp) * info.gradient_bytes
     return ring_allreduce_time(network, [first, last], nodes, nbytes)
+
+
+def rank_expert_params(
+    info: ModelInfo, tp: int, spans: Sequence[tuple[int, int]]
+) -> float:
+    """Expert parameters per GPU of a rank holding the layer ``spans`` (0 for
+    a dense model)."""
+    if info.expert_params is None:
+        return 0.0
+    return sum(float(info.expert_params[tp][a:b].sum()) for a, b in spans)
+
+
+def expert_allreduce(
+    network: NetworkTables,
+    info: ModelInfo,
+    tp: int,
+    members: list[Replica],
+    nodes: list,
+    spans: Sequence[tuple[int, int]],
+) -> tuple[float, float]:
+    """``(seconds, largest bucket)``: the expert gradients of a rank at TP
+    ``tp`` holding the layer ``spans``, all-reduced over the expert
+    data-parallel ``members`` (one per block of ``etp x ep`` GPUs, that many
+    as the member's ``tp``: their rings run side by side, one per GPU of a
+    block) in buckets filled by :func:`add_to_bucket`."""
+    if info.expert_params is None or len(members) <= 1:
+        return 0.0, 0.0
+    out, current = [], 0.0
+    row = info.expert_params[tp]
+    for size in (float(x) for a, b in spans for x in row[a:b]):
+        current, closed = add_to_bucket(current, size)
+        if closed:
+            out.append(closed)
+    if current > 0:
+        out.append(current)
+    hops = ring_hops(network, members, nodes)
+    seconds = sum(
+        ring_allreduce_time(
+            network, members, nodes, elements * info.gradient_bytes, hops=hops
+        )
+        for elements in out
+    )
+    return seconds, max(out, default=0.0)
 
 
 def stage_allreduce(
