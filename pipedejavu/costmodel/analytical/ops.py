@@ -49,6 +49,7 @@ __all__ = [
     "MemoryOp",
     "PassOptions",
     "attention_core_forward_ops",
+    "backward_gemms",
     "block_backward_ops",
     "block_forward_ops",
     "element_bytes",
@@ -56,7 +57,9 @@ __all__ = [
     "embedding_forward_ops",
     "head_backward_ops",
     "head_forward_ops",
+    "linear_gemm",
     "optimizer_ops",
+    "tp_collectives",
     "validate_spec",
 ]
 
@@ -265,7 +268,7 @@ def _softmax_passes(act: float, opts: PassOptions) -> int:
     return 3 if opts.query_key_layer_scaling else 2
 
 
-def _tp_collectives(
+def tp_collectives(
     where: str, message_bytes: float, opts: PassOptions, beside: str = ""
 ) -> list[Collective]:
     """One all-reduce of ``message_bytes`` (or the all-gather/reduce-scatter
@@ -285,12 +288,14 @@ def _tp_collectives(
     return [Collective(f"all_reduce.{where}", message_bytes, 2.0 * share)]
 
 
-def _linear(name: str, tokens: float, n: float, k: float, opts: PassOptions) -> Gemm:
+def linear_gemm(
+    name: str, tokens: float, n: float, k: float, opts: PassOptions
+) -> Gemm:
     act, gemm_in = element_bytes(opts.precision)
     return Gemm(name, 1.0, tokens, n, k, gemm_in, act, opts.precision)
 
 
-def _backward_linear(gemm: Gemm) -> list[Gemm]:
+def backward_gemms(gemm: Gemm) -> list[Gemm]:
     """Input gradient ``dY @ W^T`` (m x k) and weight gradient ``X^T @ dY``
     (k x n); same FLOPs each as the forward."""
     return [
@@ -352,10 +357,10 @@ def _block_parts(spec: TransformerSpec, opts: PassOptions):
     f = spec.ffn_hidden_size / t
     gated = 2 if spec.gated_mlp else 1
     gemms = {
-        "qkv": _linear("qkv", tokens, q + kv, h, opts),
-        "out_proj": _linear("out_proj", tokens, h, q, opts),
-        "mlp_up": _linear("mlp_up", tokens, gated * f, h, opts),
-        "mlp_down": _linear("mlp_down", tokens, h, f, opts),
+        "qkv": linear_gemm("qkv", tokens, q + kv, h, opts),
+        "out_proj": linear_gemm("out_proj", tokens, h, q, opts),
+        "mlp_up": linear_gemm("mlp_up", tokens, gated * f, h, opts),
+        "mlp_down": linear_gemm("mlp_down", tokens, h, f, opts),
     }
     message = tokens * h * act
     return gemms, local * h * act, local * h, tokens * f * act, message, act
@@ -368,16 +373,14 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ops: LayerPass = [MemoryOp("input_norm", 2 * x_bytes)]
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
-            c
-            for c in _tp_collectives("qkv", message, opts, "qkv")
-            if "gather" in c.name
+            c for c in tp_collectives("qkv", message, opts, "qkv") if "gather" in c.name
         ]
     ops.append(gemms["qkv"])
     ops += attention_core_forward_ops(spec, opts)
     ops.append(gemms["out_proj"])
     ops += [
         c
-        for c in _tp_collectives("out_proj", message, opts, "out_proj")
+        for c in tp_collectives("out_proj", message, opts, "out_proj")
         if "gather" not in c.name
     ]
     ops += [
@@ -387,7 +390,7 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
             c
-            for c in _tp_collectives("mlp_up", message, opts, "mlp_up")
+            for c in tp_collectives("mlp_up", message, opts, "mlp_up")
             if "gather" in c.name
         ]
     ops += [
@@ -397,7 +400,7 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ]
     ops += [
         c
-        for c in _tp_collectives("mlp_down", message, opts, "mlp_down")
+        for c in tp_collectives("mlp_down", message, opts, "mlp_down")
         if "gather" not in c.name
     ]
     ops.append(MemoryOp("bias_dropout_add.mlp", 3 * x_bytes + MASK_BYTES * x_elems))
@@ -419,7 +422,7 @@ def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerP
                 )
             )
         elif isinstance(op, Gemm):
-            ops += _backward_linear(op)
+            ops += backward_gemms(op)
         elif op.name == "mask_softmax":
             # Softmax backward reads Y and dY and writes dX; the unfused mask's
             # backward reads and writes once more.
@@ -447,20 +450,20 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
             c
-            for c in _tp_collectives("mlp_down", message, opts, "mlp_down.dgrad")
+            for c in tp_collectives("mlp_down", message, opts, "mlp_down.dgrad")
             if "gather" in c.name
         ]
-    ops += _backward_linear(gemms["mlp_down"])
+    ops += backward_gemms(gemms["mlp_down"])
     ops.append(
         MemoryOp(
             "swiglu.backward" if gated else "gelu.backward",
             (5 if gated else 3) * f_bytes,
         )
     )
-    ops += _backward_linear(gemms["mlp_up"])
+    ops += backward_gemms(gemms["mlp_up"])
     ops += [
         c
-        for c in _tp_collectives("mlp_up", message, opts, "mlp_up.dgrad")
+        for c in tp_collectives("mlp_up", message, opts, "mlp_up.dgrad")
         if "gather" not in c.name
     ]
     ops += [
@@ -472,20 +475,23 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     if opts.sequence_parallel and opts.tp > 1:
         ops += [
             c
-            for c in _tp_collectives("out_proj", message, opts, "out_proj.dgrad")
+            for c in tp_collectives("out_proj", message, opts, "out_proj.dgrad")
             if "gather" in c.name
         ]
-    ops += _backward_linear(gemms["out_proj"])
+    ops += backward_gemms(gemms["out_proj"])
     ops += _attention_core_backward(spec, opts)
-    ops += _backward_linear(gemms["qkv"])
+    ops += backward_gemms(gemms["qkv"])
     ops += [
         c
-        for c in _tp_collectives("qkv", message, opts, "qkv.dgrad")
+        for c in tp_collectives("qkv", message, opts, "qkv.dgrad")
         if "gather" not in c.name
     ]
     ops += [
         MemoryOp("input_norm.backward", 3 * x_bytes),
-        MemoryOp("grad_accumulate", GRAD_ACCUMULATE_BYTES * spec.block_params(opts.tp)),
+        MemoryOp(
+            "grad_accumulate",
+            GRAD_ACCUMULATE_BYTES * sum(spec.layer_param_split(opts.tp)[1]),
+        ),
     ]
     return ops
 
@@ -501,7 +507,7 @@ def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass
     if opts.tp > 1:
         ops.append(MemoryOp("vocab_mask", 2 * x))
         ops += [
-            c for c in _tp_collectives("embedding", x, opts) if "gather" not in c.name
+            c for c in tp_collectives("embedding", x, opts) if "gather" not in c.name
         ]
     local = x / opts.tp if opts.sequence_parallel else x
     if spec.position == "learned":
@@ -532,7 +538,7 @@ def _head_parts(spec: TransformerSpec, opts: PassOptions):
     b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
     act, _ = element_bytes(opts.precision)
     tokens = b * s
-    head = _linear("lm_head", tokens, spec.vocab_size / opts.tp, h, opts)
+    head = linear_gemm("lm_head", tokens, spec.vocab_size / opts.tp, h, opts)
     # The loss works on fp32 logits in every precision.
     logits = tokens * spec.vocab_size / opts.tp * 4.0
     x = tokens * h * act
@@ -546,14 +552,14 @@ def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     head, logits, x, local = _head_parts(spec, opts)
     ops: LayerPass = [MemoryOp("final_norm", 2 * local)]
     if opts.sequence_parallel and opts.tp > 1:
-        ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" in c.name]
+        ops += [c for c in tp_collectives("lm_head", x, opts) if "gather" in c.name]
     ops += [head, MemoryOp("cross_entropy", 7 * logits)]
     if opts.tp > 1:
         per_token = x / spec.hidden_size / (head.output_bytes / 4.0)
         for name in ("max", "target", "sum"):
             ops += [
                 c
-                for c in _tp_collectives(
+                for c in tp_collectives(
                     f"loss_{name}",
                     per_token,
                     dataclasses.replace(
@@ -570,8 +576,8 @@ def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     gradient, the final norm's backward and the weight-gradient accumulation."""
     head, logits, x, local = _head_parts(spec, opts)
     ops: LayerPass = [MemoryOp("cross_entropy.backward", 4 * logits)]
-    ops += _backward_linear(head)
-    ops += [c for c in _tp_collectives("lm_head", x, opts) if "gather" not in c.name]
+    ops += backward_gemms(head)
+    ops += [c for c in tp_collectives("lm_head", x, opts) if "gather" not in c.name]
     ops += [
         MemoryOp("final_norm.backward", 3 * local),
         MemoryOp(
