@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
-from pipedejavu.core.moe import MoeSpec
+from pipedejavu.core.moe import MlaSpec, MoeSpec
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.layers import activation_bytes
 from pipedejavu.costmodel.analytical.moe_ops import (
@@ -349,5 +349,14 @@ def test_bad_settings_refused():
         expert_activation_bytes(dataclasses.replace(QWEN, moe=None), sp, ExpertPass())
     with pytest.raises(ValueError, match="flex dispatcher needs"):
         dispatch_bytes(SMALL, PassOptions(1, 1), ExpertPass(dispatcher="flex"))
+    mla = dataclasses.replace(
+        QWEN, kv_channels=None, mla=MlaSpec(512, 512, 128, 64, 128)
+    )
+    for price in (expert_block_forward_ops, expert_block_backward_ops):
+        with pytest.raises(ValueError, match="multi-latent attention is not priced"):
+            price(mla, sp, ExpertPass())
+    with pytest.raises(ValueError, match="multi-latent attention is not priced"):
+        expert_activation_bytes(mla, sp, ExpertPass())
+    assert dispatch_bytes(mla, sp, ExpertPass(ep=2)) > 0  # no attention in it
     with pytest.raises(ValueError, match="recompute must be"):
         expert_activation_bytes(QWEN, sp, ExpertPass(), "some")

@@ -106,8 +106,13 @@ def _prefixed(ops: LayerPass, prefix: str) -> LayerPass:
 
 
 def _halves(spec: TransformerSpec, opts: PassOptions, width: int | None = None):
-    """``(attention, mlp, residual)`` of the dense view's forward and
+    """Raises ``ValueError`` for multi-latent attention (not priced yet: the
+    dense view would price grouped-query attention in its place).
+
+    ``(attention, mlp, residual)`` of the dense view's forward and
     ``(residual, mlp, attention)`` of its backward (no accumulation)."""
+    if spec.mla is not None:
+        raise ValueError(f"model {spec.name}: multi-latent attention is not priced yet")
     forward = block_forward_ops(_dense_view(spec, width), opts)
     backward = block_backward_ops(_dense_view(spec, width), opts)
     i = _index(forward, "post_attention_norm")
@@ -384,6 +389,8 @@ def expert_activation_bytes(
     """
     shape = expert_shape(spec, opts, experts)
     moe, h, tp = spec.moe, spec.hidden_size, opts.tp
+    if spec.mla is not None:
+        raise ValueError(f"model {spec.name}: multi-latent attention is not priced yet")
 
     def dense(width: int) -> float:
         return float(
