@@ -5,6 +5,8 @@ refusal of a MoE launch that ``predict``/``plan`` cannot price yet."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipedejavu.cli.main import main
@@ -528,16 +530,21 @@ def test_published_interleaved_split_with_embedding_and_loss_is_refused():
         parse(flags)
 
 
-def test_moe_launch_is_refused_in_one_line_not_priced(capsys):
+def test_moe_launch_is_predicted_and_says_how_experts_are_priced(capsys):
     flags = PUBLISHED[0][1]
-    assert main(["predict", "--megatron-args", flags, "--gpus", "H100-SXM:16"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert "MoE pricing is not available yet" in err[0]
-    assert "EP 16, ETP 1" in err[0]
-    assert main(["plan", "--megatron-args", flags, "--gpus", "H100-SXM:16"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "MoE pricing is not available yet" in err[0], err
+    assert main(["predict", "--megatron-args", flags, "--gpus", "H100-SXM:16"]) == 0
+    out = capsys.readouterr().out
+    assert "ep 16" in out.splitlines()[0]  # the plan line names the layout
+    assert (
+        "experts: EP 16 x expert TP 1, expert DP 1; flex dispatcher; routing "
+        "priced balanced" in out
+    )
+    assert (
+        main(["predict", "--megatron-args", flags, "--gpus", "H100-SXM:16", "--json"])
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["experts"]["routing"] == "balanced" and data["experts"]["edp"] == 1
     # Megatron Core's check of the world size comes first
     assert main(["predict", "--megatron-args", flags, "--gpus", "H100-SXM:24"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -561,12 +568,16 @@ def test_mla_mtp_and_fp4_launches_are_refused_in_one_line():
     assert predict_megatron_run(dense, "H100-SXM", 8, sheet).prediction.fits_memory
 
 
-def test_kv_channels_are_read_and_priced_only_at_hidden_over_heads():
+def test_kv_channels_are_read_and_priced_as_wider_heads():
     # validate_args: --kv-channels defaults to h / a, which needs a to divide h
     assert parse(BASE + "--kv-channels 64").spec.kv_channels is None
     wide = parse(BASE + "--kv-channels 128")
     assert (wide.spec.kv_channels, wide.spec.head_dim) == (128, 128)
     with pytest.raises(ProblemError, match="give --kv-channels"):
         parse(BASE.replace("--num-attention-heads 8", "--num-attention-heads 7"))
-    with pytest.raises(ProblemError, match="--kv-channels 128 .* not priced yet"):
-        predict_megatron_run(wide, "H100-SXM", 8, load_gpu_sheet())
+    sheet = load_gpu_sheet()
+    narrow = predict_megatron_run(parse(BASE), "H100-SXM", 8, sheet)
+    wider = predict_megatron_run(wide, "H100-SXM", 8, sheet)
+    # heads of 128 on a width of 512: QKV, attention and its output twice as wide
+    assert wider.prediction.iteration_time_s > narrow.prediction.iteration_time_s
+    assert wider.model_flops_per_iteration > narrow.model_flops_per_iteration

@@ -107,18 +107,30 @@ def test_transformer_spec_checks_moe_fields():
         dict(moe=MoeSpec(8, 2, 128)),
         dict(mla=MlaSpec(0, 32, 16, 8, 16)),
         dict(mtp_layers=1),
-        dict(kv_channels=32),  # 4 heads of 32 on a width of 64
     ],
 )
-def test_cost_model_counts_refuse_shapes_they_do_not_price(extra):
-    """block_params / layer_params feed the cost model, which prices dense
-    blocks only; the shapes are counted by layer_param_split and the FLOPs."""
+def test_dense_block_counts_refuse_other_blocks(extra):
+    """block_params / layer_params count blocks all alike and dense; experts,
+    latent attention and prediction depths are counted by layer_param_split
+    (and the FLOPs)."""
     spec = dataclasses.replace(DENSE, **extra)
-    with pytest.raises(ValueError, match="not priced yet"):
+    with pytest.raises(ValueError, match="counted by layer_param_split"):
         spec.block_params(1)
-    with pytest.raises(ValueError, match="not priced yet"):
+    with pytest.raises(ValueError, match="counted by layer_param_split"):
         spec.layer_params(1)
     pairs = spec.layer_param_split(1)
     assert len(pairs) == spec.num_profile_layers
     assert spec.num_params == sum(d + e for d, e in pairs) > DENSE.num_params / 2
     assert spec.model_flops_per_iteration(8) > 0
+
+
+def test_dense_block_counts_take_any_head_width():
+    """4 heads of 32 on a width of 64: the query columns and the attention
+    output's rows are a d = 128, not h."""
+    spec = dataclasses.replace(DENSE, kv_channels=32)
+    h, f, qkv = 64, 256, 3 * 4 * 32
+    norms = 2 * 2 * h  # two layernorms, weight and bias
+    biases = qkv + f + 2 * h
+    assert spec.block_params(1) == h * qkv + 4 * 32 * h + 2 * h * f + norms + biases
+    assert spec.layer_params(1)[1] == spec.block_params(1)
+    assert spec.layer_params(1) == tuple(d for d, _ in spec.layer_param_split(1))

@@ -235,6 +235,8 @@ def _predict_launch(args: argparse.Namespace) -> int:
                 f"replicas (the plan line's dp and gbs), each with 1/{cp} of every "
                 "sequence"
             )
+        if launch.experts_line is not None:
+            print(launch.experts_line)
         print(f"{utilization_line(launch)}; costs: {launch.cost_source}")
     return 0
 

@@ -254,6 +254,15 @@ class TransformerSpec:
                 "narrower than hidden_size / num_attention_heads are not priced yet"
             )
 
+    def _check_dense_blocks(self) -> None:
+        """Blocks alike, each a dense block's parameters (any head width)."""
+        if self.moe is not None or self.mla is not None or self.mtp_layers:
+            raise ValueError(
+                f"model {self.name}: mixture-of-experts, multi-latent attention "
+                "and multi-token prediction blocks are counted by "
+                "layer_param_split, not as dense blocks"
+            )
+
     @property
     def head_dim(self) -> int:
         """Each attention head's width ``d``: ``kv_channels``, or ``h / a``."""
@@ -307,7 +316,7 @@ class TransformerSpec:
     def block_params(self, tp: int = 1) -> int:
         """Parameters of one transformer block held by one GPU of a TP group
         (dense shapes only: :meth:`layer_param_split` counts the others)."""
-        self.check_dense()
+        self._check_dense_blocks()
         return moe_counts.block_param_split(self, 0, tp)[0]
 
     def embedding_params(self, tp: int = 1) -> int:
@@ -362,7 +371,7 @@ class TransformerSpec:
             ValueError: ``tp`` does not split the model (see :meth:`check_tp`),
                 or the shape is not dense.
         """
-        self.check_dense()
+        self._check_dense_blocks()
         pairs = self.layer_param_split(tp, tied_copy=tied_copy)
         return tuple(dense for dense, _ in pairs)
 

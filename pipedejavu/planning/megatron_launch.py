@@ -48,12 +48,15 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
+from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
 from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import recomputed_layers
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo
 from pipedejavu.io.megatron_args import MegatronRun
+from pipedejavu.io.megatron_moe import MoeOptions
 
 __all__ = [
     "FLOPS_FORMULA",
@@ -161,6 +164,8 @@ class LaunchPrediction:
         hardware_flops_per_iteration: the model FLOPs plus the forwards that
             recomputation reruns (SC'21's count; HFU's numerator); ``None``:
             the model FLOPs (nothing recomputed).
+        experts: how a mixture of experts' expert layers were priced
+            (``None``: a dense model).
     """
 
     plan: Plan3D
@@ -171,6 +176,23 @@ class LaunchPrediction:
     peak_flops_per_gpu: float
     context_parallel: int = 1
     hardware_flops_per_iteration: float | None = None
+    experts: ExpertLayers | None = None
+
+    @property
+    def experts_line(self) -> str | None:
+        """One line on the expert layers: their layout and what the price
+        assumes of the routing (``None`` for a dense model)."""
+        if self.experts is None:
+            return None
+        experts, layout = self.experts.experts, self.plan.layout
+        overlap = (
+            " (all-to-alls beside compute)" if self.experts.overlap_dispatch else ""
+        )
+        return (
+            f"experts: EP {experts.ep} x expert TP {layout.stages[0].expert_tp}, "
+            f"expert DP {layout.edp(0)}; {experts.dispatcher} dispatcher{overlap}; "
+            f"routing priced balanced (busiest expert x{experts.imbalance:g})"
+        )
 
     @property
     def num_gpus(self) -> int:
@@ -229,6 +251,18 @@ class LaunchPrediction:
             cost_source=self.cost_source,
             context_parallel=self.context_parallel,
         )
+        if self.experts is not None:
+            experts = self.experts.experts
+            out["experts"] = {
+                "ep": experts.ep,
+                "etp": self.plan.layout.stages[0].expert_tp,
+                "edp": self.plan.layout.edp(0),
+                "dispatcher": experts.dispatcher,
+                "grouped_gemm": experts.grouped_gemm,
+                "overlap_dispatch": self.experts.overlap_dispatch,
+                "routing": "balanced",
+                "imbalance": experts.imbalance,
+            }
         return out
 
 
@@ -297,7 +331,13 @@ def predict_megatron_run(
     cp = run.context_parallel
     priced = run if cp == 1 else sequence_shares(run, num_gpus)
     if source is None:
-        source = AnalyticalSource(priced.spec, sheet, options, context_parallel=cp)
+        source = AnalyticalSource(
+            priced.spec,
+            sheet,
+            options,
+            context_parallel=cp,
+            experts=expert_layers(run),
+        )
     if memory_headroom is not None:
         source = source.with_memory_headroom(memory_headroom)
     entry = sheet[gpu_type]
@@ -309,7 +349,15 @@ def predict_megatron_run(
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
     return LaunchPrediction(
-        plan, options, prediction, model, cost_source, peak, cp, hardware
+        plan,
+        options,
+        prediction,
+        model,
+        cost_source,
+        peak,
+        cp,
+        hardware,
+        getattr(source, "experts", None),
     )
 
 
@@ -317,10 +365,9 @@ def _check_priced(
     run: MegatronRun, gpu_type: str, entry: GpuSheetEntry, num_gpus: int
 ) -> None:
     """Refuse, with one line, a launch the cost model cannot price yet: FP4
-    (on a GPU without it, the refusal TE makes), and the shapes of a mixture
-    of experts, multi-latent attention or MTP (after Megatron Core's checks
-    of the GPU count: :meth:`~pipedejavu.io.megatron_args.MegatronRun.layout`).
-    """
+    (on a GPU without it, the refusal TE makes), and multi-latent attention
+    or MTP (after Megatron Core's checks of the GPU count:
+    :meth:`~pipedejavu.io.megatron_args.MegatronRun.layout`)."""
     if run.fp4_recipe is not None:
         if "fp4" not in entry.precisions:
             raise ProblemError(
@@ -342,26 +389,37 @@ def _check_priced(
             "initialize_model_parallel refuses it)"
         ) from None
     parts = []
-    if spec.moe is not None:
-        etp = run.etp or run.tp
-        parts.append(
-            f"MoE pricing is not available yet (--num-experts "
-            f"{spec.moe.num_experts}, EP {run.ep}, ETP {etp})"
-        )
     if spec.mla is not None:
         parts.append("multi-latent attention is not priced yet")
     if spec.mtp_layers:
         parts.append(f"{spec.mtp_layers} multi-token-prediction layers are not priced")
-    if spec.kv_channels is not None:
-        parts.append(
-            f"attention heads of --kv-channels {spec.kv_channels} (not hidden / "
-            "heads) are not priced yet"
-        )
-    shapes = "; ".join(parts) or "this model's shape is not priced yet"
+    if not parts:
+        return
+    shapes = "; ".join(parts)
     raise ProblemError(
         f"Megatron arguments: {shapes}: the flags are read, the cost model prices "
-        "dense transformers only"
+        "dense transformers and mixtures of experts"
     )
+
+
+def expert_layers(run: MegatronRun) -> ExpertLayers | None:
+    """How the run's expert layers run, as the cost model reads it: its EP
+    and expert-TP and the MoE switches it sets; routing balanced (what
+    ``--moe-router-force-load-balancing`` makes so, and what the prediction
+    assumes without it: the reports say so). ``None`` for a dense model."""
+    if run.spec.moe is None:
+        return None
+    moe = run.moe_options or MoeOptions()
+    experts = ExpertPass(
+        ep=run.ep,
+        etp=run.etp,
+        grouped_gemm=moe.grouped_gemm,
+        capacity_factor=moe.capacity_factor,
+        pad_to_capacity=moe.pad_to_capacity,
+        dispatcher=moe.dispatcher,
+        shared_expert_overlap=moe.shared_expert_overlap,
+    )
+    return ExpertLayers(experts, overlap_dispatch=moe.overlap_dispatch)
 
 
 def plan_flops(

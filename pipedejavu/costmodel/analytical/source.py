@@ -49,6 +49,14 @@ from pipedejavu.costmodel.analytical.layers import (
     layer_output_bytes,
     weight_gradient_seconds,
 )
+from pipedejavu.costmodel.analytical.moe_layers import (
+    ExpertLayers,
+    dense_view,
+    expert_layer_activations,
+    expert_layer_times,
+)
+from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass, expert_shape
+from pipedejavu.costmodel.analytical.ops import PassOptions
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
     HALF_PRECISION_ANALYTICAL,
@@ -112,6 +120,15 @@ class AnalyticalSource:
             a GPU's share of each sequence (``seq_length = s / c``), whose
             attention reads the whole sequence's keys and values
             (:class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
+        experts: how a mixture of experts' expert blocks run (their EP and
+            expert-TP, kernels, all-to-all overlap:
+            :class:`~pipedejavu.costmodel.analytical.moe_layers.ExpertLayers`);
+            ``None``: EP 1 for a mixture of experts, nothing for a dense model.
+            The expert blocks are priced by
+            :func:`~pipedejavu.costmodel.analytical.moe_layers.expert_layer_times`,
+            their parameters counted with
+            :meth:`~pipedejavu.core.transformer.TransformerSpec.layer_param_split`
+            (``ModelInfo.expert_params``).
     """
 
     def __init__(
@@ -128,9 +145,14 @@ class AnalyticalSource:
         link_efficiency: float = 1.0,
         query_key_layer_scaling: bool = False,
         context_parallel: int = 1,
+        experts: ExpertLayers | None = None,
     ) -> None:
         self.spec = spec
         self.context_parallel = int(context_parallel)
+        if experts is None and spec.moe is not None:
+            experts = ExpertLayers(ExpertPass())
+        self.experts = experts if spec.moe is not None else None
+        self.link_efficiency = float(link_efficiency)
         self.sheet = dict(sheet)
         self._options = TrainingOptions() if options is None else options
         self.profiles = profiles
@@ -200,6 +222,10 @@ class AnalyticalSource:
                 continue
             try:
                 self.spec.check_tp(tp)
+                if self.experts is not None:  # Megatron-Core's rules for experts
+                    precision = gemm_precision(self._options, self._entry(gpu))
+                    opts = self._pass_options(1, tp, precision)
+                    expert_shape(self.spec, opts, self.experts.experts)
             except ValueError:
                 continue
             out.append(tp)
@@ -297,17 +323,31 @@ class AnalyticalSource:
             sequence_parallel=options.sequence_parallel,
             tp_comm_overlap=options.tp_comm_overlap,
         )
+        dense = (dense_view(spec), *args[1:])
         try:
-            forward, backward, update = analytical_layer_times(*args, **split, **kwargs)
-            core = attention_core_forward_seconds(*args, **kwargs)
-            weight = weight_gradient_seconds(*args, **split, **kwargs)
+            rows = analytical_layer_times(*dense, **split, **kwargs)
+            core = attention_core_forward_seconds(*dense, **kwargs)
+            weight = weight_gradient_seconds(*dense, **split, **kwargs)
+            if self.experts is not None:
+                opts = self._pass_options(mbs, tp, precision)
+                rows = expert_layer_times(
+                    spec,
+                    entry,
+                    opts,
+                    self.experts,
+                    rows,
+                    precision,
+                    constants=self.constants,
+                    link_efficiency=self.link_efficiency,
+                )
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
+        forward, backward, update = rows
         backward = backward.copy()
-        # Full recomputation reruns each block's forward (forward[1]); with
-        # Megatron's block method only some blocks of a stage do, which the
-        # predictor adds (rules.span_backward).
-        rerun = recompute_time(options.recompute, float(forward[1]), core)
+        # Full recomputation reruns each block's forward; with Megatron's
+        # block method only some blocks of a stage do, which the predictor
+        # adds (rules.span_backward).
+        rerun = recompute_time(options.recompute, forward[1:-1], core)
         recompute = None
         if not options.block_recompute:
             backward[1:-1] += rerun
@@ -326,6 +366,26 @@ class AnalyticalSource:
         self._sources[(gpu, mbs, tp)] = "analytical"
         return LayerTimes(
             forward, backward, update_s, weight_grad=weight, recompute=recompute
+        )
+
+    def _expert_axes(self) -> tuple[int, int | None]:
+        """``(ep, etp)`` of the expert layers (``(1, None)`` for a dense model)."""
+        if self.experts is None:
+            return 1, None
+        return self.experts.experts.ep, self.experts.experts.etp
+
+    def _pass_options(self, mbs: int, tp: int, precision: Precision) -> PassOptions:
+        options = self._options
+        return PassOptions(
+            mbs=mbs,
+            tp=tp,
+            precision=precision,
+            flash_attention=options.flash_attention,
+            sequence_parallel=options.sequence_parallel,
+            attention_dropout=options.attention_dropout,
+            query_key_layer_scaling=self.query_key_layer_scaling,
+            context_parallel=self.context_parallel,
+            tp_comm_overlap=options.tp_comm_overlap,
         )
 
     def _split_head(self, row: np.ndarray, norm: float = 0.0) -> np.ndarray:
@@ -363,13 +423,17 @@ class AnalyticalSource:
         # among the first recompute_num_layers of its stage (rules.span_act_mem)
         block = options.block_recompute
         degrees = sorted({tp for gpu in self.sheet for tp in self.tp_values(gpu)})
+        ep, etp = self._expert_axes()
+        experts = {}
         for tp in degrees or [1]:
-            params[tp] = np.asarray(spec.layer_params(tp, tied_copy=True), float)
+            pairs = spec.layer_param_split(tp, ep, etp, tied_copy=True)
+            params[tp] = np.asarray([d + e for d, e in pairs], float)
+            experts[tp] = np.asarray([e for _, e in pairs], float)
             tied[tp] = float(spec.tied_params(tp))
 
             def kept(recompute: str, tp: int = tp) -> np.ndarray:
                 stash = activation_bytes(
-                    self.padded(tp),
+                    dense_view(self.padded(tp)),
                     1,
                     tp,
                     options.precision,
@@ -378,12 +442,22 @@ class AnalyticalSource:
                     flash_attention=options.flash_attention,
                     attention_dropout=options.attention_dropout,
                 )
+                if self.experts is not None:
+                    stash = expert_layer_activations(
+                        self.padded(tp),
+                        self._pass_options(1, tp, options.precision),
+                        self.experts.experts,
+                        recompute,
+                        stash,
+                    )
                 return self._split_head(stash / element)
 
             memories[tp] = kept("none" if block else options.recompute)
             if block:
                 recomputed[tp] = kept(options.recompute)
-            output = layer_output_bytes(self.padded(tp), 1, options.precision)
+            output = layer_output_bytes(
+                dense_view(self.padded(tp)), 1, options.precision
+            )
             output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
         bf16_grads = options.grad_reduce_in_bf16
@@ -405,4 +479,6 @@ class AnalyticalSource:
             recompute_layers=options.recompute_num_layers,
             recomputed_mem=recomputed if block else None,
             blocks=(1, 1 + spec.num_layers) if block else None,
+            expert_params=None if self.experts is None else experts,
+            expert_axes=(ep, etp),
         )

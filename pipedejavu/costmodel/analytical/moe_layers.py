@@ -1,0 +1,207 @@
+"""Per-layer times of a mixture of experts: the expert blocks' rows, with the
+expert-parallel all-to-alls priced where the EP group lies.
+
+:func:`expert_layer_times` takes the rows
+:func:`~pipedejavu.costmodel.analytical.layers.analytical_layer_times` gives
+for the model's dense view (its dense blocks, embedding and head) and puts the
+expert blocks' own in their places:
+
+* each expert block's forward and backward from
+  :func:`~pipedejavu.costmodel.analytical.moe_ops.expert_block_forward_ops` /
+  :func:`~pipedejavu.costmodel.analytical.moe_ops.expert_block_backward_ops`
+  priced by the roofline, and its optimizer step on its dense and local
+  expert parameters;
+* two all-to-alls in the forward (dispatch, combine) and two in the backward
+  (their gradients), each :func:`alltoall_seconds` of the bytes a GPU sends
+  (:func:`~pipedejavu.costmodel.analytical.moe_tokens.dispatch_bytes`,
+  :func:`~pipedejavu.costmodel.analytical.moe_tokens.combine_bytes`);
+* shared experts that run beside the all-to-alls
+  (``--moe-shared-expert-overlap``): the pass without them, plus what of them
+  outlasts the all-to-alls;
+* with ``overlap_dispatch`` (Megatron-LM's ``--overlap-moe-expert-parallel-comm``:
+  one micro-batch's all-to-alls beside another's compute in the 1F1B steady
+  state) the all-to-alls cost what outlasts the block's compute, no less than
+  nothing.
+
+Where the EP group lies (:func:`alltoall_seconds`): Megatron-Core lays an EP
+group on ``etp x ep`` consecutive ranks (:class:`~pipedejavu.core.layout.
+ParallelLayout`); when that fits a node the all-to-all runs over NVLink,
+otherwise each GPU sends the share of its bytes bound for other nodes over
+its share of the node's network, beside the rest over NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.layers import Recompute
+from pipedejavu.costmodel.analytical.moe_ops import (
+    expert_activation_bytes,
+    expert_block_backward_ops,
+    expert_block_forward_ops,
+    overlapped_shared_ops,
+)
+from pipedejavu.costmodel.analytical.moe_tokens import (
+    ExpertPass,
+    combine_bytes,
+    dispatch_bytes,
+)
+from pipedejavu.costmodel.analytical.ops import PassOptions, optimizer_ops
+from pipedejavu.costmodel.analytical.roofline import (
+    FITTED_ANALYTICAL,
+    AnalyticalConstants,
+    pass_seconds,
+)
+
+__all__ = [
+    "ExpertLayers",
+    "alltoall_seconds",
+    "dense_view",
+    "expert_layer_activations",
+    "expert_layer_times",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayers:
+    """How a source prices a mixture of experts' expert blocks.
+
+    Args:
+        experts: the expert layers' layout and kernels (:class:`ExpertPass`).
+        overlap_dispatch: the all-to-alls run beside another micro-batch's
+            compute (``--overlap-moe-expert-parallel-comm``).
+    """
+
+    experts: ExpertPass
+    overlap_dispatch: bool = False
+
+
+def dense_view(spec: TransformerSpec) -> TransformerSpec:
+    """The model with its expert blocks read as dense ones (what prices the
+    embedding, the head and the dense blocks of a mixture of experts)."""
+    return dataclasses.replace(spec, moe=None)
+
+
+def alltoall_seconds(
+    nbytes: float, ep: int, etp: int, gpu: GpuSheetEntry, efficiency: float = 1.0
+) -> float:
+    """Seconds of one all-to-all in which each GPU of an EP group of ``ep``
+    (``etp x ep`` consecutive ranks) sends ``nbytes`` to the others, evenly.
+
+    Inside a node it runs at the GPU's NVLink bandwidth; spread over nodes of
+    ``gpus_per_node``, each GPU has ``gpus_per_node / etp`` group members on
+    its node and sends the rest's share of ``nbytes`` over its share of the
+    node's network, both at once. ``efficiency``: the share of the links'
+    bandwidth an all-to-all reaches.
+    """
+    if ep <= 1 or nbytes <= 0:
+        return 0.0
+    per_node = gpu.gpus_per_node
+    intra = gpu.intra_node_bytes_per_s * efficiency
+    if etp * ep <= per_node:
+        return nbytes / intra
+    near = max(per_node // etp, 1)  # group members on a GPU's node
+    far = ep - near
+    network = gpu.inter_node_bytes_per_s / per_node * efficiency
+    return max(
+        nbytes * (near - 1) / (ep - 1) / intra, nbytes * far / (ep - 1) / network
+    )
+
+
+def _block_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    opts: PassOptions,
+    layers: ExpertLayers,
+    constants: AnalyticalConstants,
+    link_efficiency: float,
+) -> tuple[float, float, float]:
+    """``(forward, backward, recomputed forward)`` of one expert block."""
+    experts = layers.experts
+    etp = opts.tp if experts.etp is None else experts.etp
+    one = alltoall_seconds(
+        dispatch_bytes(spec, opts, experts), experts.ep, etp, gpu, link_efficiency
+    )
+    one += alltoall_seconds(
+        combine_bytes(spec, opts, experts), experts.ep, etp, gpu, link_efficiency
+    )
+    passes = []
+    for ops in (
+        expert_block_forward_ops(spec, opts, experts),
+        expert_block_backward_ops(spec, opts, experts),
+    ):
+        beside = overlapped_shared_ops(ops, experts)
+        rest = [op for op in ops if op not in beside]
+        compute = pass_seconds(rest, gpu, constants)
+        shared = pass_seconds(beside, gpu, constants) if beside else 0.0
+        # shared experts beside the two all-to-alls: what outlasts them
+        passes.append((compute + max(shared - one, 0.0), one))
+    (forward, a2a_f), (backward, a2a_b) = passes
+    if layers.overlap_dispatch:
+        # beside another micro-batch's compute: what outlasts it
+        exposed = max(a2a_f + a2a_b - (forward + backward), 0.0)
+        return forward, backward + exposed, forward
+    return forward + a2a_f, backward + a2a_b, forward + a2a_f
+
+
+def expert_layer_times(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    opts: PassOptions,
+    layers: ExpertLayers,
+    rows: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]],
+    precision: Precision,
+    *,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    link_efficiency: float = 1.0,
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """``(forward, backward, update)`` rows (f64[L + 2]) of a mixture of
+    experts: ``rows`` (the dense view's, module doc) with each expert block's
+    own; ``backward`` without recomputation (the caller adds it).
+
+    Raises:
+        ValueError: the model does not split over ``opts.tp`` and the
+            experts' layout.
+    """
+    forward, backward, update = (row.copy() for row in rows)
+    moe = spec.moe
+    if moe is None:
+        return forward, backward, update
+    f, b, _ = _block_seconds(spec, gpu, opts, layers, constants, link_efficiency)
+    experts = layers.experts
+    pairs = spec.layer_param_split(opts.tp, experts.ep, experts.etp)
+    for block in range(spec.num_layers):
+        if moe.is_expert_block(block):
+            dense, expert = pairs[1 + block]
+            forward[1 + block], backward[1 + block] = f, b
+            update[1 + block] = pass_seconds(
+                optimizer_ops(dense + expert, precision), gpu, constants
+            )
+    return forward, backward, update
+
+
+def expert_layer_activations(
+    spec: TransformerSpec,
+    opts: PassOptions,
+    experts: ExpertPass,
+    recompute: Recompute,
+    dense: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """Activation bytes per layer (f64[L + 2], one micro-batch of
+    ``opts.mbs``): ``dense`` (:func:`~pipedejavu.costmodel.analytical.layers.
+    activation_bytes` of the dense view) with each expert block's own
+    (:func:`~pipedejavu.costmodel.analytical.moe_ops.expert_activation_bytes`)."""
+    out = np.asarray(dense, dtype=np.float64).copy()
+    moe = spec.moe
+    if moe is None:
+        return out
+    kept = expert_activation_bytes(spec, opts, experts, recompute)
+    for block in range(spec.num_layers):
+        if moe.is_expert_block(block):
+            out[1 + block] = kept
+    return out

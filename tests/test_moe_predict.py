@@ -1,0 +1,195 @@
+"""A mixture of experts priced end to end: the expert blocks' rows, the
+all-to-alls where the EP group lies, the expert gradients reduced over expert
+data parallelism, the model state sharded over it, and a Megatron launch
+predicted (analytical source, predictor, launch report)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.moe import MoeSpec
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.moe_layers import (
+    ExpertLayers,
+    alltoall_seconds,
+)
+from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
+from pipedejavu.costmodel.megatron.options import param_state_bytes
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import MegatronRun
+from pipedejavu.io.megatron_moe import MoeOptions
+from pipedejavu.planning.megatron_launch import (
+    plan_from_megatron_run,
+    predict_megatron_run,
+)
+
+SHEET = load_gpu_sheet()
+H100 = SHEET["H100-SXM"]
+#: A small Qwen3-MoE-like model: 4 blocks, the first dense.
+SPEC = TransformerSpec(
+    name="tiny-moe",
+    num_layers=4,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_query_groups=2,
+    ffn_hidden_size=1024,
+    vocab_size=4096,
+    seq_length=1024,
+    gated_mlp=True,
+    norm="rmsnorm",
+    position="rotary",
+    tied_embeddings=False,
+    linear_bias=False,
+    moe=MoeSpec(16, 2, 256, layers=(False, True, True, True)),
+)
+
+
+def _run(tp=1, pp=1, ep=8, etp=1, gbs=64, overlap=False, sp=False, **changes):
+    run = MegatronRun(
+        spec=SPEC,
+        tp=tp,
+        pp=pp,
+        virtual_chunks=1,
+        micro_batch=1,
+        global_batch=gbs,
+        sequence_parallel=sp,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        precision="bf16",
+        params_dtype="bf16",
+        use_distributed_optimizer=True,
+        padded_vocab_size=SPEC.padded_vocab_size(tp),
+        ep=ep,
+        etp=etp,
+        moe_options=MoeOptions(
+            dispatcher="alltoall", grouped_gemm=True, overlap_dispatch=overlap
+        ),
+    )
+    return dataclasses.replace(run, **changes)
+
+
+def test_alltoall_inside_a_node_and_across_nodes():
+    gb = 1e9
+    # EP 8 of one node: NVLink
+    assert alltoall_seconds(gb, 8, 1, H100) == pytest.approx(
+        gb / H100.intra_node_bytes_per_s
+    )
+    # EP 16 over two nodes of 8: 7 of the 15 peers near, 8 far; the far
+    # bytes over a GPU's share of the node's network are the slower part
+    far = gb * 8 / 15 / (H100.inter_node_bytes_per_s / 8)
+    near = gb * 7 / 15 / H100.intra_node_bytes_per_s
+    assert alltoall_seconds(gb, 16, 1, H100) == pytest.approx(max(far, near))
+    # expert TP 2 x EP 8 spans two nodes: 4 members a node
+    far = gb * 4 / 7 / (H100.inter_node_bytes_per_s / 8)
+    assert alltoall_seconds(gb, 8, 2, H100) == pytest.approx(far)
+    assert alltoall_seconds(gb, 1, 1, H100) == 0.0
+    assert alltoall_seconds(gb, 8, 1, H100, efficiency=0.5) == pytest.approx(
+        2 * gb / H100.intra_node_bytes_per_s
+    )
+
+
+def _source(ep=8, etp=1, overlap=False, options=None):
+    experts = ExpertLayers(ExpertPass(ep=ep, etp=etp, grouped_gemm=True), overlap)
+    options = options or TrainingOptions(precision="bf16", distributed_optimizer=True)
+    return AnalyticalSource(SPEC, SHEET, options, experts=experts)
+
+
+def test_expert_blocks_have_their_own_rows_and_parameters():
+    source = _source()
+    info = source.model_info(SPEC.name)
+    pairs = SPEC.layer_param_split(1, 8, 1, tied_copy=True)
+    np.testing.assert_array_equal(info.params[1], [d + e for d, e in pairs])
+    np.testing.assert_array_equal(info.expert_params[1], [e for _, e in pairs])
+    assert info.expert_params[1][1] == 0  # the dense first block
+    assert info.expert_axes == (8, 1)
+    times = source.layer_times(SPEC.name, "H100-SXM", 1, 1)
+    # three expert blocks alike, the dense one apart
+    assert times.forward[2] == times.forward[3] == times.forward[4]
+    assert times.forward[1] != times.forward[2]
+    # spreading the experts over 16 GPUs (two nodes) sends the all-to-alls
+    # over the network: slower blocks, the dense one unchanged
+    wide = _source(ep=16).layer_times(SPEC.name, "H100-SXM", 1, 1)
+    assert wide.forward[2] > times.forward[2]
+    assert wide.forward[1] == times.forward[1]
+    # the all-to-alls beside another micro-batch's compute cost less
+    hidden = _source(overlap=True).layer_times(SPEC.name, "H100-SXM", 1, 1)
+    total = hidden.forward[2] + hidden.backward[2]
+    assert total < times.forward[2] + times.backward[2]
+
+
+def test_tp_without_sequence_parallelism_is_not_offered_for_experts():
+    # Megatron-Core's MoE layer needs sequence parallelism at TP > 1
+    assert _source().tp_values("H100-SXM") == (1,)
+    options = TrainingOptions(
+        precision="bf16", distributed_optimizer=True, sequence_parallel=True
+    )
+    assert 2 in _source(options=options).tp_values("H100-SXM")
+
+
+def test_expert_state_is_sharded_over_expert_data_parallelism():
+    """16 GPUs, EP 8: the dense parameters' optimizer state is sharded over
+    16 replicas, the experts' over 2 (expert DP); by hand from the counts."""
+    run = _run(ep=8)
+    plan = plan_from_megatron_run(run, "H100-SXM", 16, 8)
+    assert (plan.layout.edp(0), plan.layout.stages[0].ep) == (2, 8)
+    prediction = predict_plan(plan, _source())
+    pairs = SPEC.layer_param_split(1, 8, 1, tied_copy=True)
+    dense = sum(d for d, _ in pairs)  # untied: nothing held twice
+    expert = sum(e for _, e in pairs)
+    parts = param_state_bytes("bf16")
+    state = parts.replicated * (dense + expert) + parts.shardable * (
+        dense / 16 + expert / 2
+    )
+    bucket = prediction.model_state_bytes[0, 0] - state  # the largest bucket
+    info = _source().model_info(SPEC.name)
+    assert 0 < bucket <= info.gradient_bytes * (dense + expert)
+    # EP over all 16 GPUs: no expert data parallelism, the experts' state
+    # whole on each GPU but for half as many experts
+    wide = predict_plan(
+        plan_from_megatron_run(_run(ep=16), "H100-SXM", 16, 8), _source(ep=16)
+    )
+    pairs16 = SPEC.layer_param_split(1, 16, 1, tied_copy=True)
+    expert16 = sum(e for _, e in pairs16)
+    assert expert16 * 2 == expert
+    state16 = parts.replicated * (dense + expert16) + parts.shardable * (
+        dense / 16 + expert16
+    )
+    assert wide.model_state_bytes[0, 0] - state16 == pytest.approx(bucket, rel=1e-9)
+
+
+def test_expert_gradients_are_reduced_over_expert_data_parallelism():
+    # EP 16 of 16 GPUs: each expert on one GPU, nothing to reduce for them;
+    # EP 8: two copies of each, reduced across the two nodes
+    one = predict_plan(
+        plan_from_megatron_run(_run(ep=16), "H100-SXM", 16, 8), _source(ep=16)
+    )
+    two = predict_plan(
+        plan_from_megatron_run(_run(ep=8), "H100-SXM", 16, 8), _source(ep=8)
+    )
+    assert two.dp_allreduce_s[0] > one.dp_allreduce_s[0] > 0
+
+
+def test_a_plan_whose_expert_layout_differs_from_its_costs_is_refused():
+    plan = plan_from_megatron_run(_run(ep=8), "H100-SXM", 16, 8)
+    with pytest.raises(ProblemError, match="costs are for ep 16"):
+        predict_plan(plan, _source(ep=16))
+
+
+def test_launch_prediction_of_a_mixture_of_experts():
+    launch = predict_megatron_run(_run(ep=8, overlap=True), "H100", 16, SHEET)
+    assert launch.prediction.fits_memory
+    assert launch.experts_line == (
+        "experts: EP 8 x expert TP 1, expert DP 2; alltoall dispatcher "
+        "(all-to-alls beside compute); routing priced balanced (busiest expert x1)"
+    )
+    assert launch.to_json()["experts"]["edp"] == 2
+    # the model FLOPs are Megatron's count for the experts a token visits
+    assert launch.model_flops_per_iteration == SPEC.model_flops_per_iteration(64)
