@@ -12,11 +12,15 @@ import pytest
 from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.moe import MlaSpec, MoeSpec
+from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.megatron_args import spec_from_megatron_args
 from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.io.megatron_pattern import moe_layer_freq
-from pipedejavu.planning.megatron_launch import predict_megatron_run
+from pipedejavu.planning.megatron_launch import (
+    plan_from_megatron_run,
+    predict_megatron_run,
+)
 
 #: A small dense model with Megatron's defaults (biases on, learned positions).
 BASE = (
@@ -516,18 +520,26 @@ def test_published_fp8_run_reads_its_recipe():
     )
 
 
-def test_published_interleaved_split_with_embedding_and_loss_is_refused():
+def test_published_interleaved_split_with_embedding_and_loss():
     # Qwen3-235B at PP 8 x VP 4 counts the embedding and the loss as layers
-    # (94 + 2 = 96); the interleaved chunks then differ, which the pipeline
-    # reader does not model yet: one line, not a wrong split.
+    # (94 + 2 = 96, 3 a virtual stage): the first and last stages hold one
+    # block fewer, and their first (last) chunk the embedding (loss) instead
     flags = (
         QWEN3_235B + "--micro-batch-size 1 --tensor-model-parallel-size 2 "
         "--pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 "
         "--account-for-embedding-in-pipeline-split "
-        "--account-for-loss-in-pipeline-split --expert-model-parallel-size 32"
+        "--account-for-loss-in-pipeline-split --expert-model-parallel-size 32 "
+        "--sequence-parallel"
     )
-    with pytest.raises(ProblemError, match="interleaved schedule is not supported"):
-        parse(flags)
+    run = parse(flags)
+    assert run.virtual_chunks == 4
+    assert run.stage_layers == (11, 12, 12, 12, 12, 12, 12, 11)
+    plan = plan_from_megatron_run(run, "H100-SXM", 256, 8)
+    chunks = chunk_layers(plan, 4)
+    # every virtual stage 3 profile layers: the embedding and 2 blocks first
+    assert chunks[0][0] == (0, 3) and chunks[1][0] == (3, 6)
+    assert chunks[7][3] == (93, 96) and plan.num_layers == 96
+    assert all(b - a == 3 for row in chunks for a, b in row)
 
 
 def test_moe_launch_is_predicted_and_says_how_experts_are_priced(capsys):

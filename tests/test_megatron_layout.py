@@ -75,12 +75,6 @@ def test_layout_unrolls_like_megatron():
         (24, 4, {"first": 6, "chunks_per_rank": 2}, "not supported"),
         (24, 4, {"first": 6, "layers_per_chunk": 2}, "num-virtual-stages"),
         (24, 4, {"embedding": True}, "not divisible"),
-        (
-            30,
-            4,
-            {"embedding": True, "loss": True, "layers_per_chunk": 2},
-            "not supported",
-        ),
         (24, 4, {"layers_per_chunk": 4, "chunks_per_rank": 2}, "give one of"),
         (24, 4, {"layers_per_chunk": 4}, "not divisible"),
         (24, 1, {"layers_per_chunk": 4}, "> 1"),
@@ -156,3 +150,14 @@ def test_predict_an_uneven_launch(capsys):
     assert main(["predict", "--megatron-args", bad, "--gpus", "H100:8192"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "divide evenly" in err[0]
+
+
+def test_embedding_and_loss_counted_under_the_interleaved_schedule():
+    # 30 blocks + embedding + loss = 32 over 4 stages of 4 chunks of 2: the
+    # first (last) stage one block fewer, its first (last) chunk the embedding
+    # (loss) and one block
+    assert split_pipeline(30, 4, embedding=True, loss=True, layers_per_chunk=2) == (
+        4,
+        (7, 8, 8, 7),
+    )
+    assert split_pipeline(31, 4, embedding=True, chunks_per_rank=2) == (2, (7, 8, 8, 8))

@@ -193,3 +193,68 @@ def test_launch_prediction_of_a_mixture_of_experts():
     assert launch.to_json()["experts"]["edp"] == 2
     # the model FLOPs are Megatron's count for the experts a token visits
     assert launch.model_flops_per_iteration == SPEC.model_flops_per_iteration(64)
+
+
+def test_flex_dispatch_crosses_to_each_node_once():
+    """DeepEP's dispatch on 4 nodes of 8 (EP 32): a token crosses to each
+    other node holding one of its 8 experts once; by hand."""
+    from pipedejavu.costmodel.analytical.moe_layers import flex_seconds
+    from pipedejavu.costmodel.analytical.ops import PassOptions
+
+    spec = dataclasses.replace(
+        SPEC, moe=MoeSpec(128, 8, 256, layers=(False, True, True, True))
+    )
+    opts = PassOptions(mbs=1, tp=1, precision="bf16")
+    experts = ExpertPass(ep=32, etp=1, dispatcher="flex")
+    tokens, row = 1024, 512 * 2
+    node_miss = np.prod([(96 - i) / (128 - i) for i in range(8)])
+    rank_miss = np.prod([(124 - i) / (128 - i) for i in range(8)])
+    far = tokens * row * 3 * (1 - node_miss) / (H100.inter_node_bytes_per_s / 8)
+    near = tokens * row * 4 * 7 * (1 - rank_miss) / H100.intra_node_bytes_per_s
+    assert flex_seconds(spec, opts, experts, H100) == pytest.approx(max(far, near))
+    # inside one node: the all-to-all of the bytes each GPU sends
+    inside = ExpertPass(ep=8, etp=1, dispatcher="flex")
+    from pipedejavu.costmodel.analytical.moe_tokens import dispatch_bytes
+
+    assert flex_seconds(spec, opts, inside, H100) == pytest.approx(
+        dispatch_bytes(spec, opts, inside) / H100.intra_node_bytes_per_s
+    )
+
+
+def test_the_published_moe_runs_are_launched_as_their_recipes_say():
+    from pipedejavu.planning.moe_published import moe_launches
+
+    launches = moe_launches()
+    assert len(launches) == 13
+    for run, launch, tokens in launches:
+        layout = launch.layout(run.num_gpus)
+        assert (layout.stages[0].tp, layout.pp, layout.dp) == (run.tp, run.pp, run.dp)
+        assert (layout.stages[0].ep, layout.stages[0].expert_tp) == (run.ep, run.etp)
+        assert layout.edp(0) * run.ep * run.etp == run.tp * run.dp
+        assert tokens > 0
+        if run.spec.num_layers == 94 and run.pp > 1:  # embedding and loss counted
+            assert sum(launch.stage_layers) == 94
+            assert launch.stage_layers[0] == launch.stage_layers[1] - 1
+
+
+def test_published_moe_predictions_match_the_recorded_benchmark():
+    """The bundled constants are the fit on all thirteen runs
+    (benchmarks/moe_published.py); their predictions are the recorded ones."""
+    import json
+    from pathlib import Path
+
+    from pipedejavu.costmodel.analytical.roofline import HALF_PRECISION_ANALYTICAL
+    from pipedejavu.planning.moe_published import MOE_FIELDS, predict_moe_published
+
+    path = Path(__file__).parents[1] / "benchmarks" / "results" / "moe_published.json"
+    recorded = json.loads(path.read_text())
+    assert {
+        name: getattr(HALF_PRECISION_ANALYTICAL, name) for name in MOE_FIELDS
+    } == recorded["constants"]
+    predictions = predict_moe_published()
+    assert [p.run.run_id for p in predictions] == [r["id"] for r in recorded["runs"]]
+    for prediction, run in zip(predictions, recorded["runs"], strict=True):
+        assert prediction.refused is None
+        assert prediction.predicted_tokens_per_s_per_gpu == pytest.approx(
+            run["predicted_tokens_per_s_per_gpu"], rel=1e-9
+        )

@@ -15,6 +15,7 @@ from pipedejavu.costmodel.analytical.roofline import (
     MEASURED_TENSOR_EFFICIENCY,
     pass_seconds,
 )
+from pipedejavu.planning.moe_published import MOE_FIELDS
 from pipedejavu.planning.published_runs import (
     FITTED_FIELDS,
     bundled_published_path,
@@ -99,11 +100,12 @@ def test_frozen_constants_predict_the_runs():
     errors = predict_published(runs, HALF_PRECISION_ANALYTICAL) / measured - 1
     # In-sample (the constants were fitted on these runs); the benchmark
     # reports leave-one-out. Only the FITTED_FIELDS and the measured tensor
-    # efficiency differ from the profiles' fit.
+    # efficiency differ from the profiles' fit (and the mixtures of experts'
+    # constants, fitted on the MoE runs, which dense models never read).
     assert np.median(np.abs(errors)) <= 0.02
     assert np.abs(errors).max() <= 0.055
     for field in FITTED_ANALYTICAL.__dataclass_fields__:
-        if field not in FITTED_FIELDS and field != "tensor_efficiency":
+        if field not in (*FITTED_FIELDS, *MOE_FIELDS, "tensor_efficiency"):
             assert getattr(HALF_PRECISION_ANALYTICAL, field) == getattr(
                 FITTED_ANALYTICAL, field
             )

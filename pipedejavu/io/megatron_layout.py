@@ -25,8 +25,10 @@ Megatron Core (``megatron/training/arguments.py``' ``validate_args``,
 
 What the predictor does not model is refused with one line: unequal model
 chunks under the interleaved schedule (uneven first/last stages with ``V >
-1``), multi-token-prediction layers (``m``), and the flag combinations
-Megatron-LM itself refuses.
+1``; the embedding or loss counted in the split is even, and priced:
+:func:`~pipedejavu.costmodel.megatron.interleaving.chunk_layers`),
+multi-token-prediction layers (``m``), and the flag combinations Megatron-LM
+itself refuses.
 """
 
 from __future__ import annotations
@@ -241,13 +243,9 @@ def split_pipeline(
     chunks = _virtual(per_rank, pp, layers_per_chunk, chunks_per_rank)
     if not (embedding or loss):
         return chunks, ()
-    if chunks > 1:
-        raise ProblemError(
-            "Megatron arguments: --account-for-embedding/loss-in-pipeline-split "
-            "with the interleaved schedule is not supported (its first/last "
-            "model chunks would hold fewer layers)"
-        )
+    # ``per_rank / chunks`` layers a virtual stage, the embedding (loss) one
+    # of the first (last): the first (last) stage holds one block fewer
     counts = [per_rank] * pp
     counts[0] -= embedding
     counts[-1] -= loss
-    return 1, tuple(counts) if len(set(counts)) > 1 else ()
+    return chunks, tuple(counts) if len(set(counts)) > 1 else ()

@@ -202,7 +202,7 @@ def choose_cost_source(
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
             ``profiles`` given without a profile of ``model``, a bad headroom;
-            a mixture of experts (read, not priced yet).
+            a mixture of experts (read, not searched yet).
     """
     headroom = headroom_of(memory_headroom)
     choice = _choose(
@@ -240,13 +240,13 @@ def _choose(
             data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
         )
     spec = load_model_spec(model, seq_length=seq_length, longest_context=LONG_CONTEXT)
-    try:
-        spec.check_dense()  # a mixture of experts is read, not priced yet
-    except ValueError as error:
+    if spec.moe is not None or spec.mla is not None or spec.mtp_layers:
         raise ProblemError(
-            f"{error}: the planner and the predictor price dense transformers "
-            "only for now"
-        ) from None
+            f"model {spec.name}: the planner does not search mixtures of experts, "
+            "multi-latent attention or multi-token prediction yet; a Megatron-LM "
+            "launch of a mixture of experts is predicted by "
+            "`predict --megatron-args`"
+        )
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: sheet_name(sheet, g) for g in gpu_types}

@@ -20,8 +20,11 @@ expert blocks' own in their places:
   outlasts the all-to-alls;
 * with ``overlap_dispatch`` (Megatron-LM's ``--overlap-moe-expert-parallel-comm``:
   one micro-batch's all-to-alls beside another's compute in the 1F1B steady
-  state) the all-to-alls cost what outlasts the block's compute, no less than
-  nothing.
+  state) the all-to-alls cost what of them is not hidden: the constants'
+  ``alltoall_hidden`` share of what the block's compute covers;
+* each expert block pass ``expert_block_overhead_s`` more (the constants':
+  the token counts' trip to the host, the dispatcher's bookkeeping); the
+  all-to-alls reach ``alltoall_efficiency`` of the links.
 
 Where the EP group lies (:func:`alltoall_seconds`): Megatron-Core lays an EP
 group on ``etp x ep`` consecutive ranks (:class:`~pipedejavu.core.layout.
@@ -50,6 +53,8 @@ from pipedejavu.costmodel.analytical.moe_tokens import (
     ExpertPass,
     combine_bytes,
     dispatch_bytes,
+    expert_shape,
+    miss_probability,
 )
 from pipedejavu.costmodel.analytical.ops import PassOptions, optimizer_ops
 from pipedejavu.costmodel.analytical.roofline import (
@@ -64,6 +69,7 @@ __all__ = [
     "dense_view",
     "expert_layer_activations",
     "expert_layer_times",
+    "flex_seconds",
 ]
 
 
@@ -113,6 +119,37 @@ def alltoall_seconds(
     )
 
 
+def flex_seconds(
+    spec: TransformerSpec,
+    opts: PassOptions,
+    experts: ExpertPass,
+    gpu: GpuSheetEntry,
+    efficiency: float = 1.0,
+) -> float:
+    """Seconds of one dispatch (or combine) of the ``flex`` dispatcher
+    (DeepEP, HybridEP), whose group spans nodes: a token crosses to each other
+    node holding one of its ``k`` experts once, over the GPU's share of the
+    node's network, and is forwarded there over NVLink to the GPUs holding
+    them (each GPU's NVLink carries its own node's share and what it forwards
+    from every node), the two at once. Inside a node, :func:`alltoall_seconds`
+    of :func:`~pipedejavu.costmodel.analytical.moe_tokens.dispatch_bytes`."""
+    shape = expert_shape(spec, opts, experts)
+    per_node = gpu.gpus_per_node
+    sent = dispatch_bytes(spec, opts, experts)
+    if shape.etp * experts.ep <= per_node:
+        return alltoall_seconds(sent, experts.ep, shape.etp, gpu, efficiency)
+    ranks = max(per_node // shape.etp, 1)  # EP ranks of a node
+    nodes = -(-experts.ep // ranks)
+    moe = spec.moe
+    row = spec.hidden_size * shape.act
+    node_miss = miss_probability(moe.num_experts, shape.local_experts * ranks, moe.topk)
+    rank_miss = miss_probability(moe.num_experts, shape.local_experts, moe.topk)
+    far = shape.tokens * row * (nodes - 1) * (1.0 - node_miss)
+    near = shape.tokens * row * nodes * (ranks - 1) * (1.0 - rank_miss)
+    network = gpu.inter_node_bytes_per_s / per_node * efficiency
+    return max(far / network, near / (gpu.intra_node_bytes_per_s * efficiency))
+
+
 def _block_seconds(
     spec: TransformerSpec,
     gpu: GpuSheetEntry,
@@ -124,12 +161,17 @@ def _block_seconds(
     """``(forward, backward, recomputed forward)`` of one expert block."""
     experts = layers.experts
     etp = opts.tp if experts.etp is None else experts.etp
-    one = alltoall_seconds(
-        dispatch_bytes(spec, opts, experts), experts.ep, etp, gpu, link_efficiency
-    )
-    one += alltoall_seconds(
-        combine_bytes(spec, opts, experts), experts.ep, etp, gpu, link_efficiency
-    )
+    efficiency = link_efficiency * constants.alltoall_efficiency
+    if experts.dispatcher == "flex":
+        one = 2 * flex_seconds(spec, opts, experts, gpu, efficiency)
+    else:
+        one = alltoall_seconds(
+            dispatch_bytes(spec, opts, experts), experts.ep, etp, gpu, efficiency
+        )
+        one += alltoall_seconds(
+            combine_bytes(spec, opts, experts), experts.ep, etp, gpu, efficiency
+        )
+    overhead = constants.expert_block_overhead_s
     passes = []
     for ops in (
         expert_block_forward_ops(spec, opts, experts),
@@ -140,11 +182,13 @@ def _block_seconds(
         compute = pass_seconds(rest, gpu, constants)
         shared = pass_seconds(beside, gpu, constants) if beside else 0.0
         # shared experts beside the two all-to-alls: what outlasts them
-        passes.append((compute + max(shared - one, 0.0), one))
+        passes.append((compute + max(shared - one, 0.0) + overhead, one))
     (forward, a2a_f), (backward, a2a_b) = passes
     if layers.overlap_dispatch:
-        # beside another micro-batch's compute: what outlasts it
-        exposed = max(a2a_f + a2a_b - (forward + backward), 0.0)
+        # beside another micro-batch's compute: the hidden share of what the
+        # compute covers
+        a2a = a2a_f + a2a_b
+        exposed = a2a - constants.alltoall_hidden * min(a2a, forward + backward)
         return forward, backward + exposed, forward
     return forward + a2a_f, backward + a2a_b, forward + a2a_f
 

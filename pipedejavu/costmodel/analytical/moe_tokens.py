@@ -30,6 +30,7 @@ __all__ = [
     "dispatch_bytes",
     "expert_shape",
     "expert_tokens",
+    "miss_probability",
 ]
 
 #: Megatron-LM's ``--moe-token-dispatcher-type`` choices.
@@ -206,7 +207,7 @@ def expert_tokens(
 
 
 # ---------------------------------------------------------------- dispatch
-def _miss_probability(num: int, local: int, k: int) -> float:
+def miss_probability(num: int, local: int, k: int) -> float:
     """Chance that a token's ``k`` experts (drawn without repeats from
     ``num``) avoid a given GPU's ``local`` experts."""
     p = 1.0
@@ -248,7 +249,7 @@ def dispatch_bytes(
     if experts.dispatcher == "allgather":
         per_token = row + num * (shape.router + ROUTING_MAP_BYTES)
         return (group - 1) * shape.tokens * per_token
-    miss = _miss_probability(num, shape.local_experts, spec.moe.topk)
+    miss = miss_probability(num, shape.local_experts, spec.moe.topk)
     return (group - 1) * (1.0 - miss) * shape.tokens * row
 
 
@@ -266,5 +267,5 @@ def combine_bytes(
     group = shape.etp * ep
     if experts.dispatcher == "allgather":
         return (group - 1) * shape.tokens * h * shape.router
-    miss = _miss_probability(spec.moe.num_experts, shape.local_experts, spec.moe.topk)
+    miss = miss_probability(spec.moe.num_experts, shape.local_experts, spec.moe.topk)
     return (group - 1) * (1.0 - miss) * shape.tokens * h * shape.act

@@ -55,8 +55,37 @@ __all__ = [
     "chunk_stash",
     "interleaved_pipelines",
     "rank_layers",
+    "virtual_stage_layers",
     "warmup_stash",
 ]
+
+
+def virtual_stage_layers(
+    blocks: int, stages: int, embedding: bool = False, loss: bool = False
+) -> list[int] | None:
+    """Profile layers of each of ``stages`` virtual stages (in virtual-stage
+    order) when ``blocks`` transformer layers split evenly as Megatron-LM
+    splits them: equal blocks, or with ``--account-for-embedding-in-pipeline-
+    split`` (``embedding``) / ``--account-for-loss-in-pipeline-split``
+    (``loss``) the embedding (the loss) counted as one layer of the first
+    (last) virtual stage; the embedding and the head are always the first and
+    last profile layers. ``None``: they do not split evenly."""
+    units = blocks + embedding + loss
+    if units % stages:
+        return None
+    per = units // stages
+    out = []
+    for k in range(stages):
+        held = per - (embedding and k == 0) - (loss and k == stages - 1)
+        if held < 0:
+            return None
+        out.append(held + (k == 0) + (k == stages - 1))
+    return out
+
+
+#: The splits :func:`chunk_layers` tries, Megatron-LM's default first:
+#: ``(embedding, loss)`` counted as layers.
+SPLITS = ((False, False), (True, True), (True, False), (False, True))
 
 
 def chunk_layers(
@@ -67,9 +96,15 @@ def chunk_layers(
     ``v_shape`` (two chunks, ZB-V) ``r`` and ``2 P - 1 - r``: rank 0 then
     holds the embedding and the head.
 
+    The virtual stages split the layers evenly as Megatron-LM does
+    (:func:`virtual_stage_layers`): equal transformer layers, or, where the
+    plan's stages hold what that gives, the embedding and/or the loss counted
+    as a layer (``--account-for-embedding/loss-in-pipeline-split``; the
+    default split is read first where both fit).
+
     Raises:
-        ProblemError: the plan's stages do not hold equally many blocks, or the
-            blocks do not split into ``P V`` equal chunks.
+        ProblemError: the layers do not split into ``P V`` even model chunks
+            the plan's stages hold.
     """
     if v_shape and num_chunks != 2:
         raise ProblemError(f"the V placement needs 2 chunks per rank, not {num_chunks}")
@@ -79,30 +114,41 @@ def chunk_layers(
         raise ProblemError(
             "the interleaved schedule needs at least 2 pipeline stages, got 1"
         )
-    if blocks % (ranks * num_chunks):
-        raise ProblemError(
-            f"{blocks} transformer layers do not split into {ranks} x {num_chunks} "
-            "equal model chunks (Megatron-LM's interleaved schedule needs that)"
-        )
-    size = blocks // (ranks * num_chunks)
-    for r, stage in enumerate(plan.stages):
-        held = (stage.stop - stage.start) - (r == 0) - (r == ranks - 1)
-        if held != size * num_chunks:
+    count = ranks * num_chunks
+    held = [stage.stop - stage.start for stage in plan.stages]
+
+    def virtual(r: int, c: int) -> int:
+        return (2 * ranks - 1 - r if c else r) if v_shape else c * ranks + r
+
+    sizes = None
+    for split in SPLITS:
+        layers = virtual_stage_layers(blocks, count, *split)
+        # (the plan's stages: the layers its ranks hold, counted as if each
+        # held consecutive virtual stages, the same counts)
+        if layers is not None and held == [
+            sum(layers[r * num_chunks : (r + 1) * num_chunks]) for r in range(ranks)
+        ]:
+            sizes = layers
+            break
+    if sizes is None:
+        if blocks % count:
             raise ProblemError(
-                f"stage {r} holds {held} transformer layers; the interleaved "
-                f"schedule gives every rank {size * num_chunks} ({num_chunks} "
-                f"chunks of {size})"
+                f"{blocks} transformer layers do not split into {ranks} x "
+                f"{num_chunks} equal model chunks (Megatron-LM's interleaved "
+                "schedule needs that, the embedding and loss counted or not)"
             )
-    last = ranks * num_chunks - 1
-    out = []
-    for r in range(ranks):
-        row = []
-        for c in range(num_chunks):
-            k = (2 * ranks - 1 - r if c else r) if v_shape else c * ranks + r
-            start, stop = 1 + k * size, 1 + (k + 1) * size
-            row.append((0 if k == 0 else start, stop + 1 if k == last else stop))
-        out.append(row)
-    return out
+        size = blocks // count
+        raise ProblemError(
+            f"the plan's stages hold {held} layers; the interleaved schedule "
+            f"gives every rank {num_chunks} chunks of {size} transformer layers"
+        )
+    firsts = [0]
+    for size in sizes:
+        firsts.append(firsts[-1] + size)
+    return [
+        [(firsts[virtual(r, c)], firsts[virtual(r, c) + 1]) for c in range(num_chunks)]
+        for r in range(ranks)
+    ]
 
 
 def rank_layers(plan: Plan3D, v_shape: bool = False) -> list[list[tuple[int, int]]]:
