@@ -22,7 +22,7 @@ Checked against Alpa at commit b8078a9 (1.0.0.dev0;
   current host (:func:`slice_hosts`). A plan whose shapes cannot be laid so
   is refused, as are a TP group that would cross hosts, replicas of one stage
   with different TP degrees and plans on several GPU types (Alpa's options
-  name none).
+  name none). A plan with experts is refused (:data:`NO_EXPERTS`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,22 @@ from __future__ import annotations
 from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
-from pipedejavu.io.export_rules import ExportRefused, check_whole_batch
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.io.export_rules import (
+    ExportRefused,
+    check_whole_batch,
+    refuse_experts,
+)
 
-__all__ = ["ALPA_VERSION", "slice_hosts", "to_alpa"]
+__all__ = ["ALPA_VERSION", "NO_EXPERTS", "slice_hosts", "to_alpa"]
 
 ALPA_VERSION = "alpa b8078a9 (1.0.0.dev0)"
+#: Why a plan with experts is refused.
+NO_EXPERTS = (
+    f"{ALPA_VERSION}'s ManualStageOption gives each stage a mesh and leaves "
+    "the sharding inside it to Alpa's own search: it cannot be told the "
+    "plan's expert layout (Megatron-Core's EP and expert TP)"
+)
 
 
 def slice_hosts(shapes: list[list[int]], num_hosts: int, per_host: int) -> str | None:
@@ -68,7 +79,12 @@ def slice_hosts(shapes: list[list[int]], num_hosts: int, per_host: int) -> str |
     return None
 
 
-def to_alpa(plan: Plan3D, *, gpus_per_host: int | None) -> dict[str, Any]:
+def to_alpa(
+    plan: Plan3D,
+    *,
+    gpus_per_host: int | None,
+    spec: TransformerSpec | None = None,
+) -> dict[str, Any]:
     """Alpa's ``init``, ``ManualStageOption`` and micro-batch count
     (module docstring).
 
@@ -76,11 +92,13 @@ def to_alpa(plan: Plan3D, *, gpus_per_host: int | None) -> dict[str, Any]:
         plan: the plan (one GPU type).
         gpus_per_host: GPUs per host of that type (``None``: refused, as the
             mesh cannot be laid out without it).
+        spec: the model (a mixture of experts is refused).
 
     Raises:
         ExportRefused: naming what Alpa cannot launch.
     """
     target = ALPA_VERSION
+    refuse_experts(plan, spec, NO_EXPERTS)
     if len(plan.gpus_by_type()) > 1:
         raise ExportRefused(
             f"{target}'s ManualStageOption cannot name GPU types; the plan uses "

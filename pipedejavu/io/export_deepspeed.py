@@ -82,6 +82,12 @@ in ``megatron/arguments.py``, ``initialize.py``,
 * The attention kernel: ``--use-flash-attn-v2`` for a plan priced with flash
   attention (its default is the unfused ``CoreAttention``); unfused without
   dropout: ``--attention-dropout 0``.
+
+**Experts.** Both refuse a plan with experts (:data:`NO_EXPERTS`): DeepSpeed
+0.19.8's ``deepspeed.moe.layer.MoE`` (what Megatron-DeepSpeed's
+``--num-experts`` builds) gates with a capacity factor (1.0 by default,
+``drop_tokens=True``), so it runs other expert layers than the dropless
+Megatron-Core ones the plan was priced with.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ from pipedejavu.io.export_rules import (
     head_layers,
     megatron_parallel_args,
     num_blocks,
+    refuse_experts,
     transformer_layers,
     uniform_tp,
 )
@@ -106,6 +113,7 @@ __all__ = [
     "DEEPSPEED_VERSION",
     "deepspeed_options",
     "MEGATRON_DEEPSPEED_VERSION",
+    "NO_EXPERTS",
     "megatron_deepspeed_flags",
     "megatron_deepspeed_layers",
     "PARTS_HOW",
@@ -118,6 +126,17 @@ MEGATRON_DEEPSPEED_VERSION = (
     "Megatron-DeepSpeed f4157bea (2024-12-24) GPTModelPipe on DeepSpeed 0.19.8"
 )
 
+_DEEPSPEED_MOE = (
+    "DeepSpeed's experts (deepspeed.moe: top-k gating with a capacity factor, "
+    "1.0 by default, the tokens past it dropped), not the dropless Megatron-Core "
+    "expert layers the plan was priced with"
+)
+#: Why each target refuses a plan with experts.
+NO_EXPERTS = {
+    "DeepSpeed": "the DeepSpeed export partitions dense layers only; DeepSpeed "
+    f"runs mixtures of experts as {_DEEPSPEED_MOE}",
+    "Megatron-DeepSpeed": "Megatron-DeepSpeed's --num-experts runs " + _DEEPSPEED_MOE,
+}
 
 #: Where Megatron-DeepSpeed's ``parts`` go (module docstring).
 PARTS_HOW = (
@@ -132,7 +151,8 @@ PARTS_HOW = (
 )
 
 
-def _engine(plan: Plan3D, target: str) -> dict[str, Any]:
+def _engine(plan: Plan3D, target: str, spec: TransformerSpec | None) -> dict[str, Any]:
+    refuse_experts(plan, spec, NO_EXPERTS[target])
     tp = uniform_tp(plan, target)
     check_whole_batch(plan, target)
     out: dict[str, Any] = {
@@ -156,10 +176,11 @@ def to_deepspeed(plan: Plan3D, spec: TransformerSpec | None = None) -> dict[str,
     head layer around the blocks).
 
     Raises:
-        ExportRefused: per-stage TP, or a batch that is not whole micro-batches.
+        ExportRefused: per-stage TP, a batch that is not whole micro-batches,
+            or experts (:data:`NO_EXPERTS`).
         ProblemError: a plan of another number of layers than ``spec``.
     """
-    engine = _engine(plan, "DeepSpeed")
+    engine = _engine(plan, "DeepSpeed", spec)
     blocks = num_blocks(plan, spec)
     head = ["final_norm", "head"] if head_layers(plan, spec) == 2 else ["head"]
     layers = ["embedding"] + [f"transformer.{i}" for i in range(blocks)] + head
@@ -312,10 +333,11 @@ def to_megatron_deepspeed(
     user's launch (the model's shape, data and tokenizer are theirs).
 
     Raises:
-        ExportRefused: per-stage TP, or a batch that is not whole micro-batches.
+        ExportRefused: per-stage TP, a batch that is not whole micro-batches,
+            or experts (:data:`NO_EXPERTS`).
         ProblemError: a plan of another number of layers than ``spec``.
     """
-    engine = _engine(plan, "Megatron-DeepSpeed")
+    engine = _engine(plan, "Megatron-DeepSpeed", spec)
     num_layers = num_blocks(plan, spec)
     starts = [_gpt_model_pipe_index(s.start) for s in plan.stages]
     half = megatron_deepspeed_layers(num_layers, half=True)

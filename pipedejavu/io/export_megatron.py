@@ -26,6 +26,28 @@ Checked against Megatron Core 0.16.1 (``megatron/training/arguments.py``:
   Megatron needs an even split (no first/last-stage counts) whose layers per
   rank divide by it (``validate_args``), and PP > 1 with its default
   ``--overlap-p2p-communication`` (:func:`interleaving_flags`).
+* Mixtures of experts (:func:`check_experts`, :func:`shape_flags`,
+  :func:`moe_run_flags`): the model's ``--num-experts``, ``--moe-router-topk``,
+  ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size`` (with
+  ``--moe-shared-expert-gate``) and ``--moe-layer-freq`` (an integer ``N``
+  when block ``i`` is an expert block exactly when ``i % N == 0``, else
+  Megatron's list expression, :func:`moe_layer_freq_text`); one
+  ``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size`` for
+  every stage (:func:`~pipedejavu.io.export_rules.uniform_experts`); the
+  dispatcher, grouped GEMM and overlaps the plan was priced with
+  (:class:`~pipedejavu.io.megatron_moe.MoeOptions`, by default
+  :data:`DEFAULT_MOE_OPTIONS`). Megatron-Core's ``MoELayer.forward`` raises
+  in training at TP > 1 without ``--sequence-parallel``: a plan priced
+  without it is refused. ``--moe-router-topk 1`` takes
+  ``--moe-router-pre-softmax`` (``TransformerConfig`` refuses a softmax over
+  one score without it). Every export with experts is read back by
+  :func:`~pipedejavu.io.megatron_args.spec_from_megatron_args` (the one
+  statement here of what Megatron-LM refuses) and must give the plan's
+  layout and the model's experts (:func:`check_read_back`).
+* Heads not ``h / a`` wide: ``--kv-channels``; per-head query/key norms:
+  ``--qk-layernorm``. Refused: norms over a whole projection (OLMoE; no
+  Megatron-LM flag), multi-latent attention and multi-token prediction (not
+  priced yet, so no plan of them was).
 * No zero-bubble schedule (:data:`NO_ZERO_BUBBLE`; read in megatron-core
   0.16.1): ``get_forward_backward_func`` (``pipeline_parallel/schedules.py``)
   picks no pipelining, 1F1B or interleaved 1F1B, each with whole backward
@@ -37,22 +59,38 @@ Checked against Megatron Core 0.16.1 (``megatron/training/arguments.py``:
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+
+from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
+    has_experts,
     head_layers,
     megatron_parallel_args,
     transformer_layers,
+    uniform_experts,
     uniform_tp,
 )
+from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.megatron_moe import MoeOptions
+from pipedejavu.io.megatron_pattern import MAX_PATTERN_CHARS
 
 __all__ = [
+    "DEFAULT_MOE_OPTIONS",
     "MEGATRON_VERSION",
     "NO_ZERO_BUBBLE",
+    "check_read_back",
+    "check_experts",
+    "expert_note",
     "interleaving_flags",
+    "moe_layer_freq_text",
+    "moe_run_flags",
     "pipeline_layout",
+    "shape_flags",
     "to_megatron",
 ]
 
@@ -63,6 +101,10 @@ NO_ZERO_BUBBLE = (
     "interleaved 1F1B; --delay-wgrad-compute defers weight gradients only "
     "within its MoE expert-parallel overlap)"
 )
+#: How the experts' tokens move and compute when the plan's own settings are
+#: not given: the alltoall dispatcher with grouped GEMMs (the published
+#: Megatron-LM recipes'); routing priced balanced, not forced.
+DEFAULT_MOE_OPTIONS = MoeOptions(dispatcher="alltoall", grouped_gemm=True)
 
 
 def pipeline_layout(counts: list[int]) -> str:
@@ -97,6 +139,10 @@ def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
         )
     num_layers, stages = sum(counts), len(counts)
     args = megatron_parallel_args(tp, stages, plan, num_layers)
+    if has_experts(plan, spec):
+        ep, etp = uniform_experts(plan, "Megatron-LM")
+        args += ["--expert-model-parallel-size", str(ep)]
+        args += ["--expert-tensor-parallel-size", str(etp)]
     if stages == 1 or len(set(counts)) == 1:
         return args  # Megatron's even split
     middle = counts[1:-1]
@@ -131,3 +177,221 @@ def interleaving_flags(
             f"the plan has {counts}"
         )
     return ["--num-layers-per-virtual-pipeline-stage", str(counts[0] // chunks)]
+
+
+def _runs(pattern: tuple[bool, ...]) -> str:
+    """``[0]*3+[1]*58``: the pattern as runs of one value."""
+    parts: list[str] = []
+    start = 0
+    for index in range(1, len(pattern) + 1):
+        if index == len(pattern) or pattern[index] != pattern[start]:
+            count = index - start
+            value = f"[{int(pattern[start])}]"
+            parts.append(value if count == 1 else f"{value}*{count}")
+            start = index
+    return "+".join(parts)
+
+
+def moe_layer_freq_text(pattern: tuple[bool, ...] | None) -> str:
+    """Megatron-LM's ``--moe-layer-freq`` for the expert blocks ``pattern``
+    (``None``: every block): ``N`` when block ``i`` is an expert block exactly
+    when ``i % N == 0``; else the list expression of the shortest repeated
+    unit, ``([0]+[1])*24``, or of the runs, ``([0]*3+[1]*58)``.
+
+    Raises:
+        ExportRefused: a list expression longer than Megatron's flag is read
+            here (:data:`~pipedejavu.io.megatron_pattern.MAX_PATTERN_CHARS`).
+    """
+    if pattern is None or all(pattern):
+        return "1"
+    blocks = len(pattern)
+    firsts = [i for i, flag in enumerate(pattern) if flag]
+    freq = firsts[1] if len(firsts) > 1 else blocks
+    if all(flag == (i % freq == 0) for i, flag in enumerate(pattern)):
+        return str(freq)
+    text = f"({_runs(pattern)})"
+    for period in range(1, blocks // 2 + 1):
+        if blocks % period == 0 and pattern == pattern[:period] * (blocks // period):
+            text = f"({_runs(pattern[:period])})*{blocks // period}"
+            break
+    if len(text) > MAX_PATTERN_CHARS:
+        raise ExportRefused(
+            f"Megatron-LM: the expert-block pattern needs {len(text):,} characters "
+            f"of --moe-layer-freq, more than the {MAX_PATTERN_CHARS:,} read here"
+        )
+    return text
+
+
+def _check_shape(spec: TransformerSpec) -> None:
+    if spec.qk_layernorm == "projection":
+        raise ExportRefused(
+            f"Megatron-LM's --qk-layernorm normalizes each head's queries and "
+            f"keys; {spec.name}'s norms over the whole query and key projections "
+            "(OLMoE's) have no Megatron-LM flag"
+        )
+    if spec.mla is not None or spec.mtp_layers:
+        raise ExportRefused(
+            f"{spec.name} has multi-latent attention or multi-token prediction, "
+            "which are not priced yet: no plan of them to export"
+        )
+
+
+def shape_flags(spec: TransformerSpec) -> list[str]:
+    """The model's head width, query/key norms and experts (module
+    docstring), beside :func:`~pipedejavu.io.export_megatron_command.
+    model_flags`' dense shape.
+
+    Raises:
+        ExportRefused: a shape Megatron-LM has no flag for, or not priced.
+    """
+    _check_shape(spec)
+    flags = [] if spec.kv_channels is None else ["--kv-channels", str(spec.kv_channels)]
+    flags += ["--qk-layernorm"] if spec.qk_layernorm else []
+    moe = spec.moe
+    if moe is None:
+        return flags
+    flags += [
+        "--num-experts",
+        str(moe.num_experts),
+        "--moe-router-topk",
+        str(moe.topk),
+        "--moe-ffn-hidden-size",
+        str(moe.ffn_hidden_size),
+    ]
+    if moe.shared_ffn_hidden_size:
+        flags += ["--moe-shared-expert-intermediate-size"]
+        flags += [str(moe.shared_ffn_hidden_size)]
+        flags += ["--moe-shared-expert-gate"] if moe.shared_expert_gate else []
+    flags += ["--moe-layer-freq", moe_layer_freq_text(moe.layers)]
+    # (TransformerConfig: softmax over one score has no gradient)
+    return flags + (["--moe-router-pre-softmax"] if moe.topk == 1 else [])
+
+
+def moe_run_flags(spec: TransformerSpec | None, options: MoeOptions) -> list[str]:
+    """The experts' dispatcher, GEMMs, routing and overlaps of ``options``
+    (none for a dense ``spec``)."""
+    if spec is None or spec.moe is None:
+        return []
+    flags = ["--moe-token-dispatcher-type", options.dispatcher]
+    if options.flex_backend is not None:
+        flags += ["--moe-flex-dispatcher-backend", options.flex_backend]
+    if options.capacity_factor is not None:
+        flags += ["--moe-expert-capacity-factor", repr(options.capacity_factor)]
+    switches = {
+        "--moe-grouped-gemm": options.grouped_gemm,
+        "--moe-router-force-load-balancing": options.force_load_balancing,
+        "--moe-pad-expert-input-to-capacity": options.pad_to_capacity,
+        "--moe-shared-expert-overlap": options.shared_expert_overlap,
+        "--overlap-moe-expert-parallel-comm": options.overlap_dispatch,
+    }
+    return flags + [flag for flag, on in switches.items() if on]
+
+
+def check_experts(
+    plan: Plan3D,
+    spec: TransformerSpec | None,
+    *,
+    sequence_parallel: bool,
+    own_command: bool,
+) -> None:
+    """Check that Megatron-LM runs the plan's experts as planned (the flags
+    are :func:`to_megatron`'s and :func:`shape_flags`'): one expert layout,
+    a model that has experts, sequence parallelism at TP > 1.
+
+    Raises:
+        ExportRefused: as the module docstring says; a plan with experts and
+            no model description (``spec`` ``None``, not ``own_command``:
+            the export would not know the experts' flags).
+    """
+    if spec is not None:
+        _check_shape(spec)
+    if not has_experts(plan, spec):
+        return
+    uniform_experts(plan, "Megatron-LM")
+    if spec is None and not own_command:
+        raise ExportRefused(
+            "the plan lays out experts, and without the model's description the "
+            "export cannot write its --num-experts and expert shape"
+        )
+    tp = uniform_tp(plan, "Megatron-LM")
+    if tp > 1 and not sequence_parallel:
+        raise ExportRefused(
+            f"Megatron-Core's MoE layers train at TP {tp} only with "
+            "--sequence-parallel (MoELayer.forward raises), and the plan was "
+            "priced without it"
+        )
+
+
+def expert_note(
+    plan: Plan3D, spec: TransformerSpec | None, options: MoeOptions | None
+) -> list[str]:
+    """The comment lines that say how the experts were laid out and priced
+    (none for a dense plan; ``options`` ``None``: the user's command's)."""
+    if not has_experts(plan, spec):
+        return []
+    layout = plan.layout
+    ep, etp = uniform_experts(plan, "Megatron-LM")
+    edp = sorted({layout.edp(s) for s in range(layout.pp)})
+    lines = [
+        f"# experts: EP {ep} x expert TP {etp} x expert DP "
+        f"{'/'.join(map(str, edp))} on each stage's GPUs; routing priced "
+        "balanced (each expert its share of the tokens): real routing imbalance "
+        "is not priced"
+    ]
+    if options is not None:
+        kernels = "grouped GEMM" if options.grouped_gemm else "one GEMM per expert"
+        forced = (
+            "; --moe-router-force-load-balancing routes evenly, as priced"
+            if options.force_load_balancing
+            else ""
+        )
+        lines.append(f"# {options.dispatcher} dispatcher, {kernels}{forced}")
+    return lines
+
+
+def _shape_of(spec: TransformerSpec) -> tuple:
+    """What the experts' flags say of ``spec``: its experts (every block
+    named as ``None``), head width and query/key norms."""
+    moe = spec.moe
+    if moe is not None and moe.layers is not None and all(moe.layers):
+        moe = dataclasses.replace(moe, layers=None)
+    return moe, spec.head_dim, spec.qk_layernorm
+
+
+def _same_layout(a, b) -> bool:
+    """Two layouts alike, an expert TP of ``None`` read as the stage's TP."""
+
+    def norm(layout):
+        stages = tuple((s.tp, s.ep, s.expert_tp) for s in layout.stages)
+        return stages, layout.dp, layout.cp, layout.order if layout.pp > 1 else ""
+
+    return norm(a) == norm(b)
+
+
+def check_read_back(plan: Plan3D, text: str, spec: TransformerSpec | None) -> None:
+    """A plan with experts: its export (the command on the last line of
+    ``text``) read back by :func:`~pipedejavu.io.megatron_args.
+    spec_from_megatron_args` must give the plan's layout, and ``spec``'s
+    experts, head width and query/key norms.
+
+    Raises:
+        ExportRefused: the reader refuses the command (what Megatron-LM
+            refuses), or reads another layout or other experts.
+    """
+    if not has_experts(plan, spec):
+        return
+    try:
+        run = spec_from_megatron_args(shlex.split(text.splitlines()[-1]))
+        layout = run.layout(plan.num_gpus)
+    except ProblemError as error:
+        raise ExportRefused(
+            f"Megatron-LM refuses the plan's experts: {error}"
+        ) from None
+    if spec is not None and _shape_of(run.spec) != _shape_of(spec):
+        raise ExportRefused(
+            f"Megatron-LM would build other experts than {spec.name}'s from the command"
+        )
+    if not _same_layout(layout, plan.layout):
+        raise ExportRefused(
+            "Megatron-LM would lay out the command's GPUs otherwise than the plan"
+        )

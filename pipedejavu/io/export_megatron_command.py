@@ -14,7 +14,9 @@ it:
   learned table's rows, else the sequence length), ``--normalization``,
   ``--swiglu``, ``--position-embedding-type``,
   ``--untie-embeddings-and-output-weights``, ``--disable-bias-linear``,
-  ``--add-qkv-bias`` and ``--make-vocab-size-divisible-by``. ALiBi has no
+  ``--add-qkv-bias`` and ``--make-vocab-size-divisible-by``, then the head
+  width, query/key norms and experts
+  (:func:`~pipedejavu.io.export_megatron.shape_flags`). ALiBi has no
   Megatron-LM flag: such a model is refused;
 * **the plan's flags**: parallelism, batch, the layers' split, the schedule
   and the training options (:mod:`pipedejavu.io.export_megatron`,
@@ -42,7 +44,7 @@ from collections.abc import Sequence
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.io.export_megatron import MEGATRON_VERSION
+from pipedejavu.io.export_megatron import MEGATRON_VERSION, shape_flags
 from pipedejavu.io.export_rules import ExportRefused, type_comment
 from pipedejavu.io.megatron_args import GPT2_VOCAB_SIZE
 from pipedejavu.io.megatron_command import flag_takes_value
@@ -74,6 +76,8 @@ PLAN_FLAGS = (
     "account-for-loss-in-pipeline-split",
     "use-tp-pp-dp-mapping",
     "context-parallel-size",
+    "expert-model-parallel-size",
+    "expert-tensor-parallel-size",
     "hierarchical-context-parallel-sizes",
     "sequence-parallel",
     "use-distributed-optimizer",
@@ -172,7 +176,7 @@ def model_flags(spec: TransformerSpec, seq_length: int) -> list[str]:
         if spec.qkv_bias:
             flags.append("--add-qkv-bias")
     flags += ["--make-vocab-size-divisible-by", str(spec.vocab_divisible_by)]
-    return flags
+    return flags + shape_flags(spec)
 
 
 def replace_plan_flags(user_args: str, plan_args: Sequence[str]) -> list[str]:
@@ -214,6 +218,7 @@ def megatron_command(
     spec: TransformerSpec | None,
     seq_length: int | None,
     user_args: str | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
     """The export (module docstring): comments, then one shell-quoted line.
 
@@ -226,6 +231,7 @@ def megatron_command(
             not known, and a comment says so).
         user_args: the user's own command (``plan --megatron-args``), whose
             plan flags the plan's replace.
+        notes: comment lines after the first (how the experts were priced).
 
     Raises:
         ExportRefused: as :func:`model_flags`.
@@ -235,6 +241,7 @@ def megatron_command(
         f"# {MEGATRON_VERSION}: a pretrain_gpt.py command line, quoted for a "
         f"POSIX shell: launch {world} processes (TP x PP x DP = {world}), e.g. "
         "with torchrun",
+        *notes,
     ]
     if user_args is not None:
         lines.append(

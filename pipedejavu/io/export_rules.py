@@ -27,6 +27,9 @@ from pipedejavu.core.transformer import TransformerSpec
 __all__ = [
     "megatron_parallel_args",
     "ExportRefused",
+    "has_experts",
+    "refuse_experts",
+    "uniform_experts",
     "check_model_layers",
     "check_whole_batch",
     "head_layers",
@@ -56,6 +59,47 @@ def uniform_tp(plan: Plan3D, target: str) -> int:
             f"uses {sorted(tps)}"
         )
     return next(iter(tps))
+
+
+def has_experts(plan: Plan3D, spec: TransformerSpec | None = None) -> bool:
+    """Whether the plan lays out expert layers: a stage of its layout with
+    ``ep > 1`` or an expert TP other than its TP, or a ``spec`` with
+    experts."""
+    if spec is not None and spec.moe is not None:
+        return True
+    return any(a.ep > 1 or a.expert_tp != a.tp for a in plan.layout.stages)
+
+
+def refuse_experts(plan: Plan3D, spec: TransformerSpec | None, why: str) -> None:
+    """The targets that run dense layers only: refuse a plan with experts
+    (:func:`has_experts`).
+
+    Raises:
+        ExportRefused: ``why``, with the plan's expert axes.
+    """
+    if not has_experts(plan, spec):
+        return
+    axes = sorted({(a.ep, a.expert_tp) for a in plan.layout.stages})
+    shown = ", ".join(f"EP {ep} x expert TP {etp}" for ep, etp in axes)
+    raise ExportRefused(f"{why} (the plan's experts: {shown})")
+
+
+def uniform_experts(plan: Plan3D, target: str) -> tuple[int, int]:
+    """The plan's one ``(ep, expert TP)`` for every stage (the launchers take
+    one ``--expert-model-parallel-size`` and one
+    ``--expert-tensor-parallel-size``).
+
+    Raises:
+        ExportRefused: the stages use several.
+    """
+    axes = sorted({(a.ep, a.expert_tp) for a in plan.layout.stages})
+    if len(axes) != 1:
+        shown = ", ".join(f"EP {ep} x expert TP {etp}" for ep, etp in axes)
+        raise ExportRefused(
+            f"{target} runs one expert-parallel and one expert tensor-parallel "
+            f"degree for every stage; the plan uses {shown}"
+        )
+    return axes[0]
 
 
 def check_whole_batch(plan: Plan3D, target: str) -> None:

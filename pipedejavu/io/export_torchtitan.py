@@ -120,6 +120,15 @@ changes nothing.
 not to the job config (llama3's attention is SDPA with cuDNN and flash
 kernels first, ``ScaledDotProductAttentionWrapper``, without dropout), so the
 fragment carries neither, as the other targets' files do not.
+
+**Experts** (:data:`NO_EXPERTS`): a plan with experts is refused. The export
+writes llama3, a dense model. torchtitan's MoE models (``qwen3``,
+``deepseek_v3``, ``llama4``, ``gpt_oss``) take ``expert_parallel_degree``
+and ``expert_tensor_parallel_degree`` (1 or TP: ``ParallelDims._validate``),
+but their EP is folded out of ``dp_shard x cp x tp`` (the ``efsdp`` mesh),
+not out of replicated data parallelism as Megatron-Core folds it, and
+``deepseek_v3``'s and ``llama4``'s ``parallelize`` wrap the model in FSDP
+whenever EP > 1: the sharded state the plans here do not price.
 """
 
 from __future__ import annotations
@@ -133,12 +142,14 @@ from pipedejavu.io.export_rules import (
     ExportRefused,
     check_whole_batch,
     num_blocks,
+    refuse_experts,
     transformer_layers,
     type_comment,
     uniform_tp,
 )
 
 __all__ = [
+    "NO_EXPERTS",
     "TORCHTITAN_VERSION",
     "module_fqns",
     "part_layers",
@@ -147,6 +158,14 @@ __all__ = [
 ]
 
 TORCHTITAN_VERSION = "torchtitan v0.2.2"
+#: Why a plan with experts is refused (module docstring).
+NO_EXPERTS = (
+    f"{TORCHTITAN_VERSION}: the export writes its dense llama3 model; its MoE "
+    "models fold expert parallelism out of FSDP and TP only (ParallelDims: "
+    "efsdp = dp_shard x cp x tp / (etp x ep)), never out of unsharded "
+    "replicas, and always wrap experts in FSDP, so the plan's expert layout "
+    "is not launched as planned"
+)
 
 
 def _refuse(reason: str) -> ExportRefused:
@@ -329,6 +348,7 @@ def to_torchtitan(
             precision or optimizer torchtitan cannot run as planned (module
             docstring).
     """
+    refuse_experts(plan, spec, NO_EXPERTS)
     options = TrainingOptions() if options is None else options
     tp = uniform_tp(plan, TORCHTITAN_VERSION)
     check_whole_batch(plan, TORCHTITAN_VERSION)

@@ -96,8 +96,13 @@ from pipedejavu.io.export_deepspeed import (
     to_megatron_deepspeed,
 )
 from pipedejavu.io.export_megatron import (
+    DEFAULT_MOE_OPTIONS,
     NO_ZERO_BUBBLE,
+    check_experts,
+    check_read_back,
+    expert_note,
     interleaving_flags,
+    moe_run_flags,
     to_megatron,
 )
 from pipedejavu.io.export_megatron_command import megatron_command
@@ -107,6 +112,7 @@ from pipedejavu.io.export_rules import (
     transformer_layers,
 )
 from pipedejavu.io.export_torchtitan import to_torchtitan
+from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.io.sailor_plan import plan_to_sailor
 
 __all__ = [
@@ -387,6 +393,7 @@ def _build(
     seq_length: int | None = None,
     spec: TransformerSpec | None = None,
     megatron_args: str | None = None,
+    moe: MoeOptions | None = None,
 ) -> str:
     options = uniform_recompute(plan, options, target, spec)
     order = _order(plan, gpus_per_node)
@@ -398,8 +405,13 @@ def _build(
     if target == "megatron":
         if options is not None and options.zero_bubble:
             raise ExportRefused(NO_ZERO_BUBBLE)
+        own = megatron_args is not None
+        sp = options is not None and options.sequence_parallel
+        check_experts(plan, spec, sequence_parallel=sp, own_command=own)
         args = to_megatron(plan, spec)
         args += ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
+        moe = None if own else moe or DEFAULT_MOE_OPTIONS
+        args += [] if moe is None else moe_run_flags(spec, moe)
         if options is not None:
             if options.tp_comm_overlap and plan.stages[0].replicas[0].tp == 1:
                 # Megatron-LM turns sequence parallelism off at TP 1 and then
@@ -407,9 +419,16 @@ def _build(
                 options = dataclasses.replace(options, tp_comm_overlap=False)
             args += interleaving_flags(plan, options.virtual_stages, spec)
             args += option_flags(options)
-        return megatron_command(
-            plan, args, spec=spec, seq_length=seq_length, user_args=megatron_args
+        text = megatron_command(
+            plan,
+            args,
+            spec=spec,
+            seq_length=seq_length,
+            user_args=megatron_args,
+            notes=expert_note(plan, spec, moe),
         )
+        check_read_back(plan, text, spec)
+        return text
     if target in ("deepspeed", "megatron-deepspeed"):
         deepspeed = target == "deepspeed"
         data = (
@@ -437,10 +456,10 @@ def _build(
     if target == "alpa":
         gpu = plan.stages[0].replicas[0].gpu_type
         per_host = (gpus_per_node or {}).get(gpu)
-        data = to_alpa(plan, gpus_per_host=per_host)
+        data = to_alpa(plan, gpus_per_host=per_host, spec=spec)
     elif target == "sailor":
         data = {"target": SAILOR_VERSION}
-        data.update(plan_to_sailor(plan, gpus_per_node=gpus_per_node))
+        data.update(plan_to_sailor(plan, gpus_per_node=gpus_per_node, spec=spec))
     else:
         raise ProblemError(
             f"export must be one of {', '.join(EXPORTS)}, got {target!r}"
@@ -470,6 +489,7 @@ def launchers(
     gpus_per_node: Mapping[str, int] | None = None,
     options: TrainingOptions | None = None,
     spec: TransformerSpec | None = None,
+    moe: MoeOptions | None = None,
 ) -> dict[str, str | None]:
     """Which targets launch ``plan`` as planned: ``{target: None}`` for those
     that do, ``{target: why not}`` for the others, in :data:`EXPORTS`' order
@@ -484,7 +504,7 @@ def launchers(
     out: dict[str, str | None] = {}
     for target in EXPORTS:
         try:
-            _build(plan, target, gpus_per_node, options, None, spec)
+            _build(plan, target, gpus_per_node, options, None, spec, moe=moe)
         except ProblemError as refusal:  # (or e.g. Alpa's hosts not given)
             out[target] = str(refusal).removeprefix(f"{target}: ")
         else:
@@ -501,6 +521,7 @@ def export_plan(
     seq_length: int | None = None,
     spec: TransformerSpec | None = None,
     megatron_args: str | None = None,
+    moe: MoeOptions | None = None,
 ) -> str:
     """The export for ``target`` (:data:`EXPORTS`) as text.
 
@@ -526,6 +547,10 @@ def export_plan(
         megatron_args: the user's own Megatron-LM command (``plan
             --megatron-args``): the Megatron-LM export is that command with the
             plan's flags in place of its own.
+        moe: how the plan's experts were priced (dispatcher, grouped GEMM,
+            forced balance, capacity, overlaps), written to Megatron-LM
+            (``None``: :data:`~pipedejavu.io.export_megatron.
+            DEFAULT_MOE_OPTIONS`; with ``megatron_args``, the command's own).
 
     Raises:
         ExportRefused: the target cannot launch the plan as planned; one line
@@ -538,13 +563,13 @@ def export_plan(
         seq_length = spec.seq_length
     try:
         return _build(
-            plan, target, gpus_per_node, options, seq_length, spec, megatron_args
+            plan, target, gpus_per_node, options, seq_length, spec, megatron_args, moe
         )
     except ExportRefused as refusal:
         able = [
             other
             for other, why in launchers(
-                plan, gpus_per_node=gpus_per_node, options=options, spec=spec
+                plan, gpus_per_node=gpus_per_node, options=options, spec=spec, moe=moe
             ).items()
             if why is None and other != target
         ]

@@ -41,8 +41,11 @@ from pipedejavu.core.plan3d import (
 )
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.io.export_rules import refuse_experts
 
 __all__ = [
+    "NO_EXPERTS",
     "SAILOR_KEY",
     "load_plan3d",
     "load_plan_training",
@@ -52,6 +55,11 @@ __all__ = [
 ]
 
 SAILOR_KEY = "pipeline_list"
+#: Why a plan with experts has no Sailor file.
+NO_EXPERTS = (
+    "Sailor's plan_config holds stages, TP and data parallelism of dense "
+    "layers: it has no expert axes to carry the plan's experts"
+)
 _MAX_LAYERS = 1_000_000
 
 
@@ -157,6 +165,7 @@ def plan_to_sailor(
     *,
     zone: str | None = None,
     gpus_per_node: Mapping[str, int] | None = None,
+    spec: TransformerSpec | None = None,
 ) -> dict[str, Any]:
     """The ``plan_config`` object of a plan (no measured fields).
 
@@ -175,11 +184,14 @@ def plan_to_sailor(
         plan: the plan.
         zone: the file's zone (default: the first replica's).
         gpus_per_node: GPUs per node of each type the plan places on nodes.
+        spec: the model (a mixture of experts is refused).
 
     Raises:
         ProblemError: a replica is placed on a node of a type that
             ``gpus_per_node`` does not give.
+        ExportRefused: a plan with experts (:data:`NO_EXPERTS`).
     """
+    refuse_experts(plan, spec, NO_EXPERTS)
     nodes: set[int] = set()
     anonymous = 0
     for stage in plan.stages:
