@@ -1,0 +1,296 @@
+"""Mixture-of-experts exports checked by Megatron-LM's own code (issue 44).
+
+For MoE launches (hand-picked shapes, three presets and seeded random
+layouts), the plan Megatron-LM runs for the launch (``plan_from_megatron_run``)
+is exported with ``export_plan(plan, "megatron", ...)`` and
+
+* the whole ``pretrain_gpt.py`` command goes through Megatron-LM's
+  ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``
+  (``benchmarks/check_exports.py``'s ``megatron_args``: placeholders given
+  values, ``--no-rope-fusion`` for the CPU); the arguments must be the
+  model's experts (``num_experts``, ``moe_router_topk``,
+  ``moe_ffn_hidden_size``, the shared experts and their gate, the expert
+  blocks of ``moe_layer_freq``), head width (``kv_channels``), query/key
+  norms, the plan's ``expert_model_parallel_size`` /
+  ``expert_tensor_parallel_size``, sequence parallelism, the alltoall
+  dispatcher and grouped GEMM, and the dense shape
+  (``check_exports.check_model_shape``);
+* every rank runs ``parallel_state.initialize_model_parallel`` with those
+  sizes on torch's fake process group and builds the plan's layers
+  (``check_exports.check_megatron``), which asserts, as Megatron-Core does,
+  that the dense and expert pipelines agree;
+* Megatron-Core's ``RankGenerator``, built as ``initialize_model_parallel``
+  builds its dense and expert generators for the exported sizes, gives the
+  groups of ``plan.layout.groups``: dense ``tp``, ``dp``, ``pp``, and expert
+  ``etp`` (its ``tp``), ``ep``, ``etp-ep`` (its ``tp-ep``), ``edp`` (its
+  ``dp``), ``pp`` — the same lists in the same order.
+
+A refusal is checked too: biased experts split over expert TP (the export
+refuses them through our reader) must be refused by Megatron-LM's
+``TransformerConfig``.
+
+``validate_args`` asks the GPU's compute capability for ``--moe-grouped-gemm``
+(grouped GEMM kernels need 8.0 or newer): the check answers 9.0 (H100), as
+``check_exports`` answers the architecture for its TP warning.
+
+Needs the launchers' environment of ``benchmarks/check_exports.py``; not run
+by CI::
+
+    PYTHONPATH=.:MEGATRON_LM_SOURCE python benchmarks/check_moe_exports.py
+
+Writes benchmarks/results/check_moe_exports.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
+import torch  # noqa: E402
+
+from pipedejavu.core.layout import experts_fit  # noqa: E402
+from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
+from pipedejavu.io.exports import export_plan  # noqa: E402
+from pipedejavu.io.megatron_args import spec_from_megatron_args  # noqa: E402
+from pipedejavu.io.megatron_moe import MoeOptions  # noqa: E402
+from pipedejavu.io.model_config import load_model_spec  # noqa: E402
+from pipedejavu.planning.megatron_launch import (  # noqa: E402
+    options_of_run,
+    plan_from_megatron_run,
+)
+
+GPU = "H100-SXM"
+MOE = MoeOptions(dispatcher="alltoall", grouped_gemm=True)
+BASE = (
+    "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 64 "
+    "--vocab-size 1024 --bf16 --disable-bias-linear --position-embedding-type rope "
+    "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+)
+#: (name, flags, GPUs, GPUs per node).
+HAND = [
+    ("ep inside tp", "--tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 2 --num-experts 8 "
+     "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1", 16, 8),
+    ("shared experts, gate, first block dense, kv-channels, qk norms",
+     "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 16 "
+     "--moe-router-topk 4 --moe-ffn-hidden-size 128 "
+     "--moe-shared-expert-intermediate-size 256 --moe-shared-expert-gate "
+     "--moe-layer-freq ([0]*1+[1]*7) --kv-channels 64 --qk-layernorm "
+     "--group-query-attention --num-query-groups 2 "
+     "--expert-model-parallel-size 8", 16, 8),
+    ("every second block, expert TP = TP", "--tensor-model-parallel-size 2 "
+     "--sequence-parallel --pipeline-model-parallel-size 2 --num-experts 4 "
+     "--moe-layer-freq 2 --expert-model-parallel-size 2", 16, 8),
+    ("interleaved pattern, top-1, replicas outermost",
+     "--tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --num-experts 4 "
+     "--moe-router-topk 1 --moe-router-pre-softmax --moe-layer-freq ([0]+[1])*4 "
+     "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1", 8, 8),
+    ("experts over the replicas", "--num-experts 8 "
+     "--expert-model-parallel-size 8 --pipeline-model-parallel-size 2", 16, 8),
+    ("EP across nodes", "--tensor-model-parallel-size 4 --sequence-parallel "
+     "--num-experts 16 --expert-model-parallel-size 16 "
+     "--expert-tensor-parallel-size 1", 32, 4),
+]  # fmt: skip
+#: Presets on small layouts: (name, TP, PP, EP, expert TP, GPUs).
+PRESETS = [
+    ("Mixtral-8x7B", 2, 2, 8, 1, 32),
+    ("Qwen3-30B-A3B", 4, 2, 16, 1, 64),
+    ("GPT-OSS-20B", 2, 2, 8, 1, 32),  # (biased experts: expert TP 1)
+]
+
+
+def preset_run(name: str, tp: int, pp: int, ep: int, etp: int):
+    """A Megatron-LM run of a preset: its shape with the layout's flags."""
+    spec = load_model_spec(name)
+    run = spec_from_megatron_args(BASE + "--num-experts 8")
+    return dataclasses.replace(
+        run,
+        spec=spec,
+        tp=tp,
+        pp=pp,
+        sequence_parallel=tp > 1,
+        padded_vocab_size=spec.padded_vocab_size(tp),
+        ep=ep,
+        etp=None if etp == tp else etp,
+        moe_options=MOE,
+        global_batch=None,
+    )
+
+
+def random_launches(count: int, seed: int = 44):
+    """Seeded layouts Megatron-Core takes: (name, flags, GPUs, per node)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        tp, pp, dp = rng.choice((1, 2, 4)), rng.choice((1, 2, 4)), rng.choice((1, 2, 4))
+        ep, etp = rng.choice((1, 2, 4, 8)), rng.choice((1, tp))
+        if not experts_fit(tp, 1, dp, ep, etp) or tp * pp * dp > 64:
+            continue
+        mapping = pp > 1 and etp * ep == tp and rng.random() < 0.3
+        flags = (
+            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+            f"--num-experts 8 --expert-model-parallel-size {ep} "
+            f"--expert-tensor-parallel-size {etp} --moe-layer-freq "
+            f"{rng.choice(('1', '2', '([0]+[1]*7)', '([1]*3+[0])*2'))} "
+            + ("--sequence-parallel " if tp > 1 else "")
+            + ("--use-tp-pp-dp-mapping" if mapping else "")
+        )
+        out.append((f"random {len(out)}", flags, tp * pp * dp, rng.choice((4, 8))))
+    return out
+
+
+def expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise check_exports.Mismatch(what)
+
+
+def check_experts(args, config, spec, plan) -> None:
+    """Megatron-LM read the model's experts and the plan's expert sizes."""
+    moe = spec.moe
+    axes = plan.layout.stages[0]
+    freq = args.moe_layer_freq
+    blocks = (
+        [i % freq == 0 for i in range(spec.num_layers)]
+        if isinstance(freq, int)
+        else [bool(x) for x in freq]
+    )
+    wanted = list(moe.layers) if moe.layers is not None else [True] * spec.num_layers
+    fields = {
+        "num_experts": (args.num_experts, moe.num_experts),
+        "moe_router_topk": (args.moe_router_topk, moe.topk),
+        "moe_ffn_hidden_size": (args.moe_ffn_hidden_size, moe.ffn_hidden_size),
+        "shared": (
+            args.moe_shared_expert_intermediate_size or 0,
+            moe.shared_ffn_hidden_size,
+        ),
+        "gate": (bool(config.moe_shared_expert_gate), moe.shared_expert_gate),
+        "moe_layer_freq": (blocks, wanted),
+        "kv_channels": (config.kv_channels, spec.head_dim),
+        "qk_layernorm": (bool(config.qk_layernorm), bool(spec.qk_layernorm)),
+        "ep": (args.expert_model_parallel_size, axes.ep),
+        "etp": (args.expert_tensor_parallel_size, axes.expert_tp),
+        "sequence_parallel": (args.sequence_parallel, axes.tp > 1),
+        "dispatcher": (args.moe_token_dispatcher_type, MOE.dispatcher),
+        "grouped_gemm": (args.moe_grouped_gemm, MOE.grouped_gemm),
+        "force balance": (args.moe_router_force_load_balancing, False),
+    }
+    wrong = [k for k, (got, want) in fields.items() if got != want]
+    expect(not wrong, f"experts read otherwise: {wrong}")
+
+
+def check_groups(args, plan) -> int:
+    """Megatron-Core's generators' groups against the plan's layout; the
+    number of group kinds compared."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    world = plan.num_gpus
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, 1
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp,
+                          order=order)  # fmt: skip
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1,
+                           order=order)  # fmt: skip
+    pairs = [
+        (dense, "tp", "tp"), (dense, "dp", "dp"), (dense, "pp", "pp"),
+        (expert, "tp", "etp"), (expert, "ep", "ep"), (expert, "tp-ep", "etp-ep"),
+        (expert, "dp", "edp"), (expert, "pp", "pp"),
+    ]  # fmt: skip
+    for generator, theirs, ours in pairs:
+        got = generator.get_ranks(theirs)
+        expect(got == plan.layout.groups(ours), f"{ours} groups differ")
+    return len(pairs)
+
+
+def check_case(name, run, gpus, per_node) -> dict:
+    plan = plan_from_megatron_run(run, GPU, gpus, per_node)
+    options = options_of_run(run)
+    text = export_plan(
+        plan, "megatron", spec=run.spec, options=options, moe=MOE,
+        gpus_per_node={GPU: per_node},
+    )  # fmt: skip
+    args, config = check_exports.megatron_args(
+        shlex.split(text.splitlines()[-1]), plan.num_gpus
+    )
+    check_experts(args, config, run.spec, plan)
+    check_exports.check_megatron(plan, text, spec=run.spec, options=options)
+    kinds = check_groups(args, plan)
+    return {"case": name, "layout": plan.describe(), "group_kinds": kinds}
+
+
+def check_bias_refusal() -> str:
+    """Biased experts at expert TP 2: we refuse; Megatron-LM must too."""
+    flags = (
+        "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 "
+        "--expert-model-parallel-size 2"
+    )
+    run = spec_from_megatron_args(BASE + flags)  # expert TP = TP = 2
+    biased = dataclasses.replace(run.spec, linear_bias=True)
+    plan = plan_from_megatron_run(dataclasses.replace(run, spec=biased), GPU, 8, 8)
+    try:
+        export_plan(plan, "megatron", spec=biased, options=options_of_run(run))
+        return "exported"
+    except ExportRefused:
+        pass
+    words = shlex.split(BASE.replace("--disable-bias-linear ", "") + flags)
+    words += ["--data-path", "d", "--tokenizer-type", "NullTokenizer"]
+    try:
+        check_exports.megatron_args(words, 8)
+    except (AssertionError, ValueError) as error:
+        return f"refused by both: {str(error)[:80]}"
+    return "Megatron-LM accepts it"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--random", type=int, default=40)
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/check_moe_exports.json")
+    )
+    ns = parser.parse_args(argv)
+    # validate_args asks the GPU's compute capability for --moe-grouped-gemm
+    torch.cuda.get_device_capability = lambda *_: (9, 0)
+    started = time.perf_counter()
+    cases = [
+        (name, spec_from_megatron_args(BASE + flags), gpus, per_node)
+        for name, flags, gpus, per_node in HAND + random_launches(ns.random)
+    ]
+    cases += [
+        (name, preset_run(name, tp, pp, ep, etp), gpus, 8)
+        for name, tp, pp, ep, etp, gpus in PRESETS
+    ]
+    checked, failures = [], []
+    for name, run, gpus, per_node in cases:
+        try:
+            checked.append(check_case(name, run, gpus, per_node))
+        except (check_exports.Mismatch, check_exports.RealRejects, ExportRefused,
+                AssertionError, ValueError, RuntimeError) as error:  # fmt: skip
+            failures.append({"case": name, "why": f"{type(error).__name__}: {error}"})
+    refusal = check_bias_refusal()
+    if not refusal.startswith("refused by both"):
+        failures.append({"case": "biased experts at expert TP 2", "why": refusal})
+    fields = {
+        "exports_checked": len(cases),
+        "as_planned": len(checked),
+        "group_kinds_compared": sum(c["group_kinds"] for c in checked),
+        "biased_experts_at_expert_tp_2": refusal,
+        "cases": checked,
+    }
+    shown = ("exports_checked", "as_planned", "group_kinds_compared",
+             "biased_experts_at_expert_tp_2")  # fmt: skip
+    return check_exports.write_check(ns.out, started, fields, failures, shown)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
