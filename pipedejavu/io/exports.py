@@ -60,6 +60,11 @@ pipeline schedule, attention kernel) a plan was priced with travel with it:
 * The other targets, whose files carry no such settings, refuse any options
   but plain fp32 1F1B training.
 
+**Experts.** A plan with experts goes to Megatron-LM only
+(:mod:`pipedejavu.io.export_megatron`: the experts' flags, one EP and expert
+TP, the ``moe`` options it was priced with); the other targets refuse it
+(:func:`~pipedejavu.io.export_rules.refuse_experts`, each with its reason).
+
 **Zero bubble.** A ZB-H1 plan (``zero_bubble``, one chunk per rank or more)
 is refused by Megatron-LM
 (megatron-core 0.16.1's ``get_forward_backward_func`` runs no pipelining,
