@@ -693,35 +693,32 @@ def test_own_format_moe_refusals(change, match):
     assert _one_line(caught).startswith("m.json: ")
 
 
-# --------------------------------------------- planning: read, not searched
+# ------------------------------ planning: experts priced, MLA/MTP refused
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in PRESETS])
-def test_moe_is_refused_where_planning_starts(name):
-    with pytest.raises(
-        ProblemError, match="does not search mixtures of experts"
-    ) as caught:
-        choose_cost_source(name, ["H100"])
-    assert "predict --megatron-args" in _one_line(caught)
+def test_where_planning_starts_experts_are_priced_and_mla_refused(name):
+    spec = load_model_spec(name)
+    if spec.mla is not None or spec.mtp_layers:
+        with pytest.raises(ProblemError, match="read, not priced yet") as caught:
+            choose_cost_source(name, ["H100"])
+        assert _one_line(caught).startswith(f"model {name}: multi-latent")
+        return
+    choice = choose_cost_source(name, ["H100"])
+    # without an expert layout: EP 1, every expert on every GPU
+    assert choice.data.experts.experts.ep == 1
+    assert choice.data.model_info(choice.model).expert_params is not None
 
 
-def test_plan_model_refuses_moe_in_one_line():
-    with pytest.raises(
-        ProblemError, match="does not search mixtures of experts"
-    ) as caught:
+def test_plan_model_refuses_mla_in_one_line():
+    with pytest.raises(ProblemError, match="read, not priced yet") as caught:
         plan_model("DeepSeek-V3", {"H100": 64}, 256)
-    assert _one_line(caught).startswith("model DeepSeek-V3: the planner does not")
+    assert _one_line(caught).startswith("model DeepSeek-V3: multi-latent")
 
 
-@pytest.mark.parametrize("source", ["preset", "config.json"])
-def test_cli_plan_refuses_moe_with_exit_2(capsys, tmp_path, source):
-    model = "Mixtral-8x7B"
-    if source == "config.json":
-        model = str(tmp_path / "config.json")
-        (tmp_path / "config.json").write_text(json.dumps(OLMOE))
-    argv = ["plan", "--model", model, "--gpus", "H100:16", "--global-batch", "64"]
-    code = main(argv)
+def test_cli_plan_refuses_mla_with_exit_2(capsys):
+    argv = ["plan", "--model", "DeepSeek-V3", "--gpus", "H100:16"]
+    assert main([*argv, "--global-batch", "64"]) == 2
     _, err = capsys.readouterr()
-    assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "does not search mixtures of experts" in lines[0]
+    assert len(lines) == 1 and "multi-latent attention" in lines[0]

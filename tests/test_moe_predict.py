@@ -6,6 +6,7 @@ predicted (analytical source, predictor, launch report)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,3 +259,66 @@ def test_published_moe_predictions_match_the_recorded_benchmark():
         assert prediction.predicted_tokens_per_s_per_gpu == pytest.approx(
             run["predicted_tokens_per_s_per_gpu"], rel=1e-9
         )
+
+
+# ---------------------------------------------------------- searched, proven
+@pytest.mark.parametrize(
+    "ep, gpus, gbs, uniform",
+    [(2, 4, 8, True), (4, 4, 8, True), (2, 4, 8, False), (4, 8, 16, True)],
+)
+def test_search_over_an_expert_layout_matches_brute_force(ep, gpus, gbs, uniform):
+    """The search over one expert layout (only stages of whole expert blocks,
+    plans laid out with it) reaches brute force's optimum of the same
+    objective; the plan it returns carries the layout and is predicted by the
+    same costs."""
+    from pipedejavu.baselines.megatron_brute import brute_force_megatron
+    from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+    from pipedejavu.search.megatron.planner import search_megatron
+    from pipedejavu.search.megatron.settings import MegatronSearchConfig
+
+    source = _source(ep=ep)
+    config = MegatronSearchConfig(uniform_tp=uniform)
+    pool = {"H100-SXM": gpus}
+    result = search_megatron(source, SPEC.name, pool, gbs, FITTED_CONSTANTS, config)
+    plan, value = brute_force_megatron(
+        source, SPEC.name, pool, gbs, FITTED_CONSTANTS, uniform_tp=uniform
+    )
+    assert result.optimum_s == pytest.approx(value, rel=1e-12)
+    for found in (result.plan, plan):
+        assert {(a.ep, a.etp) for a in found.layout.stages} == {(ep, 1)}
+        assert all(
+            found.layout.edp(s) * ep == found.layout.stage_gpus(s)
+            for s in range(found.layout.pp)
+        )
+    assert result.prediction.iteration_time_s > 0
+
+
+def test_plan_model_searches_the_expert_layouts(monkeypatch):
+    """plan --model of a mixture of experts: every EP degree dividing the
+    experts searched, the fastest kept, its bound the least over all."""
+    from pipedejavu.planning import plan_model as module
+    from pipedejavu.planning.knob_space import KnobSpace
+
+    calls = []
+    real = module.plan_with_knobs
+
+    def spy(*args, experts=None, **kwargs):
+        calls.append(experts.experts.ep)
+        return real(*args, experts=experts, **kwargs)
+
+    monkeypatch.setattr(module, "plan_with_knobs", spy)
+    path = Path(__file__).parent / "tiny_moe.json"
+    space = KnobSpace(
+        schedules=("1f1b",),
+        recompute=("none",),
+        sequence_parallel=(False,),
+        distributed_optimizer=(True,),
+    )
+    found = module.plan_model(str(path), {"H100": 8}, 16, space=space)
+    assert calls == [1, 2, 4, 8]  # the divisors of 16 experts up to 8 GPUs
+    best_ep = found.result.plan.layout.stages[0].ep
+    assert best_ep in calls and found.choice.data.experts.experts.ep == best_ep
+    assert "expert parallelism searched over EP 1, 2, 4, 8" in found.choice.notes[-1]
+    assert (
+        found.result.predicted_lower_bound_s <= found.result.prediction.iteration_time_s
+    )

@@ -90,8 +90,11 @@ def test_megatron_flags_read_as_megatron_reads_them():
     alias = parse(LAUNCH.replace("--seq-length", "--encoder-seq-length"))
     assert alias.spec.seq_length == 1024
     # a flag of Megatron-LM's spelled close to one read here is listed, not
-    # refused (--fp4-format is 0.90 from --fp8-format)
-    assert "--fp4-format e2m1" in parse(LAUNCH + " --fp4-format e2m1").ignored
+    # refused (--fp8-amax-history-len is close to --fp8-format's family)
+    flag = "--fp8-amax-history-len 1024"
+    assert flag in parse(f"{LAUNCH} {flag}").ignored
+    # (--fp4-format is read: the recipe FP4 training runs)
+    assert parse(LAUNCH + " --fp4-format e2m1").fp4_recipe == "nvfp4"
 
 
 # ------------------------------------------------------- files of other kinds

@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 
+from pipedejavu.core.layout import experts_fit
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
@@ -86,14 +87,15 @@ def enumerate_plans(
             for dp in range(1, available + 1):
                 if (global_batch // mbs) % dp or not tps:
                     continue
+                fitting = [t for t in tps if experts_fit(t, 1, dp, *info.expert_axes)]
                 steps = global_batch // (mbs * dp)
                 budget = available // dp
                 most = min(layers, budget, max_stages or layers)
                 for num_stages in range(1, most + 1):
                     degree_sets = (
-                        [(t,) * num_stages for t in tps]
+                        [(t,) * num_stages for t in fitting]
                         if uniform_tp
-                        else itertools.product(tps, repeat=num_stages)
+                        else itertools.product(fitting, repeat=num_stages)
                     )
                     for degrees in degree_sets:
                         if sum(degrees) > budget:
@@ -129,10 +131,13 @@ def enumerate_plans(
                                 model,
                                 spec.gpus_per_node,
                                 rank_order,
+                                info.expert_axes,
                             )
 
 
-def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn, order):
+def _score(
+    tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn, order, experts
+):
     num_stages = len(degrees)
     costs, tails = [], []
     feasible = True
@@ -157,6 +162,7 @@ def _score(tables, split, degrees, steps, gpu, dp, mbs, gbs, model, gpn, order):
         model=model,
         gpus_per_node=gpn,
         zone=DEFAULT_ZONE,
+        experts=experts,
         rank_order=order,
     )
     return plan, value

@@ -63,6 +63,7 @@ __all__ = [
     "RANK_ORDERS",
     "ParallelLayout",
     "StageAxes",
+    "experts_fit",
     "rank_order",
 ]
 
@@ -95,6 +96,14 @@ def rank_order(name: Any) -> str:
         return name
     known = ", ".join(RANK_ORDERS + tuple(LEGACY_ORDERS))
     raise ProblemError(f"rank order must be one of {known}; got {describe(name)}")
+
+
+def experts_fit(tp: int, cp: int, dp: int, ep: int = 1, etp: int | None = None) -> bool:
+    """Whether a stage of ``tp x cp x dp`` GPUs is whole groups of ``etp x
+    ep`` (``etp`` ``None``: ``tp``): Megatron-Core's rule for the expert
+    layout (``initialize_model_parallel``: expert data parallelism a whole
+    number). The one definition the layout checks and the search keeps to."""
+    return (tp * cp * dp) % ((tp if etp is None else etp) * ep) == 0
 
 
 class StageAxes(NamedTuple):
@@ -171,7 +180,7 @@ class ParallelLayout:
         for s, axes in enumerate(stages):
             block = axes.expert_tp * axes.ep
             gpus = axes.tp * cp * dp
-            if gpus % block:
+            if not experts_fit(axes.tp, cp, dp, axes.ep, axes.etp):
                 raise ProblemError(
                     f"stage {s}: its {gpus} GPUs (tp {axes.tp} x cp {cp} x dp {dp}) "
                     f"are not whole groups of etp {axes.expert_tp} x ep {axes.ep}"

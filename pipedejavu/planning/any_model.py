@@ -42,6 +42,7 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.calibrate import QK_LAYER_SCALING
+from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.source import (
     DEFAULT_MBS_VALUES,
     AnalyticalSource,
@@ -176,6 +177,7 @@ def choose_cost_source(
     profiles: str | os.PathLike | None = None,
     mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
     memory_headroom: MemoryHeadroom | float | str | None = None,
+    experts: ExpertLayers | None = None,
 ) -> CostChoice:
     """The cost source that prices ``model`` on ``gpu_types`` (module doc).
 
@@ -198,16 +200,20 @@ def choose_cost_source(
             :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`; ``None``:
             none): the source's GPUs offer plans only the rest, so the
             predictor, the planning tables and the proof honour it alike.
+        experts: a mixture of experts' expert layout and kernels (``None``:
+            EP 1; :func:`~pipedejavu.planning.plan_model.plan_model` searches
+            the EP degrees); ignored for a dense model.
 
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
             ``profiles`` given without a profile of ``model``, a bad headroom;
-            a mixture of experts (read, not searched yet).
+            multi-latent attention or multi-token prediction (read, not
+            priced yet).
     """
     headroom = headroom_of(memory_headroom)
     choice = _choose(
         model, list(gpu_types), options, precision, recompute, seq_length,
-        gpu_sheet, profiles, mbs_values,
+        gpu_sheet, profiles, mbs_values, experts,
     )  # fmt: skip
     if headroom is None:
         return choice
@@ -224,6 +230,7 @@ def _choose(
     gpu_sheet: str | os.PathLike | None,
     profiles: str | os.PathLike | None,
     mbs_values: Sequence[int],
+    experts: ExpertLayers | None = None,
 ) -> CostChoice:
     data = load_sailor_data(profiles)
     profiled = _profiled_name(data, model)
@@ -240,17 +247,18 @@ def _choose(
             data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
         )
     spec = load_model_spec(model, seq_length=seq_length, longest_context=LONG_CONTEXT)
-    if spec.moe is not None or spec.mla is not None or spec.mtp_layers:
+    if spec.mla is not None or spec.mtp_layers:
         raise ProblemError(
-            f"model {spec.name}: the planner does not search mixtures of experts, "
-            "multi-latent attention or multi-token prediction yet; a Megatron-LM "
-            "launch of a mixture of experts is predicted by "
-            "`predict --megatron-args`"
+            f"model {spec.name}: multi-latent attention and multi-token "
+            "prediction are read, not priced yet: the planner prices dense "
+            "transformers and mixtures of experts"
         )
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: sheet_name(sheet, g) for g in gpu_types}
-    source = AnalyticalSource(spec, sheet, options, mbs_values=mbs_values)
+    source = AnalyticalSource(
+        spec, sheet, options, mbs_values=mbs_values, experts=experts
+    )
     return CostChoice(source, spec.name, names, options, spec, ())
 
 

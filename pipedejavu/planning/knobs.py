@@ -70,6 +70,7 @@ from pipedejavu.core.training_options import (
     TrainingOptions,
     TrainingPrecision,
 )
+from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
@@ -162,6 +163,7 @@ def plan_with_knobs(
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     dp_alone: bool = False,
     memory_headroom: MemoryHeadroom | float | str | None = None,
+    experts: ExpertLayers | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -174,7 +176,7 @@ def plan_with_knobs(
             ``None``: the model's defaults, see
             :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         precision: replaces the precision of ``options``.
-        seq_length, gpu_sheet, profiles, memory_headroom: as for
+        seq_length, gpu_sheet, profiles, memory_headroom, experts: as for
             ``choose_cost_source``.
         method: how the first feasible choice is searched (``dp`` or
             ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
@@ -198,6 +200,7 @@ def plan_with_knobs(
         "gpu_sheet": gpu_sheet,
         "profiles": profiles,
         "memory_headroom": memory_headroom,
+        "experts": experts,
     }
     first = choose_cost_source(
         model, pool, options=options, precision=precision, **fixed
@@ -464,8 +467,9 @@ def search_knobs(
             progress_fn=_tagged(progress_fn, index),
             dp_alone=dp_alone,
         )
-        found = certificate.prediction
-        beats = found.fits_memory and found.iteration_time_s < state.best_s
+        found = certificate.prediction  # None: nothing of its own beat the cutoff
+        beats = found is not None and found.fits_memory
+        beats = beats and found.iteration_time_s < state.best_s
         cutoff = state.best_s
         state.lower = min(state.lower, certificate.lower_bound_s)
         if beats and order == RANK_ORDERS[0]:

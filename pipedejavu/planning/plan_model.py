@@ -16,19 +16,26 @@ the command line alike:
   (:data:`~pipedejavu.io.exports.DATA_PARALLEL_ALONE`);
 * the plan proven optimal under the predictor over that space
   (:func:`~pipedejavu.planning.knobs.plan_with_knobs`), with the memory
-  headroom kept free on every GPU if one is given.
+  headroom kept free on every GPU if one is given;
+* for a mixture of experts, that search for every expert layout of
+  :func:`expert_layouts` (each EP degree dividing the experts), the fastest
+  plan proven when the least bound over all of them reaches its time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipedejavu.core.memory_headroom import MemoryHeadroom
-from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
+from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     EXPORTS,
@@ -40,8 +47,15 @@ from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
 from pipedejavu.planning.training import parse_gpu_pool
+from pipedejavu.search.megatron.space import divisors
 
-__all__ = ["KEPT_OPTIONS", "default_space", "launched_space", "plan_model"]
+__all__ = [
+    "KEPT_OPTIONS",
+    "default_space",
+    "expert_layouts",
+    "launched_space",
+    "plan_model",
+]
 
 #: Training options the search keeps as given (not knobs), which an export
 #: target may not launch: refused before the search.
@@ -179,10 +193,7 @@ def plan_model(
     space = default_space(choice, export) if space is None else space
     if export is not None:
         space = launched_space(export, space, choice.options)
-    return plan_with_knobs(
-        model,
-        pool,
-        global_batch,
+    search = dict(
         space=space,
         method=method,
         uniform_tp=uniform_tp,
@@ -191,5 +202,74 @@ def plan_model(
         mbs_values=mbs_values,
         progress_fn=progress_fn,
         dp_alone=export in DATA_PARALLEL_ALONE,
-        **shared,
     )
+    spec = choice.spec
+    if spec is None or spec.moe is None:
+        return plan_with_knobs(model, pool, global_batch, **search, **shared)
+    return _plan_experts(model, pool, global_batch, spec, search, shared)
+
+
+def expert_layouts(spec: TransformerSpec, gpus: int) -> list[ExpertLayers]:
+    """The expert layouts searched for a mixture of experts on ``gpus`` GPUs:
+    every EP degree dividing the routed experts (at most the GPUs), expert
+    TP 1 (each expert whole on its GPU, Megatron-Core's recipes' choice), the
+    alltoall dispatcher with grouped GEMMs, no all-to-all overlap: what
+    ``--export megatron`` writes."""
+    return [
+        ExpertLayers(ExpertPass(ep=ep, etp=1, grouped_gemm=True))
+        for ep in divisors(spec.moe.num_experts)
+        if ep <= gpus
+    ]
+
+
+def _plan_experts(
+    model: str,
+    pool: Mapping[str, int],
+    global_batch: int,
+    spec: TransformerSpec,
+    search: Mapping[str, Any],
+    shared: Mapping[str, Any],
+) -> KnobPlan:
+    """The fastest plan over every expert layout (:func:`expert_layouts`),
+    proven when the least bound over all of them reaches its time."""
+    found: list[KnobPlan] = []
+    lower = math.inf
+    # Megatron's default rank order only: with replicas outermost and several
+    # stages, Megatron-Core needs the expert block to be the dense one (etp x
+    # ep = tp x cp), which an EP above TP never is (core.layout)
+    space = search["space"]
+    search = {
+        **search,
+        "space": dataclasses.replace(space, rank_orders=space.rank_orders[:1]),
+    }
+    for layers in expert_layouts(spec, sum(pool.values())):
+        try:
+            plan = plan_with_knobs(
+                model, pool, global_batch, **search, **shared, experts=layers
+            )
+        except InfeasibleProblemError:
+            continue  # no plan with this layout fits: it bounds nothing
+        found.append(plan)
+        lower = min(lower, plan.result.predicted_lower_bound_s)
+    if not found:
+        raise InfeasibleProblemError(
+            f"no plan of {spec.name} fits {dict(pool)} with global batch "
+            f"{global_batch} under any expert-parallel degree dividing its "
+            f"{spec.moe.num_experts} experts"
+        )
+    best = min(found, key=lambda p: p.result.prediction.iteration_time_s)
+    best_s = best.result.prediction.iteration_time_s
+    degrees = ", ".join(str(p.choice.data.experts.experts.ep) for p in found)
+    note = (
+        f"expert parallelism searched over EP {degrees} (expert TP 1, alltoall "
+        f"dispatcher, routing priced balanced): EP "
+        f"{best.choice.data.experts.experts.ep} is fastest"
+    )
+    result = dataclasses.replace(
+        best.result,
+        proven=lower >= best_s * (1 - 1e-12),
+        predicted_lower_bound_s=min(lower, best_s),
+        search_time_s=sum(p.result.search_time_s for p in found),
+    )
+    choice = dataclasses.replace(best.choice, notes=(*best.choice.notes, note))
+    return dataclasses.replace(best, result=result, choice=choice)

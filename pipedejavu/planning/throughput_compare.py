@@ -85,6 +85,7 @@ def predictor_observations(
             model=model,
             gpus_per_node=gpn,
             zone=DEFAULT_ZONE,
+            experts=data.model_info(model).expert_axes,
         )
         prediction = predict_plan(plan, data)
         if not prediction.fits_memory:

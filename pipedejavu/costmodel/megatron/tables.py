@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.layout import ParallelLayout
+from pipedejavu.core.layout import ParallelLayout, StageAxes, experts_fit
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     RANK_ORDERS,
@@ -86,6 +86,8 @@ __all__ = [
     "plan_from_mixed_stages",
     "plan_from_stages",
     "span_allreduce",
+    "span_expert_allreduce",
+    "span_expert_params",
     "span_largest_bucket",
     "stage_entry",
     "usable_degrees",
@@ -168,9 +170,12 @@ def plan_from_stages(
     zone: str,
     node_offset: int = 0,
     rank_order: str = RANK_ORDERS[0],
+    experts: tuple[int, int | None] = (1, None),
 ) -> Plan3D:
     """A :class:`Plan3D` from ``(start, stop, tp)`` stages, placed in
-    ``rank_order`` (:func:`~pipedejavu.core.plan3d.canonical_nodes`)."""
+    ``rank_order`` (:func:`~pipedejavu.core.plan3d.canonical_nodes`), its
+    expert layers over ``experts`` = ``(ep, etp)`` (the costs'
+    ``ModelInfo.expert_axes``)."""
     tps = [tp for _, _, tp in stages]
     nodes = canonical_nodes(tps, dp, gpus_per_node, rank_order)
     return Plan3D(
@@ -188,7 +193,9 @@ def plan_from_stages(
         mbs=mbs,
         gbs=gbs,
         model=model,
-        layout=ParallelLayout(tuple(tps), dp, order=rank_order),
+        layout=ParallelLayout(
+            tuple(StageAxes(tp, *experts) for tp in tps), dp, order=rank_order
+        ),
     )
 
 
@@ -202,6 +209,7 @@ def plan_from_mixed_stages(
     pool: Mapping[str, int],
     gpus_per_node: Mapping[str, int],
     zone: str,
+    experts: tuple[int, int | None] = (1, None),
 ) -> Plan3D:
     """A :class:`Plan3D` from ``(start, stop, tp, gpu_type)`` stages whose types
     may differ: each type's stages take its GPUs in Megatron's rank order (TP
@@ -221,7 +229,10 @@ def plan_from_mixed_stages(
         )
         used[gpu] += dp * tp
         out.append(Stage3D(start, stop, replicas))
-    return Plan3D(stages=tuple(out), mbs=mbs, gbs=gbs, model=model)
+    layout = ParallelLayout(
+        tuple(StageAxes(tp, *experts) for _, _, tp, _ in stages), dp
+    )
+    return Plan3D(stages=tuple(out), mbs=mbs, gbs=gbs, model=model, layout=layout)
 
 
 def span_allreduce(
@@ -237,7 +248,10 @@ def span_allreduce(
     ``hops``) of each span ``starts[n]..ends[n]`` (inclusive; ``held``: its
     parameters), and its largest bucket (elements): DeepSpeed's buckets, whole
     layers added until a bucket holds more than ``BUCKET_ELEMENTS``
-    (:func:`~pipedejavu.costmodel.megatron.rules.add_to_bucket`)."""
+    (:func:`~pipedejavu.costmodel.megatron.rules.add_to_bucket`). A mixture
+    of experts' expert parameters are not in it: they are reduced over the
+    expert data-parallel GPUs (:func:`span_expert_allreduce`)."""
+    held = held - span_expert_params(info, tp, starts, ends + 1)
     buckets = _span_buckets(info, tp, starts, ends)
     if buckets is None:  # one bucket per stage
         return ring_allreduce_times(hops, dp, held * info.gradient_bytes), held
@@ -248,6 +262,50 @@ def span_allreduce(
         closed = ring_allreduce_times(hops, dp, closed_sizes * info.gradient_bytes)
         np.add.at(allreduce, closed_span, closed)
     return allreduce, largest
+
+
+def span_expert_params(
+    info: ModelInfo, tp: int, starts: NDArray[np.int64], stops: NDArray[np.int64]
+) -> NDArray[np.float64] | float:
+    """Expert parameters per GPU of each span ``starts[n]..stops[n] - 1`` (0
+    for a dense model)."""
+    if info.expert_params is None:
+        return 0.0
+    return span_sums(info.expert_params[tp], starts, stops)
+
+
+def span_expert_allreduce(
+    network,
+    info: ModelInfo,
+    gpu_type: str,
+    tp: int,
+    dp: int,
+    gpus_per_node: int,
+    experts: NDArray[np.float64] | float,
+    zone: str,
+) -> tuple[NDArray[np.float64] | float, int]:
+    """``(seconds, edp)``: each span's expert gradients (``experts``
+    elements per GPU) all-reduced over the expert data-parallel GPUs of a
+    stage of ``tp x dp`` GPUs placed as the layout places them, in one bucket
+    (no more than the predictor's buckets cost:
+    :func:`~pipedejavu.costmodel.megatron.rules.expert_allreduce`); ``edp`` the
+    expert data-parallel degree."""
+    if info.expert_params is None:
+        return 0.0, 1
+    ep, etp = info.expert_axes
+    if not experts_fit(tp, 1, dp, ep, etp):  # no such stage (config_groups)
+        return np.inf, 1
+    layout = ParallelLayout((StageAxes(tp, ep, etp),), dp)
+    edp = layout.edp(0)
+    if edp <= 1:
+        return 0.0, edp
+    nodes = canonical_nodes([tp], dp, gpus_per_node)[0]
+    owners = layout.expert_replicas(0)
+    block = layout.expert_block(0)
+    members = [Replica(gpu_type, block, zone=zone)] * edp
+    hops = ring_hops(network, members, [nodes[j] for j in owners])
+    nbytes = np.asarray(experts, dtype=np.float64) * info.gradient_bytes
+    return ring_allreduce_times(hops, edp, nbytes), edp
 
 
 def span_largest_bucket(
@@ -269,7 +327,7 @@ def _span_buckets(
 ) -> tuple[NDArray[np.float64], ...] | None:
     """:func:`_buckets` of the spans (``None``: the whole model fits one
     bucket, each span's is its parameters held)."""
-    params = info.params[tp]
+    params = info.dense_params(tp)
     num_layers = len(params)
     if float(params.sum()) <= BUCKET_ELEMENTS:
         return None
@@ -410,9 +468,16 @@ def compile_tables(
         tied_time = tied_allreduce_time(network, info, replica, replica, pair_nodes)
         has_tie = (starts == 0) != (ends == num_layers - 1)
         allreduce, largest = span_allreduce(hops, dp, info, tp, held, starts, ends)
-        optimizer = optimizer_time(float(times.update[0]), held, info, tp, dp)
+        experts = span_expert_params(info, tp, starts, stops)
+        expert_sync, edp = span_expert_allreduce(
+            network, info, gpu_type, tp, dp, gpn, experts, zone
+        )
+        allreduce = allreduce + expert_sync
+        optimizer = optimizer_time(
+            float(times.update[0]), held, info, tp, dp, experts, edp
+        )
         once = optimizer + np.where(has_tie, tied_time, 0.0)
-        state = model_state_bytes(info, held, largest, dp)
+        state = model_state_bytes(info, held, largest, dp, experts, edp)
         forward_prefix = np.concatenate([[0.0], np.cumsum(times.forward)])
         forward = forward_prefix[ends + 1] - forward_prefix[starts] + overhead
         for k, n in enumerate(variants):

@@ -383,9 +383,16 @@ def certify_predicted(
             "the zero-bubble schedule's bounds cover plans on one GPU type; "
             "search mixed GPU types with the 1F1B schedule"
         )
-    best_prediction = predict_plan(incumbent, data, constants=constants)
+    try:
+        best_prediction = predict_plan(incumbent, data, constants=constants)
+    except ProblemError:
+        # not a plan of these costs' space (a mixture of experts' TP that
+        # needs sequence parallelism): the cutoff alone bounds the search
+        best_prediction = None
     best_plan = incumbent
-    best = best_prediction.iteration_time_s if best_prediction.fits_memory else math.inf
+    best = math.inf
+    if best_prediction is not None and best_prediction.fits_memory:
+        best = best_prediction.iteration_time_s
     best = min(best, cutoff_s)
     groups = config_groups(
         data,

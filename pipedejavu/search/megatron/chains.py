@@ -356,5 +356,6 @@ def single_plans(
             model=model,
             gpus_per_node=spec.gpus_per_node,
             zone=DEFAULT_ZONE,
+            experts=data.model_info(model).expert_axes,
             rank_order=rank_order,
         )

@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.layout import experts_fit
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key
@@ -219,6 +220,8 @@ def interleaved_candidates(
                     for dp in range(1, 1 + (1 if dp_alone else most)):
                         if samples % dp or not (allow_fewer_gpus or dp == most):
                             continue
+                        if not experts_fit(tp, 1, dp, *info.expert_axes):
+                            continue
                         steps = samples // dp
                         if steps % ranks and not v_shape:
                             continue
@@ -264,6 +267,7 @@ def candidate_plan(
         model=model,
         gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
         zone=DEFAULT_ZONE,
+        experts=data.model_info(model).expert_axes,
         rank_order=rank_order,
     )
 
@@ -325,6 +329,10 @@ def candidate_fits(
     """:func:`candidate_floor`'s memory test of a candidate, on one of its
     pipelines (its replicas alike, each rank's stash and model state do not
     depend on the placement): no plan of ``P x dp`` replicas is built."""
+    if data.model_info(model).expert_params is not None:
+        # (the experts' layout needs its replicas: the whole candidate)
+        plan = candidate_plan(data, model, global_batch, c)
+        return candidate_floor(data, model, constants, plan, c.chunks)[0]
     one = dataclasses.replace(c, dp=1)
     skeleton = candidate_plan(data, model, global_batch // c.dp, one)
     return candidate_floor(data, model, constants, skeleton, c.chunks, c.dp)[0]

@@ -388,6 +388,7 @@ class PlacedMix:
                         pool=gpus,
                         gpus_per_node=gpn,
                         zone=DEFAULT_ZONE,
+                        experts=data.model_info(self.model).expert_axes,
                     )
                 continue
             rest = left[:i] + (left[i] - 1,) + left[i + 1 :]

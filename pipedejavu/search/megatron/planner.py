@@ -470,6 +470,7 @@ def _solve(
             model=model,
             gpus_per_node=spec.gpus_per_node,
             zone=DEFAULT_ZONE,
+            experts=data.model_info(model).expert_axes,
         )
         prediction = predict_plan(plan, data, constants=constants)
         candidates.append((plan, value, prediction))

@@ -7,7 +7,9 @@ One-type plans: per GPU type, micro-batch size ``mbs`` (profiled, dividing the
 global batch), data-parallel degree ``dp`` (dividing ``gbs / mbs``), a TP degree
 for every stage (``uniform_tp``) or a set to choose from per stage, and the
 GPUs of one pipeline (a multiple of the TP degree with ``uniform_tp``; at most
-``max_stages`` stages; all ``count // dp`` GPUs unless ``allow_fewer_gpus``).
+``max_stages`` stages; all ``count // dp`` GPUs unless ``allow_fewer_gpus``);
+for a mixture of experts, the TP degrees whose stages are whole expert blocks
+(:func:`~pipedejavu.core.layout.experts_fit`, the costs' EP and expert TP).
 
 Mixed plans (:class:`Mix`): one mbs, dp and TP degree, each stage on a type of
 its own choice, at least two types able to hold a stage.
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.layout import experts_fit
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import usable_degrees
 
@@ -80,6 +83,7 @@ def config_groups(
     (``dp_alone``: data parallelism only over one-GPU replicas, no TP or PP
     beside it, as torchtitan's DDP runs it)."""
     info = data.model_info(model)
+    ep, etp = info.expert_axes
     out = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -94,7 +98,11 @@ def config_groups(
                 if (gbs // mbs) % dp:
                     continue
                 budget = count // dp
-                sets = [(t,) for t in tps] if uniform_tp else [tuple(tps)]
+                # the experts' layout: whole expert blocks in every stage
+                fitting = [t for t in tps if experts_fit(t, 1, dp, ep, etp)]
+                if not fitting:
+                    continue
+                sets = [(t,) for t in fitting] if uniform_tp else [tuple(fitting)]
                 for tp_set in sets:
                     if dp_alone and dp > 1:
                         if 1 not in tp_set:
@@ -157,6 +165,8 @@ def mixes(
                 continue
             for dp in range(1, max(usable.values()) // tp + 1):
                 if (gbs // mbs) % dp or (dp_alone and dp > 1):
+                    continue
+                if not experts_fit(tp, 1, dp, *info.expert_axes):
                     continue
                 caps = tuple(
                     (gpu, count // dp // tp)
