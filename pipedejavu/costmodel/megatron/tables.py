@@ -274,6 +274,26 @@ def span_expert_params(
     return span_sums(info.expert_params[tp], starts, stops)
 
 
+def span_expert_largest_bucket(
+    info: ModelInfo, tp: int, starts: NDArray[np.int64], ends: NDArray[np.int64]
+) -> NDArray[np.float64] | float:
+    """The largest bucket (elements) of each span's expert gradients
+    (``starts[n]..ends[n]``, inclusive), filled as
+    :func:`~pipedejavu.costmodel.megatron.rules.expert_allreduce` fills them;
+    0 for a dense model."""
+    if info.expert_params is None:
+        return 0.0
+    row = np.asarray(info.expert_params[tp], dtype=np.float64)
+    if float(row.sum()) <= BUCKET_ELEMENTS:
+        return span_sums(row, starts, ends + 1)
+    return _buckets(
+        row.tobytes(),
+        float(row[-1]),
+        np.asarray(starts, dtype=np.int64).tobytes(),
+        np.asarray(ends, dtype=np.int64).tobytes(),
+    )[1].copy()
+
+
 def span_expert_allreduce(
     network,
     info: ModelInfo,
@@ -473,6 +493,9 @@ def compile_tables(
             network, info, gpu_type, tp, dp, gpn, experts, zone
         )
         allreduce = allreduce + expert_sync
+        largest = np.maximum(
+            largest, span_expert_largest_bucket(info, tp, starts, ends)
+        )
         optimizer = optimizer_time(
             float(times.update[0]), held, info, tp, dp, experts, edp
         )
