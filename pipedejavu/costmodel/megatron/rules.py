@@ -41,6 +41,7 @@ __all__ = [
     "add_to_bucket",
     "buckets",
     "expert_allreduce",
+    "fill_buckets",
     "gradient_sync",
     "held_params",
     "in_flight_capacity",
@@ -297,6 +298,19 @@ def add_to_bucket(current: float, size: float) -> tuple[float, float]:
     return current, 0.0
 
 
+def fill_buckets(sizes) -> list[float]:
+    """The buckets (elements) layers of ``sizes`` fill, in order, by
+    :func:`add_to_bucket`."""
+    out, current = [], 0.0
+    for size in sizes:
+        current, closed = add_to_bucket(current, size)
+        if closed:
+            out.append(closed)
+    if current > 0:
+        out.append(current)
+    return out
+
+
 def layer_sizes(info: ModelInfo, tp: int, start: int, stop: int) -> list[float]:
     """Parameters per layer of a stage, the tied embedding once (taken off its
     last layer when it holds every layer)."""
@@ -311,19 +325,12 @@ def buckets(
     """The stage's all-reduce buckets (elements), filled by
     :func:`add_to_bucket`; ``more``: further ``(start, stop)`` spans the rank
     holds (a ZB-V rank's second chunk), filled after the first."""
-    out, current = [], 0.0
     spans = ((start, stop), *more)
     sizes = [s for a, b in spans for s in layer_sizes(info, tp, a, b)]
     first = any(a == 0 for a, _ in spans)
     if more and first and any(b == info.num_layers for _, b in spans):
         sizes[-1] -= float(info.tied_params(tp))  # the tied embedding once
-    for size in sizes:
-        current, closed = add_to_bucket(current, size)
-        if closed:
-            out.append(closed)
-    if current > 0:
-        out.append(current)
-    return out
+    return fill_buckets(sizes)
 
 
 # ------------------------------------------------------------------ memory
@@ -460,14 +467,8 @@ def expert_allreduce(
     block) in buckets filled by :func:`add_to_bucket`."""
     if info.expert_params is None or len(members) <= 1:
         return 0.0, 0.0
-    out, current = [], 0.0
     row = info.expert_params[tp]
-    for size in (float(x) for a, b in spans for x in row[a:b]):
-        current, closed = add_to_bucket(current, size)
-        if closed:
-            out.append(closed)
-    if current > 0:
-        out.append(current)
+    out = fill_buckets(float(x) for a, b in spans for x in row[a:b])
     hops = ring_hops(network, members, nodes)
     seconds = sum(
         ring_allreduce_time(
