@@ -88,6 +88,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
 from pipedejavu.costmodel.megatron.profile_types import GpuSpec
 from pipedejavu.costmodel.megatron.rules import (
     expert_allreduce,
+    expert_ring,
     gradient_sync,
     is_blocking,
     memory_bytes,
@@ -517,11 +518,9 @@ def predict_plan(
         experts, edp = rank_expert_params(info, tp, spans[s]), 1
         if experts:
             edp = plan.layout.edp(s)
-            owners = plan.layout.expert_replicas(s)
-            block = plan.layout.expert_block(s)
-            members = [dataclasses.replace(stage.replicas[j], tp=block) for j in owners]
+            members, ring = expert_ring(plan.layout, s, stage.replicas, nodes[s])
             seconds, biggest = expert_allreduce(
-                network, info, tp, members, [nodes[s][j] for j in owners], spans[s]
+                network, info, tp, members, ring, spans[s]
             )
             collective, largest = collective + seconds, max(largest, biggest)
         allreduce[s] = gradient_sync(

@@ -14,6 +14,7 @@ sums one slice, the tables difference prefix sums).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "add_to_bucket",
     "buckets",
     "expert_allreduce",
+    "expert_ring",
     "fill_buckets",
     "gradient_sync",
     "held_params",
@@ -450,6 +452,20 @@ def rank_expert_params(
     if info.expert_params is None:
         return 0.0
     return sum(float(info.expert_params[tp][a:b].sum()) for a, b in spans)
+
+
+def expert_ring(
+    layout: Any, stage: int, replicas: Sequence[Replica], nodes: Sequence
+) -> tuple[list[Replica], list]:
+    """The expert data-parallel ring of ``stage`` of a ``layout``
+    (:class:`~pipedejavu.core.layout.ParallelLayout`) whose replicas are
+    ``replicas`` on ``nodes``: one member per block of ``etp x ep`` GPUs (a
+    :class:`Replica` of that many GPUs, where the block's first GPU is) and
+    its node."""
+    owners = layout.expert_replicas(stage)
+    block = layout.expert_block(stage)
+    members = [dataclasses.replace(replicas[j], tp=block) for j in owners]
+    return members, [nodes[j] for j in owners]
 
 
 def expert_allreduce(

@@ -59,6 +59,7 @@ from pipedejavu.costmodel.megatron.constants import (
 )
 from pipedejavu.costmodel.megatron.rules import (
     add_to_bucket,
+    expert_ring,
     gradient_sync,
     held_params,
     in_flight_capacity,
@@ -320,10 +321,9 @@ def span_expert_allreduce(
     if edp <= 1:
         return 0.0, edp
     nodes = canonical_nodes([tp], dp, gpus_per_node)[0]
-    owners = layout.expert_replicas(0)
-    block = layout.expert_block(0)
-    members = [Replica(gpu_type, block, zone=zone)] * edp
-    hops = ring_hops(network, members, [nodes[j] for j in owners])
+    replicas = [Replica(gpu_type, tp, zone=zone)] * dp
+    members, ring = expert_ring(layout, 0, replicas, nodes)
+    hops = ring_hops(network, members, ring)
     nbytes = np.asarray(experts, dtype=np.float64) * info.gradient_bytes
     return ring_allreduce_times(hops, edp, nbytes), edp
 
