@@ -217,8 +217,8 @@ def predict_gemm(op: Gemm, gpu: GpuSheetEntry) -> dict[str, Any]:
     parts (efficiency, compute and memory seconds, which bounds it), FLOPs and
     bytes; ``{"error": ...}`` where the sheet lacks the precision's peak."""
     try:
-        seconds = pass_seconds([op], gpu, CONSTANTS)
-        arrays = pass_arrays([op], gpu)
+        seconds = pass_seconds([op], gpu, CONSTANTS, fp8_casts=False)
+        arrays = pass_arrays([op], gpu, fp8_casts=False)
     except ValueError as error:
         return {"error": str(error)}
     efficiency = float(

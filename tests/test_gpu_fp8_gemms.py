@@ -16,9 +16,11 @@ from pipedejavu.costmodel.analytical.layers import (
     WEIGHT_GRADIENT_OPS,
     analytical_layer_times,
 )
-from pipedejavu.costmodel.analytical.ops import Gemm
+from pipedejavu.costmodel.analytical.ops import Gemm, backward_gemms
 from pipedejavu.costmodel.analytical.roofline import (
+    FP8_CAST_BYTES,
     HALF_PRECISION_ANALYTICAL,
+    fp8_cast_bytes,
     pass_seconds,
 )
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -86,10 +88,34 @@ def test_grid_shapes_are_the_ops_shapes_and_flops():
                 assert fp8.gemm_kind(op.name) == row["kind"]
 
 
+def test_fp8_quantization_is_priced_per_element_of_the_16_bit_operand():
+    """Current scaling: 6 bytes per element of a forward's input and of an
+    input gradient's output gradient; none for weight gradients or bf16."""
+    gpu = SHEET["H100-SXM"]
+    forward = Gemm("linear_fc1", 1, 4096, 1024, 2048, 1, 2, "fp8")
+    dgrad, wgrad = backward_gemms(forward)
+    assert fp8_cast_bytes(forward) == FP8_CAST_BYTES * 4096 * 2048 == 6 * 4096 * 2048
+    assert fp8_cast_bytes(dgrad) == 6 * 4096 * 1024
+    assert fp8_cast_bytes(wgrad) == 0
+    assert fp8_cast_bytes(forward._replace(precision="bf16")) == 0
+    c = HALF_PRECISION_ANALYTICAL
+    for gemm, efficiency in ((forward, 1.0), (dgrad, c.backward_memory_efficiency)):
+        added = pass_seconds([gemm], gpu, c) - pass_seconds(
+            [gemm], gpu, c, fp8_casts=False
+        )
+        bandwidth = gpu.memory_bandwidth_bytes_per_s * c.memory_efficiency
+        expected = fp8_cast_bytes(gemm) / (bandwidth * efficiency)
+        assert added == pytest.approx(expected + 2 * c.kernel_overhead_s, rel=1e-9)
+    assert pass_seconds([wgrad], gpu, c) == pass_seconds(
+        [wgrad], gpu, c, fp8_casts=False
+    )
+
+
 @pytest.mark.parametrize("gpu", ["H100-SXM", "H200"])
 def test_predictions_are_what_the_planner_adds_for_fp8(gpu):
     """The planner's fp8 block differs from its bf16 block by exactly these
-    GEMMs' predicted differences: the check prices what the planner prices."""
+    GEMMs' predicted differences and their operands' quantizations: the check
+    prices what the planner prices."""
     for spec, tp in fp8.default_models():
         mbs, seq = 2, 4096
         block = fp8.with_seq_length(spec, seq)
@@ -111,12 +137,20 @@ def test_predictions_are_what_the_planner_adds_for_fp8(gpu):
             row["predicted"]["fp8"]["seconds"] - row["predicted"]["bf16"]["seconds"]
             for row in rows
         )
-        np.testing.assert_allclose(ours, planner, rtol=1e-9)
-        for row in rows:
-            op = _use_op(row["uses"][0], "fp8")
+        ops = [_use_op(row["uses"][0], "fp8") for row in rows]
+        casts = sum(
+            pass_seconds([op], SHEET[gpu], HALF_PRECISION_ANALYTICAL)
+            - pass_seconds([op], SHEET[gpu], HALF_PRECISION_ANALYTICAL, fp8_casts=False)
+            for op in ops
+        )
+        assert casts > 0
+        np.testing.assert_allclose(ours + casts, planner, rtol=1e-9)
+        for row, op in zip(rows, ops, strict=True):
             np.testing.assert_allclose(
                 row["predicted"]["fp8"]["seconds"],
-                pass_seconds([op], SHEET[gpu], HALF_PRECISION_ANALYTICAL),
+                pass_seconds(
+                    [op], SHEET[gpu], HALF_PRECISION_ANALYTICAL, fp8_casts=False
+                ),
                 rtol=1e-12,
             )
 

@@ -15,6 +15,10 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   ``eff_max`` is ``simt_efficiency`` for fp32 on CUDA cores and
   ``tensor_efficiency`` on tensor cores (tf32, fp16, bf16, fp8), times
   ``backward_tensor_efficiency`` for the gradient GEMMs on tensor cores;
+* an fp8 GEMM's 16-bit operand that is not a weight (a forward's input, an
+  input gradient's output gradient; weight gradients reuse both) quantized
+  as Transformer Engine's current scaling does: :data:`FP8_CAST_BYTES` per
+  element in two memory-bound kernels (weights, cast once a step: not priced);
 * a memory-bound kernel: ``bytes / (bandwidth * memory_efficiency) +
   kernel_overhead_s``, the bandwidth share divided by
   ``backward_memory_efficiency`` more for the kernels of a backward pass;
@@ -67,8 +71,10 @@ from pipedejavu.costmodel.analytical.ops import Collective, Gemm, MemoryOp
 __all__ = [
     "FITTED_ANALYTICAL",
     "HALF_PRECISION_ANALYTICAL",
+    "FP8_CAST_BYTES",
     "MEASURED_TENSOR_EFFICIENCY",
     "AnalyticalConstants",
+    "fp8_cast_bytes",
     "PassArrays",
     "gemm_efficiency",
     "pass_arrays",
@@ -80,6 +86,18 @@ __all__ = [
 ]
 
 SIMT_PRECISIONS = ("fp32",)
+
+#: Bytes per element quantizing a 16-bit operand under current scaling: amax
+#: read 2, read 2, fp8 written row-wise 1 and column-wise 1 (Hopper's fp8 GEMMs
+#: take one layout; the weight gradient needs the transposes).
+FP8_CAST_BYTES = 6.0
+
+
+def fp8_cast_bytes(gemm: Gemm) -> float:
+    """Bytes quantizing an fp8 GEMM's 16-bit operand (module docstring)."""
+    if gemm.precision != "fp8" or gemm.name.endswith(".wgrad"):
+        return 0.0
+    return FP8_CAST_BYTES * gemm.batch * gemm.m * gemm.k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +118,8 @@ class AnalyticalConstants:
         gemm_exponent: how sharply efficiency saturates with GEMM size.
         memory_efficiency: fraction of the memory bandwidth memory-bound
             kernels reach.
-        kernel_overhead_s: seconds per kernel beyond its roofline time
-            (launch and the framework's per-operation work).
+        kernel_overhead_s: seconds per kernel beyond its roofline (launch,
+            the framework's per-operation work).
         link_efficiency: fraction of ``intra_node_bytes_per_s`` a ring
             collective reaches (not fitted: the calibration prices the
             profiled machines' measured links).
@@ -127,9 +145,8 @@ class AnalyticalConstants:
             backward add beyond their operations (the token counts' trip to the
             host, the dispatcher's bookkeeping).
 
-    Defaults: generic values, except the fused attention's, which are
-    :data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`
-    (no calibration fits them).
+    Defaults: generic values, except the fused attention's (measured:
+    :data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`).
     """
 
     simt_efficiency: float = 0.9
@@ -247,8 +264,8 @@ HALF_PRECISION_ANALYTICAL = dataclasses.replace(
     # runs on H100 (benchmarks/moe_published.py; leave-one-out errors in
     # docs/moe.md): read by the expert blocks only
     alltoall_efficiency=1.0,
-    alltoall_hidden=0.7344,
-    expert_block_overhead_s=0.0019227,
+    alltoall_hidden=0.7664,
+    expert_block_overhead_s=0.0016367,
 )
 
 
@@ -313,10 +330,14 @@ def _is_backward(name: str) -> bool:
 
 
 def pass_arrays(
-    ops: Sequence[Gemm | MemoryOp | Collective], gpu: GpuSheetEntry
+    ops: Sequence[Gemm | MemoryOp | Collective],
+    gpu: GpuSheetEntry,
+    *,
+    fp8_casts: bool = True,
 ) -> PassArrays:
     """The operations of a pass as :class:`PassArrays` on ``gpu``; a
-    collective beside a GEMM not in ``ops`` is on the critical path.
+    collective beside a GEMM not in ``ops`` is on the critical path; the fp8
+    GEMMs' quantizations priced unless ``fp8_casts`` is false (a GEMM alone).
 
     Raises:
         ValueError: ``gpu`` lacks the peak of a GEMM's precision.
@@ -335,10 +356,13 @@ def pass_arrays(
                 raise ValueError(
                     f"GPU {gpu.name} has no {gemm.precision} peak (it has: {have})"
                 ) from None
+    casts = [(fp8_cast_bytes(g), _is_backward(g.name)) for g in gemms if fp8_casts]
+    casts = [(size, backward) for size, backward in casts if size]
     memory = [op.bytes for op in ops if isinstance(op, MemoryOp)]
-    memory_backward = [
+    memory_backward = [b for b, back in casts if back] + [
         op.bytes for op in ops if isinstance(op, MemoryOp) and _is_backward(op.name)
     ]
+    memory += [size for size, _ in casts]
     links = [op.link_bytes for op in collectives if op.beside not in index]
     return PassArrays(
         gemm_seconds_at_peak=np.array(
@@ -349,7 +373,7 @@ def pass_arrays(
         gemm_backward=np.array([_is_backward(g.name) for g in gemms], bool),
         memory_bytes=float(sum(memory)),
         memory_backward_bytes=float(sum(memory_backward)),
-        num_memory_kernels=len(memory),
+        num_memory_kernels=len(memory) + len(casts),
         link_bytes=float(sum(links)),
         num_collectives=len(links),
         bandwidth=gpu.memory_bandwidth_bytes_per_s,
@@ -559,8 +583,11 @@ def pass_seconds(
     ops: Sequence[Gemm | MemoryOp | Collective],
     gpu: GpuSheetEntry,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    *,
+    fp8_casts: bool = True,
 ) -> float:
-    """Seconds of one pass on one GPU of its TP group.
+    """Seconds of one pass on one GPU of its TP group (``fp8_casts``: see
+    :func:`pass_arrays`).
 
     Example:
         >>> from pipedejavu.costmodel.analytical.ops import MemoryOp
@@ -569,4 +596,5 @@ def pass_seconds(
         >>> round(pass_seconds([MemoryOp("copy", 1e9)], gpu, c), 9)
         0.001
     """
-    return float(stacked_seconds(stack_passes([pass_arrays(ops, gpu)]), constants)[0])
+    arrays = pass_arrays(ops, gpu, fp8_casts=fp8_casts)
+    return float(stacked_seconds(stack_passes([arrays]), constants)[0])
