@@ -353,10 +353,8 @@ def test_bad_settings_refused():
         QWEN, kv_channels=None, mla=MlaSpec(512, 512, 128, 64, 128)
     )
     for price in (expert_block_forward_ops, expert_block_backward_ops):
-        with pytest.raises(ValueError, match="multi-latent attention is not priced"):
-            price(mla, sp, ExpertPass())
-    with pytest.raises(ValueError, match="multi-latent attention is not priced"):
-        expert_activation_bytes(mla, sp, ExpertPass())
+        ops = price(mla, sp, ExpertPass())  # priced: tests/test_mla_mtp.py
+        assert any(op.name.startswith("kv_up") for op in ops)
     assert dispatch_bytes(mla, sp, ExpertPass(ep=2)) > 0  # no attention in it
     with pytest.raises(ValueError, match="recompute must be"):
         expert_activation_bytes(QWEN, sp, ExpertPass(), "some")

@@ -206,9 +206,7 @@ def choose_cost_source(
 
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
-            ``profiles`` given without a profile of ``model``, a bad headroom;
-            multi-latent attention or multi-token prediction (read, not
-            priced yet).
+            ``profiles`` given without a profile of ``model``, a bad headroom.
     """
     headroom = headroom_of(memory_headroom)
     choice = _choose(
@@ -247,12 +245,6 @@ def _choose(
             data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
         )
     spec = load_model_spec(model, seq_length=seq_length, longest_context=LONG_CONTEXT)
-    if spec.mla is not None or spec.mtp_layers:
-        raise ProblemError(
-            f"model {spec.name}: multi-latent attention and multi-token "
-            "prediction are read, not priced yet: the planner prices dense "
-            "transformers and mixtures of experts"
-        )
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: sheet_name(sheet, g) for g in gpu_types}

@@ -365,9 +365,9 @@ def _check_priced(
     run: MegatronRun, gpu_type: str, entry: GpuSheetEntry, num_gpus: int
 ) -> None:
     """Refuse, with one line, a launch the cost model cannot price yet: FP4
-    (on a GPU without it, the refusal TE makes), and multi-latent attention
-    or MTP (after Megatron Core's checks of the GPU count:
-    :meth:`~pipedejavu.io.megatron_args.MegatronRun.layout`)."""
+    (on a GPU without it, the refusal TE makes); and one Megatron Core
+    refuses for its GPU count
+    (:meth:`~pipedejavu.io.megatron_args.MegatronRun.layout`)."""
     if run.fp4_recipe is not None:
         if "fp4" not in entry.precisions:
             raise ProblemError(
@@ -388,18 +388,6 @@ def _check_priced(
             f"Megatron arguments on {num_gpus} GPUs: {refused} (Megatron Core's "
             "initialize_model_parallel refuses it)"
         ) from None
-    parts = []
-    if spec.mla is not None:
-        parts.append("multi-latent attention is not priced yet")
-    if spec.mtp_layers:
-        parts.append(f"{spec.mtp_layers} multi-token-prediction layers are not priced")
-    if not parts:
-        return
-    shapes = "; ".join(parts)
-    raise ProblemError(
-        f"Megatron arguments: {shapes}: the flags are read, the cost model prices "
-        "dense transformers and mixtures of experts"
-    )
 
 
 def expert_layers(run: MegatronRun) -> ExpertLayers | None:

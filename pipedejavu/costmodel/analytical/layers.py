@@ -29,6 +29,19 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.mla_ops import (
+    MLA_WEIGHT_GRADIENT_OPS,
+    any_block_backward_ops,
+    any_block_forward_ops,
+    mla_attention_elements,
+)
+from pipedejavu.costmodel.analytical.mtp_ops import (
+    MTP_WEIGHT_GRADIENT_OPS,
+    mtp_kept_bytes,
+    mtp_own_backward_ops,
+    mtp_own_forward_ops,
+    mtp_rerun_ops,
+)
 from pipedejavu.costmodel.analytical.ops import (
     MASK_BYTES,
     Collective,
@@ -37,8 +50,6 @@ from pipedejavu.costmodel.analytical.ops import (
     MemoryOp,
     PassOptions,
     attention_core_forward_ops,
-    block_backward_ops,
-    block_forward_ops,
     element_bytes,
     embedding_backward_ops,
     embedding_forward_ops,
@@ -108,9 +119,12 @@ def analytical_layer_times(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    mtp_recompute: Recompute = "none",
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
-    """Forward, backward and optimizer-step seconds of every layer.
+    """Forward, backward and optimizer-step seconds of every layer; the
+    multi-token-prediction depths in the last layer, with the head
+    (:mod:`~pipedejavu.costmodel.analytical.mtp_ops`).
 
     Args:
         spec: the model.
@@ -133,12 +147,16 @@ def analytical_layer_times(
         tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
             ``sequence_parallel``; see
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
+        mtp_recompute: what the multi-token-prediction depths rerun in their
+            backward (``full``: their projection, block and final norm, as
+            Megatron's ``uniform`` method; ``selective``: their block's
+            attention core); the blocks' recomputation is the caller's.
         constants: the roofline's constants.
 
     Returns:
         ``(forward, backward, update)``: f64[L + 2] seconds per micro-batch on
         one GPU of the TP group; ``update`` is one Adam step over the layer's
-        parameters held by that GPU.
+        parameters held by that GPU (the head's without the depths').
 
     Raises:
         ValueError: bad sizes, a ``tp`` that does not divide the model, or a
@@ -156,10 +174,11 @@ def analytical_layer_times(
         context_parallel,
         tp_comm_overlap,
     )
+    block_params = sum(spec.layer_param_split(tp)[1])
     block = (
-        pass_seconds(block_forward_ops(spec, opts), gpu, constants),
-        pass_seconds(block_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(optimizer_ops(spec.block_params(tp), precision), gpu, constants),
+        pass_seconds(any_block_forward_ops(spec, opts), gpu, constants),
+        pass_seconds(any_block_backward_ops(spec, opts), gpu, constants),
+        pass_seconds(optimizer_ops(block_params, precision), gpu, constants),
     )
     first = (
         pass_seconds(embedding_forward_ops(spec, opts), gpu, constants),
@@ -177,8 +196,39 @@ def analytical_layer_times(
             constants,
         ),
     )
+    if spec.mtp_layers:
+        forward, backward = _mtp_seconds(
+            spec, opts, gpu, constants, mtp_recompute, block[0], block[1]
+        )
+        last = (last[0] + forward, last[1] + backward, last[2])
     rows = [_layer_row(spec, block[k], first[k], last[k]) for k in range(3)]
     return rows[0], rows[1], rows[2]
+
+
+def _mtp_seconds(
+    spec: TransformerSpec,
+    opts: PassOptions,
+    gpu: GpuSheetEntry,
+    constants: AnalyticalConstants,
+    recompute: Recompute,
+    block_forward: float,
+    block_backward: float,
+) -> tuple[float, float]:
+    """Forward and backward seconds of the multi-token-prediction depths: each
+    its own operations plus a block priced as the spec's blocks (the last
+    block's kind; :mod:`~pipedejavu.costmodel.analytical.moe_layers` puts an
+    expert block's time in its place), its rerun in the backward; the
+    block's seconds are given."""
+    forward = pass_seconds(mtp_own_forward_ops(spec, opts), gpu, constants)
+    backward = pass_seconds(mtp_own_backward_ops(spec, opts), gpu, constants)
+    if recompute == "full":
+        rerun = pass_seconds(mtp_rerun_ops(spec, opts), gpu, constants)
+        backward += rerun + block_forward
+    elif recompute == "selective":
+        core = attention_core_forward_ops(spec, opts)
+        backward += pass_seconds(core, gpu, constants)
+    depths = spec.mtp_layers
+    return depths * (forward + block_forward), depths * (backward + block_backward)
 
 
 def _layer_row(
@@ -206,6 +256,8 @@ WEIGHT_GRADIENT_OPS = (
     "lm_head.wgrad",
     "grad_accumulate",
     "word_scatter_add",
+    *MLA_WEIGHT_GRADIENT_OPS,
+    *MTP_WEIGHT_GRADIENT_OPS,
 )
 
 
@@ -252,11 +304,13 @@ def weight_gradient_seconds(
     def seconds(ops: LayerPass) -> float:
         return pass_seconds([o for o in ops if is_weight_gradient(o)], gpu, constants)
 
+    block = seconds(any_block_backward_ops(spec, opts))
+    depths = spec.mtp_layers * (block + seconds(mtp_own_backward_ops(spec, opts)))
     return _layer_row(
         spec,
-        seconds(block_backward_ops(spec, opts)),
+        block,
         seconds(embedding_backward_ops(spec, opts)),
-        seconds(head_backward_ops(spec, opts)),
+        seconds(head_backward_ops(spec, opts)) + depths,
     )
 
 
@@ -318,7 +372,7 @@ def block_forward_seconds(
         context_parallel,
         tp_comm_overlap,
     )
-    return pass_seconds(block_forward_ops(spec, opts), gpu, constants)
+    return pass_seconds(any_block_forward_ops(spec, opts), gpu, constants)
 
 
 def activation_bytes(
@@ -349,8 +403,12 @@ def activation_bytes(
 
     Returns:
         f64[L + 2] bytes: the embedding keeps its dropout mask; a block the
-        tensors above; the head its norm input, its matrix input and the fp32
-        softmax of the logits.
+        tensors above (multi-latent attention's own:
+        :func:`~pipedejavu.costmodel.analytical.mla_ops.mla_attention_elements`);
+        the head its norm input, its matrix input and the fp32 softmax of the
+        logits, and the multi-token-prediction depths
+        (:func:`~pipedejavu.costmodel.analytical.mtp_ops.mtp_kept_bytes`, each
+        with a block of the spec's blocks).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(
@@ -372,10 +430,11 @@ def activation_bytes(
         unsplit = tokens * h * (4 * e + 2 * MASK_BYTES) / split
         heads = spec.num_attention_heads / t
         up = spec.ffn_hidden_size / t * (2 if spec.gated_mlp else 1)
-        qkv = tokens * d * (heads + 2 * kv_heads)
-        split_elems = (
-            qkv + tokens * heads * d + tokens * (up + spec.ffn_hidden_size / t)
-        )
+        if spec.mla is None:  # Q, K, V and the core's output
+            attention = tokens * d * (2 * heads + 2 * kv_heads)
+        else:
+            attention = mla_attention_elements(spec, b, t, split)
+        split_elems = attention + tokens * (up + spec.ffn_hidden_size / t)
         block = unsplit + split_elems * e
         if recompute == "none":
             if opts.flash_attention:
@@ -387,6 +446,11 @@ def activation_bytes(
     head = 2 * tokens * h * e / split + tokens * spec.vocab_size / t * 4.0
     out = np.full(spec.num_layers + 2, block, dtype=np.float64)
     out[0], out[-1] = embedding, head
+    if spec.mtp_layers:
+        kept = mtp_kept_bytes(
+            spec, opts, recompute, embedding=embedding, block=block, head=head
+        )
+        out[-1] += spec.mtp_layers * kept
     return out
 
 

@@ -203,10 +203,15 @@ def expert_layer_times(
     *,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
     link_efficiency: float = 1.0,
+    mtp_recompute: Recompute = "none",
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """``(forward, backward, update)`` rows (f64[L + 2]) of a mixture of
     experts: ``rows`` (the dense view's, module doc) with each expert block's
-    own; ``backward`` without recomputation (the caller adds it).
+    own; ``backward`` without the blocks' recomputation (the caller adds it).
+    Where the last block is an expert block, the multi-token-prediction
+    depths in the last layer (priced in ``rows`` with the dense view's block,
+    rerun as ``mtp_recompute`` says: :func:`~pipedejavu.costmodel.analytical.
+    layers.analytical_layer_times`) get the expert block's time in its place.
 
     Raises:
         ValueError: the model does not split over ``opts.tp`` and the
@@ -216,7 +221,14 @@ def expert_layer_times(
     moe = spec.moe
     if moe is None:
         return forward, backward, update
-    f, b, _ = _block_seconds(spec, gpu, opts, layers, constants, link_efficiency)
+    f, b, rerun = _block_seconds(spec, gpu, opts, layers, constants, link_efficiency)
+    last = spec.num_layers  # the last block's row
+    if spec.mtp_layers and moe.is_expert_block(last - 1):
+        depths = spec.mtp_layers
+        forward[-1] += depths * (f - rows[0][last])
+        backward[-1] += depths * (b - rows[1][last])
+        if mtp_recompute == "full":
+            backward[-1] += depths * (rerun - rows[0][last])
     experts = layers.experts
     pairs = spec.layer_param_split(opts.tp, experts.ep, experts.etp)
     for block in range(spec.num_layers):
@@ -239,12 +251,18 @@ def expert_layer_activations(
     """Activation bytes per layer (f64[L + 2], one micro-batch of
     ``opts.mbs``): ``dense`` (:func:`~pipedejavu.costmodel.analytical.layers.
     activation_bytes` of the dense view) with each expert block's own
-    (:func:`~pipedejavu.costmodel.analytical.moe_ops.expert_activation_bytes`)."""
+    (:func:`~pipedejavu.costmodel.analytical.moe_ops.expert_activation_bytes`),
+    in the multi-token-prediction depths too where the last block is an expert
+    block."""
     out = np.asarray(dense, dtype=np.float64).copy()
     moe = spec.moe
     if moe is None:
         return out
     kept = expert_activation_bytes(spec, opts, experts, recompute)
+    last = spec.num_layers
+    if spec.mtp_layers and moe.is_expert_block(last - 1) and recompute != "full":
+        # the depths' blocks (a full recomputation keeps none of them)
+        out[-1] += spec.mtp_layers * (kept - out[last])
     for block in range(spec.num_layers):
         if moe.is_expert_block(block):
             out[1 + block] = kept

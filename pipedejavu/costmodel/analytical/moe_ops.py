@@ -3,8 +3,8 @@ activations, on one GPU for one micro-batch.
 
 An expert block is a transformer block whose MLP is Megatron-Core's
 ``MoELayer`` (core_v0.16.1): its attention half is the dense block's
-(:func:`~pipedejavu.costmodel.analytical.ops.block_forward_ops`, cut after the
-pre-MLP norm; multi-latent attention has its own projections), then, in
+(:func:`~pipedejavu.costmodel.analytical.mla_ops.any_block_forward_ops`, cut
+after the pre-MLP norm: grouped-query or multi-latent attention), then, in
 Megatron-Core's order:
 
 * the shared experts (a dense MLP of ``shared_ffn_hidden_size`` split over
@@ -50,6 +50,10 @@ import dataclasses
 from pipedejavu.core import moe_counts
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.layers import Recompute, activation_bytes
+from pipedejavu.costmodel.analytical.mla_ops import (
+    any_block_backward_ops,
+    any_block_forward_ops,
+)
 from pipedejavu.costmodel.analytical.moe_tokens import (
     INDEX_BYTES,
     ROUTING_MAP_BYTES,
@@ -65,8 +69,6 @@ from pipedejavu.costmodel.analytical.ops import (
     MemoryOp,
     PassOptions,
     backward_gemms,
-    block_backward_ops,
-    block_forward_ops,
     linear_gemm,
     tp_collectives,
 )
@@ -81,11 +83,11 @@ __all__ = [
 
 # ------------------------------------------------------------ dense halves
 def _dense_view(spec: TransformerSpec, width: int | None = None) -> TransformerSpec:
-    """The spec as a dense model (its attention, an MLP of ``width``)."""
+    """The spec's block as a dense block (its attention, multi-latent or not,
+    an MLP of ``width``)."""
     return dataclasses.replace(
         spec,
         moe=None,
-        mla=None,
         mtp_layers=0,
         ffn_hidden_size=spec.ffn_hidden_size if width is None else width,
     )
@@ -106,15 +108,10 @@ def _prefixed(ops: LayerPass, prefix: str) -> LayerPass:
 
 
 def _halves(spec: TransformerSpec, opts: PassOptions, width: int | None = None):
-    """Raises ``ValueError`` for multi-latent attention (not priced yet: the
-    dense view would price grouped-query attention in its place).
-
-    ``(attention, mlp, residual)`` of the dense view's forward and
+    """``(attention, mlp, residual)`` of the dense view's forward and
     ``(residual, mlp, attention)`` of its backward (no accumulation)."""
-    if spec.mla is not None:
-        raise ValueError(f"model {spec.name}: multi-latent attention is not priced yet")
-    forward = block_forward_ops(_dense_view(spec, width), opts)
-    backward = block_backward_ops(_dense_view(spec, width), opts)
+    forward = any_block_forward_ops(_dense_view(spec, width), opts)
+    backward = any_block_backward_ops(_dense_view(spec, width), opts)
     i = _index(forward, "post_attention_norm")
     j = _index(backward, "post_attention_norm.backward")
     return (
@@ -389,8 +386,6 @@ def expert_activation_bytes(
     """
     shape = expert_shape(spec, opts, experts)
     moe, h, tp = spec.moe, spec.hidden_size, opts.tp
-    if spec.mla is not None:
-        raise ValueError(f"model {spec.name}: multi-latent attention is not priced yet")
 
     def dense(width: int) -> float:
         return float(

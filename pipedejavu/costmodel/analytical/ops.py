@@ -48,6 +48,7 @@ __all__ = [
     "LayerPass",
     "MemoryOp",
     "PassOptions",
+    "attention_core_backward_ops",
     "attention_core_forward_ops",
     "backward_gemms",
     "block_backward_ops",
@@ -60,6 +61,7 @@ __all__ = [
     "linear_gemm",
     "optimizer_ops",
     "tp_collectives",
+    "tp_half",
     "validate_spec",
 ]
 
@@ -259,6 +261,17 @@ def _kv_heads(spec: TransformerSpec, tp: int) -> float:
     return max(spec.num_query_groups / tp, 1.0)
 
 
+def _core_dims(spec: TransformerSpec, tp: int) -> tuple[float, float, float]:
+    """``(query/key depth, value depth, key/value heads)`` of one GPU's
+    attention core: multi-latent attention's keys carry the rotary part and
+    every head its own keys and values."""
+    mla = spec.mla
+    if mla is None:
+        return spec.head_dim, spec.head_dim, _kv_heads(spec, tp)
+    qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    return qk, mla.v_head_dim, spec.num_attention_heads / tp
+
+
 def _softmax_passes(act: float, opts: PassOptions) -> int:
     # Megatron's fused scale-mask-softmax kernel takes 16-bit inputs only; in
     # fp32 the mask and the softmax are two PyTorch kernels, plus a third that
@@ -288,6 +301,17 @@ def tp_collectives(
     return [Collective(f"all_reduce.{where}", message_bytes, 2.0 * share)]
 
 
+def tp_half(
+    where: str, message_bytes: float, opts: PassOptions, beside: str = "", *, gather
+) -> list[Collective]:
+    """One side of :func:`tp_collectives`: its all-gather (``gather``: before
+    a column-parallel GEMM; none without sequence parallelism), or the other,
+    its reduce-scatter or all-reduce (after a row-parallel GEMM, or a
+    column-parallel GEMM's input gradient)."""
+    pair = tp_collectives(where, message_bytes, opts, beside)
+    return [c for c in pair if ("gather" in c.name) == gather]
+
+
 def linear_gemm(
     name: str, tokens: float, n: float, k: float, opts: PassOptions
 ) -> Gemm:
@@ -309,22 +333,23 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     """The attention core's forward: scores, mask, softmax, dropout, context
     (what selective recomputation reruns)."""
     b, s, t = opts.mbs, spec.seq_length, opts.tp
-    heads, d = spec.num_attention_heads / t, spec.head_dim
+    heads, (dqk, dv, kv_heads) = spec.num_attention_heads / t, _core_dims(spec, t)
     precision = _attention_precision(opts.precision)
     act, _ = element_bytes(precision)
     if opts.flash_attention:
-        # One fused kernel: both products (scores and context), reading Q, K, V
-        # and writing the output; with context parallelism the local queries
-        # meet the keys and values of the whole sequence.
+        # One fused kernel: both products (scores, of depth dqk, and context,
+        # of depth dv: two of their mean depth), reading Q, K, V and writing
+        # the output; with context parallelism the local queries meet the keys
+        # and values of the whole sequence.
         keys = s * opts.context_parallel
-        io = b * d * (2 * heads * s + 2 * _kv_heads(spec, t) * keys) * act
+        io = b * (dqk + dv) * (heads * s + kv_heads * keys) * act
         return [
             Gemm(
                 "flash_attention",
                 2 * b * heads,
                 s,
                 keys,
-                d,
+                (dqk + dv) / 2,
                 act,
                 act,
                 precision,
@@ -336,18 +361,20 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     scores = b * heads * s * s
     passes = _softmax_passes(act, opts)
     ops: LayerPass = [
-        Gemm("scores", b * heads, s, s, d, act, act, precision),
+        Gemm("scores", b * heads, s, s, dqk, act, act, precision),
         MemoryOp("mask_softmax", passes * 2 * scores * act),
     ]
     if opts.attention_dropout:
         ops.append(MemoryOp("attention_dropout", scores * (2 * act + MASK_BYTES)))
     return ops + [
-        Gemm("context", b * heads, s, d, s, act, act, precision),
-        MemoryOp("context_layout", 2 * b * s * heads * d * act),
+        Gemm("context", b * heads, s, dv, s, act, act, precision),
+        MemoryOp("context_layout", 2 * b * s * heads * dv * act),
     ]
 
 
 def _block_parts(spec: TransformerSpec, opts: PassOptions):
+    if spec.mla is not None:  # its projections: mla_ops
+        raise ValueError(f"model {spec.name}: multi-latent attention: see mla_ops")
     b, s, t, h = opts.mbs, spec.seq_length, opts.tp, spec.hidden_size
     act, _ = element_bytes(opts.precision)
     tokens = b * s
@@ -371,43 +398,28 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     gemms, x_bytes, x_elems, f_bytes, message, act = _block_parts(spec, opts)
     gated = spec.gated_mlp
     ops: LayerPass = [MemoryOp("input_norm", 2 * x_bytes)]
-    if opts.sequence_parallel and opts.tp > 1:
-        ops += [
-            c for c in tp_collectives("qkv", message, opts, "qkv") if "gather" in c.name
-        ]
+    ops += tp_half("qkv", message, opts, "qkv", gather=True)
     ops.append(gemms["qkv"])
     ops += attention_core_forward_ops(spec, opts)
     ops.append(gemms["out_proj"])
-    ops += [
-        c
-        for c in tp_collectives("out_proj", message, opts, "out_proj")
-        if "gather" not in c.name
-    ]
+    ops += tp_half("out_proj", message, opts, "out_proj", gather=False)
     ops += [
         MemoryOp("bias_dropout_add.attention", 3 * x_bytes + MASK_BYTES * x_elems),
         MemoryOp("post_attention_norm", 2 * x_bytes),
     ]
-    if opts.sequence_parallel and opts.tp > 1:
-        ops += [
-            c
-            for c in tp_collectives("mlp_up", message, opts, "mlp_up")
-            if "gather" in c.name
-        ]
+    ops += tp_half("mlp_up", message, opts, "mlp_up", gather=True)
     ops += [
         gemms["mlp_up"],
         MemoryOp("swiglu" if gated else "gelu", (3 if gated else 2) * f_bytes),
         gemms["mlp_down"],
     ]
-    ops += [
-        c
-        for c in tp_collectives("mlp_down", message, opts, "mlp_down")
-        if "gather" not in c.name
-    ]
+    ops += tp_half("mlp_down", message, opts, "mlp_down", gather=False)
     ops.append(MemoryOp("bias_dropout_add.mlp", 3 * x_bytes + MASK_BYTES * x_elems))
     return ops
 
 
-def _attention_core_backward(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+def attention_core_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
+    """The attention core's backward (flash: one fused kernel)."""
     ops: LayerPass = []
     act, _ = element_bytes(_attention_precision(opts.precision))
     for op in attention_core_forward_ops(spec, opts):
@@ -447,12 +459,7 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ops: LayerPass = [
         MemoryOp("bias_dropout_add.mlp.backward", 2 * x_bytes + MASK_BYTES * x_elems)
     ]
-    if opts.sequence_parallel and opts.tp > 1:
-        ops += [
-            c
-            for c in tp_collectives("mlp_down", message, opts, "mlp_down.dgrad")
-            if "gather" in c.name
-        ]
+    ops += tp_half("mlp_down", message, opts, "mlp_down.dgrad", gather=True)
     ops += backward_gemms(gemms["mlp_down"])
     ops.append(
         MemoryOp(
@@ -461,31 +468,18 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
         )
     )
     ops += backward_gemms(gemms["mlp_up"])
-    ops += [
-        c
-        for c in tp_collectives("mlp_up", message, opts, "mlp_up.dgrad")
-        if "gather" not in c.name
-    ]
+    ops += tp_half("mlp_up", message, opts, "mlp_up.dgrad", gather=False)
     ops += [
         MemoryOp("post_attention_norm.backward", 3 * x_bytes),
         MemoryOp(
             "bias_dropout_add.attention.backward", 2 * x_bytes + MASK_BYTES * x_elems
         ),
     ]
-    if opts.sequence_parallel and opts.tp > 1:
-        ops += [
-            c
-            for c in tp_collectives("out_proj", message, opts, "out_proj.dgrad")
-            if "gather" in c.name
-        ]
+    ops += tp_half("out_proj", message, opts, "out_proj.dgrad", gather=True)
     ops += backward_gemms(gemms["out_proj"])
-    ops += _attention_core_backward(spec, opts)
+    ops += attention_core_backward_ops(spec, opts)
     ops += backward_gemms(gemms["qkv"])
-    ops += [
-        c
-        for c in tp_collectives("qkv", message, opts, "qkv.dgrad")
-        if "gather" not in c.name
-    ]
+    ops += tp_half("qkv", message, opts, "qkv.dgrad", gather=False)
     ops += [
         MemoryOp("input_norm.backward", 3 * x_bytes),
         MemoryOp(
@@ -506,9 +500,7 @@ def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass
     ops: LayerPass = [MemoryOp("word_gather", 2 * x)]
     if opts.tp > 1:
         ops.append(MemoryOp("vocab_mask", 2 * x))
-        ops += [
-            c for c in tp_collectives("embedding", x, opts) if "gather" not in c.name
-        ]
+        ops += tp_half("embedding", x, opts, gather=False)
     local = x / opts.tp if opts.sequence_parallel else x
     if spec.position == "learned":
         ops += [
@@ -552,7 +544,7 @@ def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     head, logits, x, local = _head_parts(spec, opts)
     ops: LayerPass = [MemoryOp("final_norm", 2 * local)]
     if opts.sequence_parallel and opts.tp > 1:
-        ops += [c for c in tp_collectives("lm_head", x, opts) if "gather" in c.name]
+        ops += tp_half("lm_head", x, opts, gather=True)
     ops += [head, MemoryOp("cross_entropy", 7 * logits)]
     if opts.tp > 1:
         per_token = x / spec.hidden_size / (head.output_bytes / 4.0)
@@ -577,7 +569,7 @@ def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     head, logits, x, local = _head_parts(spec, opts)
     ops: LayerPass = [MemoryOp("cross_entropy.backward", 4 * logits)]
     ops += backward_gemms(head)
-    ops += [c for c in tp_collectives("lm_head", x, opts) if "gather" not in c.name]
+    ops += tp_half("lm_head", x, opts, gather=False)
     ops += [
         MemoryOp("final_norm.backward", 3 * local),
         MemoryOp(

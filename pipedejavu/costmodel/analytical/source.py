@@ -324,8 +324,10 @@ class AnalyticalSource:
             tp_comm_overlap=options.tp_comm_overlap,
         )
         dense = (dense_view(spec), *args[1:])
+        # Megatron-Core's block method skips the MTP depths' recomputation
+        mtp = "none" if options.block_recompute else options.recompute
         try:
-            rows = analytical_layer_times(*dense, **split, **kwargs)
+            rows = analytical_layer_times(*dense, **split, **kwargs, mtp_recompute=mtp)
             core = attention_core_forward_seconds(*dense, **kwargs)
             weight = weight_gradient_seconds(*dense, **split, **kwargs)
             if self.experts is not None:
@@ -339,6 +341,7 @@ class AnalyticalSource:
                     precision,
                     constants=self.constants,
                     link_efficiency=self.link_efficiency,
+                    mtp_recompute=mtp,
                 )
         except (ValueError, KeyError) as err:
             raise ProblemError(f"{spec.name} on {gpu}: {err}") from None
