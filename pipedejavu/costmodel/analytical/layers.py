@@ -3,9 +3,12 @@ profiles.
 
 Layers are numbered as the bundled profiles number them (see
 :mod:`pipedejavu.core.transformer`): 0 the embedding, ``1..L`` the blocks,
-``L + 1`` the final norm with the LM head and the loss. Times are for one
-micro-batch on one GPU of a TP group, TP communication included, like a
-Sailor profile entry.
+``L + 1`` the final norm with the LM head and the loss, and the
+multi-token-prediction depths (:mod:`~pipedejavu.costmodel.analytical.mtp_ops`:
+Megatron-Core runs them on the last stage). Blocks with multi-latent attention
+take its operations (:mod:`~pipedejavu.costmodel.analytical.mla_ops`). Times
+are for one micro-batch on one GPU of a TP group, TP communication included,
+like a Sailor profile entry.
 
 Activation bytes follow Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (MLSys'23): per block
