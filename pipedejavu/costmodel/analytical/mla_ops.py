@@ -118,7 +118,9 @@ def _parts(spec: TransformerSpec, opts: PassOptions) -> dict:
     )
 
 
-def _gathers(spec: TransformerSpec, opts: PassOptions, p: dict, backward: bool):
+def _gathers(
+    spec: TransformerSpec, opts: PassOptions, p: dict, backward: bool
+) -> dict[str, LayerPass]:
     """``{up projection: its input's collective}`` and the rotary key's: the
     all-gathers of the forward, or the input gradients' reductions."""
     mla, h, act, tokens = spec.mla, spec.hidden_size, p["act"], p["tokens"]
@@ -198,7 +200,9 @@ def mla_attention_backward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     return ops + [MemoryOp("mla_input_grad_sum", 3 * x)]
 
 
-def mla_attention_elements(spec: TransformerSpec, mbs: int, tp: int, split: int):
+def mla_attention_elements(
+    spec: TransformerSpec, mbs: int, tp: int, split: int
+) -> float:
     """Elements one GPU keeps of multi-latent attention until its backward
     (beside the dense block's input and norm tensors): the queries, keys and
     values the core reads and its output (the output projection's input), all
