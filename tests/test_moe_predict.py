@@ -6,6 +6,7 @@ predicted (analytical source, predictor, launch report)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -223,7 +224,11 @@ def test_flex_dispatch_crosses_to_each_node_once():
 
 
 def test_the_published_moe_runs_are_launched_as_their_recipes_say():
-    from pipedejavu.planning.moe_published import moe_launches
+    from pipedejavu.planning.moe_published import launch_of_moe_run, moe_launches
+    from pipedejavu.planning.published_runs import (
+        bundled_moe_published_path,
+        load_moe_published_runs,
+    )
 
     launches = moe_launches()
     assert len(launches) == 13
@@ -236,6 +241,22 @@ def test_the_published_moe_runs_are_launched_as_their_recipes_say():
         if run.spec.num_layers == 94 and run.pp > 1:  # embedding and loss counted
             assert sum(launch.stage_layers) == 94
             assert launch.stage_layers[0] == launch.stage_layers[1] - 1
+        # the ModelZoo launcher adds --tp-comm-overlap in BF16 (all its runs
+        # have TP > 1 with SP); Megatron-Bridge's records name none
+        zoo = run.run_id.startswith("modelzoo_")
+        assert launch.tp_comm_overlap == zoo
+    notes = {
+        run.run_id: launch_of_moe_run(run, record)[1]
+        for run, record in zip(
+            load_moe_published_runs(str(bundled_moe_published_path())),
+            json.loads(bundled_moe_published_path().read_text())["runs"],
+            strict=True,
+        )
+    }
+    graphed = [
+        key for key, said in notes.items() if any("CUDA graphs" in n for n in said)
+    ]
+    assert graphed == ["modelzoo_qwen3_235b_h100_run_h100_235b_sh_320tflops"]
 
 
 def test_published_moe_predictions_match_the_recorded_benchmark():
@@ -251,7 +272,7 @@ def test_published_moe_predictions_match_the_recorded_benchmark():
     recorded = json.loads(path.read_text())
     assert {
         name: getattr(HALF_PRECISION_ANALYTICAL, name) for name in MOE_FIELDS
-    } == recorded["constants"]
+    } == pytest.approx(recorded["constants"], rel=1e-12)
     predictions = predict_moe_published()
     assert [p.run.run_id for p in predictions] == [r["id"] for r in recorded["runs"]]
     for prediction, run in zip(predictions, recorded["runs"], strict=True):

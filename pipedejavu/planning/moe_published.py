@@ -3,13 +3,13 @@
 Each run of ``moe_h100.json`` (:func:`~pipedejavu.planning.published_runs.
 load_moe_published_runs`) is read into the :class:`~pipedejavu.io.megatron_args.
 MegatronRun` its recipe launches (model, TP, PP, virtual chunks, EP, expert TP,
-micro and global batch, precision, sequence parallelism, recomputation,
-dispatcher, all-to-all overlap) and predicted by :func:`~pipedejavu.planning.
-megatron_launch.predict_megatron_run` on ``H100`` nodes of 8, as
-``predict --megatron-args`` predicts a launch. Nothing is fitted to them: the
-cost model's constants are those fitted before on the dense profiles and the
-published dense runs; the error of every run is reported as it is (the
-leave-one-out error of a model fitted on none of them).
+micro and global batch, precision, sequence parallelism, TP-communication
+overlap, recomputation, dispatcher, all-to-all overlap) and predicted by
+:func:`~pipedejavu.planning.megatron_launch.predict_megatron_run` on ``H100``
+nodes of 8, as ``predict --megatron-args`` predicts a launch. Only the three
+:data:`MOE_FIELDS` are fitted on them (:func:`fit_moe_constants`; the
+benchmark reports the leave-one-out error); every other constant was fitted
+before, on the dense profiles and the published dense runs.
 
 What the records set that the prediction does not see (each said in the run's
 ``notes``): Megatron-FSDP (priced as the distributed optimizer it extends),
@@ -141,6 +141,16 @@ def launch_of_moe_run(
         granularity = None
     if par.get("fsdp"):
         notes.append("Megatron-FSDP priced as the distributed optimizer")
+    graphs = par.get("cuda_graph") or par.get("cuda_graph_scope")
+    if graphs:
+        notes.append(f"CUDA graphs ({graphs}) not priced")
+    sequence_parallel = bool(par.get("sequence_parallel")) and run.tp > 1
+    # the ModelZoo launcher adds --tp-comm-overlap with PR=bf16 (its note)
+    launcher = str(((record.get("source") or {}).get("launcher") or {}).get("note"))
+    tp_comm_overlap = sequence_parallel and (
+        "--tp-comm-overlap" in precision
+        or (not fp8 and "PR=bf16 adds --tp-comm-overlap" in launcher)
+    )
     dispatcher = str(par.get("moe_dispatcher") or "alltoall").split("/")[0]
     if dispatcher not in ("alltoall", "allgather", "flex"):
         raise ProblemError(f"{run.run_id}: dispatcher {dispatcher!r} not understood")
@@ -170,7 +180,8 @@ def launch_of_moe_run(
             virtual_chunks=chunks,
             micro_batch=run.micro_batch,
             global_batch=run.global_batch,
-            sequence_parallel=bool(par.get("sequence_parallel")) and run.tp > 1,
+            sequence_parallel=sequence_parallel,
+            tp_comm_overlap=tp_comm_overlap,
             recompute_granularity=granularity,
             recompute_method="uniform" if granularity == "full" else None,
             recompute_num_layers=1 if granularity == "full" else None,
