@@ -16,10 +16,12 @@ import pytest
 from pipedejavu.core.layout import ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.io.export_megatron import moe_layer_freq_text
+from pipedejavu.io import exports
+from pipedejavu.io.export_megatron import moe_layer_freq_text, pipeline_layout
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.exports import EXPORTS, export_plan, launchers
 from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.megatron_layout import layout_stages
 from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.io.megatron_pattern import moe_layer_freq
 from pipedejavu.io.model_config import load_model_spec
@@ -251,22 +253,123 @@ def test_what_megatron_refuses_of_the_experts_is_refused():
     ETP 1): refused through the reader's own rule."""
     run, plan = launch("every second block, expert tp = tp")  # etp 2
     biased = dataclasses.replace(run.spec, linear_bias=True)
-    with pytest.raises(
-        ExportRefused, match="refuses the plan's experts.*--expert-tensor"
-    ):
+    with pytest.raises(ExportRefused, match="read back .* is refused.*--expert-tensor"):
         export_plan(plan, "megatron", spec=biased, options=options_of_run(run))
 
 
-def test_multi_latent_attention_and_mtp_are_refused_as_not_priced():
+def test_deepseek_v3_is_exported_with_its_latent_attention_and_mtp():
+    """Multi-latent attention and multi-token prediction (refused as not
+    priced before): Megatron-LM's flags, read back as the model."""
     spec = load_model_spec("DeepSeek-V3")
-    layers = spec.num_profile_layers
     run, _ = launch("tp 1, experts over the replicas")
     plan = plan_from_megatron_run(
         dataclasses.replace(run, spec=spec, pp=1, stage_layers=(), ep=8), GPU, 8, 8
     )
-    assert plan.num_layers == layers
-    with pytest.raises(ExportRefused, match="not priced yet"):
-        export_plan(plan, "megatron", spec=spec)
+    text = export_plan(plan, "megatron", spec=spec)
+    tokens = command(text)
+    assert "--multi-latent-attention" in tokens and "--qk-layernorm" in tokens
+    flags = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+             "--qk-pos-emb-head-dim", "--v-head-dim", "--mtp-num-layers")  # fmt: skip
+    assert [value(tokens, f) for f in flags] == ["1536", "512", "128", "64", "128", "1"]
+    assert value(tokens, "--normalization") == "RMSNorm"
+    assert value(tokens, "--position-embedding-type") == "rope"
+    assert "--rope-type" not in tokens  # MLATransformerConfig's YaRN, as priced
+    assert "YaRN" in text and "--rotary-scaling-factor" in text
+    assert "multi-token-prediction layer(s) on the last pipeline stage" in text
+    back = spec_from_megatron_args(tokens)
+    fields = {f.name for f in dataclasses.fields(spec)}
+    fields -= {"name", "split_head_layer", "max_position_embeddings"}
+    assert {f: getattr(back.spec, f) for f in fields} == {
+        f: getattr(spec, f) for f in fields
+    }
+    assert normalized(back.layout(8)) == normalized(plan.layout)
+
+
+#: DeepSeek-V3's shape, small: latent attention and its norms, shared
+#: experts, the first two blocks dense.
+LATENT = (
+    "--multi-latent-attention --q-lora-rank 96 --kv-lora-rank 64 "
+    "--qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 32 --qk-layernorm "
+    "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 64 "
+    "--moe-shared-expert-intermediate-size 64 --moe-layer-freq ([0]*2+[1]*6) "
+)
+LATENT_LAUNCHES = {
+    "MTP 1, uneven first/last stages": (
+        LATENT + "--mtp-num-layers 1 --tensor-model-parallel-size 2 "
+        "--sequence-parallel --pipeline-model-parallel-size 4 "
+        "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1 "
+        "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1",
+        32,
+    ),
+    "no query latent, MTP 2, even stages": (
+        LATENT.replace("--q-lora-rank 96 ", "") + "--mtp-num-layers 2 "
+        "--pipeline-model-parallel-size 2 --expert-model-parallel-size 8",
+        16,
+    ),
+    "dense MLA with MTP": (
+        LATENT.split("--num-experts")[0] + "--mtp-num-layers 1 "
+        "--tensor-model-parallel-size 2 --sequence-parallel "
+        "--pipeline-model-parallel-size 2",
+        8,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LATENT_LAUNCHES))
+def test_latent_attention_and_mtp_launches_read_back_as_planned(name):
+    flags, gpus = LATENT_LAUNCHES[name]
+    run = spec_from_megatron_args(BASE + flags)
+    plan = plan_from_megatron_run(run, GPU, gpus, PER_NODE)
+    text = export_plan(plan, "megatron", spec=run.spec, options=options_of_run(run))
+    tokens = command(text)
+    back = spec_from_megatron_args(tokens)
+    assert back.spec == run.spec
+    assert normalized(back.layout(gpus)) == normalized(plan.layout)
+    assert back.stage_layers == run.stage_layers
+    assert ("--q-lora-rank" in tokens) == (run.spec.mla.q_lora_rank > 0)
+    assert value(tokens, "--mtp-num-layers") == str(run.spec.mtp_layers)
+
+
+def test_mtp_with_learned_positions_is_refused_with_megatrons_rule():
+    """validate_args: MTP needs rotary or no position embedding. A model
+    without experts is read back too, and refused as Megatron-LM would."""
+    run = spec_from_megatron_args(BASE + LATENT_LAUNCHES["dense MLA with MTP"][0])
+    learned = dataclasses.replace(
+        run.spec, position="learned", max_position_embeddings=1024
+    )
+    plan = plan_from_megatron_run(dataclasses.replace(run, spec=learned), GPU, 8, 8)
+    with pytest.raises(ExportRefused, match="--mtp-num-layers needs --position"):
+        export_plan(plan, "megatron", spec=learned, options=options_of_run(run))
+
+
+def test_the_layout_names_the_mtp_layers_on_the_last_stage():
+    """Megatron's layout must hold --mtp-num-layers ``m``, after every
+    transformer layer (validate_layer_layout)."""
+    assert pipeline_layout([3, 3, 1, 1]) == "Et*3|t*3|t|tL"
+    assert pipeline_layout([3, 3, 1, 1], mtp=1) == "Et*3|t*3|t|tmL"
+    text = pipeline_layout([2, 3, 0, 2], mtp=2)
+    assert text == "Et*2|t*3||t*2m*2L"
+    assert layout_stages(text) == ["Ett", "ttt", "", "ttmmL"]
+
+
+def test_a_read_back_of_another_split_is_refused(monkeypatch):
+    """The read-back compares the layers per stage too: a command whose
+    first/last-stage flags were lost is refused."""
+    flags, gpus = LATENT_LAUNCHES["MTP 1, uneven first/last stages"]
+    run = spec_from_megatron_args(BASE + flags)
+    plan = plan_from_megatron_run(run, GPU, gpus, PER_NODE)
+    real = exports.to_megatron
+
+    def lossy(plan, spec=None):
+        args = real(plan, spec)
+        at = args.index("--decoder-first-pipeline-num-layers")
+        return args[:at] + args[at + 4 :]  # (the last-stage flag follows)
+
+    monkeypatch.setattr(exports, "to_megatron", lossy)
+    with pytest.raises(
+        ExportRefused, match=r"split .* \[2, 2, 2, 2\] .* \[1, 3, 3, 1\]"
+    ):
+        export_plan(plan, "megatron", spec=run.spec, options=options_of_run(run))
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,26 @@ Checked against Megatron Core 0.16.1 (``megatron/training/arguments.py``:
   ``--decoder-last-pipeline-num-layers`` (what they leave divides evenly over
   the other stages); any other split uses ``--pipeline-model-parallel-layout``
   (``E`` embedding, ``t`` transformer layer, ``L`` loss, stages split by ``|``,
-  ``t*n`` repeats). The layout holds ``|``, so the command line is quoted for
-  a POSIX shell (:func:`shlex.join`). Megatron-LM builds the final norm with
-  the LM head on the last stage: a plan that puts them on different stages is
-  refused.
+  ``t*n`` repeats; ``m`` a multi-token-prediction layer). The layout holds
+  ``|``, so the command line is quoted for a POSIX shell (:func:`shlex.join`).
+  Megatron-LM builds the final norm with the LM head on the last stage: a
+  plan that puts them on different stages is refused.
+* Multi-token prediction: ``--mtp-num-layers``. Megatron-LM builds the MTP
+  layers on the last pipeline stage, the plan prices them there (with the
+  LM head); a layout must then name them, after every transformer layer
+  (``validate_layer_layout``, ``multi_token_prediction.py``): the last stage
+  is written ``t*n`` ``m`` ``L`` (:func:`pipeline_layout`). Megatron-LM's
+  MTP loss scaling is left at its default, as the model description holds
+  none.
+* Multi-latent attention: ``--multi-latent-attention``, ``--q-lora-rank``
+  (only for queries projected through a latent), ``--kv-lora-rank``,
+  ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``, the latent
+  norms as ``--qk-layernorm``, and the model's ``--normalization`` and
+  ``--position-embedding-type rope``. ``--rope-type`` is not written:
+  Megatron-LM's ``MLATransformerConfig`` then runs YaRN, whose fused kernel
+  the cost model prices (its other rotary type needs ``--no-rope-fusion``);
+  the model's rotary base and scaling are not in its description, and a
+  comment asks for them (:func:`latent_note`).
 * One TP degree for every stage (:func:`~pipedejavu.io.export_rules.uniform_tp`).
 * Megatron-LM's interleaved schedule with ``V`` chunks per rank:
   ``--num-layers-per-virtual-pipeline-stage`` (transformer layers per chunk);
@@ -40,14 +56,16 @@ Checked against Megatron Core 0.16.1 (``megatron/training/arguments.py``:
   in training at TP > 1 without ``--sequence-parallel``: a plan priced
   without it is refused. ``--moe-router-topk 1`` takes
   ``--moe-router-pre-softmax`` (``TransformerConfig`` refuses a softmax over
-  one score without it). Every export with experts is read back by
+  one score without it).
+* Every export with experts, multi-latent attention or multi-token
+  prediction is read back by
   :func:`~pipedejavu.io.megatron_args.spec_from_megatron_args` (the one
   statement here of what Megatron-LM refuses) and must give the plan's
-  layout and the model's experts (:func:`check_read_back`).
+  layout and layers per stage and the model's experts, heads, norms, latent
+  attention and MTP layers (:func:`check_read_back`).
 * Heads not ``h / a`` wide: ``--kv-channels``; per-head query/key norms:
   ``--qk-layernorm``. Refused: norms over a whole projection (OLMoE; no
-  Megatron-LM flag), multi-latent attention and multi-token prediction (not
-  priced yet, so no plan of them was).
+  Megatron-LM flag).
 * No zero-bubble schedule (:data:`NO_ZERO_BUBBLE`; read in megatron-core
   0.16.1): ``get_forward_backward_func`` (``pipeline_parallel/schedules.py``)
   picks no pipelining, 1F1B or interleaved 1F1B, each with whole backward
@@ -87,6 +105,7 @@ __all__ = [
     "check_experts",
     "expert_note",
     "interleaving_flags",
+    "latent_note",
     "moe_layer_freq_text",
     "moe_run_flags",
     "pipeline_layout",
@@ -107,13 +126,21 @@ NO_ZERO_BUBBLE = (
 DEFAULT_MOE_OPTIONS = MoeOptions(dispatcher="alltoall", grouped_gemm=True)
 
 
-def pipeline_layout(counts: list[int]) -> str:
-    """``--pipeline-model-parallel-layout`` of transformer layers per stage."""
+def _repeat(letter: str, count: int) -> str:
+    return f"{letter}*{count}" if count > 1 else letter * count
+
+
+def pipeline_layout(counts: list[int], mtp: int = 0) -> str:
+    """``--pipeline-model-parallel-layout`` of transformer layers per stage,
+    with ``mtp`` multi-token-prediction layers (``m``) after the last
+    stage's transformer layers, before the loss: Megatron-LM's layout must
+    hold ``--mtp-num-layers`` of them, after every transformer layer."""
     parts = []
     for index, count in enumerate(counts):
+        last = index == len(counts) - 1
         text = "E" if index == 0 else ""
-        text += f"t*{count}" if count > 1 else ("t" if count == 1 else "")
-        text += "L" if index == len(counts) - 1 else ""
+        text += _repeat("t", count)
+        text += _repeat("m", mtp) + "L" if last else ""
         parts.append(text)
     return "|".join(parts)
 
@@ -154,7 +181,8 @@ def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
         if middle and counts[-1] != even:
             args += ["--decoder-last-pipeline-num-layers", str(counts[-1])]
         return args
-    return args + ["--pipeline-model-parallel-layout", pipeline_layout(counts)]
+    mtp = 0 if spec is None else spec.mtp_layers
+    return args + ["--pipeline-model-parallel-layout", pipeline_layout(counts, mtp)]
 
 
 def interleaving_flags(
@@ -229,24 +257,37 @@ def _check_shape(spec: TransformerSpec) -> None:
             f"keys; {spec.name}'s norms over the whole query and key projections "
             "(OLMoE's) have no Megatron-LM flag"
         )
-    if spec.mla is not None or spec.mtp_layers:
-        raise ExportRefused(
-            f"{spec.name} has multi-latent attention or multi-token prediction, "
-            "which are not priced yet: no plan of them to export"
-        )
+
+
+def _latent_flags(spec: TransformerSpec) -> list[str]:
+    """Multi-latent attention's flags (``--q-lora-rank`` only for queries
+    projected through a latent) and ``--mtp-num-layers``."""
+    flags = []
+    mla = spec.mla
+    if mla is not None:
+        flags.append("--multi-latent-attention")
+        flags += ["--q-lora-rank", str(mla.q_lora_rank)] if mla.q_lora_rank else []
+        flags += ["--kv-lora-rank", str(mla.kv_lora_rank)]
+        flags += ["--qk-head-dim", str(mla.qk_head_dim)]
+        flags += ["--qk-pos-emb-head-dim", str(mla.qk_pos_emb_head_dim)]
+        flags += ["--v-head-dim", str(mla.v_head_dim)]
+    return flags + (
+        ["--mtp-num-layers", str(spec.mtp_layers)] if spec.mtp_layers else []
+    )
 
 
 def shape_flags(spec: TransformerSpec) -> list[str]:
-    """The model's head width, query/key norms and experts (module
-    docstring), beside :func:`~pipedejavu.io.export_megatron_command.
-    model_flags`' dense shape.
+    """The model's head width, query/key norms, multi-latent attention,
+    multi-token prediction and experts (module docstring), beside
+    :func:`~pipedejavu.io.export_megatron_command.model_flags`' dense shape.
 
     Raises:
-        ExportRefused: a shape Megatron-LM has no flag for, or not priced.
+        ExportRefused: a shape Megatron-LM has no flag for.
     """
     _check_shape(spec)
     flags = [] if spec.kv_channels is None else ["--kv-channels", str(spec.kv_channels)]
     flags += ["--qk-layernorm"] if spec.qk_layernorm else []
+    flags += _latent_flags(spec)
     moe = spec.moe
     if moe is None:
         return flags
@@ -349,13 +390,42 @@ def expert_note(
     return lines
 
 
+def latent_note(spec: TransformerSpec | None) -> list[str]:
+    """The comment lines that say what the export leaves at Megatron-LM's
+    defaults for multi-latent attention and multi-token prediction (none
+    without them)."""
+    lines = []
+    if spec is not None and spec.mla is not None:
+        lines.append(
+            "# multi-latent attention with Megatron-LM's rotary embedding for "
+            "it, YaRN with its fused kernel (as priced); the model's rotary base "
+            "and scaling are not known here: add its --rotary-base, "
+            "--rotary-scaling-factor, --mscale and --mscale-all-dim"
+        )
+    if spec is not None and spec.mtp_layers:
+        lines.append(
+            f"# {spec.mtp_layers} multi-token-prediction layer(s) on the last "
+            "pipeline stage, where Megatron-LM builds them and the plan prices "
+            "them; --mtp-loss-scaling-factor left at Megatron-LM's 0.1"
+        )
+    return lines
+
+
 def _shape_of(spec: TransformerSpec) -> tuple:
-    """What the experts' flags say of ``spec``: its experts (every block
-    named as ``None``), head width and query/key norms."""
+    """What the shape flags say of ``spec``: its experts (every block named
+    as ``None``), head width, query/key norms, multi-latent attention and
+    multi-token-prediction layers."""
     moe = spec.moe
     if moe is not None and moe.layers is not None and all(moe.layers):
         moe = dataclasses.replace(moe, layers=None)
-    return moe, spec.head_dim, spec.qk_layernorm
+    return moe, spec.head_dim, spec.qk_layernorm, spec.mla, spec.mtp_layers
+
+
+def _reads_back(plan: Plan3D, spec: TransformerSpec | None) -> bool:
+    """Whether the export is read back: experts, multi-latent attention or
+    multi-token prediction."""
+    latent = spec is not None and (spec.mla is not None or spec.mtp_layers > 0)
+    return latent or has_experts(plan, spec)
 
 
 def _same_layout(a, b) -> bool:
@@ -369,29 +439,40 @@ def _same_layout(a, b) -> bool:
 
 
 def check_read_back(plan: Plan3D, text: str, spec: TransformerSpec | None) -> None:
-    """A plan with experts: its export (the command on the last line of
-    ``text``) read back by :func:`~pipedejavu.io.megatron_args.
-    spec_from_megatron_args` must give the plan's layout, and ``spec``'s
-    experts, head width and query/key norms.
+    """A plan with experts, multi-latent attention or multi-token
+    prediction: its export (the command on the last line of ``text``) read
+    back by :func:`~pipedejavu.io.megatron_args.spec_from_megatron_args`
+    must give the plan's layout and layers per stage, and ``spec``'s
+    experts, head width, query/key norms, latent attention and MTP layers.
 
     Raises:
         ExportRefused: the reader refuses the command (what Megatron-LM
-            refuses), or reads another layout or other experts.
+            refuses, as the reader states it), or reads another layout,
+            split or model.
     """
-    if not has_experts(plan, spec):
+    if not _reads_back(plan, spec):
         return
     try:
         run = spec_from_megatron_args(shlex.split(text.splitlines()[-1]))
         layout = run.layout(plan.num_gpus)
     except ProblemError as error:
         raise ExportRefused(
-            f"Megatron-LM refuses the plan's experts: {error}"
+            f"the export's command, read back by pipedejavu's Megatron-LM "
+            f"reader, is refused: {error}"
         ) from None
     if spec is not None and _shape_of(run.spec) != _shape_of(spec):
         raise ExportRefused(
-            f"Megatron-LM would build other experts than {spec.name}'s from the command"
+            f"Megatron-LM would build another model than {spec.name} from the "
+            "command (experts, heads, norms, latent attention or MTP layers)"
         )
     if not _same_layout(layout, plan.layout):
         raise ExportRefused(
             "Megatron-LM would lay out the command's GPUs otherwise than the plan"
+        )
+    counts = transformer_layers(plan, spec)
+    read = list(run.stage_layers) or [run.spec.num_layers // run.pp] * run.pp
+    if read != counts:
+        raise ExportRefused(
+            f"Megatron-LM would split the command's transformer layers {read} "
+            f"over the stages, the plan {counts}"
         )

@@ -107,6 +107,7 @@ from pipedejavu.io.export_megatron import (
     check_read_back,
     expert_note,
     interleaving_flags,
+    latent_note,
     moe_run_flags,
     to_megatron,
 )
@@ -430,7 +431,7 @@ def _build(
             spec=spec,
             seq_length=seq_length,
             user_args=megatron_args,
-            notes=expert_note(plan, spec, moe),
+            notes=expert_note(plan, spec, moe) + latent_note(None if own else spec),
         )
         check_read_back(plan, text, spec)
         return text
