@@ -1,8 +1,10 @@
 """Mixture-of-experts exports checked by Megatron-LM's own code (issue 44).
 
-For MoE launches (hand-picked shapes, three presets and seeded random
-layouts), the plan Megatron-LM runs for the launch (``plan_from_megatron_run``)
-is exported with ``export_plan(plan, "megatron", ...)`` and
+For MoE launches (hand-picked shapes, DeepSeek-V3-shaped small models with
+multi-latent attention, shared experts, first dense blocks and multi-token
+prediction, four presets and seeded random layouts), the plan Megatron-LM runs
+for the launch (``plan_from_megatron_run``) is exported with
+``export_plan(plan, "megatron", ...)`` and
 
 * the whole ``pretrain_gpt.py`` command goes through Megatron-LM's
   ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``
@@ -14,7 +16,10 @@ is exported with ``export_plan(plan, "megatron", ...)`` and
   norms, the plan's ``expert_model_parallel_size`` /
   ``expert_tensor_parallel_size``, sequence parallelism, the alltoall
   dispatcher and grouped GEMM, and the dense shape
-  (``check_exports.check_model_shape``);
+  (``check_exports.check_model_shape``); with multi-latent attention,
+  Megatron-LM's ``MLATransformerConfig`` with the model's ranks and head
+  widths, its latent norms and YaRN rotary embedding (what the cost model
+  prices), and ``mtp_num_layers``;
 * every rank runs ``parallel_state.initialize_model_parallel`` with those
   sizes on torch's fake process group and builds the plan's layers
   (``check_exports.check_megatron``), which asserts, as Megatron-Core does,
@@ -23,7 +28,15 @@ is exported with ``export_plan(plan, "megatron", ...)`` and
   builds its dense and expert generators for the exported sizes, gives the
   groups of ``plan.layout.groups``: dense ``tp``, ``dp``, ``pp``, and expert
   ``etp`` (its ``tp``), ``ep``, ``etp-ep`` (its ``tp-ep``), ``edp`` (its
-  ``dp``), ``pp`` — the same lists in the same order.
+  ``dp``), ``pp`` — the same lists in the same order;
+* with MTP layers, every rank's ``get_mtp_num_layers_to_build`` (each model
+  chunk) builds them on the last pipeline stage only, where the plan prices
+  them with the LM head.
+
+A split that only ``--pipeline-model-parallel-layout`` gives, with an MTP
+layer (``Et*3|t*3|t|tmL``), goes through the same checks as the export
+writes it (its read-back skipped), and the export's own answer (exported, or
+refused by its read-back) is recorded.
 
 A refusal is checked too: biased experts split over expert TP (the export
 refuses them through our reader) must be refused by Megatron-LM's
@@ -50,6 +63,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -58,6 +72,7 @@ import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
 import torch  # noqa: E402
 
 from pipedejavu.core.layout import experts_fit  # noqa: E402
+from pipedejavu.io import exports  # noqa: E402
 from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 from pipedejavu.io.megatron_args import spec_from_megatron_args  # noqa: E402
@@ -102,12 +117,56 @@ HAND = [
      "--num-experts 16 --expert-model-parallel-size 16 "
      "--expert-tensor-parallel-size 1", 32, 4),
 ]  # fmt: skip
+#: DeepSeek-V3's shape, small: multi-latent attention with its latent norms,
+#: shared experts, the first blocks dense, multi-token prediction.
+LATENT = (
+    "--multi-latent-attention --q-lora-rank 96 --kv-lora-rank 64 "
+    "--qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 32 --qk-layernorm "
+    "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 64 "
+    "--moe-shared-expert-intermediate-size 64 --moe-layer-freq ([0]*2+[1]*6) "
+)
+#: Multi-latent attention and MTP launches: (name, flags, GPUs, per node).
+LATENT_HAND = [
+    ("MLA, MTP 1, uneven first/last stages", LATENT + "--mtp-num-layers 1 "
+     "--tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+     "--decoder-last-pipeline-num-layers 1 --expert-model-parallel-size 4 "
+     "--expert-tensor-parallel-size 1", 32, 8),
+    ("MLA without a query latent, MTP 2, even stages",
+     LATENT.replace("--q-lora-rank 96 ", "") + "--mtp-num-layers 2 "
+     "--pipeline-model-parallel-size 2 --expert-model-parallel-size 8", 16, 8),
+    ("MLA, MTP 1, last stage uneven, replicas outermost", LATENT
+     + "--mtp-num-layers 1 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 3 --decoder-last-pipeline-num-layers 2 "
+     "--use-tp-pp-dp-mapping --expert-model-parallel-size 2 "
+     "--expert-tensor-parallel-size 1", 12, 4),
+    ("MLA, MTP 1, one stage", LATENT + "--mtp-num-layers 1 "
+     "--tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-model-parallel-size 4 --expert-tensor-parallel-size 2", 16, 8),
+    ("dense MLA with MTP (no experts)", LATENT.split("--num-experts")[0]
+     + "--mtp-num-layers 1 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 2", 8, 8),
+]  # fmt: skip
 #: Presets on small layouts: (name, TP, PP, EP, expert TP, GPUs).
 PRESETS = [
     ("Mixtral-8x7B", 2, 2, 8, 1, 32),
     ("Qwen3-30B-A3B", 4, 2, 16, 1, 64),
     ("GPT-OSS-20B", 2, 2, 8, 1, 32),  # (biased experts: expert TP 1)
+    ("DeepSeek-V3", 1, 2, 8, 1, 32),  # (61 blocks: 31 + 30)
 ]
+#: A split that only --pipeline-model-parallel-layout gives (MTP added to
+#: the model read: our reader refuses MTP layers in a layout).
+LAYOUT_SPLIT = (
+    LATENT + "--pipeline-model-parallel-size 4 "
+    "--pipeline-model-parallel-layout Et*3|t*3|t|tL --expert-model-parallel-size 2"
+)
+
+
+def split_evenly(blocks: int, pp: int) -> tuple[int, ...]:
+    """Megatron's even split (``()``), or the first stages one block more."""
+    if blocks % pp == 0:
+        return ()
+    return tuple(blocks // pp + (s < blocks % pp) for s in range(pp))
 
 
 def preset_run(name: str, tp: int, pp: int, ep: int, etp: int):
@@ -121,6 +180,8 @@ def preset_run(name: str, tp: int, pp: int, ep: int, etp: int):
         pp=pp,
         sequence_parallel=tp > 1,
         padded_vocab_size=spec.padded_vocab_size(tp),
+        # (an odd block count: the first stage one block more)
+        stage_layers=split_evenly(spec.num_layers, pp),
         ep=ep,
         etp=None if etp == tp else etp,
         moe_options=MOE,
@@ -189,6 +250,69 @@ def check_experts(args, config, spec, plan) -> None:
     expect(not wrong, f"experts read otherwise: {wrong}")
 
 
+def check_latent(args, config, spec) -> None:
+    """Megatron-LM read the model's multi-latent attention (the YaRN rotary
+    embedding of its MLATransformerConfig, as priced) and MTP layers."""
+    mla = spec.mla
+    fields = {
+        "multi_latent_attention": (bool(args.multi_latent_attention), mla is not None),
+        "mtp_num_layers": (args.mtp_num_layers or 0, spec.mtp_layers),
+    }
+    if mla is not None:
+        fields |= {
+            "q_lora_rank": (config.q_lora_rank or 0, mla.q_lora_rank),
+            "kv_lora_rank": (config.kv_lora_rank, mla.kv_lora_rank),
+            "qk_head_dim": (config.qk_head_dim, mla.qk_head_dim),
+            "qk_pos_emb_head_dim": (
+                config.qk_pos_emb_head_dim,
+                mla.qk_pos_emb_head_dim,
+            ),  # fmt: skip
+            "v_head_dim": (config.v_head_dim, mla.v_head_dim),
+            "latent norms": (bool(config.qk_layernorm), bool(spec.qk_layernorm)),
+            "rope_type": (config.rope_type, "yarn"),
+        }
+    wrong = [k for k, (got, want) in fields.items() if got != want]
+    expect(not wrong, f"latent attention or MTP read otherwise: {wrong}")
+
+
+def check_mtp_placement(args, config, plan, spec) -> None:
+    """Megatron-Core builds the MTP layers on the last pipeline stage (its
+    last model chunk), where the plan prices them with the LM head: every
+    rank's ``get_mtp_num_layers_to_build``, chunk by chunk."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import (
+        get_mtp_num_layers_to_build,
+    )
+
+    world, chunks = plan.num_gpus, args.virtual_pipeline_model_parallel_size or 1
+    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    last = plan.num_stages - 1
+    for rank in range(world):
+        with check_exports.fake_rank(rank, world):
+            ps.initialize_model_parallel(
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+                args.virtual_pipeline_model_parallel_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                order=order,
+                create_gloo_process_groups=False,
+            )
+            try:
+                stage = ps.get_pipeline_model_parallel_rank()
+                built = [
+                    get_mtp_num_layers_to_build(
+                        config, vp_stage=None if chunks == 1 else chunk
+                    )
+                    for chunk in range(chunks)
+                ]
+            finally:
+                ps.destroy_model_parallel()
+        wanted = [0] * chunks
+        wanted[-1] = spec.mtp_layers if stage == last else 0
+        expect(built == wanted, f"rank {rank} (stage {stage}) builds MTP {built}")
+
+
 def check_groups(args, plan) -> int:
     """Megatron-Core's generators' groups against the plan's layout; the
     number of group kinds compared."""
@@ -220,13 +344,44 @@ def check_case(name, run, gpus, per_node) -> dict:
         plan, "megatron", spec=run.spec, options=options, moe=MOE,
         gpus_per_node={GPU: per_node},
     )  # fmt: skip
+    return check_text(name, plan, text, run.spec, options)
+
+
+def check_text(name, plan, text, spec, options) -> dict:
+    """An export's command through Megatron-LM's code (module docstring)."""
     args, config = check_exports.megatron_args(
         shlex.split(text.splitlines()[-1]), plan.num_gpus
     )
-    check_experts(args, config, run.spec, plan)
-    check_exports.check_megatron(plan, text, spec=run.spec, options=options)
+    if spec.moe is not None:
+        check_experts(args, config, spec, plan)
+    check_latent(args, config, spec)
+    check_exports.check_megatron(plan, text, spec=spec, options=options)
+    if spec.mtp_layers:
+        check_mtp_placement(args, config, plan, spec)
     kinds = check_groups(args, plan)
     return {"case": name, "layout": plan.describe(), "group_kinds": kinds}
+
+
+def check_layout_mtp() -> str:
+    """A split only --pipeline-model-parallel-layout gives, with an MTP
+    layer: the command the export writes (``Et*3|t*3|t|tmL``) through
+    Megatron-LM's code, and what the export's read-back says of it."""
+    read = spec_from_megatron_args(BASE + LAYOUT_SPLIT)
+    spec = dataclasses.replace(read.spec, mtp_layers=1)
+    run = dataclasses.replace(read, spec=spec, moe_options=MOE)
+    plan = plan_from_megatron_run(run, GPU, 8, 8)
+    options = options_of_run(run)
+    try:
+        export_plan(plan, "megatron", spec=spec, options=options, moe=MOE)
+        said = "exported"
+    except ExportRefused as error:
+        said = f"the export refuses it: {error}"
+    # the command the export writes, its read-back skipped
+    with mock.patch.object(exports, "check_read_back", lambda *_: None):
+        text = export_plan(plan, "megatron", spec=spec, options=options, moe=MOE)
+    expect("Et*3|t*3|t|tmL" in text, "the layout written")
+    check_text("layout with MTP", plan, text, spec, options)
+    return f"Megatron-LM runs the written command as planned; {said}"
 
 
 def check_bias_refusal() -> str:
@@ -264,7 +419,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     cases = [
         (name, spec_from_megatron_args(BASE + flags), gpus, per_node)
-        for name, flags, gpus, per_node in HAND + random_launches(ns.random)
+        for name, flags, gpus, per_node in HAND
+        + LATENT_HAND
+        + random_launches(ns.random)
     ]
     cases += [
         (name, preset_run(name, tp, pp, ep, etp), gpus, 8)
@@ -277,6 +434,12 @@ def main(argv=None) -> int:
         except (check_exports.Mismatch, check_exports.RealRejects, ExportRefused,
                 AssertionError, ValueError, RuntimeError) as error:  # fmt: skip
             failures.append({"case": name, "why": f"{type(error).__name__}: {error}"})
+    try:
+        layout_mtp = check_layout_mtp()
+    except (check_exports.Mismatch, check_exports.RealRejects, AssertionError,
+            ValueError, RuntimeError) as error:  # fmt: skip
+        layout_mtp = f"{type(error).__name__}: {error}"
+        failures.append({"case": "layout with MTP", "why": layout_mtp})
     refusal = check_bias_refusal()
     if not refusal.startswith("refused by both"):
         failures.append({"case": "biased experts at expert TP 2", "why": refusal})
@@ -284,11 +447,17 @@ def main(argv=None) -> int:
         "exports_checked": len(cases),
         "as_planned": len(checked),
         "group_kinds_compared": sum(c["group_kinds"] for c in checked),
+        "latent_attention_or_mtp_exports": sum(
+            run.spec.mla is not None or run.spec.mtp_layers > 0
+            for _, run, _, _ in cases
+        ),
         "biased_experts_at_expert_tp_2": refusal,
+        "layout_with_mtp": layout_mtp,
         "cases": checked,
     }
     shown = ("exports_checked", "as_planned", "group_kinds_compared",
-             "biased_experts_at_expert_tp_2")  # fmt: skip
+             "latent_attention_or_mtp_exports", "biased_experts_at_expert_tp_2",
+             "layout_with_mtp")  # fmt: skip
     return check_exports.write_check(ns.out, started, fields, failures, shown)
 
 
