@@ -143,6 +143,10 @@ LATENT_HAND = [
     ("MLA, MTP 1, one stage", LATENT + "--mtp-num-layers 1 "
      "--tensor-model-parallel-size 2 --sequence-parallel "
      "--expert-model-parallel-size 4 --expert-tensor-parallel-size 2", 16, 8),
+    ("MLA, MTP 1, interleaved (2 chunks a stage)", LATENT + "--mtp-num-layers 1 "
+     "--tensor-model-parallel-size 2 --sequence-parallel "
+     "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+     "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1", 8, 8),
     ("dense MLA with MTP (no experts)", LATENT.split("--num-experts")[0]
      + "--mtp-num-layers 1 --tensor-model-parallel-size 2 --sequence-parallel "
      "--pipeline-model-parallel-size 2", 8, 8),
@@ -313,6 +317,36 @@ def check_mtp_placement(args, config, plan, spec) -> None:
         expect(built == wanted, f"rank {rank} (stage {stage}) builds MTP {built}")
 
 
+def check_chunks(args, config, plan, spec) -> None:
+    """Interleaved: ``check_exports.check_megatron`` builds one chunk a rank;
+    here each rank's chunk ``c`` builds the plan's equal share of its stage's
+    blocks, virtual stage ``c PP + r`` in Megatron's order (the order the
+    plan prices), and the micro-batches are the plan's."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import (
+        get_transformer_layer_offset,
+    )
+
+    chunks, pp = args.virtual_pipeline_model_parallel_size, plan.num_stages
+    per_chunk = spec.num_layers // (pp * chunks)
+    expect(args.data_parallel_size == plan.dp, "data parallel size")
+    count = check_exports.megatron_microbatches(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
+    expect(count == plan.num_microbatches, "micro-batches")
+    for rank in range(pp):
+        blocks = sum(1 for x in range(plan.stages[rank].start, plan.stages[rank].stop)
+                     if 1 <= x <= spec.num_layers)  # fmt: skip
+        expect(blocks == per_chunk * chunks, f"stage {rank} holds {blocks} blocks")
+        for chunk in range(chunks):
+            got = (
+                get_num_layers_to_build(config, vp_stage=chunk, pp_rank=rank),
+                get_transformer_layer_offset(config, vp_stage=chunk, pp_rank=rank),
+            )
+            want = (per_chunk, (chunk * pp + rank) * per_chunk)
+            expect(got == want, f"rank {rank} chunk {chunk} builds {got}")
+
+
 def check_groups(args, plan) -> int:
     """Megatron-Core's generators' groups against the plan's layout; the
     number of group kinds compared."""
@@ -355,7 +389,10 @@ def check_text(name, plan, text, spec, options) -> dict:
     if spec.moe is not None:
         check_experts(args, config, spec, plan)
     check_latent(args, config, spec)
-    check_exports.check_megatron(plan, text, spec=spec, options=options)
+    if args.virtual_pipeline_model_parallel_size:
+        check_chunks(args, config, plan, spec)
+    else:
+        check_exports.check_megatron(plan, text, spec=spec, options=options)
     if spec.mtp_layers:
         check_mtp_placement(args, config, plan, spec)
     kinds = check_groups(args, plan)

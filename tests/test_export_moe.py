@@ -306,6 +306,13 @@ LATENT_LAUNCHES = {
         "--pipeline-model-parallel-size 2 --expert-model-parallel-size 8",
         16,
     ),
+    "MTP 1, interleaved": (
+        LATENT + "--mtp-num-layers 1 --tensor-model-parallel-size 2 "
+        "--sequence-parallel --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 2 --expert-model-parallel-size 2 "
+        "--expert-tensor-parallel-size 1",
+        8,
+    ),
     "dense MLA with MTP": (
         LATENT.split("--num-experts")[0] + "--mtp-num-layers 1 "
         "--tensor-model-parallel-size 2 --sequence-parallel "
@@ -325,7 +332,10 @@ def test_latent_attention_and_mtp_launches_read_back_as_planned(name):
     back = spec_from_megatron_args(tokens)
     assert back.spec == run.spec
     assert normalized(back.layout(gpus)) == normalized(plan.layout)
-    assert back.stage_layers == run.stage_layers
+    assert (back.stage_layers, back.virtual_chunks) == (
+        run.stage_layers,
+        run.virtual_chunks,
+    )
     assert ("--q-lora-rank" in tokens) == (run.spec.mla.q_lora_rank > 0)
     assert value(tokens, "--mtp-num-layers") == str(run.spec.mtp_layers)
 
