@@ -1,6 +1,7 @@
 """How a Megatron-LM launch splits its transformer layers over pipeline stages.
 
-:func:`split_pipeline` reads the flags that decide it, with the rules of
+:func:`pipeline_split` (and :func:`split_pipeline`, its first two answers)
+reads the flags that decide it, with the rules of
 Megatron Core (``megatron/training/arguments.py``' ``validate_args``,
 ``TransformerConfig.__post_init__``, ``get_num_layers_to_build`` and
 ``PipelineParallelLayerLayout``; read in core_v0.16.1, no code copied):
@@ -15,29 +16,47 @@ Megatron Core (``megatron/training/arguments.py``' ``validate_args``,
   as one more layer: ``(L + 1 [+ 1]) / PP`` a stage, one fewer transformer
   layer on the first (last) stage;
 * ``--pipeline-model-parallel-layout``: the layers of every (virtual) stage
-  spelled out: ``E`` embedding, ``t`` transformer layer, ``L`` loss, stages
-  split by ``|``, ``x*n`` and ``(...)*n`` repeat, commas cosmetic;
+  spelled out: ``E`` embedding, ``t`` transformer layer, ``m`` MTP depth,
+  ``L`` loss, stages split by ``|``, ``x*n`` and ``(...)*n`` repeat, commas cosmetic;
   ``PP x V`` stages in the order of the interleaved schedule's virtual
   stages;
 * ``--num-layers-per-virtual-pipeline-stage`` or
   ``--num-virtual-stages-per-pipeline-rank``: ``V`` model chunks a stage
   (the interleaved schedule).
 
+A layout's multi-token-prediction depths (``m``) follow Megatron Core's
+``validate_layer_layout``: as many as ``--mtp-num-layers``
+(:meth:`PipelineSplit.check_mtp`), after every transformer layer, all in one
+virtual stage, the last of its pipeline rank. The cost model prices them with
+the LM head (:mod:`pipedejavu.costmodel.analytical.mtp_ops`), so they must sit
+in the loss's virtual stage, the last; Megatron's "standalone" MTP (``m`` in
+the last virtual stage of another rank, ``...,m|L``) is refused as not priced.
+A layout's virtual stages may hold any number of transformer layers (none:
+``"mL"``): :attr:`PipelineSplit.virtual_layers` gives each one's, which the
+interleaved pipeline model prices chunk by chunk
+(:func:`~pipedejavu.costmodel.megatron.interleaving.chunk_layers`).
+
 What the predictor does not model is refused with one line: unequal model
-chunks under the interleaved schedule (uneven first/last stages with ``V >
-1``; the embedding or loss counted in the split is even, and priced:
-:func:`~pipedejavu.costmodel.megatron.interleaving.chunk_layers`),
-multi-token-prediction layers (``m``), and the flag combinations Megatron-LM
-itself refuses.
+chunks from uneven first/last stages under the interleaved schedule
+(``--decoder-first/last-pipeline-num-layers`` with ``V > 1``; a layout
+spells them out instead), standalone MTP, and the flag combinations
+Megatron-LM itself refuses.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from pipedejavu.core.errors import ProblemError
 
-__all__ = ["MAX_LAYOUT_CHARS", "layout_stages", "split_pipeline"]
+__all__ = [
+    "MAX_LAYOUT_CHARS",
+    "PipelineSplit",
+    "layout_stages",
+    "pipeline_split",
+    "split_pipeline",
+]
 
 #: Longest ``--pipeline-model-parallel-layout`` once its repeats are unrolled
 #: (a layout spells out every layer; a million layers is beyond any model).
@@ -90,17 +109,87 @@ def layout_stages(layout: str) -> list[str]:
     return stages
 
 
-def _from_layout(layout: str, num_layers: int, pp: int) -> tuple[int, tuple[int, ...]]:
+class PipelineSplit(NamedTuple):
+    """What :func:`pipeline_split` reads.
+
+    Attributes:
+        chunks: ``V``, model chunks per pipeline rank (1: no interleaving).
+        stage_layers: transformer layers of each pipeline rank (all its
+            chunks) when they differ; ``()``: Megatron's even split.
+        virtual_layers: with a layout and ``V > 1``, the transformer layers
+            of each of the ``PP x V`` virtual stages, in their order (rank
+            ``r`` holds ``r, r + PP, ...``); ``()``: the chunks Megatron's
+            even split gives
+            (:func:`~pipedejavu.costmodel.megatron.interleaving.chunk_layers`).
+        layout_mtp: the MTP depths (``m``) a layout holds; ``None``: no layout
+            (Megatron puts ``--mtp-num-layers`` on the last stage).
+    """
+
+    chunks: int
+    stage_layers: tuple[int, ...] = ()
+    virtual_layers: tuple[int, ...] = ()
+    layout_mtp: int | None = None
+
+    def check_mtp(self, mtp_layers: int) -> None:
+        """Refuse a layout whose ``m`` are not ``--mtp-num-layers``
+        (``mtp_layers``; 0 without the flag), as Megatron Core's
+        ``validate_layer_layout`` asserts.
+
+        Raises:
+            ProblemError: the counts differ.
+        """
+        if self.layout_mtp is not None and self.layout_mtp != mtp_layers:
+            raise ProblemError(
+                f"Megatron arguments: --pipeline-model-parallel-layout holds "
+                f"{self.layout_mtp} MTP layer(s) (m), --mtp-num-layers says "
+                f"{mtp_layers} (Megatron Core's validate_layer_layout: they must "
+                "match)"
+            )
+
+
+def _mtp_placement(stages: list[str], pp: int) -> None:
+    """Megatron Core's ``validate_layer_layout`` rules on where ``m`` sits,
+    then the one the cost model adds (``m`` beside the loss)."""
+    where = [k for k, stage in enumerate(stages) if "m" in stage]
+    if not where:
+        return
+    text = "|".join(stages)
+    if "t" in text[text.index("m") :]:
+        raise ProblemError(
+            "Megatron arguments: a transformer layer (t) follows an MTP layer (m) "
+            "in --pipeline-model-parallel-layout (validate_layer_layout: decoder "
+            "layers must be placed before MTP layers)"
+        )
+    chunks = len(stages) // pp
+    for k in where:
+        if k // pp != chunks - 1:
+            raise ProblemError(
+                f"Megatron arguments: --pipeline-model-parallel-layout puts MTP "
+                f"layers (m) in virtual stage {k // pp} of pipeline rank {k % pp}, "
+                "not its last (validate_layer_layout: MTP sits in a rank's last "
+                "virtual stage)"
+            )
+    if len(where) > 1:
+        raise ProblemError(
+            "Megatron arguments: --pipeline-model-parallel-layout spreads its MTP "
+            "layers (m) over several virtual stages (validate_layer_layout: all "
+            "in one)"
+        )
+    if where[0] != len(stages) - 1:
+        raise ProblemError(
+            f"Megatron arguments: MTP layers (m) on pipeline rank {where[0] % pp}, "
+            "apart from the loss (Megatron's standalone MTP), are not priced: the "
+            "cost model runs them with the LM head; put them beside L, in the "
+            "last virtual stage"
+        )
+
+
+def _from_layout(layout: str, num_layers: int, pp: int) -> PipelineSplit:
     stages = layout_stages(layout)
     if len(stages) % pp:
         raise ProblemError(
             f"Megatron arguments: --pipeline-model-parallel-layout has {len(stages)} "
             f"stages, not a multiple of --pipeline-model-parallel-size {pp}"
-        )
-    if any("m" in stage for stage in stages):
-        raise ProblemError(
-            "Megatron arguments: multi-token-prediction layers (m in "
-            "--pipeline-model-parallel-layout) are not supported"
         )
     text = "|".join(stages)
     if text.count("E") != 1 or not stages[0].startswith("E"):
@@ -119,14 +208,15 @@ def _from_layout(layout: str, num_layers: int, pp: int) -> tuple[int, tuple[int,
             f"Megatron arguments: --pipeline-model-parallel-layout holds "
             f"{sum(counts)} transformer layers, --num-layers says {num_layers}"
         )
+    _mtp_placement(stages, pp)
     chunks = len(stages) // pp
-    if chunks > 1 and len(set(counts)) > 1:
-        raise ProblemError(
-            "Megatron arguments: a --pipeline-model-parallel-layout with unequal "
-            "model chunks under the interleaved schedule is not supported (give "
-            "every virtual stage as many transformer layers)"
-        )
-    return chunks, counts if chunks == 1 and len(set(counts)) > 1 else ()
+    ranks = tuple(sum(counts[r::pp]) for r in range(pp))
+    return PipelineSplit(
+        chunks,
+        ranks if len(set(ranks)) > 1 else (),
+        counts if chunks > 1 else (),
+        text.count("m"),
+    )
 
 
 def _first_last(
@@ -149,16 +239,20 @@ def _first_last(
     return tuple(counts)
 
 
-def _virtual(
-    per_rank_layers: int, pp: int, per_chunk: int | None, per_rank: int | None
-) -> int:
-    if per_chunk is None and per_rank is None:
-        return 1
+def _pipelined(pp: int) -> None:
     if pp == 1:
         raise ProblemError(
             "Megatron arguments: virtual pipeline stages need "
             "--pipeline-model-parallel-size > 1"
         )
+
+
+def _virtual(
+    per_rank_layers: int, pp: int, per_chunk: int | None, per_rank: int | None
+) -> int:
+    if per_chunk is None and per_rank is None:
+        return 1
+    _pipelined(pp)
     if per_rank is not None:
         chunks = per_rank
     elif per_rank_layers % per_chunk:
@@ -177,7 +271,22 @@ def _virtual(
     return chunks
 
 
-def split_pipeline(
+def _uneven_chunks(counts: tuple[int, ...], chunks: int) -> tuple[int, ...]:
+    """The virtual stages' layers of uneven first/last stages under the
+    interleaved schedule: each rank's layers split evenly over its chunks, as
+    ``TransformerConfig`` requires them to."""
+    for r, count in enumerate(counts):
+        if count % chunks:
+            where = "first" if r == 0 else "last" if r == len(counts) - 1 else "middle"
+            raise ProblemError(
+                f"Megatron arguments: the {where} pipeline stage's {count} layers "
+                f"do not split into --num-virtual-stages-per-pipeline-rank {chunks} "
+                "equal chunks (TransformerConfig requires it)"
+            )
+    return tuple(count // chunks for _ in range(chunks) for count in counts)
+
+
+def pipeline_split(
     num_layers: int,
     pp: int,
     *,
@@ -188,11 +297,11 @@ def split_pipeline(
     layout: str | None = None,
     layers_per_chunk: int | None = None,
     chunks_per_rank: int | None = None,
-) -> tuple[int, tuple[int, ...]]:
-    """``(V, counts)``: model chunks per stage and the transformer layers of
-    each pipeline stage (``()`` for Megatron's even split; always ``()``
-    when ``V > 1``, whose chunks are equal). Arguments are the flags of the
-    module docstring (``None``/``False`` when not given).
+) -> PipelineSplit:
+    """The model chunks per stage and the transformer layers of each pipeline
+    stage and virtual stage. Arguments are the flags of the module docstring
+    (``None``/``False`` when not given). A layout's ``m`` are checked against
+    ``--mtp-num-layers`` by :meth:`PipelineSplit.check_mtp`.
 
     Raises:
         ProblemError: flags Megatron-LM refuses together, a split that does not
@@ -205,10 +314,18 @@ def split_pipeline(
         )
     uneven = first is not None or last is not None
     if layout is not None:
-        if uneven or embedding or loss or layers_per_chunk or chunks_per_rank:
+        if layers_per_chunk or chunks_per_rank:
+            raise ProblemError(
+                "Megatron arguments: --pipeline-model-parallel-layout gives the "
+                "virtual stages itself; validate_args refuses it with "
+                "--num-virtual-stages-per-pipeline-rank or "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        if uneven or embedding or loss:
             raise ProblemError(
                 "Megatron arguments: --pipeline-model-parallel-layout cannot be "
-                "combined with the other pipeline-split or virtual-stage flags"
+                "combined with the other pipeline-split flags (TransformerConfig "
+                "refuses them together)"
             )
         return _from_layout(layout, num_layers, pp)
     if uneven and (embedding or loss):
@@ -223,13 +340,12 @@ def split_pipeline(
                 "--num-virtual-stages-per-pipeline-rank, not "
                 "--num-layers-per-virtual-pipeline-stage"
             )
-        if chunks_per_rank not in (None, 1):
-            raise ProblemError(
-                "Megatron arguments: uneven first/last stages with the interleaved "
-                "schedule are not supported (its model chunks would differ)"
-            )
         counts = _first_last(num_layers, pp, first, last)
-        return 1, counts if len(set(counts)) > 1 else ()
+        chunks, virtual = chunks_per_rank or 1, ()
+        if chunks > 1:
+            _pipelined(pp)
+            virtual = _uneven_chunks(counts, chunks)
+        return PipelineSplit(chunks, counts if len(set(counts)) > 1 else (), virtual)
     total = num_layers + embedding + loss
     if total % pp:
         what = "".join(
@@ -242,10 +358,26 @@ def split_pipeline(
     per_rank = total // pp
     chunks = _virtual(per_rank, pp, layers_per_chunk, chunks_per_rank)
     if not (embedding or loss):
-        return chunks, ()
+        return PipelineSplit(chunks)
     # ``per_rank / chunks`` layers a virtual stage, the embedding (loss) one
     # of the first (last): the first (last) stage holds one block fewer
     counts = [per_rank] * pp
     counts[0] -= embedding
     counts[-1] -= loss
-    return chunks, tuple(counts) if len(set(counts)) > 1 else ()
+    return PipelineSplit(chunks, tuple(counts) if len(set(counts)) > 1 else ())
+
+
+def split_pipeline(
+    num_layers: int, pp: int, *, mtp_layers: int = 0, **flags
+) -> tuple[int, tuple[int, ...]]:
+    """``(V, counts)`` of :func:`pipeline_split` (``flags``: its keywords),
+    a layout's ``m`` checked against ``mtp_layers``
+    (:meth:`PipelineSplit.check_mtp`).
+
+    Raises:
+        ProblemError: as :func:`pipeline_split`, or a layout whose ``m`` are
+            not ``mtp_layers``.
+    """
+    split = pipeline_split(num_layers, pp, **flags)
+    split.check_mtp(mtp_layers)
+    return split.chunks, split.stage_layers

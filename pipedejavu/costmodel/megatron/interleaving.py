@@ -2,12 +2,14 @@
 
 With ``V > 1`` model chunks per pipeline rank (``--num-layers-per-virtual-
 pipeline-stage``), Megatron-LM splits the transformer blocks into ``P V`` equal
-chunks and gives rank ``r`` the chunks ``r, r + P, ..., r + (V - 1) P``; the
-embedding belongs to chunk 0 and the final norm with the LM head to chunk
-``P V - 1``. A plan for it is a :class:`~pipedejavu.core.plan3d.Plan3D` of
-``P`` stages (the ranks) whose stages hold equally many blocks; its stages'
-layer ranges are then only the per-rank totals, and :func:`chunk_layers` gives
-each rank's chunks.
+chunks (or, with ``--pipeline-model-parallel-layout``, the chunks it spells
+out, of any sizes) and gives rank ``r`` the chunks ``r, r + P, ..., r + (V -
+1) P``; the embedding belongs to chunk 0 and the final norm with the LM head
+(and the MTP depths) to chunk ``P V - 1``. A plan for it is a
+:class:`~pipedejavu.core.plan3d.Plan3D` of ``P`` stages (the ranks); its
+stages' layer ranges are then only the per-rank totals, and
+:func:`chunk_layers` gives each rank's chunks: of an even split, or of the
+virtual stages' sizes a layout gives.
 
 :func:`interleaved_pipelines` times every pipeline on
 :func:`~pipedejavu.simulation.interleaved.simulate_interleaved`: a chunk's
@@ -54,10 +56,21 @@ __all__ = [
     "chunk_layers",
     "chunk_stash",
     "interleaved_pipelines",
+    "profile_chunks",
     "rank_layers",
     "virtual_stage_layers",
     "warmup_stash",
 ]
+
+
+def profile_chunks(blocks: Sequence[int]) -> list[int]:
+    """Profile layers of each virtual stage holding ``blocks`` transformer
+    layers (in virtual-stage order): the embedding is the first profile layer
+    and the head (with the MTP depths) the last, so the first virtual stage
+    holds one more, and the last one more (a stage of no blocks, a layout's
+    ``"mL"``, holds the head alone)."""
+    last = len(blocks) - 1
+    return [held + (k == 0) + (k == last) for k, held in enumerate(blocks)]
 
 
 def virtual_stage_layers(
@@ -68,19 +81,16 @@ def virtual_stage_layers(
     splits them: equal blocks, or with ``--account-for-embedding-in-pipeline-
     split`` (``embedding``) / ``--account-for-loss-in-pipeline-split``
     (``loss``) the embedding (the loss) counted as one layer of the first
-    (last) virtual stage; the embedding and the head are always the first and
-    last profile layers. ``None``: they do not split evenly."""
+    (last) virtual stage (:func:`profile_chunks`). ``None``: they do not
+    split evenly."""
     units = blocks + embedding + loss
     if units % stages:
         return None
     per = units // stages
-    out = []
-    for k in range(stages):
-        held = per - (embedding and k == 0) - (loss and k == stages - 1)
-        if held < 0:
-            return None
-        out.append(held + (k == 0) + (k == stages - 1))
-    return out
+    held = [
+        per - (embedding and k == 0) - (loss and k == stages - 1) for k in range(stages)
+    ]
+    return None if min(held) < 0 else profile_chunks(held)
 
 
 #: The splits :func:`chunk_layers` tries, Megatron-LM's default first:
@@ -89,22 +99,29 @@ SPLITS = ((False, False), (True, True), (True, False), (False, True))
 
 
 def chunk_layers(
-    plan: Plan3D, num_chunks: int, v_shape: bool = False
+    plan: Plan3D,
+    num_chunks: int,
+    v_shape: bool = False,
+    sizes: Sequence[int] | None = None,
 ) -> list[list[tuple[int, int]]]:
     """``[rank][chunk] -> (start, stop)`` profile layers of each model chunk:
     chunk ``c`` of rank ``r`` is virtual stage ``c P + r``, or with
     ``v_shape`` (two chunks, ZB-V) ``r`` and ``2 P - 1 - r``: rank 0 then
     holds the embedding and the head.
 
-    The virtual stages split the layers evenly as Megatron-LM does
-    (:func:`virtual_stage_layers`): equal transformer layers, or, where the
-    plan's stages hold what that gives, the embedding and/or the loss counted
-    as a layer (``--account-for-embedding/loss-in-pipeline-split``; the
-    default split is read first where both fit).
+    ``sizes``: the transformer layers of each virtual stage, in their order
+    (a ``--pipeline-model-parallel-layout``'s, any counts: :func:`profile_chunks`
+    adds the embedding and the head). Without them the virtual stages split
+    the layers evenly as Megatron-LM does (:func:`virtual_stage_layers`):
+    equal transformer layers, or, where the plan's stages hold what that
+    gives, the embedding and/or the loss counted as a layer
+    (``--account-for-embedding/loss-in-pipeline-split``; the default split is
+    read first where both fit).
 
     Raises:
         ProblemError: the layers do not split into ``P V`` even model chunks
-            the plan's stages hold.
+            the plan's stages hold, or ``sizes`` are not ``P V`` counts of the
+            plan's blocks whose chunks its stages hold.
     """
     if v_shape and num_chunks != 2:
         raise ProblemError(f"the V placement needs 2 chunks per rank, not {num_chunks}")
@@ -120,30 +137,53 @@ def chunk_layers(
     def virtual(r: int, c: int) -> int:
         return (2 * ranks - 1 - r if c else r) if v_shape else c * ranks + r
 
-    sizes = None
+    def ranks_hold(layers: list[int], grouped: bool = False) -> bool:
+        """The plan's stages hold each rank's chunks (``grouped``: counted as
+        if each rank held consecutive virtual stages, as the planner's stages
+        count an even split's, ZB-V's too: the same counts without V)."""
+        return held == [
+            sum(
+                layers[r * num_chunks + c] if grouped else layers[virtual(r, c)]
+                for c in range(num_chunks)
+            )
+            for r in range(ranks)
+        ]
+
+    if sizes is not None:
+        if len(sizes) != count or min(sizes) < 0 or sum(sizes) != blocks:
+            raise ProblemError(
+                f"the virtual stages' layers {list(sizes)} are not {ranks} x "
+                f"{num_chunks} counts of the plan's {blocks} transformer layers"
+            )
+        layers = profile_chunks(sizes)
+        if not ranks_hold(layers):
+            raise ProblemError(
+                f"the plan's stages hold {held} layers, not the chunks of the "
+                f"virtual stages' {list(sizes)} transformer layers"
+            )
+        return _spans(layers, ranks, num_chunks, virtual)
     for split in SPLITS:
         layers = virtual_stage_layers(blocks, count, *split)
-        # (the plan's stages: the layers its ranks hold, counted as if each
-        # held consecutive virtual stages, the same counts)
-        if layers is not None and held == [
-            sum(layers[r * num_chunks : (r + 1) * num_chunks]) for r in range(ranks)
-        ]:
-            sizes = layers
-            break
-    if sizes is None:
-        if blocks % count:
-            raise ProblemError(
-                f"{blocks} transformer layers do not split into {ranks} x "
-                f"{num_chunks} equal model chunks (Megatron-LM's interleaved "
-                "schedule needs that, the embedding and loss counted or not)"
-            )
-        size = blocks // count
+        if layers is not None and ranks_hold(layers, grouped=True):
+            return _spans(layers, ranks, num_chunks, virtual)
+    if blocks % count:
         raise ProblemError(
-            f"the plan's stages hold {held} layers; the interleaved schedule "
-            f"gives every rank {num_chunks} chunks of {size} transformer layers"
+            f"{blocks} transformer layers do not split into {ranks} x "
+            f"{num_chunks} equal model chunks (Megatron-LM's interleaved "
+            "schedule needs that, the embedding and loss counted or not)"
         )
+    size = blocks // count
+    raise ProblemError(
+        f"the plan's stages hold {held} layers; the interleaved schedule "
+        f"gives every rank {num_chunks} chunks of {size} transformer layers"
+    )
+
+
+def _spans(
+    layers: list[int], ranks: int, num_chunks: int, virtual: Callable[[int, int], int]
+) -> list[list[tuple[int, int]]]:
     firsts = [0]
-    for size in sizes:
+    for size in layers:
         firsts.append(firsts[-1] + size)
     return [
         [(firsts[virtual(r, c)], firsts[virtual(r, c) + 1]) for c in range(num_chunks)]
@@ -266,6 +306,7 @@ def interleaved_pipelines(
     nodes: Sequence[Sequence[Hashable]],
     zero_bubble: bool = False,
     v_shape: bool = False,
+    sizes: Sequence[int] | None = None,
 ) -> InterleavedPipelines:
     """Time every pipeline of ``plan`` under the interleaved schedule, or with
     ``zero_bubble`` under the interleaved zero-bubble schedule
@@ -276,7 +317,7 @@ def interleaved_pipelines(
     1`` is unused and priced 0).
 
     Args:
-        plan: ``P`` stages, equally many blocks each (:func:`chunk_layers`).
+        plan: ``P`` stages, each holding its rank's chunks (:func:`chunk_layers`).
         info: the model's sizes.
         num_chunks: ``V`` >= 2.
         times: layer times by ``(gpu_type, tp)`` of every replica kind.
@@ -284,15 +325,18 @@ def interleaved_pipelines(
         transfer_fn: ``(rank, pipeline, nbytes, sender_node, receiver_node)`` ->
             seconds per direction over the link after ``rank``.
         nodes: ``[rank][pipeline]`` node keys.
+        sizes: the transformer layers of each virtual stage (a layout's;
+            ``None``: Megatron-LM's even split; :func:`chunk_layers`).
 
     Raises:
-        ProblemError: the chunks do not divide, the micro-batch count is not
-            a multiple of ``P`` (Megatron-LM requires it), or (``zero_bubble``)
-            the times do not split the backward.
+        ProblemError: the chunks do not divide (or do not match ``sizes``),
+            the micro-batch count is not a multiple of ``P`` (Megatron-LM
+            requires it), or (``zero_bubble``) the times do not split the
+            backward.
     """
     if v_shape and not zero_bubble:
         raise ProblemError("the V placement runs the zero-bubble schedule ZB-V only")
-    chunks = chunk_layers(plan, num_chunks, v_shape)
+    chunks = chunk_layers(plan, num_chunks, v_shape, sizes)
     ranks, dp, count, mbs = plan.num_stages, plan.dp, plan.num_microbatches, plan.mbs
     step = 1 if v_shape else ranks
     if count % step:
