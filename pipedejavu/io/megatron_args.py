@@ -43,7 +43,7 @@ from pipedejavu.core.layout import DP_OUTER, ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.megatron_command import read_flags, split_command
-from pipedejavu.io.megatron_layout import split_pipeline
+from pipedejavu.io.megatron_layout import pipeline_split
 from pipedejavu.io.megatron_moe import MoeOptions, read_moe
 
 __all__ = [
@@ -74,6 +74,9 @@ class MegatronRun:
             differ (uneven first/last stages, the embedding or loss counted in
             the split, a layout; :func:`~pipedejavu.io.megatron_layout.
             split_pipeline`); ``()``: Megatron's even split.
+        virtual_stage_layers: with ``V > 1``, the transformer layers of each
+            virtual stage when a layout (or uneven first/last stages) gives
+            them (:class:`~pipedejavu.io.megatron_layout.PipelineSplit`).
         context_parallel: GPUs sharing each sequence
             (``--context-parallel-size``; the world is ``TP x CP x PP x DP``).
         overlap_grad_reduce, overlap_param_gather: ``--overlap-grad-reduce``,
@@ -146,6 +149,7 @@ class MegatronRun:
     moe_options: MoeOptions | None = None
     fp8_recipe: str | None = None
     fp4_recipe: str | None = None
+    virtual_stage_layers: tuple[int, ...] = ()
 
     def layout(self, num_gpus: int) -> ParallelLayout:
         """The run's layout on ``num_gpus`` GPUs: Megatron Core's checks of
@@ -374,7 +378,7 @@ def spec_from_megatron_args(
         spec.check_tp(tp)
     except ValueError as error:
         raise ProblemError(f"Megatron arguments: {error}") from None
-    chunks, stage_layers = split_pipeline(
+    split = pipeline_split(
         spec.num_layers,
         pp,
         first=values.get("decoder-first-pipeline-num-layers"),
@@ -385,6 +389,7 @@ def spec_from_megatron_args(
         layers_per_chunk=values.get("num-layers-per-virtual-pipeline-stage"),
         chunks_per_rank=values.get("num-virtual-stages-per-pipeline-rank"),
     )
+    chunks, stage_layers = split.chunks, split.stage_layers
     micro = _required(values, "micro-batch-size")
     global_batch = values.get("global-batch-size")
     if global_batch is not None and int(global_batch) % micro:
@@ -418,6 +423,7 @@ def spec_from_megatron_args(
         position=str(values.get("position-embedding-type", "learned_absolute")),
     )
     ignored += experts.ignored
+    split.check_mtp(experts.mtp_layers)
     try:
         spec = dataclasses.replace(
             spec,
@@ -485,6 +491,7 @@ def spec_from_megatron_args(
         pp=pp,
         virtual_chunks=chunks,
         stage_layers=stage_layers,
+        virtual_stage_layers=split.virtual_layers,
         micro_batch=micro,
         global_batch=global_batch,
         sequence_parallel=bool(values.get("sequence-parallel")),

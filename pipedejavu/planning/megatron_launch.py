@@ -277,17 +277,20 @@ FLOPS_FORMULA = (
 )
 
 
-def rerun_blocks(info: ModelInfo, plan: Plan3D, options: TrainingOptions) -> int | None:
+def rerun_blocks(
+    info: ModelInfo, plan: Plan3D, options: TrainingOptions, sizes: tuple[int, ...] = ()
+) -> int | None:
     """How many blocks rerun their forward under ``options``' full
     recomputation (the model FLOPs count them): ``None`` for all of them;
     with Megatron's ``block`` method the first blocks of each stage or model
     chunk that :func:`~pipedejavu.costmodel.megatron.rules.recomputed_layers`
-    reruns."""
+    reruns (``sizes``: a layout's virtual stages, ``chunk_layers``)."""
     if options.recompute != "full" or info.recompute_layers is None:
         return None
     chunks = options.virtual_stages
     if chunks > 1:
-        spans = [span for row in chunk_layers(plan, chunks) for span in row]
+        rows = chunk_layers(plan, chunks, sizes=sizes or None)
+        spans = [span for row in rows for span in row]
     else:
         spans = [(stage.start, stage.stop) for stage in plan.stages]
     starts, stops = (np.array(column) for column in zip(*spans, strict=True))
@@ -342,9 +345,12 @@ def predict_megatron_run(
         source = source.with_memory_headroom(memory_headroom)
     entry = sheet[gpu_type]
     plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
-    prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
+    sizes = run.virtual_stage_layers
+    prediction = predict_plan(
+        plan, source, virtual_stages=options.virtual_stages, chunk_sizes=sizes or None
+    )
     model, hardware = plan_flops(
-        run.spec, plan, options, source, samples=plan.gbs // cp
+        run.spec, plan, options, source, samples=plan.gbs // cp, sizes=sizes
     )
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
@@ -417,18 +423,19 @@ def plan_flops(
     source: Any,
     *,
     samples: int | None = None,
+    sizes: tuple[int, ...] = (),
 ) -> tuple[float, float]:
     """``(model FLOPs, hardware FLOPs)`` of one iteration of ``plan``
     (:meth:`~pipedejavu.core.transformer.TransformerSpec.model_flops_per_iteration`;
     :meth:`~pipedejavu.core.transformer.TransformerSpec.hardware_flops_per_iteration`
     with the blocks ``options``' full recomputation reruns, all of them or
     those of the block method); ``samples``: the global batch (``None``: the
-    plan's)."""
+    plan's); ``sizes``: a layout's virtual stages (:func:`rerun_blocks`)."""
     samples = plan.gbs if samples is None else samples
     tp = plan.stages[0].replicas[0].tp
     rerun = 0
     if options.recompute == "full":
-        rerun = rerun_blocks(source.model_info(plan.model), plan, options)
+        rerun = rerun_blocks(source.model_info(plan.model), plan, options, sizes)
     return (
         spec.model_flops_per_iteration(samples, tp),
         spec.hardware_flops_per_iteration(samples, rerun, tp),

@@ -268,6 +268,7 @@ def predict_plan(
     virtual_stages: int | None = None,
     zero_bubble: bool | None = None,
     stage_layers: Sequence[int | None] | None = None,
+    chunk_sizes: Sequence[int] | None = None,
 ) -> Prediction:
     """Predict a plan's iteration time and memory (module docstring).
 
@@ -289,6 +290,9 @@ def predict_plan(
             :mod:`pipedejavu.costmodel.megatron.stage_recompute`; ``None``:
             as ``data.options`` say). Needs costs that price the reruns
             (options with ``recompute_choices``).
+        chunk_sizes: with ``virtual_stages > 1``, the transformer layers of
+            each virtual stage (a layout's; ``None``: the even split;
+            :func:`~pipedejavu.costmodel.megatron.interleaving.chunk_layers`).
 
     Raises:
         ProblemError: the plan does not fit the model, or names a GPU type or an
@@ -435,6 +439,7 @@ def predict_plan(
             nodes,
             zero_bubble,
             v_shape,
+            chunk_sizes,
         )
         forward, backward = interleaved.forward_s, interleaved.backward_s
         activation = gradient = interleaved.transfer_s[:-1]
