@@ -87,6 +87,7 @@ def test_layout_unrolls_like_megatron():
         (24, 4, {"layers_per_chunk": 4}, "not divisible"),
         (24, 1, {"layers_per_chunk": 4}, "> 1"),
         (4, 2, {"layout": "Ett|ttL|tt"}, "multiple"),
+        (4, 1, {"layout": "Ett|ttL"}, "> 1"),
         (4, 2, {"layout": "Ett|ttmL"}, "holds 1 MTP layer.*says 0"),
         (4, 2, {"layout": "tt|EttL"}, "start with the embedding"),
         (4, 2, {"layout": "EttL|tt"}, "end with the loss"),

@@ -374,3 +374,45 @@ def test_deepseek_v3_published_layout_is_predicted(capsys):
     out = capsys.readouterr().out
     assert "Megatron's interleaved 1F1B, 4 chunks per stage" in out
     assert f"iteration time: {seconds:.4f} s" in out
+
+
+def test_random_layouts_are_read_or_refused_in_one_line():
+    """Seeded layouts, well and badly formed (m anywhere, empty virtual
+    stages, stray characters, wrong counts): each launch is predicted or
+    refused with one ProblemError line, never another exception."""
+    rng = np.random.default_rng(7)
+    model = (
+        "--hidden-size 256 --num-attention-heads 4 --seq-length 256 "
+        "--max-position-embeddings 256 --vocab-size 1024 --micro-batch-size 1 "
+        "--global-batch-size 32 --bf16 --position-embedding-type rope"
+    )
+    sheet, outcomes = load_gpu_sheet(), {"predicted": 0, "refused": 0}
+    for _ in range(300):
+        pp, chunks = int(rng.choice([1, 2, 3, 4])), int(rng.choice([1, 1, 2, 3]))
+        stages = ["t" * int(rng.choice([0, 0, 1, 1, 2])) for _ in range(pp * chunks)]
+        stages[0] = "E" + stages[0]
+        stages[-1] += str(rng.choice(["L", "L", "mL", "mmL", "Lm"]))
+        if rng.random() < 0.3:
+            k = int(rng.integers(len(stages)))
+            stages[k] = str(rng.choice(["m", "", "tm"])) + stages[k]
+        layout = "|".join(stages)
+        if rng.random() < 0.15:
+            i = int(rng.integers(len(layout) + 1))
+            layout = layout[:i] + str(rng.choice(list("()*,|9x"))) + layout[i:]
+        layers = max(layout.count("t") + int(rng.choice([0, 0, 0, 1])), 1)
+        mtp = int(rng.choice([0, 0, 1, 2]))
+        argv = (
+            f"{model} --num-layers {layers} --pipeline-model-parallel-size {pp} "
+            f"--pipeline-model-parallel-layout {layout}"
+            + (f" --mtp-num-layers {mtp}" if mtp else "")
+        )
+        try:
+            run = spec_from_megatron_args(argv)
+            predicted = predict_megatron_run(run, "H100-SXM", 2 * pp, sheet)
+        except ProblemError as refused:
+            assert "\n" not in str(refused)
+            outcomes["refused"] += 1
+        else:
+            assert math.isfinite(predicted.prediction.iteration_time_s)
+            outcomes["predicted"] += 1
+    assert min(outcomes.values()) > 20, outcomes

@@ -210,6 +210,8 @@ def _from_layout(layout: str, num_layers: int, pp: int) -> PipelineSplit:
         )
     _mtp_placement(stages, pp)
     chunks = len(stages) // pp
+    if chunks > 1:
+        _pipelined(pp)
     ranks = tuple(sum(counts[r::pp]) for r in range(pp))
     return PipelineSplit(
         chunks,
