@@ -13,9 +13,11 @@ Each field names the Megatron-LM argument it stands for:
 * ``distributed_optimizer``: ``--use-distributed-optimizer`` (the fp32 master
   weights, main gradients and Adam's moments sharded over the data-parallel
   ranks, ZeRO-1 style).
-* ``recompute``: ``--recompute-granularity`` (``selective``: the attention core;
-  ``full``: whole transformer layers, with ``--recompute-method block``);
-  ``recompute_num_layers``: ``--recompute-num-layers``.
+* ``recompute``: ``--recompute-granularity`` (``selective``: the modules of
+  ``recompute_modules``, ``--recompute-modules``, Megatron-Core's default the
+  attention core; ``full``: whole transformer layers, with
+  ``--recompute-method block``); ``recompute_num_layers``:
+  ``--recompute-num-layers``.
 * ``virtual_stages``: ``--num-layers-per-virtual-pipeline-stage`` expressed as
   model chunks per pipeline rank (1: the non-interleaved 1F1B schedule).
 * ``sequence_parallel``: ``--sequence-parallel``.
@@ -47,8 +49,10 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 __all__ = [
+    "DEFAULT_RECOMPUTE_MODULES",
     "MAX_RECOMPUTE_LAYERS",
     "RECOMPUTE_GRANULARITIES",
+    "RECOMPUTE_MODULES",
     "TRAINING_PRECISIONS",
     "RecomputeGranularity",
     "TrainingOptions",
@@ -65,11 +69,40 @@ RECOMPUTE_GRANULARITIES: tuple[RecomputeGranularity, ...] = (
     "selective",
     "full",
 )
+#: Megatron-Core's selective recomputation modules (core_v0.16.1,
+#: ``TransformerConfig.recompute_modules``), in this order once read.
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+#: What selective recomputation reruns when no module is named.
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 def _check_bool(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_modules(options: TrainingOptions) -> None:
+    """``recompute_modules``: known names (a JSON list is taken), kept once
+    each in :data:`RECOMPUTE_MODULES`' order."""
+    modules = options.recompute_modules
+    if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        if modules and not unknown:
+            ordered = tuple(m for m in RECOMPUTE_MODULES if m in modules)
+            object.__setattr__(options, "recompute_modules", ordered)
+            return
+    raise ValueError(
+        "recompute_modules must be a non-empty list of Megatron-Core's modules "
+        f"({', '.join(RECOMPUTE_MODULES)}), got {modules!r}"[:300]
+    )
 
 
 def _check_counts(options: TrainingOptions, name: str) -> None:
@@ -119,8 +152,8 @@ class TrainingOptions:
             training with FP8 matrix multiplications).
         distributed_optimizer: shard the optimizer state over data-parallel ranks.
         recompute: activation recomputation: ``"none"``, ``"selective"`` (the
-            attention core is recomputed in the backward pass) or ``"full"``
-            (whole layers: only their inputs are stashed).
+            modules of ``recompute_modules`` are recomputed in the backward
+            pass) or ``"full"`` (whole layers: only their inputs are stashed).
         recompute_num_layers: with ``recompute="full"``, the layers of each model
             chunk that are recomputed, Megatron's ``block`` method (the first
             ``recompute_num_layers`` layers of the chunk are recomputed, the
@@ -159,6 +192,10 @@ class TrainingOptions:
             all-gathers and reduce-scatters of each block run beside the GEMMs
             they feed or follow (Megatron-LM's ``--tp-comm-overlap``, which
             needs ``--sequence-parallel``).
+        recompute_modules: what ``recompute="selective"`` reruns, Megatron's
+            ``--recompute-modules`` (some of :data:`RECOMPUTE_MODULES`, kept
+            in that order; default the attention core); like Megatron-Core,
+            read only with ``recompute="selective"``.
 
     Raises:
         ValueError: naming the field, what was expected and what arrived.
@@ -184,6 +221,7 @@ class TrainingOptions:
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
     tp_comm_overlap: bool = False
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -227,6 +265,7 @@ class TrainingOptions:
                 "overlap_grad_reduce (Megatron-LM's --overlap-param-gather needs "
                 "--use-distributed-optimizer and --overlap-grad-reduce)"
             )
+        _check_modules(self)
         layers = self.recompute_num_layers
         if layers is not None:
             if isinstance(layers, bool) or not isinstance(layers, int):
@@ -266,6 +305,12 @@ class TrainingOptions:
         )
 
     @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The modules rerun: ``recompute_modules`` with ``recompute=
+        "selective"``, none otherwise."""
+        return self.recompute_modules if self.recompute == "selective" else ()
+
+    @property
     def block_recompute(self) -> bool:
         """Full recomputation of only some blocks of a stage: Megatron's
         ``block`` method (``recompute_num_layers``) or per-stage counts (the
@@ -275,7 +320,8 @@ class TrainingOptions:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """Every field under its own name (exact round trip)."""
+        """Every field under its own name (exact round trip; files without
+        ``recompute_modules`` read with the default)."""
         return dataclasses.asdict(self)
 
     @classmethod

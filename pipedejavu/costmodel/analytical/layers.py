@@ -14,8 +14,10 @@ Activation bytes follow Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (MLSys'23): per block
 ``s b h (34 + 5 a s / h)`` bytes in 16-bit without TP; with TP ``t``
 ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
-``s b h (34 / t + 5 a s / (h t))``; selective recomputation drops the
-``5 a s / h`` term, full recomputation keeps only the block's input. For
+``s b h (34 / t + 5 a s / (h t))``; selective recomputation of the attention
+core drops the ``5 a s / h`` term (the other modules, what each reruns and
+does not keep: :mod:`~pipedejavu.costmodel.analytical.recompute`), full
+recomputation keeps only the block's input. For
 another element size ``e`` (4 in fp32) every stored tensor scales with ``e``
 except the 1-byte dropout masks: ``34 = 16 e + 2`` and ``5 = 2 e + 1``, so fp32
 needs ``66 + 9 a s / h``. Grouped-query attention and gated MLPs change the
@@ -24,8 +26,6 @@ activation output) as the shapes say.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -37,6 +37,7 @@ from pipedejavu.costmodel.analytical.mla_ops import (
     any_block_backward_ops,
     any_block_forward_ops,
     mla_attention_elements,
+    mla_up_proj_elements,
 )
 from pipedejavu.costmodel.analytical.mtp_ops import (
     MTP_WEIGHT_GRADIENT_OPS,
@@ -52,7 +53,6 @@ from pipedejavu.costmodel.analytical.ops import (
     LayerPass,
     MemoryOp,
     PassOptions,
-    attention_core_forward_ops,
     element_bytes,
     embedding_backward_ops,
     embedding_forward_ops,
@@ -60,6 +60,12 @@ from pipedejavu.costmodel.analytical.ops import (
     head_forward_ops,
     optimizer_ops,
     validate_spec,
+)
+from pipedejavu.costmodel.analytical.recompute import (
+    Recompute,
+    rerun_ops,
+    selective_modules,
+    separate_norms,
 )
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
@@ -69,17 +75,16 @@ from pipedejavu.costmodel.analytical.roofline import (
 
 __all__ = [
     "WEIGHT_GRADIENT_OPS",
-    "Recompute",
     "activation_bytes",
     "analytical_layer_times",
     "attention_core_forward_seconds",
     "block_forward_seconds",
+    "block_rerun_ops",
     "is_weight_gradient",
     "layer_output_bytes",
+    "selective_forward_seconds",
     "weight_gradient_seconds",
 ]
-
-Recompute = Literal["none", "selective", "full"]
 
 
 def _options(
@@ -152,8 +157,9 @@ def analytical_layer_times(
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
         mtp_recompute: what the multi-token-prediction depths rerun in their
             backward (``full``: their projection, block and final norm, as
-            Megatron's ``uniform`` method; ``selective``: their block's
-            attention core); the blocks' recomputation is the caller's.
+            Megatron's ``uniform`` method; selective modules: what they rerun
+            of their block, :func:`block_rerun_ops`); the blocks'
+            recomputation is the caller's.
         constants: the roofline's constants.
 
     Returns:
@@ -227,11 +233,27 @@ def _mtp_seconds(
     if recompute == "full":
         rerun = pass_seconds(mtp_rerun_ops(spec, opts), gpu, constants)
         backward += rerun + block_forward
-    elif recompute == "selective":
-        core = attention_core_forward_ops(spec, opts)
-        backward += pass_seconds(core, gpu, constants)
+    else:
+        backward += _seconds(block_rerun_ops(spec, opts, recompute), gpu, constants)
     depths = spec.mtp_layers
     return depths * (forward + block_forward), depths * (backward + block_backward)
+
+
+def _seconds(
+    ops: LayerPass, gpu: GpuSheetEntry, constants: AnalyticalConstants
+) -> float:
+    """:func:`pass_seconds`, 0 for no operations."""
+    return pass_seconds(ops, gpu, constants) if ops else 0.0
+
+
+def block_rerun_ops(
+    spec: TransformerSpec, opts: PassOptions, recompute: Recompute
+) -> LayerPass:
+    """What selective recomputation reruns of one dense block's forward (any
+    attention; :func:`~pipedejavu.costmodel.analytical.recompute.rerun_ops`);
+    empty for ``"none"`` and ``"full"``."""
+    ops = any_block_forward_ops(spec, opts)
+    return rerun_ops(ops, recompute, spec, opts, expert=False)
 
 
 def _layer_row(
@@ -331,19 +353,59 @@ def attention_core_forward_seconds(
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's attention core forward (scores, softmax,
-    context): what selective recomputation adds to each block's backward."""
+    context): what selective recomputation of the ``core_attn`` module adds
+    to each block's backward (:func:`selective_forward_seconds`)."""
+    return selective_forward_seconds(
+        spec,
+        gpu,
+        mbs,
+        tp,
+        precision,
+        recompute=("core_attn",),
+        flash_attention=flash_attention,
+        attention_dropout=attention_dropout,
+        query_key_layer_scaling=query_key_layer_scaling,
+        context_parallel=context_parallel,
+        constants=constants,
+    )
+
+
+def selective_forward_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    mbs: int,
+    tp: int,
+    precision: Precision,
+    *,
+    recompute: Recompute = "selective",
+    flash_attention: bool = True,
+    sequence_parallel: bool = False,
+    attention_dropout: bool = False,
+    query_key_layer_scaling: bool = False,
+    context_parallel: int = 1,
+    tp_comm_overlap: bool = False,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+) -> float:
+    """Seconds of what selective recomputation (``recompute``: its modules,
+    ``"selective"`` the attention core) reruns of one dense block's forward
+    (:func:`block_rerun_ops`): what it adds to each block's backward; 0 for
+    ``"none"`` and ``"full"``.
+
+    Args and Raises: as :func:`analytical_layer_times`.
+    """
     opts = _options(
         spec,
         mbs,
         tp,
         precision,
         flash_attention,
-        False,
+        sequence_parallel,
         attention_dropout,
         query_key_layer_scaling,
         context_parallel,
+        tp_comm_overlap,
     )
-    return pass_seconds(attention_core_forward_ops(spec, opts), gpu, constants)
+    return _seconds(block_rerun_ops(spec, opts, recompute), gpu, constants)
 
 
 def block_forward_seconds(
@@ -393,9 +455,13 @@ def activation_bytes(
 
     Args:
         spec, mbs, tp, precision: as :func:`analytical_layer_times`.
-        recompute: ``none``, ``selective`` (the attention core is recomputed,
-            its ``s x s`` tensors not kept) or ``full`` (only the block's input
-            is kept).
+        recompute: ``none``, ``full`` (only the block's input is kept) or
+            selective (:data:`~pipedejavu.costmodel.analytical.recompute.
+            Recompute`: ``selective`` the attention core, whose ``s x s``
+            tensors or softmax statistics are then not kept, or a tuple of
+            modules): what each module does not keep of a dense block (module
+            doc of :mod:`~pipedejavu.costmodel.analytical.recompute`) is not
+            counted.
         sequence_parallel: the non-TP-split tensors (norm inputs, dropout
             masks) are split over ``tp`` too.
         flash_attention: no ``s x s`` tensors (only the per-row softmax
@@ -412,11 +478,12 @@ def activation_bytes(
         logits, and the multi-token-prediction depths
         (:func:`~pipedejavu.costmodel.analytical.mtp_ops.mtp_kept_bytes`, each
         with a block of the spec's blocks).
+
+    Raises:
+        ValueError: a bad ``recompute``, or sizes as
+            :func:`analytical_layer_times`.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(
-            f"recompute must be 'none', 'selective' or 'full', got {recompute!r}"
-        )
+    modules = selective_modules(recompute)
     opts = _options(
         spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
     )
@@ -437,14 +504,21 @@ def activation_bytes(
             attention = tokens * d * (2 * heads + 2 * kv_heads)
         else:
             attention = mla_attention_elements(spec, b, t, split)
-        split_elems = attention + tokens * (up + spec.ffn_hidden_size / t)
-        block = unsplit + split_elems * e
-        if recompute == "none":
+        mlp = tokens * (up + spec.ffn_hidden_size / t)
+        block = unsplit + (attention + mlp) * e
+        if "core_attn" not in modules:
             if opts.flash_attention:
                 block += b * heads * s * 4.0  # log-sum-exp per row, fp32
             else:
                 per_score = e + (e + MASK_BYTES if attention_dropout else 0.0)
                 block += b * heads * s * s * per_score
+        # the norms' outputs: the input norm's where it is a module of its own
+        norms = len(separate_norms(spec, expert=False)) if "layernorm" in modules else 0
+        block -= norms * tokens * h * e / split
+        if "mla_up_proj" in modules and spec.mla is not None:
+            block -= mla_up_proj_elements(spec, b, t, split) * e
+        if "mlp" in modules:  # its input is kept: its norm's output is not
+            block -= (tokens * h / split + mlp) * e
     embedding = tokens * h * MASK_BYTES / split
     head = 2 * tokens * h * e / split + tokens * spec.vocab_size / t * 4.0
     out = np.full(spec.num_layers + 2, block, dtype=np.float64)

@@ -34,10 +34,13 @@ sequence parallelism, all-reduce without), the rotary key's gradient
 reduce-scattered (sequence parallelism only: without it Megatron-Core runs no
 collective there), the two down projections' input gradients summed.
 
+Selective recomputation's ``mla_up_proj`` module reruns the latent norms, the
+up projections with their all-gathers and the rotary embedding
+(:data:`MLA_UP_PROJ_OPS`; what it does not keep: :func:`mla_up_proj_elements`).
 Not priced: the once-an-iteration all-reduce over ``t`` of the down
 projections' and norms' gradients under sequence parallelism (Megatron's
-``_allreduce_non_tensor_model_parallel_grads``), the ``mla_up_proj``
-recomputation module, latent caching (inference only).
+``_allreduce_non_tensor_model_parallel_grads``), latent caching (inference
+only).
 
 The rest of a block (residual, MLP) is the dense block's
 (:func:`any_block_forward_ops`); expert blocks take their attention half from
@@ -65,12 +68,14 @@ from pipedejavu.costmodel.analytical.ops import (
 )
 
 __all__ = [
+    "MLA_UP_PROJ_OPS",
     "MLA_WEIGHT_GRADIENT_OPS",
     "any_block_backward_ops",
     "any_block_forward_ops",
     "mla_attention_backward_ops",
     "mla_attention_elements",
     "mla_attention_forward_ops",
+    "mla_up_proj_elements",
 ]
 
 #: The weight-gradient GEMMs of multi-latent attention's projections (the
@@ -81,6 +86,22 @@ MLA_WEIGHT_GRADIENT_OPS = (
     "q_proj.wgrad",
     "kv_down.wgrad",
     "kv_up.wgrad",
+)
+#: The forward operations Megatron-Core's ``mla_up_proj`` checkpoint
+#: (``qkv_up_proj_and_rope_apply``) reruns: the latent norms (fused into the
+#: up projections with ``--qk-layernorm``), the up projections and their
+#: inputs' all-gathers, the rotary embedding.
+MLA_UP_PROJ_OPS = (
+    "q_norm",
+    "kv_norm",
+    "all_gather.q_up",
+    "q_up",
+    "all_gather.q_proj",
+    "q_proj",
+    "all_gather.kv_up",
+    "kv_up",
+    "mla_rope_q",
+    "mla_rope_kv",
 )
 
 
@@ -217,6 +238,22 @@ def mla_attention_elements(
     core = tokens * heads * (2 * qk + 2 * mla.v_head_dim)
     latents = (2 if spec.qk_layernorm else 1) * (mla.q_lora_rank + mla.kv_lora_rank)
     return core + tokens / split * latents
+
+
+def mla_up_proj_elements(spec: TransformerSpec, mbs: int, tp: int, split: int) -> float:
+    """Elements one GPU no longer keeps under the ``mla_up_proj`` module
+    (arguments as :func:`mla_attention_elements`): the queries, keys and
+    values (its discarded outputs) and, with the latent norms fused into the
+    up projections, each latent's normed copy; less the rotary key its
+    checkpoint keeps as an input (gathered over the sequence)."""
+    mla = spec.mla
+    tokens = mbs * spec.seq_length
+    heads = spec.num_attention_heads / tp
+    qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    freed = tokens * heads * (2 * qk + mla.v_head_dim)
+    if spec.qk_layernorm:
+        freed += tokens / split * (mla.q_lora_rank + mla.kv_lora_rank)
+    return freed - tokens * mla.qk_pos_emb_head_dim
 
 
 def _check(spec: TransformerSpec) -> None:

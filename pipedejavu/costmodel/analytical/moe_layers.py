@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.costmodel.analytical.layers import Recompute
+from pipedejavu.costmodel.analytical.layers import block_rerun_ops
 from pipedejavu.costmodel.analytical.moe_ops import (
     expert_activation_bytes,
     expert_block_backward_ops,
@@ -56,7 +56,12 @@ from pipedejavu.costmodel.analytical.moe_tokens import (
     expert_shape,
     miss_probability,
 )
-from pipedejavu.costmodel.analytical.ops import PassOptions, optimizer_ops
+from pipedejavu.costmodel.analytical.ops import LayerPass, PassOptions, optimizer_ops
+from pipedejavu.costmodel.analytical.recompute import (
+    Recompute,
+    rerun_ops,
+    selective_modules,
+)
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
     AnalyticalConstants,
@@ -69,6 +74,7 @@ __all__ = [
     "dense_view",
     "expert_layer_activations",
     "expert_layer_times",
+    "expert_rerun_seconds",
     "flex_seconds",
 ]
 
@@ -150,6 +156,12 @@ def flex_seconds(
     return max(far / network, near / (gpu.intra_node_bytes_per_s * efficiency))
 
 
+def _seconds(
+    ops: LayerPass, gpu: GpuSheetEntry, constants: AnalyticalConstants
+) -> float:
+    return pass_seconds(ops, gpu, constants) if ops else 0.0
+
+
 def _block_seconds(
     spec: TransformerSpec,
     gpu: GpuSheetEntry,
@@ -157,8 +169,13 @@ def _block_seconds(
     layers: ExpertLayers,
     constants: AnalyticalConstants,
     link_efficiency: float,
-) -> tuple[float, float, float]:
-    """``(forward, backward, recomputed forward)`` of one expert block."""
+    recompute: Recompute = "none",
+) -> tuple[float, float, float, float]:
+    """``(forward, backward, recomputed forward, selective rerun)`` of one
+    expert block: the last what ``recompute``'s selective modules rerun
+    (:func:`~pipedejavu.costmodel.analytical.recompute.rerun_ops`), ``moe``
+    priced as the forward prices the MoE layer, all-to-alls and pass
+    overhead included."""
     experts = layers.experts
     etp = opts.tp if experts.etp is None else experts.etp
     efficiency = link_efficiency * constants.alltoall_efficiency
@@ -172,25 +189,57 @@ def _block_seconds(
             combine_bytes(spec, opts, experts), experts.ep, etp, gpu, efficiency
         )
     overhead = constants.expert_block_overhead_s
-    passes = []
-    for ops in (
-        expert_block_forward_ops(spec, opts, experts),
-        expert_block_backward_ops(spec, opts, experts),
-    ):
+
+    def priced(ops: LayerPass) -> float:
+        # shared experts beside the two all-to-alls: what outlasts them
         beside = overlapped_shared_ops(ops, experts)
         rest = [op for op in ops if op not in beside]
-        compute = pass_seconds(rest, gpu, constants)
-        shared = pass_seconds(beside, gpu, constants) if beside else 0.0
-        # shared experts beside the two all-to-alls: what outlasts them
-        passes.append((compute + max(shared - one, 0.0) + overhead, one))
-    (forward, a2a_f), (backward, a2a_b) = passes
+        return _seconds(rest, gpu, constants) + max(
+            _seconds(beside, gpu, constants) - one, 0.0
+        )
+
+    forward_ops = expert_block_forward_ops(spec, opts, experts)
+    forward = priced(forward_ops) + overhead
+    backward = priced(expert_block_backward_ops(spec, opts, experts)) + overhead
+    rerun = rerun_ops(forward_ops, recompute, spec, opts, expert=True)
+    if "moe" in selective_modules(recompute):  # (its all-to-alls as forward's)
+        selective = priced(rerun) + overhead + (0.0 if layers.overlap_dispatch else one)
+    else:
+        selective = _seconds(rerun, gpu, constants)
     if layers.overlap_dispatch:
         # beside another micro-batch's compute: the hidden share of what the
         # compute covers
-        a2a = a2a_f + a2a_b
+        a2a = 2 * one
         exposed = a2a - constants.alltoall_hidden * min(a2a, forward + backward)
-        return forward, backward + exposed, forward
-    return forward + a2a_f, backward + a2a_b, forward + a2a_f
+        return forward, backward + exposed, forward, selective
+    return forward + one, backward + one, forward + one, selective
+
+
+def expert_rerun_seconds(
+    spec: TransformerSpec,
+    gpu: GpuSheetEntry,
+    opts: PassOptions,
+    layers: ExpertLayers,
+    recompute: Recompute,
+    dense: NDArray[np.float64],
+    *,
+    constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    link_efficiency: float = 1.0,
+) -> NDArray[np.float64]:
+    """f64[L + 2] seconds selective recomputation (``recompute``) adds to
+    each layer's backward: ``dense`` (a dense block's, the dense view's)
+    with each expert block's own (:func:`_block_seconds`)."""
+    out = np.asarray(dense, dtype=np.float64).copy()
+    moe = spec.moe
+    if moe is None or not selective_modules(recompute):
+        return out
+    *_, selective = _block_seconds(
+        spec, gpu, opts, layers, constants, link_efficiency, recompute
+    )
+    for block in range(spec.num_layers):
+        if moe.is_expert_block(block):
+            out[1 + block] = selective
+    return out
 
 
 def expert_layer_times(
@@ -209,9 +258,10 @@ def expert_layer_times(
     experts: ``rows`` (the dense view's, module doc) with each expert block's
     own; ``backward`` without the blocks' recomputation (the caller adds it).
     Where the last block is an expert block, the multi-token-prediction
-    depths in the last layer (priced in ``rows`` with the dense view's block,
-    rerun as ``mtp_recompute`` says: :func:`~pipedejavu.costmodel.analytical.
-    layers.analytical_layer_times`) get the expert block's time in its place.
+    depths in the last layer (priced in ``rows`` with the dense view's block
+    and its rerun as ``mtp_recompute`` says: :func:`~pipedejavu.costmodel.
+    analytical.layers.analytical_layer_times`) get the expert block's time
+    and rerun in their place.
 
     Raises:
         ValueError: the model does not split over ``opts.tp`` and the
@@ -221,7 +271,9 @@ def expert_layer_times(
     moe = spec.moe
     if moe is None:
         return forward, backward, update
-    f, b, rerun = _block_seconds(spec, gpu, opts, layers, constants, link_efficiency)
+    f, b, rerun, selective = _block_seconds(
+        spec, gpu, opts, layers, constants, link_efficiency, mtp_recompute
+    )
     last = spec.num_layers  # the last block's row
     if spec.mtp_layers and moe.is_expert_block(last - 1):
         depths = spec.mtp_layers
@@ -229,6 +281,9 @@ def expert_layer_times(
         backward[-1] += depths * (b - rows[1][last])
         if mtp_recompute == "full":
             backward[-1] += depths * (rerun - rows[0][last])
+        elif selective_modules(mtp_recompute):  # in place of a dense block's
+            dense = block_rerun_ops(dense_view(spec), opts, mtp_recompute)
+            backward[-1] += depths * (selective - _seconds(dense, gpu, constants))
     experts = layers.experts
     pairs = spec.layer_param_split(opts.tp, experts.ep, experts.etp)
     for block in range(spec.num_layers):

@@ -49,7 +49,7 @@ import dataclasses
 
 from pipedejavu.core import moe_counts
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.costmodel.analytical.layers import Recompute, activation_bytes
+from pipedejavu.costmodel.analytical.layers import activation_bytes
 from pipedejavu.costmodel.analytical.mla_ops import (
     any_block_backward_ops,
     any_block_forward_ops,
@@ -71,6 +71,11 @@ from pipedejavu.costmodel.analytical.ops import (
     backward_gemms,
     linear_gemm,
     tp_collectives,
+)
+from pipedejavu.costmodel.analytical.recompute import (
+    SHARED_EXPERT_PREFIX,
+    Recompute,
+    selective_modules,
 )
 
 __all__ = [
@@ -133,7 +138,7 @@ def _shared_forward(spec, opts, shape: ExpertShape) -> LayerPass:
     if not moe.shared_ffn_hidden_size:
         return []
     (_, mlp, _), _ = _halves(spec, opts, moe.shared_ffn_hidden_size)
-    ops = _prefixed(mlp, "shared_expert.")
+    ops = _prefixed(mlp, SHARED_EXPERT_PREFIX)
     if moe.shared_expert_gate:
         t, e = shape.tokens, shape.act
         ops += [
@@ -154,7 +159,7 @@ def _shared_backward(spec, opts, shape: ExpertShape) -> LayerPass:
         gate = linear_gemm("shared_expert.gate", t, 1, h, _router_opts(opts))
         ops += [MemoryOp("shared_expert.gate_mul.backward", 3 * t * h * e + 3 * t * e)]
         ops += backward_gemms(gate)
-    return ops + _prefixed(mlp, "shared_expert.")
+    return ops + _prefixed(mlp, SHARED_EXPERT_PREFIX)
 
 
 def _router_opts(opts: PassOptions) -> PassOptions:
@@ -357,7 +362,7 @@ def overlapped_shared_ops(ops: LayerPass, experts: ExpertPass) -> LayerPass:
     them and adds what outlasts the all-to-alls."""
     if not experts.shared_expert_overlap:
         return []
-    return [op for op in ops if op.name.startswith("shared_expert.")]
+    return [op for op in ops if op.name.startswith(SHARED_EXPERT_PREFIX)]
 
 
 # ------------------------------------------------------------- activations
@@ -376,9 +381,13 @@ def expert_activation_bytes(
     activation's input and output, the permuted probabilities, the
     permutations' row maps, the router's probabilities and routing map, and
     the shared gate's output with the MLP output it scales. The copies sent
-    by the all-to-all are freed once sent. ``selective`` drops the attention
-    core's tensors (the experts are kept: Megatron's default recomputed
-    module is the attention core); ``full`` keeps only the block's input.
+    by the all-to-all are freed once sent. ``full`` keeps only the block's
+    input; selective recomputation (``selective``: the attention core, or a
+    tuple of modules) does not keep what its modules free
+    (:mod:`~pipedejavu.costmodel.analytical.recompute`): the attention half's
+    as a dense block's, and ``layernorm`` the MoE input (the pre-MLP norm's
+    output), ``moe`` all but it, ``shared_experts`` the shared experts' and
+    their gate's tensors, ``moe_act`` the activation's output.
 
     Raises:
         ValueError: as :func:`expert_block_forward_ops`, or a bad
@@ -386,6 +395,9 @@ def expert_activation_bytes(
     """
     shape = expert_shape(spec, opts, experts)
     moe, h, tp = spec.moe, spec.hidden_size, opts.tp
+    modules = selective_modules(recompute)
+    rest = tuple(sorted(modules - {"mlp"}))  # (``mlp`` is a dense layer's)
+    half = (rest or "none") if modules else recompute
 
     def dense(width: int) -> float:
         return float(
@@ -394,7 +406,7 @@ def expert_activation_bytes(
                 opts.mbs,
                 tp,
                 opts.precision,
-                recompute=recompute,
+                recompute=half,
                 sequence_parallel=opts.sequence_parallel,
                 flash_attention=opts.flash_attention,
                 attention_dropout=opts.attention_dropout,
@@ -406,15 +418,22 @@ def expert_activation_bytes(
     attention = 2 * dense(tp) - dense(2 * tp)
     if recompute == "full":
         return attention
-    shared = moe.shared_ffn_hidden_size
-    total = attention + (dense(shared) - attention if shared else 0.0)
     e, t = shape.act, shape.tokens
-    if shared and moe.shared_expert_gate:
-        total += t * h * e + t * e
+    total = attention
+    if "layernorm" in modules:  # the pre-MLP norm's output, on T tokens
+        total -= t * h * e
+    if "moe" in modules:  # its checkpoint keeps its input only
+        return total
+    shared = moe.shared_ffn_hidden_size
+    if shared and "shared_experts" not in modules:
+        total += dense(shared) - attention
+        if moe.shared_expert_gate:
+            total += t * h * e + t * e
     rows = shape.local_experts * shape.per_expert
     width = moe.ffn_hidden_size / shape.etp
     gated = 2 if spec.gated_mlp else 1
-    total += rows * (h + gated * width + width) * e + rows * shape.router
+    kept = h + gated * width + (0 if "moe_act" in modules else width)
+    total += rows * kept * e + rows * shape.router
     sent = shape.sent if experts.dispatcher == "alltoall" else rows
     total += (sent + (rows if shape.local_experts > 1 else 0)) * INDEX_BYTES
     total += t * moe.num_experts * (shape.router + ROUTING_MAP_BYTES)

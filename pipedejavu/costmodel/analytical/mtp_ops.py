@@ -28,8 +28,8 @@ The backward mirrors it, with the sum of the decoder output's two gradients
 projection and norm gradients. Full recomputation with Megatron's
 ``uniform`` method reruns each depth's projection, block and final norm
 (``_checkpointed_forward``); with the ``block`` method Megatron-Core skips
-the depths' recomputation; selective recomputation reruns the block's
-attention core.
+the depths' recomputation; selective recomputation reruns what its modules
+rerun of the depth's block, as of every block.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def mtp_own_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
 def mtp_kept_bytes(
     spec: TransformerSpec,
     opts: PassOptions,
-    recompute: str,
+    recompute: str | tuple[str, ...],
     *,
     embedding: float,
     block: float,
@@ -164,7 +164,9 @@ def mtp_kept_bytes(
     plus the two norms' inputs and the projection's ``2h``-wide input. Under
     full recomputation (``uniform``) the checkpointed projection, block and
     final norm keep only their two inputs; the embedding and the LM head
-    with its loss are outside the checkpoint."""
+    with its loss are outside the checkpoint. Selective recomputation
+    (``recompute`` a tuple of modules, or ``"selective"``) changes only what
+    ``block`` keeps."""
     _, local, _ = _sizes(spec, opts)
     if recompute == "full":
         return embedding + 2 * local + head - local  # no final-norm input

@@ -14,7 +14,9 @@ tables and the proof ask of their data (the interface of
   recomputation, no sequence parallelism); otherwise from the analytical model
   (:func:`~pipedejavu.costmodel.analytical.layers.analytical_layer_times`), with
   the recomputed forward (:func:`~pipedejavu.costmodel.megatron.options.
-  recompute_time`) added to each block's backward. :meth:`source_of` says which
+  recompute_time`: the block's, or what the selective modules rerun,
+  :mod:`~pipedejavu.costmodel.analytical.recompute`) added to each block's
+  backward. :meth:`source_of` says which
   priced an entry.
 * **GEMM precision**: ``fp16``/``bf16``/``fp8`` training multiplies in that
   precision; ``fp32`` training in TF32 where the GPU has it (NVIDIA's PyTorch
@@ -45,8 +47,8 @@ from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.layers import (
     activation_bytes,
     analytical_layer_times,
-    attention_core_forward_seconds,
     layer_output_bytes,
+    selective_forward_seconds,
     weight_gradient_seconds,
 )
 from pipedejavu.costmodel.analytical.moe_layers import (
@@ -54,9 +56,11 @@ from pipedejavu.costmodel.analytical.moe_layers import (
     dense_view,
     expert_layer_activations,
     expert_layer_times,
+    expert_rerun_seconds,
 )
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass, expert_shape
 from pipedejavu.costmodel.analytical.ops import PassOptions
+from pipedejavu.costmodel.analytical.recompute import Recompute, recompute_of
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
     HALF_PRECISION_ANALYTICAL,
@@ -324,14 +328,26 @@ class AnalyticalSource:
             tp_comm_overlap=options.tp_comm_overlap,
         )
         dense = (dense_view(spec), *args[1:])
+        recomputed = recompute_of(options)
         # Megatron-Core's block method skips the MTP depths' recomputation
-        mtp = "none" if options.block_recompute else options.recompute
+        mtp = "none" if options.block_recompute else recomputed
         try:
             rows = analytical_layer_times(*dense, **split, **kwargs, mtp_recompute=mtp)
-            core = attention_core_forward_seconds(*dense, **kwargs)
+            # what selective recomputation reruns of each block
+            selective = np.full(len(rows[0]), 0.0)
+            if options.recompute == "selective":
+                selective[:] = selective_forward_seconds(
+                    *dense, recompute=recomputed, **split, **kwargs
+                )
             weight = weight_gradient_seconds(*dense, **split, **kwargs)
             if self.experts is not None:
                 opts = self._pass_options(mbs, tp, precision)
+                efficiency = dict(
+                    constants=self.constants, link_efficiency=self.link_efficiency
+                )
+                selective = expert_rerun_seconds(
+                    spec, entry, opts, self.experts, recomputed, selective, **efficiency
+                )
                 rows = expert_layer_times(
                     spec,
                     entry,
@@ -339,8 +355,7 @@ class AnalyticalSource:
                     self.experts,
                     rows,
                     precision,
-                    constants=self.constants,
-                    link_efficiency=self.link_efficiency,
+                    **efficiency,
                     mtp_recompute=mtp,
                 )
         except (ValueError, KeyError) as err:
@@ -350,7 +365,7 @@ class AnalyticalSource:
         # Full recomputation reruns each block's forward; with Megatron's
         # block method only some blocks of a stage do, which the predictor
         # adds (rules.span_backward).
-        rerun = recompute_time(options.recompute, forward[1:-1], core)
+        rerun = recompute_time(options.recompute, forward[1:-1], selective[1:-1])
         recompute = None
         if not options.block_recompute:
             backward[1:-1] += rerun
@@ -434,7 +449,7 @@ class AnalyticalSource:
             experts[tp] = np.asarray([e for _, e in pairs], float)
             tied[tp] = float(spec.tied_params(tp))
 
-            def kept(recompute: str, tp: int = tp) -> np.ndarray:
+            def kept(recompute: Recompute, tp: int = tp) -> np.ndarray:
                 stash = activation_bytes(
                     dense_view(self.padded(tp)),
                     1,
@@ -455,7 +470,7 @@ class AnalyticalSource:
                     )
                 return self._split_head(stash / element)
 
-            memories[tp] = kept("none" if block else options.recompute)
+            memories[tp] = kept("none" if block else recompute_of(options))
             if block:
                 recomputed[tp] = kept(options.recompute)
             output = layer_output_bytes(
