@@ -84,6 +84,8 @@ PLAN_FLAGS = (
     "recompute-granularity",
     "recompute-method",
     "recompute-num-layers",
+    "recompute-modules",
+    "moe-layer-recompute",
     "recompute-activations",
     "checkpoint-activations",
     "activations-checkpoint-method",

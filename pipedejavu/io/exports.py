@@ -36,7 +36,8 @@ precision, recomputation, distributed optimizer, sequence parallelism, the
 pipeline schedule, attention kernel) a plan was priced with travel with it:
 
 * Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
-  ``--recompute-granularity``, ``--use-distributed-optimizer``,
+  ``--recompute-granularity`` with its ``--recompute-modules``,
+  ``--use-distributed-optimizer``,
   ``--sequence-parallel``, ``--overlap-grad-reduce``,
   ``--overlap-param-gather``, ``--grad-reduce-in-bf16``, ``--tp-comm-overlap``
   (not at TP 1, where Megatron-LM refuses it), ``--attention-backend
@@ -89,6 +90,7 @@ from pipedejavu.core.placement import RANK_ORDERS, check_nodes, plan_rank_order
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
+    DEFAULT_RECOMPUTE_MODULES,
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
     TrainingOptions,
@@ -305,6 +307,8 @@ def option_flags(options: TrainingOptions) -> list[str]:
         flags += ["--fp8-format", "hybrid"]
     if options.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
+        if options.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+            flags += ["--recompute-modules", *options.recompute_modules]
     elif options.recompute == "full":
         layers = options.recompute_num_layers
         flags += ["--recompute-granularity", "full", "--recompute-method"]

@@ -17,11 +17,11 @@ Defaults and derived values follow Megatron-LM's ``megatron/training/arguments.p
 ``int(4h * 2/3 / 64) * 64``; the vocabulary is padded to a multiple of
 ``--make-vocab-size-divisible-by`` (128) times TP; ``--disable-bias-linear``
 removes every linear bias; ``--num-query-groups`` counts only with
-``--group-query-attention``. The old names of the SC'21 scripts are read too:
-``--checkpoint-activations`` and ``--activations-checkpoint-method`` mean full
-recomputation (``--activations-checkpoint-num-layers``, default 1). The
-layers' split over pipeline stages (even, uneven first/last stages, the
-embedding or loss counted, an explicit layout, virtual stages) is read by
+``--group-query-attention``. The recomputation flags (``--recompute-modules``
+and the SC'21 scripts' old names among them) are read by
+:mod:`~pipedejavu.io.megatron_recompute`. The layers' split over pipeline
+stages (even, uneven first/last stages, the embedding or loss counted, an
+explicit layout, virtual stages) is read by
 :func:`~pipedejavu.io.megatron_layout.split_pipeline`.
 
 The words are read by :func:`~pipedejavu.io.megatron_command.read_flags`:
@@ -41,10 +41,12 @@ from typing import Any, Literal
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.layout import DP_OUTER, ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import RANK_ORDERS
+from pipedejavu.core.training_options import DEFAULT_RECOMPUTE_MODULES
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.megatron_command import read_flags, split_command
 from pipedejavu.io.megatron_layout import pipeline_split
 from pipedejavu.io.megatron_moe import MoeOptions, read_moe
+from pipedejavu.io.megatron_recompute import read_recompute, read_recompute_modules
 
 __all__ = [
     "GPT2_VOCAB_SIZE",
@@ -92,6 +94,9 @@ class MegatronRun:
         recompute_granularity: ``"full"``, ``"selective"`` or ``None``.
         recompute_method: ``"uniform"``, ``"block"`` or ``None``.
         recompute_num_layers: Megatron's ``--recompute-num-layers``.
+        recompute_modules: what selective recomputation reruns
+            (``--recompute-modules``; Megatron-Core's default ``core_attn``,
+            and that where the granularity is not selective).
         precision: ``"fp32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (FP8 GEMMs
             through Transformer Engine; ``params_dtype`` is then fp16 or bf16).
         params_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
@@ -149,6 +154,7 @@ class MegatronRun:
     moe_options: MoeOptions | None = None
     fp8_recipe: str | None = None
     fp4_recipe: str | None = None
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
     virtual_stage_layers: tuple[int, ...] = ()
 
     def layout(self, num_gpus: int) -> ParallelLayout:
@@ -199,53 +205,6 @@ def _vocab_size(values: dict[str, Any], vocab_size: int | None) -> int:
         "Megatron arguments: the vocabulary size is unknown (give --vocab-size, "
         "or a GPT-2 BPE --merge-file / --tokenizer-type GPT2BPETokenizer)"
     )
-
-
-def _recompute(values: dict[str, Any]) -> tuple[Any, Any, int | None]:
-    granularity = values.get("recompute-granularity")
-    method = values.get("recompute-method")
-    num_layers = values.get("recompute-num-layers")
-    if values.get("recompute-activations"):
-        if granularity == "full":
-            raise ProblemError(
-                "Megatron arguments: --recompute-activations (selective) contradicts "
-                "--recompute-granularity full"
-            )
-        granularity = "selective"
-    old_method = values.get("activations-checkpoint-method")
-    if old_method is None and values.get("checkpoint-activations"):
-        old_method = "uniform"
-    if old_method is not None:
-        if granularity == "selective" or (method not in (None, old_method)):
-            raise ProblemError(
-                "Megatron arguments: the old --checkpoint-activations / "
-                "--activations-checkpoint-method contradict the --recompute-* flags"
-            )
-        granularity, method = "full", old_method
-        num_layers = values.get("activations-checkpoint-num-layers", num_layers or 1)
-    if granularity == "selective" and (method is not None or num_layers is not None):
-        raise ProblemError(
-            "Megatron arguments: --recompute-method and --recompute-num-layers apply "
-            "only to --recompute-granularity full"
-        )
-    if granularity == "full" and (method is None or num_layers is None):
-        # Megatron Core's TransformerConfig refuses either missing (0.16.1)
-        missing = "--recompute-method uniform|block" if method is None else ""
-        if num_layers is None:
-            missing += (" and " if missing else "") + "--recompute-num-layers N"
-        raise ProblemError(
-            f"Megatron arguments: --recompute-granularity full needs {missing}, "
-            "as Megatron-LM does (--recompute-method uniform --recompute-num-layers "
-            "1 recomputes every layer)"
-        )
-    if granularity is None:
-        method = num_layers = None
-    total = values.get("num-layers")
-    if num_layers is not None and total is not None:
-        # Megatron-LM accepts more; a stage recomputes as with all its layers
-        # (block: min(N, its layers); uniform: one unit of its layers)
-        num_layers = min(num_layers, total)
-    return granularity, method, num_layers
 
 
 def _precision(values: dict[str, Any]) -> tuple[str, str, str | None, str | None]:
@@ -344,7 +303,8 @@ def spec_from_megatron_args(
             query groups, or MLP width) not divisible by TP, virtual stages
             with PP 1, a pipeline split that does not divide or is not
             modelled (:func:`~pipedejavu.io.megatron_layout.split_pipeline`),
-            selective recomputation with a method, ``--overlap-param-gather``
+            recomputation flags Megatron-LM refuses
+            (:mod:`~pipedejavu.io.megatron_recompute`), ``--overlap-param-gather``
             without ``--use-distributed-optimizer`` or ``--overlap-grad-reduce``,
             ``--tp-comm-overlap`` without ``--sequence-parallel`` (at TP 1,
             where Megatron-LM turns that off, too), ``--use-tp-pp-dp-mapping``
@@ -397,14 +357,18 @@ def spec_from_megatron_args(
             f"Megatron arguments: --global-batch-size {global_batch} is not a "
             f"multiple of --micro-batch-size {micro}"
         )
-    granularity, method, recompute_layers = _recompute(values)
+    granularity, method, recompute_layers = read_recompute(values)
+    precision, params_dtype, fp8_recipe, fp4_recipe = _precision(values)
+    granularity, modules, unread = read_recompute_modules(
+        values, granularity, fp8_recipe=fp8_recipe
+    )
+    ignored += unread
     if granularity is None:  # (Megatron-LM reads them only with a granularity)
         ignored += [
             f"--{flag} {values[flag]} (no effect without --recompute-granularity)"
             for flag in ("recompute-method", "recompute-num-layers")
             if flag in values
         ]
-    precision, params_dtype, fp8_recipe, fp4_recipe = _precision(values)
     ignored += [
         f"--{flag}-recipe {values[f'{flag}-recipe']} (no effect without "
         f"--{flag}-format)"
@@ -516,6 +480,7 @@ def spec_from_megatron_args(
         moe_options=experts.options,
         fp8_recipe=fp8_recipe,
         fp4_recipe=fp4_recipe,
+        recompute_modules=modules,
     )
 
 

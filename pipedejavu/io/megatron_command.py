@@ -38,6 +38,7 @@ from pipedejavu.io.megatron_moe import (
     MOE_LIST_FLAGS,
     MOE_TEXT_FLAGS,
 )
+from pipedejavu.io.megatron_recompute import RECOMPUTE_BOOL_FLAGS, RECOMPUTE_LIST_FLAGS
 
 __all__ = [
     "BOOL_FLAGS",
@@ -100,9 +101,10 @@ STR_FLAGS = (
     "attention-dropout",
     "pipeline-model-parallel-layout",
     *MOE_TEXT_FLAGS,
+    *RECOMPUTE_LIST_FLAGS,
 )
 #: Flags read as one or more words (a tuple).
-LIST_FLAGS = MOE_LIST_FLAGS
+LIST_FLAGS = (*MOE_LIST_FLAGS, *RECOMPUTE_LIST_FLAGS)
 #: Switches.
 BOOL_FLAGS = (
     "swiglu",
@@ -128,6 +130,7 @@ BOOL_FLAGS = (
     "account-for-loss-in-pipeline-split",
     "use-tp-pp-dp-mapping",
     *MOE_BOOL_FLAGS,
+    *RECOMPUTE_BOOL_FLAGS,
 )
 #: Every flag read here (without ``--``).
 READ_FLAGS = tuple(sorted({*INT_FLAGS, *CHOICE_FLAGS, *STR_FLAGS, *BOOL_FLAGS}))

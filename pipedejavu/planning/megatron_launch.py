@@ -79,7 +79,8 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
 
     Full recomputation with the ``uniform`` method recomputes every layer
     (each checkpointed group is recomputed before its backward); the ``block``
-    method recomputes the first ``--recompute-num-layers`` of each stage.
+    method recomputes the first ``--recompute-num-layers`` of each stage;
+    selective recomputation the run's ``--recompute-modules``.
     """
     recompute = run.recompute_granularity or "none"
     layers = None
@@ -98,6 +99,7 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         overlap_param_gather=run.overlap_param_gather,
         grad_reduce_in_bf16=run.grad_reduce_in_bf16,
         tp_comm_overlap=run.tp_comm_overlap,
+        recompute_modules=run.recompute_modules,
     )
 
 

@@ -4,7 +4,8 @@ Each run of ``moe_h100.json`` (:func:`~pipedejavu.planning.published_runs.
 load_moe_published_runs`) is read into the :class:`~pipedejavu.io.megatron_args.
 MegatronRun` its recipe launches (model, TP, PP, virtual chunks, EP, expert TP,
 micro and global batch, precision, sequence parallelism, TP-communication
-overlap, recomputation, dispatcher, all-to-all overlap) and predicted by
+overlap, recomputation with its modules, dispatcher, all-to-all overlap) and
+predicted by
 :func:`~pipedejavu.planning.megatron_launch.predict_megatron_run` on ``H100``
 nodes of 8, as ``predict --megatron-args`` predicts a launch. Only the three
 :data:`MOE_FIELDS` are fitted on them (:func:`fit_moe_constants`; the
@@ -13,11 +14,10 @@ before, on the dense profiles and the published dense runs.
 
 What the records set that the prediction does not see (each said in the run's
 ``notes``): Megatron-FSDP (priced as the distributed optimizer it extends),
-recomputation of modules other than the attention core (``layernorm``,
-``moe_act``: priced as none, their reruns being memory-bound kernels of a few
-per cent of a block), CUDA graphs, and routing other than balanced (the
-benchmarks force balanced routing; the others run with an auxiliary loss
-close to it).
+CUDA graphs (but that Megatron-Core does not recompute the pre-MLP norm of a
+``layernorm`` run whose router's CUDA graph is captured without the
+alltoall dispatcher), and routing other than balanced (the benchmarks force
+balanced routing; the others run with an auxiliary loss close to it).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from scipy.optimize import least_squares
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_json
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.training_options import (
+    DEFAULT_RECOMPUTE_MODULES,
+    RECOMPUTE_MODULES,
+)
 from pipedejavu.costmodel.analytical.roofline import (
     HALF_PRECISION_ANALYTICAL,
     AnalyticalConstants,
@@ -136,14 +140,26 @@ def launch_of_moe_run(
     if granularity is None:
         granularity = "full" if text.startswith("full") else None
         granularity = "selective" if text.startswith("selective") else granularity
-    if granularity == "selective":
-        notes.append(f"recomputation {text!r} priced as none")
-        granularity = None
+    modules = _recompute_modules(run, par.get("recompute_modules"), text)
     if par.get("fsdp"):
         notes.append("Megatron-FSDP priced as the distributed optimizer")
     graphs = par.get("cuda_graph") or par.get("cuda_graph_scope")
+    dispatcher = str(par.get("moe_dispatcher") or "alltoall").split("/")[0]
     if graphs:
         notes.append(f"CUDA graphs ({graphs}) not priced")
+        # TransformerLayer: no pre-MLP norm recomputation under the router's
+        # graph unless its preprocessing is graphed with alltoall
+        scope = str(graphs)
+        router = "moe_router" in scope and "local" not in scope
+        kept = dispatcher == "alltoall" and "moe_preprocess" in scope
+        if router and not kept and "layernorm" in modules and run.spec.mla is None:
+            modules = tuple(m for m in modules if m != "layernorm")
+            notes.append(
+                "layernorm not recomputed under the router's CUDA graph "
+                "(Megatron-Core turns it off)"
+            )
+    if granularity == "selective" and not modules:
+        granularity, modules = None, DEFAULT_RECOMPUTE_MODULES
     sequence_parallel = bool(par.get("sequence_parallel")) and run.tp > 1
     # the ModelZoo launcher adds --tp-comm-overlap with PR=bf16 (its note)
     launcher = str(((record.get("source") or {}).get("launcher") or {}).get("note"))
@@ -151,7 +167,6 @@ def launch_of_moe_run(
         "--tp-comm-overlap" in precision
         or (not fp8 and "PR=bf16 adds --tp-comm-overlap" in launcher)
     )
-    dispatcher = str(par.get("moe_dispatcher") or "alltoall").split("/")[0]
     if dispatcher not in ("alltoall", "allgather", "flex"):
         raise ProblemError(f"{run.run_id}: dispatcher {dispatcher!r} not understood")
     options = MoeOptions(
@@ -185,6 +200,7 @@ def launch_of_moe_run(
             recompute_granularity=granularity,
             recompute_method="uniform" if granularity == "full" else None,
             recompute_num_layers=1 if granularity == "full" else None,
+            recompute_modules=modules,
             precision="fp8" if fp8 else "bf16",
             params_dtype="bf16",
             use_distributed_optimizer=bool(par.get("distributed_optimizer", True)),
@@ -197,6 +213,22 @@ def launch_of_moe_run(
         ),
         tuple(notes),
     )
+
+
+def _recompute_modules(run: MoePublishedRun, listed: Any, text: str) -> tuple[str, ...]:
+    """The modules a record recomputes selectively: its ``recompute_modules``,
+    else those its ``recompute`` text names (``"selective: layernorm,
+    moe_act ('norm, act')"``), else Megatron-Core's default."""
+    if not listed:
+        named = text.partition(":")[2].partition("(")[0]
+        listed = [m.strip() for m in named.split(",") if m.strip()]
+    listed = tuple(str(m) for m in listed) or DEFAULT_RECOMPUTE_MODULES
+    unknown = [m for m in listed if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ProblemError(
+            f"{run.run_id}: recompute module {unknown[0]!r} not understood"
+        )
+    return tuple(m for m in RECOMPUTE_MODULES if m in listed)
 
 
 def _records(path: Path) -> list[Mapping[str, Any]]:
