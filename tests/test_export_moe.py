@@ -362,6 +362,23 @@ def test_the_layout_names_the_mtp_layers_on_the_last_stage():
     assert layout_stages(text) == ["Ett", "ttt", "", "ttmmL"]
 
 
+def test_a_split_only_a_layout_gives_is_exported_with_its_mtp_layer():
+    """Stages of 3, 3, 1 and 1 blocks (no first/last-stage flags give them):
+    the layout names the MTP layer beside the loss and reads back as the
+    plan."""
+    layout = "--pipeline-model-parallel-layout Et*3|t*3|t|tmL"
+    run = spec_from_megatron_args(
+        BASE + LATENT + "--mtp-num-layers 1 --pipeline-model-parallel-size 4 "
+        f"{layout} --expert-model-parallel-size 2"
+    )
+    plan = plan_from_megatron_run(run, GPU, 8, PER_NODE)
+    text = export_plan(plan, "megatron", spec=run.spec, options=options_of_run(run))
+    tokens = command(text)
+    assert value(tokens, "--pipeline-model-parallel-layout") == "Et*3|t*3|t|tmL"
+    back = spec_from_megatron_args(tokens)
+    assert back.spec == run.spec and back.stage_layers == (3, 3, 1, 1)
+
+
 def test_a_read_back_of_another_split_is_refused(monkeypatch):
     """The read-back compares the layers per stage too: a command whose
     first/last-stage flags were lost is refused."""
