@@ -426,6 +426,29 @@ def test_every_other_target_refuses_experts_with_the_reason(target, why):
         export_plan(plan, target, gpus_per_node={GPU: PER_NODE})
 
 
+@pytest.mark.parametrize(
+    "target", ["deepspeed", "megatron-deepspeed", "torchtitan", "alpa", "sailor"]
+)
+def test_every_other_target_refuses_latent_attention_and_mtp_without_experts(
+    target,
+):
+    """A dense model with multi-latent attention and MTP: the other targets
+    would write grouped-query blocks and no MTP, another model."""
+    flags, gpus = LATENT_LAUNCHES["dense MLA with MTP"]
+    run = spec_from_megatron_args(BASE + flags)
+    assert run.spec.moe is None and run.spec.mla is not None
+    plan = plan_from_megatron_run(run, GPU, gpus, PER_NODE)
+    with pytest.raises(
+        ExportRefused,
+        match="multi-latent attention and 1 multi-token-prediction layers would "
+        "be launched as another model",
+    ):
+        export_plan(plan, target, spec=run.spec, gpus_per_node={GPU: PER_NODE})
+    mtp_only = dataclasses.replace(run.spec, mla=None)
+    with pytest.raises(ExportRefused, match="'s 1 multi-token-prediction layers"):
+        export_plan(plan, target, spec=mtp_only, gpus_per_node={GPU: PER_NODE})
+
+
 def test_launchers_name_megatron_alone_for_experts():
     run, plan = launch("tp 1, experts over the replicas")
     able = launchers(plan, spec=run.spec, options=options_of_run(run),

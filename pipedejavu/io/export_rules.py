@@ -71,17 +71,30 @@ def has_experts(plan: Plan3D, spec: TransformerSpec | None = None) -> bool:
 
 
 def refuse_experts(plan: Plan3D, spec: TransformerSpec | None, why: str) -> None:
-    """The targets that run dense layers only: refuse a plan with experts
-    (:func:`has_experts`).
+    """The targets that run dense grouped-query-attention blocks only: refuse
+    a plan with experts (:func:`has_experts`), and a model with multi-latent
+    attention or multi-token-prediction layers (they would write another
+    model's blocks; ``--export megatron`` writes them).
 
     Raises:
-        ExportRefused: ``why``, with the plan's expert axes.
+        ExportRefused: ``why``, with the plan's expert axes; or what of the
+            model's attention and MTP the target would not write.
     """
-    if not has_experts(plan, spec):
+    if has_experts(plan, spec):
+        axes = sorted({(a.ep, a.expert_tp) for a in plan.layout.stages})
+        shown = ", ".join(f"EP {ep} x expert TP {etp}" for ep, etp in axes)
+        raise ExportRefused(f"{why} (the plan's experts: {shown})")
+    if spec is None or (spec.mla is None and not spec.mtp_layers):
         return
-    axes = sorted({(a.ep, a.expert_tp) for a in plan.layout.stages})
-    shown = ", ".join(f"EP {ep} x expert TP {etp}" for ep, etp in axes)
-    raise ExportRefused(f"{why} (the plan's experts: {shown})")
+    parts = ["multi-latent attention"] if spec.mla is not None else []
+    parts += [f"{spec.mtp_layers} multi-token-prediction layers"] * bool(
+        spec.mtp_layers
+    )
+    raise ExportRefused(
+        f"this target writes grouped-query attention blocks and no multi-token "
+        f"prediction: {spec.name}'s {' and '.join(parts)} would be launched as "
+        "another model (--export megatron writes them)"
+    )
 
 
 def uniform_experts(plan: Plan3D, target: str) -> tuple[int, int]:
