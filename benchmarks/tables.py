@@ -1097,6 +1097,41 @@ def t_fp8_gemms() -> str:
     return table(head, body) + source("gpu_fp8_gemms.json")
 
 
+def t_moe_published() -> str:
+    data = load("moe_published.json")
+
+    def signed(x: float) -> str:
+        return f"{100 * x:+.1f}%"
+
+    rows = [
+        [
+            f"`{r['id']}`",
+            f"{r['published_tokens_per_s_per_gpu']:.0f}",
+            f"{r['predicted_tokens_per_s_per_gpu']:.0f}",
+            signed(r["error"]),
+            signed(r["leave_one_out_error"]),
+        ]
+        for r in data["runs"]
+    ]
+    head = [
+        "run",
+        "published tokens/s/GPU",
+        "predicted",
+        "error",
+        "leave-one-out",
+    ]
+    c, fit, loo = data["constants"], data["fitted_on_all"], data["leave_one_out"]
+    return (
+        table(head, rows)
+        + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
+        f"{c['alltoall_efficiency']}, `alltoall_hidden` {c['alltoall_hidden']}, "
+        f"`expert_block_overhead_s` {1e3 * c['expert_block_overhead_s']:.2f} ms. "
+        f"|error| fitted on all: median {pct(fit['median'])}, max "
+        f"{pct(fit['max'])}; **leave-one-out: median {pct(loo['median'])}, max "
+        f"{pct(loo['max'])}**." + source("moe_published.json")
+    )
+
+
 def t_simulator_speed() -> str:
     data = load("simulator_speed.json")
     rows = [
@@ -1134,6 +1169,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "simulator_speed": t_simulator_speed,
     "plan_knobs": t_plan_knobs,
     "fp8_gemms": t_fp8_gemms,
+    "moe_published": t_moe_published,
     "zero_bubble_split": t_zero_bubble_split,
     "gpu_blocks": t_gpu_blocks,
     "gpu_blocks_cudnn": t_gpu_blocks_cudnn,
