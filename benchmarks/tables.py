@@ -1122,8 +1122,7 @@ def t_moe_published() -> str:
     ]
     c, fit, loo = data["constants"], data["fitted_on_all"], data["leave_one_out"]
     return (
-        table(head, rows)
-        + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
+        table(head, rows) + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
         f"{c['alltoall_efficiency']}, `alltoall_hidden` {c['alltoall_hidden']}, "
         f"`expert_block_overhead_s` {1e3 * c['expert_block_overhead_s']:.2f} ms. "
         f"|error| fitted on all: median {pct(fit['median'])}, max "
