@@ -197,6 +197,20 @@ def test_launch_prediction_of_a_mixture_of_experts():
     assert launch.model_flops_per_iteration == SPEC.model_flops_per_iteration(64)
 
 
+def test_planning_beside_a_moe_launch_keeps_its_expert_layout():
+    """plan --megatron-args of a mixture of experts searches with the
+    launch's experts (they were priced at EP 1 before) and finds a plan no
+    slower than the launch."""
+    from pipedejavu.planning.launch_compare import compare_megatron_run
+
+    run = _run(ep=4, pp=1, gbs=32)
+    found = compare_megatron_run(run, "H100", 8, SHEET, method="dp")
+    assert found.knobs.choice.data.experts.experts.ep == 4
+    assert {a.ep for a in found.knobs.result.plan.layout.stages} == {4}
+    best = found.knobs.result.prediction.iteration_time_s
+    assert best <= found.given.prediction.iteration_time_s * (1 + 1e-9)
+
+
 def test_flex_dispatch_crosses_to_each_node_once():
     """DeepEP's dispatch on 4 nodes of 8 (EP 32): a token crosses to each
     other node holding one of its 8 experts once; by hand."""

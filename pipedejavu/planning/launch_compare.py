@@ -8,7 +8,9 @@ micro-batch size, the schedule, recomputation, sequence parallelism and the
 distributed optimizer); the attention kernel and its dropout stay the launch's
 (facts of the model's code), and so do its gradient-sync flags
 (``--overlap-grad-reduce``, ``--overlap-param-gather``,
-``--grad-reduce-in-bf16``).
+``--grad-reduce-in-bf16``). A mixture of experts keeps the launch's expert
+layout (EP, expert TP, dispatcher, overlap: what the launch's costs price) and
+Megatron's default rank order (as ``plan --model`` searches one).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, search_knobs
 from pipedejavu.planning.megatron_launch import (
     LaunchPrediction,
+    expert_layers,
     options_of_run,
     predict_megatron_run,
 )
@@ -146,17 +149,20 @@ def compare_megatron_run(
     mbs_values = sorted({*DEFAULT_MBS_VALUES, run.micro_batch})
     gpu = given.plan.stages[0].replicas[0].gpu_type
 
+    experts = expert_layers(run)
+
     def make_choice(options: TrainingOptions) -> CostChoice:
-        source = AnalyticalSource(run.spec, sheet, options, mbs_values=mbs_values)
+        source = AnalyticalSource(
+            run.spec, sheet, options, mbs_values=mbs_values, experts=experts
+        )
         source = source.with_memory_headroom(memory_headroom)
         return CostChoice(source, run.spec.name, {gpu: gpu}, options, run.spec)
 
+    space = space or launch_knob_space(run)
+    if experts is not None:
+        # as plan --model searches experts: Megatron's default order only
+        space = dataclasses.replace(space, rank_orders=space.rank_orders[:1])
     knobs = search_knobs(
-        make_choice,
-        base,
-        {gpu: num_gpus},
-        given.plan.gbs,
-        space=space or launch_knob_space(run),
-        **plan_options,
+        make_choice, base, {gpu: num_gpus}, given.plan.gbs, space=space, **plan_options
     )
     return RunComparison(given, knobs, knobs.choice.data)
