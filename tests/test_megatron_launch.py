@@ -347,6 +347,25 @@ def test_predict_cli_takes_the_largest_clusters_plan_searches_fewer(capsys):
     assert f"[1, {MAX_GPUS}]" in capsys.readouterr().err
 
 
+def test_fp8_is_exported_with_the_recipe_it_was_priced_with():
+    """fp8 is priced with current (per-tensor) scaling's quantization: the
+    export writes that recipe (Megatron-LM's default is delayed scaling), and
+    the flags read back as the same options."""
+    options = TrainingOptions("fp8")
+    flags = option_flags(options)
+    assert flags[:5] == [
+        "--bf16",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "tensorwise",
+    ]
+    base = SC21_39B.replace("--fp16", "")
+    run = spec_from_megatron_args([*base.split(), *flags])
+    assert run.precision == "fp8" and run.fp8_recipe == "tensorwise"
+    assert options_of_run(run).precision == "fp8"
+
+
 def test_overlap_flags_are_read_predicted_and_exported():
     """--overlap-grad-reduce/--overlap-param-gather reach the options (and
     back out through the Megatron export's flags); overlapped, a launch with

@@ -93,6 +93,7 @@ PLAN_FLAGS = (
     "fp16",
     "bf16",
     "fp8-format",
+    "fp8-recipe",
     "fp8-e4m3",
     "fp8-hybrid",
     "overlap-grad-reduce",

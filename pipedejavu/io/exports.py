@@ -35,7 +35,8 @@ DeepSpeed JSON); order the hosts so that those ranks land on them.
 precision, recomputation, distributed optimizer, sequence parallelism, the
 pipeline schedule, attention kernel) a plan was priced with travel with it:
 
-* Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``,
+* Megatron-LM gets its flags (:func:`option_flags`: ``--bf16``, fp8 as
+  ``--fp8-format hybrid --fp8-recipe tensorwise`` (the current scaling priced),
   ``--recompute-granularity`` with its ``--recompute-modules``,
   ``--use-distributed-optimizer``,
   ``--sequence-parallel``, ``--overlap-grad-reduce``,
@@ -304,7 +305,7 @@ def option_flags(options: TrainingOptions) -> list[str]:
     elif options.precision == "fp16":
         flags.append("--fp16")
     if options.precision == "fp8":
-        flags += ["--fp8-format", "hybrid"]
+        flags += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     if options.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
         if options.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
