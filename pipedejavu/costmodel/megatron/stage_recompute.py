@@ -25,11 +25,15 @@ from collections.abc import Sequence
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
     buckets,
+    expert_allreduce,
+    expert_ring,
     memory_bytes,
     model_state_bytes,
+    rank_expert_params,
     span_act_mem,
     stage_params,
     stash_bytes,
@@ -106,13 +110,26 @@ def stage_recompute_counts(
             stage_in_flight(s, plan.num_stages, plan.num_microbatches, zero_bubble)
             * plan.mbs
         )
-        # what does not depend on the count: per TP degree, the model state,
-        # the input received and the GPU types
+        # what does not depend on the count: per TP degree, the model state
+        # (a mixture of experts': theirs over expert data parallelism, their
+        # largest bucket beside the dense ones, as the predictor's), the
+        # input received and the GPU types
         kinds = []
         for tp in sorted({r.tp for r in stage.replicas}):
             params = stage_params(info, tp, stage.start, stage.stop)
             largest = max(buckets(info, tp, stage.start, stage.stop))
-            state = model_state_bytes(info, params, largest, plan.dp)
+            span = ((stage.start, stage.stop),)
+            experts, edp = rank_expert_params(info, tp, span), 1
+            if experts:
+                edp = plan.layout.edp(s)
+                replicas = list(stage.replicas)
+                nodes = [node_key(r, s, j) for j, r in enumerate(replicas)]
+                members, ring = expert_ring(plan.layout, s, replicas, nodes)
+                _, biggest = expert_allreduce(
+                    data.network, info, tp, members, ring, span
+                )
+                largest = max(largest, biggest)
+            state = model_state_bytes(info, params, largest, plan.dp, experts, edp)
             received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
             gpus = sorted({r.gpu_type for r in stage.replicas if r.tp == tp})
             kinds.append((tp, state, received, gpus))

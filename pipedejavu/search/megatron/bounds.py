@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.layout import ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     RANK_ORDERS,
@@ -41,6 +42,8 @@ from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo, Sai
 from pipedejavu.costmodel.megatron.stage_recompute import bound_counts, rerun_counts
 from pipedejavu.costmodel.megatron.tables import (
     span_allreduce,
+    span_expert_largest_bucket,
+    span_expert_params,
     span_largest_bucket,
 )
 from pipedejavu.search.megatron.space import ConfigGroup, chain_counts
@@ -53,6 +56,7 @@ from pipedejavu.search.megatron.transfers import (
     link_rows,
     links_key,
 )
+from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 __all__ = [
     "EITHER_ORDER",
@@ -62,6 +66,7 @@ __all__ = [
     "later_pairs",
     "memory_counts",
     "span_capacity",
+    "span_experts",
     "stage_bounds",
 ]
 
@@ -244,7 +249,9 @@ def kind_bounds(
             )
         allreduce, largest = cache.allreduce[key]
         sync = least_gradient_sync(allreduce, held, dp, data.options)
-        tail = sync + optimizer_time(float(entry.update[0]), held, info, t, dp)
+        experts, edp = span_experts(info, t, dp, starts, stops)
+        step = optimizer_time(float(entry.update[0]), held, info, t, dp, experts, edp)
+        tail = sync + step
         last = tail if zero_bubble else np.maximum(tail, before_b[starts])
         if with_sends and not zero_bubble:  # the boundary after the stage
             least_link = np.min([links[(kind, other)] for other in kinds], axis=0)
@@ -365,6 +372,27 @@ def later_pairs(
     )
 
 
+def span_experts(
+    info: ModelInfo,
+    tp: int,
+    dp: int,
+    starts: NDArray[np.int64],
+    stops: NDArray[np.int64],
+) -> tuple[NDArray[np.float64] | float, int]:
+    """``(experts, edp)``: each span's expert parameters per GPU at degree
+    ``tp`` and the expert data-parallel degree of a stage of ``tp x dp`` GPUs
+    (:meth:`~pipedejavu.core.layout.ParallelLayout.edp` of the costs' EP and
+    expert TP), over which the predictor shards the experts' optimizer state
+    and step (:func:`~pipedejavu.costmodel.megatron.rules.model_state_bytes`,
+    :func:`~pipedejavu.costmodel.megatron.rules.optimizer_time`; 0 and 1 for
+    a dense model)."""
+    if info.expert_params is None:
+        return 0.0, 1
+    ep, etp = info.expert_axes
+    edp = ParallelLayout((StageAxes(tp, ep, etp),), dp).edp(0)
+    return span_expert_params(info, tp, starts, stops), edp
+
+
 def span_capacity(
     data: SailorData,
     model: str,
@@ -382,15 +410,23 @@ def span_capacity(
     ``starts[n]..stops[n] - 1`` (``spans``) of layers on a GPU of ``kind`` (at
     most ``steps``; -1: not even the model state): the predictor's memory
     rules (``held``: the span's parameters per GPU, ``largest``: its largest
-    bucket; ``layers``: blocks rerun, per-stage recomputation's count, by
-    default its most)."""
+    bucket of dense gradients; ``layers``: blocks rerun, per-stage
+    recomputation's count, by default its most). A mixture of experts' state
+    is the predictor's: the experts' share sharded over the expert
+    data-parallel degree (:func:`span_experts`), their largest bucket counted
+    where they are all-reduced (``edp > 1``)."""
     info = data.model_info(model)
     gpu, t = kind
     if layers is None:
         layers = bound_counts(data, info)[1]  # per-stage: the most reruns
+    starts, stops = spans
+    experts, edp = span_experts(info, t, dp, starts, stops)
+    if edp > 1:
+        expert_bucket = span_expert_largest_bucket(info, t, starts, stops - 1)
+        largest = np.maximum(largest, expert_bucket)
     fits = in_flight_capacity(
         data.gpu_spec(gpu).memory_bytes,
-        model_state_bytes(info, held, largest, dp),
+        model_state_bytes(info, held, largest, dp, experts, edp),
         spans_stash(info, t, *spans, mbs, layers),
         constants,
         gpu,
@@ -407,13 +443,14 @@ def memory_counts(
 ) -> NDArray[np.bool_] | None:
     """``fits[k]``: some chain of exactly ``k`` stages of a one-degree group
     meets the proof's memory rule (:meth:`StageBounds.weights`: a stage with
-    ``n`` stages after it holds ``min(n + 1, B)`` micro-batches), read off the
-    stages' capacities alone: where it is ``False`` the group's bound on
-    ``k`` stages is infinite, with no transfer, all-reduce or time table
-    built. ``None`` with several TP degrees. ``cache``: the answer is kept by
-    the source's, the constants' and the group's identity (both rank orders'
-    proofs ask it), the reachability by the rule's digest (choices that differ
-    in the schedule only ask the same)."""
+    ``n`` stages after it holds ``min(n + 1, B)`` micro-batches; under ZB-H1
+    every stage of ``k`` holds ``min(k, B)``, :meth:`StageBounds.pipeline`),
+    read off the stages' capacities alone: where it is ``False`` the group's
+    bound on ``k`` stages is infinite, with no transfer, all-reduce or time
+    table built. ``None`` with several TP degrees. ``cache``: the answer is
+    kept by the source's, the constants' and the group's identity (both rank
+    orders' proofs ask it), the reachability by the rule's digest (choices
+    that differ in the schedule only ask the same)."""
     if len(group.tps) != 1:
         return None
     key = (id(data), model, id(constants), group)
@@ -439,16 +476,34 @@ def memory_counts(
         largest,
     )
     most = max(group.sizes) // t
-    memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
-    # stages after it that a stage admits: any number once it holds all B
-    memory[starts, ends] = np.where(cap >= group.steps, most, cap - 1)
-    if cache is None:
-        return chain_counts(memory, most)
-    digest = (hashlib.blake2b(memory.tobytes(), digest_size=16).digest(), most)
-    if digest not in cache.counts:
-        cache.counts[digest] = chain_counts(memory, most)
-    cache.fitting[key] = (data, constants, cache.counts[digest])  # ids kept
-    return cache.counts[digest]
+
+    def reachable(admits: NDArray[np.float64]) -> NDArray[np.bool_]:
+        """:func:`chain_counts` of the stages after each span admits."""
+        memory = np.full((num_layers, num_layers), -1, dtype=np.int64)
+        memory[starts, ends] = admits
+        if cache is None:
+            return chain_counts(memory, most)
+        digest = (hashlib.blake2b(memory.tobytes(), digest_size=16).digest(), most)
+        if digest not in cache.counts:
+            cache.counts[digest] = chain_counts(memory, most)
+        return cache.counts[digest]
+
+    if data.options.zero_bubble:
+        # every stage of k holds min(k, B): per count, the spans that hold it
+        # admit any number of stages after them, the others none
+        fits = np.zeros(most + 1, dtype=bool)
+        needs = [zero_bubble_in_flight(k, group.steps) for k in range(1, most + 1)]
+        for need in sorted(set(needs)):
+            counts = reachable(np.where(cap >= need, most, -1))
+            for k, asked in enumerate(needs, start=1):
+                if asked == need:
+                    fits[k] = counts[k]
+    else:
+        # stages after it that a stage admits: any number once it holds all B
+        fits = reachable(np.where(cap >= group.steps, most, cap - 1))
+    if cache is not None:
+        cache.fitting[key] = (data, constants, fits)  # ids kept
+    return fits
 
 
 def least_allreduce(

@@ -72,10 +72,13 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
+    expert_allreduce,
+    expert_ring,
     least_gradient_sync,
     memory_bytes,
     model_state_bytes,
     optimizer_time,
+    rank_expert_params,
     rank_params,
     stage_allreduce,
 )
@@ -286,9 +289,11 @@ def candidate_floor(
     GPUs (else the predicted memory does not), and ``f64[P]`` the all-reduce
     and optimizer step that follow each rank's last backward, as the predictor
     prices them (the slowest replica's; of an overlapped all-reduce, the least
-    the predictor waits for). ``dp``: the replicas the model state
-    is sharded over (``None``: the plan's; :func:`candidate_fits` asks one
-    pipeline of a plan with more)."""
+    the predictor waits for; a mixture of experts' with their gradients'
+    all-reduce, and their state and step over expert data parallelism, as
+    the predictor's). ``dp``: the replicas the dense model state is sharded
+    over (``None``: the plan's; :func:`candidate_fits` asks one pipeline of a
+    dense plan with more)."""
     info = data.model_info(model)
     dp = plan.dp if dp is None else dp
     v_shape = bool(data.options.v_shape)
@@ -304,13 +309,24 @@ def candidate_floor(
             data.network, info, replicas, nodes, start, stop, more
         )
         held = rank_params(info, replicas[0].tp, spans[s])
-        state = model_state_bytes(info, held, largest, dp)
+        # a mixture of experts: their gradients reduced and their state and
+        # step sharded over expert data parallelism, as the predictor's
+        experts, edp = rank_expert_params(info, replicas[0].tp, spans[s]), 1
+        if experts:
+            edp = plan.layout.edp(s)
+            members, ring = expert_ring(plan.layout, s, replicas, nodes)
+            seconds, biggest = expert_allreduce(
+                data.network, info, replicas[0].tp, members, ring, spans[s]
+            )
+            allreduce, largest = allreduce + seconds, max(largest, biggest)
+        state = model_state_bytes(info, held, largest, dp, experts, edp)
         step = 0.0
         for gpu, tp in {(r.gpu_type, r.tp) for r in replicas}:
             update = data.layer_times(
                 model, gpu, plan.mbs, tp, smooth=constants.smooth_profiles
             ).update
-            step = max(step, optimizer_time(float(update[0]), held, info, tp, dp))
+            seconds = optimizer_time(float(update[0]), held, info, tp, dp, experts, edp)
+            step = max(step, seconds)
             used = memory_bytes(state, stash[s], constants, gpu)
             if used > data.gpu_spec(gpu).memory_bytes:
                 return False, tails
