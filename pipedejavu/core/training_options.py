@@ -321,8 +321,11 @@ class TrainingOptions:
 
     def to_json(self) -> dict[str, Any]:
         """Every field under its own name (exact round trip; files without
-        ``recompute_modules`` read with the default)."""
-        return dataclasses.asdict(self)
+        ``recompute_modules`` read with the default); JSON types (the
+        modules a list)."""
+        out = dataclasses.asdict(self)
+        out["recompute_modules"] = list(self.recompute_modules)
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TrainingOptions:
