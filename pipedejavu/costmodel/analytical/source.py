@@ -60,6 +60,7 @@ from pipedejavu.costmodel.analytical.moe_layers import (
 )
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass, expert_shape
 from pipedejavu.costmodel.analytical.ops import PassOptions
+from pipedejavu.costmodel.analytical.price_cache import SHARED_PRICES, PriceCache
 from pipedejavu.costmodel.analytical.recompute import Recompute, recompute_of
 from pipedejavu.costmodel.analytical.roofline import (
     FITTED_ANALYTICAL,
@@ -133,6 +134,11 @@ class AnalyticalSource:
             their parameters counted with
             :meth:`~pipedejavu.core.transformer.TransformerSpec.layer_param_split`
             (``ModelInfo.expert_params``).
+        prices: the memo of the pricing functions
+            (:class:`~pipedejavu.costmodel.analytical.price_cache.PriceCache`;
+            ``None``: the one every source shares,
+            :data:`~pipedejavu.costmodel.analytical.price_cache.SHARED_PRICES`,
+            so the choices of a search price each layer row once).
     """
 
     def __init__(
@@ -150,8 +156,10 @@ class AnalyticalSource:
         query_key_layer_scaling: bool = False,
         context_parallel: int = 1,
         experts: ExpertLayers | None = None,
+        prices: PriceCache | None = None,
     ) -> None:
         self.spec = spec
+        self.prices = SHARED_PRICES if prices is None else prices
         self.context_parallel = int(context_parallel)
         if experts is None and spec.moe is not None:
             experts = ExpertLayers(ExpertPass())
@@ -329,26 +337,42 @@ class AnalyticalSource:
         )
         dense = (dense_view(spec), *args[1:])
         recomputed = recompute_of(options)
-        # Megatron-Core's block method skips the MTP depths' recomputation
-        mtp = "none" if options.block_recompute else recomputed
+        # Megatron-Core's block method skips the MTP depths' recomputation (a
+        # model without depths reruns none: one price for every recompute)
+        mtp = recomputed if spec.mtp_layers and not options.block_recompute else "none"
+        call = self.prices.call  # (read-only rows, shared by the sources)
         try:
-            rows = analytical_layer_times(*dense, **split, **kwargs, mtp_recompute=mtp)
+            rows = call(
+                analytical_layer_times, *dense, **split, **kwargs, mtp_recompute=mtp
+            )
             # what selective recomputation reruns of each block
             selective = np.full(len(rows[0]), 0.0)
             if options.recompute == "selective":
-                selective[:] = selective_forward_seconds(
-                    *dense, recompute=recomputed, **split, **kwargs
+                selective[:] = call(
+                    selective_forward_seconds,
+                    *dense,
+                    recompute=recomputed,
+                    **split,
+                    **kwargs,
                 )
-            weight = weight_gradient_seconds(*dense, **split, **kwargs)
+            weight = call(weight_gradient_seconds, *dense, **split, **kwargs)
             if self.experts is not None:
                 opts = self._pass_options(mbs, tp, precision)
                 efficiency = dict(
                     constants=self.constants, link_efficiency=self.link_efficiency
                 )
-                selective = expert_rerun_seconds(
-                    spec, entry, opts, self.experts, recomputed, selective, **efficiency
+                selective = call(
+                    expert_rerun_seconds,
+                    spec,
+                    entry,
+                    opts,
+                    self.experts,
+                    recomputed,
+                    selective,
+                    **efficiency,
                 )
-                rows = expert_layer_times(
+                rows = call(
+                    expert_layer_times,
                     spec,
                     entry,
                     opts,
@@ -444,7 +468,8 @@ class AnalyticalSource:
         ep, etp = self._expert_axes()
         experts = {}
         for tp in degrees or [1]:
-            pairs = spec.layer_param_split(tp, ep, etp, tied_copy=True)
+            split = TransformerSpec.layer_param_split
+            pairs = self.prices.call(split, spec, tp, ep, etp, tied_copy=True)
             params[tp] = np.asarray([d + e for d, e in pairs], float)
             experts[tp] = np.asarray([e for _, e in pairs], float)
             tied[tp] = float(spec.tied_params(tp))
