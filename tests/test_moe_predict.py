@@ -337,9 +337,9 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
     calls = []
     real = module.plan_with_knobs
 
-    def spy(*args, experts=None, **kwargs):
-        calls.append(experts.experts.ep)
-        return real(*args, experts=experts, **kwargs)
+    def spy(*args, experts=None, incumbent=None, **kwargs):
+        calls.append((experts.experts.ep, incumbent is not None))
+        return real(*args, experts=experts, incumbent=incumbent, **kwargs)
 
     monkeypatch.setattr(module, "plan_with_knobs", spy)
     path = Path(__file__).parent / "tiny_moe.json"
@@ -350,10 +350,23 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
         distributed_optimizer=(True,),
     )
     found = module.plan_model(str(path), {"H100": 8}, 16, space=space)
-    assert calls == [1, 2, 4, 8]  # the divisors of 16 experts up to 8 GPUs
+    # the divisors of 16 experts up to 8 GPUs, inside the node largest first
+    # (each after the first against the best plan so far)
+    assert calls == [(8, False), (4, True), (2, True), (1, True)]
     best_ep = found.result.plan.layout.stages[0].ep
-    assert best_ep in calls and found.choice.data.experts.experts.ep == best_ep
+    assert best_ep in (8, 4, 2, 1) and found.choice.data.experts.experts.ep == best_ep
     assert "expert parallelism searched over EP 1, 2, 4, 8" in found.choice.notes[-1]
     assert (
         found.result.predicted_lower_bound_s <= found.result.prediction.iteration_time_s
     )
+    # one branch and bound over the layouts: the optimum of searching each
+    # layout on its own, proven whenever each of those is
+    spec = module.choose_cost_source(str(path), {"H100": 8}).spec
+    alone = [
+        real(str(path), {"H100": 8}, 16, space=space, experts=layers)
+        for layers in module.expert_layouts(spec, 8)
+    ]
+    times = [p.result.prediction.iteration_time_s for p in alone]
+    best = found.result.prediction.iteration_time_s
+    assert best == pytest.approx(min(times), rel=1e-12)
+    assert all(p.result.proven for p in alone) and found.result.proven

@@ -35,6 +35,10 @@ sequence parallelism and the distributed optimizer on before off):
    once more so that the report holds its planning objective (its proof finds
    the same predicted optimum).
 
+Given an incumbent found before (``incumbent``: another expert layout's best
+plan, :func:`~pipedejavu.planning.plan_model.plan_model`), step 1 is skipped:
+every choice goes to steps 2 and 3 with its time as the first cutoff.
+
 Each step certifies a lower bound on every plan of its space that fits (a
 proven step: the incumbent of its time); when the least of them reaches the
 plan's time, the plan is the predictor's optimum over the union of the
@@ -164,6 +168,7 @@ def plan_with_knobs(
     dp_alone: bool = False,
     memory_headroom: MemoryHeadroom | float | str | None = None,
     experts: ExpertLayers | None = None,
+    incumbent: tuple[TrainingPlan, CostChoice] | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -189,10 +194,14 @@ def plan_with_knobs(
             cover plans on one GPU type; with them, a plan takes one type).
         progress_fn: called as the searches go (each dict gets ``"knobs"``:
             the choice's index).
+        incumbent: a plan found before (another expert layout's) and its
+            choice: every choice is settled by the proof with its time as the
+            cutoff (no step 1); the result is it unless a choice beats it.
 
     Raises:
         ProblemError: bad arguments.
-        InfeasibleProblemError: no choice has a plan that fits.
+        InfeasibleProblemError: no choice has a plan that fits (never with an
+            incumbent).
     """
     pool = parse_gpu_pool(gpus)
     fixed: dict[str, Any] = {
@@ -222,6 +231,7 @@ def plan_with_knobs(
         mbs_values=mbs_values,
         progress_fn=progress_fn,
         dp_alone=dp_alone,
+        incumbent=incumbent,
     )
 
 
@@ -239,6 +249,7 @@ def search_knobs(
     mbs_values: Sequence[int] | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     dp_alone: bool = False,
+    incumbent: tuple[TrainingPlan, CostChoice] | None = None,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -314,6 +325,8 @@ def search_knobs(
             "prices every choice analytically)"
         )
     state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
+    if incumbent is not None:  # every choice settled against it (step 3)
+        state.take(incumbent, searched=True)
     # 1. the first choice with a plan: the full search (order: first_order)
     pending = list(enumerate(one_f)) + list(enumerate(zero, 2 * len(knobs)))
 
@@ -337,7 +350,7 @@ def search_knobs(
         )
         return fitting[id(choice)]
 
-    if one_f and zero:
+    if one_f and zero and incumbent is None:
         order = first_order(one_f, zero, pool, global_batch, config, could_fit)
         pending, probes = order.pending, order.probes
         outcomes += order.settled

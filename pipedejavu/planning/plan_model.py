@@ -206,7 +206,8 @@ def plan_model(
     spec = choice.spec
     if spec is None or spec.moe is None:
         return plan_with_knobs(model, pool, global_batch, **search, **shared)
-    return _plan_experts(model, pool, global_batch, spec, search, shared)
+    per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
+    return _plan_experts(model, pool, global_batch, spec, search, shared, per_node)
 
 
 def expert_layouts(spec: TransformerSpec, gpus: int) -> list[ExpertLayers]:
@@ -229,9 +230,16 @@ def _plan_experts(
     spec: TransformerSpec,
     search: Mapping[str, Any],
     shared: Mapping[str, Any],
+    gpus_per_node: int,
 ) -> KnobPlan:
     """The fastest plan over every expert layout (:func:`expert_layouts`),
-    proven when the least bound over all of them reaches its time."""
+    proven when the least bound over all of them reaches its time. The
+    layouts are searched as one branch and bound: the first fully, every
+    later one against the best plan so far (its choices settled by the proof
+    with that time as their cutoff: a layout that cannot beat it costs its
+    bounds only). The order only decides how soon a good incumbent is known:
+    EP groups inside a node first, the largest first (the published recipes'
+    choice), then those across nodes, the smallest first."""
     found: list[KnobPlan] = []
     lower = math.inf
     # Megatron's default rank order only: with replicas outermost and several
@@ -242,24 +250,42 @@ def _plan_experts(
         **search,
         "space": dataclasses.replace(space, rank_orders=space.rank_orders[:1]),
     }
-    for layers in expert_layouts(spec, sum(pool.values())):
+
+    def first(layers: ExpertLayers) -> tuple[int, int]:
+        ep = layers.experts.ep
+        return (1, ep) if ep > gpus_per_node else (0, -ep)
+
+    layouts = sorted(expert_layouts(spec, sum(pool.values())), key=first)
+    best: KnobPlan | None = None
+    for layers in layouts:
+        incumbent = None if best is None else (best.result, best.choice)
         try:
             plan = plan_with_knobs(
-                model, pool, global_batch, **search, **shared, experts=layers
+                model,
+                pool,
+                global_batch,
+                **search,
+                **shared,
+                experts=layers,
+                incumbent=incumbent,
             )
         except InfeasibleProblemError:
             continue  # no plan with this layout fits: it bounds nothing
         found.append(plan)
         lower = min(lower, plan.result.predicted_lower_bound_s)
-    if not found:
+        if best is None or (
+            plan.result.prediction.iteration_time_s
+            < best.result.prediction.iteration_time_s
+        ):
+            best = plan
+    if best is None:
         raise InfeasibleProblemError(
             f"no plan of {spec.name} fits {dict(pool)} with global batch "
             f"{global_batch} under any expert-parallel degree dividing its "
             f"{spec.moe.num_experts} experts"
         )
-    best = min(found, key=lambda p: p.result.prediction.iteration_time_s)
     best_s = best.result.prediction.iteration_time_s
-    degrees = ", ".join(str(p.choice.data.experts.experts.ep) for p in found)
+    degrees = ", ".join(str(ep) for ep in sorted(x.experts.ep for x in layouts))
     note = (
         f"expert parallelism searched over EP {degrees} (expert TP 1, alltoall "
         f"dispatcher, routing priced balanced): EP "
