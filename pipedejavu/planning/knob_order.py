@@ -5,7 +5,8 @@ are the quicker, the sooner the best plan is known, and which schedule finds
 it depends on the setting (ZB-H1 on GPT-3 175B, 1F1B on Llama-3-70B in
 ``benchmarks/plan_knobs.py``): either fixed order made one of them much
 slower. The probes' results are kept: the full search of a probed choice runs
-only its proof on them.
+only its proof on them. :func:`objective_free_plan` wraps a plan that a branch
+and bound found (not the planning objective) for the search's report.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
+from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice
 from pipedejavu.planning.knob_space import KnobOutcome
+from pipedejavu.planning.training import TrainingPlan, plan_cost_source
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.settings import (
     MegatronSearchConfig,
     MegatronSearchResult,
 )
 
-__all__ = ["FirstOrder", "first_order"]
+__all__ = ["FirstOrder", "first_order", "objective_free_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +104,38 @@ def first_order(
         pending = pair + rest + [(i, one_f[i]) for i in range(n) if i != k]
         return FirstOrder(pending, settled, probes)
     return FirstOrder(list(enumerate(one_f)), settled, probes)
+
+
+def objective_free_plan(
+    plan: Plan3D,
+    prediction: Prediction,
+    proof: tuple[float, bool, int, int, float],
+    choice: CostChoice,
+    options: TrainingOptions,
+    pool: Mapping[str, int],
+    method: str,
+) -> TrainingPlan:
+    """A :class:`TrainingPlan` for a plan the planning objective does not
+    price (interleaved: the closed form is the non-interleaved pipeline's;
+    ``tp-pp-dp``: it prices the default placement), found and proven by a
+    branch and bound on the predictor; ``proof``: its lower bound, proven,
+    configurations, those settled, seconds."""
+    lower, proven, configurations, solved, seconds = proof
+    return TrainingPlan(
+        plan=plan,
+        prediction=prediction,
+        objective_s=math.nan,
+        optimum_s=math.nan,
+        lower_bound_s=math.nan,
+        gap=math.nan,
+        gpus_available=dict(pool),
+        search_time_s=seconds,
+        method=method,
+        configurations=configurations,
+        solved=solved,
+        predicted_lower_bound_s=lower,
+        proven=proven,
+        mixed_types=False,
+        cost_source=plan_cost_source(plan, choice.data),
+        options=options,
+    )

@@ -68,7 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipedejavu.core.memory_headroom import MemoryHeadroom, kept_free
-from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, rank_order_of
+from pipedejavu.core.plan3d import RANK_ORDERS, rank_order_of
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import (
     TrainingOptions,
@@ -76,15 +76,13 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
-from pipedejavu.planning.knob_order import first_order
+from pipedejavu.planning.knob_order import first_order, objective_free_plan
 from pipedejavu.planning.knob_space import KnobOutcome, KnobSpace
 from pipedejavu.planning.training import (
     TrainingPlan,
     check_global_batch,
     parse_gpu_pool,
-    plan_cost_source,
     plan_training,
     search_config,
 )
@@ -420,7 +418,7 @@ def search_knobs(
                     found.predicted,
                     found.time_s,
                 )
-                plan = _objective_free_plan(
+                plan = objective_free_plan(
                     found.plan, found.prediction, proof, choice, options, pool, method
                 )
                 state.take((plan, choice), searched=True)  # no objective to search
@@ -501,7 +499,7 @@ def search_knobs(
                 certificate.enumerated,
                 certificate.time_s,
             )
-            plan = _objective_free_plan(
+            plan = objective_free_plan(
                 certificate.plan, found, proof, choice, choice.options, pool, method
             )
             state.take((plan, choice), searched=True)
@@ -563,41 +561,6 @@ class _Search:
     def take(self, best: tuple[TrainingPlan, CostChoice], *, searched: bool) -> None:
         self.best, self.searched = best, searched
         self.best_s = best[0].prediction.iteration_time_s
-
-
-def _objective_free_plan(
-    plan: Plan3D,
-    prediction: Prediction,
-    proof: tuple[float, bool, int, int, float],
-    choice: CostChoice,
-    options: TrainingOptions,
-    pool: Mapping[str, int],
-    method: str,
-) -> TrainingPlan:
-    """A :class:`TrainingPlan` for a plan the planning objective does not
-    price (interleaved: the closed form is the non-interleaved pipeline's;
-    ``tp-pp-dp``: it prices the default placement), found and proven by a
-    branch and bound on the predictor; ``proof``: its lower bound, proven,
-    configurations, those settled, seconds."""
-    lower, proven, configurations, solved, seconds = proof
-    return TrainingPlan(
-        plan=plan,
-        prediction=prediction,
-        objective_s=math.nan,
-        optimum_s=math.nan,
-        lower_bound_s=math.nan,
-        gap=math.nan,
-        gpus_available=dict(pool),
-        search_time_s=seconds,
-        method=method,
-        configurations=configurations,
-        solved=solved,
-        predicted_lower_bound_s=lower,
-        proven=proven,
-        mixed_types=False,
-        cost_source=plan_cost_source(plan, choice.data),
-        options=options,
-    )
 
 
 def _tagged(
