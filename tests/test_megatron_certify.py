@@ -342,10 +342,11 @@ def test_memory_counts_match_the_bounds_they_skip():
         )
         for group in groups:
             counts = memory_counts(data, model, C, group)
-            _, g = group_bounds(data, model, C, group)
+            per_size = group_bounds(data, model, C, group)
             (t,) = group.tps
             for size in group.sizes:
                 fits = size // t < len(counts) and bool(counts[size // t])
+                _, g = per_size[size]
                 assert fits == bool(np.isfinite(g[size, 0])), (group, size)
                 seen[fits] += 1
     assert min(seen.values()) > 20  # both answers were exercised

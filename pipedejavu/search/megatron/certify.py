@@ -37,13 +37,15 @@ to settle it). Under the ZB-H1 schedule (the source's
 ``options.zero_bubble``) a stage's backward is split in ``B`` and ``W``, its
 sends do not block and its last command may be a ``W`` that no stage waits
 for: ``w = F + B busy + tail`` with ``busy`` its forward, backward and three
-overheads (the transfers' and warm-up bounds below are 1F1B's and left out);
-its peak in flight is ``min(P, B)``, at least 1F1B's, so the memory rule
-holds. Memory: DeepSpeed's 1F1B warm-up keeps at least
+overheads (the transfers' and warm-up bounds below are 1F1B's and left out).
+Memory: DeepSpeed's 1F1B warm-up keeps at least
 ``min(stages after + 1, B)`` micro-batches in flight on a stage at its peak (the
-simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it), so
-a stage whose model state, largest bucket, reserve and that many stashes exceed
-its GPU is in no plan that fits.
+simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it),
+ZB-H1 ``min(P, B)`` on every stage (the predictor's count; with one TP degree
+the bounds of ``P``-stage pipelines ask it of every stage, a bottleneck per
+size), so a stage whose model state (a mixture of experts': theirs sharded
+over expert data parallelism, as the predictor's), largest bucket, reserve and
+that many stashes exceed its GPU is in no plan that fits.
 
 **Per configuration** (GPU type, mbs, dp, TP, GPUs: the search's space), the
 least ``max_s w`` over its chains of stages is a bottleneck path, solved exactly
@@ -185,8 +187,8 @@ def any_plan_fits(
     for group in groups:
         sizes = fitting_sizes(data, model, constants, group, group.sizes, cache)
         if sizes:
-            _, g = group_bounds(data, model, constants, group, cache)
-            if np.isfinite(g[sizes, 0]).any():
+            per_size = group_bounds(data, model, constants, group, cache, sizes=sizes)
+            if any(np.isfinite(g[n, 0]) for n, (_, g) in per_size.items()):
                 return True
     return False
 
@@ -201,8 +203,9 @@ def fitting_sizes(
 ) -> list[int]:
     """The ``sizes`` (GPUs of a pipeline) of a group left after the memory
     rule of its stage bounds alone
-    (:func:`~pipedejavu.search.megatron.bounds.memory_counts`; all of them
-    with several TP degrees): on the others the group's bound is infinite."""
+    (:func:`~pipedejavu.search.megatron.bounds.memory_counts`, ZB-H1's per
+    stage count; all of them with several TP degrees): on the others the
+    group's bound is infinite."""
     counts = memory_counts(data, model, constants, group, cache)
     if counts is None:
         return list(sizes)
@@ -217,18 +220,26 @@ def group_bounds(
     group: ConfigGroup,
     cache: BoundCache | None = None,
     rank_order: str = RANK_ORDERS[0],
-    most_gpus: int | None = None,
-) -> tuple[StageBounds, NDArray[np.float64]]:
-    """A group's stage bounds and their bottleneck ``g[u, p]``
-    (:meth:`~pipedejavu.search.megatron.chains.StageBounds.bottleneck`), on
-    up to ``most_gpus`` (default: its largest pipeline): what the proof and
-    :func:`any_plan_fits` read of a configuration."""
+    sizes: Sequence[int] | None = None,
+) -> dict[int, tuple[StageBounds, NDArray[np.float64]]]:
+    """``{size: (bounds, g)}``: for each of ``sizes`` (default: the group's)
+    the stage bounds of its pipelines of that many GPUs and their bottleneck
+    ``g[u, p]`` (:meth:`~pipedejavu.search.megatron.chains.StageBounds.
+    bottleneck`; one for all sizes but under ZB-H1 with one TP degree:
+    :meth:`~pipedejavu.search.megatron.chains.StageBounds.pipeline`)."""
     bounds = StageBounds(
         group,
         stage_bounds(data, model, constants, group, cache, rank_order),
         constants.op_overhead_s,
+        zero_bubble=bool(data.options.zero_bubble),
     )
-    return bounds, bounds.bottleneck(most_gpus or max(group.sizes))
+    sizes = group.sizes if sizes is None else sizes
+    most = max(sizes)
+    out = {}
+    for size in sizes:
+        one = bounds.pipeline(size)
+        out[size] = (one, one.bottleneck(most if one is bounds else size))
+    return out
 
 
 def either_order_bounds(
@@ -243,8 +254,8 @@ def either_order_bounds(
     per source, constants and group of a ``cache``."""
     key = (id(data), model, id(constants), group)
     if key not in cache.either:
-        _, g = group_bounds(data, model, constants, group, cache, EITHER_ORDER)
-        values = {n: float(g[n, 0]) for n in group.sizes}
+        per_size = group_bounds(data, model, constants, group, cache, EITHER_ORDER)
+        values = {n: float(g[n, 0]) for n, (_, g) in per_size.items()}
         cache.either[key] = (data, constants, values)  # kept: ids not reused
     return cache.either[key][2]
 
@@ -424,10 +435,8 @@ def certify_predicted(
             sizes = [n for n in sizes if least[n] < best]
             if not sizes:
                 continue
-        bounds, g = group_bounds(
-            data, model, constants, group, cache, rank_order, max(sizes)
-        )
-        for size in sizes:
+        per_size = group_bounds(data, model, constants, group, cache, rank_order, sizes)
+        for size, (bounds, g) in per_size.items():
             value = float(g[size, 0])
             if math.isfinite(value):
                 plans = functools.partial(

@@ -20,6 +20,7 @@ from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.search.megatron.bounds import StageTable
 from pipedejavu.search.megatron.space import ConfigGroup
 from pipedejavu.search.megatron.transfers import SendRow
+from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 __all__ = [
     "Incumbent",
@@ -51,15 +52,46 @@ def stages_after(group: ConfigGroup, tp: int, left: int) -> tuple[int, int]:
 
 class StageBounds:
     """A group's stage bounds for a stage with ``left`` GPUs for it and the
-    stages after it (memory and the warm-up depend on how many follow)."""
+    stages after it (memory and the warm-up depend on how many follow).
+
+    ``zero_bubble``: the tables are ZB-H1's, whose stages all hold ``min(P,
+    B)`` micro-batches at their peak (:meth:`pipeline`); ``in_flight``: the
+    least micro-batches every stage holds, whatever follows it (0: 1F1B's
+    rule alone)."""
 
     def __init__(
-        self, group: ConfigGroup, tables: dict[int, StageTable], overhead: float
+        self,
+        group: ConfigGroup,
+        tables: dict[int, StageTable],
+        overhead: float,
+        zero_bubble: bool = False,
+        in_flight: int = 0,
     ) -> None:
         self.group, self.tables, self.overhead = group, tables, overhead
+        self.zero_bubble, self.in_flight = zero_bubble, in_flight
         self._weights: dict[tuple[int, int, Any], Table] = {}
         self._chain_weights: dict[tuple[int, int], Table] = {}
         self._chain_g: dict[int, NDArray[np.float64]] = {}
+        self._g: dict[int, NDArray[np.float64]] = {}
+        self._pipelines: dict[int, StageBounds] = {}
+
+    def pipeline(self, size: int) -> StageBounds:
+        """The bounds of the group's pipelines of ``size`` GPUs: these, but
+        under ZB-H1 with one TP degree, where each of the ``P = size / tp``
+        stages holds ``min(P, B)`` micro-batches at its peak (the predictor's
+        own count, :func:`~pipedejavu.simulation.zero_bubble.
+        zero_bubble_in_flight`), bounds whose memory rule asks that many of
+        every stage (one per count: pipelines of ``B`` stages or more share
+        theirs)."""
+        if not self.zero_bubble or len(self.tables) != 1:
+            return self
+        (t,) = self.tables
+        need = zero_bubble_in_flight(max(size // t, 1), self.group.steps)
+        if need not in self._pipelines:
+            self._pipelines[need] = StageBounds(
+                self.group, self.tables, self.overhead, True, need
+            )
+        return self._pipelines[need]
 
     def weights(
         self, tp: int, left: int, send: tuple[Any, SendRow] | None = None
@@ -75,13 +107,15 @@ class StageBounds:
         in flight), so ``B`` backwards, ``B - k`` forwards and their ``B - k``
         pairs over both boundaries follow (DeepSpeed's command stream:
         ``tests/test_megatron_certify.py`` checks the bound below every
-        prediction). ``send``: ``(name, SendRow)`` for a known next stage: its
-        blocking transfers added to the first bound, and its link's bound."""
+        prediction). Memory: the stage holds at least ``min(fewest stages
+        after + 1, B)`` micro-batches, and at least :attr:`in_flight`.
+        ``send``: ``(name, SendRow)`` for a known next stage: its blocking
+        transfers added to the first bound, and its link's bound."""
         key = (tp, left, None if send is None else send[0])
         if key not in self._weights:
             table = self.tables[tp]
             fewest, k, crossed = self.warm_up(tp, left)
-            need = min(fewest + 1, self.group.steps)
+            need = max(min(fewest + 1, self.group.steps), self.in_flight)
             # per-stage recomputation: the least over the counts that fit
             out = None
             for one in table.variants or (table,):
@@ -183,8 +217,9 @@ class StageBounds:
         degrees); with ``chain``, of their gradient chains instead
         (:meth:`chain_weights`: what :func:`chains` adds to the tails of the
         stages before ``p``)."""
-        if chain and most_gpus in self._chain_g:
-            return self._chain_g[most_gpus]
+        done = self._chain_g if chain else self._g
+        if most_gpus in done:
+            return done[most_gpus]
         weight = self.chain_weights if chain else self.weights
         size = next(iter(self.tables.values())).w.shape[0]
         g = np.full((most_gpus + 1, size), np.inf)
@@ -200,8 +235,7 @@ class StageBounds:
                     rest = np.maximum(stage, g[u - t][None, :]).min(axis=1)
                     best = np.minimum(best, rest)
             g[u] = best
-        if chain:
-            self._chain_g[most_gpus] = g
+        done[most_gpus] = g
         return g
 
     def chain_weights(self, tp: int, left: int) -> Table:
