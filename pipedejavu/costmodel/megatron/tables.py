@@ -493,9 +493,10 @@ def compile_tables(
             network, info, gpu_type, tp, dp, gpn, experts, zone
         )
         allreduce = allreduce + expert_sync
-        largest = np.maximum(
-            largest, span_expert_largest_bucket(info, tp, starts, ends)
-        )
+        if edp > 1:  # a bucket only where they are all-reduced (the predictor's)
+            largest = np.maximum(
+                largest, span_expert_largest_bucket(info, tp, starts, ends)
+            )
         optimizer = optimizer_time(
             float(times.update[0]), held, info, tp, dp, experts, edp
         )
