@@ -68,6 +68,7 @@ __all__ = [
     "span_capacity",
     "span_experts",
     "stage_bounds",
+    "zero_bubble_round_trip",
 ]
 
 Table = NDArray[np.float64]
@@ -87,7 +88,8 @@ class StageTable(NamedTuple):
         late, fwd: the parts of the warm-up bound, ``late - k fwd`` with ``k``
             forwards before the first backward (``fwd``: a forward and the
             blocking pairs over both boundaries, which follow the first
-            backward ``B - k`` times).
+            backward ``B - k`` times). Under ZB-H1 the round trip's backward
+            is the input gradients ``B`` (:func:`zero_bubble_round_trip`).
         variants: with per-stage recomputation, the tables of each count of
             blocks rerun (this table relaxes them all: the fewest reruns'
             time, the most reruns' memory); ``None`` otherwise.
@@ -194,12 +196,15 @@ def kind_bounds(
     overhead = constants.op_overhead_s
     # ZB-H1 (the source's options): sends do not block, each stage runs a third
     # command per micro-batch, and a stage's last command may be a W pass
-    # after which no other stage waits: the gradient-chain, link and warm-up
-    # bounds (1F1B's) are left out, the others hold (certify's docstring).
+    # after which no other stage waits: the gradient-chain and link bounds
+    # (1F1B's) are left out, the warm-up's round trip is forward and input
+    # gradient (zero_bubble_round_trip), the others hold (certify's docstring).
     zero_bubble = bool(data.options.zero_bubble)
     times = kind_times(data, model, constants, kinds, mbs)
     layers = layer_bounds(times, overhead)
     before_f, before_b, after_fb = layers
+    if zero_bubble:
+        after_fb = zero_bubble_round_trip(times)
     starts, ends = np.nonzero(np.triu(np.ones((num_layers, num_layers), dtype=bool)))
     stops = ends + 1
     cache = BoundCache() if cache is None else cache  # shared by one proof
@@ -294,11 +299,13 @@ def kind_bounds(
             if least_link is not None:
                 w = np.maximum(w, least_link[None, :])
             cap[starts, stops] = fits
-            # The warm-up bound less k forwards (see StageBounds.weights; 1F1B's):
-            # the first micro-batch's round trip crosses the boundary after
-            # the stage both ways (pair_out), and each micro-batch's pairs
-            # follow the first backward but those of the k warm-up forwards.
-            if zero_bubble:
+            # The warm-up bound less k forwards (see StageBounds.weights): the
+            # first micro-batch's round trip crosses the boundary after the
+            # stage both ways (pair_out), and each micro-batch's pairs follow
+            # the first backward but those of the k warm-up forwards (1F1B's;
+            # under ZB-H1 no pairs, the round trip's backward is B alone, and
+            # every B and W follows the first B: zero_bubble_round_trip).
+            if after_fb is None:  # ZB-H1 on times that do not split backward
                 late[starts, stops] = -np.inf
             else:
                 late[starts, stops] = (
@@ -334,6 +341,27 @@ def kind_bounds(
             )
         out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
     return out
+
+
+def zero_bubble_round_trip(
+    times: Mapping[Kind, LayerTimes],
+) -> NDArray[np.float64] | None:
+    """ZB-H1's ``StageTable.late`` round trip by stop ``b`` (``f64[L + 1]``):
+    the forward and the input gradient ``B`` (the backward less its weight
+    gradient, :func:`~pipedejavu.costmodel.megatron.zero_bubble.
+    stage_weight_grad`; any recomputation stays in it) of every layer from
+    ``b`` on, least over the kinds. A stage's first ``B`` waits for the first
+    micro-batch's forward through the stages after it and their ``B`` back
+    (:func:`~pipedejavu.simulation.zero_bubble.zero_bubble_order`: each rank
+    runs its commands in order, the first ``B`` after ``min(P - r, M)``
+    forwards, every ``B`` and ``W`` after it). ``None`` where a kind's times
+    do not split the backward (the predictor refuses those plans)."""
+    if any(x.weight_grad is None for x in times.values()):
+        return None
+    fastest = np.min(
+        [x.forward + x.backward - x.weight_grad for x in times.values()], axis=0
+    )
+    return np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
 
 
 def least_rerun(

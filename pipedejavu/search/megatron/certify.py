@@ -37,7 +37,7 @@ to settle it). Under the ZB-H1 schedule (the source's
 ``options.zero_bubble``) a stage's backward is split in ``B`` and ``W``, its
 sends do not block and its last command may be a ``W`` that no stage waits
 for: ``w = F + B busy + tail`` with ``busy`` its forward, backward and three
-overheads (the transfers' and warm-up bounds below are 1F1B's and left out).
+overheads (no transfer bound; the warm-up's way back is input gradients).
 Memory: DeepSpeed's 1F1B warm-up keeps at least
 ``min(stages after + 1, B)`` micro-batches in flight on a stage at its peak (the
 simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it),

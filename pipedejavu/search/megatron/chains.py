@@ -107,10 +107,13 @@ class StageBounds:
         in flight), so ``B`` backwards, ``B - k`` forwards and their ``B - k``
         pairs over both boundaries follow (DeepSpeed's command stream:
         ``tests/test_megatron_certify.py`` checks the bound below every
-        prediction). Memory: the stage holds at least ``min(fewest stages
-        after + 1, B)`` micro-batches, and at least :attr:`in_flight`.
-        ``send``: ``(name, SendRow)`` for a known next stage: its blocking
-        transfers added to the first bound, and its link's bound."""
+        prediction; ZB-H1's, with input gradients ``B`` for the backwards
+        after it, no pairs, and every ``B`` and ``W`` after the first ``B``:
+        ``tests/test_zero_bubble_warmup_bound.py``). Memory: the stage holds
+        at least ``min(fewest stages after + 1, B)`` micro-batches, and at
+        least :attr:`in_flight`. ``send``: ``(name, SendRow)`` for a known
+        next stage: its blocking transfers added to the first bound, and its
+        link's bound."""
         key = (tp, left, None if send is None else send[0])
         if key not in self._weights:
             table = self.tables[tp]
