@@ -8,8 +8,10 @@ import math
 import numpy as np
 
 from pipedejavu import Problem, get_submesh_choices
+from pipedejavu.core.moe import MoeSpec
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical import source as analytical_source
 from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
@@ -20,6 +22,26 @@ from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.space import config_groups
 
 UNLIMITED = 2**20
+
+#: A small mixture of experts, 4 blocks (the first dense) of 128 experts,
+#: whose state at EP 1 nearly fills an A100-40: sharding the experts' state
+#: over dp or over expert data parallelism decides whether a plan fits.
+MOE_STATE_SPEC = TransformerSpec(
+    name="moe-state",
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=8,
+    num_query_groups=2,
+    ffn_hidden_size=2048,
+    vocab_size=4096,
+    seq_length=1024,
+    gated_mlp=True,
+    norm="rmsnorm",
+    position="rotary",
+    tied_embeddings=False,
+    linear_bias=False,
+    moe=MoeSpec(128, 2, 2048, layers=(False, True, True, True)),
+)
 
 #: The 16-bit roofline constants before their recalibration of 2026-11-26.
 #: The knob and rank-order tests chose their settings (GPUs, batch, options)

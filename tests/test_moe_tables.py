@@ -8,11 +8,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import MOE_STATE_SPEC
 
 from pipedejavu.core.memory_headroom import MemoryHeadroom
-from pipedejavu.core.moe import MoeSpec
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
@@ -21,24 +20,7 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.tables import compile_tables, plan_from_stages
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 
-#: 4 blocks (the first dense) of 128 experts, whose state nearly fills an
-#: A100-40 (as in test_proof_moe_memory).
-SPEC = TransformerSpec(
-    name="moe-state",
-    num_layers=4,
-    hidden_size=1024,
-    num_attention_heads=8,
-    num_query_groups=2,
-    ffn_hidden_size=2048,
-    vocab_size=4096,
-    seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
-    moe=MoeSpec(128, 2, 2048, layers=(False, True, True, True)),
-)
+SPEC = MOE_STATE_SPEC
 GPU = "A100-40"
 
 

@@ -16,12 +16,10 @@ import math
 
 import numpy as np
 import pytest
-from helpers import largest_stage_bound, stage_bound_tables
+from helpers import MOE_STATE_SPEC, largest_stage_bound, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
-from pipedejavu.core.moe import MoeSpec
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
@@ -35,24 +33,7 @@ from pipedejavu.search.megatron.interleaved import (
     interleaved_candidates,
 )
 
-#: 4 blocks (the first dense) of 128 experts: at EP 1 the experts' state
-#: nearly fills an A100-40, so sharding it over dp or edp decides the fit.
-SPEC = TransformerSpec(
-    name="moe-state",
-    num_layers=4,
-    hidden_size=1024,
-    num_attention_heads=8,
-    num_query_groups=2,
-    ffn_hidden_size=2048,
-    vocab_size=4096,
-    seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
-    moe=MoeSpec(128, 2, 2048, layers=(False, True, True, True)),
-)
+SPEC = MOE_STATE_SPEC
 POOL = {"A100-40": 4}
 GBS = 8
 
