@@ -27,7 +27,6 @@ from pipedejavu.io.model_config import (
     spec_from_hf_config,
 )
 from pipedejavu.planning.any_model import choose_cost_source
-from pipedejavu.planning.plan_model import plan_model
 from pipedejavu.planning.published_runs import load_moe_published_runs
 
 # mistralai/Mixtral-8x7B-v0.1 config.json (huggingface/candle mixtral.rs
@@ -693,32 +692,19 @@ def test_own_format_moe_refusals(change, match):
     assert _one_line(caught).startswith("m.json: ")
 
 
-# ------------------------------ planning: experts priced, MLA/MTP refused
+# ------------------------------ planning: experts, MLA and MTP priced
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in PRESETS])
-def test_where_planning_starts_experts_are_priced_and_mla_refused(name):
+def test_where_planning_starts_experts_mla_and_mtp_are_priced(name):
+    """Every preset gets a cost source (multi-latent attention and MTP are
+    priced since the MLA/MTP commit: tests/test_mla_mtp.py plans one)."""
     spec = load_model_spec(name)
-    if spec.mla is not None or spec.mtp_layers:
-        with pytest.raises(ProblemError, match="read, not priced yet") as caught:
-            choose_cost_source(name, ["H100"])
-        assert _one_line(caught).startswith(f"model {name}: multi-latent")
-        return
     choice = choose_cost_source(name, ["H100"])
+    assert choice.spec == spec
     # without an expert layout: EP 1, every expert on every GPU
     assert choice.data.experts.experts.ep == 1
-    assert choice.data.model_info(choice.model).expert_params is not None
-
-
-def test_plan_model_refuses_mla_in_one_line():
-    with pytest.raises(ProblemError, match="read, not priced yet") as caught:
-        plan_model("DeepSeek-V3", {"H100": 64}, 256)
-    assert _one_line(caught).startswith("model DeepSeek-V3: multi-latent")
-
-
-def test_cli_plan_refuses_mla_with_exit_2(capsys):
-    argv = ["plan", "--model", "DeepSeek-V3", "--gpus", "H100:16"]
-    assert main([*argv, "--global-batch", "64"]) == 2
-    _, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "multi-latent attention" in lines[0]
+    info = choice.data.model_info(choice.model)
+    assert info.expert_params is not None
+    times = choice.data.layer_times(choice.model, "H100-SXM", 1, 1)
+    assert all(math.isfinite(t) and t > 0 for t in times.forward)
