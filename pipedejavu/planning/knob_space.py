@@ -281,6 +281,14 @@ class KnobSpace:
             and not options.overlap_grad_reduce
         )
 
+    def for_experts(self) -> KnobSpace:
+        """The space searched for a mixture of experts: Megatron's default
+        rank order only (with replicas outermost and several stages,
+        Megatron-Core needs the expert block to be the dense one, ``etp x ep
+        = tp x cp``, which an EP above TP never is: :mod:`pipedejavu.core.
+        layout`)."""
+        return dataclasses.replace(self, rank_orders=self.rank_orders[:1])
+
     def dominated(self, base: TrainingOptions) -> list[TrainingOptions]:
         """The choices :meth:`is_dominated` settles."""
         return [c for c in self.all_choices(base) if self.is_dominated(c)]

@@ -160,8 +160,7 @@ def compare_megatron_run(
 
     space = space or launch_knob_space(run)
     if experts is not None:
-        # as plan --model searches experts: Megatron's default order only
-        space = dataclasses.replace(space, rank_orders=space.rank_orders[:1])
+        space = space.for_experts()
     knobs = search_knobs(
         make_choice, base, {gpu: num_gpus}, given.plan.gbs, space=space, **plan_options
     )

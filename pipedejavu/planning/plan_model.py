@@ -242,14 +242,7 @@ def _plan_experts(
     choice), then those across nodes, the smallest first."""
     found: list[KnobPlan] = []
     lower = math.inf
-    # Megatron's default rank order only: with replicas outermost and several
-    # stages, Megatron-Core needs the expert block to be the dense one (etp x
-    # ep = tp x cp), which an EP above TP never is (core.layout)
-    space = search["space"]
-    search = {
-        **search,
-        "space": dataclasses.replace(space, rank_orders=space.rank_orders[:1]),
-    }
+    search = {**search, "space": search["space"].for_experts()}
 
     def first(layers: ExpertLayers) -> tuple[int, int]:
         ep = layers.experts.ep
