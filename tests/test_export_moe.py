@@ -387,8 +387,8 @@ def test_a_read_back_of_another_split_is_refused(monkeypatch):
     plan = plan_from_megatron_run(run, GPU, gpus, PER_NODE)
     real = exports.to_megatron
 
-    def lossy(plan, spec=None):
-        args = real(plan, spec)
+    def lossy(plan, spec=None, chunks=1):
+        args = real(plan, spec, chunks)
         at = args.index("--decoder-first-pipeline-num-layers")
         return args[:at] + args[at + 4 :]  # (the last-stage flag follows)
 

@@ -59,12 +59,14 @@ __all__ = [
     "EXPERT_AXES",
     "LEGACY_ORDERS",
     "MAX_GPUS",
+    "PIPELINE_SPLITS",
     "PP_OUTER",
     "RANK_ORDERS",
     "ParallelLayout",
     "StageAxes",
     "experts_fit",
     "rank_order",
+    "split_blocks",
 ]
 
 #: Most GPUs in a plan, and so in a prediction: the largest clusters trained on
@@ -391,3 +393,28 @@ class ParallelLayout:
             ]
             for s in range(self.pp)
         ]
+
+
+#: Megatron-LM's even pipeline splits, its default first: ``(embedding,
+#: loss)`` counted as one layer of the split
+#: (``--account-for-embedding-in-pipeline-split``,
+#: ``--account-for-loss-in-pipeline-split``).
+PIPELINE_SPLITS = ((False, False), (True, True), (True, False), (False, True))
+
+
+def split_blocks(
+    blocks: int, parts: int, embedding: bool = False, loss: bool = False
+) -> list[int] | None:
+    """The transformer blocks of each of ``parts`` pipeline parts (ranks, or
+    virtual stages in their order) when Megatron-LM splits ``blocks`` evenly
+    (``get_num_layers_to_build``): equal parts of the blocks with the
+    embedding (``embedding``) and/or the loss (``loss``) counted as a layer
+    of the first (last) part; ``None`` where they do not split evenly."""
+    units = blocks + embedding + loss
+    if parts < 1 or units % parts:
+        return None
+    per = units // parts
+    held = [
+        per - (embedding and k == 0) - (loss and k == parts - 1) for k in range(parts)
+    ]
+    return None if min(held) < 0 else held

@@ -36,6 +36,7 @@ This module is vocabulary: it imports nothing else of ours.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -208,6 +209,7 @@ def mtp_param_split(
     return dense + 3 * _norm(spec, h) + 2 * h * (h // tp), expert
 
 
+@functools.lru_cache(maxsize=256)  # (pure; a tuple of tuples: immutable)
 def layer_param_split(
     spec: TransformerSpec,
     tp: int = 1,

@@ -81,6 +81,7 @@ import dataclasses
 import shlex
 
 from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.layout import PIPELINE_SPLITS, split_blocks
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
@@ -145,7 +146,9 @@ def pipeline_layout(counts: list[int], mtp: int = 0) -> str:
     return "|".join(parts)
 
 
-def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
+def to_megatron(
+    plan: Plan3D, spec: TransformerSpec | None = None, chunks: int = 1
+) -> list[str]:
     """Megatron-LM's parallel, batch and layer-split arguments (module
     docstring); one string per token. ``spec``: the model, whose block count
     the arguments must build (``None``: one embedding and one head layer
@@ -170,6 +173,8 @@ def to_megatron(plan: Plan3D, spec: TransformerSpec | None = None) -> list[str]:
         ep, etp = uniform_experts(plan, "Megatron-LM")
         args += ["--expert-model-parallel-size", str(ep)]
         args += ["--expert-tensor-parallel-size", str(etp)]
+    if chunks > 1:  # the interleaved split: equal stages, or as counted
+        return args + interleaving_flags(plan, chunks, spec)
     if stages == 1 or len(set(counts)) == 1:
         return args  # Megatron's even split
     middle = counts[1:-1]
@@ -189,22 +194,42 @@ def interleaving_flags(
     plan: Plan3D, chunks: int, spec: TransformerSpec | None = None
 ) -> list[str]:
     """``--num-layers-per-virtual-pipeline-stage`` for ``chunks`` model chunks
-    per rank (none for 1).
+    per rank (none for 1), with ``--account-for-embedding-in-pipeline-split``
+    and/or ``--account-for-loss-in-pipeline-split`` where the first (last)
+    stage holds one block fewer, as Megatron-LM then splits
+    (``get_num_layers_to_build``; at least 2 units per chunk, so every chunk
+    holds a block).
 
     Raises:
-        ExportRefused: one stage, unequal stages, or layers per stage that do
-            not split into ``chunks`` equal chunks.
+        ExportRefused: one stage, or layers per stage that do not split into
+            ``chunks`` equal chunks per stage, the embedding and the loss
+            counted or not.
     """
     if chunks == 1:
         return []
     counts = transformer_layers(plan, spec)
-    if len(counts) < 2 or len(set(counts)) != 1 or counts[0] % chunks:
-        raise ExportRefused(
-            f"Megatron-LM's interleaved schedule needs at least 2 stages of "
-            f"equally many transformer layers that split into {chunks} chunks; "
-            f"the plan has {counts}"
+    ranks = len(counts)
+    for embedding, loss in PIPELINE_SPLITS:
+        per_rank = (sum(counts) + embedding + loss) // ranks
+        fewest = 2 if embedding or loss else 1  # a block in every chunk
+        if (
+            ranks < 2
+            or counts != split_blocks(sum(counts), ranks, embedding, loss)
+            or per_rank % chunks
+            or per_rank < fewest * chunks
+        ):
+            continue
+        counted = ["--account-for-embedding-in-pipeline-split"] * embedding
+        counted += ["--account-for-loss-in-pipeline-split"] * loss
+        return ["--num-layers-per-virtual-pipeline-stage", str(per_rank // chunks)] + (
+            counted
         )
-    return ["--num-layers-per-virtual-pipeline-stage", str(counts[0] // chunks)]
+    raise ExportRefused(
+        f"Megatron-LM's interleaved schedule needs at least 2 stages of "
+        f"equally many transformer layers that split into {chunks} chunks "
+        f"(the embedding and/or the loss counted as a layer, "
+        f"--account-for-embedding/loss-in-pipeline-split); the plan has {counts}"
+    )
 
 
 def _runs(pattern: tuple[bool, ...]) -> str:

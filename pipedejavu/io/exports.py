@@ -109,7 +109,6 @@ from pipedejavu.io.export_megatron import (
     check_experts,
     check_read_back,
     expert_note,
-    interleaving_flags,
     latent_note,
     moe_run_flags,
     to_megatron,
@@ -419,7 +418,8 @@ def _build(
         own = megatron_args is not None
         sp = options is not None and options.sequence_parallel
         check_experts(plan, spec, sequence_parallel=sp, own_command=own)
-        args = to_megatron(plan, spec)
+        chunks = 1 if options is None else options.virtual_stages
+        args = to_megatron(plan, spec, chunks)
         args += ["--use-tp-pp-dp-mapping"] if order == RANK_ORDERS[1] else []
         moe = None if own else moe or DEFAULT_MOE_OPTIONS
         args += [] if moe is None else moe_run_flags(spec, moe)
@@ -428,7 +428,6 @@ def _build(
                 # Megatron-LM turns sequence parallelism off at TP 1 and then
                 # asserts on --tp-comm-overlap; without TP it overlaps nothing
                 options = dataclasses.replace(options, tp_comm_overlap=False)
-            args += interleaving_flags(plan, options.virtual_stages, spec)
             args += option_flags(options)
         text = megatron_command(
             plan,

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.layout import PIPELINE_SPLITS, split_blocks
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.long_pipelines import (
@@ -83,19 +84,8 @@ def virtual_stage_layers(
     (``loss``) the embedding (the loss) counted as one layer of the first
     (last) virtual stage (:func:`profile_chunks`). ``None``: they do not
     split evenly."""
-    units = blocks + embedding + loss
-    if units % stages:
-        return None
-    per = units // stages
-    held = [
-        per - (embedding and k == 0) - (loss and k == stages - 1) for k in range(stages)
-    ]
-    return None if min(held) < 0 else profile_chunks(held)
-
-
-#: The splits :func:`chunk_layers` tries, Megatron-LM's default first:
-#: ``(embedding, loss)`` counted as layers.
-SPLITS = ((False, False), (True, True), (True, False), (False, True))
+    held = split_blocks(blocks, stages, embedding, loss)
+    return None if held is None else profile_chunks(held)
 
 
 def chunk_layers(
@@ -162,7 +152,7 @@ def chunk_layers(
                 f"virtual stages' {list(sizes)} transformer layers"
             )
         return _spans(layers, ranks, num_chunks, virtual)
-    for split in SPLITS:
+    for split in PIPELINE_SPLITS:  # Megatron-LM's default first
         layers = virtual_stage_layers(blocks, count, *split)
         if layers is not None and ranks_hold(layers, grouped=True):
             return _spans(layers, ranks, num_chunks, virtual)

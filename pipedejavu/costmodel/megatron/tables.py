@@ -179,15 +179,19 @@ def plan_from_stages(
     ``ModelInfo.expert_axes``)."""
     tps = [tp for _, _, tp in stages]
     nodes = canonical_nodes(tps, dp, gpus_per_node, rank_order)
+    made: dict[tuple[int, int], Replica] = {}  # (frozen: one per TP and node)
+
+    def replica(tp: int, node: int) -> Replica:
+        if (tp, node) not in made:
+            made[tp, node] = Replica(gpu_type, tp, zone=zone, node=node)
+        return made[tp, node]
+
     return Plan3D(
         stages=tuple(
             Stage3D(
                 start,
                 stop,
-                tuple(
-                    Replica(gpu_type, tp, zone=zone, node=node_offset + nodes[s][j])
-                    for j in range(dp)
-                ),
+                tuple(replica(tp, node_offset + nodes[s][j]) for j in range(dp)),
             )
             for s, (start, stop, tp) in enumerate(stages)
         ),

@@ -394,12 +394,12 @@ def certify_predicted(
             "the zero-bubble schedule's bounds cover plans on one GPU type; "
             "search mixed GPU types with the 1F1B schedule"
         )
-    try:
-        best_prediction = predict_plan(incumbent, data, constants=constants)
+    best_prediction = None  # not a plan of these costs' space: the cutoff alone
+    try:  # (more stages than it allows, or a mixture of experts' TP without SP)
+        if max_stages is None or incumbent.num_stages <= max_stages:
+            best_prediction = predict_plan(incumbent, data, constants=constants)
     except ProblemError:
-        # not a plan of these costs' space (a mixture of experts' TP that
-        # needs sequence parallelism): the cutoff alone bounds the search
-        best_prediction = None
+        pass
     best_plan = incumbent
     best = math.inf
     if best_prediction is not None and best_prediction.fits_memory:

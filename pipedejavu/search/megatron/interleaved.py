@@ -4,10 +4,17 @@ predictor.
 Megatron-LM's interleaved schedule (``--num-layers-per-virtual-pipeline-stage``)
 splits the transformer blocks into ``P V`` equal chunks, ``V >= 2`` per
 pipeline rank (:mod:`pipedejavu.costmodel.megatron.interleaving`), and needs the
-micro-batch count to be a multiple of ``P``. Its plans are therefore few: per
-GPU type, mbs, TP degree, ``P`` dividing the blocks, ``V`` dividing the blocks
-per rank, and ``dp`` (one TP degree for every stage; the embedding on rank 0 and
+micro-batch count to be a multiple of ``P``. With
+``--account-for-embedding-in-pipeline-split`` and/or
+``--account-for-loss-in-pipeline-split`` the embedding (the loss) counts as one
+layer of the split, so the first (last) chunk holds one block fewer: the
+published recipes of 94-layer Qwen3-235B-A22B split 96 units this way. Its
+plans are therefore few: per GPU type, mbs, TP degree, ``P`` dividing the
+blocks (with the embedding and/or the loss counted), ``V`` dividing each rank's
+units (at least 2 per chunk where one is counted, so every chunk holds a
+block), and ``dp`` (one TP degree for every stage; the embedding on rank 0 and
 the final norm with the LM head on rank ``P - 1``, as Megatron places them).
+The zero-bubble schedules (PyTorch's) split equally only.
 
 **Bound.** Whatever the chunks' order, a rank runs every forward and backward
 of its layers for each of the ``B`` micro-batches, one after another, as ``2
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +72,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.layout import experts_fit
+from pipedejavu.core.layout import PIPELINE_SPLITS, experts_fit, split_blocks
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key
@@ -118,6 +126,13 @@ class Candidate:
         default=(0.0, 0.0, 0.0), compare=False
     )
     tails: bool = dataclasses.field(default=False, compare=False)
+    split: tuple[bool, bool] = dataclasses.field(default=(False, False), compare=False)
+
+    def rank_blocks(self, blocks: int) -> list[int]:
+        """The transformer blocks of each rank (module docstring)."""
+        held = split_blocks(blocks, self.ranks, *self.split)
+        assert held is not None  # (a candidate splits evenly)
+        return held
 
 
 @dataclasses.dataclass
@@ -181,6 +196,7 @@ def interleaved_candidates(
     overhead = constants.op_overhead_s
     zero_bubble = bool(data.options.zero_bubble)
     v_shape = bool(data.options.v_shape)  # ZB-V: two chunks, any M
+    splits = PIPELINE_SPLITS[:1] if zero_bubble or v_shape else PIPELINE_SPLITS
     out: list[Candidate] = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
@@ -200,14 +216,21 @@ def interleaved_candidates(
                 ahead_least = float(ahead[1 : blocks + 1].min())
                 total = float(work.sum())
                 first, last = float(work[0]), float(work[-1])
-                for ranks in divisors(blocks):
-                    if ranks < 2 or ranks * tp > count:
+                ranks_tried = sorted(
+                    {r for split in splits for r in divisors(blocks + sum(split))}
+                )
+                for ranks, (embedding, loss) in itertools.product(ranks_tried, splits):
+                    units = blocks + embedding + loss
+                    if ranks < 2 or ranks * tp > count or units % ranks:
                         continue
-                    per_rank = blocks // ranks
+                    per_rank = units // ranks  # (the counted layers included)
+                    fewest = 2 if embedding or loss else 1  # a block per chunk
                     chunk_counts = [
                         v
                         for v in divisors(per_rank)
-                        if v >= 2 and (max_chunks is None or v <= max_chunks)
+                        if v >= 2
+                        and per_rank // v >= fewest
+                        and (max_chunks is None or v <= max_chunks)
                     ]
                     if v_shape:
                         chunk_counts = [2] if 2 in chunk_counts else []
@@ -217,8 +240,9 @@ def interleaved_candidates(
                     # (P - 1) runs the embedding (head) beside its blocks
                     # (ZB-V: rank 0 runs both, rank P - 1 neither)
                     mean_s = total / ranks
-                    first_rank_s = first + per_rank * least + v_shape * last
-                    last_rank_s = (not v_shape) * last + per_rank * least
+                    first_rank_s = first + (per_rank - embedding) * least
+                    first_rank_s += v_shape * last
+                    last_rank_s = (not v_shape) * last + (per_rank - loss) * least
                     most = count // (ranks * tp)
                     for dp in range(1, 1 + (1 if dp_alone else most)):
                         if samples % dp or not (allow_fewer_gpus or dp == most):
@@ -234,9 +258,10 @@ def interleaved_candidates(
                             ops = (3 if zero_bubble else 2) * v * overhead
                             # rank P - 1 waits for the model chunks before its
                             # first (forward) and after its last (backward;
-                            # with zero bubble: before its first only)
-                            chunk = (ranks - 1) * (per_rank // v) * ahead_least
-                            ramp = float(ahead[0]) + chunk
+                            # with zero bubble: before its first only): the
+                            # blocks of chunks 0 .. P - 2
+                            before = (ranks - 1) * (per_rank // v) - embedding
+                            ramp = float(ahead[0]) + before * ahead_least
                             ramp += (1 if zero_bubble else 2) * (ranks - 1) * overhead
                             parts = (
                                 steps * (mean_s + ops),
@@ -244,7 +269,17 @@ def interleaved_candidates(
                                 steps * (last_rank_s + ops) + ramp,
                             )
                             out.append(
-                                Candidate(max(parts), gpu, mbs, tp, ranks, dp, v, parts)
+                                Candidate(
+                                    max(parts),
+                                    gpu,
+                                    mbs,
+                                    tp,
+                                    ranks,
+                                    dp,
+                                    v,
+                                    parts,
+                                    split=(embedding, loss),
+                                )
                             )
     return out
 
@@ -256,11 +291,11 @@ def candidate_plan(
     c: Candidate,
     rank_order: str = RANK_ORDERS[0],
 ) -> Plan3D:
-    """The candidate as a plan: ``P`` stages of equally many blocks, placed in
-    ``rank_order``."""
+    """The candidate as a plan: ``P`` stages of its ranks' blocks
+    (:meth:`Candidate.rank_blocks`), placed in ``rank_order``."""
     blocks = data.model_info(model).num_layers - 2
-    per_rank = blocks // c.ranks
-    bounds = [0] + [1 + per_rank * r for r in range(1, c.ranks)] + [blocks + 2]
+    bounds = [0, *(1 + int(b) for b in np.cumsum(c.rank_blocks(blocks)))]
+    bounds[-1] = blocks + 2  # (the head with the last rank)
     return plan_from_stages(
         [(bounds[r], bounds[r + 1], c.tp) for r in range(c.ranks)],
         gpu_type=c.gpu,
@@ -413,6 +448,7 @@ def search_interleaved(
         )
         memo.candidates[space] = (data, constants, found_items)  # ids kept alive
     items = list(memo.candidates[space][2])
+    experts = data.model_info(model).expert_params is not None
     heapq.heapify(items)
     total = len(items)
     best = cutoff_s
@@ -428,11 +464,12 @@ def search_interleaved(
             lower = item.bound
             break
         shape = (space, item.gpu, item.mbs, item.tp, item.ranks, item.dp, item.chunks)
-        if shape not in memo.fits:  # memory: whatever the placement
+        shape += item.split
+        if shape not in memo.fits and not experts:  # (one pipeline's test)
             memo.fits[shape] = candidate_fits(
                 data, model, constants, global_batch, item
             )
-        if not memo.fits[shape]:
+        if not memo.fits.get(shape, True):  # memory: whatever the placement
             continue
         plan = candidate_plan(data, model, global_batch, item, rank_order)
         if not item.tails:
@@ -440,6 +477,7 @@ def search_interleaved(
                 fits, tails = candidate_floor(data, model, constants, plan, item.chunks)
             except ProblemError:  # a link the network tables do not price
                 continue
+            memo.fits[shape] = fits  # (a mixture of experts': the whole plan's)
             if fits:
                 parts = item.parts
                 bound = max(
