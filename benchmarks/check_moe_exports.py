@@ -72,18 +72,22 @@ import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
 import torch  # noqa: E402
 
 from pipedejavu.core.layout import experts_fit  # noqa: E402
+from pipedejavu.costmodel.megatron.interleaving import chunk_layers  # noqa: E402
 from pipedejavu.io import exports  # noqa: E402
 from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 from pipedejavu.io.megatron_args import spec_from_megatron_args  # noqa: E402
 from pipedejavu.io.megatron_moe import MoeOptions  # noqa: E402
 from pipedejavu.io.model_config import load_model_spec  # noqa: E402
+from pipedejavu.planning.expert_search import moe_options_of  # noqa: E402
 from pipedejavu.planning.megatron_launch import (  # noqa: E402
     options_of_run,
     plan_from_megatron_run,
 )
+from pipedejavu.planning.plan_model import plan_model  # noqa: E402
 
 GPU = "H100-SXM"
+TINY_MOE = ROOT / "tests" / "tiny_moe.json"
 MOE = MoeOptions(dispatcher="alltoall", grouped_gemm=True)
 BASE = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "
@@ -151,6 +155,32 @@ LATENT_HAND = [
      + "--mtp-num-layers 1 --tensor-model-parallel-size 2 --sequence-parallel "
      "--pipeline-model-parallel-size 2", 8, 8),
 ]  # fmt: skip
+#: DeepEP, the all-to-all overlap and interleaved splits with the embedding
+#: and loss counted (14 blocks: 16 units, PP 4 x VP 2 of 2): (name, flags,
+#: GPUs, per node).
+KERNEL_HAND = [
+    ("flex (DeepEP), all-to-all overlap, interleaved with embedding and loss "
+     "counted", "--num-layers 14 --num-experts 8 --expert-model-parallel-size 4 "
+     "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep "
+     "--moe-grouped-gemm --overlap-moe-expert-parallel-comm "
+     "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 "
+     "--account-for-embedding-in-pipeline-split "
+     "--account-for-loss-in-pipeline-split", 32, 8),
+    ("alltoall, overlap, one stage", "--num-experts 8 "
+     "--expert-model-parallel-size 8 --moe-token-dispatcher-type alltoall "
+     "--moe-grouped-gemm --overlap-moe-expert-parallel-comm", 16, 8),
+    ("interleaved, embedding counted", "--num-layers 15 --num-experts 8 "
+     "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+     "--moe-grouped-gemm --pipeline-model-parallel-size 4 "
+     "--num-layers-per-virtual-pipeline-stage 2 "
+     "--account-for-embedding-in-pipeline-split", 8, 8),
+]  # fmt: skip
+#: plan --model runs: (name, plan_model's keywords).
+PLANNED = [
+    ("plan --model, flex with the overlap",
+     {"dispatchers": ("flex",), "dispatch_overlap": (True,)}),
+    ("plan --model, every expert layout", {}),
+]  # fmt: skip
 #: Presets on small layouts: (name, TP, PP, EP, expert TP, GPUs).
 PRESETS = [
     ("Mixtral-8x7B", 2, 2, 8, 1, 32),
@@ -164,6 +194,12 @@ LAYOUT_SPLIT = (
     LATENT + "--pipeline-model-parallel-size 4 "
     "--pipeline-model-parallel-layout Et*3|t*3|t|tL --expert-model-parallel-size 2"
 )
+
+
+def _own_layers(flags: str) -> str:
+    """BASE and ``flags``, ``flags``' ``--num-layers`` in place of BASE's."""
+    base = BASE.replace("--num-layers 8 ", "") if "--num-layers" in flags else BASE
+    return base + flags
 
 
 def split_evenly(blocks: int, pp: int) -> tuple[int, ...]:
@@ -220,7 +256,7 @@ def expect(ok: bool, what: str) -> None:
         raise check_exports.Mismatch(what)
 
 
-def check_experts(args, config, spec, plan) -> None:
+def check_experts(args, config, spec, plan, moe_options=MOE) -> None:
     """Megatron-LM read the model's experts and the plan's expert sizes."""
     moe = spec.moe
     axes = plan.layout.stages[0]
@@ -246,10 +282,19 @@ def check_experts(args, config, spec, plan) -> None:
         "ep": (args.expert_model_parallel_size, axes.ep),
         "etp": (args.expert_tensor_parallel_size, axes.expert_tp),
         "sequence_parallel": (args.sequence_parallel, axes.tp > 1),
-        "dispatcher": (args.moe_token_dispatcher_type, MOE.dispatcher),
-        "grouped_gemm": (args.moe_grouped_gemm, MOE.grouped_gemm),
+        "dispatcher": (args.moe_token_dispatcher_type, moe_options.dispatcher),
+        "grouped_gemm": (args.moe_grouped_gemm, moe_options.grouped_gemm),
+        "overlap": (
+            bool(config.overlap_moe_expert_parallel_comm),
+            moe_options.overlap_dispatch,
+        ),
         "force balance": (args.moe_router_force_load_balancing, False),
     }
+    if moe_options.dispatcher == "flex":
+        fields["flex backend"] = (
+            config.moe_flex_dispatcher_backend,
+            moe_options.flex_backend or "deepep",
+        )
     wrong = [k for k, (got, want) in fields.items() if got != want]
     expect(not wrong, f"experts read otherwise: {wrong}")
 
@@ -319,32 +364,33 @@ def check_mtp_placement(args, config, plan, spec) -> None:
 
 def check_chunks(args, config, plan, spec) -> None:
     """Interleaved: ``check_exports.check_megatron`` builds one chunk a rank;
-    here each rank's chunk ``c`` builds the plan's equal share of its stage's
-    blocks, virtual stage ``c PP + r`` in Megatron's order (the order the
-    plan prices), and the micro-batches are the plan's."""
+    here each rank's chunk ``c`` builds the blocks the plan prices it with
+    (``chunk_layers``: virtual stage ``c PP + r``, equal shares, or one block
+    fewer in the first/last where the embedding/loss is counted), and the
+    micro-batches are the plan's."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import (
         get_transformer_layer_offset,
     )
 
     chunks, pp = args.virtual_pipeline_model_parallel_size, plan.num_stages
-    per_chunk = spec.num_layers // (pp * chunks)
+    # the plan's model chunks (the predictor's: chunk_layers), in blocks
+    spans = chunk_layers(plan, chunks)
     expect(args.data_parallel_size == plan.dp, "data parallel size")
     count = check_exports.megatron_microbatches(
         args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     )
     expect(count == plan.num_microbatches, "micro-batches")
     for rank in range(pp):
-        blocks = sum(1 for x in range(plan.stages[rank].start, plan.stages[rank].stop)
-                     if 1 <= x <= spec.num_layers)  # fmt: skip
-        expect(blocks == per_chunk * chunks, f"stage {rank} holds {blocks} blocks")
         for chunk in range(chunks):
+            start, stop = spans[rank][chunk]
+            first, last = max(start, 1), min(stop, spec.num_layers + 1)
             got = (
                 get_num_layers_to_build(config, vp_stage=chunk, pp_rank=rank),
                 get_transformer_layer_offset(config, vp_stage=chunk, pp_rank=rank),
             )
-            want = (per_chunk, (chunk * pp + rank) * per_chunk)
-            expect(got == want, f"rank {rank} chunk {chunk} builds {got}")
+            want = (last - first, first - 1)
+            expect(got == want, f"rank {rank} chunk {chunk} builds {got}, not {want}")
 
 
 def check_groups(args, plan) -> int:
@@ -374,20 +420,41 @@ def check_groups(args, plan) -> int:
 def check_case(name, run, gpus, per_node) -> dict:
     plan = plan_from_megatron_run(run, GPU, gpus, per_node)
     options = options_of_run(run)
+    moe = run.moe_options if run.moe_options is not None else MOE
+    moe = MOE if moe.dispatcher == "allgather" else moe  # (our reader's default)
     text = export_plan(
-        plan, "megatron", spec=run.spec, options=options, moe=MOE,
+        plan, "megatron", spec=run.spec, options=options, moe=moe,
         gpus_per_node={GPU: per_node},
     )  # fmt: skip
-    return check_text(name, plan, text, run.spec, options)
+    return check_text(name, plan, text, run.spec, options, moe)
 
 
-def check_text(name, plan, text, spec, options) -> dict:
+def check_planned() -> list[dict]:
+    """Plans ``plan --model`` finds for a small MoE with DeepEP and the
+    all-to-all overlap, exported as the command line exports them (the
+    plan's expert kernels), through the same checks."""
+    out = []
+    for name, kwargs in PLANNED:
+        found = plan_model(str(TINY_MOE), {"H100": 32}, 64, **kwargs)
+        plan, options = found.result.plan, found.result.options
+        moe = moe_options_of(found.choice.data.experts)
+        spec = found.choice.spec
+        per_node = {GPU: 8}
+        text = export_plan(
+            plan, "megatron", spec=spec, options=options, moe=moe,
+            gpus_per_node=per_node,
+        )  # fmt: skip
+        out.append(check_text(name, plan, text, spec, options, moe))
+    return out
+
+
+def check_text(name, plan, text, spec, options, moe_options=MOE) -> dict:
     """An export's command through Megatron-LM's code (module docstring)."""
     args, config = check_exports.megatron_args(
         shlex.split(text.splitlines()[-1]), plan.num_gpus
     )
     if spec.moe is not None:
-        check_experts(args, config, spec, plan)
+        check_experts(args, config, spec, plan, moe_options)
     check_latent(args, config, spec)
     if args.virtual_pipeline_model_parallel_size:
         check_chunks(args, config, plan, spec)
@@ -460,11 +527,24 @@ def main(argv=None) -> int:
         + LATENT_HAND
         + random_launches(ns.random)
     ]
+    cases += [  # (their own block counts in place of BASE's)
+        (name, spec_from_megatron_args(_own_layers(flags)), gpus, per_node)
+        for name, flags, gpus, per_node in KERNEL_HAND
+    ]
     cases += [
         (name, preset_run(name, tp, pp, ep, etp), gpus, 8)
         for name, tp, pp, ep, etp, gpus in PRESETS
     ]
     checked, failures = [], []
+    try:
+        planned = check_planned()
+    except (check_exports.Mismatch, check_exports.RealRejects, ExportRefused,
+            AssertionError, ValueError, RuntimeError) as error:  # fmt: skip
+        planned = []
+        failures.append(
+            {"case": "plan --model", "why": f"{type(error).__name__}: {error}"}
+        )
+    checked += planned
     for name, run, gpus, per_node in cases:
         try:
             checked.append(check_case(name, run, gpus, per_node))
@@ -481,7 +561,7 @@ def main(argv=None) -> int:
     if not refusal.startswith("refused by both"):
         failures.append({"case": "biased experts at expert TP 2", "why": refusal})
     fields = {
-        "exports_checked": len(cases),
+        "exports_checked": len(cases) + len(PLANNED),
         "as_planned": len(checked),
         "group_kinds_compared": sum(c["group_kinds"] for c in checked),
         "latent_attention_or_mtp_exports": sum(

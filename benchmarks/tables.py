@@ -1162,8 +1162,16 @@ def t_moe_planning() -> str:
             [
                 f"{r['model']} on {r['gpus']} H100, global batch {r['gbs']}",
                 f"{r['seconds']:.0f} s",
-                f"PP {plan['pp']}, TP {plan['tp']}, DP {plan['dp']}, "
-                f"EP {plan['ep']}, mbs {plan['mbs']}",
+                f"PP {plan['pp']}"
+                + (
+                    f" x VP {plan['options']['virtual_stages']}"
+                    if plan["options"]["virtual_stages"] > 1
+                    else ""
+                )
+                + f", TP {plan['tp']}, DP {plan['dp']}, EP {plan['ep']}, "
+                f"mbs {plan['mbs']}, recompute {plan['options']['recompute']}, "
+                f"{plan.get('dispatcher', 'alltoall')} dispatcher"
+                + (", all-to-all overlapped" if plan.get("a2a_overlap") else ""),
                 f"{r['iteration_time_s']:.2f} s ({r['tokens_per_s_per_gpu']:.0f})",
                 proof,
             ]
@@ -1174,6 +1182,38 @@ def t_moe_planning() -> str:
         "best plan",
         "predicted iteration (tokens/s/GPU)",
         "proof",
+    ]
+    return table(head, rows) + source("moe_planning.json")
+
+
+def t_moe_vs_published() -> str:
+    data = load("moe_planning.json")
+
+    def shape(p: dict) -> str:
+        vp = f" x VP {p['vp']}" if p["vp"] > 1 else ""
+        return f"PP {p['pp']}{vp}, TP {p['tp']}, EP {p['ep']}, mbs {p['mbs']}"
+
+    rows = [
+        [
+            r["id"],
+            f"{r['published_tokens_per_s_per_gpu']:.0f}",
+            f"{r['given_tokens_per_s_per_gpu']:.0f} ({shape(r['given'])})",
+            f"{r['planned_tokens_per_s_per_gpu']:.0f} ({shape(r['planned'])}, "
+            f"recompute {r['planned']['recompute']})",
+            f"x{r['speedup']:.3f}",
+            "proven" if r["proven"] else "not proven",
+            f"{r['seconds']:.1f} s",
+        ]
+        for r in data["published"]
+    ]
+    head = [
+        "published run",
+        "published tokens/s/GPU",
+        "launch as predicted",
+        "best plan, same settings and expert layout",
+        "speed-up",
+        "proof",
+        "search",
     ]
     return table(head, rows) + source("moe_planning.json")
 
@@ -1217,6 +1257,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "fp8_gemms": t_fp8_gemms,
     "moe_published": t_moe_published,
     "moe_planning": t_moe_planning,
+    "moe_vs_published": t_moe_vs_published,
     "zero_bubble_split": t_zero_bubble_split,
     "gpu_blocks": t_gpu_blocks,
     "gpu_blocks_cudnn": t_gpu_blocks_cudnn,

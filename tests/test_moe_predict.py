@@ -330,15 +330,20 @@ def test_search_over_an_expert_layout_matches_brute_force(ep, gpus, gbs, uniform
 
 def test_plan_model_searches_the_expert_layouts(monkeypatch):
     """plan --model of a mixture of experts: every EP degree dividing the
-    experts searched, the fastest kept, its bound the least over all."""
+    experts, with each dispatcher and with and without the all-to-all overlap,
+    searched; the fastest kept, its bound the least over all."""
     from pipedejavu.planning import plan_model as module
+    from pipedejavu.planning.expert_search import expert_layouts, layout_search
     from pipedejavu.planning.knob_space import KnobSpace
 
     calls = []
     real = module.plan_with_knobs
 
     def spy(*args, experts=None, incumbent=None, **kwargs):
-        calls.append((experts.experts.ep, incumbent is not None))
+        e = experts.experts
+        calls.append(
+            (e.ep, e.dispatcher, experts.overlap_dispatch, incumbent is not None)
+        )
         return real(*args, experts=experts, incumbent=incumbent, **kwargs)
 
     monkeypatch.setattr(module, "plan_with_knobs", spy)
@@ -350,23 +355,57 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
         distributed_optimizer=(True,),
     )
     found = module.plan_model(str(path), {"H100": 8}, 16, space=space)
-    # the divisors of 16 experts up to 8 GPUs, inside the node largest first
-    # (each after the first against the best plan so far)
-    assert calls == [(8, False), (4, True), (2, True), (1, True)]
-    best_ep = found.result.plan.layout.stages[0].ep
-    assert best_ep in (8, 4, 2, 1) and found.choice.data.experts.experts.ep == best_ep
-    assert "expert parallelism searched over EP 1, 2, 4, 8" in found.choice.notes[-1]
+    # the divisors of 16 experts up to 8 GPUs, inside the node largest first;
+    # at each EP > 1 flex before alltoall, without the overlap first; each
+    # layout after the first against the best plan so far
+    expected = [
+        (ep, dispatcher, overlap, (ep, dispatcher, overlap) != (8, "flex", False))
+        for ep in (8, 4, 2)
+        for dispatcher in ("flex", "alltoall")
+        for overlap in (False, True)
+    ] + [(1, "alltoall", False, True)]
+    assert calls == expected
+    best = found.choice.data.experts
+    assert found.result.plan.layout.stages[0].ep == best.experts.ep
+    assert (
+        "expert layouts searched: EP 1, 2, 4, 8 (expert TP 1), the "
+        in (found.choice.notes[-1])
+    )
     assert (
         found.result.predicted_lower_bound_s <= found.result.prediction.iteration_time_s
     )
     # one branch and bound over the layouts: the optimum of searching each
-    # layout on its own, proven whenever each of those is
+    # layout on its own (its own knob space), proven whenever each of those is
     spec = module.choose_cost_source(str(path), {"H100": 8}).spec
-    alone = [
-        real(str(path), {"H100": 8}, 16, space=space, experts=layers)
-        for layers in module.expert_layouts(spec, 8)
-    ]
+    alone = []
+    for layers in expert_layouts(
+        spec, 8, dispatchers=("alltoall", "flex"), overlap=(False, True)
+    ):
+        cut = layout_search(layers, space, precision="bf16")
+        assert cut is not None
+        alone.append(
+            real(
+                str(path),
+                {"H100": 8},
+                16,
+                space=cut.space,
+                experts=layers,
+                one_stage_1f1b=cut.one_stage_1f1b,
+            )
+        )
     times = [p.result.prediction.iteration_time_s for p in alone]
-    best = found.result.prediction.iteration_time_s
-    assert best == pytest.approx(min(times), rel=1e-12)
+    assert found.result.prediction.iteration_time_s == pytest.approx(
+        min(times), rel=1e-12
+    )
     assert all(p.result.proven for p in alone) and found.result.proven
+    # the overlapped layouts ran 1F1B without pipeline stages (Megatron-Core
+    # overlaps pipelines only when they are interleaved)
+    for plan, layers in zip(
+        alone,
+        expert_layouts(
+            spec, 8, dispatchers=("alltoall", "flex"), overlap=(False, True)
+        ),
+        strict=True,
+    ):
+        if layers.overlap_dispatch:
+            assert plan.result.plan.num_stages == 1

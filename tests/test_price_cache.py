@@ -192,7 +192,10 @@ def test_plan_model_is_the_same_with_shared_pricing(monkeypatch):
     shared = PriceCache()
     monkeypatch.setattr(source_module, "SHARED_PRICES", shared, raising=False)
     assert _searched(TINY_MOE) == alone
-    assert shared.hits > 0 and sum(calls.values()) < alone_calls / 3
+    # (each layout's expert rows differ by dispatcher and overlap: measured
+    # 3,625 calls alone, 1,225 shared, when both dispatchers and the overlap
+    # joined the search; 3 x fewer before)
+    assert shared.hits > 0 and sum(calls.values()) < alone_calls / 2.5
     assert alone["proven_optimal"] and alone["predicted_lower_bound_s"] > 0
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from pipedejavu.cli.expert_flags import add_expert_options, refuse_expert_flags
 from pipedejavu.cli.parsing import headroom_type, int_in
 from pipedejavu.core.plan3d import MAX_SEARCH_GPUS, RANK_ORDERS
 from pipedejavu.core.problem import ProblemError
@@ -29,6 +30,7 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
+from pipedejavu.io.export_megatron import DEFAULT_MOE_OPTIONS
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     SWITCH_FLAGS,
@@ -36,7 +38,7 @@ from pipedejavu.io.exports import (
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
-from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
+from pipedejavu.io.sailor_plan import load_plan3d, load_plan_experts, load_plan_training
 from pipedejavu.planning.any_model import (
     LONG_CONTEXT,
     CostChoice,
@@ -44,6 +46,7 @@ from pipedejavu.planning.any_model import (
     predict_any_plan,
     sheet_name,
 )
+from pipedejavu.planning.expert_search import layers_of
 from pipedejavu.planning.knob_space import (
     MEGATRON_SCHEDULES,
     SCHEDULES,
@@ -187,6 +190,7 @@ def add_knob_options(parser: Any) -> None:
             "by the analytical model; off for a Sailor model priced by its "
             "profiles)",
         )
+    add_expert_options(parser)
     for name in KEPT_OPTIONS:
         parser.add_argument(
             SWITCH_FLAGS[name],
@@ -401,6 +405,8 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
     """
     options, seq_length = load_plan_training(args.plan)
     plan, _ = load_plan3d(args.plan)
+    moe = load_plan_experts(args.plan) or DEFAULT_MOE_OPTIONS
+    axes = plan.layout.stages[0]
     model = args.model if args.model is not None else plan.model
     if model != plan.model:
         seq_length = None  # the recorded length is the other model's
@@ -420,6 +426,7 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
             memory_headroom=args.memory_headroom,
+            experts=layers_of(moe, axes.ep, axes.etp),
         )
         if not choice.analytical:
             # Profiles alone: today's reading, which checks --model against it.
@@ -552,6 +559,7 @@ def plan_megatron_args(args: argparse.Namespace, progress_fn: Any) -> RunCompari
                 f"--global-batch {args.global_batch} contradicts the launch's "
                 f"--global-batch-size {run.global_batch}"
             )
+    refuse_expert_flags(args, "plan --megatron-args keeps the launch's expert layout")
     # The schedules Megatron-LM runs, unless asked (it has no ZB-H1 flag).
     space = knob_space(args, launch_knob_space(run), MEGATRON_SCHEDULES)
     if getattr(args, "export", None):  # only what the target launches

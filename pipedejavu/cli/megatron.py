@@ -27,6 +27,7 @@ from pipedejavu.cli.batch import (  # goodput and elastic modes
     add_plan_options,
     run_batch_modes,
 )
+from pipedejavu.cli.expert_flags import expert_knobs
 from pipedejavu.cli.megatron_report import (
     GB,
     format_comparison,
@@ -51,7 +52,8 @@ from pipedejavu.io.exports import (
     schedule_targets_text,
 )
 from pipedejavu.io.model_config import load_model_spec
-from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.expert_search import moe_options_of
+from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, SCHEDULES, KnobSpace
 from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
 from pipedejavu.planning.plan_model import default_space, launched_space, plan_model
 from pipedejavu.planning.training import (
@@ -350,7 +352,9 @@ def _plan(args: argparse.Namespace) -> int:
             flush=True,
         )
     auto = default_space(choice, args.export)
-    space, asked = knob_space(args, auto), knobs_asked(args)
+    experts = expert_knobs(args, choice.spec)
+    space = knob_space(args, auto, MEGATRON_SCHEDULES if experts else SCHEDULES)
+    asked = knobs_asked(args)
     if args.export:  # only what the target launches as planned
         space = launched_space(args.export, space, choice.options)
     alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
@@ -469,6 +473,7 @@ def _search(
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
+            **expert_knobs(args, choice.spec),
         )
         return knobs.result, knobs.choice, knobs
     result = plan_training(
@@ -535,6 +540,7 @@ def _export(
     model ``spec`` at the sequence length it was priced at."""
     if not args.export:
         return None
+    layers = getattr(data, "experts", None)  # what the experts were priced with
     return export_plan(
         result.plan,
         args.export,
@@ -542,6 +548,7 @@ def _export(
         options=options,
         spec=spec,
         megatron_args=megatron_args,
+        moe=None if layers is None else moe_options_of(layers),
     )
 
 

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MOE_LIMITS", "MlaSpec", "MoeSpec", "moe_layer_pattern"]
+__all__ = [
+    "MOE_LIMITS",
+    "MlaSpec",
+    "MoeSpec",
+    "dispatch_overlap_needs",
+    "expert_tp_needs",
+    "moe_layer_pattern",
+]
 
 #: The largest value of each size field: arrays of experts and layers stay
 #: bounded whatever a config file says.
@@ -174,3 +181,62 @@ class MlaSpec:
         for field in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim"):
             _check_size(where, field, getattr(self, field), zero_ok=False)
         _check_size(where, "v_head_dim", self.v_head_dim, zero_ok=False)
+
+
+def dispatch_overlap_needs(
+    *,
+    ep: int,
+    dispatcher: str,
+    pp: int,
+    chunks: int,
+    full_recompute: bool,
+    params_dtype: str,
+    shared_expert_overlap: bool = False,
+    mtp_layers: int = 0,
+) -> str | None:
+    """What a training lacks for Megatron-Core to overlap the experts'
+    dispatch and combine with another micro-batch's compute
+    (``--overlap-moe-expert-parallel-comm``; TransformerConfig.__post_init__,
+    core_v0.16.1), in a few words; ``None`` where it runs.
+
+    The one rule: the Megatron-LM reader refuses a launch with it, and the
+    planner searches the overlap only where it holds.
+
+    Args:
+        ep: expert-parallel degree; ``dispatcher``: ``alltoall``,
+            ``allgather`` or ``flex``.
+        pp, chunks: pipeline stages and model chunks per pipeline rank.
+        full_recompute: ``--recompute-granularity full`` (or a recompute
+            method or block count).
+        params_dtype: ``fp32``, ``fp16`` or ``bf16``.
+        shared_expert_overlap: ``--moe-shared-expert-overlap`` with shared
+            experts.
+        mtp_layers: multi-token prediction depths.
+    """
+    if ep == 1:
+        return "--expert-model-parallel-size > 1"
+    if dispatcher not in ("alltoall", "flex"):
+        return "--moe-token-dispatcher-type alltoall or flex"
+    if pp > 1 and chunks == 1:
+        return "virtual pipeline stages with --pipeline-model-parallel-size > 1"
+    if full_recompute:
+        return "no full recomputation (no --recompute-method/--recompute-num-layers)"
+    if params_dtype not in ("bf16", "fp16"):
+        return "--bf16 or --fp16"
+    if shared_expert_overlap:
+        return "no --moe-shared-expert-overlap"
+    if mtp_layers > 1:
+        return "at most one MTP layer (--mtp-num-layers 1)"
+    if mtp_layers == 1 and pp == 1:
+        return "--pipeline-model-parallel-size > 1 with an MTP layer"
+    return None
+
+
+def expert_tp_needs(*, etp: int, linear_bias: bool) -> str | None:
+    """What an expert TP degree needs that the model lacks (Megatron-Core's
+    TransformerConfig: "Bias in Moe is only supported when ETP==1"), in a
+    few words; ``None`` where it runs. The reader refuses launches by it and
+    the planner searches expert TP only where it holds."""
+    if linear_bias and etp != 1:
+        return "expert TP 1 for experts with linear biases (no --disable-bias-linear)"
+    return None

@@ -31,7 +31,12 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.moe import MlaSpec, MoeSpec
+from pipedejavu.core.moe import (
+    MlaSpec,
+    MoeSpec,
+    dispatch_overlap_needs,
+    expert_tp_needs,
+)
 from pipedejavu.io.megatron_pattern import moe_layer_freq
 
 __all__ = [
@@ -174,15 +179,62 @@ class MoeOptions:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(
                 f"dispatcher must be one of {', '.join(DISPATCHERS)}, "
-                f"got {self.dispatcher!r}"
+                f"got {self.dispatcher!r:.40}"
             )
         factor = self.capacity_factor
         if factor is not None and not (
             isinstance(factor, float) and math.isfinite(factor) and factor >= 0
         ):
             raise ValueError(
-                f"capacity_factor must be a finite float >= 0 or None, got {factor!r}"
+                f"capacity_factor must be a finite float >= 0 or None, got "
+                f"{factor!r:.40}"
             )
+        backends = MOE_CHOICE_FLAGS["moe-flex-dispatcher-backend"]
+        if self.flex_backend is not None and self.flex_backend not in backends:
+            raise ValueError(
+                f"flex_backend must be one of {', '.join(backends)} or None, "
+                f"got {self.flex_backend!r:.40}"
+            )
+        for name in (
+            "grouped_gemm",
+            "force_load_balancing",
+            "pad_to_capacity",
+            "shared_expert_overlap",
+            "overlap_dispatch",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true or false, got {getattr(self, name)!r:.40}"
+                )
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object (what a plan file records)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> MoeOptions:
+        """Options from a JSON object written by :meth:`to_json`; absent keys
+        take their defaults.
+
+        Raises:
+            ValueError: not an object, an unknown key, or a bad value (one
+                line).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"experts must be a JSON object, got {type(data).__name__}"
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(str(k)[:40] for k in set(data) - known)[:5]
+        if unknown:
+            raise ValueError(
+                f"experts: unknown keys {unknown}, expected some of {sorted(known)}"
+            )
+        values = dict(data)
+        factor = values.get("capacity_factor")
+        if isinstance(factor, int) and not isinstance(factor, bool):
+            values["capacity_factor"] = float(factor)
+        return cls(**values)
 
 
 class MoeRead(NamedTuple):
@@ -348,8 +400,8 @@ def _experts(
             f"--tensor-model-parallel-size {tp} must divide "
             f"--moe-shared-expert-intermediate-size {shared}"
         )
-    if not values.get("disable-bias-linear") and etp != 1:
-        # TransformerConfig: "Bias in Moe is only supported when ETP==1"
+    biased = not values.get("disable-bias-linear")
+    if expert_tp_needs(etp=etp, linear_bias=biased) is not None:
         raise _refuse(
             f"experts with linear biases (no --disable-bias-linear) need "
             f"--expert-tensor-parallel-size 1, not {etp}, as Megatron-LM asserts"
@@ -380,29 +432,23 @@ def _overlap_checks(
     mtp_layers: int,
 ) -> None:
     """TransformerConfig.__post_init__'s checks of
-    ``--overlap-moe-expert-parallel-comm`` (core_v0.16.1)."""
-    flag = "--overlap-moe-expert-parallel-comm"
-    needs = None
-    if ep == 1:
-        needs = "--expert-model-parallel-size > 1"
-    elif options.dispatcher not in ("alltoall", "flex"):
-        needs = "--moe-token-dispatcher-type alltoall or flex"
-    elif pp > 1 and chunks == 1:
-        needs = "virtual pipeline stages with --pipeline-model-parallel-size > 1"
-    elif recompute[0] == "full" or recompute[1] is not None:
-        needs = "no full recomputation (no --recompute-method/--recompute-num-layers)"
-    elif params_dtype not in ("bf16", "fp16"):
-        needs = "--bf16 or --fp16"
-    elif options.shared_expert_overlap and "moe-shared-expert-intermediate-size" in (
-        values
-    ):
-        needs = "no --moe-shared-expert-overlap"
-    elif mtp_layers > 1:
-        needs = "at most one MTP layer (--mtp-num-layers 1)"
-    elif mtp_layers == 1 and pp == 1:
-        needs = "--pipeline-model-parallel-size > 1 with an MTP layer"
+    ``--overlap-moe-expert-parallel-comm`` (core_v0.16.1):
+    :func:`~pipedejavu.core.moe.dispatch_overlap_needs`."""
+    needs = dispatch_overlap_needs(
+        ep=ep,
+        dispatcher=options.dispatcher,
+        pp=pp,
+        chunks=chunks,
+        full_recompute=recompute[0] == "full" or recompute[1] is not None,
+        params_dtype=params_dtype,
+        shared_expert_overlap=options.shared_expert_overlap
+        and "moe-shared-expert-intermediate-size" in values,
+        mtp_layers=mtp_layers,
+    )
     if needs is not None:
-        raise _refuse(f"{flag} needs {needs} (TransformerConfig)")
+        raise _refuse(
+            f"--overlap-moe-expert-parallel-comm needs {needs} (TransformerConfig)"
+        )
 
 
 def read_moe(

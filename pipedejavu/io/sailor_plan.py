@@ -43,11 +43,13 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import refuse_experts
+from pipedejavu.io.megatron_moe import MoeOptions
 
 __all__ = [
     "NO_EXPERTS",
     "SAILOR_KEY",
     "load_plan3d",
+    "load_plan_experts",
     "load_plan_training",
     "plan_from_sailor",
     "plan_to_sailor",
@@ -320,3 +322,22 @@ def load_plan_training(
             f"{seq_length!r:.40}"
         )
     return options, seq_length
+
+
+def load_plan_experts(path: str | os.PathLike) -> MoeOptions | None:
+    """How a plan file's experts run (its ``experts`` object: the token
+    dispatcher, grouped GEMMs, overlaps; :class:`~pipedejavu.io.megatron_moe.
+    MoeOptions`), ``None`` when absent (a dense model's plan, a Sailor file,
+    or a plan written before ``pipedejavu plan --json`` recorded it).
+
+    Raises:
+        ProblemError: an unreadable file, or a bad ``experts`` object (one
+            line naming the file).
+    """
+    data = _read_json(path)
+    if not isinstance(data, dict) or SAILOR_KEY in data or "experts" not in data:
+        return None
+    try:
+        return MoeOptions.from_json(data["experts"])
+    except (TypeError, ValueError) as error:
+        raise ProblemError(f"{path}: {error}") from None

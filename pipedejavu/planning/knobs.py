@@ -77,6 +77,7 @@ from pipedejavu.core.training_options import (
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
+from pipedejavu.planning.expert_search import moe_options_of
 from pipedejavu.planning.knob_order import first_order, objective_free_plan
 from pipedejavu.planning.knob_space import KnobOutcome, KnobSpace
 from pipedejavu.planning.training import (
@@ -131,6 +132,9 @@ class KnobPlan:
             "space": self.space.to_json(),
             "choices": [o.to_json() for o in self.outcomes],
         }
+        layers = getattr(self.choice.data, "experts", None)
+        if layers is not None:  # what the experts were priced with
+            out["experts"] = moe_options_of(layers).to_json()
         return out
 
 
@@ -167,6 +171,7 @@ def plan_with_knobs(
     memory_headroom: MemoryHeadroom | float | str | None = None,
     experts: ExpertLayers | None = None,
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
+    one_stage_1f1b: bool = False,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -230,6 +235,7 @@ def plan_with_knobs(
         progress_fn=progress_fn,
         dp_alone=dp_alone,
         incumbent=incumbent,
+        one_stage_1f1b=one_stage_1f1b,
     )
 
 
@@ -248,6 +254,7 @@ def search_knobs(
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     dp_alone: bool = False,
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
+    one_stage_1f1b: bool = False,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -271,8 +278,15 @@ def search_knobs(
     zbv = [make_choice(k) for k in shaped] if "zbv" in space.schedules else []
     first = choices[0]
     check_plan_size(first.data, first.model)
+    max_stages = 1 if one_stage_1f1b else None
     config = search_config(
-        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
+        method,
+        uniform_tp,
+        allow_fewer_gpus,
+        mixed_types,
+        mbs_values,
+        dp_alone,
+        max_stages,
     )
 
     def mixes_types(choice: CostChoice, order: str = RANK_ORDERS[0]) -> bool:
@@ -303,6 +317,7 @@ def search_knobs(
             bound_cache=shared,
             solved=probes.get(id(choice)),
             dp_alone=dp_alone,
+            max_stages=max_stages,
         )
 
     outcomes: list[KnobOutcome] = []

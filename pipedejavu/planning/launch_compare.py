@@ -29,6 +29,7 @@ from pipedejavu.costmodel.analytical.source import (
 )
 from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.planning.any_model import CostChoice
+from pipedejavu.planning.expert_search import layout_search
 from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, search_knobs
 from pipedejavu.planning.megatron_launch import (
@@ -159,9 +160,28 @@ def compare_megatron_run(
         return CostChoice(source, run.spec.name, {gpu: gpu}, options, run.spec)
 
     space = space or launch_knob_space(run)
+    one_stage = False
     if experts is not None:
-        space = space.for_experts()
+        found = layout_search(
+            experts,
+            space.for_experts(),
+            precision=base.precision,
+            mtp_layers=run.spec.mtp_layers,
+        )
+        if found is None:
+            raise ProblemError(
+                "no plan of the search space runs the launch's expert layout "
+                "(--overlap-moe-expert-parallel-comm needs Megatron-LM's "
+                "schedules, no full recomputation and interleaved pipelines)"
+            )
+        space, one_stage = found.space, found.one_stage_1f1b
     knobs = search_knobs(
-        make_choice, base, {gpu: num_gpus}, given.plan.gbs, space=space, **plan_options
+        make_choice,
+        base,
+        {gpu: num_gpus},
+        given.plan.gbs,
+        space=space,
+        one_stage_1f1b=one_stage,
+        **plan_options,
     )
     return RunComparison(given, knobs, knobs.choice.data)

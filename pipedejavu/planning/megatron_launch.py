@@ -49,7 +49,6 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
-from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
 from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
@@ -57,6 +56,7 @@ from pipedejavu.costmodel.megatron.rules import recomputed_layers
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo
 from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.io.megatron_moe import MoeOptions
+from pipedejavu.planning.expert_search import layers_of
 
 __all__ = [
     "FLOPS_FORMULA",
@@ -405,17 +405,7 @@ def expert_layers(run: MegatronRun) -> ExpertLayers | None:
     assumes without it: the reports say so). ``None`` for a dense model."""
     if run.spec.moe is None:
         return None
-    moe = run.moe_options or MoeOptions()
-    experts = ExpertPass(
-        ep=run.ep,
-        etp=run.etp,
-        grouped_gemm=moe.grouped_gemm,
-        capacity_factor=moe.capacity_factor,
-        pad_to_capacity=moe.pad_to_capacity,
-        dispatcher=moe.dispatcher,
-        shared_expert_overlap=moe.shared_expert_overlap,
-    )
-    return ExpertLayers(experts, overlap_dispatch=moe.overlap_dispatch)
+    return layers_of(run.moe_options or MoeOptions(), run.ep, run.etp)
 
 
 def plan_flops(

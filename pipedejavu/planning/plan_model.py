@@ -34,8 +34,6 @@ from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
-from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     EXPORTS,
@@ -44,15 +42,20 @@ from pipedejavu.io.exports import (
     precision_refusal,
 )
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
-from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.expert_search import (
+    DISPATCHERS_SEARCHED,
+    MAX_EXPERT_TP,
+    ExpertSearch,
+    expert_layouts,
+    layout_search,
+)
+from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
 from pipedejavu.planning.training import parse_gpu_pool
-from pipedejavu.search.megatron.space import divisors
 
 __all__ = [
     "KEPT_OPTIONS",
     "default_space",
-    "expert_layouts",
     "launched_space",
     "plan_model",
 ]
@@ -74,8 +77,12 @@ def default_space(choice: CostChoice, export: str | None = None) -> KnobSpace:
     but with sequence parallelism where ``export``'s target runs it with every
     TP > 1 plan (torchtitan's; such plans are then priced analytically, the
     profiles having measured none; TP 1 plans, where it changes nothing, by
-    the profiles still)."""
+    the profiles still). A mixture of experts is searched with Megatron-LM's
+    schedules, the one launcher that runs its experts as priced."""
     space = KnobSpace.fixed(choice.options) if choice.measured else KnobSpace()
+    if choice.spec is not None and choice.spec.moe is not None:
+        # only Megatron-LM launches the experts as priced: its schedules
+        space = dataclasses.replace(space, schedules=MEGATRON_SCHEDULES)
     launched = LAUNCHED_TRAINING.get(export or "", {})
     if launched.get("sequence_parallel") == (True,):
         space = dataclasses.replace(space, sequence_parallel=(True,))
@@ -133,6 +140,9 @@ def plan_model(
     mixed_types: bool = False,
     mbs_values: Sequence[int] | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    dispatchers: Sequence[str] = DISPATCHERS_SEARCHED,
+    dispatch_overlap: Sequence[bool] = (False, True),
+    expert_tp: Sequence[int] = (1,),
 ) -> KnobPlan:
     """The fastest plan of ``model`` on ``gpus``, as ``pipedejavu plan``
     finds it (module docstring), proven optimal under the predictor.
@@ -164,6 +174,10 @@ def plan_model(
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: as for
             :func:`~pipedejavu.planning.training.plan_training`.
         progress_fn: called with a dict as the search goes.
+        dispatchers, dispatch_overlap, expert_tp: a mixture of experts'
+            token dispatchers, all-to-all overlaps and expert TP degrees
+            searched (:func:`~pipedejavu.planning.expert_search.
+            expert_layouts`; each expert TP degree adds as many layouts).
 
     Returns:
         A :class:`~pipedejavu.planning.knobs.KnobPlan`: ``.result`` the plan
@@ -207,20 +221,51 @@ def plan_model(
     if spec is None or spec.moe is None:
         return plan_with_knobs(model, pool, global_batch, **search, **shared)
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
-    return _plan_experts(model, pool, global_batch, spec, search, shared, per_node)
-
-
-def expert_layouts(spec: TransformerSpec, gpus: int) -> list[ExpertLayers]:
-    """The expert layouts searched for a mixture of experts on ``gpus`` GPUs:
-    every EP degree dividing the routed experts (at most the GPUs), expert
-    TP 1 (each expert whole on its GPU, Megatron-Core's recipes' choice), the
-    alltoall dispatcher with grouped GEMMs, no all-to-all overlap: what
-    ``--export megatron`` writes."""
-    return [
-        ExpertLayers(ExpertPass(ep=ep, etp=1, grouped_gemm=True))
-        for ep in divisors(spec.moe.num_experts)
-        if ep <= gpus
+    layouts = expert_layouts(
+        spec,
+        sum(pool.values()),
+        dispatchers=_checked(dispatchers, DISPATCHERS_SEARCHED, "dispatchers"),
+        overlap=_checked(dispatch_overlap, (False, True), "dispatch_overlap"),
+        expert_tp=_checked(expert_tp, range(1, MAX_EXPERT_TP + 1), "expert_tp"),
+    )
+    searches = [
+        found
+        for layers in layouts
+        if (
+            found := layout_search(
+                layers,
+                search["space"].for_experts(),
+                precision=choice.options.precision,
+                mtp_layers=spec.mtp_layers,
+            )
+        )
+        is not None
     ]
+    return _plan_experts(
+        model, pool, global_batch, spec, searches, search, shared, per_node
+    )
+
+
+def _checked(values: Sequence[Any], allowed: Sequence[Any], name: str) -> tuple:
+    """``values``, distinct and from ``allowed``, as a tuple.
+
+    Raises:
+        ProblemError: one that is not (one line).
+    """
+    given = tuple(values)[:65]
+    bad = [v for v in given if isinstance(v, bool) != isinstance(allowed[0], bool)]
+    bad += [v for v in given if v not in allowed]
+    if not given or len(set(given)) != len(given) or bad:
+        shown = (
+            f"{allowed[0]} to {allowed[-1]}"
+            if isinstance(allowed, range)
+            else ", ".join(map(str, allowed))
+        )
+        raise ProblemError(
+            f"{name}: give distinct values from {shown}; got "
+            f"{', '.join(f'{v!r:.20}' for v in given) or 'none'}"
+        )
+    return given
 
 
 def _plan_experts(
@@ -228,39 +273,47 @@ def _plan_experts(
     pool: Mapping[str, int],
     global_batch: int,
     spec: TransformerSpec,
+    searches: Sequence[ExpertSearch],
     search: Mapping[str, Any],
     shared: Mapping[str, Any],
     gpus_per_node: int,
 ) -> KnobPlan:
-    """The fastest plan over every expert layout (:func:`expert_layouts`),
-    proven when the least bound over all of them reaches its time. The
-    layouts are searched as one branch and bound: the first fully, every
-    later one against the best plan so far (its choices settled by the proof
-    with that time as their cutoff: a layout that cannot beat it costs its
-    bounds only). The order only decides how soon a good incumbent is known:
-    EP groups inside a node first, the largest first (the published recipes'
-    choice), then those across nodes, the smallest first."""
+    """The fastest plan over every expert layout searched (``searches``:
+    :func:`~pipedejavu.planning.expert_search.layout_search`), proven when
+    the least bound over all of them reaches its time. The layouts are
+    searched as one branch and bound: the first fully, every later one
+    against the best plan so far (its choices settled by the proof with that
+    time as their cutoff: a layout that cannot beat it costs its bounds
+    only). The order only decides how soon a good incumbent is known: EP
+    groups inside a node first, the largest first (the published recipes'
+    choice), then those across nodes, the smallest first; at one EP, the
+    flex dispatcher before alltoall (the faster where the prediction prices
+    the published runs), without the overlap first (its space is the
+    smaller: no full recomputation, pipelines interleaved)."""
     found: list[KnobPlan] = []
     lower = math.inf
-    search = {**search, "space": search["space"].for_experts()}
 
-    def first(layers: ExpertLayers) -> tuple[int, int]:
-        ep = layers.experts.ep
-        return (1, ep) if ep > gpus_per_node else (0, -ep)
+    def first(found: ExpertSearch) -> tuple[int, int, bool, bool]:
+        experts = found.layers.experts
+        ep = experts.ep
+        near = (1, ep) if ep > gpus_per_node else (0, -ep)
+        flex = experts.dispatcher == "flex"
+        return (*near, not flex, found.layers.overlap_dispatch)
 
-    layouts = sorted(expert_layouts(spec, sum(pool.values())), key=first)
+    searches = sorted(searches, key=first)
     best: KnobPlan | None = None
-    for layers in layouts:
+    for found_layout in searches:
         incumbent = None if best is None else (best.result, best.choice)
         try:
             plan = plan_with_knobs(
                 model,
                 pool,
                 global_batch,
-                **search,
+                **{**search, "space": found_layout.space},
                 **shared,
-                experts=layers,
+                experts=found_layout.layers,
                 incumbent=incumbent,
+                one_stage_1f1b=found_layout.one_stage_1f1b,
             )
         except InfeasibleProblemError:
             continue  # no plan with this layout fits: it bounds nothing
@@ -278,12 +331,7 @@ def _plan_experts(
             f"{spec.moe.num_experts} experts"
         )
     best_s = best.result.prediction.iteration_time_s
-    degrees = ", ".join(str(ep) for ep in sorted(x.experts.ep for x in layouts))
-    note = (
-        f"expert parallelism searched over EP {degrees} (expert TP 1, alltoall "
-        f"dispatcher, routing priced balanced): EP "
-        f"{best.choice.data.experts.experts.ep} is fastest"
-    )
+    note = _searched_note(searches, best.choice.data.experts)
     result = dataclasses.replace(
         best.result,
         proven=lower >= best_s * (1 - 1e-12),
@@ -292,3 +340,28 @@ def _plan_experts(
     )
     choice = dataclasses.replace(best.choice, notes=(*best.choice.notes, note))
     return dataclasses.replace(best, result=result, choice=choice)
+
+
+def _searched_note(searches: Sequence[ExpertSearch], best: Any) -> str:
+    """What expert layouts were searched and which won, one line."""
+    degrees = sorted({x.layers.experts.ep for x in searches})
+    etps = sorted({x.layers.experts.etp for x in searches})
+    dispatchers = sorted({x.layers.experts.dispatcher for x in searches})
+    overlaps = {x.layers.overlap_dispatch for x in searches}
+    beside = {
+        frozenset({False}): "without",
+        frozenset({True}): "with",
+        frozenset({False, True}): "with and without",
+    }[frozenset(overlaps)]
+    won = best.experts
+    won_text = f"EP {won.ep}" + (f", expert TP {won.etp}" if len(etps) > 1 else "")
+    won_text += f", {won.dispatcher}"
+    won_text += ", overlapped" if best.overlap_dispatch else ""
+    plural = "s" if len(dispatchers) > 1 else ""
+    return (
+        f"expert layouts searched: EP {', '.join(map(str, degrees))} (expert TP "
+        f"{', '.join(map(str, etps))}), "
+        f"the {' and '.join(dispatchers)} dispatcher{plural}"
+        f", {beside} the all-to-all overlap (Megatron-LM's schedules; routing "
+        f"priced balanced): {won_text} is fastest"
+    )

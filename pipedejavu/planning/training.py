@@ -276,6 +276,7 @@ def plan_training(
     solved: MegatronSearchResult | None = None,
     dp_alone: bool = False,
     memory_headroom: MemoryHeadroom | float | str | None = None,
+    max_stages: int | None = None,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -316,6 +317,7 @@ def plan_training(
             :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`); the
             search, its proof and the prediction all honour it. ``None``: the
             cost source's own (none unless it was given one).
+        max_stages: most pipeline stages (``None``: the model's layers).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -325,7 +327,13 @@ def plan_training(
     pool = parse_gpu_pool(gpus)
     check_global_batch(global_batch)
     config = search_config(
-        method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values, dp_alone
+        method,
+        uniform_tp,
+        allow_fewer_gpus,
+        mixed_types,
+        mbs_values,
+        dp_alone,
+        max_stages,
     )
     if profiles is None or isinstance(profiles, (str, os.PathLike)):
         data = load_sailor_data(profiles)
@@ -392,6 +400,7 @@ def search_config(
     mixed_types: bool,
     mbs_values: Sequence[int] | None,
     dp_alone: bool = False,
+    max_stages: int | None = None,
 ) -> MegatronSearchConfig:
     """The search's settings from :func:`plan_training`'s arguments.
 
@@ -406,6 +415,7 @@ def search_config(
             method=method,
             mixed_types=mixed_types,
             dp_alone=dp_alone,
+            max_stages=max_stages,
         )
     except ValueError as error:
         raise ProblemError(str(error)) from None
