@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -144,6 +145,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     )
     paths["ds_config"] = str(config)
     paths["folder"] = str(folder)
+    paths["tiny_moe"] = str(Path(__file__).parent / "tiny_moe.json")
     return paths
 
 
@@ -390,6 +392,25 @@ TEMPLATES = {
         "--rank-order",
         "tp-dp-pp",
         "--recompute-num-layers",
+        "{x}",
+    ],
+    "plan --moe-expert-tp": [
+        "plan",
+        "--model",
+        "{tiny_moe}",
+        "--gpus",
+        "H100:8",
+        "--global-batch",
+        "16",
+        "--schedule",
+        "1f1b",
+        "--recompute",
+        "none",
+        "--moe-dispatcher",
+        "alltoall",
+        "--moe-a2a-overlap",
+        "off",
+        "--moe-expert-tp",
         "{x}",
     ],
     "plan --init-batch": [
