@@ -286,13 +286,15 @@ def expert_layer_times(
             backward[-1] += depths * (selective - _seconds(dense, gpu, constants))
     experts = layers.experts
     pairs = spec.layer_param_split(opts.tp, experts.ep, experts.etp)
+    steps: dict[int, float] = {}  # optimizer seconds by parameter count
     for block in range(spec.num_layers):
         if moe.is_expert_block(block):
-            dense, expert = pairs[1 + block]
+            held = sum(pairs[1 + block])
+            if held not in steps:  # (the expert blocks alike: priced once)
+                ops = optimizer_ops(held, precision)
+                steps[held] = pass_seconds(ops, gpu, constants)
             forward[1 + block], backward[1 + block] = f, b
-            update[1 + block] = pass_seconds(
-                optimizer_ops(dense + expert, precision), gpu, constants
-            )
+            update[1 + block] = steps[held]
     return forward, backward, update
 
 

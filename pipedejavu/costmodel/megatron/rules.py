@@ -15,6 +15,7 @@ sums one slice, the tables difference prefix sums).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -464,8 +465,14 @@ def expert_ring(
     its node."""
     owners = layout.expert_replicas(stage)
     block = layout.expert_block(stage)
-    members = [dataclasses.replace(replicas[j], tp=block) for j in owners]
+    members = [_with_tp(replicas[j], block) for j in owners]
     return members, [nodes[j] for j in owners]
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_tp(replica: Replica, tp: int) -> Replica:
+    """``replica`` with ``tp`` GPUs (frozen: shared by every ring that asks)."""
+    return dataclasses.replace(replica, tp=tp)
 
 
 def expert_allreduce(
