@@ -237,6 +237,9 @@ def test_the_megatron_export_writes_the_plans_dispatcher_and_overlap(capsys):
     assert "--moe-token-dispatcher-type flex" in out
     assert "--moe-flex-dispatcher-backend deepep" in out
     assert "--overlap-moe-expert-parallel-comm" in out
+    # the comment above the command says what the launch must have
+    assert "# flex dispatcher (deepep backend: the launch needs it installed)" in out
+    assert "the all-to-alls overlapped with another micro-batch's compute" in out
 
 
 @pytest.mark.parametrize(

@@ -411,7 +411,16 @@ def expert_note(
             if options.force_load_balancing
             else ""
         )
-        lines.append(f"# {options.dispatcher} dispatcher, {kernels}{forced}")
+        dispatcher = f"{options.dispatcher} dispatcher"
+        if options.dispatcher == "flex":  # (the backend is a package of its own)
+            backend = options.flex_backend or "deepep"
+            dispatcher += f" ({backend} backend: the launch needs it installed)"
+        overlap = (
+            ", the all-to-alls overlapped with another micro-batch's compute"
+            if options.overlap_dispatch
+            else ""
+        )
+        lines.append(f"# {dispatcher}, {kernels}{overlap}{forced}")
     return lines
 
 
