@@ -339,12 +339,16 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
     calls = []
     real = module.plan_with_knobs
 
+    seconds = []
+
     def spy(*args, experts=None, incumbent=None, **kwargs):
         e = experts.experts
         calls.append(
             (e.ep, e.dispatcher, experts.overlap_dispatch, incumbent is not None)
         )
-        return real(*args, experts=experts, incumbent=incumbent, **kwargs)
+        found = real(*args, experts=experts, incumbent=incumbent, **kwargs)
+        seconds.append(found.result.search_time_s)
+        return found
 
     monkeypatch.setattr(module, "plan_with_knobs", spy)
     path = Path(__file__).parent / "tiny_moe.json"
@@ -365,6 +369,8 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
         for overlap in (False, True)
     ] + [(1, "alltoall", False, True)]
     assert calls == expected
+    # the search's time is the whole branch and bound's
+    assert found.result.search_time_s >= sum(seconds)
     best = found.choice.data.experts
     assert found.result.plan.layout.stages[0].ep == best.experts.ep
     assert (
