@@ -65,6 +65,7 @@ __all__ = [
     "ParallelLayout",
     "StageAxes",
     "experts_fit",
+    "chunks_hold_blocks",
     "rank_order",
     "split_blocks",
 ]
@@ -418,3 +419,15 @@ def split_blocks(
         per - (embedding and k == 0) - (loss and k == parts - 1) for k in range(parts)
     ]
     return None if min(held) < 0 else held
+
+
+def chunks_hold_blocks(
+    blocks: int, ranks: int, chunks: int, embedding: bool = False, loss: bool = False
+) -> bool:
+    """Whether ``ranks`` pipeline ranks of ``chunks`` model chunks each split
+    ``blocks`` evenly as Megatron-LM's interleaved schedule does
+    (:func:`split_blocks` of ``ranks x chunks`` virtual stages) with a block
+    in every chunk: a chunk of the embedding or the loss alone is neither
+    searched nor exported."""
+    held = split_blocks(blocks, ranks * chunks, embedding, loss)
+    return ranks >= 2 and held is not None and min(held) >= 1

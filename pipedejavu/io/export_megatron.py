@@ -81,7 +81,7 @@ import dataclasses
 import shlex
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.layout import PIPELINE_SPLITS, split_blocks
+from pipedejavu.core.layout import PIPELINE_SPLITS, chunks_hold_blocks, split_blocks
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
@@ -209,21 +209,17 @@ def interleaving_flags(
         return []
     counts = transformer_layers(plan, spec)
     ranks = len(counts)
+    blocks = sum(counts)
     for embedding, loss in PIPELINE_SPLITS:
-        per_rank = (sum(counts) + embedding + loss) // ranks
-        fewest = 2 if embedding or loss else 1  # a block in every chunk
-        if (
-            ranks < 2
-            or counts != split_blocks(sum(counts), ranks, embedding, loss)
-            or per_rank % chunks
-            or per_rank < fewest * chunks
+        even = split_blocks(blocks, ranks, embedding, loss)
+        if counts != even or not chunks_hold_blocks(
+            blocks, ranks, chunks, embedding, loss
         ):
             continue
+        per_chunk = (blocks + embedding + loss) // (ranks * chunks)
         counted = ["--account-for-embedding-in-pipeline-split"] * embedding
         counted += ["--account-for-loss-in-pipeline-split"] * loss
-        return ["--num-layers-per-virtual-pipeline-stage", str(per_rank // chunks)] + (
-            counted
-        )
+        return ["--num-layers-per-virtual-pipeline-stage", str(per_chunk), *counted]
     raise ExportRefused(
         f"Megatron-LM's interleaved schedule needs at least 2 stages of "
         f"equally many transformer layers that split into {chunks} chunks "

@@ -72,7 +72,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.layout import PIPELINE_SPLITS, experts_fit, split_blocks
+from pipedejavu.core.layout import (
+    PIPELINE_SPLITS,
+    chunks_hold_blocks,
+    experts_fit,
+    split_blocks,
+)
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import node_key
@@ -144,9 +149,10 @@ class InterleavedMemo:
         candidates: the candidates by (source ``id``, model, pool, batch,
             constants ``id``, settings), with the source and constants kept
             alive (their ``id`` not reused).
-        fits: the memory test (:func:`candidate_fits`) by the key of
-            ``candidates`` and the candidate's type, mbs, TP, stages, dp and
-            chunks.
+        fits: the memory test (:func:`candidate_fits`; a mixture of
+            experts': :func:`candidate_floor`'s on the placed plan) by the key
+            of ``candidates`` and the candidate's type, mbs, TP, stages, dp,
+            chunks and split.
     """
 
     candidates: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
@@ -224,12 +230,11 @@ def interleaved_candidates(
                     if ranks < 2 or ranks * tp > count or units % ranks:
                         continue
                     per_rank = units // ranks  # (the counted layers included)
-                    fewest = 2 if embedding or loss else 1  # a block per chunk
                     chunk_counts = [
                         v
                         for v in divisors(per_rank)
                         if v >= 2
-                        and per_rank // v >= fewest
+                        and chunks_hold_blocks(blocks, ranks, v, embedding, loss)
                         and (max_chunks is None or v <= max_chunks)
                     ]
                     if v_shape:
@@ -377,13 +382,12 @@ def candidate_fits(
     global_batch: int,
     c: Candidate,
 ) -> bool:
-    """:func:`candidate_floor`'s memory test of a candidate, on one of its
-    pipelines (its replicas alike, each rank's stash and model state do not
-    depend on the placement): no plan of ``P x dp`` replicas is built."""
-    if data.model_info(model).expert_params is not None:
-        # (the experts' layout needs its replicas: the whole candidate)
-        plan = candidate_plan(data, model, global_batch, c)
-        return candidate_floor(data, model, constants, plan, c.chunks)[0]
+    """:func:`candidate_floor`'s memory test of a dense model's candidate,
+    on one of its pipelines (its replicas alike, each rank's stash and model
+    state do not depend on the placement): no plan of ``P x dp`` replicas is
+    built. A mixture of experts' layout needs its replicas:
+    :func:`search_interleaved` tests those on the placed plan, with its
+    tails."""
     one = dataclasses.replace(c, dp=1)
     skeleton = candidate_plan(data, model, global_batch // c.dp, one)
     return candidate_floor(data, model, constants, skeleton, c.chunks, c.dp)[0]
