@@ -14,16 +14,25 @@ goes through :func:`json_text`, strict JSON that every parser reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import select
 import stat
+from collections.abc import Mapping
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 
-__all__ = ["json_text", "parse_json", "read_bytes", "read_json", "read_text"]
+__all__ = [
+    "json_fields",
+    "json_text",
+    "parse_json",
+    "read_bytes",
+    "read_json",
+    "read_text",
+]
 
 
 def read_bytes(
@@ -188,3 +197,22 @@ def json_text(value: Any, **options: Any) -> str:
         '{"best_s": null, "gap": [0.5, null]}'
     """
     return json.dumps(_strict(value), allow_nan=False, **options)
+
+
+def json_fields(cls: type, data: Any, what: str) -> dict[str, Any]:
+    """The fields of the dataclass ``cls`` a JSON object gives (absent ones
+    take their defaults), for ``cls(**fields)`` to check their values.
+
+    Raises:
+        ValueError: not an object, or an unknown key (one line, ``what``
+            first; at most 5 keys named, 40 characters each).
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    known = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(str(key)[:40] for key in set(data) - known)[:5]
+    if unknown:
+        raise ValueError(
+            f"{what}: unknown keys {unknown}, expected some of {sorted(known)}"
+        )
+    return dict(data)

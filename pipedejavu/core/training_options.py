@@ -48,6 +48,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from pipedejavu.core.files import json_fields
+
 __all__ = [
     "DEFAULT_RECOMPUTE_MODULES",
     "MAX_RECOMPUTE_LAYERS",
@@ -334,15 +336,4 @@ class TrainingOptions:
         Raises:
             ValueError: not an object, an unknown key, or a bad value.
         """
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"training options must be a JSON object, got {type(data).__name__}"
-            )
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"training options: unknown keys {unknown}, expected some of "
-                f"{sorted(known)}"
-            )
-        return cls(**dict(data))
+        return cls(**json_fields(cls, data, "training options"))

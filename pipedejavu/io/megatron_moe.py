@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.files import json_fields
 from pipedejavu.core.moe import (
     MlaSpec,
     MoeSpec,
@@ -220,17 +221,7 @@ class MoeOptions:
             ValueError: not an object, an unknown key, or a bad value (one
                 line).
         """
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"experts must be a JSON object, got {type(data).__name__}"
-            )
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(str(k)[:40] for k in set(data) - known)[:5]
-        if unknown:
-            raise ValueError(
-                f"experts: unknown keys {unknown}, expected some of {sorted(known)}"
-            )
-        values = dict(data)
+        values = json_fields(cls, data, "experts")
         factor = values.get("capacity_factor")
         if isinstance(factor, int) and not isinstance(factor, bool):
             values["capacity_factor"] = float(factor)
