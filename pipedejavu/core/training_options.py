@@ -59,12 +59,21 @@ __all__ = [
     "RecomputeGranularity",
     "TrainingOptions",
     "TrainingPrecision",
+    "params_dtype",
 ]
 
 TrainingPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 #: The most blocks a recomputation count may name (more than any model has).
 MAX_RECOMPUTE_LAYERS = 100_000
 TRAINING_PRECISIONS: tuple[TrainingPrecision, ...] = ("fp32", "fp16", "bf16", "fp8")
+
+
+def params_dtype(precision: str) -> str:
+    """The weights' dtype Megatron-LM trains ``precision`` with (``fp32``,
+    ``fp16`` or ``bf16``: fp8 GEMMs keep bf16 weights, ``--bf16``)."""
+    return {"fp8": "bf16"}.get(precision, precision)
+
+
 RecomputeGranularity = Literal["none", "selective", "full"]
 RECOMPUTE_GRANULARITIES: tuple[RecomputeGranularity, ...] = (
     "none",

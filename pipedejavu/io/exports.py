@@ -95,6 +95,7 @@ from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
     TrainingOptions,
+    params_dtype,
 )
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_alpa import to_alpa
@@ -298,11 +299,8 @@ def precision_refusal(target: str, precision: str) -> str | None:
 
 def option_flags(options: TrainingOptions) -> list[str]:
     """Megatron-LM's flags for ``options`` (module docstring)."""
-    flags = []
-    if options.precision in ("bf16", "fp8"):
-        flags.append("--bf16")
-    elif options.precision == "fp16":
-        flags.append("--fp16")
+    dtype = params_dtype(options.precision)
+    flags = [] if dtype == "fp32" else [f"--{dtype}"]
     if options.precision == "fp8":
         flags += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     if options.recompute == "selective":

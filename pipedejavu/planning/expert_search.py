@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Sequence
 
 from pipedejavu.core.moe import dispatch_overlap_needs, expert_tp_needs
+from pipedejavu.core.training_options import params_dtype
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
@@ -39,7 +40,6 @@ __all__ = [
     "layers_of",
     "layout_search",
     "moe_options_of",
-    "params_dtype_of",
 ]
 
 #: The token dispatchers ``plan --model`` searches (``--moe-dispatcher``).
@@ -96,12 +96,6 @@ def expert_layouts(
     return out
 
 
-def params_dtype_of(precision: str) -> str:
-    """The weights' dtype Megatron-LM trains ``precision`` with (fp8 GEMMs
-    keep bf16 weights)."""
-    return {"fp8": "bf16"}.get(precision, precision)
-
-
 def layout_search(
     layers: ExpertLayers,
     space: KnobSpace,
@@ -123,7 +117,7 @@ def layout_search(
                 pp=pp,
                 chunks=chunks,
                 full_recompute=recompute == "full",
-                params_dtype=params_dtype_of(precision),
+                params_dtype=params_dtype(precision),
                 shared_expert_overlap=experts.shared_expert_overlap,
                 mtp_layers=mtp_layers,
             )
