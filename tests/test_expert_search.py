@@ -98,10 +98,11 @@ def test_the_overlap_is_searched_exactly_where_megatron_runs_it(
         assert set(found.space.schedules) <= {"1f1b", "interleaved"}
 
 
-def test_without_the_overlap_the_space_is_kept():
+def test_without_the_overlap_only_the_rank_order_is_cut():
     layers = ExpertLayers(ExpertPass(ep=4, etp=1, dispatcher="flex"))
     found = layout_search(layers, SMALL, precision="bf16")
-    assert found.space == SMALL and not found.one_stage_1f1b
+    assert found.space == SMALL.for_experts() and not found.one_stage_1f1b
+    assert found.space.rank_orders == ("tp-dp-pp",)
 
 
 def test_the_reader_refuses_by_the_same_rule():

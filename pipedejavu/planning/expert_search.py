@@ -103,8 +103,11 @@ def layout_search(
     precision: str,
     mtp_layers: int = 0,
 ) -> ExpertSearch | None:
-    """``space`` cut to what ``layers`` runs with (module docstring);
-    ``None`` where the layout runs with no plan of it."""
+    """``space`` cut to what ``layers`` runs with: the experts' rank order
+    (:meth:`~pipedejavu.planning.knob_space.KnobSpace.for_experts`) and the
+    overlap's rule (module docstring); ``None`` where the layout runs with no
+    plan of it."""
+    space = space.for_experts()
     if not layers.overlap_dispatch:
         return ExpertSearch(layers, space)
     experts = layers.experts

@@ -164,7 +164,7 @@ def compare_megatron_run(
     if experts is not None:
         found = layout_search(
             experts,
-            space.for_experts(),
+            space,
             precision=base.precision,
             mtp_layers=run.spec.mtp_layers,
         )

@@ -235,7 +235,7 @@ def plan_model(
         if (
             found := layout_search(
                 layers,
-                search["space"].for_experts(),
+                search["space"],
                 precision=choice.options.precision,
                 mtp_layers=spec.mtp_layers,
             )
