@@ -18,7 +18,7 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.moe_tokens import ExpertPass
 from pipedejavu.io.megatron_moe import MoeOptions
-from pipedejavu.io.sailor_plan import load_plan_experts
+from pipedejavu.io.sailor_plan import load_plan_training
 from pipedejavu.planning.expert_search import (
     layers_of,
     layout_search,
@@ -159,7 +159,7 @@ def test_a_bad_experts_object_is_one_line_naming_the_file(tmp_path, bad, words):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"format": "pipedejavu.core.plan3d", "experts": bad}))
     with pytest.raises(ProblemError) as error:
-        load_plan_experts(path)
+        load_plan_training(path)
     text = str(error.value)
     assert text.startswith(str(path)) and words in text
     assert "\n" not in text and len(text) < 400
@@ -186,7 +186,7 @@ def test_the_plan_file_keeps_the_experts_and_predict_reprices_it(flex_plan, caps
     found, path = flex_plan
     assert found.choice.data.experts.experts.dispatcher == "flex"
     assert found.choice.data.experts.overlap_dispatch
-    assert load_plan_experts(path) == moe_options_of(found.choice.data.experts)
+    assert load_plan_training(path).experts == moe_options_of(found.choice.data.experts)
     assert main(["predict", str(path), "--model", TINY, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["iteration_time_s"] == pytest.approx(

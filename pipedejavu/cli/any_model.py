@@ -38,7 +38,7 @@ from pipedejavu.io.exports import (
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
-from pipedejavu.io.sailor_plan import load_plan3d, load_plan_experts, load_plan_training
+from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
 from pipedejavu.planning.any_model import (
     LONG_CONTEXT,
     CostChoice,
@@ -403,9 +403,9 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
     names (as before); priced analytically, ``--model`` prices the plan for
     that model (its layers must match).
     """
-    options, seq_length = load_plan_training(args.plan)
+    options, seq_length, moe = load_plan_training(args.plan)
     plan, _ = load_plan3d(args.plan)
-    moe = load_plan_experts(args.plan) or DEFAULT_MOE_OPTIONS
+    moe = moe or DEFAULT_MOE_OPTIONS
     axes = plan.layout.stages[0]
     model = args.model if args.model is not None else plan.model
     if model != plan.model:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipedejavu.core.files import json_text, read_json
 from pipedejavu.core.plan3d import (
@@ -48,8 +48,8 @@ from pipedejavu.io.megatron_moe import MoeOptions
 __all__ = [
     "NO_EXPERTS",
     "SAILOR_KEY",
+    "PlanTraining",
     "load_plan3d",
-    "load_plan_experts",
     "load_plan_training",
     "plan_from_sailor",
     "plan_to_sailor",
@@ -293,25 +293,37 @@ def load_plan3d(
     return plan, "pipedejavu"
 
 
-def load_plan_training(
-    path: str | os.PathLike,
-) -> tuple[TrainingOptions | None, int | None]:
-    """What a plan file says about its training: ``(options, seq_length)``,
-    each ``None`` when absent (a Sailor file, or a plan written before
-    ``pipedejavu plan --json`` recorded them).
+class PlanTraining(NamedTuple):
+    """What a plan file says about its training (:func:`load_plan_training`),
+    each ``None`` when absent (a Sailor file, a dense model's plan for
+    ``experts``, or a plan written before ``pipedejavu plan --json`` recorded
+    it)."""
+
+    options: TrainingOptions | None
+    seq_length: int | None
+    experts: MoeOptions | None  # the token dispatcher, grouped GEMMs, overlaps
+
+
+def load_plan_training(path: str | os.PathLike) -> PlanTraining:
+    """What a plan file says about its training (:class:`PlanTraining`): its
+    ``options``, ``seq_length`` and ``experts`` objects.
 
     Raises:
-        ProblemError: an unreadable file, or bad ``options`` / ``seq_length``.
+        ProblemError: an unreadable file, or bad ``options`` / ``seq_length``
+            / ``experts`` (one line naming the file).
     """
     data = _read_json(path)
     if not isinstance(data, dict) or SAILOR_KEY in data:
-        return None, None
+        return PlanTraining(None, None, None)
     options, seq_length = data.get("options"), data.get("seq_length")
-    if options is not None:
-        try:
+    experts = data.get("experts")
+    try:
+        if options is not None:
             options = TrainingOptions.from_json(options)
-        except (TypeError, ValueError) as error:
-            raise ProblemError(f"{path}: {error}") from None
+        if experts is not None:
+            experts = MoeOptions.from_json(experts)
+    except (TypeError, ValueError) as error:
+        raise ProblemError(f"{path}: {error}") from None
     if seq_length is not None and (
         isinstance(seq_length, bool)
         or not isinstance(seq_length, int)
@@ -321,23 +333,4 @@ def load_plan_training(
             f"{path}: seq_length must be an integer in [1, {2**24}], got "
             f"{seq_length!r:.40}"
         )
-    return options, seq_length
-
-
-def load_plan_experts(path: str | os.PathLike) -> MoeOptions | None:
-    """How a plan file's experts run (its ``experts`` object: the token
-    dispatcher, grouped GEMMs, overlaps; :class:`~pipedejavu.io.megatron_moe.
-    MoeOptions`), ``None`` when absent (a dense model's plan, a Sailor file,
-    or a plan written before ``pipedejavu plan --json`` recorded it).
-
-    Raises:
-        ProblemError: an unreadable file, or a bad ``experts`` object (one
-            line naming the file).
-    """
-    data = _read_json(path)
-    if not isinstance(data, dict) or SAILOR_KEY in data or "experts" not in data:
-        return None
-    try:
-        return MoeOptions.from_json(data["experts"])
-    except (TypeError, ValueError) as error:
-        raise ProblemError(f"{path}: {error}") from None
+    return PlanTraining(options, seq_length, experts)
