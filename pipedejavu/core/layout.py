@@ -9,6 +9,16 @@ attention, the dense MLPs, the embedding and the head) uses
 * ``dp``: data parallelism, replicas of the stage, the same for all stages;
 * ``pp``: the pipeline stage.
 
+Sharded data parallelism (ZeRO, FSDP) splits ``dp`` once more: ``dp_shard``
+replicas, the inner factor of ``dp`` (neighbouring replicas, as torchtitan's
+mesh ``dp_replicate, dp_shard, cp, tp`` lays them out), shard the model state
+a training option says is sharded
+(:attr:`~pipedejavu.core.training_options.TrainingOptions.zero_stage`) over
+their ``dp_shard x cp`` GPUs (:attr:`ParallelLayout.shard_group`: torchtitan
+shards over ``dp_shard`` and ``cp`` together, Megatron-LM's distributed
+optimizer over ``dp`` and ``cp``); ``dp / dp_shard`` groups replicate it
+(HSDP). ``dp_shard`` by default is all of ``dp``.
+
 Expert layers (mixture of experts) use the same GPUs of each stage, laid out
 again as Megatron-Core folds them: ``etp`` (expert tensor parallelism, by
 default ``tp``), ``ep`` (expert parallelism: experts spread over the GPUs) and
@@ -133,6 +143,8 @@ class ParallelLayout:
         cp: context-parallel GPUs per sequence, the same for every stage.
         order: :data:`PP_OUTER` or :data:`DP_OUTER` (the legacy names
             ``tp-dp-pp`` and ``tp-pp-dp`` are read as those).
+        dp_shard: the replicas of a shard group (module docstring; a divisor
+            of ``dp``; ``None``, or ``dp`` itself, stored as ``None``: all).
 
     Raises:
         ProblemError: a size that is not a positive integer, more than
@@ -146,6 +158,7 @@ class ParallelLayout:
     dp: int
     cp: int = 1
     order: str = PP_OUTER
+    dp_shard: int | None = None
     #: Each stage's first rank and the stride between its replicas (derived).
     _firsts: tuple[int, ...] = dataclasses.field(
         init=False, repr=False, compare=False, default=()
@@ -198,6 +211,14 @@ class ParallelLayout:
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "cp", cp)
         object.__setattr__(self, "order", order)
+        shard = self.dp_shard
+        if shard is not None:
+            shard = as_count(shard, "dp_shard", maximum=MAX_GPUS)
+            if dp % shard:
+                raise ProblemError(
+                    f"dp_shard {shard} does not divide the {dp} data-parallel replicas"
+                )
+            object.__setattr__(self, "dp_shard", None if shard == dp else shard)
         # Ranks: stage s from its first; replicas apart by the whole pipeline's
         # model GPUs (replicas outermost) or by the replica's own GPUs.
         pipelined = order == DP_OUTER and len(stages) > 1
@@ -225,10 +246,11 @@ class ParallelLayout:
         ep: int = 1,
         etp: int | None = None,
         order: str = PP_OUTER,
+        dp_shard: int | None = None,
     ) -> ParallelLayout:
         """Every stage alike, as Megatron-LM, DeepSpeed and torchtitan run."""
         count = as_count(pp, "pp", maximum=MAX_GPUS)
-        return cls((StageAxes(tp, ep, etp),) * count, dp, cp, order)
+        return cls((StageAxes(tp, ep, etp),) * count, dp, cp, order, dp_shard)
 
     # ------------------------------------------------------------ sizes
     @property
@@ -238,6 +260,21 @@ class ParallelLayout:
     @property
     def num_gpus(self) -> int:
         return sum(self.stage_gpus(s) for s in range(self.pp))
+
+    @property
+    def shard_replicas(self) -> int:
+        """Data-parallel replicas of a shard group (``dp_shard``, else ``dp``)."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        """GPUs a sharded model state is split over: ``dp_shard x cp``."""
+        return self.shard_replicas * self.cp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Shard groups holding the same shards (HSDP; 1: plain sharding)."""
+        return self.dp // self.shard_replicas
 
     def model_size(self, stage: int) -> int:
         """GPUs of one dense replica of ``stage``: ``tp cp``."""

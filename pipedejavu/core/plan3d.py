@@ -347,7 +347,8 @@ class Plan3D:
             else:
                 axes = tuple(s.replicas[0].tp for s in stages)
             dp = len(stages[0].replicas) if stages else old.dp
-            changes["layout"] = ParallelLayout(axes, dp, old.cp, old.order)
+            shard = old.dp_shard if old.dp_shard and dp % old.dp_shard == 0 else None
+            changes["layout"] = ParallelLayout(axes, dp, old.cp, old.order, shard)
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
@@ -364,6 +365,8 @@ class Plan3D:
         etps = sorted({a.expert_tp for a in layout.stages if a.etp is not None})
         if etps:
             extra += ", etp " + "/".join(str(e) for e in etps)
+        if layout.dp_shard is not None:
+            extra += f", dp_shard {layout.dp_shard}"
         if layout.order != PP_OUTER:
             extra += f", order {layout.order}"
         return (
@@ -385,6 +388,11 @@ class Plan3D:
                 "order": self.layout.order,
                 "dp": self.layout.dp,
                 "cp": self.layout.cp,
+                **(
+                    {}
+                    if self.layout.dp_shard is None
+                    else {"dp_shard": self.layout.dp_shard}
+                ),
             },
             stages=[
                 _stage_json(stage, axes)
@@ -422,7 +430,7 @@ class Plan3D:
                     f"'rank_order' must be {' or '.join(RANK_ORDERS)} (or null), "
                     f"got {describe(order)}"
                 )
-            order, cp = _file_layout(data.get("layout"), order)
+            order, cp, shard = _file_layout(data.get("layout"), order)
             # Shapes first, so that counting the replicas below is safe.
             for index, item in enumerate(stages_data):
                 if not isinstance(item, dict):
@@ -458,7 +466,7 @@ class Plan3D:
                 stages.append(Stage3D(layers[0], layers[1], tuple(built)))
                 axes.append(StageAxes(built[0].tp, item.get("ep", 1), item.get("etp")))
             layout = ParallelLayout(
-                tuple(axes), len(stages[0].replicas), cp, order or PP_OUTER
+                tuple(axes), len(stages[0].replicas), cp, order or PP_OUTER, shard
             )
             stated = (data.get("layout") or {}).get("dp", layout.dp)
             if stated != layout.dp:
@@ -530,15 +538,18 @@ def _stage_json(stage: Stage3D, axes: StageAxes) -> dict[str, Any]:
     return out
 
 
-_LAYOUT_KEYS = ("order", "dp", "cp")
+_LAYOUT_KEYS = ("order", "dp", "cp", "dp_shard")
 
 
-def _file_layout(data: Any, legacy_order: str | None) -> tuple[str | None, int]:
+def _file_layout(
+    data: Any, legacy_order: str | None
+) -> tuple[str | None, int, int | None]:
     """A file's ``"layout"`` object: its order (``None``: not stated; the
-    legacy ``"rank_order"`` read as the layout's name) and its ``cp``."""
+    legacy ``"rank_order"`` read as the layout's name), its ``cp`` and its
+    ``dp_shard`` (``None``: all of ``dp``)."""
     order = None if legacy_order is None else LEGACY_ORDERS[legacy_order]
     if data is None:
-        return order, 1
+        return order, 1, None
     if not isinstance(data, dict):
         raise ProblemError(f"'layout' must be an object, got {describe(data)}")
     unknown = sorted(set(data) - set(_LAYOUT_KEYS))
@@ -548,7 +559,7 @@ def _file_layout(data: Any, legacy_order: str | None) -> tuple[str | None, int]:
         )
     if "order" in data:
         order = rank_order(data["order"])
-    return order, data.get("cp", 1)
+    return order, data.get("cp", 1), data.get("dp_shard")
 
 
 def is_stage_plan(data: Any) -> bool:

@@ -37,6 +37,17 @@ Each field names the Megatron-LM argument it stands for:
   ``overlap_param_gather``: ``--overlap-param-gather`` (with the distributed
   optimizer, the updated parameters' all-gather runs beside the next forward
   pass).
+* ``zero_stage``: what data parallelism shards over a shard group
+  (:attr:`~pipedejavu.core.layout.ParallelLayout.shard_group`), as ZeRO's
+  stages name it: 0 nothing; 1 the optimizer state (Megatron-LM's
+  ``--use-distributed-optimizer``, DeepSpeed's ZeRO-1: the same as
+  ``distributed_optimizer``); 2 the gradients too (DeepSpeed's ZeRO-2);
+  3 the parameters too, gathered layer by layer for each pass (PyTorch's
+  FSDP2 ``fully_shard`` as torchtitan applies it, DeepSpeed's ZeRO-3,
+  Megatron-LM's ``--data-parallel-sharding-strategy optim_grads_params``);
+  ``reshard_after_forward``: with stage 3, a layer's gathered parameters are
+  freed after its forward and gathered again for its backward (FSDP2's
+  default; ``False`` keeps them from the forward to the backward).
 * ``tp_comm_overlap``: ``--tp-comm-overlap`` (Transformer Engine runs the
   tensor-parallel all-gathers and reduce-scatters of sequence parallelism
   beside the GEMMs they feed or follow).
@@ -114,6 +125,29 @@ def _check_modules(options: TrainingOptions) -> None:
         "recompute_modules must be a non-empty list of Megatron-Core's modules "
         f"({', '.join(RECOMPUTE_MODULES)}), got {modules!r}"[:300]
     )
+
+
+def _check_zero(options: TrainingOptions) -> None:
+    """``zero_stage`` in 0..3, one with ``distributed_optimizer`` (either
+    sets the other), ``reshard_after_forward`` off only at stage 3, and no
+    parameter all-gather after the step at stage 3 (the parameters stay
+    sharded: they are gathered for each pass)."""
+    stage = options.zero_stage
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage:
+        object.__setattr__(options, "distributed_optimizer", True)
+    elif options.distributed_optimizer:
+        object.__setattr__(options, "zero_stage", 1)
+    if not options.reshard_after_forward and stage != 3:
+        raise ValueError(
+            f"reshard_after_forward=False needs zero_stage=3, got zero_stage={stage}"
+        )
+    if stage == 3 and options.overlap_param_gather:
+        raise ValueError(
+            "overlap_param_gather applies to zero_stage 1 or 2 (at stage 3 the "
+            "parameters stay sharded and are gathered for each pass)"
+        )
 
 
 def _check_counts(options: TrainingOptions, name: str) -> None:
@@ -203,6 +237,13 @@ class TrainingOptions:
             all-gathers and reduce-scatters of each block run beside the GEMMs
             they feed or follow (Megatron-LM's ``--tp-comm-overlap``, which
             needs ``--sequence-parallel``).
+        zero_stage: ZeRO's stage (module docstring): 0 to 3; stage 1 is
+            ``distributed_optimizer`` (either sets the other; a copy that
+            turns the optimizer sharding off sets both to off), and every
+            stage from 1 turns it on.
+        reshard_after_forward: with ``zero_stage=3``, gather a layer's
+            parameters again for its backward (``False``: keep them
+            gathered from the forward; needs ``zero_stage=3``).
         recompute_modules: what ``recompute="selective"`` reruns, Megatron's
             ``--recompute-modules`` (some of :data:`RECOMPUTE_MODULES`, kept
             in that order; default the attention core); like Megatron-Core,
@@ -233,6 +274,8 @@ class TrainingOptions:
     grad_reduce_in_bf16: bool = False
     tp_comm_overlap: bool = False
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
+    zero_stage: int = 0
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in TRAINING_PRECISIONS:
@@ -256,8 +299,10 @@ class TrainingOptions:
             "overlap_param_gather",
             "grad_reduce_in_bf16",
             "tp_comm_overlap",
+            "reshard_after_forward",
         ):
             _check_bool(getattr(self, name), name)
+        _check_zero(self)
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ValueError(
                 "tp_comm_overlap needs sequence_parallel (Megatron-LM's "

@@ -323,6 +323,7 @@ class KnobSpace:
                     sequence_parallel=sp,
                     tp_comm_overlap=base.tp_comm_overlap and sp,
                     distributed_optimizer=dist,
+                    zero_stage=max(base.zero_stage, 1) if dist else 0,
                     overlap_param_gather=base.overlap_param_gather and dist,
                     virtual_stages=1,
                     zero_bubble=False,

@@ -146,7 +146,9 @@ def _normalized(options: TrainingOptions, result: TrainingPlan) -> TrainingOptio
             options, sequence_parallel=False, tp_comm_overlap=False
         )
     if options.distributed_optimizer and all(len(s.replicas) == 1 for s in stages):
-        options = dataclasses.replace(options, distributed_optimizer=False)
+        options = dataclasses.replace(
+            options, distributed_optimizer=False, zero_stage=0
+        )
     return options
 
 

@@ -70,6 +70,7 @@ from pipedejavu.costmodel.analytical.roofline import (
 from pipedejavu.costmodel.megatron.options import (
     activation_element_bytes,
     grad_reduce_bytes_per_param,
+    param_gather_bytes_per_param,
     param_state_bytes,
     recompute_time,
 )
@@ -504,7 +505,9 @@ class AnalyticalSource:
             output = output / element
             outputs[tp] = self._split_head(output, float(output[-2]))
         bf16_grads = options.grad_reduce_in_bf16
-        parts = param_state_bytes(options.precision, bf16_grads=bf16_grads)
+        parts = param_state_bytes(
+            options.precision, bf16_grads=bf16_grads, zero_stage=options.zero_stage
+        )
         sharded = parts.shardable if options.distributed_optimizer else 0
         return ModelInfo(
             name=spec.name,
@@ -524,4 +527,9 @@ class AnalyticalSource:
             blocks=(1, 1 + spec.num_layers) if block else None,
             expert_params=None if self.experts is None else experts,
             expert_axes=(ep, etp),
+            zero_stage=options.zero_stage,
+            reshard_after_forward=options.reshard_after_forward,
+            weight_bytes=float(
+                param_gather_bytes_per_param(options.precision, True)
+            ),
         )

@@ -85,7 +85,9 @@ class ParamStateBytes(NamedTuple):
     shardable: int
 
 
-def param_state_bytes(precision: str, *, bf16_grads: bool = False) -> ParamStateBytes:
+def param_state_bytes(
+    precision: str, *, bf16_grads: bool = False, zero_stage: int = 0
+) -> ParamStateBytes:
     """Megatron-LM's bytes per parameter at ``precision`` with Adam
     (``bf16_grads``: ``--grad-reduce-in-bf16``, bf16 or fp8 training only: the
     main gradients kept and reduced in bf16, 2 bytes where fp32 takes 4).
@@ -108,11 +110,35 @@ def param_state_bytes(precision: str, *, bf16_grads: bool = False) -> ParamState
       weights; its transient FP8 weight copies and scaling factors are not
       counted (a few percent of the weights at most).
 
+    ``zero_stage`` (:attr:`~pipedejavu.core.training_options.TrainingOptions.
+    zero_stage`) moves more into the shardable part: at stage 2 the gradients
+    (DeepSpeed's ZeRO-2: only the weights stay replicated); at stage 3
+    everything, less the 16-bit copy of the weights, which is gathered layer
+    by layer for each pass and never kept whole (PyTorch's FSDP2 with bf16
+    parameters: fp32 sharded weights, fp32 gradients and Adam, 16 bytes;
+    the gathered layers are :func:`~pipedejavu.costmodel.megatron.rules.
+    fsdp_buffer_bytes`). Stages 0 and 1 are the split above (what is sharded
+    is the caller's: ``distributed_optimizer``).
+
     Raises:
-        ValueError: an unknown precision.
+        ValueError: an unknown precision or stage.
     """
     _check_precision(precision)
     _check_bf16_grads(precision, bf16_grads)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    parts = _megatron_state(precision, bf16_grads)
+    weights = FLOAT_BYTES if precision == "fp32" else HALF_BYTES
+    if zero_stage == 2:
+        return ParamStateBytes(weights, parts.replicated + parts.shardable - weights)
+    if zero_stage == 3:
+        kept = parts.replicated + parts.shardable
+        return ParamStateBytes(0, kept - (0 if precision == "fp32" else weights))
+    return parts
+
+
+def _megatron_state(precision: str, bf16_grads: bool) -> ParamStateBytes:
+    """Megatron-LM's split (:func:`param_state_bytes`, stages 0 and 1)."""
     if precision == "fp32":
         return ParamStateBytes(2 * FLOAT_BYTES, 2 * FLOAT_BYTES)
     if precision == "fp16":

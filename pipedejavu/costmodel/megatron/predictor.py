@@ -104,6 +104,11 @@ from pipedejavu.costmodel.megatron.rules import (
     stash_bytes,
     tied_allreduce_time,
 )
+from pipedejavu.costmodel.megatron.sharding import (
+    fsdp_buffer_bytes,
+    fsdp_collectives,
+    fsdp_exposed,
+)
 from pipedejavu.costmodel.megatron.sailor_data import (
     LayerTimes,
     ModelInfo,
@@ -331,6 +336,14 @@ def predict_plan(
             f"count per stage ({num_stages}), got {list(stage_layers)}"
         )
 
+    # The replicas a sharded state is split over (all of dp but with HSDP).
+    shard = plan.layout.shard_replicas
+    sharded = info.zero_stage == 3
+    if sharded and (virtual_stages > 1 or zero_bubble):
+        raise ProblemError(
+            "ZeRO-3 (sharded parameters) is priced with the 1F1B schedule "
+            "only, not yet with interleaved or zero-bubble pipelines"
+        )
     overhead = constants.op_overhead_s
     times: dict[tuple[str, int], LayerTimes] = {}
     forward = np.zeros((num_stages, dp))
@@ -378,7 +391,7 @@ def predict_plan(
                         params,
                         info,
                         replica.tp,
-                        dp,
+                        shard,
                         experts,
                         edp,
                     ),
@@ -386,6 +399,28 @@ def predict_plan(
                 )
             forward[s, j], backward[s, j], optimizer[s, j], gpu = per_kind[key]
             limit[s, j], capacity[s, j] = gpu.memory_bytes, gpu.capacity
+
+    # ZeRO-3: each micro-batch's passes gather and reduce-scatter their
+    # layers over the shard group (the first one's; groups alike).
+    gathered = np.zeros(num_stages)
+    for s, stage in enumerate(plan.stages if sharded else ()):
+        tp = stage.replicas[0].tp
+        held = rank_params(info, tp, spans[s])
+        gather, reduce = fsdp_collectives(
+            network, info, list(stage.replicas[:shard]), nodes[s][:shard], held
+        )
+        extra = fsdp_exposed(
+            gather,
+            reduce,
+            float(forward[s].min()),
+            float(backward[s].min()),
+            stage.stop - stage.start,
+            info.reshard_after_forward,
+        )
+        forward[s] += extra[0]
+        backward[s] += extra[1]
+        largest = float(info.dense_params(tp)[stage.start : stage.stop].max())
+        gathered[s] = fsdp_buffer_bytes(info, held, largest)
 
     # Transfers over each boundary, per pipeline.
     activation = np.zeros((max(num_stages - 1, 0), dp))
@@ -516,9 +551,16 @@ def predict_plan(
     for s, stage in enumerate(plan.stages):
         tp = stage.replicas[0].tp
         (start, stop), *more = spans[s]
-        collective, largest = stage_allreduce(
-            network, info, list(stage.replicas), nodes[s], start, stop, more
-        )
+        if sharded:  # reduce-scattered per micro-batch; HSDP: across groups
+            group = list(stage.replicas[::shard])
+            collective, largest = stage_allreduce(
+                network, info, group, nodes[s][::shard], start, stop, more
+            )
+            collective /= shard
+        else:
+            collective, largest = stage_allreduce(
+                network, info, list(stage.replicas), nodes[s], start, stop, more
+            )
         held = rank_params(info, tp, spans[s])
         experts, edp = rank_expert_params(info, tp, spans[s]), 1
         if experts:
@@ -528,14 +570,16 @@ def predict_plan(
                 network, info, tp, members, ring, spans[s]
             )
             collective, largest = collective + seconds, max(largest, biggest)
-        allreduce[s] = gradient_sync(
-            collective,
-            held,
-            dp,
-            float(backward[s].min()),
-            float(forward[s].min()),
-            options,
-        )
+        allreduce[s] = collective
+        if not sharded:
+            allreduce[s] = gradient_sync(
+                collective,
+                held,
+                dp,
+                float(backward[s].min()),
+                float(forward[s].min()),
+                options,
+            )
         finish[s] = ready[s].max() + allreduce[s] + optimizer[s]
         # Memory of a GPU of each replica.
         act = span_act_mem(
@@ -545,7 +589,11 @@ def predict_plan(
         stash[s] = stash_bytes(info, act, received, peak[s] * mbs)
         if interleaved is not None:
             stash[s] = interleaved.stash_bytes[s]
-        state = model_state_bytes(info, held, largest, dp, experts, edp)
+        if sharded:  # the gathered layers in place of a flattened bucket
+            state = model_state_bytes(info, held, 0.0, shard, experts, edp)
+            state += gathered[s]
+        else:
+            state = model_state_bytes(info, held, largest, shard, experts, edp)
         model_state[s] = state
         used: dict[str, float] = {}
         for j, replica in enumerate(stage.replicas):

@@ -96,6 +96,14 @@ class ModelInfo:
             none.
         expert_axes: ``(ep, etp)`` the expert parameters are counted for
             (``etp`` ``None``: ``tp``); a plan's layout must have them.
+        zero_stage: what data parallelism shards
+            (:attr:`~pipedejavu.core.training_options.TrainingOptions.
+            zero_stage`; 1 is ``distributed_optimizer``); the sharded part is
+            ``sharded_state_bytes_per_param``, over the layout's shard group.
+        reshard_after_forward: with ``zero_stage`` 3, each layer's
+            parameters are gathered again for its backward.
+        weight_bytes: bytes of a weight as the passes read it (4 in fp32,
+            2 in 16-bit training): what stage 3 gathers.
     """
 
     name: str
@@ -113,6 +121,9 @@ class ModelInfo:
     blocks: tuple[int, int] | None = None
     expert_params: Mapping[int, NDArray[np.float64]] | None = None
     expert_axes: tuple[int, int | None] = (1, None)
+    zero_stage: int = 0
+    reshard_after_forward: bool = True
+    weight_bytes: float = 4.0
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,88 @@
+"""Sharded data parallelism's rules (ZeRO stages 2 and 3, FSDP2), each
+defined once: what ZeRO-3 gathers and reduce-scatters per micro-batch, what
+of it the passes hide, and the gathered modules' memory. The predictor
+(:func:`~pipedejavu.costmodel.megatron.predictor.predict_plan`) calls them;
+the model state's split into replicated and sharded bytes per stage is
+:func:`~pipedejavu.costmodel.megatron.options.param_state_bytes`.
+
+What a shard group is (``dp_shard x cp`` GPUs of a stage) is the layout's:
+:attr:`~pipedejavu.core.layout.ParallelLayout.shard_group`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pipedejavu.core.plan3d import Replica
+from pipedejavu.costmodel.megatron.comm import ring_allreduce_time, ring_hops
+from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
+
+__all__ = ["fsdp_buffer_bytes", "fsdp_collectives", "fsdp_exposed"]
+
+Number = Any  # a float, or an array of one value per span
+
+
+def fsdp_collectives(
+    network: NetworkTables,
+    info: ModelInfo,
+    members: list[Replica],
+    nodes: list,
+    held: float,
+) -> tuple[float, float]:
+    """``(gather, reduce)`` seconds per micro-batch of ZeRO-3 / FSDP2 over a
+    shard group of ``members`` (on ``nodes``): the all-gather of the ``held``
+    parameters' weights (``info.weight_bytes`` each) and the reduce-scatter of
+    their gradients (``info.gradient_bytes`` each: torchtitan reduces in
+    fp32). Each moves what half a ring all-reduce of its bytes moves (a ring
+    all-reduce is a reduce-scatter and an all-gather). 0 for one member."""
+    if len(members) <= 1 or held <= 0:
+        return 0.0, 0.0
+    hops = ring_hops(network, members, nodes)
+    gather = ring_allreduce_time(
+        network, members, nodes, held * info.weight_bytes, hops=hops
+    )
+    reduce = ring_allreduce_time(
+        network, members, nodes, held * info.gradient_bytes, hops=hops
+    )
+    return gather / 2, reduce / 2
+
+
+def fsdp_exposed(
+    gather: Number,
+    reduce: Number,
+    forward: Number,
+    backward: Number,
+    units: Number,
+    reshard: bool,
+) -> tuple[Number, Number]:
+    """``(forward, backward)`` seconds ZeRO-3's collectives add to a stage's
+    passes of one micro-batch: each of its ``units`` sharded modules (its
+    layers) gathers its weights before its forward, prefetched beside the
+    previous module's (``gather``: the whole stage's all-gather), and again
+    before its backward when ``reshard`` (FSDP2's ``reshard_after_forward``),
+    and reduce-scatters its gradients after its backward, beside the next
+    module's (``reduce``). The passes hide what they outlast; the first
+    gather and the last reduce-scatter are never hidden: ``max(c - pass, c /
+    units)`` for ``c`` seconds of collectives beside a pass."""
+    units = np.maximum(units, 1)
+    behind = reduce + (gather if reshard else 0.0)
+    return (
+        np.maximum(gather - forward, gather / units),
+        np.maximum(behind - backward, behind / units),
+    )
+
+
+def fsdp_buffer_bytes(info: ModelInfo, held: Number, largest: Number) -> Number:
+    """Bytes ZeRO-3's gathered modules hold at their peak on a GPU: the
+    weights of the module running and of the one prefetched, and one
+    module's unsharded gradient with its copy in the reduction's dtype
+    (``largest``: the parameters of the stage's largest layer); without
+    resharding (``info.reshard_after_forward`` off) the weights of every
+    layer of the stage (``held``) stay gathered from the forward to the
+    backward."""
+    gathered = 2 * largest if info.reshard_after_forward else held + largest
+    return gathered * info.weight_bytes + largest * (
+        info.weight_bytes + info.gradient_bytes
+    )
