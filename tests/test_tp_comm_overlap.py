@@ -15,6 +15,9 @@ from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.edge_ops import (
+    head_forward_ops,
+)
 from pipedejavu.costmodel.analytical.layers import (
     analytical_layer_times,
     weight_gradient_seconds,
@@ -25,7 +28,6 @@ from pipedejavu.costmodel.analytical.ops import (
     PassOptions,
     block_backward_ops,
     block_forward_ops,
-    head_forward_ops,
 )
 from pipedejavu.costmodel.analytical.roofline import (
     HALF_PRECISION_ANALYTICAL,

@@ -49,13 +49,15 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.edge_ops import (
+    embedding_forward_ops,
+    head_backward_ops,
+    head_forward_ops,
+)
 from pipedejavu.costmodel.analytical.ops import (
     PassOptions,
     block_backward_ops,
     block_forward_ops,
-    embedding_forward_ops,
-    head_backward_ops,
-    head_forward_ops,
 )
 from pipedejavu.costmodel.analytical.roofline import (
     AnalyticalConstants,

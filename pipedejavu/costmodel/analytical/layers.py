@@ -32,6 +32,12 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.edge_ops import (
+    embedding_backward_ops,
+    embedding_forward_ops,
+    head_backward_ops,
+    head_forward_ops,
+)
 from pipedejavu.costmodel.analytical.mla_ops import (
     MLA_WEIGHT_GRADIENT_OPS,
     any_block_backward_ops,
@@ -54,10 +60,6 @@ from pipedejavu.costmodel.analytical.ops import (
     MemoryOp,
     PassOptions,
     element_bytes,
-    embedding_backward_ops,
-    embedding_forward_ops,
-    head_backward_ops,
-    head_forward_ops,
     optimizer_ops,
     validate_spec,
 )

@@ -9,7 +9,7 @@ parameters. Each depth, on the ``T = b s`` tokens of a micro-batch over ``t``
 GPUs, runs:
 
 * the embedding of the tokens shifted by one (the shared table; the last
-  stage holds its copy): :func:`~pipedejavu.costmodel.analytical.ops.
+  stage holds its copy): :func:`~pipedejavu.costmodel.analytical.edge_ops.
   embedding_forward_ops`;
 * the two input norms (``enorm`` on the embedding, ``hnorm`` on the previous
   depth's, or the decoder's, output) and their concatenation, on the tokens a
@@ -21,7 +21,7 @@ GPUs, runs:
 * one transformer block shaped as the model's last block (the caller's:
   dense, multi-latent, or an expert block with its all-to-alls);
 * the final norm, the shared LM head and its cross-entropy:
-  :func:`~pipedejavu.costmodel.analytical.ops.head_forward_ops`.
+  :func:`~pipedejavu.costmodel.analytical.edge_ops.head_forward_ops`.
 
 The backward mirrors it, with the sum of the decoder output's two gradients
 (the head's and the first depth's) and the accumulation of the depth's
@@ -38,6 +38,12 @@ import dataclasses
 
 from pipedejavu.core import moe_counts
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.edge_ops import (
+    embedding_backward_ops,
+    embedding_forward_ops,
+    head_backward_ops,
+    head_forward_ops,
+)
 from pipedejavu.costmodel.analytical.ops import (
     GRAD_ACCUMULATE_BYTES,
     LayerPass,
@@ -45,10 +51,6 @@ from pipedejavu.costmodel.analytical.ops import (
     PassOptions,
     backward_gemms,
     element_bytes,
-    embedding_backward_ops,
-    embedding_forward_ops,
-    head_backward_ops,
-    head_forward_ops,
     linear_gemm,
     tp_half,
 )

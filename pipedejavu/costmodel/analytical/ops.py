@@ -54,10 +54,6 @@ __all__ = [
     "block_backward_ops",
     "block_forward_ops",
     "element_bytes",
-    "embedding_backward_ops",
-    "embedding_forward_ops",
-    "head_backward_ops",
-    "head_forward_ops",
     "linear_gemm",
     "optimizer_ops",
     "tp_collectives",
@@ -188,8 +184,8 @@ class PassOptions:
             tokens), whose queries attend to the keys and values of the whole
             sequence (``s`` = ``c`` x the share, causal and load-balanced as
             Transformer Engine splits it); needs flash attention. The exchange
-            of keys and values between the ``c`` GPUs is not priced: it runs
-            beside the attention it feeds.
+            of keys and values between the ``c`` GPUs runs beside the
+            attention it feeds (:func:`context_exchange`).
         tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
             ``sequence_parallel``): each block's all-gathers run beside the
             GEMM they feed and its reduce-scatters beside the GEMM they follow
@@ -343,7 +339,7 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
         # and values of the whole sequence.
         keys = s * opts.context_parallel
         io = b * (dqk + dv) * (heads * s + kv_heads * keys) * act
-        return [
+        return [*context_exchange(b * s * kv_heads * (dqk + dv) * act, opts)] + [
             Gemm(
                 "flash_attention",
                 2 * b * heads,
@@ -369,6 +365,30 @@ def attention_core_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     return ops + [
         Gemm("context", b * heads, s, dv, s, act, act, precision),
         MemoryOp("context_layout", 2 * b * s * heads * dv * act),
+    ]
+
+
+def context_exchange(share_bytes: float, opts: PassOptions) -> LayerPass:
+    """Context parallelism's exchange of keys and values for one attention
+    core's forward (``share_bytes``: a GPU's keys and values of its share):
+    each GPU receives the ``c - 1`` other shares, in ``c`` steps of a ring
+    beside the fused attention they feed (Megatron's ``--cp-comm-type p2p``,
+    PyTorch's ring attention): what outlasts the kernel is paid, never less
+    than one step. None without context parallelism. The backward
+    (:func:`attention_core_backward_ops`) moves the keys and values again and
+    their gradients back: twice the bytes. The ring is priced on the node's
+    links (a group of ``tp x c`` GPUs within a node)."""
+    c = opts.context_parallel
+    if c == 1:
+        return []
+    return [
+        Collective(
+            "cp_kv_exchange",
+            c * share_bytes,
+            (c - 1) * share_bytes,
+            beside="flash_attention",
+            chunks=c,
+        )
     ]
 
 
@@ -435,6 +455,14 @@ def attention_core_backward_ops(spec: TransformerSpec, opts: PassOptions) -> Lay
             )
         elif isinstance(op, Gemm):
             ops += backward_gemms(op)
+        elif isinstance(op, Collective):  # keys, values and their gradients
+            ops.append(
+                op._replace(
+                    name=op.name + ".backward",
+                    link_bytes=2 * op.link_bytes,
+                    beside=op.beside + ".backward",
+                )
+            )
         elif op.name == "mask_softmax":
             # Softmax backward reads Y and dY and writes dX; the unfused mask's
             # backward reads and writes once more.
@@ -491,95 +519,6 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
 
 
 # --------------------------------------------------------- embedding, head
-def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
-    """Word-embedding gather (vocabulary split over TP: masked, then summed
-    by an all-reduce), position embedding, dropout."""
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    x = b * s * h * act
-    ops: LayerPass = [MemoryOp("word_gather", 2 * x)]
-    if opts.tp > 1:
-        ops.append(MemoryOp("vocab_mask", 2 * x))
-        ops += tp_half("embedding", x, opts, gather=False)
-    local = x / opts.tp if opts.sequence_parallel else x
-    if spec.position == "learned":
-        ops += [
-            MemoryOp("position_gather", 2 * local),
-            MemoryOp("position_add", 3 * local),
-        ]
-    ops.append(MemoryOp("embedding_dropout", 2 * local + MASK_BYTES * local / act))
-    return ops
-
-
-def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
-    """Dropout backward and the dense scatter-add into the table's gradient."""
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    x = b * s * h * act
-    table = spec.vocab_size / opts.tp * h
-    return [
-        MemoryOp("embedding_dropout.backward", 2 * x + MASK_BYTES * x / act),
-        MemoryOp("word_scatter_add", 2 * x + table * act),
-        MemoryOp(
-            "grad_accumulate", GRAD_ACCUMULATE_BYTES * spec.embedding_params(opts.tp)
-        ),
-    ]
-
-
-def _head_parts(spec: TransformerSpec, opts: PassOptions):
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    tokens = b * s
-    head = linear_gemm("lm_head", tokens, spec.vocab_size / opts.tp, h, opts)
-    # The loss works on fp32 logits in every precision.
-    logits = tokens * spec.vocab_size / opts.tp * 4.0
-    x = tokens * h * act
-    return head, logits, x, (x / opts.tp if opts.sequence_parallel else x)
-
-
-def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
-    """Final norm, LM head (vocabulary split over TP), vocab-parallel softmax
-    cross-entropy (max, exp, sum, normalize: 4 reads and 3 writes of the
-    logits; three small all-reduces of per-token scalars)."""
-    head, logits, x, local = _head_parts(spec, opts)
-    ops: LayerPass = [MemoryOp("final_norm", 2 * local)]
-    if opts.sequence_parallel and opts.tp > 1:
-        ops += tp_half("lm_head", x, opts, gather=True)
-    ops += [head, MemoryOp("cross_entropy", 7 * logits)]
-    if opts.tp > 1:
-        per_token = x / spec.hidden_size / (head.output_bytes / 4.0)
-        for name in ("max", "target", "sum"):
-            ops += [
-                c
-                for c in tp_collectives(
-                    f"loss_{name}",
-                    per_token,
-                    dataclasses.replace(
-                        opts, sequence_parallel=False, tp_comm_overlap=False
-                    ),
-                )
-            ]
-    return ops
-
-
-def head_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
-    """Cross-entropy backward (softmax minus one-hot, times the loss
-    gradient), both LM-head gradient GEMMs, the all-reduce of the head's input
-    gradient, the final norm's backward and the weight-gradient accumulation."""
-    head, logits, x, local = _head_parts(spec, opts)
-    ops: LayerPass = [MemoryOp("cross_entropy.backward", 4 * logits)]
-    ops += backward_gemms(head)
-    ops += tp_half("lm_head", x, opts, gather=False)
-    ops += [
-        MemoryOp("final_norm.backward", 3 * local),
-        MemoryOp(
-            "grad_accumulate",
-            GRAD_ACCUMULATE_BYTES * spec.head_params(opts.tp, tied_copy=True),
-        ),
-    ]
-    return ops
-
-
 def optimizer_ops(params: float, precision: Precision) -> LayerPass:
     """One fused Adam step over ``params`` parameters (fp32 master weights,
     gradients and moments; a 16-bit copy written back when training in

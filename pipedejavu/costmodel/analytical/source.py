@@ -529,7 +529,5 @@ class AnalyticalSource:
             expert_axes=(ep, etp),
             zero_stage=options.zero_stage,
             reshard_after_forward=options.reshard_after_forward,
-            weight_bytes=float(
-                param_gather_bytes_per_param(options.precision, True)
-            ),
+            weight_bytes=float(param_gather_bytes_per_param(options.precision, True)),
         )

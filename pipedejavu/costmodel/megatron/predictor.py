@@ -53,12 +53,10 @@ in-flight count times ``mbs x`` the stage's ``act_mem`` plus its received input)
 + ``reserve_bytes`` of the GPU type. A single-stage plan holds the tied embedding
 once.
 
-Not modelled: contention between different collectives or stages on shared
-links, overlap of the gradient all-reduce with the backward pass (DeepSpeed's
-pipeline engine does not overlap it), activation checkpointing, mixed precision.
-Constants: :class:`PredictorConstants`, fitted by
-:mod:`pipedejavu.costmodel.megatron.fit` on measured runs (never per layer or
-per run).
+Options (mixed precision, recomputation, overlaps) come with the cost source;
+ZeRO-3 / FSDP2: :mod:`~pipedejavu.costmodel.megatron.sharding`. Not modelled:
+contention between collectives or stages on shared links. Constants:
+:class:`PredictorConstants`, fitted by :mod:`pipedejavu.costmodel.megatron.fit`.
 """
 
 from __future__ import annotations
@@ -104,17 +102,13 @@ from pipedejavu.costmodel.megatron.rules import (
     stash_bytes,
     tied_allreduce_time,
 )
-from pipedejavu.costmodel.megatron.sharding import (
-    fsdp_buffer_bytes,
-    fsdp_collectives,
-    fsdp_exposed,
-)
 from pipedejavu.costmodel.megatron.sailor_data import (
     LayerTimes,
     ModelInfo,
     SailorData,
     load_sailor_data,
 )
+from pipedejavu.costmodel.megatron.sharding import sharded_passes, sharded_schedule
 from pipedejavu.costmodel.megatron.stage_recompute import (
     as_layers,
     check_one_chunk,
@@ -338,12 +332,7 @@ def predict_plan(
 
     # The replicas a sharded state is split over (all of dp but with HSDP).
     shard = plan.layout.shard_replicas
-    sharded = info.zero_stage == 3
-    if sharded and (virtual_stages > 1 or zero_bubble):
-        raise ProblemError(
-            "ZeRO-3 (sharded parameters) is priced with the 1F1B schedule "
-            "only, not yet with interleaved or zero-bubble pipelines"
-        )
+    sharded = sharded_schedule(info, virtual_stages, bool(zero_bubble))
     overhead = constants.op_overhead_s
     times: dict[tuple[str, int], LayerTimes] = {}
     forward = np.zeros((num_stages, dp))
@@ -400,27 +389,13 @@ def predict_plan(
             forward[s, j], backward[s, j], optimizer[s, j], gpu = per_kind[key]
             limit[s, j], capacity[s, j] = gpu.memory_bytes, gpu.capacity
 
-    # ZeRO-3: each micro-batch's passes gather and reduce-scatter their
-    # layers over the shard group (the first one's; groups alike).
+    # ZeRO-3: each micro-batch's passes gather and reduce-scatter their layers.
     gathered = np.zeros(num_stages)
-    for s, stage in enumerate(plan.stages if sharded else ()):
-        tp = stage.replicas[0].tp
-        held = rank_params(info, tp, spans[s])
-        gather, reduce = fsdp_collectives(
-            network, info, list(stage.replicas[:shard]), nodes[s][:shard], held
+    if sharded:
+        extra_f, extra_b, gathered = sharded_passes(
+            plan, info, network, nodes, spans, forward, backward
         )
-        extra = fsdp_exposed(
-            gather,
-            reduce,
-            float(forward[s].min()),
-            float(backward[s].min()),
-            stage.stop - stage.start,
-            info.reshard_after_forward,
-        )
-        forward[s] += extra[0]
-        backward[s] += extra[1]
-        largest = float(info.dense_params(tp)[stage.start : stage.stop].max())
-        gathered[s] = fsdp_buffer_bytes(info, held, largest)
+        forward, backward = forward + extra_f, backward + extra_b
 
     # Transfers over each boundary, per pipeline.
     activation = np.zeros((max(num_stages - 1, 0), dp))

@@ -14,12 +14,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import Replica
+from pipedejavu.core.plan3d import Plan3D, Replica
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_time, ring_hops
+from pipedejavu.costmodel.megatron.rules import rank_params
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
 
-__all__ = ["fsdp_buffer_bytes", "fsdp_collectives", "fsdp_exposed"]
+__all__ = [
+    "fsdp_buffer_bytes",
+    "fsdp_collectives",
+    "fsdp_exposed",
+    "sharded_passes",
+    "sharded_schedule",
+]
 
 Number = Any  # a float, or an array of one value per span
 
@@ -86,3 +95,56 @@ def fsdp_buffer_bytes(info: ModelInfo, held: Number, largest: Number) -> Number:
     return gathered * info.weight_bytes + largest * (
         info.weight_bytes + info.gradient_bytes
     )
+
+
+def sharded_passes(
+    plan: Plan3D,
+    info: ModelInfo,
+    network: NetworkTables,
+    nodes: list[list],
+    spans: list,
+    forward: NDArray[np.float64],
+    backward: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """``(forward, backward, buffers)``: the seconds ZeRO-3 adds to each
+    stage's passes of one micro-batch (f64[S, 1], :func:`fsdp_exposed` of
+    :func:`fsdp_collectives` over the stage's first shard group: groups
+    alike) and the bytes of its gathered modules (f64[S],
+    :func:`fsdp_buffer_bytes`); ``forward``/``backward``: f64[S, dp] the
+    passes' seconds without them, ``spans`` each rank's layers."""
+    shard = plan.layout.shard_replicas
+    stages = len(plan.stages)
+    extra_f, extra_b = np.zeros((stages, 1)), np.zeros((stages, 1))
+    buffers = np.zeros(stages)
+    for s, stage in enumerate(plan.stages):
+        tp = stage.replicas[0].tp
+        held = rank_params(info, tp, spans[s])
+        gather, reduce = fsdp_collectives(
+            network, info, list(stage.replicas[:shard]), nodes[s][:shard], held
+        )
+        extra_f[s], extra_b[s] = fsdp_exposed(
+            gather,
+            reduce,
+            float(forward[s].min()),
+            float(backward[s].min()),
+            stage.stop - stage.start,
+            info.reshard_after_forward,
+        )
+        largest = float(info.dense_params(tp)[stage.start : stage.stop].max())
+        buffers[s] = fsdp_buffer_bytes(info, held, largest)
+    return extra_f, extra_b, buffers
+
+
+def sharded_schedule(info: ModelInfo, virtual_stages: int, zero_bubble: bool) -> bool:
+    """Whether ``info`` prices ZeRO-3 (sharded parameters), which is priced
+    with the 1F1B schedule only.
+
+    Raises:
+        ProblemError: ZeRO-3 with an interleaved or zero-bubble schedule.
+    """
+    if info.zero_stage == 3 and (virtual_stages > 1 or zero_bubble):
+        raise ProblemError(
+            "ZeRO-3 (sharded parameters) is priced with the 1F1B schedule "
+            "only, not yet with interleaved or zero-bubble pipelines"
+        )
+    return info.zero_stage == 3
