@@ -66,6 +66,8 @@ __all__ = [
     "MAX_RECOMPUTE_LAYERS",
     "RECOMPUTE_GRANULARITIES",
     "RECOMPUTE_MODULES",
+    "SELECTIVE_MODULES",
+    "TORCHTITAN_OP",
     "TRAINING_PRECISIONS",
     "RecomputeGranularity",
     "TrainingOptions",
@@ -102,6 +104,16 @@ RECOMPUTE_MODULES = (
     "moe",
     "shared_experts",
 )
+#: torchtitan's per-operation selective checkpointing
+#: (``[activation_checkpoint] mode = "selective"``, ``selective_ac_option =
+#: "op"``): every other matrix multiplication of a block and its element-wise
+#: operations are rerun; attention's output and the other products are kept.
+#: Not a Megatron-Core module: recomputed alone, and Megatron-LM runs no plan
+#: with it.
+TORCHTITAN_OP = "torchtitan_op"
+#: Everything selective recomputation may name: Megatron-Core's modules, or
+#: torchtitan's policy alone.
+SELECTIVE_MODULES = (*RECOMPUTE_MODULES, TORCHTITAN_OP)
 #: What selective recomputation reruns when no module is named.
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
@@ -116,14 +128,16 @@ def _check_modules(options: TrainingOptions) -> None:
     each in :data:`RECOMPUTE_MODULES`' order."""
     modules = options.recompute_modules
     if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
-        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
-        if modules and not unknown:
-            ordered = tuple(m for m in RECOMPUTE_MODULES if m in modules)
+        unknown = sorted(set(modules) - set(SELECTIVE_MODULES))
+        alone = TORCHTITAN_OP not in modules or len(set(modules)) == 1
+        if modules and not unknown and alone:
+            ordered = tuple(m for m in SELECTIVE_MODULES if m in modules)
             object.__setattr__(options, "recompute_modules", ordered)
             return
     raise ValueError(
         "recompute_modules must be a non-empty list of Megatron-Core's modules "
-        f"({', '.join(RECOMPUTE_MODULES)}), got {modules!r}"[:300]
+        f"({', '.join(RECOMPUTE_MODULES)}) or torchtitan's {TORCHTITAN_OP!r} "
+        f"alone, got {modules!r}"[:300]
     )
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
+from pipedejavu.core.training_options import TORCHTITAN_OP
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.edge_ops import (
     embedding_backward_ops,
@@ -85,6 +86,7 @@ __all__ = [
     "is_weight_gradient",
     "layer_output_bytes",
     "selective_forward_seconds",
+    "torchtitan_op_kept",
     "weight_gradient_seconds",
 ]
 
@@ -521,6 +523,8 @@ def activation_bytes(
             block -= mla_up_proj_elements(spec, b, t, split) * e
         if "mlp" in modules:  # its input is kept: its norm's output is not
             block -= (tokens * h / split + mlp) * e
+        if TORCHTITAN_OP in modules:  # the block's input, the saved products
+            block = torchtitan_op_kept(spec, b, t, split, e)
     embedding = tokens * h * MASK_BYTES / split
     head = 2 * tokens * h * e / split + tokens * spec.vocab_size / t * 4.0
     out = np.full(spec.num_layers + 2, block, dtype=np.float64)
@@ -531,6 +535,25 @@ def activation_bytes(
         )
         out[-1] += spec.mtp_layers * kept
     return out
+
+
+def torchtitan_op_kept(
+    spec: TransformerSpec, mbs: int, tp: int, split: int, element: float
+) -> float:
+    """Bytes a dense block keeps under torchtitan's ``"op"`` policy
+    (:data:`~pipedejavu.costmodel.analytical.recompute.TORCHTITAN_OP_GEMMS`):
+    its input (the checkpoint's, ``1 / split`` of it per GPU with sequence
+    parallelism), the saved products' outputs (``wq``, ``wv``, ``w1``, and
+    ``w2``'s partial sums, whole on every GPU of its TP group), the attention
+    kernel's output and its fp32 log-sum-exp per query and head."""
+    tokens = mbs * spec.seq_length
+    d = spec.head_dim
+    q = spec.num_attention_heads / tp * d
+    v = max(spec.num_query_groups / tp, 1.0) * d
+    f = spec.ffn_hidden_size / tp
+    h = spec.hidden_size
+    products = tokens * (h / split + 2 * q + v + f + h) * element
+    return products + tokens * spec.num_attention_heads / tp * 4.0
 
 
 def layer_output_bytes(

@@ -49,7 +49,8 @@ from typing import Literal
 
 from pipedejavu.core.training_options import (
     DEFAULT_RECOMPUTE_MODULES,
-    RECOMPUTE_MODULES,
+    SELECTIVE_MODULES,
+    TORCHTITAN_OP,
     TrainingOptions,
 )
 from pipedejavu.core.transformer import TransformerSpec
@@ -67,6 +68,7 @@ __all__ = [
     "rerun_ops",
     "selective_modules",
     "separate_norms",
+    "torchtitan_op_reruns",
 ]
 
 #: What a pass recomputes (module doc).
@@ -91,13 +93,13 @@ def selective_modules(recompute: Recompute) -> frozenset[str]:
     elif (
         isinstance(recompute, (tuple, list, frozenset))
         and recompute
-        and all(module in RECOMPUTE_MODULES for module in recompute)
+        and all(module in SELECTIVE_MODULES for module in recompute)
     ):
         return frozenset(recompute)
     raise ValueError(
         "recompute must be 'none', 'selective', 'full' or a tuple of Megatron-"
-        f"Core's recompute modules ({', '.join(RECOMPUTE_MODULES)}), got "
-        f"{recompute!r}"[:300]
+        f"Core's recompute modules or torchtitan's ({', '.join(SELECTIVE_MODULES)}"
+        f"), got {recompute!r}"[:300]
     )
 
 
@@ -146,6 +148,8 @@ def rerun_ops(
         ValueError: a bad ``recompute``.
     """
     modules = selective_modules(recompute)
+    if TORCHTITAN_OP in modules:
+        return torchtitan_op_reruns(ops, spec, expert=expert)
     picked: set[int] = set()
     names: set[str] = set()
     if "core_attn" in modules:
@@ -166,3 +170,51 @@ def rerun_ops(
         if op.name in names or (shared and op.name.startswith(SHARED_EXPERT_PREFIX)):
             picked.add(i)
     return [op for i, op in enumerate(ops) if i in picked]
+
+
+#: What torchtitan's ``"op"`` policy reruns of a dense block's forward
+#: (torchtitan's ``_apply_op_sac``: a block's matrix multiplications counted
+#: in their order, ``wq wk wv wo w1 w3 w2``, every even one not saved; the
+#: attention kernel's output kept; element-wise operations and the norms'
+#: reductions rerun): the share of each of our fused products rerun
+#: (``qkv``: the keys, half its key-value columns; ``mlp_up``: ``w3``, half;
+#: ``out_proj``: ``wo``) and the memory-bound kernels, by name.
+TORCHTITAN_OP_GEMMS = {"out_proj": 1.0, "mlp_up": 0.5}
+TORCHTITAN_OP_MEMORY = (
+    "input_norm",
+    "bias_dropout_add.attention",
+    "post_attention_norm",
+    "swiglu",
+    "gelu",
+    "bias_dropout_add.mlp",
+)
+
+
+def torchtitan_op_reruns(
+    ops: LayerPass, spec: TransformerSpec, *, expert: bool
+) -> LayerPass:
+    """The operations torchtitan's ``"op"`` policy reruns of a dense block's
+    forward ``ops`` (:data:`TORCHTITAN_OP_GEMMS`; the keys' columns of the
+    fused ``qkv``), in their order.
+
+    Raises:
+        ValueError: an expert block or multi-latent attention (torchtitan's
+            policy over their operations is not priced).
+    """
+    if expert or spec.mla is not None:
+        raise ValueError(
+            f"torchtitan's per-operation recomputation ({TORCHTITAN_OP}) is "
+            "priced for dense blocks with grouped-query attention only"
+        )
+    d = spec.head_dim
+    q = spec.num_attention_heads * d
+    kv = 2 * spec.num_query_groups * d
+    shares = {**TORCHTITAN_OP_GEMMS, "qkv": (kv / 2) / (q + kv)}
+    out: LayerPass = []
+    for op in ops:
+        share = shares.get(op.name) if hasattr(op, "n") else None
+        if share is not None:
+            out.append(op._replace(n=op.n * share))
+        elif op.name in TORCHTITAN_OP_MEMORY:
+            out.append(op)
+    return out
