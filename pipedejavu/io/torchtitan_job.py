@@ -463,7 +463,12 @@ def _read(table: JobTable, vocab_size: int | None) -> TorchtitanJob:
     extra: list[str] = []
     fields.update(settings_v02(table, extra) if new else settings_2024_12(table, extra))
     fields["async_tp"] = table.flag(*where["async"])
-    name = table.text("model", "name", "llama3" if new else "llama")
+    if not new and not table.has("model", "name"):
+        raise ProblemError(
+            f"{table.source}: no [model] name, and torchtitan 9dec370's default "
+            "'llama' is not one of its models (give name = \"llama3\")"
+        )
+    name = table.text("model", "name", "llama3")
     flavor = table.text("model", "flavor", "debugmodel")
     model = torchtitan_model(
         name,
