@@ -419,3 +419,104 @@ def test_files_are_read_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(torchtitan_job, "tomllib", None)  # Python 3.10
     with pytest.raises(ProblemError, match="needs Python 3.11 or later"):
         read_torchtitan_job(FIXTURES / "published_fsdp.toml")
+
+
+def test_settings_torchtitan_does_not_read_are_listed_not_refused():
+    job = parse(
+        "[activation_checkpoint]\nmode = 'full'\nselective_ac_option = 3\n"
+        "[parallelism]\npipeline_parallel_schedule = 'Zigzag'\n"
+        "pipeline_parallel_microbatch_size = 4\n"
+        "[compile]\nenable = true\ncomponents = []\n"
+        "[debug]\nmoe_force_load_balance = true\n"
+    )
+    assert job.selective_ac_option is None and not job.compile and not job.compile_loss
+    assert job.pipeline_schedule == "Zigzag" and job.num_microbatches == 1
+    assert job.ignored == (
+        "[activation_checkpoint] selective_ac_option = 3 (no effect with mode 'full')",
+        "[parallelism] pipeline_parallel_schedule = 'Zigzag' (no effect with "
+        "pipeline_parallel_degree 1)",
+        "[parallelism] pipeline_parallel_microbatch_size = 4 (no effect with "
+        "pipeline_parallel_degree 1)",
+        "[debug] moe_force_load_balance = True (forces balanced routing: every "
+        "expert gets as many tokens)",
+    )
+
+
+@pytest.mark.parametrize(
+    "pipeline, schedule, stages_per_rank",
+    [
+        ("", "1F1B", 1),
+        ("pipeline_parallel_schedule = 'Interleaved1F1B'\n", "Interleaved1F1B", 2),
+        # ceil((32 + 1 + 1) / 9) = 4 stages on 2 ranks
+        ("pipeline_parallel_schedule = 'loopedbfs'\n"
+         "pipeline_parallel_layers_per_stage = 9\n", "LoopedBFS", 2),
+        ("pipeline_parallel_schedule = 'ZBVZeroBubble'\nmodule_fqns_per_model_part"
+         " = [['tok_embeddings', 'layers.0'], ['layers.1'], ['layers.2'], "
+         "['norm', 'output']]\n", "ZBVZeroBubble", 2),
+        ("pipeline_parallel_schedule = 'InterleavedZeroBubble'\n"
+         "module_fqns_per_model_part = [['a'], ['b'], ['c'], ['d'], ['e'], ['f']]\n",
+         "InterleavedZeroBubble", 3),
+    ],
+)  # fmt: skip
+def test_stages_per_rank(pipeline, schedule, stages_per_rank):
+    job = parse(
+        "[model]\nflavor = '8B'\n[training]\nlocal_batch_size = 8\n"
+        f"[parallelism]\npipeline_parallel_degree = 2\n{pipeline}"
+    )
+    assert (job.pipeline_schedule, job.stages_per_rank) == (schedule, stages_per_rank)
+    assert (job.num_microbatches, job.microbatch_size) == (8, 1)
+
+
+def test_2024_12_pipeline_and_float8():
+    job = parse(
+        "[model]\nname = 'llama3'\nflavor = '8B'\n[training]\nbatch_size = 8\n"
+        "[experimental]\npipeline_parallel_degree = 2\n"
+        "pipeline_parallel_microbatches = 4\n"
+        "pipeline_parallel_split_points = 'layers.8,layers.16,layers.24'\n"
+        "pipeline_parallel_schedule = 'Interleaved1F1B'\n"
+        "[float8]\nenable_float8_linear = true\nscaling_type_weight = 'delayed'\n"
+    )
+    assert job.pipeline_split_points == ("layers.8", "layers.16", "layers.24")
+    assert (job.num_microbatches, job.microbatch_size, job.stages_per_rank) == (4, 2, 2)
+    assert job.float8 and job.float8_recipe == "delayed"
+
+
+def test_v02_float8_defaults_to_tensorwise():
+    job = parse(
+        "[model]\nconverters = ['quantize.linear.float8', 'quantize.linear.mx']\n"
+        "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n"
+    )
+    assert job.float8 and job.float8_recipe == "tensorwise"
+    assert job.float8_fsdp_all_gather
+    assert job.ignored == (
+        "[model] converters: quantize.linear.mx (MX linears: not priced)",
+    )
+    plain = parse("[quantize.linear.float8]\nrecipe_name = 'rowwise'\n")
+    assert not plain.float8 and plain.float8_recipe is None
+    assert plain.ignored == (
+        "[quantize.linear.float8] recipe_name = 'rowwise' (no effect without its "
+        "converter)",
+    )
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[model]\nconverters = 'quantize.linear.float8'\n", "a list of strings"),
+        ("[parallelism]\npipeline_parallel_degree = 2\n"
+         "pipeline_parallel_schedule = 'Interleaved1F1B'\n"
+         "module_fqns_per_model_part = []\n", "0 pipeline parts on 2 ranks"),
+        ("[parallelism]\npipeline_parallel_degree = 2\n"
+         "pipeline_parallel_schedule = 'ZBVZeroBubble'\n"
+         "module_fqns_per_model_part = [['a'], ['b'], ['c'], ['d'], ['e'], ['f']]\n",
+         "not 2 per rank"),
+        ("[model]\nname = 'deepseek_v3'\nflavor = 'debugmodel'\n[parallelism]\n"
+         "pipeline_parallel_degree = 2\nexpert_parallel_degree = 2\n"
+         "pipeline_parallel_schedule = 'DualPipeV'\n", "DualPipeV with expert"),
+        ("[model]\nname = 'llama3'\n[training]\nbatch_size = 2\n[experimental]\n"
+         "pipeline_parallel_degree = 2\npipeline_parallel_schedule = 'DualPipeV'\n",
+         "one of PyTorch's schedules"),
+    ],
+)  # fmt: skip
+def test_more_refusals(text, match):
+    refused(text, match)

@@ -54,6 +54,15 @@ _NOT_PRICED = {
     "quantize.grouped_mm.float8": "float8 grouped expert GEMMs",
     "quantize.grouped_mm.mx": "MX grouped expert GEMMs",
 }
+_PIPELINE_KEYS = (
+    "pipeline_parallel_microbatch_size",
+    "pipeline_parallel_microbatches",
+    "module_fqns_per_model_part",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_split_points",
+)
 _DTYPES_2024_12 = ("bfloat16", "float32", "float16")  # TORCH_DTYPE_MAP at 9dec370
 
 
@@ -83,8 +92,14 @@ def settings_v02(table: JobTable, extra: list[str]) -> dict[str, Any]:
     ep = table.integer("parallelism", "expert_parallel_degree", 1, limit=2**20)
     etp = table.integer("parallelism", "expert_tensor_parallel_degree", 1, limit=2**20)
     enable = table.flag("compile", "enable")
-    components = table.names("compile", "components") or ("model", "loss")
-    converters = table.names("model", "converters", comma=True) or ()
+    components = table.names("compile", "components")
+    components = ("model", "loss") if components is None else components
+    converters = table.names("model", "converters") or ()
+    table.note(
+        "debug",
+        "moe_force_load_balance",
+        "forces balanced routing: every expert gets as many tokens",
+    )
     for name in converters:
         if name not in CONVERTERS:
             old = " (v0.1's 'float8' is v0.2's 'quantize.linear.float8')"
@@ -271,11 +286,11 @@ def _schedule(table: JobTable, where: tuple[str, str], pp: int) -> str:
         names = tuple(name for name in names if name != "DualPipeV")
     text = table.text(*where, "1F1B")
     canonical = {name.lower(): name for name in names}
-    if text.lower() in canonical:
-        return canonical[text.lower()]
     if pp == 1:  # torchtitan looks the name up only with PP
         table.note(*where, "no effect with pipeline_parallel_degree 1")
-        return text
+        return canonical.get(text.lower(), text)
+    if text.lower() in canonical:
+        return canonical[text.lower()]
     raise table.fail(*where, f"one of PyTorch's schedules ({', '.join(names)})")
 
 
@@ -317,10 +332,7 @@ def pipeline_settings(
         parts = None if points is None else len(points) + 1
         per_rank = 1 if schedule in SINGLE_SCHEDULES else 2
     if pp == 1:
-        for key in (
-            "pipeline_parallel_microbatch_size",
-            "pipeline_parallel_microbatches",
-        ):
+        for key in _PIPELINE_KEYS:
             table.note(where["pp"][0], key, "no effect with pipeline_parallel_degree 1")
         return {**out, "num_microbatches": 1, "stages_per_rank": 1}
     if parts is not None:
@@ -390,6 +402,7 @@ def _parts_per_rank(source: str, parts: int, pp: int, schedule: str) -> int:
     single = schedule in SINGLE_SCHEDULES
     if (
         parts % pp
+        or not per_rank
         or (single and per_rank != 1)
         or (schedule in _V_SHAPED and per_rank != 2)
     ):
@@ -413,9 +426,9 @@ def checkpointing_settings(
     if table.schema == "v0.2":
         modes += ("memory_budget",)
     mode = table.choice(section, "mode", "selective", modes)
-    option = table.text(section, "selective_ac_option", "2")
     out: dict[str, Any] = {"activation_checkpoint": mode, "selective_ac_option": None}
     if mode == "selective":
+        option = table.text(section, "selective_ac_option", "2")
         if option != "op" and not (option.isascii() and option.isdigit()):
             raise table.fail(
                 section, "selective_ac_option", "'op' or a number of blocks like '2'"
