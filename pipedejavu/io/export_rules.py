@@ -10,7 +10,7 @@ which other targets can launch the plan.
 DeepSpeed (``PipeModelDataParallelTopology`` axes ``pipe, data, model``) and
 torchtitan (mesh ``pp, dp_replicate, fsdp, cp, tp``) all put TP fastest, then
 data parallelism, then the pipeline stage: replica ``j`` of stage ``s`` is
-global ranks ``(s dp + j) tp`` to ``(s dp + j + 1) tp - 1``
+global ranks ``(s dp + j) m`` to ``(s dp + j + 1) m - 1``, ``m = tp cp``
 (:meth:`~pipedejavu.core.layout.ParallelLayout.replica_ranks` of
 :func:`launch_layout`).
 """
@@ -196,7 +196,9 @@ def launch_layout(plan: Plan3D) -> ParallelLayout:
         ProblemError: TP degrees that differ (the launchers run one).
     """
     tp = uniform_tp(plan, "the launch rank order")
-    return ParallelLayout.uniform(tp=tp, pp=plan.num_stages, dp=plan.dp)
+    return ParallelLayout.uniform(
+        tp=tp, pp=plan.num_stages, dp=plan.dp, cp=plan.layout.cp
+    )
 
 
 def gpu_types_by_rank(plan: Plan3D) -> list[dict[str, Any]]:

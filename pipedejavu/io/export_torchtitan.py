@@ -12,20 +12,44 @@ schedules.py`` and ``_utils.py``); no code copied.
 **Layout and batch.**
 
 * ``ParallelDims``: ``dp_replicate x dp_shard x cp x tp x pp`` is the world
-  size; the mesh is ``pp, dp_replicate, fsdp, cp, tp`` (TP fastest: the shared
-  rank order of :mod:`pipedejavu.io.export_rules`).
-* Data parallelism without sharding (``data_parallel_replicate_degree = dp``,
-  ``data_parallel_shard_degree = 1``) is DDP, which ``parallelize_llama``
-  accepts only when it is the only parallelism (otherwise ``RuntimeError: DDP
-  has not supported > 1D parallelism``). With TP or PP, torchtitan's data
-  parallelism is FSDP or HSDP, which shards parameters, gradients and
-  optimizer state: not the plan we priced. So a plan with ``dp > 1`` and
-  ``tp > 1`` or several stages is refused.
+  size; the mesh is ``pp, dp_replicate, fsdp, tp`` with ``fsdp = dp_shard x
+  cp`` (TP fastest, then CP, then the replicas: the rank order of
+  :mod:`pipedejavu.io.export_rules`, and the layout's: replica ``j`` is
+  replicate group ``j // dp_shard``, shard ``j mod dp_shard``).
+* Sharded data parallelism (``zero_stage = 3`` over shard groups of more than
+  one GPU, :attr:`~pipedejavu.core.layout.ParallelLayout.shard_group`) is
+  FSDP2: ``data_parallel_shard_degree`` the layout's ``shard_replicas``,
+  ``data_parallel_replicate_degree`` its ``dp_replicate`` (HSDP above 1);
+  ``apply_fsdp`` shards the embedding, each block and the norm with the head
+  over ``dp_replicate x fsdp``. ``fsdp_reshard_after_forward``: ``"always"``
+  for ``reshard_after_forward`` (``"default"`` keeps the norm and head
+  gathered, and every unit under PP), ``"never"`` otherwise. Context
+  parallelism (``context_parallel_degree``) is always sharded: ``fsdp_enabled``
+  is ``dp_shard > 1 or cp > 1``.
+* Without it, ``parallelize_llama`` runs DDP (``data_parallel_shard_degree =
+  1``), and only as the one parallelism (``RuntimeError: DDP has not
+  supported > 1D parallelism``): a plan with ``dp > 1`` beside TP or stages,
+  or with ``cp > 1``, is refused unless it is ``zero_stage`` 3; so are ZeRO 1
+  and 2 over replicas (only FSDP shards optimizer state, with everything
+  else) and ZeRO-3 over single-GPU shard groups beside other replicas. At DP
+  1 the stages change nothing.
+* FSDP with pipeline stages is refused: PyTorch's ``PipelineStage``
+  (``backward_maybe_with_nosync``) turns FSDP's gradient sync and resharding
+  off for every micro-batch's backward but the last, so a stage's whole
+  gathered weights and unsharded gradients stay on each GPU until one
+  reduce-scatter per step; the plan prices ZeRO-3 sharded between
+  micro-batches, reduce-scattered after each.
+* ``seq_len`` must be a multiple of ``tp x 2 cp`` (``parallelize_llama``
+  asserts it: sequence parallelism's split, and CP's head-tail load
+  balancing of causal attention): refused otherwise. CP runs SDPA's fused
+  kernels (ring attention, ``context_parallel_rotate_method`` left at
+  ``"allgather"``): a plan priced without flash attention is refused.
 * The batch (``train.py``): gradient accumulation is ``global_batch_size /
   (local_batch_size x dp)``. With one stage a rank runs ``local_batch_size``
   samples in one forward/backward (``pipeline_parallel_microbatch_size`` is
   not used), so ``local_batch_size`` is the micro-batch and the global batch
-  gives the accumulation. With several stages (then ``dp = 1``) the pipeline
+  gives the accumulation (CP ranks share their replica's samples). With
+  several stages (then ``dp = 1``) the pipeline
   schedule splits ``local_batch_size`` into micro-batches of
   ``pipeline_parallel_microbatch_size``: ``local_batch_size`` is the global
   batch, one accumulation step.
@@ -97,29 +121,38 @@ every second block):
   and recomputes the rest of each block, its layer-level mode whole blocks.
 
 **Precision** (``[training] dtype`` and ``mixed_precision_param``, always
-written): fp32 is ``"float32"`` for both (torchtitan's default
-``mixed_precision_param = "bfloat16"`` turns on ``torch.autocast`` under DDP
-or on one GPU: ``maybe_enable_amp``). bf16 is refused: without FSDP,
-``maybe_enable_amp`` turns mixed precision off with TP or PP and otherwise
-runs ``torch.autocast`` over fp32 weights, not the bf16 training the plan
-was priced with (bf16 weights and activations beside fp32 master weights);
-``dtype = "bfloat16"`` drops the fp32 master weights. fp16 is refused
-(``mixed_precision_param`` is bfloat16 or float32), and FP8 (torchao's
-converters, not Transformer Engine's hybrid FP8).
+written; ``dtype`` stays ``"float32"``: ``"bfloat16"`` drops the fp32 master
+weights). With FSDP: fp32 is ``mixed_precision_param = "float32"``; bf16 is
+``"bfloat16"`` with ``mixed_precision_reduce = "float32"`` (fp32 sharded
+weights, bf16 gathered ones, fp32 reduce-scatters: what the plan prices);
+fp8 adds torchao's float8 linears (``[model] converters =
+["quantize.linear.float8"]``, ``[quantize.linear.float8] recipe_name =
+"tensorwise"``; every ``nn.Linear`` with dimensions that are multiples of 16,
+the head too, as the analytical model prices it; torchao and SM 8.9 needed).
+``grad_reduce_in_bf16`` is refused (``mixed_precision_reduce`` is float32
+only). Without FSDP only fp32 (``"float32"`` for both: the default
+``"bfloat16"`` turns on ``torch.autocast`` under DDP or on one GPU,
+``maybe_enable_amp``): bf16 and fp8 are refused there (autocast over fp32
+weights, and no mixed precision at all with TP or PP). fp16 is refused
+(``mixed_precision_param`` is bfloat16 or float32).
 
 **Sequence parallelism.** ``apply_tp`` always shards the norms along the
 sequence (``SequenceParallel`` on ``attention_norm``, ``ffn_norm`` and
 ``norm``): a plan with TP > 1 is exported only with ``sequence_parallel``.
 At TP 1 there is nothing to shard (Megatron-LM turns it off too).
 
-**Distributed optimizer.** torchtitan shards optimizer state only through
-FSDP (with the parameters and gradients): refused for ``dp > 1``; at DP 1 it
-changes nothing.
+**Overlap.** Megatron-LM's ``overlap_grad_reduce`` and
+``overlap_param_gather`` are refused under DDP (PyTorch's buckets overlap
+otherwise), and ``tp_comm_overlap`` (async TP, torchtitan's with
+``torch.compile`` only). FSDP2 always overlaps its gathers and
+reduce-scatters with the passes, as the plan prices ZeRO-3 with or without
+``overlap_grad_reduce``: accepted there. **Compile**: no training option
+names ``torch.compile``, so the fragment leaves torchtitan's default (off).
 
 **Attention.** The kernel and attention dropout belong to the model's code,
 not to the job config (llama3's attention is SDPA with cuDNN and flash
 kernels first, ``ScaledDotProductAttentionWrapper``, without dropout), so the
-fragment carries neither, as the other targets' files do not.
+fragment carries neither, as the other targets' files do not (but CP, above).
 
 **Experts** (:data:`NO_EXPERTS`): a plan with experts is refused. The export
 writes llama3, a dense model. torchtitan's MoE models (``qwen3``,
@@ -234,36 +267,77 @@ def module_fqns(
     return out
 
 
-def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
-    """Precision, sequence parallelism and the optimizer (module docstring)."""
-    if options.precision == "bf16":
+def _sharded(plan: Plan3D, tp: int, options: TrainingOptions) -> bool:
+    """Whether torchtitan runs the plan with FSDP (module docstring), after
+    refusing the data parallelism it cannot run as planned."""
+    layout, stage, pp = plan.layout, options.zero_stage, plan.num_stages
+    priced = f"the plan prices zero_stage {stage} over {plan.dp} replica(s)"
+    if stage == 3:
+        priced += f" in shard groups of {layout.shard_group} GPU(s)"
+    if stage == 3 and layout.shard_group > 1:
+        if pp > 1:
+            raise _refuse(
+                "'s pipeline stages run FSDP without gradient sync or resharding "
+                "between micro-batches (PyTorch's PipelineStage turns both off but "
+                "for the last backward): each GPU holds its stage's gathered weights "
+                "and unsharded gradients until one reduce-scatter per step; "
+                f"{priced} and {pp} stages, resharded and reduce-scattered after "
+                "each micro-batch"
+            )
+        return True
+    if layout.cp > 1:
         raise _refuse(
-            " without FSDP runs bf16 only as torch.autocast over fp32 weights under "
-            "DDP or on one GPU (and not at all with TP or PP), not the bf16 "
-            "training the plan was priced with"
+            " always shards the model state over context-parallel GPUs (FSDP over "
+            "data_parallel_shard_degree x context_parallel_degree): it runs CP "
+            f"plans with zero_stage 3; {priced} and cp {layout.cp}"
         )
+    if plan.dp > 1 and (tp > 1 or pp > 1):
+        raise _refuse(
+            " runs data parallelism beside TP or PP only as FSDP/HSDP (sharded; "
+            "its DDP refuses > 1D parallelism), which plans with zero_stage 3 over "
+            f"shard groups of more than one GPU price; {priced} with tp {tp} and "
+            f"{pp} stage(s)"
+        )
+    if stage and plan.dp > 1:
+        raise _refuse(
+            " shards optimizer state only with FSDP, which shards parameters and "
+            "gradients too (zero_stage 3 over shard groups of more than one GPU); "
+            + priced
+        )
+    return False
+
+
+def _check_training(
+    plan: Plan3D, tp: int, options: TrainingOptions, fsdp: bool
+) -> None:
+    """Precision, sequence parallelism and overlap (module docstring)."""
     if options.precision == "fp16":
         raise _refuse(
             " has no fp16 training (mixed_precision_param is bfloat16 or float32)"
         )
-    if options.precision == "fp8":
+    if options.precision == "bf16" and not fsdp:
         raise _refuse(
-            " runs fp8 only through torchao's float8 converters over its own "
-            "precision settings, not the bf16 training with Transformer Engine "
-            "FP8 the plan was priced with"
+            " without FSDP runs bf16 only as torch.autocast over fp32 weights under "
+            "DDP or on one GPU (and not at all with TP or PP), not the bf16 "
+            "training the plan was priced with (FSDP's, for plans with zero_stage 3)"
+        )
+    if options.precision == "fp8" and not fsdp:
+        raise _refuse(
+            " runs fp8 only as torchao's float8 linears over FSDP's bf16 mixed "
+            "precision (plans with zero_stage 3), not over the fp32 weights it "
+            "trains without FSDP"
+        )
+    if options.grad_reduce_in_bf16:
+        raise _refuse(
+            " reduces FSDP's gradients in float32 only (mixed_precision_reduce), "
+            "not in bf16 as the plan was priced"
         )
     if tp > 1 and not options.sequence_parallel:
         raise _refuse(
             f" always shards the norms along the sequence with TP (apply_tp), but "
             f"the plan was priced with tp {tp} without sequence parallelism"
         )
-    if options.distributed_optimizer and plan.dp > 1:
-        raise _refuse(
-            " shards optimizer state only with FSDP, which shards parameters and "
-            "gradients too; the plan prices a distributed optimizer over "
-            f"{plan.dp} replicas"
-        )
-    if options.overlap_grad_reduce or options.overlap_param_gather:
+    if not fsdp and (options.overlap_grad_reduce or options.overlap_param_gather):
         raise _refuse(
             " overlaps gradients as PyTorch's DDP buckets them, not as the "
             "Megatron-LM overlap the plan was priced with"
@@ -273,6 +347,28 @@ def _check_training(plan: Plan3D, tp: int, options: TrainingOptions) -> None:
             " overlaps tensor-parallel communication (async TP) with its own "
             "kernels, not Transformer Engine's overlap the plan was priced with"
         )
+
+
+def _check_length(
+    plan: Plan3D, tp: int, options: TrainingOptions, seq_length: int | None
+) -> int:
+    """``tp x 2 cp``, which ``seq_len`` must be a multiple of; CP's attention
+    (module docstring)."""
+    cp = plan.layout.cp
+    divisor = tp * 2 * cp
+    if seq_length is not None and seq_length % divisor:
+        raise _refuse(
+            f"'s parallelize_llama needs seq_len to be a multiple of tp x 2 cp = "
+            f"{divisor} (sequence parallelism and CP's load balancing); the plan "
+            f"trains {seq_length} tokens per sample"
+        )
+    if cp > 1 and not options.flash_attention:
+        raise _refuse(
+            "'s context parallelism runs SDPA's fused kernels only (ring "
+            "attention over flash, efficient or cuDNN attention), not the "
+            "attention without flash attention the plan was priced with"
+        )
+    return divisor
 
 
 def _checkpoint_mode(
@@ -325,6 +421,44 @@ def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
     return name
 
 
+def _parallelism(plan: Plan3D, tp: int, fsdp: bool, reshard: bool) -> str:
+    """The ``[parallelism]`` degrees (module docstring)."""
+    layout = plan.layout
+    if fsdp:
+        policy = "always" if reshard else "never"
+        dp = (
+            f"data_parallel_replicate_degree = {layout.dp_replicate}\n"
+            f"data_parallel_shard_degree = {layout.shard_replicas}\n"
+            f'fsdp_reshard_after_forward = "{policy}"\n'
+        )
+    else:
+        dp = (
+            f"data_parallel_replicate_degree = {plan.dp}\n"
+            "data_parallel_shard_degree = 1\n"
+        )
+    cp = f"context_parallel_degree = {layout.cp}\n" if layout.cp > 1 else ""
+    return (
+        f"\n[parallelism]\n{dp}tensor_parallel_degree = {tp}\n{cp}"
+        f"pipeline_parallel_degree = {plan.num_stages}\n"
+    )
+
+
+def _precision(options: TrainingOptions, fsdp: bool) -> tuple[str, str]:
+    """The ``[training]`` precision lines and the fp8 sections."""
+    half = options.precision in ("bf16", "fp8")
+    text = 'dtype = "float32"\n'
+    text += f'mixed_precision_param = "{"bfloat16" if half else "float32"}"\n'
+    if fsdp:
+        text += 'mixed_precision_reduce = "float32"\n'
+    fp8 = ""
+    if options.precision == "fp8":
+        fp8 = (
+            '\n[model]\nconverters = ["quantize.linear.float8"]\n'
+            '\n[quantize.linear.float8]\nrecipe_name = "tensorwise"\n'
+        )
+    return text, fp8
+
+
 def to_torchtitan(
     plan: Plan3D,
     options: TrainingOptions | None = None,
@@ -332,34 +466,33 @@ def to_torchtitan(
     spec: TransformerSpec | None = None,
 ) -> str:
     """The TOML fragment: ``[training]`` batch sizes, sequence length and
-    precision, ``[parallelism]`` and ``[activation_checkpoint]``.
+    precision, ``[parallelism]``, the float8 converter for fp8 and
+    ``[activation_checkpoint]``.
 
     Args:
-        plan: the plan.
-        options: the training it was priced with (``None``: plain fp32).
+        plan: the plan (its layout's ``cp`` and ``dp_shard`` too).
+        options: the training it was priced with (``None``: plain fp32;
+            ``zero_stage`` 3: FSDP2 or HSDP).
         seq_length: its tokens per sample (``seq_len``; ``None``: not known,
             a comment says so: torchtitan's default is 2048).
         spec: the model (``None``: one embedding and one head layer around the
             blocks).
 
     Raises:
-        ExportRefused: per-stage TP; data parallelism beside TP or PP; a batch
-            that is not whole micro-batches; a schedule, recomputation,
-            precision or optimizer torchtitan cannot run as planned (module
-            docstring).
+        ExportRefused: per-stage TP; data or context parallelism torchtitan
+            does not run as priced (unsharded beside TP, PP or CP; sharded
+            beside PP); a batch that is not whole micro-batches; a length,
+            schedule, recomputation, precision or overlap torchtitan cannot
+            run as planned (module docstring).
     """
     refuse_experts(plan, spec, NO_EXPERTS)
     options = TrainingOptions() if options is None else options
     tp = uniform_tp(plan, TORCHTITAN_VERSION)
     check_whole_batch(plan, TORCHTITAN_VERSION)
     pp = plan.num_stages
-    if plan.dp > 1 and (tp > 1 or pp > 1):
-        raise ExportRefused(
-            f"{TORCHTITAN_VERSION} runs data parallelism beside TP or PP only as "
-            f"FSDP/HSDP (sharded; its DDP refuses > 1D parallelism), but the plan "
-            f"prices {plan.dp} unsharded replicas with tp {tp} and {pp} stage(s)"
-        )
-    _check_training(plan, tp, options)
+    fsdp = _sharded(plan, tp, options)
+    _check_training(plan, tp, options, fsdp)
+    divisor = _check_length(plan, tp, options, seq_length)
     chunks = options.virtual_stages
     if chunks > 1:
         part_layers(plan, chunks, spec)  # refuses what cannot interleave
@@ -369,6 +502,7 @@ def to_torchtitan(
         local_batch = plan.mbs  # one forward/backward per accumulation step
     else:
         local_batch = plan.gbs  # dp == 1: the schedule splits it into mbs
+    precision, fp8 = _precision(options, fsdp)
     text = (
         f"# {TORCHTITAN_VERSION} job config fragment (pipedejavu plan)\n"
         + type_comment(plan)
@@ -377,17 +511,13 @@ def to_torchtitan(
         f"global_batch_size = {plan.gbs}\n"
         + (
             "# seq_len: the length the plan was priced at is not known (set "
-            "the model's; torchtitan's default is 2048)\n"
+            "the model's, a multiple of tp x 2 cp = "
+            f"{divisor}; torchtitan's default is 2048)\n"
             if seq_length is None
             else f"seq_len = {seq_length}\n"
         )
-        + 'dtype = "float32"\n'
-        'mixed_precision_param = "float32"\n'
-        "\n[parallelism]\n"
-        f"data_parallel_replicate_degree = {plan.dp}\n"
-        "data_parallel_shard_degree = 1\n"
-        f"tensor_parallel_degree = {tp}\n"
-        f"pipeline_parallel_degree = {pp}\n"
+        + precision
+        + _parallelism(plan, tp, fsdp, options.reshard_after_forward)
     )
     if name is not None:
         parts = module_fqns(plan, chunks, spec)
@@ -397,4 +527,4 @@ def to_torchtitan(
             f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
             f"module_fqns_per_model_part = [\n    {fqns},\n]\n"
         )
-    return text + f'\n[activation_checkpoint]\nmode = "{mode}"\n'
+    return text + fp8 + f'\n[activation_checkpoint]\nmode = "{mode}"\n'
