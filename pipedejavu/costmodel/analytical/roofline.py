@@ -29,21 +29,11 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   what outlasts the GEMM, and never less than one chunk, ``max(c - g, c /
   tp)`` for a collective of ``c`` seconds beside a GEMM of ``g``;
 * a fused (flash) attention kernel (``Gemm.attention``): ``(w ** p + h **
-  p) ** (1 / p)`` with ``w`` its work in seconds at peak and ``h``, ``p``
-  (``attention_half_seconds``, ``attention_exponent``; the backward's its
-  own) a floor and how slowly the kernel approaches the peak as calls grow
-  (``p < 1``: a large call still gains from growing, as the measured kernels
-  do); ``w`` counts every score of the tiles it computes (128 queries by as
-  many keys, :mod:`~pipedejavu.costmodel.analytical.attention`; a causal
-  kernel computes the diagonal tiles whole) at ``2 k`` matrix FLOPs per
-  product plus the softmax's ``attention_softmax_exponentials`` per score
-  and product (its
-  exponentials, maxima and rescaling, which the tensor cores do not do),
-  each costing the tensor FLOPs the GPU does in the time of one exponential
-  (:attr:`~pipedejavu.core.gpu_sheet.GpuSheetEntry.exponentials_per_s`: 256
-  on Hopper, 128 on the A100, 64 on Volta and Ada's L4/L40S): a head
-  dimension ``k`` of 64 spends a larger share on the softmax than one of
-  128, and a GPU whose tensor cores outrun its exponential units more.
+  p) ** (1 / p)`` with ``w`` its work in seconds at peak (every score of the
+  tiles it computes, its softmax's exponentials included) and ``h``, ``p`` a
+  floor and how slowly it approaches the peak, the backward's its own
+  (:mod:`~pipedejavu.costmodel.analytical.attention`), divided by
+  ``attention_efficiency`` for a kernel other than the measured one.
 
 The constants shared by every GPU are fitted by
 :mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
@@ -144,6 +134,8 @@ class AnalyticalConstants:
         expert_block_overhead_s: seconds each expert block's forward and
             backward add beyond their operations (the token counts' trip to the
             host, the dispatcher's bookkeeping).
+        attention_efficiency: a fused attention kernel's speed relative to
+            the measured cuDNN one's (another kernel's seconds divided by it).
 
     Defaults: generic values, except the fused attention's (measured:
     :data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`).
@@ -173,6 +165,7 @@ class AnalyticalConstants:
     alltoall_efficiency: float = 1.0
     alltoall_hidden: float = 1.0
     expert_block_overhead_s: float = 0.0
+    attention_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -187,6 +180,7 @@ class AnalyticalConstants:
             "link_efficiency",
             "backward_memory_efficiency",
             "alltoall_efficiency",
+            "attention_efficiency",
         ):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -568,7 +562,7 @@ def attention_seconds(
     rule of the module's docstring, :func:`~pipedejavu.costmodel.analytical.
     attention.fused_attention_seconds`; meaningful where ``gemm_attention``)."""
     c = constants
-    return fused_attention_seconds(
+    return (1.0 / c.attention_efficiency) * fused_attention_seconds(
         stacked.gemm_seconds_at_peak * stacked.gemm_tiles,
         stacked.gemm_depth,
         stacked.gemm_flops_per_exponential,
