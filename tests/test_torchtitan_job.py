@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.io import torchtitan_job
@@ -23,6 +25,7 @@ from pipedejavu.io.torchtitan_job import (
     parse_torchtitan_job,
     read_torchtitan_job,
 )
+from pipedejavu.io.torchtitan_keys import SCHEMA_KEYS
 from pipedejavu.io.torchtitan_models import (
     MODEL_FLAVORS,
     llama_ffn_width,
@@ -520,3 +523,56 @@ def test_v02_float8_defaults_to_tensorwise():
 )  # fmt: skip
 def test_more_refusals(text, match):
     refused(text, match)
+
+
+# ------------------------------------------------------------------- fuzzing
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(value)  # ints, finite floats and plain strings
+
+
+_VALUES = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from([2**24 + 1, 10**30, 8192, 65536]),
+    st.booleans(),
+    st.floats(-2, 2, allow_nan=False),
+    st.sampled_from(["op", "2", "x", "8B", "70B", "llama3", "qwen3", "deepseek_v3",
+                     "llama4", "30B-A3B", "16B", "full", "selective", "none",
+                     "Interleaved1F1B", "DualPipeV", "quantize.linear.float8",
+                     "rowwise", "bfloat16", "float16", "alltoall", ""]),
+    st.lists(st.sampled_from(["model", "loss", "quantize.linear.float8", "a"]),
+             max_size=3),
+)  # fmt: skip
+_KEYS = {
+    schema: sorted((section, key) for section, keys in table.items() for key in keys)
+    + [("training", "unknown_key"), ("moe", "experts")]
+    for schema, table in SCHEMA_KEYS.items()
+}
+_ENTRIES = st.sampled_from(sorted(_KEYS)).flatmap(
+    lambda schema: st.dictionaries(st.sampled_from(_KEYS[schema]), _VALUES, max_size=12)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=_ENTRIES,
+    world=st.sampled_from([1, 2, 8, 12, 64]),
+)
+def test_any_job_file_reads_or_is_refused_in_one_line(entries, world):
+    sections: dict[str, list[str]] = {}
+    for (section, key), value in entries.items():
+        sections.setdefault(section, []).append(f"{key} = {_toml_value(value)}")
+    text = "".join(
+        f"[{section}]\n" + "".join(line + "\n" for line in lines)
+        for section, lines in sections.items()
+    )
+    try:
+        job = parse(text)
+        degrees = job.degrees(world)
+        assert degrees.world_size == world
+        assert job.global_batch(world) % (job.local_batch_size * degrees.dp) == 0
+    except ProblemError as error:
+        assert "\n" not in str(error)
