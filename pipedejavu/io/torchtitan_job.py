@@ -41,7 +41,9 @@ MoE, deepseek_v3 and llama4 (v0.2 only), built at the job's ``seq_len``.
 2024-12 takes the vocabulary from the tokenizer: Llama 3's 128,256 unless
 ``vocab_size`` says otherwise. The defaults are torchtitan's: v0.2
 ``llama3``/``debugmodel``; 2024-12 ``llama``, a name its ``models_config``
-lacks (refused).
+lacks (a file without ``[model] name`` is refused, saying so). What the spec
+leaves out (FlexAttention or varlen kernels, Llama 4's iRoPE) is listed in
+:attr:`TorchtitanJob.ignored`.
 
 **Degrees.** ``data_parallel_replicate_degree``,
 ``data_parallel_shard_degree`` (-1, the default: the rest of the GPUs),
@@ -95,11 +97,22 @@ the sequence length must divide by ``TP x 2 CP`` (v0.2 asserts it always;
 ``norm_type`` (``fused_rmsnorm`` does not compile; LayerNorm without bias is
 counted as RMSNorm's one weight).
 
+**Refused as torchtitan (or the PyTorch under it) refuses it**, before the
+world size is known: a value of the wrong type or range, an unknown choice;
+``tensor_parallel_degree`` not dividing the query or key/value heads (its TP
+splits whole heads); ``expert_parallel_degree`` not dividing the experts; PP
+for a model without a pipelining function (qwen3); CP with varlen attention,
+or with FlexAttention on an MoE flavor; async TP without compile; DualPipeV
+with EP, its overlap and any activation checkpointing. A schedule name, the
+micro-batch keys and the split keys are looked up only with PP > 1 (else
+listed as ignored, as torchtitan never reads them).
+
 Every other key is listed in :attr:`TorchtitanJob.ignored` (``[section] key =
 value``, with the reason where it is not plain bookkeeping: other converters,
-a schedule CSV, ...). Every problem is one :class:`ProblemError` line naming
-the file (and the section and key). Python 3.10 has no :mod:`tomllib` (nor is
-``tomli`` a dependency): the reader then says so.
+a schedule CSV, float8 keys without float8, ``[debug]
+moe_force_load_balance``, ...). Every problem is one :class:`ProblemError`
+line naming the file (and the section and key). Python 3.10 has no
+:mod:`tomllib` (nor is ``tomli`` a dependency): the reader then says so.
 """
 
 from __future__ import annotations
