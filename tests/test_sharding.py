@@ -195,3 +195,19 @@ def test_context_parallel_exchange_hidden_by_long_attention():
             assert extra == pytest.approx(link / 8, rel=1e-9)
         else:  # a short kernel hides less than the ring takes
             assert link / 8 < extra <= link
+
+
+def test_memory_terms_sum_to_the_peak():
+    bf16 = TrainingOptions("bf16", recompute="full")
+    for stage in (1, 2, 3):
+        plan, source, predicted = _predict(dataclasses.replace(bf16, zero_stage=stage))
+        memory = predicted.memory_terms
+        terms = memory["terms"]
+        assert sum(terms.values()) == pytest.approx(predicted.peak_memory_bytes)
+        assert min(terms.values()) >= 0
+        held = source.model_info(plan.model).params[1].sum()
+        # bf16: 2 B weights replicated until ZeRO-3 (then 4 B fp32 shards)
+        weights = 4 * held / 8 if stage == 3 else 2 * held
+        assert terms["parameters"] == pytest.approx(weights)
+        gradients = 4 * held / (8 if stage >= 2 else 1)
+        assert terms["gradients"] == pytest.approx(gradients)

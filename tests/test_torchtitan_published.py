@@ -4,9 +4,12 @@ constants refitted, and what a job maps to."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
     TORCHTITAN_ANALYTICAL,
@@ -144,3 +147,61 @@ def test_pipeline_split_counts_embedding_and_head():
     assert [s.num_layers for s in plan.stages] == [17, 17]
     assert not options.reshard_after_forward  # FSDP's default with PP
     assert dataclasses.replace(options, reshard_after_forward=True).zero_stage == 3
+
+
+# ------------------------------------------------------------------- CLI
+FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
+
+
+def _cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_predicts_a_job_file(capsys):
+    job = FIXTURES / "published_fsdp4_cp2.toml"
+    code, out, err = _cli(
+        capsys, "predict", "--torchtitan-config", job, "--gpus", "H100-96GB-500W:8"
+    )
+    assert code == 0 and "dp_shard 4, cp 2" in out and "tokens/s per GPU" in out
+    assert "the peak GPU (stage 0) in GB: parameters" in out
+    assert "ignored (no effect on the prediction)" in err
+    code, out, _ = _cli(
+        capsys,
+        "predict",
+        "--torchtitan-config",
+        job,
+        "--gpus",
+        "H100-96GB-500W:8",
+        "--json",
+    )
+    data = json.loads(out)
+    terms = data["memory_terms"]["terms"]
+    assert sum(terms.values()) == pytest.approx(data["peak_memory_bytes"])
+    assert set(terms) == {
+        "parameters",
+        "gradients",
+        "optimizer",
+        "communication_buffers",
+        "activations",
+        "reserve",
+    }
+    run = next(r for r in RUNS if r.run_id.endswith("fsdp4_cp2_seq64k"))
+    ((tokens, _),) = predict_runs([run], TORCHTITAN_ANALYTICAL, SHEET)
+    assert data["tokens_per_s_per_gpu"] == pytest.approx(tokens)
+    assert data["degrees"]["cp"] == 2 and data["options"]["zero_stage"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--gpus", "H100:16"), "not the 16 GPUs"),
+        (("--gpus", "H100:8", "--model", "Llama-3-8B"), "give no PLAN.json, --model"),
+        ((), "needs --gpus"),
+    ],
+)
+def test_cli_refusals(capsys, extra, message):
+    job = FIXTURES / "published_fsdp4_cp2.toml"  # dp_shard 4 x cp 2: 8 GPUs
+    code, _, err = _cli(capsys, "predict", "--torchtitan-config", job, *extra)
+    assert code == 2 and message in err and len(err.strip().splitlines()) <= 2

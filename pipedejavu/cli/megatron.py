@@ -40,6 +40,7 @@ from pipedejavu.cli.megatron_report import (
     utilization_line,
 )
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.torchtitan import predict_torchtitan
 from pipedejavu.core.files import json_text
 from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS
@@ -94,9 +95,17 @@ def add_parsers(commands: Any) -> None:
         "profiles needed); flags that change nothing are listed and ignored",
     )
     predict.add_argument(
+        "--torchtitan-config",
+        metavar="FILE.toml",
+        help="a torchtitan job file (its --job.config_file; v0.2 or 2024-12 "
+        "schema): predicts that job on --gpus (FSDP2/HSDP, TP, CP, PP as it runs "
+        "them) with torchtitan's constants",
+    )
+    predict.add_argument(
         "--gpus",
         metavar="TYPE:COUNT",
-        help="with --megatron-args: the GPUs of the launch, e.g. A100-80:3072 "
+        help="with --megatron-args or --torchtitan-config: the GPUs of the "
+        "launch, e.g. A100-80:3072 "
         f"(a type of the GPU sheet; `pipedejavu data gpus.json` prints its path; "
         f"at most {MAX_GPUS})",
     )
@@ -244,6 +253,8 @@ def _predict_launch(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.torchtitan_config is not None:
+        return predict_torchtitan(args)
     if args.megatron_args is not None:
         return _predict_launch(args)
     if args.gpus:

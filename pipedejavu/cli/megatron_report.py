@@ -16,6 +16,7 @@ __all__ = [
     "format_knobs",
     "format_launchers",
     "format_prediction",
+    "memory_line",
     "format_training_plan",
     "launchers_json",
     "objective_note",
@@ -78,7 +79,19 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
             f"{limits[s] / GB:.2f} GB{total}"
             + ("" if used <= limits[s] else "  EXCEEDS")
         )
+    if prediction.memory_terms is not None:
+        lines.append(memory_line(prediction.memory_terms))
     return "\n".join(lines)
+
+
+def memory_line(memory: dict) -> str:
+    """The peak GPU's memory by term (:func:`~pipedejavu.costmodel.megatron.
+    memory_terms.memory_terms`), in GB."""
+    terms = ", ".join(
+        f"{name.replace('_', ' ')} {value / GB:.2f}"
+        for name, value in memory["terms"].items()
+    )
+    return f"  the peak GPU (stage {memory['stage']}) in GB: {terms}"
 
 
 def pool_text(pool: dict[str, int], names: dict[str, str]) -> str:

@@ -1,12 +1,8 @@
 """Predict a Megatron/DeepSpeed 3D plan's iteration time and peak memory per GPU.
 
-Inputs: a :class:`~pipedejavu.core.plan3d.Plan3D` and a profile folder
-(:class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`). The costmodel uses the
-project's simulator: :mod:`pipedejavu.simulation.simulate` imports only the vocabulary,
-so the import direction (vocabulary <- costmodel) holds.
-
-Assumptions (fp32 training, ZeRO off, no activation checkpointing, DeepSpeed's
-pipeline engine as Megatron-DeepSpeed drives it):
+Inputs: a :class:`~pipedejavu.core.plan3d.Plan3D` and a cost source (profiles,
+:class:`~pipedejavu.costmodel.megatron.sailor_data.SailorData`, or the analytical
+model). The base case (fp32, ZeRO off, DeepSpeed's pipeline engine):
 
 **Time** of one iteration (what ``train_batch`` takes):
 
@@ -33,10 +29,8 @@ pipeline engine as Megatron-DeepSpeed drives it):
    with the backward pass, unless the options overlap it as Megatron-LM's
    ``--overlap-grad-reduce``/``--overlap-param-gather`` do:
    :func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`): DeepSpeed's
-   buckets (whole tensors - here whole
-   layers - added until a bucket holds more than 5e8 elements), one ring
-   all-reduce per bucket (:func:`~pipedejavu.costmodel.megatron.comm.
-   ring_allreduce_time`).
+   buckets (whole layers added until a bucket holds more than 5e8 elements),
+   one ring all-reduce per bucket.
 5. *Optimizer.* Adam is memory-bound, so its step scales with the parameters it
    updates: ``update_s x stage parameters / profiling-model parameters``, where
    ``update_s`` (median over mbs) is the profile's optimizer time for its
@@ -50,8 +44,8 @@ pipeline engine as Megatron-DeepSpeed drives it):
 the largest all-reduce bucket (DeepSpeed flattens a bucket into a new buffer) +
 ``(1 + activation_overhead) x`` the stashed activations (the simulator's peak
 in-flight count times ``mbs x`` the stage's ``act_mem`` plus its received input)
-+ ``reserve_bytes`` of the GPU type. A single-stage plan holds the tied embedding
-once.
++ ``reserve_bytes`` of the GPU type (term by term:
+:mod:`~pipedejavu.costmodel.megatron.memory_terms`).
 
 Options (mixed precision, recomputation, overlaps) come with the cost source;
 ZeRO-3 / FSDP2: :mod:`~pipedejavu.costmodel.megatron.sharding`. Not modelled:
@@ -83,6 +77,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
     pipeline_summary,
 )
+from pipedejavu.costmodel.megatron.memory_terms import memory_terms
 from pipedejavu.costmodel.megatron.profile_types import GpuSpec
 from pipedejavu.costmodel.megatron.rules import (
     expert_allreduce,
@@ -127,20 +122,18 @@ class Prediction:
     Attributes:
         iteration_time_s: seconds per iteration.
         pipeline_s: seconds until the last backward of the slowest pipeline.
-        tied_allreduce_s: f64[dp] seconds of each pipeline's tied-embedding
-            all-reduce (0 with one stage).
+        tied_allreduce_s: f64[dp] each pipeline's tied-embedding all-reduce.
         dp_allreduce_s: f64[S] seconds of each stage's gradient all-reduce
             that the iteration waits for (all of it, unless overlapped:
             :func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`).
         optimizer_s: f64[S, dp] seconds of each GPU's optimizer step.
         bubble_fraction: idle share of the pipeline phase, averaged over GPUs.
-        stage_forward_s, stage_backward_s: f64[S, dp] seconds per micro-batch.
-        activation_transfer_s, gradient_transfer_s: f64[S - 1, dp] seconds per
-            micro-batch over each boundary.
+        stage_forward_s, stage_backward_s: f64[S, dp] seconds per micro-batch;
+        activation_transfer_s, gradient_transfer_s: f64[S - 1, dp] over each
+            boundary.
         peak_in_flight: i64[S] micro-batches whose activations a stage holds.
         memory_bytes: f64[S, dp] peak device memory of a GPU of each replica.
-        memory_limit_bytes: f64[S, dp] device memory a plan may use on that
-            GPU type (its capacity less the cost source's headroom).
+        memory_limit_bytes: f64[S, dp] device memory a plan may use there.
         num_microbatches: B per pipeline.
         model_state_bytes: f64[S, dp] weights, gradients, Adam states and the
             largest flattened all-reduce bucket per GPU.
@@ -151,6 +144,8 @@ class Prediction:
             ``None`` otherwise).
         memory_capacity_bytes: f64[S, dp] device memory of that GPU type
             before the headroom (``None``: ``memory_limit_bytes``).
+        memory_terms: the peak GPU's memory by term
+            (:func:`~pipedejavu.costmodel.megatron.memory_terms.memory_terms`).
     """
 
     iteration_time_s: float
@@ -171,6 +166,7 @@ class Prediction:
     activation_bytes: NDArray[np.float64]
     recompute_stage_layers: tuple[int | None, ...] | None = None
     memory_capacity_bytes: NDArray[np.float64] | None = None
+    memory_terms: dict[str, Any] | None = None
 
     @property
     def memory_capacity(self) -> NDArray[np.float64]:
@@ -217,6 +213,7 @@ class Prediction:
                 if self.recompute_stage_layers is None
                 else list(self.recompute_stage_layers)
             ),
+            "memory_terms": self.memory_terms,
         }
 
 
@@ -578,7 +575,7 @@ def predict_plan(
                 )
             memory[s, j] = used[replica.gpu_type]
     iteration = float(finish.max())
-    return Prediction(
+    predicted = Prediction(
         iteration_time_s=iteration,
         pipeline_s=pipeline,
         tied_allreduce_s=tied,
@@ -598,3 +595,5 @@ def predict_plan(
         num_microbatches=count,
         recompute_stage_layers=counts,
     )
+    terms = memory_terms(plan, data, predicted, constants)
+    return dataclasses.replace(predicted, memory_terms=terms)

@@ -27,6 +27,7 @@ from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.comm import p2p_time, ring_allreduce_time, ring_hops
 from pipedejavu.costmodel.megatron.constants import (
     BUCKET_ELEMENTS,
+    FLOAT_BYTES,
     PredictorConstants,
 )
 from pipedejavu.costmodel.megatron.options import (
@@ -68,6 +69,7 @@ __all__ = [
     "spans_stash",
     "stage_allreduce",
     "stage_params",
+    "state_terms",
     "stash_bytes",
     "tied_allreduce_time",
 ]
@@ -337,6 +339,42 @@ def buckets(
 
 
 # ------------------------------------------------------------------ memory
+#: The model state's parts (:func:`state_terms`), and which of them each ZeRO
+#: stage shards.
+STATE_TERMS = ("parameters", "gradients", "optimizer")
+_SHARDED = {0: (), 1: ("optimizer",), 2: ("gradients", "optimizer"), 3: STATE_TERMS}
+
+
+def state_terms(
+    info: ModelInfo,
+    held: Number,
+    dp: Number = 1,
+    expert_held: Number = 0.0,
+    edp: Number = 1,
+) -> dict[str, Number]:
+    """The weights, gradients and optimizer state a GPU holds of ``held``
+    parameters: ``info.weight_bytes`` (fp32 shards at ZeRO-3, FSDP2's),
+    ``info.gradient_bytes`` and the rest of ``info``'s bytes per parameter
+    (fp32 master weights, Adam's moments), each replicated or, as
+    ``info.zero_stage`` shards it (``_SHARDED``), divided over the ``dp``
+    replicas of a shard group (the ``expert_held`` of them that are experts'
+    over the ``edp`` expert data-parallel GPUs)."""
+    total = info.state_bytes_per_param + info.sharded_state_bytes_per_param
+    weight = FLOAT_BYTES if info.zero_stage == 3 else info.weight_bytes
+    per_param = {
+        "parameters": weight,
+        "gradients": info.gradient_bytes,
+        "optimizer": total - weight - info.gradient_bytes,
+    }
+    dense = held - expert_held
+    share = dense / dp + expert_held / edp
+    sharded = _SHARDED[info.zero_stage]
+    return {
+        name: per_param[name] * (share if name in sharded else held)
+        for name in STATE_TERMS
+    }
+
+
 def model_state_bytes(
     info: ModelInfo,
     held: Number,
@@ -345,19 +383,13 @@ def model_state_bytes(
     expert_held: Number = 0.0,
     edp: Number = 1,
 ) -> Number:
-    """Weights, gradients and optimizer state (``info.state_bytes_per_param``:
-    16 for fp32 Adam; ``info.sharded_state_bytes_per_param`` more, divided
-    over the ``dp`` replicas, with the distributed optimizer; the
-    ``expert_held`` of the ``held`` parameters that are experts' over the
-    ``edp`` expert data-parallel GPUs) and the largest bucket, which DeepSpeed
-    flattens into a new buffer of gradient elements."""
-    dense = held - expert_held
-    sharded = info.sharded_state_bytes_per_param * (dense / dp + expert_held / edp)
-    return (
-        info.state_bytes_per_param * held
-        + sharded
-        + info.gradient_bytes * largest_bucket
-    )
+    """Weights, gradients and optimizer state (:func:`state_terms`: 16 bytes
+    per parameter for fp32 Adam, the sharded parts divided over the ``dp``
+    replicas of a shard group or the ``edp`` expert data-parallel GPUs) and
+    the largest bucket, which DeepSpeed flattens into a new buffer of
+    gradient elements."""
+    terms = state_terms(info, held, dp, expert_held, edp)
+    return sum(terms.values()) + info.gradient_bytes * largest_bucket
 
 
 def stash_bytes(

@@ -1,0 +1,92 @@
+"""``predict --torchtitan-config FILE.toml --gpus TYPE:COUNT``: a torchtitan
+job predicted (:mod:`pipedejavu.planning.torchtitan_launch`), the way
+``--megatron-args`` predicts a Megatron-LM launch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from pipedejavu.cli.any_model import any_model_options
+from pipedejavu.cli.megatron_report import GB, format_prediction, utilization_line
+from pipedejavu.core.files import json_text
+from pipedejavu.core.layout import MAX_GPUS
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.torchtitan_job import read_torchtitan_job
+from pipedejavu.planning.any_model import sheet_name
+from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
+from pipedejavu.planning.training import parse_gpu_pool
+
+__all__ = ["predict_torchtitan"]
+
+
+def predict_torchtitan(args: argparse.Namespace) -> int:
+    """Print the prediction of ``args.torchtitan_config`` on ``args.gpus``.
+
+    Raises:
+        ProblemError: flags that the job file already says, a bad pool, a
+            job that cannot run or is not priced (one line each).
+    """
+    given = [
+        flag
+        for flag in any_model_options(args)
+        if flag not in ("--gpu-sheet", "--memory-headroom")
+    ]
+    if args.plan is not None or args.model or args.profiles or given:
+        raise ProblemError(
+            "--torchtitan-config describes the model, its training and the plan: "
+            "give no PLAN.json, --model, --profiles, --precision, --recompute or "
+            "--seq-len with it"
+        )
+    if args.megatron_args is not None:
+        raise ProblemError("give --torchtitan-config or --megatron-args, not both")
+    if not args.gpus:
+        raise ProblemError("--torchtitan-config needs --gpus TYPE:COUNT, e.g. H100:64")
+    pool = parse_gpu_pool([args.gpus], most=MAX_GPUS)
+    if len(pool) != 1:
+        raise ProblemError(
+            f"--torchtitan-config takes one --gpus TYPE:COUNT, got {len(pool)} types"
+        )
+    ((gpu, count),) = pool.items()
+    sheet = load_gpu_sheet(args.gpu_sheet)
+    gpu = sheet.resolve(sheet_name(sheet, gpu))
+    job = read_torchtitan_job(args.torchtitan_config)
+    if job.ignored:
+        shown = "; ".join(job.ignored)
+        print(f"ignored (no effect on the prediction): {shown:.400}", file=sys.stderr)
+    predicted = predict_torchtitan_job(
+        job, gpu, count, sheet, memory_headroom=args.memory_headroom
+    )
+    launch = predicted.launch
+    if not launch.prediction.fits_memory:
+        warnings.warn(
+            f"the job exceeds device memory: peak "
+            f"{launch.prediction.peak_memory_bytes / GB:.2f} GB on a GPU",
+            stacklevel=1,
+        )
+    if args.json:
+        print(json_text(predicted.to_json()))
+        return 0
+    degrees = predicted.degrees
+    print(
+        f"torchtitan job {job.model_name} {job.flavor} ({job.schema} schema) on "
+        f"{count} {gpu}: dp_replicate {degrees.dp_replicate}, dp_shard "
+        f"{degrees.dp_shard}, cp {degrees.cp}, tp {degrees.tp}, pp {degrees.pp}"
+    )
+    print(format_prediction(launch.plan, launch.prediction, launch.options))
+    if degrees.cp > 1:
+        print(
+            f"context parallelism {degrees.cp}: priced as {degrees.cp} x the "
+            "data-parallel replicas (the plan line's dp and gbs), each with "
+            f"1/{degrees.cp} of every sequence"
+        )
+    print(
+        f"{predicted.tokens_per_s_per_gpu:.0f} tokens/s per GPU; "
+        f"{utilization_line(launch)}; costs: {launch.cost_source} with "
+        "torchtitan's constants"
+    )
+    for note in predicted.notes:
+        print(f"not priced: {note}")
+    return 0
