@@ -25,6 +25,9 @@ the error classes and the rank check). For each torchtitan export
   statement of what its ``_step_microbatches`` runs (``min(M, P - r)``
   forwards, then backward-forward pairs: the same sequence).
 
+Sharded plans (FSDP, HSDP, CP) are checked by ``check_torchtitan_fsdp.py``,
+which imports this module.
+
 A refusal of ours is checked against the real code too (:func:`titan_rejects`):
 the config the plan would need raises, or torchtitan's own code shows that it
 runs something else (``apply_tp``'s plan, ``apply_ac``'s wrapping,

@@ -7,7 +7,9 @@ job_config.py``, ``distributed/parallel_dims.py``,
 ``models/attention.py``, ``train.py``) and the PyTorch it ran on (torch
 2.14.1, and 2.13.0 since 2026-12-06; ``torch/distributed/pipelining/
 schedules.py`` and ``_utils.py``); no code copied.
-``benchmarks/check_exports.py`` runs the real code on these files.
+``benchmarks/check_exports.py`` runs the real code on these files, and
+``benchmarks/check_torchtitan_fsdp.py`` on sharded ones (v0.2.2 and v0.2.1,
+whose job config has every key the fragment writes).
 
 **Layout and batch.**
 
@@ -31,8 +33,8 @@ schedules.py`` and ``_utils.py``); no code copied.
   supported > 1D parallelism``): a plan with ``dp > 1`` beside TP or stages,
   or with ``cp > 1``, is refused unless it is ``zero_stage`` 3; so are ZeRO 1
   and 2 over replicas (only FSDP shards optimizer state, with everything
-  else) and ZeRO-3 over single-GPU shard groups beside other replicas. At DP
-  1 the stages change nothing.
+  else) and ZeRO-3 over single-GPU shard groups beside other replicas. One
+  replica without CP has no shard group: any ZeRO stage exports unsharded.
 * FSDP with pipeline stages is refused: PyTorch's ``PipelineStage``
   (``backward_maybe_with_nosync``) turns FSDP's gradient sync and resharding
   off for every micro-batch's backward but the last, so a stage's whole
