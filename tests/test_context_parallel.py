@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pipedejavu.cli.main import main
+from pipedejavu.core.placement import sequence_shares
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.analytical.ops import (
     Gemm,
@@ -60,8 +61,12 @@ def test_context_parallel_launch_is_priced_on_sequence_shares():
     # the same model FLOPs (the whole sequences), on twice the GPUs
     assert shared.model_flops_per_iteration == plain.model_flops_per_iteration
     assert shared.num_gpus == 64 and shared.context_parallel == 2
-    assert shared.plan.dp == 2 * plain.plan.dp and shared.plan.gbs == 2 * 128
-    assert shared.plan.num_microbatches == plain.plan.num_microbatches
+    assert shared.plan.dp == plain.plan.dp and shared.plan.layout.cp == 2
+    assert shared.plan.gbs == plain.plan.gbs == 128
+    # priced as sequence shares: twice the replicas, each on half of a sample
+    shares = sequence_shares(shared.plan, 8)
+    assert shares.dp == 2 * plain.plan.dp and shares.gbs == 2 * 128
+    assert shares.num_microbatches == plain.plan.num_microbatches
     # half the tokens a GPU: faster, and fewer activations held
     assert shared.prediction.iteration_time_s < plain.prediction.iteration_time_s
     assert shared.prediction.peak_memory_bytes < plain.prediction.peak_memory_bytes

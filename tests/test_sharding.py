@@ -9,6 +9,7 @@ import pytest
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.layout import ParallelLayout
+from pipedejavu.core.placement import sequence_shares
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.ops import (
@@ -211,3 +212,55 @@ def test_memory_terms_sum_to_the_peak():
         assert terms["parameters"] == pytest.approx(weights)
         gradients = 4 * held / (8 if stage >= 2 else 1)
         assert terms["gradients"] == pytest.approx(gradients)
+
+
+# ------------------------------------------------ context-parallel plans
+def test_sequence_shares_fold_context_into_replicas():
+    plan = plan_from_stages(
+        [(0, 34, 2)],
+        gpu_type="H100-SXM",
+        dp=4,
+        mbs=1,
+        gbs=8,
+        model="Llama-3-8B",
+        gpus_per_node=8,
+        zone="z",
+    )
+    plan = plan.replace(layout=ParallelLayout.uniform(tp=2, dp=4, cp=4, dp_shard=2))
+    assert plan.num_gpus == 32
+    shares = sequence_shares(plan, 8)
+    # 16 replicas of TP 2 on consecutive ranks: 4 per node of 8 GPUs
+    assert shares.dp == 16 and shares.gbs == 32 and shares.layout.cp == 1
+    assert [r.node for r in shares.stages[0].replicas] == [k // 4 for k in range(16)]
+    assert shares.layout.shard_replicas == 8  # dp_shard 2 x cp 4
+    assert sequence_shares(shares, 8) is shares
+
+
+def test_a_context_parallel_plan_needs_costs_of_its_shares():
+    spec = load_model_spec("llama-3-8b")
+    options = TrainingOptions("bf16", recompute="full")
+    plan = plan_from_stages(
+        [(0, 34, 1)],
+        gpu_type="H100-SXM",
+        dp=4,
+        mbs=1,
+        gbs=4,
+        model=spec.name,
+        gpus_per_node=8,
+        zone="z",
+    )
+    plan = plan.replace(layout=ParallelLayout.uniform(dp=4, cp=2))
+    whole = AnalyticalSource(spec, SHEET, options)
+    with pytest.raises(ProblemError, match="costs are for 1"):
+        predict_plan(plan, whole)
+    share = dataclasses.replace(spec, seq_length=spec.seq_length // 2)
+    source = AnalyticalSource(share, SHEET, options, context_parallel=2)
+    predicted = predict_plan(plan, source)
+    folded = predict_plan(
+        sequence_shares(plan, 8),
+        source.__class__(share, SHEET, options, context_parallel=1),
+    )
+    # the exchange of keys and values is what the folded plan without the
+    # whole sequence's keys lacks: the shares' own plan is slower
+    assert predicted.iteration_time_s > folded.iteration_time_s
+    assert predicted.memory_bytes.shape == (1, 8)

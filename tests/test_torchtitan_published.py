@@ -11,6 +11,7 @@ import pytest
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.placement import sequence_shares
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
     TORCHTITAN_ANALYTICAL,
     TORCHTITAN_FITTED,
@@ -94,13 +95,17 @@ def test_hsdp_tp_cp_job_layout_and_options():
         2,
         2,
     )
-    # CP as sequence shares: 2 x 8 replicas of TP 2; shard groups of 4 x 2
-    assert plan.dp == 16 and plan.layout.shard_replicas == 8
-    assert plan.layout.dp_replicate == 2
+    # the mesh: 8 replicas of TP 2 x CP 2, shard groups of 4, 2 of them
+    layout = plan.layout
+    assert (plan.dp, layout.cp, layout.dp_shard, layout.dp_replicate) == (8, 2, 4, 2)
+    assert plan.num_gpus == 32 and plan.gbs == 2 * 8  # local x dp sequences
+    # priced as sequence shares: 16 replicas of TP 2, shard groups of 4 x 2
+    shares = sequence_shares(plan, 8)
+    assert shares.dp == 16 and shares.layout.shard_replicas == 8
+    assert shares.layout.cp == 1 and shares.gbs == 2 * plan.gbs
     assert options.zero_stage == 3 and options.sequence_parallel
     assert options.recompute == "full" and options.precision == "bf16"
     assert options.reshard_after_forward
-    assert plan.gbs == 2 * 8 * 2  # local x dp samples, x cp shares
 
 
 def test_prediction_counts_whole_sequences():
@@ -108,6 +113,7 @@ def test_prediction_counts_whole_sequences():
     predicted = predict_torchtitan_job(job, "H100-SXM", 32, SHEET)
     seconds = predicted.launch.prediction.iteration_time_s
     assert predicted.tokens_per_s_per_gpu == pytest.approx(16 * 8192 / seconds / 32)
+    assert "cp 2" in predicted.launch.plan.describe()
     assert any("compile" in note for note in predicted.notes)
 
 

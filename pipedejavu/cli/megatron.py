@@ -242,9 +242,9 @@ def _predict_launch(args: argparse.Namespace) -> int:
         cp = launch.context_parallel
         if cp > 1:
             print(
-                f"context parallelism {cp}: priced as {cp} x the data-parallel "
-                f"replicas (the plan line's dp and gbs), each with 1/{cp} of every "
-                "sequence"
+                f"context parallelism {cp}: each GPU of a sequence priced as a "
+                f"replica of its own on 1/{cp} of it (the memory lines are per "
+                "GPU)"
             )
         if launch.experts_line is not None:
             print(launch.experts_line)

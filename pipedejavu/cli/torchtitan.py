@@ -78,9 +78,9 @@ def predict_torchtitan(args: argparse.Namespace) -> int:
     print(format_prediction(launch.plan, launch.prediction, launch.options))
     if degrees.cp > 1:
         print(
-            f"context parallelism {degrees.cp}: priced as {degrees.cp} x the "
-            "data-parallel replicas (the plan line's dp and gbs), each with "
-            f"1/{degrees.cp} of every sequence"
+            f"context parallelism {degrees.cp}: each GPU of a sequence priced as "
+            f"a replica of its own on 1/{degrees.cp} of it (the memory lines are "
+            "per GPU)"
         )
     print(
         f"{predicted.tokens_per_s_per_gpu:.0f} tokens/s per GPU; "

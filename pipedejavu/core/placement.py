@@ -19,11 +19,12 @@ is read through its ``stages`` (each with ``replicas``: ``gpu_type``, ``tp``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.layout import LEGACY_ORDERS, ParallelLayout
+from pipedejavu.core.layout import LEGACY_ORDERS, PP_OUTER, ParallelLayout
 
 __all__ = [
     "RANK_ORDERS",
@@ -33,6 +34,7 @@ __all__ = [
     "plan_rank_order",
     "rank_nodes",
     "rank_order_of",
+    "sequence_shares",
 ]
 
 #: Megatron-LM's rank orders of a 3D plan, innermost first: ``tp-dp-pp`` (its
@@ -180,3 +182,47 @@ def plan_rank_order(plan: Any, gpus_per_node: int | None = None) -> str:
 
 
 _LEGACY_NAMES = {name: legacy for legacy, name in LEGACY_ORDERS.items()}
+
+
+def sequence_shares(plan: Any, gpus_per_node: int) -> Any:
+    """A context-parallel plan (``plan.layout.cp = c > 1``) in the form the
+    predictor prices it: each of the ``c`` GPUs of a sequence a data-parallel
+    replica of its own on ``1 / c`` of every sample, so ``c x`` the replicas
+    (those of one sequence neighbours, as the rank order ``tp-cp-dp-pp``
+    places them: each a TP group of its own, on the node :func:`canonical_nodes`
+    gives it), ``c x`` the global batch of such shares, and shard groups of
+    ``dp_shard x c`` of them. A plan without context parallelism is returned
+    as it is.
+
+    Raises:
+        ProblemError: a plan with several GPU types or rank orders other than
+            the default with context parallelism (not priced).
+    """
+    layout = plan.layout
+    c = layout.cp
+    if c == 1:
+        return plan
+    types = {r.gpu_type for stage in plan.stages for r in stage.replicas}
+    if len(types) > 1 or layout.order != PP_OUTER:
+        raise ProblemError(
+            "context parallelism is priced on one GPU type in the default rank "
+            f"order ({PP_OUTER}); the plan has {sorted(types)}, {layout.order}"
+        )
+    (gpu,) = types
+    tps = [axes.tp for axes in layout.stages]
+    nodes = canonical_nodes(tps, layout.dp * c, gpus_per_node)
+    stages = tuple(
+        dataclasses.replace(
+            stage,
+            replicas=tuple(
+                dataclasses.replace(stage.replicas[0], gpu_type=gpu, node=node)
+                for node in nodes[s]
+            ),
+        )
+        for s, stage in enumerate(plan.stages)
+    )
+    shard = layout.shard_replicas * c
+    folded = ParallelLayout(
+        tuple(axes for axes in layout.stages), layout.dp * c, 1, layout.order, shard
+    )
+    return dataclasses.replace(plan, stages=stages, gbs=plan.gbs * c, layout=folded)

@@ -11,10 +11,11 @@ then PP: rank ``tp_rank + TP (dp_rank + DP pp_rank)``; with
 dp_rank)``; node ``rank // gpus_per_node``), and the
 :class:`~pipedejavu.core.training_options.TrainingOptions` of the run.
 
-A context-parallel run (``--context-parallel-size CP``) is priced in the form
-of :func:`sequence_shares`: each of the ``CP`` GPUs of a sequence a
-data-parallel replica of its own on ``1 / CP`` of every sample, whose
-attention reads the whole sequence.
+A context-parallel run (``--context-parallel-size CP``) is a plan of layout
+``cp = CP``, priced on a cost source of ``1 / CP`` of each sequence as its
+sequence shares (:func:`~pipedejavu.core.placement.sequence_shares`): each of
+the ``CP`` GPUs of a sequence a data-parallel replica of its own, whose
+attention reads the whole sequence's keys and values.
 
 :func:`predict_megatron_run` prices it with an
 :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource` and reports
@@ -69,7 +70,6 @@ __all__ = [
     "plan_utilization",
     "predict_megatron_run",
     "rerun_blocks",
-    "sequence_shares",
     "utilization",
 ]
 
@@ -113,12 +113,14 @@ def plan_from_megatron_run(
             batch does not split into micro-batches per replica, or the layers
             do not split over the stages as the run says.
     """
-    tp, pp = run.tp, run.pp
-    if num_gpus % (tp * pp):
+    tp, pp, cp = run.tp, run.pp, run.context_parallel
+    if num_gpus % (tp * cp * pp):
         raise ProblemError(
-            f"{num_gpus} GPUs do not split into groups of TP x PP = {tp} x {pp}"
+            f"{num_gpus} GPUs do not split into groups of TP x "
+            f"{'CP x ' if cp > 1 else ''}PP = {tp} x {f'{cp} x ' if cp > 1 else ''}"
+            f"{pp}"
         )
-    dp = num_gpus // (tp * pp)
+    dp = num_gpus // (tp * cp * pp)
     gbs = launch_batch(run, dp)
     if tp > gpus_per_node or gpus_per_node % tp:
         raise ProblemError(
@@ -132,18 +134,22 @@ def plan_from_megatron_run(
             f"of {list(counts)}"
         )
     last = spec.num_profile_layers
-    nodes = canonical_nodes([tp] * pp, dp, gpus_per_node, run.rank_order)
+    # each replica's first GPU (a replica holds tp x cp of them)
+    nodes = canonical_nodes([tp * cp] * pp, dp, gpus_per_node, run.rank_order)
     stages = []
     for s in range(pp):
         start = 0 if s == 0 else 1 + sum(counts[:s])
         stop = last if s == pp - 1 else 1 + sum(counts[: s + 1])
         replicas = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
         stages.append(Stage3D(start, stop, replicas))
-    # The run's layout on the GPUs it prices (a context-parallel run comes as
-    # its sequence shares: sequence_shares), Megatron Core's checks with it.
-    layout = dataclasses.replace(run, context_parallel=1).layout(num_gpus)
+    # The run's layout, Megatron Core's checks with it (the predictor prices a
+    # context-parallel plan as its sequence shares).
     return Plan3D(
-        tuple(stages), mbs=run.micro_batch, gbs=gbs, model=spec.name, layout=layout
+        tuple(stages),
+        mbs=run.micro_batch,
+        gbs=gbs,
+        model=spec.name,
+        layout=run.layout(num_gpus),
     )
 
 
@@ -159,10 +165,8 @@ class LaunchPrediction:
             (Megatron-LM's logged count; MFU's numerator).
         cost_source: ``profiles``, ``analytical`` or ``mixed``.
         peak_flops_per_gpu: the GPU's dense peak at the GEMMs' precision.
-        context_parallel: GPUs sharing each sequence; above 1, ``plan`` is
-            the priced form (module docstring): ``CP x`` the data-parallel
-            replicas, each with ``1 / CP`` of every sequence, and ``CP x``
-            the global batch of such shares.
+        context_parallel: GPUs sharing each sequence (``plan.layout.cp``;
+            the predictor prices them as sequence shares).
         hardware_flops_per_iteration: the model FLOPs plus the forwards that
             recomputation reruns (SC'21's count; HFU's numerator); ``None``:
             the model FLOPs (nothing recomputed).
@@ -198,7 +202,7 @@ class LaunchPrediction:
 
     @property
     def num_gpus(self) -> int:
-        return sum(r.tp for stage in self.plan.stages for r in stage.replicas)
+        return self.plan.num_gpus
 
     @property
     def hardware_flops(self) -> float:
@@ -334,10 +338,11 @@ def predict_megatron_run(
     _check_priced(run, gpu_type, sheet[gpu_type], num_gpus)
     options = options_of_run(run)
     cp = run.context_parallel
-    priced = run if cp == 1 else sequence_shares(run, num_gpus)
+    # the costs of a sequence's share (the predictor prices the shares)
+    share = dataclasses.replace(run.spec, seq_length=run.spec.seq_length // cp)
     if source is None:
         source = AnalyticalSource(
-            priced.spec,
+            share,
             sheet,
             options,
             context_parallel=cp,
@@ -346,14 +351,12 @@ def predict_megatron_run(
     if memory_headroom is not None:
         source = source.with_memory_headroom(memory_headroom)
     entry = sheet[gpu_type]
-    plan = plan_from_megatron_run(priced, gpu_type, num_gpus, entry.gpus_per_node)
+    plan = plan_from_megatron_run(run, gpu_type, num_gpus, entry.gpus_per_node)
     sizes = run.virtual_stage_layers
     prediction = predict_plan(
         plan, source, virtual_stages=options.virtual_stages, chunk_sizes=sizes or None
     )
-    model, hardware = plan_flops(
-        run.spec, plan, options, source, samples=plan.gbs // cp, sizes=sizes
-    )
+    model, hardware = plan_flops(run.spec, plan, options, source, sizes=sizes)
     cost_source = source.cost_source(plan)
     peak = entry.peak(gemm_precision(options, entry))
     return LaunchPrediction(
@@ -501,29 +504,3 @@ def check_whole_microbatches(gbs: int, mbs: int, dp: int) -> None:
             f"{mbs} x {dp} (rounded up to {count} micro-batches a pipeline it "
             f"would train {count * mbs * dp} samples): give a multiple"
         )
-
-
-def sequence_shares(run: MegatronRun, num_gpus: int) -> MegatronRun:
-    """A context-parallel run in the form the predictor prices: each of its
-    ``CP`` GPUs of a sequence as a data-parallel replica of its own, training
-    on ``s / CP`` tokens of each sample (the model's ``seq_length``), so
-    ``CP x`` the replicas and ``CP x`` the global batch of such shares: the
-    same micro-batches per pipeline, the same weights on every GPU, the
-    gradients reduced over ``DP x CP`` GPUs as Megatron-LM reduces them, the
-    replicas of one sequence on neighbouring ranks (its order ``tp-cp-dp-pp``).
-    The attention of a share reads the whole sequence's keys and values (the
-    cost source's ``context_parallel``).
-
-    Raises:
-        ProblemError: the GPUs do not split into ``TP x CP x PP`` groups, or the
-            global batch into micro-batches per replica.
-    """
-    cp, tp, pp = run.context_parallel, run.tp, run.pp
-    if num_gpus % (tp * cp * pp):
-        raise ProblemError(
-            f"{num_gpus} GPUs do not split into groups of TP x CP x PP = "
-            f"{tp} x {cp} x {pp}"
-        )
-    gbs = launch_batch(run, num_gpus // (tp * cp * pp))
-    spec = dataclasses.replace(run.spec, seq_length=run.spec.seq_length // cp)
-    return dataclasses.replace(run, spec=spec, global_batch=gbs * cp)

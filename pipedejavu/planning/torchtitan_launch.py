@@ -43,7 +43,7 @@ ring beside the attention).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.layout import ParallelLayout, split_blocks
@@ -51,6 +51,7 @@ from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D, canonical_nodes
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TORCHTITAN_OP, TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.roofline import AnalyticalConstants
 from pipedejavu.costmodel.analytical.source import AnalyticalSource, gemm_precision
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
@@ -66,6 +67,7 @@ from pipedejavu.planning.megatron_launch import (
 
 __all__ = [
     "TorchtitanPrediction",
+    "sharded_plan",
     "plan_from_torchtitan_job",
     "predict_torchtitan_job",
     "torchtitan_options",
@@ -185,21 +187,45 @@ def plan_from_torchtitan_job(
     mbs = job.microbatch_size
     samples = job.global_batch(num_gpus)
     check_whole_microbatches(samples, mbs, dp)
-    # Context parallelism as sequence shares: cp x the replicas and samples.
-    replicas, gbs = dp * cp, samples * cp
-    nodes = canonical_nodes([tp] * pp, replicas, gpus_per_node)
-    stage_blocks = [sum(held[s::pp]) for s in range(pp)] if parts > pp else held
+    shard = degrees.dp_shard if options.zero_stage == 3 else None
+    plan = sharded_plan(
+        spec, gpu_type, held, mbs, samples, gpus_per_node,
+        tp=tp, pp=pp, dp=dp, cp=cp, dp_shard=shard,
+    )  # fmt: skip
+    return plan, options, degrees
+
+
+def sharded_plan(
+    spec: TransformerSpec,
+    gpu_type: str,
+    blocks: Sequence[int],
+    mbs: int,
+    samples: int,
+    gpus_per_node: int,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int = 1,
+    dp_shard: int | None = None,
+) -> Plan3D:
+    """The plan of ``dp`` replicas of ``pp`` stages of ``tp x cp`` GPUs laid
+    out as torchtitan's mesh (``pp, dp, cp, tp``, TP fastest: the layout's
+    default order), with ``blocks`` the transformer blocks of each pipeline
+    part in order (``pp x`` parts per rank; rank ``r`` holds parts ``r, r +
+    pp, ...``), ``samples`` sequences per step and shard groups of
+    ``dp_shard`` replicas (``None``: no sharding, or all of ``dp``)."""
+    nodes = canonical_nodes([tp * cp] * pp, dp, gpus_per_node)
+    stage_blocks = [sum(blocks[s::pp]) for s in range(pp)]
     stages, first = [], 0
     for s, count in enumerate(stage_blocks):
         start = 0 if s == 0 else 1 + first
         first += count
         stop = spec.num_profile_layers if s == pp - 1 else 1 + first
-        row = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(replicas))
+        row = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
         stages.append(Stage3D(start, stop, row))
-    shard = degrees.dp_shard * cp if options.zero_stage == 3 else None
-    layout = ParallelLayout.uniform(tp=tp, pp=pp, dp=replicas, dp_shard=shard)
-    plan = Plan3D(tuple(stages), mbs=mbs, gbs=gbs, model=spec.name, layout=layout)
-    return plan, options, degrees
+    layout = ParallelLayout.uniform(tp=tp, pp=pp, dp=dp, cp=cp, dp_shard=dp_shard)
+    return Plan3D(tuple(stages), mbs=mbs, gbs=samples, model=spec.name, layout=layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +302,8 @@ def predict_torchtitan_job(
     if memory_headroom is not None:
         source = source.with_memory_headroom(memory_headroom)
     prediction = predict_plan(plan, source, virtual_stages=options.virtual_stages)
-    samples = plan.gbs // cp
-    model, hardware = plan_flops(job.spec, plan, options, source, samples=samples)
+    samples = plan.gbs
+    model, hardware = plan_flops(job.spec, plan, options, source)
     peak = entry.peak(gemm_precision(options, entry))
     launch = LaunchPrediction(
         plan,

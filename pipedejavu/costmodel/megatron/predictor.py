@@ -103,7 +103,11 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     SailorData,
     load_sailor_data,
 )
-from pipedejavu.costmodel.megatron.sharding import sharded_passes, sharded_schedule
+from pipedejavu.costmodel.megatron.sharding import (
+    context_shares,
+    sharded_passes,
+    sharded_schedule,
+)
 from pipedejavu.costmodel.megatron.stage_recompute import (
     as_layers,
     check_one_chunk,
@@ -231,12 +235,6 @@ def _check(plan: Plan3D, data: SailorData, model: str) -> ModelInfo:
             "transformer layers, head)"
         )
     layout = plan.layout  # a stage's replicas share its TP (Plan3D checks)
-    if layout.cp > 1:
-        raise ProblemError(
-            f"the plan's layout ({plan.describe()}) has context parallelism, "
-            "which plans are not priced with yet; Megatron-LM's context "
-            "parallelism is predicted from its flags (predict --megatron-args)"
-        )
     ep, etp = info.expert_axes
     for s, axes in enumerate(layout.stages):
         if info.expert_params is None and (axes.ep > 1 or axes.etp is not None):
@@ -300,6 +298,7 @@ def predict_plan(
     model = model or plan.model
     if model is None:
         raise ProblemError("the plan names no model; give one (--model)")
+    plan = context_shares(plan, data)  # context parallelism as replicas
     info = _check(plan, data, model)
     network = data.network
     num_stages, dp, count = plan.num_stages, plan.dp, plan.num_microbatches

@@ -6,7 +6,9 @@ the model state's split into replicated and sharded bytes per stage is
 :func:`~pipedejavu.costmodel.megatron.options.param_state_bytes`.
 
 What a shard group is (``dp_shard x cp`` GPUs of a stage) is the layout's:
-:attr:`~pipedejavu.core.layout.ParallelLayout.shard_group`.
+:attr:`~pipedejavu.core.layout.ParallelLayout.shard_group`. A plan with
+context parallelism is priced as its sequence shares
+(:func:`context_shares`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from pipedejavu.core.placement import sequence_shares
 from pipedejavu.core.plan3d import Plan3D, Replica
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.comm import ring_allreduce_time, ring_hops
@@ -23,6 +26,7 @@ from pipedejavu.costmodel.megatron.rules import rank_params
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo, NetworkTables
 
 __all__ = [
+    "context_shares",
     "fsdp_buffer_bytes",
     "fsdp_collectives",
     "fsdp_exposed",
@@ -148,3 +152,24 @@ def sharded_schedule(info: ModelInfo, virtual_stages: int, zero_bubble: bool) ->
             "only, not yet with interleaved or zero-bubble pipelines"
         )
     return info.zero_stage == 3
+
+
+def context_shares(plan: Plan3D, data: Any) -> Plan3D:
+    """``plan`` as the predictor prices it: with context parallelism ``c``,
+    its sequence shares (:func:`~pipedejavu.core.placement.sequence_shares`),
+    priced by a cost source of ``1 / c`` of each sequence
+    (``data.context_parallel``, an
+    :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource`'s).
+
+    Raises:
+        ProblemError: the source prices another context parallelism.
+    """
+    cp, priced = plan.layout.cp, getattr(data, "context_parallel", 1)
+    if cp != priced:
+        raise ProblemError(
+            f"the plan has context parallelism {cp}; the costs are for {priced} "
+            "(a cost source of the sequences' shares: AnalyticalSource("
+            "context_parallel=))"
+        )
+    gpu = plan.stages[0].replicas[0].gpu_type
+    return sequence_shares(plan, data.gpu_spec(gpu).gpus_per_node)

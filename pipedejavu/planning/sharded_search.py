@@ -1,0 +1,253 @@
+"""Sharded data parallelism and context parallelism searched: every
+single-stage plan of FSDP2 / HSDP (ZeRO-3) with TP and CP, predicted.
+
+:func:`search_sharded` enumerates, on ``N`` GPUs of one type, every
+combination of
+
+* ``tp``: a divisor of the GPUs of a node that divides the model
+  (``--tp`` values, default every one);
+* ``cp``: context parallelism, ``2 cp`` dividing the sequence (torchtitan's
+  and Transformer Engine's load-balanced split), up to ``max_cp``;
+* ``dp = N / (tp cp)`` replicas, of which ``dp_shard`` shard the model state
+  (every divisor of ``dp``: FSDP when it is ``dp``, HSDP below);
+* the micro-batch (a divisor of the global batch's share of a replica; the
+  rest is gradient accumulation);
+* the recomputation of ``recompute`` (none, full, or a selective policy),
+
+prices each with the predictor
+(:func:`~pipedejavu.costmodel.megatron.predictor.predict_plan`, through the
+same plan builder as a torchtitan job:
+:func:`~pipedejavu.planning.torchtitan_launch.sharded_plan`) and keeps the
+fastest that fits its GPUs. Every plan of the space is priced, so the answer
+is optimal under the predictor over that space (``proven``); a space is
+bounded (:data:`MAX_SHARDED_PLANS`) and its size said. Pipelines with
+sharded parameters are not searched here (the predictor prices ZeRO-3 with
+1F1B; the proven pipeline search does not yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.gpu_sheet import GpuSheetEntry
+from pipedejavu.core.memory_headroom import MemoryHeadroom
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, Plan3D
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.roofline import AnalyticalConstants
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
+from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.planning.torchtitan_launch import sharded_plan
+
+__all__ = [
+    "MAX_SHARDED_PLANS",
+    "ShardedPlan",
+    "search_sharded",
+    "sharded_candidates",
+]
+
+#: The most plans one search prices (a space larger than this is refused:
+#: narrow ``tp``, ``max_cp`` or the recomputation).
+MAX_SHARDED_PLANS = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlan:
+    """The fastest sharded plan found.
+
+    Attributes:
+        plan: the plan as priced (context parallelism as sequence shares:
+            ``cp x`` the replicas and samples, shard groups of ``dp_shard x
+            cp`` of them).
+        options: its training options (``zero_stage`` 3).
+        prediction: its prediction.
+        tp, cp, dp, dp_shard: its degrees (``dp`` the data-parallel replicas
+            of whole sequences).
+        searched: plans priced; ``fit``: of them, those that fit.
+        search_time_s: seconds the search took.
+    """
+
+    plan: Plan3D
+    options: TrainingOptions
+    prediction: Prediction
+    tp: int
+    cp: int
+    dp: int
+    dp_shard: int
+    searched: int
+    fit: int
+    search_time_s: float
+
+    @property
+    def proven(self) -> bool:
+        """Every plan of the space was priced: optimal under the predictor."""
+        return True
+
+    def describe(self) -> str:
+        hsdp = (
+            ""
+            if self.dp_shard == self.dp
+            else f" (HSDP: {self.dp // self.dp_shard} groups)"
+        )
+        return (
+            f"FSDP over dp_shard {self.dp_shard} x cp {self.cp}{hsdp}, tp {self.tp}, "
+            f"dp {self.dp}, mbs {self.plan.mbs}, {self.options.recompute} "
+            "recomputation"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sharded_candidates(
+    spec: TransformerSpec,
+    num_gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    *,
+    tp_values: Sequence[int] | None = None,
+    max_cp: int = 64,
+    recompute: Sequence[TrainingOptions] = (),
+) -> list[tuple[int, int, int, int, TrainingOptions]]:
+    """Every ``(tp, cp, dp_shard, mbs, options)`` of the space (module
+    docstring); ``recompute``: the options of each recomputation searched.
+
+    Raises:
+        ProblemError: more than :data:`MAX_SHARDED_PLANS` of them.
+    """
+    tps = tp_values or [t for t in _divisors(gpus_per_node)]
+    tps = [
+        t
+        for t in tps
+        if gpus_per_node % t == 0
+        and spec.num_attention_heads % t == 0
+        and spec.num_query_groups % t == 0
+        and num_gpus % t == 0
+    ]
+    out = []
+    for tp in tps:
+        for cp in _divisors(num_gpus // tp):
+            if cp > max_cp or (cp > 1 and spec.seq_length % (2 * cp)):
+                continue
+            if global_batch * cp > MAX_GLOBAL_BATCH:  # the shares priced
+                continue
+            dp = num_gpus // (tp * cp)
+            if global_batch % dp:
+                continue
+            for mbs in _divisors(global_batch // dp):
+                for shard in _divisors(dp):
+                    out.extend((tp, cp, shard, mbs, o) for o in recompute)
+                    if len(out) > MAX_SHARDED_PLANS:
+                        raise ProblemError(
+                            f"the sharded space of {num_gpus} GPUs holds more than "
+                            f"{MAX_SHARDED_PLANS} plans: give fewer TP degrees, a "
+                            "smaller largest CP or fewer recomputations"
+                        )
+    return out
+
+
+def search_sharded(
+    spec: TransformerSpec,
+    gpu_type: str,
+    num_gpus: int,
+    global_batch: int,
+    sheet: Mapping[str, GpuSheetEntry],
+    options: TrainingOptions,
+    *,
+    constants: AnalyticalConstants | None = None,
+    recompute: Sequence[TrainingOptions] | None = None,
+    tp_values: Sequence[int] | None = None,
+    max_cp: int = 64,
+    memory_headroom: MemoryHeadroom | None = None,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> ShardedPlan:
+    """The fastest plan of the sharded space (module docstring) of ``spec``
+    (at its sequence length) on ``num_gpus`` GPUs of ``gpu_type``, trained
+    with ``options`` (its precision, kernels; the search sets the ZeRO stage,
+    sequence parallelism with TP, and ``recompute``'s recomputation: default
+    none, the attention core and full).
+
+    Raises:
+        ProblemError: an unknown GPU type, a space too large.
+        InfeasibleProblemError: no plan of the space fits.
+    """
+    started = time.perf_counter()
+    if gpu_type not in sheet:
+        raise ProblemError(f"GPU type {gpu_type!r} is not on the GPU sheet")
+    entry = sheet[gpu_type]
+    if recompute is None:
+        recompute = [
+            dataclasses.replace(options, recompute=r, recompute_num_layers=None)
+            for r in ("none", "selective", "full")
+        ]
+    candidates = sharded_candidates(
+        spec,
+        num_gpus,
+        entry.gpus_per_node,
+        global_batch,
+        tp_values=tp_values,
+        max_cp=max_cp,
+        recompute=recompute,
+    )
+    sources: dict[tuple, AnalyticalSource] = {}
+    best: tuple[float, Plan3D, TrainingOptions, Prediction, tuple] | None = None
+    fit = 0
+    blocks = [spec.num_layers]
+    for k, (tp, cp, shard, mbs, base) in enumerate(candidates):
+        planned = dataclasses.replace(
+            base, zero_stage=3, sequence_parallel=tp > 1, tp_comm_overlap=False
+        )
+        key = (cp, planned)
+        if key not in sources:
+            share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
+            source = AnalyticalSource(
+                share, sheet, planned, context_parallel=cp, constants=constants
+            )
+            if memory_headroom is not None:
+                source = source.with_memory_headroom(memory_headroom)
+            sources[key] = source
+        dp = num_gpus // (tp * cp)
+        plan = sharded_plan(
+            spec, gpu_type, blocks, mbs, global_batch, entry.gpus_per_node,
+            tp=tp, pp=1, dp=dp, cp=cp, dp_shard=shard,
+        )  # fmt: skip
+        prediction = predict_plan(plan, sources[key])
+        if prediction.fits_memory:
+            fit += 1
+            seconds = prediction.iteration_time_s
+            if best is None or seconds < best[0]:
+                best = (seconds, plan, planned, prediction, (tp, cp, dp, shard))
+        if progress_fn is not None and k % 200 == 0:
+            progress_fn(
+                {
+                    "phase": "sharded",
+                    "priced": k + 1,
+                    "of": len(candidates),
+                    "best_s": math.inf if best is None else best[0],
+                }
+            )
+    if best is None:
+        raise InfeasibleProblemError(
+            f"no sharded single-stage plan of {spec.name} fits {num_gpus} "
+            f"{gpu_type} with global batch {global_batch} ({len(candidates)} "
+            "priced)"
+        )
+    _, plan, planned, prediction, (tp, cp, dp, shard) = best
+    return ShardedPlan(
+        plan,
+        planned,
+        prediction,
+        tp,
+        cp,
+        dp,
+        shard,
+        len(candidates),
+        fit,
+        time.perf_counter() - started,
+    )

@@ -1,0 +1,75 @@
+"""The sharded single-stage search (FSDP2/HSDP x TP x CP): every plan of its
+space priced, the fastest that fits returned; checked against pricing the
+space by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.analytical.source import AnalyticalSource
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.planning import sharded_search
+from pipedejavu.planning.sharded_search import search_sharded, sharded_candidates
+from pipedejavu.planning.torchtitan_launch import sharded_plan
+
+SHEET = load_gpu_sheet()
+SPEC = dataclasses.replace(load_model_spec("llama-3-8b"), seq_length=32768)
+OPTIONS = TrainingOptions("bf16")
+
+
+def test_candidates_cover_the_space():
+    full = [dataclasses.replace(OPTIONS, recompute="full")]
+    got = sharded_candidates(SPEC, 16, 8, 8, recompute=full)
+    # tp 1, 2, 4, 8; cp with 2 cp | 32768 and dp | 8 samples; every mbs and
+    # dp_shard dividing what is left
+    expected = set()
+    for tp in (1, 2, 4, 8):
+        for cp in (1, 2, 4, 8, 16):
+            if 16 % (tp * cp):
+                continue
+            dp = 16 // (tp * cp)
+            if 8 % dp:
+                continue
+            for mbs in range(1, 8 // dp + 1):
+                for shard in range(1, dp + 1):
+                    if (8 // dp) % mbs == 0 and dp % shard == 0:
+                        expected.add((tp, cp, shard, mbs))
+    assert {c[:4] for c in got} == expected and len(got) == len(expected)
+
+
+def test_best_is_the_fastest_that_fits_by_hand():
+    full = [dataclasses.replace(OPTIONS, recompute=r) for r in ("none", "full")]
+    best = search_sharded(SPEC, "H100-SXM", 16, 8, SHEET, OPTIONS, recompute=full)
+    times = []
+    for tp, cp, shard, mbs, base in sharded_candidates(SPEC, 16, 8, 8, recompute=full):
+        options = dataclasses.replace(base, zero_stage=3, sequence_parallel=tp > 1)
+        share = dataclasses.replace(SPEC, seq_length=SPEC.seq_length // cp)
+        source = AnalyticalSource(share, SHEET, options, context_parallel=cp)
+        plan = sharded_plan(
+            SPEC, "H100-SXM", [32], mbs, 8, 8, tp=tp, pp=1, dp=16 // (tp * cp),
+            cp=cp, dp_shard=shard,
+        )  # fmt: skip
+        predicted = predict_plan(plan, source)
+        if predicted.fits_memory:
+            times.append(predicted.iteration_time_s)
+    assert best.fit == len(times) and best.searched == 2 * len(
+        sharded_candidates(SPEC, 16, 8, 8, recompute=full[:1])
+    )
+    assert best.prediction.iteration_time_s == pytest.approx(min(times), rel=1e-12)
+    assert best.options.zero_stage == 3 and best.plan.layout.cp == best.cp
+    assert best.proven
+
+
+def test_nothing_fits_and_too_large(monkeypatch):
+    huge = load_model_spec("llama-3.1-405b")
+    with pytest.raises(InfeasibleProblemError, match="no sharded"):
+        search_sharded(huge, "H100-SXM", 8, 8, SHEET, OPTIONS)
+    monkeypatch.setattr(sharded_search, "MAX_SHARDED_PLANS", 10)
+    with pytest.raises(ProblemError, match="more than 10 plans"):
+        sharded_candidates(SPEC, 64, 8, 64, recompute=[OPTIONS])
