@@ -309,9 +309,7 @@ def _sharded(plan: Plan3D, tp: int, options: TrainingOptions) -> bool:
     return False
 
 
-def _check_training(
-    plan: Plan3D, tp: int, options: TrainingOptions, fsdp: bool
-) -> None:
+def _check_training(tp: int, options: TrainingOptions, fsdp: bool) -> None:
     """Precision, sequence parallelism and overlap (module docstring)."""
     if options.precision == "fp16":
         raise _refuse(
@@ -493,7 +491,7 @@ def to_torchtitan(
     check_whole_batch(plan, TORCHTITAN_VERSION)
     pp = plan.num_stages
     fsdp = _sharded(plan, tp, options)
-    _check_training(plan, tp, options, fsdp)
+    _check_training(tp, options, fsdp)
     divisor = _check_length(plan, tp, options, seq_length)
     chunks = options.virtual_stages
     if chunks > 1:
