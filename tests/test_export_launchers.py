@@ -325,7 +325,9 @@ def test_launchers_is_what_the_exports_do(options):
 
 
 def test_the_report_names_the_targets_that_launch_the_plan(capsys):
-    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:8", "--global-batch"]
+    # the pipeline search (the sharded space's FSDP plans: test_sharded_search)
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:8", "--sharded", "off"]
+    argv += ["--global-batch"]
     code, out, _ = run(capsys, *argv, 256)
     assert code == 0
     assert "GPUs H100:8 (H100-SXM)" in out.splitlines()[0]
@@ -336,7 +338,8 @@ def test_the_report_names_the_targets_that_launch_the_plan(capsys):
 
 
 def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
-    argv = ["plan", "--model", "Mistral-7B", "--gpus", "H100:32", "--global-batch"]
+    argv = ["plan", "--model", "Mistral-7B", "--gpus", "H100:32", "--sharded", "off"]
+    argv += ["--global-batch"]
     code, out, _ = run(capsys, *argv, 64, "--json")
     assert code == 0
     data = json.loads(out)
@@ -361,7 +364,7 @@ def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
 def test_an_export_target_refuses_a_precision_with_the_reason(capsys):
     argv = ["plan", "--model", "Llama-3-70B", "--gpus", "H100:64"]
     argv += ["--global-batch", 1024, "--precision", "bf16", "--export", "torchtitan"]
-    code, out, err = run(capsys, *argv)
+    code, out, err = run(capsys, *argv, "--sharded", "off")  # pipelines alone
     assert code == 2 and out == ""
     assert "only with FSDP" in err
     assert err.rstrip().endswith(

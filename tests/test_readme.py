@@ -34,6 +34,7 @@ INPUT_DESTS = (
     "problem",
     "cluster_file",
     "plan",
+    "torchtitan_config",
     "stage_profile",
     "steps",
     "perf",

@@ -15,6 +15,7 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning import sharded_search
+from pipedejavu.planning.plan_model import plan_model
 from pipedejavu.planning.sharded_search import search_sharded, sharded_candidates
 from pipedejavu.planning.torchtitan_launch import sharded_plan
 
@@ -73,3 +74,39 @@ def test_nothing_fits_and_too_large(monkeypatch):
     monkeypatch.setattr(sharded_search, "MAX_SHARDED_PLANS", 10)
     with pytest.raises(ProblemError, match="more than 10 plans"):
         sharded_candidates(SPEC, 64, 8, 64, recompute=[OPTIONS])
+
+
+def test_plan_model_keeps_the_faster_of_both_spaces():
+    regular = plan_model(
+        "Llama-3-8B", {"H100": 16}, 16, seq_length=32768, sharded=False
+    )
+    joined = plan_model("Llama-3-8B", {"H100": 16}, 16, seq_length=32768)
+    alone = search_sharded(
+        dataclasses.replace(SPEC, seq_length=32768),
+        "H100-SXM",
+        16,
+        16,
+        SHEET,
+        regular.choice.options,
+        recompute=[
+            dataclasses.replace(regular.choice.options, recompute=r)
+            for r in regular.space.recompute
+        ],
+    )
+    best = min(regular.result.iteration_time_s, alone.prediction.iteration_time_s)
+    assert joined.result.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert joined.result.proven and regular.result.proven
+    assert joined.result.predicted_lower_bound_s == pytest.approx(best, rel=1e-12)
+    if joined.result.method == "enumeration":  # the sharded plan won
+        # its cost source prices it again as it was searched
+        again = predict_plan(joined.result.plan, joined.choice.data)
+        assert again.iteration_time_s == joined.result.iteration_time_s
+        assert joined.result.options.zero_stage == 3
+    assert any("sharded single-stage" in note for note in joined.choice.notes)
+
+
+def test_sharded_refused_where_it_does_not_apply():
+    with pytest.raises(ProblemError, match="several GPU types"):
+        plan_model("Llama-3-8B", {"H100": 8, "A100-80": 8}, 16, sharded=True)
+    with pytest.raises(ProblemError, match="--export megatron runs no FSDP"):
+        plan_model("Llama-3-8B", {"H100": 8}, 16, sharded=True, export="megatron")

@@ -427,6 +427,7 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             profiles=args.profiles,
             memory_headroom=args.memory_headroom,
             experts=layers_of(moe, axes.ep, axes.etp),
+            context_parallel=plan.layout.cp,
         )
         if not choice.analytical:
             # Profiles alone: today's reading, which checks --model against it.

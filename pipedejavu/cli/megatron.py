@@ -40,7 +40,7 @@ from pipedejavu.cli.megatron_report import (
     utilization_line,
 )
 from pipedejavu.cli.parsing import int_in
-from pipedejavu.cli.torchtitan import predict_torchtitan
+from pipedejavu.cli.torchtitan import add_sharded_flag, predict_torchtitan, sharded_of
 from pipedejavu.core.files import json_text
 from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS
@@ -56,7 +56,12 @@ from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.expert_search import moe_options_of
 from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, SCHEDULES, KnobSpace
 from pipedejavu.planning.megatron_launch import plan_utilization, predict_megatron_run
-from pipedejavu.planning.plan_model import default_space, launched_space, plan_model
+from pipedejavu.planning.plan_model import (
+    default_space,
+    launched_space,
+    plan_model,
+    target_space,
+)
 from pipedejavu.planning.training import (
     check_global_batch,
     expected_slow,
@@ -204,6 +209,7 @@ def add_parsers(commands: Any) -> None:
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
 
+    add_sharded_flag(plan)
     add_plan_options(plan)
 
 
@@ -366,8 +372,7 @@ def _plan(args: argparse.Namespace) -> int:
     experts = expert_knobs(args, choice.spec)
     space = knob_space(args, auto, MEGATRON_SCHEDULES if experts else SCHEDULES)
     asked = knobs_asked(args)
-    if args.export:  # only what the target launches as planned
-        space = launched_space(args.export, space, choice.options)
+    space = target_space(args.export, space, choice, sharded_of(args))  # launched
     alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     result, choice, knobs = _search(args, choice, pool, space, asked, args.export)
     spec, spec_note = export_model(choice)
@@ -484,6 +489,7 @@ def _search(
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
+            sharded=sharded_of(args),
             **expert_knobs(args, choice.spec),
         )
         return knobs.result, knobs.choice, knobs

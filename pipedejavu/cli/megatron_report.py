@@ -152,7 +152,12 @@ def format_training_plan(result, pool: str | None = None, spec=None) -> str:
         fewer = ", ".join(f"{gpu}:{n}" for gpu, n in used.items())
         lines.append(f"  uses fewer GPUs than available: {fewer}")
     chunks = result.options.virtual_stages
-    if chunks == 1 and not mixed and result.optimum_s != result.optimum_s:
+    if result.method == "enumeration":
+        objective = [
+            f"sharded single-stage space: every one of its {result.configurations} "
+            "plans priced by the predictor (no planning objective)",
+        ]
+    elif chunks == 1 and not mixed and result.optimum_s != result.optimum_s:
         objective = [
             "planning objective: n/a (the closed form prices Megatron's default "
             "rank order); plans in the tp-pp-dp order searched by the branch "
@@ -240,7 +245,9 @@ def format_knobs(knobs) -> str:
     lines = [
         f"knobs: {schedule_name(options)}, recompute {recompute_name(options)}, "
         f"sequence parallel {_on(options.sequence_parallel)}, distributed optimizer "
-        f"{_on(options.distributed_optimizer)}, rank order {order} "
+        f"{_on(options.distributed_optimizer)}"
+        + (f" (ZeRO-{options.zero_stage})" if options.zero_stage > 1 else "")
+        + f", rank order {order} "
         f"(searched: "
         f"{knobs.space.describe()})"
     ]

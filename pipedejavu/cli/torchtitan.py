@@ -19,7 +19,27 @@ from pipedejavu.planning.any_model import sheet_name
 from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
 from pipedejavu.planning.training import parse_gpu_pool
 
-__all__ = ["predict_torchtitan"]
+__all__ = ["add_sharded_flag", "predict_torchtitan", "sharded_of"]
+
+
+def add_sharded_flag(plan: argparse.ArgumentParser) -> None:
+    """``plan --sharded auto|on|off``."""
+    plan.add_argument(
+        "--sharded",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also search every single-stage plan of sharded data parallelism "
+        "(FSDP2/HSDP over dp_shard x cp GPUs, ZeRO-3) with TP and context "
+        "parallelism, every GPU used, and keep the faster (auto: for a model "
+        "priced analytically on one GPU type, without --export or with "
+        "--export torchtitan; on: refuse where it does not apply)",
+    )
+
+
+def sharded_of(args: argparse.Namespace) -> bool | None:
+    """``--sharded`` as :func:`~pipedejavu.planning.plan_model.plan_model`
+    takes it."""
+    return {"auto": None, "on": True, "off": False}[getattr(args, "sharded", "auto")]
 
 
 def predict_torchtitan(args: argparse.Namespace) -> int:

@@ -22,9 +22,11 @@ from typing import Any
 from pipedejavu.core.layout import ParallelLayout
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 
 __all__ = [
+    "check_sharding",
     "megatron_parallel_args",
     "ExportRefused",
     "has_experts",
@@ -258,3 +260,24 @@ def megatron_parallel_args(
         "--num-layers",
         str(num_layers),
     ]
+
+
+def check_sharding(plan: Plan3D, target: str, options: TrainingOptions | None) -> None:
+    """Refuse sharded gradients or parameters (ZeRO-2/3) and context
+    parallelism where the target's export does not write them (torchtitan's
+    checks its own: :mod:`pipedejavu.io.export_torchtitan`)."""
+    if target == "torchtitan":
+        return
+    stage = 0 if options is None else options.zero_stage
+    if stage > 1:
+        raise ExportRefused(
+            f"{target}: the plan shards its "
+            f"{'gradients' if stage == 2 else 'parameters and gradients'} "
+            f"(ZeRO-{stage}); the export writes the optimizer's sharding at most "
+            "(Megatron-LM's FSDP and DeepSpeed's ZeRO-2/3 are not written yet)"
+        )
+    if plan.layout.cp > 1 and target != "megatron":
+        raise ExportRefused(
+            f"{target}: the plan runs context parallelism {plan.layout.cp}, which "
+            "its export does not write"
+        )

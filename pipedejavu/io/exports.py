@@ -118,6 +118,7 @@ from pipedejavu.io.export_megatron_command import megatron_command
 from pipedejavu.io.export_rules import (
     ExportRefused,
     check_model_layers,
+    check_sharding,
     transformer_layers,
 )
 from pipedejavu.io.export_torchtitan import to_torchtitan
@@ -238,9 +239,9 @@ LAUNCHED_RECOMPUTE_LAYERS: dict[str, tuple[None, ...] | None] = {
 #: Why a target runs no plan of a precision, where more than its flags is
 #: missing.
 _PRECISION_WHY = {
-    ("torchtitan", "bf16"): "torchtitan trains bf16 as planned (bf16 weights "
-    "beside fp32 master weights) only with FSDP, which shards parameters, "
-    "gradients and optimizer state: plans with FSDP are not searched yet",
+    ("torchtitan", "bf16"): "torchtitan trains bf16 only with FSDP, which "
+    "shards parameters, gradients and optimizer state: the sharded single-stage "
+    "space (plan --sharded) holds such plans, the pipeline search none",
 }
 #: The targets that run data parallelism as planned (unsharded replicas) only
 #: without TP or PP beside it: torchtitan, whose DDP refuses more than one
@@ -404,6 +405,7 @@ def _build(
     moe: MoeOptions | None = None,
 ) -> str:
     options = uniform_recompute(plan, options, target, spec)
+    check_sharding(plan, target, options)
     order = _order(plan, gpus_per_node)
     if order not in LAUNCHED_RANK_ORDERS.get(target, ()):
         raise ExportRefused(

@@ -178,6 +178,7 @@ def choose_cost_source(
     mbs_values: Sequence[int] = DEFAULT_MBS_VALUES,
     memory_headroom: MemoryHeadroom | float | str | None = None,
     experts: ExpertLayers | None = None,
+    context_parallel: int = 1,
 ) -> CostChoice:
     """The cost source that prices ``model`` on ``gpu_types`` (module doc).
 
@@ -203,6 +204,8 @@ def choose_cost_source(
         experts: a mixture of experts' expert layout and kernels (``None``:
             EP 1; :func:`~pipedejavu.planning.plan_model.plan_model` searches
             the EP degrees); ignored for a dense model.
+        context_parallel: the plans' context parallelism ``c``: the source
+            prices ``1 / c`` of each sequence (analytically only).
 
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
@@ -211,7 +214,7 @@ def choose_cost_source(
     headroom = headroom_of(memory_headroom)
     choice = _choose(
         model, list(gpu_types), options, precision, recompute, seq_length,
-        gpu_sheet, profiles, mbs_values, experts,
+        gpu_sheet, profiles, mbs_values, experts, context_parallel,
     )  # fmt: skip
     if headroom is None:
         return choice
@@ -229,6 +232,7 @@ def _choose(
     profiles: str | os.PathLike | None,
     mbs_values: Sequence[int],
     experts: ExpertLayers | None = None,
+    context_parallel: int = 1,
 ) -> CostChoice:
     data = load_sailor_data(profiles)
     profiled = _profiled_name(data, model)
@@ -239,6 +243,12 @@ def _choose(
             f"has: {have}); without --profiles a model without profiles is "
             "priced analytically"
         )
+    cp = context_parallel
+    if profiled is not None and cp > 1:
+        raise ProblemError(
+            f"context parallelism {cp} is priced analytically, not from the "
+            f"profiles of {profiled}"
+        )
     if profiled is not None:
         options = _options(options, precision, recompute, "fp32")
         return _choose_profiled(
@@ -248,9 +258,16 @@ def _choose(
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: sheet_name(sheet, g) for g in gpu_types}
+    if cp > 1 and spec.seq_length % (2 * cp):
+        raise ProblemError(
+            f"a sequence of {spec.seq_length} tokens does not split over 2 x "
+            f"context parallelism {cp} (load-balanced halves)"
+        )
+    share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
     source = AnalyticalSource(
-        spec, sheet, options, mbs_values=mbs_values, experts=experts
-    )
+        share, sheet, options, mbs_values=mbs_values, experts=experts,
+        context_parallel=cp,
+    )  # fmt: skip
     return CostChoice(source, spec.name, names, options, spec, ())
 
 

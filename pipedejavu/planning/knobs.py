@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipedejavu.core.layout import LEGACY_ORDERS
 from pipedejavu.core.memory_headroom import MemoryHeadroom, kept_free
 from pipedejavu.core.plan3d import RANK_ORDERS, rank_order_of
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
@@ -122,6 +123,8 @@ class KnobPlan:
         """The plan's rank order (:func:`~pipedejavu.core.plan3d.rank_order_of`;
         the default where both place it alike)."""
         plan = self.result.plan
+        if plan.layout.cp > 1:  # (its nodes are its sequences' first GPUs')
+            return {new: old for old, new in LEGACY_ORDERS.items()}[plan.layout.order]
         gpu = plan.stages[0].replicas[0].gpu_type
         return rank_order_of(plan, self.choice.data.gpu_spec(gpu).gpus_per_node)
 

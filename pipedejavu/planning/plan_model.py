@@ -52,6 +52,7 @@ from pipedejavu.planning.expert_search import (
 )
 from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
+from pipedejavu.planning.sharded_search import TORCHTITAN_RECOMPUTE, join_sharded
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
@@ -59,6 +60,8 @@ __all__ = [
     "default_space",
     "launched_space",
     "plan_model",
+    "sharded_alone",
+    "target_space",
 ]
 
 #: Training options the search keeps as given (not knobs), which an export
@@ -144,6 +147,7 @@ def plan_model(
     dispatchers: Sequence[str] = DISPATCHERS_SEARCHED,
     dispatch_overlap: Sequence[bool] = (False, True),
     expert_tp: Sequence[int] = (1,),
+    sharded: bool | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` on ``gpus``, as ``pipedejavu plan``
     finds it (module docstring), proven optimal under the predictor.
@@ -179,6 +183,10 @@ def plan_model(
             token dispatchers, all-to-all overlaps and expert TP degrees
             searched (:func:`~pipedejavu.planning.expert_search.
             expert_layouts`; each expert TP degree adds as many layouts).
+        sharded: also search every single-stage plan of sharded data
+            parallelism (FSDP2/HSDP) with TP and context parallelism
+            (:mod:`~pipedejavu.planning.sharded_search`) and keep the faster
+            (``None``: where it applies; ``False``: never).
 
     Returns:
         A :class:`~pipedejavu.planning.knobs.KnobPlan`: ``.result`` the plan
@@ -206,8 +214,8 @@ def plan_model(
     }
     choice = choose_cost_source(model, pool, **shared)
     space = default_space(choice, export) if space is None else space
-    if export is not None:
-        space = launched_space(export, space, choice.options)
+    alone = sharded_alone(choice, export, sharded)
+    space = target_space(export, space, choice, sharded)
     search = dict(
         space=space,
         method=method,
@@ -220,7 +228,22 @@ def plan_model(
     )
     spec = choice.spec
     if spec is None or spec.moe is None:
-        return plan_with_knobs(model, pool, global_batch, **search, **shared)
+        started = time.perf_counter()
+        joined = _sharding(choice, pool, export, True if alone else sharded, search)
+        regular = None
+        try:
+            if not alone:
+                regular = plan_with_knobs(model, pool, global_batch, **search, **shared)
+        except InfeasibleProblemError:
+            if not joined:
+                raise
+        if not joined:
+            return regular
+        recompute = TORCHTITAN_RECOMPUTE if export == "torchtitan" else None
+        return join_sharded(
+            regular, choice, pool, global_batch, search["space"], started=started,
+            recompute=recompute,
+        )  # fmt: skip
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
     layouts = expert_layouts(
         spec,
@@ -245,6 +268,62 @@ def plan_model(
     return _plan_experts(
         model, pool, global_batch, spec, searches, search, shared, per_node
     )
+
+
+def sharded_alone(choice: CostChoice, export: str | None, sharded: bool | None) -> bool:
+    """Whether only the sharded space is searched: for torchtitan, which
+    trains 16-bit and fp8 only with FSDP, a dense model priced analytically
+    (unless ``sharded`` is ``False``)."""
+    dense = choice.spec is not None and choice.spec.moe is None
+    return (
+        export == "torchtitan"
+        and choice.options.precision != "fp32"
+        and sharded is not False
+        and dense
+        and choice.analytical
+    )
+
+
+def target_space(
+    export: str | None, space: KnobSpace, choice: CostChoice, sharded: bool | None
+) -> KnobSpace:
+    """``space`` cut to what ``export`` launches (:func:`launched_space`),
+    where the pipeline search runs for it (not :func:`sharded_alone`)."""
+    if export is None or sharded_alone(choice, export, sharded):
+        return space
+    return launched_space(export, space, choice.options)
+
+
+def _sharding(
+    choice: CostChoice,
+    pool: Mapping[str, int],
+    export: str | None,
+    sharded: bool | None,
+    search: Mapping[str, Any],
+) -> bool:
+    """Whether the sharded single-stage space joins the search
+    (:func:`~pipedejavu.planning.sharded_search.join_sharded`): ``sharded``
+    ``None`` (auto) where it applies: a dense model priced analytically, one
+    GPU type, every GPU used or not asked, no export or torchtitan's (the
+    targets that launch FSDP2 as planned).
+
+    Raises:
+        ProblemError: ``sharded=True`` where it does not apply (one line).
+    """
+    if sharded is False:
+        return False
+    why = None
+    if not choice.analytical or choice.measured:
+        why = "the model is priced by its profiles"
+    elif len(pool) != 1:
+        why = "the pool has several GPU types"
+    elif search.get("mixed_types") or not search.get("uniform_tp", True):
+        why = "--mixed-types and --per-stage-tp search pipelines only"
+    elif export not in (None, "torchtitan"):
+        why = f"--export {export} runs no FSDP as planned"
+    if why is not None and sharded:
+        raise ProblemError(f"sharded data parallelism is not searched: {why}")
+    return why is None
 
 
 def _checked(values: Sequence[Any], allowed: Sequence[Any], name: str) -> tuple:

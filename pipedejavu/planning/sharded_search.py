@@ -37,15 +37,21 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, Plan3D
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
-from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.training_options import TORCHTITAN_OP, TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.roofline import AnalyticalConstants
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.planning.any_model import CostChoice
+from pipedejavu.planning.knob_space import KnobSpace
+from pipedejavu.planning.knobs import KnobPlan
 from pipedejavu.planning.torchtitan_launch import sharded_plan
+from pipedejavu.planning.training import TrainingPlan
 
 __all__ = [
     "MAX_SHARDED_PLANS",
+    "TORCHTITAN_RECOMPUTE",
+    "join_sharded",
     "ShardedPlan",
     "search_sharded",
     "sharded_candidates",
@@ -70,6 +76,7 @@ class ShardedPlan:
             of whole sequences).
         searched: plans priced; ``fit``: of them, those that fit.
         search_time_s: seconds the search took.
+        source: the cost source that priced ``plan``.
     """
 
     plan: Plan3D
@@ -82,6 +89,7 @@ class ShardedPlan:
     searched: int
     fit: int
     search_time_s: float
+    source: AnalyticalSource | None = None
 
     @property
     def proven(self) -> bool:
@@ -181,6 +189,8 @@ def search_sharded(
     if gpu_type not in sheet:
         raise ProblemError(f"GPU type {gpu_type!r} is not on the GPU sheet")
     entry = sheet[gpu_type]
+    if not options.flash_attention:  # context parallelism needs fused attention
+        max_cp = 1
     if recompute is None:
         recompute = [
             dataclasses.replace(options, recompute=r, recompute_num_layers=None)
@@ -239,6 +249,7 @@ def search_sharded(
             "priced)"
         )
     _, plan, planned, prediction, (tp, cp, dp, shard) = best
+    source = sources[(cp, planned)]
     return ShardedPlan(
         plan,
         planned,
@@ -250,4 +261,97 @@ def search_sharded(
         len(candidates),
         fit,
         time.perf_counter() - started,
+        source,
     )
+
+
+#: torchtitan's recomputations: none, its per-operation policy, full.
+TORCHTITAN_RECOMPUTE = ("none", (TORCHTITAN_OP,), "full")
+
+
+def _recomputing(
+    options: TrainingOptions, how: str | tuple[str, ...]
+) -> TrainingOptions:
+    """``options`` recomputing ``how``: a granularity, or selective modules."""
+    if isinstance(how, tuple):
+        return dataclasses.replace(
+            options, recompute="selective", recompute_modules=how,
+            recompute_num_layers=None,
+        )  # fmt: skip
+    return dataclasses.replace(options, recompute=how, recompute_num_layers=None)
+
+
+def join_sharded(
+    regular: KnobPlan | None,
+    choice: CostChoice,
+    pool: Mapping[str, int],
+    global_batch: int,
+    space: KnobSpace,
+    *,
+    started: float,
+    recompute: Sequence[str | tuple[str, ...]] | None = None,
+) -> KnobPlan:
+    """The faster of ``regular`` (the proven pipeline search's plan, ``None``
+    where no plan of its space fits) and :func:`search_sharded`'s on the
+    pool's one GPU type, every GPU used, with ``space``'s recomputations;
+    proven when ``regular`` is (both spaces are searched exactly), its note
+    added to the choice's.
+
+    Raises:
+        InfeasibleProblemError: no plan of either space fits.
+    """
+    ((gpu, count),) = choice.pool(pool).items()
+    source = choice.data
+    recompute = [
+        _recomputing(choice.options, r) for r in (recompute or space.recompute)
+    ]
+    spec = choice.spec
+    try:
+        found = search_sharded(
+            spec, gpu, count, global_batch, source.sheet, choice.options,
+            constants=source.constants, recompute=recompute,
+            memory_headroom=source.memory_headroom,
+        )  # fmt: skip
+    except InfeasibleProblemError:
+        if regular is None:
+            raise
+        return regular
+    note = (
+        f"sharded single-stage plans searched (FSDP2/HSDP x TP x CP, every GPU): "
+        f"{found.searched} priced, best {found.describe()} at "
+        f"{found.prediction.iteration_time_s:.4f} s"
+    )
+    seconds = found.prediction.iteration_time_s
+    if regular is not None and regular.result.iteration_time_s <= seconds:
+        kept = dataclasses.replace(regular.choice, notes=(*regular.choice.notes, note))
+        return dataclasses.replace(regular, choice=kept)
+    bound = seconds
+    proven = True
+    if regular is not None:
+        bound = min(bound, regular.result.predicted_lower_bound_s)
+        proven = regular.result.proven
+    result = TrainingPlan(
+        plan=found.plan,
+        prediction=found.prediction,
+        objective_s=math.nan,
+        optimum_s=math.nan,
+        lower_bound_s=math.nan,
+        gap=math.nan,
+        gpus_available=dict(choice.pool(pool)),
+        search_time_s=time.perf_counter() - started,
+        method="enumeration",
+        configurations=found.searched,
+        solved=found.searched,
+        predicted_lower_bound_s=bound,
+        proven=proven,
+        cost_source="analytical",
+        options=found.options,
+    )
+    won = dataclasses.replace(
+        choice,
+        data=found.source,
+        options=found.options,
+        notes=(*choice.notes, note),
+    )
+    outcomes = () if regular is None else regular.outcomes
+    return KnobPlan(result, won, space, outcomes)
