@@ -57,7 +57,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import test_export_knobs as knob_rules  # noqa: E402  (plans, re-stated rules)
 import test_export_targets as rules  # noqa: E402
 
-from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
+from pipedejavu.core.training_options import (  # noqa: E402
+    TORCHTITAN_OP,
+    TrainingOptions,
+)
 from pipedejavu.io.export_rules import ExportRefused, num_blocks  # noqa: E402
 from pipedejavu.io.export_torchtitan import module_fqns, schedule_name  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
@@ -160,17 +163,37 @@ def titan_model(blocks: int):
     return Transformer(args)
 
 
-def wrapped_blocks(part, ac_config) -> list[bool]:
-    """Which transformer blocks of ``part`` torchtitan's ``apply_ac`` wraps."""
+def checkpoint_mode(options: TrainingOptions) -> str:
+    """The ``[activation_checkpoint] mode`` a plan's recomputation needs
+    (``"selective"``: torchtitan's op policy)."""
+    if options.recompute == "none":
+        return "none"
+    return "selective" if options.selective_modules == (TORCHTITAN_OP,) else "full"
+
+
+def block_wrapping(block) -> str:
+    """How ``apply_ac`` wrapped a block: ``"none"``, ``"full"`` (a checkpoint
+    without a policy) or ``"selective"`` (with a policy's ``context_fn``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointWrapper,
     )
+
+    if not isinstance(block, CheckpointWrapper):
+        return "none"
+    keywords = getattr(block.checkpoint_fn, "keywords", {})
+    return "selective" if "context_fn" in keywords else "full"
+
+
+def wrapped_blocks(part, ac_config, policy: bool = False) -> list:
+    """Which transformer blocks of ``part`` torchtitan's ``apply_ac`` wraps
+    (``policy``: how, :func:`block_wrapping`)."""
     from torchtitan.distributed import activation_checkpoint as ac
 
     ac._layer_sac_count = 0  # its per-process count of wrapped blocks
     with silenced():
         ac.apply_ac(part, ac_config)
-    return [isinstance(b, CheckpointWrapper) for b in part.layers.values()]
+    how = [block_wrapping(b) for b in part.layers.values()]
+    return how if policy else [h != "none" for h in how]
 
 
 def amp_is_fp32(dims, config) -> bool:
@@ -283,8 +306,11 @@ def check_torchtitan(
     expect(training.dtype == "float32", "training.dtype")
     if seq_length is not None:
         expect(training.seq_len == seq_length, f"seq_len {training.seq_len}")
-    mode = "none" if options.recompute == "none" else "full"
-    expect(config.activation_checkpoint.mode == mode, "activation_checkpoint.mode")
+    mode = checkpoint_mode(options)
+    ac_config = config.activation_checkpoint
+    expect(ac_config.mode == mode, "activation_checkpoint.mode")
+    if mode == "selective":
+        expect(ac_config.selective_ac_option == "op", "selective_ac_option")
     # train.py: gradient accumulation over the batch degree.
     degree = dims.dp_replicate * dims.dp_shard
     expect(training.global_batch_size % (training.local_batch_size * degree) == 0,
@@ -351,10 +377,10 @@ def check_torchtitan(
                 if rank == 0:
                     compared.update(compare_orders(schedule, par, plan.num_stages,
                                                    chunks))  # fmt: skip
-            if mode == "full":
+            if mode != "none":  # every block, with the op policy or without
                 for part in parts:
-                    expect(all(wrapped_blocks(part, config.activation_checkpoint)),
-                           "apply_ac full: a block not wrapped")  # fmt: skip
+                    wrapped = wrapped_blocks(part, ac_config, policy=True)
+                    expect(wrapped == [mode] * len(wrapped), f"apply_ac {mode}")
         expect((micro, count) == (plan.mbs, plan.num_microbatches), "batch")
     check_rank_cover(plan, coords, rules.types_by_rank(text))
     return dict(compared)

@@ -2,8 +2,9 @@
 
 Seeded random plans (FSDP and HSDP over the layout's shard groups, context
 parallelism, TP, a few pipelines, ZeRO stages 0 to 3, fp32, bf16, fp8 and
-fp16, recomputation none, full or selective, sequence lengths that CP's load
-balancing takes and some it does not) are exported with ``export_plan(plan,
+fp16, recomputation none, full, torchtitan's per-op policy or Megatron's
+selective modules, sequence lengths that CP's load balancing takes and some
+it does not) are exported with ``export_plan(plan,
 "torchtitan", ...)``. For each export:
 
 * ``ConfigManager().parse_args`` reads the TOML (an unknown key raises) and
@@ -23,8 +24,9 @@ balancing takes and some it does not) are exported with ``export_plan(plan,
   each block, the norm with the head) over the ``dp_replicate x fsdp`` mesh of
   the plan's sizes, its ``MixedPrecisionPolicy`` (bf16 or fp32 parameters,
   fp32 reduction), whether it reshards after the forward
-  (``reshard_after_forward``), every block wrapped by ``apply_ac`` under full
-  recomputation and none otherwise, TP's DTensors on the ``tp`` mesh, CP's
+  (``reshard_after_forward``), every block wrapped by ``apply_ac`` (with the
+  op policy's ``context_fn`` for torchtitan's per-op recomputation, without
+  for full, none without recomputation), TP's DTensors on the ``tp`` mesh, CP's
   hooks on every attention (torchtitan 0.2.2; 0.2.1 enters CP per step) and
   ``maybe_enable_amp`` leaving mixed precision to FSDP;
 * a plan without FSDP (unsharded, one replica or DDP alone) goes through
@@ -41,7 +43,7 @@ Run it in an environment with torchtitan and CPU torch (torchao for fp8's
 conversion: on ``PYTHONPATH`` is enough; without it the converter's
 registration and recipe are checked, not the conversion)::
 
-    PYTHONPATH=. python benchmarks/check_torchtitan_fsdp.py --plans 240
+    PYTHONPATH=. python benchmarks/check_torchtitan_fsdp.py
 
 Writes ``benchmarks/results/check_torchtitan_fsdp_<torchtitan version>.json``.
 """
@@ -73,7 +75,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_torchtitan import (  # noqa: E402
     Mismatch,
     RealRejects,
+    block_wrapping,
     check_torchtitan,
+    checkpoint_mode,
     expect,
     fake_rank,
     options_rejects,
@@ -84,7 +88,10 @@ from check_torchtitan import (  # noqa: E402
 )
 
 from pipedejavu.core.layout import ParallelLayout  # noqa: E402
-from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
+from pipedejavu.core.training_options import (  # noqa: E402
+    TORCHTITAN_OP,
+    TrainingOptions,
+)
 from pipedejavu.costmodel.megatron.tables import plan_from_stages  # noqa: E402
 from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
@@ -122,11 +129,15 @@ def random_case(seed: int):
     precision = str(
         rng.choice(["fp32", "bf16", "fp8", "fp16"], p=[0.25, 0.45, 0.28, 0.02])
     )
+    how = str(
+        rng.choice(["none", "full", "op", "core_attn"], p=[0.35, 0.35, 0.25, 0.05])
+    )
     options = TrainingOptions(
         precision=precision,
         zero_stage=stage,
         reshard_after_forward=bool(stage != 3 or rng.random() < 0.5),
-        recompute=str(rng.choice(["none", "full", "selective"], p=[0.47, 0.47, 0.06])),
+        recompute=how if how in ("none", "full") else "selective",
+        recompute_modules=(TORCHTITAN_OP if how == "op" else "core_attn",),
         sequence_parallel=tp > 1 and rng.random() < 0.97,
         flash_attention=bool(rng.random() < 0.97),
         grad_reduce_in_bf16=precision in ("bf16", "fp8") and rng.random() < 0.05,
@@ -166,7 +177,10 @@ def expected_refusal(plan, options: TrainingOptions, length) -> str | None:
         return "seq_len to be a multiple of tp x 2 cp"
     if layout.cp > 1 and not options.flash_attention:
         return "SDPA's fused kernels only"
-    if options.recompute == "selective":
+    op = options.selective_modules == (TORCHTITAN_OP,)
+    if op and options.precision == "fp8":
+        return "which the policy recomputes"
+    if options.recompute == "selective" and not op:
         return "no selective recomputation"
     if pp > 1 and plan.num_microbatches < pp:
         return "at least as many micro-batches"
@@ -329,6 +343,15 @@ def confirm(reason: str, plan, options: TrainingOptions, length) -> str:
         return sdpa_witness()
     if reason == "no selective recomputation":
         return options_rejects(plan, tp, TrainingOptions(recompute="selective"))
+    if reason == "which the policy recomputes":
+        from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+        ops = torch.ops.aten
+        if ops.mm.default in _op_sac_save_list and not any(
+            "_scaled_mm" in str(op) for op in _op_sac_save_list
+        ):
+            return "parallelize's op policy saves aten.mm, not aten._scaled_mm"
+        return ""
     if reason.startswith("at least"):
         return titan_schedule_rejects(plan, tp, options)
     return ""
@@ -372,9 +395,6 @@ def converted(config, dims, model) -> int:
 
 def check_fsdp(plan, text: str, options: TrainingOptions, length) -> dict:
     """An FSDP export through torchtitan's code (module docstring)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointWrapper,
-    )
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.utils import maybe_enable_amp
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
@@ -435,8 +455,8 @@ def check_fsdp(plan, text: str, options: TrainingOptions, length) -> dict:
                    f"{name}: {policy}")  # fmt: skip
             reshards = group.post_forward_mesh_info is not None
             expect(reshards == options.reshard_after_forward, f"{name}: reshard")
-        wrapped = [isinstance(b, CheckpointWrapper) for b in model.layers.values()]
-        expect(wrapped == [options.recompute == "full"] * blocks, "apply_ac")
+        wrapped = [block_wrapping(b) for b in model.layers.values()]
+        expect(wrapped == [checkpoint_mode(options)] * blocks, f"apply_ac {wrapped}")
         if tp > 1:
             weight = model.layers["0"].attention.wq.weight
             mesh = weight.device_mesh
@@ -458,7 +478,7 @@ def kinds(plan, options: TrainingOptions) -> list[str]:
            "unsharded"]  # fmt: skip
     out += ["CP"] * (layout.cp > 1) + ["TP"] * (tp > 1)
     out += ["PP"] * (plan.num_stages > 1) + [options.precision]
-    out += ["full recomputation"] * (options.recompute == "full")
+    out += [f"recomputation {checkpoint_mode(options)}"] * (options.recompute != "none")
     out += ["no resharding"] * (fsdp and not options.reshard_after_forward)
     return out
 
@@ -523,7 +543,7 @@ def versions() -> dict[str, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plans", type=int, default=400)
+    parser.add_argument("--plans", type=int, default=440)
     parser.add_argument("--out", type=Path, default=None)
     ns = parser.parse_args(argv)
     logging.disable(logging.WARNING)

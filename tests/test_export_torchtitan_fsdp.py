@@ -13,7 +13,7 @@ import pytest
 import tomllib
 
 from pipedejavu.core.layout import ParallelLayout
-from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.training_options import TORCHTITAN_OP, TrainingOptions
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.export_torchtitan import to_torchtitan
@@ -114,6 +114,25 @@ def test_tp_with_fsdp_and_no_resharding_and_full_recomputation():
     assert got["parallelism"]["fsdp_reshard_after_forward"] == "never"
     assert got["parallelism"]["tensor_parallel_degree"] == 4
     assert got["activation_checkpoint"] == {"mode": "full"}
+
+
+def test_torchtitans_per_op_recomputation():
+    """The policy the sharded search prices (``recompute_modules =
+    ("torchtitan_op",)``) is torchtitan's op-level selective mode."""
+    options = dataclasses.replace(
+        ZERO3, recompute="selective", recompute_modules=(TORCHTITAN_OP,)
+    )
+    got = config(sharded_plan(tp=2, dp=4, cp=2), options)
+    assert got["activation_checkpoint"] == {
+        "mode": "selective",
+        "selective_ac_option": "op",
+    }
+    # Megatron-Core's modules are another policy.
+    with pytest.raises(ExportRefused, match="no selective recomputation of Megat"):
+        to_torchtitan(
+            sharded_plan(dp=4),
+            dataclasses.replace(options, recompute_modules=("core_attn",)),
+        )
 
 
 def test_fp8_is_torchaos_tensorwise_float8_linears():
@@ -252,6 +271,18 @@ REFUSED = [
         TrainingOptions("bf16"),
         8192,
         "for plans with zero_stage 3",
+    ),
+    (
+        "per-op recomputation of float8 linears",
+        sharded_plan(dp=2),
+        dataclasses.replace(
+            ZERO3,
+            precision="fp8",
+            recompute="selective",
+            recompute_modules=(TORCHTITAN_OP,),
+        ),
+        8192,
+        "run aten._scaled_mm, which the policy recomputes",
     ),
     (
         "fp8 without FSDP",

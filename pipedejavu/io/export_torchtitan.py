@@ -118,9 +118,14 @@ every second block):
   as ``"full"`` when no chunk has more than ``k`` layers, refused otherwise
   (torchtitan's layer-level selective mode checkpoints every ``n``-th block
   of a rank, counted over its parts, not the first ``k`` of each).
-* selective: refused. Megatron-LM recomputes the attention core only;
-  torchtitan's op-level mode saves the matmul outputs but every second one
-  and recomputes the rest of each block, its layer-level mode whole blocks.
+* selective with torchtitan's own policy (``recompute_modules =
+  ("torchtitan_op",)``): ``"selective"`` with ``selective_ac_option =
+  "op"`` (``apply_ac`` wraps every block with a policy that saves every
+  other ``aten.mm`` output, attention's and a few others). With fp8 it is
+  refused: float8 linears run ``aten._scaled_mm``, which the policy's save
+  list does not hold, so every product is recomputed. Megatron-LM's
+  selective modules (by default the attention core alone) are refused: the
+  op-level mode is another policy, the layer-level mode whole blocks.
 
 **Precision** (``[training] dtype`` and ``mixed_precision_param``, always
 written; ``dtype`` stays ``"float32"``: ``"bfloat16"`` drops the fp32 master
@@ -171,7 +176,7 @@ from __future__ import annotations
 import json
 
 from pipedejavu.core.plan3d import Plan3D
-from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.core.training_options import TORCHTITAN_OP, TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.export_rules import (
     ExportRefused,
@@ -374,14 +379,23 @@ def _check_length(
 def _checkpoint_mode(
     plan: Plan3D, options: TrainingOptions, spec: TransformerSpec | None
 ) -> str:
-    """``[activation_checkpoint] mode`` (module docstring)."""
+    """``[activation_checkpoint]``'s lines (module docstring)."""
     if options.recompute == "none":
-        return "none"
+        return 'mode = "none"'
+    if options.selective_modules == (TORCHTITAN_OP,):
+        if options.precision == "fp8":
+            raise _refuse(
+                "'s per-op recomputation saves aten.mm outputs; its float8 "
+                "linears run aten._scaled_mm, which the policy recomputes, not "
+                "the every-other product the plan was priced with"
+            )
+        return 'mode = "selective"\nselective_ac_option = "op"'
     if options.recompute == "selective":
         raise _refuse(
-            " has no selective recomputation of the attention core alone (its "
-            "op-level mode recomputes all but every other matmul output, its "
-            "layer-level mode whole blocks)"
+            " has no selective recomputation of Megatron-Core's modules "
+            f"({', '.join(options.selective_modules)}): its op-level mode is its "
+            f"own policy (recompute_modules ['{TORCHTITAN_OP}']), its "
+            "layer-level mode whole blocks"
         )
     limit = options.recompute_num_layers
     if limit is not None:
@@ -392,7 +406,7 @@ def _checkpoint_mode(
                 f" recomputes every block or every n-th block of a rank, not the "
                 f"first {limit} of each chunk (a chunk holds up to {most})"
             )
-    return "full"
+    return 'mode = "full"'
 
 
 def _schedule(plan: Plan3D, options: TrainingOptions) -> str:
@@ -527,4 +541,4 @@ def to_torchtitan(
             f"pipeline_parallel_microbatch_size = {plan.mbs}\n"
             f"module_fqns_per_model_part = [\n    {fqns},\n]\n"
         )
-    return text + fp8 + f'\n[activation_checkpoint]\nmode = "{mode}"\n'
+    return text + fp8 + f"\n[activation_checkpoint]\n{mode}\n"
