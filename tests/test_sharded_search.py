@@ -5,9 +5,11 @@ space by hand."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
+from pipedejavu.cli.main import main
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
@@ -110,3 +112,30 @@ def test_sharded_refused_where_it_does_not_apply():
         plan_model("Llama-3-8B", {"H100": 8, "A100-80": 8}, 16, sharded=True)
     with pytest.raises(ProblemError, match="--export megatron runs no FSDP"):
         plan_model("Llama-3-8B", {"H100": 8}, 16, sharded=True, export="megatron")
+
+
+def test_plan_export_torchtitan_in_bf16_and_fp8_is_fsdp(capsys):
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16"]
+    argv += ["--global-batch", "16", "--seq-len", "32768", "--export", "torchtitan"]
+    for precision in ("bf16", "fp8"):
+        assert main([*argv, "--precision", precision, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        text = data["export"]["text"]
+        layout = data["layout"]
+        assert data["options"]["zero_stage"] == 3 and data["proven_optimal"]
+        shard = layout.get("dp_shard", layout["dp"])
+        assert f"data_parallel_shard_degree = {shard}" in text
+        assert f"data_parallel_replicate_degree = {layout['dp'] // shard}" in text
+        if layout["cp"] > 1:
+            assert f"context_parallel_degree = {layout['cp']}" in text
+        # torchtitan splits each sequence over tp x 2 cp
+        tp = data["stages"][0]["replicas"][0]["tp"]
+        assert 32768 % (2 * tp * layout["cp"]) == 0
+        if precision == "fp8":  # its per-op policy saves no fp8 product
+            assert data["options"]["recompute_modules"] != ["torchtitan_op"] or (
+                data["options"]["recompute"] != "selective"
+            )
+            assert "quantize.linear.float8" in text
+    # the pipelines alone: bf16 is refused for torchtitan, with the reason
+    assert main([*argv, "--precision", "bf16", "--sharded", "off"]) == 2
+    assert "only with FSDP" in capsys.readouterr().err

@@ -373,8 +373,8 @@ def _plan(args: argparse.Namespace) -> int:
     space = knob_space(args, auto, MEGATRON_SCHEDULES if experts else SCHEDULES)
     asked = knobs_asked(args)
     space = target_space(args.export, space, choice, sharded_of(args))  # launched
-    alone = args.export in DATA_PARALLEL_ALONE  # (torchtitan's DDP)
     result, choice, knobs = _search(args, choice, pool, space, asked, args.export)
+    alone = args.export in DATA_PARALLEL_ALONE and result.method != "enumeration"
     spec, spec_note = export_model(choice)
     seq = None if spec is None else spec.seq_length
     exported = _export(args, result, choice.data, result.options, spec)

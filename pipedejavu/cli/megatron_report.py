@@ -249,7 +249,11 @@ def format_knobs(knobs) -> str:
         + (f" (ZeRO-{options.zero_stage})" if options.zero_stage > 1 else "")
         + f", rank order {order} "
         f"(searched: "
-        f"{knobs.space.describe()})"
+        + (
+            f"{knobs.space.describe()})"
+            if knobs.outcomes or knobs.result.method != "enumeration"
+            else "the sharded single-stage space alone)"
+        )
     ]
     dominated = [o for o in knobs.outcomes if o.how == "dominated"]
     for outcome in knobs.outcomes:

@@ -13,6 +13,7 @@ from typing import Any
 from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.core.training_options import (
     RECOMPUTE_GRANULARITIES,
+    TORCHTITAN_OP,
     RecomputeGranularity,
     TrainingOptions,
 )
@@ -50,6 +51,8 @@ def recompute_name(options: TrainingOptions) -> str:
         if options.recompute_stage_layers is None:
             return f"{options.recompute} (per stage, of {names} blocks)"
         return f"{options.recompute} (per stage: {names} blocks)"
+    if options.selective_modules == (TORCHTITAN_OP,):
+        return "selective (torchtitan's per-op policy)"
     if options.recompute_num_layers is None:
         return options.recompute
     return f"{options.recompute} (first {options.recompute_num_layers} blocks)"

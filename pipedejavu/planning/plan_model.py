@@ -239,10 +239,18 @@ def plan_model(
                 raise
         if not joined:
             return regular
-        recompute = TORCHTITAN_RECOMPUTE if export == "torchtitan" else None
+        recompute, tp_splits = None, False
+        if export == "torchtitan":  # its per-op policy saves no fp8 product
+            fp8 = choice.options.precision == "fp8"
+            recompute = [
+                r
+                for r in TORCHTITAN_RECOMPUTE
+                if not (fp8 and r != "none" and r != "full")
+            ]
+            tp_splits = True  # torchtitan splits each sequence over tp x 2 cp
         return join_sharded(
             regular, choice, pool, global_batch, search["space"], started=started,
-            recompute=recompute,
+            recompute=recompute, tp_splits_sequence=tp_splits,
         )  # fmt: skip
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
     layouts = expert_layouts(

@@ -122,9 +122,12 @@ def sharded_candidates(
     tp_values: Sequence[int] | None = None,
     max_cp: int = 64,
     recompute: Sequence[TrainingOptions] = (),
+    tp_splits_sequence: bool = False,
 ) -> list[tuple[int, int, int, int, TrainingOptions]]:
     """Every ``(tp, cp, dp_shard, mbs, options)`` of the space (module
-    docstring); ``recompute``: the options of each recomputation searched.
+    docstring); ``recompute``: the options of each recomputation searched;
+    ``tp_splits_sequence``: the sequence must split over ``tp x 2 cp``
+    (torchtitan's rule, at every CP).
 
     Raises:
         ProblemError: more than :data:`MAX_SHARDED_PLANS` of them.
@@ -142,6 +145,8 @@ def sharded_candidates(
     for tp in tps:
         for cp in _divisors(num_gpus // tp):
             if cp > max_cp or (cp > 1 and spec.seq_length % (2 * cp)):
+                continue
+            if tp_splits_sequence and spec.seq_length % (2 * tp * cp):
                 continue
             if global_batch * cp > MAX_GLOBAL_BATCH:  # the shares priced
                 continue
@@ -174,6 +179,7 @@ def search_sharded(
     max_cp: int = 64,
     memory_headroom: MemoryHeadroom | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    tp_splits_sequence: bool = False,
 ) -> ShardedPlan:
     """The fastest plan of the sharded space (module docstring) of ``spec``
     (at its sequence length) on ``num_gpus`` GPUs of ``gpu_type``, trained
@@ -204,6 +210,7 @@ def search_sharded(
         tp_values=tp_values,
         max_cp=max_cp,
         recompute=recompute,
+        tp_splits_sequence=tp_splits_sequence,
     )
     sources: dict[tuple, AnalyticalSource] = {}
     best: tuple[float, Plan3D, TrainingOptions, Prediction, tuple] | None = None
@@ -290,6 +297,7 @@ def join_sharded(
     *,
     started: float,
     recompute: Sequence[str | tuple[str, ...]] | None = None,
+    tp_splits_sequence: bool = False,
 ) -> KnobPlan:
     """The faster of ``regular`` (the proven pipeline search's plan, ``None``
     where no plan of its space fits) and :func:`search_sharded`'s on the
@@ -311,6 +319,7 @@ def join_sharded(
             spec, gpu, count, global_batch, source.sheet, choice.options,
             constants=source.constants, recompute=recompute,
             memory_headroom=source.memory_headroom,
+            tp_splits_sequence=tp_splits_sequence,
         )  # fmt: skip
     except InfeasibleProblemError:
         if regular is None:
