@@ -28,7 +28,9 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sharding import fsdp_exposed
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.megatron_args import spec_from_megatron_args
 from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.planning.megatron_launch import options_of_run
 
 SHEET = load_gpu_sheet()
 
@@ -264,3 +266,63 @@ def test_a_context_parallel_plan_needs_costs_of_its_shares():
     # whole sequence's keys lacks: the shares' own plan is slower
     assert predicted.iteration_time_s > folded.iteration_time_s
     assert predicted.memory_bytes.shape == (1, 8)
+
+
+# ------------------------------------------------ Megatron-LM's FSDP flags
+LLAMA_FLAGS = (
+    "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+    "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+    "--swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192 "
+    "--max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 64 "
+    "--bf16 --vocab-size 128256 "
+)
+
+
+@pytest.mark.parametrize(
+    ("flags", "stage"),
+    [
+        ("", 0),
+        ("--use-distributed-optimizer", 1),
+        ("--use-torch-fsdp2", 3),
+        ("--use-megatron-fsdp", 0),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", 1),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", 2),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy "
+            "optim_grads_params --use-distributed-optimizer",
+            3,
+        ),
+    ],
+)
+def test_megatron_fsdp_flags_read_as_zero_stages(flags, stage):
+    run = spec_from_megatron_args(LLAMA_FLAGS + flags)
+    assert run.zero_stage == stage
+    assert options_of_run(run).zero_stage == stage
+    assert not any("fsdp" in word for word in run.ignored)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--use-torch-fsdp2 --pipeline-model-parallel-size 2", "pipeline parallel"),
+        ("--use-torch-fsdp2 --use-distributed-optimizer", "distributed optimizer"),
+        ("--use-torch-fsdp2 --use-megatron-fsdp", "two FSDPs"),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+            "--pipeline-model-parallel-size 2",
+            "not priced yet",
+        ),
+    ],
+)
+def test_megatron_fsdp_refusals(flags, message):
+    with pytest.raises(ProblemError, match=message):
+        spec_from_megatron_args(LLAMA_FLAGS + flags)
+
+
+def test_sharding_strategy_alone_is_listed_as_ignored():
+    run = spec_from_megatron_args(
+        LLAMA_FLAGS + "--data-parallel-sharding-strategy optim_grads"
+    )
+    assert run.zero_stage == 0
+    assert any("--use-megatron-fsdp only" in word for word in run.ignored)

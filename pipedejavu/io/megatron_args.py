@@ -101,6 +101,9 @@ class MegatronRun:
             through Transformer Engine; ``params_dtype`` is then fp16 or bf16).
         params_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         use_distributed_optimizer: optimizer states sharded over data parallel.
+        zero_stage: what data parallelism shards (``--use-torch-fsdp2``: 3;
+            ``--use-megatron-fsdp`` with ``--data-parallel-sharding-strategy``:
+            0 to 3; else 1 with the distributed optimizer, 0 without).
         padded_vocab_size: the embedding's rows at this TP.
         flash_attention: fused attention that never holds the ``s x s``
             scores: ``--use-flash-attn``, or ``--attention-backend`` ``flash``,
@@ -156,6 +159,7 @@ class MegatronRun:
     fp4_recipe: str | None = None
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
     virtual_stage_layers: tuple[int, ...] = ()
+    zero_stage: int = 0
 
     def layout(self, num_gpus: int) -> ParallelLayout:
         """The run's layout on ``num_gpus`` GPUs: Megatron Core's checks of
@@ -443,6 +447,7 @@ def spec_from_megatron_args(
                 f"{pp} pipeline stages is refused by Megatron Core's "
                 f"initialize_model_parallel ({refused})"
             ) from None
+    zero = _zero_stage(values, pp, experts.ep, spec.tied_embeddings, ignored)
     if cp > 1 and not flash:
         raise ProblemError(
             "Megatron arguments: context parallelism runs Transformer Engine's "
@@ -481,7 +486,74 @@ def spec_from_megatron_args(
         fp8_recipe=fp8_recipe,
         fp4_recipe=fp4_recipe,
         recompute_modules=modules,
+        zero_stage=zero,
     )
+
+
+#: Megatron-FSDP's ``--data-parallel-sharding-strategy`` as a ZeRO stage.
+_SHARDING_STAGES = {
+    "no_shard": 0,
+    "optim": 1,
+    "optim_grads": 2,
+    "optim_grads_params": 3,
+}
+
+
+def _zero_stage(
+    values: dict[str, Any], pp: int, ep: int, tied: bool, ignored: list[str]
+) -> int:
+    """The ZeRO stage of the launch's data parallelism: ``--use-torch-fsdp2``
+    (3, with Megatron-LM's checks: no pipeline or expert parallelism, no
+    distributed optimizer, no fp16, untied embeddings), ``--use-megatron-fsdp``
+    with ``--data-parallel-sharding-strategy`` (``no_shard`` 0, ``optim`` 1,
+    ``optim_grads`` 2, ``optim_grads_params`` 3), else 1 with
+    ``--use-distributed-optimizer``, 0 without.
+
+    Raises:
+        ProblemError: what Megatron-LM asserts against, both FSDPs, or
+            ZeRO-3 with pipeline stages (not priced).
+    """
+    torch_fsdp, megatron_fsdp = (
+        bool(values.get(flag)) for flag in ("use-torch-fsdp2", "use-megatron-fsdp")
+    )
+    strategy = values.get("data-parallel-sharding-strategy")
+    stage = 1 if values.get("use-distributed-optimizer") else 0
+    if strategy is not None and not megatron_fsdp:
+        ignored.append(
+            f"--data-parallel-sharding-strategy {strategy} (read with "
+            "--use-megatron-fsdp only)"
+        )
+    if torch_fsdp and megatron_fsdp:
+        raise ProblemError(
+            "Megatron arguments: --use-torch-fsdp2 and --use-megatron-fsdp are two "
+            "FSDPs; give one"
+        )
+    if torch_fsdp:
+        refused = [
+            (pp > 1, "pipeline parallelism"),
+            (ep > 1, "expert parallelism"),
+            (stage == 1, "MCore's distributed optimizer"),
+            (bool(values.get("fp16")), "fp16"),
+            (
+                tied,
+                "tied embeddings (it requires --untie-embeddings-and-output-weights)",
+            ),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ProblemError(
+                    f"Megatron arguments: --use-torch-fsdp2 is not supported with "
+                    f"{what} (Megatron-LM's validate_args)"
+                )
+        stage = 3
+    elif megatron_fsdp:
+        stage = max(stage, _SHARDING_STAGES[strategy or "no_shard"])
+    if stage == 3 and pp > 1:
+        raise ProblemError(
+            "Megatron arguments: sharded parameters with pipeline stages are not "
+            "priced yet (the predictor prices ZeRO-3 on one stage)"
+        )
+    return stage
 
 
 def _flash_attention(values: dict[str, Any]) -> bool:

@@ -90,6 +90,12 @@ CHOICE_FLAGS = {
     "fp4-format": ("e2m1",),
     "fp4-recipe": ("nvfp4",),
     "attention-backend": ("auto", "flash", "fused", "unfused", "local"),
+    "data-parallel-sharding-strategy": (
+        "no_shard",
+        "optim",
+        "optim_grads",
+        "optim_grads_params",
+    ),
     **MOE_CHOICE_FLAGS,
 }
 #: Flags read as text.
@@ -129,6 +135,8 @@ BOOL_FLAGS = (
     "account-for-embedding-in-pipeline-split",
     "account-for-loss-in-pipeline-split",
     "use-tp-pp-dp-mapping",
+    "use-torch-fsdp2",
+    "use-megatron-fsdp",
     *MOE_BOOL_FLAGS,
     *RECOMPUTE_BOOL_FLAGS,
 )

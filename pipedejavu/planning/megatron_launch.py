@@ -100,6 +100,7 @@ def options_of_run(run: MegatronRun) -> TrainingOptions:
         grad_reduce_in_bf16=run.grad_reduce_in_bf16,
         tp_comm_overlap=run.tp_comm_overlap,
         recompute_modules=run.recompute_modules,
+        zero_stage=run.zero_stage,
     )
 
 
