@@ -346,3 +346,12 @@ def test_the_python_api_checks_the_same_ranges():
     with pytest.raises(ProblemError, match=r"bandwidth must be in \[0.001, 1e18\]"):
         Link(0.0, 1e19)
     assert Link(0.0, math.inf).bandwidth == math.inf
+
+
+def test_a_toml_integer_too_long_to_convert_is_one_line(tmp_path):
+    """tomllib raises ValueError (not its decode error) for an integer of
+    more than 4,300 digits: one line naming the file, not a traceback."""
+    path = tmp_path / "cluster.toml"
+    path.write_text("devices_per_host = " + "9" * 5000 + "\n")
+    with pytest.raises(ProblemError, match=r"cluster\.toml: not a valid TOML file"):
+        Cluster.from_file(path)

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipedejavu.core import files
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.io import torchtitan_job
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.io.torchtitan_job import (
     MAX_JOB_FILE_BYTES,
@@ -419,7 +419,7 @@ def test_files_are_read_bounded(tmp_path, monkeypatch):
         read_torchtitan_job(big)
     with pytest.raises(ProblemError, match="cannot read torchtitan job file"):
         read_torchtitan_job(tmp_path / "absent.toml")
-    monkeypatch.setattr(torchtitan_job, "tomllib", None)  # Python 3.10
+    monkeypatch.setattr(files, "tomllib", None)  # Python 3.10
     with pytest.raises(ProblemError, match="needs Python 3.11 or later"):
         read_torchtitan_job(FIXTURES / "published_fsdp.toml")
 

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.files import parse_json, read_text
+from pipedejavu.core.files import parse_json, parse_toml, read_text
 from pipedejavu.core.validation import MAX_DEVICES, in_range
 
 __all__ = ["Cluster", "DeviceType", "FREE_LINK", "Link", "parse_json"]
@@ -565,16 +565,7 @@ class Cluster:
         path = Path(path)
         text = read_text(path, MAX_CLUSTER_FILE_BYTES, "cluster file")
         if path.suffix.lower() == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                raise ProblemError("TOML cluster files need Python >= 3.11") from None
-            try:
-                data = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as error:
-                raise ProblemError(f"{path}: invalid TOML: {error}") from None
-            except RecursionError:
-                raise ProblemError(f"{path}: TOML nested too deeply") from None
+            data = parse_toml(text, str(path))
         else:
             data = parse_json(text, str(path))
         try:

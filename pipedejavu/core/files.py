@@ -25,7 +25,13 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: no TOML parser in the library
+    tomllib = None
+
 __all__ = [
+    "parse_toml",
     "json_fields",
     "json_text",
     "parse_json",
@@ -157,6 +163,28 @@ def parse_json(text: str, source: str) -> Any:
         raise ProblemError(f"{source}: JSON nested too deeply") from None
     except ValueError as error:  # e.g. an integer of more than 4300 digits
         raise ProblemError(f"{source}: invalid JSON: {error}") from None
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """TOML ``text`` (from ``source``, named in the messages) as a dict.
+
+    Raises:
+        ProblemError: one line naming ``source``: no TOML parser (Python
+            3.10), invalid TOML, nesting too deep, an integer longer than
+            Python converts (``ValueError`` from the parser).
+    """
+    if tomllib is None:
+        raise ProblemError(
+            f"{source}: reading TOML needs Python 3.11 or later (the standard "
+            "library's tomllib)"
+        )
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ProblemError(f"{source}: TOML nested too deeply") from None
+    except ValueError as error:  # TOMLDecodeError, or a too long integer
+        reason = " ".join(str(error).split())[:200]
+        raise ProblemError(f"{source}: not a valid TOML file: {reason}") from None
 
 
 def read_json(

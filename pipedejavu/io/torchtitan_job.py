@@ -122,7 +122,7 @@ import os
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.files import read_text
+from pipedejavu.core.files import parse_toml, read_text
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.io.model_config import MODEL_FIFO_WAIT_S
 from pipedejavu.io.torchtitan_keys import JobTable, detect_schema, flatten
@@ -134,11 +134,6 @@ from pipedejavu.io.torchtitan_settings import (
     settings_2024_12,
     settings_v02,
 )
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: no TOML parser in the library
-    tomllib = None
 
 __all__ = [
     "MAX_JOB_FILE_BYTES",
@@ -396,21 +391,7 @@ def parse_torchtitan_job(
 ) -> TorchtitanJob:
     """A torchtitan job file's text as a :class:`TorchtitanJob`
     (:func:`read_torchtitan_job`; ``source`` names it in messages)."""
-    if tomllib is None:
-        raise ProblemError(
-            f"{source}: reading a torchtitan job file needs Python 3.11 or later "
-            "(the standard library's tomllib)"
-        )
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        reason = " ".join(str(error).split())
-        raise ProblemError(f"{source}: not a valid TOML file: {reason}") from None
-    except RecursionError:
-        raise ProblemError(f"{source}: TOML nested too deeply") from None
-    except ValueError as error:  # e.g. an integer of more than 4300 digits
-        reason = " ".join(str(error).split())[:200]
-        raise ProblemError(f"{source}: not a valid TOML file: {reason}") from None
+    data = parse_toml(text, source)
     values, sections = flatten(data, source)
     table = JobTable(values, sections, source, detect_schema(values, sections, source))
     return _read(table, vocab_size)
