@@ -40,7 +40,12 @@ from pipedejavu.cli.megatron_report import (
     utilization_line,
 )
 from pipedejavu.cli.parsing import int_in
-from pipedejavu.cli.torchtitan import add_sharded_flag, predict_torchtitan, sharded_of
+from pipedejavu.cli.torchtitan import (
+    add_sharded_flag,
+    predict_torchtitan,
+    refuse_described,
+    sharded_of,
+)
 from pipedejavu.core.files import json_text
 from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, MAX_SEARCH_GPUS
@@ -214,18 +219,7 @@ def add_parsers(commands: Any) -> None:
 
 
 def _predict_launch(args: argparse.Namespace) -> int:
-
-    training = [
-        flag
-        for flag in any_model_options(args)
-        if flag not in ("--gpu-sheet", "--memory-headroom")
-    ]
-    if args.plan is not None or args.model or args.profiles or training:
-        raise ProblemError(
-            "--megatron-args describes the model, its training and the plan: give "
-            "no PLAN.json, --model, --profiles, --precision, --recompute or "
-            "--seq-len with it"
-        )
+    refuse_described(args, "--megatron-args")
     if not args.gpus:
         raise ProblemError("--megatron-args needs --gpus TYPE:COUNT, e.g. A100-80:64")
     run, gpu, count, sheet = read_launch(

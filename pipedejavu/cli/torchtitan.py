@@ -19,7 +19,7 @@ from pipedejavu.planning.any_model import sheet_name
 from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
 from pipedejavu.planning.training import parse_gpu_pool
 
-__all__ = ["add_sharded_flag", "predict_torchtitan", "sharded_of"]
+__all__ = ["add_sharded_flag", "predict_torchtitan", "refuse_described", "sharded_of"]
 
 
 def add_sharded_flag(plan: argparse.ArgumentParser) -> None:
@@ -42,6 +42,27 @@ def sharded_of(args: argparse.Namespace) -> bool | None:
     return {"auto": None, "on": True, "off": False}[getattr(args, "sharded", "auto")]
 
 
+def refuse_described(args: argparse.Namespace, flag: str) -> None:
+    """Refuse what a launch description (``flag``: ``--megatron-args``,
+    ``--torchtitan-config``) already says: a plan file, a model, profiles or
+    training options (the GPU sheet and a memory headroom are not).
+
+    Raises:
+        ProblemError: one line naming what to leave out.
+    """
+    given = [
+        name
+        for name in any_model_options(args)
+        if name not in ("--gpu-sheet", "--memory-headroom")
+    ]
+    if args.plan is not None or args.model or args.profiles or given:
+        raise ProblemError(
+            f"{flag} describes the model, its training and the plan: give no "
+            "PLAN.json, --model, --profiles, --precision, --recompute or "
+            "--seq-len with it"
+        )
+
+
 def predict_torchtitan(args: argparse.Namespace) -> int:
     """Print the prediction of ``args.torchtitan_config`` on ``args.gpus``.
 
@@ -49,17 +70,7 @@ def predict_torchtitan(args: argparse.Namespace) -> int:
         ProblemError: flags that the job file already says, a bad pool, a
             job that cannot run or is not priced (one line each).
     """
-    given = [
-        flag
-        for flag in any_model_options(args)
-        if flag not in ("--gpu-sheet", "--memory-headroom")
-    ]
-    if args.plan is not None or args.model or args.profiles or given:
-        raise ProblemError(
-            "--torchtitan-config describes the model, its training and the plan: "
-            "give no PLAN.json, --model, --profiles, --precision, --recompute or "
-            "--seq-len with it"
-        )
+    refuse_described(args, "--torchtitan-config")
     if args.megatron_args is not None:
         raise ProblemError("give --torchtitan-config or --megatron-args, not both")
     if not args.gpus:

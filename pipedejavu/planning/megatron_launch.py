@@ -60,6 +60,7 @@ from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.planning.expert_search import layers_of
 
 __all__ = [
+    "sheet_gpu",
     "FLOPS_FORMULA",
     "LaunchPrediction",
     "check_whole_microbatches",
@@ -328,14 +329,7 @@ def predict_megatron_run(
     Raises:
         ProblemError: the GPU type is unknown, or the launch cannot run.
     """
-    resolve = getattr(sheet, "resolve", None)  # a GpuSheet knows aliases
-    if resolve is not None and gpu_type in sheet:
-        gpu_type = resolve(gpu_type)
-    if gpu_type not in sheet:
-        raise ProblemError(
-            f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))})"
-        )
+    gpu_type = sheet_gpu(sheet, gpu_type)
     _check_priced(run, gpu_type, sheet[gpu_type], num_gpus)
     options = options_of_run(run)
     cp = run.context_parallel
@@ -371,6 +365,24 @@ def predict_megatron_run(
         hardware,
         getattr(source, "experts", None),
     )
+
+
+def sheet_gpu(sheet: Mapping[str, GpuSheetEntry], gpu_type: str) -> str:
+    """``gpu_type``'s name on ``sheet`` (a :class:`~pipedejavu.io.gpu_sheet.
+    GpuSheet` resolves aliases).
+
+    Raises:
+        ProblemError: a type the sheet does not have (naming those it has).
+    """
+    resolve = getattr(sheet, "resolve", None)
+    if resolve is not None and gpu_type in sheet:
+        gpu_type = resolve(gpu_type)
+    if gpu_type not in sheet:
+        raise ProblemError(
+            f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))})"
+        )
+    return gpu_type
 
 
 def _check_priced(

@@ -63,6 +63,7 @@ from pipedejavu.planning.megatron_launch import (
     LaunchPrediction,
     check_whole_microbatches,
     plan_flops,
+    sheet_gpu,
 )
 
 __all__ = [
@@ -282,14 +283,7 @@ def predict_torchtitan_job(
     Raises:
         ProblemError: an unknown GPU type, or as :func:`plan_from_torchtitan_job`.
     """
-    resolve = getattr(sheet, "resolve", None)
-    if resolve is not None and gpu_type in sheet:
-        gpu_type = resolve(gpu_type)
-    if gpu_type not in sheet:
-        raise ProblemError(
-            f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))})"
-        )
+    gpu_type = sheet_gpu(sheet, gpu_type)
     entry = sheet[gpu_type]
     plan, options, degrees = plan_from_torchtitan_job(
         job, gpu_type, num_gpus, entry.gpus_per_node
