@@ -139,3 +139,18 @@ def test_plan_export_torchtitan_in_bf16_and_fp8_is_fsdp(capsys):
     # the pipelines alone: bf16 is refused for torchtitan, with the reason
     assert main([*argv, "--precision", "bf16", "--sharded", "off"]) == 2
     assert "only with FSDP" in capsys.readouterr().err
+
+
+def test_progress_of_a_long_sharded_search_is_reported(capsys):
+    seen = []
+    search_sharded(SPEC, "H100-SXM", 16, 8, SHEET, OPTIONS, progress_fn=seen.append)
+    assert seen and seen[0]["phase"] == "sharded" and seen[0]["priced"] == 1
+    # the command line's reporter prints it (every 0 s here)
+    from pipedejavu.cli.megatron import _PlanProgress
+
+    report = _PlanProgress(every_s=0.0)
+    report({**seen[0], "best_s": 1.5})
+    report({**seen[0], "best_s": float("inf")})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("sharded: ") and " of " in lines[0]
+    assert "best" in lines[0] and "best" not in lines[1]

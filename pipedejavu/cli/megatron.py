@@ -314,6 +314,11 @@ class _PlanProgress:
                 f"interleaved: {state['predicted']} plans predicted, best "
                 f"{state['best']:.4f} s"
             )
+        elif state.get("phase") == "sharded":
+            best = state["best_s"]
+            line = f"sharded: {state['priced']} of {state['of']} plans priced" + (
+                f", best {best:.4f} s" if best < float("inf") else ""
+            )
         elif state.get("phase") == "proof":
             line = (
                 f"proof: {state['predicted']} plans predicted, best "

@@ -298,6 +298,7 @@ def join_sharded(
     started: float,
     recompute: Sequence[str | tuple[str, ...]] | None = None,
     tp_splits_sequence: bool = False,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> KnobPlan:
     """The faster of ``regular`` (the proven pipeline search's plan, ``None``
     where no plan of its space fits) and :func:`search_sharded`'s on the
@@ -319,7 +320,7 @@ def join_sharded(
             spec, gpu, count, global_batch, source.sheet, choice.options,
             constants=source.constants, recompute=recompute,
             memory_headroom=source.memory_headroom,
-            tp_splits_sequence=tp_splits_sequence,
+            tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
         )  # fmt: skip
     except InfeasibleProblemError:
         if regular is None:
