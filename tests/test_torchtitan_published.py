@@ -211,3 +211,20 @@ def test_cli_refusals(capsys, extra, message):
     job = FIXTURES / "published_fsdp4_cp2.toml"  # dp_shard 4 x cp 2: 8 GPUs
     code, _, err = _cli(capsys, "predict", "--torchtitan-config", job, *extra)
     assert code == 2 and message in err and len(err.strip().splitlines()) <= 2
+
+
+def test_torchtitan_loss_holds_its_logits_copies():
+    """torchtitan's loss keeps the bf16 logits and their fp32 copy beside the
+    fp32 log-softmax at its peak: 6 more bytes per logit on the head."""
+    from pipedejavu.core.training_options import TrainingOptions
+    from pipedejavu.costmodel.analytical.roofline import HALF_PRECISION_ANALYTICAL
+    from pipedejavu.costmodel.analytical.source import AnalyticalSource
+
+    spec = RUNS[0].job.spec
+    options = TrainingOptions("bf16")
+    plain = AnalyticalSource(spec, SHEET, options, constants=HALF_PRECISION_ANALYTICAL)
+    titan = AnalyticalSource(spec, SHEET, options, constants=TORCHTITAN_ANALYTICAL)
+    a, b = (s.model_info(spec.name).act_mem[2] for s in (plain, titan))
+    logits = spec.seq_length * spec.padded_vocab_size(2) / 2
+    assert (b - a)[-1] * 2 == pytest.approx(6 * logits)  # bf16 elements of 2 B
+    assert (b - a)[:-1].tolist() == [0.0] * (len(a) - 1)

@@ -39,6 +39,9 @@ from pipedejavu.costmodel.analytical.roofline import (
     HALF_PRECISION_ANALYTICAL,
     AnalyticalConstants,
 )
+from pipedejavu.costmodel.analytical.torchtitan_constants import (
+    TORCHTITAN_LOSS_LOGIT_BYTES,
+)
 from pipedejavu.io.torchtitan_job import TorchtitanJob, parse_torchtitan_job
 from pipedejavu.planning.published_runs import MAX_PUBLISHED_FILE_BYTES
 from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
@@ -56,6 +59,10 @@ __all__ = [
 
 #: The sheet's name of the runs' GPU (H100 SXM, 96 GB HBM2e, 500 W).
 TORCHTITAN_GPU = "H100-96GB-500W"
+#: What the fit starts from: the 16-bit constants with torchtitan's loss.
+TORCHTITAN_BASE = dataclasses.replace(
+    HALF_PRECISION_ANALYTICAL, loss_logit_bytes=TORCHTITAN_LOSS_LOGIT_BYTES
+)
 #: The fitted fields, in :func:`fit_torchtitan_constants`' order.
 FIELDS = ("attention_efficiency", "tensor_efficiency")
 
@@ -165,7 +172,7 @@ def predict_runs(
 def fit_torchtitan_constants(
     runs: Sequence[TorchtitanRun],
     sheet: Mapping[str, GpuSheetEntry],
-    base: AnalyticalConstants = HALF_PRECISION_ANALYTICAL,
+    base: AnalyticalConstants = TORCHTITAN_BASE,
 ) -> AnalyticalConstants:
     """``base`` with :data:`FIELDS` fitted to the runs' tokens/s per GPU
     (module docstring), rounded to 4 digits.

@@ -136,6 +136,9 @@ class AnalyticalConstants:
             host, the dispatcher's bookkeeping).
         attention_efficiency: a fused attention kernel's speed relative to
             the measured cuDNN one's (another kernel's seconds divided by it).
+        loss_logit_bytes: bytes per logit the loss holds at its peak beyond
+            the fp32 softmax it keeps for the backward (a fact of the
+            launcher's loss code, not fitted; 0: Megatron's in-place one).
 
     Defaults: generic values, except the fused attention's (measured:
     :data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`).
@@ -166,6 +169,7 @@ class AnalyticalConstants:
     alltoall_hidden: float = 1.0
     expert_block_overhead_s: float = 0.0
     attention_efficiency: float = 1.0
+    loss_logit_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -200,6 +204,7 @@ class AnalyticalConstants:
             "collective_latency_s",
             "attention_softmax_exponentials",
             "expert_block_overhead_s",
+            "loss_logit_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

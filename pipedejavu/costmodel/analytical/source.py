@@ -486,6 +486,10 @@ class AnalyticalSource:
                     flash_attention=options.flash_attention,
                     attention_dropout=options.attention_dropout,
                 )
+                # the loss's working copies of the logits at its peak
+                padded = self.padded(tp)
+                logits = padded.seq_length * padded.vocab_size / tp
+                stash[-1] += self.constants.loss_logit_bytes * logits
                 if self.experts is not None:
                     stash = expert_layer_activations(
                         self.padded(tp),

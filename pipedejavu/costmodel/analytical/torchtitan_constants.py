@@ -9,7 +9,10 @@ torchao's float8 ones), FSDP2's collectives beside them. Two constants of
 are refitted for it, every other one kept:
 
 * ``attention_efficiency``: the attention kernels' speed relative to cuDNN's;
-* ``tensor_efficiency``: the GEMMs' best fraction of the sheet's peak.
+* ``tensor_efficiency``: the GEMMs' best fraction of the sheet's peak;
+
+and one fact of torchtitan's loss code is set: the logits' working copies at
+the loss's peak (:data:`TORCHTITAN_LOSS_LOGIT_BYTES`).
 
 They are fitted on the seven torchtitan runs of Llama 3.1 8B on 8 H100 (96 GB
 HBM2e, 500 W) published with torchtitan (the bundled
@@ -28,11 +31,19 @@ import dataclasses
 
 from pipedejavu.costmodel.analytical.roofline import HALF_PRECISION_ANALYTICAL
 
-__all__ = ["TORCHTITAN_ANALYTICAL", "TORCHTITAN_FITTED"]
+__all__ = ["TORCHTITAN_ANALYTICAL", "TORCHTITAN_FITTED", "TORCHTITAN_LOSS_LOGIT_BYTES"]
 
 #: The two constants as fitted on all seven runs (module docstring).
 TORCHTITAN_FITTED = {"attention_efficiency": 0.3209, "tensor_efficiency": 0.5401}
-#: :data:`HALF_PRECISION_ANALYTICAL` with :data:`TORCHTITAN_FITTED`.
+#: Bytes per logit torchtitan's loss holds at its peak beyond the fp32
+#: log-softmax it keeps: the model's bf16 logits (``pred``, alive until the
+#: loss returns) and their fp32 copy (``pred.float()``, the cross-entropy's
+#: input), from its ``train.py`` and loss code; not fitted.
+TORCHTITAN_LOSS_LOGIT_BYTES = 6.0
+#: :data:`HALF_PRECISION_ANALYTICAL` with :data:`TORCHTITAN_FITTED` and
+#: :data:`TORCHTITAN_LOSS_LOGIT_BYTES`.
 TORCHTITAN_ANALYTICAL = dataclasses.replace(
-    HALF_PRECISION_ANALYTICAL, **TORCHTITAN_FITTED
+    HALF_PRECISION_ANALYTICAL,
+    **TORCHTITAN_FITTED,
+    loss_logit_bytes=TORCHTITAN_LOSS_LOGIT_BYTES,
 )
