@@ -35,6 +35,9 @@ from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.torchtitan_constants import (
+    TORCHTITAN_ANALYTICAL,
+)
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     EXPORTS,
@@ -239,8 +242,9 @@ def plan_model(
                 raise
         if not joined:
             return regular
-        recompute, tp_splits = None, False
+        recompute, tp_splits, constants = None, False, None
         if export == "torchtitan":  # its per-op policy saves no fp8 product
+            constants = TORCHTITAN_ANALYTICAL  # its kernels and loss
             fp8 = choice.options.precision == "fp8"
             recompute = [
                 r
@@ -251,7 +255,7 @@ def plan_model(
         return join_sharded(
             regular, choice, pool, global_batch, search["space"], started=started,
             recompute=recompute, tp_splits_sequence=tp_splits,
-            progress_fn=progress_fn,
+            progress_fn=progress_fn, constants=constants,
         )  # fmt: skip
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
     layouts = expert_layouts(

@@ -299,12 +299,14 @@ def join_sharded(
     recompute: Sequence[str | tuple[str, ...]] | None = None,
     tp_splits_sequence: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
+    constants: AnalyticalConstants | None = None,
 ) -> KnobPlan:
     """The faster of ``regular`` (the proven pipeline search's plan, ``None``
     where no plan of its space fits) and :func:`search_sharded`'s on the
     pool's one GPU type, every GPU used, with ``space``'s recomputations;
     proven when ``regular`` is (both spaces are searched exactly), its note
-    added to the choice's.
+    added to the choice's; priced with ``constants`` (``None``: the
+    choice's source's).
 
     Raises:
         InfeasibleProblemError: no plan of either space fits.
@@ -318,7 +320,7 @@ def join_sharded(
     try:
         found = search_sharded(
             spec, gpu, count, global_batch, source.sheet, choice.options,
-            constants=source.constants, recompute=recompute,
+            constants=constants or source.constants, recompute=recompute,
             memory_headroom=source.memory_headroom,
             tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
         )  # fmt: skip
