@@ -154,3 +154,22 @@ def test_progress_of_a_long_sharded_search_is_reported(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("sharded: ") and " of " in lines[0]
     assert "best" in lines[0] and "best" not in lines[1]
+
+
+def test_auto_keeps_to_the_pipelines_when_knobs_are_asked(capsys):
+    """The sharded space fixes the schedule, SP and the optimizer's sharding
+    itself: with a knob flag or a kept switch, auto searches pipelines only
+    (as before it existed); --sharded on joins it, within the asked
+    recomputation."""
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16", "--global-batch"]
+    argv += ["16", "--seq-len", "32768", "--json"]
+    for extra in (["--recompute", "full"], ["--tp-comm-overlap"]):
+        assert main([*argv, *extra]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["options"]["zero_stage"] <= 1
+        assert not any("sharded" in n for n in data.get("notes", []))
+    assert main([*argv, "--recompute", "full", "--sharded", "on"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("sharded single-stage" in n for n in data.get("notes", []))
+    if data["options"]["zero_stage"] == 3:
+        assert data["options"]["recompute"] == "full"

@@ -371,7 +371,7 @@ def _plan(args: argparse.Namespace) -> int:
     experts = expert_knobs(args, choice.spec)
     space = knob_space(args, auto, MEGATRON_SCHEDULES if experts else SCHEDULES)
     asked = knobs_asked(args)
-    space = target_space(args.export, space, choice, sharded_of(args))  # launched
+    space = target_space(args.export, space, choice, sharded_of(args, asked))
     result, choice, knobs = _search(args, choice, pool, space, asked, args.export)
     alone = args.export in DATA_PARALLEL_ALONE and result.method != "enumeration"
     spec, spec_note = export_model(choice)
@@ -488,7 +488,7 @@ def _search(
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
             progress_fn=_PlanProgress(),
-            sharded=sharded_of(args),
+            sharded=sharded_of(args, asked),
             **expert_knobs(args, choice.spec),
         )
         return knobs.result, knobs.choice, knobs

@@ -32,14 +32,18 @@ def add_sharded_flag(plan: argparse.ArgumentParser) -> None:
         "(FSDP2/HSDP over dp_shard x cp GPUs, ZeRO-3) with TP and context "
         "parallelism, every GPU used, and keep the faster (auto: for a model "
         "priced analytically on one GPU type, without --export or with "
-        "--export torchtitan; on: refuse where it does not apply)",
+        "--export torchtitan, when no knob flag or kept switch is given; on: "
+        "also with knob flags, refused where it does not apply)",
     )
 
 
-def sharded_of(args: argparse.Namespace) -> bool | None:
+def sharded_of(args: argparse.Namespace, asked: bool = False) -> bool | None:
     """``--sharded`` as :func:`~pipedejavu.planning.plan_model.plan_model`
-    takes it."""
-    return {"auto": None, "on": True, "off": False}[getattr(args, "sharded", "auto")]
+    takes it; ``auto`` is off where a knob was ``asked`` (the sharded space
+    fixes the schedule, sequence parallelism and the optimizer's sharding
+    itself: ``--sharded on`` joins it anyway)."""
+    given = {"auto": None, "on": True, "off": False}[getattr(args, "sharded", "auto")]
+    return False if given is None and asked else given
 
 
 def refuse_described(args: argparse.Namespace, flag: str) -> None:

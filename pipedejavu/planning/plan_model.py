@@ -246,10 +246,12 @@ def plan_model(
         if export == "torchtitan":  # its per-op policy saves no fp8 product
             constants = TORCHTITAN_ANALYTICAL  # its kernels and loss
             fp8 = choice.options.precision == "fp8"
+            asked = search["space"].recompute  # its modes, as the knob allows
             recompute = [
                 r
                 for r in TORCHTITAN_RECOMPUTE
-                if not (fp8 and r != "none" and r != "full")
+                if (r if isinstance(r, str) else "selective") in asked
+                and not (fp8 and not isinstance(r, str))
             ]
             tp_splits = True  # torchtitan splits each sequence over tp x 2 cp
         return join_sharded(
@@ -317,8 +319,8 @@ def _sharding(
     """Whether the sharded single-stage space joins the search
     (:func:`~pipedejavu.planning.sharded_search.join_sharded`): ``sharded``
     ``None`` (auto) where it applies: a dense model priced analytically, one
-    GPU type, every GPU used or not asked, no export or torchtitan's (the
-    targets that launch FSDP2 as planned).
+    GPU type, no export or torchtitan's (the target that launches FSDP2 as
+    planned), none of :data:`KEPT_OPTIONS` on.
 
     Raises:
         ProblemError: ``sharded=True`` where it does not apply (one line).
@@ -326,6 +328,7 @@ def _sharding(
     if sharded is False:
         return False
     why = None
+    kept = [name for name in KEPT_OPTIONS if getattr(choice.options, name)]
     if not choice.analytical or choice.measured:
         why = "the model is priced by its profiles"
     elif len(pool) != 1:
@@ -334,6 +337,8 @@ def _sharding(
         why = "--mixed-types and --per-stage-tp search pipelines only"
     elif export not in (None, "torchtitan"):
         why = f"--export {export} runs no FSDP as planned"
+    elif kept:
+        why = f"the switches kept as given ({', '.join(kept)}) are Megatron-LM's"
     if why is not None and sharded:
         raise ProblemError(f"sharded data parallelism is not searched: {why}")
     return why is None
