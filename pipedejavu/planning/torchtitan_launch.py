@@ -33,11 +33,13 @@ the training options it runs with:
   :func:`~pipedejavu.core.layout.split_blocks` splits them; explicit parts
   and split points are refused (not priced yet).
 
-What the prediction does not price is said in
-:attr:`TorchtitanPrediction.notes`: ``torch.compile`` (the model's
-element-wise kernels are priced fused, as compiled; eager runs more of
-them), async TP, float8's FSDP all-gather, CP's rotate method (priced as a
-ring beside the attention).
+``torch.compile``: a compiled job's element-wise kernels are priced fused; an
+eager job's blocks run them unfused, as eager PyTorch runs a Llama block
+(:func:`~pipedejavu.costmodel.analytical.ops.eager_elementwise`: counted
+kernel by kernel, not fitted). What the prediction does not price is said in
+:attr:`TorchtitanPrediction.notes`: the loss and head of an eager job as
+compiled, async TP, float8's FSDP all-gather, CP's rotate method (priced as
+a ring beside the attention).
 """
 
 from __future__ import annotations
@@ -251,10 +253,11 @@ class TorchtitanPrediction:
 
 def _notes(job: TorchtitanJob) -> tuple[str, ...]:
     notes = list(job.model.notes)
-    notes.append(
-        "element-wise kernels priced fused, as torch.compile runs them"
-        + ("" if job.compile else " (this job runs eager: more kernels)")
-    )
+    if not job.compile:
+        notes.append(
+            "eager (no torch.compile): the blocks' unfused element-wise kernels "
+            "counted, the loss's and the head's as compiled"
+        )
     if job.async_tp:
         notes.append("async TP priced as plain TP")
     if job.float8_fsdp_all_gather:
@@ -291,7 +294,12 @@ def predict_torchtitan_job(
     cp = degrees.cp
     share = dataclasses.replace(job.spec, seq_length=job.seq_len // cp)
     source = AnalyticalSource(
-        share, sheet, options, context_parallel=cp, constants=constants
+        share,
+        sheet,
+        options,
+        context_parallel=cp,
+        constants=constants,
+        eager=not job.compile,
     )
     if memory_headroom is not None:
         source = source.with_memory_headroom(memory_headroom)

@@ -102,6 +102,7 @@ def _options(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    eager: bool = False,
 ) -> PassOptions:
     opts = PassOptions(
         mbs,
@@ -113,6 +114,7 @@ def _options(
         query_key_layer_scaling,
         context_parallel,
         tp_comm_overlap,
+        eager,
     )
     validate_spec(spec, tp)
     return opts
@@ -131,6 +133,7 @@ def analytical_layer_times(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    eager: bool = False,
     mtp_recompute: Recompute = "none",
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
@@ -156,6 +159,8 @@ def analytical_layer_times(
         context_parallel: Megatron's context parallelism (``spec`` then holds
             a GPU's share of each sequence; see
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
+        eager: the element-wise kernels as eager PyTorch runs them, not
+            fused (:func:`~pipedejavu.costmodel.analytical.ops.eager_elementwise`).
         tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
             ``sequence_parallel``; see
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
@@ -186,6 +191,7 @@ def analytical_layer_times(
         query_key_layer_scaling,
         context_parallel,
         tp_comm_overlap,
+        eager,
     )
     block_params = sum(spec.layer_param_split(tp)[1])
     block = (
@@ -308,6 +314,7 @@ def weight_gradient_seconds(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> NDArray[np.float64]:
     """f64[L + 2] seconds of each layer's weight-gradient operations
@@ -328,6 +335,7 @@ def weight_gradient_seconds(
         query_key_layer_scaling,
         context_parallel,
         tp_comm_overlap,
+        eager,
     )
 
     def seconds(ops: LayerPass) -> float:
@@ -388,6 +396,7 @@ def selective_forward_seconds(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of what selective recomputation (``recompute``: its modules,
@@ -408,6 +417,7 @@ def selective_forward_seconds(
         query_key_layer_scaling,
         context_parallel,
         tp_comm_overlap,
+        eager,
     )
     return _seconds(block_rerun_ops(spec, opts, recompute), gpu, constants)
 
@@ -425,6 +435,7 @@ def block_forward_seconds(
     query_key_layer_scaling: bool = False,
     context_parallel: int = 1,
     tp_comm_overlap: bool = False,
+    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
@@ -440,6 +451,7 @@ def block_forward_seconds(
         query_key_layer_scaling,
         context_parallel,
         tp_comm_overlap,
+        eager,
     )
     return pass_seconds(any_block_forward_ops(spec, opts), gpu, constants)
 

@@ -53,6 +53,7 @@ __all__ = [
     "backward_gemms",
     "block_backward_ops",
     "block_forward_ops",
+    "eager_elementwise",
     "element_bytes",
     "linear_gemm",
     "optimizer_ops",
@@ -195,6 +196,9 @@ class PassOptions:
             one chunk (:func:`~pipedejavu.costmodel.analytical.roofline.
             stacked_seconds`). The LM head's and the embedding's stay exposed
             (they are not Transformer Engine layers).
+        eager: the block's element-wise kernels as eager PyTorch runs a
+            Llama block, unfused (:func:`eager_elementwise`); else fused, as
+            Transformer Engine and ``torch.compile`` run them.
     """
 
     mbs: int
@@ -206,6 +210,7 @@ class PassOptions:
     query_key_layer_scaling: bool = False
     context_parallel: int = 1
     tp_comm_overlap: bool = False
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.context_parallel > 1 and not self.flash_attention:
@@ -413,6 +418,43 @@ def _block_parts(spec: TransformerSpec, opts: PassOptions):
     return gemms, local * h * act, local * h, tokens * f * act, message, act
 
 
+#: Bytes per element eager PyTorch moves beyond the fused kernels, in a
+#: 16-bit Llama block (torchtitan's model code; counted kernel by kernel, not
+#: fitted): an RMSNorm casts to fp32, squares, averages, scales, casts back and
+#: multiplies by its weight (36 bytes an element forward, about 74 backward,
+#: against 4 and 6 fused); the rotary embedding of the queries and keys casts
+#: to fp32, multiplies as complex numbers and casts back (about 20 bytes an
+#: element each way, against 4); SwiGLU's SiLU and product are two kernels
+#: (10 bytes an element of the MLP's width forward, 16 backward, against 6 and
+#: 10). Keys: norm, rope, swiglu; values: (forward, backward).
+EAGER_EXTRA_BYTES = {"norm": (32.0, 68.0), "rope": (16.0, 16.0), "swiglu": (4.0, 6.0)}
+
+
+def eager_elementwise(
+    spec: TransformerSpec, opts: PassOptions, *, backward: bool
+) -> LayerPass:
+    """The memory traffic eager PyTorch adds to a dense block's pass beyond
+    the fused kernels (:data:`EAGER_EXTRA_BYTES`: its two norms, the rotary
+    embedding of the queries and keys, SwiGLU), one memory-bound operation;
+    none unless ``opts.eager`` and 16-bit activations."""
+    if not opts.eager or element_bytes(opts.precision)[0] != 2.0:
+        return []
+    _, _, x_elems, f_bytes, _, act = _block_parts(spec, opts)
+    tokens = opts.mbs * spec.seq_length
+    rotated = (
+        tokens
+        * spec.head_dim
+        * (spec.num_attention_heads / opts.tp + _kv_heads(spec, opts.tp))
+    )
+    k = 1 if backward else 0
+    extra = (
+        2 * x_elems * EAGER_EXTRA_BYTES["norm"][k]
+        + rotated * EAGER_EXTRA_BYTES["rope"][k]
+        + f_bytes / act * EAGER_EXTRA_BYTES["swiglu"][k]
+    )
+    return [MemoryOp("eager_elementwise" + (".backward" if backward else ""), extra)]
+
+
 def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     """One transformer block's forward pass (TP collectives included)."""
     gemms, x_bytes, x_elems, f_bytes, message, act = _block_parts(spec, opts)
@@ -435,7 +477,7 @@ def block_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     ]
     ops += tp_half("mlp_down", message, opts, "mlp_down", gather=False)
     ops.append(MemoryOp("bias_dropout_add.mlp", 3 * x_bytes + MASK_BYTES * x_elems))
-    return ops
+    return ops + eager_elementwise(spec, opts, backward=False)
 
 
 def attention_core_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
@@ -515,7 +557,7 @@ def block_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
             GRAD_ACCUMULATE_BYTES * sum(spec.layer_param_split(opts.tp)[1]),
         ),
     ]
-    return ops
+    return ops + eager_elementwise(spec, opts, backward=True)
 
 
 # --------------------------------------------------------- embedding, head

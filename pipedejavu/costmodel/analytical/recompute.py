@@ -187,6 +187,7 @@ TORCHTITAN_OP_MEMORY = (
     "swiglu",
     "gelu",
     "bias_dropout_add.mlp",
+    "eager_elementwise",
 )
 
 

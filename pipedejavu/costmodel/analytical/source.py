@@ -122,6 +122,8 @@ class AnalyticalSource:
         query_key_layer_scaling: the model's code scales the attention scores
             in a kernel of its own (Megatron's ``apply_query_key_layer_scaling``;
             the bundled Sailor models but GPT-Neo-2.7 do).
+        eager: price a block's element-wise kernels as eager PyTorch runs
+            them (a torchtitan job without ``torch.compile``), not fused.
         context_parallel: Megatron's context parallelism ``c``: ``spec`` holds
             a GPU's share of each sequence (``seq_length = s / c``), whose
             attention reads the whole sequence's keys and values
@@ -158,10 +160,12 @@ class AnalyticalSource:
         context_parallel: int = 1,
         experts: ExpertLayers | None = None,
         prices: PriceCache | None = None,
+        eager: bool = False,
     ) -> None:
         self.spec = spec
         self.prices = SHARED_PRICES if prices is None else prices
         self.context_parallel = int(context_parallel)
+        self.eager = bool(eager)
         if experts is None and spec.moe is not None:
             experts = ExpertLayers(ExpertPass())
         self.experts = experts if spec.moe is not None else None
@@ -335,6 +339,7 @@ class AnalyticalSource:
         split = dict(
             sequence_parallel=options.sequence_parallel,
             tp_comm_overlap=options.tp_comm_overlap,
+            eager=self.eager,
         )
         dense = (dense_view(spec), *args[1:])
         recomputed = recompute_of(options)
@@ -429,6 +434,7 @@ class AnalyticalSource:
             query_key_layer_scaling=self.query_key_layer_scaling,
             context_parallel=self.context_parallel,
             tp_comm_overlap=options.tp_comm_overlap,
+            eager=self.eager,
         )
 
     def _split_head(self, row: np.ndarray, norm: float = 0.0) -> np.ndarray:
