@@ -173,3 +173,27 @@ def test_auto_keeps_to_the_pipelines_when_knobs_are_asked(capsys):
     assert any("sharded single-stage" in n for n in data.get("notes", []))
     if data["options"]["zero_stage"] == 3:
         assert data["options"]["recompute"] == "full"
+
+
+def test_the_exported_torchtitan_job_predicts_as_planned(capsys, tmp_path):
+    """plan --export torchtitan prices what the exported file runs: the same
+    time from predict --torchtitan-config of it (with its model named)."""
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16", "--global-batch"]
+    argv += ["16", "--seq-len", "32768", "--export", "torchtitan", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "8B"\n' + data["export"]["text"])
+    assert (
+        main(
+            ["predict", "--torchtitan-config", str(job), "--gpus", "H100:16", "--json"]
+        )
+        == 0
+    )
+    predicted = json.loads(capsys.readouterr().out)
+    assert predicted["iteration_time_s"] == pytest.approx(
+        data["iteration_time_s"], rel=1e-9
+    )
+    assert predicted["peak_memory_bytes"] == pytest.approx(
+        data["peak_memory_bytes"], rel=1e-9
+    )

@@ -258,6 +258,7 @@ def plan_model(
             regular, choice, pool, global_batch, search["space"], started=started,
             recompute=recompute, tp_splits_sequence=tp_splits,
             progress_fn=progress_fn, constants=constants,
+            eager=export == "torchtitan",  # its export runs no torch.compile
         )  # fmt: skip
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
     layouts = expert_layouts(

@@ -180,6 +180,7 @@ def search_sharded(
     memory_headroom: MemoryHeadroom | None = None,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     tp_splits_sequence: bool = False,
+    eager: bool = False,
 ) -> ShardedPlan:
     """The fastest plan of the sharded space (module docstring) of ``spec``
     (at its sequence length) on ``num_gpus`` GPUs of ``gpu_type``, trained
@@ -224,7 +225,12 @@ def search_sharded(
         if key not in sources:
             share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
             source = AnalyticalSource(
-                share, sheet, planned, context_parallel=cp, constants=constants
+                share,
+                sheet,
+                planned,
+                context_parallel=cp,
+                constants=constants,
+                eager=eager,
             )
             if memory_headroom is not None:
                 source = source.with_memory_headroom(memory_headroom)
@@ -300,13 +306,15 @@ def join_sharded(
     tp_splits_sequence: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     constants: AnalyticalConstants | None = None,
+    eager: bool = False,
 ) -> KnobPlan:
     """The faster of ``regular`` (the proven pipeline search's plan, ``None``
     where no plan of its space fits) and :func:`search_sharded`'s on the
     pool's one GPU type, every GPU used, with ``space``'s recomputations;
     proven when ``regular`` is (both spaces are searched exactly), its note
     added to the choice's; priced with ``constants`` (``None``: the
-    choice's source's).
+    choice's source's; ``eager``: element-wise kernels unfused, as a job
+    without ``torch.compile`` runs them).
 
     Raises:
         InfeasibleProblemError: no plan of either space fits.
@@ -323,6 +331,7 @@ def join_sharded(
             constants=constants or source.constants, recompute=recompute,
             memory_headroom=source.memory_headroom,
             tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
+            eager=eager,
         )  # fmt: skip
     except InfeasibleProblemError:
         if regular is None:
