@@ -197,3 +197,40 @@ def test_the_exported_torchtitan_job_predicts_as_planned(capsys, tmp_path):
     assert predicted["peak_memory_bytes"] == pytest.approx(
         data["peak_memory_bytes"], rel=1e-9
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--precision", "fp8", "--recompute", "selective", "--sharded", "on"],
+            "per-op recomputation does not run with fp8",
+        ),
+        (["--precision", "fp8", "--recompute", "selective"], "fp8 only with FSDP"),
+    ],
+)
+def test_torchtitan_fp8_refusals_say_why(capsys, extra, message):
+    argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:16", "--global-batch"]
+    argv += ["16", "--seq-len", "8192", "--export", "torchtitan", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_sharded_on_refused_for_experts(capsys):
+    argv = ["plan", "--model", "Mixtral-8x7B", "--gpus", "H100:16", "--global-batch"]
+    assert main([*argv, "16", "--seq-len", "4096", "--sharded", "on"]) == 2
+    assert "not searched for a mixture of experts" in capsys.readouterr().err
+
+
+def test_fp32_torchtitan_export_compares_both_spaces_under_one_predictor():
+    found = plan_model(
+        "Llama-3-8B", {"H100": 4}, 4, seq_length=2048, precision="fp32",
+        export="torchtitan",
+    )  # fmt: skip
+    # the pipelines (DDP alone) and the sharded space priced alike: the
+    # plan's cost source prices it again to the time it was chosen at
+    again = predict_plan(found.result.plan, found.choice.data)
+    assert again.iteration_time_s == found.result.iteration_time_s
+    assert found.choice.data.constants.attention_efficiency == 1.0
+    assert not found.choice.data.eager

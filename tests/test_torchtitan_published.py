@@ -261,3 +261,16 @@ def test_eager_blocks_move_their_unfused_elementwise_bytes():
     )
     assert not eager_run.job.compile and compiled_run.job.compile
     assert 1.0 < fast / slow < 1.3
+
+
+def test_tp_without_fsdp_trains_fp32_as_torchtitan_does():
+    """torchtitan's maybe_enable_amp autocasts only DDP or one device: TP or PP
+    without FSDP trains in fp32, whatever mixed_precision_param says."""
+    text = V02.replace("data_parallel_replicate_degree = 2", "")
+    text = text.replace(
+        "data_parallel_shard_degree = -1", "data_parallel_shard_degree = 1"
+    )
+    text = text.replace("context_parallel_degree = 2", "")
+    plan, options, degrees = plan_from_torchtitan_job(_job(text), "H100-SXM", 2, 8)
+    assert (degrees.tp, degrees.fsdp) == (2, 1)
+    assert options.precision == "fp32" and options.zero_stage == 0

@@ -241,8 +241,12 @@ LAUNCHED_RECOMPUTE_LAYERS: dict[str, tuple[None, ...] | None] = {
 _PRECISION_WHY = {
     ("torchtitan", "bf16"): "torchtitan trains bf16 only with FSDP, which "
     "shards parameters, gradients and optimizer state: the sharded single-stage "
-    "space holds such plans (--sharded on with knob flags), the pipeline search "
-    "none",
+    "space holds such plans of a dense model (--sharded on with knob flags), the "
+    "pipeline search none",
+    ("torchtitan", "fp8"): "torchtitan trains fp8 only with FSDP, which shards "
+    "parameters, gradients and optimizer state: the sharded single-stage space "
+    "holds such plans of a dense model (--sharded on with knob flags), the "
+    "pipeline search none",
 }
 #: The targets that run data parallelism as planned (unsharded replicas) only
 #: without TP or PP beside it: torchtitan, whose DDP refuses more than one

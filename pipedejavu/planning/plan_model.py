@@ -244,7 +244,9 @@ def plan_model(
             return regular
         recompute, tp_splits, constants = None, False, None
         if export == "torchtitan":  # its per-op policy saves no fp8 product
-            constants = TORCHTITAN_ANALYTICAL  # its kernels and loss
+            # the sharded space alone: priced as the exported job runs (its
+            # kernels, its loss, eager); beside the pipelines, as they are
+            constants = TORCHTITAN_ANALYTICAL if alone else None
             fp8 = choice.options.precision == "fp8"
             asked = search["space"].recompute  # its modes, as the knob allows
             recompute = [
@@ -254,12 +256,23 @@ def plan_model(
                 and not (fp8 and not isinstance(r, str))
             ]
             tp_splits = True  # torchtitan splits each sequence over tp x 2 cp
+            if not recompute:
+                raise ProblemError(
+                    "--export torchtitan: torchtitan's per-op recomputation does "
+                    "not run with fp8 (its float8 linears are not in the policy's "
+                    "saved products): give --recompute none or full"
+                )
         return join_sharded(
             regular, choice, pool, global_batch, search["space"], started=started,
             recompute=recompute, tp_splits_sequence=tp_splits,
             progress_fn=progress_fn, constants=constants,
-            eager=export == "torchtitan",  # its export runs no torch.compile
+            eager=alone,  # the exported job runs no torch.compile
         )  # fmt: skip
+    if sharded:
+        raise ProblemError(
+            "sharded data parallelism is not searched for a mixture of experts "
+            "(its expert layouts are searched with the pipelines)"
+        )
     per_node = min(choice.data.gpu_spec(gpu).gpus_per_node for gpu in choice.pool(pool))
     layouts = expert_layouts(
         spec,

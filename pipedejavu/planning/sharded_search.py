@@ -256,10 +256,11 @@ def search_sharded(
                 }
             )
     if best is None:
+        rule = " (torchtitan splits each sequence over tp x 2 cp)"
         raise InfeasibleProblemError(
             f"no sharded single-stage plan of {spec.name} fits {num_gpus} "
             f"{gpu_type} with global batch {global_batch} ({len(candidates)} "
-            "priced)"
+            f"priced{rule if tp_splits_sequence and not candidates else ''})"
         )
     _, plan, planned, prediction, (tp, cp, dp, shard) = best
     source = sources[(cp, planned)]
@@ -321,9 +322,8 @@ def join_sharded(
     """
     ((gpu, count),) = choice.pool(pool).items()
     source = choice.data
-    recompute = [
-        _recomputing(choice.options, r) for r in (recompute or space.recompute)
-    ]
+    modes = space.recompute if recompute is None else recompute
+    recompute = [_recomputing(choice.options, r) for r in modes]
     spec = choice.spec
     try:
         found = search_sharded(

@@ -103,10 +103,10 @@ def torchtitan_options(
         )
     if job.float8:
         precision = "fp8"
-    elif fsdp and job.mixed_precision_param == "bfloat16" or not fsdp:
+    elif not fsdp and (degrees.tp > 1 or degrees.pp > 1):
+        precision = "fp32"  # maybe_enable_amp: no autocast beside TP or PP
+    else:  # FSDP's policy, or DDP's / one GPU's autocast
         precision = "bf16" if job.mixed_precision_param == "bfloat16" else "fp32"
-    else:
-        precision = "fp32"
     recompute, modules, layers = "none", TrainingOptions().recompute_modules, None
     mode, option = job.activation_checkpoint, job.selective_ac_option
     if mode == "memory_budget":
@@ -251,7 +251,7 @@ class TorchtitanPrediction:
         return out
 
 
-def _notes(job: TorchtitanJob) -> tuple[str, ...]:
+def _notes(job: TorchtitanJob, num_gpus: int, gpus_per_node: int) -> tuple[str, ...]:
     notes = list(job.model.notes)
     if not job.compile:
         notes.append(
@@ -262,6 +262,23 @@ def _notes(job: TorchtitanJob) -> tuple[str, ...]:
         notes.append("async TP priced as plain TP")
     if job.float8_fsdp_all_gather:
         notes.append("FSDP's float8 all-gather priced in bf16")
+    degrees = job.degrees(num_gpus)
+    if (
+        degrees.dp_replicate > 1
+        and degrees.fsdp > 1
+        and job.num_microbatches
+        * (job.global_batch(num_gpus) // (job.local_batch_size * degrees.dp))
+        > 1
+    ):
+        notes.append(
+            "HSDP's all-reduce across groups priced once a step; torchtitan runs "
+            "it every micro-batch"
+        )
+    if job.cp > 1 and job.tp * job.cp > gpus_per_node:
+        notes.append(
+            "CP's ring crosses nodes; its exchange priced on the node's links "
+            "(underpriced)"
+        )
     if job.cp > 1:
         notes.append(
             f"CP's {job.cp_rotate_method} key/value exchange priced as a ring "
@@ -318,4 +335,5 @@ def predict_torchtitan_job(
         hardware,
     )
     tokens = samples * job.seq_len / prediction.iteration_time_s / num_gpus
-    return TorchtitanPrediction(launch, degrees, _notes(job), tokens)
+    notes = _notes(job, num_gpus, entry.gpus_per_node)
+    return TorchtitanPrediction(launch, degrees, notes, tokens)
