@@ -74,6 +74,7 @@ __all__ = [
     "costs_line",
     "knob_space",
     "knobs_asked",
+    "launch_pool",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
@@ -484,19 +485,30 @@ def read_launch(
     Raises:
         ProblemError: a bad pool, a GPU type not on the sheet, bad flags.
     """
-    pool = parse_gpu_pool([gpus], most=most)
-    if len(pool) != 1:  # a launch runs on one type (commas give several)
-        raise ProblemError(
-            f"--megatron-args takes one --gpus TYPE:COUNT, got {len(pool)} types"
-        )
-    ((gpu, count),) = pool.items()
-    sheet = load_gpu_sheet(gpu_sheet)
-    gpu = sheet_name(sheet, gpu)
+    gpu, count, sheet = launch_pool(gpus, gpu_sheet, "--megatron-args", most=most)
     run = spec_from_megatron_args(megatron_args)
     if run.ignored:
         shown = " ".join(run.ignored)
         print(f"ignored (no effect on the prediction): {shown:.300}", file=sys.stderr)
-    return run, sheet.resolve(gpu), count, sheet
+    return run, gpu, count, sheet
+
+
+def launch_pool(
+    gpus: str, gpu_sheet: str | None, flag: str, *, most: int
+) -> tuple[str, int, GpuSheet]:
+    """The one GPU type and count of a launch (``flag``: the launch
+    description it goes with): the sheet's name of the type, the count, the
+    sheet.
+
+    Raises:
+        ProblemError: a bad pool, several types, a type not on the sheet.
+    """
+    pool = parse_gpu_pool([gpus], most=most)
+    if len(pool) != 1:  # a launch runs on one type (commas give several)
+        raise ProblemError(f"{flag} takes one --gpus TYPE:COUNT, got {len(pool)} types")
+    ((gpu, count),) = pool.items()
+    sheet = load_gpu_sheet(gpu_sheet)
+    return sheet.resolve(sheet_name(sheet, gpu)), count, sheet
 
 
 _KEPT_HELP = {

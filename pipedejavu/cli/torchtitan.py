@@ -8,16 +8,13 @@ import argparse
 import sys
 import warnings
 
-from pipedejavu.cli.any_model import any_model_options
+from pipedejavu.cli.any_model import any_model_options, launch_pool
 from pipedejavu.cli.megatron_report import GB, format_prediction, utilization_line
 from pipedejavu.core.files import json_text
 from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.torchtitan_job import read_torchtitan_job
-from pipedejavu.planning.any_model import sheet_name
 from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
-from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = ["add_sharded_flag", "predict_torchtitan", "refuse_described", "sharded_of"]
 
@@ -79,14 +76,9 @@ def predict_torchtitan(args: argparse.Namespace) -> int:
         raise ProblemError("give --torchtitan-config or --megatron-args, not both")
     if not args.gpus:
         raise ProblemError("--torchtitan-config needs --gpus TYPE:COUNT, e.g. H100:64")
-    pool = parse_gpu_pool([args.gpus], most=MAX_GPUS)
-    if len(pool) != 1:
-        raise ProblemError(
-            f"--torchtitan-config takes one --gpus TYPE:COUNT, got {len(pool)} types"
-        )
-    ((gpu, count),) = pool.items()
-    sheet = load_gpu_sheet(args.gpu_sheet)
-    gpu = sheet.resolve(sheet_name(sheet, gpu))
+    gpu, count, sheet = launch_pool(
+        args.gpus, args.gpu_sheet, "--torchtitan-config", most=MAX_GPUS
+    )
     job = read_torchtitan_job(args.torchtitan_config)
     if job.ignored:
         shown = "; ".join(job.ignored)

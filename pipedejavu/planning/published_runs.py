@@ -64,6 +64,7 @@ from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
 from pipedejavu.planning.megatron_launch import options_of_run, predict_megatron_run
 
 __all__ = [
+    "bundled_published_file",
     "FITTED_FIELDS",
     "HALF_PRECISION_BASE",
     "bundled_published_path",
@@ -111,10 +112,15 @@ class PublishedRun(NamedTuple):
     tflops_per_gpu: float
 
 
+def bundled_published_file(name: str) -> Path:
+    """A vendored file of published runs (``pipedejavu/data/published``)."""
+    root = importlib.resources.files("pipedejavu") / "data" / "published"
+    return Path(str(root / name))
+
+
 def bundled_published_path() -> Path:
     """The vendored copy of the SC'21 Table 1 runs."""
-    root = importlib.resources.files("pipedejavu") / "data" / "published"
-    return Path(str(root / "megatron_sc21_table1.json"))
+    return bundled_published_file("megatron_sc21_table1.json")
 
 
 def _field(record: Mapping[str, Any], path: str, where: str) -> Any:
@@ -236,8 +242,7 @@ class MoePublishedRun(NamedTuple):
 
 def bundled_moe_published_path() -> Path:
     """The vendored copy of the thirteen MoE runs on H100."""
-    root = importlib.resources.files("pipedejavu") / "data" / "published"
-    return Path(str(root / "moe_h100.json"))
+    return bundled_published_file("moe_h100.json")
 
 
 def _count(record: Mapping[str, Any], path: str, where: str, *, null_ok=False):

@@ -251,7 +251,9 @@ class TorchtitanPrediction:
         return out
 
 
-def _notes(job: TorchtitanJob, num_gpus: int, gpus_per_node: int) -> tuple[str, ...]:
+def _notes(
+    job: TorchtitanJob, degrees: TorchtitanDegrees, num_gpus: int, gpus_per_node: int
+) -> tuple[str, ...]:
     notes = list(job.model.notes)
     if not job.compile:
         notes.append(
@@ -262,7 +264,6 @@ def _notes(job: TorchtitanJob, num_gpus: int, gpus_per_node: int) -> tuple[str, 
         notes.append("async TP priced as plain TP")
     if job.float8_fsdp_all_gather:
         notes.append("FSDP's float8 all-gather priced in bf16")
-    degrees = job.degrees(num_gpus)
     if (
         degrees.dp_replicate > 1
         and degrees.fsdp > 1
@@ -335,5 +336,5 @@ def predict_torchtitan_job(
         hardware,
     )
     tokens = samples * job.seq_len / prediction.iteration_time_s / num_gpus
-    notes = _notes(job, num_gpus, entry.gpus_per_node)
+    notes = _notes(job, degrees, num_gpus, entry.gpus_per_node)
     return TorchtitanPrediction(launch, degrees, notes, tokens)

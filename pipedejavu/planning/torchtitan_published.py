@@ -25,7 +25,6 @@ are the predictor's own with the fitted constants, not the linear model's;
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,10 @@ from pipedejavu.costmodel.analytical.torchtitan_constants import (
     TORCHTITAN_LOSS_LOGIT_BYTES,
 )
 from pipedejavu.io.torchtitan_job import TorchtitanJob, parse_torchtitan_job
-from pipedejavu.planning.published_runs import MAX_PUBLISHED_FILE_BYTES
+from pipedejavu.planning.published_runs import (
+    MAX_PUBLISHED_FILE_BYTES,
+    bundled_published_file,
+)
 from pipedejavu.planning.torchtitan_launch import predict_torchtitan_job
 
 __all__ = [
@@ -81,8 +83,7 @@ class TorchtitanRun:
 
 def bundled_torchtitan_published_path() -> Path:
     """The vendored copy of the seven runs."""
-    root = importlib.resources.files("pipedejavu") / "data" / "published"
-    return Path(str(root / "torchtitan_llama3_8b_h100.json"))
+    return bundled_published_file("torchtitan_llama3_8b_h100.json")
 
 
 def job_text(record: Mapping[str, Any]) -> str:
