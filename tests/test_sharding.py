@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.layout import ParallelLayout
@@ -326,3 +328,44 @@ def test_sharding_strategy_alone_is_listed_as_ignored():
     )
     assert run.zero_stage == 0
     assert any("--use-megatron-fsdp only" in word for word in run.ignored)
+
+
+_ANY = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.booleans(),
+    st.none(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(dp_shard=_ANY, zero=_ANY, reshard=_ANY)
+def test_plan_files_sharding_fields_read_or_one_line(dp_shard, zero, reshard):
+    """Any dp_shard in a plan file's layout and any ZeRO stage or resharding
+    in its options: read when valid, else one error line (never a traceback)."""
+    plan = plan_from_stages(
+        [(0, 34, 1)],
+        gpu_type="H100-SXM",
+        dp=8,
+        mbs=1,
+        gbs=8,
+        model="Llama-3-8B",
+        gpus_per_node=8,
+        zone="z",
+    )
+    data = plan.to_json()
+    data["layout"]["dp_shard"] = dp_shard
+    try:
+        read = Plan3D.from_json(data)
+    except ProblemError as error:
+        assert "\n" not in str(error)
+    else:
+        assert read.layout.shard_replicas in (1, 2, 4, 8)
+    fields = {"zero_stage": zero, "reshard_after_forward": reshard}
+    try:
+        options = TrainingOptions.from_json(fields)
+    except ValueError as error:
+        assert "\n" not in str(error)
+    else:
+        assert options.zero_stage in (0, 1, 2, 3)
