@@ -28,9 +28,11 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.rules import rank_expert_params
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.interleaved import (
+    candidate_fits,
     candidate_floor,
     candidate_plan,
     interleaved_candidates,
+    ranks_fit,
 )
 
 SPEC = MOE_STATE_SPEC
@@ -125,11 +127,39 @@ def test_interleaved_floor_matches_the_prediction(ep, zero_bubble):
         prediction = predict_plan(plan, data, constants=C, virtual_stages=c.chunks)
         if prediction.fits_memory:
             assert fits, c
+        # the same test on one pipeline, before the plan is placed
+        assert candidate_fits(data, SPEC.name, C, GBS, c) == fits, c
         if fits:
             after = prediction.dp_allreduce_s + prediction.optimizer_s.max(axis=1)
             assert (tails <= after * (1 + 1e-12)).all(), c
             checked += 1
     assert checked >= 2
+
+
+def test_one_pipelines_memory_test_is_the_placed_plans():
+    """The search tests an interleaved candidate's memory on one pipeline
+    before placing its ``P x dp`` replicas (:func:`candidate_fits`): the same
+    verdict as the placed plan's floor, for every candidate at reserves from
+    14 to 38 GiB (both verdicts taken), including where the experts' state
+    sharded over ``edp`` rather than ``dp`` decides it."""
+    counts = {"fit": 0, "not": 0, "edp decides": 0}
+    for pool, gbs in (({"A100-40": 4}, 8), ({"A100-40": 8}, 16)):
+        for ep, zero_bubble in itertools.product((1, 2, 4), (False, True)):
+            data = _source(ep, "none", zero_bubble)
+            for c in interleaved_candidates(data, SPEC.name, pool, gbs, C):
+                plan = candidate_plan(data, SPEC.name, gbs, c)
+                for gib in range(14, 40, 2):
+                    reserve = (("A100-40", gib * 2**30),)
+                    limits = dataclasses.replace(C, reserve_bytes=reserve)
+                    placed = candidate_floor(data, SPEC.name, limits, plan, c.chunks)
+                    one = candidate_fits(data, SPEC.name, limits, gbs, c)
+                    assert one == placed[0], (c, gib)
+                    counts["fit" if one else "not"] += 1
+                    over_dp = ranks_fit(
+                        data, SPEC.name, limits, plan, c.chunks, edp=plan.dp
+                    )
+                    counts["edp decides"] += over_dp != one
+    assert min(counts.values()) >= 50, counts
 
 
 def test_per_stage_recomputation_takes_the_predictors_state():

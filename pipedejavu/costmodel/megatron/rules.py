@@ -507,6 +507,17 @@ def _with_tp(replica: Replica, tp: int) -> Replica:
     return dataclasses.replace(replica, tp=tp)
 
 
+def expert_buckets(
+    info: ModelInfo, tp: int, spans: Sequence[tuple[int, int]]
+) -> list[float]:
+    """The expert gradients' all-reduce buckets (elements) of a rank at TP
+    ``tp`` holding the layer ``spans``, filled by :func:`add_to_bucket`."""
+    if info.expert_params is None:
+        return []
+    row = info.expert_params[tp]
+    return fill_buckets(float(x) for a, b in spans for x in row[a:b])
+
+
 def expert_allreduce(
     network: NetworkTables,
     info: ModelInfo,
@@ -522,8 +533,7 @@ def expert_allreduce(
     block) in buckets filled by :func:`add_to_bucket`."""
     if info.expert_params is None or len(members) <= 1:
         return 0.0, 0.0
-    row = info.expert_params[tp]
-    out = fill_buckets(float(x) for a, b in spans for x in row[a:b])
+    out = expert_buckets(info, tp, spans)
     hops = ring_hops(network, members, nodes)
     seconds = sum(
         ring_allreduce_time(

@@ -85,7 +85,9 @@ from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import (
+    buckets,
     expert_allreduce,
+    expert_buckets,
     expert_ring,
     least_gradient_sync,
     memory_bytes,
@@ -149,14 +151,17 @@ class InterleavedMemo:
         candidates: the candidates by (source ``id``, model, pool, batch,
             constants ``id``, settings), with the source and constants kept
             alive (their ``id`` not reused).
-        fits: the memory test (:func:`candidate_fits`; a mixture of
-            experts': :func:`candidate_floor`'s on the placed plan) by the key
+        fits: the memory test (:func:`candidate_fits`) by the key
             of ``candidates`` and the candidate's type, mbs, TP, stages, dp,
             chunks and split.
+        states: the same test of the model state alone (no stash), by the
+            key of ``candidates`` and the candidate's type, TP, stages, dp,
+            split (and ZB-V's chunks).
     """
 
     candidates: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     fits: dict[tuple, bool] = dataclasses.field(default_factory=dict)
+    states: dict[tuple, bool] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +300,14 @@ def candidate_plan(
     global_batch: int,
     c: Candidate,
     rank_order: str = RANK_ORDERS[0],
+    experts: tuple[int, int | None] | None = None,
 ) -> Plan3D:
     """The candidate as a plan: ``P`` stages of its ranks' blocks
-    (:meth:`Candidate.rank_blocks`), placed in ``rank_order``."""
-    blocks = data.model_info(model).num_layers - 2
+    (:meth:`Candidate.rank_blocks`), placed in ``rank_order``, its expert
+    layers over ``experts`` = ``(ep, etp)`` (``None``: the costs'
+    ``ModelInfo.expert_axes``)."""
+    info = data.model_info(model)
+    blocks = info.num_layers - 2
     bounds = [0, *(1 + int(b) for b in np.cumsum(c.rank_blocks(blocks)))]
     bounds[-1] = blocks + 2  # (the head with the last rank)
     return plan_from_stages(
@@ -310,9 +319,56 @@ def candidate_plan(
         model=model,
         gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
         zone=DEFAULT_ZONE,
-        experts=data.model_info(model).expert_axes,
+        experts=info.expert_axes if experts is None else experts,
         rank_order=rank_order,
     )
+
+
+def ranks_fit(
+    data: SailorData,
+    model: str,
+    constants: PredictorConstants,
+    plan: Plan3D,
+    chunks: int,
+    dp: int | None = None,
+    edp: int | None = None,
+    stash: bool = True,
+) -> bool:
+    """Whether every rank's model state and its stash at its first backward
+    (:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`) fit
+    its GPUs (else the predicted memory does not), as the predictor counts
+    them (a mixture of experts: their state sharded over expert data
+    parallelism, their largest gradient bucket where it is all-reduced). No
+    placement enters. ``dp``: the replicas the dense state is sharded over,
+    ``edp``: the expert data-parallel GPUs of every stage (``None`` each: the
+    plan's), so that one pipeline answers for the plan (:func:`candidate_fits`).
+    ``stash`` ``False``: the model state alone (it not fitting, no micro-batch
+    size or chunk count of these stages fits)."""
+    info = data.model_info(model)
+    dp = plan.dp if dp is None else dp
+    v_shape = bool(data.options.v_shape)
+    zero_bubble = bool(data.options.zero_bubble)
+    stashed = np.zeros(plan.num_stages)
+    if stash:
+        stashed = warmup_stash(plan, info, chunks, zero_bubble, v_shape)
+    spans = rank_layers(plan, v_shape)  # each rank's layers
+    for s, stage in enumerate(plan.stages):
+        tp = stage.replicas[0].tp
+        (start, stop), *more = spans[s]
+        largest = max(buckets(info, tp, start, stop, more))
+        held = rank_params(info, tp, spans[s])
+        experts, stage_edp = rank_expert_params(info, tp, spans[s]), 1
+        if experts:
+            stage_edp = plan.layout.edp(s) if edp is None else edp
+            if stage_edp > 1:  # (a gradient bucket only where all-reduced)
+                biggest = max(expert_buckets(info, tp, spans[s]), default=0.0)
+                largest = max(largest, biggest)
+        state = model_state_bytes(info, held, largest, dp, experts, stage_edp)
+        for gpu in {r.gpu_type for r in stage.replicas}:
+            used = memory_bytes(state, stashed[s], constants, gpu)
+            if used > data.gpu_spec(gpu).memory_bytes:
+                return False
+    return True
 
 
 def candidate_floor(
@@ -323,43 +379,37 @@ def candidate_floor(
     chunks: int,
     dp: int | None = None,
 ) -> tuple[bool, NDArray[np.float64]]:
-    """``(fits, tails)`` of an interleaved plan without simulating it: whether
-    every rank's model state and its stash at its first backward
-    (:func:`~pipedejavu.costmodel.megatron.interleaving.warmup_stash`) fit its
-    GPUs (else the predicted memory does not), and ``f64[P]`` the all-reduce
-    and optimizer step that follow each rank's last backward, as the predictor
-    prices them (the slowest replica's; of an overlapped all-reduce, the least
-    the predictor waits for; a mixture of experts' with their gradients'
-    all-reduce, and their state and step over expert data parallelism, as
-    the predictor's). ``dp``: the replicas the dense model state is sharded
-    over (``None``: the plan's; :func:`candidate_fits` asks one pipeline of a
-    dense plan with more)."""
-    info = data.model_info(model)
+    """``(fits, tails)`` of an interleaved plan without simulating it:
+    :func:`ranks_fit`, and ``f64[P]`` the all-reduce and optimizer step that
+    follow each rank's last backward, as the predictor prices them (the
+    slowest replica's; of an overlapped all-reduce, the least the predictor
+    waits for; a mixture of experts' with their gradients' all-reduce, and
+    their step over expert data parallelism, as the predictor's). ``dp``: the
+    replicas the dense model state is sharded over (``None``: the plan's)."""
     dp = plan.dp if dp is None else dp
-    v_shape = bool(data.options.v_shape)
-    zero_bubble = bool(data.options.zero_bubble)
-    stash = warmup_stash(plan, info, chunks, zero_bubble, v_shape)
-    spans = rank_layers(plan, v_shape)  # each rank's layers
     tails = np.zeros(plan.num_stages)
+    if not ranks_fit(data, model, constants, plan, chunks, dp):
+        return False, tails
+    info = data.model_info(model)
+    spans = rank_layers(plan, bool(data.options.v_shape))
     for s, stage in enumerate(plan.stages):
         replicas = list(stage.replicas)
         nodes = [node_key(r, s, j) for j, r in enumerate(replicas)]
         (start, stop), *more = spans[s]
-        allreduce, largest = stage_allreduce(
+        allreduce, _ = stage_allreduce(
             data.network, info, replicas, nodes, start, stop, more
         )
         held = rank_params(info, replicas[0].tp, spans[s])
-        # a mixture of experts: their gradients reduced and their state and
-        # step sharded over expert data parallelism, as the predictor's
+        # a mixture of experts: their gradients reduced and their step over
+        # expert data parallelism, as the predictor's
         experts, edp = rank_expert_params(info, replicas[0].tp, spans[s]), 1
         if experts:
             edp = plan.layout.edp(s)
             members, ring = expert_ring(plan.layout, s, replicas, nodes)
-            seconds, biggest = expert_allreduce(
+            seconds, _ = expert_allreduce(
                 data.network, info, replicas[0].tp, members, ring, spans[s]
             )
-            allreduce, largest = allreduce + seconds, max(largest, biggest)
-        state = model_state_bytes(info, held, largest, dp, experts, edp)
+            allreduce += seconds
         step = 0.0
         for gpu, tp in {(r.gpu_type, r.tp) for r in replicas}:
             update = data.layer_times(
@@ -367,9 +417,6 @@ def candidate_floor(
             ).update
             seconds = optimizer_time(float(update[0]), held, info, tp, dp, experts, edp)
             step = max(step, seconds)
-            used = memory_bytes(state, stash[s], constants, gpu)
-            if used > data.gpu_spec(gpu).memory_bytes:
-                return False, tails
         sync = least_gradient_sync(allreduce, held, plan.dp, data.options)
         tails[s] = sync + step
     return True, tails
@@ -381,16 +428,18 @@ def candidate_fits(
     constants: PredictorConstants,
     global_batch: int,
     c: Candidate,
+    stash: bool = True,
 ) -> bool:
-    """:func:`candidate_floor`'s memory test of a dense model's candidate,
-    on one of its pipelines (its replicas alike, each rank's stash and model
-    state do not depend on the placement): no plan of ``P x dp`` replicas is
-    built. A mixture of experts' layout needs its replicas:
-    :func:`search_interleaved` tests those on the placed plan, with its
-    tails."""
+    """:func:`ranks_fit` of a candidate on one of its pipelines (its
+    replicas alike, each rank's stash and model state do not depend on the
+    placement; a mixture of experts' expert data parallelism is the
+    candidate's, ``tp dp / (etp ep)``): no plan of ``P x dp`` replicas is
+    built. ``stash``: as :func:`ranks_fit`'s."""
     one = dataclasses.replace(c, dp=1)
-    skeleton = candidate_plan(data, model, global_batch // c.dp, one)
-    return candidate_floor(data, model, constants, skeleton, c.chunks, c.dp)[0]
+    skeleton = candidate_plan(data, model, global_batch // c.dp, one, experts=(1, None))
+    ep, etp = data.model_info(model).expert_axes
+    edp = c.tp * c.dp // ((c.tp if etp is None else etp) * ep)
+    return ranks_fit(data, model, constants, skeleton, c.chunks, c.dp, edp, stash)
 
 
 def search_interleaved(
@@ -452,7 +501,6 @@ def search_interleaved(
         )
         memo.candidates[space] = (data, constants, found_items)  # ids kept alive
     items = list(memo.candidates[space][2])
-    experts = data.model_info(model).expert_params is not None
     heapq.heapify(items)
     total = len(items)
     best = cutoff_s
@@ -469,8 +517,16 @@ def search_interleaved(
             break
         shape = (space, item.gpu, item.mbs, item.tp, item.ranks, item.dp, item.chunks)
         shape += item.split
-        if shape not in memo.fits and not experts:  # (one pipeline's test)
-            memo.fits[shape] = candidate_fits(
+        if shape not in memo.fits:  # (one pipeline's test)
+            # the model state alone first: the same for every micro-batch
+            # size (and chunk count, but ZB-V's, whose chunks hold the state)
+            held = (space, item.gpu, item.tp, item.ranks, item.dp, item.split)
+            held += (item.chunks if data.options.v_shape else 0,)
+            if held not in memo.states:
+                memo.states[held] = candidate_fits(
+                    data, model, constants, global_batch, item, stash=False
+                )
+            memo.fits[shape] = memo.states[held] and candidate_fits(
                 data, model, constants, global_batch, item
             )
         if not memo.fits.get(shape, True):  # memory: whatever the placement
@@ -481,7 +537,7 @@ def search_interleaved(
                 fits, tails = candidate_floor(data, model, constants, plan, item.chunks)
             except ProblemError:  # a link the network tables do not price
                 continue
-            memo.fits[shape] = fits  # (a mixture of experts': the whole plan's)
+            memo.fits[shape] = fits
             if fits:
                 parts = item.parts
                 bound = max(
