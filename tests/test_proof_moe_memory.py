@@ -28,11 +28,13 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.rules import rank_expert_params
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.interleaved import (
+    InterleavedMemo,
     candidate_fits,
     candidate_floor,
     candidate_plan,
     interleaved_candidates,
     ranks_fit,
+    search_interleaved,
 )
 
 SPEC = MOE_STATE_SPEC
@@ -162,6 +164,49 @@ def test_one_pipelines_memory_test_is_the_placed_plans():
     assert min(counts.values()) >= 50, counts
 
 
+def test_a_memo_shared_by_expert_layouts_changes_no_search():
+    """One :class:`InterleavedMemo` kept over the searches of several expert
+    layouts (what ``plan`` does): sources of equal sizes share memory tests,
+    sources of other sizes do not, and every search finds what it finds with
+    a memo of its own. Tight reserves make the memory decide."""
+    limits = dataclasses.replace(C, reserve_bytes=(("A100-40", 26 * 2**30),))
+    shared = InterleavedMemo()
+    pool, gbs = {"A100-40": 8}, 16
+    keys = set()
+    tests = found = 0
+    for ep, dispatcher, overlap, zero_bubble in itertools.product(
+        (1, 2, 4), ("alltoall", "flex"), (False, True), (False, True)
+    ):
+        if dispatcher == "flex" and ep == 1:  # (flex needs etp x ep > 1)
+            continue
+        options = TrainingOptions(
+            precision="bf16",
+            distributed_optimizer=True,
+            sequence_parallel=True,
+            zero_bubble=zero_bubble,
+        )
+        layer = ExpertPass(ep=ep, etp=1, grouped_gemm=True, dispatcher=dispatcher)
+        data = AnalyticalSource(
+            SPEC, load_gpu_sheet(), options, experts=ExpertLayers(layer, overlap)
+        )
+        keys.add(data.model_info(SPEC.name).content_key())
+        own = InterleavedMemo()
+        alone = search_interleaved(data, SPEC.name, pool, gbs, limits, memo=own)
+        tests += len(own.fits)
+        found += alone.prediction is not None
+        kept = search_interleaved(data, SPEC.name, pool, gbs, limits, memo=shared)
+        assert (alone.prediction is None) == (kept.prediction is None)
+        if alone.prediction is not None:
+            assert kept.plan == alone.plan and kept.chunks == alone.chunks
+            assert kept.prediction.iteration_time_s == alone.prediction.iteration_time_s
+        assert (kept.lower_bound_s, kept.proven) == (alone.lower_bound_s, alone.proven)
+    verdicts = set(shared.fits.values())
+    # EP and the schedule change the sizes, the dispatcher and overlap not
+    assert len(keys) == 3 and len({key[0] for key in shared.fits}) == 6
+    assert verdicts == {False, True} and found >= 10
+    assert len(shared.fits) <= tests / 2  # (each layout's tests shared)
+
+
 def test_per_stage_recomputation_takes_the_predictors_state():
     """Per-stage recomputation of a mixture of experts: each stage reruns the
     least count with which the predictor says it fits, so the counts it
@@ -197,3 +242,27 @@ def test_expert_sharding_of_the_bounds_is_the_layouts():
     assert span_experts(_source(4).model_info(SPEC.name), 1, 8, starts, stops)[1] == 2
     dense = dataclasses.replace(info, expert_params=None)
     assert span_experts(dense, 2, 3, starts, stops) == (0.0, 1)
+
+
+def test_the_sizes_key_tells_every_field_apart():
+    """:meth:`ModelInfo.content_key`, which keys the shared memory tests:
+    equal for a copy, different when any one size or setting differs."""
+    info = _source(2).model_info(SPEC.name)
+    copy = dataclasses.replace(
+        info, params={k: v.copy() for k, v in info.params.items()}
+    )
+    assert copy.content_key() == info.content_key()
+    tp = min(info.params)
+    for name in ("params", "act_mem", "act_output", "expert_params"):
+        arrays = {k: v.copy() for k, v in getattr(info, name).items()}
+        arrays[tp][-1] += 1.0
+        changed = dataclasses.replace(info, **{name: arrays})
+        assert changed.content_key() != info.content_key(), name
+    for field, value in (
+        ("expert_axes", (4, 1)),
+        ("activation_bytes", 4.0 if info.activation_bytes != 4.0 else 2.0),
+        ("sharded_state_bytes_per_param", info.sharded_state_bytes_per_param + 1),
+        ("recompute_layers", 1),
+    ):
+        changed = dataclasses.replace(info, **{field: value})
+        assert changed.content_key() != info.content_key(), field

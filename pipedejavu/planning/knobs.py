@@ -177,6 +177,7 @@ def plan_with_knobs(
     experts: ExpertLayers | None = None,
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
     one_stage_1f1b: bool = False,
+    interleaved_memo: InterleavedMemo | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -205,6 +206,10 @@ def plan_with_knobs(
         incumbent: a plan found before (another expert layout's) and its
             choice: every choice is settled by the proof with its time as the
             cutoff (no step 1); the result is it unless a choice beats it.
+        interleaved_memo: the interleaved searches' memo
+            (:class:`~pipedejavu.search.megatron.interleaved.InterleavedMemo`;
+            ``None``: one for this call), kept by a caller that searches again
+            (each expert layout: their memory tests shared).
 
     Raises:
         ProblemError: bad arguments.
@@ -241,6 +246,7 @@ def plan_with_knobs(
         dp_alone=dp_alone,
         incumbent=incumbent,
         one_stage_1f1b=one_stage_1f1b,
+        interleaved_memo=interleaved_memo,
     )
 
 
@@ -260,6 +266,7 @@ def search_knobs(
     dp_alone: bool = False,
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
     one_stage_1f1b: bool = False,
+    interleaved_memo: InterleavedMemo | None = None,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -407,7 +414,9 @@ def search_knobs(
             for o, order in enumerate(space.rank_orders)
             for index, choice in enumerate(kind, start=first * len(knobs))
         ]
-        memo = InterleavedMemo()  # the candidates and memory, either order
+        # the candidates and memory, either order (and, kept by the caller,
+        # the memory tests of every expert layout)
+        memo = InterleavedMemo() if interleaved_memo is None else interleaved_memo
         for index, choice, order in runs:
             tick = time.perf_counter()
             found = search_interleaved(

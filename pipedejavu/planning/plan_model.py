@@ -57,6 +57,7 @@ from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
 from pipedejavu.planning.sharded_search import TORCHTITAN_RECOMPUTE, join_sharded
 from pipedejavu.planning.training import parse_gpu_pool
+from pipedejavu.search.megatron.interleaved import InterleavedMemo
 
 __all__ = [
     "KEPT_OPTIONS",
@@ -415,6 +416,7 @@ def _plan_experts(
 
     searches = sorted(searches, key=first)
     best: KnobPlan | None = None
+    memo = InterleavedMemo()  # (sources of equal sizes share memory tests)
     for found_layout in searches:
         incumbent = None if best is None else (best.result, best.choice)
         try:
@@ -427,6 +429,7 @@ def _plan_experts(
                 experts=found_layout.layers,
                 incumbent=incumbent,
                 one_stage_1f1b=found_layout.one_stage_1f1b,
+                interleaved_memo=memo,
             )
         except InfeasibleProblemError:
             continue  # no plan with this layout fits: it bounds nothing

@@ -125,6 +125,23 @@ class ModelInfo:
     reshard_after_forward: bool = True
     weight_bytes: float = 4.0
 
+    def content_key(self) -> tuple:
+        """A hashable key equal for two infos of equal content (every field;
+        the arrays by their bytes): what memoises a rule of the sizes alone
+        across the cost sources of a search."""
+        out: list = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Mapping):
+                value = tuple(
+                    (k, (v.dtype.str, v.shape, v.tobytes()))
+                    if isinstance(v, np.ndarray)
+                    else (k, v)
+                    for k, v in sorted(value.items())
+                )
+            out.append(value)
+        return tuple(out)
+
     @property
     def num_layers(self) -> int:
         """``L + 2`` profile layers."""

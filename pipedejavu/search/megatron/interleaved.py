@@ -62,6 +62,7 @@ the placed plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -151,12 +152,13 @@ class InterleavedMemo:
         candidates: the candidates by (source ``id``, model, pool, batch,
             constants ``id``, settings), with the source and constants kept
             alive (their ``id`` not reused).
-        fits: the memory test (:func:`candidate_fits`) by the key
-            of ``candidates`` and the candidate's type, mbs, TP, stages, dp,
-            chunks and split.
+        fits: the memory test (:func:`candidate_fits`) by what it reads:
+            the sizes (``ModelInfo.content_key``), model, batch, constants
+            ``id``, schedule, and the candidate's type and its memory, TP,
+            stages, dp, split, mbs and chunks (sources of equal sizes share
+            it: one memo serves a search over expert layouts).
         states: the same test of the model state alone (no stash), by the
-            key of ``candidates`` and the candidate's type, TP, stages, dp,
-            split (and ZB-V's chunks).
+            same key less mbs and chunks (but ZB-V's chunks).
     """
 
     candidates: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
@@ -186,6 +188,24 @@ class InterleavedResult:
     candidates: int
     predicted: int
     time_s: float
+
+
+@functools.lru_cache(maxsize=4096)
+def held_chunk_counts(
+    blocks: int, ranks: int, embedding: int, loss: int, max_chunks: int | None
+) -> tuple[int, ...]:
+    """The chunk counts ``V >= 2`` (at most ``max_chunks``) into which
+    ``ranks`` ranks can split ``blocks`` blocks with the ``embedding`` and
+    ``loss`` layers counted (:func:`~pipedejavu.core.layout.chunks_hold_blocks`;
+    ``V`` divides each rank's units)."""
+    per_rank = (blocks + embedding + loss) // ranks
+    return tuple(
+        v
+        for v in divisors(per_rank)
+        if v >= 2
+        and chunks_hold_blocks(blocks, ranks, v, embedding, loss)
+        and (max_chunks is None or v <= max_chunks)
+    )
 
 
 def interleaved_candidates(
@@ -235,13 +255,9 @@ def interleaved_candidates(
                     if ranks < 2 or ranks * tp > count or units % ranks:
                         continue
                     per_rank = units // ranks  # (the counted layers included)
-                    chunk_counts = [
-                        v
-                        for v in divisors(per_rank)
-                        if v >= 2
-                        and chunks_hold_blocks(blocks, ranks, v, embedding, loss)
-                        and (max_chunks is None or v <= max_chunks)
-                    ]
+                    chunk_counts = list(
+                        held_chunk_counts(blocks, ranks, embedding, loss, max_chunks)
+                    )
                     if v_shape:
                         chunk_counts = [2] if 2 in chunk_counts else []
                     if not chunk_counts:
@@ -501,6 +517,12 @@ def search_interleaved(
         )
         memo.candidates[space] = (data, constants, found_items)  # ids kept alive
     items = list(memo.candidates[space][2])
+    # the memory test reads the sizes, the schedule and the GPUs' memory
+    # alone: sources of equal sizes share it (a memo over expert layouts)
+    sizes = (data.model_info(model).content_key(), model, global_batch)
+    sizes += (id(constants), bool(data.options.zero_bubble))
+    v_shape = bool(data.options.v_shape)
+    sizes += (v_shape,)
     heapq.heapify(items)
     total = len(items)
     best = cutoff_s
@@ -515,13 +537,13 @@ def search_interleaved(
         if predicted >= max_plans:
             lower = item.bound
             break
-        shape = (space, item.gpu, item.mbs, item.tp, item.ranks, item.dp, item.chunks)
-        shape += item.split
+        limit = data.gpu_spec(item.gpu).memory_bytes
+        rank = (sizes, item.gpu, limit, item.tp, item.ranks, item.dp, item.split)
+        shape = (*rank, item.mbs, item.chunks)
         if shape not in memo.fits:  # (one pipeline's test)
             # the model state alone first: the same for every micro-batch
             # size (and chunk count, but ZB-V's, whose chunks hold the state)
-            held = (space, item.gpu, item.tp, item.ranks, item.dp, item.split)
-            held += (item.chunks if data.options.v_shape else 0,)
+            held = (*rank, item.chunks if v_shape else 0)
             if held not in memo.states:
                 memo.states[held] = candidate_fits(
                     data, model, constants, global_batch, item, stash=False
