@@ -15,8 +15,9 @@ load. Then compares:
   the ratio after / before.
 
 Benchmarks: ``dp_scaling.py --suite kinds`` (the exact DP on the kinds of its
-worst cases, both exact methods) and ``plan_vs_sailor.py`` (the Megatron
-planner on Sailor's settings).
+worst cases, both exact methods), ``plan_vs_sailor.py`` (the Megatron
+planner on Sailor's settings) and ``moe_planning.py --no-published`` (the
+mixtures of experts' planning settings; chosen with ``--benchmarks``).
 
 Usage::
 
@@ -87,6 +88,14 @@ BENCHMARKS = {
             "warm_s": row["ours"]["search_time_warm_s"],
             "mixed_s": row.get("mixed_types", {}).get("search_time_s"),
         },
+    },
+    "moe_planning": {
+        "script": "benchmarks/moe_planning.py",
+        "args": ["--no-published"],
+        "volatile": {"date", "machine", "seconds"},
+        "rows": lambda saved: saved["settings"],
+        "row_name": lambda row: row["id"],
+        "row_times": lambda row: {"seconds": row["seconds"]},
     },
 }
 
