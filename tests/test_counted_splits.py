@@ -19,10 +19,10 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.io.exports import export_plan
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.interleaved import (
-    candidate_plan,
     interleaved_candidates,
     search_interleaved,
 )
+from pipedejavu.search.megatron.interleaved_floor import candidate_plan
 
 #: 14 blocks: 14 = 2 x 7 splits into no V >= 2 chunks per rank of two
 #: blocks or more but 7 x 2 (one block each); 16 units (both counted) do.

@@ -334,3 +334,49 @@ def test_expert_tp_is_not_searched_for_experts_with_biases():
     assert spec.linear_bias and expert_tp_needs(etp=2, linear_bias=True)
     layouts = expert_layouts(spec, 64, expert_tp=(1, 2, 4))
     assert layouts and {x.experts.etp for x in layouts} == {1}
+
+
+@pytest.mark.parametrize(
+    "model, gpus, gbs, interleaved",
+    [("Mixtral-8x7B", 16, 256, True), ("Qwen3-30B-A3B", 16, 256, False)],
+)
+def test_the_interleaved_step_first_finds_what_the_usual_order_finds(
+    model, gpus, gbs, interleaved
+):
+    """``interleaved_first`` (what ``plan`` does for every expert layout):
+    the interleaved searches run before the first full search, a plan they
+    find settling the other choices by their proofs. Where an interleaved
+    plan wins and where a one-chunk plan wins: the same plan, time, proof
+    and bound as the usual order (Megatron-LM's schedules, EP 8, flex)."""
+    from pipedejavu.io.model_config import load_model_spec
+    from pipedejavu.planning.expert_search import expert_layouts
+    from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES
+    from pipedejavu.planning.knobs import plan_with_knobs
+
+    spec = load_model_spec(model, seq_length=4096)
+    (layers,) = [
+        x
+        for x in expert_layouts(spec, gpus, dispatchers=("flex",), overlap=(False,))
+        if x.experts.ep == 8
+    ]
+    space = KnobSpace(schedules=MEGATRON_SCHEDULES)
+    search = layout_search(layers, space, precision="bf16")
+    found = {
+        first: plan_with_knobs(
+            model,
+            {"H100": gpus},
+            gbs,
+            space=search.space,
+            precision="bf16",
+            seq_length=4096,
+            experts=layers,
+            interleaved_first=first,
+        ).result
+        for first in (False, True)
+    }
+    usual, early = found[False], found[True]
+    assert early.plan == usual.plan and early.options == usual.options
+    usual_s = usual.prediction.iteration_time_s
+    assert early.prediction.iteration_time_s == usual_s
+    assert early.proven and usual.proven
+    assert (usual.options.virtual_stages > 1) == interleaved

@@ -29,11 +29,11 @@ from pipedejavu.search.megatron.certify import (
     certify_predicted,
     least_work,
 )
-from pipedejavu.search.megatron.interleaved import (
+from pipedejavu.search.megatron.interleaved import interleaved_candidates
+from pipedejavu.search.megatron.interleaved_floor import (
     candidate_fits,
     candidate_floor,
     candidate_plan,
-    interleaved_candidates,
 )
 from pipedejavu.search.megatron.transfers import BoundCache
 

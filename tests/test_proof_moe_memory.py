@@ -29,12 +29,14 @@ from pipedejavu.costmodel.megatron.rules import rank_expert_params
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.interleaved import (
     InterleavedMemo,
+    interleaved_candidates,
+    search_interleaved,
+)
+from pipedejavu.search.megatron.interleaved_floor import (
     candidate_fits,
     candidate_floor,
     candidate_plan,
-    interleaved_candidates,
     ranks_fit,
-    search_interleaved,
 )
 
 SPEC = MOE_STATE_SPEC

@@ -177,10 +177,10 @@ def test_interleaved_search_in_each_order_is_the_brute_force_optimum():
     from pipedejavu.core.training_options import TrainingOptions
     from pipedejavu.planning.any_model import choose_cost_source
     from pipedejavu.search.megatron.interleaved import (
-        candidate_plan,
         interleaved_candidates,
         search_interleaved,
     )
+    from pipedejavu.search.megatron.interleaved_floor import candidate_plan
 
     pool, gbs = {"L4": 16}, 32
     choice = choose_cost_source(

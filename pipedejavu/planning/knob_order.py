@@ -6,7 +6,9 @@ it depends on the setting (ZB-H1 on GPT-3 175B, 1F1B on Llama-3-70B in
 ``benchmarks/plan_knobs.py``): either fixed order made one of them much
 slower. The probes' results are kept: the full search of a probed choice runs
 only its proof on them. :func:`objective_free_plan` wraps a plan that a branch
-and bound found (not the planning objective) for the search's report.
+and bound found (not the planning objective) for the search's report;
+:func:`interleaved_choices` is the search's interleaved step, which takes its
+incumbent (:class:`KnobIncumbent`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import InfeasibleProblemError
@@ -24,13 +27,21 @@ from pipedejavu.costmodel.megatron.predictor import Prediction
 from pipedejavu.planning.any_model import CostChoice
 from pipedejavu.planning.knob_space import KnobOutcome
 from pipedejavu.planning.training import TrainingPlan, plan_cost_source
+from pipedejavu.search.megatron.interleaved import InterleavedMemo, search_interleaved
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.settings import (
     MegatronSearchConfig,
     MegatronSearchResult,
 )
 
-__all__ = ["FirstOrder", "first_order", "objective_free_plan"]
+__all__ = [
+    "FirstOrder",
+    "KnobIncumbent",
+    "first_order",
+    "interleaved_choices",
+    "objective_free_plan",
+    "tagged_progress",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +150,98 @@ def objective_free_plan(
         cost_source=plan_cost_source(plan, choice.data),
         options=options,
     )
+
+
+@dataclasses.dataclass
+class KnobIncumbent:
+    """The knob search's incumbent: ``best`` (plan, its choice), its time,
+    whether it came from a full search (else its planning objective is
+    searched again at the end), and the least certified lower bound over the
+    choices settled."""
+
+    best: tuple[TrainingPlan, CostChoice] | None
+    best_s: float
+    searched: bool
+    lower: float
+
+    def take(self, best: tuple[TrainingPlan, CostChoice], *, searched: bool) -> None:
+        self.best, self.searched = best, searched
+        self.best_s = best[0].prediction.iteration_time_s
+
+
+def interleaved_choices(
+    runs: Sequence[tuple[int, CostChoice, str]],
+    pool: Mapping[str, int],
+    global_batch: int,
+    config: MegatronSearchConfig,
+    state: KnobIncumbent,
+    memo: InterleavedMemo,
+    *,
+    method: str,
+    progress_fn: Callable[[dict[str, Any]], None] | None = None,
+) -> list[KnobOutcome]:
+    """The knob search's interleaved step: each ``(index, choice, rank
+    order)`` of ``runs`` searched with the incumbent's time as its cutoff
+    (:func:`~pipedejavu.search.megatron.interleaved.search_interleaved`,
+    ``memo`` kept over them), ``state`` taking each plan that beats it and
+    each search's lower bound; one outcome per run."""
+    outcomes = []
+    for index, choice, order in runs:
+        tick = time.perf_counter()
+        found = search_interleaved(
+            choice.data,
+            choice.model,
+            choice.pool(pool),
+            global_batch,
+            FITTED_CONSTANTS,
+            cutoff_s=state.best_s,
+            allow_fewer_gpus=config.allow_fewer_gpus,
+            mbs_values=config.mbs_values,
+            max_plans=config.proof_budget,
+            rank_order=order,
+            memo=memo,
+            progress_fn=tagged_progress(progress_fn, index),
+            dp_alone=config.dp_alone,
+        )
+        state.lower = min(state.lower, found.lower_bound_s)
+        cutoff = state.best_s
+        options = choice.options
+        if found.plan is not None:
+            options = dataclasses.replace(options, virtual_stages=found.chunks)
+            assert found.prediction is not None
+            proof = (
+                found.lower_bound_s,
+                found.proven,
+                found.candidates,
+                found.predicted,
+                found.time_s,
+            )
+            plan = objective_free_plan(
+                found.plan, found.prediction, proof, choice, options, pool, method
+            )
+            state.take((plan, choice), searched=True)  # no objective to search
+        outcomes.append(
+            KnobOutcome(
+                options,
+                "interleaved",
+                math.nan if found.plan is None else state.best_s,
+                cutoff,
+                found.proven,
+                time.perf_counter() - tick,
+                order,
+            )
+        )
+    return outcomes
+
+
+def tagged_progress(
+    progress_fn: Callable[[dict[str, Any]], None] | None, index: int
+) -> Callable[[dict[str, Any]], None] | None:
+    """``progress_fn`` with ``"knobs": index`` added to each report."""
+    if progress_fn is None:
+        return None
+
+    def tagged(state: dict[str, Any]) -> None:
+        progress_fn({**state, "knobs": index})
+
+    return tagged

@@ -79,7 +79,13 @@ from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.expert_search import moe_options_of
-from pipedejavu.planning.knob_order import first_order, objective_free_plan
+from pipedejavu.planning.knob_order import (
+    KnobIncumbent,
+    first_order,
+    interleaved_choices,
+    objective_free_plan,
+    tagged_progress,
+)
 from pipedejavu.planning.knob_space import KnobOutcome, KnobSpace
 from pipedejavu.planning.training import (
     TrainingPlan,
@@ -91,7 +97,6 @@ from pipedejavu.planning.training import (
 from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
 from pipedejavu.search.megatron.interleaved import (
     InterleavedMemo,
-    search_interleaved,
 )
 from pipedejavu.search.megatron.settings import MegatronSearchResult, check_plan_size
 from pipedejavu.search.megatron.transfers import BoundCache
@@ -178,6 +183,7 @@ def plan_with_knobs(
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
     one_stage_1f1b: bool = False,
     interleaved_memo: InterleavedMemo | None = None,
+    interleaved_first: bool = False,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -210,6 +216,11 @@ def plan_with_knobs(
             (:class:`~pipedejavu.search.megatron.interleaved.InterleavedMemo`;
             ``None``: one for this call), kept by a caller that searches again
             (each expert layout: their memory tests shared).
+        interleaved_first: search the interleaved schedules before the
+            first full search, so that a plan they find settles every other
+            choice by its proof (the same optimum where proven; fewer planning
+            DPs: ``plan`` of a mixture of experts, whose best plans are often
+            interleaved).
 
     Raises:
         ProblemError: bad arguments.
@@ -247,6 +258,7 @@ def plan_with_knobs(
         incumbent=incumbent,
         one_stage_1f1b=one_stage_1f1b,
         interleaved_memo=interleaved_memo,
+        interleaved_first=interleaved_first,
     )
 
 
@@ -267,6 +279,7 @@ def search_knobs(
     incumbent: tuple[TrainingPlan, CostChoice] | None = None,
     one_stage_1f1b: bool = False,
     interleaved_memo: InterleavedMemo | None = None,
+    interleaved_first: bool = False,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -325,7 +338,7 @@ def search_knobs(
             allow_fewer_gpus=allow_fewer_gpus,
             mbs_values=mbs_values,
             mixed_types=mixes_types(choice),
-            progress_fn=_tagged(progress_fn, index),
+            progress_fn=tagged_progress(progress_fn, index),
             bound_cache=shared,
             solved=probes.get(id(choice)),
             dp_alone=dp_alone,
@@ -349,7 +362,7 @@ def search_knobs(
             "model: give one value of each knob (or another --precision, which "
             "prices every choice analytically)"
         )
-    state = _Search(best=None, best_s=math.inf, searched=False, lower=math.inf)
+    state = KnobIncumbent(best=None, best_s=math.inf, searched=False, lower=math.inf)
     if incumbent is not None:  # every choice settled against it (step 3)
         state.take(incumbent, searched=True)
     # 1. the first choice with a plan: the full search (order: first_order)
@@ -375,7 +388,40 @@ def search_knobs(
         )
         return fitting[id(choice)]
 
-    if one_f and zero and incumbent is None:
+    def interleaved_step() -> None:
+        # 2. the interleaved schedule per choice (its cutoff is the best so
+        # far; it often beats 1F1B, which tightens the proofs of step 3)
+        interleaved = choices if "interleaved" in space.schedules else []
+        interleaved = [c for c in interleaved if c.options.recompute_choices is None]
+        runs = [
+            (index + o * 5 * len(knobs), choice, order)
+            for first, kind in ((1, interleaved), (3, zero_v), (11, zbv))
+            for o, order in enumerate(space.rank_orders)
+            for index, choice in enumerate(kind, start=first * len(knobs))
+        ]
+        # the candidates and memory, either order (and, kept by the caller,
+        # the memory tests of every expert layout)
+        memo = InterleavedMemo() if interleaved_memo is None else interleaved_memo
+        outcomes.extend(
+            interleaved_choices(
+                runs,
+                pool,
+                global_batch,
+                config,
+                state,
+                memo,
+                method=method,
+                progress_fn=progress_fn,
+            )
+        )
+
+    # with interleaved_first, step 2 before step 1: a plan it finds is the
+    # cutoff of every other choice (step 3), and no planning DP runs unless a
+    # 1F1B or ZB-H1 plan wins (its objective, searched at the end)
+    early = interleaved_first and incumbent is None
+    if early:
+        interleaved_step()
+    if one_f and zero and state.best is None:
         order = first_order(one_f, zero, pool, global_batch, config, could_fit)
         pending, probes = order.pending, order.probes
         outcomes += order.settled
@@ -403,65 +449,8 @@ def search_knobs(
                 time.perf_counter() - tick,
             )
         )
-    # 2. the interleaved schedule per choice (its cutoff is the best so far;
-    # it often beats 1F1B, which tightens the proofs of step 3)
-    interleaved = choices if "interleaved" in space.schedules else []
-    interleaved = [c for c in interleaved if c.options.recompute_choices is None]
-    if interleaved or zero_v or zbv:
-        runs = [
-            (index + o * 5 * len(knobs), choice, order)
-            for first, kind in ((1, interleaved), (3, zero_v), (11, zbv))
-            for o, order in enumerate(space.rank_orders)
-            for index, choice in enumerate(kind, start=first * len(knobs))
-        ]
-        # the candidates and memory, either order (and, kept by the caller,
-        # the memory tests of every expert layout)
-        memo = InterleavedMemo() if interleaved_memo is None else interleaved_memo
-        for index, choice, order in runs:
-            tick = time.perf_counter()
-            found = search_interleaved(
-                choice.data,
-                choice.model,
-                choice.pool(pool),
-                global_batch,
-                FITTED_CONSTANTS,
-                cutoff_s=state.best_s,
-                allow_fewer_gpus=allow_fewer_gpus,
-                mbs_values=config.mbs_values,
-                max_plans=config.proof_budget,
-                rank_order=order,
-                memo=memo,
-                progress_fn=_tagged(progress_fn, index),
-                dp_alone=dp_alone,
-            )
-            state.lower = min(state.lower, found.lower_bound_s)
-            cutoff = state.best_s
-            options = choice.options
-            if found.plan is not None:
-                options = dataclasses.replace(options, virtual_stages=found.chunks)
-                assert found.prediction is not None
-                proof = (
-                    found.lower_bound_s,
-                    found.proven,
-                    found.candidates,
-                    found.predicted,
-                    found.time_s,
-                )
-                plan = objective_free_plan(
-                    found.plan, found.prediction, proof, choice, options, pool, method
-                )
-                state.take((plan, choice), searched=True)  # no objective to search
-            outcomes.append(
-                KnobOutcome(
-                    options,
-                    "interleaved",
-                    math.nan if found.plan is None else state.best_s,
-                    cutoff,
-                    found.proven,
-                    time.perf_counter() - tick,
-                    order,
-                )
-            )
+    if not early:
+        interleaved_step()
     # 3. the choices step 1 left: the proof with the cutoff; then the tp-pp-dp
     # order's proofs of the 1F1B and ZB-H1 choices (not of plans mixing GPU
     # types; step 2 placed the interleaved plans in either order)
@@ -504,7 +493,7 @@ def search_knobs(
             rank_order=order,
             cache=shared,
             either_order=both_orders,
-            progress_fn=_tagged(progress_fn, index),
+            progress_fn=tagged_progress(progress_fn, index),
             dp_alone=dp_alone,
         )
         found = certificate.prediction  # None: nothing of its own beat the cutoff
@@ -573,32 +562,3 @@ def search_knobs(
         options=_normalized(result.options, result),
     )
     return KnobPlan(result, choice, space, tuple(outcomes))
-
-
-@dataclasses.dataclass
-class _Search:
-    """The knob search's incumbent: ``best`` (plan, its choice), its time,
-    whether it came from a full search (else its planning objective is
-    searched again at the end), and the least certified lower bound over the
-    choices settled."""
-
-    best: tuple[TrainingPlan, CostChoice] | None
-    best_s: float
-    searched: bool
-    lower: float
-
-    def take(self, best: tuple[TrainingPlan, CostChoice], *, searched: bool) -> None:
-        self.best, self.searched = best, searched
-        self.best_s = best[0].prediction.iteration_time_s
-
-
-def _tagged(
-    progress_fn: Callable[[dict[str, Any]], None] | None, index: int
-) -> Callable[[dict[str, Any]], None] | None:
-    if progress_fn is None:
-        return None
-
-    def tagged(state: dict[str, Any]) -> None:
-        progress_fn({**state, "knobs": index})
-
-    return tagged

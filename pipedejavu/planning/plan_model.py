@@ -430,6 +430,7 @@ def _plan_experts(
                 incumbent=incumbent,
                 one_stage_1f1b=found_layout.one_stage_1f1b,
                 interleaved_memo=memo,
+                interleaved_first=True,
             )
         except InfeasibleProblemError:
             continue  # no plan with this layout fits: it bounds nothing
