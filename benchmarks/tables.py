@@ -1345,7 +1345,44 @@ def t_sharded_planning() -> str:
     return table(head, rows) + source("sharded_planning.json")
 
 
+def t_cluster_calibration() -> str:
+    data = load("cluster_calibration.json")
+    names = {"gh200-opt350": "OPT-350 runs on GH200 (15)", "rtx-opt350": ""}
+    rows = []
+    for cluster, errors in data["clusters"].items():
+        label = names.get(cluster) or f"OPT-350 runs on the RTX cluster ({cluster})"
+        rows.append(
+            [
+                label,
+                f"{pct(errors['default']['median'])} / {pct(errors['default']['max'])}",
+                f"{pct(errors['calibrated']['median'])} / "
+                f"{pct(errors['calibrated']['max'])}",
+            ]
+        )
+    neo = data["gpt_neo_blocks_gh96"]
+    rows.append(
+        [
+            "GPT-Neo-2.7 block profiles on GH-96 (TP 1)",
+            f"{pct(neo['default']['median'])} / {pct(neo['default']['max'])}",
+            f"{pct(neo['calibrated']['median'])} / {pct(neo['calibrated']['max'])}",
+        ]
+    )
+    head = ["priced analytically, not fitted on", "project's constants", "calibrated"]
+    gh = data["calibration"]["gpus"]["GH-96"]
+    values = ", ".join(f"`{k}` {v:.3g}" for k, v in gh["constants"].items())
+    loo = gh["leave_one_out"]
+    return (
+        table(head, rows)
+        + "\n\n|error| median / max. "
+        + f"GH-96 fitted on OPT-350's profiles: {values}; "
+        f"on the profiles, leave-one-out median {pct(loo['median'])}, max "
+        f"{pct(loo['max'])}; the fit of every GPU type took "
+        f"{data['fit_seconds']:.0f} s." + source("cluster_calibration.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "cluster_calibration": t_cluster_calibration,
     "torchtitan_published": t_torchtitan_published,
     "sharded_planning": t_sharded_planning,
     "simulator_speed": t_simulator_speed,

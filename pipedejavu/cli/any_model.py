@@ -20,6 +20,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from pipedejavu.cli.calibrate import add_calibration_flag, calibration_of
 from pipedejavu.cli.expert_flags import add_expert_options, refuse_expert_flags
 from pipedejavu.cli.parsing import headroom_type, int_in
 from pipedejavu.core.plan3d import MAX_SEARCH_GPUS, RANK_ORDERS
@@ -297,7 +298,9 @@ def _schedules(value: str, auto: tuple[str, ...]) -> tuple[str, ...]:
 def add_training_options(parser: Any, *, knobs: bool = False) -> None:
     """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``
     (with ``knobs``: :func:`add_knob_options`' knobs instead of one
-    ``--recompute``)."""
+    ``--recompute``; without, ``predict``'s ``--calibration`` too)."""
+    if not knobs:
+        add_calibration_flag(parser)
     parser.add_argument(
         "--precision",
         choices=TRAINING_PRECISIONS,
@@ -429,6 +432,7 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             memory_headroom=args.memory_headroom,
             experts=layers_of(moe, axes.ep, axes.etp),
             context_parallel=plan.layout.cp,
+            calibration=calibration_of(args),
         )
         if not choice.analytical:
             # Profiles alone: today's reading, which checks --model against it.

@@ -69,6 +69,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "goodput",
         "DeepSpeed's elastic global batch size and valid GPU counts",
     ),
+    "calibrate": (
+        "calibrate",
+        "fit the analytical model's constants per GPU type to the cluster's own "
+        "per-layer profiles",
+    ),
     "predict": (
         "megatron",
         "predict the iteration time and memory of a Megatron/DeepSpeed 3D plan "
@@ -97,6 +102,8 @@ def command_module(name: str) -> ModuleType:
         from pipedejavu.cli import goodput as module
     elif name == "megatron":
         from pipedejavu.cli import megatron as module
+    elif name == "calibrate":
+        from pipedejavu.cli import calibrate as module
     else:
         raise ValueError(f"no command module {name!r}")
     return module

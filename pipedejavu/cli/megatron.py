@@ -281,6 +281,7 @@ def _predict(args: argparse.Namespace) -> int:
         out = {"model": plan.model, "plan": plan.describe()}
         out.update(prediction.to_json())
         out.update(cost_source=cost_source, options=choice.options.to_json())
+        out.update(notes=list(choice.notes))
         print(json_text(out))
     else:
         print(format_prediction(plan, prediction, choice.options))

@@ -62,6 +62,11 @@ def refuse_described(args: argparse.Namespace, flag: str) -> None:
             "PLAN.json, --model, --profiles, --precision, --recompute or "
             "--seq-len with it"
         )
+    if getattr(args, "calibration", None):
+        raise ProblemError(
+            f"--calibration prices plan files and models, not {flag} (priced "
+            "with the launcher's own constants)"
+        )
 
 
 def predict_torchtitan(args: argparse.Namespace) -> int:

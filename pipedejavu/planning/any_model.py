@@ -42,6 +42,7 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.calibrate import QK_LAYER_SCALING
+from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.source import (
     DEFAULT_MBS_VALUES,
@@ -179,6 +180,7 @@ def choose_cost_source(
     memory_headroom: MemoryHeadroom | float | str | None = None,
     experts: ExpertLayers | None = None,
     context_parallel: int = 1,
+    calibration: ClusterCalibration | None = None,
 ) -> CostChoice:
     """The cost source that prices ``model`` on ``gpu_types`` (module doc).
 
@@ -206,6 +208,9 @@ def choose_cost_source(
             the EP degrees); ignored for a dense model.
         context_parallel: the plans' context parallelism ``c``: the source
             prices ``1 / c`` of each sequence (analytically only).
+        calibration: the analytical model's constants fitted to the cluster
+            (:func:`~pipedejavu.costmodel.analytical.cluster_fit.fit_cluster`;
+            ``None``: the project's), for every GPU type priced analytically.
 
     Raises:
         ProblemError: an unknown model or GPU type, a bad model file or option,
@@ -214,7 +219,7 @@ def choose_cost_source(
     headroom = headroom_of(memory_headroom)
     choice = _choose(
         model, list(gpu_types), options, precision, recompute, seq_length,
-        gpu_sheet, profiles, mbs_values, experts, context_parallel,
+        gpu_sheet, profiles, mbs_values, experts, context_parallel, calibration,
     )  # fmt: skip
     if headroom is None:
         return choice
@@ -233,6 +238,7 @@ def _choose(
     mbs_values: Sequence[int],
     experts: ExpertLayers | None = None,
     context_parallel: int = 1,
+    calibration: ClusterCalibration | None = None,
 ) -> CostChoice:
     data = load_sailor_data(profiles)
     profiled = _profiled_name(data, model)
@@ -252,8 +258,9 @@ def _choose(
     if profiled is not None:
         options = _options(options, precision, recompute, "fp32")
         return _choose_profiled(
-            data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values
-        )
+            data, profiled, gpu_types, options, seq_length, gpu_sheet, mbs_values,
+            calibration,
+        )  # fmt: skip
     spec = load_model_spec(model, seq_length=seq_length, longest_context=LONG_CONTEXT)
     options = _options(options, precision, recompute, DEFAULT_ANALYTICAL_PRECISION)
     sheet = load_gpu_sheet(gpu_sheet)
@@ -266,9 +273,24 @@ def _choose(
     share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
     source = AnalyticalSource(
         share, sheet, options, mbs_values=mbs_values, experts=experts,
-        context_parallel=cp,
+        context_parallel=cp, calibrated=_calibrated(calibration, names),
     )  # fmt: skip
-    return CostChoice(source, spec.name, names, options, spec, ())
+    return CostChoice(source, spec.name, names, options, spec, _said(calibration))
+
+
+def _calibrated(
+    calibration: ClusterCalibration | None, names: Mapping[str, str]
+) -> dict[str, dict[str, float]] | None:
+    """A calibration's constants for the pool's types (``None``: none)."""
+    if calibration is None:
+        return None
+    return calibration.fields_for(names.values())
+
+
+def _said(calibration: ClusterCalibration | None) -> tuple[str, ...]:
+    if calibration is None:
+        return ()
+    return ("the analytical model's constants calibrated to the cluster",)
 
 
 def _options(
@@ -298,9 +320,11 @@ def _choose_profiled(
     seq_length: int | None,
     gpu_sheet: str | os.PathLike | None,
     mbs_values: Sequence[int],
+    calibration: ClusterCalibration | None = None,
 ) -> CostChoice:
     """A model of the profiles: the profiles alone when they cover every GPU
-    type and measured this training, else an analytical source (module doc)."""
+    type and measured this training, else an analytical source (module doc;
+    ``calibration`` for the layers it prices)."""
     have = set(data.gpu_types(model))
     # Sailor's implementation of the model: unfused attention (and Megatron's
     # query-key layer scaling where its code applies it, below).
@@ -314,12 +338,15 @@ def _choose_profiled(
         spec = _profiled_spec(model, seq_length)
         same_length = seq_length == _profiled_spec(model, None).seq_length
         plain, but_sp = plain and same_length, but_sp and same_length
+    # (the profiles themselves price it: a calibration is not needed)
+    profiled = () if calibration is None else (f"priced by the {model} profiles",)
     if plain and all(gpu in have for gpu in gpu_types):
-        return CostChoice(data, model, {g: g for g in gpu_types}, options, None)
+        names = {g: g for g in gpu_types}
+        return CostChoice(data, model, names, options, None, profiled)
     sheet = load_gpu_sheet(gpu_sheet)
     names = {g: g if g in have else sheet_name(sheet, g) for g in gpu_types}
     if plain and all(name in have for name in names.values()):
-        return CostChoice(data, model, names, options, None)
+        return CostChoice(data, model, names, options, None, profiled)
     spec = spec or _profiled_spec(model, None)
     if but_sp and not plain:
         note = (
@@ -349,8 +376,10 @@ def _choose_profiled(
         measured_links=data.network if but_sp else None,
         mbs_values=mbs_values,
         query_key_layer_scaling=model in QK_LAYER_SCALING,
+        calibrated=_calibrated(calibration, names),
     )
-    return CostChoice(source, spec.name, names, options, spec, (note,))
+    notes = (note, *_said(calibration))
+    return CostChoice(source, spec.name, names, options, spec, notes)
 
 
 def check_plan_layers(plan: Plan3D, choice: CostChoice) -> None:

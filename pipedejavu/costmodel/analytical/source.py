@@ -142,6 +142,9 @@ class AnalyticalSource:
             ``None``: the one every source shares,
             :data:`~pipedejavu.costmodel.analytical.price_cache.SHARED_PRICES`,
             so the choices of a search price each layer row once).
+        calibrated: per GPU type, constants that replace the source's for
+            the layers priced on it (a calibration to the user's cluster:
+            :mod:`~pipedejavu.costmodel.analytical.cluster_fit`).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class AnalyticalSource:
         experts: ExpertLayers | None = None,
         prices: PriceCache | None = None,
         eager: bool = False,
+        calibrated: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         self.spec = spec
         self.prices = SHARED_PRICES if prices is None else prices
@@ -178,6 +182,10 @@ class AnalyticalSource:
             half = self._options.precision in ("fp16", "bf16", "fp8")
             constants = HALF_PRECISION_ANALYTICAL if half else FITTED_ANALYTICAL
         self.constants = constants
+        self._calibrated = {
+            gpu: dataclasses.replace(constants, **dict(fields))
+            for gpu, fields in (calibrated or {}).items()
+        }
         self.mbs_values = tuple(int(m) for m in mbs_values)
         self.query_key_layer_scaling = bool(query_key_layer_scaling)
         self._network = SheetNetwork(
@@ -333,7 +341,7 @@ class AnalyticalSource:
             attention_dropout=options.attention_dropout,
             query_key_layer_scaling=self.query_key_layer_scaling,
             context_parallel=self.context_parallel,
-            constants=self.constants,
+            constants=self.constants_of(gpu),
         )
         args = (spec, entry, mbs, tp, precision)
         split = dict(
@@ -365,7 +373,8 @@ class AnalyticalSource:
             if self.experts is not None:
                 opts = self._pass_options(mbs, tp, precision)
                 efficiency = dict(
-                    constants=self.constants, link_efficiency=self.link_efficiency
+                    constants=self.constants_of(gpu),
+                    link_efficiency=self.link_efficiency,
                 )
                 selective = call(
                     expert_rerun_seconds,
@@ -421,6 +430,11 @@ class AnalyticalSource:
         if self.experts is None:
             return 1, None
         return self.experts.experts.ep, self.experts.experts.etp
+
+    def constants_of(self, gpu: str) -> AnalyticalConstants:
+        """The constants that price layers on ``gpu``: its calibrated ones,
+        else the source's."""
+        return self._calibrated.get(gpu, self.constants)
 
     def _pass_options(self, mbs: int, tp: int, precision: Precision) -> PassOptions:
         options = self._options

@@ -1,0 +1,135 @@
+"""``pipedejavu calibrate --profiles DIR --out CAL.json``: the analytical
+model's constants fitted per GPU type to the cluster's own per-layer profiles
+(:func:`~pipedejavu.costmodel.analytical.cluster_fit.fit_cluster`), for
+``predict`` and ``plan`` to take with ``--calibration CAL.json``.
+
+The report names, per GPU type, the constants fitted and their values, those
+kept at the project's fitted values and why, and the error of the fit on
+the profiles, in sample and leave-one-entry-out. What the fit left out (TP >
+1 entries, models without a bundled description, GPU types not on the sheet)
+is said too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipedejavu.core.errors import ProblemError
+from pipedejavu.core.files import json_text
+from pipedejavu.costmodel.analytical.cluster_fit import (
+    ClusterCalibration,
+    fit_cluster,
+    load_calibration,
+)
+from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+
+__all__ = ["add_calibration_flag", "add_parser", "calibration_of", "run"]
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``calibrate`` on the command line's sub-parsers."""
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the analytical model's constants per GPU type to the "
+        "cluster's own per-layer profiles",
+        description="Fit, per GPU type, the tensor-core and memory efficiencies "
+        "and the kernel overhead of the analytical model to the TP 1 per-layer "
+        "profiles of other models on the cluster (Sailor's layout), and write "
+        "them for predict and plan --calibration.",
+    )
+    calibrate.add_argument(
+        "--profiles",
+        metavar="DIR",
+        required=True,
+        help="a folder laid out like Sailor's data (profiles/<MODEL>/<GPU>/"
+        "profile.json, llm_info.json)",
+    )
+    calibrate.add_argument(
+        "--models",
+        metavar="M[,M...]",
+        help="the profiled models to fit on (default: every one with a bundled "
+        "description)",
+    )
+    calibrate.add_argument(
+        "--gpus",
+        metavar="T[,T...]",
+        help="the GPU types to calibrate (default: every profiled one)",
+    )
+    calibrate.add_argument(
+        "--gpu-sheet", metavar="FILE", help="a JSON file extending the GPU sheet"
+    )
+    calibrate.add_argument(
+        "--out", metavar="CAL.json", required=True, help="the calibration file"
+    )
+    calibrate.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_calibration_flag(parser: Any) -> None:
+    """``--calibration CAL.json`` on ``parser`` (``predict``)."""
+    parser.add_argument(
+        "--calibration",
+        metavar="CAL.json",
+        help="price the analytical model with constants fitted to the cluster "
+        "(pipedejavu calibrate); default: the project's",
+    )
+
+
+def calibration_of(args: argparse.Namespace) -> ClusterCalibration | None:
+    """The calibration ``--calibration`` names, read (``None``: none given)."""
+    path = getattr(args, "calibration", None)
+    if path is None:
+        return None
+    return load_calibration(path, load_gpu_sheet(args.gpu_sheet))
+
+
+def _models(text: str | None, flag: str) -> list[str] | None:
+    """The names of a comma-separated ``flag`` (``None``: not given)."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",")]
+    if not all(names) or len(names) > 64 or len(set(names)) != len(names):
+        raise ProblemError(
+            f"{flag} must be 1 to 64 distinct names separated by commas, got "
+            f"{text[:80]!r}"
+        )
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.profiles).is_dir():
+        raise ProblemError(f"--profiles {args.profiles}: not a folder")
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ProblemError(f"--out {args.out}: not a file in an existing folder")
+    sheet = load_gpu_sheet(args.gpu_sheet)
+    data = load_sailor_data(args.profiles)
+    print(f"calibrating on {os.fspath(args.profiles)} ...", file=sys.stderr)
+    found = fit_cluster(
+        data, sheet, models=_models(args.models, "--models"),
+        gpus=_models(args.gpus, "--gpus"),
+    )  # fmt: skip
+    text = json_text(found.to_json(), indent=1)
+    out.write_text(text + "\n")
+    if args.json:
+        print(text)
+        return 0
+    for gpu, fit in found.gpus.items():
+        values = ", ".join(f"{k} {v:.4g}" for k, v in fit.constants.items())
+        print(f"{gpu} ({fit.samples} passes of {', '.join(fit.models)}): {values}")
+        for field, why in fit.kept.items():
+            print(f"  kept {field}: {why}")
+        error = f"  error: fit median {fit.fit_error['median']:.1%}, max "
+        error += f"{fit.fit_error['max']:.1%}"
+        if fit.leave_one_out is not None:
+            loo = fit.leave_one_out
+            error += f"; leave-one-out median {loo['median']:.1%}, max {loo['max']:.1%}"
+        print(error)
+    for note in found.notes:
+        print(f"note: {note}")
+    print(f"wrote {out}")
+    return 0
