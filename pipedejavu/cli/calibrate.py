@@ -21,6 +21,7 @@ from typing import Any
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import json_text
 from pipedejavu.costmodel.analytical.cluster_fit import (
+    CALIBRATED_FIELDS,
     ClusterCalibration,
     fit_cluster,
     load_calibration,
@@ -100,6 +101,15 @@ def _models(text: str | None, flag: str) -> list[str] | None:
     return names
 
 
+def _at_bound(field: str, value: float) -> str:
+    """`` (at its upper bound)`` where the fit stopped at a bound: the
+    profiles asked for more than the constant may give."""
+    lo, hi = CALIBRATED_FIELDS[field]
+    if value >= hi * (1 - 1e-6):
+        return " (at its upper bound)"
+    return " (at its lower bound)" if value <= lo * (1 + 1e-6) else ""
+
+
 def run(args: argparse.Namespace) -> int:
     if not Path(args.profiles).is_dir():
         raise ProblemError(f"--profiles {args.profiles}: not a folder")
@@ -119,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         return 0
     for gpu, fit in found.gpus.items():
-        values = ", ".join(f"{k} {v:.4g}" for k, v in fit.constants.items())
+        values = ", ".join(
+            f"{k} {v:.4g}" + _at_bound(k, v) for k, v in fit.constants.items()
+        )
         print(f"{gpu} ({fit.samples} passes of {', '.join(fit.models)}): {values}")
         for field, why in fit.kept.items():
             print(f"  kept {field}: {why}")

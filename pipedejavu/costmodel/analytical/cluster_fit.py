@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,12 +102,15 @@ class ProfileSample:
 
 
 def profile_samples(
-    data: SailorData, sheet: GpuSheet, models: Sequence[str] | None = None
+    data: SailorData,
+    sheet: GpuSheet,
+    models: Sequence[str] | None = None,
+    gpus: Collection[str] | None = None,
 ) -> tuple[list[ProfileSample], list[str]]:
     """``(samples, notes)``: every TP 1 block and head pass of the profiles
     of ``models`` (``None``: every model the profiles hold) whose shape is
-    known (a bundled preset) on a GPU type of the sheet; the notes say what
-    was left out and why."""
+    known (a bundled preset) on a GPU type of the sheet (of ``gpus``, the
+    sheet's names, where given); the notes say what was left out and why."""
     samples, notes = [], []
     names = data.models() if models is None else list(models)
     for model in names:
@@ -126,6 +129,8 @@ def profile_samples(
                 gpu = sheet.resolve(folder)
             except KeyError:
                 notes.append(f"{model} on {folder}: not on the GPU sheet, left out")
+                continue
+            if gpus is not None and gpu not in gpus:
                 continue
             wide = 0
             for (mbs, tp), times in sorted(data.profile(model, folder).items()):
@@ -382,7 +387,7 @@ def fit_cluster(
     Raises:
         ProblemError: no usable profile, or too few passes for a GPU type.
     """
-    samples, notes = profile_samples(data, sheet, models)
+    wanted = None
     if gpus is not None:
         wanted = set()
         for name in gpus:
@@ -391,7 +396,7 @@ def fit_cluster(
             except KeyError:
                 what = f"GPU type {name!r:.40}"
                 raise ProblemError(f"{what} is not on the GPU sheet") from None
-        samples = [s for s in samples if s.gpu in wanted]
+    samples, notes = profile_samples(data, sheet, models, wanted)
     if not samples:
         raise ProblemError(
             "no usable profile: a calibration needs TP 1 profiles of a model "
