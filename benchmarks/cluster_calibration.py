@@ -7,7 +7,8 @@ analytical model's constants per GPU type to OPT-350's profiles changes.
 2. Every bundled measured run (OPT-350 on GH200 nodes, on the RTX cluster),
    priced by the analytical model alone (the model given as its bundled
    description, trained as Sailor ran it: fp32, unfused attention) with the
-   project's constants and with the calibration: time error against the
+   project's constants and the GPU sheet's links, and with the calibration
+   (its constants and the profiles' measured links): time error against the
    measured ``real``. The runs are not fitted on (the profiles are).
 3. A check on another model: GPT-Neo-2.7's TP 1 block profiles on GH-96
    (not fitted on), priced with and without the calibration.

@@ -132,6 +132,8 @@ def test_the_file_reads_back_as_written(cal_file):
         (lambda d: _gh(d, constants={"memory_efficiency": "x"}), "must be a number"),
         (lambda d: _gh(d, samples=-1), "whole number"),
         (lambda d: _gh(d, leave_one_out={"median": 1}), "median and max"),
+        (lambda d: {**d, "links": {"het": {}}}, "links must hold"),
+        (lambda d: {**d, "links": {**d["links"], "het": []}}, "expected a JSON object"),
     ],
 )
 def test_a_bad_calibration_file_is_one_line_naming_it(
@@ -155,18 +157,18 @@ def _gh(data: dict, **fields) -> dict:
     return {**data, "gpus": {"GH-96": gh}}
 
 
-def _plan(tmp_path: Path, capsys, gpu: str = "GH-96") -> Path:
+def _plan(tmp_path: Path, capsys, gpu: str = "GH-96", *more: str) -> Path:
     """A plan of Llama-3-8B (priced analytically) on 8 ``gpu``, as ``plan
-    --json`` writes it."""
+    --json`` writes it (``more``: further flags)."""
     capsys.readouterr()
     code = main(
         ["plan", "--model", "Llama-3-8B", "--gpus", f"{gpu}:8"]
         + ["--global-batch", "8", "--seq-len", "2048", "--precision", "fp32"]
         + ["--schedule", "1f1b", "--recompute", "none", "--sequence-parallel", "off"]
-        + ["--json"]
+        + ["--json", *more]
     )
     assert code == 0
-    out = tmp_path / f"plan-{gpu}.json"
+    out = tmp_path / f"plan-{gpu}-{len(more)}.json"
     out.write_text(capsys.readouterr().out)
     return out
 
@@ -206,3 +208,52 @@ def test_the_calibrated_fields_are_the_fit_fields_bounds():
 
     assert all(CALIBRATED_FIELDS[f] == FIT_FIELDS[f] for f in CALIBRATED_FIELDS)
     assert np.all([lo < hi for lo, hi in CALIBRATED_FIELDS.values()])
+
+
+def test_plan_searches_with_the_calibration_predict_prices_it_with(
+    cal_file, tmp_path, capsys
+):
+    """``plan --calibration``: its plan's time is what ``predict
+    --calibration`` says of the plan file (one pricing), and differs from
+    the uncalibrated search's; with --export torchtitan (its own kernel
+    constants) or --megatron-args, refused in one line."""
+    planned = _plan(tmp_path, capsys, "GH-96", "--calibration", str(cal_file))
+    found = json.loads(planned.read_text())
+    given = ["--json", "--calibration", str(cal_file)]
+    assert main(["predict", str(planned), *given]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["iteration_time_s"] == pytest.approx(
+        found["iteration_time_s"], rel=1e-9
+    )
+    plain = json.loads(_plan(tmp_path, capsys).read_text())
+    assert plain["iteration_time_s"] < 0.95 * again["iteration_time_s"]
+    for flags in (
+        ["--export", "torchtitan"],
+        ["--megatron-args", "--num-layers 2"],
+    ):
+        code = main(
+            ["plan", "--gpus", "GH-96:8", "--global-batch", "8"]
+            + (["--model", "Llama-3-8B"] if flags[0] == "--export" else [])
+            + ["--calibration", str(cal_file), *flags]
+        )
+        err = capsys.readouterr().err
+        assert code == 2 and "--calibration" in err, flags
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_the_profiles_links_travel_in_the_file(cal_file, tmp_path, capsys):
+    """The calibration keeps the profiles' measured link fits: read back
+    they price as the profiles' own tables do, and a calibrated prediction
+    says it uses them."""
+    found = load_calibration(cal_file, load_gpu_sheet())
+    bundled = load_sailor_data(None).network
+    assert found.links is not None
+    assert found.links.tables() == json.loads(json.dumps(bundled.tables()))
+    for n in (1, 2, 4):
+        mine = found.links.inter("us-central1-a", "GH-96", "us-central1-a", "GH-96", n)
+        theirs = bundled.inter("us-central1-a", "GH-96", "us-central1-a", "GH-96", n)
+        assert mine == theirs
+    plan = _plan(tmp_path, capsys)
+    assert main(["predict", str(plan), "--json", "--calibration", str(cal_file)]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("its measured links" in note for note in notes)

@@ -298,9 +298,8 @@ def _schedules(value: str, auto: tuple[str, ...]) -> tuple[str, ...]:
 def add_training_options(parser: Any, *, knobs: bool = False) -> None:
     """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``
     (with ``knobs``: :func:`add_knob_options`' knobs instead of one
-    ``--recompute``; without, ``predict``'s ``--calibration`` too)."""
-    if not knobs:
-        add_calibration_flag(parser)
+    ``--recompute``) and ``--calibration``."""
+    add_calibration_flag(parser)
     parser.add_argument(
         "--precision",
         choices=TRAINING_PRECISIONS,
@@ -393,6 +392,7 @@ def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoic
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
             memory_headroom=args.memory_headroom,
+            calibration=calibration_of(args),
         )
 
     choice = choose(None)
@@ -460,6 +460,7 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             ("--elastic", args.elastic),
             ("--per-stage-tp", args.per_stage_tp),
             ("--mixed-types", args.mixed_types),
+            ("--calibration", getattr(args, "calibration", None)),
             *((SWITCH_FLAGS[name], getattr(args, name, None)) for name in KEPT_OPTIONS),
         )
         if value

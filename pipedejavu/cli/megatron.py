@@ -23,10 +23,8 @@ from pipedejavu.cli.any_model import (
     read_launch,
     unused_at_tp1,
 )
-from pipedejavu.cli.batch import (  # goodput and elastic modes
-    add_plan_options,
-    run_batch_modes,
-)
+from pipedejavu.cli.batch import add_plan_options, run_batch_modes
+from pipedejavu.cli.calibrate import calibration_of
 from pipedejavu.cli.expert_flags import expert_knobs
 from pipedejavu.cli.megatron_report import (
     GB,
@@ -484,6 +482,7 @@ def _search(
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
             memory_headroom=args.memory_headroom,
+            calibration=calibration_of(args),
             method=args.method,
             uniform_tp=uniform,
             allow_fewer_gpus=not args.all_gpus,

@@ -49,7 +49,11 @@ from pipedejavu.costmodel.analytical.source import (
     AnalyticalSource,
 )
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
-from pipedejavu.costmodel.megatron.sailor_data import SailorData, load_sailor_data
+from pipedejavu.costmodel.megatron.sailor_data import (
+    NetworkTables,
+    SailorData,
+    load_sailor_data,
+)
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.training import (
@@ -274,6 +278,7 @@ def _choose(
     source = AnalyticalSource(
         share, sheet, options, mbs_values=mbs_values, experts=experts,
         context_parallel=cp, calibrated=_calibrated(calibration, names),
+        measured_links=_links(calibration),
     )  # fmt: skip
     return CostChoice(source, spec.name, names, options, spec, _said(calibration))
 
@@ -287,10 +292,18 @@ def _calibrated(
     return calibration.fields_for(names.values())
 
 
+def _links(calibration: ClusterCalibration | None) -> NetworkTables | None:
+    """A calibration's measured links (``None``: the sheet's)."""
+    return None if calibration is None else calibration.links
+
+
 def _said(calibration: ClusterCalibration | None) -> tuple[str, ...]:
     if calibration is None:
         return ()
-    return ("the analytical model's constants calibrated to the cluster",)
+    said = "the analytical model's constants calibrated to the cluster"
+    if calibration.links is not None:
+        said += ", its measured links where they hold a fit"
+    return (said,)
 
 
 def _options(
@@ -373,7 +386,7 @@ def _choose_profiled(
         options,
         profiles=data if but_sp else None,
         profile_model=model,
-        measured_links=data.network if but_sp else None,
+        measured_links=data.network if but_sp else _links(calibration),
         mbs_values=mbs_values,
         query_key_layer_scaling=model in QK_LAYER_SCALING,
         calibrated=_calibrated(calibration, names),

@@ -75,6 +75,7 @@ from pipedejavu.core.training_options import (
     TrainingOptions,
     TrainingPrecision,
 )
+from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
@@ -184,6 +185,7 @@ def plan_with_knobs(
     one_stage_1f1b: bool = False,
     interleaved_memo: InterleavedMemo | None = None,
     interleaved_first: bool = False,
+    calibration: ClusterCalibration | None = None,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -196,8 +198,8 @@ def plan_with_knobs(
             ``None``: the model's defaults, see
             :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         precision: replaces the precision of ``options``.
-        seq_length, gpu_sheet, profiles, memory_headroom, experts: as for
-            ``choose_cost_source``.
+        seq_length, gpu_sheet, profiles, memory_headroom, experts,
+            calibration: as for ``choose_cost_source``.
         method: how the first feasible choice is searched (``dp`` or
             ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
             the later ones are settled by the proof either way).
@@ -234,6 +236,7 @@ def plan_with_knobs(
         "profiles": profiles,
         "memory_headroom": memory_headroom,
         "experts": experts,
+        "calibration": calibration,
     }
     first = choose_cost_source(
         model, pool, options=options, precision=precision, **fixed

@@ -35,6 +35,7 @@ from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
 from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
     TORCHTITAN_ANALYTICAL,
 )
@@ -140,6 +141,7 @@ def plan_model(
     options: TrainingOptions | None = None,
     export: str | None = None,
     memory_headroom: MemoryHeadroom | float | str | None = None,
+    calibration: ClusterCalibration | None = None,
     gpu_sheet: str | os.PathLike | None = None,
     profiles: str | os.PathLike | None = None,
     method: str = "dp",
@@ -180,6 +182,8 @@ def plan_model(
             :class:`~pipedejavu.core.memory_headroom.MemoryHeadroom`.
         gpu_sheet: a JSON file extending the bundled GPU sheet.
         profiles: a folder laid out like Sailor's data (``None``: bundled).
+        calibration: the analytical model's constants fitted to the cluster
+            (as for :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         method, uniform_tp, allow_fewer_gpus, mixed_types, mbs_values: as for
             :func:`~pipedejavu.planning.training.plan_training`.
         progress_fn: called with a dict as the search goes.
@@ -215,7 +219,13 @@ def plan_model(
         "gpu_sheet": gpu_sheet,
         "profiles": profiles,
         "memory_headroom": memory_headroom,
+        "calibration": calibration,
     }
+    if calibration is not None and export == "torchtitan":
+        raise ProblemError(
+            "--calibration with --export torchtitan: its plans are priced with "
+            "torchtitan's own fitted kernel constants"
+        )
     choice = choose_cost_source(model, pool, **shared)
     space = default_space(choice, export) if space is None else space
     alone = sharded_alone(choice, export, sharded)

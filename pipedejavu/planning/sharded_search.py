@@ -42,6 +42,7 @@ from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.roofline import AnalyticalConstants
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
+from pipedejavu.costmodel.megatron.sailor_data import NetworkTables
 from pipedejavu.planning.any_model import CostChoice
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import KnobPlan
@@ -181,12 +182,14 @@ def search_sharded(
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     tp_splits_sequence: bool = False,
     eager: bool = False,
+    measured_links: NetworkTables | None = None,
 ) -> ShardedPlan:
     """The fastest plan of the sharded space (module docstring) of ``spec``
     (at its sequence length) on ``num_gpus`` GPUs of ``gpu_type``, trained
     with ``options`` (its precision, kernels; the search sets the ZeRO stage,
     sequence parallelism with TP, and ``recompute``'s recomputation: default
-    none, the attention core and full).
+    none, the attention core and full); ``measured_links``: the cluster's
+    links where they hold a fit (a calibration's; ``None``: the sheet's).
 
     Raises:
         ProblemError: an unknown GPU type, a space too large.
@@ -231,6 +234,7 @@ def search_sharded(
                 context_parallel=cp,
                 constants=constants,
                 eager=eager,
+                measured_links=measured_links,
             )
             if memory_headroom is not None:
                 source = source.with_memory_headroom(memory_headroom)
@@ -328,7 +332,8 @@ def join_sharded(
     try:
         found = search_sharded(
             spec, gpu, count, global_batch, source.sheet, choice.options,
-            constants=constants or source.constants, recompute=recompute,
+            constants=constants or source.constants_of(gpu), recompute=recompute,
+            measured_links=source.measured_links,
             memory_headroom=source.memory_headroom,
             tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
             eager=eager,

@@ -49,7 +49,7 @@ from pipedejavu.costmodel.analytical.roofline import (
     AnalyticalConstants,
 )
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
-from pipedejavu.costmodel.megatron.sailor_data import SailorData
+from pipedejavu.costmodel.megatron.sailor_data import NetworkTables, SailorData
 from pipedejavu.io.gpu_sheet import GpuSheet
 from pipedejavu.io.model_config import load_model_spec
 
@@ -340,11 +340,15 @@ def _fit_gpu(
 
 @dataclasses.dataclass(frozen=True)
 class ClusterCalibration:
-    """Calibrated constants per GPU type (:class:`GpuCalibration`), and what
-    the fit left out (``notes``)."""
+    """Calibrated constants per GPU type (:class:`GpuCalibration`), what the
+    fit left out (``notes``), and the cluster's measured links (``links``:
+    the profiles' network fits,
+    :meth:`~pipedejavu.costmodel.megatron.sailor_data.NetworkTables.tables`;
+    ``None``: the GPU sheet's links)."""
 
     gpus: Mapping[str, GpuCalibration]
     notes: tuple[str, ...] = ()
+    links: NetworkTables | None = None
 
     def fields_for(self, gpus: Iterable[str]) -> dict[str, dict[str, float]]:
         """The calibrated constants of each GPU type of ``gpus`` (the
@@ -369,6 +373,7 @@ class ClusterCalibration:
             "format": CALIBRATION_FORMAT,
             "gpus": {name: g.to_json() for name, g in sorted(self.gpus.items())},
             "notes": list(self.notes),
+            "links": None if self.links is None else self.links.tables(),
         }
 
 
@@ -409,7 +414,9 @@ def fit_cluster(
     gpus = {
         gpu: _fit_gpu(gpu, rows, sheet, base) for gpu, rows in sorted(by_gpu.items())
     }
-    return ClusterCalibration(gpus, tuple(notes))
+    tables = data.network.tables()
+    measured = tables["het"] or tables["homo"]["inter"] or tables["intra"]
+    return ClusterCalibration(gpus, tuple(notes), data.network if measured else None)
 
 
 def _number(value: Any, where: str) -> float:
@@ -492,7 +499,8 @@ def load_calibration(path: str | os.PathLike, sheet: GpuSheet) -> ClusterCalibra
             raise ValueError(
                 f'not a calibration file (no "format": "{CALIBRATION_FORMAT}")'
             )
-        unknown = sorted(str(k)[:40] for k in set(data) - {"format", "gpus", "notes"})
+        keys = {"format", "gpus", "notes", "links"}
+        unknown = sorted(str(k)[:40] for k in set(data) - keys)
         if unknown:
             raise ValueError(f"unknown keys {unknown[:5]}")
         gpus = data.get("gpus")
@@ -512,4 +520,7 @@ def load_calibration(path: str | os.PathLike, sheet: GpuSheet) -> ClusterCalibra
             raise ValueError("notes must be a list of strings")
     except ValueError as error:
         raise ProblemError(f"{name}: {error}") from None
-    return ClusterCalibration(out, tuple(n[:400] for n in notes[:100]))
+    links = data.get("links")
+    if links is not None:
+        links = NetworkTables.from_tables(links, name)
+    return ClusterCalibration(out, tuple(n[:400] for n in notes[:100]), links)

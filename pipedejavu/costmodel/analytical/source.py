@@ -431,6 +431,12 @@ class AnalyticalSource:
             return 1, None
         return self.experts.experts.ep, self.experts.experts.etp
 
+    @property
+    def measured_links(self) -> NetworkTables | None:
+        """The measured links that price where they hold a fit (``None``:
+        the sheet's alone)."""
+        return self._measured
+
     def constants_of(self, gpu: str) -> AnalyticalConstants:
         """The constants that price layers on ``gpu``: its calibrated ones,
         else the source's."""

@@ -146,16 +146,40 @@ class NetworkTables:
         het_path = net / "multizone_bandwidths_het.json"
         homo_path = net / "network_coeffs_all_homo.json"
         intra_path = net / "intra_node_bandwidths.json"
-        self._het = _read_json(het_path) if het_path.exists() else {}
+        het = _read_json(het_path) if het_path.exists() else {}
         homo = _read_json(homo_path) if homo_path.exists() else {}
         intra = _read_json(intra_path) if intra_path.exists() else {}
-        self._paths = (het_path, homo_path, intra_path)
-        if not isinstance(self._het, dict) or not isinstance(homo, dict):
-            raise ProblemError(f"{het_path}: expected a JSON object")
-        self._homo_inter = homo.get("inter", {}) if isinstance(homo, dict) else {}
-        self._intra = (
-            intra if isinstance(intra, dict) and intra else homo.get("intra", {})
-        )
+        self._set(het, homo, intra, (het_path, homo_path, intra_path))
+
+    def _set(self, het: Any, homo: Any, intra: Any, paths: tuple) -> None:
+        self._paths = paths
+        if not isinstance(het, dict) or not isinstance(homo, dict):
+            raise ProblemError(f"{paths[0]}: expected a JSON object")
+        self._het = het
+        self._homo_inter = homo.get("inter", {})
+        given = isinstance(intra, dict) and intra
+        self._intra = intra if given else homo.get("intra", {})
+
+    @classmethod
+    def from_tables(cls, tables: Any, source: str) -> NetworkTables:
+        """Tables as :meth:`tables` gives them (a calibration file keeps them;
+        ``source`` names it in every error).
+
+        Raises:
+            ProblemError: not the three tables (one line naming ``source``).
+        """
+        if not isinstance(tables, dict) or set(tables) != {"het", "homo", "intra"}:
+            raise ProblemError(f"{source}: links must hold het, homo and intra")
+        out = cls.__new__(cls)
+        path = Path(source)
+        out._set(tables["het"], tables["homo"], tables["intra"], (path,) * 3)
+        return out
+
+    def tables(self) -> dict[str, Any]:
+        """The fits as read: ``{"het", "homo", "intra"}`` (for
+        :meth:`from_tables`)."""
+        homo = {"inter": self._homo_inter}
+        return {"het": self._het, "homo": homo, "intra": self._intra}
 
     @staticmethod
     def _nearest(table: Any, n: int, path: Path, where: str) -> Any:
