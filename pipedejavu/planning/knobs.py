@@ -198,8 +198,9 @@ def plan_with_knobs(
             ``None``: the model's defaults, see
             :func:`~pipedejavu.planning.any_model.choose_cost_source`).
         precision: replaces the precision of ``options``.
-        seq_length, gpu_sheet, profiles, memory_headroom, experts,
-            calibration: as for ``choose_cost_source``.
+        seq_length, gpu_sheet, profiles, memory_headroom, experts: as for
+            ``choose_cost_source``.
+        calibration: as for ``choose_cost_source``.
         method: how the first feasible choice is searched (``dp`` or
             ``diff``, as for :func:`~pipedejavu.planning.training.plan_training`;
             the later ones are settled by the proof either way).
