@@ -38,6 +38,22 @@ SHEET = load_gpu_sheet()
 
 
 # ------------------------------------------------------------ vocabulary
+
+
+def _h100_plan(stages, *, dp: int, gbs: int, model: str = "Llama-3-8B"):
+    """A plan of ``(start, stop, tp)`` stages on 8-GPU H100 nodes, mbs 1."""
+    return plan_from_stages(
+        list(stages),
+        gpu_type="H100-SXM",
+        dp=dp,
+        mbs=1,
+        gbs=gbs,
+        model=model,
+        gpus_per_node=8,
+        zone="z",
+    )
+
+
 def test_zero_stage_and_distributed_optimizer_are_one_setting():
     assert TrainingOptions(distributed_optimizer=True).zero_stage == 1
     assert TrainingOptions(zero_stage=1) == TrainingOptions(distributed_optimizer=True)
@@ -69,16 +85,7 @@ def test_layout_shard_groups():
 
 
 def test_plan_files_keep_the_shard_groups():
-    plan = plan_from_stages(
-        [(0, 34, 1)],
-        gpu_type="H100-SXM",
-        dp=8,
-        mbs=1,
-        gbs=8,
-        model="Llama-3-8B",
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _h100_plan([(0, 34, 1)], dp=8, gbs=8)
     plan = plan.replace(layout=dataclasses.replace(plan.layout, dp_shard=2))
     back = Plan3D.from_json(plan.to_json())
     assert back.layout.dp_shard == 2 and back.layout == plan.layout
@@ -120,16 +127,7 @@ def test_fsdp_exposed_hides_what_the_passes_outlast():
 def _predict(options, dp=8, dp_shard=None, stages=((0, 34, 1),)):
     spec = load_model_spec("llama-3-8b")
     source = AnalyticalSource(spec, SHEET, options)
-    plan = plan_from_stages(
-        list(stages),
-        gpu_type="H100-SXM",
-        dp=dp,
-        mbs=1,
-        gbs=dp * 2,
-        model=spec.name,
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _h100_plan(list(stages), dp=dp, gbs=dp * 2, model=spec.name)
     if dp_shard is not None:
         plan = plan.replace(layout=dataclasses.replace(plan.layout, dp_shard=dp_shard))
     return plan, source, predict_plan(plan, source)
@@ -220,16 +218,7 @@ def test_memory_terms_sum_to_the_peak():
 
 # ------------------------------------------------ context-parallel plans
 def test_sequence_shares_fold_context_into_replicas():
-    plan = plan_from_stages(
-        [(0, 34, 2)],
-        gpu_type="H100-SXM",
-        dp=4,
-        mbs=1,
-        gbs=8,
-        model="Llama-3-8B",
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _h100_plan([(0, 34, 2)], dp=4, gbs=8)
     plan = plan.replace(layout=ParallelLayout.uniform(tp=2, dp=4, cp=4, dp_shard=2))
     assert plan.num_gpus == 32
     shares = sequence_shares(plan, 8)
@@ -243,16 +232,7 @@ def test_sequence_shares_fold_context_into_replicas():
 def test_a_context_parallel_plan_needs_costs_of_its_shares():
     spec = load_model_spec("llama-3-8b")
     options = TrainingOptions("bf16", recompute="full")
-    plan = plan_from_stages(
-        [(0, 34, 1)],
-        gpu_type="H100-SXM",
-        dp=4,
-        mbs=1,
-        gbs=4,
-        model=spec.name,
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _h100_plan([(0, 34, 1)], dp=4, gbs=4, model=spec.name)
     plan = plan.replace(layout=ParallelLayout.uniform(dp=4, cp=2))
     whole = AnalyticalSource(spec, SHEET, options)
     with pytest.raises(ProblemError, match="costs are for 1"):
@@ -344,16 +324,7 @@ _ANY = st.one_of(
 def test_plan_files_sharding_fields_read_or_one_line(dp_shard, zero, reshard):
     """Any dp_shard in a plan file's layout and any ZeRO stage or resharding
     in its options: read when valid, else one error line (never a traceback)."""
-    plan = plan_from_stages(
-        [(0, 34, 1)],
-        gpu_type="H100-SXM",
-        dp=8,
-        mbs=1,
-        gbs=8,
-        model="Llama-3-8B",
-        gpus_per_node=8,
-        zone="z",
-    )
+    plan = _h100_plan([(0, 34, 1)], dp=8, gbs=8)
     data = plan.to_json()
     data["layout"]["dp_shard"] = dp_shard
     try:

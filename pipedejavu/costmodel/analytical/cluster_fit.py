@@ -41,7 +41,6 @@ import numpy as np
 from pipedejavu.core.files import read_json
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.calibrate import FIT_FIELDS, QK_LAYER_SCALING
 from pipedejavu.costmodel.analytical.price_cache import PriceCache
 from pipedejavu.costmodel.analytical.roofline import (
@@ -170,7 +169,7 @@ def _priced(
         groups.setdefault((s.model, s.gpu, s.mbs), []).append(i)
     no_cache = PriceCache(maxsize=0)
     for (model, gpu, mbs), indices in groups.items():
-        spec = _spec(model)
+        spec = load_model_spec(model)
         source = AnalyticalSource(
             spec,
             sheet,
@@ -191,10 +190,6 @@ def _priced(
         for i in indices:
             out[i] = row[samples[i].layer, samples[i].direction]
     return out
-
-
-def _spec(model: str) -> TransformerSpec:
-    return load_model_spec(model)
 
 
 def _vector(constants: AnalyticalConstants, fields: Sequence[str]) -> np.ndarray:
