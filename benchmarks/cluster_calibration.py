@@ -1,17 +1,23 @@
-"""Calibration to the cluster (issue 46's first part): what fitting the
-analytical model's constants per GPU type to OPT-350's profiles changes.
+"""Calibration to the cluster (issue 46): what fitting the analytical model's
+constants per GPU type to OPT-350's profiles, then to measured runs, changes.
 
-1. ``fit_cluster`` on the bundled OPT-350 profiles alone (TP 1 entries, every
-   GPU type): the constants per type, the fit's and its leave-one-entry-out
-   error on the profiles, and the seconds it took.
+1. ``fit_cluster`` on the bundled OPT-350 profiles alone (TP 1 entries for
+   the compute constants, TP > 1 entries for the TP link's, every GPU type):
+   the constants per type, the fit's and its leave-one-entry-out error on
+   the profiles, and the seconds it took.
 2. Every bundled measured run (OPT-350 on GH200 nodes, on the RTX cluster),
    priced by the analytical model alone (the model given as its bundled
    description, trained as Sailor ran it: fp32, unfused attention) with the
    project's constants and the GPU sheet's links, and with the calibration
    (its constants and the profiles' measured links): time error against the
    measured ``real``. The runs are not fitted on (the profiles are).
-3. A check on another model: GPT-Neo-2.7's TP 1 block profiles on GH-96
-   (not fitted on), priced with and without the calibration.
+3. A check on another model: GPT-Neo-2.7's block profiles on GH-96 (every
+   TP; not fitted on), priced with and without the calibration.
+4. The runs (``fit_runs``): per cluster, the profile calibration refined on
+   every run of the cluster (the suspect one left out), with each run's
+   leave-one-run-out error; and the error against the number of runs used:
+   for 1, 2, 3 and 5 runs, ``SUBSETS`` random subsets (seeded) of that many
+   runs, each fitted on and the cluster's other runs predicted.
 
     python benchmarks/cluster_calibration.py [--out FILE]
 
@@ -40,14 +46,79 @@ from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.any_model import choose_cost_source, predict_any_plan
+from pipedejavu.planning.measured_runs import load_runs, price_run
+from pipedejavu.planning.run_fit import fit_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FILE = ROOT / "pipedejavu/data/models/sailor-opt-350.json"
+RUNS = ROOT / "pipedejavu/data/runs"
+SUBSETS = 8
+COUNTS = (1, 2, 3, 5)
 
 
 def _summary(errors) -> dict[str, float]:
     values = np.abs(np.asarray(errors, dtype=float))
     return {"median": float(np.median(values)), "max": float(values.max())}
+
+
+def _neo_errors(neo, spec, sheet, calibration, links) -> dict[str, float]:
+    """GPT-Neo-2.7's GH-96 block passes priced with ``calibration``."""
+    errors = []
+    for s in neo:
+        source = AnalyticalSource(
+            spec,
+            sheet,
+            PROFILED_TRAINING,
+            mbs_values=(s.mbs,),
+            calibrated=None
+            if calibration is None
+            else calibration.fields_for(["GH-96"]),
+            measured_links=links,
+        )
+        times = source.layer_times(spec.name, "GH-96", s.mbs, s.tp)
+        row = getattr(times, s.direction)[1 : spec.num_layers + 1]
+        errors.append(float(np.median(row)) / s.measured - 1)
+    return _summary(errors)
+
+
+def _runs_part(calibration, runs) -> tuple[dict, object]:
+    """Refined on all runs (leave-one-run-out), and on subsets of them."""
+    started = time.perf_counter()
+    fit = fit_runs(calibration, runs)
+    seconds = time.perf_counter() - started
+    out = {
+        "runs": [r.name.rsplit("/", 1)[-1] for r in runs],
+        "profiles_only": _summary(fit.errors("before")),
+        "fitted": _summary(fit.errors("after")),
+        "leave_one_run_out": _summary(fit.errors("left_out")),
+        "per_run": [
+            {"run": r.name.rsplit("/", 1)[-1], "measured_s": m, "profiles_only_s": b,
+             "fitted_s": a, "left_out_s": o}
+            for r, m, b, a, o in zip(runs, fit.measured, fit.before, fit.after,
+                                     fit.left_out, strict=True)
+        ],
+        "fields": {g: list(f) for g, f in fit.fields.items()},
+        "fit_seconds": seconds,
+    }  # fmt: skip
+    print(f"{len(runs)} runs: profiles only {out['profiles_only']}, fitted "
+          f"{out['fitted']}, leave one run out {out['leave_one_run_out']} "
+          f"({seconds:.0f} s)")  # fmt: skip
+    rng = np.random.default_rng(46)
+    by_count = {}
+    for count in COUNTS:
+        errors = []
+        for _ in range(SUBSETS):
+            chosen = set(rng.choice(len(runs), size=count, replace=False).tolist())
+            used = [runs[i] for i in sorted(chosen)]
+            rest = [r for i, r in enumerate(runs) if i not in chosen]
+            refined = fit_runs(calibration, used, leave_one_out=False).calibration
+            errors += [
+                price_run(r, refined).iteration_time_s / r.seconds - 1 for r in rest
+            ]
+        by_count[str(count)] = _summary(errors)
+        print(f"  on {count} runs, the others predicted: {by_count[str(count)]}")
+    out["by_runs_used"] = by_count
+    return out, fit.calibration
 
 
 def main() -> None:
@@ -107,22 +178,19 @@ def main() -> None:
         for s in profile_samples(data, sheet, ["GPT-Neo-2.7"])[0]
         if s.gpu == "GH-96" and s.layer == "block"
     ]
+    links = calibration.links
     spec = load_model_spec("GPT-Neo-2.7")
-    other = {}
-    for name, fields in (("default", None), ("calibrated", calibration)):
-        errors = []
-        for s in neo:
-            source = AnalyticalSource(
-                spec,
-                sheet,
-                PROFILED_TRAINING,
-                mbs_values=(s.mbs,),
-                calibrated=None if fields is None else fields.fields_for(["GH-96"]),
-            )
-            times = source.layer_times(spec.name, "GH-96", s.mbs, 1)
-            row = getattr(times, s.direction)[1 : spec.num_layers + 1]
-            errors.append(float(np.median(row)) / s.measured - 1)
-        other[name] = _summary(errors)
+    other = {
+        "default": _neo_errors(neo, spec, sheet, None, None),
+        "calibrated": _neo_errors(neo, spec, sheet, calibration, links),
+    }
+    by_runs, refined = {}, {}
+    for cluster in ("rtx-opt350", "gh200-opt350"):
+        runs = load_runs([RUNS / cluster])
+        by_runs[cluster], refined[cluster] = _runs_part(calibration, runs)
+    other["calibrated_and_runs"] = _neo_errors(
+        neo, spec, sheet, refined["gh200-opt350"], links
+    )
     print("GPT-Neo-2.7 blocks on GH-96 (not fitted on):", other)
     out = {
         "fit_on": "OPT-350 profiles, TP 1 entries, every GPU type",
@@ -131,6 +199,7 @@ def main() -> None:
         "runs": rows,
         "clusters": clusters,
         "gpt_neo_blocks_gh96": other,
+        "runs_fit": by_runs,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
         f"{__import__('os').cpu_count()} cores)",

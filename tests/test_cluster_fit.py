@@ -17,12 +17,11 @@ import pytest
 from pipedejavu.cli.main import main
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.analytical.calibrate import QK_LAYER_SCALING
-from pipedejavu.costmodel.analytical.cluster_fit import (
+from pipedejavu.costmodel.analytical.calibration_file import (
     CALIBRATED_FIELDS,
-    PROFILED_TRAINING,
-    fit_cluster,
     load_calibration,
 )
+from pipedejavu.costmodel.analytical.cluster_fit import PROFILED_TRAINING, fit_cluster
 from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
@@ -35,22 +34,24 @@ TRUE = {
     "backward_tensor_efficiency": 0.45,
     "memory_efficiency": 0.62,
     "kernel_overhead_s": 7e-6,
+    "link_efficiency": 0.7,
+    "collective_latency_s": 3e-5,
 }
 
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     """The bundled data with OPT-350's GH-96 profile replaced by what the
-    analytical model prices with :data:`TRUE` (its TP 1 entries)."""
+    analytical model prices with :data:`TRUE` (every TP, the TP collectives
+    over the data's measured GH-96 link)."""
     root = tmp_path_factory.mktemp("cluster") / "sailor"
     shutil.copytree(BUNDLED, root)
     path = root / "profiles/OPT-350/GH-96/profile.json"
     profile = json.loads(path.read_text())
     spec, sheet = load_model_spec("OPT-350"), load_gpu_sheet()
     constants = dataclasses.replace(FITTED_ANALYTICAL, **TRUE)
+    links = load_sailor_data(root).network
     for mbs, by_tp in profile.items():
-        if "1" not in by_tp:
-            continue
         source = AnalyticalSource(
             spec,
             sheet,
@@ -58,11 +59,13 @@ def synthetic(tmp_path_factory) -> Path:
             constants=constants,
             mbs_values=(int(mbs),),
             query_key_layer_scaling="OPT-350" in QK_LAYER_SCALING,
+            measured_links=links,
         )
-        times = source.layer_times(spec.name, "GH-96", int(mbs), 1)
-        for layer, entry in by_tp["1"].items():
-            i = int(layer)
-            entry[0], entry[1] = float(times.forward[i]), float(times.backward[i])
+        for tp, entries in by_tp.items():
+            times = source.layer_times(spec.name, "GH-96", int(mbs), int(tp))
+            for layer, entry in entries.items():
+                i = int(layer)
+                entry[0], entry[1] = float(times.forward[i]), float(times.backward[i])
     path.write_text(json.dumps(profile))
     return root
 
@@ -82,7 +85,6 @@ def test_the_fit_recovers_the_constants_that_priced_the_profiles(synthetic):
     assert gh.fit_error["max"] < 1e-6 and gh.leave_one_out["max"] < 1e-5
     # the other GPU types keep their real profiles: their fit is not exact
     assert found.gpus["A100-80"].fit_error["max"] > 0.01
-    assert any("TP > 1 entries left out" in note for note in found.notes)
 
 
 def test_a_constant_no_pass_depends_on_is_kept_with_the_reason():
@@ -203,10 +205,15 @@ def test_a_launch_description_takes_no_calibration(cal_file, capsys):
 
 
 def test_the_calibrated_fields_are_the_fit_fields_bounds():
-    """(One definition of each bound: the fit's.)"""
+    """(One definition of each bound: the fit's, and the roofline's largest
+    link efficiency.)"""
     from pipedejavu.costmodel.analytical.calibrate import FIT_FIELDS
+    from pipedejavu.costmodel.analytical.roofline import MAX_LINK_EFFICIENCY
 
-    assert all(CALIBRATED_FIELDS[f] == FIT_FIELDS[f] for f in CALIBRATED_FIELDS)
+    shared = [f for f in CALIBRATED_FIELDS if f in FIT_FIELDS]
+    assert set(CALIBRATED_FIELDS) - set(shared) == {"link_efficiency"}
+    assert all(CALIBRATED_FIELDS[f] == FIT_FIELDS[f] for f in shared)
+    assert CALIBRATED_FIELDS["link_efficiency"][1] == MAX_LINK_EFFICIENCY
     assert np.all([lo < hi for lo, hi in CALIBRATED_FIELDS.values()])
 
 

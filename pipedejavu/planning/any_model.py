@@ -42,7 +42,7 @@ from pipedejavu.core.training_options import (
 )
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.calibrate import QK_LAYER_SCALING
-from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
+from pipedejavu.costmodel.analytical.calibration_file import ClusterCalibration
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.analytical.source import (
     DEFAULT_MBS_VALUES,

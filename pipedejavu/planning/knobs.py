@@ -75,7 +75,7 @@ from pipedejavu.core.training_options import (
     TrainingOptions,
     TrainingPrecision,
 )
-from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
+from pipedejavu.costmodel.analytical.calibration_file import ClusterCalibration
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source

@@ -35,7 +35,7 @@ from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions, TrainingPrecision
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.costmodel.analytical.cluster_fit import ClusterCalibration
+from pipedejavu.costmodel.analytical.calibration_file import ClusterCalibration
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
     TORCHTITAN_ANALYTICAL,
 )

@@ -8,10 +8,8 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   where ``w = flops / peak`` is the GEMM's duration at peak: a smooth maximum
   of ``w`` and ``half_seconds``, so a tiny GEMM takes ``half_seconds /
   eff_max`` (a floor, like one wave of tiles) and a large one ``w / eff_max``.
-  A GEMM too small to fill the GPU (few output tiles, a short main loop) runs
-  below its best efficiency; measuring its size in seconds at peak makes one
-  curve serve GPUs of every size (a GPU twice as fast needs a GEMM twice as
-  big to fill).
+  Sizing a GEMM in seconds at peak makes one curve serve GPUs of every size
+  (a GPU twice as fast needs a GEMM twice as big to fill).
   ``eff_max`` is ``simt_efficiency`` for fp32 on CUDA cores and
   ``tensor_efficiency`` on tensor cores (tf32, fp16, bf16, fp8), times
   ``backward_tensor_efficiency`` for the gradient GEMMs on tensor cores;
@@ -35,10 +33,9 @@ Each operation of :mod:`pipedejavu.costmodel.analytical.ops` takes
   (:mod:`~pipedejavu.costmodel.analytical.attention`), divided by
   ``attention_efficiency`` for a kernel other than the measured one.
 
-The constants shared by every GPU are fitted by
-:mod:`pipedejavu.costmodel.analytical.calibrate`; :data:`FITTED_ANALYTICAL`
-holds the fit on all the bundled profiles. The fused attention's are measured
-(:data:`~pipedejavu.costmodel.analytical.attention.MEASURED_ATTENTION`).
+The shared constants: fitted by :mod:`~pipedejavu.costmodel.analytical.
+calibrate` (:data:`FITTED_ANALYTICAL`, on all the bundled profiles), the fused
+attention's measured (:data:`~.attention.MEASURED_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -61,6 +58,7 @@ from pipedejavu.costmodel.analytical.ops import Collective, Gemm, MemoryOp
 __all__ = [
     "FITTED_ANALYTICAL",
     "HALF_PRECISION_ANALYTICAL",
+    "MAX_LINK_EFFICIENCY",
     "FP8_CAST_BYTES",
     "MEASURED_TENSOR_EFFICIENCY",
     "AnalyticalConstants",
@@ -90,6 +88,9 @@ def fp8_cast_bytes(gemm: Gemm) -> float:
     return FP8_CAST_BYTES * gemm.batch * gemm.m * gemm.k
 
 
+MAX_LINK_EFFICIENCY = 4.0  # (the most link_efficiency may be: see the field)
+
+
 @dataclasses.dataclass(frozen=True)
 class AnalyticalConstants:
     """The roofline's free constants, shared by all GPU types.
@@ -111,8 +112,8 @@ class AnalyticalConstants:
         kernel_overhead_s: seconds per kernel beyond its roofline (launch,
             the framework's per-operation work).
         link_efficiency: fraction of ``intra_node_bytes_per_s`` a ring
-            collective reaches (not fitted: the calibration prices the
-            profiled machines' measured links).
+            collective reaches (a cluster's calibration fits it to its TP > 1
+            profiles: above 1 where TP beats the pairs a link was measured with).
         collective_latency_s: seconds per collective beyond its bytes.
         backward_memory_efficiency: the memory-bound kernels of a backward pass
             (``*.backward``, ``grad_*``) relative to the forward ones.
@@ -176,19 +177,19 @@ class AnalyticalConstants:
             value = getattr(self, field.name)
             if not isinstance(value, int | float) or not np.isfinite(value):
                 raise ValueError(f"{field.name} must be a finite number, got {value!r}")
-        for name in (
-            "simt_efficiency",
-            "tensor_efficiency",
-            "backward_tensor_efficiency",
-            "memory_efficiency",
-            "link_efficiency",
-            "backward_memory_efficiency",
-            "alltoall_efficiency",
-            "attention_efficiency",
+        for name, top in (
+            ("simt_efficiency", 1.0),
+            ("tensor_efficiency", 1.0),
+            ("backward_tensor_efficiency", 1.0),
+            ("memory_efficiency", 1.0),
+            ("backward_memory_efficiency", 1.0),
+            ("alltoall_efficiency", 1.0),
+            ("attention_efficiency", 1.0),
+            ("link_efficiency", MAX_LINK_EFFICIENCY),
         ):
             value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
+            if not 0 < value <= top:
+                raise ValueError(f"{name} must be in (0, {top:g}], got {value}")
         for name in (
             "gemm_half_seconds",
             "gemm_exponent",
