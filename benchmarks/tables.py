@@ -1351,7 +1351,7 @@ def _median_max(errors: dict) -> str:
 
 def t_cluster_calibration() -> str:
     data = load("cluster_calibration.json")
-    names = {"gh200-opt350": "OPT-350 runs on GH200", "rtx-opt350": "on RTX"}
+    names = {"gh200-opt350": "GH200 (15 runs)", "rtx-opt350": "RTX cluster (8 runs)"}
     rows = []
     for cluster, errors in data["clusters"].items():
         runs = data["runs_fit"][cluster]
@@ -1388,7 +1388,6 @@ def t_cluster_calibration() -> str:
         + [_median_max(part["by_runs_used"][n]) for n in counts]
         for cluster, part in data["runs_fit"].items()
     ]
-    by_runs = [[row[0].replace("OPT-350 runs on ", "")] + row[1:] for row in by_runs]
     gh = data["calibration"]["gpus"]["GH-96"]
     values = ", ".join(f"`{k}` {v:.3g}" for k, v in gh["constants"].items())
     loo = gh["leave_one_out"]

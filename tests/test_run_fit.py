@@ -173,3 +173,15 @@ def test_a_bad_runs_record_is_one_line(tmp_path):
     with pytest.raises(ProblemError) as error:
         load_calibration(path, load_gpu_sheet())
     assert str(error.value).startswith(str(path)) and "runs must be" in str(error.value)
+
+
+def test_calibrate_refuses_a_bad_run_file_before_fitting(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "pipedejavu-run/1", "plan": "nowhere.json"}))
+    code = main(
+        ["calibrate", "--profiles", str(BUNDLED / "sailor"), "--runs", str(bad)]
+        + ["--out", str(tmp_path / "cal.json")]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].count(str(bad)) >= 1
+    assert not (tmp_path / "cal.json").exists()

@@ -118,7 +118,7 @@ def _positive_int(value: Any, key: str, low: int, high: int) -> int:
 
 
 def _log_seconds(
-    log_path: Path, skip: int, plan: Plan3D, seq_length: int | None, model: str
+    log_path: Path, skip: int, plan: Plan3D, seq_length: int | None
 ) -> tuple[float, float | None, str]:
     log = read_training_log(log_path)
     steady = log.steady(skip)
@@ -133,7 +133,6 @@ def _log_seconds(
     else:
         seconds = float(np.median([i.seconds for i in steady]))
     how = f"{log.launcher} log, median of {len(steady)} logged intervals"
-    del model
     return seconds, log.peak_memory_bytes(), how
 
 
@@ -169,6 +168,24 @@ def load_run(path: str | os.PathLike) -> MeasuredRun:
             options = TrainingOptions.from_json(options)
     except (TypeError, ValueError) as error:
         raise ProblemError(f"{name}: {error}") from None
+    try:  # what is wrong with the plan or the log, named with the run file
+        return _measured(name, base, data, plan_path, skip, seq_length, options)
+    except ProblemError as error:
+        if str(error).startswith(name):
+            raise
+        raise ProblemError(f"{name}: {error}") from None
+
+
+def _measured(
+    name: str,
+    base: Path,
+    data: dict[str, Any],
+    plan_path: Path,
+    skip: int,
+    seq_length: int | None,
+    options: TrainingOptions | None,
+) -> MeasuredRun:
+    """The run of a checked run file ``data`` (:func:`load_run`)."""
     raw = read_json(plan_path, 1 << 24, "plan file")
     sailor = isinstance(raw, dict) and "pipeline_list" in raw
     model = data.get("model")
@@ -188,7 +205,7 @@ def load_run(path: str | os.PathLike) -> MeasuredRun:
     memory = None
     if "log" in data:
         log_path = _resolve(base, data["log"], "log")
-        seconds, memory, how = _log_seconds(log_path, skip, plan, seq_length, model)
+        seconds, memory, how = _log_seconds(log_path, skip, plan, seq_length)
     elif "seconds_per_iteration" in data:
         seconds = data["seconds_per_iteration"]
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
