@@ -185,3 +185,31 @@ def test_calibrate_refuses_a_bad_run_file_before_fitting(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].count(str(bad)) >= 1
     assert not (tmp_path / "cal.json").exists()
+
+
+def test_predict_takes_the_attention_kernel_a_run_used(capsys):
+    """``--attention unfused`` prices a Sailor plan as its run file's
+    ``training`` does (Megatron-DeepSpeed ran without flash attention)."""
+    plan = BUNDLED / "sailor/measured/gh200-opt350/plan_config_N4_D2.json"
+    times = {}
+    for kernel in ("fused", "unfused"):
+        code = main(
+            ["predict", str(plan), "--model", MODEL, "--precision", "fp32"]
+            + ["--attention", kernel, "--json"]
+        )
+        assert code in (0, None)
+        times[kernel] = json.loads(capsys.readouterr().out)["iteration_time_s"]
+    run = load_runs([BUNDLED / "runs/gh200-opt350/N4_D2.json"])[0]
+    assert not run.options.flash_attention
+    assert times["unfused"] == pytest.approx(
+        price_run(run, None).iteration_time_s, rel=1e-12
+    )
+    assert times["unfused"] > times["fused"]
+    code = main(["predict", str(plan), "--model", MODEL, "--attention", "unfused"])
+    assert "unfused attention" in capsys.readouterr().out
+    code = main(
+        ["plan", "--model", MODEL, "--gpus", "GH-96:8", "--global-batch", "32"]
+        + ["--attention", "unfused", "--export", "torchtitan"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "torchtitan runs its attention fused" in err

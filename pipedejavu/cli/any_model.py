@@ -21,12 +21,12 @@ import sys
 from typing import Any
 
 from pipedejavu.cli.calibrate import add_calibration_flag, calibration_of
-from pipedejavu.cli.expert_flags import add_expert_options, refuse_expert_flags
+from pipedejavu.cli.expert_flags import refuse_expert_flags
+from pipedejavu.cli.knob_flags import add_knob_options, knob_space
 from pipedejavu.cli.parsing import headroom_type, int_in
-from pipedejavu.core.plan3d import MAX_SEARCH_GPUS, RANK_ORDERS
+from pipedejavu.core.plan3d import MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
-    MAX_RECOMPUTE_LAYERS,
     RECOMPUTE_GRANULARITIES,
     TRAINING_PRECISIONS,
     TrainingOptions,
@@ -35,7 +35,6 @@ from pipedejavu.io.export_megatron import DEFAULT_MOE_OPTIONS
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     SWITCH_FLAGS,
-    schedule_targets_text,
 )
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.megatron_args import MegatronRun, spec_from_megatron_args
@@ -50,8 +49,6 @@ from pipedejavu.planning.any_model import (
 from pipedejavu.planning.expert_search import layers_of
 from pipedejavu.planning.knob_space import (
     MEGATRON_SCHEDULES,
-    SCHEDULES,
-    KnobSpace,
     recompute_name,
 )
 from pipedejavu.planning.launch_compare import (
@@ -68,238 +65,34 @@ from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
     "MAX_SEQ_LENGTH",
-    "add_knob_options",
     "add_training_options",
     "any_model_options",
     "choose_for_plan",
     "costs_line",
-    "knob_space",
-    "knobs_asked",
     "launch_pool",
     "plan_megatron_args",
     "predict_plan_file",
     "read_launch",
-    "recompute_choices",
-    "recompute_layer_choices",
 ]
 
 #: Longest sequence ``--seq-len`` takes (16 Mi tokens).
 MAX_SEQ_LENGTH = 2**24
 
 
-def recompute_choices(text: str) -> tuple[str, ...]:
-    """``plan --recompute``: ``auto`` (every mode) or a comma list of modes."""
-    values = tuple(v.strip() for v in text.split(","))
-    if values == ("auto",):
-        return RECOMPUTE_GRANULARITIES
-    bad = [v for v in values if v not in RECOMPUTE_GRANULARITIES]
-    if bad or not values or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(
-            f"--recompute takes auto or distinct values of "
-            f"{', '.join(RECOMPUTE_GRANULARITIES)} separated by commas, got {text!r}"
-        )
-    return values
-
-
-_ON_OFF = {"auto": (True, False), "on": (True,), "off": (False,)}
-
-
-def recompute_layer_choices(text: str) -> tuple[int | None, ...]:
-    """``plan --recompute-num-layers``: a comma list of block counts and
-    ``all`` (every block)."""
-    values: list[int | None] = []
-    for token in (v.strip() for v in text.split(",")):
-        if token == "all":
-            values.append(None)
-        elif token.isdigit() and 1 <= int(token) <= MAX_RECOMPUTE_LAYERS:
-            values.append(int(token))
-        else:
-            values = []
-            break
-    if not values or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(
-            "--recompute-num-layers takes distinct block counts >= 1 and 'all' "
-            f"separated by commas, got {text!r}"
-        )
-    return tuple(values)
-
-
-def add_knob_options(parser: Any) -> None:
-    """``plan``'s knobs: ``--schedule``, ``--recompute`` (several modes),
-    ``--sequence-parallel`` and ``--distributed-optimizer``
-    (:mod:`pipedejavu.planning.knobs`)."""
-    parser.add_argument(
-        "--schedule",
-        choices=("auto", *SCHEDULES),
-        help="pipeline schedule to search: 1f1b, interleaved (Megatron-LM's "
-        "interleaved 1F1B, equal chunks), zb-h1 (the zero-bubble ZB-H1: "
-        "backward split into input- and weight-gradient passes; torchtitan's "
-        "InterleavedZeroBubble with one stage per rank), interleaved-zb (the "
-        "same over equal chunks, several per rank), zbv (ZB-V: two chunks per "
-        "rank placed in a V, torchtitan's ZBVZeroBubble) or auto, all five "
-        "(with --megatron-args: the two Megatron-LM runs) (default: auto for "
-        "a model priced by the analytical model; 1f1b for a Sailor model "
-        f"priced by its profiles); export targets: {schedule_targets_text()}",
-    )
-    parser.add_argument(
-        "--recompute",
-        type=recompute_choices,
-        metavar="auto|MODE[,MODE]",
-        help="activation recomputation to search, Megatron-LM's "
-        "--recompute-granularity: auto (none, selective and full) or a comma "
-        "list (default: auto for a model priced by the analytical model; none "
-        "for a Sailor model priced by its profiles)",
-    )
-    parser.add_argument(
-        "--recompute-num-layers",
-        type=recompute_layer_choices,
-        metavar="N|all[,...]",
-        help="with full recomputation, the transformer blocks of each stage "
-        "(model chunk) to recompute: N, the first N (Megatron-LM's "
-        "--recompute-method block --recompute-num-layers N), or all (its "
-        "uniform method); a comma list searches each (default: all; with "
-        "--megatron-args, the launch's value and all)",
-    )
-    parser.add_argument(
-        "--recompute-per-stage",
-        action="store_true",
-        default=None,
-        help="with full recomputation, also search plans whose stages each "
-        "rerun their own count of blocks: the least of 0 and "
-        "--recompute-num-layers that fits (AdaPipe-style; 1F1B and ZB-H1; "
-        "Megatron-LM and torchtitan take one count for every stage, so such a "
-        "plan exports only where its stages' counts agree)",
-    )
-    parser.add_argument(
-        "--rank-order",
-        choices=("auto", RANK_ORDERS[0]),
-        help="Megatron-LM's rank orders to search: auto (tp-dp-pp, its default, "
-        "and tp-pp-dp, --use-tp-pp-dp-mapping; with --export, those the target "
-        "lays out) or tp-dp-pp alone (default: auto)",
-    )
-    for flag, what in (
-        ("--sequence-parallel", "Megatron-LM's --sequence-parallel (TP > 1)"),
-        (
-            "--distributed-optimizer",
-            "Megatron-LM's --use-distributed-optimizer (optimizer state sharded "
-            "over DP)",
-        ),
-    ):
-        parser.add_argument(
-            flag,
-            choices=tuple(_ON_OFF),
-            help=f"{what}: auto searches both (default: auto for a model priced "
-            "by the analytical model; off for a Sailor model priced by its "
-            "profiles)",
-        )
-    add_expert_options(parser)
-    for name in KEPT_OPTIONS:
-        parser.add_argument(
-            SWITCH_FLAGS[name],
-            action="store_true",
-            default=None,
-            help=f"{_KEPT_HELP[name]}: kept in every plan searched, as "
-            "Megatron-LM's flag of that name (default: off; a Sailor model is "
-            "then priced by the analytical model)",
-        )
-
-
-def unused_at_tp1(args: argparse.Namespace, plan: Any) -> list[str]:
-    """A note where the command asked for sequence parallelism or
-    ``--tp-comm-overlap`` and the best plan runs without TP, where they do
-    nothing (Megatron-LM turns them off at TP 1, and so do the plan and its
-    export)."""
-    asked = [
-        flag
-        for flag, given in (
-            (
-                "--sequence-parallel on",
-                getattr(args, "sequence_parallel", None) == "on",
-            ),
-            ("--tp-comm-overlap", getattr(args, "tp_comm_overlap", None)),
-        )
-        if given
-    ]
-    if not asked or any(r.tp > 1 for s in plan.stages for r in s.replicas):
-        return []
-    return [
-        f"{' and '.join(asked)}: the best plan runs at TP 1, where they do nothing "
-        "(Megatron-LM turns them off); the plan and its export run without them"
-    ]
-
-
-def knobs_asked(args: argparse.Namespace) -> bool:
-    """A knob flag was given."""
-    return any(
-        getattr(args, name, None) is not None
-        for name in (
-            "schedule",
-            "recompute",
-            "sequence_parallel",
-            "distributed_optimizer",
-            "rank_order",
-            "recompute_num_layers",
-            "recompute_per_stage",
-        )
-    )
-
-
-def knob_space(
-    args: argparse.Namespace,
-    auto: KnobSpace,
-    schedules: tuple[str, ...] = SCHEDULES,
-) -> KnobSpace:
-    """The knobs ``plan`` searches: each knob flag given, else ``auto``'s
-    values (every value for a model priced by the analytical model alone; the
-    profiled value for a model priced by its profiles, where they cover its
-    GPUs); ``--schedule auto`` means ``schedules``.
-
-    Raises:
-        ProblemError: flags that contradict each other (the reason, one
-            line).
-    """
-    try:
-        space = _knob_space(args, auto, schedules)
-    except ValueError as error:
-        raise ProblemError(f"the knob flags: {error}") from None
-    if getattr(args, "recompute_num_layers", None) and "full" not in space.recompute:
-        raise ProblemError(
-            "--recompute-num-layers counts blocks of full recomputation, which "
-            f"--recompute {','.join(space.recompute)} leaves out: add full to "
-            "--recompute or drop it"
-        )
-    return space
-
-
-def _knob_space(
-    args: argparse.Namespace, auto: KnobSpace, schedules: tuple[str, ...]
-) -> KnobSpace:
-    return KnobSpace(
-        tuple(args.recompute) if args.recompute else auto.recompute,
-        _ON_OFF[args.sequence_parallel]
-        if args.sequence_parallel
-        else auto.sequence_parallel,
-        _ON_OFF[args.distributed_optimizer]
-        if args.distributed_optimizer
-        else auto.distributed_optimizer,
-        _schedules(args.schedule, schedules) if args.schedule else auto.schedules,
-        RANK_ORDERS[:1]
-        if getattr(args, "rank_order", None) == RANK_ORDERS[0]
-        else auto.rank_orders,
-        getattr(args, "recompute_num_layers", None) or auto.recompute_layers,
-        bool(getattr(args, "recompute_per_stage", None)) or auto.recompute_per_stage,
-    )
-
-
-def _schedules(value: str, auto: tuple[str, ...]) -> tuple[str, ...]:
-    return auto if value == "auto" else (value,)
-
-
 def add_training_options(parser: Any, *, knobs: bool = False) -> None:
-    """``--precision``, ``--recompute``, ``--seq-len`` and ``--gpu-sheet``
-    (with ``knobs``: :func:`add_knob_options`' knobs instead of one
-    ``--recompute``) and ``--calibration``."""
+    """``--precision``, ``--recompute``, ``--attention``, ``--seq-len`` and
+    ``--gpu-sheet`` (with ``knobs``: :func:`add_knob_options`' knobs instead of
+    one ``--recompute``) and ``--calibration``."""
     add_calibration_flag(parser)
+    parser.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        help="the attention kernel: fused (flash attention, one kernel) or "
+        "unfused (the scores written out and read back, as Megatron-DeepSpeed "
+        "runs without --use-flash-attn and Sailor's profiles measured) "
+        "(default: what a PLAN.json records; else fused; a Sailor model priced "
+        "by its profiles keeps its profiled kernel)",
+    )
     parser.add_argument(
         "--precision",
         choices=TRAINING_PRECISIONS,
@@ -355,6 +148,7 @@ def any_model_options(args: argparse.Namespace) -> list[str]:
         "seq_len",
         "gpu_sheet",
         "memory_headroom",
+        "attention",
         *KEPT_OPTIONS,
     )
     return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
@@ -368,6 +162,8 @@ def costs_line(
     options = options or choice.options
     recompute = recompute_name(options)
     line = f"costs: {cost_source} ({options.precision}, recompute {recompute}"
+    if not options.flash_attention:
+        line += ", unfused attention"
     if options.sequence_parallel:
         line += ", sequence parallel"
     if options.distributed_optimizer:
@@ -419,11 +215,12 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             f"{args.plan} names no model; give --model (a model of the profiles, "
             "e.g. OPT-350, a bundled preset or a config.json)"
         )
-    try:  # what is wrong with the plan's GPUs, model or layers names it
-        choice = choose_cost_source(
+
+    def choose(base: TrainingOptions | None) -> CostChoice:
+        return choose_cost_source(
             model,
             plan.gpus_by_type(),
-            options=options,
+            options=base,
             precision=args.precision,
             recompute=args.recompute,
             seq_length=args.seq_len if args.seq_len is not None else seq_length,
@@ -434,6 +231,12 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
             context_parallel=plan.layout.cp,
             calibration=calibration_of(args),
         )
+
+    try:  # what is wrong with the plan's GPUs, model or layers names it
+        choice = choose(options)
+        fused = {"fused": True, "unfused": False}.get(getattr(args, "attention", ""))
+        if fused is not None and choice.options.flash_attention != fused:
+            choice = choose(dataclasses.replace(choice.options, flash_attention=fused))
         if not choice.analytical:
             # Profiles alone: today's reading, which checks --model against it.
             plan, _ = load_plan3d(args.plan, model=args.model)
@@ -461,6 +264,7 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             ("--per-stage-tp", args.per_stage_tp),
             ("--mixed-types", args.mixed_types),
             ("--calibration", getattr(args, "calibration", None)),
+            ("--attention", getattr(args, "attention", None)),
             *((SWITCH_FLAGS[name], getattr(args, name, None)) for name in KEPT_OPTIONS),
         )
         if value
@@ -516,15 +320,6 @@ def launch_pool(
     return sheet.resolve(sheet_name(sheet, gpu)), count, sheet
 
 
-_KEPT_HELP = {
-    "overlap_grad_reduce": "overlap the data-parallel gradient reduction with "
-    "the backward pass",
-    "overlap_param_gather": "overlap the distributed optimizer's parameter "
-    "all-gather with the next forward (needs the distributed optimizer)",
-    "grad_reduce_in_bf16": "reduce gradients in bf16 (bf16 or fp8 training)",
-    "tp_comm_overlap": "run the tensor-parallel collectives beside their GEMMs "
-    "(needs sequence parallelism)",
-}
 #: What a kept option needs: the knob it needs on, and that knob's flag.
 _KEPT_NEEDS = {
     "tp_comm_overlap": ("sequence_parallel", "--sequence-parallel"),
@@ -535,7 +330,8 @@ _KEPT_NEEDS = {
 def kept_options(
     args: argparse.Namespace, options: TrainingOptions
 ) -> TrainingOptions | None:
-    """``options`` with the kept switches of ``plan`` (:data:`KEPT_OPTIONS`)
+    """``options`` with the attention kernel given (``--attention``) and the
+    kept switches of ``plan`` (:data:`KEPT_OPTIONS`)
     given on the command line turned on, and the knob each needs on in the
     base (the search turns the switch off with the knob:
     :meth:`~pipedejavu.planning.knob_space.KnobSpace.all_choices`); ``None``
@@ -546,9 +342,15 @@ def kept_options(
             off --tp-comm-overlap``), or that the precision cannot take.
     """
     given = [name for name in KEPT_OPTIONS if getattr(args, name, None)]
-    if not given:
+    attention = getattr(args, "attention", None)
+    if not given and attention is None:
         return None
-    changes = {}
+    if attention == "unfused" and getattr(args, "export", None) == "torchtitan":
+        raise ProblemError(
+            "--attention unfused: torchtitan runs its attention fused (SDPA); "
+            "give --attention fused or another --export"
+        )
+    changes = {} if attention is None else {"flash_attention": attention == "fused"}
     for name in given:
         changes[name] = True
         if name in _KEPT_NEEDS:

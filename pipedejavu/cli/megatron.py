@@ -16,16 +16,14 @@ from pipedejavu.cli.any_model import (
     choose_for_plan,
     costs_line,
     kept_options,
-    knob_space,
-    knobs_asked,
     plan_megatron_args,
     predict_plan_file,
     read_launch,
-    unused_at_tp1,
 )
 from pipedejavu.cli.batch import add_plan_options, run_batch_modes
 from pipedejavu.cli.calibrate import calibration_of
 from pipedejavu.cli.expert_flags import expert_knobs
+from pipedejavu.cli.knob_flags import knob_space, knobs_asked, unused_at_tp1
 from pipedejavu.cli.megatron_report import (
     GB,
     format_comparison,
