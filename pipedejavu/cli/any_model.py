@@ -274,7 +274,7 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             f"--megatron-args describes the model and its training: give no "
             f"{', '.join(given)} with it"
         )
-    if len(args.gpus) != 1:
+    if not args.gpus or len(args.gpus) != 1:
         raise ProblemError("--megatron-args takes one --gpus TYPE:COUNT")
 
 

@@ -18,6 +18,7 @@ import math
 import sys
 from typing import Any
 
+from pipedejavu.cli.capacity import add_capacity_options, run_capacity
 from pipedejavu.cli.megatron_report import format_training_plan
 from pipedejavu.cli.parsing import int_in
 from pipedejavu.core.files import json_text
@@ -41,7 +42,8 @@ __all__ = ["add_plan_options", "parse_grad", "run_batch_modes"]
 
 
 def add_plan_options(plan: Any) -> None:
-    """Add the goodput and elastic options to the ``plan`` parser."""
+    """Add the goodput, elastic and capacity options to the ``plan`` parser."""
+    add_capacity_options(plan)
     plan.add_argument(
         "--goodput-grad",
         metavar="SQR,VAR",
@@ -79,7 +81,8 @@ def add_plan_options(plan: Any) -> None:
         "--plot",
         metavar="FILE.png",
         help="elastic mode: also plot throughput and goodput against the GPU "
-        "count (needs matplotlib: pip install 'pipedejavu[plot]')",
+        "count; capacity planning: cost against time to train (needs "
+        "matplotlib: pip install 'pipedejavu[plot]')",
     )
 
 
@@ -112,6 +115,13 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
     Raises:
         ProblemError: inconsistent options.
     """
+    if args.gpus_available:  # capacity planning
+        return run_capacity(args)
+    if not args.gpus:
+        raise ProblemError(
+            "give --gpus TYPE:COUNT (or --gpus-available TYPE:MAX with --tokens, "
+            "--prices and --deadline or --budget: what to rent)"
+        )
     goodput = args.goodput_grad is not None
     if not goodput and not args.elastic:
         if args.plot:

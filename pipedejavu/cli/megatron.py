@@ -156,7 +156,6 @@ def add_parsers(commands: Any) -> None:
     plan.add_argument(
         "--gpus",
         action="append",
-        required=True,
         metavar="TYPE:COUNT",
         help="GPUs available, e.g. GH-96:64 or H100:64 (a type of the profiles "
         "or of the GPU sheet; for a pool of several types repeat the flag or "

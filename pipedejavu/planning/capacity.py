@@ -1,0 +1,402 @@
+"""What to rent: the GPU type and count that train a model on a number of
+tokens for the least money by a deadline, or the soonest within a budget.
+
+A capacity question (:class:`CapacityQuestion`) names the model, the tokens,
+the global batch, the GPUs one could rent (``{type: most}``), their prices
+(:class:`~pipedejavu.io.price_sheet.PriceSheet`) and a deadline or a budget.
+:func:`candidate_pools` lists the allocations to consider: for each type,
+the powers of two up to a node and then whole nodes doubling up to the most
+available (and the most itself), or the counts given. Each pool is planned
+as ``pipedejavu plan`` plans it (:func:`~pipedejavu.planning.plan_model.
+plan_model`: the fastest plan on at most that many GPUs, proven optimal
+under the predictor), the plan's GPUs are what is rented, and
+
+* time to train = ``ceil(tokens / (global batch x tokens per sample))``
+  iterations x the predicted iteration time,
+* cost = time x the sum over the plan's GPUs of their price per hour.
+
+:func:`answer_capacity` plans every pool (on a local process pool with
+``workers`` > 1: the pools are independent, the answers the same in any
+order), keeps every plan, and chooses: with a deadline, the least cost among
+the allocations that finish by it; with a budget, the least time among
+those within it (ties: the other measure, then fewer GPUs, then the pool's
+order). The choice is the optimum over the candidate pools under the
+predictor: every pool is planned to its proven optimum and every pool is
+compared (an exhaustive search; tested against brute force over every plan
+of small pools). The allocations no other beats in both time and cost form
+the Pareto frontier (:attr:`CapacityAnswer.frontier`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
+from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.io.price_sheet import PriceSheet
+from pipedejavu.planning.plan_model import plan_model
+
+__all__ = [
+    "CandidateOutcome",
+    "CapacityAnswer",
+    "CapacityQuestion",
+    "answer_capacity",
+    "candidate_pools",
+    "choose_allocation",
+    "evaluate_pool",
+    "pareto_frontier",
+]
+
+_MAX_POOLS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityQuestion:
+    """A capacity question (module docstring).
+
+    Attributes:
+        model: as ``plan --model`` takes it.
+        tokens: tokens to train on.
+        global_batch: samples per iteration.
+        available: the most GPUs of each type one could rent (the sheet's
+            names).
+        prices: what each type costs per hour.
+        deadline_s: finish within this many seconds (or ``budget``).
+        budget: spend at most this much, in the prices' currency.
+        seq_length: tokens per sample (``None``: the model's).
+        precision: as for ``plan`` (``None``: its default).
+        counts: the GPU counts to consider for every type (``None``: powers
+            of two to a node, then doubling nodes).
+        gpu_sheet, profiles: as for ``plan``.
+    """
+
+    model: str
+    tokens: float
+    global_batch: int
+    available: Mapping[str, int]
+    prices: PriceSheet
+    deadline_s: float | None = None
+    budget: float | None = None
+    seq_length: int | None = None
+    precision: str | None = None
+    counts: tuple[int, ...] | None = None
+    gpu_sheet: str | None = None
+    profiles: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.deadline_s is None) == (self.budget is None):
+            raise ProblemError("give a deadline or a budget (one of them)")
+        for what, value in (("deadline", self.deadline_s), ("budget", self.budget)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ProblemError(f"the {what} must be a positive number")
+        if not (math.isfinite(self.tokens) and self.tokens > 0):
+            raise ProblemError("the tokens to train on must be a positive number")
+        if not self.available:
+            raise ProblemError("no GPU type to rent: give at least one TYPE:MAX")
+        for gpu in self.available:
+            self.prices.price(gpu)  # (a type the sheet does not price: one line)
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateOutcome:
+    """One candidate pool, planned.
+
+    Attributes:
+        pool: the pool planned (``{type: count}``).
+        used: the GPUs the best plan uses, rented (``None``: no plan).
+        iteration_s: its predicted seconds per iteration.
+        time_s: time to train.
+        cost: what the rented GPUs cost for that time.
+        proven: the plan is proven optimal under the predictor.
+        plan: the plan, as ``plan --json`` writes it (``None``: none).
+        reason: why there is no plan (``None``: there is one).
+        search_s: seconds the planning took.
+        shape: the plan's parallelism in words (``""``: no plan).
+    """
+
+    pool: Mapping[str, int]
+    used: Mapping[str, int] | None
+    iteration_s: float
+    time_s: float
+    cost: float
+    proven: bool
+    plan: Mapping[str, Any] | None
+    reason: str | None
+    search_s: float
+    shape: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.used is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["pool"], out["used"] = dict(self.pool), self.used and dict(self.used)
+        for key in ("iteration_s", "time_s", "cost"):
+            if not math.isfinite(out[key]):
+                out[key] = None
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityAnswer:
+    """Every candidate planned, the choice and the frontier.
+
+    Attributes:
+        question: what was asked.
+        outcomes: every candidate pool, in :func:`candidate_pools`' order.
+        choice: the index of the chosen outcome.
+        frontier: the indices of the Pareto-optimal outcomes, by time.
+    """
+
+    question: CapacityQuestion
+    outcomes: tuple[CandidateOutcome, ...]
+    choice: int
+    frontier: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        q = self.question
+        return {
+            "model": q.model,
+            "tokens": q.tokens,
+            "global_batch": q.global_batch,
+            "available": dict(q.available),
+            "currency": q.prices.currency,
+            "prices_per_gpu_hour": {g: q.prices.price(g) for g in q.available},
+            "prices_are_an_example": q.prices.example,
+            "deadline_s": q.deadline_s,
+            "budget": q.budget,
+            "choice": self.choice,
+            "frontier": list(self.frontier),
+            "candidates": [o.to_json() for o in self.outcomes],
+        }
+
+
+def _counts(most: int, per_node: int) -> list[int]:
+    counts, n = [], 1
+    while n < per_node and n <= most:
+        counts.append(n)
+        n *= 2
+    n = per_node
+    while n <= most:
+        counts.append(n)
+        n *= 2
+    if most not in counts:
+        counts.append(most)
+    return counts
+
+
+def candidate_pools(
+    available: Mapping[str, int],
+    sheet: GpuSheet,
+    counts: Sequence[int] | None = None,
+) -> list[dict[str, int]]:
+    """The pools to plan: one type each, its counts (module docstring) up
+    to the most available, in the order of ``available``.
+
+    Raises:
+        ProblemError: more than 4,096 pools, or no count within reach.
+    """
+    pools = []
+    for gpu, most in available.items():
+        per_node = sheet[gpu].gpus_per_node
+        wanted = _counts(most, per_node) if counts is None else sorted(set(counts))
+        pools += [{gpu: n} for n in wanted if 1 <= n <= most]
+    if not pools:
+        raise ProblemError("no candidate pool: every count is above the most available")
+    if len(pools) > _MAX_POOLS:
+        raise ProblemError(f"{len(pools)} candidate pools (at most {_MAX_POOLS})")
+    return pools
+
+
+def _tokens_per_sample(question: CapacityQuestion, choice: Any) -> int:
+    if question.seq_length is not None:
+        return question.seq_length
+    spec = choice.spec
+    if spec is None:
+        spec = load_model_spec(choice.model)  # (a Sailor model's description)
+    return spec.seq_length
+
+
+def evaluate_pool(
+    question: CapacityQuestion, pool: Mapping[str, int]
+) -> CandidateOutcome:
+    """``pool`` planned for ``question`` (module docstring); a pool with no
+    plan that fits is an outcome with its reason, not an error."""
+    started = time.perf_counter()
+    try:
+        knobs = plan_model(
+            question.model,
+            dict(pool),
+            question.global_batch,
+            seq_length=question.seq_length,
+            precision=question.precision,
+            gpu_sheet=question.gpu_sheet,
+            profiles=question.profiles,
+        )
+    except InfeasibleProblemError as error:
+        seconds = time.perf_counter() - started
+        return CandidateOutcome(
+            dict(pool), None, math.inf, math.inf, math.inf, False, None, str(error),
+            seconds,
+        )  # fmt: skip
+    result = knobs.result
+    used = result.plan.gpus_by_type()
+    iterations = math.ceil(
+        question.tokens
+        / (question.global_batch * _tokens_per_sample(question, knobs.choice))
+    )
+    iteration_s = result.prediction.iteration_time_s
+    time_s = iterations * iteration_s
+    return CandidateOutcome(
+        pool=dict(pool),
+        used=used,
+        iteration_s=iteration_s,
+        time_s=time_s,
+        cost=question.prices.cost(used, time_s),
+        proven=bool(result.proven),
+        plan=knobs.to_json(),
+        reason=None,
+        search_s=time.perf_counter() - started,
+        shape=_shape(result.plan, result.options),
+    )
+
+
+def _shape(plan: Any, options: Any) -> str:
+    """``pp 4, tp 8, dp 16, mbs 1`` and the knobs that are not the default."""
+    tps = sorted({r.tp for stage in plan.stages for r in stage.replicas})
+    words = [f"pp {len(plan.stages)}", f"tp {'/'.join(map(str, tps))}"]
+    if plan.layout.cp > 1:
+        words.append(f"cp {plan.layout.cp}")
+    words += [f"dp {plan.dp}", f"mbs {plan.mbs}"]
+    if options.virtual_stages > 1:
+        words.append(f"vp {options.virtual_stages}")
+    if options.recompute != "none":
+        words.append(f"recompute {options.recompute}")
+    if options.zero_stage:
+        words.append(f"ZeRO-{options.zero_stage}")
+    return ", ".join(words)
+
+
+def _key(outcome: CandidateOutcome, index: int, by_cost: bool) -> tuple:
+    gpus = sum((outcome.used or {}).values())
+    first, second = (
+        (outcome.cost, outcome.time_s) if by_cost else (outcome.time_s, outcome.cost)
+    )
+    return (first, second, gpus, index)
+
+
+def choose_allocation(
+    outcomes: Sequence[CandidateOutcome],
+    *,
+    deadline_s: float | None = None,
+    budget: float | None = None,
+    currency: str = "",
+) -> int:
+    """The index of the least cost by ``deadline_s``, or of the least time
+    within ``budget`` (module docstring).
+
+    Raises:
+        InfeasibleProblemError: no pool has a plan, or none meets the deadline or
+            the budget (the reason, with the nearest miss).
+    """
+    planned = [i for i, o in enumerate(outcomes) if o.feasible]
+    if not planned:
+        raise InfeasibleProblemError(
+            "no candidate pool holds a plan that fits: "
+            + (outcomes[0].reason if outcomes else "no pool")
+        )
+    if deadline_s is not None:
+        ok = [i for i in planned if outcomes[i].time_s <= deadline_s]
+        if not ok:
+            best = min(planned, key=lambda i: _key(outcomes[i], i, False))
+            raise InfeasibleProblemError(
+                f"no allocation finishes within {_days(deadline_s)}: the fastest "
+                f"({_pool(outcomes[best].used)}) takes {_days(outcomes[best].time_s)}"
+            )
+        return min(ok, key=lambda i: _key(outcomes[i], i, True))
+    ok = [i for i in planned if outcomes[i].cost <= budget]
+    if not ok:
+        best = min(planned, key=lambda i: _key(outcomes[i], i, True))
+        raise InfeasibleProblemError(
+            f"no allocation trains within the budget of {budget:,.0f} {currency}: "
+            f"the cheapest ({_pool(outcomes[best].used)}) costs "
+            f"{outcomes[best].cost:,.0f} {currency}"
+        )
+    return min(ok, key=lambda i: _key(outcomes[i], i, False))
+
+
+def pareto_frontier(outcomes: Sequence[CandidateOutcome]) -> tuple[int, ...]:
+    """The planned outcomes no other beats in both time and cost (one of
+    equal ones: the first), by time."""
+    planned = sorted(
+        (i for i, o in enumerate(outcomes) if o.feasible),
+        key=lambda i: (outcomes[i].time_s, outcomes[i].cost, i),
+    )
+    frontier, cheapest = [], math.inf
+    for i in planned:
+        if outcomes[i].cost < cheapest:
+            frontier.append(i)
+            cheapest = outcomes[i].cost
+    return tuple(frontier)
+
+
+def _days(seconds: float) -> str:
+    return f"{seconds / 86400:.1f} days"
+
+
+def _pool(gpus: Mapping[str, int] | None) -> str:
+    return ", ".join(f"{g}:{n}" for g, n in (gpus or {}).items())
+
+
+def answer_capacity(
+    question: CapacityQuestion,
+    *,
+    workers: int = 1,
+    progress: Callable[[int, int, CandidateOutcome], None] | None = None,
+    sheet: GpuSheet | None = None,
+) -> CapacityAnswer:
+    """Every candidate pool of ``question`` planned (on ``workers`` local
+    processes), the choice and the frontier (module docstring); ``progress``
+    is told ``(done, total, outcome)`` as each pool finishes.
+
+    Raises:
+        ProblemError: a bad question or pool list.
+        InfeasibleProblemError: no allocation meets the deadline or budget.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ProblemError(f"workers must be an integer >= 1, got {workers!r}")
+    sheet = sheet or load_gpu_sheet(question.gpu_sheet)
+    pools = candidate_pools(question.available, sheet, question.counts)
+    outcomes: list[CandidateOutcome | None] = [None] * len(pools)
+    say = progress or (lambda done, total, outcome: None)
+    if workers == 1:
+        for i, pool in enumerate(pools):
+            outcomes[i] = evaluate_pool(question, pool)
+            say(i + 1, len(pools), outcomes[i])
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as ex:
+            futures = {
+                ex.submit(evaluate_pool, question, p): i for i, p in enumerate(pools)
+            }
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                i = futures[future]
+                outcomes[i] = future.result()
+                say(done, len(pools), outcomes[i])
+    final = tuple(o for o in outcomes if o is not None)
+    choice = choose_allocation(
+        final,
+        deadline_s=question.deadline_s,
+        budget=question.budget,
+        currency=question.prices.currency,
+    )
+    return CapacityAnswer(question, final, choice, pareto_frontier(final))
