@@ -1408,7 +1408,40 @@ def t_cluster_calibration() -> str:
     )
 
 
+def t_capacity_planning() -> str:
+    data = load("capacity_planning.json")
+    rows = []
+    for row in data["candidates"]:
+        pool = ", ".join(f"{g}:{n}" for g, n in row["pool"].items())
+        mark = "chosen" if row["chosen"] else ("frontier" if row["frontier"] else "")
+        if row["used"] is None:
+            rows.append([pool, "no plan fits", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                pool,
+                row["shape"],
+                f"{row['iteration_s']:.2f}",
+                f"{row['days']:.1f}",
+                f"{row['cost']:,.0f}",
+                mark,
+            ]
+        )
+    head = ["pool", "best plan", "s / iteration", "days", "cost (USD)", ""]
+    seconds = data["seconds"]
+    return (
+        table(head, rows)
+        + f"\n\nAnswered in {seconds['1']:.0f} s with one worker and "
+        f"{seconds['2']:.0f} s with two (x{data['speed_up_2_workers']:.2f}); the "
+        "two answers "
+        + ("are identical" if data["identical"] else "DIFFER")
+        + " (wall-clock fields aside). Prices: the bundled example sheet, not "
+        "quotes." + source("capacity_planning.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "capacity_planning": t_capacity_planning,
     "cluster_calibration": t_cluster_calibration,
     "torchtitan_published": t_torchtitan_published,
     "sharded_planning": t_sharded_planning,
@@ -1530,6 +1563,25 @@ VALUES: dict[str, Value] = {
         str,
     ),
 }
+
+# The calibration's numbers quoted in docs/calibration.md's prose.
+for _cluster, _short in (("gh200-opt350", "gh200"), ("rtx-opt350", "rtx")):
+    for _field in ("median", "max"):
+        VALUES[f"calib_{_short}_loo_{_field}"] = Value(
+            "cluster_calibration.json",
+            ("runs_fit", _cluster, "leave_one_run_out", _field),
+            _pct1,
+        )
+VALUES["calib_gh200_profiles_max"] = Value(
+    "cluster_calibration.json",
+    ("clusters", "gh200-opt350", "calibrated", "max"),
+    _pct1,
+)
+VALUES["calib_gh96_latency"] = Value(
+    "cluster_calibration.json",
+    ("calibration", "gpus", "GH-96", "constants", "collective_latency_s"),
+    lambda x: f"{x * 1e3:.2f} ms",
+)
 
 # The per-stage recomputation benchmark's plans, bounds and search seconds.
 for _key, _setting in (("175b", "gpt3-175b"), ("70b", "llama3-70b")):

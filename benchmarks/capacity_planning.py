@@ -1,0 +1,107 @@
+"""Capacity planning (issue 47's first part): one worked question, answered
+with 1 and 2 local workers side by side.
+
+The question: Llama-3-8B on 100B tokens (global batch 256, its 8,192-token
+samples), H100-SXM, A100-80 and L40S up to 64 of each, the bundled example
+price sheet (an example, not quotes), finished within 30 days at the least
+cost. Every candidate pool is planned to its proven optimum; the answers
+with one and with two workers are compared field by field (wall-clock fields
+aside) and their times side by side.
+
+    python benchmarks/capacity_planning.py [--out FILE]
+
+Writes ``benchmarks/results/capacity_planning.json`` with date and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.price_sheet import load_price_sheet
+from pipedejavu.planning.capacity import CapacityQuestion, answer_capacity
+
+ROOT = Path(__file__).resolve().parent.parent
+PRICES = ROOT / "pipedejavu/data/prices-example.json"
+
+
+def _no_clock(value, top: bool = True):
+    clock = {"search_s", "search_time_s"} | (set() if top else {"time_s"})
+    if isinstance(value, dict):
+        return {k: _no_clock(v, False) for k, v in value.items() if k not in clock}
+    if isinstance(value, list):
+        return [_no_clock(v, top) for v in value]
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/capacity_planning.json")
+    )
+    args = parser.parse_args()
+    sheet = load_gpu_sheet()
+    question = CapacityQuestion(
+        model="Llama-3-8B",
+        tokens=1e11,
+        global_batch=256,
+        available={"H100-SXM": 64, "A100-80": 64, "L40S": 64},
+        prices=load_price_sheet(PRICES, sheet),
+        deadline_s=30 * 86400.0,
+    )
+    answers, seconds = {}, {}
+    for workers in (1, 2):
+        started = time.perf_counter()
+        answers[workers] = answer_capacity(question, workers=workers)
+        seconds[workers] = time.perf_counter() - started
+        print(f"{workers} worker(s): {seconds[workers]:.1f} s")
+    one, two = (a.to_json() for a in (answers[1], answers[2]))
+    identical = _no_clock(one) == _no_clock(two)
+    answer = answers[1]
+    rows = [
+        {
+            "pool": dict(o.pool),
+            "used": None if o.used is None else dict(o.used),
+            "shape": o.shape,
+            "iteration_s": o.iteration_s if o.feasible else None,
+            "days": o.time_s / 86400 if o.feasible else None,
+            "cost": o.cost if o.feasible else None,
+            "frontier": i in answer.frontier,
+            "chosen": i == answer.choice,
+            "proven": o.proven,
+            "reason": o.reason,
+        }
+        for i, o in enumerate(answer.outcomes)
+    ]
+    out = {
+        "question": {
+            "model": question.model,
+            "tokens": question.tokens,
+            "global_batch": question.global_batch,
+            "available": dict(question.available),
+            "deadline_days": question.deadline_s / 86400,
+            "prices": "pipedejavu/data/prices-example.json (an example, not quotes)",
+        },
+        "candidates": rows,
+        "seconds": {str(k): v for k, v in seconds.items()},
+        "speed_up_2_workers": seconds[1] / seconds[2],
+        "identical": identical,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
+        f"{os.cpu_count()} cores)",
+    }
+    chosen = answer.outcomes[answer.choice]
+    print(f"chosen {dict(chosen.used)}: {chosen.time_s / 86400:.2f} days, "
+          f"{chosen.cost:,.0f} USD; identical with 2 workers: {identical}")  # fmt: skip
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
