@@ -137,7 +137,10 @@ class _Problem:
         self.measured = np.log([r.seconds for r in runs])
 
     def calibrated(self, x: np.ndarray) -> ClusterCalibration:
-        values = {k: float(math.exp(v)) for k, v in zip(self.keys, x, strict=True)}
+        values = {}
+        for (gpu, field), v in zip(self.keys, x, strict=True):
+            lo, hi = CALIBRATED_FIELDS[field]  # (exp(log(hi)) may pass hi)
+            values[gpu, field] = min(max(float(math.exp(v)), lo), hi)
         return _with(self.calibration, values)
 
     def priced(self, x: np.ndarray, runs: Sequence[MeasuredRun]) -> np.ndarray:

@@ -192,10 +192,12 @@ def _vector(constants: AnalyticalConstants, fields: Sequence[str]) -> np.ndarray
 def _constants(
     x: np.ndarray, fields: Sequence[str], base: AnalyticalConstants
 ) -> AnalyticalConstants:
-    values = {
-        f: float(math.exp(v)) if f in LOG_FIELDS else float(v)
-        for f, v in zip(fields, x, strict=True)
-    }
+    values = {}
+    for f, v in zip(fields, x, strict=True):
+        lo, hi = CALIBRATED_FIELDS[f]  # (exp(log(hi)) may pass hi)
+        values[f] = min(
+            max(float(math.exp(v)) if f in LOG_FIELDS else float(v), lo), hi
+        )
     return dataclasses.replace(base, **values)
 
 
