@@ -243,3 +243,88 @@ def test_the_cli_answers_and_refuses_in_one_line(tmp_path, capsys):
     assert "--deadline or --budget" in capsys.readouterr().err
     assert main(base + ["--budget", "5", "--gpus", "GH-96:4"]) == 2
     assert "capacity planning takes no --gpus" in capsys.readouterr().err
+
+
+def test_a_local_dask_cluster_answers_as_this_process():
+    """The sweep on a Dask LocalCluster of two worker processes the test
+    starts: the same outcomes as planned here."""
+    pytest.importorskip("distributed")  # (installed by the test extra)
+    question = _question(available={"GH-96": 4, "RTX-3090": 2})
+    here = answer_capacity(question)
+    there = answer_capacity(question, workers=2, cluster="local")
+    assert here.choice == there.choice and here.frontier == there.frontier
+    assert _no_clock([o.to_json() for o in here.outcomes]) == _no_clock(
+        [o.to_json() for o in there.outcomes]
+    )
+
+
+def test_an_interrupted_sweep_resumes_from_its_results(tmp_path, monkeypatch):
+    import pipedejavu.planning.capacity as capacity
+
+    question = _question(available={"GH-96": 4, "RTX-3090": 2})
+    results = tmp_path / "sweep.csv"
+    full = answer_capacity(question, results=results)
+    lines = results.read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + len(full.outcomes)
+    results.write_text("".join(lines[:3]))  # killed after two pools
+    planned = []
+    real = capacity.evaluate_pool
+
+    def counting(q, pool):
+        planned.append(dict(pool))
+        return real(q, pool)
+
+    monkeypatch.setattr(capacity, "evaluate_pool", counting)
+    again = answer_capacity(question, results=results)
+    assert len(planned) == len(full.outcomes) - 2  # the two written: not again
+    assert _no_clock([o.to_json() for o in again.outcomes]) == _no_clock(
+        [o.to_json() for o in full.outcomes]
+    )
+    # other prices choose again among the same plans, planning nothing
+    planned.clear()
+    dearer = PriceSheet("USD", {**PRICES.per_gpu_hour, "GH-96": 30.0})
+    cheap = answer_capacity(
+        _question(available={"GH-96": 4, "RTX-3090": 2}, prices=dearer),
+        results=results,
+    )
+    assert not planned
+    gh = [o for o in cheap.outcomes if "GH-96" in o.pool and o.feasible]
+    assert gh[0].cost == pytest.approx(dearer.cost(gh[0].used, gh[0].time_s))
+    # the Parquet copy holds the same rows, numbers as numbers
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    table = pyarrow.read_table(results.with_suffix(".parquet"))
+    assert table.num_rows == len(full.outcomes)
+    assert str(table.schema.field("time_s").type) == "double"
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("a,b\n1,2\n", "not a capacity results file"),
+        (None, "is not a pool"),
+        (None, "is not a number"),
+    ],
+)
+def test_a_bad_results_file_is_one_line(tmp_path, text, words):
+    question = _question(available={"GH-96": 1})
+    path = tmp_path / "sweep.csv"
+    if text is None:
+        answer_capacity(question, results=path)
+        good = path.read_text().splitlines()
+        row = good[1].split(",")
+        if "pool" in words:
+            row[2] = "GH-96"
+        else:
+            row[4] = "fast"
+        text = "\n".join([good[0], ",".join(row)]) + "\n"
+    path.write_text(text)
+    with pytest.raises(ProblemError) as error:
+        answer_capacity(question, results=path)
+    message = str(error.value)
+    assert message.startswith(str(path)) and words in message and "\n" not in message
+
+
+def test_an_unreachable_cluster_is_one_line():
+    pytest.importorskip("distributed")
+    with pytest.raises(ProblemError, match="cannot reach the Dask scheduler"):
+        answer_capacity(_question(), cluster="tcp://127.0.0.1:9")

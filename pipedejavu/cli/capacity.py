@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.price_sheet import load_price_sheet
@@ -109,7 +110,22 @@ def add_capacity_options(plan: Any) -> None:
         "--workers",
         type=int_in("--workers", 1, 256),
         default=1,
-        help="local processes planning the candidate pools (default 1)",
+        help="processes planning the candidate pools (default 1; with --cluster "
+        "local, the local Dask cluster's)",
+    )
+    plan.add_argument(
+        "--cluster",
+        metavar="ADDRESS|local",
+        help="plan the pools on a Dask cluster: a scheduler's address "
+        "(tcp://host:8786) or local (one started here with --workers processes; "
+        "needs pip install 'pipedejavu[cluster]')",
+    )
+    plan.add_argument(
+        "--results",
+        metavar="FILE.csv",
+        help="write each pool's outcome to this CSV as it finishes (and a Parquet "
+        "copy beside it at the end, with pyarrow); a sweep given a file that "
+        "already holds pools of the same question plans only the others",
     )
 
 
@@ -222,8 +238,6 @@ def _plot(answer: CapacityAnswer, path: str) -> None:
 
 def run_capacity(args: argparse.Namespace) -> int:
     """``plan --gpus-available ...``: the answer, printed."""
-    from pipedejavu.core.files import json_text
-
     question = _question(args)
 
     def progress(done: int, total: int, outcome: CandidateOutcome) -> None:
@@ -231,7 +245,13 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(f"[{done}/{total}] {pool}: {outcome.search_s:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    answer = answer_capacity(question, workers=args.workers, progress=progress)
+    answer = answer_capacity(
+        question,
+        workers=args.workers,
+        cluster=args.cluster,
+        results=args.results,
+        progress=progress,
+    )
     if args.plot:
         _plot(answer, args.plot)
     if args.json:
@@ -259,6 +279,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         + (" to its proven optimum" if proven else "; not every plan proven")
         + ")"
     )
-    if args.plot:
-        print(f"wrote {args.plot}")
+    for path in (args.plot, args.results):
+        if path:
+            print(f"wrote {path}")
     return 0

@@ -30,7 +30,10 @@ the Pareto frontier (:attr:`CapacityAnswer.frontier`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,7 +42,16 @@ from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.io.price_sheet import PriceSheet
+from pipedejavu.planning.capacity_results import (
+    append_row,
+    number,
+    parse_pool,
+    pool_key,
+    read_rows,
+    write_parquet,
+)
 from pipedejavu.planning.plan_model import plan_model
+from pipedejavu.planning.sweep import run_tasks
 
 __all__ = [
     "CandidateOutcome",
@@ -50,6 +62,7 @@ __all__ = [
     "choose_allocation",
     "evaluate_pool",
     "pareto_frontier",
+    "question_key",
 ]
 
 _MAX_POOLS = 4096
@@ -354,44 +367,107 @@ def _pool(gpus: Mapping[str, int] | None) -> str:
     return ", ".join(f"{g}:{n}" for g, n in (gpus or {}).items())
 
 
+def question_key(question: CapacityQuestion) -> str:
+    """What the plans of ``question`` depend on, hashed: model, tokens,
+    global batch, sequence length, precision, GPU sheet and profiles (not
+    the prices, deadline or budget, which only choose among the plans)."""
+    fields = [
+        question.model,
+        repr(float(question.tokens)),
+        question.global_batch,
+        question.seq_length,
+        question.precision,
+        question.gpu_sheet,
+        question.profiles,
+    ]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+def _row(question: CapacityQuestion, outcome: CandidateOutcome) -> dict[str, Any]:
+    return {
+        "question": question_key(question),
+        "model": question.model,
+        "pool": pool_key(outcome.pool),
+        "used": "" if outcome.used is None else pool_key(outcome.used),
+        "iteration_s": outcome.iteration_s,
+        "time_s": outcome.time_s,
+        "cost": outcome.cost,
+        "currency": question.prices.currency,
+        "proven": int(outcome.proven),
+        "shape": outcome.shape,
+        "reason": outcome.reason or "",
+        "search_s": outcome.search_s,
+        "plan": "" if outcome.plan is None else json.dumps(outcome.plan),
+    }
+
+
+def _outcome(question: CapacityQuestion, row: Mapping[str, str], where: str):
+    """A row read back, priced at ``question``'s prices."""
+    used = parse_pool(row["used"], where) if row["used"] else None
+    time_s = number(row["time_s"], where)
+    try:
+        plan = json.loads(row["plan"]) if row["plan"] else None
+    except ValueError:
+        raise ProblemError(f"{where}: its plan is not JSON") from None
+    return CandidateOutcome(
+        pool=parse_pool(row["pool"], where),
+        used=used,
+        iteration_s=number(row["iteration_s"], where),
+        time_s=time_s,
+        cost=math.inf if used is None else question.prices.cost(used, time_s),
+        proven=row["proven"] == "1",
+        plan=plan,
+        reason=row["reason"] or None,
+        search_s=number(row["search_s"], where),
+        shape=row["shape"],
+    )
+
+
 def answer_capacity(
     question: CapacityQuestion,
     *,
     workers: int = 1,
+    cluster: str | None = None,
+    results: str | os.PathLike | None = None,
     progress: Callable[[int, int, CandidateOutcome], None] | None = None,
     sheet: GpuSheet | None = None,
 ) -> CapacityAnswer:
-    """Every candidate pool of ``question`` planned (on ``workers`` local
-    processes), the choice and the frontier (module docstring); ``progress``
-    is told ``(done, total, outcome)`` as each pool finishes.
+    """Every candidate pool of ``question`` planned, the choice and the
+    frontier (module docstring): on ``workers`` local processes, or on a
+    Dask ``cluster`` (:func:`~pipedejavu.planning.sweep.run_tasks`); each
+    outcome appended to ``results`` (a CSV file) as it finishes, the pools
+    the file already holds for this question not planned again (resumed),
+    a Parquet copy beside it at the end where pyarrow is installed.
+    ``progress`` is told ``(done, total, outcome)`` as each pool finishes.
 
     Raises:
-        ProblemError: a bad question or pool list.
+        ProblemError: a bad question, pool list or results file.
         InfeasibleProblemError: no allocation meets the deadline or budget.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ProblemError(f"workers must be an integer >= 1, got {workers!r}")
     sheet = sheet or load_gpu_sheet(question.gpu_sheet)
     pools = candidate_pools(question.available, sheet, question.counts)
     outcomes: list[CandidateOutcome | None] = [None] * len(pools)
+    if results is not None:
+        name = os.fspath(results)
+        held = {
+            row["pool"]: _outcome(question, row, f"{name}, line {row['line']}")
+            for row in read_rows(results, question_key(question))
+        }
+        outcomes = [held.get(pool_key(p)) for p in pools]
+    todo = [i for i, o in enumerate(outcomes) if o is None]
     say = progress or (lambda done, total, outcome: None)
-    if workers == 1:
-        for i, pool in enumerate(pools):
-            outcomes[i] = evaluate_pool(question, pool)
-            say(i + 1, len(pools), outcomes[i])
-    else:
-        import concurrent.futures
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as ex:
-            futures = {
-                ex.submit(evaluate_pool, question, p): i for i, p in enumerate(pools)
-            }
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                i = futures[future]
-                outcomes[i] = future.result()
-                say(done, len(pools), outcomes[i])
+    done = len(pools) - len(todo)
+    tasks = [pools[i] for i in todo]
+    for k, outcome in run_tasks(
+        evaluate_pool, (question,), tasks, workers=workers, cluster=cluster
+    ):
+        outcomes[todo[k]] = outcome
+        if results is not None:
+            append_row(results, _row(question, outcome))
+        done += 1
+        say(done, len(pools), outcome)
+    if results is not None:
+        write_parquet(results)
     final = tuple(o for o in outcomes if o is not None)
     choice = choose_allocation(
         final,
