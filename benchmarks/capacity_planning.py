@@ -25,19 +25,14 @@ from pathlib import Path
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.price_sheet import load_price_sheet
-from pipedejavu.planning.capacity import CapacityQuestion, answer_capacity
+from pipedejavu.planning.capacity import (
+    CapacityQuestion,
+    answer_capacity,
+    without_clock,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRICES = ROOT / "pipedejavu/data/prices-example.json"
-
-
-def _no_clock(value, top: bool = True):
-    clock = {"search_s", "search_time_s"} | (set() if top else {"time_s"})
-    if isinstance(value, dict):
-        return {k: _no_clock(v, False) for k, v in value.items() if k not in clock}
-    if isinstance(value, list):
-        return [_no_clock(v, top) for v in value]
-    return value
 
 
 def main() -> None:
@@ -65,8 +60,8 @@ def main() -> None:
         answers[name] = answer_capacity(question, workers=workers, cluster=cluster)
         seconds[name] = time.perf_counter() - started
         print(f"{name}: {seconds[name]:.1f} s")
-    first = _no_clock(answers["1"].to_json())
-    identical = all(_no_clock(a.to_json()) == first for a in answers.values())
+    first = without_clock(answers["1"].to_json())
+    identical = all(without_clock(a.to_json()) == first for a in answers.values())
     answer = answers["1"]
     rows = [
         {

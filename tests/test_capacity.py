@@ -30,6 +30,7 @@ from pipedejavu.planning.capacity import (
     candidate_pools,
     choose_allocation,
     pareto_frontier,
+    without_clock,
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "pipedejavu/data/prices-example.json"
@@ -198,20 +199,9 @@ def test_two_workers_answer_as_one():
     question = _question(available={"GH-96": 4, "RTX-3090": 2})
     one, two = answer_capacity(question), answer_capacity(question, workers=2)
     assert one.choice == two.choice and one.frontier == two.frontier
-    assert _no_clock([o.to_json() for o in one.outcomes]) == _no_clock(
+    assert without_clock([o.to_json() for o in one.outcomes]) == without_clock(
         [o.to_json() for o in two.outcomes]
     )
-
-
-def _no_clock(value, top: bool = True):
-    """``value`` without wall-clock seconds (the search's, each knob
-    choice's ``time_s``; an outcome's own ``time_s`` is the time to train)."""
-    clock = {"search_s", "search_time_s"} | (set() if top else {"time_s"})
-    if isinstance(value, dict):
-        return {k: _no_clock(v, False) for k, v in value.items() if k not in clock}
-    if isinstance(value, list):
-        return [_no_clock(v, top) for v in value]
-    return value
 
 
 def test_questions_that_cannot_be_asked():
@@ -253,7 +243,7 @@ def test_a_local_dask_cluster_answers_as_this_process():
     here = answer_capacity(question)
     there = answer_capacity(question, workers=2, cluster="local")
     assert here.choice == there.choice and here.frontier == there.frontier
-    assert _no_clock([o.to_json() for o in here.outcomes]) == _no_clock(
+    assert without_clock([o.to_json() for o in here.outcomes]) == without_clock(
         [o.to_json() for o in there.outcomes]
     )
 
@@ -277,7 +267,7 @@ def test_an_interrupted_sweep_resumes_from_its_results(tmp_path, monkeypatch):
     monkeypatch.setattr(capacity, "evaluate_pool", counting)
     again = answer_capacity(question, results=results)
     assert len(planned) == len(full.outcomes) - 2  # the two written: not again
-    assert _no_clock([o.to_json() for o in again.outcomes]) == _no_clock(
+    assert without_clock([o.to_json() for o in again.outcomes]) == without_clock(
         [o.to_json() for o in full.outcomes]
     )
     # other prices choose again among the same plans, planning nothing

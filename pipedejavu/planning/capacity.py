@@ -63,6 +63,7 @@ __all__ = [
     "evaluate_pool",
     "pareto_frontier",
     "question_key",
+    "without_clock",
 ]
 
 _MAX_POOLS = 4096
@@ -357,6 +358,19 @@ def pareto_frontier(outcomes: Sequence[CandidateOutcome]) -> tuple[int, ...]:
             frontier.append(i)
             cheapest = outcomes[i].cost
     return tuple(frontier)
+
+
+def without_clock(value: Any, top: bool = True) -> Any:
+    """``value`` (an answer's or outcome's JSON) without its wall-clock
+    seconds (each search's, each knob choice's ``time_s``; an outcome's own
+    ``time_s``, the time to train, stays): what must agree wherever a sweep
+    ran."""
+    clock = {"search_s", "search_time_s"} | (set() if top else {"time_s"})
+    if isinstance(value, dict):
+        return {k: without_clock(v, False) for k, v in value.items() if k not in clock}
+    if isinstance(value, list):
+        return [without_clock(v, top) for v in value]
+    return value
 
 
 def _days(seconds: float) -> str:
