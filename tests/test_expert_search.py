@@ -380,3 +380,29 @@ def test_the_interleaved_step_first_finds_what_the_usual_order_finds(
     assert early.prediction.iteration_time_s == usual_s
     assert early.proven and usual.proven
     assert (usual.options.virtual_stages > 1) == interleaved
+
+
+def test_a_measured_run_of_a_plan_file_prices_its_experts_as_predict(
+    flex_plan, tmp_path
+):
+    """A run file naming the flex plan: priced (for calibration) with the
+    plan's own dispatcher and overlap, as predict prices the file."""
+    from pipedejavu.planning.measured_runs import load_run, price_run
+
+    found, path = flex_plan
+    run_file = tmp_path / "run.json"
+    run_file.write_text(
+        json.dumps(
+            {
+                "format": "pipedejavu-run/1",
+                "plan": str(path),
+                "model": TINY,
+                "seconds_per_iteration": 1.0,
+            }
+        )
+    )
+    run = load_run(run_file)
+    assert run.experts is not None and run.experts.dispatcher == "flex"
+    assert price_run(run, None).iteration_time_s == pytest.approx(
+        found.result.prediction.iteration_time_s, rel=1e-9
+    )

@@ -31,7 +31,6 @@ from pipedejavu.core.training_options import (
     TRAINING_PRECISIONS,
     TrainingOptions,
 )
-from pipedejavu.io.export_megatron import DEFAULT_MOE_OPTIONS
 from pipedejavu.io.exports import (
     DATA_PARALLEL_ALONE,
     SWITCH_FLAGS,
@@ -46,7 +45,6 @@ from pipedejavu.planning.any_model import (
     predict_any_plan,
     sheet_name,
 )
-from pipedejavu.planning.expert_search import layers_of
 from pipedejavu.planning.knob_space import (
     MEGATRON_SCHEDULES,
     recompute_name,
@@ -56,6 +54,7 @@ from pipedejavu.planning.launch_compare import (
     compare_megatron_run,
     launch_knob_space,
 )
+from pipedejavu.planning.measured_runs import plan_choice
 from pipedejavu.planning.megatron_launch import (
     check_whole_microbatches,
     options_of_run,
@@ -205,8 +204,6 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
     """
     options, seq_length, moe = load_plan_training(args.plan)
     plan, _ = load_plan3d(args.plan)
-    moe = moe or DEFAULT_MOE_OPTIONS
-    axes = plan.layout.stages[0]
     model = args.model if args.model is not None else plan.model
     if model != plan.model:
         seq_length = None  # the recorded length is the other model's
@@ -217,18 +214,17 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
         )
 
     def choose(base: TrainingOptions | None) -> CostChoice:
-        return choose_cost_source(
+        return plan_choice(
             model,
-            plan.gpus_by_type(),
+            plan,
             options=base,
+            experts=moe,
             precision=args.precision,
             recompute=args.recompute,
             seq_length=args.seq_len if args.seq_len is not None else seq_length,
             gpu_sheet=args.gpu_sheet,
             profiles=args.profiles,
             memory_headroom=args.memory_headroom,
-            experts=layers_of(moe, axes.ep, axes.etp),
-            context_parallel=plan.layout.cp,
             calibration=calibration_of(args),
         )
 

@@ -43,11 +43,25 @@ from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.calibration_file import ClusterCalibration
 from pipedejavu.costmodel.megatron.predictor import Prediction
+from pipedejavu.io.export_megatron import DEFAULT_MOE_OPTIONS
+from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.io.run_logs import read_training_log
 from pipedejavu.io.sailor_plan import load_plan3d, load_plan_training
-from pipedejavu.planning.any_model import choose_cost_source, predict_any_plan
+from pipedejavu.planning.any_model import (
+    CostChoice,
+    choose_cost_source,
+    predict_any_plan,
+)
+from pipedejavu.planning.expert_search import layers_of
 
-__all__ = ["RUN_FORMAT", "MeasuredRun", "load_run", "load_runs", "price_run"]
+__all__ = [
+    "RUN_FORMAT",
+    "MeasuredRun",
+    "load_run",
+    "load_runs",
+    "plan_choice",
+    "price_run",
+]
 
 #: The run file's format tag.
 RUN_FORMAT = "pipedejavu-run/1"
@@ -77,6 +91,8 @@ class MeasuredRun:
         options: the training options it used (``None``: the model's
             defaults).
         seq_length: tokens per sample (``None``: the model's).
+        experts: how its experts ran (the plan file's; ``None``: a dense
+            model's plan, or Megatron-LM's defaults).
         seconds: measured seconds per iteration.
         memory_bytes: the peak memory the log reports (``None``: none).
         how: where ``seconds`` came from, in words.
@@ -90,6 +106,7 @@ class MeasuredRun:
     seconds: float
     memory_bytes: float | None
     how: str
+    experts: MoeOptions | None = None
 
 
 def _resolve(base: Path, value: Any, key: str) -> Path:
@@ -223,8 +240,9 @@ def _measured(
     ):
         raise ProblemError(f"{name}: the measured seconds must be > 0, got {seconds}")
     return MeasuredRun(
-        name, plan, model, options, seq_length, float(seconds), memory, how
-    )
+        name, plan, model, options, seq_length, float(seconds), memory, how,
+        training.experts,
+    )  # fmt: skip
 
 
 def load_runs(paths: Sequence[str | os.PathLike]) -> list[MeasuredRun]:
@@ -252,6 +270,42 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[MeasuredRun]:
     return [load_run(f) for f in files]
 
 
+def plan_choice(
+    model: str,
+    plan: Plan3D,
+    *,
+    options: TrainingOptions | None = None,
+    experts: MoeOptions | None = None,
+    precision: Any = None,
+    recompute: Any = None,
+    seq_length: int | None = None,
+    gpu_sheet: str | os.PathLike | None = None,
+    profiles: str | os.PathLike | None = None,
+    memory_headroom: Any = None,
+    calibration: ClusterCalibration | None = None,
+) -> CostChoice:
+    """The cost source that prices a plan file's ``plan`` of ``model``, as
+    ``predict PLAN.json`` and :func:`price_run` both take it: its GPUs, its
+    experts laid out as the plan lays them (``experts``: how they ran), its
+    context parallelism, the other arguments as for
+    :func:`~pipedejavu.planning.any_model.choose_cost_source`."""
+    axes = plan.layout.stages[0]
+    return choose_cost_source(
+        model,
+        plan.gpus_by_type(),
+        options=options,
+        precision=precision,
+        recompute=recompute,
+        seq_length=seq_length,
+        gpu_sheet=gpu_sheet,
+        profiles=profiles,
+        memory_headroom=memory_headroom,
+        experts=layers_of(experts or DEFAULT_MOE_OPTIONS, axes.ep, axes.etp),
+        context_parallel=plan.layout.cp,
+        calibration=calibration,
+    )
+
+
 def price_run(
     run: MeasuredRun,
     calibration: ClusterCalibration | None,
@@ -267,14 +321,14 @@ def price_run(
             naming the run).
     """
     try:
-        choice = choose_cost_source(
+        choice = plan_choice(
             run.model,
-            run.plan.gpus_by_type(),
+            run.plan,
             options=run.options,
+            experts=run.experts,
             seq_length=run.seq_length,
             gpu_sheet=gpu_sheet,
             profiles=profiles,
-            context_parallel=run.plan.layout.cp,
             calibration=calibration,
         )
         if not choice.analytical:
