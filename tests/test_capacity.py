@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
 from pipedejavu.cli.capacity import parse_duration, parse_tokens
@@ -318,3 +320,21 @@ def test_an_unreachable_cluster_is_one_line():
     pytest.importorskip("distributed")
     with pytest.raises(ProblemError, match="cannot reach the Dask scheduler"):
         answer_capacity(_question(), cluster="tcp://127.0.0.1:9")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=30))
+def test_any_duration_or_token_text_is_a_positive_number_or_refused(text):
+    """Every string --deadline or --tokens may get: a finite positive value
+    within range, or ArgumentTypeError (one line on the command line)."""
+    for parse, high in ((parse_duration, math.inf), (parse_tokens, 1e18)):
+        try:
+            value = parse(text)
+        except argparse.ArgumentTypeError:
+            continue
+        assert 0 < value < high and math.isfinite(value)
+
+
+def test_a_duration_too_long_for_a_float_is_refused():
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration("9e999d")

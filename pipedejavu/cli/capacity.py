@@ -27,6 +27,7 @@ from pipedejavu.planning.capacity import (
     CapacityQuestion,
     answer_capacity,
 )
+from pipedejavu.planning.capacity_results import pool_key
 from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = ["add_capacity_options", "parse_duration", "parse_tokens", "run_capacity"]
@@ -40,7 +41,7 @@ def parse_duration(text: str) -> float:
     """Seconds of ``60d``, ``12h``, ``90m``, ``3600s``, ``2w`` (a bare number:
     days)."""
     found = re.fullmatch(_NUMBER + r"\s*([smhdw]?)", text.strip().lower())
-    if found is None or float(found.group(1)) <= 0:
+    if found is None or not 0 < float(found.group(1)) < 1e15:
         raise argparse.ArgumentTypeError(
             f"a duration like 60d, 12h or 90m, got {text!r:.40}"
         )
@@ -190,11 +191,11 @@ def _table(answer: CapacityAnswer) -> str:
     frontier = set(answer.frontier)
     for i, o in enumerate(answer.outcomes):
         mark = "*" if i == answer.choice else ("f" if i in frontier else " ")
-        pool = ",".join(f"{g}:{n}" for g, n in o.pool.items())
+        pool = pool_key(o.pool)
         if not o.feasible:
             rows.append(f"{mark} {pool:18s} no plan: {(o.reason or '')[:70]}")
             continue
-        used = ",".join(f"{g}:{n}" for g, n in (o.used or {}).items())
+        used = pool_key(o.used or {})
         rows.append(
             f"{mark} {pool:18s} {used:18s} {o.iteration_s:9.3f} "
             f"{o.time_s / 86400:8.2f} {o.cost:14,.0f}  {o.shape}"
@@ -216,7 +217,7 @@ def _plot(answer: CapacityAnswer, path: str) -> None:
     ax.plot([o.time_s / 86400 for o in front], [o.cost for o in front], "o-",
             label="Pareto frontier")  # fmt: skip
     for o in front:
-        label = ",".join(f"{g}:{n}" for g, n in (o.used or {}).items())
+        label = pool_key(o.used or {})
         ax.annotate(label, (o.time_s / 86400, o.cost), fontsize=7)
     chosen = answer.outcomes[answer.choice]
     ax.plot([chosen.time_s / 86400], [chosen.cost], "r*", ms=14, label="chosen")
@@ -241,7 +242,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     question = _question(args)
 
     def progress(done: int, total: int, outcome: CandidateOutcome) -> None:
-        pool = ",".join(f"{g}:{n}" for g, n in outcome.pool.items())
+        pool = pool_key(outcome.pool)
         print(f"[{done}/{total}] {pool}: {outcome.search_s:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
 
@@ -269,7 +270,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     if q.prices.example:
         print(f"note: {q.prices.source} is an example price sheet, not quotes")
     print(_table(answer))
-    used = ", ".join(f"{g}:{n}" for g, n in (chosen.used or {}).items())
+    used = pool_key(chosen.used or {})
     print(f"rent {used}: {chosen.time_s / 86400:.2f} days, {chosen.cost:,.0f} "
           f"{q.prices.currency} ({chosen.shape})")  # fmt: skip
     proven = all(o.proven for o in answer.outcomes if o.feasible)

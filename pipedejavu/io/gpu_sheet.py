@@ -121,6 +121,20 @@ class GpuSheet(Mapping[str, GpuSheetEntry]):
             )
         return found
 
+    def resolve_listed(self, name: object) -> str:
+        """:meth:`resolve` of a GPU type a file lists (any JSON key or value).
+
+        Raises:
+            ValueError: ``GPU type '<name>' is not on the GPU sheet`` (short,
+                for the file's reader to prefix with the file's name).
+        """
+        try:
+            return self.resolve(str(name))
+        except KeyError:
+            raise ValueError(
+                f"GPU type {str(name)[:40]!r} is not on the GPU sheet"
+            ) from None
+
     def _lookup(self, name: str) -> str | None:
         if name in self._entries:
             return name

@@ -89,12 +89,7 @@ def load_price_sheet(path: str | os.PathLike, sheet: GpuSheet) -> PriceSheet:
             )
         out: dict[str, float] = {}
         for gpu, value in prices.items():
-            try:
-                resolved = sheet.resolve(str(gpu))
-            except KeyError:
-                raise ValueError(
-                    f"GPU type {str(gpu)[:40]!r} is not on the GPU sheet"
-                ) from None
+            resolved = sheet.resolve_listed(gpu)
             if resolved in out:
                 raise ValueError(f"{resolved} is priced twice")
             if (

@@ -328,10 +328,10 @@ def choose_allocation(
     if deadline_s is not None:
         ok = [i for i in planned if outcomes[i].time_s <= deadline_s]
         if not ok:
-            best = min(planned, key=lambda i: _key(outcomes[i], i, False))
+            best = outcomes[min(planned, key=lambda i: _key(outcomes[i], i, False))]
             raise InfeasibleProblemError(
                 f"no allocation finishes within {_days(deadline_s)}: the fastest "
-                f"({_pool(outcomes[best].used)}) takes {_days(outcomes[best].time_s)}"
+                f"({pool_key(best.used or {})}) takes {_days(best.time_s)}"
             )
         return min(ok, key=lambda i: _key(outcomes[i], i, True))
     ok = [i for i in planned if outcomes[i].cost <= budget]
@@ -339,7 +339,7 @@ def choose_allocation(
         best = min(planned, key=lambda i: _key(outcomes[i], i, True))
         raise InfeasibleProblemError(
             f"no allocation trains within the budget of {budget:,.0f} {currency}: "
-            f"the cheapest ({_pool(outcomes[best].used)}) costs "
+            f"the cheapest ({pool_key(outcomes[best].used or {})}) costs "
             f"{outcomes[best].cost:,.0f} {currency}"
         )
     return min(ok, key=lambda i: _key(outcomes[i], i, False))
@@ -375,10 +375,6 @@ def without_clock(value: Any, top: bool = True) -> Any:
 
 def _days(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
-
-
-def _pool(gpus: Mapping[str, int] | None) -> str:
-    return ", ".join(f"{g}:{n}" for g, n in (gpus or {}).items())
 
 
 def question_key(question: CapacityQuestion) -> str:

@@ -266,12 +266,7 @@ def load_calibration(path: str | os.PathLike, sheet: GpuSheet) -> ClusterCalibra
             raise ValueError(f"gpus must be an object of 1 to {_MAX_GPUS} GPU types")
         out = {}
         for gpu, body in gpus.items():
-            try:
-                resolved = sheet.resolve(str(gpu))
-            except KeyError:
-                raise ValueError(
-                    f"GPU type {str(gpu)[:40]!r} is not on the GPU sheet"
-                ) from None
+            resolved = sheet.resolve_listed(gpu)
             out[resolved] = _gpu_of(resolved, body)
         notes = data.get("notes", [])
         if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
