@@ -7,6 +7,7 @@ from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
 from pipedejavu.costmodel.megatron import long_pipelines
 from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
+    every_pipeline,
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.predictor import predict_plan
@@ -91,3 +92,39 @@ def test_predictor_on_a_long_pipeline(monkeypatch):
     np.testing.assert_allclose(fast.iteration_time_s, slow.iteration_time_s, rtol=1e-9)
     np.testing.assert_allclose(fast.bubble_fraction, slow.bubble_fraction, atol=1e-9)
     np.testing.assert_array_equal(fast.peak_in_flight, slow.peak_in_flight)
+
+
+def test_every_pipeline_equals_each_pipeline_simulated():
+    """Pipelines with equal inputs are simulated once; every pipeline's ends,
+    the busy time summed in pipeline order and the peaks equal a loop that
+    simulates each pipeline itself."""
+    rng = np.random.default_rng(3)
+    stages, kinds = 4, rng.uniform(0.5, 2.0, size=(2, 4, 3))
+    which = rng.integers(0, 3, size=11)  # 11 pipelines of 3 kinds
+    forward, backward = kinds[0][:, which], kinds[1][:, which]
+    transfer = np.full((stages - 1, which.size), 0.1)
+    transfer[:, 4] = 0.3  # one pipeline of kind which[4] on slower links
+    calls = []
+
+    def run(j):
+        calls.append(j)
+        result = simulate(forward[:, j], backward[:, j], 9, transfer=transfer[:, j])
+        return PipelineSummary(
+            result.backward_end.max(axis=1),
+            float(result.busy_time.sum()),
+            result.peak_in_flight,
+            None,
+        )
+
+    ends, busy, peak = every_pipeline(run, forward, backward, transfer)
+    distinct = {(int(k), float(transfer[0, j])) for j, k in enumerate(which)}
+    assert len(calls) == len(distinct) < which.size
+    each = [run(j) for j in range(which.size)]
+    np.testing.assert_array_equal(ends, np.stack([e.ends for e in each], axis=1))
+    expected = 0.0
+    for e in each:
+        expected += e.busy_s
+    assert busy == expected
+    np.testing.assert_array_equal(
+        peak, np.max([e.peak_in_flight for e in each], axis=0)
+    )

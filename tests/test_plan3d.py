@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipedejavu.core.layout import DP_OUTER, PP_OUTER, ParallelLayout, StageAxes
-from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
+from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D, replica_of
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
 from pipedejavu.io.sailor_plan import (
@@ -287,3 +287,19 @@ def test_replace_keeps_the_layout_axes_the_new_stages_allow():
     moved = (Stage3D(0, 10, gh), Stage3D(10, 26, gh))
     assert experts.replace(stages=moved).layout == experts.layout
     assert experts.replace(mbs=1).layout == experts.layout
+
+
+def test_replica_of_shares_one_checked_replica_per_value():
+    """replica_of gives a replica equal to a new one, the same object for the
+    same value, and refuses what Replica refuses; on_node keeps the rest."""
+    first = replica_of("GH-96", 4, "zone-b", 3, 4)
+    assert first == Replica("GH-96", 4, zone="zone-b", node=3, gpus_on_node=4)
+    assert replica_of("GH-96", 4, "zone-b", 3, 4) is first
+    assert replica_of("GH-96", 4, "zone-b", 5, 4) != first
+    moved = first.on_node(7)
+    assert moved == Replica("GH-96", 4, zone="zone-b", node=7, gpus_on_node=4)
+    assert moved.on_node(3) is first
+    with pytest.raises(ProblemError, match="tp must be a positive integer"):
+        replica_of("GH-96", 0)
+    with pytest.raises(ProblemError, match="node must be an integer"):
+        first.on_node(-1)

@@ -208,16 +208,12 @@ def sequence_shares(plan: Any, gpus_per_node: int) -> Any:
             "context parallelism is priced on one GPU type in the default rank "
             f"order ({PP_OUTER}); the plan has {sorted(types)}, {layout.order}"
         )
-    (gpu,) = types
     tps = [axes.tp for axes in layout.stages]
     nodes = canonical_nodes(tps, layout.dp * c, gpus_per_node)
     stages = tuple(
         dataclasses.replace(
             stage,
-            replicas=tuple(
-                dataclasses.replace(stage.replicas[0], gpu_type=gpu, node=node)
-                for node in nodes[s]
-            ),
+            replicas=tuple(stage.replicas[0].on_node(node) for node in nodes[s]),
         )
         for s, stage in enumerate(plan.stages)
     )

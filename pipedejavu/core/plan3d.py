@@ -33,23 +33,20 @@ Files (readers never execute anything and bound what they read):
   :data:`RANK_ORDERS` or ``null``. A stage plan of ``pipedejavu solve`` (stages with
   ``submesh``) is recognized and refused with a pointer to ``evaluate``.
 
-Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` and
-``mbs`` in ``[1, MAX_GLOBAL_BATCH]`` (65,536 samples) with ``gbs >= mbs x dp``
-(every replica gets at least one whole micro-batch), at most
-:data:`~pipedejavu.core.layout.MAX_GPUS` (131,072) GPUs in a plan (the sum of
-its replicas' ``tp``); ``tp`` and ``gpus_on_node`` in ``[1, MAX_GPUS]``,
-``node`` in ``[0, MAX_GPUS)``, stage bounds in ``[0, 2**20]``.
 * Sailor's ``plan_config`` JSON (detected by its ``pipeline_list`` key; see
   :mod:`pipedejavu.io.sailor_plan`).
 
-This module imports only :mod:`pipedejavu.core.problem` (for :class:`ProblemError`).
+Bounds (checked before any work; :class:`ProblemError` otherwise): ``gbs`` and
+``mbs`` in ``[1, MAX_GLOBAL_BATCH]`` (65,536 samples) with ``gbs >= mbs x dp``,
+at most :data:`~pipedejavu.core.layout.MAX_GPUS` (131,072) GPUs in a plan;
+``tp`` and ``gpus_on_node`` in ``[1, MAX_GPUS]``, ``node`` in ``[0, MAX_GPUS)``,
+stage bounds in ``[0, 2**20]``. Imports only the vocabulary (layout, placement).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from pipedejavu.core.layout import (
@@ -87,18 +84,16 @@ __all__ = [
     "is_stage_plan",
     "rank_nodes",
     "rank_order_of",
+    "replica_of",
 ]
 
 PLAN3D_FORMAT = "pipedejavu.core.plan3d"
 #: The ``"kind"`` our 3D plan JSON declares (a stage plan of ``solve`` has none).
 PLAN3D_KIND = "training-plan"
-#: Largest global batch (samples per iteration) a plan or a search accepts. The
-#: predictor simulates every micro-batch, so its time grows with the batch;
-#: this keeps a prediction under a second or so.
+#: Largest global batch (samples per iteration) a plan or a search accepts.
 MAX_GLOBAL_BATCH = 2**16
-#: Most GPUs in a pool that ``plan`` searches (all types together): the search
-#: grows with the pool's divisors (Llama-3.1-405B on 16,384 H100: ~6 minutes
-#: on a 2-core machine, 4,096: ~2.5 minutes).
+#: Most GPUs in a pool that ``plan`` searches (all types together; its time
+#: grows with the pool: ``benchmarks/results/large_pools.json``).
 MAX_SEARCH_GPUS = 2**14
 _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Last layer a stage may end at: far above any model (Llama-3.1-405B has 128
@@ -134,10 +129,9 @@ class Replica:
         gpu_type: the GPU type's name as the profiles spell it, e.g. ``"GH-96"``.
         tp: tensor-parallel degree (GPUs in the group), >= 1.
         zone: a key into the network tables (Sailor's zone string).
-        node: index of the physical node it runs on, or ``None`` for a node of
-            its own.
+        node: the physical node it runs on (``None``: a node of its own).
         gpus_on_node: the GPUs of that node, as Sailor files record it
-            (``None``: ``tp``). Kept for the round trip; the predictor uses ``tp``.
+            (``None``: ``tp``), kept for the round trip.
     """
 
     gpu_type: str
@@ -171,6 +165,10 @@ class Replica:
                 _positive_int(self.gpus_on_node, "gpus_on_node", MAX_GPUS),
             )
 
+    def on_node(self, node: int | None) -> Replica:
+        """This replica on ``node`` (a shared object, :func:`replica_of`)."""
+        return replica_of(self.gpu_type, self.tp, self.zone, node, self.gpus_on_node)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu": self.gpu_type, "tp": self.tp}
         if self.zone != DEFAULT_ZONE:
@@ -180,6 +178,29 @@ class Replica:
         if self.gpus_on_node is not None:
             out["gpus_on_node"] = self.gpus_on_node
         return out
+
+
+MAX_INTERNED_REPLICAS = 2**20  #: replicas :func:`replica_of` keeps, at most
+_interned: dict[tuple, Replica] = {}
+
+
+def replica_of(
+    gpu_type: str,
+    tp: int,
+    zone: str = DEFAULT_ZONE,
+    node: int | None = None,
+    gpus_on_node: int | None = None,
+) -> Replica:
+    """``Replica(gpu_type, tp, zone, node, gpus_on_node)``, one frozen object
+    per value: the planners build plans of thousands of replicas many times
+    over, and one checked once need not be built and checked again."""
+    key = (gpu_type, tp, zone, node, gpus_on_node)
+    found = _interned.get(key)
+    if found is None:
+        if len(_interned) >= MAX_INTERNED_REPLICAS:
+            _interned.clear()
+        found = _interned[key] = Replica(*key)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,13 +597,3 @@ def is_stage_plan(data: Any) -> bool:
         and "layers" not in stages[0]
         and ("submesh" in stages[0] or "start" in stages[0])
     )
-
-
-def same_structure(a: Plan3D, b: Plan3D) -> bool:
-    """Whether two plans have the same stages, replicas, mbs and gbs."""
-    return a.stages == b.stages and a.mbs == b.mbs and a.gbs == b.gbs
-
-
-def replicas_of(stages: Sequence[Stage3D], j: int) -> list[Replica]:
-    """Pipeline ``j``: replica ``j`` of every stage."""
-    return [stage.replicas[j] for stage in stages]

@@ -20,7 +20,12 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["DIRECT_LIMIT", "PipelineSummary", "pipeline_summary"]
+__all__ = [
+    "DIRECT_LIMIT",
+    "PipelineSummary",
+    "every_pipeline",
+    "pipeline_summary",
+]
 
 #: Micro-batch counts up to this many are always simulated directly.
 DIRECT_LIMIT = 256
@@ -70,3 +75,34 @@ def pipeline_summary(
     busy = runs[0].busy_s * count / first
     memory = runs[-1].peak_memory
     return PipelineSummary(ends, busy, runs[-1].peak_in_flight, memory)
+
+
+def every_pipeline(
+    run: Callable[[int], PipelineSummary], *columns: NDArray
+) -> tuple[NDArray[np.float64], float, NDArray[np.int64]]:
+    """Every pipeline of a plan, each distinct one simulated once.
+
+    Args:
+        run: summarizes pipeline ``j`` (e.g. :func:`pipeline_summary` of its
+            simulation).
+        columns: arrays ``[*, dp]`` of what a pipeline's time depends on
+            (column ``j`` pipeline ``j``'s): pipelines with equal columns are
+            simulated once (the first of them).
+
+    Returns:
+        ``(ends, busy_s, peak_in_flight)``: ``f64[S, dp]`` each pipeline's
+        stage ends, the busy seconds of all pipelines summed in pipeline order,
+        and ``i64[S]`` the most in flight on each stage over the pipelines.
+    """
+    stacked = np.concatenate([np.asarray(c, dtype=np.float64) for c in columns]).T
+    _, first, which = np.unique(stacked, axis=0, return_index=True, return_inverse=True)
+    summaries = [run(j) for j in first.tolist()]
+    which = which.reshape(-1)
+    ends = np.stack([summary.ends for summary in summaries], axis=1)[:, which]
+    busy = 0.0
+    for index in which.tolist():  # the order the pipelines come in
+        busy += summaries[index].busy_s
+    peak = np.zeros(len(ends), dtype=np.int64)
+    for summary in summaries:
+        peak = np.maximum(peak, summary.peak_in_flight)
+    return ends, busy, peak

@@ -75,6 +75,7 @@ from pipedejavu.costmodel.megatron.interleaving import (
 )
 from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
+    every_pipeline,
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.memory_terms import memory_terms
@@ -455,16 +456,10 @@ def predict_plan(
         transfer = np.maximum(activation, gradient)
         zero = zero_bubble_pipelines(plan, times, overhead, forward, backward, transfer)
 
-    ends = np.zeros((num_stages, dp))
-    busy = 0.0
-    peak = np.zeros(num_stages, dtype=np.int64)
-    simulated: dict[bytes, Any] = {}  # pipelines with the same inputs agree
-    for j in range(dp if interleaved is None and zero is None else 0):
-        columns = (forward[:, j], backward[:, j], activation[:, j], gradient[:, j])
-        key = b"".join(c.tobytes() for c in columns) + blocking[:, j].tobytes()
-        if key not in simulated:
+    if interleaved is None and zero is None:
 
-            def run(m: int, j: int = j) -> PipelineSummary:
+        def run(j: int) -> PipelineSummary:
+            def steps(m: int) -> PipelineSummary:
                 result = simulate(
                     forward[:, j],
                     backward[:, j],
@@ -481,15 +476,15 @@ def predict_plan(
                     None,
                 )
 
-            simulated[key] = pipeline_summary(run, count, num_stages=num_stages)
-        summary = simulated[key]
-        ends[:, j] = summary.ends
-        busy += summary.busy_s
-        peak = np.maximum(peak, summary.peak_in_flight)
-    if interleaved is not None:
+            return pipeline_summary(steps, count, num_stages=num_stages)
+
+        ends, busy, peak = every_pipeline(
+            run, forward, backward, activation, gradient, blocking
+        )
+    elif interleaved is not None:
         ends, busy = interleaved.ends, interleaved.busy_s
         peak = interleaved.peak_in_flight
-    if zero is not None:
+    else:
         ends, busy, peak = zero.ends, zero.busy_s, zero.peak_in_flight
     pipeline = float(ends.max())
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0

@@ -46,6 +46,7 @@ from pipedejavu.core.plan3d import (
     Stage3D,
     canonical_nodes,
     rank_nodes,
+    replica_of,
 )
 from pipedejavu.core.validation import UNLIMITED_SUCCEEDING_STAGES
 from pipedejavu.costmodel.megatron.comm import (
@@ -179,19 +180,14 @@ def plan_from_stages(
     ``ModelInfo.expert_axes``)."""
     tps = [tp for _, _, tp in stages]
     nodes = canonical_nodes(tps, dp, gpus_per_node, rank_order)
-    made: dict[tuple[int, int], Replica] = {}  # (frozen: one per TP and node)
-
-    def replica(tp: int, node: int) -> Replica:
-        if (tp, node) not in made:
-            made[tp, node] = Replica(gpu_type, tp, zone=zone, node=node)
-        return made[tp, node]
-
     return Plan3D(
         stages=tuple(
             Stage3D(
                 start,
                 stop,
-                tuple(replica(tp, node_offset + nodes[s][j]) for j in range(dp)),
+                tuple(
+                    replica_of(gpu_type, tp, zone, node_offset + n) for n in nodes[s]
+                ),
             )
             for s, (start, stop, tp) in enumerate(stages)
         ),
@@ -229,9 +225,7 @@ def plan_from_mixed_stages(
     out = []
     for start, stop, tp, gpu in stages:
         nodes = rank_nodes(used[gpu], dp, tp, gpus_per_node[gpu])
-        replicas = tuple(
-            Replica(gpu, tp, zone=zone, node=bases[gpu] + n) for n in nodes
-        )
+        replicas = tuple(replica_of(gpu, tp, zone, bases[gpu] + n) for n in nodes)
         used[gpu] += dp * tp
         out.append(Stage3D(start, stop, replicas))
     layout = ParallelLayout(

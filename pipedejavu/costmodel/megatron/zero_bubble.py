@@ -22,6 +22,7 @@ from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
+    every_pipeline,
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes
@@ -87,36 +88,29 @@ def zero_bubble_pipelines(
     stages, dp, count = plan.num_stages, plan.dp, plan.num_microbatches
     weight = np.zeros((stages, dp))
     for s, stage in enumerate(plan.stages):
-        for j, replica in enumerate(stage.replicas):
-            entry = times[(replica.gpu_type, replica.tp)]
-            weight[s, j] = stage_weight_grad(entry, stage.start, stage.stop)
-    ends = np.zeros((stages, dp))
-    peak = np.zeros(stages, dtype=np.int64)
-    busy = 0.0
-    simulated: dict[bytes, PipelineSummary] = {}  # pipelines alike time alike
-    for j in range(dp):
-        columns = (
-            forward[:, j],
-            backward[:, j] - weight[:, j],
-            weight[:, j] + overhead_s,
-            transfer[:, j],
-        )
-        key = b"".join(c.tobytes() for c in columns)
-        if key not in simulated:
+        kinds = {(r.gpu_type, r.tp): 0.0 for r in stage.replicas}
+        for kind in kinds:
+            kinds[kind] = stage_weight_grad(times[kind], stage.start, stage.stop)
+        if len(kinds) == 1:
+            weight[s] = next(iter(kinds.values()))
+        else:
+            weight[s] = [kinds[r.gpu_type, r.tp] for r in stage.replicas]
+    work = (forward, backward - weight, weight + overhead_s, transfer)
 
-            def run(m: int, args=columns) -> PipelineSummary:
-                result = simulate_zero_bubble(*args[:3], m, transfer=args[3])
-                last = np.maximum(
-                    result.input_grad_end.max(axis=1),
-                    result.weight_grad_end.max(axis=1),
-                )
-                return PipelineSummary(
-                    last, float(result.busy_time.sum()), result.peak_in_flight, None
-                )
+    def run(j: int) -> PipelineSummary:
+        def steps(m: int) -> PipelineSummary:
+            result = simulate_zero_bubble(
+                *(column[:, j] for column in work[:3]), m, transfer=transfer[:, j]
+            )
+            last = np.maximum(
+                result.input_grad_end.max(axis=1),
+                result.weight_grad_end.max(axis=1),
+            )
+            return PipelineSummary(
+                last, float(result.busy_time.sum()), result.peak_in_flight, None
+            )
 
-            simulated[key] = pipeline_summary(run, count, num_stages=stages)
-        summary = simulated[key]
-        ends[:, j] = summary.ends
-        busy += summary.busy_s
-        peak = np.maximum(peak, summary.peak_in_flight)
+        return pipeline_summary(steps, count, num_stages=stages)
+
+    ends, busy, peak = every_pipeline(run, *work)
     return ZeroBubblePipelines(ends, busy, peak, weight + overhead_s)
