@@ -57,43 +57,47 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
     Raises:
         ProblemError: naming the node, its GPUs and what the plan puts there.
     """
-    placed: dict[int, list[tuple[int, int, str]]] = {}
+    # per node, in plan order: [GPUs placed, the last replica's tp, its GPU
+    # type, that type's node size, every type placed there]
+    placed: dict[int, list[Any]] = {}
     capacities: dict[str, int] = {}  # asked once per GPU type
     for s, stage in enumerate(plan.stages):
         for replica in stage.replicas:
-            if replica.gpu_type not in capacities:
-                capacities[replica.gpu_type] = gpus_per_node(replica.gpu_type)
-            capacity = capacities[replica.gpu_type]
-            if replica.tp > capacity:
+            gpu, tp, node = replica.gpu_type, replica.tp, replica.node
+            capacity = capacities.get(gpu)
+            if capacity is None:
+                capacity = capacities[gpu] = gpus_per_node(gpu)
+            if tp > capacity:
                 raise ProblemError(
-                    f"stage {s}: tp {replica.tp} exceeds the {capacity} GPUs "
-                    f"of a {replica.gpu_type} node"
+                    f"stage {s}: tp {tp} exceeds the {capacity} GPUs of a {gpu} node"
                 )
-            if replica.node is not None:
-                placed.setdefault(replica.node, []).append(
-                    (replica.tp, capacity, replica.gpu_type)
-                )
+            if node is None:
+                continue
+            entry = placed.get(node)
+            if entry is None:
+                placed[node] = [tp, tp, gpu, capacity, {gpu}]
+            else:
+                entry[0] += tp
+                entry[1] = tp
+                entry[4].add(gpu)
     spill, previous = 0, None
     for node in sorted(placed):
         if previous is None or node != previous + 1:
             spill = 0
-        items = placed[node]
-        gpu, capacity = items[0][2], items[0][1]
-        if any(t != gpu for _, _, t in items):
+        total, last, gpu, capacity, types = placed[node]
+        if len(types) > 1:
             raise ProblemError(
-                f"node {node} holds replicas of GPU types "
-                f"{sorted({t for _, _, t in items})}; a node has one type"
+                f"node {node} holds replicas of GPU types {sorted(types)}; a "
+                "node has one type"
             )
-        offset = spill
-        for tp, _, _ in items:
-            if offset >= capacity:
-                raise ProblemError(
-                    f"node {node} has {capacity} {gpu} GPUs, but the plan places "
-                    f"{spill + sum(t for t, _, _ in items)} GPUs on it (replicas' "
-                    "tp summed, with what spills over from the node before)"
-                )
-            offset += tp
-        spill, previous = max(offset - capacity, 0), node
+        # replicas start at offsets spill, spill + tp_1, ...: the last the highest
+        if spill + total - last >= capacity:
+            raise ProblemError(
+                f"node {node} has {capacity} {gpu} GPUs, but the plan places "
+                f"{spill + total} GPUs on it (replicas' tp summed, with what "
+                "spills over from the node before)"
+            )
+        spill, previous = max(spill + total - capacity, 0), node
 
 
 def rank_nodes(

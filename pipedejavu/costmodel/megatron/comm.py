@@ -117,16 +117,24 @@ def ring_hops(
     per_node: dict[Hashable, int] = {}
     for replica, node in zip(replicas, nodes, strict=True):
         per_node[node] = per_node.get(node, 0) + replica.tp
-    hops = {}
-    for j in range(count):
+    links: dict[tuple, tuple[Replica, Replica, int | None]] = {}
+    for j in range(count):  # what a hop's price reads, first
         a, b = replicas[j], replicas[(j + 1) % count]
-        streams = min(a.tp, b.tp)
         if nodes[j] == nodes[(j + 1) % count]:
             gpus = per_node[nodes[j]]
+            link = (a.gpu_type, gpus)
+        else:
+            gpus = None
+            link = (a.zone, a.gpu_type, b.zone, b.gpu_type, min(a.tp, b.tp))
+        links.setdefault(link, (a, b, gpus))
+    hops = {}
+    for a, b, gpus in links.values():
+        if gpus is not None:
             # per stream: the node's aggregate over the gpus / 2 pairs it
             # measured, so a hop takes (gpus / 2) x chunk / aggregate
             key = (network.intra(a.gpu_type, gpus), max(gpus / 2.0, 1.0))
         else:
+            streams = min(a.tp, b.tp)
             fit = network.inter(a.zone, a.gpu_type, b.zone, b.gpu_type, streams)
             key = (fit, float(streams))
         hops[key] = None

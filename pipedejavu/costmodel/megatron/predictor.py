@@ -56,7 +56,8 @@ contention between collectives or stages on shared links. Constants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,6 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.memory_terms import memory_terms
-from pipedejavu.costmodel.megatron.profile_types import GpuSpec
 from pipedejavu.costmodel.megatron.rules import (
     expert_allreduce,
     expert_ring,
@@ -345,46 +345,41 @@ def predict_plan(
         for s, stage in enumerate(plan.stages)
     ]
     for s, stage in enumerate(plan.stages):
-        per_kind: dict[tuple[str, int], tuple[float, float, float, GpuSpec]] = {}
-        for j, replica in enumerate(stage.replicas):
-            key = (replica.gpu_type, replica.tp)
-            if key not in per_kind:  # replicas of one kind in a stage agree
-                if key not in times:
-                    times[key] = data.layer_times(
-                        model,
-                        replica.gpu_type,
-                        mbs,
-                        replica.tp,
-                        smooth=constants.smooth_profiles,
-                    )
-                entry = times[key]
-                layers = slice(stage.start, stage.stop)
-                params = rank_params(info, replica.tp, spans[s])
-                experts = rank_expert_params(info, replica.tp, spans[s])
-                edp = plan.layout.edp(s) if experts else 1
-                per_kind[key] = (
-                    float(entry.forward[layers].sum()) + overhead,
-                    span_backward(
-                        info,
-                        entry,
-                        stage.start,
-                        stage.stop,
-                        as_layers(info, counts, s),
-                    )
-                    + overhead,
-                    optimizer_time(
-                        float(entry.update[0]),
-                        params,
-                        info,
-                        replica.tp,
-                        shard,
-                        experts,
-                        edp,
-                    ),
-                    data.gpu_spec(replica.gpu_type),
+        per_kind: dict[tuple[str, int], tuple[float, float, float, float, float]] = {}
+        kinds = [(replica.gpu_type, replica.tp) for replica in stage.replicas]
+        for key in dict.fromkeys(kinds):  # replicas of one kind in a stage agree
+            gpu_type, tp = key
+            if key not in times:
+                times[key] = data.layer_times(
+                    model, gpu_type, mbs, tp, smooth=constants.smooth_profiles
                 )
-            forward[s, j], backward[s, j], optimizer[s, j], gpu = per_kind[key]
-            limit[s, j], capacity[s, j] = gpu.memory_bytes, gpu.capacity
+            entry = times[key]
+            layers = slice(stage.start, stage.stop)
+            params = rank_params(info, tp, spans[s])
+            experts = rank_expert_params(info, tp, spans[s])
+            edp = plan.layout.edp(s) if experts else 1
+            gpu = data.gpu_spec(gpu_type)
+            per_kind[key] = (
+                float(entry.forward[layers].sum()) + overhead,
+                span_backward(
+                    info, entry, stage.start, stage.stop, as_layers(info, counts, s)
+                )
+                + overhead,
+                optimizer_time(
+                    float(entry.update[0]), params, info, tp, shard, experts, edp
+                ),
+                gpu.memory_bytes,
+                gpu.capacity,
+            )
+        rows = (
+            next(iter(per_kind.values()))  # one kind: the row filled at once
+            if len(per_kind) == 1
+            else np.array([per_kind[key] for key in kinds]).T
+        )
+        for array, row in zip(
+            (forward, backward, optimizer, limit, capacity), rows, strict=True
+        ):
+            array[s] = row
 
     # ZeRO-3: each micro-batch's passes gather and reduce-scatter their layers.
     gathered = np.zeros(num_stages)
@@ -401,24 +396,29 @@ def predict_plan(
     transfers: dict[tuple, tuple[float, float]] = {}
     for s in range(num_stages - 1):
         a_stage, b_stage = plan.stages[s], plan.stages[s + 1]
-        pairs: dict[tuple[Hashable, Hashable], int] = {}
-        for j in range(dp):
-            pair = (nodes[s][j], nodes[s + 1][j])
-            pairs[pair] = pairs.get(pair, 0) + 1
+        pairs = list(zip(nodes[s], nodes[s + 1], strict=True))
+        sharing = Counter(pairs)
         # a stage's replicas share its TP degree (_check): one message size
         send_tp, receive_tp = a_stage.replicas[0].tp, b_stage.replicas[0].tp
         nbytes = float(message_bytes(info, send_tp, a_stage.stop - 1, mbs))
         blocking[s, :] = is_blocking(nbytes, send_tp, receive_tp, constants)
-        for j in range(dp):
-            sender, receiver = a_stage.replicas[j], b_stage.replicas[j]
-            same = nodes[s][j] == nodes[s + 1][j]
-            shared = pairs[(nodes[s][j], nodes[s + 1][j])]
-            key = (_kind(sender), _kind(receiver), nbytes, same, shared)
+        keys = [
+            (_kind(sender), _kind(receiver), nbytes, a == b, sharing[a, b])
+            for sender, receiver, (a, b) in zip(
+                a_stage.replicas, b_stage.replicas, pairs, strict=True
+            )
+        ]
+        for j, key in enumerate(keys):
             if key not in transfers:  # replicas alike move tensors alike
                 transfers[key] = p2p_pair(
-                    network, sender, receiver, nbytes, same_node=same, concurrent=shared
+                    network,
+                    a_stage.replicas[j],
+                    b_stage.replicas[j],
+                    nbytes,
+                    same_node=key[3],
+                    concurrent=key[4],
                 )
-            activation[s, j], gradient[s, j] = transfers[key]
+        activation[s], gradient[s] = np.array([transfers[key] for key in keys]).T
 
     interleaved = None
     if virtual_stages > 1:
