@@ -80,9 +80,10 @@ def add_plan_options(plan: Any) -> None:
     plan.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="elastic mode: also plot throughput and goodput against the GPU "
-        "count; capacity planning: cost against time to train (needs "
-        "matplotlib: pip install 'pipedejavu[plot]')",
+        help="also draw the plan: one iteration as a timeline per pipeline "
+        "stage and each stage's memory by term (.png or .svg); elastic mode: "
+        "throughput and goodput against the GPU count; capacity planning: cost "
+        "against time to train (needs matplotlib: pip install 'pipedejavu[plot]')",
     )
 
 
@@ -124,8 +125,6 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
         )
     goodput = args.goodput_grad is not None
     if not goodput and not args.elastic:
-        if args.plot:
-            raise ProblemError("--plot needs --elastic")
         if args.global_batch is None:
             raise ProblemError(
                 "give --global-batch N (or --goodput-grad SQR,VAR for goodput "
@@ -146,7 +145,9 @@ def run_batch_modes(args: argparse.Namespace) -> int | None:
     if args.elastic:
         return _run_elastic(args, grad, high)
     if args.plot:
-        raise ProblemError("--plot needs --elastic")
+        raise ProblemError(
+            "--plot draws a plan, elastic mode or capacity; not goodput mode"
+        )
     return _run_goodput(args, grad, high)
 
 

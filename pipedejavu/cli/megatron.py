@@ -36,6 +36,8 @@ from pipedejavu.cli.megatron_report import (
     utilization_line,
 )
 from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.pictures import PLOT_HELP, check_plot, write_plot
+from pipedejavu.cli.progress import PlanProgress
 from pipedejavu.cli.torchtitan import (
     add_sharded_flag,
     predict_torchtitan,
@@ -131,6 +133,7 @@ def add_parsers(commands: Any) -> None:
         "network/, configs/); default: the bundled copy",
     )
     predict.add_argument("--json", action="store_true", help="print JSON")
+    predict.add_argument("--plot", metavar="FILE.png", help=PLOT_HELP)
 
     plan = commands.add_parser(
         "plan",
@@ -244,10 +247,11 @@ def _predict_launch(args: argparse.Namespace) -> int:
         if launch.experts_line is not None:
             print(launch.experts_line)
         print(f"{utilization_line(launch)}; costs: {launch.cost_source}")
-    return 0
+    return write_plot(args, launch.plan, prediction)
 
 
 def _predict(args: argparse.Namespace) -> int:
+    check_plot(args)
     if args.torchtitan_config is not None:
         return predict_torchtitan(args)
     if args.megatron_args is not None:
@@ -284,54 +288,14 @@ def _predict(args: argparse.Namespace) -> int:
             print(costs_line(choice, cost_source))
             for note in choice.notes:
                 print(f"note: {note}")
-    return 0
-
-
-class _PlanProgress:
-    """A line on stderr at most every 2 s: configurations solved, then the
-    proof under the predictor (plans predicted, best, bound)."""
-
-    def __init__(self, every_s: float = 2.0) -> None:
-        import time
-
-        self._clock = time.perf_counter
-        self._every = every_s
-        self._last = self._clock()
-
-    def __call__(self, state: dict) -> None:
-        import sys
-
-        now = self._clock()
-        if now - self._last < self._every:
-            return
-        self._last = now
-        if state.get("phase") == "interleaved":
-            line = (
-                f"interleaved: {state['predicted']} plans predicted, best "
-                f"{state['best']:.4f} s"
-            )
-        elif state.get("phase") == "sharded":
-            best = state["best_s"]
-            line = f"sharded: {state['priced']} of {state['of']} plans priced" + (
-                f", best {best:.4f} s" if best < float("inf") else ""
-            )
-        elif state.get("phase") == "proof":
-            line = (
-                f"proof: {state['predicted']} plans predicted, best "
-                f"{state['best']:.4f} s, lower bound {state['bound']:.4f} s"
-            )
-        else:
-            line = (
-                f"search: {state['solved']} configurations solved, best "
-                f"objective {state['best']:.4f} s"
-            )
-        print(line, file=sys.stderr, flush=True)
+    return write_plot(args, plan, prediction)
 
 
 def _plan(args: argparse.Namespace) -> int:
     import sys
 
     if args.megatron_args is not None:
+        check_plot(args)
         return _plan_megatron_args(args)
     if args.model is None:
         raise ProblemError(
@@ -345,6 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
     handled = run_batch_modes(args)  # goodput or elastic mode
     if handled is not None:
         return handled
+    check_plot(args)
 
     if args.mixed_types and args.per_stage_tp:
         raise ProblemError(
@@ -424,7 +389,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(format_launchers(targets, result, other))
         if exported is not None:
             print(f"\n--- {args.export} ---\n{exported}", end="")
-    return 0
+    return write_plot(args, result.plan, result.prediction)
 
 
 def export_model(choice: Any) -> tuple[Any, str | None]:
@@ -484,7 +449,7 @@ def _search(
             uniform_tp=uniform,
             allow_fewer_gpus=not args.all_gpus,
             mixed_types=args.mixed_types,
-            progress_fn=_PlanProgress(),
+            progress_fn=PlanProgress(),
             sharded=sharded_of(args, asked),
             **expert_knobs(args, choice.spec),
         )
@@ -498,7 +463,7 @@ def _search(
         uniform_tp=uniform,
         allow_fewer_gpus=not args.all_gpus,
         mixed_types=args.mixed_types,
-        progress_fn=_PlanProgress(),
+        progress_fn=PlanProgress(),
         dp_alone=alone,
     )
     return result, choice, None
@@ -566,7 +531,7 @@ def _export(
 
 
 def _plan_megatron_args(args: argparse.Namespace) -> int:
-    comparison = plan_megatron_args(args, _PlanProgress())
+    comparison = plan_megatron_args(args, PlanProgress())
     best = comparison.best
     spec = comparison.source.spec
     exported = _export(
@@ -584,7 +549,7 @@ def _plan_megatron_args(args: argparse.Namespace) -> int:
         print(format_launchers(targets, best, None))
         if exported is not None:
             print(f"\n--- {args.export} ---\n{exported}", end="")
-    return 0
+    return write_plot(args, best.plan, best.prediction)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ __all__ = [
     "plot_gantt",
     "plot_loss_curve",
     "plot_ratios",
+    "time_unit",
     "value_axis",
 ]
 
@@ -29,7 +30,7 @@ _COLORS = {
 }
 
 
-def _time_unit(seconds: float) -> tuple[str, float]:
+def time_unit(seconds: float) -> tuple[str, float]:
     """A readable unit for an axis spanning ``seconds``."""
     if seconds >= 1.0 or seconds == 0.0:
         return "s", 1.0
@@ -70,7 +71,7 @@ def plot_gantt(
 
     num_stages = result.num_stages
     count = result.num_microbatches
-    unit, scale = _time_unit(result.iteration_time)
+    unit, scale = time_unit(result.iteration_time)
     if show_microbatches is None:
         show_microbatches = num_stages * count <= 200
     height = min(1.2 + 0.55 * num_stages, 16.0)

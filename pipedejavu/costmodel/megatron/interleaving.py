@@ -44,10 +44,13 @@ from pipedejavu.costmodel.megatron.rules import (
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes, ModelInfo
 from pipedejavu.costmodel.megatron.zero_bubble import stage_weight_grad
 from pipedejavu.simulation.interleaved import (
+    InterleavedResult,
     peak_in_flight_count,
     simulate_interleaved,
 )
+from pipedejavu.simulation.timeline import Bar, timeline_bars
 from pipedejavu.simulation.zero_bubble import (
+    ZeroBubbleResult,
     simulate_zero_bubble,
     zero_bubble_warmup,
 )
@@ -275,6 +278,7 @@ class InterleavedPipelines(NamedTuple):
             overhead).
         transfer_s: f64[P, dp] seconds per micro-batch per direction over the
             link after each rank (``P - 1``: the wrap-around).
+        timeline: the slowest pipeline's bars, simulated in full when called.
     """
 
     ends: NDArray[np.float64]
@@ -284,6 +288,7 @@ class InterleavedPipelines(NamedTuple):
     forward_s: NDArray[np.float64]
     backward_s: NDArray[np.float64]
     transfer_s: NDArray[np.float64]
+    timeline: Callable[[], tuple[Bar, ...]]
 
 
 def interleaved_pipelines(
@@ -342,6 +347,20 @@ def interleaved_pipelines(
     stash = np.zeros(ranks)
     busy = 0.0
     simulated: dict[bytes, PipelineSummary] = {}  # pipelines with the same inputs agree
+    inputs = []  # each pipeline's
+
+    def simulate(args: tuple, m: int) -> InterleavedResult | ZeroBubbleResult:
+        f, b, links, stash, w = args
+        if zero_bubble:
+            return simulate_zero_bubble(
+                f, b - w, w + overhead_s, m,
+                transfer=links[:-1] if v_shape else links,
+                memory_per_microbatch=stash, v_shape=v_shape,
+            )  # fmt: skip
+        return simulate_interleaved(
+            f, b, m, transfer=links, memory_per_microbatch=stash
+        )
+
     for j in range(dp):
         forward = np.zeros((ranks, num_chunks))
         backward = np.zeros((ranks, num_chunks))
@@ -363,16 +382,12 @@ def interleaved_pipelines(
                 continue  # the V turns on this rank
             transfer[r] = transfer_fn(r, j, nbytes, nodes[r][j], nodes[receiver][j])
         columns = (forward, backward, transfer, memory, weight)
+        inputs.append(columns)
         key = b"".join(a.tobytes() for a in columns)
         if key not in simulated and zero_bubble:
 
             def run(m: int, args=columns):
-                f, b, links, stash, w = args
-                result = simulate_zero_bubble(
-                    f, b - w, w + overhead_s, m,
-                    transfer=links[:-1] if v_shape else links,
-                    memory_per_microbatch=stash, v_shape=v_shape,
-                )  # fmt: skip
+                result = simulate(args, m)
                 return PipelineSummary(
                     np.maximum(
                         result.input_grad_end.max(axis=(1, 2)),
@@ -387,9 +402,7 @@ def interleaved_pipelines(
         elif key not in simulated:
 
             def run(m: int, args=columns):
-                result = simulate_interleaved(
-                    args[0], args[1], m, transfer=args[2], memory_per_microbatch=args[3]
-                )
+                result = simulate(args, m)
                 return PipelineSummary(
                     result.backward_end.max(axis=(1, 2)),
                     float(result.busy_time.sum()),
@@ -407,6 +420,13 @@ def interleaved_pipelines(
         peak = np.maximum(peak, summary.peak_in_flight)
         assert summary.peak_memory is not None  # memory_per_microbatch was given
         stash = np.maximum(stash, summary.peak_memory)
+    slowest = inputs[int(np.argmax(ends.max(axis=0)))]
+
+    def timeline() -> tuple[Bar, ...]:
+        f, b, _, _, w = slowest
+        durations = (f, b - w, w + overhead_s) if zero_bubble else None
+        return timeline_bars(simulate(slowest, count), durations)
+
     return InterleavedPipelines(
-        ends, busy, peak, stash, forward_s, backward_s, transfer_s
+        ends, busy, peak, stash, forward_s, backward_s, transfer_s, timeline
     )

@@ -56,9 +56,11 @@ def memory_terms(
     data: Any,
     prediction: Any,
     constants: PredictorConstants = FITTED_CONSTANTS,
+    stage: int | None = None,
 ) -> dict[str, Any]:
     """The peak GPU's memory by term (module docstring), in bytes, with the
-    stage it is on: ``{"stage": s, "terms": {...}, "total": bytes}``.
+    stage it is on: ``{"stage": s, "terms": {...}, "total": bytes}``; with
+    ``stage``, that of the stage's GPU of most memory.
 
     Args:
         plan: the plan predicted.
@@ -68,7 +70,10 @@ def memory_terms(
         constants: the predictor's constants it was predicted with.
     """
     memory = prediction.memory_bytes
-    s, j = (int(k) for k in np.unravel_index(int(np.argmax(memory)), memory.shape))
+    if stage is None:
+        s, j = (int(k) for k in np.unravel_index(int(np.argmax(memory)), memory.shape))
+    else:
+        s, j = stage, int(np.argmax(memory[stage]))
     info = data.model_info(plan.model)
     replica = plan.stages[s].replicas[j]
     spans = rank_layers(plan, bool(data.options.v_shape))[s]

@@ -56,12 +56,11 @@ contention between collectives or stages on shared links. Constants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D, check_nodes
 from pipedejavu.core.problem import ProblemError
@@ -80,6 +79,7 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.memory_terms import memory_terms
+from pipedejavu.costmodel.megatron.prediction import Prediction
 from pipedejavu.costmodel.megatron.rules import (
     expert_allreduce,
     expert_ring,
@@ -115,111 +115,10 @@ from pipedejavu.costmodel.megatron.stage_recompute import (
     stage_recompute_counts,
 )
 from pipedejavu.costmodel.megatron.zero_bubble import zero_bubble_pipelines
-from pipedejavu.simulation.simulate import simulate
+from pipedejavu.simulation.simulate import SimulationResult, simulate
+from pipedejavu.simulation.timeline import Bar, timeline_bars
 
 __all__ = ["Prediction", "predict_plan"]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Prediction:
-    """A plan's predicted iteration.
-
-    Attributes:
-        iteration_time_s: seconds per iteration.
-        pipeline_s: seconds until the last backward of the slowest pipeline.
-        tied_allreduce_s: f64[dp] each pipeline's tied-embedding all-reduce.
-        dp_allreduce_s: f64[S] seconds of each stage's gradient all-reduce
-            that the iteration waits for (all of it, unless overlapped:
-            :func:`~pipedejavu.costmodel.megatron.rules.gradient_sync`).
-        optimizer_s: f64[S, dp] seconds of each GPU's optimizer step.
-        bubble_fraction: idle share of the pipeline phase, averaged over GPUs.
-        stage_forward_s, stage_backward_s: f64[S, dp] seconds per micro-batch;
-        activation_transfer_s, gradient_transfer_s: f64[S - 1, dp] over each
-            boundary.
-        peak_in_flight: i64[S] micro-batches whose activations a stage holds.
-        memory_bytes: f64[S, dp] peak device memory of a GPU of each replica.
-        memory_limit_bytes: f64[S, dp] device memory a plan may use there.
-        num_microbatches: B per pipeline.
-        model_state_bytes: f64[S, dp] weights, gradients, Adam states and the
-            largest flattened all-reduce bucket per GPU.
-        activation_bytes: f64[S] activations stashed at the peak per GPU (before
-            ``activation_overhead``).
-        recompute_stage_layers: with per-stage recomputation, the blocks each
-            stage reruns (:mod:`pipedejavu.costmodel.megatron.stage_recompute`;
-            ``None`` otherwise).
-        memory_capacity_bytes: f64[S, dp] device memory of that GPU type
-            before the headroom (``None``: ``memory_limit_bytes``).
-        memory_terms: the peak GPU's memory by term
-            (:func:`~pipedejavu.costmodel.megatron.memory_terms.memory_terms`).
-    """
-
-    iteration_time_s: float
-    pipeline_s: float
-    tied_allreduce_s: NDArray[np.float64]
-    dp_allreduce_s: NDArray[np.float64]
-    optimizer_s: NDArray[np.float64]
-    bubble_fraction: float
-    stage_forward_s: NDArray[np.float64]
-    stage_backward_s: NDArray[np.float64]
-    activation_transfer_s: NDArray[np.float64]
-    gradient_transfer_s: NDArray[np.float64]
-    peak_in_flight: NDArray[np.int64]
-    memory_bytes: NDArray[np.float64]
-    memory_limit_bytes: NDArray[np.float64]
-    num_microbatches: int
-    model_state_bytes: NDArray[np.float64]
-    activation_bytes: NDArray[np.float64]
-    recompute_stage_layers: tuple[int | None, ...] | None = None
-    memory_capacity_bytes: NDArray[np.float64] | None = None
-    memory_terms: dict[str, Any] | None = None
-
-    @property
-    def memory_capacity(self) -> NDArray[np.float64]:
-        """f64[S, dp] :attr:`memory_capacity_bytes`, else the limits."""
-        capacity = self.memory_capacity_bytes
-        return self.memory_limit_bytes if capacity is None else capacity
-
-    @property
-    def peak_memory_bytes(self) -> float:
-        return float(self.memory_bytes.max())
-
-    @property
-    def fits_memory(self) -> bool:
-        return bool((self.memory_bytes <= self.memory_limit_bytes).all())
-
-    @property
-    def stage_memory_bytes(self) -> NDArray[np.float64]:
-        """f64[S] the largest memory of a GPU of each stage."""
-        return self.memory_bytes.max(axis=1)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "iteration_time_s": self.iteration_time_s,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "fits_memory": self.fits_memory,
-            "num_microbatches": self.num_microbatches,
-            "breakdown": {
-                "pipeline_s": self.pipeline_s,
-                "tied_allreduce_s": float(self.tied_allreduce_s.max(initial=0.0)),
-                "dp_allreduce_s": float(self.dp_allreduce_s.max(initial=0.0)),
-                "optimizer_s": float(self.optimizer_s.max()),
-                "bubble_fraction": self.bubble_fraction,
-            },
-            "memory_per_stage_bytes": self.stage_memory_bytes.tolist(),
-            "memory_limit_per_stage_bytes": self.memory_limit_bytes.min(
-                axis=1
-            ).tolist(),
-            "memory_capacity_per_stage_bytes": self.memory_capacity.min(
-                axis=1
-            ).tolist(),
-            "peak_in_flight": self.peak_in_flight.tolist(),
-            "recompute_stage_layers": (
-                None
-                if self.recompute_stage_layers is None
-                else list(self.recompute_stage_layers)
-            ),
-            "memory_terms": self.memory_terms,
-        }
 
 
 def _kind(replica) -> tuple:
@@ -458,17 +357,20 @@ def predict_plan(
 
     if interleaved is None and zero is None:
 
+        def simulated(j: int, m: int) -> SimulationResult:
+            return simulate(
+                forward[:, j],
+                backward[:, j],
+                m,
+                schedule="deepspeed",
+                transfer=activation[:, j],
+                gradient_transfer=gradient[:, j],
+                blocking=blocking[:, j],
+            )
+
         def run(j: int) -> PipelineSummary:
             def steps(m: int) -> PipelineSummary:
-                result = simulate(
-                    forward[:, j],
-                    backward[:, j],
-                    m,
-                    schedule="deepspeed",
-                    transfer=activation[:, j],
-                    gradient_transfer=gradient[:, j],
-                    blocking=blocking[:, j],
-                )
+                result = simulated(j, m)
                 return PipelineSummary(
                     result.backward_end.max(axis=1),
                     float(result.busy_time.sum()),
@@ -481,11 +383,17 @@ def predict_plan(
         ends, busy, peak = every_pipeline(
             run, forward, backward, activation, gradient, blocking
         )
+        slowest = int(np.argmax(ends.max(axis=0)))
+
+        def timeline() -> tuple[Bar, ...]:
+            return timeline_bars(simulated(slowest, count))
+
     elif interleaved is not None:
         ends, busy = interleaved.ends, interleaved.busy_s
-        peak = interleaved.peak_in_flight
+        peak, timeline = interleaved.peak_in_flight, interleaved.timeline
     else:
         ends, busy, peak = zero.ends, zero.busy_s, zero.peak_in_flight
+        timeline = zero.timeline
     pipeline = float(ends.max())
     bubble = 1.0 - busy / (pipeline * num_stages * dp) if pipeline > 0 else 0.0
     bubble = min(max(bubble, 0.0), 1.0)  # -6.7e-16 is rounding, not a bubble
@@ -588,6 +496,11 @@ def predict_plan(
         activation_bytes=stash,
         num_microbatches=count,
         recompute_stage_layers=counts,
+        stage_ready_s=ready.max(axis=1),
+        timeline=timeline,
     )
-    terms = memory_terms(plan, data, predicted, constants)
-    return dataclasses.replace(predicted, memory_terms=terms)
+    return dataclasses.replace(
+        predicted,
+        memory_terms=memory_terms(plan, data, predicted, constants),
+        stage_terms=functools.partial(memory_terms, plan, data, predicted, constants),
+    )

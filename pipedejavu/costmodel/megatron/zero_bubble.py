@@ -12,7 +12,7 @@ sends and receives asynchronously).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +26,8 @@ from pipedejavu.costmodel.megatron.long_pipelines import (
     pipeline_summary,
 )
 from pipedejavu.costmodel.megatron.sailor_data import LayerTimes
-from pipedejavu.simulation.zero_bubble import simulate_zero_bubble
+from pipedejavu.simulation.timeline import Bar, timeline_bars
+from pipedejavu.simulation.zero_bubble import ZeroBubbleResult, simulate_zero_bubble
 
 __all__ = ["ZeroBubblePipelines", "stage_weight_grad", "zero_bubble_pipelines"]
 
@@ -41,12 +42,14 @@ class ZeroBubblePipelines(NamedTuple):
         peak_in_flight: i64[S] most micro-batches a stage holds (forward done,
             ``W`` not yet).
         weight_s: f64[S, dp] seconds of each stage's ``W`` per micro-batch.
+        timeline: the slowest pipeline's bars, simulated in full when called.
     """
 
     ends: NDArray[np.float64]
     busy_s: float
     peak_in_flight: NDArray[np.int64]
     weight_s: NDArray[np.float64]
+    timeline: Callable[[], tuple[Bar, ...]]
 
 
 def stage_weight_grad(times: LayerTimes, start: int, stop: int) -> float:
@@ -97,11 +100,13 @@ def zero_bubble_pipelines(
             weight[s] = [kinds[r.gpu_type, r.tp] for r in stage.replicas]
     work = (forward, backward - weight, weight + overhead_s, transfer)
 
+    def simulated(j: int, m: int) -> ZeroBubbleResult:
+        columns = (column[:, j] for column in work[:3])
+        return simulate_zero_bubble(*columns, m, transfer=transfer[:, j])
+
     def run(j: int) -> PipelineSummary:
         def steps(m: int) -> PipelineSummary:
-            result = simulate_zero_bubble(
-                *(column[:, j] for column in work[:3]), m, transfer=transfer[:, j]
-            )
+            result = simulated(j, m)
             last = np.maximum(
                 result.input_grad_end.max(axis=1),
                 result.weight_grad_end.max(axis=1),
@@ -113,4 +118,10 @@ def zero_bubble_pipelines(
         return pipeline_summary(steps, count, num_stages=stages)
 
     ends, busy, peak = every_pipeline(run, *work)
-    return ZeroBubblePipelines(ends, busy, peak, weight + overhead_s)
+    slowest = int(np.argmax(ends.max(axis=0)))
+
+    def timeline() -> tuple[Bar, ...]:
+        durations = tuple(column[:, slowest] for column in work[:3])
+        return timeline_bars(simulated(slowest, count), durations)
+
+    return ZeroBubblePipelines(ends, busy, peak, weight + overhead_s, timeline)
