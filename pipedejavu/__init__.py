@@ -38,6 +38,7 @@ _LAZY = {
     "solve": "planning.solve",
     "plan_training": "planning.training",
     "plan_model": "planning.plan_model",
+    "plot_plan": "planning.plan_pictures",
     "MemoryHeadroom": "core.memory_headroom",
     "enable_compilation_cache": "search.engine.compile_cache",
     "simulate": "simulation.simulate",
