@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from pipedejavu.cli.data import data_path
-from pipedejavu.cli.main import COMMANDS, _build_parser, _parser
+from pipedejavu.cli.main import COMMAND_GROUPS, COMMANDS, _build_parser, _parser
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.search.engine.compile_cache import ENV_VAR, JAX_ENV_VARS
 
@@ -102,6 +103,22 @@ def test_the_top_level_lists_every_command_as_its_module_does():
         a for a in full._actions if isinstance(a, argparse._SubParsersAction)
     ]
     assert list(commands.choices) == list(COMMANDS)
+
+
+def test_the_top_level_help_groups_every_command_once():
+    """``pipedejavu --help`` lists each command once, under its group, the
+    groups in order, training plans first."""
+    grouped = [name for _, names in COMMAND_GROUPS for name in names]
+    assert sorted(grouped) == sorted(COMMANDS) and len(set(grouped)) == len(grouped)
+    text = _parser(()).format_help()
+    titles = [text.index(f"\n{title}:\n") for title, _ in COMMAND_GROUPS]
+    assert titles == sorted(titles) and COMMAND_GROUPS[0][1][0] == "plan"
+    for (title, names), start, end in zip(
+        COMMAND_GROUPS, titles, [*titles[1:], len(text)], strict=True
+    ):
+        listed = re.findall(r"^  ([a-z][a-z-]*)  ", text[start:end], re.M)
+        assert listed == list(names), title
+    assert "Alpa's formulation; typed devices" not in text  # the old description
 
 
 def test_a_command_running_jax_switches_the_cache_on(tmp_path):

@@ -41,8 +41,8 @@ def add_parser(commands: Any) -> None:
     """Register ``calibrate`` on the command line's sub-parsers."""
     calibrate = commands.add_parser(
         "calibrate",
-        help="fit the analytical model's constants per GPU type to the "
-        "cluster's own per-layer profiles",
+        help="fit the predictor's constants per GPU type to the cluster's own "
+        "per-layer profiles and measured runs",
         description="Fit, per GPU type, the tensor-core and memory efficiencies "
         "and the kernel overhead of the analytical model to the TP 1 per-layer "
         "profiles of other models on the cluster (Sailor's layout), the TP "

@@ -71,20 +71,71 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "calibrate": (
         "calibrate",
-        "fit the analytical model's constants per GPU type to the cluster's own "
-        "per-layer profiles",
+        "fit the predictor's constants per GPU type to the cluster's own "
+        "per-layer profiles and measured runs",
     ),
     "predict": (
         "megatron",
-        "predict the iteration time and memory of a Megatron/DeepSpeed 3D plan "
-        "from per-layer GPU profiles",
+        "predict the iteration time and memory per GPU of a training plan, a "
+        "Megatron-LM launch or a torchtitan job",
     ),
     "plan": (
         "megatron",
-        "find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, GPU "
-        "type) for a model, a global batch and a GPU pool",
+        "find the fastest training plan (stages, TP, CP, EP, DP, schedule, "
+        "knobs) of a model on a GPU pool, proven under the predictor; or what "
+        "to rent",
     ),
 }
+
+
+#: ``--help``'s groups of :data:`COMMANDS`, in the order it lists them.
+COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("plan and predict training", ("plan", "predict", "calibrate")),
+    ("batch size and elasticity", ("goodput", "elastic")),
+    (
+        "Alpa's stage formulation (a stage profile onto submeshes, solved exactly)",
+        ("solve", "inspect", "convert", "evaluate", "compare", "costmodel", "profile"),
+    ),
+    ("tools", ("demo", "data", "init-search")),
+)
+DESCRIPTION = (
+    "Plan how to train a model on GPUs: pipeline stages, tensor, context, "
+    "expert and data parallelism, the schedule and the other knobs, proven "
+    "fastest under the predictor; predict a plan's or a launch's time and "
+    "memory per GPU before it runs; calibrate to your cluster; choose what to "
+    "rent."
+)
+
+
+class TopParser(Parser):
+    """The top-level parser: its help lists the commands by
+    :data:`COMMAND_GROUPS`, from :data:`COMMANDS` alone (so it reads the same
+    whichever command modules are imported)."""
+
+    def format_help(self) -> str:
+        import textwrap
+
+        width = 79
+        out = [self.format_usage().rstrip(), ""]
+        out += textwrap.wrap(DESCRIPTION, width) + [""]
+        for title, names in COMMAND_GROUPS:
+            out.append(f"{title}:")
+            for name in names:
+                out += textwrap.wrap(
+                    COMMANDS[name][1],
+                    width,
+                    initial_indent=f"  {name:<12}  ",
+                    subsequent_indent=" " * 16,
+                )
+            out.append("")
+        out += [
+            "options:",
+            "  -h, --help    show this help message and exit",
+            "  --version     show the version and exit",
+            "",
+            "pipedejavu COMMAND --help lists a command's options.",
+        ]
+        return "\n".join(out) + "\n"
 
 
 def command_module(name: str) -> ModuleType:
@@ -112,16 +163,13 @@ def command_module(name: str) -> ModuleType:
 def _parser(modules: Collection[str]) -> argparse.ArgumentParser:
     """The command line's parser: the commands of ``modules`` with all their
     arguments, every other command by its name and help alone."""
-    parser = Parser(
-        prog="pipedejavu",
-        description="Split a model into pipeline stages and map them onto "
-        "submeshes (Alpa's formulation; typed devices and links with a cluster "
-        "file).",
-    )
+    parser = TopParser(prog="pipedejavu", description=DESCRIPTION)
     parser.add_argument(
         "--version", action="version", version=f"pipedejavu {__version__}"
     )
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, metavar="COMMAND"
+    )
     for name, (module_name, help_text) in COMMANDS.items():
         if name in commands.choices:
             continue  # registered with its module's other commands

@@ -84,8 +84,8 @@ def add_parsers(commands: Any) -> None:
     """Add the subcommands to the CLI's subparsers."""
     predict = commands.add_parser(
         "predict",
-        help="predict the iteration time and memory of a Megatron/DeepSpeed 3D "
-        "plan from per-layer GPU profiles",
+        help="predict the iteration time and memory per GPU of a training plan, "
+        "a Megatron-LM launch or a torchtitan job",
     )
     predict.add_argument(
         "plan",
@@ -137,8 +137,9 @@ def add_parsers(commands: Any) -> None:
 
     plan = commands.add_parser(
         "plan",
-        help="find the fastest Megatron/DeepSpeed 3D plan (stages, TP, DP, mbs, "
-        "GPU type) for a model, a global batch and a GPU pool",
+        help="find the fastest training plan (stages, TP, CP, EP, DP, schedule, "
+        "knobs) of a model on a GPU pool, proven under the predictor; or what "
+        "to rent",
     )
     plan.add_argument(
         "--model",
