@@ -18,13 +18,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.analytical.calibrate import (
     PROFILED_MODELS,
@@ -90,10 +87,7 @@ def main() -> None:
         print(f"  {model}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     result.update(
         {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": (
-                f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)"
-            ),
+            **stamp.stamp(),
             "seconds": elapsed,
             "split": (
                 "constants fitted on block forward/backward entries of the training "
@@ -104,9 +98,7 @@ def main() -> None:
             ),
         }
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out} ({elapsed:.1f} s)")
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.price_sheet import load_price_sheet
@@ -92,9 +91,7 @@ def main() -> None:
         "speed_up_2_workers": seconds["1"] / seconds["2"],
         "speed_up_dask_local_2": seconds["1"] / seconds["dask-local-2"],
         "identical": identical,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("unknown"),
     }
     chosen = answer.outcomes[answer.choice]
     print(f"chosen {dict(chosen.used)}: {chosen.time_s / 86400:.2f} days, "

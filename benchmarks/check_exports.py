@@ -72,7 +72,6 @@ import sys
 import time
 import warnings
 from collections import Counter
-from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -83,6 +82,7 @@ warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import stamp  # noqa: E402
 import test_export_targets as rules  # noqa: E402  (plans, hosts, re-stated maps)
 import torch  # noqa: E402
 from check_model_exports import (  # noqa: E402
@@ -600,8 +600,7 @@ def write_check(
     ``shown`` entries and the first failures; the exit status (1 on a
     failure)."""
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()})",
+        **stamp.stamp("vm", cores=False),
         "versions": {
             name: metadata.version(name) for name in ("torch", "megatron-core")
         },
@@ -684,8 +683,7 @@ def main(argv=None) -> int:
             "its GPTModelPipe layer list is re-stated"
         )
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "versions": versions() | commit,
         "random_plans": ns.plans,
         "planner_plans": 0 if ns.no_planner else len(rules.PLANNED),

@@ -54,13 +54,11 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import platform
 import sys
 import time
 import typing
 from collections import Counter
-from datetime import datetime, timezone
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
@@ -72,6 +70,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import stamp  # noqa: E402
 from check_torchtitan import (  # noqa: E402
     Mismatch,
     RealRejects,
@@ -555,9 +554,7 @@ def main(argv=None) -> int:
         f"check_torchtitan_fsdp_{found['torchtitan']}.json"
     )
     data = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("vm"),
         "versions": found,
         "random_plans": ns.plans,
         **result,

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.analytical.cluster_fit import (
     PROFILED_TRAINING,
@@ -200,9 +199,7 @@ def main() -> None:
         "clusters": clusters,
         "gpt_neo_blocks_gh96": other,
         "runs_fit": by_runs,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
-        f"{__import__('os').cpu_count()} cores)",
+        **stamp.stamp("unknown"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

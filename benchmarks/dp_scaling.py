@@ -35,12 +35,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import stamp
 
 from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
 from pipedejavu.core.problem import UNLIMITED_SUCCEEDING_STAGES, Problem
@@ -396,8 +395,7 @@ def main() -> None:
         _show(json.loads(args.show.read_text()))
         return
     header = (
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{os.cpu_count()} cores, python {platform.python_version()}, "
+        f"{stamp.header(python=True)}, "
         f"numpy {np.__version__}, load average {os.getloadavg()[0]:.1f} at start"
     )
     print(header)

@@ -18,12 +18,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
+
+import stamp
 
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.planning.batch import grad_params_from_noise_scale
@@ -79,8 +78,7 @@ def main() -> None:
             results.append(out)
     payload = {
         "benchmark": "elastic_modes",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "loadavg": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
         "counts": COUNTS,
@@ -88,8 +86,7 @@ def main() -> None:
         "batch_multiple": {"throughput": STEP, "goodput": GOODPUT_STEP},
         "results": results,
     }
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=1)
+    stamp.write_json(args.out, payload)
 
 
 if __name__ == "__main__":

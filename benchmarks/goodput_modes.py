@@ -27,11 +27,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from datetime import datetime, timezone
+
+import stamp
 
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.planning.batch import (
@@ -135,8 +134,7 @@ def main() -> None:
             )
     out = {
         "benchmark": "goodput_modes",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "loadavg": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
         "source": "Kaplan et al. 2020 (arXiv:2001.08361) eq. 1.4: B_crit(L) = "
@@ -144,9 +142,7 @@ def main() -> None:
         "init_batch": INIT_BATCH,
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(out, handle, indent=1)
+    stamp.write_json(args.out, out)
 
 
 if __name__ == "__main__":

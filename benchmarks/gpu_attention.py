@@ -43,7 +43,6 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stamp  # noqa: E402
 from gpu_blocks import (  # noqa: E402
     calibrate_sleep,
     environment,
@@ -379,7 +379,7 @@ def refit(path: str) -> dict[str, Any]:
     if not result["settings"].get("grid", "default").startswith("extended"):
         result["fit"] = fit_summary(result, gpu)  # held-out shapes: no fit
     result["repriced"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "constants": {
             name: getattr(HALF_PRECISION_ANALYTICAL, name) for name in ATTENTION_FIELDS
         },

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_blocks  # noqa: E402  (the benchmark's own prediction and summary)
+import stamp  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -58,9 +56,7 @@ def reprice(measured: dict) -> dict:
         repriced["error"] = gpu_blocks.errors(repriced)
         rows.append(repriced)
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("unknown"),
         "measured": {
             "date": measured["date"],
             "machine": measured["machine"],

@@ -78,7 +78,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +87,7 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stamp  # noqa: E402
 from gpu_blocks import (  # noqa: E402
     calibrate_sleep,
     environment,
@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cycles_per_ms = calibrate_sleep() if device == "cuda" else None
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "machine": _machine(env),
         "environment": env,
         "gpu_sheet_entry": dataclasses.asdict(gpu),

@@ -24,8 +24,9 @@ import os
 import platform
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 #: Run in each tree's process: one engine run, its row as JSON on stdout.
 _CHILD = """
@@ -119,7 +120,7 @@ def main() -> None:
                 )
     result = {
         "benchmark": "hetero_engine_versions",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),

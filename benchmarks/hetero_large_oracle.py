@@ -21,8 +21,9 @@ import json
 import os
 import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 from pipedejavu.costmodel.stage.hetero_generate import (
     hetero_problem,
@@ -52,7 +53,7 @@ def main() -> None:
         info = {"lower_bound": error.lower_bound}
     row = {
         "benchmark": "hetero_large_oracle",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "machine": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),

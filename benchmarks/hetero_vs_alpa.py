@@ -62,11 +62,11 @@ import math
 import os
 import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import jax
 import numpy as np
+import stamp
 from hetero_canonical import CanonicalTimeoutError, canonical_exact  # noqa: I001
 
 from pipedejavu.baselines.hetero import alpa_homogeneous
@@ -402,7 +402,7 @@ def main() -> None:
         machine["load_average_at_end"] = os.getloadavg()
         result = {
             "benchmark": "hetero_placement",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": stamp.now(),
             "machine": machine,
             **result,
         }
@@ -441,7 +441,7 @@ def main() -> None:
         print(format_row(row), flush=True)
     result = {
         "benchmark": "hetero_vs_alpa",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "machine": {**machine, "load_average_at_end": os.getloadavg()},
         "engine_config": {
             key: value for key, value in vars(config).items() if not key.startswith("_")

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = (
@@ -100,9 +100,7 @@ def main() -> None:
     out = {
         "settings": rows,
         "before": args.before and "a checkout given by --before",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'unknown'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("unknown"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

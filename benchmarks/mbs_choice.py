@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
+
+import stamp
 
 from pipedejavu.core.problem import InfeasibleProblemError
 from pipedejavu.costmodel.megatron.fit import load_measured_runs
@@ -101,16 +101,13 @@ def main() -> None:
     )
     result = {
         "benchmark": "mbs_choice",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "loadavg": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
         "summary": summary,
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.planning.launch_compare import compare_megatron_run
@@ -155,9 +154,7 @@ def main() -> None:
             flush=True,
         )
     out = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'host'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("host"),
         "settings": rows,
     }
     if not args.no_published:

@@ -15,13 +15,10 @@ About 5 minutes on a 2-core machine (fourteen fits of three constants).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.planning.moe_published import (
@@ -76,8 +73,7 @@ def main() -> None:
         "runs": runs,
         "fitted_on_all": _summary(fit_errors),
         "leave_one_out": _summary(loo),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "seconds": elapsed,
     }
     summary = result["leave_one_out"]
@@ -87,9 +83,7 @@ def main() -> None:
         f"max {result['fitted_on_all']['max']:.1%}; leave-one-out: median "
         f"{summary['median']:.1%}, max {summary['max']:.1%}"
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out} ({elapsed:.1f} s)")
 
 

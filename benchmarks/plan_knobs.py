@@ -31,11 +31,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 from pipedejavu.core.plan3d import rank_order_of
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -161,9 +160,7 @@ def main(argv=None) -> int:
     if args.only and out.exists():  # one setting rerun: keep the others
         results = json.loads(out.read_text())
     results |= {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("vm"),
         "spaces": {name: space.describe() for name, space in SPACES.items()},
     }
     for setting in SETTINGS:

@@ -22,11 +22,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from datetime import datetime, timezone
+
+import stamp
 
 from pipedejavu.core.plan3d import DEFAULT_ZONE
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
@@ -198,16 +197,13 @@ def main() -> None:
         rows.append(row)
     result = {
         "benchmark": "plan_vs_sailor",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"python {platform.python_version()}",
+        "date": stamp.now(),
+        "machine": stamp.cpu(python=True),
         "loadavg": list(os.getloadavg()),
         "constants": FITTED_CONSTANTS.to_json(),
         "settings": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -31,13 +31,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
 from pipedejavu.planning.throughput_compare import (
@@ -107,16 +105,13 @@ def main() -> None:
         results.append(evaluate(f"{model} pipeline-mixed", train, test))
     result = {
         "benchmark": "pollux_vs_predictor",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
         "loadavg": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
         "gpu": GPU,
         "results": results,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
 
 
 if __name__ == "__main__":

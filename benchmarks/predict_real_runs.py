@@ -22,11 +22,10 @@ import argparse
 import json
 import math
 import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.fit import leave_one_out, load_measured_runs
@@ -212,9 +211,8 @@ def main() -> None:
     print("  published anchor (issue):", json.dumps(PUBLISHED_ANCHOR))
     result = {
         "benchmark": "predict_real_runs",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"python {platform.python_version()}",
+        "date": stamp.now(),
+        "machine": stamp.cpu(python=True),
         "loadavg": list(os.getloadavg()),
         "constants": FITTED_CONSTANTS.to_json(),
         "leave_one_out_seconds": loo_time,
@@ -222,9 +220,7 @@ def main() -> None:
         "summary": summary,
         "runs": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.costmodel.stage.memory_model import synthetic_memory_stats
@@ -140,8 +138,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     header = (
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{os.cpu_count()} cores, python {platform.python_version()}, "
+        f"{stamp.header(python=True)}, "
         f"numpy {np.__version__}; fractions {list(FRACTIONS)}, {args.seeds} seeds"
     )
     print(header)

@@ -30,11 +30,11 @@ import os
 import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import jax
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.profiling.gpt_model import MODEL_NAMES, gpt_config
 from pipedejavu.costmodel.profiling.profiler import LayerProfile, profile_model
@@ -192,7 +192,7 @@ def main() -> None:
             + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
         )
     header = {
-        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "date": stamp.minute(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "backend": jax.default_backend(),

@@ -24,13 +24,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.calibrate import (
@@ -178,16 +175,11 @@ def main() -> None:
             )
     result.update(
         {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": (
-                f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)"
-            ),
+            **stamp.stamp(),
             "seconds": elapsed,
         }
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out} ({elapsed:.1f} s)")
 
 

@@ -34,18 +34,17 @@ import csv
 import dataclasses
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 
 import jax
 import numpy as np
+import stamp
 
 from pipedejavu import Problem, make_plan
 from pipedejavu.baselines.alpa_dp import ScanTimeout, alpa_training_dp
@@ -382,8 +381,7 @@ def main() -> None:
     args = parser.parse_args()
     config = SearchConfig(num_restarts=args.restarts, num_steps=args.steps)
     header = (
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{os.cpu_count()} cores, jax {jax.__version__} on "
+        f"{stamp.header()}, jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, {config}"
     )
     print(header, flush=True)

@@ -20,11 +20,9 @@ The issue's targets: Llama-3.1-8B at 131,072 tokens on 64 H100 proven in
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
+
+import stamp
 
 from pipedejavu.planning.plan_model import plan_model
 
@@ -83,12 +81,9 @@ def main() -> None:
             )
     result = {
         "runs": rows,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
     }
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
-        handle.write("\n")
+    stamp.write_json(args.out, result, end="\n")
 
 
 if __name__ == "__main__":

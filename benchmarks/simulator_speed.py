@@ -16,13 +16,10 @@ Writes ``benchmarks/results/simulator_speed.json`` (date, machine).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.simulation import deepspeed, interleaved, zero_bubble
 
@@ -123,13 +120,10 @@ def main() -> None:
     result = {
         "orders_530b_shape": order_rows(),  # first: nothing built yet
         "deepspeed": deepspeed_rows(args.repeats),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
     }
     result["seconds"] = time.perf_counter() - started
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    stamp.write_json(args.out, result)
     print(f"wrote {args.out} ({result['seconds']:.1f} s)")
 
 

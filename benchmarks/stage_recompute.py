@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
@@ -87,9 +86,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     results = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() or 'vm'} ({platform.machine()}, "
-        f"{os.cpu_count()} cores)",
+        **stamp.stamp("vm"),
         "settings": {
             key: run(model, gpus, gbs, seq) for key, model, gpus, gbs, seq in SETTINGS
         },

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -43,8 +42,9 @@ import sys
 import tempfile
 import time
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
+
+import stamp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,9 +134,7 @@ def main() -> None:
     if args.before is not None:
         trees["before"] = args.before.resolve()
     header = (
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{os.cpu_count()} cores, python {platform.python_version()}, "
-        f"load average {os.getloadavg()[0]:.1f} at start"
+        f"{stamp.header(python=True)}, load average {os.getloadavg()[0]:.1f} at start"
     )
     print(header, flush=True)
     folder = Path(tempfile.mkdtemp(prefix="pdj-startup-"))

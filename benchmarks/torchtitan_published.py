@@ -19,13 +19,10 @@ A few seconds on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+import stamp
 
 from pipedejavu.costmodel.analytical.roofline import HALF_PRECISION_ANALYTICAL
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -97,17 +94,14 @@ def main() -> None:
         "before_torchtitan_constants": _summary(untuned),
         "memory": _summary(memory),
         "seconds": elapsed,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+        **stamp.stamp(),
     }
     print(
         f"leave-one-out |error|: median {result['leave_one_out']['median']:.1%}, "
         f"max {result['leave_one_out']['max']:.1%}; memory median "
         f"{result['memory']['median']:.1%}; {elapsed:.1f} s"
     )
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
-        handle.write("\n")
+    stamp.write_json(args.out, result, end="\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Random tiny instances shared by the tests."""
+"""Random tiny instances, the in-process command line and other helpers
+shared by the tests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import math
 
 import numpy as np
+import pytest
 
 from pipedejavu import Problem, get_submesh_choices
 from pipedejavu.core.moe import MoeSpec
@@ -22,6 +24,28 @@ from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.space import config_groups
 
 UNLIMITED = 2**20
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``pipedejavu ARGV...`` in this process (each argument as ``str``):
+    its exit status, stdout and stderr, as ``capsys`` captured them."""
+    from pipedejavu.cli.main import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_help(capsys, *command) -> str:
+    """``pipedejavu COMMAND... --help``'s text, its whitespace runs made one
+    space (argparse wraps its lines), after checking that it exits 0."""
+    from pipedejavu.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*command, "--help"])
+    assert stop.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
 
 #: A small mixture of experts, 4 blocks (the first dense) of 128 experts,
 #: whose state at EP 1 nearly fills an A100-40: sharding the experts' state

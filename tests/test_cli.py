@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
+from helpers import run_cli
 
 from pipedejavu import Plan, Problem, ProblemError, evaluate
 from pipedejavu.cli.main import main
@@ -22,18 +23,12 @@ B128 = EXAMPLES["gpt1.3b-6layers-B128"]
 B32_INFEASIBLE = EXAMPLES["gpt1.3b-6layers-B32"]
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _solve_args(example):
     return ["--cluster", "1x4", "--num-microbatches", example.num_microbatches]
 
 
 def test_solve_json_is_exactly_the_plan(capsys):
-    code, out, err = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    code, out, err = run_cli(capsys, "solve", B128.path, *_solve_args(B128), "--json")
     assert code == 0
     data = json.loads(out)  # nothing but the JSON on stdout
     assert set(data) == {
@@ -58,20 +53,20 @@ def test_solve_json_is_exactly_the_plan(capsys):
 
 
 def test_solve_table(capsys):
-    code, out, _ = run(capsys, "solve", B128.path, *_solve_args(B128))
+    code, out, _ = run_cli(capsys, "solve", B128.path, *_solve_args(B128))
     assert code == 0
     assert "stage" in out and "latency" in out and "31.198233" in out
 
 
 def test_incomplete_records_warn_once_on_stderr(capsys):
-    code, _, err = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    code, _, err = run_cli(capsys, "solve", B128.path, *_solve_args(B128), "--json")
     assert code == 0
     assert err.count("warning:") == 1
     assert "66 of 77" in err
 
 
 def test_infeasible_profile_exits_3_with_reason(capsys):
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "solve", B32_INFEASIBLE.path, *_solve_args(B32_INFEASIBLE)
     )
     assert code == 3
@@ -80,7 +75,7 @@ def test_infeasible_profile_exits_3_with_reason(capsys):
 
 
 def test_alpa_compatible_flag(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "solve", B128.path, *_solve_args(B128), "--alpa-compatible", "--json"
     )
     assert code == 0
@@ -89,17 +84,17 @@ def test_alpa_compatible_flag(capsys):
 
 def test_convert_then_solve_gives_the_same_plan(capsys, tmp_path):
     target = tmp_path / "gpt.npz"
-    code, out, _ = run(capsys, "convert", B128.path, target, *_solve_args(B128))
+    code, out, _ = run_cli(capsys, "convert", B128.path, target, *_solve_args(B128))
     assert code == 0 and target.exists()
-    _, direct, _ = run(capsys, "solve", B128.path, *_solve_args(B128), "--json")
-    code, converted, _ = run(capsys, "solve", target, "--json")
+    _, direct, _ = run_cli(capsys, "solve", B128.path, *_solve_args(B128), "--json")
+    code, converted, _ = run_cli(capsys, "solve", target, "--json")
     assert code == 0
     first, second = json.loads(direct), json.loads(converted)
     assert first["stages"] == second["stages"] and first["cost"] == second["cost"]
 
 
 def test_inspect(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "inspect", B32_INFEASIBLE.path, *_solve_args(B32_INFEASIBLE)
     )
     assert code == 0
@@ -109,7 +104,7 @@ def test_inspect(capsys):
 
 
 def test_alpa_profile_needs_the_run_settings(capsys):
-    code, out, err = run(capsys, "solve", B128.path)
+    code, out, err = run_cli(capsys, "solve", B128.path)
     assert code == 2 and out == ""
     assert "--cluster" in err and "--num-microbatches" in err
     assert "Traceback" not in err
@@ -130,7 +125,9 @@ def _write_problem(path, **changes):
 
 
 def test_npz_problem_solves(capsys, tmp_path):
-    code, out, _ = run(capsys, "solve", _write_problem(tmp_path / "p.npz"), "--json")
+    code, out, _ = run_cli(
+        capsys, "solve", _write_problem(tmp_path / "p.npz"), "--json"
+    )
     assert code == 0
     assert json.loads(out)["cost"] == pytest.approx(2.5 + 3 * 1.5)
 
@@ -151,14 +148,16 @@ def test_npz_problem_solves(capsys, tmp_path):
 )
 def test_bad_problems_exit_2_naming_the_problem(capsys, tmp_path, changes, message):
     path = _write_problem(tmp_path / "bad.npz", **changes)
-    code, out, err = run(capsys, "solve", path)
+    code, out, err = run_cli(capsys, "solve", path)
     assert code == 2 and out == ""
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_bad_microbatches_flag(capsys, tmp_path):
-    code, _, err = run(capsys, "solve", _write_problem(tmp_path / "p.npz"), "-B", "0")
+    code, _, err = run_cli(
+        capsys, "solve", _write_problem(tmp_path / "p.npz"), "-B", "0"
+    )
     assert code == 2 and "--num-microbatches must be >= 1" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -185,7 +184,7 @@ def test_code_running_pickle_is_refused(capsys, tmp_path, wrap):
     payload = pickle.dumps({(0, 0, 0, 0): _Exploit(marker)}, protocol=4)
     path = tmp_path / f"evil.{wrap}"
     path.write_bytes(_npy_with_payload(payload) if wrap == "npy" else payload)
-    code, out, err = run(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
+    code, out, err = run_cli(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
     assert code == 2 and out == ""
     assert not marker.exists()
     if wrap == "npy":
@@ -203,21 +202,21 @@ def test_garbage_files_exit_2(capsys, tmp_path, content):
         content = B128.path.read_bytes()[:4000]
     path = tmp_path / "garbage.npy"
     path.write_bytes(content)
-    code, out, err = run(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
+    code, out, err = run_cli(capsys, "solve", path, "--cluster", "1x4", "-B", "8")
     assert code == 2 and out == ""
     assert str(path) in err or "garbage" in err
     assert len(err.strip().splitlines()) == 1
 
 
 def test_missing_file_and_bad_cluster(capsys, tmp_path):
-    code, _, err = run(capsys, "solve", tmp_path / "nope.npz")
+    code, _, err = run_cli(capsys, "solve", tmp_path / "nope.npz")
     assert code == 2 and "nope.npz" in err
-    code, _, err = run(capsys, "solve", B128.path, "--cluster", "4", "-B", "8")
+    code, _, err = run_cli(capsys, "solve", B128.path, "--cluster", "4", "-B", "8")
     assert code == 2 and "HOSTSxDEVICES_PER_HOST" in err
 
 
 def test_unknown_method(capsys, tmp_path):
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "solve", _write_problem(tmp_path / "p.npz"), "--method", "magic"
     )
     assert code == 2 and "unknown method" in err
@@ -253,7 +252,7 @@ def test_brute_force_refuses_big_problems(capsys, tmp_path):
 
     path = tmp_path / "big.npz"
     random_problem(24, (2, 8), seed=1).to_npz(path)
-    code, _, err = run(capsys, "solve", path, "--method", "brute_force")
+    code, _, err = run_cli(capsys, "solve", path, "--method", "brute_force")
     assert code == 2 and "too large for brute force" in err
 
 
@@ -263,11 +262,11 @@ def test_diff_method_from_the_command_line(capsys, tmp_path):
     path = tmp_path / "gen.npz"
     problem = random_problem(12, (1, 4), num_microbatches=8, seed=3)
     problem.to_npz(path)
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "solve", path, "--method", "diff", "--restarts", "8", "--steps", "40"
     )
     assert code == 0 and "lower bound" in out
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "solve",
         path,
@@ -284,9 +283,9 @@ def test_diff_method_from_the_command_line(capsys, tmp_path):
     assert data["cost"] == evaluate(problem, Plan.from_json(data))
     assert 0 < data["lower_bound"] <= data["cost"]  # the certificate is kept
     assert data["gap"] == pytest.approx(data["cost"] / data["lower_bound"] - 1)
-    code, _, err = run(capsys, "solve", path, "--restarts", "8")
+    code, _, err = run_cli(capsys, "solve", path, "--restarts", "8")
     assert code == 2 and "--method diff" in err
-    code, _, err = run(capsys, "solve", path, "--method", "diff", "--steps", "0")
+    code, _, err = run_cli(capsys, "solve", path, "--method", "diff", "--steps", "0")
     assert code == 2 and "--steps must be >= 1" in err
 
 
@@ -320,28 +319,28 @@ def _generated_npz(tmp_path, layers=8):
 
 def test_heterogeneous_convert_and_inspect(capsys, tmp_path):
     gen, cluster = _generated_npz(tmp_path), _cluster_file(tmp_path, memory=False)
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "convert", gen, tmp_path / "het", "--cluster-file", cluster
     )
     assert code == 0, err
     assert f"wrote {tmp_path / 'het.npz'}:" in out  # the file numpy wrote
     assert "1x8 a100 (speed 1) + 1x8 v100 (speed 0.5)" in out
     for argv in (["het.npz"], ["gen.npz", "--cluster-file", str(cluster)]):
-        code, out, err = run(capsys, "inspect", tmp_path / argv[0], *argv[1:])
+        code, out, err = run_cli(capsys, "inspect", tmp_path / argv[0], *argv[1:])
         assert code == 0, err
         assert "device types T = 2" in out and "type v100 (1 hosts, speed 0.5" in out
         assert "link between hosts a100-v100: latency 20 us, bandwidth 25 Gb/s" in out
-    code, out, err = run(capsys, "solve", tmp_path / "het.npz", "--method", "alpa")
+    code, out, err = run_cli(capsys, "solve", tmp_path / "het.npz", "--method", "alpa")
     assert code == 0 and "inter-host hop" in out
 
 
 def test_convert_names_the_file_it_wrote(capsys, tmp_path):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "convert", "generated-gpt-32layers-2x8", tmp_path / "out"
     )
     assert code == 0 and (tmp_path / "out.npz").exists()
     assert out.startswith(f"wrote {tmp_path / 'out.npz'}:")
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "convert", "generated-gpt-32layers-2x8", tmp_path / "no" / "out.npz"
     )
     assert code == 2 and "no folder" in err
@@ -366,7 +365,7 @@ def test_options_that_cannot_apply_are_refused(capsys, tmp_path):
         ),
         (["solve", gen, "-B", "99999999999999999999"], "<= 2147483647"),
     ):
-        code, out, err = run(capsys, *argv)
+        code, out, err = run_cli(capsys, *argv)
         assert code == 2 and out == "", argv
         assert message in err, (argv, err)
         lines = [x for x in err.splitlines() if not x.startswith("warning")]
@@ -380,8 +379,8 @@ def test_options_that_cannot_apply_are_refused(capsys, tmp_path):
 
 def test_costmodel_predict_refuses_a_heterogeneous_file_clearly(capsys, tmp_path):
     gen, cluster = _generated_npz(tmp_path), _cluster_file(tmp_path, memory=False)
-    run(capsys, "convert", gen, tmp_path / "het.npz", "--cluster-file", cluster)
-    code, _, err = run(capsys, "costmodel", "predict", tmp_path / "het.npz")
+    run_cli(capsys, "convert", gen, tmp_path / "het.npz", "--cluster-file", cluster)
+    code, _, err = run_cli(capsys, "costmodel", "predict", tmp_path / "het.npz")
     assert code == 2 and "het.npz is a heterogeneous problem" in err
     assert "compute_cost must have shape" not in err
 
@@ -414,7 +413,7 @@ def test_profile_checks_the_output_path_before_profiling(capsys, tmp_path, monke
         raise AssertionError("profiled before checking --out")
 
     monkeypatch.setattr(layer_problem, "profile_to_problem", must_not_run)
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "profile", "--model", "gpt-micro", "--out", tmp_path / "no" / "x.npz"
     )
     assert code == 2 and "no folder" in err
@@ -493,7 +492,7 @@ def test_a_closed_stdout_pipe_stops_quietly_with_141():
 
 
 def test_data_lists_bundled_files_and_prints_the_path_of_one(capsys):
-    code, out, _ = run(capsys, "data")
+    code, out, _ = run_cli(capsys, "data")
     names = out.split()
     assert code == 0
     for name in (
@@ -504,7 +503,7 @@ def test_data_lists_bundled_files_and_prints_the_path_of_one(capsys):
     ):
         assert name in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".py")]
-    code, out, _ = run(capsys, "data", "sailor/profiles/OPT-350/GH-96/profile.json")
+    code, out, _ = run_cli(capsys, "data", "sailor/profiles/OPT-350/GH-96/profile.json")
     path = out.strip()
     assert code == 0 and os.path.isfile(path) and out.count("\n") == 1
     assert path.endswith(
@@ -514,7 +513,7 @@ def test_data_lists_bundled_files_and_prints_the_path_of_one(capsys):
 
 @pytest.mark.parametrize("name", ["nothing.json", "../core/cluster.py", "sailor", ""])
 def test_data_refuses_an_unknown_name_in_one_line(capsys, name):
-    code, out, err = run(capsys, "data", name)
+    code, out, err = run_cli(capsys, "data", name)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "`pipedejavu data` lists" in err, err
 
@@ -538,6 +537,6 @@ def test_data_refuses_an_unknown_name_in_one_line(capsys, name):
 )
 def test_counts_with_no_sane_use_are_refused_before_any_work(capsys, argv):
     """A huge count ran for hours (or, for --fraction, failed deep inside)."""
-    code, out, err = run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert argv[-2] in err and "must be" in err

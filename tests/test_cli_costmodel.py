@@ -6,19 +6,13 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_report_json_lists_every_fit_and_meets_the_target(capsys, tmp_path):
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "costmodel", "report", "bundled", "--json", "--plot", tmp_path
     )
     assert code == 0
@@ -35,12 +29,12 @@ def test_report_json_lists_every_fit_and_meets_the_target(capsys, tmp_path):
 
 
 def test_report_missing_file_is_bad_input(capsys, tmp_path):
-    code, _, err = run(capsys, "costmodel", "report", tmp_path / "nope.pkl")
+    code, _, err = run_cli(capsys, "costmodel", "report", tmp_path / "nope.pkl")
     assert code == 2 and "nope.pkl" in err
 
 
 def test_predict_generated_example_json(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "costmodel",
         "predict",
@@ -59,7 +53,7 @@ def test_predict_generated_example_json(capsys):
 
 
 def test_predict_bad_fraction_is_bad_input(capsys):
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "costmodel", "predict", "generated-gpt-32layers-2x8", "--fraction", "2"
     )
     assert code == 2 and "fraction" in err
@@ -67,18 +61,18 @@ def test_predict_bad_fraction_is_bad_input(capsys):
 
 def test_profile_writes_a_solvable_problem(capsys, tmp_path):
     out = tmp_path / "micro.npz"
-    code, text, _ = run(
+    code, text, _ = run_cli(
         capsys, "profile", "--model", "gpt-micro", "--out", out, "--repeats", "2"
     )
     assert code == 0 and "block0" in text
-    code, text, _ = run(capsys, "solve", out, "--json")
+    code, text, _ = run_cli(capsys, "solve", out, "--json")
     assert code == 0
     plan = json.loads(text)
     assert plan["stages"][-1]["stop"] == 4 and plan["cost"] > 0
 
 
 def test_profile_unknown_model_is_bad_input(capsys, tmp_path):
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "profile", "--model", "gpt-huge", "--out", tmp_path / "x.npz"
     )
     assert code == 2 and "gpt-tiny" in err
@@ -92,7 +86,7 @@ def test_profile_bad_cluster_is_refused_before_profiling(capsys, tmp_path, monke
         raise AssertionError("profiled before checking the cluster")
 
     monkeypatch.setattr(layer_problem, "profile_model", no_profiling)
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "profile",
         "--model",

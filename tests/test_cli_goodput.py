@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.costmodel.goodput.function import GoodputFunction
 from pipedejavu.planning.deepspeed_elastic import compute_elastic_config
 
@@ -23,12 +23,6 @@ _STEPS = """num_nodes,num_replicas,atomic_bsz,accum_step_time,optim_step_time,no
 """
 
 
-def _run(argv, capsys):
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_elastic_prints_deepspeeds_answer(tmp_path, capsys):
     config = {
         "elasticity": {
@@ -40,7 +34,7 @@ def test_elastic_prints_deepspeeds_answer(tmp_path, capsys):
     }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    code, out, _ = _run(["elastic", str(path), "--world-size", "8", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "elastic", str(path), "--world-size", "8", "--json")
     assert code == 0
     batch, valid, micro = compute_elastic_config(config, "0.16.5", world_size=8)
     assert json.loads(out) == {
@@ -49,9 +43,9 @@ def test_elastic_prints_deepspeeds_answer(tmp_path, capsys):
         "version": 0.1,
         "micro_batch_size": micro,
     }
-    code, out, _ = _run(["elastic", str(path)], capsys)
+    code, out, _ = run_cli(capsys, "elastic", str(path))
     assert code == 0 and "global batch size 1680" in out
-    code, out, err = _run(["elastic", str(path), "--world-size", "9"], capsys)
+    code, out, err = run_cli(capsys, "elastic", str(path), "--world-size", "9")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "ElasticityIncompatibleWorldSize" in err
 
@@ -68,7 +62,7 @@ def test_elastic_prints_deepspeeds_answer(tmp_path, capsys):
 def test_elastic_bad_config_is_one_line_and_exit_2(tmp_path, capsys, text, expected):
     path = tmp_path / "ds.json"
     path.write_text(text)
-    code, out, err = _run(["elastic", str(path)], capsys)
+    code, out, err = run_cli(capsys, "elastic", str(path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and str(path) in err and expected in err
 
@@ -95,7 +89,7 @@ def test_goodput_optimize_matches_the_library(capsys):
         "--accumulation",
         "--json",
     ]
-    code, out, _ = _run(argv, capsys)
+    code, out, _ = run_cli(capsys, *argv)
     assert code == 0
     rows = json.loads(out)
     fn = GoodputFunction(perf, (0.5, 2.0), 128)
@@ -109,7 +103,7 @@ def test_goodput_optimize_matches_the_library(capsys):
         np.testing.assert_allclose(
             row["throughput"] * row["efficiency"], row["goodput"], rtol=1e-12
         )
-    code, out, _ = _run(argv[:-1], capsys)
+    code, out, _ = run_cli(capsys, *argv[:-1])
     assert code == 0 and "goodput" in out.splitlines()[0]
 
 
@@ -135,7 +129,7 @@ def test_goodput_optimize_bad_arguments(capsys, change, expected):
     }
     argv[change[0]] = change[1]
     flat = ["goodput", "optimize", *[x for kv in argv.items() for x in kv]]
-    code, out, err = _run(flat, capsys)
+    code, out, err = run_cli(capsys, *flat)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and expected in err, err
 
@@ -143,7 +137,7 @@ def test_goodput_optimize_bad_arguments(capsys, change, expected):
 def test_goodput_fit_reads_a_csv_and_feeds_optimize(tmp_path, capsys):
     steps = tmp_path / "steps.csv"
     steps.write_text(_STEPS)
-    code, out, _ = _run(["goodput", "fit", str(steps), "--json"], capsys)
+    code, out, _ = run_cli(capsys, "goodput", "fit", str(steps), "--json")
     assert code == 0
     fitted = json.loads(out)
     assert fitted["num_measurements"] == 8
@@ -160,25 +154,23 @@ def test_goodput_fit_reads_a_csv_and_feeds_optimize(tmp_path, capsys):
     np.testing.assert_allclose(fitted["perf_params"]["beta_c"], 0.04 / 32, rtol=1e-3)
     perf = tmp_path / "perf.json"
     perf.write_text(out)
-    code, out, _ = _run(
-        [
-            "goodput",
-            "optimize",
-            "--perf",
-            str(perf),
-            "--grad",
-            "0.5,2",
-            "--init-batch",
-            "64",
-            "--nodes",
-            "1",
-            "--replicas",
-            "4",
-            "--max-batch-size",
-            "1024",
-            "--json",
-        ],
+    code, out, _ = run_cli(
         capsys,
+        "goodput",
+        "optimize",
+        "--perf",
+        str(perf),
+        "--grad",
+        "0.5,2",
+        "--init-batch",
+        "64",
+        "--nodes",
+        "1",
+        "--replicas",
+        "4",
+        "--max-batch-size",
+        "1024",
+        "--json",
     )
     assert code == 0 and json.loads(out)[0]["num_replicas"] == 4
 
@@ -212,7 +204,7 @@ def test_goodput_fit_reads_a_csv_and_feeds_optimize(tmp_path, capsys):
 def test_goodput_fit_bad_csv_is_one_line_and_exit_2(tmp_path, capsys, text, expected):
     path = tmp_path / "steps.csv"
     path.write_text(text)
-    code, out, err = _run(["goodput", "fit", str(path)], capsys)
+    code, out, err = run_cli(capsys, "goodput", "fit", str(path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and str(path) in err and expected in err, err
 
@@ -223,5 +215,5 @@ def test_goodput_fit_bounds_the_file_size(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli_goodput, "MAX_CSV_BYTES", 100)
     path = tmp_path / "steps.csv"
     path.write_text(_STEPS)
-    code, _, err = _run(["goodput", "fit", str(path)], capsys)
+    code, _, err = run_cli(capsys, "goodput", "fit", str(path))
     assert code == 2 and "larger than 100 bytes" in err

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from pipedejavu.cli.main import main
+from helpers import cli_help, run_cli
 
 _CONFIG = {
     "elasticity": {
@@ -28,12 +27,6 @@ def config(tmp_path):
     return str(path)
 
 
-def _run(argv, capsys):
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     "world,expected",
     [
@@ -45,20 +38,20 @@ def _run(argv, capsys):
     ],
 )
 def test_world_size_out_of_range_is_one_line_exit_2(config, capsys, world, expected):
-    code, out, err = _run(["elastic", config, f"--world-size={world}"], capsys)
+    code, out, err = run_cli(capsys, "elastic", config, f"--world-size={world}")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and expected in err, err
 
 
 def test_missing_world_size_says_which_option(config, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    code, out, err = _run(["elastic", config], capsys)
+    code, out, err = run_cli(capsys, "elastic", config)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--world-size N" in err
 
 
 def test_world_size_in_range_keeps_deepspeeds_answer(config, capsys):
-    code, out, _ = _run(["elastic", config, "--world-size", "8"], capsys)
+    code, out, _ = run_cli(capsys, "elastic", config, "--world-size", "8")
     assert code == 0
     assert "global batch size 1680" in out and "at world size 8: 6" in out
 
@@ -98,21 +91,14 @@ def test_optimize_out_of_range_is_one_line_exit_2(capsys, change, expected):
     if change[0] in argv:
         del argv[argv.index(change[0]) : argv.index(change[0]) + 2]
     argv.append("=".join(change))  # "=": a value may start with "-"
-    code, out, err = _run(argv, capsys)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and expected in err, err
 
 
-def _help(capsys, *command):
-    with pytest.raises(SystemExit) as stop:
-        main([*command, "--help"])
-    assert stop.value.code == 0
-    return " ".join(capsys.readouterr().out.split())
-
-
 def test_optimize_help_documents_grad_and_defaults(capsys):
-    text = _help(capsys, "goodput", "optimize")
+    text = cli_help(capsys, "goodput", "optimize")
     assert "--grad SQR,VAR gradient statistics" in text
     assert "1..1,000,000,000" in text
-    text = _help(capsys, "elastic")
+    text = cli_help(capsys, "elastic")
     assert "(default: 0.16.5)" in text and "1..1,000,000" in text

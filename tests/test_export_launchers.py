@@ -23,8 +23,8 @@ import shlex
 
 import pytest
 import tomllib
+from helpers import cli_help, run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.tables import plan_from_stages
@@ -45,12 +45,6 @@ def plan_of(bounds, *, tp=4, dp=1, mbs=1, gbs=256, model="LLAMA-3-8", gpn=4):
         gpu_type="GH-96", dp=dp, mbs=mbs, gbs=gbs, model=model,
         gpus_per_node=gpn, zone="z",
     )  # fmt: skip
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def command(text: str) -> list[str]:
@@ -92,7 +86,7 @@ def test_every_export_builds_the_models_own_blocks():
 
 
 def test_the_cli_export_of_the_reviewed_plan_has_32_blocks(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "plan", "--model", "LLAMA-3-8", "--gpus", "GH-96:32",
         "--global-batch", 256, "--export", "megatron",
     )  # fmt: skip
@@ -135,12 +129,12 @@ def test_megatron_keeps_the_final_norm_with_the_head():
 def test_profiled_models_export_the_length_they_were_profiled_at(capsys):
     argv = ["plan", "--model", "LLAMA-3-8", "--gpus", "GH-96:32"]
     argv += ["--global-batch", 256, "--json", "--export", "deepspeed"]
-    code, out, _ = run(capsys, *argv)
+    code, out, _ = run_cli(capsys, *argv)
     data = json.loads(out)
     assert code == 0 and data["seq_length"] == 8192
     assert json.loads(data["export"]["text"])["seq_length"] == 8192
     opt = ["plan", "--model", "OPT-350", "--gpus", "GH-96:16", "--global-batch", 64]
-    code, out, _ = run(capsys, *opt, "--json", "--export", "megatron-deepspeed")
+    code, out, _ = run_cli(capsys, *opt, "--json", "--export", "megatron-deepspeed")
     exported = json.loads(json.loads(out)["export"]["text"])
     assert value(exported["arguments"], "--seq-length") == "2048"
 
@@ -191,7 +185,7 @@ LAUNCH = (
 
 
 def test_megatron_args_export_is_the_users_command_with_the_plans_flags(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "plan", "--gpus", "H100:64", "--megatron-args", LAUNCH,
         "--export", "megatron", "--json",
     )  # fmt: skip
@@ -328,19 +322,19 @@ def test_the_report_names_the_targets_that_launch_the_plan(capsys):
     # the pipeline search (the sharded space's FSDP plans: test_sharded_search)
     argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:8", "--sharded", "off"]
     argv += ["--global-batch"]
-    code, out, _ = run(capsys, *argv, 256)
+    code, out, _ = run_cli(capsys, *argv, 256)
     assert code == 0
     assert "GPUs H100:8 (H100-SXM)" in out.splitlines()[0]
     assert "pipeline (ZB-H1 zero bubble)" in out
     assert "launched as planned by: megatron-deepspeed (--export TARGET" in out
-    code, out, _ = run(capsys, *argv, 256, "--json")
+    code, out, _ = run_cli(capsys, *argv, 256, "--json")
     assert json.loads(out)["launchers"]["launched_by"] == ["megatron-deepspeed"]
 
 
 def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
     argv = ["plan", "--model", "Mistral-7B", "--gpus", "H100:32", "--sharded", "off"]
     argv += ["--global-batch"]
-    code, out, _ = run(capsys, *argv, 64, "--json")
+    code, out, _ = run_cli(capsys, *argv, 64, "--json")
     assert code == 0
     data = json.loads(out)
     launch = data["launchers"]
@@ -348,7 +342,7 @@ def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
     other = launch["best_launchable"]
     assert other["target"] == "megatron"
     # the same plan as a search for what Megatron-LM launches
-    code, out, _ = run(capsys, *argv, 64, "--json", "--export", "megatron")
+    code, out, _ = run_cli(capsys, *argv, 64, "--json", "--export", "megatron")
     alone = json.loads(out)
     assert alone["launchers"]["launched_by"][0] == "megatron"
     time = alone["iteration_time_s"]
@@ -356,7 +350,7 @@ def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
     best = data["iteration_time_s"]
     assert other["slower_by"] == pytest.approx(time / best - 1, rel=1e-9)
     assert other["slower_by"] >= 0
-    code, out, _ = run(capsys, *argv, 64)
+    code, out, _ = run_cli(capsys, *argv, 64)
     assert "launched as planned by: no export target" in out
     assert f"best plan megatron launches: {other['plan']}" in out
 
@@ -364,7 +358,7 @@ def test_a_plan_no_target_launches_comes_with_one_megatron_launches(capsys):
 def test_an_export_target_refuses_a_precision_with_the_reason(capsys):
     argv = ["plan", "--model", "Llama-3-70B", "--gpus", "H100:64"]
     argv += ["--global-batch", 1024, "--precision", "bf16", "--export", "torchtitan"]
-    code, out, err = run(capsys, *argv, "--sharded", "off")  # pipelines alone
+    code, out, err = run_cli(capsys, *argv, "--sharded", "off")  # pipelines alone
     assert code == 2 and out == ""
     assert "only with FSDP" in err
     assert err.rstrip().endswith(
@@ -373,9 +367,7 @@ def test_an_export_target_refuses_a_precision_with_the_reason(capsys):
 
 
 def test_the_help_says_which_target_runs_which_schedule(capsys):
-    with pytest.raises(SystemExit):
-        main(["plan", "--help"])
-    text = " ".join(capsys.readouterr()[0].split())
+    text = cli_help(capsys, "plan")
     which = "zb-h1 by megatron-deepspeed, torchtitan; interleaved-zb by torchtitan"
     assert text.count(which) == 2  # --schedule's and --export's
     assert "profiles); export targets: 1f1b by megatron, deepspeed," in text

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
+from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,7 +44,6 @@ from pipedejavu import (
     load_problem,
     solve,
 )
-from pipedejavu.cli.main import main
 from pipedejavu.core.npzfile import read_npz
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.planning.inputs import bundled_examples, load_example
@@ -159,8 +159,7 @@ def _only_problem_errors(read, *args, **kwargs):
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
+    code, _, err = run_cli(capsys, *argv)
     assert "Traceback" not in err
     return code, err
 
@@ -552,8 +551,7 @@ def test_evaluate_checks_a_plan_file(tmp_path, capsys):
     plan = solve(_SMALL)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_json()))
-    code = main(["evaluate", str(problem_path), str(path)])
-    out, _ = capsys.readouterr()
+    code, out, _ = run_cli(capsys, "evaluate", problem_path, path)
     assert code == 0 and f"{plan.cost:.6f} s per iteration" in out
     broken = plan.to_json()
     broken["stages"][0]["stop"] = 1  # no longer covers the layers

@@ -8,17 +8,11 @@ import re
 
 import numpy as np
 import pytest
+from helpers import cli_help, run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.init_search.limits import INT_RANGES, population_bytes
 from pipedejavu.init_search.summary import mean_ci
-
-
-def _run(argv, capsys):
-    code = main(["init-search", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(
@@ -44,7 +38,7 @@ def _run(argv, capsys):
     ],
 )
 def test_out_of_range_is_one_line_exit_2(argv, expected, capsys):
-    code, out, err = _run(argv, capsys)
+    code, out, err = run_cli(capsys, "init-search", *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and expected in err, err
 
@@ -56,12 +50,21 @@ def test_memory_limit_refuses_before_any_work(capsys, monkeypatch):
         raise AssertionError("device_data called")
 
     monkeypatch.setattr(strategies, "device_data", fail)
-    code, out, err = _run(
-        ["--num-workers", "4096", "--epochs", "200", "--seeds", "1"], capsys
+    code, out, err = run_cli(
+        capsys,
+        "init-search",
+        "--num-workers",
+        "4096",
+        "--epochs",
+        "200",
+        "--seeds",
+        "1",
     )
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "over the memory limit of 2 GiB" in err and "--memory-limit-gb" in err
-    code, _, err = _run(["--memory-limit-gb", "0.001", "--seeds", "1"], capsys)
+    code, _, err = run_cli(
+        capsys, "init-search", "--memory-limit-gb", "0.001", "--seeds", "1"
+    )
     assert code == 2 and "over the memory limit of 0.001 GiB" in err
 
 
@@ -105,15 +108,8 @@ def test_memory_estimate_grows_with_the_workers():
     assert population_bytes(10**8, (64, 64), 64, 10, 64, sizes) > 2**40
 
 
-def _help(capsys, *command):
-    with pytest.raises(SystemExit) as stop:
-        main([*command, "--help"])
-    assert stop.value.code == 0
-    return " ".join(capsys.readouterr().out.split())
-
-
 def test_init_search_help_documents_ranges_and_defaults(capsys):
-    text = _help(capsys, "init-search")
+    text = cli_help(capsys, "init-search")
     for option in ("--num-workers", "--seeds", "--epochs", "--rounds", "--keep"):
         assert re.search(re.escape(option) + r" N .*?\d\.\.\d", text), option
     assert "(default: 8)" in text and "(default: 2.0)" in text

@@ -12,7 +12,7 @@ import math
 
 import pytest
 from helpers import TINY_GPT as BASE
-from helpers import largest_stage_bound, pin_path_constants, stage_bound_tables
+from helpers import largest_stage_bound, pin_path_constants, run_cli, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import RANK_ORDERS
@@ -399,14 +399,6 @@ def test_bad_spaces_are_refused(fields):
         KnobSpace(**fields)
 
 
-def _cli(capsys, *argv):
-    from pipedejavu.cli.main import main
-
-    code = main(["plan", *(str(a) for a in argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _strict(text):
     """JSON as a strict parser (JavaScript's, ``jq``) reads it: no NaN or
     Infinity."""
@@ -421,7 +413,7 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     path = model_files["selective-wins"]
     argv = ["--model", path, "--gpus", "L4:8", "--global-batch", 16, "--json"]
     argv += ["--sharded", "off"]  # the pipeline search's knobs
-    code, out, err = _cli(capsys, *argv)
+    code, out, err = run_cli(capsys, "plan", *argv)
     assert code == 0, err
     # the first choice has no cutoff yet (an infinite one, written null)
     full = _strict(out)
@@ -435,11 +427,11 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     # one choice of the other knobs, every schedule
     one = ("--recompute", "none", "--sequence-parallel", "off")
     one += ("--distributed-optimizer", "off")
-    code, out, err = _cli(capsys, *argv, *one)
+    code, out, err = run_cli(capsys, "plan", *argv, *one)
     assert code == 0, err
     narrow = json.loads(out)
     # today's space (1F1B too): the same as planning with those options
-    code, out, err = _cli(capsys, *argv, *one, "--schedule", "1f1b")
+    code, out, err = run_cli(capsys, "plan", *argv, *one, "--schedule", "1f1b")
     assert code == 0, err
     today = json.loads(out)
     plain, _ = plan_any_model(path, {"L4": 8}, 16, options=TrainingOptions("bf16"))
@@ -464,7 +456,7 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
     assert narrow["iteration_time_s"] > full["iteration_time_s"]
     # one schedule
     for schedule in SCHEDULES:
-        code, out, err = _cli(capsys, *argv, "--schedule", schedule)
+        code, out, err = run_cli(capsys, "plan", *argv, "--schedule", schedule)
         assert code == 0, err
         choices = json.loads(out)["knobs"]["choices"]
         hows = {c["how"] for c in choices}
@@ -475,13 +467,13 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
         zero = {c["options"]["zero_bubble"] for c in choices if c["how"] != "dominated"}
         assert zero == {schedule in ("zb-h1", "interleaved-zb", "zbv")}
     # an export target: the schedules it launches (Megatron-LM has no ZB-H1)
-    code, out, err = _cli(capsys, *argv, "--export", "megatron")
+    code, out, err = run_cli(capsys, "plan", *argv, "--export", "megatron")
     assert code == 0, err
     exported = json.loads(out)
     assert exported["knobs"]["space"]["schedules"] == ["1f1b", "interleaved"]
     assert exported["export"]["target"] == "megatron"
     # DeepSpeed: 1F1B, no recomputation or sequence parallelism in its config
-    code, out, err = _cli(capsys, *argv, "--export", "deepspeed")
+    code, out, err = run_cli(capsys, "plan", *argv, "--export", "deepspeed")
     assert code == 0, err
     space = json.loads(out)["knobs"]["space"]
     assert space["schedules"] == ["1f1b"] and space["recompute"] == ["none"]
@@ -499,10 +491,10 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
             "megatron does not launch schedules zbv as planned",
         ),
     ):
-        code, out, err = _cli(capsys, *argv, *extra)
+        code, out, err = run_cli(capsys, "plan", *argv, *extra)
         assert code == 2 and message in err and not out, (extra, err)
     # a list of modes
-    code, out, err = _cli(capsys, *argv, "--recompute", "selective,full")
+    code, out, err = run_cli(capsys, "plan", *argv, "--recompute", "selective,full")
     assert code == 0, err
     assert {c["options"]["recompute"] for c in json.loads(out)["knobs"]["choices"]} == {
         "selective",
@@ -524,16 +516,16 @@ def test_cli_searches_the_knobs_and_restricts_them(capsys, model_files):
 )
 def test_cli_refuses_bad_knobs(capsys, model_files, extra, message):
     argv = ["--model", model_files["selective-wins"], "--gpus", "L4:8"]
-    code, _, err = _cli(capsys, *argv, "--global-batch", 16, *extra)
+    code, _, err = run_cli(capsys, "plan", *argv, "--global-batch", 16, *extra)
     assert code == 2 and message in err and "Traceback" not in err
 
 
 def test_cli_profiled_model_keeps_its_profiled_knobs(capsys):
     argv = ["--model", "OPT-350", "--gpus", "GH-96:8", "--global-batch", 64]
-    code, out, err = _cli(capsys, *argv, "--json")
+    code, out, err = run_cli(capsys, "plan", *argv, "--json")
     assert code == 0, err
     assert json.loads(out)["cost_source"] == "profiles"
-    code, _, err = _cli(capsys, *argv, "--recompute", "auto")
+    code, _, err = run_cli(capsys, "plan", *argv, "--recompute", "auto")
     assert code == 2 and "profiles measured one training" in err
 
 
@@ -736,12 +728,12 @@ def test_cli_searches_the_blocks_recomputed(capsys, model_files):
     path = model_files["selective-wins"]
     argv = ["--model", path, "--gpus", "L4:8", "--global-batch", 16, "--json"]
     argv += ["--recompute", "full", "--schedule", "1f1b", "--rank-order", "tp-dp-pp"]
-    code, out, err = _cli(capsys, *argv, "--recompute-num-layers", "all,2")
+    code, out, err = run_cli(capsys, "plan", *argv, "--recompute-num-layers", "all,2")
     assert code == 0, err
     found = json.loads(out)
     assert found["knobs"]["space"]["recompute_layers"] == [None, 2]
     assert found["options"]["recompute_num_layers"] == 2  # fits more, wins
-    code, out, err = _cli(capsys, *argv, "--recompute-num-layers", "2,x")
+    code, out, err = run_cli(capsys, "plan", *argv, "--recompute-num-layers", "2,x")
     assert code == 2 and "--recompute-num-layers takes" in err
 
 

@@ -8,10 +8,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipedejavu.cli.main import main
 from pipedejavu.cli.megatron_report import objective_note
 from pipedejavu.core.plan3d import (
     MAX_GLOBAL_BATCH,
@@ -25,12 +25,6 @@ from pipedejavu.core.plan3d import (
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.planning.batch import MAX_CANDIDATE_BATCHES, candidate_batches
 from pipedejavu.planning.training import parse_gpu_pool, plan_training
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _one_error_line(code, err, expected):
@@ -60,7 +54,7 @@ PLAN = ("plan", "--model", "OPT-350")
 )
 def test_plan_ranges_refused_at_once(capsys, args, expected):
     started = time.process_time()
-    code, out, err = _run(capsys, *PLAN, *args)
+    code, out, err = run_cli(capsys, *PLAN, *args)
     _one_error_line(code, err, expected)
     assert time.process_time() - started < 2.0
 
@@ -76,7 +70,7 @@ def test_plan_ranges_refused_at_once(capsys, args, expected):
 )
 def test_goodput_ranges_refused_at_once(capsys, args, expected):
     started = time.process_time()
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys,
         *PLAN,
         "--gpus",
@@ -94,7 +88,7 @@ def test_goodput_ranges_refused_at_once(capsys, args, expected):
 @pytest.mark.parametrize("grad", ["-1,2", "--goodput-grad=-1,2"])
 def test_negative_goodput_grad_names_the_range(capsys, grad):
     option = [grad] if grad.startswith("--") else ["--goodput-grad", grad]
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys, *PLAN, "--gpus", "GH-96:16", *option, "--init-batch", 32
     )
     _one_error_line(code, err, "two finite numbers >= 0")
@@ -120,7 +114,7 @@ def test_python_api_bounds():
 
 
 def test_infeasible_plan_prints_one_line(capsys):
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys, "plan", "--model", "GPT-Neo-2.7", "--gpus", "V100-16:2",
         "--global-batch", 8,
     )  # fmt: skip
@@ -142,7 +136,7 @@ def _plan_json(replicas, gbs=64, **extra):
 def _predict(capsys, tmp_path, data):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    return _run(capsys, "predict", path)
+    return run_cli(capsys, "predict", path)
 
 
 def test_predict_checks_node_capacity(capsys, tmp_path):
@@ -204,7 +198,7 @@ def test_report_explains_objective_above_optimum():
 
 
 def test_report_bubble_not_negative(capsys):
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, *PLAN, "--gpus", "GH-96:64", "--global-batch", 65536, "--json"
     )
     bubble = json.loads(out)["breakdown"]["bubble_fraction"]
@@ -234,7 +228,7 @@ def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
     if twice:
         argv += ["--gpus", "RTX-3090:2"]
     started = time.process_time()
-    code, _, err = _run(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code in (0, 2, 3) and "Traceback" not in err
     if code:
         assert len(err.strip().splitlines()) == 1, err
@@ -263,6 +257,6 @@ def test_goodput_numeric_arguments_property(capsys, init, high, multiple):
     if in_range and high >= init and len(range(init, high + 1, multiple)) >= 1:
         return  # a real search; the example tests above cover it
     started = time.process_time()
-    code, _, err = _run(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert time.process_time() - started < 2.0

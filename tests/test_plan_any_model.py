@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
@@ -29,14 +29,8 @@ LAUNCH = (
 )
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def plan_json(capsys, *argv):
-    code, out, err = run(capsys, "plan", *argv, "--json")
+    code, out, err = run_cli(capsys, "plan", *argv, "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -67,7 +61,7 @@ def test_plan_preset_is_priced_analytically(capsys, tmp_path, model, gpus, gbs):
     np.testing.assert_allclose(again.iteration_time_s, out["iteration_time_s"], 1e-9)
     # `predict` reads the plan as written (options and length recorded).
     path = write(tmp_path, "plan.json", out)
-    code, text, err = run(capsys, "predict", path, "--json")
+    code, text, err = run_cli(capsys, "predict", path, "--json")
     assert code == 0, err
     predicted = json.loads(text)
     assert predicted["cost_source"] == "analytical"
@@ -83,7 +77,7 @@ def test_bf16_faster_than_fp32_for_the_same_plan(capsys, tmp_path):
     path = write(tmp_path, "plan.json", out)
     times = {}
     for precision in ("fp32", "bf16", "fp8"):
-        code, text, err = run(capsys, "predict", path, "--precision", precision)
+        code, text, err = run_cli(capsys, "predict", path, "--precision", precision)
         assert code == 0, err
         assert f"costs: analytical ({precision}" in text
         line = next(x for x in text.splitlines() if x.startswith("iteration time"))
@@ -121,7 +115,9 @@ def test_sailor_model_elsewhere_is_mixed(capsys, tmp_path):
             {"layers": [13, 26], "replicas": [{"gpu": "H100", "tp": 1}]},
         ],
     }
-    code, text, err = run(capsys, "predict", write(tmp_path, "p.json", plan), "--json")
+    code, text, err = run_cli(
+        capsys, "predict", write(tmp_path, "p.json", plan), "--json"
+    )
     assert code == 0, err
     assert json.loads(text)["cost_source"] == "mixed"
     out = plan_json(
@@ -159,14 +155,14 @@ def test_hugging_face_config(capsys, tmp_path):
     assert out["seq_length"] == 1024 and out["options"]["recompute"] == "selective"
     assert out["cost_source"] == "analytical" and out["fits_memory"]
     assert out["stages"][-1]["layers"][1] == 8 + 2  # embedding, blocks, head
-    code, text, _ = run(capsys, "plan", *argv)
+    code, text, _ = run_cli(capsys, "plan", *argv)
     assert code == 0 and "costs: analytical (bf16, recompute " in text
     assert "2048 tokens per sample" in text and "knobs: 1F1B, recompute" in text
 
 
 def test_megatron_args_given_beside_best(capsys):
     argv = ["plan", "--megatron-args", LAUNCH, "--gpus", "A100-80:16"]
-    code, text, err = run(capsys, *argv, "--json")
+    code, text, err = run_cli(capsys, *argv, "--json")
     assert code == 0, err
     out = json.loads(text)
     given, best = out["given_iteration_time_s"], out["iteration_time_s"]
@@ -180,13 +176,13 @@ def test_megatron_args_given_beside_best(capsys):
     # the schedules Megatron-LM runs (no ZB-H1) unless asked
     assert out["knobs"]["space"]["schedules"] == ["1f1b", "interleaved"]
     assert not any(c["options"]["zero_bubble"] for c in out["knobs"]["choices"])
-    code, text, err = run(capsys, *argv, "--json", "--schedule", "zb-h1")
+    code, text, err = run_cli(capsys, *argv, "--json", "--schedule", "zb-h1")
     assert code == 0, err
     assert json.loads(text)["options"]["zero_bubble"]
-    code, text, _ = run(capsys, *argv)
+    code, text, _ = run_cli(capsys, *argv)
     assert code == 0 and "speed-up x" in text and "--- your launch ---" in text
     # the knobs restrict the search: today's space is never faster
-    code, text, err = run(
+    code, text, err = run_cli(
         capsys,
         *argv,
         "--json",
@@ -207,7 +203,7 @@ def test_megatron_args_interleaved_launch_is_compared(capsys):
     launch = LAUNCH.replace("--num-layers 8", "--num-layers 8") + (
         " --num-layers-per-virtual-pipeline-stage 2"
     )
-    code, text, err = run(
+    code, text, err = run_cli(
         capsys, "plan", "--megatron-args", launch, "--gpus", "A100-80:16"
     )
     assert code == 0, err
@@ -261,7 +257,7 @@ def test_plan_bad_input_exits_2(capsys, tmp_path, argv, message):
     argv = [a.format(bad_config=bad_config) for a in argv]
     if "--goodput-grad" not in argv and "--megatron-args" not in argv:
         argv += ["--global-batch", "8"]
-    code, out, err = run(capsys, "plan", *argv)
+    code, out, err = run_cli(capsys, "plan", *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
     assert message in err, err
@@ -269,7 +265,7 @@ def test_plan_bad_input_exits_2(capsys, tmp_path, argv, message):
 
 def test_megatron_args_global_batch_contradiction(capsys):
     argv = ["plan", "--megatron-args", LAUNCH, "--gpus", "A100-80:16"]
-    code, _, err = run(capsys, *argv, "--global-batch", 32)
+    code, _, err = run_cli(capsys, *argv, "--global-batch", 32)
     assert code == 2 and "contradicts" in err and err.count("\n") == 1
 
 
@@ -294,6 +290,6 @@ def test_predict_bad_input_exits_2(capsys, tmp_path, plan, extra, message):
             }
         ],
     }
-    code, out, err = run(capsys, "predict", write(tmp_path, "p.json", data), *extra)
+    code, out, err = run_cli(capsys, "predict", write(tmp_path, "p.json", data), *extra)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err, err

@@ -9,7 +9,7 @@ import functools
 import json
 
 import pytest
-from helpers import largest_stage_bound, pin_path_constants, stage_bound_tables
+from helpers import largest_stage_bound, pin_path_constants, run_cli, stage_bound_tables
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import (
@@ -222,14 +222,6 @@ def test_mixed_types_stay_in_the_default_order():
         )
 
 
-def _cli(capsys, *argv):
-    from pipedejavu.cli.main import main
-
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_knob_search_places_by_rank_order_and_exports_it(capsys):
     """The issue's case (GPT-Neo-2.7 on 64 GH-96, gbs 1024, its profiles):
     with tp-pp-dp searched, a plan whose pipelines sit inside nodes is faster
@@ -237,12 +229,12 @@ def test_knob_search_places_by_rank_order_and_exports_it(capsys):
     says so, and --rank-order tp-dp-pp keeps the default."""
     argv = ["plan", "--model", "GPT-Neo-2.7", "--gpus", "GH-96:64"]
     argv += ["--global-batch", 1024, "--json"]
-    code, out, err = _cli(capsys, *argv, "--export", "megatron")
+    code, out, err = run_cli(capsys, *argv, "--export", "megatron")
     assert code == 0, err
     both = json.loads(out)
     assert both["rank_order"] == "tp-pp-dp" and both["proven_optimal"]
     assert "--use-tp-pp-dp-mapping" in both["export"]["text"]
-    code, out, err = _cli(capsys, *argv, "--rank-order", "tp-dp-pp")
+    code, out, err = run_cli(capsys, *argv, "--rank-order", "tp-dp-pp")
     assert code == 0, err
     default = json.loads(out)
     assert default["rank_order"] == "tp-dp-pp"
@@ -309,7 +301,7 @@ def test_megatron_args_with_the_tp_pp_dp_mapping_price_that_order(capsys):
         launches[0].prediction.iteration_time_s
         != launches[1].prediction.iteration_time_s
     )
-    code, out, err = _cli(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100-SXM:32", "--json", "--megatron-args",
         flags + " --use-tp-pp-dp-mapping",
     )  # fmt: skip

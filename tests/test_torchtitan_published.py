@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from pipedejavu.cli.main import main
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.placement import sequence_shares
 from pipedejavu.costmodel.analytical.torchtitan_constants import (
@@ -159,21 +159,15 @@ def test_pipeline_split_counts_embedding_and_head():
 FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
 
 
-def _cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_predicts_a_job_file(capsys):
     job = FIXTURES / "published_fsdp4_cp2.toml"
-    code, out, err = _cli(
+    code, out, err = run_cli(
         capsys, "predict", "--torchtitan-config", job, "--gpus", "H100-96GB-500W:8"
     )
     assert code == 0 and "dp_shard 4, cp 2" in out and "tokens/s per GPU" in out
     assert "the peak GPU (stage 0) in GB: parameters" in out
     assert "ignored (no effect on the prediction)" in err
-    code, out, _ = _cli(
+    code, out, _ = run_cli(
         capsys,
         "predict",
         "--torchtitan-config",
@@ -209,7 +203,7 @@ def test_cli_predicts_a_job_file(capsys):
 )
 def test_cli_refusals(capsys, extra, message):
     job = FIXTURES / "published_fsdp4_cp2.toml"  # dp_shard 4 x cp 2: 8 GPUs
-    code, _, err = _cli(capsys, "predict", "--torchtitan-config", job, *extra)
+    code, _, err = run_cli(capsys, "predict", "--torchtitan-config", job, *extra)
     assert code == 2 and message in err and len(err.strip().splitlines()) <= 2
 
 

@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
-from pipedejavu.cli.main import main
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
@@ -25,14 +25,8 @@ QWEN_7B = ["--model", "Qwen2.5-7B", "--gpus", "A100-80:16", "--global-batch", "2
 QWEN_7B += ["--seq-len", "4096", "--schedule", "1f1b"]
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def plan_json(capsys, *argv: str) -> dict:
-    code, out, err = run(capsys, "plan", *argv, "--json")
+    code, out, err = run_cli(capsys, "plan", *argv, "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -65,7 +59,7 @@ def test_predict_names_mfu_and_hfu(capsys):
         "--recompute-granularity full --recompute-method uniform "
         "--recompute-num-layers 1"
     )
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100:8", "--megatron-args", flags
     )
     assert code == 0, err
@@ -127,7 +121,7 @@ def test_headroom_in_the_knob_search_and_its_proof():
 
 @pytest.mark.parametrize("bad", ["1.5", "-0.1", "abc", "110%", "1e9GB"])
 def test_headroom_flag_refuses_bad_values(capsys, bad):
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "plan", "--model", "OPT-350", "--gpus", "GH-96:4",
         "--global-batch", "16", "--memory-headroom", bad,
     )  # fmt: skip
@@ -136,7 +130,7 @@ def test_headroom_flag_refuses_bad_values(capsys, bad):
 
 def test_headroom_flag_in_the_report_and_the_json(capsys):
     argv = ["--model", "OPT-350", "--gpus", "RTX-2080:4", "--global-batch", "8"]
-    code, out, err = run(capsys, "plan", *argv, "--memory-headroom", "0.2")
+    code, out, err = run_cli(capsys, "plan", *argv, "--memory-headroom", "0.2")
     assert code == 0, err
     assert "less the --memory-headroom" in out and "usable (" in out
     data = plan_json(capsys, *argv, "--memory-headroom", "0.2")
@@ -167,7 +161,7 @@ def test_a_long_context_config_asks_for_the_training_length(capsys, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN_CONFIG))
     argv = ["--model", str(config), "--gpus", "A100-80:16", "--global-batch", "256"]
-    code, out, err = run(capsys, "plan", *argv, "--schedule", "1f1b")
+    code, out, err = run_cli(capsys, "plan", *argv, "--schedule", "1f1b")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "--seq-len" in err and "131,072" in err
     data = plan_json(capsys, *argv, "--schedule", "1f1b", "--seq-len", "4096")
@@ -219,12 +213,12 @@ def test_predict_refuses_a_batch_the_launchers_would_change(capsys, tmp_path):
     assert (data["mbs"], len(data["stages"][0]["replicas"])) == (2, 8)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({**data, "gbs": 40}))
-    code, out, err = run(capsys, "predict", str(path))
+    code, out, err = run_cli(capsys, "predict", str(path))
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert str(path) in err and "not a multiple of micro-batch x DP = 2 x 8" in err
     assert "48 samples" in err
     path.write_text(json.dumps(data))
-    code, out, err = run(capsys, "predict", str(path), "--json")
+    code, out, err = run_cli(capsys, "predict", str(path), "--json")
     assert code == 0, err
     assert json.loads(out)["num_microbatches"] == 3
 
@@ -247,7 +241,7 @@ LAUNCH = (
 def test_full_recomputation_needs_a_method_and_a_count(capsys, extra, missing):
     """Megatron Core's TransformerConfig raises on full recomputation without
     --recompute-method or --recompute-num-layers: so does predict."""
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100:8", "--megatron-args", LAUNCH + extra
     )
     assert code == 2 and out == "" and f"--recompute-{missing}" in err
@@ -255,7 +249,7 @@ def test_full_recomputation_needs_a_method_and_a_count(capsys, extra, missing):
 
 def test_recompute_counts_without_a_granularity_are_listed_as_ignored(capsys):
     extra = " --recompute-method block --recompute-num-layers 2"
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100:8", "--megatron-args", LAUNCH + extra
     )
     assert code == 0, err
@@ -266,7 +260,7 @@ def test_recompute_counts_without_a_granularity_are_listed_as_ignored(capsys):
 def test_plan_refuses_block_counts_without_full_recomputation(capsys):
     argv = ["plan", "--model", "Llama-3-8B", "--gpus", "H100:8"]
     argv += ["--global-batch", "256", "--recompute", "none"]
-    code, out, err = run(capsys, *argv, "--recompute-num-layers", "2")
+    code, out, err = run_cli(capsys, *argv, "--recompute-num-layers", "2")
     assert code == 2 and out == "" and "--recompute-num-layers" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -283,7 +277,7 @@ def test_plan_refuses_block_counts_without_full_recomputation(capsys):
     ],
 )
 def test_flags_megatron_refuses_are_refused(capsys, extra, says):
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100:8", "--megatron-args", LAUNCH + extra
     )
     assert code == 2 and out == "" and says in err
@@ -296,7 +290,7 @@ def test_flags_megatron_knows_are_listed_and_the_launcher_skipped(capsys):
         + LAUNCH
         + " --lr 3e-4 --data-path 0.5 a 0.5 b --train-iters 10 --DDP-impl local"
     )
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "predict", "--gpus", "H100:8", "--megatron-args", launch, "--json"
     )
     assert code == 0, err
@@ -340,7 +334,7 @@ def test_the_report_says_what_its_layer_numbers_are(capsys, argv, legend):
     """A 28-block model's stages run over layers 0-29 and Sailor's 32-block
     LLAMA-3-8 over 0-34: the report says which are the blocks, and its
     stages cover exactly those numbers."""
-    code, out, err = run(capsys, "plan", *argv)
+    code, out, err = run_cli(capsys, "plan", *argv)
     assert code == 0, err
     lines = out.splitlines()
     stages = next(line for line in lines if line.startswith("  stages: "))
@@ -372,7 +366,7 @@ def test_a_pool_of_several_types_reads_with_commas_too(capsys):
     launch += "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings "
     launch += "2048 --micro-batch-size 1 --global-batch-size 8 --bf16"
     for command in ("predict", "plan"):
-        code, _, err = run(
+        code, _, err = run_cli(
             capsys, command, "--megatron-args", launch, "--gpus", "A100-80:8,H100:8"
         )
         assert code == 2 and "takes one --gpus TYPE:COUNT, got 2 types" in err

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
+from helpers import run_cli
 
 from pipedejavu import ProblemError
-from pipedejavu.cli.main import main
 from pipedejavu.core.npzfile import MAX_NPZ_BYTES, read_npz
 from pipedejavu.core.problem import PROBLEM_KEYS
 from pipedejavu.costmodel.alpa import profiles
@@ -36,9 +36,8 @@ _FIRST_KEY = b"(K\x00K\x05K\x02K\x00t"
 
 
 def _cli(capsys, *argv) -> tuple[int, list[str]]:
-    code = main([str(a) for a in argv])
-    lines = capsys.readouterr().err.strip().splitlines()
-    return code, lines
+    code, _, err = run_cli(capsys, *argv)
+    return code, err.strip().splitlines()
 
 
 def _peak_bytes(call: Callable[[], object]) -> int:

@@ -10,6 +10,7 @@ import os
 import threading
 
 import pytest
+from helpers import run_cli
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import read_bytes
@@ -41,14 +42,6 @@ LAUNCH = (
 )
 
 
-def _run(capsys, *argv):
-    from pipedejavu.cli.main import main
-
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -63,7 +56,7 @@ def _run(capsys, *argv):
     ],
 )
 def test_megatron_flags_that_would_mislead_or_overflow(capsys, extra, says):
-    code, out, err = _run(
+    code, out, err = run_cli(
         capsys,
         "predict",
         "--gpus",
@@ -101,7 +94,7 @@ def test_megatron_flags_read_as_megatron_reads_them():
 def test_an_elastic_section_that_is_not_an_object(capsys, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"elasticity": [1]}))
-    code, _, err = _run(capsys, "elastic", path)
+    code, _, err = run_cli(capsys, "elastic", path)
     assert code == 2 and "'elasticity' must be an object" in err
 
 
@@ -141,7 +134,7 @@ def test_profiles_folder_without_the_model_is_refused(capsys, tmp_path):
     """``--profiles DIR`` without the model: it was priced analytically (and
     in bf16, not the profiles' fp32) with only the JSON saying so."""
     (tmp_path / "profiles").mkdir()
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys, "plan", "--model", "OPT-350", "--gpus", "GH-96:8",
         "--global-batch", 8, "--profiles", tmp_path,
     )  # fmt: skip
@@ -154,7 +147,7 @@ def test_a_cluster_of_thousands_of_types_is_refused(capsys, tmp_path):
     path.write_text(
         json.dumps({"devices_per_host": 8, "device_types": types, "hosts": ["t0"]})
     )
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys, "inspect", "generated-gpt-32layers-2x8", "--cluster-file", path
     )
     assert code == 2 and "device_types must name 1 to 64 types" in err
@@ -169,7 +162,7 @@ def test_plans_of_too_many_layers_are_refused_before_any_table(capsys, tmp_path)
     fields = json.loads(preset.read_text())
     path = tmp_path / "deep.json"
     path.write_text(json.dumps({**fields, "num_layers": 2000}))
-    code, _, err = _run(
+    code, _, err = run_cli(
         capsys, "plan", "--model", path, "--gpus", "H100-SXM:8", "--global-batch", 8
     )
     assert code == 2 and "plans are searched for models of at most 512" in err
@@ -186,7 +179,7 @@ def test_error_lines_stay_readable(capsys):
 def test_a_plan_that_does_not_price_names_its_file(capsys, tmp_path):
     """What is wrong with a plan's GPUs or layers, found while pricing it, names
     the file as the reader's own errors do."""
-    code, out, err = _run(
+    code, out, err = run_cli(
         capsys, "plan", "--model", "Llama-3-8B", "--gpus", "H100:8",
         "--global-batch", 8, "--json",
     )  # fmt: skip
@@ -197,7 +190,7 @@ def test_a_plan_that_does_not_price_names_its_file(capsys, tmp_path):
             replica["gpu"] = "Z999"
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    code, _, err = _run(capsys, "predict", path)
+    code, _, err = run_cli(capsys, "predict", path)
     assert code == 2
     assert err.startswith(f"pipedejavu: error: {path}: GPU type 'Z999'")
 
@@ -208,7 +201,7 @@ def test_evaluate_refuses_a_plan_of_other_micro_batches_or_nan_numbers(
     """``evaluate``: a plan whose recorded numbers are NaN or infinite, or that
     runs another number of micro-batches than the problem, is one line (a B
     of 10**30 was called valid)."""
-    code, out, err = _run(capsys, "solve", "generated-gpt-32layers-2x8", "--json")
+    code, out, err = run_cli(capsys, "solve", "generated-gpt-32layers-2x8", "--json")
     assert code == 0, err
     plan = json.loads(out)
     cases = [
@@ -219,11 +212,11 @@ def test_evaluate_refuses_a_plan_of_other_micro_batches_or_nan_numbers(
     for index, (data, says) in enumerate(cases):
         path = tmp_path / f"plan{index}.json"
         path.write_text(json.dumps(data))  # (Python writes NaN as NaN)
-        code, _, err = _run(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
+        code, _, err = run_cli(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
         assert code == 2 and says in err, err
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    code, out, err = _run(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
+    code, out, err = run_cli(capsys, "evaluate", "generated-gpt-32layers-2x8", path)
     assert code == 0 and "a valid plan" in out, err
 
 

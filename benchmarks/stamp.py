@@ -1,0 +1,68 @@
+"""The date and machine a benchmark stamps its results (and its printout)
+with, and the writing of its results file.
+
+Shared by the scripts in this folder (``python benchmarks/X.py`` puts the
+folder on ``sys.path``, so they ``import stamp``). The formats are the ones
+the results files already hold, which ``tables.py`` quotes:
+
+* ``now()``: ``2026-12-06T10:20:30+00:00`` (UTC, to the second);
+* ``host()``: ``node (x86_64, 4 cores)``;
+* ``cpu(python=True)``: ``x86_64, 4 cores, python 3.12.3``;
+* ``header()``: ``# 2026-12-06 10:20 UTC, x86_64, 4 cores``, a printout's
+  first line, which each script goes on with its own fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from typing import Any
+
+
+def now() -> str:
+    """The time in UTC, ISO 8601 to the second: a results file's ``date``."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def minute() -> str:
+    """The time in UTC to the minute, ``2026-12-06 10:20 UTC``."""
+    return f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
+def host(unnamed: str = "", *, cores: bool = True) -> str:
+    """``node (machine, N cores)``; ``unnamed`` stands for a host without a
+    name, ``cores=False`` leaves the core count out."""
+    node = platform.node() or unnamed
+    if not cores:
+        return f"{node} ({platform.machine()})"
+    return f"{node} ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def stamp(unnamed: str = "", *, cores: bool = True) -> dict[str, str]:
+    """``{"date": now(), "machine": host(...)}``, the fields a results file
+    opens (or closes) with."""
+    return {"date": now(), "machine": host(unnamed, cores=cores)}
+
+
+def cpu(*, python: bool = False) -> str:
+    """``machine, N cores`` and, with ``python``, ``, python X.Y.Z``."""
+    text = f"{platform.machine()}, {os.cpu_count()} cores"
+    if python:
+        text += f", python {platform.python_version()}"
+    return text
+
+
+def header(*, python: bool = False) -> str:
+    """A printout's first line: ``# <minute()>, <cpu(python=python)>``."""
+    return f"# {minute()}, {cpu(python=python)}"
+
+
+def write_json(path: str, data: Any, *, end: str = "") -> None:
+    """Write ``data`` to ``path`` as JSON indented by one space (then ``end``),
+    making its folder first if it is missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write(end)
