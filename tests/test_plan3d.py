@@ -7,7 +7,13 @@ import json
 import pytest
 
 from pipedejavu.core.layout import DP_OUTER, PP_OUTER, ParallelLayout, StageAxes
-from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D, replica_of
+from pipedejavu.core.plan3d import (
+    Plan3D,
+    Replica,
+    ReplicaRow,
+    Stage3D,
+    replica_of,
+)
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import bundled_sailor_dir
 from pipedejavu.io.sailor_plan import (
@@ -303,3 +309,67 @@ def test_replica_of_shares_one_checked_replica_per_value():
         replica_of("GH-96", 0)
     with pytest.raises(ProblemError, match="node must be an integer"):
         first.on_node(-1)
+
+
+def test_a_replica_row_is_the_tuple_of_its_replicas():
+    """A ReplicaRow equals, hashes and slices as the tuple of its replicas; a
+    stage and a plan built from either are equal and write the same JSON."""
+    kind = Replica("GH-96", 2, zone="zone-b")
+    nodes = [0, 0, 1, 1, None, 3]
+    row = ReplicaRow(kind, nodes)
+    replicas = tuple(Replica("GH-96", 2, zone="zone-b", node=n) for n in nodes)
+    assert row == replicas and replicas == row and hash(row) == hash(replicas)
+    assert list(row) == list(replicas) and len(row) == 6 and row[2] == replicas[2]
+    assert row[1::2] == replicas[1::2] and isinstance(row[1::2], ReplicaRow)
+    plans = [
+        Plan3D((Stage3D(0, 2, held), Stage3D(2, 4, held)), mbs=1, gbs=12)
+        for held in (row, replicas)
+    ]
+    assert plans[0] == plans[1]
+    assert plans[0].to_json() == plans[1].to_json()
+    assert plans[0].gpus_by_type() == plans[1].gpus_by_type() == {"GH-96": 24}
+    assert Plan3D.from_json(plans[0].to_json()) == plans[0]
+    for bad in (-1, True, 2.0, 2**40):
+        with pytest.raises(ProblemError, match="node must be an integer"):
+            ReplicaRow(kind, [0, bad])
+    with pytest.raises(ProblemError, match="at least one Replica"):
+        ReplicaRow(kind, [])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_check_nodes_reads_a_row_as_its_replicas(seed):
+    """check_nodes accepts and refuses a plan of ReplicaRows as it does the
+    same plan of Replica tuples, with the same message."""
+    import random
+
+    from pipedejavu.core.placement import check_nodes
+
+    rng = random.Random(seed)
+    stages, start = [], 0
+    for _ in range(rng.randint(1, 3)):
+        kind = Replica(rng.choice(["A", "B"]), rng.choice([1, 2, 4, 8]))
+        nodes = [rng.choice([None, 0, 1, 2, 3]) for _ in range(3)]
+        stages.append((start, kind, nodes))
+        start += 1
+    outcomes = []
+    for as_row in (True, False):
+        plan = Plan3D(
+            tuple(
+                Stage3D(
+                    first,
+                    first + 1,
+                    ReplicaRow(kind, nodes)
+                    if as_row
+                    else tuple(kind.on_node(n) for n in nodes),
+                )
+                for first, kind, nodes in stages
+            ),
+            mbs=1,
+            gbs=3,
+        )
+        try:
+            check_nodes(plan, lambda gpu: {"A": 8, "B": 4}[gpu])
+            outcomes.append(None)
+        except ProblemError as error:
+            outcomes.append(str(error))
+    assert outcomes[0] == outcomes[1]

@@ -146,9 +146,9 @@ def test_progress_of_a_long_sharded_search_is_reported(capsys):
     search_sharded(SPEC, "H100-SXM", 16, 8, SHEET, OPTIONS, progress_fn=seen.append)
     assert seen and seen[0]["phase"] == "sharded" and seen[0]["priced"] == 1
     # the command line's reporter prints it (every 0 s here)
-    from pipedejavu.cli.megatron import _PlanProgress
+    from pipedejavu.cli.progress import PlanProgress
 
-    report = _PlanProgress(every_s=0.0)
+    report = PlanProgress(every_s=0.0)
     report({**seen[0], "best_s": 1.5})
     report({**seen[0], "best_s": float("inf")})
     lines = capsys.readouterr().err.splitlines()

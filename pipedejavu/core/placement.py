@@ -20,11 +20,13 @@ is read through its ``stages`` (each with ``replicas``: ``gpu_type``, ``tp``,
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.layout import LEGACY_ORDERS, PP_OUTER, ParallelLayout
+from pipedejavu.core.replica import ReplicaRow, alike
 
 __all__ = [
     "RANK_ORDERS",
@@ -62,8 +64,13 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
     placed: dict[int, list[Any]] = {}
     capacities: dict[str, int] = {}  # asked once per GPU type
     for s, stage in enumerate(plan.stages):
-        for replica in stage.replicas:
-            gpu, tp, node = replica.gpu_type, replica.tp, replica.node
+        kind = alike(stage.replicas)
+        if kind is None:
+            groups = [(r, r.node, 1) for r in stage.replicas]
+        else:  # one kind: the replicas on each node counted at once
+            groups = [(kind, n, k) for n, k in Counter(stage.replicas.nodes).items()]
+        for replica, node, count in groups:
+            gpu, tp = replica.gpu_type, replica.tp
             capacity = capacities.get(gpu)
             if capacity is None:
                 capacity = capacities[gpu] = gpus_per_node(gpu)
@@ -75,11 +82,13 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
                 continue
             entry = placed.get(node)
             if entry is None:
-                placed[node] = [tp, tp, gpu, capacity, {gpu}]
+                placed[node] = [tp * count, tp, gpu, capacity, {gpu}]
             else:
-                entry[0] += tp
+                entry[0] += tp * count
                 entry[1] = tp
                 entry[4].add(gpu)
+    if all(e[0] <= e[3] and len(e[4]) == 1 for e in placed.values()):
+        return  # no node overfull, none spills over: every replica starts on it
     spill, previous = 0, None
     for node in sorted(placed):
         if previous is None or node != previous + 1:
@@ -215,10 +224,7 @@ def sequence_shares(plan: Any, gpus_per_node: int) -> Any:
     tps = [axes.tp for axes in layout.stages]
     nodes = canonical_nodes(tps, layout.dp * c, gpus_per_node)
     stages = tuple(
-        dataclasses.replace(
-            stage,
-            replicas=tuple(stage.replicas[0].on_node(node) for node in nodes[s]),
-        )
+        dataclasses.replace(stage, replicas=ReplicaRow(stage.replicas[0], nodes[s]))
         for s, stage in enumerate(plan.stages)
     )
     shard = layout.shard_replicas * c

@@ -65,7 +65,15 @@ from pipedejavu.core.placement import (
     rank_order_of,
 )
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.core.validation import describe
+from pipedejavu.core.replica import (
+    DEFAULT_ZONE,
+    Replica,
+    ReplicaRow,
+    alike,
+    kinds_of,
+    replica_of,
+)
+from pipedejavu.core.validation import describe, positive_int
 
 __all__ = [
     "DEFAULT_ZONE",
@@ -78,6 +86,7 @@ __all__ = [
     "RANK_ORDERS",
     "Plan3D",
     "Replica",
+    "ReplicaRow",
     "Stage3D",
     "canonical_nodes",
     "check_nodes",
@@ -99,108 +108,8 @@ _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Last layer a stage may end at: far above any model (Llama-3.1-405B has 128
 #: transformer layers), a bound on a file's value, not a claim.
 _MAX_LAYERS = 2**20
-#: Zone written into Sailor files when a plan does not name one (Sailor's default).
-DEFAULT_ZONE = "us-central1-a"
 #: Plan files larger than this are refused before parsing (16 MiB).
 MAX_PLAN_FILE_BYTES = 16 * 2**20
-
-
-def _positive_int(value: Any, name: str, most: int, unit: str = "") -> int:
-    """``value`` as an int in ``[1, most]``; an integral float is accepted (JSON
-    writers may give ``8.0``). Compared before any arithmetic, so that a huge
-    number is refused here instead of overflowing later."""
-    integral = (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and value.is_integer()
-    )
-    if not integral or value < 1:
-        raise ProblemError(f"{name} must be a positive integer, got {describe(value)}")
-    if value > most:
-        raise ProblemError(
-            f"{name} must be in [1, {most}]{unit}, got {describe(value)}"
-        )
-    return int(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Replica:
-    """One data-parallel replica of a stage: a TP group on one node.
-
-    Args:
-        gpu_type: the GPU type's name as the profiles spell it, e.g. ``"GH-96"``.
-        tp: tensor-parallel degree (GPUs in the group), >= 1.
-        zone: a key into the network tables (Sailor's zone string).
-        node: the physical node it runs on (``None``: a node of its own).
-        gpus_on_node: the GPUs of that node, as Sailor files record it
-            (``None``: ``tp``), kept for the round trip.
-    """
-
-    gpu_type: str
-    tp: int
-    zone: str = DEFAULT_ZONE
-    node: int | None = None
-    gpus_on_node: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.gpu_type, str) or not self.gpu_type:
-            raise ProblemError(
-                f"gpu_type must be a non-empty string, got {self.gpu_type!r}"
-            )
-        if not isinstance(self.zone, str) or not self.zone:
-            raise ProblemError(f"zone must be a non-empty string, got {self.zone!r}")
-        object.__setattr__(self, "tp", _positive_int(self.tp, "tp", MAX_GPUS))
-        if self.node is not None:
-            if isinstance(self.node, bool) or not isinstance(self.node, int):
-                raise ProblemError(
-                    f"node must be an integer >= 0, got {describe(self.node)}"
-                )
-            if not 0 <= self.node < MAX_GPUS:
-                raise ProblemError(
-                    f"node must be an integer in [0, {MAX_GPUS}) (a plan has at "
-                    f"most {MAX_GPUS} GPUs), got {describe(self.node)}"
-                )
-        if self.gpus_on_node is not None:
-            object.__setattr__(
-                self,
-                "gpus_on_node",
-                _positive_int(self.gpus_on_node, "gpus_on_node", MAX_GPUS),
-            )
-
-    def on_node(self, node: int | None) -> Replica:
-        """This replica on ``node`` (a shared object, :func:`replica_of`)."""
-        return replica_of(self.gpu_type, self.tp, self.zone, node, self.gpus_on_node)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"gpu": self.gpu_type, "tp": self.tp}
-        if self.zone != DEFAULT_ZONE:
-            out["zone"] = self.zone
-        if self.node is not None:
-            out["node"] = self.node
-        if self.gpus_on_node is not None:
-            out["gpus_on_node"] = self.gpus_on_node
-        return out
-
-
-MAX_INTERNED_REPLICAS = 2**20  #: replicas :func:`replica_of` keeps, at most
-_interned: dict[tuple, Replica] = {}
-
-
-def replica_of(
-    gpu_type: str,
-    tp: int,
-    zone: str = DEFAULT_ZONE,
-    node: int | None = None,
-    gpus_on_node: int | None = None,
-) -> Replica:
-    """``Replica(gpu_type, tp, zone, node, gpus_on_node)``, one frozen object
-    per value: the planners build plans of thousands of replicas many times
-    over, and one checked once need not be built and checked again."""
-    key = (gpu_type, tp, zone, node, gpus_on_node)
-    found = _interned.get(key)
-    if found is None:
-        if len(_interned) >= MAX_INTERNED_REPLICAS:
-            _interned.clear()
-        found = _interned[key] = Replica(*key)
-    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +125,7 @@ class Stage3D:
 
     start: int
     stop: int
-    replicas: tuple[Replica, ...]
+    replicas: tuple[Replica, ...] | ReplicaRow
 
     def __post_init__(self) -> None:
         for name in ("start", "stop"):
@@ -233,6 +142,8 @@ class Stage3D:
             raise ProblemError(
                 f"a stage must hold at least one layer, got [{self.start}, {self.stop})"
             )
+        if isinstance(self.replicas, ReplicaRow):  # checked as it was built
+            return
         replicas = tuple(self.replicas)
         if not replicas or not all(isinstance(r, Replica) for r in replicas):
             raise ProblemError("a stage needs at least one Replica")
@@ -301,7 +212,7 @@ class Plan3D:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "layout", _stage_layout(stages, self.layout))
         for name in ("mbs", "gbs"):
-            value = _positive_int(
+            value = positive_int(
                 getattr(self, name), name, MAX_GLOBAL_BATCH, " samples"
             )
             object.__setattr__(self, name, value)
@@ -347,9 +258,12 @@ class Plan3D:
         counts: dict[str, int] = {}
         cp = self.layout.cp
         for stage in self.stages:
-            for replica in stage.replicas:
+            kind = alike(stage.replicas)
+            for replica, count in (
+                [(r, 1) for r in stage.replicas] if kind is None else [(kind, stage.dp)]
+            ):
                 counts[replica.gpu_type] = (
-                    counts.get(replica.gpu_type, 0) + replica.tp * cp
+                    counts.get(replica.gpu_type, 0) + replica.tp * cp * count
                 )
         return counts
 
@@ -518,9 +432,9 @@ def _stage_layout(
     they imply (module docstring of :class:`Plan3D`)."""
     tps = []
     for index, stage in enumerate(stages):
+        found = sorted({kind.tp for kind in kinds_of(stage.replicas)})
         tp = stage.replicas[0].tp
-        if any(replica.tp != tp for replica in stage.replicas):
-            found = sorted({replica.tp for replica in stage.replicas})
+        if len(found) > 1:
             raise ProblemError(
                 f"stage {index} mixes TP degrees {found}: the replicas of a stage "
                 "share its tensor-parallel layout"

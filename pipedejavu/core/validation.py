@@ -36,6 +36,7 @@ __all__ = [
     "json_list",
     "memory_limits",
     "memory_table",
+    "positive_int",
     "submesh_table",
 ]
 
@@ -366,3 +367,19 @@ def in_range(
     raise ProblemError(
         f"{where} must be in [{bounds}]{inf} ({unit}), got {describe(given)}"
     )
+
+
+def positive_int(value: Any, name: str, most: int, unit: str = "") -> int:
+    """``value`` as an int in ``[1, most]``; an integral float is accepted (JSON
+    writers may give ``8.0``). Compared before any arithmetic, so that a huge
+    number is refused here instead of overflowing later."""
+    integral = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if not integral or value < 1:
+        raise ProblemError(f"{name} must be a positive integer, got {describe(value)}")
+    if value > most:
+        raise ProblemError(
+            f"{name} must be in [1, {most}]{unit}, got {describe(value)}"
+        )
+    return int(value)

@@ -42,11 +42,11 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import (
     Plan3D,
-    Replica,
     Stage3D,
     canonical_nodes,
 )
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.replica import ReplicaRow, replica_of
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import ExpertLayers
@@ -142,7 +142,7 @@ def plan_from_megatron_run(
     for s in range(pp):
         start = 0 if s == 0 else 1 + sum(counts[:s])
         stop = last if s == pp - 1 else 1 + sum(counts[: s + 1])
-        replicas = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
+        replicas = ReplicaRow(replica_of(gpu_type, tp), nodes[s])
         stages.append(Stage3D(start, stop, replicas))
     # The run's layout, Megatron Core's checks with it (the predictor prices a
     # context-parallel plan as its sequence shares).

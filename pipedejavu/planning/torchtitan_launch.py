@@ -50,8 +50,9 @@ from collections.abc import Mapping, Sequence
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.layout import ParallelLayout, split_blocks
 from pipedejavu.core.memory_headroom import MemoryHeadroom
-from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D, canonical_nodes
+from pipedejavu.core.plan3d import Plan3D, Stage3D, canonical_nodes
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.replica import ReplicaRow, replica_of
 from pipedejavu.core.training_options import TORCHTITAN_OP, TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.roofline import AnalyticalConstants
@@ -225,7 +226,7 @@ def sharded_plan(
         start = 0 if s == 0 else 1 + first
         first += count
         stop = spec.num_profile_layers if s == pp - 1 else 1 + first
-        row = tuple(Replica(gpu_type, tp, node=nodes[s][j]) for j in range(dp))
+        row = ReplicaRow(replica_of(gpu_type, tp), nodes[s])
         stages.append(Stage3D(start, stop, row))
     layout = ParallelLayout.uniform(tp=tp, pp=pp, dp=dp, cp=cp, dp_shard=dp_shard)
     return Plan3D(tuple(stages), mbs=mbs, gbs=samples, model=spec.name, layout=layout)

@@ -42,6 +42,7 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.replica import kinds_of
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.layers import (
@@ -290,7 +291,7 @@ class AnalyticalSource:
         sources = {
             self.source_of(replica.gpu_type, plan.mbs, replica.tp)
             for stage in plan.stages
-            for replica in stage.replicas
+            for replica in kinds_of(stage.replicas)
         }
         return sources.pop() if len(sources) == 1 else "mixed"
 

@@ -33,6 +33,7 @@ Assumptions (stated once, used everywhere):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Replica
+from pipedejavu.core.replica import alike
 from pipedejavu.costmodel.megatron.sailor_data import NetworkTables
 
 __all__ = [
@@ -58,6 +60,18 @@ def node_key(replica: Replica, stage: int, index: int) -> Hashable:
     if replica.node is None:
         return ("own", stage, index)
     return ("node", replica.node)
+
+
+def node_keys(replicas: Sequence[Replica], stage: int) -> list[Hashable]:
+    """:func:`node_key` of each of a stage's replicas (a
+    :class:`~pipedejavu.core.replica.ReplicaRow`'s read off its nodes)."""
+    kind = alike(replicas)
+    if kind is None:
+        return [node_key(r, stage, j) for j, r in enumerate(replicas)]
+    return [
+        ("own", stage, j) if node is None else ("node", node)
+        for j, node in enumerate(replicas.nodes)
+    ]
 
 
 def all_gather_time(network: NetworkTables, gpu: str, tp: int, nbytes: float) -> float:
@@ -114,9 +128,14 @@ def ring_hops(
     """The distinct hops of a ring: ``(fit, streams)`` pairs, where a hop moving
     ``chunk`` bytes per GPU takes ``streams * chunk / fit.bandwidth(chunk)``."""
     count = len(replicas)
-    per_node: dict[Hashable, int] = {}
-    for replica, node in zip(replicas, nodes, strict=True):
-        per_node[node] = per_node.get(node, 0) + replica.tp
+    kind = alike(replicas)
+    if kind is not None:  # one kind: its replicas counted per node at once
+        replicas = [kind] * count
+        per_node = {node: k * kind.tp for node, k in Counter(nodes).items()}
+    else:
+        per_node = {}
+        for replica, node in zip(replicas, nodes, strict=True):
+            per_node[node] = per_node.get(node, 0) + replica.tp
     links: dict[tuple, tuple[Replica, Replica, int | None]] = {}
     for j in range(count):  # what a hop's price reads, first
         a, b = replicas[j], replicas[(j + 1) % count]

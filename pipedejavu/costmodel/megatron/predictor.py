@@ -62,9 +62,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipedejavu.core.plan3d import Plan3D, check_nodes
+from pipedejavu.core.plan3d import Plan3D, Stage3D, check_nodes
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.costmodel.megatron.comm import node_key
+from pipedejavu.core.replica import Replica, alike, kinds_of
+from pipedejavu.costmodel.megatron.comm import node_keys
 from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
     PredictorConstants,
@@ -119,6 +120,13 @@ from pipedejavu.simulation.simulate import SimulationResult, simulate
 from pipedejavu.simulation.timeline import Bar, timeline_bars
 
 __all__ = ["Prediction", "predict_plan"]
+
+
+def by_replica(stage: Stage3D) -> Sequence[Replica]:
+    """A stage's replicas one by one, a :class:`~pipedejavu.core.replica.
+    ReplicaRow`'s as its one kind repeated (what prices read, the node aside)."""
+    kind = alike(stage.replicas)
+    return stage.replicas if kind is None else [kind] * len(stage.replicas)
 
 
 def _kind(replica) -> tuple:
@@ -239,13 +247,12 @@ def predict_plan(
     stash = np.zeros(num_stages)
     limit = np.zeros((num_stages, dp))
     capacity = np.zeros((num_stages, dp))
-    nodes = [
-        [node_key(r, s, j) for j, r in enumerate(stage.replicas)]
-        for s, stage in enumerate(plan.stages)
-    ]
+    nodes = [node_keys(stage.replicas, s) for s, stage in enumerate(plan.stages)]
     for s, stage in enumerate(plan.stages):
         per_kind: dict[tuple[str, int], tuple[float, float, float, float, float]] = {}
-        kinds = [(replica.gpu_type, replica.tp) for replica in stage.replicas]
+        kinds = [(r.gpu_type, r.tp) for r in kinds_of(stage.replicas)]
+        if len(kinds) > 1:  # one per replica, to fill the row below
+            kinds = [(r.gpu_type, r.tp) for r in stage.replicas]
         for key in dict.fromkeys(kinds):  # replicas of one kind in a stage agree
             gpu_type, tp = key
             if key not in times:
@@ -304,7 +311,7 @@ def predict_plan(
         keys = [
             (_kind(sender), _kind(receiver), nbytes, a == b, sharing[a, b])
             for sender, receiver, (a, b) in zip(
-                a_stage.replicas, b_stage.replicas, pairs, strict=True
+                by_replica(a_stage), by_replica(b_stage), pairs, strict=True
             )
         ]
         for j, key in enumerate(keys):
@@ -403,19 +410,20 @@ def predict_plan(
     tied = np.zeros(dp)
     ready = ends.copy()
     if num_stages > 1 and not v_shape:
-        first, last = plan.stages[0], plan.stages[-1]
         rings: dict[tuple, float] = {}
-        for j in range(dp):
-            a, b = first.replicas[j], last.replicas[j]
+        times_j = []
+        for j, (a, b) in enumerate(
+            zip(by_replica(plan.stages[0]), by_replica(plan.stages[-1]), strict=True)
+        ):
             nbytes = info.tied_params(a.tp) * info.gradient_bytes
             key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
             if key not in rings:  # the time depends on whether they share a node
                 rings[key] = tied_allreduce_time(
                     network, info, a, b, [nodes[0][j], nodes[-1][j]]
                 )
-            tied[j] = rings[key]
-            start = max(ends[0, j], ends[-1, j])
-            ready[0, j] = ready[-1, j] = start + tied[j]
+            times_j.append(rings[key])
+        tied = np.array(times_j)
+        ready[0] = ready[-1] = np.maximum(ends[0], ends[-1]) + tied
 
     # Data-parallel gradient sync per stage (what of it is not overlapped),
     # then the optimizer step.
@@ -426,14 +434,14 @@ def predict_plan(
         tp = stage.replicas[0].tp
         (start, stop), *more = spans[s]
         if sharded:  # reduce-scattered per micro-batch; HSDP: across groups
-            group = list(stage.replicas[::shard])
+            group = stage.replicas[::shard]
             collective, largest = stage_allreduce(
                 network, info, group, nodes[s][::shard], start, stop, more
             )
             collective /= shard
         else:
             collective, largest = stage_allreduce(
-                network, info, list(stage.replicas), nodes[s], start, stop, more
+                network, info, stage.replicas, nodes[s], start, stop, more
             )
         held = rank_params(info, tp, spans[s])
         experts, edp = rank_expert_params(info, tp, spans[s]), 1
@@ -469,13 +477,14 @@ def predict_plan(
         else:
             state = model_state_bytes(info, held, largest, shard, experts, edp)
         model_state[s] = state
-        used: dict[str, float] = {}
-        for j, replica in enumerate(stage.replicas):
-            if replica.gpu_type not in used:
-                used[replica.gpu_type] = memory_bytes(
-                    state, stash[s], constants, replica.gpu_type
-                )
-            memory[s, j] = used[replica.gpu_type]
+        used = {
+            r.gpu_type: memory_bytes(state, stash[s], constants, r.gpu_type)
+            for r in kinds_of(stage.replicas)
+        }
+        if len(used) == 1:
+            memory[s] = next(iter(used.values()))
+        else:
+            memory[s] = [used[r.gpu_type] for r in stage.replicas]
     iteration = float(finish.max())
     predicted = Prediction(
         iteration_time_s=iteration,

@@ -547,7 +547,7 @@ def expert_allreduce(
 def stage_allreduce(
     network: NetworkTables,
     info: ModelInfo,
-    replicas: list[Replica],
+    replicas: Sequence[Replica],
     nodes: list,
     start: int,
     stop: int,

@@ -13,6 +13,7 @@ context parallelism is priced as its sequence shares
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ Number = Any  # a float, or an array of one value per span
 def fsdp_collectives(
     network: NetworkTables,
     info: ModelInfo,
-    members: list[Replica],
+    members: Sequence[Replica],
     nodes: list,
     held: float,
 ) -> tuple[float, float]:
@@ -124,7 +125,7 @@ def sharded_passes(
         tp = stage.replicas[0].tp
         held = rank_params(info, tp, spans[s])
         gather, reduce = fsdp_collectives(
-            network, info, list(stage.replicas[:shard]), nodes[s][:shard], held
+            network, info, stage.replicas[:shard], nodes[s][:shard], held
         )
         extra_f[s], extra_b[s] = fsdp_exposed(
             gather,

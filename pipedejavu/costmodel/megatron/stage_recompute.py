@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.replica import kinds_of
 from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.rules import (
@@ -115,7 +116,8 @@ def stage_recompute_counts(
         # largest bucket beside the dense ones, as the predictor's), the
         # input received and the GPU types
         kinds = []
-        for tp in sorted({r.tp for r in stage.replicas}):
+        kinds_here = kinds_of(stage.replicas)
+        for tp in sorted({kind.tp for kind in kinds_here}):
             params = stage_params(info, tp, stage.start, stage.stop)
             largest = max(buckets(info, tp, stage.start, stage.stop))
             span = ((stage.start, stage.stop),)
@@ -131,7 +133,7 @@ def stage_recompute_counts(
                 largest = max(largest, biggest)
             state = model_state_bytes(info, params, largest, plan.dp, experts, edp)
             received = float(info.act_output[tp][stage.start - 1]) if s else 0.0
-            gpus = sorted({r.gpu_type for r in stage.replicas if r.tp == tp})
+            gpus = sorted({k.gpu_type for k in kinds_here if k.tp == tp})
             kinds.append((tp, state, received, gpus))
         fitting = choices[-1]
         for n in choices:

@@ -43,6 +43,7 @@ from pipedejavu.core.plan3d import (
     RANK_ORDERS,
     Plan3D,
     Replica,
+    ReplicaRow,
     Stage3D,
     canonical_nodes,
     rank_nodes,
@@ -185,8 +186,8 @@ def plan_from_stages(
             Stage3D(
                 start,
                 stop,
-                tuple(
-                    replica_of(gpu_type, tp, zone, node_offset + n) for n in nodes[s]
+                ReplicaRow(
+                    replica_of(gpu_type, tp, zone), [node_offset + n for n in nodes[s]]
                 ),
             )
             for s, (start, stop, tp) in enumerate(stages)
@@ -225,7 +226,9 @@ def plan_from_mixed_stages(
     out = []
     for start, stop, tp, gpu in stages:
         nodes = rank_nodes(used[gpu], dp, tp, gpus_per_node[gpu])
-        replicas = tuple(replica_of(gpu, tp, zone, bases[gpu] + n) for n in nodes)
+        replicas = ReplicaRow(
+            replica_of(gpu, tp, zone), [bases[gpu] + n for n in nodes]
+        )
         used[gpu] += dp * tp
         out.append(Stage3D(start, stop, replicas))
     layout = ParallelLayout(

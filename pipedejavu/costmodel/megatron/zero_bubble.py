@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.replica import kinds_of
 from pipedejavu.costmodel.megatron.long_pipelines import (
     PipelineSummary,
     every_pipeline,
@@ -91,7 +92,7 @@ def zero_bubble_pipelines(
     stages, dp, count = plan.num_stages, plan.dp, plan.num_microbatches
     weight = np.zeros((stages, dp))
     for s, stage in enumerate(plan.stages):
-        kinds = {(r.gpu_type, r.tp): 0.0 for r in stage.replicas}
+        kinds = {(r.gpu_type, r.tp): 0.0 for r in kinds_of(stage.replicas)}
         for kind in kinds:
             kinds[kind] = stage_weight_grad(times[kind], stage.start, stage.stop)
         if len(kinds) == 1:
