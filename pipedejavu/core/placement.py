@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.layout import LEGACY_ORDERS, PP_OUTER, ParallelLayout
 from pipedejavu.core.replica import ReplicaRow, alike
@@ -61,6 +63,8 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
     """
     # per node, in plan order: [GPUs placed, the last replica's tp, its GPU
     # type, that type's node size, every type placed there]
+    if _rows_fit(plan, gpus_per_node):
+        return
     placed: dict[int, list[Any]] = {}
     capacities: dict[str, int] = {}  # asked once per GPU type
     for s, stage in enumerate(plan.stages):
@@ -107,6 +111,27 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
                 "spills over from the node before)"
             )
         spill, previous = max(spill + total - capacity, 0), node
+
+
+def _rows_fit(plan: Any, gpus_per_node: Callable[[str], int]) -> bool:
+    """Whether a plan of rows (:class:`~pipedejavu.core.replica.ReplicaRow`)
+    of one GPU type fits its nodes at a glance: no TP group larger than a
+    node, no node holding more than it has (then no replica spills over and
+    each starts on its node: :func:`check_nodes` accepts it). ``False`` when
+    it is not such a plan or does not fit so (:func:`check_nodes` then reads
+    it replica by replica, and says why where it fails)."""
+    kinds = [alike(stage.replicas) for stage in plan.stages]
+    if any(kind is None for kind in kinds) or len({k.gpu_type for k in kinds}) > 1:
+        return False
+    capacity = gpus_per_node(kinds[0].gpu_type)
+    if max(kind.tp for kind in kinds) > capacity:
+        return False
+    nodes, gpus = [], []
+    for kind, stage in zip(kinds, plan.stages, strict=True):
+        placed = [node for node in stage.replicas.nodes if node is not None]
+        nodes += placed
+        gpus += [kind.tp] * len(placed)
+    return not nodes or int(np.bincount(nodes, weights=gpus).max()) <= capacity
 
 
 def rank_nodes(

@@ -122,6 +122,14 @@ from pipedejavu.simulation.timeline import Bar, timeline_bars
 __all__ = ["Prediction", "predict_plan"]
 
 
+def transfer_kinds(stage: Stage3D) -> list[tuple]:
+    """:func:`_kind` of each of a stage's replicas (a row's computed once)."""
+    kind = alike(stage.replicas)
+    if kind is None:
+        return [_kind(replica) for replica in stage.replicas]
+    return [_kind(kind)] * len(stage.replicas)
+
+
 def by_replica(stage: Stage3D) -> Sequence[Replica]:
     """A stage's replicas one by one, a :class:`~pipedejavu.core.replica.
     ReplicaRow`'s as its one kind repeated (what prices read, the node aside)."""
@@ -309,9 +317,9 @@ def predict_plan(
         nbytes = float(message_bytes(info, send_tp, a_stage.stop - 1, mbs))
         blocking[s, :] = is_blocking(nbytes, send_tp, receive_tp, constants)
         keys = [
-            (_kind(sender), _kind(receiver), nbytes, a == b, sharing[a, b])
+            (sender, receiver, nbytes, a == b, sharing[a, b])
             for sender, receiver, (a, b) in zip(
-                by_replica(a_stage), by_replica(b_stage), pairs, strict=True
+                transfer_kinds(a_stage), transfer_kinds(b_stage), pairs, strict=True
             )
         ]
         for j, key in enumerate(keys):

@@ -227,7 +227,9 @@ class StageBounds:
         size = next(iter(self.tables.values())).w.shape[0]
         g = np.full((most_gpus + 1, size), np.inf)
         g[0, size - 1] = -np.inf  # nothing left to cover, no GPU used
-        for u in range(1, most_gpus + 1):
+        # a chain has at most size - 1 stages (a layer each or more): on more
+        # GPUs than that many of the largest degree, none (g stays inf)
+        for u in range(1, min(most_gpus, (size - 1) * max(self.tables)) + 1):
             best = g[u]
             for t in self.tables:
                 # a stage a..b-1 at degree t, the rest from b on u - t GPUs
