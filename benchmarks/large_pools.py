@@ -29,6 +29,7 @@ SETTINGS = (
     ("Llama-3-70B", 1024, 1024),
     ("Llama-3-70B", 2048, 1024),
     ("Llama-3.1-405B", 2048, 1024),
+    ("Llama-3.1-405B", 4096, 1024),
     ("Llama-3.1-405B", 16384, 1024),  # issue 47's target: <= 30 s
 )
 CHILD = """
@@ -47,7 +48,9 @@ model, gpus, gbs, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.arg
 started = time.perf_counter()
 knobs = plan_model(model, {"H100-SXM": gpus}, gbs)
 seconds = time.perf_counter() - started
+import pipedejavu
 json.dump({"seconds": seconds, "plan": strip(knobs.to_json()),
+           "code": str(pipedejavu.__file__),
            "iteration_s": knobs.result.prediction.iteration_time_s,
            "proven": bool(knobs.result.proven)}, open(out, "w"))
 """
@@ -57,10 +60,13 @@ def _run(code: Path, model: str, gpus: int, gbs: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "out.json"
         env = {**os.environ, "PYTHONPATH": str(code)}
+        # run in the empty folder: `python -c` puts its working directory
+        # first on sys.path, which would shadow PYTHONPATH from the checkout
         subprocess.run(
             [sys.executable, "-c", CHILD, model, str(gpus), str(gbs), str(out)],
             check=True,
             env=env,
+            cwd=folder,
         )
         return json.loads(out.read_text())
 
@@ -83,6 +89,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, code in codes.items():
                 result = _run(code, model, gpus, gbs)
+                if not Path(result["code"]).resolve().is_relative_to(code.resolve()):
+                    raise SystemExit(f"{name} ran {result['code']}, not {code}")
                 seconds[name].append(result["seconds"])
                 plans[name] = result
         row = {

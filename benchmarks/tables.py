@@ -1441,7 +1441,37 @@ def t_capacity_planning() -> str:
     )
 
 
+def t_large_pools() -> str:
+    data = load("large_pools.json")
+    rows = []
+    for row in data["settings"]:
+        seconds = row["seconds"]
+        before = min(seconds["before"]) if "before" in seconds else None
+        after = min(seconds["after"])
+        rows.append(
+            [
+                row["model"],
+                f"{row['gpus']:,}",
+                "" if before is None else f"{before:.0f}",
+                f"{after:.0f}",
+                "" if before is None else f"x{before / after:.2f}",
+                f"{row['iteration_s']:.2f}",
+                {True: "yes", False: "NO"}.get(row.get("identical"), ""),
+                "yes" if row["proven"] else "no",
+            ]
+        )
+    head = ["model", "H100", "s before", "s after", "speed-up", "s / iteration"]
+    head += ["same plan", "proven"]
+    return (
+        table(head, rows) + "\n\nEach planned in a fresh process, global batch "
+        "1,024, the code before and after the change side by side on one "
+        "machine, its plans compared field by field (wall-clock fields aside)."
+        + source("large_pools.json")
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "large_pools": t_large_pools,
     "capacity_planning": t_capacity_planning,
     "cluster_calibration": t_cluster_calibration,
     "torchtitan_published": t_torchtitan_published,
