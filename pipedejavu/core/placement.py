@@ -61,10 +61,10 @@ def check_nodes(plan: Any, gpus_per_node: Callable[[str], int]) -> None:
     Raises:
         ProblemError: naming the node, its GPUs and what the plan puts there.
     """
-    # per node, in plan order: [GPUs placed, the last replica's tp, its GPU
-    # type, that type's node size, every type placed there]
     if _rows_fit(plan, gpus_per_node):
         return
+    # per node, in plan order: [GPUs placed, the last replica's tp, its GPU
+    # type, that type's node size, every type placed there]
     placed: dict[int, list[Any]] = {}
     capacities: dict[str, int] = {}  # asked once per GPU type
     for s, stage in enumerate(plan.stages):

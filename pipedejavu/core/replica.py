@@ -30,6 +30,7 @@ __all__ = [
     "ReplicaRow",
     "alike",
     "kinds_of",
+    "one_by_one",
     "replica_of",
 ]
 
@@ -185,4 +186,12 @@ def kinds_of(replicas: Sequence[Replica]) -> list[Replica]:
     kind = alike(replicas)
     if kind is not None:
         return [kind]
-    return list(dict.fromkeys(replica.on_node(None) for replica in replicas))
+    fields = dict.fromkeys((r.gpu_type, r.tp, r.zone, r.gpus_on_node) for r in replicas)
+    return [replica_of(g, t, zone, None, n) for g, t, zone, n in fields]
+
+
+def one_by_one(replicas: Sequence[Replica]) -> Sequence[Replica]:
+    """``replicas`` one by one as what prices them reads (all but the node):
+    a :class:`ReplicaRow`'s kind repeated, no replica built per node."""
+    kind = alike(replicas)
+    return replicas if kind is None else [kind] * len(replicas)

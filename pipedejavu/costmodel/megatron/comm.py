@@ -41,7 +41,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.plan3d import Replica
-from pipedejavu.core.replica import alike
+from pipedejavu.core.replica import alike, one_by_one
 from pipedejavu.costmodel.megatron.sailor_data import NetworkTables
 
 __all__ = [
@@ -129,8 +129,8 @@ def ring_hops(
     ``chunk`` bytes per GPU takes ``streams * chunk / fit.bandwidth(chunk)``."""
     count = len(replicas)
     kind = alike(replicas)
+    replicas = one_by_one(replicas)
     if kind is not None:  # one kind: its replicas counted per node at once
-        replicas = [kind] * count
         per_node = {node: k * kind.tp for node, k in Counter(nodes).items()}
     else:
         per_node = {}

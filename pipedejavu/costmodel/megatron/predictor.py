@@ -64,7 +64,7 @@ import numpy as np
 
 from pipedejavu.core.plan3d import Plan3D, Stage3D, check_nodes
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.core.replica import Replica, alike, kinds_of
+from pipedejavu.core.replica import alike, kinds_of, one_by_one
 from pipedejavu.costmodel.megatron.comm import node_keys
 from pipedejavu.costmodel.megatron.constants import (
     FITTED_CONSTANTS,
@@ -128,13 +128,6 @@ def transfer_kinds(stage: Stage3D) -> list[tuple]:
     if kind is None:
         return [_kind(replica) for replica in stage.replicas]
     return [_kind(kind)] * len(stage.replicas)
-
-
-def by_replica(stage: Stage3D) -> Sequence[Replica]:
-    """A stage's replicas one by one, a :class:`~pipedejavu.core.replica.
-    ReplicaRow`'s as its one kind repeated (what prices read, the node aside)."""
-    kind = alike(stage.replicas)
-    return stage.replicas if kind is None else [kind] * len(stage.replicas)
 
 
 def _kind(replica) -> tuple:
@@ -258,9 +251,9 @@ def predict_plan(
     nodes = [node_keys(stage.replicas, s) for s, stage in enumerate(plan.stages)]
     for s, stage in enumerate(plan.stages):
         per_kind: dict[tuple[str, int], tuple[float, float, float, float, float]] = {}
-        kinds = [(r.gpu_type, r.tp) for r in kinds_of(stage.replicas)]
-        if len(kinds) > 1:  # one per replica, to fill the row below
-            kinds = [(r.gpu_type, r.tp) for r in stage.replicas]
+        alike_kind = alike(stage.replicas)  # a row: one kind, its row at once
+        held_by = stage.replicas if alike_kind is None else [alike_kind]
+        kinds = [(r.gpu_type, r.tp) for r in held_by]
         for key in dict.fromkeys(kinds):  # replicas of one kind in a stage agree
             gpu_type, tp = key
             if key not in times:
@@ -421,7 +414,7 @@ def predict_plan(
         rings: dict[tuple, float] = {}
         times_j = []
         for j, (a, b) in enumerate(
-            zip(by_replica(plan.stages[0]), by_replica(plan.stages[-1]), strict=True)
+            zip(*(one_by_one(plan.stages[k].replicas) for k in (0, -1)), strict=True)
         ):
             nbytes = info.tied_params(a.tp) * info.gradient_bytes
             key = (_kind(a), _kind(b), nodes[0][j] == nodes[-1][j], nbytes)
