@@ -417,25 +417,12 @@ def canonical_exact(
 ) -> HeteroPlan | None:
     """The optimal canonically placed plan (module doc), transfers included.
 
-    Args:
-        problem: the instance.
-        allowed_boundaries: restrict where stages may end: stage stops (half-open,
-            in ``1..L - 1``; the stop ``L`` is always allowed, stages start at 0
-            or an allowed stop), or a bool[L, L] mask of allowed spans
-            ``[start, end]`` (inclusive, like :mod:`pipedejavu.search.engine.driver`'s
-            neighbourhood). The result is optimal within the restriction.
-        incumbent_cost: seconds of a known plan; only cheaper plans are sought.
-        time_limit_s: wall-clock budget; past it :class:`CanonicalTimeoutError`.
-        progress_fn: called after each cap with a dict (``caps_evaluated``,
-            ``num_candidates``, ``best_cost``, ``lower_bound``, ``elapsed_s``).
-
-    Returns:
-        The plan (``info``: ``num_candidates``, ``num_evaluated``, ``t_max``),
-        or ``None`` when ``incumbent_cost`` is given and no plan is cheaper.
-
-    Raises:
-        InfeasibleProblemError: no plan (within the restriction); says why.
-        CanonicalTimeoutError: the time limit passed (a :class:`TimeoutError`).
+    The arguments, the ``None`` return and :class:`InfeasibleProblemError` are
+    those of :func:`pipedejavu.search.hetero.exact.hetero_exact` (the
+    signature is kept alike so that ``hetero_vs_alpa.py`` calls both the same
+    way), except that the plan's ``info`` holds only ``num_candidates``,
+    ``num_evaluated`` and ``t_max``, and that past ``time_limit_s`` it raises
+    :class:`CanonicalTimeoutError` (a :class:`TimeoutError`).
     """
     started = time.perf_counter()
     deadline = math.inf if time_limit_s is None else started + float(time_limit_s)
@@ -501,6 +488,11 @@ def canonical_exact(
                     }
                 )
 
+        # The cap search of before issue 17, kept rather than calling the
+        # package's pipedejavu.search.alpa.caps.search_caps: it solves the same
+        # caps in the same order, but its open intervals (``heap``,
+        # ``open_bound``) feed the lower bound reported to progress_fn and in
+        # CanonicalTimeoutError, which search_caps does not expose.
         def push(low: int, high: int) -> None:
             if high - low < 2:
                 return

@@ -130,8 +130,7 @@ def main() -> None:
         "trees": {name: _commit(tree) for name, tree in trees.items()},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    stamp.write_json(args.out, result, end="\n")
     print(f"wrote {args.out}")
 
 

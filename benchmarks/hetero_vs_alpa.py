@@ -407,8 +407,7 @@ def main() -> None:
             **result,
         }
         print(json.dumps(result["summary"], indent=1))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        stamp.write_json(out, result, end="\n")
         print(f"wrote {out}")
         return
     if args.out is None:
@@ -449,8 +448,7 @@ def main() -> None:
         "oracle_limit_s": args.oracle_limit,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    stamp.write_json(args.out, result, end="\n")
     print(f"wrote {args.out}")
 
 

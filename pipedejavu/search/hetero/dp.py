@@ -298,6 +298,16 @@ def _window(setup: Setup, lo: int, hi: int, after: int, start: int):
     return (lo, hi) if lo <= hi else None
 
 
+def _row_windows(setup: Setup, stack: _Stack, after: int, start: int):
+    """``(row, lo, hi)`` for each row of ``stack`` with lengths it may take
+    from ``start`` (:func:`_window` of the row's band), in row order."""
+    lows, highs = stack.lo[:, start].tolist(), stack.hi[:, start].tolist()
+    for r, (lo, hi) in enumerate(zip(lows, highs, strict=True)):
+        window = _window(setup, lo, hi, after, start)
+        if window is not None:
+            yield r, *window
+
+
 def _grid_slices(setup: Setup, shift) -> tuple[tuple, tuple]:
     """Grid slices a unit moving ``shift`` leaves from and lands on."""
     source = tuple(slice(0, n - s) for n, s in zip(setup.grid, shift, strict=True))
@@ -315,33 +325,18 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
     )
     best = np.full((tables.num_buckets + 1,) + setup.grid + (setup.num_types,), np.inf)
     ones = (1,) * setup.num_types
-    last = setup.num_layers - 1 - start
     for (t, first, after), (widths, stack) in tables.block_stacks.items():
-        lows, highs = stack.lo[:, start].tolist(), stack.hi[:, start].tolist()
-        for r, width in enumerate(widths.tolist()):
-            lo, hi = lows[r], highs[r]
-            if after == 0:
-                if not lo <= last <= hi:
-                    continue
-                lo = hi = last
-            elif lo > hi:
-                continue
-            source, target = tables.slices["b", t, width]
+        width_of = widths.tolist()
+        for r, lo, hi in _row_windows(setup, stack, after, start):
+            source, target = tables.slices["b", t, width_of[r]]
             layers = layer_rows(setup, start + lo + 1, start + hi + 2)
             rows = grid[(after, layers) + target + (t,)]
             cost = stack.table[r, start, lo : hi + 1].reshape((-1,) + ones)
             view = best[(first,) + source + (t,)]
             np.minimum(view, combine(cost, rows).min(axis=0), out=view)
     for (first, after), (rows_of, stack, _) in tables.whole_stacks.items():
-        lows, highs = stack.lo[:, start].tolist(), stack.hi[:, start].tolist()
-        for r, (index, y) in enumerate(rows_of):
-            lo, hi = lows[r], highs[r]
-            if after == 0:
-                if not lo <= last <= hi:
-                    continue
-                lo = hi = last
-            elif lo > hi:
-                continue
+        for r, lo, hi in _row_windows(setup, stack, after, start):
+            index, y = rows_of[r]
             source, target = tables.slices["w", index]
             layers = layer_rows(setup, start + lo + 1, start + hi + 2)
             rows = grid[(after, layers) + target + (y,)]
@@ -355,10 +350,11 @@ def _unit_values(setup: Setup, tables: Tables, values, start: int):
 
 def _pass(setup: Setup, tables: Tables, deadline: float):
     """The backward pass: ``values`` f64[NB + 1, rows, G T + 1] (the row of
-    layer i by :func:`~._hetero_units.layer_row`: before layer i, next stage in
-    bucket b, state ``cell * T + a``: previous unit ending on type a; the
-    transfer into layer i included; the last state always inf) and
-    the root values f64[NB + 1, T] (first stage in bucket b, first type x)."""
+    layer i by :func:`~pipedejavu.search.hetero.units.layer_row`: before
+    layer i, next stage in bucket b, state ``cell * T + a``: previous unit
+    ending on type a; the transfer into layer i included; the last state
+    always inf) and the root values f64[NB + 1, T] (first stage in bucket b,
+    first type x)."""
     combine = tables.combine
     num_layers, num_types = setup.num_layers, setup.num_types
     num_buckets, num_cells = tables.num_buckets, setup.num_cells

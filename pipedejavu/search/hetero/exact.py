@@ -37,7 +37,7 @@ whole stages leave (:mod:`pipedejavu.search.hetero.place`).
 
 ``T(t) = S(t) + (B - 1) t`` bounds the plans whose bottleneck is ``<= t`` and
 is attained at the optimum's bottleneck; the best-first branch and bound over
-the sorted caps is :func:`pipedejavu.search.alpa.exact.search_caps` (a plan with its
+the sorted caps is :func:`pipedejavu.search.alpa.caps.search_caps` (a plan with its
 bottleneck in ``[t_a, t_b]`` costs ``>= max(S(t_b) + (B - 1) t_a, B t_a)``).
 The smallest feasible cap comes from the min-max version of the same two steps.
 Memory buckets deepen 1, 2, 4, ... until the plan obeys Alpa's rule.
@@ -74,7 +74,12 @@ from pipedejavu.search.hetero.dp import Interrupted, Unit, solve_relaxed
 from pipedejavu.search.hetero.place import astar, realize, stage_tuples
 from pipedejavu.search.hetero.units import Setup, build, candidate_caps, span_mask
 
-__all__ = ["HeteroTimeoutError", "explain_infeasible", "hetero_exact"]
+__all__ = [
+    "HeteroTimeoutError",
+    "between_caps_bound",
+    "explain_infeasible",
+    "hetero_exact",
+]
 
 
 class HeteroTimeoutError(TimeoutError):
@@ -211,17 +216,20 @@ def explain_infeasible(problem: HeteroProblem, allowed_boundaries: Any = None) -
     )
 
 
-def _lower_bound(
-    sums: dict[int, float], caps: NDArray, best: float, batches: int
-) -> float:
-    """No plan costs less: the incumbent, or a plan whose bottleneck lies
-    between two solved caps, below the first or above the last."""
-    if caps.size == 0:
-        return best
-    bound = best
+def between_caps_bound(sums: dict[int, float], caps: NDArray, batches: int) -> float:
+    """The least cost of a plan whose bottleneck lies strictly between two
+    solved caps, below the first or above the last (``inf`` when every cap is
+    solved).
+
+    ``sums`` maps solved indices of the sorted ``caps`` to the least sum under
+    that cap, ``batches`` is ``B``: a plan with its bottleneck between solved
+    caps ``c_a < c_b`` costs ``>= max(S(c_b) + (B - 1) c_a', B c_a')`` (``c_a'``
+    the next candidate), one above the last solved cap ``>= B c_a'``. Shared
+    by :func:`hetero_exact` and :func:`pipedejavu.search.hetero.rbound.relaxed_bound`.
+    """
+    bound = math.inf
     solved = sorted(sums)
-    edges = [-1] + solved + [caps.size]
-    for low, high in zip(edges[:-1], edges[1:], strict=True):
+    for low, high in zip([-1] + solved, solved + [caps.size], strict=True):
         if high - low < 2:
             continue
         floor = float(caps[low + 1])
@@ -231,6 +239,14 @@ def _lower_bound(
             part = batches * floor
         bound = min(bound, part)
     return bound
+
+
+def _lower_bound(
+    sums: dict[int, float], caps: NDArray, best: float, batches: int
+) -> float:
+    """No plan costs less: the incumbent, or a plan whose bottleneck lies
+    between two solved caps, below the first or above the last."""
+    return min(best, between_caps_bound(sums, caps, batches))
 
 
 def hetero_exact(

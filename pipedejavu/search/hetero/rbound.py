@@ -10,7 +10,7 @@ max(S_R(c) + (B - 1) c, B c)``, one whose bottleneck lies strictly between
 solved caps ``c_a < c_b`` costs ``>= max(S_R(c_b) + (B - 1) c_a', B c_a')``
 (``c_a'`` the next candidate; ``S_R`` does not increase with the cap), and one
 above the last solved cap costs ``>= B`` times the next candidate. The bound is
-the least of these pieces. :func:`pipedejavu.search.alpa.exact.search_caps` decides
+the least of these pieces. :func:`pipedejavu.search.alpa.caps.search_caps` decides
 which caps to solve, pruning a piece once it reaches the best point bound so
 far, the incumbent or a plan found on the way: the piece holding the optimum's
 bottleneck is at most the optimum, so it is never pruned before it matters.
@@ -41,7 +41,7 @@ import numpy as np
 from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.search.alpa.caps import search_caps
 from pipedejavu.search.hetero.dp import Interrupted, solve_relaxed
-from pipedejavu.search.hetero.exact import memory_ok
+from pipedejavu.search.hetero.exact import between_caps_bound, memory_ok
 from pipedejavu.search.hetero.place import realize, stage_tuples
 from pipedejavu.search.hetero.units import build, candidate_caps
 
@@ -54,17 +54,7 @@ def _cover(sums: dict[int, float], caps: np.ndarray, batches: int) -> float:
     for index, total in sums.items():
         cap = float(caps[index])
         bound = min(bound, max(total + (batches - 1) * cap, batches * cap))
-    solved = sorted(sums)
-    for low, high in zip([-1] + solved, solved + [caps.size], strict=True):
-        if high - low < 2:
-            continue
-        floor = float(caps[low + 1])
-        if high < caps.size:
-            piece = max(sums[high] + (batches - 1) * floor, batches * floor)
-        else:
-            piece = batches * floor
-        bound = min(bound, piece)
-    return bound
+    return min(bound, between_caps_bound(sums, caps, batches))
 
 
 def relaxed_bound(
