@@ -23,7 +23,7 @@ from typing import Any
 from pipedejavu.cli.calibrate import add_calibration_flag, calibration_of
 from pipedejavu.cli.expert_flags import refuse_expert_flags
 from pipedejavu.cli.knob_flags import add_knob_options, knob_space
-from pipedejavu.cli.parsing import headroom_type, int_in
+from pipedejavu.cli.parsing import given_flags, headroom_type, int_in
 from pipedejavu.core.plan3d import MAX_SEARCH_GPUS
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import (
@@ -67,6 +67,7 @@ __all__ = [
     "add_training_options",
     "any_model_options",
     "choose_for_plan",
+    "cost_source_options",
     "costs_line",
     "launch_pool",
     "plan_megatron_args",
@@ -172,6 +173,20 @@ def costs_line(
     return line + ")"
 
 
+def cost_source_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of :func:`~pipedejavu.planning.any_model.choose_cost_source`
+    (and of the planners that call it) that ``plan --model`` gives: precision,
+    sequence length, GPU sheet, profiles, memory headroom and calibration."""
+    return {
+        "precision": args.precision,
+        "seq_length": args.seq_len,
+        "gpu_sheet": args.gpu_sheet,
+        "profiles": args.profiles,
+        "memory_headroom": args.memory_headroom,
+        "calibration": calibration_of(args),
+    }
+
+
 def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoice:
     """The cost source of ``plan --model`` (before its knobs: a model of the
     profiles given no knob flag is priced by its profiles), with the kept
@@ -179,15 +194,7 @@ def choose_for_plan(args: argparse.Namespace, pool: dict[str, int]) -> CostChoic
 
     def choose(options: TrainingOptions | None) -> CostChoice:
         return choose_cost_source(
-            args.model,
-            pool,
-            options=options,
-            precision=args.precision,
-            seq_length=args.seq_len,
-            gpu_sheet=args.gpu_sheet,
-            profiles=args.profiles,
-            memory_headroom=args.memory_headroom,
-            calibration=calibration_of(args),
+            args.model, pool, options=options, **cost_source_options(args)
         )
 
     choice = choose(None)
@@ -248,9 +255,8 @@ def predict_plan_file(args: argparse.Namespace) -> tuple[Any, Any, CostChoice]:
 
 
 def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
-    given = [
-        flag
-        for flag, value in (
+    given = given_flags(
+        (
             ("--model", args.model),
             ("--profiles", args.profiles),
             ("--precision", args.precision),
@@ -263,8 +269,7 @@ def _refuse_with_megatron_args(args: argparse.Namespace) -> None:
             ("--attention", getattr(args, "attention", None)),
             *((SWITCH_FLAGS[name], getattr(args, name, None)) for name in KEPT_OPTIONS),
         )
-        if value
-    ]
+    )
     if given:
         raise ProblemError(
             f"--megatron-args describes the model and its training: give no "

@@ -13,14 +13,14 @@ to the CLI (exit 2 for bad input, 3 for no feasible plan).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 from typing import Any
 
 from pipedejavu.cli.capacity import add_capacity_options, run_capacity
 from pipedejavu.cli.megatron_report import format_training_plan
-from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.parsing import int_in, require_matplotlib
+from pipedejavu.cli.pictures import write_picture
 from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
@@ -195,8 +195,8 @@ def _run_elastic(args, grad, high) -> int:
 
     if len(args.gpus) != 1:
         raise ProblemError("--elastic takes one --gpus TYPE:LOW..HIGH")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ProblemError("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
+    if args.plot:
+        require_matplotlib()
     gpu, low, top = parse_gpu_range(args.gpus[0])
     gpn = load_sailor_data(args.profiles).gpu_spec(gpu).gpus_per_node
     counts = elastic_counts(low, top, gpn)
@@ -218,12 +218,6 @@ def _run_elastic(args, grad, high) -> int:
         print(json_text(result.to_json()))
     else:
         print(format_elastic(result))
-    if args.plot:
-        try:
-            plot_elastic(result, args.plot)
-        except (ProblemError, OSError) as error:
-            sys.stdout.flush()
-            print(f"pipedejavu: error: no plot written: {error}", file=sys.stderr)
-            return 1
-        _progress(f"plot written to {args.plot}")
-    return 0
+    if not args.plot:
+        return 0
+    return write_picture(lambda: plot_elastic(result, args.plot), args.plot)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipedejavu.cli.parsing import add_json_option
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import json_text
 from pipedejavu.costmodel.analytical.calibration_file import (
@@ -81,7 +82,7 @@ def add_parser(commands: Any) -> None:
     calibrate.add_argument(
         "--out", metavar="CAL.json", required=True, help="the calibration file"
     )
-    calibrate.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(calibrate)
 
 
 def add_calibration_flag(parser: Any) -> None:

@@ -11,12 +11,11 @@ of it, ``--plot FILE`` draws cost against time to train.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 from typing import Any
 
-from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.parsing import given_flags, int_in, require_matplotlib
 from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -145,21 +144,19 @@ def _question(args: argparse.Namespace) -> CapacityQuestion:
         raise ProblemError(f"--gpus-available needs {', '.join(missing)}")
     if (args.deadline is None) == (args.budget is None):
         raise ProblemError("--gpus-available needs --deadline or --budget (one)")
-    given = [
-        flag
-        for flag, value in (
+    given = given_flags(
+        (
             ("--gpus", args.gpus),
             ("--export", args.export),
             ("--megatron-args", args.megatron_args),
             ("--goodput-grad", args.goodput_grad),
             ("--elastic", args.elastic),
         )
-        if value
-    ]
+    )
     if given:
         raise ProblemError(f"capacity planning takes no {', '.join(given)}")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ProblemError("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
+    if args.plot:
+        require_matplotlib()
     sheet = load_gpu_sheet(args.gpu_sheet)
     available: dict[str, int] = {}
     for item in (i for text in args.gpus_available for i in text.split(",")):

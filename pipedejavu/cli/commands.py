@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from pipedejavu.cli.formatting import format_duration, format_plan
+from pipedejavu.cli.parsing import require_matplotlib
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.files import json_text
 from pipedejavu.core.hetero import HeteroProblem
@@ -56,18 +57,9 @@ class _CompareProgress:
             )
 
 
-def _need_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ProblemError(
-            "--plot needs matplotlib: pip install 'pipedejavu[plot]'"
-        ) from None
-
-
 def run_compare(problem: Problem, args: argparse.Namespace) -> None:
     if args.plot:
-        _need_matplotlib()  # before minutes of solving, not after
+        require_matplotlib()  # before minutes of solving, not after
 
     methods = None
     if args.methods is not None:
@@ -156,7 +148,7 @@ def _costmodel_report(args: argparse.Namespace) -> None:
     if not Path(source).is_file():
         raise ProblemError(f"no such file: {source}")
     if args.plot:
-        _need_matplotlib()
+        require_matplotlib()
     try:
         rows = comm_report(source, num_folds=args.folds)
     except ValueError as error:

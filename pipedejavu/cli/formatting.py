@@ -24,6 +24,19 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def _stage_cells(stage) -> tuple[str, str]:
+    """A plan table's layers (``first-last``) and submesh (``HxD``) of a stage."""
+    return f"{stage.start}-{stage.stop - 1}", f"{stage.submesh[0]}x{stage.submesh[1]}"
+
+
+def _lower_bound_line(plan: Plan | HeteroPlan) -> str:
+    """The certified lower bound of a plan whose ``info`` has one, and its gap."""
+    return (
+        f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
+        f"{100 * plan.info['gap']:.2f}% of the optimum"
+    )
+
+
 def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
     """A readable table of a placed plan on typed devices."""
     cluster = problem.cluster
@@ -34,8 +47,7 @@ def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
         f"{'config':>6}  {'latency (s)':>12}  {'transfer (s)':>12}",
     ]
     for index, stage in enumerate(plan.stages):
-        layers = f"{stage.start}-{stage.stop - 1}"
-        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
+        layers, submesh = _stage_cells(stage)
         hosts = ",".join(str(h) for h in stage.hosts)
         kind = cluster.device_types[stage.device_type].name
         transfer = (
@@ -48,8 +60,7 @@ def format_hetero_plan(problem: HeteroProblem, plan: HeteroPlan) -> str:
     if "lower_bound" in plan.info:
         proven = plan.info.get("proven")
         lines.append(
-            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
-            f"{100 * plan.info['gap']:.2f}% of the optimum"
+            _lower_bound_line(plan)
             + (
                 " (optimal, proven)"
                 if proven == "optimal"
@@ -90,18 +101,14 @@ def format_plan(problem: Problem | HeteroProblem, plan: Plan | HeteroPlan) -> st
         f"{'config':>6}  {'latency (s)':>12}",
     ]
     for index, stage in enumerate(plan.stages):
-        layers = f"{stage.start}-{stage.stop - 1}"
-        submesh = f"{stage.submesh[0]}x{stage.submesh[1]}"
+        layers, submesh = _stage_cells(stage)
         lines.append(
             f"{index:>5}  {layers:>9}  {submesh:>7}  {stage.num_devices:>7}  "
             f"{stage.config_index:>6}  {stage.latency:>12.6f}"
         )
     latencies = [stage.latency for stage in plan.stages]
     if "lower_bound" in plan.info:
-        lines.append(
-            f"lower bound {plan.info['lower_bound']:.6f} s: the plan is within "
-            f"{100 * plan.info['gap']:.2f}% of the optimum"
-        )
+        lines.append(_lower_bound_line(plan))
     lines.append(
         f"total: sum {sum(latencies):.6f} s + (B-1) x max {max(latencies):.6f} s "
         f"= {plan.cost:.6f} s per iteration   "

@@ -12,10 +12,9 @@ import csv
 import io
 import math
 import os
-import sys
 from pathlib import Path
 
-from pipedejavu.cli.parsing import HelpFormatter, int_in
+from pipedejavu.cli.parsing import HelpFormatter, add_json_option, fail, int_in
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import json_text, read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
@@ -23,7 +22,7 @@ from pipedejavu.planning.deepspeed_elastic import (
     compute_elastic_config,
 )
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+EXIT_OK = 0
 MAX_CSV_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 1024 * 1024
 DEFAULT_DEEPSPEED_VERSION = "0.16.5"
@@ -67,7 +66,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         metavar="STEPS.csv",
         help="CSV with a header naming the columns " + ", ".join(FIT_COLUMNS),
     )
-    fit.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(fit)
 
     optimize = actions.add_parser(
         "optimize",
@@ -124,7 +123,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also consider gradient accumulation steps",
     )
-    optimize.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(optimize)
 
     elastic = commands.add_parser(
         "elastic",
@@ -148,7 +147,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_DEEPSPEED_VERSION,
         help="target DeepSpeed version (at least 0.3.8)",
     )
-    elastic.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(elastic)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,8 +160,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _run_optimize(args)
     except InputError as error:
-        print(f"pipedejavu: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return fail(str(error))
     return EXIT_OK
 
 

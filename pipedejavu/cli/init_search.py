@@ -14,7 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from pipedejavu.cli.parsing import HelpFormatter, float_in, int_in
+from pipedejavu.cli.parsing import (
+    HelpFormatter,
+    add_json_option,
+    fail,
+    float_in,
+    int_in,
+    require_matplotlib,
+)
 from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.init_search.data import load_digits
@@ -28,7 +35,7 @@ from pipedejavu.init_search.limits import (
     check_memory,
 )
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+EXIT_OK = 0
 # Settings whose error messages start with their field name.
 _OPTION_FIELDS = {
     "num_workers",
@@ -143,7 +150,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--data", help="a digits .npz of the bundled layout")
     parser.add_argument("--plot", metavar="DIR", help="write figures here")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(parser)
 
 
 def parse_targets(text: str) -> list[float]:
@@ -196,22 +203,14 @@ class _Bar:
             print(file=sys.stderr, flush=True)
 
 
-def _fail(message: str) -> int:
-    print(f"pipedejavu: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     try:
         targets = parse_targets(args.target)
+        if args.plot:
+            require_matplotlib()
     except ProblemError as error:
-        return _fail(str(error))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return _fail("--plot needs matplotlib: pip install 'pipedejavu[plot]'")
+        return fail(str(error))
     import jax
 
     from pipedejavu.init_search.model import model_config
@@ -254,11 +253,11 @@ def run(args: argparse.Namespace) -> int:
             config.memory_limit_gb,
         )
     except ProblemError as error:  # the data file or the memory: named there
-        return _fail(str(error))
+        return fail(str(error))
     except ValueError as error:  # settings: name the option, not the field
         first, _, rest = str(error).partition(" ")
         option = "--" + first.replace("_", "-")
-        return _fail(f"{option} {rest}" if first in _OPTION_FIELDS else str(error))
+        return fail(f"{option} {rest}" if first in _OPTION_FIELDS else str(error))
     bar = _Bar(3 * config.budget(steps) * args.seeds)
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
@@ -276,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            return _fail(f"cannot create plot directory {directory}: {error}")
+            return fail(f"cannot create plot directory {directory}: {error}")
         written = [
             plot_candidates(runs[0], directory / "init_search_candidates.png"),
             plot_compute(runs, directory / "init_search_compute.png"),

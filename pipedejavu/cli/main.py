@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Collection, Sequence
 from types import ModuleType
 
-from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, join_number_lists
+from pipedejavu.cli.parsing import EXIT_BAD_INPUT, Parser, fail, join_number_lists
 from pipedejavu.core.errors import InfeasibleProblemError, ProblemError
 from pipedejavu.core.version import __version__
 from pipedejavu.search.engine.compile_cache import cache_when_jax_loads
@@ -257,17 +257,13 @@ def _run(args: argparse.Namespace) -> int:
         return module.run(args)  # reports its own errors
     try:
         code = module.run(args)
-    except ProblemError as error:
-        print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except InfeasibleProblemError as error:
         print(f"pipedejavu: no feasible plan: {_one_line(error)}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except BrokenPipeError:
         raise  # stdout's reader went away: main stops quietly
-    except OSError as error:
-        print(f"pipedejavu: error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except (ProblemError, OSError) as error:
+        return fail(_one_line(error))
     return EXIT_OK if code is None else code
 
 

@@ -14,6 +14,7 @@ from pipedejavu.cli.any_model import (
     add_training_options,
     any_model_options,
     choose_for_plan,
+    cost_source_options,
     costs_line,
     kept_options,
     plan_megatron_args,
@@ -21,11 +22,11 @@ from pipedejavu.cli.any_model import (
     read_launch,
 )
 from pipedejavu.cli.batch import add_plan_options, run_batch_modes
-from pipedejavu.cli.calibrate import calibration_of
 from pipedejavu.cli.expert_flags import expert_knobs
 from pipedejavu.cli.knob_flags import knob_space, knobs_asked, unused_at_tp1
 from pipedejavu.cli.megatron_report import (
     GB,
+    context_parallel_line,
     format_comparison,
     format_knobs,
     format_launchers,
@@ -34,8 +35,9 @@ from pipedejavu.cli.megatron_report import (
     launchers_json,
     pool_text,
     utilization_line,
+    warn_if_over_memory,
 )
-from pipedejavu.cli.parsing import int_in
+from pipedejavu.cli.parsing import add_json_option, int_in
 from pipedejavu.cli.pictures import PLOT_HELP, check_plot, write_plot
 from pipedejavu.cli.progress import PlanProgress
 from pipedejavu.cli.torchtitan import (
@@ -132,7 +134,7 @@ def add_parsers(commands: Any) -> None:
         help="a folder laid out like Sailor's data (profiles/, llm_info.json, "
         "network/, configs/); default: the bundled copy",
     )
-    predict.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(predict)
     predict.add_argument("--plot", metavar="FILE.png", help=PLOT_HELP)
 
     plan = commands.add_parser(
@@ -211,7 +213,7 @@ def add_parsers(commands: Any) -> None:
         "launch the plan, and where none does, the best plan Megatron-LM "
         "launches",
     )
-    plan.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(plan)
 
     add_sharded_flag(plan)
     add_plan_options(plan)
@@ -228,23 +230,13 @@ def _predict_launch(args: argparse.Namespace) -> int:
         run, gpu, count, sheet, memory_headroom=args.memory_headroom
     )
     prediction = launch.prediction
-    if not prediction.fits_memory:
-        warnings.warn(
-            f"the launch exceeds device memory: peak "
-            f"{prediction.peak_memory_bytes / GB:.2f} GB on a GPU",
-            stacklevel=1,
-        )
+    warn_if_over_memory(prediction, "launch")
     if args.json:
         print(json_text(launch.to_json()))
     else:
         print(format_prediction(launch.plan, prediction, launch.options))
-        cp = launch.context_parallel
-        if cp > 1:
-            print(
-                f"context parallelism {cp}: each GPU of a sequence priced as a "
-                f"replica of its own on 1/{cp} of it (the memory lines are per "
-                "GPU)"
-            )
+        if launch.context_parallel > 1:
+            print(context_parallel_line(launch.context_parallel))
         if launch.experts_line is not None:
             print(launch.experts_line)
         print(f"{utilization_line(launch)}; costs: {launch.cost_source}")
@@ -440,12 +432,7 @@ def _search(
             space=space,
             export=export,
             options=kept_options(args, choice.options),
-            precision=args.precision,
-            seq_length=args.seq_len,
-            gpu_sheet=args.gpu_sheet,
-            profiles=args.profiles,
-            memory_headroom=args.memory_headroom,
-            calibration=calibration_of(args),
+            **cost_source_options(args),
             method=args.method,
             uniform_tp=uniform,
             allow_fewer_gpus=not args.all_gpus,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from pipedejavu.core.errors import ProblemError
@@ -12,6 +13,7 @@ from pipedejavu.planning.knob_space import recompute_name, schedule_name
 from pipedejavu.planning.launch_compare import SEARCH_SPACE_NOTE, RunComparison
 
 __all__ = [
+    "context_parallel_line",
     "format_comparison",
     "format_knobs",
     "format_launchers",
@@ -24,6 +26,7 @@ __all__ = [
     "proof_line",
     "seconds_or_na",
     "utilization_line",
+    "warn_if_over_memory",
 ]
 
 GB = 1e9
@@ -82,6 +85,25 @@ def format_prediction(plan, prediction, options: TrainingOptions | None = None) 
     if prediction.memory_terms is not None:
         lines.append(memory_line(prediction.memory_terms))
     return "\n".join(lines)
+
+
+def warn_if_over_memory(prediction: Any, what: str) -> None:
+    """Warn ``the {what} exceeds device memory: peak ... GB on a GPU`` when
+    ``prediction`` does not fit (a launch, a job)."""
+    if not prediction.fits_memory:
+        warnings.warn(
+            f"the {what} exceeds device memory: peak "
+            f"{prediction.peak_memory_bytes / GB:.2f} GB on a GPU",
+            stacklevel=2,
+        )
+
+
+def context_parallel_line(cp: int) -> str:
+    """The note under a prediction with ``cp``-way context parallelism."""
+    return (
+        f"context parallelism {cp}: each GPU of a sequence priced as a replica "
+        f"of its own on 1/{cp} of it (the memory lines are per GPU)"
+    )
 
 
 def memory_line(memory: dict) -> str:

@@ -1,4 +1,5 @@
-"""The command line's parser class and argument types, shared by every command.
+"""The command line's parser class, argument types and the small checks and
+error reports shared by every command.
 
 :class:`Parser` makes usage errors exit 2 (bad input) and every command's
 ``--help`` show its defaults: ``add_subparsers`` makes the sub-parsers of the
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import math
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 
 __all__ = [
@@ -21,12 +25,16 @@ __all__ = [
     "NUMBER_LIST_OPTIONS",
     "HelpFormatter",
     "Parser",
+    "add_json_option",
     "count",
+    "fail",
     "float_in",
     "fraction",
+    "given_flags",
     "headroom_type",
     "int_in",
     "join_number_lists",
+    "require_matplotlib",
 ]
 
 #: Options whose value is a comma-separated list of numbers that may start
@@ -179,3 +187,32 @@ def float_in(option: str, low: float, high: float):
         return value
 
     return parse
+
+
+def add_json_option(parser: Any, help: str = "print JSON") -> None:
+    """``--json`` (a switch) on ``parser`` or an argument group of it."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def fail(message: str) -> int:
+    """Print ``pipedejavu: error: message`` on stderr; returns the exit code of
+    bad input, :data:`EXIT_BAD_INPUT`."""
+    print(f"pipedejavu: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def given_flags(values: Iterable[tuple[str, Any]]) -> list[str]:
+    """The flags of ``(flag, value)`` pairs whose value was given (is truthy),
+    in their order."""
+    return [flag for flag, value in values if value]
+
+
+def require_matplotlib() -> None:
+    """Refuse ``--plot`` when matplotlib is not installed (checked without
+    importing it, before any work).
+
+    Raises:
+        ProblemError: one line naming the package to install.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ProblemError("--plot needs matplotlib: pip install 'pipedejavu[plot]'")

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from pipedejavu.cli.formatting import format_inspection, format_plan
-from pipedejavu.cli.parsing import count
+from pipedejavu.cli.parsing import add_json_option, count
 from pipedejavu.core.errors import PlanError, ProblemError
 from pipedejavu.core.files import json_text
 from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
@@ -104,11 +104,10 @@ def add_parsers(commands: Any) -> None:
         help="reproduce Alpa's training_dp answer exactly, 1e-6 candidate gap "
         "included (homogeneous problems; with typed devices use --method alpa)",
     )
-    solve.add_argument(
-        "--json",
-        action="store_true",
-        help="print only the plan JSON on stdout (with lower_bound and gap when "
-        "the method certifies its plan)",
+    add_json_option(
+        solve,
+        "print only the plan JSON on stdout (with lower_bound and gap when the "
+        "method certifies its plan)",
     )
 
     inspect = commands.add_parser("inspect", help="sizes and coverage of a problem")

@@ -9,7 +9,7 @@ from typing import Any
 
 from pipedejavu.cli import problem as cli_problem
 from pipedejavu.cli.commands import run_compare, run_costmodel, run_demo, run_profile
-from pipedejavu.cli.parsing import count, fraction
+from pipedejavu.cli.parsing import add_json_option, count, fraction
 from pipedejavu.core.problem import SUBMESH_SPACES
 from pipedejavu.core.validation import MAX_MICROBATCHES
 
@@ -45,7 +45,7 @@ def add_parsers(commands: Any) -> None:
         "--seed", type=count("--seed", 0, 2**32 - 1), default=0, help="base seed"
     )
     output = compare.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(output)
     output.add_argument("--csv", action="store_true", help="print CSV")
     compare.add_argument(
         "--plot",
@@ -107,7 +107,7 @@ def add_parsers(commands: Any) -> None:
         "demo",
         help="solve the bundled real Alpa profiles and generated instances",
     )
-    demo.add_argument("--json", action="store_true", help="print plans as JSON lines")
+    add_json_option(demo, "print plans as JSON lines")
     demo.add_argument(
         "--alpa-scan",
         action="store_true",
@@ -126,7 +126,7 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
     report.add_argument(
         "prof_db", help="Alpa's prof_database.pkl ('bundled' for the bundled one)"
     )
-    report.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(report)
     report.add_argument("--plot", metavar="DIR", help="write log-log PNGs to DIR")
     report.add_argument(
         "--folds",
@@ -190,7 +190,7 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
         default="short",
         help="which entries to profile: favour short stages, or uniform",
     )
-    predict.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(predict)
 
 
 def run(args: argparse.Namespace) -> None:

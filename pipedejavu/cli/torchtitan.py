@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from pipedejavu.cli.any_model import any_model_options, launch_pool
-from pipedejavu.cli.megatron_report import GB, format_prediction, utilization_line
+from pipedejavu.cli.megatron_report import (
+    context_parallel_line,
+    format_prediction,
+    utilization_line,
+    warn_if_over_memory,
+)
 from pipedejavu.core.files import json_text
 from pipedejavu.core.layout import MAX_GPUS
 from pipedejavu.core.problem import ProblemError
@@ -92,12 +96,7 @@ def predict_torchtitan(args: argparse.Namespace) -> int:
         job, gpu, count, sheet, memory_headroom=args.memory_headroom
     )
     launch = predicted.launch
-    if not launch.prediction.fits_memory:
-        warnings.warn(
-            f"the job exceeds device memory: peak "
-            f"{launch.prediction.peak_memory_bytes / GB:.2f} GB on a GPU",
-            stacklevel=1,
-        )
+    warn_if_over_memory(launch.prediction, "job")
     if args.json:
         print(json_text(predicted.to_json()))
         return 0
@@ -109,11 +108,7 @@ def predict_torchtitan(args: argparse.Namespace) -> int:
     )
     print(format_prediction(launch.plan, launch.prediction, launch.options))
     if degrees.cp > 1:
-        print(
-            f"context parallelism {degrees.cp}: each GPU of a sequence priced as "
-            f"a replica of its own on 1/{degrees.cp} of it (the memory lines are "
-            "per GPU)"
-        )
+        print(context_parallel_line(degrees.cp))
     print(
         f"{predicted.tokens_per_s_per_gpu:.0f} tokens/s per GPU; "
         f"{utilization_line(launch)}; costs: {launch.cost_source} with "
