@@ -18,10 +18,11 @@ finer):
   and ``c < V - 1`` that of ``B(0, c + 1, b)``. The last virtual stage's
   backward follows its own forward (the order puts it later).
 * **Links.** Link ``l`` joins rank ``l`` to rank ``(l + 1) mod P``; link
-  ``P - 1`` is the wrap-around. As in :func:`simulate`'s event loop, a link is
-  half duplex, carries one transfer at a time for ``transfer[l]`` seconds, first
-  come first served (a gradient first at a tie), and sends are buffered: a rank
-  computes on while its output travels.
+  ``P - 1`` is the wrap-around. As in :func:`simulate` (whose shared links run
+  on the same event loop, :func:`pipedejavu.simulation.schedules.run_interleaved`),
+  a link is half duplex, carries one transfer at a time for ``transfer[l]``
+  seconds, first come first served (a gradient first at a tie), and sends are
+  buffered: a rank computes on while its output travels.
 * **Order** (Megatron-LM's ``forward_backward_pipelining_with_interleaving``
   with ``microbatch_group_size_per_vp_stage = P``): the ``V M`` forwards of a
   rank are taken in groups of ``P`` micro-batches, chunk by chunk (micro-batches
@@ -47,12 +48,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
-import math
 from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+from pipedejavu.simulation.schedules import (
+    checked_array,
+    checked_count,
+    run_interleaved,
+    timed_fields,
+)
 
 __all__ = [
     "InterleavedResult",
@@ -81,17 +87,10 @@ class Op(NamedTuple):
 
 
 def _check_sizes(rank: int, num_ranks: int, num_chunks: int, num_microbatches: int):
-    for name, value in (
-        ("num_ranks", num_ranks),
-        ("num_chunks", num_chunks),
-        ("num_microbatches", num_microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
-        raise ValueError(f"rank must be an int, got {rank!r}")
+    checked_count(num_ranks, "num_ranks", 1)
+    checked_count(num_chunks, "num_chunks", 1)
+    checked_count(num_microbatches, "num_microbatches", 1)
+    checked_count(rank, "rank")
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")
     if num_chunks > 1 and num_microbatches % num_ranks:
@@ -218,170 +217,6 @@ def _cached_order(
     return tuple(_order(rank, num_ranks, num_chunks, num_microbatches))
 
 
-def run_interleaved(
-    forward, backward, transfer, orders, num_microbatches, weight=None, v_shape=False
-):
-    """The event loop: ``forward``/``backward`` ``[P][V]`` seconds, ``transfer``
-    ``[P]`` seconds, ``orders`` ``[P]`` lists of :class:`Op`, ``weight``
-    ``[P][V]`` seconds of the ``W`` commands (``None``: the orders have none).
-    Returns ten ``[P][V][M]`` grids: forward start/end, backward start/end,
-    activation transfer start/end (of ``F(r, c, b)``'s output), gradient
-    transfer start/end (of ``B(r, c, b)``'s output; NaN where no transfer is
-    modelled), weight-gradient start/end (NaN without ``W`` commands). A ``W``
-    follows its own rank's ``B`` (the order puts it later) and sends nothing.
-
-    ``v_shape`` (``V = 2``): the zero-bubble V placement instead of the loop,
-    chunk 0 of rank ``r`` is virtual stage ``r`` and chunk 1 is ``2 P - 1 -
-    r``: activations run down the ranks on chunk 0, pass from chunk 0 to chunk
-    1 on rank ``P - 1`` without a link, and run back up on chunk 1 (link ``l``
-    still joins ranks ``l`` and ``l + 1``; link ``P - 1`` is unused); the last
-    virtual stage is chunk 1 of rank 0."""
-    num_ranks, num_chunks, count = len(orders), len(forward[0]), num_microbatches
-    last_rank = num_ranks - 1
-    if v_shape:
-        routes = _v_routes(num_ranks)
-        return _run(forward, backward, transfer, orders, count, weight, routes, 0)
-    routes = _loop_routes(num_ranks, num_chunks)
-    return _run(forward, backward, transfer, orders, count, weight, routes, last_rank)
-
-
-Route = tuple[int, int, int | None] | None
-
-
-def _loop_routes(num_ranks: int, num_chunks: int):
-    """``(after_forward, after_backward)``: ``[r][c] -> (rank, chunk, link)``
-    the output of ``F(r, c)`` / ``B(r, c)`` goes to (``link`` ``None``: on
-    the same rank), ``None`` at the pipeline's end; the loop placement."""
-    last_rank, last_chunk = num_ranks - 1, num_chunks - 1
-    after_f: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
-    after_b: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
-    for r in range(num_ranks):
-        for c in range(num_chunks):
-            if r < last_rank:
-                after_f[r][c] = (r + 1, c, r)
-            elif c < last_chunk:
-                after_f[r][c] = (0, c + 1, r)
-            if r > 0:
-                after_b[r][c] = (r - 1, c, r - 1)
-            elif c > 0:
-                after_b[r][c] = (last_rank, c - 1, last_rank)
-    return after_f, after_b
-
-
-def _v_routes(num_ranks: int):
-    """:func:`_loop_routes` for the V placement (two chunks per rank)."""
-    last_rank = num_ranks - 1
-    after_f: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
-    after_b: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
-    for r in range(num_ranks):
-        after_f[r][0] = (r + 1, 0, r) if r < last_rank else (r, 1, None)
-        after_f[r][1] = (r - 1, 1, r - 1) if r > 0 else None
-        after_b[r][1] = (r + 1, 1, r) if r < last_rank else (r, 0, None)
-        after_b[r][0] = (r - 1, 0, r - 1) if r > 0 else None
-    return after_f, after_b
-
-
-def _run(forward, backward, transfer, orders, count, weight, routes, end_rank):
-    """:func:`run_interleaved`'s loop over ``routes``; the last virtual stage
-    is the last chunk of ``end_rank``."""
-    num_ranks, num_chunks = len(orders), len(forward[0])
-    last_chunk = num_chunks - 1
-    after_f, after_b = routes
-
-    def grid(fill):
-        return [[[fill] * count for _ in range(num_chunks)] for _ in range(num_ranks)]
-
-    f_start, f_end, b_start, b_end = grid(0.0), grid(0.0), grid(0.0), grid(0.0)
-    a_start, a_end, g_start, g_end, w_start, w_end = (grid(math.nan) for _ in range(6))
-    f_ready, b_ready = grid(None), grid(None)
-    f_ready[0][0] = [0.0] * count
-    b_ready[end_rank][last_chunk] = [0.0] * count
-    pointer = [0] * num_ranks
-    lengths = [len(order) for order in orders]
-    free = [0.0] * num_ranks
-    idle = [True] * num_ranks
-    link_free = [0.0] * num_ranks
-    heap: list[tuple[float, bool, int, int]] = []
-    counter = 0
-
-    def try_start(r):
-        nonlocal counter
-        if not idle[r] or pointer[r] == lengths[r]:
-            return
-        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
-        if is_weight:
-            ready = free[r]  # its B ran earlier on this rank
-        else:
-            ready = (b_ready if is_backward else f_ready)[r][chunk][microbatch]
-            if ready is None:
-                return
-        start = ready if ready > free[r] else free[r]
-        if is_weight:
-            w_start[r][chunk][microbatch] = start
-            end = start + weight[r][chunk]
-        elif is_backward:
-            b_start[r][chunk][microbatch] = start
-            end = start + backward[r][chunk]
-        else:
-            f_start[r][chunk][microbatch] = start
-            end = start + forward[r][chunk]
-        idle[r] = False
-        counter += 1
-        # At equal end times backwards pop first, so a gradient claims a link
-        # before an activation requested at the same instant.
-        heapq.heappush(heap, (end, not is_backward, counter, r))
-
-    def send(link, now):
-        if transfer[link] <= 0:
-            return now, math.nan, math.nan
-        start = now if now > link_free[link] else link_free[link]
-        link_free[link] = start + transfer[link]
-        return link_free[link], start, link_free[link]
-
-    for r in range(num_ranks):
-        try_start(r)
-    while heap:
-        now, _, _, r = heapq.heappop(heap)
-        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
-        pointer[r] += 1
-        free[r] = now
-        idle[r] = True
-        if is_weight:
-            w_end[r][chunk][microbatch] = now
-        else:  # its output (activation or gradient) goes on
-            if is_backward:
-                b_end[r][chunk][microbatch] = now
-                route, sent, ready = after_b[r][chunk], (g_start, g_end), b_ready
-            else:
-                f_end[r][chunk][microbatch] = now
-                route, sent, ready = after_f[r][chunk], (a_start, a_end), f_ready
-            if route is not None:
-                to, to_chunk, link = route
-                arrival = now
-                if link is not None:
-                    arrival, start, end = send(link, now)
-                    sent[0][r][chunk][microbatch] = start
-                    sent[1][r][chunk][microbatch] = end
-                ready[to][to_chunk][microbatch] = arrival
-                if idle[to]:  # (a busy rank starts nothing)
-                    try_start(to)
-        try_start(r)
-    if pointer != lengths:
-        raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover
-    return (
-        f_start,
-        f_end,
-        b_start,
-        b_end,
-        a_start,
-        a_end,
-        g_start,
-        g_end,
-        w_start,
-        w_end,
-    )
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class InterleavedResult:
     """The timed interleaved schedule of one iteration.
@@ -463,32 +298,6 @@ def _build_order_arrays(
 _cached_order_arrays = functools.lru_cache(maxsize=8)(_build_order_arrays)
 
 
-def checked_array(
-    value: ArrayLike, name: str, shape: tuple[int, ...]
-) -> NDArray[np.float64]:
-    """``value`` as f64 of ``shape``, finite and >= 0.
-
-    Raises:
-        ValueError: naming ``name``, what was expected and what arrived.
-    """
-    array = np.asarray(value)
-    if array.dtype == object or not (
-        np.issubdtype(array.dtype, np.floating)
-        or np.issubdtype(array.dtype, np.integer)
-    ):
-        raise ValueError(f"{name} must be numeric, got dtype {array.dtype}")
-    if array.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
-    array = array.astype(np.float64)
-    bad = ~np.isfinite(array) | (array < 0)
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name} must be finite and >= 0, got {array[index]} at index {index}"
-        )
-    return array
-
-
 def simulate_interleaved(
     forward: ArrayLike,
     backward: ArrayLike,
@@ -530,11 +339,7 @@ def simulate_interleaved(
         )
     shape = array.shape
     num_ranks, num_chunks = shape
-    if isinstance(num_microbatches, bool) or not isinstance(
-        num_microbatches, int | np.integer
-    ):
-        raise ValueError(f"num_microbatches must be an int, got {num_microbatches!r}")
-    count = int(num_microbatches)
+    count = checked_count(num_microbatches, "num_microbatches", 1)
     orders = [
         interleaved_order(r, num_ranks, num_chunks, count) for r in range(num_ranks)
     ]
@@ -553,10 +358,7 @@ def simulate_interleaved(
     grids = run_interleaved(
         forward.tolist(), backward.tolist(), links.tolist(), orders, count
     )
-    arrays = [np.array(g, dtype=np.float64) for g in grids]
-    iteration_time = float(max(arrays[1].max(), arrays[3].max()))
     busy = count * (forward + backward).sum(axis=1)
-    idle = 1.0 - busy / iteration_time if iteration_time > 0 else np.zeros(num_ranks)
     signs, chunks = _order_arrays(num_ranks, num_chunks, count)
     peak = np.cumsum(signs, axis=1).max(axis=1).astype(np.int64)
     peak_memory = None
@@ -565,21 +367,11 @@ def simulate_interleaved(
         peak_memory = held.max(axis=1)
     return InterleavedResult(
         num_microbatches=count,
-        iteration_time=iteration_time,
         forward=forward,
         backward=backward,
         transfer=links,
         orders=tuple(tuple(o) for o in orders),
-        forward_start=arrays[0],
-        forward_end=arrays[1],
-        backward_start=arrays[2],
-        backward_end=arrays[3],
-        activation_start=arrays[4],
-        activation_end=arrays[5],
-        gradient_start=arrays[6],
-        gradient_end=arrays[7],
-        busy_time=busy,
-        idle_fraction=idle,
         peak_in_flight=peak,
         peak_memory=peak_memory,
+        **timed_fields(grids, busy, (num_ranks, num_chunks, count)),
     )

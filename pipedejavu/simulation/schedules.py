@@ -1,19 +1,128 @@
-"""The run loops of :func:`pipedejavu.simulation.simulate.simulate`: one iteration's
-schedule.
+"""The shared core of the pipeline simulators: the op orders of
+:func:`pipedejavu.simulation.simulate.simulate`, the run loops of one iteration's
+schedule, and the checks of their arguments.
 
-Both take per-stage op orders from :func:`command_order` (op code ``b`` is ``F(s, b)``,
-``B + b`` is ``B(s, b)``) and return eight grids of seconds, lists of
-``[S][B]`` (stages) or ``[S - 1][B]`` (links): forward start/end, backward
-start/end, activation transfer start/end, gradient transfer start/end (NaN where
-no transfer is modelled). :func:`run_fixed_order` handles free links by
-sweeping the stages; :func:`run_events` shares each link first come first served
-in a discrete-event loop. The model is :mod:`pipedejavu.simulation.simulate`'s.
+:func:`run_fixed_order` and :func:`run_events` take per-stage op orders from
+:func:`command_order` (op code ``b`` is ``F(s, b)``, ``B + b`` is ``B(s, b)``) and
+return eight grids of seconds, lists of ``[S][B]`` (stages) or ``[S - 1][B]``
+(links): forward start/end, backward start/end, activation transfer start/end,
+gradient transfer start/end (NaN where no transfer is modelled).
+:func:`run_fixed_order` handles free links by sweeping the stages;
+:func:`run_events` shares each link first come first served in the discrete-event
+loop :func:`run_interleaved`, which also runs the interleaved
+(:mod:`pipedejavu.simulation.interleaved`) and zero-bubble
+(:mod:`pipedejavu.simulation.zero_bubble`) schedules: the plain schedule is its
+case of one chunk per rank. The model is :mod:`pipedejavu.simulation.simulate`'s.
+
+:func:`checked_array`, :func:`checked_vector` and :func:`checked_count` check
+the simulators' arguments, with the error messages they raise.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+#: The eight time grids every simulator's result holds, in the order the run
+#: loops return them.
+GRID_FIELDS = (
+    "forward_start",
+    "forward_end",
+    "backward_start",
+    "backward_end",
+    "activation_start",
+    "activation_end",
+    "gradient_start",
+    "gradient_end",
+)
+
+
+def checked_count(value, name: str, least: int | None = None) -> int:
+    """``value`` as an int (a Python or numpy integer, not a bool), at least
+    ``least`` (``None``: any).
+
+    Raises:
+        ValueError: naming ``name``, what was expected and what arrived.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return int(value)
+
+
+def checked_array(
+    value: ArrayLike, name: str, shape: tuple[int, ...]
+) -> NDArray[np.float64]:
+    """``value`` as f64 of ``shape``, finite and >= 0 (a bad entry is named by
+    its index tuple).
+
+    Raises:
+        ValueError: naming ``name``, what was expected and what arrived.
+    """
+    return _checked(value, name, shape, str(shape), flat=False)
+
+
+def checked_vector(
+    value: ArrayLike, name: str, length: int | None
+) -> NDArray[np.float64]:
+    """``value`` as f64 of shape ``(length,)`` (``None``: any length, ``(S,)``
+    in the error), finite and >= 0 (a bad entry is named by its int index).
+
+    Raises:
+        ValueError: naming ``name``, what was expected and what arrived.
+    """
+    expected = "(S,)" if length is None else f"({length},)"
+    return _checked(value, name, (length,), expected, flat=True)
+
+
+def _checked(value, name, shape, expected, flat):
+    """:func:`checked_array`'s checks; ``None`` in ``shape`` is any size."""
+    array = np.asarray(value)
+    if array.dtype == object or not (
+        np.issubdtype(array.dtype, np.floating)
+        or np.issubdtype(array.dtype, np.integer)
+    ):
+        raise ValueError(f"{name} must be numeric, got dtype {array.dtype}")
+    if array.ndim != len(shape) or any(
+        size is not None and size != got
+        for size, got in zip(shape, array.shape, strict=True)
+    ):
+        raise ValueError(f"{name} must have shape {expected}, got {array.shape}")
+    array = array.astype(np.float64)
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        if flat:
+            index = int(np.argmax(bad))
+        else:
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be finite and >= 0, got {array[index]} at index {index}"
+        )
+    return array
+
+
+def timed_fields(grids, busy: NDArray[np.float64], shape: tuple[int, ...]) -> dict:
+    """The fields a result shares with every simulator's: the first eight
+    ``grids`` as f64 arrays reshaped to ``shape`` (:data:`GRID_FIELDS`),
+    ``iteration_time`` (the last forward or backward end), ``busy_time``
+    (``busy``, f64[S] seconds each stage computes) and ``idle_fraction``
+    (``1 - busy / iteration_time``; zeros for an iteration of 0 s)."""
+    arrays = [np.array(g, dtype=np.float64).reshape(shape) for g in grids[:8]]
+    iteration_time = float(max(arrays[1].max(), arrays[3].max()))
+    if iteration_time > 0:
+        idle = 1.0 - busy / iteration_time
+    else:
+        idle = np.zeros(busy.shape[0])
+    return dict(
+        zip(GRID_FIELDS, arrays, strict=True),
+        iteration_time=iteration_time,
+        busy_time=busy,
+        idle_fraction=idle,
+    )
 
 
 def command_order(schedule: str, stage: int, num_stages: int, num_microbatches: int):
@@ -98,88 +207,176 @@ def run_fixed_order(forward, backward, orders, num_microbatches):
 
 def run_events(forward, backward, transfer, orders, num_microbatches):
     """Shared links: a discrete-event simulation in time order, so that each link
-    serves its requests first come first served."""
+    serves its requests first come first served (:func:`run_interleaved` with
+    one chunk per rank and no wrap-around link)."""
     count = num_microbatches
-    num_stages = len(orders)
-    last = num_stages - 1
-    num_ops = 2 * count
+    codes = [(False, 0, b, False) for b in range(count)]
+    codes += [(True, 0, b, False) for b in range(count)]
+    ops = [[codes[c] for c in order] for order in orders]
+    per_rank = [[[t] for t in times] for times in (forward, backward)]
+    grids = run_interleaved(*per_rank, [*transfer, 0.0], ops, count)
+    stages = [[row[0] for row in g] for g in grids[:8]]
+    # rank l sends its activations, rank l + 1 its gradients, over link l
+    return (*stages[:4], *(g[:-1] for g in stages[4:6]), *(g[1:] for g in stages[6:]))
 
-    def grid(rows, fill):
-        return [[fill] * count for _ in range(rows)]
 
-    f_start, f_end = grid(num_stages, 0.0), grid(num_stages, 0.0)
-    b_start, b_end = grid(num_stages, 0.0), grid(num_stages, 0.0)
-    a_start, a_end = grid(last, math.nan), grid(last, math.nan)
-    g_start, g_end = grid(last, math.nan), grid(last, math.nan)
-    # Arrival of each input (None = not yet); stage 0's activations and the last
-    # stage's gradients (its own forward, ordered before) are there from the start.
-    f_ready = [[0.0] * count] + grid(last, None)
-    b_ready = grid(last, None) + [[0.0] * count]
-    pointer = [0] * num_stages
-    free = [0.0] * num_stages
-    idle = [True] * num_stages
-    link_free = [0.0] * last
-    heap: list[tuple[float, int, int, int]] = []
+def run_interleaved(
+    forward, backward, transfer, orders, num_microbatches, weight=None, v_shape=False
+):
+    """The event loop: ``forward``/``backward`` ``[P][V]`` seconds, ``transfer``
+    ``[P]`` seconds, ``orders`` ``[P]`` lists of
+    :class:`~pipedejavu.simulation.interleaved.Op` (or such 4-tuples), ``weight``
+    ``[P][V]`` seconds of the ``W`` commands (``None``: the orders have none).
+    Returns ten ``[P][V][M]`` grids: forward start/end, backward start/end,
+    activation transfer start/end (of ``F(r, c, b)``'s output), gradient
+    transfer start/end (of ``B(r, c, b)``'s output; NaN where no transfer is
+    modelled), weight-gradient start/end (NaN without ``W`` commands). A ``W``
+    follows its own rank's ``B`` (the order puts it later) and sends nothing.
+
+    ``v_shape`` (``V = 2``): the zero-bubble V placement instead of the loop,
+    chunk 0 of rank ``r`` is virtual stage ``r`` and chunk 1 is ``2 P - 1 -
+    r``: activations run down the ranks on chunk 0, pass from chunk 0 to chunk
+    1 on rank ``P - 1`` without a link, and run back up on chunk 1 (link ``l``
+    still joins ranks ``l`` and ``l + 1``; link ``P - 1`` is unused); the last
+    virtual stage is chunk 1 of rank 0."""
+    num_ranks, num_chunks, count = len(orders), len(forward[0]), num_microbatches
+    last_rank = num_ranks - 1
+    if v_shape:
+        routes = _v_routes(num_ranks)
+        return _run(forward, backward, transfer, orders, count, weight, routes, 0)
+    routes = _loop_routes(num_ranks, num_chunks)
+    return _run(forward, backward, transfer, orders, count, weight, routes, last_rank)
+
+
+Route = tuple[int, int, int | None] | None
+
+
+def _loop_routes(num_ranks: int, num_chunks: int):
+    """``(after_forward, after_backward)``: ``[r][c] -> (rank, chunk, link)``
+    the output of ``F(r, c)`` / ``B(r, c)`` goes to (``link`` ``None``: on
+    the same rank), ``None`` at the pipeline's end; the loop placement."""
+    last_rank, last_chunk = num_ranks - 1, num_chunks - 1
+    after_f: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
+    after_b: list[list[Route]] = [[None] * num_chunks for _ in range(num_ranks)]
+    for r in range(num_ranks):
+        for c in range(num_chunks):
+            if r < last_rank:
+                after_f[r][c] = (r + 1, c, r)
+            elif c < last_chunk:
+                after_f[r][c] = (0, c + 1, r)
+            if r > 0:
+                after_b[r][c] = (r - 1, c, r - 1)
+            elif c > 0:
+                after_b[r][c] = (last_rank, c - 1, last_rank)
+    return after_f, after_b
+
+
+def _v_routes(num_ranks: int):
+    """:func:`_loop_routes` for the V placement (two chunks per rank)."""
+    last_rank = num_ranks - 1
+    after_f: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
+    after_b: list[list[Route]] = [[None, None] for _ in range(num_ranks)]
+    for r in range(num_ranks):
+        after_f[r][0] = (r + 1, 0, r) if r < last_rank else (r, 1, None)
+        after_f[r][1] = (r - 1, 1, r - 1) if r > 0 else None
+        after_b[r][1] = (r + 1, 1, r) if r < last_rank else (r, 0, None)
+        after_b[r][0] = (r - 1, 0, r - 1) if r > 0 else None
+    return after_f, after_b
+
+
+def _run(forward, backward, transfer, orders, count, weight, routes, end_rank):
+    """:func:`run_interleaved`'s loop over ``routes``; the last virtual stage
+    is the last chunk of ``end_rank``."""
+    num_ranks, num_chunks = len(orders), len(forward[0])
+    last_chunk = num_chunks - 1
+    after_f, after_b = routes
+
+    def grid(fill):
+        return [[[fill] * count for _ in range(num_chunks)] for _ in range(num_ranks)]
+
+    f_start, f_end, b_start, b_end = grid(0.0), grid(0.0), grid(0.0), grid(0.0)
+    a_start, a_end, g_start, g_end, w_start, w_end = (grid(math.nan) for _ in range(6))
+    f_ready, b_ready = grid(None), grid(None)
+    f_ready[0][0] = [0.0] * count
+    b_ready[end_rank][last_chunk] = [0.0] * count
+    pointer = [0] * num_ranks
+    lengths = [len(order) for order in orders]
+    free = [0.0] * num_ranks
+    idle = [True] * num_ranks
+    link_free = [0.0] * num_ranks
+    heap: list[tuple[float, bool, int, int]] = []
     counter = 0
 
-    def try_start(s):
+    def try_start(r):
         nonlocal counter
-        k = pointer[s]
-        if k == num_ops:
+        if not idle[r] or pointer[r] == lengths[r]:
             return
-        code = orders[s][k]
-        if code < count:
-            ready = f_ready[s][code]
-            if ready is None:
-                return
-            start = ready if ready > free[s] else free[s]
-            f_start[s][code] = start
-            end = start + forward[s]
+        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
+        if is_weight:
+            ready = free[r]  # its B ran earlier on this rank
         else:
-            ready = b_ready[s][code - count]
+            ready = (b_ready if is_backward else f_ready)[r][chunk][microbatch]
             if ready is None:
                 return
-            start = ready if ready > free[s] else free[s]
-            b_start[s][code - count] = start
-            end = start + backward[s]
-        idle[s] = False
+        start = ready if ready > free[r] else free[r]
+        if is_weight:
+            w_start[r][chunk][microbatch] = start
+            end = start + weight[r][chunk]
+        elif is_backward:
+            b_start[r][chunk][microbatch] = start
+            end = start + backward[r][chunk]
+        else:
+            f_start[r][chunk][microbatch] = start
+            end = start + forward[r][chunk]
+        idle[r] = False
         counter += 1
         # At equal end times backwards pop first, so a gradient claims a link
         # before an activation requested at the same instant.
-        heapq.heappush(heap, (end, code < count, counter, s))
+        heapq.heappush(heap, (end, not is_backward, counter, r))
 
-    for s in range(num_stages):
-        try_start(s)
+    for r in range(num_ranks):
+        try_start(r)
     while heap:
-        now, _, _, s = heapq.heappop(heap)
-        code = orders[s][pointer[s]]
-        pointer[s] += 1
-        free[s] = now
-        idle[s] = True
-        if code < count:
-            f_end[s][code] = now
-            if s < last:
+        now, _, _, r = heapq.heappop(heap)
+        is_backward, chunk, microbatch, is_weight = orders[r][pointer[r]]
+        pointer[r] += 1
+        free[r] = now
+        idle[r] = True
+        if is_weight:
+            w_end[r][chunk][microbatch] = now
+        else:  # its output (activation or gradient) goes on
+            if is_backward:
+                b_end[r][chunk][microbatch] = now
+                route, sent_start, sent_end = after_b[r][chunk], g_start, g_end
+                ready = b_ready
+            else:
+                f_end[r][chunk][microbatch] = now
+                route, sent_start, sent_end = after_f[r][chunk], a_start, a_end
+                ready = f_ready
+            if route is not None:
+                to, to_chunk, link = route
                 arrival = now
-                if transfer[s] > 0:
-                    start = now if now > link_free[s] else link_free[s]
-                    arrival = link_free[s] = start + transfer[s]
-                    a_start[s][code], a_end[s][code] = start, arrival
-                f_ready[s + 1][code] = arrival
-                if idle[s + 1]:
-                    try_start(s + 1)
-        else:
-            code -= count
-            b_end[s][code] = now
-            if s:
-                arrival = now
-                if transfer[s - 1] > 0:
-                    start = now if now > link_free[s - 1] else link_free[s - 1]
-                    arrival = link_free[s - 1] = start + transfer[s - 1]
-                    g_start[s - 1][code], g_end[s - 1][code] = start, arrival
-                b_ready[s - 1][code] = arrival
-                if idle[s - 1]:
-                    try_start(s - 1)
-        try_start(s)
-    if any(k != num_ops for k in pointer):  # pragma: no cover - deadlock-free
-        raise RuntimeError("the schedule deadlocked")
-    return f_start, f_end, b_start, b_end, a_start, a_end, g_start, g_end
+                # the link carries it (first come first served) unless free
+                if link is not None and not transfer[link] <= 0:
+                    start = now if now > link_free[link] else link_free[link]
+                    arrival = link_free[link] = start + transfer[link]
+                    sent_start[r][chunk][microbatch] = start
+                    sent_end[r][chunk][microbatch] = arrival
+                ready[to][to_chunk][microbatch] = arrival
+                if idle[to]:  # (a busy rank starts nothing)
+                    try_start(to)
+        try_start(r)
+    if pointer != lengths:
+        raise RuntimeError("the interleaved schedule deadlocked")  # pragma: no cover
+    return (
+        f_start,
+        f_end,
+        b_start,
+        b_end,
+        a_start,
+        a_end,
+        g_start,
+        g_end,
+        w_start,
+        w_end,
+    )

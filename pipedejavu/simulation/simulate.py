@@ -94,7 +94,14 @@ from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import check_hetero_plan, transfer_times
 from pipedejavu.core.problem import Plan, Problem, check_plan, objective
 from pipedejavu.simulation.deepspeed import run_deepspeed
-from pipedejavu.simulation.schedules import command_order, run_events, run_fixed_order
+from pipedejavu.simulation.schedules import (
+    checked_count,
+    checked_vector,
+    command_order,
+    run_events,
+    run_fixed_order,
+    timed_fields,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -261,12 +268,12 @@ def gpipe_formula(
         transfer: f64[S - 1] seconds per micro-batch per direction per link
             (``None``: free links).
     """
-    forward = _times(forward, "forward", None)
-    backward = _times(backward, "backward", forward.shape[0])
+    forward = checked_vector(forward, "forward", None)
+    backward = checked_vector(backward, "backward", forward.shape[0])
     links = (
         np.zeros(0)
         if transfer is None
-        else _times(transfer, "transfer", forward.shape[0] - 1)
+        else checked_vector(transfer, "transfer", forward.shape[0] - 1)
     )
     slowest_link = float(links.max(initial=0.0))
     return float(
@@ -294,29 +301,9 @@ def split_latencies(
     ratio = float(backward_ratio)
     if not math.isfinite(ratio) or ratio < 0:
         raise ValueError(f"backward_ratio must be finite and >= 0, got {ratio}")
-    latencies = _times(latencies, "latencies", None)
+    latencies = checked_vector(latencies, "latencies", None)
     forward = latencies / (1.0 + ratio)
     return forward, latencies - forward
-
-
-def _times(value: ArrayLike, name: str, length: int | None) -> NDArray[np.float64]:
-    array = np.asarray(value)
-    if array.dtype == object or not (
-        np.issubdtype(array.dtype, np.floating)
-        or np.issubdtype(array.dtype, np.integer)
-    ):
-        raise ValueError(f"{name} must be numeric, got dtype {array.dtype}")
-    expected = "(S,)" if length is None else f"({length},)"
-    if array.ndim != 1 or (length is not None and array.shape[0] != length):
-        raise ValueError(f"{name} must have shape {expected}, got {array.shape}")
-    array = array.astype(np.float64)
-    bad = ~np.isfinite(array) | (array < 0)
-    if bad.any():
-        index = int(np.argmax(bad))
-        raise ValueError(
-            f"{name} must be finite and >= 0, got {array[index]} at index {index}"
-        )
-    return array
 
 
 def simulate(
@@ -362,27 +349,21 @@ def simulate(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if isinstance(num_microbatches, bool) or not isinstance(
-        num_microbatches, int | np.integer
-    ):
-        raise ValueError(f"num_microbatches must be an int, got {num_microbatches!r}")
-    count = int(num_microbatches)
-    if count < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {count}")
-    forward = _times(forward, "forward", None)
+    count = checked_count(num_microbatches, "num_microbatches", 1)
+    forward = checked_vector(forward, "forward", None)
     num_stages = forward.shape[0]
     if num_stages < 1:
         raise ValueError("forward must have at least one stage, got shape (0,)")
-    backward = _times(backward, "backward", num_stages)
+    backward = checked_vector(backward, "backward", num_stages)
     transfer = (
         np.zeros(num_stages - 1)
         if transfer is None
-        else _times(transfer, "transfer", num_stages - 1)
+        else checked_vector(transfer, "transfer", num_stages - 1)
     )
     memory = (
         None
         if memory_per_microbatch is None
-        else _times(memory_per_microbatch, "memory_per_microbatch", num_stages)
+        else checked_vector(memory_per_microbatch, "memory_per_microbatch", num_stages)
     )
 
     if schedule != "deepspeed" and (
@@ -395,7 +376,7 @@ def simulate(
         back = (
             transfer
             if gradient_transfer is None
-            else _times(gradient_transfer, "gradient_transfer", num_stages - 1)
+            else checked_vector(gradient_transfer, "gradient_transfer", num_stages - 1)
         )
         modes = np.broadcast_to(np.asarray(blocking), (num_stages - 1,))
         if modes.dtype != np.bool_:
@@ -421,32 +402,17 @@ def simulate(
 
 
 def _result(schedule, count, forward, backward, transfer, memory, orders, grids):
-    num_stages = forward.shape[0]
-    arrays = [np.array(g, dtype=np.float64).reshape(-1, count) for g in grids]
-    iteration_time = float(max(arrays[1].max(), arrays[3].max()))
-    busy = count * (forward + backward)
-    idle = 1.0 - busy / iteration_time if iteration_time > 0 else np.zeros(num_stages)
     steps = np.where(np.asarray(orders) < count, 1, -1)
     peak = np.cumsum(steps, axis=1).max(axis=1).astype(np.int64)
     return SimulationResult(
         schedule=schedule,
         num_microbatches=count,
-        iteration_time=iteration_time,
         forward=forward,
         backward=backward,
         transfer=transfer,
-        forward_start=arrays[0],
-        forward_end=arrays[1],
-        backward_start=arrays[2],
-        backward_end=arrays[3],
-        activation_start=arrays[4],
-        activation_end=arrays[5],
-        gradient_start=arrays[6],
-        gradient_end=arrays[7],
-        busy_time=busy,
-        idle_fraction=idle,
         peak_in_flight=peak,
         peak_memory=None if memory is None else peak * memory,
+        **timed_fields(grids, count * (forward + backward), (-1, count)),
     )
 
 

@@ -40,7 +40,7 @@ starts after ``P - 1`` forwards and never waits again: the least time any
 schedule can take; without ``W`` (per-rank ``f``, ``b``) the bubble is ``(P -
 1) max(f, b)`` (tests).
 
-The event loop is :func:`pipedejavu.simulation.interleaved.run_interleaved`
+The event loop is :func:`pipedejavu.simulation.schedules.run_interleaved`
 (links, buffered sends and first-come-first-served as there); a ``W`` runs on
 its rank after its ``B`` and sends nothing.
 
@@ -70,10 +70,10 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from pipedejavu.simulation.interleaved import (
-    Op,
+from pipedejavu.simulation.interleaved import Op, round_commands
+from pipedejavu.simulation.schedules import (
     checked_array,
-    round_commands,
+    checked_count,
     run_interleaved,
 )
 
@@ -88,24 +88,16 @@ __all__ = [
 ]
 
 
-def _count(value, name: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < least:
-        raise ValueError(f"{name} must be >= {least}, got {value}")
-    return int(value)
-
-
 def _check_bool(value, name: str) -> None:
     if not isinstance(value, bool | np.bool_):
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _sizes(rank, num_ranks, num_microbatches, num_chunks) -> tuple[int, int, int, int]:
-    ranks = _count(num_ranks, "num_ranks", 1)
-    count = _count(num_microbatches, "num_microbatches", 1)
-    chunks = _count(num_chunks, "num_chunks", 1)
-    rank = _count(rank, "rank", 0)
+    ranks = checked_count(num_ranks, "num_ranks", 1)
+    count = checked_count(num_microbatches, "num_microbatches", 1)
+    chunks = checked_count(num_chunks, "num_chunks", 1)
+    rank = checked_count(rank, "rank", 0)
     if rank >= ranks:
         raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
     if chunks > 1 and count % ranks:
@@ -136,8 +128,8 @@ def zero_bubble_in_flight(num_ranks: int, num_microbatches: int) -> int:
     M)``, on every rank (``tests/test_zero_bubble.py`` checks it against the
     order)."""
     return min(
-        _count(num_ranks, "num_ranks", 1),
-        _count(num_microbatches, "num_microbatches", 1),
+        checked_count(num_ranks, "num_ranks", 1),
+        checked_count(num_microbatches, "num_microbatches", 1),
     )
 
 
@@ -356,7 +348,7 @@ def simulate_zero_bubble(
     flat = array.ndim == 1
     shape = array.shape
     ranks, chunks = (shape[0], 1) if flat else shape
-    count = _count(num_microbatches, "num_microbatches", 1)
+    count = checked_count(num_microbatches, "num_microbatches", 1)
     _check_bool(v_shape, "v_shape")
     if v_shape and chunks != 2:
         raise ValueError(f"v_shape needs times of shape (P, 2), got {shape}")
