@@ -18,7 +18,7 @@ from typing import Any
 from pipedejavu.cli.parsing import given_flags, int_in, require_matplotlib
 from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
-from pipedejavu.io.gpu_sheet import load_gpu_sheet
+from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.price_sheet import load_price_sheet
 from pipedejavu.planning.capacity import (
     CandidateOutcome,
@@ -29,7 +29,14 @@ from pipedejavu.planning.capacity import (
 from pipedejavu.planning.capacity_results import pool_key
 from pipedejavu.planning.training import parse_gpu_pool
 
-__all__ = ["add_capacity_options", "parse_duration", "parse_tokens", "run_capacity"]
+__all__ = [
+    "add_capacity_options",
+    "parse_available",
+    "parse_counts",
+    "parse_duration",
+    "parse_tokens",
+    "run_capacity",
+]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -57,7 +64,8 @@ def parse_tokens(text: str) -> float:
     return float(found.group(1)) * _SCALE[found.group(2)]
 
 
-def _counts(text: str) -> tuple[int, ...]:
+def parse_counts(text: str) -> tuple[int, ...]:
+    """``--counts``: GPU counts separated by commas, sorted, each once."""
     values = [v.strip() for v in text.split(",")]
     if not values or not all(v.isdigit() and 1 <= int(v) <= 2**20 for v in values):
         raise argparse.ArgumentTypeError(
@@ -101,7 +109,7 @@ def add_capacity_options(plan: Any) -> None:
     )
     plan.add_argument(
         "--counts",
-        type=_counts,
+        type=parse_counts,
         metavar="N[,N...]",
         help="the GPU counts to plan for every type (default: powers of two to "
         "a node, then doubling whole nodes, and the most available)",
@@ -127,6 +135,19 @@ def add_capacity_options(plan: Any) -> None:
         "copy beside it at the end, with pyarrow); a sweep given a file that "
         "already holds pools of the same question plans only the others",
     )
+
+
+def parse_available(texts: list[str], sheet: GpuSheet) -> dict[str, int]:
+    """``--gpus-available`` (repeated or comma-separated ``TYPE:MAX``) as
+    ``{sheet name: most}``; a type named twice is refused."""
+    available: dict[str, int] = {}
+    for item in (i for text in texts for i in text.split(",")):
+        for gpu, n in parse_gpu_pool([item]).items():  # (each up to a search's)
+            name = sheet.resolve(gpu)
+            if name in available:
+                raise ProblemError(f"--gpus-available names {name} twice")
+            available[name] = n
+    return available
 
 
 def _question(args: argparse.Namespace) -> CapacityQuestion:
@@ -158,13 +179,7 @@ def _question(args: argparse.Namespace) -> CapacityQuestion:
     if args.plot:
         require_matplotlib()
     sheet = load_gpu_sheet(args.gpu_sheet)
-    available: dict[str, int] = {}
-    for item in (i for text in args.gpus_available for i in text.split(",")):
-        for gpu, n in parse_gpu_pool([item]).items():  # (each up to a search's)
-            name = sheet.resolve(gpu)
-            if name in available:
-                raise ProblemError(f"--gpus-available names {name} twice")
-            available[name] = n
+    available = parse_available(args.gpus_available, sheet)
     return CapacityQuestion(
         model=args.model,
         tokens=args.tokens,

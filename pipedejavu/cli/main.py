@@ -85,12 +85,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "knobs) of a model on a GPU pool, proven under the predictor; or what "
         "to rent",
     ),
+    "sweep": (
+        "sweep",
+        "plan every model x global batch x GPU type and count (a table, a CSV "
+        "that resumes, local processes or a Dask cluster)",
+    ),
 }
 
 
 #: ``--help``'s groups of :data:`COMMANDS`, in the order it lists them.
 COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("plan and predict training", ("plan", "predict", "calibrate")),
+    ("plan and predict training", ("plan", "predict", "calibrate", "sweep")),
     ("batch size and elasticity", ("goodput", "elastic")),
     (
         "Alpa's stage formulation (a stage profile onto submeshes, solved exactly)",
@@ -155,6 +160,8 @@ def command_module(name: str) -> ModuleType:
         from pipedejavu.cli import megatron as module
     elif name == "calibrate":
         from pipedejavu.cli import calibrate as module
+    elif name == "sweep":
+        from pipedejavu.cli import sweep as module
     else:
         raise ValueError(f"no command module {name!r}")
     return module

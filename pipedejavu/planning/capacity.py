@@ -57,11 +57,13 @@ __all__ = [
     "CandidateOutcome",
     "CapacityAnswer",
     "CapacityQuestion",
+    "PoolPlan",
     "answer_capacity",
     "candidate_pools",
     "choose_allocation",
     "evaluate_pool",
     "pareto_frontier",
+    "plan_pool",
     "question_key",
     "without_clock",
 ]
@@ -228,56 +230,116 @@ def candidate_pools(
     return pools
 
 
-def _tokens_per_sample(question: CapacityQuestion, choice: Any) -> int:
-    if question.seq_length is not None:
-        return question.seq_length
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """One pool planned for one model and global batch (what a capacity
+    question and a sweep read of it).
+
+    Attributes:
+        used: the GPUs the best plan uses (``None``: no plan fits).
+        iteration_s: its predicted seconds per iteration (``inf``: none).
+        tokens_per_sample: the sequence length planned for.
+        proven: the plan is proven optimal under the predictor.
+        plan: the plan, as ``plan --json`` writes it (``None``: none).
+        reason: why there is no plan (``None``: there is one).
+        search_s: seconds the planning took.
+        shape: the plan's parallelism in words (``""``: no plan).
+    """
+
+    used: Mapping[str, int] | None
+    iteration_s: float
+    tokens_per_sample: int
+    proven: bool
+    plan: Mapping[str, Any] | None
+    reason: str | None
+    search_s: float
+    shape: str = ""
+
+
+def _tokens_per_sample(seq_length: int | None, choice: Any) -> int:
+    if seq_length is not None:
+        return seq_length
     spec = choice.spec
     if spec is None:
         spec = load_model_spec(choice.model)  # (a Sailor model's description)
     return spec.seq_length
 
 
-def evaluate_pool(
-    question: CapacityQuestion, pool: Mapping[str, int]
-) -> CandidateOutcome:
-    """``pool`` planned for ``question`` (module docstring); a pool with no
-    plan that fits is an outcome with its reason, not an error."""
+def plan_pool(
+    model: str,
+    global_batch: int,
+    pool: Mapping[str, int],
+    *,
+    seq_length: int | None = None,
+    precision: str | None = None,
+    gpu_sheet: str | None = None,
+    profiles: str | None = None,
+) -> PoolPlan:
+    """``pool`` planned as ``pipedejavu plan --model ... --gpus ...`` plans
+    it (:func:`~pipedejavu.planning.plan_model.plan_model`); a pool with no
+    plan that fits is a :class:`PoolPlan` with its reason, not an error."""
     started = time.perf_counter()
     try:
         knobs = plan_model(
-            question.model,
+            model,
             dict(pool),
-            question.global_batch,
-            seq_length=question.seq_length,
-            precision=question.precision,
-            gpu_sheet=question.gpu_sheet,
-            profiles=question.profiles,
+            global_batch,
+            seq_length=seq_length,
+            precision=precision,
+            gpu_sheet=gpu_sheet,
+            profiles=profiles,
         )
     except InfeasibleProblemError as error:
         seconds = time.perf_counter() - started
-        return CandidateOutcome(
-            dict(pool), None, math.inf, math.inf, math.inf, False, None, str(error),
-            seconds,
-        )  # fmt: skip
+        return PoolPlan(None, math.inf, 0, False, None, str(error), seconds)
     result = knobs.result
-    used = result.plan.gpus_by_type()
-    iterations = math.ceil(
-        question.tokens
-        / (question.global_batch * _tokens_per_sample(question, knobs.choice))
-    )
-    iteration_s = result.prediction.iteration_time_s
-    time_s = iterations * iteration_s
-    return CandidateOutcome(
-        pool=dict(pool),
-        used=used,
-        iteration_s=iteration_s,
-        time_s=time_s,
-        cost=question.prices.cost(used, time_s),
+    return PoolPlan(
+        used=result.plan.gpus_by_type(),
+        iteration_s=result.prediction.iteration_time_s,
+        tokens_per_sample=_tokens_per_sample(seq_length, knobs.choice),
         proven=bool(result.proven),
         plan=knobs.to_json(),
         reason=None,
         search_s=time.perf_counter() - started,
         shape=_shape(result.plan, result.options),
+    )
+
+
+def evaluate_pool(
+    question: CapacityQuestion, pool: Mapping[str, int]
+) -> CandidateOutcome:
+    """``pool`` planned for ``question`` (module docstring; :func:`plan_pool`);
+    a pool with no plan that fits is an outcome with its reason, not an
+    error."""
+    planned = plan_pool(
+        question.model,
+        question.global_batch,
+        pool,
+        seq_length=question.seq_length,
+        precision=question.precision,
+        gpu_sheet=question.gpu_sheet,
+        profiles=question.profiles,
+    )
+    if planned.used is None:
+        return CandidateOutcome(
+            dict(pool), None, math.inf, math.inf, math.inf, False, None,
+            planned.reason, planned.search_s,
+        )  # fmt: skip
+    iterations = math.ceil(
+        question.tokens / (question.global_batch * planned.tokens_per_sample)
+    )
+    time_s = iterations * planned.iteration_s
+    return CandidateOutcome(
+        pool=dict(pool),
+        used=planned.used,
+        iteration_s=planned.iteration_s,
+        time_s=time_s,
+        cost=question.prices.cost(planned.used, time_s),
+        proven=planned.proven,
+        plan=planned.plan,
+        reason=None,
+        search_s=planned.search_s,
+        shape=planned.shape,
     )
 
 

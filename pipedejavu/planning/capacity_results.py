@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ __all__ = [
     "parse_pool",
     "pool_key",
     "read_rows",
+    "read_table",
     "write_parquet",
 ]
 
@@ -73,13 +74,17 @@ def parse_pool(text: str, where: str) -> dict[str, int]:
     return out
 
 
-def append_row(path: str | os.PathLike, row: Mapping[str, Any]) -> None:
-    """Add ``row`` (every column of :data:`COLUMNS`) to ``path``, with the
-    header if the file is new, flushed to disk (a sweep killed after it
-    keeps it)."""
+def append_row(
+    path: str | os.PathLike,
+    row: Mapping[str, Any],
+    columns: Sequence[str] = COLUMNS,
+) -> None:
+    """Add ``row`` (every one of ``columns``, default :data:`COLUMNS`) to
+    ``path``, with the header if the file is new, flushed to disk (a sweep
+    killed after it keeps it)."""
     new = not Path(path).exists() or Path(path).stat().st_size == 0
     with open(path, "a", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, COLUMNS)
+        writer = csv.DictWriter(handle, columns)
         if new:
             writer.writeheader()
         writer.writerow(dict(row))
@@ -106,6 +111,21 @@ def read_rows(path: str | os.PathLike, question: str) -> list[dict[str, str]]:
         ProblemError: one line naming the file: too large, not this format,
             too many rows.
     """
+    rows = read_table(path, COLUMNS, "a capacity results file")
+    return [row for row in rows if row["question"] == question]
+
+
+def read_table(
+    path: str | os.PathLike, columns: Sequence[str], what: str
+) -> list[dict[str, str]]:
+    """Every row of the CSV ``path`` written with ``columns`` (``[]``: no file
+    yet), each with its ``line``, checked as text: at most 1 GiB and
+    100,000 rows; ``what`` names the format in errors.
+
+    Raises:
+        ProblemError: one line naming the file: too large, not this format,
+            too many rows.
+    """
     file = Path(path)
     name = os.fspath(path)
     if not file.exists():
@@ -117,37 +137,38 @@ def read_rows(path: str | os.PathLike, question: str) -> list[dict[str, str]]:
     try:
         with file.open(newline="", encoding="utf-8") as handle:
             reader = csv.DictReader(handle)
-            if tuple(reader.fieldnames or ()) != COLUMNS:
-                raise ProblemError(
-                    f"{name}: not a capacity results file (columns "
-                    f"{', '.join(COLUMNS)})"
-                )
+            if tuple(reader.fieldnames or ()) != tuple(columns):
+                raise ProblemError(f"{name}: not {what} (columns {', '.join(columns)})")
             for line, row in enumerate(reader, 2):
                 if line > _MAX_ROWS:
                     raise ProblemError(f"{name}: more than {_MAX_ROWS:,} rows")
                 if None in row or None in row.values():
                     raise ProblemError(
-                        f"{name}, line {line}: not {len(COLUMNS)} columns"
+                        f"{name}, line {line}: not {len(columns)} columns"
                     )
-                if row["question"] == question:
-                    rows.append({**row, "line": str(line)})
+                rows.append({**row, "line": str(line)})
     except (csv.Error, UnicodeDecodeError) as error:
         raise ProblemError(f"{name}: unreadable ({str(error)[:80]})") from None
     return rows
 
 
-def write_parquet(path: str | os.PathLike) -> Path | None:
-    """The CSV ``path`` copied to Parquet beside it (``.parquet``), with the
-    numbers as numbers; ``None`` where pyarrow is not installed."""
+def write_parquet(
+    path: str | os.PathLike,
+    columns: Sequence[str] = COLUMNS,
+    floats: Sequence[str] = ("iteration_s", "time_s", "cost", "search_s"),
+    integers: Sequence[str] = (),
+) -> Path | None:
+    """The CSV ``path`` (written with ``columns``) copied to Parquet beside it
+    (``.parquet``): ``floats`` and ``integers`` as numbers, ``proven`` as a
+    boolean, the rest as text; ``None`` where pyarrow is not installed."""
     try:
         import pyarrow.csv  # (optional, heavy: only for the Parquet copy)
         import pyarrow.parquet
     except ImportError:
         return None
-    types = {
-        c: pyarrow.float64() for c in ("iteration_s", "time_s", "cost", "search_s")
-    }
-    types.update({c: pyarrow.string() for c in COLUMNS if c not in types})
+    types = {c: pyarrow.string() for c in columns}
+    types.update({c: pyarrow.float64() for c in floats})
+    types.update({c: pyarrow.int64() for c in integers})
     types["proven"] = pyarrow.bool_()
     options = pyarrow.csv.ConvertOptions(
         column_types=types, strings_can_be_null=False, true_values=["1"],
