@@ -46,7 +46,12 @@ from pipedejavu.costmodel.megatron.tables import (
     span_expert_params,
     span_largest_bucket,
 )
-from pipedejavu.search.megatron.space import ConfigGroup, chain_counts
+from pipedejavu.search.megatron.space import (
+    ConfigGroup,
+    chain_counts,
+    cover_counts,
+    nested_capacities,
+)
 from pipedejavu.search.megatron.transfers import (
     BoundCache,
     Kind,
@@ -521,8 +526,14 @@ def memory_counts(
         # admit any number of stages after them, the others none
         fits = np.zeros(most + 1, dtype=bool)
         needs = [zero_bubble_in_flight(k, group.steps) for k in range(1, most + 1)]
+        table = np.full((num_layers, num_layers), -1.0)
+        table[starts, ends] = cap
+        nested = nested_capacities(table)
         for need in sorted(set(needs)):
-            counts = reachable(np.where(cap >= need, most, -1))
+            if nested:
+                counts = cover_counts(table, need, most)
+            else:
+                counts = reachable(np.where(cap >= need, most, -1))
             for k, asked in enumerate(needs, start=1):
                 if asked == need:
                     fits[k] = counts[k]

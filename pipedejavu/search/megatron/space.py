@@ -33,8 +33,10 @@ __all__ = [
     "Mix",
     "chain_counts",
     "config_groups",
+    "cover_counts",
     "divisors",
     "mixes",
+    "nested_capacities",
 ]
 
 
@@ -200,4 +202,49 @@ def chain_counts(memory: NDArray[np.int64], most: int) -> NDArray[np.bool_]:
         fits[after + 1] = reach[0]
         if not reach.any():
             break
+    return fits
+
+
+def nested_capacities(table: NDArray[np.float64]) -> bool:
+    """Whether no span ``a..e`` with ``a >= 1`` (``table[a, e]``, ``e``
+    inclusive, the upper triangle) holds more than a span inside it: each at
+    most the spans one layer shorter at either end (and so, by induction,
+    than every span inside it). Spans from layer 0 are left out: the first
+    stage stashes token ids where a later one stashes its input, so it may
+    hold more than the same layers without the embedding."""
+    rest = table[1:, 1:]
+    upper = np.triu(np.ones(rest.shape, dtype=bool), 1)
+    shorter_end = np.full(rest.shape, np.inf)
+    shorter_end[:, 1:] = rest[:, :-1]  # a..e-1
+    shorter_start = np.full(rest.shape, np.inf)
+    shorter_start[:-1, :] = rest[1:, :]  # a+1..e
+    ok = (rest <= shorter_end) & (rest <= shorter_start)
+    return bool(ok[upper].all())
+
+
+def cover_counts(
+    table: NDArray[np.float64], need: float, most: int
+) -> NDArray[np.bool_]:
+    """``fits[k]``, ``k <= most``: some chain of exactly ``k`` spans covers
+    every layer with each span's ``table`` at least ``need``, for a table of
+    :func:`nested_capacities` (what :func:`chain_counts` answers for any
+    table, in ``O(L)`` per ``need`` instead of ``O(most L^2)``). Past the
+    first stage, the spans that hold ``need`` contain every span inside
+    them: the fewest stages from layer ``x`` on cover greedily (each as long
+    as it may be: no cover of fewer stages reaches as far), and a chain of
+    ``k`` stages over ``n > k`` layers splits into one of ``k + 1``; so after
+    a first stage ``0..e`` the counts are ``1 + [fewest(e + 1), L - 1 - e]``,
+    united over the first stages that hold ``need``."""
+    num_layers = table.shape[0]
+    fits = np.zeros(most + 1, dtype=bool)
+    longest = (table >= need).sum(axis=1)  # from each first layer, contiguous
+    fewest = np.full(num_layers + 1, np.inf)
+    fewest[num_layers] = 0.0
+    for x in range(num_layers - 1, 0, -1):
+        if longest[x]:
+            fewest[x] = 1.0 + fewest[x + int(longest[x])]
+    counts = np.arange(most + 1)
+    for stop in np.flatnonzero(table[0] >= need):  # first stage 0..stop
+        low, high = 1 + fewest[stop + 1], num_layers - stop
+        fits |= (counts >= low) & (counts <= high)
     return fits
