@@ -27,6 +27,8 @@ activation output) as the shapes say.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -193,27 +195,31 @@ def analytical_layer_times(
         tp_comm_overlap,
         eager,
     )
-    block_params = sum(spec.layer_param_split(tp)[1])
-    block = (
-        pass_seconds(any_block_forward_ops(spec, opts), gpu, constants),
-        pass_seconds(any_block_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(optimizer_ops(block_params, precision), gpu, constants),
+
+    def layer(
+        forward: Callable[[TransformerSpec, PassOptions], LayerPass],
+        backward: Callable[[TransformerSpec, PassOptions], LayerPass],
+        params: float,
+    ) -> tuple[float, float, float]:
+        """One layer's three entries: its forward's and backward's seconds
+        (the operations ``forward`` and ``backward`` build) and an Adam step's
+        over its ``params`` held by a GPU, priced alike for every layer."""
+        return (
+            pass_seconds(forward(spec, opts), gpu, constants),
+            pass_seconds(backward(spec, opts), gpu, constants),
+            pass_seconds(optimizer_ops(params, precision), gpu, constants),
+        )
+
+    block = layer(
+        any_block_forward_ops,
+        any_block_backward_ops,
+        sum(spec.layer_param_split(tp)[1]),
     )
-    first = (
-        pass_seconds(embedding_forward_ops(spec, opts), gpu, constants),
-        pass_seconds(embedding_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(
-            optimizer_ops(spec.embedding_params(tp), precision), gpu, constants
-        ),
+    first = layer(
+        embedding_forward_ops, embedding_backward_ops, spec.embedding_params(tp)
     )
-    last = (
-        pass_seconds(head_forward_ops(spec, opts), gpu, constants),
-        pass_seconds(head_backward_ops(spec, opts), gpu, constants),
-        pass_seconds(
-            optimizer_ops(spec.head_params(tp, tied_copy=True), precision),
-            gpu,
-            constants,
-        ),
+    last = layer(
+        head_forward_ops, head_backward_ops, spec.head_params(tp, tied_copy=True)
     )
     if spec.mtp_layers:
         forward, backward = _mtp_seconds(
@@ -269,7 +275,8 @@ def block_rerun_ops(
 def _layer_row(
     spec: TransformerSpec, block: float, first: float, last: float
 ) -> NDArray[np.float64]:
-    """f64[L + 2]: the embedding's value, the blocks', the LM head's."""
+    """f64[L + 2]: the embedding's value, the blocks', the LM head's (the
+    layer numbering of every per-layer row of this module)."""
     row = np.full(spec.num_layers + 2, block, dtype=np.float64)
     row[0], row[-1] = first, last
     return row
@@ -539,8 +546,7 @@ def activation_bytes(
             block = torchtitan_op_kept(spec, b, t, split, e)
     embedding = tokens * h * MASK_BYTES / split
     head = 2 * tokens * h * e / split + tokens * spec.vocab_size / t * 4.0
-    out = np.full(spec.num_layers + 2, block, dtype=np.float64)
-    out[0], out[-1] = embedding, head
+    out = _layer_row(spec, block, embedding, head)
     if spec.mtp_layers:
         kept = mtp_kept_bytes(
             spec, opts, recompute, embedding=embedding, block=block, head=head
@@ -582,10 +588,5 @@ def layer_output_bytes(
     if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"mbs must be an integer >= 1, got {mbs!r}")
     e, _ = element_bytes(precision)
-    out = np.full(
-        spec.num_layers + 2,
-        mbs * spec.seq_length * spec.hidden_size * e,
-        dtype=np.float64,
-    )
-    out[-1] = 4.0
-    return out
+    message = mbs * spec.seq_length * spec.hidden_size * e
+    return _layer_row(spec, message, message, 4.0)
