@@ -31,6 +31,7 @@ from pipedejavu.planning.training import parse_gpu_pool
 
 __all__ = [
     "add_capacity_options",
+    "add_pool_options",
     "parse_available",
     "parse_counts",
     "parse_duration",
@@ -107,34 +108,40 @@ def add_capacity_options(plan: Any) -> None:
         metavar="AMOUNT",
         help="the least time to train within this, in the prices' currency",
     )
-    plan.add_argument(
+    add_pool_options(
+        plan,
+        results="write each pool's outcome to this CSV as it finishes (and a "
+        "Parquet copy beside it at the end, with pyarrow); a sweep given a file "
+        "that already holds pools of the same question plans only the others",
+    )
+
+
+def add_pool_options(parser: Any, *, results: str) -> None:
+    """``--counts``, ``--workers``, ``--cluster`` and ``--results`` (its help
+    given): where and on which counts the candidate pools are planned, shared
+    by capacity planning and ``sweep``."""
+    parser.add_argument(
         "--counts",
         type=parse_counts,
         metavar="N[,N...]",
         help="the GPU counts to plan for every type (default: powers of two to "
         "a node, then doubling whole nodes, and the most available)",
     )
-    plan.add_argument(
+    parser.add_argument(
         "--workers",
         type=int_in("--workers", 1, 256),
         default=1,
         help="processes planning the candidate pools (default 1; with --cluster "
         "local, the local Dask cluster's)",
     )
-    plan.add_argument(
+    parser.add_argument(
         "--cluster",
         metavar="ADDRESS|local",
         help="plan the pools on a Dask cluster: a scheduler's address "
         "(tcp://host:8786) or local (one started here with --workers processes; "
         "needs pip install 'pipedejavu[cluster]')",
     )
-    plan.add_argument(
-        "--results",
-        metavar="FILE.csv",
-        help="write each pool's outcome to this CSV as it finishes (and a Parquet "
-        "copy beside it at the end, with pyarrow); a sweep given a file that "
-        "already holds pools of the same question plans only the others",
-    )
+    parser.add_argument("--results", metavar="FILE.csv", help=results)
 
 
 def parse_available(texts: list[str], sheet: GpuSheet) -> dict[str, int]:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from pipedejavu.cli.any_model import MAX_SEQ_LENGTH
-from pipedejavu.cli.capacity import parse_available, parse_counts, parse_tokens
+from pipedejavu.cli.capacity import add_pool_options, parse_available, parse_tokens
 from pipedejavu.cli.parsing import add_json_option, int_in
 from pipedejavu.core.files import json_text
 from pipedejavu.core.problem import ProblemError
@@ -74,13 +74,6 @@ def add_parser(commands: Any) -> None:
         help="the GPU types and the most of each (repeat or separate with commas)",
     )
     sweep.add_argument(
-        "--counts",
-        type=parse_counts,
-        metavar="N[,N...]",
-        help="the GPU counts to plan for every type (default: powers of two to "
-        "a node, then doubling whole nodes, and the most available)",
-    )
-    sweep.add_argument(
         "--seq-len",
         type=int_in("--seq-len", 1, MAX_SEQ_LENGTH),
         metavar="S",
@@ -112,25 +105,11 @@ def add_parser(commands: Any) -> None:
         metavar="FILE",
         help="JSON of prices per GPU-hour (with --tokens: adds the cost)",
     )
-    sweep.add_argument(
-        "--workers",
-        type=int_in("--workers", 1, 256),
-        default=1,
-        help="processes planning the pools (with --cluster local, the local "
-        "Dask cluster's)",
-    )
-    sweep.add_argument(
-        "--cluster",
-        metavar="ADDRESS|local",
-        help="plan on a Dask cluster: a scheduler's address (tcp://host:8786) "
-        "or local (needs pip install 'pipedejavu[cluster]')",
-    )
-    sweep.add_argument(
-        "--results",
-        metavar="FILE.csv",
-        help="write each row to this CSV as it finishes (a Parquet copy beside "
-        "it at the end, with pyarrow); given a file that holds some of the "
-        "sweep's rows, plan only the others",
+    add_pool_options(
+        sweep,
+        results="write each row to this CSV as it finishes (a Parquet copy "
+        "beside it at the end, with pyarrow); given a file that holds some of "
+        "the sweep's rows, plan only the others",
     )
     add_json_option(sweep)
 
