@@ -46,6 +46,7 @@ from pipedejavu.core.problem import (
     plan_fields,
     stage_fields,
 )
+from pipedejavu.core.stage_record import SubmeshStage
 from pipedejavu.core.validation import (
     MAX_MICROBATCHES,
     StageTableSizes,
@@ -323,7 +324,7 @@ class HeteroProblem(StageTableSizes):
 
 
 @dataclasses.dataclass(frozen=True)
-class HeteroStage:
+class HeteroStage(SubmeshStage):
     """One stage, placed.
 
     Args:
@@ -344,23 +345,6 @@ class HeteroStage:
     hosts: tuple[int, ...]
     first_device: int
     latency: float
-
-    @property
-    def num_devices(self) -> int:
-        return self.submesh[0] * self.submesh[1]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "start": self.start,
-            "stop": self.stop,
-            "submesh": list(self.submesh),
-            "submesh_index": self.submesh_index,
-            "config_index": self.config_index,
-            "device_type": self.device_type,
-            "hosts": list(self.hosts),
-            "first_device": self.first_device,
-            "latency": self.latency,
-        }
 
 
 @dataclasses.dataclass(frozen=True)

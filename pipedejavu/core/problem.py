@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 from pipedejavu.core.cost_limits import check_cost_magnitude
 from pipedejavu.core.errors import InfeasibleProblemError, PlanError, ProblemError
 from pipedejavu.core.npzfile import read_npz, write_npz
+from pipedejavu.core.stage_record import SubmeshStage
 from pipedejavu.core.validation import (
     MAX_DEVICES,
     MAX_MICROBATCHES,
@@ -306,7 +307,7 @@ def _reachable(sizes: Sequence[int], total: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage:
+class Stage(SubmeshStage):
     """One pipeline stage of a plan.
 
     Args:
@@ -324,20 +325,6 @@ class Stage:
     submesh_index: int
     config_index: int
     latency: float
-
-    @property
-    def num_devices(self) -> int:
-        return self.submesh[0] * self.submesh[1]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "start": self.start,
-            "stop": self.stop,
-            "submesh": list(self.submesh),
-            "submesh_index": self.submesh_index,
-            "config_index": self.config_index,
-            "latency": self.latency,
-        }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,7 @@ __all__ = [
     "block_rerun_ops",
     "is_weight_gradient",
     "layer_output_bytes",
+    "pass_seconds_or_zero",
     "selective_forward_seconds",
     "torchtitan_op_kept",
     "weight_gradient_seconds",
@@ -250,15 +251,18 @@ def _mtp_seconds(
         rerun = pass_seconds(mtp_rerun_ops(spec, opts), gpu, constants)
         backward += rerun + block_forward
     else:
-        backward += _seconds(block_rerun_ops(spec, opts, recompute), gpu, constants)
+        backward += pass_seconds_or_zero(
+            block_rerun_ops(spec, opts, recompute), gpu, constants
+        )
     depths = spec.mtp_layers
     return depths * (forward + block_forward), depths * (backward + block_backward)
 
 
-def _seconds(
+def pass_seconds_or_zero(
     ops: LayerPass, gpu: GpuSheetEntry, constants: AnalyticalConstants
 ) -> float:
-    """:func:`pass_seconds`, 0 for no operations."""
+    """:func:`~pipedejavu.costmodel.analytical.roofline.pass_seconds` of
+    ``ops``; 0 for no operations."""
     return pass_seconds(ops, gpu, constants) if ops else 0.0
 
 
@@ -426,7 +430,7 @@ def selective_forward_seconds(
         tp_comm_overlap,
         eager,
     )
-    return _seconds(block_rerun_ops(spec, opts, recompute), gpu, constants)
+    return pass_seconds_or_zero(block_rerun_ops(spec, opts, recompute), gpu, constants)
 
 
 def block_forward_seconds(

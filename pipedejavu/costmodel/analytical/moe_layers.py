@@ -42,7 +42,10 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry, Precision
 from pipedejavu.core.transformer import TransformerSpec
-from pipedejavu.costmodel.analytical.layers import block_rerun_ops
+from pipedejavu.costmodel.analytical.layers import (
+    block_rerun_ops,
+    pass_seconds_or_zero,
+)
 from pipedejavu.costmodel.analytical.moe_ops import (
     expert_activation_bytes,
     expert_block_backward_ops,
@@ -156,12 +159,6 @@ def flex_seconds(
     return max(far / network, near / (gpu.intra_node_bytes_per_s * efficiency))
 
 
-def _seconds(
-    ops: LayerPass, gpu: GpuSheetEntry, constants: AnalyticalConstants
-) -> float:
-    return pass_seconds(ops, gpu, constants) if ops else 0.0
-
-
 def _block_seconds(
     spec: TransformerSpec,
     gpu: GpuSheetEntry,
@@ -194,8 +191,8 @@ def _block_seconds(
         # shared experts beside the two all-to-alls: what outlasts them
         beside = overlapped_shared_ops(ops, experts)
         rest = [op for op in ops if op not in beside]
-        return _seconds(rest, gpu, constants) + max(
-            _seconds(beside, gpu, constants) - one, 0.0
+        return pass_seconds_or_zero(rest, gpu, constants) + max(
+            pass_seconds_or_zero(beside, gpu, constants) - one, 0.0
         )
 
     forward_ops = expert_block_forward_ops(spec, opts, experts)
@@ -205,7 +202,7 @@ def _block_seconds(
     if "moe" in selective_modules(recompute):  # (its all-to-alls as forward's)
         selective = priced(rerun) + overhead + (0.0 if layers.overlap_dispatch else one)
     else:
-        selective = _seconds(rerun, gpu, constants)
+        selective = pass_seconds_or_zero(rerun, gpu, constants)
     if layers.overlap_dispatch:
         # beside another micro-batch's compute: the hidden share of what the
         # compute covers
@@ -283,7 +280,9 @@ def expert_layer_times(
             backward[-1] += depths * (rerun - rows[0][last])
         elif selective_modules(mtp_recompute):  # in place of a dense block's
             dense = block_rerun_ops(dense_view(spec), opts, mtp_recompute)
-            backward[-1] += depths * (selective - _seconds(dense, gpu, constants))
+            backward[-1] += depths * (
+                selective - pass_seconds_or_zero(dense, gpu, constants)
+            )
     experts = layers.experts
     pairs = spec.layer_param_split(opts.tp, experts.ep, experts.etp)
     steps: dict[int, float] = {}  # optimizer seconds by parameter count

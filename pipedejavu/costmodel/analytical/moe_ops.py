@@ -228,17 +228,29 @@ def _permutations(spec, shape: ExpertShape, experts: ExpertPass) -> dict[str, fl
     return out
 
 
-def _routed_forward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> LayerPass:
-    h, num = spec.hidden_size, spec.moe.num_experts
-    t = shape.tokens
-    (_, mlp, _), _ = _halves(spec, opts)
+def _routed_parts(spec, opts, shape: ExpertShape, experts: ExpertPass, half: int):
+    """What a routed pass's forward (``half`` 0) and backward (1) share: the
+    experts' ``fc1`` and ``fc2`` GEMMs and how many times they run, the bytes
+    the activation kernel moves (the rule of the dense MLP's kernel of that
+    pass), the routing probabilities' bytes, :func:`_permutations` and
+    :func:`_etp_collectives`."""
+    mlp = _halves(spec, opts)[half][1]
     rate = _activation_rate(
         mlp, opts.mbs * spec.seq_length, spec.ffn_hidden_size / opts.tp
     )
     fc1, fc2, elements, kernels = _expert_gemms(spec, opts, shape, experts)
     probs = fc1.batch * shape.per_expert * shape.router
     perm = _permutations(spec, shape, experts)
-    comm = _etp_collectives(opts, shape, experts, h)
+    comm = _etp_collectives(opts, shape, experts, spec.hidden_size)
+    return fc1, fc2, kernels, rate * elements, probs, perm, comm
+
+
+def _routed_forward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> LayerPass:
+    h, num = spec.hidden_size, spec.moe.num_experts
+    t = shape.tokens
+    fc1, fc2, kernels, moved, probs, perm, comm = _routed_parts(
+        spec, opts, shape, experts, 0
+    )
     ops: LayerPass = [
         _router(spec, opts, shape),
         MemoryOp(
@@ -253,7 +265,7 @@ def _routed_forward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> Laye
         if "moe_sort_chunks" in perm
         else []
     )
-    activation = MemoryOp("expert_activation", rate * elements + probs)
+    activation = MemoryOp("expert_activation", moved + probs)
     ops += [fc1, activation, fc2] * kernels
     ops += (
         [MemoryOp("moe_unsort_chunks", perm["moe_unsort_chunks"])]
@@ -270,14 +282,9 @@ def _routed_forward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> Laye
 def _routed_backward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> LayerPass:
     h, num = spec.hidden_size, spec.moe.num_experts
     t, e = shape.tokens, shape.act
-    _, (_, mlp, _) = _halves(spec, opts)
-    rate = _activation_rate(
-        mlp, opts.mbs * spec.seq_length, spec.ffn_hidden_size / opts.tp
+    fc1, fc2, kernels, moved, probs, perm, comm = _routed_parts(
+        spec, opts, shape, experts, 1
     )
-    fc1, fc2, elements, kernels = _expert_gemms(spec, opts, shape, experts)
-    probs = fc1.batch * shape.per_expert * shape.router
-    perm = _permutations(spec, shape, experts)
-    comm = _etp_collectives(opts, shape, experts, h)
     sent = (
         shape.sent
         if experts.dispatcher == "alltoall"
@@ -291,7 +298,7 @@ def _routed_backward(spec, opts, shape: ExpertShape, experts: ExpertPass) -> Lay
         ops.append(MemoryOp("moe_unsort_chunks.backward", perm["moe_unsort_chunks"]))
     if comm:  # the reduce-scatter's backward is an all-gather, and back
         ops.append(comm["gather"]._replace(name="all_gather.experts.backward"))
-    activation = MemoryOp("expert_activation.backward", rate * elements + 2 * probs)
+    activation = MemoryOp("expert_activation.backward", moved + 2 * probs)
     ops += (backward_gemms(fc2) + [activation] + backward_gemms(fc1)) * kernels
     if comm:
         ops.append(comm["scatter"]._replace(name="reduce_scatter.experts.backward"))
