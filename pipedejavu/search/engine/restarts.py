@@ -47,6 +47,35 @@ def bucket(size: int) -> int:
     return padded
 
 
+def random_starts(
+    key: jax.Array,
+    num_devices: jax.Array,
+    slot_devices: jax.Array,
+    num_restarts: int,
+    num_stages: int,
+    num_slots: int,
+    noise: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(boundary logits, slot logits, mask)`` of ``num_restarts`` random
+    restarts, each with its own number (1..num_stages, log-uniform) of active
+    stage slots out of ``num_slots`` (``mask``); slot logits favour the slots
+    (``slot_devices``: each slot's devices) of about ``num_devices`` / (active
+    stages) devices, plus ``noise`` times a standard normal draw. The
+    homogeneous and the heterogeneous engines' initial restarts."""
+    key_count, key_boundary, key_slot = jax.random.split(key, 3)
+    uniform = jax.random.uniform(key_count, (num_restarts,))
+    active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
+    active = active.clip(1, num_stages)
+    mask = jnp.arange(num_slots)[None, :] < active[:, None]
+    boundary = 0.3 * jax.random.normal(key_boundary, (num_restarts, num_slots))
+    target = jnp.log2(num_devices / active)[:, None, None]
+    closeness = -2.0 * jnp.abs(jnp.log2(slot_devices)[None, None, :] - target)
+    scatter = noise * jax.random.normal(
+        key_slot, (num_restarts, num_slots, slot_devices.shape[0])
+    )
+    return boundary, closeness + scatter, mask
+
+
 def _initial_params(
     key: jax.Array,
     data: RelaxedProblem,
@@ -54,21 +83,19 @@ def _initial_params(
     num_stages: int,
     num_slots: int,
 ) -> tuple[RelaxedParams, jax.Array]:
-    """Random restarts, each with its own number (1..num_stages, log-uniform) of
-    active stage slots out of ``num_slots``; slot logits favour submeshes of
-    about D / (active stages) devices."""
-    key_count, key_boundary, key_slot = jax.random.split(key, 3)
-    uniform = jax.random.uniform(key_count, (num_restarts,))
-    active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
-    active = active.clip(1, num_stages)
-    mask = jnp.arange(num_slots)[None, :] < active[:, None]
-    boundary = 0.3 * jax.random.normal(key_boundary, (num_restarts, num_slots))
-    target = jnp.log2(data.num_devices / active)[:, None, None]
-    closeness = -2.0 * jnp.abs(jnp.log2(data.slot_devices)[None, None, :] - target)
-    noise = 0.5 * jax.random.normal(
-        key_slot, (num_restarts, num_slots, data.slot_devices.shape[0])
+    """Random restarts (:func:`random_starts`), each with its own number
+    (1..num_stages, log-uniform) of active stage slots out of ``num_slots``;
+    slot logits favour submeshes of about D / (active stages) devices."""
+    boundary, logits, mask = random_starts(
+        key,
+        data.num_devices,
+        data.slot_devices,
+        num_restarts,
+        num_stages,
+        num_slots,
+        0.5,
     )
-    return RelaxedParams(boundary, closeness + noise), mask
+    return RelaxedParams(boundary, logits), mask
 
 
 #: ``[n]``: times :func:`_start` was traced (each new trace is compiled or

@@ -62,7 +62,12 @@ from pipedejavu.core.hetero import HeteroPlan, HeteroProblem
 from pipedejavu.core.hetero_rules import make_hetero_plan
 from pipedejavu.core.problem import InfeasibleProblemError, Problem, ProblemError
 from pipedejavu.search.engine.config import SearchConfig
-from pipedejavu.search.engine.restarts import compiled_chunk, geometric, shard
+from pipedejavu.search.engine.restarts import (
+    compiled_chunk,
+    geometric,
+    random_starts,
+    shard,
+)
 from pipedejavu.search.hetero.assign import assign, links, split
 from pipedejavu.search.hetero.bounds import hetero_lower_bound
 from pipedejavu.search.hetero.exact import explain_infeasible
@@ -207,20 +212,18 @@ def _initial_params(
 ) -> tuple[HeteroRelaxedParams, jax.Array]:
     """Random restarts, each with its own number (1..num_stages, log-uniform) of
     active stage slots; slot logits favour submeshes of about D / (active
-    stages) devices, plus noise (which also spreads the types)."""
-    key_count, key_boundary, key_slot = jax.random.split(key, 3)
-    uniform = jax.random.uniform(key_count, (num_restarts,))
-    active = jnp.floor(jnp.exp(uniform * jnp.log(num_stages + 0.999)))
-    active = active.clip(1, num_stages)
-    mask = jnp.arange(num_slots)[None, :] < active[:, None]
-    boundary = 0.3 * jax.random.normal(key_boundary, (num_restarts, num_slots))
-    total = data.type_devices.sum()
-    target = jnp.log2(total / active)[:, None, None]
-    closeness = -2.0 * jnp.abs(jnp.log2(data.slot_devices)[None, None, :] - target)
-    noise = 0.7 * jax.random.normal(
-        key_slot, (num_restarts, num_slots, data.slot_devices.shape[0])
+    stages) devices, plus noise (which also spreads the types):
+    :func:`~pipedejavu.search.engine.restarts.random_starts`."""
+    boundary, logits, mask = random_starts(
+        key,
+        data.type_devices.sum(),
+        data.slot_devices,
+        num_restarts,
+        num_stages,
+        num_slots,
+        0.7,
     )
-    return HeteroRelaxedParams(boundary, closeness + noise), mask
+    return HeteroRelaxedParams(boundary, logits), mask
 
 
 #: How often :func:`_run_chunk` has been traced (a test checks it stays put).
