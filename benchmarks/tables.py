@@ -1441,6 +1441,36 @@ def t_capacity_planning() -> str:
     )
 
 
+def t_capacity_sheet() -> str:
+    data = load("capacity_sheet.json")
+    q = data["question"]
+    rows = []
+    for row in data["frontier"]:
+        used = ", ".join(f"{g}:{n}" for g, n in row["used"].items())
+        chosen = row["used"] == data["chosen"]["used"]
+        rows.append(
+            [used, f"{row['days']:.1f}", f"{row['cost']:,.0f}", "chosen" if chosen else ""]
+        )
+    seconds = data["seconds"]
+    dask = seconds.get("dask")
+    return (
+        f"{q['model']}, {q['tokens']:.0e} tokens, global batch {q['global_batch']}, "
+        f"{len(q['types'])} GPU types x {len(q['counts'])} counts "
+        f"({data['pools']} pools, {data['pools_with_a_plan']} with a plan that "
+        f"fits, {data['not_proven']} of them not proven), least cost within "
+        f"{q['deadline_days']:.0f} days; the Pareto frontier:\n\n"
+        + table(["rented", "days", "cost (USD)", ""], rows)
+        + f"\n\nAnswered in {seconds['2']:.0f} s with two local processes "
+        f"(target: {data['target_s']} s)"
+        + ("" if dask is None else f", {dask:.0f} s on a local Dask cluster of two")
+        + "; the answers "
+        + ("are identical" if data["identical"] else "DIFFER")
+        + f" (wall-clock fields aside). {data['planning_s_summed']:.0f} s of "
+        "planning summed over the pools. Prices: the bundled example sheet, not "
+        "quotes." + source("capacity_sheet.json")
+    )
+
+
 def t_large_pools() -> str:
     data = load("large_pools.json")
     rows = []
@@ -1473,6 +1503,7 @@ def t_large_pools() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "large_pools": t_large_pools,
     "capacity_planning": t_capacity_planning,
+    "capacity_sheet": t_capacity_sheet,
     "cluster_calibration": t_cluster_calibration,
     "torchtitan_published": t_torchtitan_published,
     "sharded_planning": t_sharded_planning,

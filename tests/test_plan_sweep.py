@@ -192,3 +192,38 @@ def test_the_command_line_prints_every_row_and_writes_the_file(tmp_path, capsys)
     assert main(["sweep", "--models", "OPT-350", "--global-batch", "0",
                  "--gpus-available", "GH-96:2"]) == 2  # fmt: skip
     assert main(["sweep", "--global-batch", "16", "--gpus-available", "GH-96:2"]) == 2
+
+
+def test_a_type_the_model_cannot_be_priced_on_is_a_row_with_the_reason():
+    """An RTX-2080 has no bf16 peak: its pools are rows with that reason,
+    planned on no GPU, while the other type is planned; a capacity question
+    alike; a model priced on no type is one line."""
+    question = _question(
+        global_batches=(16,),
+        available={"GH-96": 2, "RTX-2080": 2},
+        precision="bf16",
+        prices=PriceSheet("USD", {"GH-96": 3.0, "RTX-2080": 0.2}),
+    )
+    rows = run_sweep(question)
+    by_type = {next(iter(r.pool)): r for r in rows}
+    assert "no bf16 peak" in by_type["RTX-2080"].planned.reason
+    assert by_type["RTX-2080"].planned.search_s == 0.0
+    assert by_type["GH-96"].planned.used is not None
+    capacity = answer_capacity(
+        CapacityQuestion(
+            "OPT-350",
+            3e7,
+            16,
+            {"GH-96": 2, "RTX-2080": 2},
+            PriceSheet("USD", {"GH-96": 3.0, "RTX-2080": 0.2}),
+            budget=1e9,
+            precision="bf16",
+        )  # fmt: skip
+    )
+    refused = [o for o in capacity.outcomes if "RTX-2080" in o.pool]
+    assert refused and all("no bf16 peak" in o.reason for o in refused)
+    assert "GH-96" in capacity.outcomes[capacity.choice].pool
+    with pytest.raises(ProblemError, match="no bf16 peak") as error:
+        run_sweep(_question(available={"RTX-2080": 2}, precision="bf16",
+                            prices=None))  # fmt: skip
+    assert "\n" not in str(error.value)

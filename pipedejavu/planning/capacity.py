@@ -34,13 +34,11 @@ import hashlib
 import json
 import math
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
-from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.io.price_sheet import PriceSheet
 from pipedejavu.planning.capacity_results import (
     append_row,
@@ -50,20 +48,18 @@ from pipedejavu.planning.capacity_results import (
     read_rows,
     write_parquet,
 )
-from pipedejavu.planning.plan_model import plan_model
+from pipedejavu.planning.pool_planning import plan_pool, unpriced_types
 from pipedejavu.planning.sweep import run_tasks
 
 __all__ = [
     "CandidateOutcome",
     "CapacityAnswer",
     "CapacityQuestion",
-    "PoolPlan",
     "answer_capacity",
     "candidate_pools",
     "choose_allocation",
     "evaluate_pool",
     "pareto_frontier",
-    "plan_pool",
     "question_key",
     "without_clock",
 ]
@@ -230,85 +226,10 @@ def candidate_pools(
     return pools
 
 
-@dataclasses.dataclass(frozen=True)
-class PoolPlan:
-    """One pool planned for one model and global batch (what a capacity
-    question and a sweep read of it).
-
-    Attributes:
-        used: the GPUs the best plan uses (``None``: no plan fits).
-        iteration_s: its predicted seconds per iteration (``inf``: none).
-        tokens_per_sample: the sequence length planned for.
-        proven: the plan is proven optimal under the predictor.
-        plan: the plan, as ``plan --json`` writes it (``None``: none).
-        reason: why there is no plan (``None``: there is one).
-        search_s: seconds the planning took.
-        shape: the plan's parallelism in words (``""``: no plan).
-    """
-
-    used: Mapping[str, int] | None
-    iteration_s: float
-    tokens_per_sample: int
-    proven: bool
-    plan: Mapping[str, Any] | None
-    reason: str | None
-    search_s: float
-    shape: str = ""
-
-
-def _tokens_per_sample(seq_length: int | None, choice: Any) -> int:
-    if seq_length is not None:
-        return seq_length
-    spec = choice.spec
-    if spec is None:
-        spec = load_model_spec(choice.model)  # (a Sailor model's description)
-    return spec.seq_length
-
-
-def plan_pool(
-    model: str,
-    global_batch: int,
-    pool: Mapping[str, int],
-    *,
-    seq_length: int | None = None,
-    precision: str | None = None,
-    gpu_sheet: str | None = None,
-    profiles: str | None = None,
-) -> PoolPlan:
-    """``pool`` planned as ``pipedejavu plan --model ... --gpus ...`` plans
-    it (:func:`~pipedejavu.planning.plan_model.plan_model`); a pool with no
-    plan that fits is a :class:`PoolPlan` with its reason, not an error."""
-    started = time.perf_counter()
-    try:
-        knobs = plan_model(
-            model,
-            dict(pool),
-            global_batch,
-            seq_length=seq_length,
-            precision=precision,
-            gpu_sheet=gpu_sheet,
-            profiles=profiles,
-        )
-    except InfeasibleProblemError as error:
-        seconds = time.perf_counter() - started
-        return PoolPlan(None, math.inf, 0, False, None, str(error), seconds)
-    result = knobs.result
-    return PoolPlan(
-        used=result.plan.gpus_by_type(),
-        iteration_s=result.prediction.iteration_time_s,
-        tokens_per_sample=_tokens_per_sample(seq_length, knobs.choice),
-        proven=bool(result.proven),
-        plan=knobs.to_json(),
-        reason=None,
-        search_s=time.perf_counter() - started,
-        shape=_shape(result.plan, result.options),
-    )
-
-
 def evaluate_pool(
     question: CapacityQuestion, pool: Mapping[str, int]
 ) -> CandidateOutcome:
-    """``pool`` planned for ``question`` (module docstring; :func:`plan_pool`);
+    """``pool`` planned for ``question`` (module docstring; :func:`~pipedejavu.planning.pool_planning.plan_pool`);
     a pool with no plan that fits is an outcome with its reason, not an
     error."""
     planned = plan_pool(
@@ -341,22 +262,6 @@ def evaluate_pool(
         search_s=planned.search_s,
         shape=planned.shape,
     )
-
-
-def _shape(plan: Any, options: Any) -> str:
-    """``pp 4, tp 8, dp 16, mbs 1`` and the knobs that are not the default."""
-    tps = sorted({r.tp for stage in plan.stages for r in stage.replicas})
-    words = [f"pp {len(plan.stages)}", f"tp {'/'.join(map(str, tps))}"]
-    if plan.layout.cp > 1:
-        words.append(f"cp {plan.layout.cp}")
-    words += [f"dp {plan.dp}", f"mbs {plan.mbs}"]
-    if options.virtual_stages > 1:
-        words.append(f"vp {options.virtual_stages}")
-    if options.recompute != "none":
-        words.append(f"recompute {options.recompute}")
-    if options.zero_stage:
-        words.append(f"ZeRO-{options.zero_stage}")
-    return ", ".join(words)
 
 
 def _key(outcome: CandidateOutcome, index: int, by_cost: bool) -> tuple:
@@ -526,6 +431,21 @@ def answer_capacity(
             for row in read_rows(results, question_key(question))
         }
         outcomes = [held.get(pool_key(p)) for p in pools]
+    refused = unpriced_types(
+        question.model,
+        list(question.available),
+        seq_length=question.seq_length,
+        precision=question.precision,
+        gpu_sheet=question.gpu_sheet,
+        profiles=question.profiles,
+    )
+    for i, pool in enumerate(pools):
+        reason = next((refused[g] for g in pool if g in refused), None)
+        if reason is not None and outcomes[i] is None:
+            outcomes[i] = CandidateOutcome(
+                dict(pool), None, math.inf, math.inf, math.inf, False, None,
+                reason, 0.0,
+            )  # fmt: skip
     todo = [i for i, o in enumerate(outcomes) if o is None]
     say = progress or (lambda done, total, outcome: None)
     done = len(pools) - len(todo)

@@ -7,7 +7,7 @@ given), with the planning options they share (sequence length, precision,
 GPU sheet, profiles) and, optionally, the tokens to train on (time to
 train) and a price sheet (cost). :func:`run_sweep` plans every (model,
 global batch, pool) as ``pipedejavu plan`` plans it
-(:func:`~pipedejavu.planning.capacity.plan_pool`: the fastest plan on at most
+(:func:`~pipedejavu.planning.pool_planning.plan_pool`: the fastest plan on at most
 the pool's GPUs, proven optimal under the predictor) in this process, on a
 local process pool or on a Dask cluster
 (:func:`~pipedejavu.planning.sweep.run_tasks`; the same rows wherever they
@@ -32,7 +32,7 @@ from typing import Any
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.price_sheet import PriceSheet
-from pipedejavu.planning.capacity import PoolPlan, candidate_pools, plan_pool
+from pipedejavu.planning.capacity import candidate_pools
 from pipedejavu.planning.capacity_results import (
     append_row,
     number,
@@ -41,6 +41,7 @@ from pipedejavu.planning.capacity_results import (
     read_table,
     write_parquet,
 )
+from pipedejavu.planning.pool_planning import PoolPlan, plan_pool, unpriced_types
 from pipedejavu.planning.sweep import run_tasks
 
 __all__ = [
@@ -126,7 +127,7 @@ class SweepRow:
 
     Attributes:
         model, global_batch, pool: what was planned.
-        planned: the outcome (:class:`~pipedejavu.planning.capacity.PoolPlan`).
+        planned: the outcome (:class:`~pipedejavu.planning.pool_planning.PoolPlan`).
         time_s: days to train in seconds with the question's tokens
             (``None``: no tokens given; ``inf``: no plan).
         cost: what the GPUs used cost for that time (``None``: no tokens or
@@ -310,6 +311,20 @@ def run_sweep(
             for row in read_table(results, SWEEP_COLUMNS, "a sweep results file")
         }
         planned = [held.get(key) for key in keys]
+    refused: dict[str, dict[str, str]] = {}
+    for model in question.models:
+        refused[model] = unpriced_types(
+            model,
+            list(question.available),
+            seq_length=question.seq_length,
+            precision=question.precision,
+            gpu_sheet=question.gpu_sheet,
+            profiles=question.profiles,
+        )
+    for i, (model, _, pool) in enumerate(tasks):
+        reason = next((refused[model][g] for g in pool if g in refused[model]), None)
+        if reason is not None and planned[i] is None:
+            planned[i] = PoolPlan(None, math.inf, 0, False, None, reason, 0.0)
     todo = [i for i, p in enumerate(planned) if p is None]
     say = progress or (lambda done, total, row: None)
     done = len(tasks) - len(todo)

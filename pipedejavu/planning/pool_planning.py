@@ -1,0 +1,149 @@
+"""One GPU pool planned for one model and global batch, as ``pipedejavu
+plan --model M --gpus TYPE:N`` plans it: what a capacity question
+(:mod:`pipedejavu.planning.capacity`) and a sweep
+(:mod:`pipedejavu.planning.plan_sweep`) read of each pool, and the GPU types
+a model cannot be priced on at all (their pools are not planned)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
+from pipedejavu.io.model_config import load_model_spec
+from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.planning.plan_model import plan_model
+
+__all__ = ["PoolPlan", "plan_pool", "plan_shape", "unpriced_types"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """One pool planned for one model and global batch (what a capacity
+    question and a sweep read of it).
+
+    Attributes:
+        used: the GPUs the best plan uses (``None``: no plan fits).
+        iteration_s: its predicted seconds per iteration (``inf``: none).
+        tokens_per_sample: the sequence length planned for.
+        proven: the plan is proven optimal under the predictor.
+        plan: the plan, as ``plan --json`` writes it (``None``: none).
+        reason: why there is no plan (``None``: there is one).
+        search_s: seconds the planning took.
+        shape: the plan's parallelism in words (``""``: no plan).
+    """
+
+    used: Mapping[str, int] | None
+    iteration_s: float
+    tokens_per_sample: int
+    proven: bool
+    plan: Mapping[str, Any] | None
+    reason: str | None
+    search_s: float
+    shape: str = ""
+
+
+def _tokens_per_sample(seq_length: int | None, choice: Any) -> int:
+    if seq_length is not None:
+        return seq_length
+    spec = choice.spec
+    if spec is None:
+        spec = load_model_spec(choice.model)  # (a Sailor model's description)
+    return spec.seq_length
+
+
+def plan_pool(
+    model: str,
+    global_batch: int,
+    pool: Mapping[str, int],
+    *,
+    seq_length: int | None = None,
+    precision: str | None = None,
+    gpu_sheet: str | None = None,
+    profiles: str | None = None,
+) -> PoolPlan:
+    """``pool`` planned as ``pipedejavu plan --model ... --gpus ...`` plans
+    it (:func:`~pipedejavu.planning.plan_model.plan_model`); a pool with no
+    plan that fits is a :class:`PoolPlan` with its reason, not an error."""
+    started = time.perf_counter()
+    try:
+        knobs = plan_model(
+            model,
+            dict(pool),
+            global_batch,
+            seq_length=seq_length,
+            precision=precision,
+            gpu_sheet=gpu_sheet,
+            profiles=profiles,
+        )
+    except InfeasibleProblemError as error:
+        seconds = time.perf_counter() - started
+        return PoolPlan(None, math.inf, 0, False, None, str(error), seconds)
+    result = knobs.result
+    return PoolPlan(
+        used=result.plan.gpus_by_type(),
+        iteration_s=result.prediction.iteration_time_s,
+        tokens_per_sample=_tokens_per_sample(seq_length, knobs.choice),
+        proven=bool(result.proven),
+        plan=knobs.to_json(),
+        reason=None,
+        search_s=time.perf_counter() - started,
+        shape=plan_shape(result.plan, result.options),
+    )
+
+
+def unpriced_types(
+    model: str,
+    types: Sequence[str],
+    *,
+    seq_length: int | None = None,
+    precision: str | None = None,
+    gpu_sheet: str | None = None,
+    profiles: str | None = None,
+) -> dict[str, str]:
+    """``{type: reason}`` for the GPU types ``model`` cannot be priced on at
+    all (its layers at one micro-batch and TP 1, the least a plan asks: e.g.
+    a V100 has no bf16 peak): their pools are outcomes with the reason,
+    planned on no GPU. Where no type can be priced the reason is the
+    question's own (a model not found, a bad option).
+
+    Raises:
+        ProblemError: the first type's reason, when every type has one.
+    """
+    reasons = {}
+    for gpu in types:
+        try:
+            choice = choose_cost_source(
+                model,
+                [gpu],
+                precision=precision,
+                seq_length=seq_length,
+                gpu_sheet=gpu_sheet,
+                profiles=profiles,
+            )
+            choice.data.layer_times(choice.model, gpu, 1, 1)
+        except ProblemError as error:
+            reasons[gpu] = str(error)
+    if types and len(reasons) == len(types):
+        raise ProblemError(reasons[types[0]])
+    return reasons
+
+
+def plan_shape(plan: Any, options: Any) -> str:
+    """``pp 4, tp 8, dp 16, mbs 1`` and the knobs that are not the default:
+    a plan's parallelism in words."""
+    tps = sorted({r.tp for stage in plan.stages for r in stage.replicas})
+    words = [f"pp {len(plan.stages)}", f"tp {'/'.join(map(str, tps))}"]
+    if plan.layout.cp > 1:
+        words.append(f"cp {plan.layout.cp}")
+    words += [f"dp {plan.dp}", f"mbs {plan.mbs}"]
+    if options.virtual_stages > 1:
+        words.append(f"vp {options.virtual_stages}")
+    if options.recompute != "none":
+        words.append(f"recompute {options.recompute}")
+    if options.zero_stage:
+        words.append(f"ZeRO-{options.zero_stage}")
+    return ", ".join(words)
