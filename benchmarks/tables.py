@@ -1447,27 +1447,28 @@ def t_capacity_sheet() -> str:
     rows = []
     for row in data["frontier"]:
         used = ", ".join(f"{g}:{n}" for g, n in row["used"].items())
-        chosen = row["used"] == data["chosen"]["used"]
-        rows.append(
-            [used, f"{row['days']:.1f}", f"{row['cost']:,.0f}", "chosen" if chosen else ""]
-        )
+        chosen = "chosen" if row["used"] == data["chosen"]["used"] else ""
+        rows.append([used, f"{row['days']:.1f}", f"{row['cost']:,.0f}", chosen])
     seconds = data["seconds"]
-    dask = seconds.get("dask")
+    slowest = data["slowest_pools"][0]
+    pool = ", ".join(f"{g}:{n}" for g, n in slowest["pool"].items())
+    engines = ""
+    if "dask" in seconds:
+        engines = f", {seconds['dask']:.0f} s on a local Dask cluster of two; the " + (
+            "answers are identical" if data["identical"] else "answers DIFFER"
+        )
     return (
-        f"{q['model']}, {q['tokens']:.0e} tokens, global batch {q['global_batch']}, "
-        f"{len(q['types'])} GPU types x {len(q['counts'])} counts "
-        f"({data['pools']} pools, {data['pools_with_a_plan']} with a plan that "
-        f"fits, {data['not_proven']} of them not proven), least cost within "
+        f"{q['model']}, {q['tokens'] / 1e12:g}T tokens, global batch "
+        f"{q['global_batch']}, {len(q['types'])} GPU types x {len(q['counts'])} "
+        f"counts ({data['pools']} pools, {data['pools_with_a_plan']} with a plan "
+        f"that fits, {data['not_proven']} of them not proven), least cost within "
         f"{q['deadline_days']:.0f} days; the Pareto frontier:\n\n"
         + table(["rented", "days", "cost (USD)", ""], rows)
         + f"\n\nAnswered in {seconds['2']:.0f} s with two local processes "
-        f"(target: {data['target_s']} s)"
-        + ("" if dask is None else f", {dask:.0f} s on a local Dask cluster of two")
-        + "; the answers "
-        + ("are identical" if data["identical"] else "DIFFER")
-        + f" (wall-clock fields aside). {data['planning_s_summed']:.0f} s of "
-        "planning summed over the pools. Prices: the bundled example sheet, not "
-        "quotes." + source("capacity_sheet.json")
+        f"(target: {data['target_s']} s){engines}. "
+        f"{data['planning_s_summed']:.0f} s of planning summed over the pools; "
+        f"the slowest pool, {pool}, {slowest['search_s']:.0f} s. Prices: the "
+        "bundled example sheet, not quotes." + source("capacity_sheet.json")
     )
 
 
