@@ -48,7 +48,12 @@ from pipedejavu.planning.capacity_results import (
     read_rows,
     write_parquet,
 )
-from pipedejavu.planning.pool_planning import plan_pool, unpriced_types
+from pipedejavu.planning.pool_planning import (
+    PoolPlan,
+    plan_pool,
+    planning_options,
+    unpriced_pools,
+)
 from pipedejavu.planning.sweep import run_tasks
 
 __all__ = [
@@ -229,27 +234,25 @@ def candidate_pools(
 def evaluate_pool(
     question: CapacityQuestion, pool: Mapping[str, int]
 ) -> CandidateOutcome:
-    """``pool`` planned for ``question`` (module docstring; :func:`~pipedejavu.planning.pool_planning.plan_pool`);
-    a pool with no plan that fits is an outcome with its reason, not an
-    error."""
+    """``pool`` planned for ``question`` (module docstring;
+    :func:`~pipedejavu.planning.pool_planning.plan_pool`); a pool with no
+    plan that fits is an outcome with its reason, not an error."""
     planned = plan_pool(
-        question.model,
-        question.global_batch,
-        pool,
-        seq_length=question.seq_length,
-        precision=question.precision,
-        gpu_sheet=question.gpu_sheet,
-        profiles=question.profiles,
+        question.model, question.global_batch, pool, **planning_options(question)
     )
+    return _candidate(question, pool, planned)
+
+
+def _candidate(
+    question: CapacityQuestion, pool: Mapping[str, int], planned: PoolPlan
+) -> CandidateOutcome:
+    """``pool``'s outcome: ``planned`` with its time to train and cost."""
     if planned.used is None:
         return CandidateOutcome(
             dict(pool), None, math.inf, math.inf, math.inf, False, None,
             planned.reason, planned.search_s,
         )  # fmt: skip
-    iterations = math.ceil(
-        question.tokens / (question.global_batch * planned.tokens_per_sample)
-    )
-    time_s = iterations * planned.iteration_s
+    time_s = planned.train_seconds(question.tokens, question.global_batch)
     return CandidateOutcome(
         pool=dict(pool),
         used=planned.used,
@@ -431,21 +434,10 @@ def answer_capacity(
             for row in read_rows(results, question_key(question))
         }
         outcomes = [held.get(pool_key(p)) for p in pools]
-    refused = unpriced_types(
-        question.model,
-        list(question.available),
-        seq_length=question.seq_length,
-        precision=question.precision,
-        gpu_sheet=question.gpu_sheet,
-        profiles=question.profiles,
-    )
-    for i, pool in enumerate(pools):
-        reason = next((refused[g] for g in pool if g in refused), None)
+    reasons = unpriced_pools(question.model, pools, **planning_options(question))
+    for i, reason in enumerate(reasons):
         if reason is not None and outcomes[i] is None:
-            outcomes[i] = CandidateOutcome(
-                dict(pool), None, math.inf, math.inf, math.inf, False, None,
-                reason, 0.0,
-            )  # fmt: skip
+            outcomes[i] = _candidate(question, pools[i], PoolPlan.none(reason))
     todo = [i for i, o in enumerate(outcomes) if o is None]
     say = progress or (lambda done, total, outcome: None)
     done = len(pools) - len(todo)

@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipedejavu.core.problem import ProblemError
@@ -41,7 +41,12 @@ from pipedejavu.planning.capacity_results import (
     read_table,
     write_parquet,
 )
-from pipedejavu.planning.pool_planning import PoolPlan, plan_pool, unpriced_types
+from pipedejavu.planning.pool_planning import (
+    PoolPlan,
+    plan_pool,
+    planning_options,
+    unpriced_pools,
+)
 from pipedejavu.planning.sweep import run_tasks
 
 __all__ = [
@@ -185,35 +190,19 @@ def sweep_key(question: SweepQuestion, task: tuple[str, int, Mapping]) -> str:
 
 
 def _plan_task(
-    seq_length: int | None,
-    precision: str | None,
-    gpu_sheet: str | None,
-    profiles: str | None,
-    task: tuple[str, int, Mapping[str, int]],
+    options: Mapping[str, Any], task: tuple[str, int, Mapping[str, int]]
 ) -> PoolPlan:
     """One task planned (a module-level function: it runs in other
     processes)."""
     model, batch, pool = task
-    return plan_pool(
-        model,
-        batch,
-        pool,
-        seq_length=seq_length,
-        precision=precision,
-        gpu_sheet=gpu_sheet,
-        profiles=profiles,
-    )
+    return plan_pool(model, batch, pool, **options)
 
 
 def _priced(question: SweepQuestion, task: tuple, planned: PoolPlan) -> SweepRow:
     model, batch, pool = task
     time_s = cost = None
     if question.tokens is not None:
-        if planned.used is None:
-            time_s = math.inf
-        else:
-            samples = question.tokens / planned.tokens_per_sample
-            time_s = math.ceil(samples / batch) * planned.iteration_s
+        time_s = planned.train_seconds(question.tokens, batch)
         if question.prices is not None:
             used = planned.used
             cost = math.inf if used is None else question.prices.cost(used, time_s)
@@ -267,10 +256,10 @@ def _read_back(row: Mapping[str, str], where: str) -> PoolPlan:
 
 
 def sweep_tasks(
-    question: SweepQuestion, sheet: GpuSheet
-) -> list[tuple[str, int, dict[str, int]]]:
-    """``(model, global batch, pool)`` of every task, models outermost."""
-    pools = candidate_pools(question.available, sheet, question.counts)
+    question: SweepQuestion, pools: Sequence[Mapping[str, int]]
+) -> list[tuple[str, int, Mapping[str, int]]]:
+    """``(model, global batch, pool)`` of every task on ``pools``, models
+    outermost."""
     tasks = [
         (model, batch, pool)
         for model in question.models
@@ -291,8 +280,8 @@ def run_sweep(
     progress: Callable[[int, int, SweepRow], None] | None = None,
     sheet: GpuSheet | None = None,
 ) -> list[SweepRow]:
-    """Every task of ``question`` planned, in :func:`sweep_tasks`' order
-    (module docstring): on ``workers`` local processes or a Dask
+    """Every task of ``question`` planned, in :func:`sweep_tasks`' order on
+    its candidate pools (module docstring): on ``workers`` local processes or a Dask
     ``cluster``; each appended to ``results`` (CSV) as it finishes, the tasks
     the file already holds read back instead of planned; ``progress`` told
     ``(done, total, row)`` as each finishes.
@@ -301,7 +290,8 @@ def run_sweep(
         ProblemError: a bad question, too many tasks, a bad results file.
     """
     sheet = sheet or load_gpu_sheet(question.gpu_sheet)
-    tasks = sweep_tasks(question, sheet)
+    pools = candidate_pools(question.available, sheet, question.counts)
+    tasks = sweep_tasks(question, pools)
     keys = [sweep_key(question, task) for task in tasks]
     planned: list[PoolPlan | None] = [None] * len(tasks)
     if results is not None:
@@ -311,32 +301,24 @@ def run_sweep(
             for row in read_table(results, SWEEP_COLUMNS, "a sweep results file")
         }
         planned = [held.get(key) for key in keys]
-    refused: dict[str, dict[str, str]] = {}
-    for model in question.models:
-        refused[model] = unpriced_types(
-            model,
-            list(question.available),
-            seq_length=question.seq_length,
-            precision=question.precision,
-            gpu_sheet=question.gpu_sheet,
-            profiles=question.profiles,
+    options = planning_options(question)
+    refused = {
+        (model, pool_key(pool)): reason
+        for model in question.models
+        for pool, reason in zip(
+            pools, unpriced_pools(model, pools, **options), strict=True
         )
+    }
     for i, (model, _, pool) in enumerate(tasks):
-        reason = next((refused[model][g] for g in pool if g in refused[model]), None)
+        reason = refused[model, pool_key(pool)]
         if reason is not None and planned[i] is None:
-            planned[i] = PoolPlan(None, math.inf, 0, False, None, reason, 0.0)
+            planned[i] = PoolPlan.none(reason)
     todo = [i for i, p in enumerate(planned) if p is None]
     say = progress or (lambda done, total, row: None)
     done = len(tasks) - len(todo)
-    options = (
-        question.seq_length,
-        question.precision,
-        question.gpu_sheet,
-        question.profiles,
-    )
     jobs = [tasks[i] for i in todo]
     for k, outcome in run_tasks(
-        _plan_task, options, jobs, workers=workers, cluster=cluster
+        _plan_task, (options,), jobs, workers=workers, cluster=cluster
     ):
         i = todo[k]
         planned[i] = outcome

@@ -17,7 +17,14 @@ from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.any_model import choose_cost_source
 from pipedejavu.planning.plan_model import plan_model
 
-__all__ = ["PoolPlan", "plan_pool", "plan_shape", "unpriced_types"]
+__all__ = [
+    "PoolPlan",
+    "plan_pool",
+    "plan_shape",
+    "planning_options",
+    "unpriced_pools",
+    "unpriced_types",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,32 @@ class PoolPlan:
     reason: str | None
     search_s: float
     shape: str = ""
+
+    @classmethod
+    def none(cls, reason: str, search_s: float = 0.0) -> PoolPlan:
+        """No plan, and why (``search_s``: the seconds it took to find out)."""
+        return cls(None, math.inf, 0, False, None, reason, search_s)
+
+    def train_seconds(self, tokens: float, global_batch: int) -> float:
+        """Seconds to train on ``tokens``: the whole iterations of
+        ``global_batch`` samples they take, at the plan's seconds per
+        iteration (``inf`` without a plan)."""
+        if self.used is None:
+            return math.inf
+        samples = global_batch * self.tokens_per_sample
+        return math.ceil(tokens / samples) * self.iteration_s
+
+
+def planning_options(question: Any) -> dict[str, Any]:
+    """The options :func:`plan_pool` takes besides the model, batch and pool
+    (sequence length, precision, GPU sheet, profiles), read off a capacity
+    question or a sweep, which both hold them."""
+    return {
+        "seq_length": question.seq_length,
+        "precision": question.precision,
+        "gpu_sheet": question.gpu_sheet,
+        "profiles": question.profiles,
+    }
 
 
 def _tokens_per_sample(seq_length: int | None, choice: Any) -> int:
@@ -80,8 +113,7 @@ def plan_pool(
             profiles=profiles,
         )
     except InfeasibleProblemError as error:
-        seconds = time.perf_counter() - started
-        return PoolPlan(None, math.inf, 0, False, None, str(error), seconds)
+        return PoolPlan.none(str(error), time.perf_counter() - started)
     result = knobs.result
     return PoolPlan(
         used=result.plan.gpus_by_type(),
@@ -130,6 +162,21 @@ def unpriced_types(
     if types and len(reasons) == len(types):
         raise ProblemError(reasons[types[0]])
     return reasons
+
+
+def unpriced_pools(
+    model: str, pools: Sequence[Mapping[str, int]], **options: Any
+) -> list[str | None]:
+    """For each pool, why ``model`` cannot be priced on it
+    (:func:`unpriced_types` of the pools' types, ``options`` as
+    :func:`plan_pool` takes them), or ``None`` where it can.
+
+    Raises:
+        ProblemError: as :func:`unpriced_types`.
+    """
+    types = list(dict.fromkeys(gpu for pool in pools for gpu in pool))
+    refused = unpriced_types(model, types, **options)
+    return [next((refused[g] for g in pool if g in refused), None) for pool in pools]
 
 
 def plan_shape(plan: Any, options: Any) -> str:
