@@ -197,6 +197,8 @@ _TEMPLATE_TEXTS = {
     "--learning-rate {x}",
     "plan --gpus": "plan --model OPT-350 --global-batch 64 --gpus GH-96:{x}",
     "plan --global-batch": "plan --model OPT-350 --gpus GH-96:4 --global-batch {x}",
+    "sweep --global-batch": "sweep --models OPT-350 --gpus-available GH-96:1 "
+    "--global-batch 16,{x}",
     "plan --max-global-batch": "plan --model OPT-350 --gpus GH-96:4..8 --elastic "
     "--batch-multiple 8 --max-global-batch {x}",
     "plan --batch-multiple": "plan --model OPT-350 --gpus GH-96:4..8 --elastic "

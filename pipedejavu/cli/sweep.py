@@ -18,6 +18,7 @@ from pipedejavu.cli.any_model import MAX_SEQ_LENGTH
 from pipedejavu.cli.capacity import add_pool_options, parse_available, parse_tokens
 from pipedejavu.cli.parsing import add_json_option, int_in
 from pipedejavu.core.files import json_text
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.core.training_options import TRAINING_PRECISIONS
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
@@ -34,10 +35,12 @@ HELP = (
 
 
 def _batches(text: str) -> tuple[int, ...]:
+    """``--global-batch``: sizes separated by commas, each in ``plan``'s range."""
     values = [v.strip() for v in text.split(",")]
-    if not all(v.isdigit() and 1 <= int(v) <= 2**24 for v in values):
+    if not all(v.isdigit() and 1 <= int(v) <= MAX_GLOBAL_BATCH for v in values):
         raise argparse.ArgumentTypeError(
-            f"global batch sizes >= 1 separated by commas, got {text!r:.40}"
+            f"global batch sizes from 1 to {MAX_GLOBAL_BATCH} separated by commas, "
+            f"got {text!r:.40}"
         )
     return tuple(int(v) for v in values)
 
