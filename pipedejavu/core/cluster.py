@@ -55,7 +55,7 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import parse_json, parse_toml, read_text
-from pipedejavu.core.validation import MAX_DEVICES, in_range
+from pipedejavu.core.validation import MAX_DEVICES, as_number, in_range
 
 __all__ = ["Cluster", "DeviceType", "FREE_LINK", "Link", "parse_json"]
 
@@ -180,12 +180,7 @@ def _number(value: Any, where: str, *, allow_inf: bool = False) -> float:
     """A number from a file (``int``/``float``; ``"inf"`` when allowed)."""
     if allow_inf and value in ("inf", "Infinity"):
         return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProblemError(f"{where} must be a number, got {value!r:.60}")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise ProblemError(f"{where} is too large: {value!r:.60}") from None
+    number = as_number(value, where)
     if math.isnan(number):
         raise ProblemError(f"{where} must be a number, got nan")
     return number

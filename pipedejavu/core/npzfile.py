@@ -27,14 +27,14 @@ import os
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import numpy.lib.format as npy_format
 
 from pipedejavu.core.errors import ProblemError
 
-__all__ = ["MAX_NPZ_BYTES", "npz_output_path", "read_npz", "write_npz"]
+__all__ = ["MAX_NPZ_BYTES", "npy_header", "npz_output_path", "read_npz", "write_npz"]
 
 #: Declared bytes of the arrays one :func:`read_npz` call may read (256 MiB),
 #: every element counted as at least 8 bytes. A problem's two stage tables
@@ -66,6 +66,19 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
 
 
+def npy_header(handle: IO[bytes]) -> tuple[tuple[int, int], tuple | None]:
+    """The ``.npy`` format version at ``handle`` and the header after it,
+    ``(shape, fortran_order, dtype)``, read by numpy's parsers (which never
+    unpickle); ``None`` for a version other than 1.0 or 2.0, which the caller
+    refuses."""
+    version = npy_format.read_magic(handle)
+    if version == (1, 0):
+        return version, npy_format.read_array_header_1_0(handle)
+    if version == (2, 0):
+        return version, npy_format.read_array_header_2_0(handle)
+    return version, None
+
+
 def _read_member(
     archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str, what: str, budget: int
 ) -> np.ndarray:
@@ -85,16 +98,13 @@ def _read_member(
             f"{info.compress_size} stored bytes (corrupt or a zip bomb)"
         )
     with archive.open(info) as handle:
-        version = npy_format.read_magic(handle)
-        if version == (1, 0):
-            shape, fortran, dtype = npy_format.read_array_header_1_0(handle)
-        elif version == (2, 0):
-            shape, fortran, dtype = npy_format.read_array_header_2_0(handle)
-        else:
+        version, header = npy_header(handle)
+        if header is None:
             raise ProblemError(
                 f"{source}: array {key!r} uses .npy format version "
                 f"{version[0]}.{version[1]}, expected 1.0 or 2.0"
             )
+        shape, fortran, dtype = header
         if dtype.hasobject or dtype.kind not in _ALLOWED_KINDS or dtype.fields:
             raise ProblemError(
                 f"{source}: array {key!r} has dtype {dtype}; {what} holds only "

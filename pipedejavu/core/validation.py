@@ -25,6 +25,7 @@ __all__ = [
     "UNLIMITED_SUCCEEDING_STAGES",
     "StageTableSizes",
     "as_count",
+    "as_number",
     "cost_table",
     "describe",
     "freeze",
@@ -146,6 +147,22 @@ def as_count(
     if maximum is not None and number > maximum:
         raise ProblemError(f"{name} must be <= {maximum}, got {number}")
     return number
+
+
+def as_number(value: Any, name: str) -> float:
+    """A number read from a file (``int`` or ``float``; not ``bool``, not
+    text) as a float, NaN and infinity included (the caller refuses them).
+
+    Raises:
+        ProblemError: naming ``name`` and the value given (an integer too
+            large for a float too).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProblemError(f"{name} must be a number, got {value!r:.60}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ProblemError(f"{name} is too large: {value!r:.60}") from None
 
 
 def cost_table(compute_cost: Any, *, with_types: bool) -> NDArray[np.float64]:
@@ -324,14 +341,8 @@ def json_int(data: Any, key: str, where: str, *, minimum: int = 0) -> int:
 def json_float(data: Any, key: str, where: str) -> float:
     """A finite number field (``int`` or ``float``; not ``bool``, not text,
     not NaN or infinity, which Python's JSON reader accepts)."""
-    value = json_field(data, key, where)
     name = field_name(where, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProblemError(f"{name} must be a number, got {value!r:.60}")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise ProblemError(f"{name} is too large: {value!r:.60}") from None
+    number = as_number(json_field(data, key, where), name)
     if not math.isfinite(number):
         raise ProblemError(f"{name} must be a finite number, got {number}")
     return number

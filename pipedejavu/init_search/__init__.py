@@ -10,6 +10,7 @@ training of a population), :mod:`.sampling` (top-k selection, resampling),
 :mod:`.limits` (the settings' ranges, the memory estimate).
 """
 
+from pipedejavu.core.lazy import lazy_getattr
 from pipedejavu.init_search.limits import (
     DEFAULT_MEMORY_LIMIT_GB as DEFAULT_MEMORY_LIMIT_GB,
 )
@@ -34,13 +35,6 @@ _LAZY = {
     "TrainConfig": "train",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'pipedejavu.init_search' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = ["DEFAULT_MEMORY_LIMIT_GB", "population_bytes", *_LAZY]

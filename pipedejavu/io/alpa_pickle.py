@@ -39,9 +39,9 @@ import pickletools
 from typing import Any
 
 import numpy as np
-import numpy.lib.format as npy_format
 
 from pipedejavu.core.files import read_bytes
+from pipedejavu.core.npzfile import npy_header
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.io import alpa_records as alpa_types
 
@@ -347,16 +347,13 @@ def load_alpa_npy(path: PathLike) -> np.ndarray:
     source = str(path)
     stream = io.BytesIO(_read_bytes(path))
     try:
-        version = npy_format.read_magic(stream)
-        if version == (1, 0):
-            shape, _, dtype = npy_format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, _, dtype = npy_format.read_array_header_2_0(stream)
-        else:
+        version, header = npy_header(stream)
+        if header is None:
             raise ProblemError(
                 f"{source} uses .npy format version {version[0]}.{version[1]}; "
                 "Alpa stage profiles use 1.0 or 2.0"
             )
+        shape, _, dtype = header
     except ProblemError:
         raise
     except Exception as error:  # untrusted input: report, never crash

@@ -67,6 +67,34 @@ _DENSE_MODEL_TYPES = (
 _LLAMA_LIKE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #: ``model_type`` values :func:`spec_from_hf_config` reads.
 HF_MODEL_TYPES = _DENSE_MODEL_TYPES + HF_MOE_MODEL_TYPES
+#: A GPT-like ``model_type``'s keys of its hidden size, layers, attention
+#: heads, MLP width and context (:func:`_gpt_like`).
+_GPT_KEYS = {
+    "gpt2": ("n_embd", "n_layer", "n_head", "n_inner", "n_positions"),
+    "gpt_neo": (
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+    ),
+    "gpt_neox": (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+    ),
+    "opt": (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "ffn_dim",
+        "max_position_embeddings",
+    ),
+}
+#: A GPT-like ``model_type``'s key turning its biases off (others: always on).
+_GPT_BIAS_KEYS = {"gpt_neox": "attention_bias", "opt": "enable_bias"}
 #: Keys that mark a mixture-of-experts configuration (refused in a dense one).
 _MOE_KEYS = (
     "num_local_experts",
@@ -122,53 +150,28 @@ def _seq_length(seq_length: int | None, default: int) -> int:
 
 def _gpt_like(config: HfConfig, model_type: str) -> dict[str, Any]:
     """GPT-2, GPT-Neo, GPT-NeoX, OPT: LayerNorm, biases, a two-matrix MLP."""
-    if model_type == "gpt2":
-        hidden = config.get_int("n_embd")
-        fields = dict(
-            num_layers=config.get_int("n_layer"),
-            num_attention_heads=config.get_int("n_head"),
-            ffn_hidden_size=config.get_int("n_inner", 4 * hidden),
-            positions=config.get_int("n_positions"),
-            tied_embeddings=config.get_bool("tie_word_embeddings", True),
-        )
-    elif model_type == "gpt_neo":
-        hidden = config.get_int("hidden_size")
-        fields = dict(
-            num_layers=config.get_int("num_layers"),
-            num_attention_heads=config.get_int("num_heads"),
-            ffn_hidden_size=config.get_int("intermediate_size", 4 * hidden),
-            positions=config.get_int("max_position_embeddings"),
-            tied_embeddings=config.get_bool("tie_word_embeddings", True),
-        )
-    elif model_type == "gpt_neox":
-        hidden = config.get_int("hidden_size")
-        fields = dict(
-            num_layers=config.get_int("num_hidden_layers"),
-            num_attention_heads=config.get_int("num_attention_heads"),
-            ffn_hidden_size=config.get_int("intermediate_size"),
-            positions=config.get_int("max_position_embeddings"),
-            tied_embeddings=config.get_bool("tie_word_embeddings", False),
-            position="rotary",
-            linear_bias=config.get_bool("attention_bias", True),
-        )
-    else:  # opt
-        hidden = config.get_int("hidden_size")
+    hidden_key, layers, heads, ffn, positions = _GPT_KEYS[model_type]
+    hidden = config.get_int(hidden_key)
+    if model_type == "opt":
         projection = config.get_int("word_embed_proj_dim", hidden)
         if projection != hidden:
             raise ProblemError(
                 f"{config.source}: word_embed_proj_dim {projection} != hidden_size "
                 f"{hidden} (OPT's embedding projections) is not supported"
             )
-        fields = dict(
-            num_layers=config.get_int("num_hidden_layers"),
-            num_attention_heads=config.get_int("num_attention_heads"),
-            ffn_hidden_size=config.get_int("ffn_dim"),
-            positions=config.get_int("max_position_embeddings"),
-            tied_embeddings=config.get_bool("tie_word_embeddings", True),
-            linear_bias=config.get_bool("enable_bias", True),
-        )
-    fields.setdefault("position", "learned")
-    fields.setdefault("linear_bias", True)
+    # GPT-2's and GPT-Neo's MLP width may be left out (4 x hidden)
+    ffn_default = 4 * hidden if model_type in ("gpt2", "gpt_neo") else None
+    neox = model_type == "gpt_neox"  # rotary positions, an untied head by default
+    bias = _GPT_BIAS_KEYS.get(model_type)
+    fields = dict(
+        num_layers=config.get_int(layers),
+        num_attention_heads=config.get_int(heads),
+        ffn_hidden_size=config.get_int(ffn, ffn_default),
+        positions=config.get_int(positions),
+        tied_embeddings=config.get_bool("tie_word_embeddings", not neox),
+        position="rotary" if neox else "learned",
+        linear_bias=True if bias is None else config.get_bool(bias, True),
+    )
     fields.update(hidden_size=hidden, vocab_size=config.get_int("vocab_size"))
     fields["num_query_groups"] = fields["num_attention_heads"]
     return fields

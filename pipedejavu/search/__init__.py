@@ -9,6 +9,8 @@ stays light. The heterogeneous oracle is
 the package does not re-export the function).
 """
 
+from pipedejavu.core.lazy import lazy_getattr
+
 _LAZY = {
     "exact_dp": "alpa.exact",
     "SearchConfig": "engine.config",
@@ -22,13 +24,6 @@ _LAZY = {
     "hetero_lower_bound": "hetero.bounds",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'pipedejavu.search' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [*_LAZY]

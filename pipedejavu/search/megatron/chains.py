@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.search.megatron.bounds import StageTable
-from pipedejavu.search.megatron.space import ConfigGroup
+from pipedejavu.search.megatron.space import ConfigGroup, type_plan
 from pipedejavu.search.megatron.transfers import SendRow
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
@@ -384,17 +383,5 @@ def single_plans(
 ) -> Iterator[Plan3D]:
     """The plans of a one-type configuration left to predict, placed in
     ``rank_order`` (``least_first``: as :func:`chains`)."""
-    spec = data.gpu_spec(group.gpu)
     for stages in chains(bounds, g, size, best, least_first):
-        yield plan_from_stages(
-            stages,
-            gpu_type=group.gpu,
-            dp=group.dp,
-            mbs=group.mbs,
-            gbs=gbs,
-            model=model,
-            gpus_per_node=spec.gpus_per_node,
-            zone=DEFAULT_ZONE,
-            experts=data.model_info(model).expert_axes,
-            rank_order=rank_order,
-        )
+        yield type_plan(data, model, stages, group, gbs, rank_order)

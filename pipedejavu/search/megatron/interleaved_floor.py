@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.layout import split_blocks
-from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D
 from pipedejavu.costmodel.megatron.comm import node_key
 from pipedejavu.costmodel.megatron.constants import PredictorConstants
 from pipedejavu.costmodel.megatron.interleaving import rank_layers, warmup_stash
@@ -31,7 +31,7 @@ from pipedejavu.costmodel.megatron.rules import (
     stage_allreduce,
 )
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.search.megatron.space import type_plan
 
 __all__ = [
     "Candidate",
@@ -86,18 +86,8 @@ def candidate_plan(
     blocks = info.num_layers - 2
     bounds = [0, *(1 + int(b) for b in np.cumsum(c.rank_blocks(blocks)))]
     bounds[-1] = blocks + 2  # (the head with the last rank)
-    return plan_from_stages(
-        [(bounds[r], bounds[r + 1], c.tp) for r in range(c.ranks)],
-        gpu_type=c.gpu,
-        dp=c.dp,
-        mbs=c.mbs,
-        gbs=global_batch,
-        model=model,
-        gpus_per_node=data.gpu_spec(c.gpu).gpus_per_node,
-        zone=DEFAULT_ZONE,
-        experts=info.expert_axes if experts is None else experts,
-        rank_order=rank_order,
-    )
+    stages = [(bounds[r], bounds[r + 1], c.tp) for r in range(c.ranks)]
+    return type_plan(data, model, stages, c, global_batch, rank_order, experts)
 
 
 def ranks_fit(

@@ -68,7 +68,6 @@ from pipedejavu.costmodel.megatron.tables import (
     StageTables,
     boundary_time,
     compile_tables,
-    plan_from_stages,
     plan_tables,
     stage_entry,
     usable_degrees,
@@ -81,7 +80,7 @@ from pipedejavu.search.megatron.settings import (
     MegatronSearchResult,
     check_plan_size,
 )
-from pipedejavu.search.megatron.space import chain_counts, config_groups
+from pipedejavu.search.megatron.space import chain_counts, config_groups, type_plan
 from pipedejavu.search.megatron.transfers import BoundCache
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
@@ -460,18 +459,8 @@ def _solve(
     for value, item, stages in sorted(found, key=lambda x: x[0]):
         if value > best * tolerance:
             continue
-        spec = data.gpu_spec(item.gpu)
-        plan = plan_from_stages(
-            [(a, b, item.tps[m]) for a, b, m, _ in stages],
-            gpu_type=item.gpu,
-            dp=item.dp,
-            mbs=item.mbs,
-            gbs=global_batch,
-            model=model,
-            gpus_per_node=spec.gpus_per_node,
-            zone=DEFAULT_ZONE,
-            experts=data.model_info(model).expert_axes,
-        )
+        stage_tps = [(a, b, item.tps[m]) for a, b, m, _ in stages]
+        plan = type_plan(data, model, stage_tps, item, global_batch)
         prediction = predict_plan(plan, data, constants=constants)
         candidates.append((plan, value, prediction))
     # the fastest that fits (ZB-H1's tables relax memory with several degrees)

@@ -19,24 +19,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from pipedejavu.core.layout import experts_fit
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D
 from pipedejavu.costmodel.megatron.sailor_data import SailorData
-from pipedejavu.costmodel.megatron.tables import usable_degrees
+from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
 
 __all__ = [
     "ConfigGroup",
     "Mix",
+    "OneType",
     "chain_counts",
     "config_groups",
     "cover_counts",
     "divisors",
     "mixes",
     "nested_capacities",
+    "type_plan",
 ]
 
 
@@ -125,6 +129,49 @@ def config_groups(
                         steps = gbs // (mbs * dp)
                         out.append(ConfigGroup(gpu, mbs, dp, steps, usable, sizes))
     return out
+
+
+class OneType(Protocol):
+    """What :func:`type_plan` reads of a one-type configuration (a
+    :class:`ConfigGroup`, a candidate of the search or of the interleaved
+    search)."""
+
+    @property
+    def gpu(self) -> str: ...
+
+    @property
+    def mbs(self) -> int: ...
+
+    @property
+    def dp(self) -> int: ...
+
+
+def type_plan(
+    data: SailorData,
+    model: str,
+    stages: Sequence[tuple[int, int, int]],
+    config: OneType,
+    gbs: int,
+    rank_order: str = RANK_ORDERS[0],
+    experts: tuple[int, int | None] | None = None,
+) -> Plan3D:
+    """The plan of ``(start, stop, tp)`` stages on ``config``'s GPU type, mbs
+    and dp (:func:`~pipedejavu.costmodel.megatron.tables.plan_from_stages`):
+    nodes of the type's size in the default zone, placed in ``rank_order``,
+    its expert layers over ``experts`` = ``(ep, etp)`` (``None``: the costs'
+    ``ModelInfo.expert_axes``)."""
+    return plan_from_stages(
+        stages,
+        gpu_type=config.gpu,
+        dp=config.dp,
+        mbs=config.mbs,
+        gbs=gbs,
+        model=model,
+        gpus_per_node=data.gpu_spec(config.gpu).gpus_per_node,
+        zone=DEFAULT_ZONE,
+        experts=data.model_info(model).expert_axes if experts is None else experts,
+        rank_order=rank_order,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
