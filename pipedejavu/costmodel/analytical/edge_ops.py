@@ -26,20 +26,29 @@ __all__ = [
     "embedding_forward_ops",
     "head_backward_ops",
     "head_forward_ops",
+    "hidden_tensor_bytes",
 ]
+
+
+def hidden_tensor_bytes(
+    spec: TransformerSpec, opts: PassOptions
+) -> tuple[float, float, float]:
+    """``(x, local, act)``: bytes of one ``h``-wide tensor of the micro-batch,
+    of its share on a GPU (``x / t`` with sequence parallelism), and the
+    activation element's bytes."""
+    act, _ = element_bytes(opts.precision)
+    x = opts.mbs * spec.seq_length * spec.hidden_size * act
+    return x, (x / opts.tp if opts.sequence_parallel else x), act
 
 
 def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     """Word-embedding gather (vocabulary split over TP: masked, then summed
     by an all-reduce), position embedding, dropout."""
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    x = b * s * h * act
+    x, local, act = hidden_tensor_bytes(spec, opts)
     ops: LayerPass = [MemoryOp("word_gather", 2 * x)]
     if opts.tp > 1:
         ops.append(MemoryOp("vocab_mask", 2 * x))
         ops += tp_half("embedding", x, opts, gather=False)
-    local = x / opts.tp if opts.sequence_parallel else x
     if spec.position == "learned":
         ops += [
             MemoryOp("position_gather", 2 * local),
@@ -51,10 +60,8 @@ def embedding_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass
 
 def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     """Dropout backward and the dense scatter-add into the table's gradient."""
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    x = b * s * h * act
-    table = spec.vocab_size / opts.tp * h
+    x, _, act = hidden_tensor_bytes(spec, opts)
+    table = spec.vocab_size / opts.tp * spec.hidden_size
     return [
         MemoryOp("embedding_dropout.backward", 2 * x + MASK_BYTES * x / act),
         MemoryOp("word_scatter_add", 2 * x + table * act),
@@ -65,14 +72,12 @@ def embedding_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPas
 
 
 def _head_parts(spec: TransformerSpec, opts: PassOptions):
-    b, s, h = opts.mbs, spec.seq_length, spec.hidden_size
-    act, _ = element_bytes(opts.precision)
-    tokens = b * s
+    h, tokens = spec.hidden_size, opts.mbs * spec.seq_length
     head = linear_gemm("lm_head", tokens, spec.vocab_size / opts.tp, h, opts)
     # The loss works on fp32 logits in every precision.
     logits = tokens * spec.vocab_size / opts.tp * 4.0
-    x = tokens * h * act
-    return head, logits, x, (x / opts.tp if opts.sequence_parallel else x)
+    x, local, _ = hidden_tensor_bytes(spec, opts)
+    return head, logits, x, local
 
 
 def head_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:

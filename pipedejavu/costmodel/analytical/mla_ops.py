@@ -105,8 +105,15 @@ MLA_UP_PROJ_OPS = (
 )
 
 
-def _parts(spec: TransformerSpec, opts: PassOptions) -> dict:
-    """The projections and the sizes a pass needs."""
+def _parts(spec: TransformerSpec, opts: PassOptions, backward: bool) -> dict:
+    """The projections, their inputs' collectives (:func:`_gathers`, of the
+    forward or of the ``backward``), the query's up projection's name and
+    the sizes a pass needs.
+
+    Raises:
+        ValueError: ``spec`` has no multi-latent attention.
+    """
+    _check(spec)
     mla, h, t = spec.mla, spec.hidden_size, opts.tp
     act, _ = element_bytes(opts.precision)
     tokens = opts.mbs * spec.seq_length
@@ -129,14 +136,18 @@ def _parts(spec: TransformerSpec, opts: PassOptions) -> dict:
         norms["kv_norm"] = local * kv_rank * act
         if q_rank:
             norms["q_norm"] = local * q_rank * act
-    return dict(
+    parts = dict(
         gemms=gemms,
         act=act,
         tokens=tokens,
         local=local,
         rope=(rope_q, rope_kv),
         norms=norms,
+        q_up="q_up" if "q_up" in gemms else "q_proj",
+        message=tokens * h * act,
     )
+    parts["collectives"] = _gathers(spec, opts, parts, backward)
+    return parts
 
 
 def _gathers(
@@ -172,10 +183,8 @@ def mla_attention_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Layer
     Raises:
         ValueError: ``spec`` has no multi-latent attention.
     """
-    _check(spec)
-    p = _parts(spec, opts)
-    gemms, gathers = p["gemms"], _gathers(spec, opts, p, backward=False)
-    q_up = "q_up" if "q_up" in gemms else "q_proj"
+    p = _parts(spec, opts, backward=False)
+    gemms, gathers, q_up = p["gemms"], p["collectives"], p["q_up"]
     ops: LayerPass = [gemms[name] for name in ("q_down", "kv_down") if name in gemms]
     ops += [MemoryOp(name, 2 * size) for name, size in p["norms"].items()]
     ops += gathers[q_up] + [gemms[q_up]] + gathers["kv_up"] + [gemms["kv_up"]]
@@ -184,8 +193,7 @@ def mla_attention_forward_ops(spec: TransformerSpec, opts: PassOptions) -> Layer
     ops += [MemoryOp("mla_rope_q", rope_q), MemoryOp("mla_rope_kv", rope_kv)]
     ops += attention_core_forward_ops(spec, opts)
     ops.append(gemms["out_proj"])
-    message = p["tokens"] * spec.hidden_size * p["act"]
-    return ops + tp_half("out_proj", message, opts, "out_proj", gather=False)
+    return ops + tp_half("out_proj", p["message"], opts, "out_proj", gather=False)
 
 
 def mla_attention_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
@@ -196,12 +204,9 @@ def mla_attention_backward_ops(spec: TransformerSpec, opts: PassOptions) -> Laye
     Raises:
         ValueError: ``spec`` has no multi-latent attention.
     """
-    _check(spec)
-    p = _parts(spec, opts)
-    gemms, reduce = p["gemms"], _gathers(spec, opts, p, backward=True)
-    q_up = "q_up" if "q_up" in gemms else "q_proj"
-    message = p["tokens"] * spec.hidden_size * p["act"]
-    ops = tp_half("out_proj", message, opts, "out_proj.dgrad", gather=True)
+    p = _parts(spec, opts, backward=True)
+    gemms, reduce, q_up = p["gemms"], p["collectives"], p["q_up"]
+    ops = tp_half("out_proj", p["message"], opts, "out_proj.dgrad", gather=True)
     ops += backward_gemms(gemms["out_proj"])
     ops += attention_core_backward_ops(spec, opts)
     rope_q, rope_kv = p["rope"]

@@ -43,6 +43,7 @@ from pipedejavu.costmodel.analytical.edge_ops import (
     embedding_forward_ops,
     head_backward_ops,
     head_forward_ops,
+    hidden_tensor_bytes,
 )
 from pipedejavu.costmodel.analytical.ops import (
     GRAD_ACCUMULATE_BYTES,
@@ -50,7 +51,6 @@ from pipedejavu.costmodel.analytical.ops import (
     MemoryOp,
     PassOptions,
     backward_gemms,
-    element_bytes,
     linear_gemm,
     tp_half,
 )
@@ -68,14 +68,6 @@ __all__ = [
 MTP_WEIGHT_GRADIENT_OPS = ("mtp_eh_proj.wgrad",)
 
 
-def _sizes(spec: TransformerSpec, opts: PassOptions) -> tuple[float, float, float]:
-    """``(x, local, act)``: bytes of one ``h``-wide tensor of the micro-batch,
-    of its share on a GPU, and the activation element's bytes."""
-    act, _ = element_bytes(opts.precision)
-    x = opts.mbs * spec.seq_length * spec.hidden_size * act
-    return x, (x / opts.tp if opts.sequence_parallel else x), act
-
-
 def _eh_proj(spec: TransformerSpec, opts: PassOptions):
     h = spec.hidden_size
     tokens = opts.mbs * spec.seq_length
@@ -91,7 +83,7 @@ def _last_dim(opts: PassOptions) -> PassOptions:
 def mtp_projection_forward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     """A depth's norms, concatenation and ``eh_proj`` with their collectives
     (module doc): what full recomputation reruns before the block."""
-    x, local, _ = _sizes(spec, opts)
+    x, local, _ = hidden_tensor_bytes(spec, opts)
     ops: LayerPass = [
         MemoryOp("mtp_enorm", 2 * local),
         MemoryOp("mtp_hnorm", 2 * local),
@@ -131,7 +123,7 @@ def mtp_own_backward_ops(spec: TransformerSpec, opts: PassOptions) -> LayerPass:
     reduction), the norms', the sum of the decoder output's gradients, the
     embedding's, and the accumulation of the projection's and norms'
     gradients."""
-    x, local, _ = _sizes(spec, opts)
+    x, local, _ = hidden_tensor_bytes(spec, opts)
     ops = head_backward_ops(spec, opts)
     if opts.sequence_parallel:
         ops += tp_half("mtp_scatter", x, opts, gather=True)
@@ -169,7 +161,7 @@ def mtp_kept_bytes(
     with its loss are outside the checkpoint. Selective recomputation
     (``recompute`` a tuple of modules, or ``"selective"``) changes only what
     ``block`` keeps."""
-    _, local, _ = _sizes(spec, opts)
+    _, local, _ = hidden_tensor_bytes(spec, opts)
     if recompute == "full":
         return embedding + 2 * local + head - local  # no final-norm input
     return embedding + 4 * local + block + head
