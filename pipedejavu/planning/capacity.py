@@ -30,7 +30,6 @@ the Pareto frontier (:attr:`CapacityAnswer.frontier`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -42,8 +41,10 @@ from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.price_sheet import PriceSheet
 from pipedejavu.planning.capacity_results import (
     append_row,
+    hashed_key,
     number,
     parse_pool,
+    plan_cell,
     pool_key,
     read_rows,
     write_parquet,
@@ -360,7 +361,7 @@ def question_key(question: CapacityQuestion) -> str:
         question.gpu_sheet,
         question.profiles,
     ]
-    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+    return hashed_key(fields)
 
 
 def _row(question: CapacityQuestion, outcome: CandidateOutcome) -> dict[str, Any]:
@@ -385,10 +386,7 @@ def _outcome(question: CapacityQuestion, row: Mapping[str, str], where: str):
     """A row read back, priced at ``question``'s prices."""
     used = parse_pool(row["used"], where) if row["used"] else None
     time_s = number(row["time_s"], where)
-    try:
-        plan = json.loads(row["plan"]) if row["plan"] else None
-    except ValueError:
-        raise ProblemError(f"{where}: its plan is not JSON") from None
+    plan = plan_cell(row, where)
     return CandidateOutcome(
         pool=parse_pool(row["pool"], where),
         used=used,

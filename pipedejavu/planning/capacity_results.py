@@ -18,6 +18,8 @@ rows, every number checked, one line naming it for anything wrong.
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -29,8 +31,10 @@ from pipedejavu.core.problem import ProblemError
 __all__ = [
     "COLUMNS",
     "append_row",
+    "hashed_key",
     "number",
     "parse_pool",
+    "plan_cell",
     "pool_key",
     "read_rows",
     "read_table",
@@ -101,6 +105,25 @@ def number(text: str, where: str) -> float:
     if math.isnan(value) or value < 0:
         raise ProblemError(f"{where}: {text[:40]!r} is not a number >= 0")
     return value
+
+
+def plan_cell(row: Mapping[str, str], where: str) -> Any:
+    """A row's ``plan`` read back from its JSON (``None``: the cell is
+    empty, no plan).
+
+    Raises:
+        ProblemError: the cell is not JSON (``where`` names it).
+    """
+    try:
+        return json.loads(row["plan"]) if row["plan"] else None
+    except ValueError:
+        raise ProblemError(f"{where}: its plan is not JSON") from None
+
+
+def hashed_key(fields: Sequence[Any]) -> str:
+    """A row's key: ``fields`` (what its plans depend on) as JSON, hashed
+    (the first 16 hex digits of its SHA-256)."""
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
 def read_rows(path: str | os.PathLike, question: str) -> list[dict[str, str]]:

@@ -136,25 +136,17 @@ class KnobSpace:
                 "recompute_layers: distinct values, each None (every block) or "
                 f"an int >= 1; got {layers}"
             )
-        if (
-            not isinstance(self.schedules, tuple)
-            or not self.schedules
-            or any(v not in SCHEDULES for v in self.schedules)
-            or len(set(self.schedules)) != len(self.schedules)
-        ):
-            raise ValueError(
-                f"schedules: distinct values from {SCHEDULES}; got {self.schedules}"
-            )
-        if (
-            not isinstance(self.rank_orders, tuple)
-            or not self.rank_orders
-            or any(v not in RANK_ORDERS for v in self.rank_orders)
-            or len(set(self.rank_orders)) != len(self.rank_orders)
-        ):
-            raise ValueError(
-                f"rank_orders: distinct values from {RANK_ORDERS}; got "
-                f"{self.rank_orders}"
-            )
+        for name, allowed in (("schedules", SCHEDULES), ("rank_orders", RANK_ORDERS)):
+            values = getattr(self, name)
+            if (
+                not isinstance(values, tuple)
+                or not values
+                or any(v not in allowed for v in values)
+                or len(set(values)) != len(values)
+            ):
+                raise ValueError(
+                    f"{name}: distinct values from {allowed}; got {values}"
+                )
         if not isinstance(self.recompute_per_stage, bool):
             raise ValueError(
                 f"recompute_per_stage must be a bool, got {self.recompute_per_stage!r}"

@@ -22,7 +22,6 @@ reads with the tokens and prices it is given now.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -35,8 +34,10 @@ from pipedejavu.io.price_sheet import PriceSheet
 from pipedejavu.planning.capacity import candidate_pools
 from pipedejavu.planning.capacity_results import (
     append_row,
+    hashed_key,
     number,
     parse_pool,
+    plan_cell,
     pool_key,
     read_table,
     write_parquet,
@@ -186,7 +187,7 @@ def sweep_key(question: SweepQuestion, task: tuple[str, int, Mapping]) -> str:
         question.gpu_sheet,
         question.profiles,
     ]
-    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+    return hashed_key(fields)
 
 
 def _plan_task(
@@ -239,16 +240,12 @@ def _read_back(row: Mapping[str, str], where: str) -> PoolPlan:
     iteration_s = number(row["iteration_s"], where)
     if used is not None and not (math.isfinite(iteration_s) and iteration_s > 0):
         raise ProblemError(f"{where}: a plan's iteration_s must be a number > 0")
-    try:
-        plan = json.loads(row["plan"]) if row["plan"] else None
-    except ValueError:
-        raise ProblemError(f"{where}: its plan is not JSON") from None
     return PoolPlan(
         used=used,
         iteration_s=iteration_s,
         tokens_per_sample=int(tokens),
         proven=row["proven"] == "1",
-        plan=plan,
+        plan=plan_cell(row, where),
         reason=row["reason"] or None,
         search_s=number(row["search_s"], where),
         shape=row["shape"],

@@ -161,9 +161,7 @@ def plot_gantt(
             f"iteration {result.iteration_time * scale:.4g} {unit}"
         )
     figure.suptitle(title)
-    path = Path(path)
-    figure.savefig(path, dpi=dpi)
-    return path
+    return _saved(figure, path, dpi)
 
 
 def palette(count: int) -> list:
@@ -202,6 +200,17 @@ def _figure(width: float = 7.0, height: float = 4.2):
     figure = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(figure)
     return figure
+
+
+def _saved(figure, path: str | os.PathLike[str], dpi: int, *framed) -> Path:
+    """``figure`` written to ``path`` (its suffix picks the format), each
+    axes of ``framed`` given its legend and grid first."""
+    for axes in framed:
+        axes.legend()
+        axes.grid(True, which="both", alpha=0.3)
+    path = Path(path)
+    figure.savefig(path, dpi=dpi)
+    return path
 
 
 def plot_anytime(
@@ -264,11 +273,7 @@ def plot_anytime(
         axes.set_xlabel("elapsed search time (s)")
     axes.set_ylabel("best plan cost so far (s per iteration)")
     axes.set_title(title)
-    axes.legend()
-    axes.grid(True, which="both", alpha=0.3)
-    path = Path(path)
-    figure.savefig(path, dpi=dpi)
-    return path
+    return _saved(figure, path, dpi, axes)
 
 
 def plot_loss_curve(
@@ -322,11 +327,7 @@ def plot_loss_curve(
         fontsize=7,
         va="bottom",
     )
-    axes.legend()
-    axes.grid(True, which="both", alpha=0.3)
-    path = Path(path)
-    figure.savefig(path, dpi=dpi)
-    return path
+    return _saved(figure, path, dpi, axes)
 
 
 def plot_ratios(
@@ -380,8 +381,4 @@ def plot_ratios(
     for axes in (cost_axes, time_axes):
         axes.set_xlabel(x.replace("_", " "))
         axes.set_xscale("log", base=2)
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
-    path = Path(path)
-    figure.savefig(path, dpi=dpi)
-    return path
+    return _saved(figure, path, dpi, cost_axes, time_axes)
