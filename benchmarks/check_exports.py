@@ -63,6 +63,7 @@ Writes benchmarks/results/check_exports.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -225,6 +226,32 @@ def check_megatron_options(args, options) -> None:
     expect(unfused == (not options.flash_attention), "--attention-backend")
 
 
+@contextlib.contextmanager
+def megatron_rank(args, rank: int, world: int):
+    """Rank ``rank`` of ``world`` on the fake process group, with Megatron
+    Core's parallel state initialised as the parsed ``args`` say (in the
+    order ``initialize.py`` passes for ``--use-tp-pp-dp-mapping``), and
+    destroyed on leaving."""
+    from megatron.core import parallel_state as ps
+
+    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    with fake_rank(rank, world):
+        ps.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            order=order,
+            create_gloo_process_groups=False,
+        )
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
+
+
 def check_megatron(
     plan, text: str, *, spec=None, options=None, seq_length=None, user=None
 ) -> None:
@@ -257,31 +284,17 @@ def check_megatron(
     expect(count == plan.num_microbatches, "micro-batches")
     blocks = num_blocks(plan, spec)
     head = list(range(blocks + 1, plan.num_layers))  # the norm and the head
-    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     coords = {}
     for rank in range(world):
-        with fake_rank(rank, world):
-            ps.initialize_model_parallel(
-                args.tensor_model_parallel_size,
-                args.pipeline_model_parallel_size,
-                args.virtual_pipeline_model_parallel_size,
-                context_parallel_size=args.context_parallel_size,
-                expert_model_parallel_size=args.expert_model_parallel_size,
-                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                order=order,
-                create_gloo_process_groups=False,
-            )
-            try:
-                stage = ps.get_pipeline_model_parallel_rank()
-                replica = ps.get_data_parallel_rank()
-                coords[rank] = (stage, replica, ps.get_tensor_model_parallel_rank())
-                num = get_num_layers_to_build(config)
-                offset = get_transformer_layer_offset(config)
-                built = [0] if ps.is_pipeline_first_stage() else []
-                built += [offset + i + 1 for i in range(num)]
-                built += head if ps.is_pipeline_last_stage() else []
-            finally:
-                ps.destroy_model_parallel()
+        with megatron_rank(args, rank, world):
+            stage = ps.get_pipeline_model_parallel_rank()
+            replica = ps.get_data_parallel_rank()
+            coords[rank] = (stage, replica, ps.get_tensor_model_parallel_rank())
+            num = get_num_layers_to_build(config)
+            offset = get_transformer_layer_offset(config)
+            built = [0] if ps.is_pipeline_first_stage() else []
+            built += [offset + i + 1 for i in range(num)]
+            built += head if ps.is_pipeline_last_stage() else []
         expect(built == profile_of(plan, stage), f"rank {rank} builds {built}")
     check_rank_cover(plan, coords, rules.types_by_rank(text))
 

@@ -57,6 +57,8 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore")
 
+from fake_process_group import fake_rank  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The width of the model built (the export leaves the shape to the user).
@@ -73,19 +75,6 @@ class Differs(AssertionError):
 def expect(condition: bool, what: str) -> None:
     if not condition:
         raise Differs(what)
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world: int):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def parsed(argv: list[str], world: int):

@@ -1,8 +1,9 @@
 """torchtitan's half of ``check_exports.py``, and the helpers both halves use.
 
-``check_exports.py`` imports this module (one copy of the fake process group,
-the error classes and the rank check). For each torchtitan export
-(torchtitan v0.2.2, CPU; the torch version is in the results file):
+``check_exports.py`` imports this module (the fake process group, from
+``fake_process_group.py``; one copy of the error classes and the rank check).
+For each torchtitan export (torchtitan v0.2.2, CPU; the torch version is in
+the results file):
 
 * ``ConfigManager().parse_args(["--job.config_file", ...])`` reads the TOML
   (its own loader; an unknown key raises); ``ParallelDims`` and its mesh on
@@ -48,14 +49,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import test_export_knobs as knob_rules  # noqa: E402  (plans, re-stated rules)
 import test_export_targets as rules  # noqa: E402
+from fake_process_group import fake_rank  # noqa: E402  (re-exported)
 
 from pipedejavu.core.training_options import (  # noqa: E402
     TORCHTITAN_OP,
@@ -77,17 +77,6 @@ class Mismatch(AssertionError):
 
 class RealRejects(Exception):
     """The real code rejected an export we wrote."""
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world: int):
-    """One process of ``world`` on torch's fake process group."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

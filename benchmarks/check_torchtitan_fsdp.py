@@ -85,13 +85,12 @@ from check_torchtitan import (  # noqa: E402
     titan_dims,
     titan_schedule_rejects,
 )
+from test_export_torchtitan_fsdp import sharded_plan  # noqa: E402  (the tests' plans)
 
-from pipedejavu.core.layout import ParallelLayout  # noqa: E402
 from pipedejavu.core.training_options import (  # noqa: E402
     TORCHTITAN_OP,
     TrainingOptions,
 )
-from pipedejavu.costmodel.megatron.tables import plan_from_stages  # noqa: E402
 from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
 from pipedejavu.io.exports import export_plan  # noqa: E402
 
@@ -101,7 +100,8 @@ FLOAT8 = "quantize.linear.float8"
 
 # ----------------------------------------------------------------- the plans
 def random_case(seed: int):
-    """A seeded plan, its training options and length (module docstring)."""
+    """A seeded plan (the tests' :func:`sharded_plan`), its training options
+    and length (module docstring)."""
     rng = np.random.default_rng(seed)
     while True:
         tp = int(rng.choice([1, 1, 2, 4, 8]))
@@ -114,16 +114,8 @@ def random_case(seed: int):
     pp = 1 if rng.random() < 0.85 else int(rng.integers(2, 5))
     blocks = int(rng.integers(1, 4))
     mbs, steps = int(rng.choice([1, 2, 4])), int(rng.integers(1, 5))
-    total = pp * blocks + 2
-    bounds = [0] + [1 + s * blocks for s in range(1, pp)] + [total]
-    plan = plan_from_stages(
-        [(a, b, tp) for a, b in zip(bounds, bounds[1:], strict=False)],
-        gpu_type="B-80", dp=dp, mbs=mbs, gbs=mbs * dp * steps, model="m",
-        gpus_per_node=8, zone="z",
-    )  # fmt: skip
-    plan = plan.replace(
-        layout=ParallelLayout.uniform(tp=tp, pp=pp, dp=dp, cp=cp, dp_shard=dp_shard)
-    )
+    plan = sharded_plan(pp=pp, tp=tp, dp=dp, cp=cp, dp_shard=dp_shard, mbs=mbs,
+                        steps=steps, blocks=blocks)  # fmt: skip
     stage = 3 if rng.random() < 0.85 else int(rng.integers(0, 3))
     precision = str(
         rng.choice(["fp32", "bf16", "fp8", "fp16"], p=[0.25, 0.45, 0.28, 0.02])
@@ -280,35 +272,37 @@ def sdpa_witness() -> str:
     return ""
 
 
-def length_witness(plan, options, length) -> str:
-    """``parallelize_llama``'s assertion on the length the plan needs."""
+def parallelize_raises(plan, text: str, error: type[Exception], words: str) -> bool:
+    """``parallelize_llama`` of a small llama on the mesh of ``plan``'s GPUs,
+    the config ``text``'s degrees, raises ``error`` saying ``words``."""
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
-    config = titan_config(degrees_text(plan, options, length))
+    config = titan_config(text)
     dims = titan_dims(config, plan.num_gpus)
     with cpu_meshes(), fake_rank(0, plan.num_gpus), silenced():
         dims.build_mesh()
         try:
             parallelize_llama(small_llama(2), dims, config)
-        except AssertionError as error:
-            if "must be divisible" in str(error):
-                return "parallelize_llama: seq_len % (tp x 2 cp) assertion"
+        except error as raised:
+            return words in str(raised)
+    return False
+
+
+def length_witness(plan, options, length) -> str:
+    """``parallelize_llama``'s assertion on the length the plan needs."""
+    text = degrees_text(plan, options, length)
+    if parallelize_raises(plan, text, AssertionError, "must be divisible"):
+        return "parallelize_llama: seq_len % (tp x 2 cp) assertion"
     return ""
 
 
 def ddp_witness(plan, length) -> str:
     """``parallelize_llama`` on the unsharded degrees the plan prices."""
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
-
-    config = titan_config(degrees_text(plan, TrainingOptions(), length))
-    dims = titan_dims(config, plan.num_gpus)
-    with cpu_meshes(), fake_rank(0, plan.num_gpus), silenced():
-        dims.build_mesh()
-        try:
-            parallelize_llama(small_llama(2), dims, config)
-        except RuntimeError as error:
-            if "DDP has not supported > 1D parallelism" in str(error):
-                return "parallelize_llama: DDP has not supported > 1D parallelism"
+    text = degrees_text(plan, TrainingOptions(), length)
+    if parallelize_raises(
+        plan, text, RuntimeError, "DDP has not supported > 1D parallelism"
+    ):
+        return "parallelize_llama: DDP has not supported > 1D parallelism"
     return ""
 
 

@@ -77,10 +77,7 @@ def main() -> None:
                 print(f"no plot: {error}", file=sys.stderr)
             results.append(out)
     payload = {
-        "benchmark": "elastic_modes",
-        **stamp.stamp(),
-        "loadavg": os.getloadavg(),
-        "wall_s": time.perf_counter() - started,
+        **stamp.opening("elastic_modes", started),
         "counts": COUNTS,
         "max_batch": MAX_BATCH,
         "batch_multiple": {"throughput": STEP, "goodput": GOODPUT_STEP},

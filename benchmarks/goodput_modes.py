@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import stamp
@@ -133,10 +132,7 @@ def main() -> None:
                 f"enumeration {enumerate_s:.1f} s); fixed {fixed_text}"
             )
     out = {
-        "benchmark": "goodput_modes",
-        **stamp.stamp(),
-        "loadavg": os.getloadavg(),
-        "wall_s": time.perf_counter() - started,
+        **stamp.opening("goodput_modes", started),
         "source": "Kaplan et al. 2020 (arXiv:2001.08361) eq. 1.4: B_crit(L) = "
         "2e8 tokens / L^(1/0.21); B_noise := B_crit (McCandlish et al. 2018)",
         "init_batch": INIT_BATCH,

@@ -1178,13 +1178,18 @@ def summarize_split(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _row_line(row: dict[str, Any]) -> str:
-    config = row["config"]
-    head = (
+def _config_head(config: dict[str, Any]) -> str:
+    """A table line's first columns: the block's style, precision, attention,
+    hidden size, sequence length and micro-batch."""
+    return (
         f"{config['style']:5s} {config['precision']:4s} "
         f"{'flash' if config['flash_attention'] else 'unfsd':5s} "
         f"{config['hidden_size']:5d} {config['seq_length']:5d} {config['mbs']:2d}"
     )
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    head = _config_head(row["config"])
     if row.get("status") != "ok":
         return f"{head}  {row.get('status')}: {row.get('reason', '')}"[:150]
     meas, pred, err = row["measured"], row["predicted"], row["error"]
@@ -1233,12 +1238,7 @@ SPLIT_HEADER = (
 
 
 def _split_line(row: dict[str, Any]) -> str:
-    config = row["config"]
-    head = (
-        f"{config['style']:5s} {config['precision']:4s} "
-        f"{'flash' if config['flash_attention'] else 'unfsd':5s} "
-        f"{config['hidden_size']:5d} {config['seq_length']:5d} {config['mbs']:2d}"
-    )
+    head = _config_head(row["config"])
     split = row.get("split", {})
     if row.get("status") != "ok" or "error" not in split:
         return f"{head}  {row.get('status')}"

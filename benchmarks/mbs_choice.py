@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -100,10 +99,7 @@ def main() -> None:
         f"{100 * summary['gain_mean']:.1f}%, max {100 * summary['gain_max']:.1f}%"
     )
     result = {
-        "benchmark": "mbs_choice",
-        **stamp.stamp(),
-        "loadavg": os.getloadavg(),
-        "wall_s": time.perf_counter() - started,
+        **stamp.opening("mbs_choice", started),
         "summary": summary,
         "rows": rows,
     }

@@ -22,18 +22,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import stamp
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.fit import load_measured_runs
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.sailor_data import load_sailor_data
-from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.planning.training import plan_training
+from pipedejavu.search.megatron.space import type_plan
 
 RTX = {"RTX-3090": 8, "Titan-RTX": 16, "RTX-2080": 24}
 #: (model, pool, gbs, Sailor's plan: (stages as (start, stop), tp, dp, mbs),
@@ -119,15 +117,14 @@ def main() -> None:
         if sailor is not None:
             stages, tp, dp, mbs = sailor
             gpu = next(iter(pool))
-            plan = plan_from_stages(
+            plan = type_plan(
+                data,
+                model,
                 [(a, b, tp) for a, b in stages],
-                gpu_type=gpu,
+                gpu=gpu,
                 dp=dp,
                 mbs=mbs,
                 gbs=gbs,
-                model=model,
-                gpus_per_node=data.gpu_spec(gpu).gpus_per_node,
-                zone=DEFAULT_ZONE,
             )
             predicted = predict_plan(plan, data, constants=FITTED_CONSTANTS)
             row["sailor"] = {
@@ -196,10 +193,7 @@ def main() -> None:
         print(line, flush=True)
         rows.append(row)
     result = {
-        "benchmark": "plan_vs_sailor",
-        "date": stamp.now(),
-        "machine": stamp.cpu(python=True),
-        "loadavg": list(os.getloadavg()),
+        **stamp.opening_cpu("plan_vs_sailor"),
         "constants": FITTED_CONSTANTS.to_json(),
         "settings": rows,
     }

@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -104,10 +103,7 @@ def main() -> None:
         train, test = _halves(mixed, 0)
         results.append(evaluate(f"{model} pipeline-mixed", train, test))
     result = {
-        "benchmark": "pollux_vs_predictor",
-        **stamp.stamp(),
-        "loadavg": os.getloadavg(),
-        "wall_s": time.perf_counter() - started,
+        **stamp.opening("pollux_vs_predictor", started),
         "gpu": GPU,
         "results": results,
     }

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 
 import numpy as np
@@ -210,10 +209,7 @@ def main() -> None:
                 )
     print("  published anchor (issue):", json.dumps(PUBLISHED_ANCHOR))
     result = {
-        "benchmark": "predict_real_runs",
-        "date": stamp.now(),
-        "machine": stamp.cpu(python=True),
-        "loadavg": list(os.getloadavg()),
+        **stamp.opening_cpu("predict_real_runs"),
         "constants": FITTED_CONSTANTS.to_json(),
         "leave_one_out_seconds": loo_time,
         "published_anchor": PUBLISHED_ANCHOR,

@@ -9,7 +9,10 @@ the results files already hold, which ``tables.py`` quotes:
 * ``host()``: ``node (x86_64, 4 cores)``;
 * ``cpu(python=True)``: ``x86_64, 4 cores, python 3.12.3``;
 * ``header()``: ``# 2026-12-06 10:20 UTC, x86_64, 4 cores``, a printout's
-  first line, which each script goes on with its own fields.
+  first line, which each script goes on with its own fields;
+* ``opening(name, started)`` and ``opening_cpu(name)``: the fields a results
+  file opens with (the benchmark's name, date, machine, load average), which
+  each script goes on with its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -57,6 +61,28 @@ def cpu(*, python: bool = False) -> str:
 def header(*, python: bool = False) -> str:
     """A printout's first line: ``# <minute()>, <cpu(python=python)>``."""
     return f"# {minute()}, {cpu(python=python)}"
+
+
+def opening(benchmark: str, started: float) -> dict[str, Any]:
+    """``benchmark``, :func:`stamp`'s fields, the load average and
+    ``wall_s``, the seconds since ``started`` (a ``time.perf_counter()``)."""
+    return {
+        "benchmark": benchmark,
+        **stamp(),
+        "loadavg": os.getloadavg(),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def opening_cpu(benchmark: str) -> dict[str, Any]:
+    """``benchmark``, :func:`now`, the machine as ``cpu(python=True)`` and
+    the load average (a list)."""
+    return {
+        "benchmark": benchmark,
+        "date": now(),
+        "machine": cpu(python=True),
+        "loadavg": list(os.getloadavg()),
+    }
 
 
 def write_json(path: str, data: Any, *, end: str = "") -> None:

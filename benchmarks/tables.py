@@ -77,6 +77,21 @@ def pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}%"
 
 
+def signed(x: float) -> str:
+    """A relative error as a signed percentage, ``+1.2%``."""
+    return f"{100 * x:+.1f}%"
+
+
+def fit_errors(fit: dict, loo: dict) -> str:
+    """The |error| medians and maxima of a fit on all runs (``fit``) and of
+    its leave-one-out (``loo``, in bold)."""
+    return (
+        f"|error| fitted on all: median {pct(fit['median'])}, max "
+        f"{pct(fit['max'])}; **leave-one-out: median {pct(loo['median'])}, max "
+        f"{pct(loo['max'])}**"
+    )
+
+
 def span(values, fmt: Callable[[float], str]) -> str:
     lo, hi = min(values), max(values)
     return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} to {fmt(hi)}"
@@ -692,8 +707,8 @@ def t_published_runs() -> str:
             f"{r['tp']} / {r['pp']} / {r['virtual_stages']}",
             f"{r['published_tflops_per_gpu']:.0f}",
             f"{r['predicted_tflops_per_gpu']:.1f}",
-            f"{100 * r['in_sample_error']:+.1f}%",
-            f"{100 * r['leave_one_out_error']:+.1f}%",
+            signed(r["in_sample_error"]),
+            signed(r["leave_one_out_error"]),
             f"{r['prediction_ms']:.0f}",
         ]
         for r in data["runs"]
@@ -830,7 +845,7 @@ def _block_rows(data: dict, groups) -> list[list]:
                 len(chosen),
                 pct(statistics.median(abs(e) for e in errors)),
                 pct(max(abs(e) for e in errors)),
-                f"{100 * statistics.median(errors):+.1f}%",
+                signed(statistics.median(errors)),
             ]
         )
     return rows
@@ -944,7 +959,7 @@ def t_gpu_h100() -> str:
         return [
             pct(entry["median_abs"]),
             pct(entry["max_abs"]),
-            f"{100 * entry['median_signed']:+.1f}%",
+            signed(entry["median_signed"]),
         ]
 
     rows = [
@@ -1137,10 +1152,6 @@ def t_fp8_gemms() -> str:
 
 def t_moe_published() -> str:
     data = load("moe_published.json")
-
-    def signed(x: float) -> str:
-        return f"{100 * x:+.1f}%"
-
     rows = [
         [
             f"`{r['id']}`",
@@ -1163,9 +1174,9 @@ def t_moe_published() -> str:
         table(head, rows) + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
         f"{c['alltoall_efficiency']}, `alltoall_hidden` {c['alltoall_hidden']}, "
         f"`expert_block_overhead_s` {1e3 * c['expert_block_overhead_s']:.2f} ms. "
-        f"|error| fitted on all: median {pct(fit['median'])}, max "
-        f"{pct(fit['max'])}; **leave-one-out: median {pct(loo['median'])}, max "
-        f"{pct(loo['max'])}**." + source("moe_published.json")
+        + fit_errors(fit, loo)
+        + "."
+        + source("moe_published.json")
     )
 
 
@@ -1274,10 +1285,6 @@ def t_simulator_speed() -> str:
 
 def t_torchtitan_published() -> str:
     data = load("torchtitan_published.json")
-
-    def signed(x: float) -> str:
-        return f"{100 * x:+.1f}%"
-
     rows = [
         [
             f"`{r['id'].split('_8gpu_')[-1]}`",
@@ -1304,9 +1311,8 @@ def t_torchtitan_published() -> str:
     return (
         table(head, rows) + f"\n\nFitted on all seven: `attention_efficiency` "
         f"{c['attention_efficiency']}, `tensor_efficiency` {c['tensor_efficiency']}. "
-        f"|error| fitted on all: median {pct(fit['median'])}, max "
-        f"{pct(fit['max'])}; **leave-one-out: median {pct(loo['median'])}, max "
-        f"{pct(loo['max'])}**; peak memory |error| median {pct(mem['median'])}, "
+        + fit_errors(fit, loo)
+        + f"; peak memory |error| median {pct(mem['median'])}, "
         f"max {pct(mem['max'])}." + source("torchtitan_published.json")
     )
 
