@@ -200,6 +200,7 @@ def _question(args: argparse.Namespace) -> CapacityQuestion:
         counts=args.counts,
         gpu_sheet=args.gpu_sheet,
         profiles=args.profiles,
+        mixed=bool(args.mixed_types),
     )
 
 

@@ -194,7 +194,8 @@ def add_parsers(commands: Any) -> None:
         action="store_true",
         help="with several --gpus types, also plans whose stages run on "
         "different types (searched by the proof under the predictor with the "
-        "1F1B schedule in the tp-dp-pp order; slower)",
+        "1F1B schedule in the tp-dp-pp order; slower); with --gpus-available, "
+        "also the candidate pools mixing two of the types",
     )
     plan.add_argument(
         "--all-gpus",

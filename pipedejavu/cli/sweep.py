@@ -108,6 +108,12 @@ def add_parser(commands: Any) -> None:
         metavar="FILE",
         help="JSON of prices per GPU-hour (with --tokens: adds the cost)",
     )
+    sweep.add_argument(
+        "--mixed-types",
+        action="store_true",
+        help="also the pools mixing two of the types (whole nodes of each), "
+        "planned as plan --mixed-types plans them",
+    )
     add_pool_options(
         sweep,
         results="write each row to this CSV as it finishes (a Parquet copy "
@@ -135,6 +141,7 @@ def _question(args: argparse.Namespace) -> SweepQuestion:
         profiles=args.profiles,
         tokens=args.tokens,
         prices=None if args.prices is None else load_price_sheet(args.prices, sheet),
+        mixed=args.mixed_types,
     )
 
 

@@ -6,10 +6,13 @@ the global batch, the GPUs one could rent (``{type: most}``), their prices
 (:class:`~pipedejavu.io.price_sheet.PriceSheet`) and a deadline or a budget.
 :func:`candidate_pools` lists the allocations to consider: for each type,
 the powers of two up to a node and then whole nodes doubling up to the most
-available (and the most itself), or the counts given. Each pool is planned
-as ``pipedejavu plan`` plans it (:func:`~pipedejavu.planning.plan_model.
-plan_model`: the fastest plan on at most that many GPUs, proven optimal
-under the predictor), the plan's GPUs are what is rented, and
+available (and the most itself), or the counts given; with ``mixed``, also
+every pair of the types, each at its counts of whole nodes (or its most, if
+less than a node; or at the counts given), planned as ``plan --mixed-types``
+plans a pool (a type per stage). Each pool is planned as ``pipedejavu plan``
+plans it (:func:`~pipedejavu.planning.plan_model.plan_model`: the fastest
+plan on at most that many GPUs, proven optimal under the predictor), the
+plan's GPUs are what is rented, and
 
 * time to train = ``ceil(tokens / (global batch x tokens per sample))``
   iterations x the predicted iteration time,
@@ -30,6 +33,7 @@ the Pareto frontier (:attr:`CapacityAnswer.frontier`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -91,6 +95,7 @@ class CapacityQuestion:
         counts: the GPU counts to consider for every type (``None``: powers
             of two to a node, then doubling nodes).
         gpu_sheet, profiles: as for ``plan``.
+        mixed: also the pools mixing two types (module docstring).
     """
 
     model: str
@@ -105,6 +110,7 @@ class CapacityQuestion:
     counts: tuple[int, ...] | None = None
     gpu_sheet: str | None = None
     profiles: str | None = None
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         if (self.deadline_s is None) == (self.budget is None):
@@ -189,6 +195,7 @@ class CapacityAnswer:
             "prices_are_an_example": q.prices.example,
             "deadline_s": q.deadline_s,
             "budget": q.budget,
+            "mixed": q.mixed,
             "choice": self.choice,
             "frontier": list(self.frontier),
             "candidates": [o.to_json() for o in self.outcomes],
@@ -213,18 +220,36 @@ def candidate_pools(
     available: Mapping[str, int],
     sheet: GpuSheet,
     counts: Sequence[int] | None = None,
+    mixed: bool = False,
 ) -> list[dict[str, int]]:
     """The pools to plan: one type each, its counts (module docstring) up
-    to the most available, in the order of ``available``.
+    to the most available, in the order of ``available``; with ``mixed``,
+    then every pair of types (in that order), each at its counts of whole
+    nodes (its most, where that is less than a node; the given ``counts``
+    where there are some).
 
     Raises:
         ProblemError: more than 4,096 pools, or no count within reach.
     """
-    pools = []
+    pools, ladders = [], {}
     for gpu, most in available.items():
         per_node = sheet[gpu].gpus_per_node
         wanted = _counts(most, per_node) if counts is None else sorted(set(counts))
-        pools += [{gpu: n} for n in wanted if 1 <= n <= most]
+        ladders[gpu] = [n for n in wanted if 1 <= n <= most]
+        pools += [{gpu: n} for n in ladders[gpu]]
+    if mixed:
+        nodes = {
+            gpu: ladder
+            if counts is not None
+            else [n for n in ladder if n % sheet[gpu].gpus_per_node == 0] or ladder[-1:]
+            for gpu, ladder in ladders.items()
+        }
+        for first, second in itertools.combinations(available, 2):
+            pools += [
+                {first: a, second: b} for a in nodes[first] for b in nodes[second]
+            ]
+            if len(pools) > _MAX_POOLS:
+                break
     if not pools:
         raise ProblemError("no candidate pool: every count is above the most available")
     if len(pools) > _MAX_POOLS:
@@ -423,7 +448,7 @@ def answer_capacity(
         InfeasibleProblemError: no allocation meets the deadline or budget.
     """
     sheet = sheet or load_gpu_sheet(question.gpu_sheet)
-    pools = candidate_pools(question.available, sheet, question.counts)
+    pools = candidate_pools(question.available, sheet, question.counts, question.mixed)
     outcomes: list[CandidateOutcome | None] = [None] * len(pools)
     if results is not None:
         name = os.fspath(results)

@@ -91,6 +91,9 @@ class SweepQuestion:
         seq_length, precision, gpu_sheet, profiles: as for ``plan``.
         tokens: tokens to train on (``None``: no time to train).
         prices: a price sheet (``None``: no cost).
+        mixed: also the pools mixing two types, planned with
+            ``--mixed-types`` (:func:`~pipedejavu.planning.capacity.
+            candidate_pools`).
     """
 
     models: tuple[str, ...]
@@ -103,6 +106,7 @@ class SweepQuestion:
     profiles: str | None = None
     tokens: float | None = None
     prices: PriceSheet | None = None
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -287,7 +291,7 @@ def run_sweep(
         ProblemError: a bad question, too many tasks, a bad results file.
     """
     sheet = sheet or load_gpu_sheet(question.gpu_sheet)
-    pools = candidate_pools(question.available, sheet, question.counts)
+    pools = candidate_pools(question.available, sheet, question.counts, question.mixed)
     tasks = sweep_tasks(question, pools)
     keys = [sweep_key(question, task) for task in tasks]
     planned: list[PoolPlan | None] = [None] * len(tasks)

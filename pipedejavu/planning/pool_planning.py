@@ -99,7 +99,8 @@ def plan_pool(
     profiles: str | None = None,
 ) -> PoolPlan:
     """``pool`` planned as ``pipedejavu plan --model ... --gpus ...`` plans
-    it (:func:`~pipedejavu.planning.plan_model.plan_model`); a pool with no
+    it (:func:`~pipedejavu.planning.plan_model.plan_model`; a pool of
+    several types with ``--mixed-types``: a type per stage); a pool with no
     plan that fits is a :class:`PoolPlan` with its reason, not an error."""
     started = time.perf_counter()
     try:
@@ -107,6 +108,7 @@ def plan_pool(
             model,
             dict(pool),
             global_batch,
+            mixed_types=len(pool) > 1,
             seq_length=seq_length,
             precision=precision,
             gpu_sheet=gpu_sheet,
