@@ -334,29 +334,16 @@ def check_mtp_placement(args, config, plan, spec) -> None:
     )
 
     world, chunks = plan.num_gpus, args.virtual_pipeline_model_parallel_size or 1
-    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     last = plan.num_stages - 1
     for rank in range(world):
-        with check_exports.fake_rank(rank, world):
-            ps.initialize_model_parallel(
-                args.tensor_model_parallel_size,
-                args.pipeline_model_parallel_size,
-                args.virtual_pipeline_model_parallel_size,
-                expert_model_parallel_size=args.expert_model_parallel_size,
-                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                order=order,
-                create_gloo_process_groups=False,
-            )
-            try:
-                stage = ps.get_pipeline_model_parallel_rank()
-                built = [
-                    get_mtp_num_layers_to_build(
-                        config, vp_stage=None if chunks == 1 else chunk
-                    )
-                    for chunk in range(chunks)
-                ]
-            finally:
-                ps.destroy_model_parallel()
+        with check_exports.megatron_rank(args, rank, world):
+            stage = ps.get_pipeline_model_parallel_rank()
+            built = [
+                get_mtp_num_layers_to_build(
+                    config, vp_stage=None if chunks == 1 else chunk
+                )
+                for chunk in range(chunks)
+            ]
         wanted = [0] * chunks
         wanted[-1] = spec.mtp_layers if stage == last else 0
         expect(built == wanted, f"rank {rank} (stage {stage}) builds MTP {built}")
