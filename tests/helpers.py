@@ -4,15 +4,22 @@ shared by the tests."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import io
+import itertools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipedejavu import Problem, get_submesh_choices
 from pipedejavu.core.moe import MoeSpec
-from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS
-from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D, Replica, Stage3D
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical import source as analytical_source
 from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
@@ -21,9 +28,12 @@ from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
-from pipedejavu.search.megatron.space import config_groups
+from pipedejavu.search.megatron.mixed import PlacedMix
+from pipedejavu.search.megatron.space import Mix, config_groups
+from pipedejavu.search.megatron.transfers import BoundCache
 
 UNLIMITED = 2**20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -47,6 +57,42 @@ def cli_help(capsys, *command) -> str:
     return " ".join(capsys.readouterr().out.split())
 
 
+def load_benchmark(name: str, module_name: str | None = None):
+    """The script ``benchmarks/NAME.py`` imported as the module
+    ``module_name`` (``name`` unless given), listed in ``sys.modules`` (the
+    dataclasses of a script look their module up)."""
+    spec = importlib.util.spec_from_file_location(
+        module_name or name, ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def python_last_line(code: str, env: dict[str, str]) -> str:
+    """The last line ``python -c CODE`` prints, run in ``env`` (an error or
+    more than 300 s fails the test)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def fake_devices_env(count: int) -> dict[str, str]:
+    """This process's environment with JAX on ``count`` fake CPU devices."""
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={count}",
+        JAX_PLATFORMS="cpu",
+    )
+
+
 #: A small mixture of experts, 4 blocks (the first dense) of 128 experts,
 #: whose state at EP 1 nearly fills an A100-40: sharding the experts' state
 #: over dp or over expert data parallelism decides whether a plan fits.
@@ -65,6 +111,29 @@ MOE_STATE_SPEC = TransformerSpec(
     tied_embeddings=False,
     linear_bias=False,
     moe=MoeSpec(128, 2, 2048, layers=(False, True, True, True)),
+)
+
+#: DeepSeek-V3's model flags as Megatron-LM launches it (the model zoo's and
+#: Megatron-Bridge's): bf16, MLA, 256 experts after 3 dense blocks, 8,192
+#: sequences of 4,096 tokens a step.
+DEEPSEEK_V3_MODEL_ARGS = (
+    "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+    "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
+    "--vocab-size 129280 --micro-batch-size 1 --global-batch-size 8192 --bf16 "
+    "--disable-bias-linear --position-embedding-type rope --swiglu "
+    "--normalization RMSNorm --untie-embeddings-and-output-weights "
+    "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+    "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq ([0]*3+[1]*58) "
+    "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
+    "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+)
+#: The model zoo's H100 recipe's run flags for it: flash attention, the
+#: distributed optimizer, grouped GEMMs, the alltoall dispatcher and full
+#: recomputation of each block.
+DEEPSEEK_V3_RUN_ARGS = (
+    "--use-flash-attn --use-distributed-optimizer --moe-grouped-gemm "
+    "--moe-token-dispatcher-type alltoall --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1 "
 )
 
 #: The 16-bit roofline constants before their recalibration of 2026-11-26.
@@ -103,6 +172,21 @@ TINY_GPT = {
     "tied_embeddings": True,
     "linear_bias": True,
 }
+
+
+def small_plan(**changes) -> Plan3D:
+    """A small valid plan: OPT-350 in 2 stages of 2 GH-96 replicas of TP 4
+    (dp 2), 64 sequences in micro-batches of 2; ``changes`` replace its
+    fields."""
+    gh = Replica("GH-96", 4)
+    fields = dict(
+        stages=(Stage3D(0, 12, (gh, gh)), Stage3D(12, 26, (gh, gh))),
+        mbs=2,
+        gbs=64,
+        model="OPT-350",
+    )
+    fields.update(changes)
+    return Plan3D(**fields)
 
 
 def tiny_problem(
@@ -148,6 +232,47 @@ def tiny_problem(
     )
 
 
+def solved_alike(reference, solver, problem):
+    """``(reference(problem), solver(problem))``, or ``None`` after checking
+    that ``solver`` finds no plan either where ``reference`` finds none."""
+    try:
+        expected = reference(problem)
+    except InfeasibleProblemError:
+        with pytest.raises(InfeasibleProblemError):
+            solver(problem)
+        return None
+    return expected, solver(problem)
+
+
+def save_with_layer_bytes(path, problem, param_bytes, stash_bytes) -> None:
+    """Writes ``problem`` as ``pipedejavu profile`` does: its .npz fields and
+    each layer's parameter and stashed activation bytes."""
+    np.savez(
+        path,
+        compute_cost=problem.compute_cost,
+        max_n_succ_stages=problem.max_n_succ_stages,
+        submesh_shapes=problem.submesh_shapes,
+        cluster_shape=np.asarray(problem.cluster_shape),
+        num_microbatches=np.int64(problem.num_microbatches),
+        param_bytes=param_bytes,
+        stash_bytes=stash_bytes,
+    )
+
+
+def write_one_device_members(archive, num_microbatches: int) -> None:
+    """Writes the members of a problem .npz but its compute_cost to the open
+    zip ``archive``: one (1, 1) submesh of a 1 x 1 cluster,
+    ``num_microbatches`` micro-batches."""
+    for key, value in {
+        "submesh_shapes": np.array([[1, 1]]),
+        "cluster_shape": np.array([1, 1]),
+        "num_microbatches": np.array(num_microbatches),
+    }.items():
+        buffer = io.BytesIO()
+        np.save(buffer, value)
+        archive.writestr(f"{key}.npy", buffer.getvalue())
+
+
 def two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
     """L = 2 on a 1x2 cluster with submeshes (1,1) and (1,2), one config.
 
@@ -157,6 +282,97 @@ def two_layer_problem(costs: dict, num_microbatches: int) -> Problem:
     for (start, end, submesh), value in costs.items():
         table[start, end, submesh, 0] = value
     return Problem(table, None, np.array([[1, 1], [1, 2]]), (1, 2), num_microbatches)
+
+
+def proof_groups(
+    data, model, pool, gbs, *, uniform=True, mbs_values=None, max_stages=None
+):
+    """The proof's configuration groups of a search space (``pool``: a dict
+    or ``(type, count)`` pairs), pipelines on fewer GPUs than the pool's
+    included; every micro-batch size unless ``mbs_values`` says which."""
+    return config_groups(
+        data,
+        model,
+        dict(pool),
+        gbs,
+        uniform_tp=uniform,
+        allow_fewer_gpus=True,
+        mbs_values=mbs_values,
+        max_stages=max_stages,
+    )
+
+
+def mixed_in_pool(kinds, tp, dp, pool) -> bool:
+    """True where stages on ``kinds`` (each ``tp`` GPUs, ``dp`` times) use two
+    types or more, each within its count in ``pool``."""
+    return len(set(kinds)) >= 2 and all(
+        kinds.count(gpu) * tp * dp <= pool[gpu] for gpu in pool
+    )
+
+
+def every_mixed_plan(data, constants, model, pool, gbs, mbs_values, dps, counts):
+    """``(types, plan, prediction)`` of every plan of one TP degree with a
+    number of stages in ``counts`` on two types or more of ``pool``, in
+    Megatron's rank order per type (:func:`mixed_plan`: ``prediction`` is
+    ``None`` where no link fit prices it), over ``mbs_values``, the model's TP
+    degrees and the data-parallel degrees ``dps``."""
+    info = data.model_info(model)
+    layers = info.num_layers
+    gpn = {gpu: data.gpu_spec(gpu).gpus_per_node for gpu in pool}
+    for mbs, tp, dp in itertools.product(mbs_values, info.tp_values, dps):
+        if (gbs // mbs) % dp or any(
+            (mbs, tp) not in data.profile(model, gpu) or gpn[gpu] % tp for gpu in pool
+        ):
+            continue
+        for count in counts:
+            for types in itertools.product(pool, repeat=count):
+                if not mixed_in_pool(types, tp, dp, pool):
+                    continue
+                for cuts in itertools.combinations(range(1, layers), count - 1):
+                    edges = (0, *cuts, layers)
+                    plan, prediction = mixed_plan(
+                        data, constants, edges, types, tp, dp, mbs, gbs, pool, model
+                    )
+                    yield types, plan, prediction
+
+
+class PlacedMixChecks:
+    """Checks of mixed plans of one pool against their predictions
+    (:func:`mixed_plan`): the ``PlacedMix`` of each ``(mbs, tp, dp)``, built on
+    first use over one ``BoundCache``, gives the bounds
+    (:func:`placed_mix_bounds`)."""
+
+    def __init__(self, data, model, constants, pool, gbs):
+        self.data, self.model, self.constants = data, model, constants
+        self.pool, self.gbs = pool, gbs
+        self.types = list(pool)
+        self.layers = data.model_info(model).num_layers
+        self.cache = BoundCache()
+        self.placed: dict = {}
+
+    def ratio(self, mbs, tp, dp, edges, kinds) -> float | None:
+        """Bound over predicted time of the plan of ``kinds`` cut at
+        ``edges``, after checking that its largest stage bound does not exceed
+        that time nor its bottleneck DP value that bound; ``None`` where the
+        plan does not fit or no link fit prices it."""
+        _, prediction = mixed_plan(
+            self.data, self.constants, edges, kinds, tp, dp, mbs, self.gbs,
+            self.pool, self.model,
+        )  # fmt: skip
+        if prediction is None or not prediction.fits_memory:
+            return None
+        time_s = prediction.iteration_time_s
+        key = (mbs, tp, dp)
+        if key not in self.placed:
+            caps = tuple((gpu, self.pool[gpu] // (dp * tp)) for gpu in self.types)
+            mix = Mix(mbs, dp, self.gbs // (mbs * dp), tp, caps, self.layers)
+            self.placed[key] = PlacedMix(
+                self.data, self.model, self.constants, mix, self.cache
+            )
+        largest, value = placed_mix_bounds(self.placed[key], edges, kinds, self.types)
+        assert largest <= time_s * (1 + 1e-12)
+        assert value <= largest * (1 + 1e-12)
+        return largest / time_s
 
 
 def placed_mix_bounds(placed, edges, kinds, types) -> tuple[float, float]:
@@ -222,15 +438,8 @@ def stage_bound_tables(
     """``(groups, tables)``: the proof's configuration groups of a search
     space and each one's ``StageBounds`` by ``(gpu, mbs, dp, tp)`` (a uniform
     group holds one degree)."""
-    groups = config_groups(
-        data,
-        model,
-        dict(pool),
-        gbs,
-        uniform_tp=uniform,
-        allow_fewer_gpus=True,
-        mbs_values=None,
-        max_stages=max_stages,
+    groups = proof_groups(
+        data, model, pool, gbs, uniform=uniform, max_stages=max_stages
     )
     tables = {}
     for group in groups:
@@ -264,3 +473,16 @@ def largest_stage_bound(table, plan, first_tail: bool = True) -> float:
         reruns.append(float(table.rerun_after(tp, stage.start)[stage.stop]))
         left -= tp
     return largest
+
+
+def fitting_plan_bounds(bounds, plans):
+    """``(plan, largest, time_s)`` of each of ``plans`` (``(plan,
+    prediction)`` pairs) that fits: its largest stage bound
+    (:func:`largest_stage_bound` of ``bounds``) and predicted time, after
+    checking that the bound does not exceed the time."""
+    for plan, prediction in plans:
+        if not prediction.fits_memory:
+            continue
+        largest = largest_stage_bound(bounds, plan)
+        assert largest <= prediction.iteration_time_s * (1 + 1e-12)
+        yield plan, largest, prediction.iteration_time_s

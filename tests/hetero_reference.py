@@ -228,20 +228,24 @@ def _plan(problem, sequence, hosts, tables, starts, stops) -> list[HeteroStage]:
             offset[x] += d
         start, stop = int(starts[s]), int(stops[s])
         k, t = (int(x) for x in tables[s][1][start, stop - 1])
-        stages.append(
-            HeteroStage(
-                start=start,
-                stop=stop,
-                submesh=(h, d),
-                submesh_index=int(m),
-                config_index=k,
-                device_type=t,
-                hosts=tuple(hs),
-                first_device=first,
-                latency=float(problem.compute_cost[start, stop - 1, m, k, t]),
-            )
-        )
+        stages.append(_stage(problem, start, stop, int(m), k, t, hs, first))
     return stages
+
+
+def _stage(problem, start, stop, m, k, t, hosts, first) -> HeteroStage:
+    """The stage of layers ``start..stop-1`` on submesh ``m``, config ``k``
+    and type ``t``, on ``hosts`` from device ``first`` of the first."""
+    return HeteroStage(
+        start=start,
+        stop=stop,
+        submesh=tuple(int(x) for x in problem.submesh_shapes[m]),
+        submesh_index=m,
+        config_index=k,
+        device_type=t,
+        hosts=tuple(hosts),
+        first_device=first,
+        latency=float(problem.compute_cost[start, stop - 1, m, k, t]),
+    )
 
 
 def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
@@ -360,19 +364,7 @@ def _reprice(problem: HeteroProblem, places):
         if not math.isfinite(table[start, stop - 1]):
             return None
         k, t = (int(x) for x in arg[start, stop - 1])
-        stages.append(
-            HeteroStage(
-                start=start,
-                stop=stop,
-                submesh=tuple(int(x) for x in problem.submesh_shapes[m]),
-                submesh_index=m,
-                config_index=k,
-                device_type=t,
-                hosts=tuple(hosts),
-                first_device=first,
-                latency=float(problem.compute_cost[start, stop - 1, m, k, t]),
-            )
-        )
+        stages.append(_stage(problem, start, stop, m, k, t, hosts, first))
     return stages
 
 

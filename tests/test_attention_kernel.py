@@ -5,13 +5,12 @@ constants refitted on the calls timed on an H200 (cuDNN's fused attention,
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from pipedejavu.costmodel.analytical.attention import (
     ATTENTION_TILE,
@@ -42,20 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_attention.json"
 
 
-def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_attention", ROOT / "benchmarks" / "gpu_attention.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_attention"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def timed():
     """(benchmark module, results, the sheet's H200, rows sorted by name)."""
-    bench = _benchmark()
+    bench = load_benchmark("gpu_attention")
     result = json.loads(RESULTS.read_text())
     rows = sorted(result["rows"], key=lambda r: r["name"])
     return bench, result, load_gpu_sheet()["H200"], rows

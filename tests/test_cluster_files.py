@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import save_with_layer_bytes
 
 import pipedejavu as pdj
 from pipedejavu import Cluster, DeviceType, Link, ProblemError
@@ -217,16 +218,7 @@ def test_cluster_file_memory_uses_the_profiled_layer_bytes(tmp_path):
     gen = tmp_path / "prof.npz"
     layers = base.num_layers
     params, stash = np.full(layers, 2e9), np.full(layers, 3e8)
-    np.savez(
-        gen,
-        compute_cost=base.compute_cost,
-        max_n_succ_stages=base.max_n_succ_stages,
-        submesh_shapes=base.submesh_shapes,
-        cluster_shape=np.asarray(base.cluster_shape),
-        num_microbatches=np.int64(base.num_microbatches),
-        param_bytes=params,
-        stash_bytes=stash,
-    )
+    save_with_layer_bytes(gen, base, params, stash)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(A100_V100))
     typed = pdj.load_problem(gen, cluster=path)

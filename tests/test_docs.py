@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
+from helpers import load_benchmark
 from test_readme import (
     ROOT,
     bash_blocks,
@@ -27,17 +26,7 @@ from test_readme import (
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location(
-        "tables", ROOT / "benchmarks" / "tables.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tables"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-tables = _tables()
+tables = load_benchmark("tables")
 BLOCKS = [
     (p.name, i, b) for p in DOCS for i, b in enumerate(python_blocks(p.read_text()))
 ]

@@ -148,18 +148,14 @@ def _plan_or_none(problem, method):
         return None
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
-    from pipedejavu.search.alpa import labels as _labels
-
-    if seed:  # follower levels in the prefix tables from the first pass on
-        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
-    # Half the instances have costs rounded to 0.5 s, so that equal costs (and
-    # the tie-breaking: fewest stages, then Alpa's loop order) are common.
-    rng = np.random.default_rng(2000 + seed)
-    compared = ties = 0
-    for index in range(150):
-        problem = tiny_problem(rng, p_memory=0.5)
+def _caps_and_labels(rng, count, p_memory):
+    """``(index, caps, labels)`` of ``count`` tiny problems: the plans of the
+    cap scan and of the label DP (``None`` both, checked, where none fits).
+    Every second problem has its costs rounded to 0.5 s, so that equal costs
+    (and the tie-breaking: fewest stages, then Alpa's loop order) are
+    common."""
+    for index in range(count):
+        problem = tiny_problem(rng, p_memory=p_memory)
         if index % 2:
             problem = problem.replace(
                 compute_cost=np.round(problem.compute_cost * 2) / 2
@@ -167,6 +163,19 @@ def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
         caps = _plan_or_none(problem, "caps")
         labels = _plan_or_none(problem, "labels")
         assert (caps is None) == (labels is None)
+        yield index, caps, labels
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_labels_and_caps_return_the_same_plan(seed, monkeypatch):
+    from pipedejavu.search.alpa import labels as _labels
+
+    if seed:  # follower levels in the prefix tables from the first pass on
+        monkeypatch.setattr(_labels, "MANY_LABELS", 0)
+    # Half the instances have costs rounded to 0.5 s: ties are common.
+    rng = np.random.default_rng(2000 + seed)
+    compared = ties = 0
+    for index, caps, labels in _caps_and_labels(rng, 150, p_memory=0.5):
         if caps is None:
             continue
         compared += 1
@@ -259,15 +268,7 @@ def test_follower_levels_prove_infeasibility(monkeypatch):
     monkeypatch.setattr(_labels, "MANY_LABELS", 0)
     rng = np.random.default_rng(11)
     infeasible = 0
-    for index in range(40):
-        problem = tiny_problem(rng, p_memory=0.7)
-        if index % 2:
-            problem = problem.replace(
-                compute_cost=np.round(problem.compute_cost * 2) / 2
-            )
-        caps = _plan_or_none(problem, "caps")
-        labels = _plan_or_none(problem, "labels")
-        assert (caps is None) == (labels is None)
+    for _, caps, labels in _caps_and_labels(rng, 40, p_memory=0.7):
         infeasible += caps is None
         if caps is not None:
             assert labels.stages == caps.stages

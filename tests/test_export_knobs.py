@@ -339,14 +339,27 @@ def ours(ops):
             for op in ops]  # fmt: skip
 
 
+#: Our interleaved order ``(rank, ranks, chunks, micro-batches)`` that
+#: PyTorch's ``ScheduleInterleaved1F1B`` (False: Megatron's) and
+#: ``ScheduleInterleavedZeroBubble`` (True) run.
+OUR_INTERLEAVED = {
+    False: interleaved_order,
+    True: lambda rank, ranks, chunks, count: zero_bubble_order(
+        rank, ranks, count, chunks
+    ),
+}
+
+
+@pytest.mark.parametrize("zero_bubble", [False, True], ids=["megatron", "zero-bubble"])
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 @pytest.mark.parametrize("num_chunks", [2, 3, 4])
-def test_pytorch_interleaved_order_is_megatrons(num_ranks, num_chunks):
+def test_pytorch_interleaved_orders_are_ours(num_ranks, num_chunks, zero_bubble):
     for rounds in (1, 2, 3):
         count = rounds * num_ranks
         for rank in range(num_ranks):
-            theirs = pytorch_order(rank, num_ranks, num_chunks, count, False)
-            assert theirs == ours(interleaved_order(rank, num_ranks, num_chunks, count))
+            theirs = pytorch_order(rank, num_ranks, num_chunks, count, zero_bubble)
+            mine = OUR_INTERLEAVED[zero_bubble](rank, num_ranks, num_chunks, count)
+            assert theirs == ours(mine)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
@@ -355,17 +368,6 @@ def test_pytorch_zero_bubble_order_is_zb_h1(num_ranks):
         for rank in range(num_ranks):
             theirs = pytorch_order(rank, num_ranks, 1, count, True)
             assert theirs == ours(zero_bubble_order(rank, num_ranks, count))
-
-
-@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
-@pytest.mark.parametrize("num_chunks", [2, 3, 4])
-def test_pytorch_interleaved_zero_bubble_order_is_ours(num_ranks, num_chunks):
-    for rounds in (1, 2, 3):
-        count = rounds * num_ranks
-        for rank in range(num_ranks):
-            theirs = pytorch_order(rank, num_ranks, num_chunks, count, True)
-            mine = zero_bubble_order(rank, num_ranks, count, num_chunks)
-            assert theirs == ours(mine)
 
 
 @pytest.mark.parametrize("target", EXPORTS)

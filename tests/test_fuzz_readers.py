@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from helpers import run_cli
+from helpers import run_cli, write_one_device_members
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -259,14 +259,7 @@ def _npz_with_header(path: Path, shape, *, declared_size=None, deflate=False):
     method = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
     with zipfile.ZipFile(path, "w", compression=method) as archive:
         archive.writestr("compute_cost.npy", member)
-        for key, value in {
-            "submesh_shapes": np.array([[1, 1]]),
-            "cluster_shape": np.array([1, 1]),
-            "num_microbatches": np.array(4),
-        }.items():
-            buffer = io.BytesIO()
-            np.save(buffer, value)
-            archive.writestr(f"{key}.npy", buffer.getvalue())
+        write_one_device_members(archive, 4)
     if declared_size is not None:  # patch the central directory's size field
         data = bytearray(path.read_bytes())
         central = data.find(b"PK\x01\x02")  # compute_cost's entry comes first

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipedejavu.cli.goodput import FIT_COLUMNS
 from pipedejavu.costmodel.goodput import model
 from pipedejavu.costmodel.goodput.fit import (
     fit_perf_params,
@@ -314,14 +315,7 @@ def _central_difference(f, x, h):
 def test_grad_of_the_objectives_matches_finite_differences():
     fits = _load("goodput_fit_cases")["cases"]
     case = next(c for c in fits if c["coverage"] == "full")
-    names = (
-        "num_nodes",
-        "num_replicas",
-        "atomic_bsz",
-        "accum_step_time",
-        "optim_step_time",
-    )
-    data = [np.asarray(case["inputs"][k], dtype=float) for k in names]
+    data = [np.asarray(case["inputs"][k], dtype=float) for k in FIT_COLUMNS]
     x = np.array(list(case["true_params"].values())) * 1.3 + 1e-4
     with jax.enable_x64(True):
         objective = jax.jit(lambda p: perf_objective(p, *data))
@@ -370,19 +364,12 @@ def test_goodput_from_step_time_equals_pollux_with_its_own_step_time():
 
 
 _FIT = _load("goodput_fit_cases")["cases"]
-_FIT_NAMES = (
-    "num_nodes",
-    "num_replicas",
-    "atomic_bsz",
-    "accum_step_time",
-    "optim_step_time",
-)
 
 
 def test_fit_is_as_good_as_adaptdl_and_predicts_alike():
     compared = 0
     for case in _FIT:
-        data = [np.asarray(case["inputs"][k], dtype=float) for k in _FIT_NAMES]
+        data = [np.asarray(case["inputs"][k], dtype=float) for k in FIT_COLUMNS]
         fitted = fit_perf_params(*case["inputs"].values())
         assert isinstance(fitted, PerfParams)
         with jax.enable_x64(True):

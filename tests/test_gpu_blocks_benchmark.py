@@ -3,30 +3,15 @@ device names and summary; the whole CPU smoke run where PyTorch is installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_blocks", ROOT / "benchmarks" / "gpu_blocks.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_blocks"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_blocks = _benchmark()
+gpu_blocks = load_benchmark("gpu_blocks")
 SHEET = load_gpu_sheet()
 
 

@@ -4,13 +4,11 @@ operand layouts and the summary; the CPU smoke run writes every field."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from pipedejavu.costmodel.analytical.layers import (
     WEIGHT_GRADIENT_OPS,
@@ -25,20 +23,7 @@ from pipedejavu.costmodel.analytical.roofline import (
 )
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_fp8_gemms", ROOT / "benchmarks" / "gpu_fp8_gemms.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_fp8_gemms"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-fp8 = _benchmark()
+fp8 = load_benchmark("gpu_fp8_gemms")
 SHEET = load_gpu_sheet()
 FP8_GPUS = [name for name, gpu in SHEET.items() if dict(gpu.peak_flops).get("fp8")]
 DEFAULT_ROWS = fp8.build_rows(

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import save_with_layer_bytes
 from hetero_reference import (
     brute_force_all,
     canonical_optimum,
@@ -282,16 +283,7 @@ def test_cluster_file_memory_bounds_stages_in_the_cli(tmp_path, capsys):
 
     base = random_problem(6, (2, 2), num_microbatches=4, seed=0, submesh_space="all")
     path = tmp_path / "gen.npz"
-    np.savez(
-        path,
-        compute_cost=base.compute_cost,
-        max_n_succ_stages=base.max_n_succ_stages,
-        submesh_shapes=base.submesh_shapes,
-        cluster_shape=np.asarray(base.cluster_shape),
-        num_microbatches=np.int64(4),
-        param_bytes=np.full(6, 1e9),
-        stash_bytes=np.full(6, 1e8),
-    )
+    save_with_layer_bytes(path, base, np.full(6, 1e9), np.full(6, 1e8))
     codes = {}
     for gb in (0.001, 40):
         cluster = tmp_path / f"c{gb}.json"

@@ -9,15 +9,13 @@ populations of 1, 2 and 4 candidates.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fake_devices_env, python_last_line
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.problem import ProblemError
@@ -271,20 +269,7 @@ print(json.dumps({"devices": jax.device_count(), "rounds": list(result.rounds),
 
 
 def test_one_and_four_fake_devices_give_the_same_survivors(results):
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-    )
-    child = subprocess.run(
-        [sys.executable, "-c", _FOUR_DEVICES % KEY],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    )
-    sharded = json.loads(child.stdout.strip().splitlines()[-1])
+    sharded = json.loads(python_last_line(_FOUR_DEVICES % KEY, fake_devices_env(4)))
     assert sharded["devices"] == 4
     refine = results["refine"]
     assert [r["kept"] for r in sharded["rounds"]] == [r["kept"] for r in refine.rounds]

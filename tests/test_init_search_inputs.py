@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import cli_help, run_cli
+from helpers import cli_help, load_benchmark, run_cli
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.init_search.limits import INT_RANGES, population_bytes
@@ -140,14 +140,9 @@ def test_candidates_plot_has_a_legend(tmp_path):
 
 
 def test_benchmark_default_output_is_a_new_dated_file(tmp_path):
-    import importlib.util
     from datetime import datetime, timezone
-    from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "init_search.py"
-    spec = importlib.util.spec_from_file_location("bench_init_search", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("init_search", "bench_init_search")
     assert "--out benchmarks/results/init_search.json" in " ".join(
         module.__doc__.split()
     )

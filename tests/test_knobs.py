@@ -189,31 +189,10 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
     schedule = KnobSpace.fixed(won).schedules[0]
     key = (won.recompute, won.sequence_parallel, won.distributed_optimizer, schedule)
     assert per_choice[key] == pytest.approx(best, rel=1e-12)
-    # and the 1F1B space alone, searched on its own
-    alone = plan_with_knobs(
-        model_files[name],
-        pool,
-        gbs,
-        options=options,
-        space=KnobSpace(schedules=("1f1b",)),
-    )
-    ones = [v for k, v in per_choice.items() if k[-1] == "1f1b"]
-    assert alone.result.prediction.iteration_time_s == pytest.approx(
-        min(ones), rel=1e-12
-    )
-    # and the ZB-H1 space alone (its first choice searched in full)
-    zero = plan_with_knobs(
-        model_files[name],
-        pool,
-        gbs,
-        options=options,
-        space=KnobSpace(schedules=("zb-h1",)),
-    )
-    zbs = [v for k, v in per_choice.items() if k[-1] == "zb-h1"]
-    assert zero.result.proven and zero.result.options.zero_bubble
-    assert zero.result.prediction.iteration_time_s == pytest.approx(min(zbs), rel=1e-12)
-    # and the interleaved zero-bubble and ZB-V spaces alone
-    for schedule in ("interleaved-zb", "zbv"):
+
+    def alone_and_least(schedule):
+        """The search of the ``schedule`` space alone, and the least
+        brute-force time of its plans."""
         alone = plan_with_knobs(
             model_files[name],
             pool,
@@ -221,7 +200,18 @@ def test_knob_plan_is_the_brute_force_optimum_over_every_choice(model_files, nam
             options=options,
             space=KnobSpace(schedules=(schedule,)),
         )
-        least = min(v for k, v in per_choice.items() if k[-1] == schedule)
+        return alone, min(v for k, v in per_choice.items() if k[-1] == schedule)
+
+    # and the 1F1B space alone, searched on its own
+    alone, least = alone_and_least("1f1b")
+    assert alone.result.prediction.iteration_time_s == pytest.approx(least, rel=1e-12)
+    # and the ZB-H1 space alone (its first choice searched in full)
+    zero, least = alone_and_least("zb-h1")
+    assert zero.result.proven and zero.result.options.zero_bubble
+    assert zero.result.prediction.iteration_time_s == pytest.approx(least, rel=1e-12)
+    # and the interleaved zero-bubble and ZB-V spaces alone
+    for schedule in ("interleaved-zb", "zbv"):
+        alone, least = alone_and_least(schedule)
         assert alone.result.proven
         if math.isfinite(least):
             won = alone.result.options
@@ -650,6 +640,20 @@ def test_the_quick_infeasibility_test_matches_the_search(model_files):
                 assert fits
 
 
+def _check_proven_optima(path, pool, gbs, options, best, zb):
+    """``plan_any_model`` under ``options`` proves the brute-force optimum:
+    ``best`` under 1F1B, ``zb`` under ZB-H1 (no plan where it is infinite)."""
+    for zero_bubble, expected in ((False, best), (True, zb)):
+        knobs = dataclasses.replace(options, zero_bubble=zero_bubble)
+        if not math.isfinite(expected):
+            with pytest.raises(InfeasibleProblemError):
+                plan_any_model(path, pool, gbs, options=knobs)
+            continue
+        found, _ = plan_any_model(path, pool, gbs, options=knobs)
+        assert found.proven
+        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     ("name", "layers"),
     [("selective-wins", 1), ("selective-wins", 2), ("only-full-fits", 4)],
@@ -679,15 +683,7 @@ def test_block_recomputation_is_searched_and_proven(model_files, name, layers):
             assert bound <= prediction.iteration_time_s * (1 + 1e-12)
             checked += 1
     assert checked  # one plan fits where memory is tight, more elsewhere
-    for zero_bubble, expected in ((False, best), (True, zb)):
-        knobs = dataclasses.replace(block, zero_bubble=zero_bubble)
-        if not math.isfinite(expected):
-            with pytest.raises(InfeasibleProblemError):
-                plan_any_model(model_files[name], pool, gbs, options=knobs)
-            continue
-        found, _ = plan_any_model(model_files[name], pool, gbs, options=knobs)
-        assert found.proven
-        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    _check_proven_optima(model_files[name], pool, gbs, block, best, zb)
 
 
 def test_the_blocks_recomputed_are_a_knob(model_files):
@@ -768,11 +764,8 @@ def test_overlapped_gradient_sync_is_searched_and_proven(model_files):
             assert bound <= prediction.iteration_time_s * (1 + 1e-12)
             checked += 1
     assert checked and saved
-    for zero_bubble, expected in ((False, best), (True, zb)):
-        knobs = dataclasses.replace(overlap, zero_bubble=zero_bubble)
-        found, _ = plan_any_model(path, pool, gbs, options=knobs)
-        assert found.proven
-        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    assert math.isfinite(best) and math.isfinite(zb)
+    _check_proven_optima(path, pool, gbs, overlap, best, zb)
 
 
 def test_overlapped_reduction_searches_both_optimizer_choices():
@@ -810,11 +803,8 @@ def test_tp_comm_overlap_is_searched_and_proven(model_files):
     best, inter, zb, *_ = _brute_force(path, items, gbs, overlap)
     before, inter_before, zb_before, *_ = _brute_force(path, items, gbs, plain)
     assert best <= before and zb <= zb_before and inter <= inter_before
-    for zero_bubble, expected in ((False, best), (True, zb)):
-        knobs = dataclasses.replace(overlap, zero_bubble=zero_bubble)
-        found, _ = plan_any_model(path, pool, gbs, options=knobs)
-        assert found.proven
-        assert found.prediction.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    assert math.isfinite(best) and math.isfinite(zb)
+    _check_proven_optima(path, pool, gbs, overlap, best, zb)
 
 
 def test_a_target_without_sequence_parallelism_refuses_it_before_the_search():

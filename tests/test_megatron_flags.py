@@ -4,15 +4,14 @@ derives it from Megatron-LM's source (run here on a small made-up source)."""
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.io import megatron_command
@@ -315,12 +314,7 @@ FAKE_SOURCE = {
 
 
 def _generator():
-    path = ROOT / "benchmarks" / "megatron_flags.py"
-    spec = importlib.util.spec_from_file_location("megatron_flags_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("megatron_flags", "megatron_flags_script")
 
 
 def _fake_checkout(root: Path, files: dict[str, str]) -> Path:

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import DEEPSEEK_V3_MODEL_ARGS, DEEPSEEK_V3_RUN_ARGS
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.plan3d import Plan3D, Replica, Stage3D
@@ -327,19 +328,9 @@ def test_uneven_first_last_stages_interleaved():
 #: DeepSeek-V3 launched as the model zoo's H100 recipe lays it out (bf16,
 #: the alltoall dispatcher, full recomputation), PP 8 x VP 4.
 DEEPSEEK = (
-    "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
-    "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
-    "--vocab-size 129280 --micro-batch-size 1 --global-batch-size 8192 --bf16 "
-    "--disable-bias-linear --position-embedding-type rope --swiglu "
-    "--normalization RMSNorm --untie-embeddings-and-output-weights "
-    "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
-    "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq ([0]*3+[1]*58) "
-    "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
-    "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
-    "--use-flash-attn --use-distributed-optimizer --moe-grouped-gemm "
-    "--moe-token-dispatcher-type alltoall --recompute-granularity full "
-    "--recompute-method uniform --recompute-num-layers 1 "
-    "--tensor-model-parallel-size 2 --sequence-parallel "
+    DEEPSEEK_V3_MODEL_ARGS
+    + DEEPSEEK_V3_RUN_ARGS
+    + "--tensor-model-parallel-size 2 --sequence-parallel "
     "--pipeline-model-parallel-size 8 --expert-model-parallel-size 64 "
     "--expert-tensor-parallel-size 1"
 )

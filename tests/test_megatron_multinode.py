@@ -11,7 +11,12 @@ import math
 
 import numpy as np
 import pytest
-from helpers import mixed_plan, placed_mix_bounds
+from helpers import (
+    PlacedMixChecks,
+    every_mixed_plan,
+    mixed_in_pool,
+    proof_groups,
+)
 
 from pipedejavu.core.plan3d import DEFAULT_ZONE, Plan3D
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
@@ -22,10 +27,8 @@ from pipedejavu.costmodel.megatron.tables import (
 )
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
-from pipedejavu.search.megatron.mixed import PlacedMix
 from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.settings import MegatronSearchConfig
-from pipedejavu.search.megatron.space import Mix, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 
 DATA = SailorData()
@@ -51,15 +54,8 @@ def test_stage_bounds_below_predictions_on_several_nodes(gpu, count, gbs, unifor
     degree, or one per stage): the largest stage bound <= the prediction."""
     groups = {
         (g.mbs, g.dp, g.tps): g
-        for g in config_groups(
-            DATA,
-            MODEL,
-            {gpu: count},
-            gbs,
-            uniform_tp=uniform,
-            allow_fewer_gpus=True,
-            mbs_values=(1, 2),
-            max_stages=None,
+        for g in proof_groups(
+            DATA, MODEL, {gpu: count}, gbs, uniform=uniform, mbs_values=(1, 2)
         )
     }
     gpn = DATA.gpu_spec(gpu).gpus_per_node
@@ -114,34 +110,21 @@ def test_placed_mixed_bounds_below_predictions_on_several_nodes():
     pool = {"A100-40": 8, "V100-16": 8, "GH-96": 8}
     types = list(pool)
     rng = np.random.default_rng(5)
-    cache, placed_by_setting = BoundCache(), {}
-    checked, ratios = 0, []
+    checks = PlacedMixChecks(DATA, MODEL, C, pool, gbs)
+    ratios = []
     for _ in range(600):
         mbs, tp, dp = (int(rng.choice(v)) for v in ((1, 2), (1, 2, 4), (1, 2, 4)))
         count = int(rng.integers(2, 6))
         kinds = [types[int(k)] for k in rng.integers(0, 3, count)]
-        if len(set(kinds)) < 2 or any(
-            kinds.count(gpu) * tp * dp > pool[gpu] for gpu in pool
-        ):
+        if not mixed_in_pool(kinds, tp, dp, pool):
             continue
         if max(kinds.count(gpu) * tp * dp for gpu in pool) <= 4:
             continue  # a type on two nodes at least
         edges = _random_edges(rng, count)
-        _, prediction = mixed_plan(DATA, C, edges, kinds, tp, dp, mbs, gbs, pool, MODEL)
-        if prediction is None or not prediction.fits_memory:
-            continue
-        key = (mbs, tp, dp)
-        if key not in placed_by_setting:
-            caps = tuple((gpu, pool[gpu] // (dp * tp)) for gpu in types)
-            mix = Mix(mbs, dp, gbs // (mbs * dp), tp, caps, LAYERS)
-            placed_by_setting[key] = PlacedMix(DATA, MODEL, C, mix, cache)
-        placed = placed_by_setting[key]
-        largest, value = placed_mix_bounds(placed, edges, kinds, types)
-        assert largest <= prediction.iteration_time_s * (1 + 1e-12)
-        assert value <= largest * (1 + 1e-12)
-        checked += 1
-        ratios.append(largest / prediction.iteration_time_s)
-    assert checked >= 30 and np.median(ratios) > 0.8 and max(ratios) > 0.99
+        ratio = checks.ratio(mbs, tp, dp, edges, kinds)
+        if ratio is not None:
+            ratios.append(ratio)
+    assert len(ratios) >= 30 and np.median(ratios) > 0.8 and max(ratios) > 0.99
 
 
 def _best_single(gpu, count, gbs, mbs_values, max_stages):
@@ -177,29 +160,14 @@ def _best_single(gpu, count, gbs, mbs_values, max_stages):
 def _best_mixed(pool, gbs, mbs_values, max_stages):
     """The least predicted time of every plan with 2..``max_stages`` stages on
     two types or more (one TP degree, Megatron's rank order per type)."""
-    info = DATA.model_info(MODEL)
-    gpn = {gpu: DATA.gpu_spec(gpu).gpus_per_node for gpu in pool}
     best, best_plan = math.inf, None
-    for mbs, tp, dp in itertools.product(mbs_values, info.tp_values, range(1, 33)):
-        if (gbs // mbs) % dp or any(
-            (mbs, tp) not in DATA.profile(MODEL, gpu) or gpn[gpu] % tp for gpu in pool
-        ):
+    for _, plan, prediction in every_mixed_plan(
+        DATA, C, MODEL, pool, gbs, mbs_values, range(1, 33), range(2, max_stages + 1)
+    ):
+        if prediction is None:  # no link fit between the types
             continue
-        for count in range(2, max_stages + 1):
-            for types in itertools.product(pool, repeat=count):
-                if len(set(types)) < 2 or any(
-                    types.count(gpu) * tp * dp > pool[gpu] for gpu in pool
-                ):
-                    continue
-                for cuts in itertools.combinations(range(1, LAYERS), count - 1):
-                    edges = (0, *cuts, LAYERS)
-                    plan, prediction = mixed_plan(
-                        DATA, C, edges, types, tp, dp, mbs, gbs, pool, MODEL
-                    )
-                    if prediction is None:  # no link fit between the types
-                        continue
-                    if prediction.fits_memory and prediction.iteration_time_s < best:
-                        best, best_plan = prediction.iteration_time_s, plan
+        if prediction.fits_memory and prediction.iteration_time_s < best:
+            best, best_plan = prediction.iteration_time_s, plan
     return best, best_plan
 
 

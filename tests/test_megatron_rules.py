@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import largest_stage_bound
+from helpers import largest_stage_bound, proof_groups
 
 from pipedejavu.baselines.megatron_brute import brute_force_megatron
 from pipedejavu.core.plan3d import Plan3D, Replica
@@ -32,7 +32,6 @@ from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.planner import search_megatron
-from pipedejavu.search.megatron.space import config_groups
 
 DATA = SailorData()
 MODEL, POOL, GBS = "OPT-350", {"RTX-2080": 4}, 8
@@ -53,16 +52,7 @@ def _proof_bound(plan: Plan3D, constants: PredictorConstants) -> float:
     first = plan.stages[0].replicas[0]
     (group,) = [
         g
-        for g in config_groups(
-            DATA,
-            MODEL,
-            POOL,
-            GBS,
-            uniform_tp=True,
-            allow_fewer_gpus=True,
-            mbs_values=None,
-            max_stages=None,
-        )
+        for g in proof_groups(DATA, MODEL, POOL, GBS)
         if (g.gpu, g.mbs, g.dp, g.tps)
         == (first.gpu_type, plan.mbs, plan.dp, (first.tp,))
     ]

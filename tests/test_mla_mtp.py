@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+from helpers import DEEPSEEK_V3_MODEL_ARGS, DEEPSEEK_V3_RUN_ARGS
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.moe import MlaSpec, MoeSpec
@@ -257,20 +258,10 @@ def test_mtp_priced_in_the_last_layer(recompute):
 #: DeepSeek-V3 as Megatron-LM launches it (the model zoo's and
 #: Megatron-Bridge's flags), bf16, 61 layers over 16 stages.
 DEEPSEEK_ARGS = (
-    "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
-    "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
-    "--vocab-size 129280 --micro-batch-size 1 --global-batch-size 8192 --bf16 "
-    "--disable-bias-linear --position-embedding-type rope --swiglu "
-    "--normalization RMSNorm --untie-embeddings-and-output-weights "
-    "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
-    "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq ([0]*3+[1]*58) "
-    "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
-    "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
-    "--mtp-num-layers 1 --use-flash-attn --use-distributed-optimizer "
-    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall "
-    "--recompute-granularity full --recompute-method uniform "
-    "--recompute-num-layers 1 "
-    "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 16 "
+    DEEPSEEK_V3_MODEL_ARGS
+    + "--mtp-num-layers 1 "
+    + DEEPSEEK_V3_RUN_ARGS
+    + "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 16 "
     "--expert-model-parallel-size 64 --decoder-first-pipeline-num-layers 3 "
     "--decoder-last-pipeline-num-layers 2"
 )

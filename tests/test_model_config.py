@@ -226,6 +226,16 @@ LLAMA_CONFIG = {
     "tie_word_embeddings": False,
     "rope_theta": 500000.0,
 }
+OPT_CONFIG = {
+    "model_type": "opt",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "ffn_dim": 256,
+    "vocab_size": 500,
+    "max_position_embeddings": 128,
+    "word_embed_proj_dim": 64,
+}
 
 
 def test_hf_llama_config(tmp_path):
@@ -270,16 +280,7 @@ def test_hf_qwen2_has_qkv_bias_only():
             ),
         ),
         (
-            {
-                "model_type": "opt",
-                "num_hidden_layers": 2,
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "ffn_dim": 256,
-                "vocab_size": 500,
-                "max_position_embeddings": 128,
-                "word_embed_proj_dim": 64,
-            },
+            OPT_CONFIG,
             dict(ffn_hidden_size=256, tied_embeddings=True),
         ),
         (
@@ -343,16 +344,7 @@ def test_hf_gpt2_matches_published_124m():
         ({**LLAMA_CONFIG, "hidden_size": "64"}, "hidden_size must be a positive"),
         ({**LLAMA_CONFIG, "model_type": "t5"}, "model_type 't5' is not supported"),
         (
-            {
-                "model_type": "opt",
-                "num_hidden_layers": 2,
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "ffn_dim": 256,
-                "vocab_size": 500,
-                "max_position_embeddings": 128,
-                "word_embed_proj_dim": 32,
-            },
+            {**OPT_CONFIG, "word_embed_proj_dim": 32},
             "word_embed_proj_dim",
         ),
         ({**LLAMA_CONFIG, "num_key_value_heads": 3}, "num_query_groups"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import small_plan
 
 from pipedejavu.core.layout import DP_OUTER, PP_OUTER, ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import (
@@ -27,23 +28,11 @@ PLAN_FILES = sorted((bundled_sailor_dir() / "measured").glob("*/plan_config_*.js
 MEASURED_FIELDS = ("real", "max_mem", "red_grads")
 
 
-def _plan(**changes):
-    gh = Replica("GH-96", 4)
-    fields = dict(
-        stages=(Stage3D(0, 12, (gh, gh)), Stage3D(12, 26, (gh, gh))),
-        mbs=2,
-        gbs=64,
-        model="OPT-350",
-    )
-    fields.update(changes)
-    return Plan3D(**fields)
-
-
 def test_sizes():
-    plan = _plan()
+    plan = small_plan()
     assert (plan.num_stages, plan.dp, plan.num_layers, plan.num_gpus) == (2, 2, 26, 16)
     assert plan.num_microbatches == 16  # ceil(64 / (2 * 2))
-    assert _plan(gbs=65).num_microbatches == 17
+    assert small_plan(gbs=65).num_microbatches == 17
     assert plan.gpus_by_type() == {"GH-96": 16}
     assert plan.describe().startswith("pp 2 [12+14], dp 2, tp 4, mbs 2, gbs 64")
 
@@ -51,9 +40,12 @@ def test_sizes():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: _plan(stages=(Stage3D(1, 26, (Replica("GH-96", 4),)),)), "starts at"),
         (
-            lambda: _plan(
+            lambda: small_plan(stages=(Stage3D(1, 26, (Replica("GH-96", 4),)),)),
+            "starts at",
+        ),
+        (
+            lambda: small_plan(
                 stages=(
                     Stage3D(0, 12, (Replica("GH-96", 4),)),
                     Stage3D(12, 26, (Replica("GH-96", 4),) * 2),
@@ -64,8 +56,8 @@ def test_sizes():
         (lambda: Stage3D(3, 3, (Replica("GH-96", 4),)), "at least one layer"),
         (lambda: Replica("GH-96", 0), "tp must be a positive integer"),
         (lambda: Replica("", 1), "gpu_type"),
-        (lambda: _plan(mbs=0), "mbs must be a positive integer"),
-        (lambda: _plan(gbs=1.5), "gbs must be a positive integer"),
+        (lambda: small_plan(mbs=0), "mbs must be a positive integer"),
+        (lambda: small_plan(gbs=1.5), "gbs must be a positive integer"),
         (lambda: Stage3D(0, 2, ()), "at least one Replica"),
     ],
 )
@@ -75,7 +67,7 @@ def test_validation(build, message):
 
 
 def test_our_json_round_trip(tmp_path):
-    plan = _plan(
+    plan = small_plan(
         stages=(
             Stage3D(0, 5, (Replica("RTX-3090", 8, node=0), Replica("RTX-2080", 8))),
             Stage3D(5, 26, (Replica("Titan-RTX", 2, zone="z"), Replica("GH-96", 2))),
@@ -178,7 +170,7 @@ def _placed(order, tp=2, dp=4, pp=2, gpn=8):
 
 
 def test_every_plan_has_a_layout_its_stages_imply():
-    plan = _plan()
+    plan = small_plan()
     assert plan.layout == ParallelLayout.uniform(tp=4, pp=2, dp=2)
     assert plan.layout.order == PP_OUTER
     gh = Replica("GH-96", 4)
@@ -203,7 +195,7 @@ def test_every_plan_has_a_layout_its_stages_imply():
 )
 def test_a_layout_must_match_the_stages(layout, message):
     with pytest.raises(ProblemError, match=message):
-        _plan(layout=layout)
+        small_plan(layout=layout)
 
 
 def test_a_stage_mixing_tp_degrees_is_refused():
@@ -214,7 +206,7 @@ def test_a_stage_mixing_tp_degrees_is_refused():
 
 def test_context_and_expert_axes_count_and_round_trip():
     layout = ParallelLayout((StageAxes(4, ep=8, etp=1), StageAxes(4, ep=4)), dp=2, cp=2)
-    plan = _plan(layout=layout)
+    plan = small_plan(layout=layout)
     assert plan.num_gpus == 2 * 4 * 2 * 2 and plan.gpus_by_type() == {"GH-96": 32}
     assert "cp 2, ep 4/8, etp 1" in plan.describe()
     data = json.loads(json.dumps(plan.to_json()))
@@ -288,7 +280,7 @@ def test_replace_keeps_the_layout_axes_the_new_stages_allow():
     plan = _placed("tp-pp-dp", pp=3)
     cut = plan.replace(stages=plan.stages[:2])
     assert cut.layout == ParallelLayout.uniform(tp=2, pp=2, dp=4, order=DP_OUTER)
-    experts = _plan(layout=ParallelLayout((StageAxes(4, ep=2),) * 2, 2, cp=2))
+    experts = small_plan(layout=ParallelLayout((StageAxes(4, ep=2),) * 2, 2, cp=2))
     gh = experts.stages[0].replicas
     moved = (Stage3D(0, 10, gh), Stage3D(10, 26, gh))
     assert experts.replace(stages=moved).layout == experts.layout

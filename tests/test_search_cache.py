@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import python_last_line
 
 from pipedejavu.search.engine.compile_cache import ENV_VAR, cache_folder
 
@@ -34,15 +35,7 @@ def _python(code: str, folder: Path | str | None, **env_extra: str) -> str:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if folder is not None:
         env[ENV_VAR] = str(folder)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
+    return python_last_line(code, env)
 
 
 _CONFIG = """

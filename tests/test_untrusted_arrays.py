@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from helpers import run_cli
+from helpers import run_cli, write_one_device_members
 
 from pipedejavu import ProblemError
 from pipedejavu.core.npzfile import MAX_NPZ_BYTES, read_npz
@@ -158,14 +158,7 @@ def _deflated_problem(path: Path, shape: tuple[int, ...], dtype: str) -> Path:
             member.write(header.getvalue())
             for start in range(0, num_bytes, len(chunk)):
                 member.write(chunk[: num_bytes - start])
-        for key, value in {
-            "submesh_shapes": np.array([[1, 1]]),
-            "cluster_shape": np.array([1, 1]),
-            "num_microbatches": np.array(8),
-        }.items():
-            buffer = io.BytesIO()
-            np.save(buffer, value)
-            archive.writestr(f"{key}.npy", buffer.getvalue())
+        write_one_device_members(archive, 8)
     return path
 
 

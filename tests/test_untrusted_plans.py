@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import small_plan
 
 from pipedejavu.core.errors import ProblemError
-from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, Plan3D, Replica, Stage3D
+from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
 from pipedejavu.io.gpu_sheet import (
     FIELD_RANGES,
     PEAK_FLOPS_RANGE,
@@ -25,14 +26,7 @@ from pipedejavu.io.sailor_plan import load_plan3d
 def _plan_json(**changes):
     """Our plan JSON of a small valid plan (2 stages, dp 2), top-level keys
     replaced by ``changes``."""
-    gh = Replica("GH-96", 4)
-    plan = Plan3D(
-        stages=(Stage3D(0, 12, (gh, gh)), Stage3D(12, 26, (gh, gh))),
-        mbs=2,
-        gbs=64,
-        model="OPT-350",
-    )
-    return {**plan.to_json(), **changes}
+    return {**small_plan().to_json(), **changes}
 
 
 def _sailor_json(**changes):

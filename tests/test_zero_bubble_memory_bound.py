@@ -13,7 +13,7 @@ import json
 import math
 
 import numpy as np
-from helpers import TINY_GPT
+from helpers import TINY_GPT, proof_groups
 
 from pipedejavu.baselines.megatron_brute import enumerate_plans
 from pipedejavu.core.plan3d import DEFAULT_ZONE
@@ -24,7 +24,7 @@ from pipedejavu.planning.any_model import choose_cost_source
 from pipedejavu.search.megatron.bounds import memory_counts
 from pipedejavu.search.megatron.certify import group_bounds
 from pipedejavu.search.megatron.chains import Incumbent, StageBounds, chains
-from pipedejavu.search.megatron.space import ConfigGroup, config_groups
+from pipedejavu.search.megatron.space import ConfigGroup
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 #: 4 blocks whose activations at 8192 tokens nearly fill an L4.
@@ -107,17 +107,7 @@ def test_zero_bubble_chains_are_exactly_the_fitting_plans(tmp_path):
             every[key].add(stages)
             if predict_plan(plan, data, constants=C).fits_memory:
                 fitting[key].add(stages)
-        groups = config_groups(
-            data,
-            model,
-            pool,
-            gbs,
-            uniform_tp=True,
-            allow_fewer_gpus=True,
-            mbs_values=None,
-            max_stages=None,
-        )
-        for group in groups:
+        for group in proof_groups(data, model, pool, gbs):
             (t,) = group.tps
             counts = memory_counts(data, model, C, group)
             for size, (bounds, g) in group_bounds(data, model, C, group).items():
