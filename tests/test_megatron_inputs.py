@@ -43,12 +43,13 @@ PLAN = ("plan", "--model", "OPT-350")
     [
         (("--gpus", "GH-96:64", "--global-batch", 10**12), "[1, 65536]"),
         (("--gpus", "GH-96:64", "--global-batch", 0), "[1, 65536]"),
-        (("--gpus", "GH-96:1000000", "--global-batch", 64), "[1, 16384]"),
+        (("--gpus", "GH-96:1000000", "--global-batch", 64), f"[1, {MAX_SEARCH_GPUS}]"),
         (("--gpus", "GH-96:" + "9" * 5000, "--global-batch", 64), "COUNT in"),
         (("--gpus", "GH-96:8", "--gpus", "GH-96:8", "--global-batch", 64), "twice"),
         (
-            ("--gpus", "GH-96:16384", "--gpus", "RTX-3090:8", "--global-batch", 64),
-            "at most 16384 GPUs in all",
+            ("--gpus", f"GH-96:{MAX_SEARCH_GPUS}", "--gpus", "RTX-3090:8")
+            + ("--global-batch", 64),
+            f"at most {MAX_SEARCH_GPUS} GPUs in all",
         ),
     ],
 )

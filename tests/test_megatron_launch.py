@@ -321,26 +321,27 @@ def test_predict_cli_prices_block_recomputation(capsys):
     assert flops[2] - flops[3] == pytest.approx(2 * per_block, rel=1e-12)
 
 
-def test_predict_cli_takes_the_largest_clusters_plan_searches_fewer(capsys):
-    """A launch on 16,384 GPUs (as Llama 3.1 405B trained) is predicted; a
-    search over that many is allowed, not over more; a prediction stops at
-    MAX_GPUS."""
+def test_predict_cli_takes_the_largest_clusters_plan_searches_no_more(capsys):
+    """A launch on MAX_GPUS (131,072) GPUs is predicted; a search over more
+    than MAX_SEARCH_GPUS (as many) is refused at once, as is a prediction
+    over more than MAX_GPUS."""
     launch = (
         "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
         "--seq-length 2048 --max-position-embeddings 2048 --vocab-size 51200 "
         "--micro-batch-size 1 --global-batch-size 4096 "
         "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --bf16"
     )
-    big = MAX_SEARCH_GPUS * 2
+    big = MAX_GPUS
     assert (
         main(["predict", "--megatron-args", launch, "--gpus", f"H100:{big}", "--json"])
         == 0
     )
     out = json.loads(capsys.readouterr().out)
     assert out["plan"].startswith("pp 4 ") and f"dp {big // 32}," in out["plan"]
-    assert f":{big})" in out["plan"] and out["num_microbatches"] == 4
+    assert f":{big})" in out["plan"] and out["num_microbatches"] == 1
     assert 0 < out["mfu"] < 1
-    assert main(["plan", "--megatron-args", launch, "--gpus", f"H100:{big}"]) == 2
+    more = f"H100:{MAX_SEARCH_GPUS + 32}"
+    assert main(["plan", "--megatron-args", launch, "--gpus", more]) == 2
     assert f"[1, {MAX_SEARCH_GPUS}]" in capsys.readouterr().err
     too_many = f"H100:{MAX_GPUS + 32}"
     assert main(["predict", "--megatron-args", launch, "--gpus", too_many]) == 2

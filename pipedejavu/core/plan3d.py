@@ -101,9 +101,10 @@ PLAN3D_FORMAT = "pipedejavu.core.plan3d"
 PLAN3D_KIND = "training-plan"
 #: Largest global batch (samples per iteration) a plan or a search accepts.
 MAX_GLOBAL_BATCH = 2**16
-#: Most GPUs in a pool that ``plan`` searches (all types together; its time
-#: grows with the pool: ``benchmarks/results/large_pools.json``).
-MAX_SEARCH_GPUS = 2**14
+#: Most GPUs in a pool that ``plan`` searches (all types together; as many
+#: as a plan holds; its time grows with the pool:
+#: ``benchmarks/results/large_pools.json``).
+MAX_SEARCH_GPUS = 2**17
 _MAX_ITEMS = MAX_GPUS  # stages x replicas a plan may hold (each >= 1 GPU)
 #: Last layer a stage may end at: far above any model (Llama-3.1-405B has 128
 #: transformer layers), a bound on a file's value, not a claim.

@@ -56,9 +56,9 @@ def parse_gpu_pool(
 
     Each type appears once; counts are integers in ``[1, most]`` and add up to
     at most ``most``: by default a pool to search,
-    :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS` (16,384); a prediction
-    passes :data:`~pipedejavu.core.layout.MAX_GPUS` (131,072). A mapping is
-    checked the same way.
+    :data:`~pipedejavu.core.plan3d.MAX_SEARCH_GPUS` (131,072, as many as
+    :data:`~pipedejavu.core.layout.MAX_GPUS`, which a prediction passes). A
+    mapping is checked the same way.
 
     Raises:
         ProblemError: an item not of the form TYPE:COUNT, a type given twice, a
@@ -285,7 +285,7 @@ def plan_training(
             :class:`~pipedejavu.costmodel.analytical.source.AnalyticalSource`:
             its spec's name).
         gpus: ``{type: count}`` or ``["GH-96:64", ...]``; each type once,
-            at most 16,384 GPUs in all (:func:`parse_gpu_pool`).
+            at most 131,072 GPUs in all (:func:`parse_gpu_pool`).
         global_batch: samples per iteration, in ``[1, 65536]``
             (:data:`~pipedejavu.core.plan3d.MAX_GLOBAL_BATCH`).
         profiles: a folder laid out like Sailor's data (``None``: bundled), or
