@@ -371,7 +371,9 @@ class KnobOutcome:
             predictor, with the cutoff).
         best_s: the best predicted time found in this choice (``nan``: none
             found, or none below the cutoff).
-        cutoff_s: the best predicted time before this choice (``inf`` first).
+        cutoff_s: the best predicted time before this choice (``inf`` first),
+            or a sharded plan's where it is less (``plan_with_knobs``'
+            ``outside_s``).
         proven: the choice holds no plan that fits faster than
             ``min(cutoff_s, best_s)``.
         time_s: seconds spent.

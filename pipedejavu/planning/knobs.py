@@ -186,6 +186,7 @@ def plan_with_knobs(
     interleaved_memo: InterleavedMemo | None = None,
     interleaved_first: bool = False,
     calibration: ClusterCalibration | None = None,
+    outside_s: float = math.inf,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -224,6 +225,13 @@ def plan_with_knobs(
             choice by its proof (the same optimum where proven; fewer planning
             DPs: ``plan`` of a mixture of experts, whose best plans are often
             interleaved).
+        outside_s: the time of a plan outside this space (the sharded
+            search's): the proofs of step 3 settle the choices against the
+            lesser of it and the best plan found, so that a choice none of
+            whose plans beats it is settled at once; the result is then no
+            more than this space's best plan found, proven optimal where its
+            bound reaches its time (``predicted_lower_bound_s`` is certified
+            either way).
 
     Raises:
         ProblemError: bad arguments.
@@ -263,6 +271,7 @@ def plan_with_knobs(
         one_stage_1f1b=one_stage_1f1b,
         interleaved_memo=interleaved_memo,
         interleaved_first=interleaved_first,
+        outside_s=outside_s,
     )
 
 
@@ -284,6 +293,7 @@ def search_knobs(
     one_stage_1f1b: bool = False,
     interleaved_memo: InterleavedMemo | None = None,
     interleaved_first: bool = False,
+    outside_s: float = math.inf,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -493,7 +503,7 @@ def search_knobs(
             max_stages=config.max_stages,
             max_plans=config.proof_budget,
             mixed_types=mixes_types(choice, order),
-            cutoff_s=state.best_s,
+            cutoff_s=min(state.best_s, outside_s),
             rank_order=order,
             cache=shared,
             either_order=both_orders,
@@ -503,7 +513,7 @@ def search_knobs(
         found = certificate.prediction  # None: nothing of its own beat the cutoff
         beats = found is not None and found.fits_memory
         beats = beats and found.iteration_time_s < state.best_s
-        cutoff = state.best_s
+        cutoff = min(state.best_s, outside_s)
         state.lower = min(state.lower, certificate.lower_bound_s)
         if beats and order == RANK_ORDERS[0]:
             plan = dataclasses.replace(

@@ -56,7 +56,11 @@ from pipedejavu.planning.expert_search import (
 )
 from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
-from pipedejavu.planning.sharded_search import TORCHTITAN_RECOMPUTE, join_sharded
+from pipedejavu.planning.sharded_search import (
+    TORCHTITAN_RECOMPUTE,
+    best_sharded,
+    join_sharded,
+)
 from pipedejavu.planning.training import parse_gpu_pool
 from pipedejavu.search.megatron.interleaved import InterleavedMemo
 
@@ -244,41 +248,36 @@ def plan_model(
     if spec is None or spec.moe is None:
         started = time.perf_counter()
         joined = _sharding(choice, pool, export, True if alone else sharded, search)
+        if not joined:
+            return plan_with_knobs(model, pool, global_batch, **search, **shared)
+        # the sharded plans first: their best time is a cutoff for the
+        # pipelines' proofs (a pipeline no faster cannot be the optimum)
+        found, refused = None, None
+        try:
+            found = best_sharded(
+                choice, pool, global_batch, search["space"],
+                progress_fn=progress_fn, eager=alone,  # (no torch.compile)
+                **_torchtitan_sharded(choice, export, alone, search["space"]),
+            )  # fmt: skip
+        except InfeasibleProblemError as error:
+            refused = error
         regular = None
+        outside = math.inf if found is None else found.prediction.iteration_time_s
         try:
             if not alone:
-                regular = plan_with_knobs(model, pool, global_batch, **search, **shared)
-        except InfeasibleProblemError:
-            if not joined:
-                raise
-        if not joined:
-            return regular
-        recompute, tp_splits, constants = None, False, None
-        if export == "torchtitan":  # its per-op policy saves no fp8 product
-            # the sharded space alone: priced as the exported job runs (its
-            # kernels, its loss, eager); beside the pipelines, as they are
-            constants = TORCHTITAN_ANALYTICAL if alone else None
-            fp8 = choice.options.precision == "fp8"
-            asked = search["space"].recompute  # its modes, as the knob allows
-            recompute = [
-                r
-                for r in TORCHTITAN_RECOMPUTE
-                if (r if isinstance(r, str) else "selective") in asked
-                and not (fp8 and not isinstance(r, str))
-            ]
-            tp_splits = True  # torchtitan splits each sequence over tp x 2 cp
-            if not recompute:
-                raise ProblemError(
-                    "--export torchtitan: torchtitan's per-op recomputation does "
-                    "not run with fp8 (its float8 linears are not in the policy's "
-                    "saved products): give --recompute none or full"
+                regular = plan_with_knobs(
+                    model, pool, global_batch, **search, **shared, outside_s=outside
                 )
+        except InfeasibleProblemError:
+            if found is None:
+                raise
+        if found is None:
+            if regular is None:
+                raise refused
+            return regular
         return join_sharded(
-            regular, choice, pool, global_batch, search["space"], started=started,
-            recompute=recompute, tp_splits_sequence=tp_splits,
-            progress_fn=progress_fn, constants=constants,
-            eager=alone,  # the exported job runs no torch.compile
-        )  # fmt: skip
+            regular, found, choice, pool, search["space"], started=started
+        )
     if sharded:
         raise ProblemError(
             "sharded data parallelism is not searched for a mixture of experts "
@@ -308,6 +307,39 @@ def plan_model(
     return _plan_experts(
         model, pool, global_batch, spec, searches, search, shared, per_node
     )
+
+
+def _torchtitan_sharded(
+    choice: CostChoice, export: str | None, alone: bool, space: KnobSpace
+) -> dict[str, Any]:
+    """How the sharded plans are priced for ``export``: for torchtitan (its
+    per-op policy saves no fp8 product), its recomputations, its split of
+    each sequence over ``tp x 2 cp`` and, the sharded space alone, the
+    kernels the exported job runs (its loss, eager); else as they are.
+
+    Raises:
+        ProblemError: torchtitan's per-op recomputation asked with fp8 alone.
+    """
+    if export != "torchtitan":
+        return {}
+    fp8 = choice.options.precision == "fp8"
+    recompute = [
+        r
+        for r in TORCHTITAN_RECOMPUTE
+        if (r if isinstance(r, str) else "selective") in space.recompute
+        and not (fp8 and not isinstance(r, str))
+    ]
+    if not recompute:
+        raise ProblemError(
+            "--export torchtitan: torchtitan's per-op recomputation does "
+            "not run with fp8 (its float8 linears are not in the policy's "
+            "saved products): give --recompute none or full"
+        )
+    return {
+        "recompute": recompute,
+        "tp_splits_sequence": True,
+        "constants": TORCHTITAN_ANALYTICAL if alone else None,
+    }
 
 
 def sharded_alone(choice: CostChoice, export: str | None, sharded: bool | None) -> bool:

@@ -52,6 +52,7 @@ from pipedejavu.planning.training import TrainingPlan
 __all__ = [
     "MAX_SHARDED_PLANS",
     "TORCHTITAN_RECOMPUTE",
+    "best_sharded",
     "join_sharded",
     "ShardedPlan",
     "search_sharded",
@@ -299,49 +300,58 @@ def _recomputing(
     return dataclasses.replace(options, recompute=how, recompute_num_layers=None)
 
 
-def join_sharded(
-    regular: KnobPlan | None,
+def best_sharded(
     choice: CostChoice,
     pool: Mapping[str, int],
     global_batch: int,
     space: KnobSpace,
     *,
-    started: float,
     recompute: Sequence[str | tuple[str, ...]] | None = None,
     tp_splits_sequence: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     constants: AnalyticalConstants | None = None,
     eager: bool = False,
-) -> KnobPlan:
-    """The faster of ``regular`` (the proven pipeline search's plan, ``None``
-    where no plan of its space fits) and :func:`search_sharded`'s on the
-    pool's one GPU type, every GPU used, with ``space``'s recomputations;
-    proven when ``regular`` is (both spaces are searched exactly), its note
-    added to the choice's; priced with ``constants`` (``None``: the
-    choice's source's; ``eager``: element-wise kernels unfused, as a job
-    without ``torch.compile`` runs them).
+) -> ShardedPlan:
+    """:func:`search_sharded`'s best plan on the pool's one GPU type, every
+    GPU used, with ``space``'s recomputations; priced with ``constants``
+    (``None``: the choice's source's; ``eager``: element-wise kernels
+    unfused, as a job without ``torch.compile`` runs them). Its time is a
+    cutoff the pipelines' proofs may take
+    (:func:`~pipedejavu.planning.knobs.plan_with_knobs`' ``outside_s``).
 
     Raises:
-        InfeasibleProblemError: no plan of either space fits.
+        InfeasibleProblemError: no sharded plan fits.
     """
     ((gpu, count),) = choice.pool(pool).items()
     source = choice.data
     modes = space.recompute if recompute is None else recompute
     recompute = [_recomputing(choice.options, r) for r in modes]
-    spec = choice.spec
-    try:
-        found = search_sharded(
-            spec, gpu, count, global_batch, source.sheet, choice.options,
-            constants=constants or source.constants_of(gpu), recompute=recompute,
-            measured_links=source.measured_links,
-            memory_headroom=source.memory_headroom,
-            tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
-            eager=eager,
-        )  # fmt: skip
-    except InfeasibleProblemError:
-        if regular is None:
-            raise
-        return regular
+    return search_sharded(
+        choice.spec, gpu, count, global_batch, source.sheet, choice.options,
+        constants=constants or source.constants_of(gpu), recompute=recompute,
+        measured_links=source.measured_links,
+        memory_headroom=source.memory_headroom,
+        tp_splits_sequence=tp_splits_sequence, progress_fn=progress_fn,
+        eager=eager,
+    )  # fmt: skip
+
+
+def join_sharded(
+    regular: KnobPlan | None,
+    found: ShardedPlan,
+    choice: CostChoice,
+    pool: Mapping[str, int],
+    space: KnobSpace,
+    *,
+    started: float,
+) -> KnobPlan:
+    """The faster of ``regular`` (the proven pipeline search's plan, ``None``
+    where no plan of its space fits) and ``found`` (:func:`best_sharded`),
+    its note added to the choice's (``space``: the knobs searched). Proven
+    when ``regular`` is (both spaces are searched exactly), or, where
+    ``found`` wins, when ``regular``'s certified lower bound over every
+    pipeline reaches ``found``'s time.
+    """
     note = (
         f"sharded single-stage plans searched (FSDP2/HSDP x TP x CP, every GPU): "
         f"{found.searched} priced, best {found.describe()} at "
@@ -354,8 +364,11 @@ def join_sharded(
     bound = seconds
     proven = True
     if regular is not None:
-        bound = min(bound, regular.result.predicted_lower_bound_s)
-        proven = regular.result.proven
+        lower = regular.result.predicted_lower_bound_s
+        bound = min(bound, lower)
+        # no pipeline is faster than the certified bound: where it reaches
+        # the sharded plan's time, the sharded plan is the optimum
+        proven = regular.result.proven or lower >= seconds * (1 - 1e-12)
     result = TrainingPlan(
         plan=found.plan,
         prediction=found.prediction,
