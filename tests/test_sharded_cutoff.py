@@ -37,3 +37,27 @@ def test_the_sharded_plan_settles_the_pipelines_proofs(pool, gbs):
     assert proofs  # the choices step 1 left, settled against the sharded time
     assert all(o.cutoff_s == sharded_s and o.proven for o in proofs)
     assert all(math.isnan(o.best_s) for o in proofs)  # nothing beat it
+
+
+def test_a_cutoff_below_the_pipelines_leaves_their_plan_unproven():
+    """``plan_training(cutoff_s=...)`` below the pipelines' optimum: the
+    proof settles every configuration against it, certifies it as the
+    bound, and does not call the plan found proven; at the optimum's own
+    time it is proven as without a cutoff."""
+    from pipedejavu.planning.training import plan_training
+
+    pool, gbs = {"H100-SXM": 8}, 64
+    choice = choose_cost_source(MODEL, pool)
+    free = plan_training(choice.model, choice.pool(pool), gbs, profiles=choice.data)
+    best = free.prediction.iteration_time_s
+    assert free.proven and free.predicted_lower_bound_s == pytest.approx(best)
+    cut = plan_training(
+        choice.model, choice.pool(pool), gbs, profiles=choice.data, cutoff_s=0.9 * best
+    )
+    assert not cut.proven
+    assert cut.predicted_lower_bound_s == pytest.approx(0.9 * best, rel=1e-12)
+    assert cut.prediction.iteration_time_s >= best * (1 - 1e-12)
+    at = plan_training(
+        choice.model, choice.pool(pool), gbs, profiles=choice.data, cutoff_s=best
+    )
+    assert at.proven and at.prediction.iteration_time_s == best

@@ -357,6 +357,7 @@ def search_knobs(
             solved=probes.get(id(choice)),
             dp_alone=dp_alone,
             max_stages=max_stages,
+            cutoff_s=outside_s,
         )
 
     outcomes: list[KnobOutcome] = []

@@ -277,6 +277,7 @@ def plan_training(
     dp_alone: bool = False,
     memory_headroom: MemoryHeadroom | float | str | None = None,
     max_stages: int | None = None,
+    cutoff_s: float = math.inf,
 ) -> TrainingPlan:
     """The fastest plan under the planning model, re-scored by the predictor.
 
@@ -318,6 +319,8 @@ def plan_training(
             search, its proof and the prediction all honour it. ``None``: the
             cost source's own (none unless it was given one).
         max_stages: most pipeline stages (``None``: the model's layers).
+        cutoff_s: the time of a plan outside this space (``search_megatron``'s
+            ``cutoff_s``: the proof settles against it where it is less).
 
     Raises:
         ProblemError: bad arguments, unknown model or GPU type.
@@ -359,6 +362,7 @@ def plan_training(
         progress_fn=progress_fn,
         bound_cache=bound_cache,
         solved=solved,
+        cutoff_s=cutoff_s,
     )
     return TrainingPlan(
         plan=result.plan,

@@ -278,6 +278,7 @@ def search_megatron(
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
     bound_cache: BoundCache | None = None,
     solved: MegatronSearchResult | None = None,
+    cutoff_s: float = math.inf,
 ) -> MegatronSearchResult:
     """The best plan for ``model`` on the GPU pool (module docstring).
 
@@ -297,6 +298,10 @@ def search_megatron(
         solved: the result of this same search (the same arguments) with
             ``certify`` off, e.g. a probe's: its DP is not run again, only the
             proof (its seconds count in ``search_time_s``).
+        cutoff_s: the time of a plan outside this space (a sharded one): the
+            proof settles configurations against the lesser of it and the
+            plan found; ``proven`` then holds only where the certified bound
+            reaches the plan's own time (``certify_predicted``'s cutoff).
 
     Raises:
         ProblemError: unknown model or GPU type, bad counts.
@@ -330,11 +335,14 @@ def search_megatron(
         dp_alone=config.dp_alone,
         cache=bound_cache,
         progress_fn=progress_fn,
+        cutoff_s=cutoff_s,
     )
     if certificate.improved:
         plan, prediction = certificate.plan, certificate.prediction
         objective = _objective(data, model, constants, plan)
         candidates += ((plan, objective, prediction.iteration_time_s),)
+    # (a cutoff below the plan: settled against it, the plan not proven)
+    reached = certificate.lower_bound_s >= prediction.iteration_time_s * (1 - 1e-12)
     earlier = 0.0 if solved is None else solved.search_time_s
     return dataclasses.replace(
         result,
@@ -344,7 +352,7 @@ def search_megatron(
         candidates=candidates,
         search_time_s=earlier + time.perf_counter() - started,
         predicted_lower_bound_s=certificate.lower_bound_s,
-        proven=certificate.proven,
+        proven=certificate.proven and reached,
         certificate=certificate,
     )
 
