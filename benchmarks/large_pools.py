@@ -5,7 +5,8 @@ checkout side by side.
 Each setting is planned in a fresh process by this checkout and, with
 ``--before DIR`` (a checkout of the code to compare, e.g. ``git worktree add
 DIR <rev>``), by that one, alternating, ``--rounds`` times; the plans are
-compared field by field (wall-clock fields aside) and must be identical.
+compared field by field (wall-clock fields and the per-knob outcomes aside:
+how each knob choice was settled depends on the proofs' cutoffs).
 
     python benchmarks/large_pools.py [--before DIR] [--rounds N] [--out FILE]
 
@@ -40,7 +41,7 @@ from pipedejavu.planning.plan_model import plan_model
 def strip(v):
     if isinstance(v, dict):
         return {k: strip(x) for k, x in v.items()
-                if k not in ("search_time_s", "time_s")}
+                if k not in ("search_time_s", "time_s", "knobs")}
     if isinstance(v, list):
         return [strip(x) for x in v]
     return v

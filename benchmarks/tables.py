@@ -1504,8 +1504,8 @@ def t_large_pools() -> str:
         table(head, rows) + "\n\nEach planned in a fresh process, global batch "
         "1,024 (16,384 on 131,072 GPUs), the code before and after the change "
         "side by side on one machine, its plans compared field by field "
-        "(wall-clock fields aside); 'refused': the code before did not search "
-        "that many GPUs." + source("large_pools.json")
+        "(wall-clock fields and the per-knob outcomes aside); 'refused': the "
+        "code before did not search that many GPUs." + source("large_pools.json")
     )
 
 
