@@ -207,6 +207,19 @@ def t_headline() -> str:
             "sharded_planning.json",
         ],
         [
+            "large pools planned with the proof: Llama-3.1-405B on 131,072 H100 "
+            "(batch 16,384) / on 16,384 H100 (batch 1,024) (targets 120 s / 30 s: "
+            "the second not met yet)",
+            " / ".join(
+                f"{min(r['seconds']['after']):.0f} s, "
+                + ("proven" if r["proven"] else "not proven")
+                for gpus in (131072, 16384)
+                for r in load("large_pools.json")["settings"]
+                if r["gpus"] == gpus and r["model"] == "Llama-3.1-405B"
+            ),
+            "large_pools.json",
+        ],
+        [
             "schedule (interleaved, zero bubble), recomputation, SP, optimizer sharding "
             "and rank order searched with the plan: predicted speed-up over "
             "today's space (geometric mean, 4 settings)",
