@@ -143,11 +143,13 @@ def ring_hops(
         return _ring_hops(network, replicas, nodes, kind)
     rings = _ALIKE_RINGS.setdefault(network, {})
     key = (kind, tuple(nodes))
-    if key not in rings:
+    hops = rings.get(key)  # (one lookup: another thread may clear the cache)
+    if hops is None:
+        hops = _ring_hops(network, replicas, nodes, kind)
         if len(rings) >= _MOST_RINGS:
             rings.clear()
-        rings[key] = _ring_hops(network, replicas, nodes, kind)
-    return list(rings[key])
+        rings[key] = hops
+    return list(hops)
 
 
 def _ring_hops(
