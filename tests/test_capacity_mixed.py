@@ -144,3 +144,24 @@ def test_a_sweep_with_mixed_types_plans_the_same_mixed_pools():
     for row, outcome in zip(rows, answer.outcomes, strict=True):
         assert row.planned.used == outcome.used
         assert row.planned.iteration_s == outcome.iteration_s
+
+
+def test_the_report_lines_up_mixed_pools(tmp_path, capsys):
+    """The text report's columns stay in line with pools' longer names."""
+    prices = tmp_path / "prices.json"
+    prices.write_text(
+        json.dumps(
+            {"currency": "USD", "per_gpu_hour": {"RTX-3090": 0.3, "RTX-2080": 0.2}}
+        )
+    )
+    argv = ["plan", "--model", "OPT-350", "--global-batch", "16", "--tokens", "30M"]
+    argv += ["--gpus-available", "RTX-3090:2,RTX-2080:2", "--prices", str(prices)]
+    argv += ["--deadline", "100d", "--counts", "2", "--mixed-types"]
+    assert main(argv) in (0, None)
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if "rented" in line)
+    rows = lines[head + 1 : head + 4]  # RTX-3090:2, RTX-2080:2, the mix
+    assert "RTX-3090:2,RTX-2080:2 " in rows[2]  # (21 characters)
+    column = lines[head].index("rented")
+    for row in (rows[0], rows[2]):  # (RTX-2080 alone has no plan)
+        assert row[column - 1] == " " and row[column] != " "  # rented starts there

@@ -206,18 +206,20 @@ def _question(args: argparse.Namespace) -> CapacityQuestion:
 
 def _table(answer: CapacityAnswer) -> str:
     currency = answer.question.prices.currency
-    rows = [f"{'':2s}{'pool':18s} {'rented':18s} {'s/iter':>9s} {'days':>8s} "
-            f"{'cost ' + currency:>14s}  plan"]  # fmt: skip
+    # (wide enough for a mixed pool's name, H100-SXM:16,A100-80:16)
+    width = max([18, *(len(pool_key(o.pool)) for o in answer.outcomes)])
+    rows = [f"{'':2s}{'pool':{width}s} {'rented':{width}s} {'s/iter':>9s} "
+            f"{'days':>8s} {'cost ' + currency:>14s}  plan"]  # fmt: skip
     frontier = set(answer.frontier)
     for i, o in enumerate(answer.outcomes):
         mark = "*" if i == answer.choice else ("f" if i in frontier else " ")
         pool = pool_key(o.pool)
         if not o.feasible:
-            rows.append(f"{mark} {pool:18s} no plan: {(o.reason or '')[:70]}")
+            rows.append(f"{mark} {pool:{width}s} no plan: {(o.reason or '')[:70]}")
             continue
         used = pool_key(o.used or {})
         rows.append(
-            f"{mark} {pool:18s} {used:18s} {o.iteration_s:9.3f} "
+            f"{mark} {pool:{width}s} {used:{width}s} {o.iteration_s:9.3f} "
             f"{o.time_s / 86400:8.2f} {o.cost:14,.0f}  {o.shape}"
         )
     return "\n".join(rows)
