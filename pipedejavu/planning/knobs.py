@@ -99,7 +99,11 @@ from pipedejavu.search.megatron.certify import any_plan_fits, certify_predicted
 from pipedejavu.search.megatron.interleaved import (
     InterleavedMemo,
 )
-from pipedejavu.search.megatron.settings import MegatronSearchResult, check_plan_size
+from pipedejavu.search.megatron.settings import (
+    MegatronSearchResult,
+    bound_reaches,
+    check_plan_size,
+)
 from pipedejavu.search.megatron.transfers import BoundCache
 
 __all__ = ["KnobPlan", "plan_with_knobs", "search_knobs"]
@@ -568,7 +572,7 @@ def search_knobs(
     # ran out of its prediction budget below a bound a later plan undercut.
     lower = min(lower, result.predicted_lower_bound_s)
     best_s = result.prediction.iteration_time_s
-    proven = lower >= best_s * (1 - 1e-12)
+    proven = bound_reaches(lower, best_s)
     result = dataclasses.replace(
         result,
         proven=proven,

@@ -63,6 +63,7 @@ from pipedejavu.planning.sharded_search import (
 )
 from pipedejavu.planning.training import parse_gpu_pool
 from pipedejavu.search.megatron.interleaved import InterleavedMemo
+from pipedejavu.search.megatron.settings import bound_reaches
 
 __all__ = [
     "KEPT_OPTIONS",
@@ -493,7 +494,7 @@ def _plan_experts(
     note = _searched_note(searches, best.choice.data.experts)
     result = dataclasses.replace(
         best.result,
-        proven=lower >= best_s * (1 - 1e-12),
+        proven=bound_reaches(lower, best_s),
         predicted_lower_bound_s=min(lower, best_s),
         search_time_s=time.perf_counter() - started,  # (the layouts that fit none too)
     )

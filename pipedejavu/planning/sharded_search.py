@@ -48,6 +48,7 @@ from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import KnobPlan
 from pipedejavu.planning.torchtitan_launch import sharded_plan
 from pipedejavu.planning.training import TrainingPlan
+from pipedejavu.search.megatron.settings import bound_reaches
 
 __all__ = [
     "MAX_SHARDED_PLANS",
@@ -368,7 +369,7 @@ def join_sharded(
         bound = min(bound, lower)
         # no pipeline is faster than the certified bound: where it reaches
         # the sharded plan's time, the sharded plan is the optimum
-        proven = regular.result.proven or lower >= seconds * (1 - 1e-12)
+        proven = regular.result.proven or bound_reaches(lower, seconds)
     result = TrainingPlan(
         plan=found.plan,
         prediction=found.prediction,

@@ -78,6 +78,7 @@ from pipedejavu.search.megatron.certify import certify_predicted
 from pipedejavu.search.megatron.settings import (
     MegatronSearchConfig,
     MegatronSearchResult,
+    bound_reaches,
     check_plan_size,
 )
 from pipedejavu.search.megatron.space import chain_counts, config_groups, type_plan
@@ -342,7 +343,7 @@ def search_megatron(
         objective = _objective(data, model, constants, plan)
         candidates += ((plan, objective, prediction.iteration_time_s),)
     # (a cutoff below the plan: settled against it, the plan not proven)
-    reached = certificate.lower_bound_s >= prediction.iteration_time_s * (1 - 1e-12)
+    reached = bound_reaches(certificate.lower_bound_s, prediction.iteration_time_s)
     earlier = 0.0 if solved is None else solved.search_time_s
     return dataclasses.replace(
         result,

@@ -16,6 +16,7 @@ __all__ = [
     "MAX_PLAN_BLOCKS",
     "MegatronSearchConfig",
     "MegatronSearchResult",
+    "bound_reaches",
     "check_plan_size",
 ]
 
@@ -25,6 +26,13 @@ __all__ = [
 #: 2,000 ran out of memory. The largest dense models trained have about 130
 #: blocks. Predicting a given plan or launch has no such limit.
 MAX_PLAN_BLOCKS = 512
+
+
+def bound_reaches(lower_s: float, time_s: float) -> bool:
+    """A certified lower bound ``lower_s`` on every plan's predicted time
+    settles a plan of ``time_s`` as the optimum (to floating-point rounding:
+    the bound and the time are sums taken in different orders)."""
+    return lower_s >= time_s * (1 - 1e-12)
 
 
 def check_plan_size(data: Any, model: str) -> None:
