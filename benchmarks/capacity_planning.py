@@ -4,7 +4,8 @@ local workers and on a local Dask cluster of 2 workers, side by side.
 The question: Llama-3-8B on 100B tokens (global batch 256, its 8,192-token
 samples), H100-SXM, A100-80 and L40S up to 64 of each, the bundled example
 price sheet (an example, not quotes), finished within 30 days at the least
-cost. Every candidate pool is planned to its proven optimum; the three
+cost. Every candidate pool is planned to its proven optimum or proven
+dominated (a frontier pool beats any plan of it in time and cost); the three
 answers are compared field by field (wall-clock fields aside) and their
 times side by side (the Dask time includes starting its cluster).
 
@@ -74,6 +75,7 @@ def main() -> None:
             "chosen": i == answer.choice,
             "proven": o.proven,
             "reason": o.reason,
+            "dominated_by": None if o.dominated_by is None else dict(o.dominated_by),
         }
         for i, o in enumerate(answer.outcomes)
     ]

@@ -4,10 +4,13 @@ the bundled sheet at 12 counts each (8 to 2,048, up to 2,048 of each
 available), the bundled example prices (an example, not quotes), the least
 cost within 90 days; answered on 2 local worker processes and on a local
 Dask cluster of 2 workers (its start included), the two answers compared
-field by field (wall-clock fields aside). Target: <= 5 minutes with 2 local
-workers on the 2-core machine.
+field by field (wall-clock fields aside), and again with every pool planned
+to its optimum (``--every-plan``, 2 local processes): the same choice, the
+same frontier and the same outcome for every pool not dominated. Target:
+<= 5 minutes with 2 local workers on the 2-core machine.
 
-    python benchmarks/capacity_sheet.py [--types N] [--engines 2,dask] [--out FILE]
+    python benchmarks/capacity_sheet.py [--types N] [--engines 2,dask,every]
+        [--out FILE]
 
 ``--types N`` takes the first N types of the sheet (a quicker check).
 Writes ``benchmarks/results/capacity_sheet.json`` with date and machine.
@@ -16,6 +19,7 @@ Writes ``benchmarks/results/capacity_sheet.json`` with date and machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -33,13 +37,13 @@ from pipedejavu.planning.capacity import (
 ROOT = Path(__file__).resolve().parent.parent
 PRICES = ROOT / "pipedejavu/data/prices-example.json"
 COUNTS = (8, 16, 32, 48, 64, 96, 128, 256, 384, 512, 1024, 2048)
-ENGINES = {"2": (2, None), "dask": (2, "local"), "1": (1, None)}
+ENGINES = {"2": (2, None), "dask": (2, "local"), "1": (1, None), "every": (2, None)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", type=int, default=None)
-    parser.add_argument("--engines", default="2,dask")
+    parser.add_argument("--engines", default="2,dask,every")
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks/results/capacity_sheet.json")
     )
@@ -65,14 +69,29 @@ def main() -> None:
                 print(f"  [{done}/{total}] {time.perf_counter() - started:.0f} s",
                       flush=True)  # fmt: skip
 
+        asked = dataclasses.replace(question, every_plan=name == "every")
         answers[name] = answer_capacity(
-            question, workers=workers, cluster=cluster, progress=progress
+            asked, workers=workers, cluster=cluster, progress=progress
         )
         seconds[name] = time.perf_counter() - started
         print(f"{name}: {seconds[name]:.1f} s", flush=True)
+    every = answers.pop("every", None)
     first = without_clock(next(iter(answers.values())).to_json())
     identical = all(without_clock(a.to_json()) == first for a in answers.values())
     answer = next(iter(answers.values()))
+    compared = {}
+    if every is not None:  # every pool planned to its optimum: the same answer?
+        kept = [
+            without_clock(a.to_json()) == without_clock(b.to_json())
+            for a, b in zip(answer.outcomes, every.outcomes, strict=True)
+            if a.dominated_by is None
+        ]
+        compared = {
+            "every_plan_s": seconds.pop("every"),
+            "same_as_every_plan": (answer.choice, answer.frontier)
+            == (every.choice, every.frontier)
+            and all(kept),
+        }
     chosen = answer.outcomes[answer.choice]
     planned = [o for o in answer.outcomes if o.feasible]
     slowest = sorted(answer.outcomes, key=lambda o: -o.search_s)[:5]
@@ -89,6 +108,7 @@ def main() -> None:
         "pools": len(answer.outcomes),
         "pools_with_a_plan": len(planned),
         "not_proven": sum(1 for o in planned if not o.proven),
+        "dominated": sum(1 for o in answer.outcomes if o.dominated_by is not None),
         "chosen": {
             "used": dict(chosen.used),
             "shape": chosen.shape,
@@ -110,6 +130,7 @@ def main() -> None:
         "seconds": seconds,
         "target_s": 300,
         "identical": identical,
+        **compared,
         **stamp.stamp("unknown"),
     }
     print(f"chosen {dict(chosen.used)}: {chosen.time_s / 86400:.1f} days, "

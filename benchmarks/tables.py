@@ -220,6 +220,16 @@ def t_headline() -> str:
             "large_pools.json",
         ],
         [
+            "what to rent: Llama-3-70B on 1T tokens over every GPU type of the "
+            "sheet x 12 counts (264 pools), least cost within 90 days, two local "
+            "processes (target 300 s)",
+            (lambda d: f"{d['seconds']['2']:.0f} s, the same answer as every pool "
+             f"planned ({d.get('every_plan_s', float('nan')):.0f} s)"
+             if d.get("same_as_every_plan") else f"{d['seconds']['2']:.0f} s")(
+                load("capacity_sheet.json")),  # fmt: skip
+            "capacity_sheet.json",
+        ],
+        [
             "schedule (interleaved, zero bubble), recomputation, SP, optimizer sharding "
             "and rank order searched with the plan: predicted speed-up over "
             "today's space (geometric mean, 4 settings)",
@@ -1433,6 +1443,10 @@ def t_capacity_planning() -> str:
     for row in data["candidates"]:
         pool = ", ".join(f"{g}:{n}" for g, n in row["pool"].items())
         mark = "chosen" if row["chosen"] else ("frontier" if row["frontier"] else "")
+        if row.get("dominated_by"):
+            by = ", ".join(f"{g}:{n}" for g, n in row["dominated_by"].items())
+            rows.append([pool, f"dominated by {by}", "", "", "", ""])
+            continue
         if row["used"] is None:
             rows.append([pool, "no plan fits", "", "", "", ""])
             continue
@@ -1476,18 +1490,31 @@ def t_capacity_sheet() -> str:
         engines = f", {seconds['dask']:.0f} s on a local Dask cluster of two; the " + (
             "answers are identical" if data["identical"] else "answers DIFFER"
         )
+    every = ""
+    if "every_plan_s" in data:
+        every = (
+            f" With every pool planned to its optimum (`--every-plan`): "
+            f"{data['every_plan_s']:.0f} s, and "
+            + (
+                "the same choice, frontier and plans of the pools not dominated."
+                if data["same_as_every_plan"]
+                else "a DIFFERENT answer."
+            )
+        )
+    dominated = data.get("dominated", 0)
     return (
         f"{q['model']}, {q['tokens'] / 1e12:g}T tokens, global batch "
         f"{q['global_batch']}, {len(q['types'])} GPU types x {len(q['counts'])} "
-        f"counts ({data['pools']} pools, {data['pools_with_a_plan']} with a plan "
-        f"that fits, {data['not_proven']} of them not proven), least cost within "
+        f"counts ({data['pools']} pools: {data['pools_with_a_plan']} planned to "
+        f"their optimum, {data['not_proven']} of them not proven; {dominated} "
+        f"dominated), least cost within "
         f"{q['deadline_days']:.0f} days; the Pareto frontier:\n\n"
         + table(["rented", "days", "cost (USD)", ""], rows)
         + f"\n\nAnswered in {seconds['2']:.0f} s with two local processes "
         f"(target: {data['target_s']} s){engines}. "
         f"{data['planning_s_summed']:.0f} s of planning summed over the pools; "
-        f"the slowest pool, {pool}, {slowest['search_s']:.0f} s. Prices: the "
-        "bundled example sheet, not quotes." + source("capacity_sheet.json")
+        f"the slowest pool, {pool}, {slowest['search_s']:.0f} s.{every} Prices: "
+        "the bundled example sheet, not quotes." + source("capacity_sheet.json")
     )
 
 
@@ -1656,6 +1683,9 @@ for _cluster, _short in (("gh200-opt350", "gh200"), ("rtx-opt350", "rtx")):
             ("runs_fit", _cluster, "leave_one_run_out", _field),
             _pct1,
         )
+VALUES["capacity_sheet_s"] = Value(
+    "capacity_sheet.json", ("seconds", "2"), lambda x: f"{x:.0f}"
+)
 VALUES["calib_gh200_profiles_max"] = Value(
     "cluster_calibration.json",
     ("clusters", "gh200-opt350", "calibrated", "max"),

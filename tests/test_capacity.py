@@ -7,6 +7,7 @@ impossible questions are one line with the reason."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -156,9 +157,12 @@ def _question(**changes) -> CapacityQuestion:
 def test_brute_force_over_every_plan_of_small_pools_agrees(goal):
     """Every 3D plan of every candidate pool scored by the full predictor
     (``baselines.megatron_brute``), the pools compared by the same rule: the
-    same allocation, time and cost as the answer."""
+    same allocation, time and cost as the answer, with every pool planned to
+    its optimum and with the dominated ones cut (each then beaten in both
+    time and cost by the pool it names, by brute force too)."""
     question = _question(**goal)
-    answer = answer_capacity(question)
+    answer = answer_capacity(dataclasses.replace(question, every_plan=True))
+    pruned = answer_capacity(question)
     data = SailorData()
     spec = load_model_spec("OPT-350")
     iterations = math.ceil(question.tokens / (question.global_batch * spec.seq_length))
@@ -195,6 +199,18 @@ def test_brute_force_over_every_plan_of_small_pools_agrees(goal):
     assert chosen == answer.choice
     assert brute[chosen].cost == pytest.approx(answer.outcomes[chosen].cost, rel=1e-9)
     assert all(o.proven for o in answer.outcomes if o.feasible)
+    assert (pruned.choice, pruned.frontier) == (answer.choice, answer.frontier)
+    pools = [o.pool for o in brute]
+    for whole, cut, best in zip(answer.outcomes, pruned.outcomes, brute, strict=True):
+        if cut.dominated_by is None:
+            plans = [without_clock(o.to_json()) for o in (cut, whole)]
+            for plan in plans:  # (the knob choices' trace follows the cutoffs)
+                if plan["plan"] is not None:
+                    plan["plan"]["knobs"].pop("choices", None)
+            assert plans[0] == plans[1]
+            continue
+        beaten = brute[pools.index(cut.dominated_by)]
+        assert best.time_s >= beaten.time_s and best.cost > beaten.cost
 
 
 def test_two_workers_answer_as_one():
@@ -253,7 +269,7 @@ def test_a_local_dask_cluster_answers_as_this_process():
 def test_an_interrupted_sweep_resumes_from_its_results(tmp_path, monkeypatch):
     import pipedejavu.planning.capacity as capacity
 
-    question = _question(available={"GH-96": 4, "RTX-3090": 2})
+    question = _question(available={"GH-96": 4, "RTX-3090": 2}, every_plan=True)
     results = tmp_path / "sweep.csv"
     full = answer_capacity(question, results=results)
     lines = results.read_text().splitlines(keepends=True)
@@ -262,9 +278,9 @@ def test_an_interrupted_sweep_resumes_from_its_results(tmp_path, monkeypatch):
     planned = []
     real = capacity.evaluate_pool
 
-    def counting(q, pool):
+    def counting(q, pool, cutoff_s=math.inf):
         planned.append(dict(pool))
-        return real(q, pool)
+        return real(q, pool, cutoff_s)
 
     monkeypatch.setattr(capacity, "evaluate_pool", counting)
     again = answer_capacity(question, results=results)
@@ -276,7 +292,9 @@ def test_an_interrupted_sweep_resumes_from_its_results(tmp_path, monkeypatch):
     planned.clear()
     dearer = PriceSheet("USD", {**PRICES.per_gpu_hour, "GH-96": 30.0})
     cheap = answer_capacity(
-        _question(available={"GH-96": 4, "RTX-3090": 2}, prices=dearer),
+        _question(
+            available={"GH-96": 4, "RTX-3090": 2}, prices=dearer, every_plan=True
+        ),
         results=results,
     )
     assert not planned

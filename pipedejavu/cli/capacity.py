@@ -108,6 +108,13 @@ def add_capacity_options(plan: Any) -> None:
         metavar="AMOUNT",
         help="the least time to train within this, in the prices' currency",
     )
+    plan.add_argument(
+        "--every-plan",
+        action="store_true",
+        help="plan every candidate pool to its optimum (default: a pool certified "
+        "dominated, slower and dearer than a pool of the frontier whatever its "
+        "plan, is searched only until that is certain, and listed as dominated)",
+    )
     add_pool_options(
         plan,
         results="write each pool's outcome to this CSV as it finishes (and a "
@@ -201,6 +208,7 @@ def _question(args: argparse.Namespace) -> CapacityQuestion:
         gpu_sheet=args.gpu_sheet,
         profiles=args.profiles,
         mixed=bool(args.mixed_types),
+        every_plan=bool(args.every_plan),
     )
 
 
@@ -215,7 +223,8 @@ def _table(answer: CapacityAnswer) -> str:
         mark = "*" if i == answer.choice else ("f" if i in frontier else " ")
         pool = pool_key(o.pool)
         if not o.feasible:
-            rows.append(f"{mark} {pool:{width}s} no plan: {(o.reason or '')[:70]}")
+            what = "no plan" if o.dominated_by is None else "dominated"
+            rows.append(f"{mark} {pool:{width}s} {what}: {(o.reason or '')[:150]}")
             continue
         used = pool_key(o.used or {})
         rows.append(
@@ -300,6 +309,11 @@ def run_capacity(args: argparse.Namespace) -> int:
         f"* chosen, f Pareto frontier; optimal over the {len(answer.outcomes)} "
         "candidate pools under the predictor (every pool planned"
         + (" to its proven optimum" if proven else "; not every plan proven")
+        + (
+            ", or proven dominated"
+            if any(o.dominated_by is not None for o in answer.outcomes)
+            else ""
+        )
         + ")"
     )
     for path in (args.plot, args.results):

@@ -43,6 +43,12 @@ from typing import Any
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.io.gpu_sheet import GpuSheet, load_gpu_sheet
 from pipedejavu.io.price_sheet import PriceSheet
+from pipedejavu.planning.capacity_pruning import (
+    Floors,
+    cutoff_of,
+    dominates,
+    pool_floors,
+)
 from pipedejavu.planning.capacity_results import (
     append_row,
     hashed_key,
@@ -96,6 +102,9 @@ class CapacityQuestion:
             of two to a node, then doubling nodes).
         gpu_sheet, profiles: as for ``plan``.
         mixed: also the pools mixing two types (module docstring).
+        every_plan: plan every pool to its optimum (``False``: the pools
+            certified dominated are not, :mod:`~pipedejavu.planning.
+            capacity_pruning`).
     """
 
     model: str
@@ -111,6 +120,7 @@ class CapacityQuestion:
     gpu_sheet: str | None = None
     profiles: str | None = None
     mixed: bool = False
+    every_plan: bool = False
 
     def __post_init__(self) -> None:
         if (self.deadline_s is None) == (self.budget is None):
@@ -141,6 +151,11 @@ class CandidateOutcome:
         reason: why there is no plan (``None``: there is one).
         search_s: seconds the planning took.
         shape: the plan's parallelism in words (``""``: no plan).
+        lower_s: the certified least seconds per iteration of the pool's
+            plans (its ``iteration_s`` where proven; ``inf``: no plan fits).
+        dominated_by: the frontier pool that trains sooner and costs less
+            than any plan of this one (its plan not kept: ``used`` is
+            ``None``, the bounds in ``reason``); ``None``: not dominated.
     """
 
     pool: Mapping[str, int]
@@ -153,6 +168,8 @@ class CandidateOutcome:
     reason: str | None
     search_s: float
     shape: str = ""
+    lower_s: float = math.inf
+    dominated_by: Mapping[str, int] | None = None
 
     @property
     def feasible(self) -> bool:
@@ -161,7 +178,8 @@ class CandidateOutcome:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["pool"], out["used"] = dict(self.pool), self.used and dict(self.used)
-        for key in ("iteration_s", "time_s", "cost"):
+        out["dominated_by"] = self.dominated_by and dict(self.dominated_by)
+        for key in ("iteration_s", "time_s", "cost", "lower_s"):
             if not math.isfinite(out[key]):
                 out[key] = None
         return out
@@ -258,15 +276,29 @@ def candidate_pools(
 
 
 def evaluate_pool(
-    question: CapacityQuestion, pool: Mapping[str, int]
+    question: CapacityQuestion, pool: Mapping[str, int], cutoff_s: float = math.inf
 ) -> CandidateOutcome:
     """``pool`` planned for ``question`` (module docstring;
-    :func:`~pipedejavu.planning.pool_planning.plan_pool`); a pool with no
-    plan that fits is an outcome with its reason, not an error."""
+    :func:`~pipedejavu.planning.pool_planning.plan_pool`, with its
+    ``cutoff_s`` in seconds per iteration); a pool with no plan that fits
+    is an outcome with its reason, not an error."""
     planned = plan_pool(
-        question.model, question.global_batch, pool, **planning_options(question)
+        question.model,
+        question.global_batch,
+        pool,
+        **planning_options(question),
+        cutoff_s=cutoff_s,
     )
+    if planned.plan is not None and not question.every_plan:
+        # (how each knob choice was settled follows the cutoff it was given)
+        knobs = {k: v for k, v in planned.plan["knobs"].items() if k != "choices"}
+        planned = dataclasses.replace(planned, plan={**planned.plan, "knobs": knobs})
     return _candidate(question, pool, planned)
+
+
+def _evaluate(question: CapacityQuestion, task: tuple) -> CandidateOutcome:
+    pool, cutoff_s = task
+    return evaluate_pool(question, pool, cutoff_s)
 
 
 def _candidate(
@@ -276,7 +308,7 @@ def _candidate(
     if planned.used is None:
         return CandidateOutcome(
             dict(pool), None, math.inf, math.inf, math.inf, False, None,
-            planned.reason, planned.search_s,
+            planned.reason, planned.search_s, lower_s=planned.lower_s,
         )  # fmt: skip
     time_s = planned.train_seconds(question.tokens, question.global_batch)
     return CandidateOutcome(
@@ -290,6 +322,7 @@ def _candidate(
         reason=None,
         search_s=planned.search_s,
         shape=planned.shape,
+        lower_s=planned.lower_s,
     )
 
 
@@ -423,7 +456,11 @@ def _outcome(question: CapacityQuestion, row: Mapping[str, str], where: str):
         reason=row["reason"] or None,
         search_s=number(row["search_s"], where),
         shape=row["shape"],
-    )
+        # (the rows keep no bound: a proven plan's is its time)
+        lower_s=math.inf if used is None else (
+            number(row["iteration_s"], where) if row["proven"] == "1" else 0.0
+        ),
+    )  # fmt: skip
 
 
 def answer_capacity(
@@ -464,22 +501,88 @@ def answer_capacity(
     todo = [i for i, o in enumerate(outcomes) if o is None]
     say = progress or (lambda done, total, outcome: None)
     done = len(pools) - len(todo)
-    tasks = [pools[i] for i in todo]
+    floors = None if question.every_plan else pool_floors(question, pools)
+    # the planned pools' points: what cuts the others' searches
+    known = [(o.time_s, o.cost, i) for i, o in enumerate(outcomes) if o and o.feasible]
+    cutoffs: dict[int, float] = {}  # the cutoff (time to train) each was given
+    cut: set[int] = set()  # the searches stopped at their cutoff
+    if floors is not None:  # the cheapest floors first: they cut the others
+        todo.sort(key=lambda i: (floors.cost[i], -sum(pools[i].values()), i))
+
+    def task(k: int) -> tuple[dict[str, int], float]:
+        i = todo[k]
+        if floors is None:
+            return pools[i], math.inf
+        cutoffs[i], _ = cutoff_of(floors.cost[i], known)
+        per_iteration = cutoffs[i] / floors.iterations * (1 + 1e-9)
+        return pools[i], per_iteration
+
     for k, outcome in run_tasks(
-        evaluate_pool, (question,), tasks, workers=workers, cluster=cluster
+        _evaluate, (question,), task, workers=workers, cluster=cluster, count=len(todo)
     ):
-        outcomes[todo[k]] = outcome
-        if results is not None:
+        i = todo[k]
+        outcomes[i] = outcome
+        if floors is not None and dominates(
+            outcome.lower_s * floors.iterations, cutoffs[i]
+        ):
+            cut.add(i)  # (a plan it holds is not its optimum: not kept)
+        elif outcome.feasible:
+            known.append((outcome.time_s, outcome.cost, i))
+        # (what holds at any prices: a plan to its optimum, or none that fits)
+        kept = outcome.reason or (outcome.feasible and i not in cut)
+        if results is not None and kept:
             append_row(results, _row(question, outcome))
         done += 1
         say(done, len(pools), outcome)
     if results is not None:
         write_parquet(results)
-    final = tuple(o for o in outcomes if o is not None)
+    final = [o for o in outcomes if o is not None]
+    if floors is not None:
+        final = _settle(question, final, floors, cut)
     choice = choose_allocation(
         final,
         deadline_s=question.deadline_s,
         budget=question.budget,
         currency=question.prices.currency,
     )
-    return CapacityAnswer(question, final, choice, pareto_frontier(final))
+    return CapacityAnswer(question, tuple(final), choice, pareto_frontier(final))
+
+
+def _settle(
+    question: CapacityQuestion,
+    outcomes: list[CandidateOutcome],
+    floors: Floors,
+    cut: set[int],
+) -> list[CandidateOutcome]:
+    """``outcomes`` judged against the frontier of the pools planned to the
+    end (``cut``: those whose search stopped at its cutoff): every pool whose
+    certified bound reaches the least time of a frontier pool costing less
+    than its floor is dominated, its plan (if any) not kept, and so is a pool
+    where no plan fits (a search cut at its cutoff need not find that out)
+    (:mod:`~pipedejavu.planning.capacity_pruning`: the same pools whatever
+    cutoffs the searches were given). A cut pool the frontier does not
+    dominate (never met: the cutoffs only fall as pools are planned) is
+    planned again, to the end."""
+    exact = [o if i not in cut else dataclasses.replace(o, used=None)
+             for i, o in enumerate(outcomes)]  # fmt: skip
+    frontier = pareto_frontier(exact)
+    points = [(exact[j].time_s, exact[j].cost, j) for j in frontier]
+    out = list(outcomes)
+    for i, o in enumerate(outcomes):
+        cutoff, q = cutoff_of(floors.cost[i], points)
+        if not dominates(o.lower_s * floors.iterations, cutoff):
+            if i in cut or (not o.feasible and o.reason == ""):
+                out[i] = evaluate_pool(question, o.pool)  # (to the end)
+            continue
+        beaten = exact[q]
+        currency = question.prices.currency
+        reason = (
+            f"dominated by {pool_key(beaten.used or {})} ({_days(beaten.time_s)}, "
+            f"{beaten.cost:,.0f} {currency}): no plan here trains in less than "
+            f"{_days(cutoff)} or costs less than {floors.cost[i]:,.0f} {currency}"
+        )
+        out[i] = CandidateOutcome(
+            dict(o.pool), None, math.inf, math.inf, math.inf, True, None, reason,
+            o.search_s, "", cutoff / floors.iterations, dict(beaten.pool),
+        )  # fmt: skip
+    return out

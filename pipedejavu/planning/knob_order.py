@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipedejavu.core.plan3d import Plan3D
-from pipedejavu.core.problem import InfeasibleProblemError
+from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.core.training_options import TrainingOptions
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import Prediction
@@ -33,12 +33,15 @@ from pipedejavu.search.megatron.settings import (
     MegatronSearchConfig,
     MegatronSearchResult,
 )
+from pipedejavu.search.megatron.space import type_plan
 
 __all__ = [
+    "CutoffReached",
     "FirstOrder",
     "KnobIncumbent",
     "first_order",
     "interleaved_choices",
+    "cutoff_state",
     "objective_free_plan",
     "tagged_progress",
 ]
@@ -150,6 +153,38 @@ def objective_free_plan(
         cost_source=plan_cost_source(plan, choice.data),
         options=options,
     )
+
+
+class CutoffReached(ProblemError):
+    """No plan of the space is faster than the search's cutoff: its
+    certified lower bound on every plan (``lower_s``) reaches it, and no
+    plan was needed to show it (:func:`cutoff_state`)."""
+
+    def __init__(self, lower_s: float) -> None:
+        super().__init__(f"no plan is faster than {lower_s:.6g} s per iteration")
+        self.lower_s = lower_s
+
+
+def cutoff_state(choice: CostChoice, pool: Mapping[str, int], global_batch: int,
+                 cutoff_s: float) -> KnobIncumbent:  # fmt: skip
+    """The knob search's incumbent before any search, for a search that
+    wants only plans faster than ``cutoff_s`` (a capacity question's): a
+    placeholder at that time (one GPU holding every layer, which need not
+    fit), so that every choice is settled by its proof against the cutoff
+    and no planning DP runs unless a plan beats it (the winner's objective
+    is then searched at the end, as for any plan a proof found)."""
+    gpu = next(iter(choice.pool(pool)))
+    layers = choice.data.model_info(choice.model).num_layers
+    one = dataclasses.make_dataclass("One", ["gpu", "mbs", "dp"])(gpu, 1, 1)
+    plan = type_plan(choice.data, choice.model, [(0, layers, 1)], one, global_batch)
+    placeholder = TrainingPlan(
+        plan=plan, prediction=None, objective_s=math.nan, optimum_s=math.nan,
+        lower_bound_s=math.nan, gap=math.nan, gpus_available=dict(pool),
+        search_time_s=0.0, method="dp", configurations=0, solved=0,
+        predicted_lower_bound_s=math.nan, proven=False, mixed_types=False,
+        cost_source="analytical", options=choice.options,
+    )  # fmt: skip
+    return KnobIncumbent((placeholder, choice), cutoff_s, False, math.inf)
 
 
 @dataclasses.dataclass

@@ -81,7 +81,9 @@ from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.expert_search import moe_options_of
 from pipedejavu.planning.knob_order import (
+    CutoffReached,
     KnobIncumbent,
+    cutoff_state,
     first_order,
     interleaved_choices,
     objective_free_plan,
@@ -191,6 +193,7 @@ def plan_with_knobs(
     interleaved_first: bool = False,
     calibration: ClusterCalibration | None = None,
     outside_s: float = math.inf,
+    bound_first: bool = False,
 ) -> KnobPlan:
     """The fastest plan of ``model`` over the plans and the knobs of ``space``
     (module docstring), proven under the predictor.
@@ -236,6 +239,12 @@ def plan_with_knobs(
             more than this space's best plan found, proven optimal where its
             bound reaches its time (``predicted_lower_bound_s`` is certified
             either way).
+        bound_first: with a finite ``outside_s``, settle every choice by its
+            proof against it before any planning DP
+            (:func:`~pipedejavu.planning.knob_order.cutoff_state`): where no
+            plan beats it, :class:`~pipedejavu.planning.knob_order.
+            CutoffReached` is raised with the certified bound; else the same
+            search.
 
     Raises:
         ProblemError: bad arguments.
@@ -276,6 +285,7 @@ def plan_with_knobs(
         interleaved_memo=interleaved_memo,
         interleaved_first=interleaved_first,
         outside_s=outside_s,
+        bound_first=bound_first,
     )
 
 
@@ -298,6 +308,7 @@ def search_knobs(
     interleaved_memo: InterleavedMemo | None = None,
     interleaved_first: bool = False,
     outside_s: float = math.inf,
+    bound_first: bool = False,
 ) -> KnobPlan:
     """:func:`plan_with_knobs` for any cost source: ``make_choice`` prices a
     choice of knobs (``base`` gives the other options; ``gpus`` as the
@@ -384,6 +395,9 @@ def search_knobs(
     state = KnobIncumbent(best=None, best_s=math.inf, searched=False, lower=math.inf)
     if incumbent is not None:  # every choice settled against it (step 3)
         state.take(incumbent, searched=True)
+    elif bound_first and math.isfinite(outside_s):  # (a placeholder at it)
+        state = cutoff_state(first, pool, global_batch, outside_s)
+    placeholder = state.best
     # 1. the first choice with a plan: the full search (order: first_order)
     pending = list(enumerate(one_f)) + list(enumerate(zero, 2 * len(knobs)))
 
@@ -562,6 +576,8 @@ def search_knobs(
             f"{global_batch} under any of: {space.describe()}"
         )
     (result, choice), lower = state.best, state.lower
+    if state.best is placeholder and incumbent is None:
+        raise CutoffReached(lower)
     if not state.searched:
         # The report's planning objective comes from the winning choice's own
         # search; its proof reaches the same predicted optimum.

@@ -54,6 +54,7 @@ from pipedejavu.planning.expert_search import (
     expert_layouts,
     layout_search,
 )
+from pipedejavu.planning.knob_order import CutoffReached
 from pipedejavu.planning.knob_space import MEGATRON_SCHEDULES, KnobSpace
 from pipedejavu.planning.knobs import KnobPlan, plan_with_knobs
 from pipedejavu.planning.sharded_search import (
@@ -159,6 +160,7 @@ def plan_model(
     dispatch_overlap: Sequence[bool] = (False, True),
     expert_tp: Sequence[int] = (1,),
     sharded: bool | None = None,
+    cutoff_s: float = math.inf,
 ) -> KnobPlan:
     """The fastest plan of ``model`` on ``gpus``, as ``pipedejavu plan``
     finds it (module docstring), proven optimal under the predictor.
@@ -200,6 +202,13 @@ def plan_model(
             parallelism (FSDP2/HSDP) with TP and context parallelism
             (:mod:`~pipedejavu.planning.sharded_search`) and keep the faster
             (``None``: where it applies; ``False``: never).
+        cutoff_s: seconds per iteration below which plans are wanted (a
+            capacity question's, :mod:`~pipedejavu.planning.capacity_pruning`):
+            the proofs settle every choice against the lesser of it and the
+            best plan found, so where no plan is faster the search stops once
+            its certified bound (``result.predicted_lower_bound_s``) reaches
+            it, with the best plan found, not proven; below it, the same
+            optimum. A mixture of experts is searched to the end.
 
     Returns:
         A :class:`~pipedejavu.planning.knobs.KnobPlan`: ``.result`` the plan
@@ -249,8 +258,9 @@ def plan_model(
     if spec is None or spec.moe is None:
         started = time.perf_counter()
         joined = _sharding(choice, pool, export, True if alone else sharded, search)
+        first = math.isfinite(cutoff_s)  # (a capacity question's: bounds first)
         if not joined:
-            return plan_with_knobs(model, pool, global_batch, **search, **shared)
+            return _cut(model, pool, global_batch, search, shared, cutoff_s, first)
         # the sharded plans first: their best time is a cutoff for the
         # pipelines' proofs (a pipeline no faster cannot be the optimum)
         found, refused = None, None
@@ -262,13 +272,16 @@ def plan_model(
             )  # fmt: skip
         except InfeasibleProblemError as error:
             refused = error
-        regular = None
+        regular, lower = None, math.inf
         outside = math.inf if found is None else found.prediction.iteration_time_s
         try:
             if not alone:
-                regular = plan_with_knobs(
-                    model, pool, global_batch, **search, **shared, outside_s=outside
-                )
+                regular = _cut(model, pool, global_batch, search, shared,
+                               min(outside, cutoff_s), first)  # fmt: skip
+        except CutoffReached as reached:
+            if found is None:
+                raise
+            lower = reached.lower_s
         except InfeasibleProblemError:
             if found is None:
                 raise
@@ -277,8 +290,9 @@ def plan_model(
                 raise refused
             return regular
         return join_sharded(
-            regular, found, choice, pool, search["space"], started=started
-        )
+            regular, found, choice, pool, search["space"], started=started,
+            pipelines_lower=lower,
+        )  # fmt: skip
     if sharded:
         raise ProblemError(
             "sharded data parallelism is not searched for a mixture of experts "
@@ -307,6 +321,31 @@ def plan_model(
     ]
     return _plan_experts(
         model, pool, global_batch, spec, searches, search, shared, per_node
+    )
+
+
+def _cut(
+    model: str,
+    pool: Mapping[str, int],
+    global_batch: int,
+    search: Mapping[str, Any],
+    shared: Mapping[str, Any],
+    cutoff_s: float,
+    bound_first: bool,
+) -> KnobPlan:
+    """The pipelines' search (:func:`plan_with_knobs`) with ``cutoff_s``;
+    with ``bound_first``, its proofs first: where no plan beats the cutoff,
+    :class:`~pipedejavu.planning.knob_order.CutoffReached` with the bound,
+    and where a proof ran out of budget below it, the search again without
+    (the pool's own optimum wanted)."""
+    try:
+        return plan_with_knobs(model, pool, global_batch, **search, **shared,
+                               outside_s=cutoff_s, bound_first=bound_first)  # fmt: skip
+    except CutoffReached as reached:
+        if bound_reaches(reached.lower_s, cutoff_s):
+            raise
+    return plan_with_knobs(
+        model, pool, global_batch, **search, **shared, outside_s=cutoff_s
     )
 
 

@@ -163,6 +163,7 @@ class SweepRow:
     def to_json(self) -> dict[str, Any]:
         planned = dataclasses.asdict(self.planned)
         planned["used"] = self.planned.used and dict(self.planned.used)
+        del planned["lower_s"]  # (a capacity question's: a sweep plans to the end)
         out = {
             "model": self.model,
             "global_batch": self.global_batch,

@@ -15,6 +15,7 @@ from typing import Any
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
 from pipedejavu.io.model_config import load_model_spec
 from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.planning.knob_order import CutoffReached
 from pipedejavu.planning.plan_model import plan_model
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "plan_pool",
     "plan_shape",
     "planning_options",
+    "tokens_per_sample",
     "unpriced_pools",
     "unpriced_types",
 ]
@@ -41,6 +43,8 @@ class PoolPlan:
         reason: why there is no plan (``None``: there is one).
         search_s: seconds the planning took.
         shape: the plan's parallelism in words (``""``: no plan).
+        lower_s: the certified least seconds per iteration of any plan of
+            the pool (its time where proven; ``inf``: no plan fits).
     """
 
     used: Mapping[str, int] | None
@@ -51,6 +55,7 @@ class PoolPlan:
     reason: str | None
     search_s: float
     shape: str = ""
+    lower_s: float = math.inf
 
     @classmethod
     def none(cls, reason: str, search_s: float = 0.0) -> PoolPlan:
@@ -79,7 +84,8 @@ def planning_options(question: Any) -> dict[str, Any]:
     }
 
 
-def _tokens_per_sample(seq_length: int | None, choice: Any) -> int:
+def tokens_per_sample(seq_length: int | None, choice: Any) -> int:
+    """Tokens per sample: ``seq_length``, or the model's of ``choice``."""
     if seq_length is not None:
         return seq_length
     spec = choice.spec
@@ -97,11 +103,17 @@ def plan_pool(
     precision: str | None = None,
     gpu_sheet: str | None = None,
     profiles: str | None = None,
+    cutoff_s: float = math.inf,
 ) -> PoolPlan:
     """``pool`` planned as ``pipedejavu plan --model ... --gpus ...`` plans
     it (:func:`~pipedejavu.planning.plan_model.plan_model`; a pool of
     several types with ``--mixed-types``: a type per stage); a pool with no
-    plan that fits is a :class:`PoolPlan` with its reason, not an error."""
+    plan that fits is a :class:`PoolPlan` with its reason, not an error.
+    ``cutoff_s``: seconds per iteration below which plans are wanted
+    (``plan_model``'s): where no plan is faster, the search stops once its
+    certified bound (``lower_s``) reaches it: with the best plan found, or,
+    where no plan was needed to show it, with none (``used`` ``None``, an
+    empty ``reason``)."""
     started = time.perf_counter()
     try:
         knobs = plan_model(
@@ -113,19 +125,24 @@ def plan_pool(
             precision=precision,
             gpu_sheet=gpu_sheet,
             profiles=profiles,
+            cutoff_s=cutoff_s,
         )
+    except CutoffReached as reached:  # no plan needed to show it
+        seconds = time.perf_counter() - started
+        return dataclasses.replace(PoolPlan.none("", seconds), lower_s=reached.lower_s)
     except InfeasibleProblemError as error:
         return PoolPlan.none(str(error), time.perf_counter() - started)
     result = knobs.result
     return PoolPlan(
         used=result.plan.gpus_by_type(),
         iteration_s=result.prediction.iteration_time_s,
-        tokens_per_sample=_tokens_per_sample(seq_length, knobs.choice),
+        tokens_per_sample=tokens_per_sample(seq_length, knobs.choice),
         proven=bool(result.proven),
         plan=knobs.to_json(),
         reason=None,
         search_s=time.perf_counter() - started,
         shape=plan_shape(result.plan, result.options),
+        lower_s=min(result.predicted_lower_bound_s, result.iteration_time_s),
     )
 
 

@@ -33,6 +33,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.memory_headroom import MemoryHeadroom
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH, Plan3D
@@ -55,6 +58,8 @@ __all__ = [
     "TORCHTITAN_RECOMPUTE",
     "best_sharded",
     "join_sharded",
+    "least_sharded_work",
+    "share_source",
     "ShardedPlan",
     "search_sharded",
     "sharded_candidates",
@@ -228,19 +233,10 @@ def search_sharded(
         )
         key = (cp, planned)
         if key not in sources:
-            share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
-            source = AnalyticalSource(
-                share,
-                sheet,
-                planned,
-                context_parallel=cp,
-                constants=constants,
-                eager=eager,
-                measured_links=measured_links,
-            )
-            if memory_headroom is not None:
-                source = source.with_memory_headroom(memory_headroom)
-            sources[key] = source
+            sources[key] = share_source(
+                spec, sheet, planned, cp, constants=constants, eager=eager,
+                measured_links=measured_links, memory_headroom=memory_headroom,
+            )  # fmt: skip
         dp = num_gpus // (tp * cp)
         plan = sharded_plan(
             spec, gpu_type, blocks, mbs, global_batch, entry.gpus_per_node,
@@ -283,6 +279,78 @@ def search_sharded(
         time.perf_counter() - started,
         source,
     )
+
+
+def share_source(
+    spec: TransformerSpec,
+    sheet: Mapping[str, GpuSheetEntry],
+    planned: TrainingOptions,
+    cp: int,
+    *,
+    constants: AnalyticalConstants | None = None,
+    eager: bool = False,
+    measured_links: NetworkTables | None = None,
+    memory_headroom: MemoryHeadroom | None = None,
+) -> AnalyticalSource:
+    """The source that prices a sharded plan of ``spec`` with context
+    parallelism ``cp`` trained with ``planned``: each GPU's share of a
+    sequence (``seq_length / cp`` tokens) priced analytically."""
+    share = dataclasses.replace(spec, seq_length=spec.seq_length // cp)
+    source = AnalyticalSource(
+        share,
+        sheet,
+        planned,
+        context_parallel=cp,
+        constants=constants,
+        eager=eager,
+        measured_links=measured_links,
+    )
+    if memory_headroom is not None:
+        source = source.with_memory_headroom(memory_headroom)
+    return source
+
+
+def least_sharded_work(
+    choice: CostChoice, global_batch: int, max_cp: int = 64
+) -> NDArray[np.float64]:
+    """Per layer, the least GPU-seconds of one iteration of any sharded plan
+    :func:`best_sharded` prices for ``choice`` (any GPU count): over every TP
+    degree of a node, CP up to ``max_cp`` and micro-batch dividing
+    ``global_batch``, ``tp x cp x (global_batch / mbs)`` times the layer's
+    forward and backward on one GPU, without recomputation (which only adds
+    to the backward). A sharded plan keeps every GPU of a replica busy at
+    least that long (a floor on its cost:
+    :mod:`~pipedejavu.planning.capacity_pruning`)."""
+    ((gpu, name),) = choice.gpu_types.items()
+    source, spec = choice.data, choice.spec
+    entry = source.sheet[name]
+    tps = [
+        t
+        for t in _divisors(entry.gpus_per_node)
+        if spec.num_attention_heads % t == 0 and spec.num_query_groups % t == 0
+    ]
+    cps = [c for c in range(1, max_cp + 1) if c == 1 or spec.seq_length % (2 * c) == 0]
+    options = dataclasses.replace(
+        choice.options, recompute="none", recompute_num_layers=None
+    )
+    best = None
+    for cp in cps:
+        for tp in tps:
+            planned = dataclasses.replace(
+                options, zero_stage=3, sequence_parallel=tp > 1, tp_comm_overlap=False
+            )
+            priced = share_source(
+                spec, source.sheet, planned, cp,
+                constants=source.constants_of(name),
+                measured_links=source.measured_links,
+            )  # fmt: skip
+            for mbs in _divisors(global_batch):
+                times = priced.layer_times(choice.model, name, mbs, tp)
+                work = (
+                    tp * cp * (global_batch // mbs) * (times.forward + times.backward)
+                )
+                best = work if best is None else np.minimum(best, work)
+    return best
 
 
 #: torchtitan's recomputations: none, its per-operation policy, full.
@@ -345,13 +413,17 @@ def join_sharded(
     space: KnobSpace,
     *,
     started: float,
+    pipelines_lower: float = math.inf,
 ) -> KnobPlan:
     """The faster of ``regular`` (the proven pipeline search's plan, ``None``
     where no plan of its space fits) and ``found`` (:func:`best_sharded`),
     its note added to the choice's (``space``: the knobs searched). Proven
     when ``regular`` is (both spaces are searched exactly), or, where
     ``found`` wins, when ``regular``'s certified lower bound over every
-    pipeline reaches ``found``'s time.
+    pipeline reaches ``found``'s time. ``pipelines_lower``: that bound where
+    the pipelines' search stopped with no plan at its cutoff
+    (:class:`~pipedejavu.planning.knob_order.CutoffReached`; ``regular``
+    ``None``).
     """
     note = (
         f"sharded single-stage plans searched (FSDP2/HSDP x TP x CP, every GPU): "
@@ -362,8 +434,8 @@ def join_sharded(
     if regular is not None and regular.result.iteration_time_s <= seconds:
         kept = dataclasses.replace(regular.choice, notes=(*regular.choice.notes, note))
         return dataclasses.replace(regular, choice=kept)
-    bound = seconds
-    proven = True
+    bound = min(seconds, pipelines_lower)
+    proven = bound_reaches(pipelines_lower, seconds)
     if regular is not None:
         lower = regular.result.predicted_lower_bound_s
         bound = min(bound, lower)

@@ -57,13 +57,17 @@ def _dask_client(cluster: str, workers: int) -> tuple[Any, Any]:
 def run_tasks(
     function: Callable[..., Any],
     args: tuple,
-    tasks: Sequence[Any],
+    tasks: Sequence[Any] | Callable[[int], Any],
     *,
     workers: int = 1,
     cluster: str | None = None,
+    count: int | None = None,
 ) -> Iterator[tuple[int, Any]]:
-    """``(index, function(*args, tasks[index]))`` for every task, as each
-    finishes (module docstring).
+    """``(index, function(*args, task))`` for every task, as each finishes
+    (module docstring). ``tasks``: a sequence, or ``task(index)`` for
+    ``count`` of them, called as each is sent (never more in flight than the
+    workers can run, so a task built late sees every result yielded before
+    it: a capacity question's cutoffs).
 
     Raises:
         ProblemError: ``workers`` not a whole number >= 1; a cluster that
@@ -71,28 +75,51 @@ def run_tasks(
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ProblemError(f"workers must be an integer >= 1, got {workers!r}")
+    if callable(tasks):
+        task_at, total = tasks, int(count or 0)
+    else:
+        task_at, total = tasks.__getitem__, len(tasks)
     if cluster is not None:
         client, local = _dask_client(cluster, workers)
         try:
-            futures = {client.submit(function, *args, task, pure=False): i
-                       for i, task in enumerate(tasks)}  # fmt: skip
             import distributed
 
-            for future in distributed.as_completed(futures):
-                yield futures[future], future.result()
+            slots = max(1, sum(client.nthreads().values()))
+            futures: dict[Any, int] = {}
+            done = distributed.as_completed()
+            for i in range(min(slots, total)):
+                future = client.submit(function, *args, task_at(i), pure=False)
+                futures[future] = i
+                done.add(future)
+            sent = len(futures)
+            for future in done:
+                index = futures.pop(future)
+                result = future.result()
+                yield index, result
+                if sent < total:
+                    nxt = client.submit(function, *args, task_at(sent), pure=False)
+                    futures[nxt] = sent
+                    done.add(nxt)
+                    sent += 1
         finally:
             client.close()
             if local is not None:
                 local.close()
         return
     if workers == 1:
-        for i, task in enumerate(tasks):
-            yield i, function(*args, task)
+        for i in range(total):
+            yield i, function(*args, task_at(i))
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = {
-            pool.submit(function, *args, task): i for i, task in enumerate(tasks)
-        }
-        for future in concurrent.futures.as_completed(futures):
-            yield futures[future], future.result()
+        running: dict[Any, int] = {}
+        sent = 0
+        while sent < total or running:
+            while sent < total and len(running) < workers:
+                running[pool.submit(function, *args, task_at(sent))] = sent
+                sent += 1
+            finished, _ = concurrent.futures.wait(
+                running, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in sorted(finished, key=running.__getitem__):
+                yield running.pop(future), future.result()
