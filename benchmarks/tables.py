@@ -1683,6 +1683,12 @@ for _cluster, _short in (("gh200-opt350", "gh200"), ("rtx-opt350", "rtx")):
             ("runs_fit", _cluster, "leave_one_run_out", _field),
             _pct1,
         )
+VALUES["prediction_16k_ms"] = Value(
+    "prediction_speed.json", ("settings", 0, "median_s"), lambda x: f"{x * 1e3:.0f} ms"
+)
+VALUES["prediction_131k_ms"] = Value(
+    "prediction_speed.json", ("settings", 1, "median_s"), lambda x: f"{x * 1e3:.0f} ms"
+)
 VALUES["capacity_sheet_s"] = Value(
     "capacity_sheet.json", ("seconds", "2"), lambda x: f"{x:.0f}"
 )

@@ -19,15 +19,20 @@ plan's GPUs are what is rented, and
 * cost = time x the sum over the plan's GPUs of their price per hour.
 
 :func:`answer_capacity` plans every pool (on a local process pool with
-``workers`` > 1: the pools are independent, the answers the same in any
-order), keeps every plan, and chooses: with a deadline, the least cost among
-the allocations that finish by it; with a budget, the least time among
-those within it (ties: the other measure, then fewer GPUs, then the pool's
-order). The choice is the optimum over the candidate pools under the
-predictor: every pool is planned to its proven optimum and every pool is
-compared (an exhaustive search; tested against brute force over every plan
-of small pools). The allocations no other beats in both time and cost form
-the Pareto frontier (:attr:`CapacityAnswer.frontier`).
+``workers`` > 1, or a Dask cluster: the answers the same in any order) and
+chooses: with a deadline, the least cost among the allocations that finish
+by it; with a budget, the least time among those within it (ties: the other
+measure, then fewer GPUs, then the pool's order). The allocations no other
+beats in both time and cost form the Pareto frontier
+(:attr:`CapacityAnswer.frontier`). A pool that a frontier pool beats in
+both time and cost whatever its plan is searched only until that is
+certain and kept as *dominated* (its plan, if one was found, not kept;
+:mod:`~pipedejavu.planning.capacity_pruning`); with ``every_plan`` every
+pool is planned to its optimum. The choice is the optimum over the
+candidate pools under the predictor: every pool is planned to its proven
+optimum or proven dominated, and every pool is compared (tested against
+every pool planned, and against brute force over every plan of small
+pools).
 """
 
 from __future__ import annotations
