@@ -207,8 +207,12 @@ def plan_model(
             the proofs settle every choice against the lesser of it and the
             best plan found, so where no plan is faster the search stops once
             its certified bound (``result.predicted_lower_bound_s``) reaches
-            it, with the best plan found, not proven; below it, the same
-            optimum. A mixture of experts is searched to the end.
+            it, with the best plan found, not proven, or, where the
+            pipelines' proofs settle every choice against it before any plan
+            is needed (and no sharded plan is found),
+            :class:`~pipedejavu.planning.knob_order.CutoffReached` with the
+            certified bound; below it, the same optimum. A mixture of
+            experts is searched to the end.
 
     Returns:
         A :class:`~pipedejavu.planning.knobs.KnobPlan`: ``.result`` the plan
@@ -335,9 +339,9 @@ def _cut(
 ) -> KnobPlan:
     """The pipelines' search (:func:`plan_with_knobs`) with ``cutoff_s``;
     with ``bound_first``, its proofs first: where no plan beats the cutoff,
-    :class:`~pipedejavu.planning.knob_order.CutoffReached` with the bound,
-    and where a proof ran out of budget below it, the search again without
-    (the pool's own optimum wanted)."""
+    :class:`~pipedejavu.planning.knob_order.CutoffReached` with the bound;
+    where a proof ran out of its budget below the cutoff, the ordinary
+    search with the same cutoff (its planning DP first)."""
     try:
         return plan_with_knobs(model, pool, global_batch, **search, **shared,
                                outside_s=cutoff_s, bound_first=bound_first)  # fmt: skip
