@@ -32,6 +32,7 @@ from pipedejavu.planning.capacity import (
     CapacityQuestion,
     answer_capacity,
     without_clock,
+    without_trace,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +46,7 @@ def _plain(outcome) -> dict:
     choice was settled (which follows the cutoffs; a pruned answer leaves
     it out)."""
     out = without_clock(outcome.to_json())
-    if out["plan"] is not None:
-        out["plan"]["knobs"].pop("choices", None)
-    return out
+    return {**out, "plan": without_trace(out["plan"])}
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from pipedejavu.planning.capacity import (
     choose_allocation,
     pareto_frontier,
     without_clock,
+    without_trace,
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "pipedejavu/data/prices-example.json"
@@ -203,10 +204,9 @@ def test_brute_force_over_every_plan_of_small_pools_agrees(goal):
     pools = [o.pool for o in brute]
     for whole, cut, best in zip(answer.outcomes, pruned.outcomes, brute, strict=True):
         if cut.dominated_by is None:
+            # (the knob choices' trace follows the cutoffs)
             plans = [without_clock(o.to_json()) for o in (cut, whole)]
-            for plan in plans:  # (the knob choices' trace follows the cutoffs)
-                if plan["plan"] is not None:
-                    plan["plan"]["knobs"].pop("choices", None)
+            plans = [{**p, "plan": without_trace(p["plan"])} for p in plans]
             assert plans[0] == plans[1]
             continue
         beaten = brute[pools.index(cut.dominated_by)]

@@ -20,6 +20,7 @@ from pipedejavu.planning.capacity import (
     _settle,
     answer_capacity,
     without_clock,
+    without_trace,
 )
 from pipedejavu.planning.capacity_pruning import cutoff_of, dominates, pool_floors
 from pipedejavu.planning.sharded_search import share_source
@@ -54,10 +55,7 @@ def _json(outcomes):
     how each knob choice was settled (which follows the cutoffs, and which
     a pruned answer leaves out)."""
     out = without_clock([o.to_json() for o in outcomes])
-    for outcome in out:
-        if outcome["plan"] is not None:
-            outcome["plan"]["knobs"].pop("choices", None)
-    return out
+    return [{**o, "plan": without_trace(o["plan"])} for o in out]
 
 
 def test_the_answer_is_the_same_with_every_pool_planned(answers):

@@ -83,6 +83,7 @@ __all__ = [
     "pareto_frontier",
     "question_key",
     "without_clock",
+    "without_trace",
 ]
 
 _MAX_POOLS = 4096
@@ -294,10 +295,8 @@ def evaluate_pool(
         **planning_options(question),
         cutoff_s=cutoff_s,
     )
-    if planned.plan is not None and not question.every_plan:
-        # (how each knob choice was settled follows the cutoff it was given)
-        knobs = {k: v for k, v in planned.plan["knobs"].items() if k != "choices"}
-        planned = dataclasses.replace(planned, plan={**planned.plan, "knobs": knobs})
+    if not question.every_plan:  # (its searches had cutoffs)
+        planned = dataclasses.replace(planned, plan=without_trace(planned.plan))
     return _candidate(question, pool, planned)
 
 
@@ -405,6 +404,14 @@ def without_clock(value: Any, top: bool = True) -> Any:
     if isinstance(value, list):
         return [without_clock(v, top) for v in value]
     return value
+
+
+def without_trace(plan: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """A plan's JSON without how each knob choice was settled
+    (``knobs.choices``: it follows the cutoff its search was given)."""
+    if plan is None:
+        return None
+    return {**plan, "knobs": {k: v for k, v in plan["knobs"].items() if k != "choices"}}
 
 
 def _days(seconds: float) -> str:

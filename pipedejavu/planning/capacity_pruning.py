@@ -44,7 +44,7 @@ from numpy.typing import NDArray
 
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
-from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.planning.any_model import CostChoice, choose_cost_source
 from pipedejavu.planning.plan_model import default_space
 from pipedejavu.planning.pool_planning import planning_options, tokens_per_sample
 from pipedejavu.planning.sharded_search import least_sharded_work
@@ -61,13 +61,13 @@ __all__ = [
 
 
 def least_pipeline_work(
-    model: str, gpu: str, global_batch: int, **options
+    model: str, first: CostChoice, gpu: str, global_batch: int, **options
 ) -> NDArray[np.float64]:
     """Per layer, the least GPU-seconds of one iteration of any pipeline plan
     on ``gpu`` (module docstring): over every knob choice of the default
-    space (their zero-bubble forms too), every ``(mbs, tp)`` its source
-    prices with ``mbs`` dividing ``global_batch``."""
-    first = choose_cost_source(model, [gpu], **options)
+    space of ``first`` (``model``'s source on ``gpu``, priced with
+    ``options``; their zero-bubble forms too), every ``(mbs, tp)`` its
+    source prices with ``mbs`` dividing ``global_batch``."""
     knobs = default_space(first).choices(first.options)
     knobs += [dataclasses.replace(k, zero_bubble=True) for k in knobs]
     fixed = {k: v for k, v in options.items() if k != "precision"}
@@ -112,7 +112,7 @@ def least_work_by_type(
             sharded = None
             if choice.analytical and not choice.measured:
                 sharded = least_sharded_work(choice, global_batch)
-            pipeline = least_pipeline_work(model, gpu, global_batch, **options)
+            pipeline = least_pipeline_work(model, choice, gpu, global_batch, **options)
         except ProblemError:
             continue  # (not priced: bounds nothing)
         out[gpu] = TypeWork(pipeline, sharded)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -175,7 +176,7 @@ def cutoff_state(choice: CostChoice, pool: Mapping[str, int], global_batch: int,
     is then searched at the end, as for any plan a proof found)."""
     gpu = next(iter(choice.pool(pool)))
     layers = choice.data.model_info(choice.model).num_layers
-    one = dataclasses.make_dataclass("One", ["gpu", "mbs", "dp"])(gpu, 1, 1)
+    one = types.SimpleNamespace(gpu=gpu, mbs=1, dp=1)  # (a one-type config)
     plan = type_plan(choice.data, choice.model, [(0, layers, 1)], one, global_batch)
     placeholder = TrainingPlan(
         plan=plan, prediction=None, objective_s=math.nan, optimum_s=math.nan,

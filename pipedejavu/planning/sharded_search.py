@@ -121,6 +121,28 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _node_tps(
+    spec: TransformerSpec, gpus_per_node: int, values: Sequence[int] | None = None
+) -> list[int]:
+    """The TP degrees of the space: ``values`` (default every divisor of a
+    node's GPUs) that divide a node and the model's heads and query groups."""
+    return [
+        t
+        for t in values or _divisors(gpus_per_node)
+        if gpus_per_node % t == 0
+        and spec.num_attention_heads % t == 0
+        and spec.num_query_groups % t == 0
+    ]
+
+
+def _sharded_options(base: TrainingOptions, tp: int) -> TrainingOptions:
+    """How a sharded plan of TP ``tp`` trains: ZeRO-3, sequence parallelism
+    with TP, no TP communication overlap."""
+    return dataclasses.replace(
+        base, zero_stage=3, sequence_parallel=tp > 1, tp_comm_overlap=False
+    )
+
+
 def sharded_candidates(
     spec: TransformerSpec,
     num_gpus: int,
@@ -140,15 +162,7 @@ def sharded_candidates(
     Raises:
         ProblemError: more than :data:`MAX_SHARDED_PLANS` of them.
     """
-    tps = tp_values or [t for t in _divisors(gpus_per_node)]
-    tps = [
-        t
-        for t in tps
-        if gpus_per_node % t == 0
-        and spec.num_attention_heads % t == 0
-        and spec.num_query_groups % t == 0
-        and num_gpus % t == 0
-    ]
+    tps = [t for t in _node_tps(spec, gpus_per_node, tp_values) if num_gpus % t == 0]
     out = []
     for tp in tps:
         for cp in _divisors(num_gpus // tp):
@@ -228,9 +242,7 @@ def search_sharded(
     fit = 0
     blocks = [spec.num_layers]
     for k, (tp, cp, shard, mbs, base) in enumerate(candidates):
-        planned = dataclasses.replace(
-            base, zero_stage=3, sequence_parallel=tp > 1, tp_comm_overlap=False
-        )
+        planned = _sharded_options(base, tp)
         key = (cp, planned)
         if key not in sources:
             sources[key] = share_source(
@@ -324,11 +336,7 @@ def least_sharded_work(
     ((gpu, name),) = choice.gpu_types.items()
     source, spec = choice.data, choice.spec
     entry = source.sheet[name]
-    tps = [
-        t
-        for t in _divisors(entry.gpus_per_node)
-        if spec.num_attention_heads % t == 0 and spec.num_query_groups % t == 0
-    ]
+    tps = _node_tps(spec, entry.gpus_per_node)
     cps = [c for c in range(1, max_cp + 1) if c == 1 or spec.seq_length % (2 * c) == 0]
     options = dataclasses.replace(
         choice.options, recompute="none", recompute_num_layers=None
@@ -336,11 +344,8 @@ def least_sharded_work(
     best = None
     for cp in cps:
         for tp in tps:
-            planned = dataclasses.replace(
-                options, zero_stage=3, sequence_parallel=tp > 1, tp_comm_overlap=False
-            )
             priced = share_source(
-                spec, source.sheet, planned, cp,
+                spec, source.sheet, _sharded_options(options, tp), cp,
                 constants=source.constants_of(name),
                 measured_links=source.measured_links,
             )  # fmt: skip
