@@ -28,6 +28,7 @@ activation output) as the shapes say.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -95,30 +96,12 @@ __all__ = [
 
 
 def _options(
-    spec: TransformerSpec,
-    mbs: int,
-    tp: int,
-    precision: Precision,
-    flash_attention: bool,
-    sequence_parallel: bool,
-    attention_dropout: bool,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
-    tp_comm_overlap: bool = False,
-    eager: bool = False,
+    spec: TransformerSpec, mbs: int, tp: int, precision: Precision, **knobs: Any
 ) -> PassOptions:
-    opts = PassOptions(
-        mbs,
-        tp,
-        precision,
-        flash_attention,
-        sequence_parallel,
-        attention_dropout,
-        query_key_layer_scaling,
-        context_parallel,
-        tp_comm_overlap,
-        eager,
-    )
+    """The pass options of ``knobs`` (:class:`~pipedejavu.costmodel.analytical.
+    ops.PassOptions`' fields after ``precision``, its defaults), ``spec``
+    checked against ``tp``."""
+    opts = PassOptions(mbs, tp, precision, **knobs)
     validate_spec(spec, tp)
     return opts
 
@@ -130,15 +113,9 @@ def analytical_layer_times(
     tp: int,
     precision: Precision,
     *,
-    flash_attention: bool = True,
-    sequence_parallel: bool = False,
-    attention_dropout: bool = False,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
-    tp_comm_overlap: bool = False,
-    eager: bool = False,
     mtp_recompute: Recompute = "none",
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    **knobs: Any,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """Forward, backward and optimizer-step seconds of every layer; the
     multi-token-prediction depths in the last layer, with the head
@@ -151,28 +128,18 @@ def analytical_layer_times(
         tp: tensor-parallel degree.
         precision: ``fp32``, ``tf32``, ``fp16``, ``bf16`` or ``fp8`` (see
             :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
-        flash_attention: fused attention without the ``s x s`` matrix.
-        sequence_parallel: Megatron's sequence parallelism.
-        attention_dropout: dropout on the attention probabilities (without
-            flash attention only).
-        query_key_layer_scaling: the scores are scaled by Megatron's
-            query-key layer-scaling coefficient in a kernel of their own (a
-            fact of the model's code, see
-            :data:`~pipedejavu.costmodel.analytical.calibrate.QK_LAYER_SCALING`).
-        context_parallel: Megatron's context parallelism (``spec`` then holds
-            a GPU's share of each sequence; see
-            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
-        eager: the element-wise kernels as eager PyTorch runs them, not
-            fused (:func:`~pipedejavu.costmodel.analytical.ops.eager_elementwise`).
-        tp_comm_overlap: Megatron-LM's ``--tp-comm-overlap`` (needs
-            ``sequence_parallel``; see
-            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions`).
         mtp_recompute: what the multi-token-prediction depths rerun in their
             backward (``full``: their projection, block and final norm, as
             Megatron's ``uniform`` method; selective modules: what they rerun
             of their block, :func:`block_rerun_ops`); the blocks'
             recomputation is the caller's.
         constants: the roofline's constants.
+        knobs: the rest of the pass's options, by keyword: ``flash_attention``
+            (default on), ``sequence_parallel``, ``attention_dropout``,
+            ``query_key_layer_scaling``, ``context_parallel`` (``spec`` then
+            holds a GPU's share of each sequence), ``tp_comm_overlap`` and
+            ``eager``, each as
+            :class:`~pipedejavu.costmodel.analytical.ops.PassOptions` reads it.
 
     Returns:
         ``(forward, backward, update)``: f64[L + 2] seconds per micro-batch on
@@ -182,20 +149,10 @@ def analytical_layer_times(
     Raises:
         ValueError: bad sizes, a ``tp`` that does not divide the model, or a
             GPU without a peak for ``precision``.
+        TypeError: a knob :class:`~pipedejavu.costmodel.analytical.ops.
+            PassOptions` does not have.
     """
-    opts = _options(
-        spec,
-        mbs,
-        tp,
-        precision,
-        flash_attention,
-        sequence_parallel,
-        attention_dropout,
-        query_key_layer_scaling,
-        context_parallel,
-        tp_comm_overlap,
-        eager,
-    )
+    opts = _options(spec, mbs, tp, precision, **knobs)
 
     def layer(
         forward: Callable[[TransformerSpec, PassOptions], LayerPass],
@@ -319,14 +276,8 @@ def weight_gradient_seconds(
     tp: int,
     precision: Precision,
     *,
-    flash_attention: bool = True,
-    sequence_parallel: bool = False,
-    attention_dropout: bool = False,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
-    tp_comm_overlap: bool = False,
-    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    **knobs: Any,
 ) -> NDArray[np.float64]:
     """f64[L + 2] seconds of each layer's weight-gradient operations
     (:func:`is_weight_gradient`): the part of :func:`analytical_layer_times`'
@@ -335,19 +286,7 @@ def weight_gradient_seconds(
 
     Args and Raises: as :func:`analytical_layer_times`.
     """
-    opts = _options(
-        spec,
-        mbs,
-        tp,
-        precision,
-        flash_attention,
-        sequence_parallel,
-        attention_dropout,
-        query_key_layer_scaling,
-        context_parallel,
-        tp_comm_overlap,
-        eager,
-    )
+    opts = _options(spec, mbs, tp, precision, **knobs)
 
     def seconds(ops: LayerPass) -> float:
         return pass_seconds([o for o in ops if is_weight_gradient(o)], gpu, constants)
@@ -369,11 +308,8 @@ def attention_core_forward_seconds(
     tp: int,
     precision: Precision,
     *,
-    flash_attention: bool = True,
-    attention_dropout: bool = False,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    **knobs: Any,
 ) -> float:
     """Seconds of one block's attention core forward (scores, softmax,
     context): what selective recomputation of the ``core_attn`` module adds
@@ -385,11 +321,8 @@ def attention_core_forward_seconds(
         tp,
         precision,
         recompute=("core_attn",),
-        flash_attention=flash_attention,
-        attention_dropout=attention_dropout,
-        query_key_layer_scaling=query_key_layer_scaling,
-        context_parallel=context_parallel,
         constants=constants,
+        **knobs,
     )
 
 
@@ -401,14 +334,8 @@ def selective_forward_seconds(
     precision: Precision,
     *,
     recompute: Recompute = "selective",
-    flash_attention: bool = True,
-    sequence_parallel: bool = False,
-    attention_dropout: bool = False,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
-    tp_comm_overlap: bool = False,
-    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    **knobs: Any,
 ) -> float:
     """Seconds of what selective recomputation (``recompute``: its modules,
     ``"selective"`` the attention core) reruns of one dense block's forward
@@ -417,19 +344,7 @@ def selective_forward_seconds(
 
     Args and Raises: as :func:`analytical_layer_times`.
     """
-    opts = _options(
-        spec,
-        mbs,
-        tp,
-        precision,
-        flash_attention,
-        sequence_parallel,
-        attention_dropout,
-        query_key_layer_scaling,
-        context_parallel,
-        tp_comm_overlap,
-        eager,
-    )
+    opts = _options(spec, mbs, tp, precision, **knobs)
     return pass_seconds_or_zero(block_rerun_ops(spec, opts, recompute), gpu, constants)
 
 
@@ -440,30 +355,12 @@ def block_forward_seconds(
     tp: int,
     precision: Precision,
     *,
-    flash_attention: bool = True,
-    sequence_parallel: bool = False,
-    attention_dropout: bool = False,
-    query_key_layer_scaling: bool = False,
-    context_parallel: int = 1,
-    tp_comm_overlap: bool = False,
-    eager: bool = False,
     constants: AnalyticalConstants = FITTED_ANALYTICAL,
+    **knobs: Any,
 ) -> float:
     """Seconds of one block's forward: what full recomputation adds to each
     block's backward."""
-    opts = _options(
-        spec,
-        mbs,
-        tp,
-        precision,
-        flash_attention,
-        sequence_parallel,
-        attention_dropout,
-        query_key_layer_scaling,
-        context_parallel,
-        tp_comm_overlap,
-        eager,
-    )
+    opts = _options(spec, mbs, tp, precision, **knobs)
     return pass_seconds(any_block_forward_ops(spec, opts), gpu, constants)
 
 
@@ -512,7 +409,13 @@ def activation_bytes(
     """
     modules = selective_modules(recompute)
     opts = _options(
-        spec, mbs, tp, precision, flash_attention, sequence_parallel, attention_dropout
+        spec,
+        mbs,
+        tp,
+        precision,
+        flash_attention=flash_attention,
+        sequence_parallel=sequence_parallel,
+        attention_dropout=attention_dropout,
     )
     e, _ = element_bytes(precision)
     b, s, h, t = mbs, spec.seq_length, spec.hidden_size, tp
