@@ -54,6 +54,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from pipedejavu.simulation.schedules import (
+    TimedSchedule,
     checked_array,
     checked_count,
     run_interleaved,
@@ -217,8 +218,8 @@ def _cached_order(
     return tuple(_order(rank, num_ranks, num_chunks, num_microbatches))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class InterleavedResult:
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class InterleavedResult(TimedSchedule):
     """The timed interleaved schedule of one iteration.
 
     Attributes:
@@ -241,24 +242,7 @@ class InterleavedResult:
             hold at once (``memory_per_microbatch[r, c]`` each), or ``None``.
     """
 
-    num_microbatches: int
-    iteration_time: float
-    forward: NDArray[np.float64]
-    backward: NDArray[np.float64]
-    transfer: NDArray[np.float64]
     orders: tuple[tuple[Op, ...], ...]
-    forward_start: NDArray[np.float64]
-    forward_end: NDArray[np.float64]
-    backward_start: NDArray[np.float64]
-    backward_end: NDArray[np.float64]
-    activation_start: NDArray[np.float64]
-    activation_end: NDArray[np.float64]
-    gradient_start: NDArray[np.float64]
-    gradient_end: NDArray[np.float64]
-    busy_time: NDArray[np.float64]
-    idle_fraction: NDArray[np.float64]
-    peak_in_flight: NDArray[np.int64]
-    peak_memory: NDArray[np.float64] | None
 
     @property
     def num_ranks(self) -> int:

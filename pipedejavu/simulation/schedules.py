@@ -20,6 +20,7 @@ the simulators' arguments, with the error messages they raise.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 
@@ -38,6 +39,36 @@ GRID_FIELDS = (
     "gradient_start",
     "gradient_end",
 )
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class TimedSchedule:
+    """The fields every simulated schedule's result holds (the plain
+    schedules' :class:`~pipedejavu.simulation.simulate.SimulationResult` and
+    the interleaved one's :class:`~pipedejavu.simulation.interleaved.
+    InterleavedResult` document their shapes): the micro-batch count, the
+    iteration's seconds, the per-micro-batch times given, the eight time
+    grids (:data:`GRID_FIELDS`), each stage's busy seconds and idle share
+    (:func:`timed_fields`), the most micro-batches in flight and the bytes
+    they hold (``None`` without a memory per micro-batch)."""
+
+    num_microbatches: int
+    iteration_time: float
+    forward: NDArray[np.float64]
+    backward: NDArray[np.float64]
+    transfer: NDArray[np.float64]
+    forward_start: NDArray[np.float64]
+    forward_end: NDArray[np.float64]
+    backward_start: NDArray[np.float64]
+    backward_end: NDArray[np.float64]
+    activation_start: NDArray[np.float64]
+    activation_end: NDArray[np.float64]
+    gradient_start: NDArray[np.float64]
+    gradient_end: NDArray[np.float64]
+    busy_time: NDArray[np.float64]
+    idle_fraction: NDArray[np.float64]
+    peak_in_flight: NDArray[np.int64]
+    peak_memory: NDArray[np.float64] | None
 
 
 def checked_count(value, name: str, least: int | None = None) -> int:

@@ -95,6 +95,7 @@ from pipedejavu.core.hetero_rules import check_hetero_plan, transfer_times
 from pipedejavu.core.problem import Plan, Problem, check_plan, objective
 from pipedejavu.simulation.deepspeed import run_deepspeed
 from pipedejavu.simulation.schedules import (
+    TimedSchedule,
     checked_count,
     checked_vector,
     command_order,
@@ -132,8 +133,8 @@ class Event(NamedTuple):
     direction: str = ""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class SimulationResult:
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class SimulationResult(TimedSchedule):
     """The timed schedule of one iteration.
 
     Attributes:
@@ -156,23 +157,6 @@ class SimulationResult:
     """
 
     schedule: str
-    num_microbatches: int
-    iteration_time: float
-    forward: NDArray[np.float64]
-    backward: NDArray[np.float64]
-    transfer: NDArray[np.float64]
-    forward_start: NDArray[np.float64]
-    forward_end: NDArray[np.float64]
-    backward_start: NDArray[np.float64]
-    backward_end: NDArray[np.float64]
-    activation_start: NDArray[np.float64]
-    activation_end: NDArray[np.float64]
-    gradient_start: NDArray[np.float64]
-    gradient_end: NDArray[np.float64]
-    busy_time: NDArray[np.float64]
-    idle_fraction: NDArray[np.float64]
-    peak_in_flight: NDArray[np.int64]
-    peak_memory: NDArray[np.float64] | None
 
     @property
     def num_stages(self) -> int:
