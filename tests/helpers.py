@@ -93,10 +93,28 @@ def fake_devices_env(count: int) -> dict[str, str]:
     )
 
 
+#: The layer design of today's open decoders (Llama, Qwen3, DeepSeek, OLMoE):
+#: a gated (SwiGLU) MLP, RMSNorm, rotary positions, untied embeddings and
+#: linear layers without biases.
+DECODER_DESIGN = dict(
+    gated_mlp=True,
+    norm="rmsnorm",
+    position="rotary",
+    tied_embeddings=False,
+    linear_bias=False,
+)
+
+
+def decoder_spec(**fields) -> TransformerSpec:
+    """The ``TransformerSpec`` of ``fields``, of :data:`DECODER_DESIGN` where
+    they do not say otherwise."""
+    return TransformerSpec(**{**DECODER_DESIGN, **fields})
+
+
 #: A small mixture of experts, 4 blocks (the first dense) of 128 experts,
 #: whose state at EP 1 nearly fills an A100-40: sharding the experts' state
 #: over dp or over expert data parallelism decides whether a plan fits.
-MOE_STATE_SPEC = TransformerSpec(
+MOE_STATE_SPEC = decoder_spec(
     name="moe-state",
     num_layers=4,
     hidden_size=1024,
@@ -105,12 +123,22 @@ MOE_STATE_SPEC = TransformerSpec(
     ffn_hidden_size=2048,
     vocab_size=4096,
     seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
     moe=MoeSpec(128, 2, 2048, layers=(False, True, True, True)),
+)
+#: Qwen3-30B-A3B as its Hugging Face config.json reads: 48 expert blocks of
+#: 128 experts, top 8; heads not h / a wide (kv_channels), per-head q/k norms.
+QWEN3_30B_A3B = decoder_spec(
+    name="Qwen3-30B-A3B",
+    num_layers=48,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_query_groups=4,
+    kv_channels=128,
+    ffn_hidden_size=6144,
+    vocab_size=151936,
+    seq_length=4096,
+    moe=MoeSpec(128, 8, 768),
+    qk_layernorm=True,
 )
 
 #: DeepSeek-V3's model flags as Megatron-LM launches it (the model zoo's and

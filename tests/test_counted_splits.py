@@ -8,10 +8,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import decoder_spec
 
 from pipedejavu.core.layout import PIPELINE_SPLITS, split_blocks
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.source import AnalyticalSource
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.interleaving import chunk_layers, profile_chunks
@@ -26,7 +26,7 @@ from pipedejavu.search.megatron.interleaved_floor import candidate_plan
 
 #: 14 blocks: 14 = 2 x 7 splits into no V >= 2 chunks per rank of two
 #: blocks or more but 7 x 2 (one block each); 16 units (both counted) do.
-SPEC = TransformerSpec(
+SPEC = decoder_spec(
     name="fourteen",
     num_layers=14,
     hidden_size=512,
@@ -35,11 +35,6 @@ SPEC = TransformerSpec(
     ffn_hidden_size=2048,
     vocab_size=8192,
     seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
 )
 GPU = "H100-SXM"
 

@@ -12,6 +12,7 @@ import random
 import shlex
 
 import pytest
+from helpers import decoder_spec
 
 from pipedejavu.core.layout import ParallelLayout, StageAxes
 from pipedejavu.core.plan3d import Plan3D
@@ -187,7 +188,7 @@ def test_moe_layer_freq_reads_back_as_written_and_as_python_evaluates_it():
 
 
 def _dense(**changes) -> TransformerSpec:
-    spec = TransformerSpec(
+    spec = decoder_spec(
         name="dense-qwen3-like",
         num_layers=4,
         hidden_size=512,
@@ -196,11 +197,6 @@ def _dense(**changes) -> TransformerSpec:
         ffn_hidden_size=1024,
         vocab_size=32000,
         seq_length=1024,
-        gated_mlp=True,
-        norm="rmsnorm",
-        position="rotary",
-        tied_embeddings=False,
-        linear_bias=False,
     )
     return dataclasses.replace(spec, **changes)
 

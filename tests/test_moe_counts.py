@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import QWEN3_30B_A3B, decoder_spec
 
 from pipedejavu.core.moe import MlaSpec, MoeSpec, moe_layer_pattern
 from pipedejavu.core.moe_counts import (
@@ -27,25 +28,7 @@ from pipedejavu.planning.published_runs import load_moe_published_runs
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_moe_memory.json"
 
-QWEN3_30B_A3B = TransformerSpec(
-    name="Qwen3-30B-A3B",
-    num_layers=48,
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_query_groups=4,
-    kv_channels=128,
-    ffn_hidden_size=6144,
-    vocab_size=151936,
-    seq_length=4096,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
-    moe=MoeSpec(128, 8, 768),
-    qk_layernorm=True,
-)
-DEEPSEEK_V3 = TransformerSpec(
+DEEPSEEK_V3 = decoder_spec(
     name="DeepSeek-V3",
     num_layers=61,
     hidden_size=7168,
@@ -54,11 +37,6 @@ DEEPSEEK_V3 = TransformerSpec(
     ffn_hidden_size=18432,
     vocab_size=129280,
     seq_length=4096,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
     moe=MoeSpec(256, 8, 2048, 2048, layers=moe_layer_pattern(61, first_dense=3)),
     mla=MlaSpec(1536, 512, 128, 64, 128),
     qk_layernorm=True,
@@ -78,7 +56,7 @@ def test_total_and_active_parameters_equal_the_checkpoints():
     assert DEEPSEEK_V3.active_params == 37_552_282_624
 
 
-OLMOE_1B_7B = TransformerSpec(
+OLMOE_1B_7B = decoder_spec(
     name="OLMoE-1B-7B-0924",
     num_layers=16,
     hidden_size=2048,
@@ -87,11 +65,6 @@ OLMOE_1B_7B = TransformerSpec(
     ffn_hidden_size=1024,
     vocab_size=50304,
     seq_length=4096,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
     moe=MoeSpec(64, 8, 1024),
     qk_layernorm="projection",
 )
@@ -133,7 +106,7 @@ def test_expert_blocks_without_shared_experts_have_no_shared_bias():
     block = attention + 2 * h + experts * h + experts + experts * expert
     total = 36 * block + 2 * 201088 * h + h
     assert total == 116_829_156_672 - 36 * 64
-    spec = TransformerSpec(
+    spec = decoder_spec(
         name="GPT-OSS-120B",
         num_layers=36,
         hidden_size=h,
@@ -143,10 +116,6 @@ def test_expert_blocks_without_shared_experts_have_no_shared_bias():
         ffn_hidden_size=h,
         vocab_size=201088,
         seq_length=4096,
-        gated_mlp=True,
-        norm="rmsnorm",
-        position="rotary",
-        tied_embeddings=False,
         linear_bias=True,
         moe=MoeSpec(experts, 4, h),
     )

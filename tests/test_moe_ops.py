@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+from helpers import QWEN3_30B_A3B
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.moe import MlaSpec, MoeSpec
@@ -39,22 +40,11 @@ GPU = GpuSheetEntry("X", 8e10, 3e12, (("fp32", 6e13), ("bf16", 1e15)), 8, 4e11, 
 
 #: Qwen3-30B-A3B's shapes, four blocks, a shorter sequence; heads not h / a
 #: wide (kv_channels), shared experts with a gate added.
-QWEN = TransformerSpec(
+QWEN = dataclasses.replace(
+    QWEN3_30B_A3B,
     name="qwen-moe",
     num_layers=4,
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_query_groups=4,
-    kv_channels=128,
-    ffn_hidden_size=6144,
-    vocab_size=151936,
     seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
-    qk_layernorm=True,
     moe=MoeSpec(
         num_experts=128,
         topk=8,

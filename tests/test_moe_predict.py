@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import decoder_spec
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.moe import MoeSpec
 from pipedejavu.core.training_options import TrainingOptions
-from pipedejavu.core.transformer import TransformerSpec
 from pipedejavu.costmodel.analytical.moe_layers import (
     ExpertLayers,
     alltoall_seconds,
@@ -35,7 +35,7 @@ from pipedejavu.planning.megatron_launch import (
 SHEET = load_gpu_sheet()
 H100 = SHEET["H100-SXM"]
 #: A small Qwen3-MoE-like model: 4 blocks, the first dense.
-SPEC = TransformerSpec(
+SPEC = decoder_spec(
     name="tiny-moe",
     num_layers=4,
     hidden_size=512,
@@ -44,11 +44,6 @@ SPEC = TransformerSpec(
     ffn_hidden_size=1024,
     vocab_size=4096,
     seq_length=1024,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
     moe=MoeSpec(16, 2, 256, layers=(False, True, True, True)),
 )
 

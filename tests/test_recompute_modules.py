@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+from helpers import decoder_spec
 
 from pipedejavu.core.moe import MlaSpec, MoeSpec
 from pipedejavu.core.training_options import RECOMPUTE_MODULES, TrainingOptions
@@ -38,7 +39,7 @@ SHEET = load_gpu_sheet()
 GPU = "H100-SXM"
 E = 2  # bf16 bytes
 #: A dense block with grouped-query attention and a gated MLP.
-DENSE = TransformerSpec(
+DENSE = decoder_spec(
     name="dense",
     num_layers=2,
     hidden_size=256,
@@ -47,11 +48,6 @@ DENSE = TransformerSpec(
     ffn_hidden_size=1024,
     vocab_size=4096,
     seq_length=512,
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
 )
 #: Its expert form: 8 experts of 128, top 2, gated shared experts of 256.
 MOE = dataclasses.replace(
