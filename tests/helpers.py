@@ -70,18 +70,28 @@ def load_benchmark(name: str, module_name: str | None = None):
     return module
 
 
+def run_python(
+    *args: str, cwd=None, env=None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python ARGS...`` (this interpreter) run to its end in ``cwd`` with
+    ``env``, its output captured as text: an exit other than 0 fails the test
+    with the end of its stderr, more than ``timeout`` seconds with an error."""
+    child = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child
+
+
 def python_last_line(code: str, env: dict[str, str]) -> str:
     """The last line ``python -c CODE`` prints, run in ``env`` (an error or
     more than 300 s fails the test)."""
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
+    return run_python("-c", code, env=env).stdout.strip().splitlines()[-1]
 
 
 def fake_devices_env(count: int) -> dict[str, str]:

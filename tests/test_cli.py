@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_python
 
 from pipedejavu import Plan, Problem, ProblemError, evaluate
 from pipedejavu.cli.main import main
@@ -223,13 +223,7 @@ def test_unknown_method(capsys, tmp_path):
 
 
 def test_console_script_runs_the_demo():
-    result = subprocess.run(
-        [sys.executable, "-m", "pipedejavu.cli.main", "demo"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_python("-m", "pipedejavu.cli.main", "demo", timeout=600)
     assert result.stdout.count("== ") == 5
     assert "Alpa's way" in result.stdout  # the heterogeneous example
     assert "no feasible plan" in result.stdout  # the 6-layer B=32 profile

@@ -5,11 +5,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -280,10 +280,7 @@ def test_elastic_does_not_import_jax():
     code = (
         "import pipedejavu.planning.deepspeed_elastic, sys; print('jax' in sys.modules)"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
-    assert child.returncode == 0, child.stderr
+    child = run_python("-c", code, timeout=60)
     assert child.stdout.strip() == "False"
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 import pipedejavu as pdj
 
@@ -23,14 +23,7 @@ def test_user_module_of_a_part_name_does_not_shadow_the_package(tmp_path, name):
     # must not replace the planner's engines: they live inside `pipedejavu`.
     (tmp_path / f"{name}.py").write_text("x = 1\n")
     (tmp_path / "run.py").write_text(_RUN)
-    child = subprocess.run(
-        [sys.executable, "run.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == 0, child.stderr
+    child = run_python("run.py", cwd=tmp_path, timeout=120)
     assert child.stdout.strip() == "1"
 
 
@@ -127,13 +120,7 @@ def test_import_pipedejavu_loads_no_solver_and_every_public_name_resolves():
     and is the object that module defines."""
     import json
 
-    child = subprocess.run(
-        [sys.executable, "-c", _FRESH_IMPORT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    child = run_python("-c", _FRESH_IMPORT, timeout=120)
     loaded, same, public, not_in_dir, missing = json.loads(child.stdout)
     assert loaded == ["pipedejavu.core", "pipedejavu.core.version"]
     assert same and not_in_dir == []

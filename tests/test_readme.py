@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from pipedejavu.cli.data import bundled_data_files
 from pipedejavu.cli.main import _build_parser
@@ -168,14 +167,7 @@ def check_cli_command(argv: list[str], made: set[str]) -> None:
 
 
 def run_python_block(code: str, cwd: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python("-c", code, cwd=cwd, timeout=600)
     assert "Traceback" not in result.stderr
 
 
