@@ -43,7 +43,9 @@ from pipedejavu.core.problem import (
     Problem,
     ProblemError,
     certificate,
+    file_arrays,
     plan_fields,
+    problem_fields,
     stage_fields,
 )
 from pipedejavu.core.stage_record import SubmeshStage
@@ -259,11 +261,7 @@ class HeteroProblem(StageTableSizes):
         return write_npz(
             path,
             {
-                "compute_cost": self.compute_cost,
-                "max_n_succ_stages": self.max_n_succ_stages,
-                "submesh_shapes": self.submesh_shapes,
-                "cluster_shape": np.asarray(self.cluster.shape, dtype=np.int64),
-                "num_microbatches": np.int64(self.num_microbatches),
+                **file_arrays(self, self.cluster.shape),
                 "boundary_bytes": self.boundary_bytes,
                 "cluster_json": np.asarray(json.dumps(self.cluster.to_json())),
             },
@@ -295,11 +293,8 @@ class HeteroProblem(StageTableSizes):
                     f"{tuple(text.shape)}"
                 )
             return cls(
-                compute_cost=arrays["compute_cost"],
-                max_n_succ_stages=arrays.get("max_n_succ_stages"),
-                submesh_shapes=arrays["submesh_shapes"],
+                **problem_fields(arrays),
                 cluster=Cluster.from_json(parse_json(str(text), "cluster_json")),
-                num_microbatches=arrays["num_microbatches"],
                 boundary_bytes=arrays.get("boundary_bytes"),
             )
         except ProblemError as error:

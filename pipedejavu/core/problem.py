@@ -122,6 +122,26 @@ def get_submesh_choices(
     return tuple(choices)
 
 
+def file_arrays(problem: Any, cluster_shape: Sequence[int]) -> dict[str, Any]:
+    """The arrays of ``problem`` (any kind) every problem file holds."""
+    return {
+        "compute_cost": problem.compute_cost,
+        "max_n_succ_stages": problem.max_n_succ_stages,
+        "submesh_shapes": problem.submesh_shapes,
+        "cluster_shape": np.asarray(cluster_shape, dtype=np.int64),
+        "num_microbatches": np.asarray(problem.num_microbatches, dtype=np.int64),
+    }
+
+
+def problem_fields(arrays: dict[str, Any]) -> dict[str, Any]:
+    """The fields every problem kind reads alike from its file's arrays
+    (checked by the problem built from them)."""
+    fields = ("compute_cost", "submesh_shapes", "num_microbatches")
+    return {"max_n_succ_stages": arrays.get("max_n_succ_stages")} | {
+        name: arrays[name] for name in fields
+    }
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Problem(StageTableSizes):
     """Alpa's stage-construction problem for one model on one cluster.
@@ -228,11 +248,7 @@ class Problem(StageTableSizes):
         return write_npz(
             path,
             {
-                "compute_cost": self.compute_cost,
-                "max_n_succ_stages": self.max_n_succ_stages,
-                "submesh_shapes": self.submesh_shapes,
-                "cluster_shape": np.asarray(self.cluster_shape, dtype=np.int64),
-                "num_microbatches": np.asarray(self.num_microbatches, dtype=np.int64),
+                **file_arrays(self, self.cluster_shape),
                 **(
                     {}
                     if self.stage_tail_cost is None
@@ -257,11 +273,8 @@ class Problem(StageTableSizes):
             )
         try:
             return cls(
-                compute_cost=arrays["compute_cost"],
-                max_n_succ_stages=arrays.get("max_n_succ_stages"),
-                submesh_shapes=arrays["submesh_shapes"],
+                **problem_fields(arrays),
                 cluster_shape=_cluster_shape(arrays["cluster_shape"]),
-                num_microbatches=arrays["num_microbatches"],
                 stage_tail_cost=arrays.get("stage_tail_cost"),
             )
         except ProblemError as error:
