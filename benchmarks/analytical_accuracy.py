@@ -17,7 +17,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -52,9 +51,7 @@ def _row(summary: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/analytical_accuracy.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/analytical_accuracy.json")
     started = time.perf_counter()
     samples = calibration_set()
     result = cross_validate(samples)
@@ -98,8 +95,7 @@ def main() -> None:
             ),
         }
     )
-    stamp.write_json(args.out, result)
-    print(f"wrote {args.out} ({elapsed:.1f} s)")
+    stamp.save(out, result, note=f" ({elapsed:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -37,12 +36,10 @@ NOISE_SCALE = 2e8 / 3.0 ** (1 / 0.21) / 2048  # Kaplan et al. 2020 at L = 3.0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/elastic_modes.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/elastic_modes.json")
     started = time.perf_counter()
     results = []
-    folder = os.path.dirname(args.out)
+    folder = os.path.dirname(out)
     os.makedirs(folder, exist_ok=True)
     for model in MODELS:
         for mode in ("throughput", "goodput"):
@@ -65,25 +62,24 @@ def main() -> None:
             wall = time.perf_counter() - t0
             print(f"== {model}, {mode} mode ({wall:.0f} s)")
             print(format_elastic(result))
-            out = result.to_json()
-            out.update(mode=mode, wall_s=wall)
+            entry = result.to_json()
+            entry.update(mode=mode, wall_s=wall)
             if grad is not None:
-                out["noise_scale_samples"] = NOISE_SCALE
+                entry["noise_scale_samples"] = NOISE_SCALE
             try:
                 path = os.path.join(folder, f"elastic_{model}_{mode}.png")
                 plot_elastic(result, path)
-                out["plot"] = os.path.basename(path)
+                entry["plot"] = os.path.basename(path)
             except ProblemError as error:
                 print(f"no plot: {error}", file=sys.stderr)
-            results.append(out)
-    payload = {
-        **stamp.opening("elastic_modes", started),
+            results.append(entry)
+    fields = {
         "counts": COUNTS,
         "max_batch": MAX_BATCH,
         "batch_multiple": {"throughput": STEP, "goodput": GOODPUT_STEP},
         "results": results,
     }
-    stamp.write_json(args.out, payload)
+    stamp.write_opened(out, "elastic_modes", started, fields)
 
 
 if __name__ == "__main__":

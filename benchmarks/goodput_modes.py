@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import stamp
@@ -57,9 +56,7 @@ def noise_scale(loss: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/goodput_modes.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/goodput_modes.json")
     started = time.perf_counter()
     rows = []
     batches = candidate_batches(INIT_BATCH, MAX_BATCH, STEP)
@@ -131,14 +128,13 @@ def main() -> None:
                 f"({result.planned} of {len(batches)} planned, {search_s:.1f} s vs "
                 f"enumeration {enumerate_s:.1f} s); fixed {fixed_text}"
             )
-    out = {
-        **stamp.opening("goodput_modes", started),
+    fields = {
         "source": "Kaplan et al. 2020 (arXiv:2001.08361) eq. 1.4: B_crit(L) = "
         "2e8 tokens / L^(1/0.21); B_noise := B_crit (McCandlish et al. 2018)",
         "init_batch": INIT_BATCH,
         "rows": rows,
     }
-    stamp.write_json(args.out, out)
+    stamp.write_opened(out, "goodput_modes", started, fields)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -30,9 +29,7 @@ from pipedejavu.planning.training import plan_training
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/mbs_choice.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/mbs_choice.json")
     data = load_sailor_data()
     rows = []
     started = time.perf_counter()
@@ -98,12 +95,8 @@ def main() -> None:
         f"gain median {100 * summary['gain_median']:.1f}%, mean "
         f"{100 * summary['gain_mean']:.1f}%, max {100 * summary['gain_max']:.1f}%"
     )
-    result = {
-        **stamp.opening("mbs_choice", started),
-        "summary": summary,
-        "rows": rows,
-    }
-    stamp.write_json(args.out, result)
+    fields = {"summary": summary, "rows": rows}
+    stamp.write_opened(out, "mbs_choice", started, fields)
 
 
 if __name__ == "__main__":

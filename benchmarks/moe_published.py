@@ -14,7 +14,6 @@ About 5 minutes on a 2-core machine (fourteen fits of three constants).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -30,15 +29,8 @@ from pipedejavu.planning.moe_published import (
 )
 
 
-def _summary(errors: np.ndarray) -> dict[str, float]:
-    magnitude = np.abs(errors)
-    return {"median": float(np.median(magnitude)), "max": float(magnitude.max())}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/moe_published.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/moe_published.json")
     start = time.perf_counter()
     sheet = load_gpu_sheet()
     launches = moe_launches()
@@ -71,8 +63,8 @@ def main() -> None:
     result = {
         "constants": {name: getattr(fitted, name) for name in MOE_FIELDS},
         "runs": runs,
-        "fitted_on_all": _summary(fit_errors),
-        "leave_one_out": _summary(loo),
+        "fitted_on_all": stamp.abs_summary(fit_errors),
+        "leave_one_out": stamp.abs_summary(loo),
         **stamp.stamp(),
         "seconds": elapsed,
     }
@@ -83,8 +75,7 @@ def main() -> None:
         f"max {result['fitted_on_all']['max']:.1%}; leave-one-out: median "
         f"{summary['median']:.1%}, max {summary['max']:.1%}"
     )
-    stamp.write_json(args.out, result)
-    print(f"wrote {args.out} ({elapsed:.1f} s)")
+    stamp.save(out, result, note=f" ({elapsed:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -76,9 +75,7 @@ def _halves(rows, seed):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/pollux_vs_predictor.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/pollux_vs_predictor.json")
     data = load_sailor_data()
     started = time.perf_counter()
     results = []
@@ -102,12 +99,8 @@ def main() -> None:
             results.append(evaluate(f"{model} pipeline-{stages}", train, test))
         train, test = _halves(mixed, 0)
         results.append(evaluate(f"{model} pipeline-mixed", train, test))
-    result = {
-        **stamp.opening("pollux_vs_predictor", started),
-        "gpu": GPU,
-        "results": results,
-    }
-    stamp.write_json(args.out, result)
+    fields = {"gpu": GPU, "results": results}
+    stamp.write_opened(out, "pollux_vs_predictor", started, fields)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -53,11 +52,7 @@ from pipedejavu.planning.published_runs import (
 def _summary(errors) -> dict[str, float]:
     errors = np.abs(np.asarray(errors, dtype=float))
     errors = errors[np.isfinite(errors)]
-    return {
-        "median": float(np.median(errors)),
-        "max": float(errors.max()),
-        "count": int(errors.size),
-    }
+    return {**stamp.abs_summary(errors), "count": int(errors.size)}
 
 
 def published(sheet) -> dict:
@@ -147,9 +142,7 @@ def _pct(summary) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/published_runs.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/published_runs.json")
     started = time.perf_counter()
     sheet = load_gpu_sheet()
     result = {"sc21": published(sheet), "opt350": opt350_without_profile(sheet)}
@@ -179,8 +172,7 @@ def main() -> None:
             "seconds": elapsed,
         }
     )
-    stamp.write_json(args.out, result)
-    print(f"wrote {args.out} ({elapsed:.1f} s)")
+    stamp.save(out, result, note=f" ({elapsed:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -12,17 +12,28 @@ the results files already hold, which ``tables.py`` quotes:
   first line, which each script goes on with its own fields;
 * ``opening(name, started)`` and ``opening_cpu(name)``: the fields a results
   file opens with (the benchmark's name, date, machine, load average), which
-  each script goes on with its own.
+  each script goes on with its own;
+* ``out_option(__doc__, default)``: the ``--out`` path of a script whose one
+  option it is;
+* ``write_json``, ``save`` (and say so) and ``write_opened`` (after
+  ``opening``'s fields): the results file, JSON indented by one space;
+* ``abs_summary(errors)``: the median and max of ``|errors|``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+#: The checkout this folder is in, and the folder of the results files.
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def now() -> str:
@@ -92,3 +103,30 @@ def write_json(path: str, data: Any, *, end: str = "") -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
         handle.write(end)
+
+
+def save(path: str, data: Any, *, end: str = "", note: str = "") -> None:
+    """:func:`write_json`, then print ``wrote <path><note>``."""
+    write_json(path, data, end=end)
+    print(f"wrote {path}{note}")
+
+
+def write_opened(path: str, benchmark: str, started: float, fields: dict) -> None:
+    """Write :func:`opening`'s fields (``wall_s`` up to now), then ``fields``."""
+    write_json(path, {**opening(benchmark, started), **fields})
+
+
+def out_option(doc: str, default: str, argv: list[str] | None = None) -> str:
+    """The ``--out`` path (``default`` unless given) of a script whose one
+    option it is; ``--help`` describes the script by ``doc``'s first line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--out", default=default)
+    return parser.parse_args(argv).out
+
+
+def abs_summary(errors: Any) -> dict[str, float]:
+    """``{"median": ..., "max": ...}`` of ``|errors|`` (as floats)."""
+    import numpy as np
+
+    magnitude = np.abs(np.asarray(errors, dtype=float))
+    return {"median": float(np.median(magnitude)), "max": float(magnitude.max())}

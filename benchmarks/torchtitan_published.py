@@ -18,10 +18,8 @@ A few seconds on a 2-core machine.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import numpy as np
 import stamp
 
 from pipedejavu.costmodel.analytical.roofline import HALF_PRECISION_ANALYTICAL
@@ -35,15 +33,8 @@ from pipedejavu.planning.torchtitan_published import (
 )
 
 
-def _summary(errors) -> dict[str, float]:
-    magnitude = np.abs(np.asarray(errors, dtype=float))
-    return {"median": float(np.median(magnitude)), "max": float(magnitude.max())}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/torchtitan_published.json")
-    args = parser.parse_args()
+    out = stamp.out_option(__doc__, "benchmarks/results/torchtitan_published.json")
     start = time.perf_counter()
     sheet = load_gpu_sheet()
     runs = load_torchtitan_runs()
@@ -89,10 +80,10 @@ def main() -> None:
     result = {
         "constants": {name: getattr(fitted, name) for name in FIELDS},
         "runs": rows,
-        "fitted_on_all": _summary(time_fit),
-        "leave_one_out": _summary(loo),
-        "before_torchtitan_constants": _summary(untuned),
-        "memory": _summary(memory),
+        "fitted_on_all": stamp.abs_summary(time_fit),
+        "leave_one_out": stamp.abs_summary(loo),
+        "before_torchtitan_constants": stamp.abs_summary(untuned),
+        "memory": stamp.abs_summary(memory),
         "seconds": elapsed,
         **stamp.stamp(),
     }
@@ -101,7 +92,7 @@ def main() -> None:
         f"max {result['leave_one_out']['max']:.1%}; memory median "
         f"{result['memory']['median']:.1%}; {elapsed:.1f} s"
     )
-    stamp.write_json(args.out, result, end="\n")
+    stamp.write_json(out, result, end="\n")
 
 
 if __name__ == "__main__":
