@@ -621,11 +621,43 @@ def write_check(
         "failures": failures,
         "seconds": time.perf_counter() - started,
     }
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    stamp.write_json(out, result, end="\n")
     print(json.dumps({key: result[key] for key in shown}))
     for failure in failures[:10]:
         print(failure)
     return 0 if not failures else 1
+
+
+def check_cases(argv, doc, name, cases, check, describe, counted=None) -> int:
+    """The ``main`` of a check of ``cases`` by Megatron-LM's own code: each
+    case through ``check(*case)`` ("as planned", or what differs), a refusal
+    of our export or a rejection by Megatron-LM standing for what differs;
+    the results file (``--out``, by default ``results/NAME.json``;
+    :func:`write_check`) holds the count of "as planned" and of "differs or
+    rejected", ``counted(cases as planned)``'s fields and, for each case not
+    as planned, ``describe(*case)`` and why. ``doc``: the script's
+    docstring."""
+    out = stamp.out_option(doc, str(stamp.RESULTS / f"{name}.json"), argv)
+    started = time.perf_counter()
+    outcomes: dict[str, int] = {}
+    failures, planned = [], []
+    for case in cases:
+        try:
+            outcome = check(*case)
+        except ExportRefused as error:
+            outcome = f"refused: {error}"
+        except (AssertionError, ValueError, SystemExit) as error:
+            outcome = f"Megatron rejects: {error}"
+        key = outcome if outcome == "as planned" else "differs or rejected"
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if outcome == "as planned":
+            planned.append(case)
+        else:
+            failures.append({**describe(*case), "why": outcome})
+    extra = counted(planned) if counted else {}
+    shown = ("outcomes", *extra) if extra else ("outcomes", "versions")
+    fields = {"outcomes": outcomes, **extra}
+    return write_check(out, started, fields, failures, shown)
 
 
 def main(argv=None) -> int:

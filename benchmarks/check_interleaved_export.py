@@ -22,28 +22,20 @@ megatron-core with the Megatron-LM source of the same version on
 
 from __future__ import annotations
 
-import argparse
 import shlex
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import check_exports  # Megatron's argument parsing, silenced
 
-import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
-
-from pipedejavu.core.plan3d import (  # noqa: E402
+from pipedejavu.core.plan3d import (
     DEFAULT_ZONE,
     RANK_ORDERS,
     Plan3D,
     rank_order_of,
 )
-from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
-from pipedejavu.costmodel.megatron.interleaving import chunk_layers  # noqa: E402
-from pipedejavu.costmodel.megatron.tables import plan_from_stages  # noqa: E402
-from pipedejavu.io.export_rules import ExportRefused  # noqa: E402
-from pipedejavu.io.exports import export_plan  # noqa: E402
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.costmodel.megatron.interleaving import chunk_layers
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.io.exports import export_plan
 
 GPU, GPUS_PER_NODE = "H100-SXM", 8
 
@@ -123,30 +115,14 @@ def check(plan: Plan3D, options: TrainingOptions) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/check_interleaved_export.json")
+    return check_exports.check_cases(
+        argv,
+        __doc__,
+        "check_interleaved_export",
+        plans(),
+        check,
+        lambda plan, options: {"plan": plan.describe(), "options": options.to_json()},
     )
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    outcomes: dict[str, int] = {}
-    failures = []
-    for plan, options in plans():
-        try:
-            outcome = check(plan, options)
-        except ExportRefused as error:
-            outcome = f"refused: {error}"
-        except (AssertionError, ValueError, SystemExit) as error:
-            outcome = f"Megatron rejects: {error}"
-        key = outcome if outcome == "as planned" else "differs or rejected"
-        outcomes[key] = outcomes.get(key, 0) + 1
-        if outcome != "as planned":
-            failures.append(
-                {"plan": plan.describe(), "options": options.to_json(), "why": outcome}
-            )
-    fields = {"outcomes": outcomes}
-    shown = ("outcomes", "versions")
-    return check_exports.write_check(args.out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":

@@ -27,22 +27,17 @@ megatron-core with the Megatron-LM source of the same version on
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import check_exports  # Megatron's argument parsing, silenced
+import stamp
+from check_torchtitan import fake_rank
 
-import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
-from check_torchtitan import fake_rank  # noqa: E402
-
-from pipedejavu.core.problem import ProblemError  # noqa: E402
-from pipedejavu.core.training_options import TrainingOptions  # noqa: E402
-from pipedejavu.io.exports import option_flags  # noqa: E402
-from pipedejavu.io.megatron_args import spec_from_megatron_args  # noqa: E402
-from pipedejavu.io.megatron_layout import split_pipeline  # noqa: E402
+from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.training_options import TrainingOptions
+from pipedejavu.io.exports import option_flags
+from pipedejavu.io.megatron_args import spec_from_megatron_args
+from pipedejavu.io.megatron_layout import split_pipeline
 
 LAYERS_AND_STAGES = ((30, 4), (31, 4), (32, 4), (126, 16), (10, 2), (8, 4), (6, 2))
 FIRST_LAST = ((None, None), (6, None), (None, 3), (7, 7), (4, None))
@@ -87,12 +82,9 @@ def cases():
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out",
-        default=str(ROOT / "benchmarks/results/check_megatron_launch_flags.json"),
+    out = stamp.out_option(
+        __doc__, str(stamp.RESULTS / "check_megatron_launch_flags.json"), argv
     )
-    args = parser.parse_args(argv)
     started = time.perf_counter()
     outcomes = {"same counts": 0, "both refuse": 0, "megatron: negative layers": 0}
     failures = []
@@ -167,7 +159,7 @@ def main(argv=None) -> int:
         "tp_comm_flags": tp_flags,
     }
     shown = ("pipeline_splits", "versions")
-    return check_exports.write_check(args.out, started, fields, failures, shown)
+    return check_exports.write_check(out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":

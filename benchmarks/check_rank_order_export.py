@@ -21,20 +21,13 @@ by CI.
 
 from __future__ import annotations
 
-import argparse
 import shlex
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import check_exports  # Megatron's argument parsing, silenced
 
-import check_exports  # noqa: E402  (Megatron's argument parsing, silenced)
-
-from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, rank_order_of  # noqa: E402
-from pipedejavu.costmodel.megatron.tables import plan_from_stages  # noqa: E402
-from pipedejavu.io.exports import export_plan  # noqa: E402
+from pipedejavu.core.plan3d import RANK_ORDERS, Plan3D, rank_order_of
+from pipedejavu.costmodel.megatron.tables import plan_from_stages
+from pipedejavu.io.exports import export_plan
 
 #: The order Megatron-LM's ``initialize.py`` builds its groups with.
 MEGATRON_ORDER = {"tp-dp-pp": "tp-cp-ep-dp-pp", "tp-pp-dp": "tp-cp-ep-pp-dp"}
@@ -122,28 +115,19 @@ def check(plan: Plan3D, order: str, gpn: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/check_rank_order_export.json")
+    def flagged(planned) -> dict[str, int]:
+        flag = sum(rank_order_of(plan, gpn) == "tp-pp-dp" for plan, _, gpn in planned)
+        return {"as_planned_with_the_flag": flag}
+
+    return check_exports.check_cases(
+        argv,
+        __doc__,
+        "check_rank_order_export",
+        plans(),
+        check,
+        lambda plan, order, gpn: {"plan": plan.describe(), "order": order},
+        flagged,
     )
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    outcomes: dict[str, int] = {}
-    flagged = 0
-    failures = []
-    for plan, order, gpn in plans():
-        try:
-            outcome = check(plan, order, gpn)
-        except (AssertionError, ValueError, SystemExit) as error:
-            outcome = f"Megatron rejects: {error}"
-        key = outcome if outcome == "as planned" else "differs or rejected"
-        outcomes[key] = outcomes.get(key, 0) + 1
-        flagged += outcome == "as planned" and rank_order_of(plan, gpn) == "tp-pp-dp"
-        if outcome != "as planned":
-            failures.append({"plan": plan.describe(), "order": order, "why": outcome})
-    fields = {"outcomes": outcomes, "as_planned_with_the_flag": flagged}
-    shown = ("outcomes", "as_planned_with_the_flag")
-    return check_exports.write_check(args.out, started, fields, failures, shown)
 
 
 if __name__ == "__main__":
