@@ -46,19 +46,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # The grid, the predictions and the fit need no torch.
-    import torch
-except ImportError:  # pragma: no cover - exercised where torch is absent
-    torch = None
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stamp  # noqa: E402
-from gpu_blocks import (  # noqa: E402
+from gpu_blocks import (  # noqa: E402  (torch: None where it is absent)
     calibrate_sleep,
     environment,
     results_header,
     sheet_name_for,
-    write_json,
+    torch,
 )
 
 from pipedejavu.core.transformer import TransformerSpec  # noqa: E402
@@ -385,7 +380,7 @@ def refit(path: str) -> dict[str, Any]:
         },
         "errors": summarize(result, gpu, HALF_PRECISION_ANALYTICAL),
     }
-    write_json(path, result)
+    stamp.write_json(path, result)
     return {"fit": result.get("fit"), "repriced": result["repriced"]}
 
 
@@ -480,10 +475,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         print("  ".join(line), flush=True)
         result["seconds"] = time.perf_counter() - started
-        write_json(args.out, result)
+        stamp.write_json(args.out, result)
     result["summary"] = summarize(result, gpu, HALF_PRECISION_ANALYTICAL)
     result["seconds"] = time.perf_counter() - started
-    write_json(args.out, result)
+    stamp.write_json(args.out, result)
     if args.extended:  # held out: the planner's constants, no fit
         print(json.dumps(result["summary"], indent=1))
         return 0

@@ -72,7 +72,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import platform
@@ -82,7 +81,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from typing import Any
 
 try:  # The grid, the predictions and the summary need no torch.
@@ -91,6 +89,9 @@ try:  # The grid, the predictions and the summary need no torch.
 except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
     F = None
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stamp  # noqa: E402
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.transformer import TransformerSpec
@@ -344,7 +345,7 @@ def results_header(env: dict[str, Any], gpu: GpuSheetEntry) -> dict[str, Any]:
     the sheet entry it priced with and the constants
     (:func:`constants_record`)."""
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": stamp.now(),
         "machine": f"{env['device_name']}, {env['host']} ({env['cpu']})",
         "environment": env,
         "gpu_sheet_entry": dataclasses.asdict(gpu),
@@ -1213,12 +1214,18 @@ TABLE_HEADER = (
 )
 
 
-def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(TABLE_HEADER)
+def print_rows(header: str, rows: list[dict[str, Any]], line) -> None:
+    """A results table: ``header``, each row's ``line(row)``, then the title
+    of the summary that follows it."""
+    print(header)
     for row in rows:
-        print(_row_line(row))
+        print(line(row))
     print()
     print("summary: |predicted / measured - 1|, median / max (signed median)")
+
+
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    print_rows(TABLE_HEADER, rows, _row_line)
     print(f"  {'group':14s} {'n':>3s}  {'fwd+bwd':25s}{'fwd':25s}bwd")
     for key, entry in summary.items():
         parts = []
@@ -1287,14 +1294,6 @@ def print_split_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> No
         if entry["measured_w_nonpositive"]:
             line += f" ({entry['measured_w_nonpositive']} with measured W <= 0)"
         print(line.rstrip())
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
 
 
 # --------------------------------------------------------------------- main
@@ -1539,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
         result["summary"] = summarize(rows)
         if args.split:
             result["split_summary"] = summarize_split(rows)
-        write_json(args.out, result)
+        stamp.write_json(args.out, result)
     print()
     print_table(rows, result["summary"])
     if args.split:

@@ -81,18 +81,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-try:  # The grid, the predictions and the summary need no torch.
-    import torch
-except ImportError:  # pragma: no cover - exercised where torch is absent
-    torch = None
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stamp  # noqa: E402
-from gpu_blocks import (  # noqa: E402
+from gpu_blocks import (  # noqa: E402  (torch: None where it is absent)
     calibrate_sleep,
     environment,
+    print_rows,
     sheet_name_for,
-    write_json,
+    torch,
 )
 
 from pipedejavu.core.gpu_sheet import GpuSheetEntry  # noqa: E402
@@ -654,11 +650,7 @@ def row_line(row: dict[str, Any]) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(TABLE_HEADER)
-    for row in rows:
-        print(row_line(row))
-    print()
-    print("summary: |predicted / measured - 1|, median / max (signed median)")
+    print_rows(TABLE_HEADER, rows, row_line)
     for key, entry in summary.items():
         parts = []
         for part in ("bf16", "fp8", "speedup", "casts"):
@@ -885,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{index + 1}/{len(rows)}] {row_line(row)}", flush=True)
         result["summary"] = summarize(result["rows"])
         result["seconds"] = time.perf_counter() - run_started
-        write_json(args.out, result)
+        stamp.write_json(args.out, result)
     print()
     print_table(result["rows"], result["summary"])
     print(f"wrote {args.out} ({result['seconds']:.1f} s)")
