@@ -16,10 +16,7 @@ Writes ``benchmarks/results/capacity_planning.json`` with date and machine.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import stamp
 
@@ -31,16 +28,11 @@ from pipedejavu.planning.capacity import (
     without_clock,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-PRICES = ROOT / "pipedejavu/data/prices-example.json"
+PRICES = stamp.ROOT / "pipedejavu/data/prices-example.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/capacity_planning.json")
-    )
-    args = parser.parse_args()
+    out_path = stamp.out_option(__doc__, str(stamp.RESULTS / "capacity_planning.json"))
     sheet = load_gpu_sheet()
     question = CapacityQuestion(
         model="Llama-3-8B",
@@ -98,8 +90,7 @@ def main() -> None:
     chosen = answer.outcomes[answer.choice]
     print(f"chosen {dict(chosen.used)}: {chosen.time_s / 86400:.2f} days, "
           f"{chosen.cost:,.0f} USD; identical everywhere: {identical}")  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    stamp.save(out_path, out, end="\n")
 
 
 if __name__ == "__main__":  # (spawned workers import this file)

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import stamp
 
@@ -35,8 +33,7 @@ from pipedejavu.planning.capacity import (
     without_trace,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-PRICES = ROOT / "pipedejavu/data/prices-example.json"
+PRICES = stamp.ROOT / "pipedejavu/data/prices-example.json"
 COUNTS = (8, 16, 32, 48, 64, 96, 128, 256, 384, 512, 1024, 2048)
 ENGINES = {"2": (2, None), "dask": (2, "local"), "1": (1, None), "every": (2, None)}
 
@@ -53,9 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", type=int, default=None)
     parser.add_argument("--engines", default="2,dask,every")
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/capacity_sheet.json")
-    )
+    parser.add_argument("--out", default=str(stamp.RESULTS / "capacity_sheet.json"))
     args = parser.parse_args()
     sheet = load_gpu_sheet()
     types = list(sheet)[: args.types]
@@ -144,8 +139,7 @@ def main() -> None:
     }
     print(f"chosen {dict(chosen.used)}: {chosen.time_s / 86400:.1f} days, "
           f"{chosen.cost:,.0f} USD; identical: {identical}")  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    stamp.save(args.out, out, end="\n")
 
 
 if __name__ == "__main__":  # (spawned workers import this file)

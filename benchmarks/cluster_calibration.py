@@ -26,10 +26,7 @@ Writes ``benchmarks/results/cluster_calibration.json`` with date and machine.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import stamp
@@ -48,16 +45,10 @@ from pipedejavu.planning.any_model import choose_cost_source, predict_any_plan
 from pipedejavu.planning.measured_runs import load_runs, price_run
 from pipedejavu.planning.run_fit import fit_runs
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_FILE = ROOT / "pipedejavu/data/models/sailor-opt-350.json"
-RUNS = ROOT / "pipedejavu/data/runs"
+MODEL_FILE = stamp.ROOT / "pipedejavu/data/models/sailor-opt-350.json"
+RUNS = stamp.ROOT / "pipedejavu/data/runs"
 SUBSETS = 8
 COUNTS = (1, 2, 3, 5)
-
-
-def _summary(errors) -> dict[str, float]:
-    values = np.abs(np.asarray(errors, dtype=float))
-    return {"median": float(np.median(values)), "max": float(values.max())}
 
 
 def _neo_errors(neo, spec, sheet, calibration, links) -> dict[str, float]:
@@ -77,7 +68,7 @@ def _neo_errors(neo, spec, sheet, calibration, links) -> dict[str, float]:
         times = source.layer_times(spec.name, "GH-96", s.mbs, s.tp)
         row = getattr(times, s.direction)[1 : spec.num_layers + 1]
         errors.append(float(np.median(row)) / s.measured - 1)
-    return _summary(errors)
+    return stamp.abs_summary(errors)
 
 
 def _runs_part(calibration, runs) -> tuple[dict, object]:
@@ -87,9 +78,9 @@ def _runs_part(calibration, runs) -> tuple[dict, object]:
     seconds = time.perf_counter() - started
     out = {
         "runs": [r.name.rsplit("/", 1)[-1] for r in runs],
-        "profiles_only": _summary(fit.errors("before")),
-        "fitted": _summary(fit.errors("after")),
-        "leave_one_run_out": _summary(fit.errors("left_out")),
+        "profiles_only": stamp.abs_summary(fit.errors("before")),
+        "fitted": stamp.abs_summary(fit.errors("after")),
+        "leave_one_run_out": stamp.abs_summary(fit.errors("left_out")),
         "per_run": [
             {"run": r.name.rsplit("/", 1)[-1], "measured_s": m, "profiles_only_s": b,
              "fitted_s": a, "left_out_s": o}
@@ -114,18 +105,16 @@ def _runs_part(calibration, runs) -> tuple[dict, object]:
             errors += [
                 price_run(r, refined).iteration_time_s / r.seconds - 1 for r in rest
             ]
-        by_count[str(count)] = _summary(errors)
+        by_count[str(count)] = stamp.abs_summary(errors)
         print(f"  on {count} runs, the others predicted: {by_count[str(count)]}")
     out["by_runs_used"] = by_count
     return out, fit.calibration
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/cluster_calibration.json")
+    out_path = stamp.out_option(
+        __doc__, str(stamp.RESULTS / "cluster_calibration.json")
     )
-    args = parser.parse_args()
     data, sheet = load_sailor_data(), load_gpu_sheet()
     started = time.perf_counter()
     calibration = fit_cluster(data, sheet, models=["OPT-350"])
@@ -167,7 +156,7 @@ def main() -> None:
     for cluster in sorted({r["cluster"] for r in rows}):
         mine = [r for r in rows if r["cluster"] == cluster and not r["suspect"]]
         clusters[cluster] = {
-            key: _summary([r[f"{key}_error"] for r in mine])
+            key: stamp.abs_summary([r[f"{key}_error"] for r in mine])
             for key in ("default", "calibrated")
         }
         print(cluster, clusters[cluster])
@@ -201,8 +190,7 @@ def main() -> None:
         "runs_fit": by_runs,
         **stamp.stamp("unknown"),
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    stamp.save(out_path, out, end="\n")
 
 
 if __name__ == "__main__":
