@@ -275,11 +275,7 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
         return Link(float(rng.uniform(0, 0.3)), float(rng.choice([0.5, 2.0, 20.0])))
 
     intra = {t.name: link() for t in types}
-    inter = {"default": link()}
-    for a in range(num_types):
-        for b in range(a, num_types):
-            if rng.random() < 0.5:
-                inter[f"t{a}-t{b}"] = link()
+    inter = random_inter_host(rng, num_types, link)
     cluster = Cluster.from_types(
         types, host_types, dph, intra_host=intra, inter_host=inter
     )
@@ -291,19 +287,53 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
     if len(shapes) > 2 and rng.random() < 0.3:
         keep = rng.random(len(shapes)) < 0.7
         shapes = [s for s, k in zip(shapes, keep, strict=True) if k] or shapes[:1]
+    # costs rounded: exact ties between types and configs happen
+    return random_problem_on(rng, cluster, shapes, max_layers, decimals=3)
+
+
+def random_inter_host(rng: np.random.Generator, num_types: int, link) -> dict:
+    """Inter-host links between types ``t0``, ``t1``, ...: a default one and,
+    for each pair of types (a type with itself included), one drawn by
+    ``link()`` half the time."""
+    inter = {"default": link()}
+    for a in range(num_types):
+        for b in range(a, num_types):
+            if rng.random() < 0.5:
+                inter[f"t{a}-t{b}"] = link()
+    return inter
+
+
+def random_problem_on(
+    rng: np.random.Generator,
+    cluster,
+    shapes,
+    max_layers: int,
+    *,
+    size_exponent: float | None = None,
+    decimals: int | None = None,
+    max_microbatches: int = 8,
+    max_boundary: float = 4.0,
+) -> HeteroProblem:
+    """An instance on ``cluster`` and submesh ``shapes`` of 1 to ``max_layers``
+    layers and 1 or 2 configs: costs grow with a stage's span and shrink with
+    its submesh's devices ** ``size_exponent`` (drawn from [0.5, 1) when None)
+    and with its type's speed, rounded to ``decimals``; 15 % of them inf, 30 %
+    of the memory limits drawn (the rest unlimited); 1 to ``max_microbatches``
+    micro-batches, boundary bytes up to ``max_boundary``."""
     shapes = np.array(shapes, dtype=np.int64)
+    num_types = len(cluster.speeds)
     num_layers = int(rng.integers(1, max_layers + 1))
     num_configs = int(rng.integers(1, 3))
     shape = (num_layers, num_layers, len(shapes), num_configs, num_types)
     spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1
     sizes = shapes[:, 0] * shapes[:, 1]
-    cost = (
-        rng.uniform(0.5, 2.0, shape)
-        * np.clip(spans, 1, None)[:, :, None, None, None]
-        / sizes[None, None, :, None, None] ** rng.uniform(0.5, 1.0)
-        / np.asarray(cluster.speeds)
-    )
-    cost = np.round(cost, 3)  # exact ties between types and configs happen
+    cost = rng.uniform(0.5, 2.0, shape) * np.clip(spans, 1, None)[..., None, None, None]
+    if size_exponent is None:
+        size_exponent = rng.uniform(0.5, 1.0)
+    cost = cost / sizes[None, None, :, None, None] ** size_exponent
+    cost = cost / np.asarray(cluster.speeds)
+    if decimals is not None:
+        cost = np.round(cost, decimals)
     cost[rng.random(shape) < 0.15] = np.inf
     limits = np.where(
         rng.random(shape) < 0.3, rng.integers(-1, num_layers, shape), 2**20
@@ -313,8 +343,8 @@ def random_instance(rng: np.random.Generator, *, max_layers: int = 5):
         max_n_succ_stages=limits,
         submesh_shapes=shapes,
         cluster=cluster,
-        num_microbatches=int(rng.integers(1, 9)),
-        boundary_bytes=rng.uniform(0, 4, max(num_layers - 1, 0)),
+        num_microbatches=int(rng.integers(1, max_microbatches + 1)),
+        boundary_bytes=rng.uniform(0, max_boundary, max(num_layers - 1, 0)),
     )
 
 

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from helpers import solved_alike
+from hetero_reference import random_inter_host, random_problem_on
 
 from pipedejavu.baselines.hetero import (
     alpa_homogeneous,
@@ -59,11 +60,7 @@ def tiny_hetero(rng: np.random.Generator, max_layers: int = 5) -> HeteroProblem:
     def link() -> Link:
         return Link(float(rng.uniform(0, 0.2)), float(rng.uniform(1, 20)))
 
-    inter = {"default": link()}
-    for a in range(num_types):
-        for b in range(a, num_types):
-            if rng.random() < 0.5:
-                inter[f"t{a}-t{b}"] = link()
+    inter = random_inter_host(rng, num_types, link)
     cluster = Cluster.from_types(
         types,
         rng.integers(0, num_types, num_hosts).tolist(),
@@ -71,28 +68,15 @@ def tiny_hetero(rng: np.random.Generator, max_layers: int = 5) -> HeteroProblem:
         intra_host={t.name: link() for t in types},
         inter_host=inter,
     )
-    shapes = np.array(get_submesh_choices(num_hosts, dph, "all"))
-    num_layers = int(rng.integers(1, max_layers + 1))
-    shape = (num_layers, num_layers, len(shapes), int(rng.integers(1, 3)), num_types)
-    spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1
-    sizes = shapes[:, 0] * shapes[:, 1]
-    cost = (
-        rng.uniform(0.5, 2.0, shape)
-        * np.clip(spans, 1, None)[:, :, None, None, None]
-        / sizes[None, None, :, None, None] ** 0.8
-        / np.array(cluster.speeds)
-    )
-    cost[rng.random(shape) < 0.15] = np.inf
-    memory = np.where(
-        rng.random(shape) < 0.3, rng.integers(-1, num_layers, shape), UNLIMITED
-    )
-    return HeteroProblem(
-        compute_cost=cost,
-        max_n_succ_stages=memory,
-        submesh_shapes=shapes,
-        cluster=cluster,
-        num_microbatches=int(rng.integers(1, 8)),
-        boundary_bytes=rng.uniform(0, 10, max(num_layers - 1, 0)),
+    shapes = get_submesh_choices(num_hosts, dph, "all")
+    return random_problem_on(
+        rng,
+        cluster,
+        shapes,
+        max_layers,
+        size_exponent=0.8,
+        max_microbatches=7,
+        max_boundary=10.0,
     )
 
 
