@@ -103,6 +103,13 @@ def table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def columns(records, spec: list[tuple[str, Callable[[Any], Any]]]) -> str:
+    """:func:`table` of one row per record: ``spec`` pairs each column's head
+    with the function of a record that gives its cell."""
+    rows = [[cell(record) for _, cell in spec] for record in records]
+    return table([head for head, _ in spec], rows)
+
+
 # --------------------------------------------------------------------- tables
 
 
@@ -135,12 +142,14 @@ def t_headline() -> str:
     rows = [
         [
             "exact DP against Alpa's algorithm (L = 16, where Alpa's finished)",
-            f"{span([r['time_ratio'] for r in dp], lambda x: f'{x:.0f}x')} faster, same plan cost",
+            f"{span([r['time_ratio'] for r in dp], lambda x: f'{x:.0f}x')} faster, "
+            "same plan cost",
             "dp_scaling.json",
         ],
         [
             "differentiable engine, plan cost / exact optimum",
-            f"{sum(r['cost_ratio'] <= 1 + 1e-9 for r in q)} of {len(q)} instances at the optimum",
+            f"{sum(r['cost_ratio'] <= 1 + 1e-9 for r in q)} of {len(q)} instances "
+            "at the optimum",
             "search_vs_dp_quality.json",
         ],
         [
@@ -152,7 +161,8 @@ def t_headline() -> str:
         ],
         [
             "Megatron-style predictor vs measured iterations, median / max error",
-            f"GH200 {pct(gh['median'])} / {pct(gh['max'])}; RTX {pct(rtx['median'])} / {pct(rtx['max'])}",
+            f"GH200 {pct(gh['median'])} / {pct(gh['max'])}; "
+            f"RTX {pct(rtx['median'])} / {pct(rtx['max'])}",
             "predict_real_runs.json",
         ],
         [
@@ -223,15 +233,19 @@ def t_headline() -> str:
             "what to rent: Llama-3-70B on 1T tokens over every GPU type of the "
             "sheet x 12 counts (264 pools), least cost within 90 days, two local "
             "processes (target 300 s)",
-            (lambda d: f"{d['seconds']['2']:.0f} s, the same answer as every pool "
-             f"planned ({d.get('every_plan_s', float('nan')):.0f} s)"
-             if d.get("same_as_every_plan") else f"{d['seconds']['2']:.0f} s")(
-                load("capacity_sheet.json")),  # fmt: skip
+            (
+                lambda d: (
+                    f"{d['seconds']['2']:.0f} s, the same answer as every pool "
+                    f"planned ({d.get('every_plan_s', float('nan')):.0f} s)"
+                    if d.get("same_as_every_plan")
+                    else f"{d['seconds']['2']:.0f} s"
+                )
+            )(load("capacity_sheet.json")),  # fmt: skip
             "capacity_sheet.json",
         ],
         [
-            "schedule (interleaved, zero bubble), recomputation, SP, optimizer sharding "
-            "and rank order searched with the plan: predicted speed-up over "
+            "schedule (interleaved, zero bubble), recomputation, SP, optimizer "
+            "sharding and rank order searched with the plan: predicted speed-up over "
             "today's space (geometric mean, 4 settings)",
             f"x{_knob_gain():.2f}",
             "plan_knobs.json",
@@ -263,7 +277,8 @@ def t_headline() -> str:
         ],
         [
             "choosing the micro-batch size: gain median / mean / max",
-            f"{pct(mbs['gain_median'])} / {pct(mbs['gain_mean'])} / {pct(mbs['gain_max'])}",
+            f"{pct(mbs['gain_median'])} / {pct(mbs['gain_mean'])} / "
+            f"{pct(mbs['gain_max'])}",
             "mbs_choice.json",
         ],
         [
@@ -408,35 +423,20 @@ def t_hetero() -> str:
 
 def t_hetero_engine_versions() -> str:
     data = load("hetero_engine_versions.json")
-    rows = [
-        [
-            r["tree"],
-            f"`{data['trees'][r['tree']][:7]}`",
-            r["layers"],
-            r["round"],
-            f"{r['engine_s']:.1f}",
-            f"{r['bound_time_s']:.1f}",
-            f"{r['polish_time_s']:.1f}",
-            f"{r['cost']:.6f}",
-            pct(r["certified_gap"], 2),
-            f"{r['load_average'][0]:.1f}",
-        ]
-        for r in data["rows"]
-    ]
-    head = [
-        "engine",
-        "commit",
-        "L",
-        "round",
-        "engine s (cold)",
-        "bound s",
-        "polish s",
-        "cost (its objective)",
-        "certified gap",
-        "load",
+    spec = [
+        ("engine", lambda r: r["tree"]),
+        ("commit", lambda r: f"`{data['trees'][r['tree']][:7]}`"),
+        ("L", lambda r: r["layers"]),
+        ("round", lambda r: r["round"]),
+        ("engine s (cold)", lambda r: f"{r['engine_s']:.1f}"),
+        ("bound s", lambda r: f"{r['bound_time_s']:.1f}"),
+        ("polish s", lambda r: f"{r['polish_time_s']:.1f}"),
+        ("cost (its objective)", lambda r: f"{r['cost']:.6f}"),
+        ("certified gap", lambda r: pct(r["certified_gap"], 2)),
+        ("load", lambda r: f"{r['load_average'][0]:.1f}"),
     ]
     return (
-        table(head, rows)
+        columns(data["rows"], spec)
         + f"\n\nInstance: {data['instance']}. The engine of before issue 23 prices "
         "the all-in-flight objective, today's the 1F1B objective (higher); their "
         "costs do not compare." + source("hetero_engine_versions.json")
@@ -723,32 +723,22 @@ def t_startup_no_bytecode() -> str:
 
 def t_published_runs() -> str:
     data = load("published_runs.json")["sc21"]
-    rows = [
-        [
-            r["id"].replace("sc21_table1_", "GPT "),
-            r["gpus"],
-            f"{r['tp']} / {r['pp']} / {r['virtual_stages']}",
-            f"{r['published_tflops_per_gpu']:.0f}",
-            f"{r['predicted_tflops_per_gpu']:.1f}",
-            signed(r["in_sample_error"]),
-            signed(r["leave_one_out_error"]),
-            f"{r['prediction_ms']:.0f}",
-        ]
-        for r in data["runs"]
+    spec = [
+        ("run", lambda r: r["id"].replace("sc21_table1_", "GPT ")),
+        ("A100-80 GPUs", lambda r: r["gpus"]),
+        (
+            "TP / PP / chunks",
+            lambda r: f"{r['tp']} / {r['pp']} / {r['virtual_stages']}",
+        ),
+        ("published TFLOP/s per GPU", lambda r: f"{r['published_tflops_per_gpu']:.0f}"),
+        ("predicted", lambda r: f"{r['predicted_tflops_per_gpu']:.1f}"),
+        ("error (in-sample)", lambda r: signed(r["in_sample_error"])),
+        ("error (leave-one-out)", lambda r: signed(r["leave_one_out_error"])),
+        ("prediction (ms)", lambda r: f"{r['prediction_ms']:.0f}"),
     ]
     loo, anchor = data["leave_one_out"], data["constant_mfu_leave_one_out"]
-    head = [
-        "run",
-        "A100-80 GPUs",
-        "TP / PP / chunks",
-        "published TFLOP/s per GPU",
-        "predicted",
-        "error (in-sample)",
-        "error (leave-one-out)",
-        "prediction (ms)",
-    ]
     return (
-        table(head, rows)
+        columns(data["runs"], spec)
         + f"\n\nLeave-one-out absolute error: median {pct(loo['median'])}, max "
         f"{pct(loo['max'])}; one constant MFU for all runs (leave-one-out): "
         f"median {pct(anchor['median'])}, max {pct(anchor['max'])}. Prediction: "
@@ -1173,28 +1163,25 @@ def t_fp8_gemms() -> str:
     return table(head, body) + source("gpu_fp8_gemms.json")
 
 
+#: The published and predicted tokens/s per GPU of a published run.
+PUBLISHED_AND_PREDICTED = [
+    ("published tokens/s/GPU", lambda r: f"{r['published_tokens_per_s_per_gpu']:.0f}"),
+    ("predicted", lambda r: f"{r['predicted_tokens_per_s_per_gpu']:.0f}"),
+]
+
+
 def t_moe_published() -> str:
     data = load("moe_published.json")
-    rows = [
-        [
-            f"`{r['id']}`",
-            f"{r['published_tokens_per_s_per_gpu']:.0f}",
-            f"{r['predicted_tokens_per_s_per_gpu']:.0f}",
-            signed(r["error"]),
-            signed(r["leave_one_out_error"]),
-        ]
-        for r in data["runs"]
-    ]
-    head = [
-        "run",
-        "published tokens/s/GPU",
-        "predicted",
-        "error",
-        "leave-one-out",
+    spec = [
+        ("run", lambda r: f"`{r['id']}`"),
+        *PUBLISHED_AND_PREDICTED,
+        ("error", lambda r: signed(r["error"])),
+        ("leave-one-out", lambda r: signed(r["leave_one_out_error"])),
     ]
     c, fit, loo = data["constants"], data["fitted_on_all"], data["leave_one_out"]
     return (
-        table(head, rows) + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
+        columns(data["runs"], spec)
+        + f"\n\nFitted on all thirteen: `alltoall_efficiency` "
         f"{c['alltoall_efficiency']}, `alltoall_hidden` {c['alltoall_hidden']}, "
         f"`expert_block_overhead_s` {1e3 * c['expert_block_overhead_s']:.2f} ms. "
         + fit_errors(fit, loo)
@@ -1308,31 +1295,25 @@ def t_simulator_speed() -> str:
 
 def t_torchtitan_published() -> str:
     data = load("torchtitan_published.json")
-    rows = [
-        [
-            f"`{r['id'].split('_8gpu_')[-1]}`",
-            f"{r['published_tokens_per_s_per_gpu']:.0f}",
-            f"{r['predicted_tokens_per_s_per_gpu']:.0f}",
-            signed(r["leave_one_out_error"]),
-            signed(r["error_before_torchtitan_constants"]),
-            f"{r['published_peak_memory_gib']:.1f}",
-            f"{r['predicted_peak_memory_gib']:.1f}",
-        ]
-        for r in data["runs"]
-    ]
-    head = [
-        "run (Llama 3.1 8B, 8 H100 96 GB)",
-        "published tokens/s/GPU",
-        "predicted",
-        "leave-one-out",
-        "before the constants",
-        "published GiB",
-        "predicted GiB",
+    spec = [
+        (
+            "run (Llama 3.1 8B, 8 H100 96 GB)",
+            lambda r: f"`{r['id'].split('_8gpu_')[-1]}`",
+        ),
+        *PUBLISHED_AND_PREDICTED,
+        ("leave-one-out", lambda r: signed(r["leave_one_out_error"])),
+        (
+            "before the constants",
+            lambda r: signed(r["error_before_torchtitan_constants"]),
+        ),
+        ("published GiB", lambda r: f"{r['published_peak_memory_gib']:.1f}"),
+        ("predicted GiB", lambda r: f"{r['predicted_peak_memory_gib']:.1f}"),
     ]
     c, fit, loo = data["constants"], data["fitted_on_all"], data["leave_one_out"]
     mem = data["memory"]
     return (
-        table(head, rows) + f"\n\nFitted on all seven: `attention_efficiency` "
+        columns(data["runs"], spec)
+        + f"\n\nFitted on all seven: `attention_efficiency` "
         f"{c['attention_efficiency']}, `tensor_efficiency` {c['tensor_efficiency']}. "
         + fit_errors(fit, loo)
         + f"; peak memory |error| median {pct(mem['median'])}, "
