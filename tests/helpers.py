@@ -29,7 +29,7 @@ from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.mixed import PlacedMix
-from pipedejavu.search.megatron.space import Mix, config_groups
+from pipedejavu.search.megatron.space import Mix, SearchScope, config_groups
 from pipedejavu.search.megatron.transfers import BoundCache
 
 UNLIMITED = 2**20
@@ -92,6 +92,23 @@ def python_last_line(code: str, env: dict[str, str]) -> str:
     """The last line ``python -c CODE`` prints, run in ``env`` (an error or
     more than 300 s fails the test)."""
     return run_python("-c", code, env=env).stdout.strip().splitlines()[-1]
+
+
+def relaxed_start(rng: np.random.Generator, params_type, num_stages, num_slots):
+    """``(params, mask, temps)`` of a relaxed search (``params_type``, the
+    stage ends' logits and each stage's slot logits, drawn from ``rng``), the
+    search's usual temperatures and the first three stages in use."""
+    import jax.numpy as jnp
+
+    from pipedejavu.search.engine.relax import Temperatures
+
+    params = params_type(
+        jnp.asarray(rng.normal(size=num_stages)),
+        jnp.asarray(rng.normal(size=(num_stages, num_slots))),
+    )
+    temps = Temperatures(*(jnp.asarray(x) for x in (0.7, 0.8, 0.3, 5.0)))
+    mask = jnp.asarray([True, True, True, False][:num_stages])
+    return params, mask, temps
 
 
 def fake_devices_env(count: int) -> dict[str, str]:
@@ -328,16 +345,8 @@ def proof_groups(
     """The proof's configuration groups of a search space (``pool``: a dict
     or ``(type, count)`` pairs), pipelines on fewer GPUs than the pool's
     included; every micro-batch size unless ``mbs_values`` says which."""
-    return config_groups(
-        data,
-        model,
-        dict(pool),
-        gbs,
-        uniform_tp=uniform,
-        allow_fewer_gpus=True,
-        mbs_values=mbs_values,
-        max_stages=max_stages,
-    )
+    scope = SearchScope(uniform, True, mbs_values, max_stages)
+    return config_groups(data, model, dict(pool), gbs, scope)
 
 
 def mixed_in_pool(kinds, tp, dp, pool) -> bool:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import solved_alike
+from helpers import relaxed_start, solved_alike
 from jax.test_util import check_grads
 
 from pipedejavu import get_submesh_choices
@@ -42,7 +42,6 @@ from pipedejavu.search.hetero.exact import hetero_exact
 from pipedejavu.search.hetero.relax import (
     HeteroRelaxedParams,
     HeteroRelaxedProblem,
-    Temperatures,
     hetero_relaxed_loss,
 )
 
@@ -363,12 +362,7 @@ def _relaxed_instance(seed: int = 0):
         devices_per_host=jnp.asarray(2.0),
         num_microbatches=jnp.asarray(8.0),
     )
-    params = HeteroRelaxedParams(
-        jnp.asarray(rng.normal(size=num_stages)),
-        jnp.asarray(rng.normal(size=(num_stages, num_slots))),
-    )
-    temps = Temperatures(*(jnp.asarray(x) for x in (0.7, 0.8, 0.3, 5.0)))
-    mask = jnp.asarray([True, True, True, False])
+    params, mask, temps = relaxed_start(rng, HeteroRelaxedParams, num_stages, num_slots)
     return params, data, mask, temps
 
 

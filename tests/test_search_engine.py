@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fake_devices_env, python_last_line, solved_alike, tiny_problem
+from helpers import (
+    fake_devices_env,
+    python_last_line,
+    relaxed_start,
+    solved_alike,
+    tiny_problem,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -25,7 +31,6 @@ from pipedejavu.search.engine.driver import differentiable, search
 from pipedejavu.search.engine.relax import (
     RelaxedParams,
     RelaxedProblem,
-    Temperatures,
     relaxed_loss,
     soft_assignment,
 )
@@ -96,12 +101,7 @@ def _relaxed_instance(num_layers=7, num_slots=3, num_stages=4, seed=0):
         num_devices=jnp.asarray(4.0),
         num_microbatches=jnp.asarray(8.0),
     )
-    params = RelaxedParams(
-        jnp.asarray(rng.normal(size=num_stages)),
-        jnp.asarray(rng.normal(size=(num_stages, num_slots))),
-    )
-    temps = Temperatures(*(jnp.asarray(x) for x in (0.7, 0.8, 0.3, 5.0)))
-    mask = jnp.asarray([True, True, True, False][:num_stages])
+    params, mask, temps = relaxed_start(rng, RelaxedParams, num_stages, num_slots)
     return params, data, mask, temps
 
 
