@@ -19,17 +19,12 @@ their counts and times, search seconds).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import stamp
 
 from pipedejavu.planning.knob_space import KnobSpace
 from pipedejavu.planning.knobs import plan_with_knobs
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = [
     ("gpt3-175b", "GPT-3-175B", {"A100-80": 1024}, 1536, 2048),
@@ -79,11 +74,7 @@ def run(model: str, gpus: dict, gbs: int, seq: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/stage_recompute.json")
-    )
-    args = parser.parse_args(argv)
+    out = stamp.out_option(__doc__, str(stamp.RESULTS / "stage_recompute.json"), argv)
     started = time.perf_counter()
     results = {
         **stamp.stamp("vm"),
@@ -92,8 +83,7 @@ def main(argv=None) -> int:
         },
     }
     results["seconds"] = time.perf_counter() - started
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out} ({results['seconds']:.0f} s)")
+    stamp.save(out, results, end="\n", note=f" ({results['seconds']:.0f} s)")
     return 0
 
 
