@@ -34,6 +34,8 @@ from pipedejavu.search.megatron.transfers import BoundCache
 
 UNLIMITED = 2**20
 ROOT = Path(__file__).resolve().parents[1]
+#: The bundled example price sheet.
+PRICES_EXAMPLE = ROOT / "pipedejavu" / "data" / "prices-example.json"
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import load_benchmark
+from helpers import ROOT, load_benchmark
 
 from pipedejavu.costmodel.analytical.attention import (
     ATTENTION_TILE,
@@ -37,7 +36,6 @@ from pipedejavu.costmodel.analytical.roofline import (
 from pipedejavu.io.gpu_sheet import load_gpu_sheet
 from pipedejavu.io.model_config import load_model_spec
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_attention.json"
 
 

@@ -10,10 +10,10 @@ import argparse
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PRICES_EXAMPLE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +37,6 @@ from pipedejavu.planning.capacity import (
     without_trace,
 )
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "pipedejavu/data/prices-example.json"
 PRICES = PriceSheet("USD", {"GH-96": 3.0, "RTX-3090": 0.3, "RTX-2080": 0.2})
 
 
@@ -50,7 +49,7 @@ def _outcome(time_s: float, cost: float, gpus: int = 1) -> CandidateOutcome:
 
 
 def test_the_example_price_sheet_reads_and_says_it_is_one():
-    prices = load_price_sheet(EXAMPLE, load_gpu_sheet())
+    prices = load_price_sheet(PRICES_EXAMPLE, load_gpu_sheet())
     assert prices.example and prices.currency == "USD"
     assert set(prices.per_gpu_hour) == set(load_gpu_sheet())  # every type priced
     assert prices.cost({"H100-SXM": 8}, 3600) == pytest.approx(8 * 2.5)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PRICES_EXAMPLE
 
 from pipedejavu.cli.main import main
 from pipedejavu.io.price_sheet import PriceSheet
@@ -26,7 +26,6 @@ from pipedejavu.planning.capacity_pruning import cutoff_of, dominates, pool_floo
 from pipedejavu.planning.sharded_search import share_source
 from pipedejavu.planning.sweep import run_tasks
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "pipedejavu/data/prices-example.json"
 PRICES = PriceSheet("USD", {"H100-SXM": 2.5, "A100-80": 1.6, "L40S": 1.0})
 
 
@@ -174,7 +173,7 @@ def test_a_pruned_sweep_resumes_from_its_results(tmp_path, answers):
 def test_the_cli_lists_the_dominated_pools_and_plans_every_pool_on_asking(capsys):
     base = ["plan", "--model", "Llama-3-8B", "--global-batch", "256",
             "--tokens", "100B", "--gpus-available", "H100-SXM:16,L40S:16",
-            "--counts", "8,16", "--prices", str(EXAMPLE),
+            "--counts", "8,16", "--prices", str(PRICES_EXAMPLE),
             "--deadline", "90d"]  # fmt: skip
     assert main(base) in (0, None)
     out = capsys.readouterr().out

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
+from helpers import ROOT, load_benchmark
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.io import megatron_command
@@ -22,7 +22,6 @@ from pipedejavu.io.megatron_flags import (
     megatron_flags,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "pipedejavu" / "data" / "megatron"
 #: Flags of the SC'21 scripts and of older Megatron-LM that ``megatron_args``
 #: still reads and that Megatron-LM 0.16.1 and 0.19.0 no longer have.
