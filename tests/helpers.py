@@ -113,6 +113,19 @@ def relaxed_start(rng: np.random.Generator, params_type, num_stages, num_slots):
     return params, mask, temps
 
 
+def fixture_fuzz(max_examples: int):
+    """Hypothesis settings for a property test that takes function-scoped
+    fixtures (capsys, tmp_path: shared by its examples, which is meant):
+    ``max_examples`` examples, no deadline."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+
+
 def fake_devices_env(count: int) -> dict[str, str]:
     """This process's environment with JAX on ``count`` fake CPU devices."""
     return dict(

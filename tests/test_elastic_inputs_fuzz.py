@@ -10,7 +10,8 @@ import json
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedejavu.cli.main import main
@@ -21,11 +22,7 @@ _NUMBER = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.sampled_from(["", "x", "1e400", "-0", "0x10", "1,2", "nan"]),
 )
-_SETTINGS = settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+_SETTINGS = fixture_fuzz(25)
 
 
 def _call(argv, capsys):

@@ -15,7 +15,8 @@ import json
 import tracemalloc
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 from test_model_config_moe import (
     DEEPSEEK_V2,
@@ -37,11 +38,7 @@ from pipedejavu.io.model_config import (
     spec_from_hf_config,
 )
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+FUZZ = fixture_fuzz(150)
 FAMILIES = [
     MIXTRAL_8X7B,
     QWEN2_MOE,

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from helpers import run_cli, write_one_device_members
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz, run_cli, write_one_device_members
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedejavu import (
@@ -48,11 +48,7 @@ from pipedejavu.core.npzfile import read_npz
 from pipedejavu.costmodel.stage.generate import random_problem
 from pipedejavu.planning.inputs import bundled_examples, load_example
 
-FUZZ = settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+FUZZ = fixture_fuzz(30)
 
 # ------------------------------------------------------------------ fixtures
 _SMALL = random_problem(5, (1, 4), num_microbatches=4, seed=0)

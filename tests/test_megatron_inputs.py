@@ -8,8 +8,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import run_cli
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz, run_cli
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedejavu.cli.megatron_report import objective_note
@@ -207,11 +207,7 @@ def test_report_bubble_not_negative(capsys):
 
 
 # ---------------------------------------------------------------- property
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fixture_fuzz(25)
 @given(
     gbs=st.one_of(st.integers(-5, 300), st.integers(-(10**15), 10**15)),
     gpus=st.one_of(
@@ -236,11 +232,7 @@ def test_plan_numeric_arguments_property(capsys, gbs, gpus, twice):
     assert time.process_time() - started < 30.0
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fixture_fuzz(25)
 @given(
     init=st.integers(-(10**13), 10**13),
     high=st.integers(-(10**13), 10**13),

@@ -5,7 +5,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedejavu.cli.main import main
@@ -243,11 +244,7 @@ _SIZE_FLAGS = (
 )
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fixture_fuzz(40)
 @given(
     flag=st.sampled_from(_SIZE_FLAGS),
     value=st.one_of(

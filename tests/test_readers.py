@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from hypothesis import HealthCheck, given, settings
+from helpers import fixture_fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipedejavu import costmodel
@@ -444,11 +445,7 @@ def test_npy_holding_something_else_is_refused(tmp_path):
         costmodel.read_stage_profile(path)
 
 
-_FUZZ = settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+_FUZZ = fixture_fuzz(40)
 
 
 @_FUZZ
