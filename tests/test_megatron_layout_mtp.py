@@ -144,22 +144,14 @@ def test_chunks_of_a_layout_by_hand():
     # "Et|ttt|t|tL" at PP 2: profile layers 2, 3, 1, 2 a virtual stage; rank 0
     # holds virtual stages 0 and 2 (the embedding, 2 blocks), rank 1 stages 1
     # and 3 (4 blocks and the head)
-    plan = Plan3D(
-        (Stage3D(0, 3, (Replica("GH-96", 1),)), Stage3D(3, 8, (Replica("GH-96", 1),))),
-        mbs=1,
-        gbs=2,
-    )
+    plan = _plan((0, 3, 8), gbs=2)
     assert chunk_layers(plan, 2, sizes=(1, 3, 1, 1)) == [
         [(0, 2), (5, 6)],
         [(2, 5), (6, 8)],
     ]
     # virtual stages of no block ("Et|ttttt||L" at PP 2): one empty, one the
     # head alone (as "mL", its MTP depths in the head's profile layer)
-    plan = Plan3D(
-        (Stage3D(0, 2, (Replica("GH-96", 1),)), Stage3D(2, 8, (Replica("GH-96", 1),))),
-        mbs=1,
-        gbs=2,
-    )
+    plan = _plan((0, 2, 8), gbs=2)
     assert chunk_layers(plan, 2, sizes=(1, 5, 0, 0)) == [
         [(0, 2), (7, 7)],
         [(2, 7), (7, 8)],
