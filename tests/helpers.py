@@ -113,6 +113,19 @@ def relaxed_start(rng: np.random.Generator, params_type, num_stages, num_slots):
     return params, mask, temps
 
 
+def one_knob_choice():
+    """The knob space of one choice (plan --model's knobs fixed): 1F1B, no
+    recompute, no sequence parallelism, the distributed optimizer."""
+    from pipedejavu.planning.knob_space import KnobSpace
+
+    return KnobSpace(
+        schedules=("1f1b",),
+        recompute=("none",),
+        sequence_parallel=(False,),
+        distributed_optimizer=(True,),
+    )
+
+
 def fixture_fuzz(max_examples: int):
     """Hypothesis settings for a property test that takes function-scoped
     fixtures (capsys, tmp_path: shared by its examples, which is meant):

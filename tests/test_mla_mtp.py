@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from helpers import DEEPSEEK_V3_MODEL_ARGS, DEEPSEEK_V3_RUN_ARGS
+from helpers import DEEPSEEK_V3_MODEL_ARGS, DEEPSEEK_V3_RUN_ARGS, one_knob_choice
 
 from pipedejavu.cli.main import main
 from pipedejavu.core.moe import MlaSpec, MoeSpec
@@ -292,18 +292,12 @@ def test_deepseek_v3_launch_is_predicted(capsys):
 def test_plan_model_plans_mla_and_mtp(tmp_path):
     """plan --model of a small MLA/MTP mixture of experts (refused before)."""
     from pipedejavu.planning import plan_model as module
-    from pipedejavu.planning.knob_space import KnobSpace
 
     path = tmp_path / "small-mla.json"
     own = {**dataclasses.asdict(SMALL), "source": "a test model"}
     own["moe"]["layers"] = list(own["moe"]["layers"])
     path.write_text(json.dumps(own))
-    space = KnobSpace(
-        schedules=("1f1b",),
-        recompute=("none",),
-        sequence_parallel=(False,),
-        distributed_optimizer=(True,),
-    )
+    space = one_knob_choice()
     found = module.plan_model(str(path), {"H100": 4}, 8, space=space)
     assert found.choice.spec.mla == SMALL.mla and found.choice.spec.mtp_layers == 1
     assert math.isfinite(found.result.prediction.iteration_time_s)

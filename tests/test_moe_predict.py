@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import decoder_spec
+from helpers import decoder_spec, one_knob_choice
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.moe import MoeSpec
@@ -329,7 +329,6 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
     searched; the fastest kept, its bound the least over all."""
     from pipedejavu.planning import plan_model as module
     from pipedejavu.planning.expert_search import expert_layouts, layout_search
-    from pipedejavu.planning.knob_space import KnobSpace
 
     calls = []
     real = module.plan_with_knobs
@@ -347,12 +346,7 @@ def test_plan_model_searches_the_expert_layouts(monkeypatch):
 
     monkeypatch.setattr(module, "plan_with_knobs", spy)
     path = Path(__file__).parent / "tiny_moe.json"
-    space = KnobSpace(
-        schedules=("1f1b",),
-        recompute=("none",),
-        sequence_parallel=(False,),
-        distributed_optimizer=(True,),
-    )
+    space = one_knob_choice()
     found = module.plan_model(str(path), {"H100": 8}, 16, space=space)
     # the divisors of 16 experts up to 8 GPUs, inside the node largest first;
     # at each EP > 1 flex before alltoall, without the overlap first; each
