@@ -72,6 +72,16 @@ def load_benchmark(name: str, module_name: str | None = None):
     return module
 
 
+def forbid_call(monkeypatch, owner, name: str, message: str) -> None:
+    """``owner.name`` replaced, for this test, by a function whose call fails
+    the test with ``message`` (something that must not run)."""
+
+    def called(*args, **kwargs):
+        raise AssertionError(message)
+
+    monkeypatch.setattr(owner, name, called)
+
+
 def run_python(
     *args: str, cwd=None, env=None, timeout: float = 300
 ) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import numpy.lib.format as npy_format
 import pytest
-from helpers import run_cli, run_python
+from helpers import forbid_call, run_cli, run_python
 
 from pipedejavu import Plan, Problem, ProblemError, evaluate
 from pipedejavu.cli.main import main
@@ -403,10 +403,12 @@ def test_version_and_help_show_defaults(capsys):
 def test_profile_checks_the_output_path_before_profiling(capsys, tmp_path, monkeypatch):
     from pipedejavu.costmodel.profiling import layer_problem
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("profiled before checking --out")
-
-    monkeypatch.setattr(layer_problem, "profile_to_problem", must_not_run)
+    forbid_call(
+        monkeypatch,
+        layer_problem,
+        "profile_to_problem",
+        "profiled before checking --out",
+    )
     code, _, err = run_cli(
         capsys, "profile", "--model", "gpt-micro", "--out", tmp_path / "no" / "x.npz"
     )

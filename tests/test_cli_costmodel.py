@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import forbid_call, run_cli
 
 from pipedejavu.core.errors import ProblemError
 
@@ -82,10 +82,12 @@ def test_profile_bad_cluster_is_refused_before_profiling(capsys, tmp_path, monke
     # issue 23: a 3x3 cluster was refused only after ~17 s of profiling
     from pipedejavu.costmodel.profiling import layer_problem
 
-    def no_profiling(*args, **kwargs):
-        raise AssertionError("profiled before checking the cluster")
-
-    monkeypatch.setattr(layer_problem, "profile_model", no_profiling)
+    forbid_call(
+        monkeypatch,
+        layer_problem,
+        "profile_model",
+        "profiled before checking the cluster",
+    )
     code, _, err = run_cli(
         capsys,
         "profile",

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import cli_help, load_benchmark, run_cli
+from helpers import cli_help, forbid_call, load_benchmark, run_cli
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.init_search.limits import INT_RANGES, population_bytes
@@ -46,10 +46,8 @@ def test_out_of_range_is_one_line_exit_2(argv, expected, capsys):
 def test_memory_limit_refuses_before_any_work(capsys, monkeypatch):
     import pipedejavu.init_search.strategies as strategies
 
-    def fail(*args, **kwargs):  # nothing may be allocated
-        raise AssertionError("device_data called")
-
-    monkeypatch.setattr(strategies, "device_data", fail)
+    # nothing may be allocated
+    forbid_call(monkeypatch, strategies, "device_data", "device_data called")
     code, out, err = run_cli(
         capsys,
         "init-search",
