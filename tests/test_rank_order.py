@@ -32,6 +32,7 @@ from pipedejavu.io.export_rules import ExportRefused
 from pipedejavu.io.exports import EXPORTS, LAUNCHED_RANK_ORDERS, export_plan
 from pipedejavu.search.megatron.bounds import EITHER_ORDER
 from pipedejavu.search.megatron.certify import certify_predicted
+from pipedejavu.search.megatron.space import SearchScope
 from pipedejavu.search.megatron.transfers import BoundCache
 
 DATA = load_sailor_data()
@@ -120,7 +121,7 @@ def _proof_from_the_worst(model, pool, gbs, stages, order, **options):
         gbs,
         C,
         worst,
-        max_stages=stages,
+        SearchScope(max_stages=stages),
         mixed_types=False,
         rank_order=order,
         **options,

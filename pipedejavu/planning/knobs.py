@@ -412,12 +412,8 @@ def search_knobs(
             choice.pool(pool),
             global_batch,
             FITTED_CONSTANTS,
-            uniform_tp=config.uniform_tp,
-            allow_fewer_gpus=config.allow_fewer_gpus,
-            mbs_values=config.mbs_values,
-            max_stages=config.max_stages,
+            config,
             cache=shared,
-            dp_alone=dp_alone,
         )
         return fitting[id(choice)]
 
@@ -516,10 +512,7 @@ def search_knobs(
             global_batch,
             FITTED_CONSTANTS,
             state.best[0].plan,
-            uniform_tp=config.uniform_tp,
-            allow_fewer_gpus=config.allow_fewer_gpus,
-            mbs_values=config.mbs_values,
-            max_stages=config.max_stages,
+            config,
             max_plans=config.proof_budget,
             mixed_types=mixes_types(choice, order),
             cutoff_s=min(state.best_s, outside_s),
@@ -527,7 +520,6 @@ def search_knobs(
             cache=shared,
             either_order=both_orders,
             progress_fn=tagged_progress(progress_fn, index),
-            dp_alone=dp_alone,
         )
         found = certificate.prediction  # None: nothing of its own beat the cutoff
         beats = found is not None and found.fits_memory

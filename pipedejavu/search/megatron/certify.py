@@ -120,7 +120,13 @@ from pipedejavu.search.megatron.mixed import (
     refine,
 )
 from pipedejavu.search.megatron.settings import check_plan_size
-from pipedejavu.search.megatron.space import ConfigGroup, config_groups, mixes
+from pipedejavu.search.megatron.space import (
+    EVERY_CONFIGURATION,
+    ConfigGroup,
+    SearchScope,
+    config_groups,
+    mixes,
+)
 from pipedejavu.search.megatron.transfers import BoundCache, send_rows
 
 __all__ = [
@@ -159,13 +165,9 @@ def any_plan_fits(
     gpus: Mapping[str, int],
     global_batch: int,
     constants: PredictorConstants,
+    scope: SearchScope = EVERY_CONFIGURATION,
     *,
-    uniform_tp: bool = True,
-    allow_fewer_gpus: bool = True,
-    mbs_values: tuple[int, ...] | None = None,
-    max_stages: int | None = None,
     cache: BoundCache | None = None,
-    dp_alone: bool = False,
 ) -> bool:
     """``False`` when no one-type plan of the search space can fit in memory
     (or be priced): every configuration's least bound is infinite, the
@@ -173,17 +175,7 @@ def any_plan_fits(
     stages. A quick test before a full search that would otherwise solve every
     configuration to find nothing; ``True`` promises nothing."""
     check_plan_size(data, model)
-    groups = config_groups(
-        data,
-        model,
-        gpus,
-        global_batch,
-        uniform_tp=uniform_tp,
-        allow_fewer_gpus=allow_fewer_gpus,
-        mbs_values=mbs_values,
-        max_stages=max_stages,
-        dp_alone=dp_alone,
-    )
+    groups = config_groups(data, model, gpus, global_batch, scope)
     for group in groups:
         sizes = fitting_sizes(data, model, constants, group, group.sizes, cache)
         if sizes:
@@ -324,11 +316,8 @@ def certify_predicted(
     global_batch: int,
     constants: PredictorConstants,
     incumbent: Plan3D,
+    scope: SearchScope = EVERY_CONFIGURATION,
     *,
-    uniform_tp: bool = True,
-    allow_fewer_gpus: bool = True,
-    mbs_values: tuple[int, ...] | None = None,
-    max_stages: int | None = None,
     max_plans: int = 3000,
     mixed_types: bool = True,
     mixed_state_limit: int = 4000,
@@ -337,7 +326,6 @@ def certify_predicted(
     cache: BoundCache | None = None,
     either_order: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
-    dp_alone: bool = False,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
     the search space of :func:`~pipedejavu.search.megatron.planner.search_megatron` with
@@ -347,8 +335,7 @@ def certify_predicted(
         data, model, gpus, global_batch, constants: as for the search.
         incumbent: the plan to prove (it must fit in memory, unless
             ``cutoff_s`` is finite).
-        uniform_tp, allow_fewer_gpus, mbs_values, max_stages, dp_alone: the
-            search space.
+        scope: the configurations of the search space.
         max_plans: most predictor calls in the enumeration.
         mixed_types: with several GPU types (and ``uniform_tp``), also plans
             whose stages run on different types (module docstring).
@@ -384,19 +371,20 @@ def certify_predicted(
         raise ProblemError(
             f"rank order must be one of {RANK_ORDERS}, got {rank_order!r}"
         )
-    if rank_order != RANK_ORDERS[0] and mixed_types and uniform_tp and len(gpus) > 1:
+    mixing = mixed_types and scope.uniform_tp and len(gpus) > 1
+    if rank_order != RANK_ORDERS[0] and mixing:
         raise ProblemError(
             f"the {rank_order} rank order's bounds cover plans on one GPU type; "
             "search mixed GPU types in the default order"
         )
-    if data.options.zero_bubble and mixed_types and uniform_tp and len(gpus) > 1:
+    if data.options.zero_bubble and mixing:
         raise ProblemError(
             "the zero-bubble schedule's bounds cover plans on one GPU type; "
             "search mixed GPU types with the 1F1B schedule"
         )
     best_prediction = None  # not a plan of these costs' space: the cutoff alone
     try:  # (more stages than it allows, or a mixture of experts' TP without SP)
-        if max_stages is None or incumbent.num_stages <= max_stages:
+        if scope.max_stages is None or incumbent.num_stages <= scope.max_stages:
             best_prediction = predict_plan(incumbent, data, constants=constants)
     except ProblemError:
         pass
@@ -405,17 +393,7 @@ def certify_predicted(
     if best_prediction is not None and best_prediction.fits_memory:
         best = best_prediction.iteration_time_s
     best = min(best, cutoff_s)
-    groups = config_groups(
-        data,
-        model,
-        gpus,
-        global_batch,
-        uniform_tp=uniform_tp,
-        allow_fewer_gpus=allow_fewer_gpus,
-        mbs_values=mbs_values,
-        max_stages=max_stages,
-        dp_alone=dp_alone,
-    )
+    groups = config_groups(data, model, gpus, global_batch, scope)
     items: list[_Item] = []
     cache = BoundCache() if cache is None else cache
     early = 0  # configurations settled by the work bound alone
@@ -454,10 +432,8 @@ def certify_predicted(
                 items.append(_Item(value, len(items), plans=plans, probe=probe))
     skipped_mixes = 0
     lower = math.inf
-    if mixed_types and uniform_tp and len(gpus) > 1:
-        spread = mixes(
-            data, model, gpus, global_batch, mbs_values, max_stages, dp_alone
-        )
+    if mixing:
+        spread = mixes(data, model, gpus, global_batch, scope)
         for mix in spread:
             kinds = [(gpu, mix.tp) for gpu, _ in mix.caps]
             tables = kind_bounds(

@@ -169,11 +169,7 @@ def _configs(
         model,
         {gpu: count},
         gbs,
-        uniform_tp=config.uniform_tp,
-        allow_fewer_gpus=config.allow_fewer_gpus,
-        mbs_values=config.mbs_values,
-        max_stages=config.max_stages,
-        dp_alone=config.dp_alone,
+        config,
     )
     for group in groups:
         mbs, dp, steps = group.mbs, group.dp, group.steps
@@ -327,13 +323,9 @@ def search_megatron(
         global_batch,
         constants,
         plan,
-        uniform_tp=config.uniform_tp,
-        allow_fewer_gpus=config.allow_fewer_gpus,
-        mbs_values=config.mbs_values,
-        max_stages=config.max_stages,
+        config,
         max_plans=config.proof_budget,
         mixed_types=config.mixed_types,
-        dp_alone=config.dp_alone,
         cache=bound_cache,
         progress_fn=progress_fn,
         cutoff_s=cutoff_s,

@@ -11,6 +11,7 @@ from typing import Any
 from pipedejavu.core.plan3d import Plan3D
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.predictor import Prediction
+from pipedejavu.search.megatron.space import SearchScope
 
 __all__ = [
     "MAX_PLAN_BLOCKS",
@@ -53,18 +54,16 @@ def check_plan_size(data: Any, model: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class MegatronSearchConfig:
+class MegatronSearchConfig(SearchScope):
     """Static settings of :func:`~pipedejavu.search.megatron.planner.search_megatron`.
 
     Args:
-        uniform_tp: one TP degree for every stage (Megatron-LM, DeepSpeed and
-            torchtitan need it); ``False``: a degree per stage.
-        allow_fewer_gpus: also consider plans that leave GPUs idle.
-        dp_alone: data parallelism only over one-GPU replicas (no TP or PP
-            beside it: torchtitan's DDP; it runs data parallelism with TP or
-            PP only as FSDP, which the predictor does not price).
-        mbs_values: micro-batch sizes to consider (``None``: every profiled one).
-        max_stages: most pipeline stages (``None``: the model's layers).
+        uniform_tp, allow_fewer_gpus, mbs_values, max_stages, dp_alone: the
+            configurations searched
+            (:class:`~pipedejavu.search.megatron.space.SearchScope`);
+            Megatron-LM, DeepSpeed and torchtitan need ``uniform_tp``, and
+            torchtitan runs data parallelism with TP or PP only as FSDP
+            (``dp_alone`` keeps its DDP plans).
         rescore_tolerance: re-score by the predictor every configuration optimum
             within this fraction of the best planning objective.
         method: ``"dp"`` (exact) or ``"diff"`` (the differentiable engine per
@@ -88,17 +87,12 @@ class MegatronSearchConfig:
             with mixed types is not searched).
     """
 
-    uniform_tp: bool = True
-    allow_fewer_gpus: bool = True
-    mbs_values: tuple[int, ...] | None = None
-    max_stages: int | None = None
     rescore_tolerance: float = 0.02
     method: str = "dp"
     diff_configs: int = 8
     certify: bool = True
     certify_max_plans: int | None = None
     mixed_types: bool = False
-    dp_alone: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):

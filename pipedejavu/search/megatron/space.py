@@ -34,6 +34,8 @@ __all__ = [
     "ConfigGroup",
     "Mix",
     "OneType",
+    "EVERY_CONFIGURATION",
+    "SearchScope",
     "chain_counts",
     "config_groups",
     "cover_counts",
@@ -42,6 +44,34 @@ __all__ = [
     "nested_capacities",
     "type_plan",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchScope:
+    """Which one-type configurations a pool's search space holds (module
+    docstring): what the search, its proof and the quick memory test read
+    alike.
+
+    Attributes:
+        uniform_tp: one TP degree for every stage (``False``: a set to choose
+            from per stage).
+        allow_fewer_gpus: pipelines on fewer GPUs than ``count // dp`` too.
+        mbs_values: the micro-batch sizes (``None``: every profiled one).
+        max_stages: most pipeline stages (``None``: the model's layers).
+        dp_alone: data parallelism only over one-GPU replicas, no TP or PP
+            beside it, as torchtitan's DDP runs it.
+    """
+
+    uniform_tp: bool = True
+    allow_fewer_gpus: bool = True
+    mbs_values: tuple[int, ...] | None = None
+    max_stages: int | None = None
+    dp_alone: bool = False
+
+
+#: The default scope: a TP degree for every stage, every micro-batch size and
+#: stage count, pipelines on fewer GPUs too.
+EVERY_CONFIGURATION = SearchScope()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,24 +108,19 @@ def config_groups(
     model: str,
     gpus: Mapping[str, int],
     gbs: int,
-    *,
-    uniform_tp: bool,
-    allow_fewer_gpus: bool,
-    mbs_values: tuple[int, ...] | None,
-    max_stages: int | None,
-    dp_alone: bool = False,
+    scope: SearchScope,
 ) -> list[ConfigGroup]:
-    """The one-type configurations of the pool (module docstring), grouped
-    (``dp_alone``: data parallelism only over one-GPU replicas, no TP or PP
-    beside it, as torchtitan's DDP runs it)."""
+    """The one-type configurations of the pool in ``scope`` (module
+    docstring), grouped."""
     info = data.model_info(model)
     ep, etp = info.expert_axes
     out = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
-        stages_cap = min(info.num_layers, max_stages or info.num_layers)
+        stages_cap = min(info.num_layers, scope.max_stages or info.num_layers)
         for mbs in sorted({m for m, _ in table}):
-            if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+            offered = scope.mbs_values
+            if gbs % mbs or (offered is not None and mbs not in offered):
                 continue
             tps = usable_degrees(data, model, gpu, mbs, count)
             if not tps:
@@ -108,21 +133,21 @@ def config_groups(
                 fitting = [t for t in tps if experts_fit(t, 1, dp, ep, etp)]
                 if not fitting:
                     continue
-                sets = [(t,) for t in fitting] if uniform_tp else [tuple(fitting)]
+                sets = [(t,) for t in fitting] if scope.uniform_tp else [tuple(fitting)]
                 for tp_set in sets:
-                    if dp_alone and dp > 1:
+                    if scope.dp_alone and dp > 1:
                         if 1 not in tp_set:
                             continue
                         tp_set = (1,)
                     small = min(tp_set)
-                    low = small if allow_fewer_gpus else budget
+                    low = small if scope.allow_fewer_gpus else budget
                     high = min(budget, stages_cap * max(tp_set))
                     sizes = tuple(
                         g
                         for g in range(low, high + 1)
-                        if not uniform_tp or g % small == 0
+                        if not scope.uniform_tp or g % small == 0
                     )
-                    if dp_alone and dp > 1:
+                    if scope.dp_alone and dp > 1:
                         sizes = tuple(g for g in sizes if g == 1)
                     usable = tuple(t for t in tp_set if t <= high)
                     if sizes and usable:
@@ -192,17 +217,17 @@ def mixes(
     model: str,
     gpus: Mapping[str, int],
     gbs: int,
-    mbs_values: tuple[int, ...] | None,
-    max_stages: int | None,
-    dp_alone: bool = False,
+    scope: SearchScope,
 ) -> list[Mix]:
     """The (mbs, dp, TP) settings at which two types or more can hold stages
-    (``dp_alone``: dp 1 only, these plans having two stages or more)."""
+    in ``scope`` (its ``uniform_tp`` aside: one TP degree; ``dp_alone``: dp 1
+    only, these plans having two stages or more)."""
     info = data.model_info(model)
     profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
     out = []
     for mbs in sorted({m for table in profiles.values() for m, _ in table}):
-        if gbs % mbs or (mbs_values is not None and mbs not in mbs_values):
+        offered = scope.mbs_values
+        if gbs % mbs or (offered is not None and mbs not in offered):
             continue
         degrees = {
             gpu: usable_degrees(data, model, gpu, mbs, count)
@@ -213,7 +238,7 @@ def mixes(
             if len(usable) < 2:
                 continue
             for dp in range(1, max(usable.values()) // tp + 1):
-                if (gbs // mbs) % dp or (dp_alone and dp > 1):
+                if (gbs // mbs) % dp or (scope.dp_alone and dp > 1):
                     continue
                 if not experts_fit(tp, 1, dp, *info.expert_axes):
                     continue
@@ -226,7 +251,7 @@ def mixes(
                     continue
                 most = min(
                     info.num_layers,
-                    max_stages or info.num_layers,
+                    scope.max_stages or info.num_layers,
                     sum(c for _, c in caps),
                 )
                 out.append(Mix(mbs, dp, gbs // (mbs * dp), tp, caps, most))
