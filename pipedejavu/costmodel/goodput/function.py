@@ -70,7 +70,7 @@ def _to_numpy(value: jax.Array) -> Any:
 
 @jax.jit
 def _evaluate(perf, grad, init, num_nodes, num_replicas, atomic_bsz, accum_steps):
-    batch_size = num_replicas * atomic_bsz * (accum_steps + 1)
+    batch_size = model.global_batch(num_replicas, atomic_bsz, accum_steps)
     values = model.goodput(
         perf, grad, init, num_nodes, num_replicas, atomic_bsz, accum_steps
     )
@@ -181,8 +181,11 @@ class GoodputFunction:
                 *(np.asarray(a) for a in args),
             )
             if not bool(ok):
-                batch = np.asarray(num_replicas) * np.asarray(atomic_bsz)
-                batch = batch * (np.asarray(accum_steps) + 1)
+                batch = model.global_batch(
+                    np.asarray(num_replicas),
+                    np.asarray(atomic_bsz),
+                    np.asarray(accum_steps),
+                )
                 raise GoodputInputError(
                     "num_replicas * atomic_bsz * (accum_steps + 1) must be at least "
                     f"init_batch_size = {self._init_batch_size}, got the global "

@@ -112,6 +112,14 @@ def predict_step_time(
     return accum_steps * accum_time + optim_time
 
 
+def global_batch(
+    num_replicas: ArrayLike, atomic_bsz: ArrayLike, accum_steps: ArrayLike
+) -> ArrayLike:
+    """Samples per optimizer step: ``replicas * atomic_bsz * (accum_steps + 1)``
+    (the global batch every goodput and its checks are about)."""
+    return num_replicas * atomic_bsz * (accum_steps + 1)
+
+
 def throughput(
     params: PerfParams,
     num_nodes: ArrayLike,
@@ -120,7 +128,7 @@ def throughput(
     accum_steps: ArrayLike,
 ) -> jax.Array:
     """Samples per second: ``replicas * atomic_bsz * (accum_steps + 1) / step``."""
-    batch_size = num_replicas * atomic_bsz * (accum_steps + 1)
+    batch_size = global_batch(num_replicas, atomic_bsz, accum_steps)
     step = predict_step_time(params, num_nodes, num_replicas, atomic_bsz, accum_steps)
     return batch_size / step
 
@@ -156,7 +164,7 @@ def goodput(
     accum_steps: ArrayLike,
 ) -> jax.Array:
     """Throughput x efficiency: useful samples per second (no input checks)."""
-    batch_size = num_replicas * atomic_bsz * (accum_steps + 1)
+    batch_size = global_batch(num_replicas, atomic_bsz, accum_steps)
     return throughput(
         params, num_nodes, num_replicas, atomic_bsz, accum_steps
     ) * efficiency(grad_params, init_batch_size, batch_size)
@@ -281,6 +289,6 @@ def optimize_one(
     values = jnp.where(valid, values, 0.0)
     best = jnp.argmax(values)
     batches_ok = jnp.all(
-        init_batch_size <= num_replicas * atomic_bsz * (accum_steps + 1)
+        init_batch_size <= global_batch(num_replicas, atomic_bsz, accum_steps)
     )
     return values[best], atomic_bsz[best], accum_steps[best], batches_ok
