@@ -84,7 +84,11 @@ from pipedejavu.costmodel.megatron.sailor_data import (
     NetworkTables,
     SailorData,
 )
-from pipedejavu.costmodel.megatron.sheet_network import SheetNetwork, tp_bandwidth
+from pipedejavu.costmodel.megatron.sheet_network import (
+    SheetNetwork,
+    sheet_entry,
+    tp_bandwidth,
+)
 
 __all__ = ["DEFAULT_MBS_VALUES", "AnalyticalSource", "gemm_precision"]
 
@@ -227,12 +231,7 @@ class AnalyticalSource:
         return tuple(sorted(self.sheet))
 
     def _entry(self, gpu: str) -> GpuSheetEntry:
-        if gpu not in self.sheet:
-            raise ProblemError(
-                f"GPU type {gpu!r} is not on the GPU sheet (known: "
-                f"{', '.join(sorted(self.sheet))}; add it with a --gpu-sheet file)"
-            )
-        return self.sheet[gpu]
+        return sheet_entry(self.sheet, gpu, "; add it with a --gpu-sheet file")
 
     def gpu_spec(self, gpu: str) -> GpuSpec:
         entry = self._entry(gpu)

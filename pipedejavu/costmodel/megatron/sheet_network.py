@@ -29,7 +29,24 @@ from pipedejavu.core.gpu_sheet import GpuSheetEntry
 from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.sailor_data import BandwidthFit, NetworkTables
 
-__all__ = ["SheetNetwork", "flat_fit", "tp_bandwidth"]
+__all__ = ["SheetNetwork", "flat_fit", "sheet_entry", "tp_bandwidth"]
+
+
+def sheet_entry(
+    sheet: Mapping[str, GpuSheetEntry], gpu: str, hint: str = ""
+) -> GpuSheetEntry:
+    """``sheet[gpu]``.
+
+    Raises:
+        ProblemError: ``gpu`` is not on the sheet (the message lists the types
+            that are, then ``hint``).
+    """
+    if gpu not in sheet:
+        raise ProblemError(
+            f"GPU type {gpu!r} is not on the GPU sheet (known: "
+            f"{', '.join(sorted(sheet))}{hint})"
+        )
+    return sheet[gpu]
 
 
 def tp_bandwidth(
@@ -85,12 +102,7 @@ class SheetNetwork:
         self.inter_override = dict(inter_node_bytes_per_s or {})
 
     def _entry(self, gpu: str) -> GpuSheetEntry:
-        if gpu not in self.sheet:
-            raise ProblemError(
-                f"GPU type {gpu!r} is not on the GPU sheet (known: "
-                f"{', '.join(sorted(self.sheet))})"
-            )
-        return self.sheet[gpu]
+        return sheet_entry(self.sheet, gpu)
 
     def _node_bandwidth(self, gpu: str) -> float:
         if gpu in self.inter_override:
