@@ -55,14 +55,23 @@ _OPTION_FIELDS = {
 }
 
 
-def _int_option(parser, name: str, field: str, help: str, **kwargs) -> None:
-    low, high = INT_RANGES[field]
+def _int_option(parser, name: str, help: str, **kwargs) -> None:
+    """``name`` (``--num-workers``): an integer in the inclusive range
+    :data:`INT_RANGES` gives its setting (``num_workers``), named in its help."""
+    low, high = INT_RANGES[name[2:].replace("-", "_")]
     parser.add_argument(
         name,
         type=int_in(name, low, high),
         metavar="N",
         help=f"{help}; {low:,}..{high:,}",
         **kwargs,
+    )
+
+
+def _float_option(parser, name: str, high: float, help: str, **kwargs) -> None:
+    """``name``: a number in ``(0, high]``, named in its help."""
+    parser.add_argument(
+        name, type=float_in(name, 0, high), help=f"{help}, in (0, {high:g}]", **kwargs
     )
 
 
@@ -81,66 +90,49 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="mlp", help="mlp-small, mlp or mlp-deep")
     parser.add_argument("--init", default="he", help="base distribution: he or glorot")
-    _int_option(parser, "--num-workers", "num_workers", "N candidates", default=8)
-    _int_option(
-        parser, "--epochs", "epochs", "epochs per worker (budget N x E)", default=100
+    _int_option(parser, "--num-workers", "N candidates", default=8)
+    _int_option(parser, "--epochs", "epochs per worker (budget N x E)", default=100)
+    _int_option(parser, "--demo-epochs", "warm-up epochs before scoring", default=20)
+    _int_option(parser, "--rounds", "search rounds", default=3)
+    _int_option(parser, "--keep", "survivors per round (top k)", default=2)
+    _float_option(
+        parser, "--resample-scale", 1, "neighbourhood scale of round 1", default=0.5
     )
-    _int_option(
+    _float_option(parser, "--shrink", 1, "scale factor per later round", default=0.5)
+    _float_option(
         parser,
-        "--demo-epochs",
-        "demo_epochs",
-        "warm-up epochs before scoring",
-        default=20,
-    )
-    _int_option(parser, "--rounds", "rounds", "search rounds", default=3)
-    _int_option(parser, "--keep", "keep", "survivors per round (top k)", default=2)
-    parser.add_argument(
-        "--resample-scale",
-        type=float_in("--resample-scale", 0, 1),
-        default=0.5,
-        help="neighbourhood scale of round 1, in (0, 1]",
-    )
-    parser.add_argument(
-        "--shrink",
-        type=float_in("--shrink", 0, 1),
-        default=0.5,
-        help="scale factor per later round, in (0, 1]",
-    )
-    parser.add_argument(
         "--learning-rate",
-        type=float_in("--learning-rate", 0, MAX_LEARNING_RATE),
+        MAX_LEARNING_RATE,
+        "Adam's step size",
         default=1e-3,
-        help=f"Adam's step size, in (0, {MAX_LEARNING_RATE:g}]",
     )
     _int_option(
         parser,
         "--batch-size",
-        "batch_size",
         "training images per gradient evaluation (at most the training images)",
         default=64,
     )
     _int_option(
         parser,
         "--patience",
-        "patience",
         "stop after this many epochs without progress (none: spend the budget)",
     )
     _int_option(
         parser,
         "--chunk-epochs",
-        "chunk_epochs",
         "epochs per compiled call (progress and early-stopping granularity)",
         default=10,
     )
-    _int_option(parser, "--seeds", "seeds", "repetitions", default=3)
-    _int_option(parser, "--seed", "seed", "first seed", default=0)
-    parser.add_argument(
+    _int_option(parser, "--seeds", "repetitions", default=3)
+    _int_option(parser, "--seed", "first seed", default=0)
+    _float_option(
+        parser,
         "--memory-limit-gb",
-        type=float_in("--memory-limit-gb", 0, MAX_MEMORY_LIMIT_GB),
+        MAX_MEMORY_LIMIT_GB,
+        "the candidates trained at once may need at most this much memory "
+        "(estimated; refused before any work)",
         default=DEFAULT_MEMORY_LIMIT_GB,
         metavar="GIB",
-        help="the candidates trained at once may need at most this much memory "
-        f"(estimated; refused before any work), in (0, {MAX_MEMORY_LIMIT_GB:g}]",
     )
     parser.add_argument(
         "--target",
