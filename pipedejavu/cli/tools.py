@@ -29,18 +29,8 @@ def add_parsers(commands: Any) -> None:
         help="comma-separated methods (dp,diff,greedy,uniform,anneal when not "
         "given; with typed devices: dp,diff,alpa)",
     )
-    compare.add_argument(
-        "--repeats",
-        type=count("--repeats", 1, 1000),
-        default=3,
-        help="timed runs each, 1 to 1000",
-    )
-    compare.add_argument(
-        "--warmup",
-        type=count("--warmup", 0, 100),
-        default=1,
-        help="untimed runs first, 0 to 100",
-    )
+    _count_option(compare, "--repeats", 1, 1000, "timed runs each", default=3)
+    _count_option(compare, "--warmup", 0, 100, "untimed runs first", default=1)
     compare.add_argument(
         "--seed", type=count("--seed", 0, 2**32 - 1), default=0, help="base seed"
     )
@@ -90,18 +80,8 @@ def add_parsers(commands: Any) -> None:
         metavar="B",
         help="micro-batches B stored in the problem",
     )
-    profile.add_argument(
-        "--repeats",
-        type=count("--repeats", 1, 10_000),
-        default=10,
-        help="timed rounds, 1 to 10000",
-    )
-    profile.add_argument(
-        "--warmup",
-        type=count("--warmup", 0, 1000),
-        default=2,
-        help="untimed calls, 0 to 1000",
-    )
+    _count_option(profile, "--repeats", 1, 10_000, "timed rounds", default=10)
+    _count_option(profile, "--warmup", 0, 1000, "untimed calls", default=2)
 
     demo = commands.add_parser(
         "demo",
@@ -114,6 +94,24 @@ def add_parsers(commands: Any) -> None:
         help="also run Alpa's own algorithm on the generated 32-layer instance "
         "(about 40 s on 2 cores: it evaluates thousands of caps; the demo prints "
         "both counts)",
+    )
+
+
+def _count_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    low: int,
+    high: int,
+    help: str,
+    *,
+    default: int,
+) -> None:
+    """``flag``: an integer from ``low`` to ``high``, that range in its help."""
+    parser.add_argument(
+        flag,
+        type=count(flag, low, high),
+        default=default,
+        help=f"{help}, {low} to {high}",
     )
 
 
@@ -151,12 +149,7 @@ def _add_costmodel_parsers(costmodel: argparse.ArgumentParser) -> None:
         help="fraction of entries profiled, in (0, 1] (repeatable; 0.1 0.25 0.5 1 "
         "when not given)",
     )
-    predict.add_argument(
-        "--seeds",
-        type=count("--seeds", 1, 1000),
-        default=3,
-        help="random draws per fraction, 1 to 1000",
-    )
+    _count_option(predict, "--seeds", 1, 1000, "random draws per fraction", default=3)
     predict.add_argument("--cluster", metavar="HxD", help="for an Alpa .npy")
     predict.add_argument(
         "--num-microbatches",
