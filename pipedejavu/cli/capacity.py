@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pipedejavu.cli.parsing import given_flags, int_in, require_matplotlib
 from pipedejavu.core.files import json_text
@@ -36,9 +37,11 @@ __all__ = [
     "parse_counts",
     "parse_duration",
     "parse_tokens",
+    "plan_pools",
     "run_capacity",
 ]
 
+T = TypeVar("T")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)"
@@ -149,6 +152,31 @@ def add_pool_options(parser: Any, *, results: str) -> None:
         "needs pip install 'pipedejavu[cluster]')",
     )
     parser.add_argument("--results", metavar="FILE.csv", help=results)
+
+
+def plan_pools(
+    plan: Callable[..., T],
+    question: Any,
+    args: argparse.Namespace,
+    finished: Callable[[Any], tuple[str, float]],
+) -> T:
+    """Run ``plan`` (:func:`answer_capacity` or ``run_sweep``) on ``question``
+    with the ``--workers``, ``--cluster`` and ``--results`` of
+    :func:`add_pool_options`, printing ``[done/total] what: 1.2 s`` on stderr
+    as each pool or row finishes (``finished`` gives what it was and its
+    planning seconds)."""
+
+    def progress(done: int, total: int, piece: Any) -> None:
+        what, seconds = finished(piece)
+        print(f"[{done}/{total}] {what}: {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    return plan(
+        question,
+        workers=args.workers,
+        cluster=args.cluster,
+        results=args.results,
+        progress=progress,
+    )
 
 
 def parse_available(texts: list[str], sheet: GpuSheet) -> dict[str, int]:
@@ -272,18 +300,10 @@ def run_capacity(args: argparse.Namespace) -> int:
     """``plan --gpus-available ...``: the answer, printed."""
     question = _question(args)
 
-    def progress(done: int, total: int, outcome: CandidateOutcome) -> None:
-        pool = pool_key(outcome.pool)
-        print(f"[{done}/{total}] {pool}: {outcome.search_s:.1f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+    def finished(outcome: CandidateOutcome) -> tuple[str, float]:
+        return pool_key(outcome.pool), outcome.search_s
 
-    answer = answer_capacity(
-        question,
-        workers=args.workers,
-        cluster=args.cluster,
-        results=args.results,
-        progress=progress,
-    )
+    answer = plan_pools(answer_capacity, question, args, finished)
     if args.plot:
         _plot(answer, args.plot)
     if args.json:

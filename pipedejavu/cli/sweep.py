@@ -11,11 +11,15 @@ interrupted sweep), ``--json`` prints all of it.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from pipedejavu.cli.any_model import MAX_SEQ_LENGTH
-from pipedejavu.cli.capacity import add_pool_options, parse_available, parse_tokens
+from pipedejavu.cli.capacity import (
+    add_pool_options,
+    parse_available,
+    parse_tokens,
+    plan_pools,
+)
 from pipedejavu.cli.parsing import add_json_option, int_in
 from pipedejavu.core.files import json_text
 from pipedejavu.core.plan3d import MAX_GLOBAL_BATCH
@@ -163,18 +167,11 @@ def run(args: argparse.Namespace) -> int:
     """``sweep``: every row, printed."""
     question = _question(args)
 
-    def progress(done: int, total: int, row: SweepRow) -> None:
-        print(f"[{done}/{total}] {row.model} x {row.global_batch} on "
-              f"{pool_key(row.pool)}: {row.planned.search_s:.1f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+    def finished(row: SweepRow) -> tuple[str, float]:
+        pool = pool_key(row.pool)
+        return f"{row.model} x {row.global_batch} on {pool}", row.planned.search_s
 
-    rows = run_sweep(
-        question,
-        workers=args.workers,
-        cluster=args.cluster,
-        results=args.results,
-        progress=progress,
-    )
+    rows = plan_pools(run_sweep, question, args, finished)
     currency = question.prices and question.prices.currency
     if args.json:
         out = {
