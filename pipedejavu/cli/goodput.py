@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from pipedejavu.cli.parsing import HelpFormatter, add_json_option, fail, int_in
+from pipedejavu.cli.parsing import add_json_option, fail, int_in
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.files import json_text, read_bytes, read_json
 from pipedejavu.planning.deepspeed_elastic import (
@@ -53,13 +53,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     goodput = commands.add_parser(
         "goodput",
         help="Pollux/AdaptDL's goodput model: fit it, pick batch sizes",
-        formatter_class=HelpFormatter,
     )
     actions = goodput.add_subparsers(dest="goodput_command", required=True)
     fit = actions.add_parser(
         "fit",
         help="fit the step-time model (PerfParams) to measured step times",
-        formatter_class=HelpFormatter,
     )
     fit.add_argument(
         "steps",
@@ -71,7 +69,6 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     optimize = actions.add_parser(
         "optimize",
         help="best atomic batch and accumulation steps per (nodes, replicas)",
-        formatter_class=HelpFormatter,
     )
     optimize.add_argument(
         "--perf",
@@ -128,7 +125,6 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     elastic = commands.add_parser(
         "elastic",
         help="DeepSpeed's elastic global batch size and valid GPU counts",
-        formatter_class=HelpFormatter,
     )
     elastic.add_argument(
         "config", metavar="CONFIG.json", help="DeepSpeed config with 'elasticity'"

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from pipedejavu.cli.parsing import (
-    HelpFormatter,
     add_json_option,
     fail,
     float_in,
@@ -86,7 +85,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "divides it, --rounds x --demo-epochs < --epochs, --num-workers x "
         f"--epochs <= {MAX_BUDGET_EPOCHS:,}, and the candidates must fit "
         "--memory-limit-gb (estimated before any work).",
-        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default="mlp", help="mlp-small, mlp or mlp-deep")
     parser.add_argument("--init", default="he", help="base distribution: he or glorot")
