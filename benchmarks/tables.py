@@ -26,6 +26,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -294,131 +295,134 @@ def t_headline() -> str:
 
 
 def t_dp_scaling() -> str:
-    data = load("dp_scaling.json")
-    rows = []
-    for r in data["rows"]:
-        finished = r.get("alpa_cost_ratio") is not None
-        rows.append(
-            [
-                r["L"],
-                r["D"],
-                r["memory"],
-                r["candidates"],
-                f"{r['exact_time_s']:.3f}",
+    def finished(r):
+        return r.get("alpa_cost_ratio") is not None
+
+    spec = [
+        ("L", lambda r: r["L"]),
+        ("D", lambda r: r["D"]),
+        ("memory", lambda r: r["memory"]),
+        ("caps", lambda r: r["candidates"]),
+        ("exact DP s", lambda r: f"{r['exact_time_s']:.3f}"),
+        (
+            "Alpa's scan s",
+            lambda r: (
                 f"{r['alpa_time_s']:.2f}"
-                if finished
-                else f">{r['alpa_budget_s']:.0f} (cut off)",
-                r["alpa_evaluated"],
+                if finished(r)
+                else f">{r['alpa_budget_s']:.0f} (cut off)"
+            ),
+        ),
+        ("caps Alpa evaluated", lambda r: r["alpa_evaluated"]),
+        (
+            "Alpa / exact",
+            lambda r: (
                 f"{r['time_ratio']:.0f}x"
-                if finished
-                else f">{r['alpa_budget_s'] / r['exact_time_s']:.0f}x",
-                f"{r['alpa_cost_ratio']:.5f}" if finished else "?",
-            ]
-        )
-    head = [
-        "L",
-        "D",
-        "memory",
-        "caps",
-        "exact DP s",
-        "Alpa's scan s",
-        "caps Alpa evaluated",
-        "Alpa / exact",
-        "Alpa cost / optimum",
+                if finished(r)
+                else f">{r['alpa_budget_s'] / r['exact_time_s']:.0f}x"
+            ),
+        ),
+        (
+            "Alpa cost / optimum",
+            lambda r: f"{r['alpa_cost_ratio']:.5f}" if finished(r) else "?",
+        ),
     ]
-    return table(head, rows) + source("dp_scaling.json")
+    return columns(load("dp_scaling.json")["rows"], spec) + source("dp_scaling.json")
 
 
 def t_engine_quality() -> str:
     rows = [r for r in load("search_vs_dp_quality.json")["rows"] if "cost_ratio" in r]
+
+    def group(r):
+        return "real" if r["instance"].startswith("gpt") else str(r["L"])
+
     groups: dict[str, list] = {}
     for r in rows:
-        key = "real" if r["instance"].startswith("gpt") else str(r["L"])
-        groups.setdefault(key, []).append(r)
-    out = []
-    for key, rs in groups.items():
-        out.append(
-            [
-                key,
-                len(rs),
-                f"{max(r['cost_ratio'] for r in rs):.5f}",
-                f"{statistics.median(r['exact_s'] for r in rs):.3f}",
-                f"{statistics.median(r['engine_warm_s'] for r in rs):.2f}",
-                f"{statistics.median(r['time_ratio_warm'] for r in rs):.1f}x",
-                pct(max(r["gap_to_bound"] for r in rs), 3),
-            ]
-        )
-    head = [
-        "L",
-        "instances",
-        "engine / optimum (max)",
-        "exact DP s (median)",
-        "engine warm s (median)",
-        "engine / exact DP time (median)",
-        "certified gap (max)",
+        groups.setdefault(group(r), []).append(r)
+
+    def median(rs, field):
+        return statistics.median(r[field] for r in rs)
+
+    spec = [
+        ("L", lambda rs: group(rs[0])),
+        ("instances", len),
+        (
+            "engine / optimum (max)",
+            lambda rs: f"{max(r['cost_ratio'] for r in rs):.5f}",
+        ),
+        ("exact DP s (median)", lambda rs: f"{median(rs, 'exact_s'):.3f}"),
+        ("engine warm s (median)", lambda rs: f"{median(rs, 'engine_warm_s'):.2f}"),
+        (
+            "engine / exact DP time (median)",
+            lambda rs: f"{median(rs, 'time_ratio_warm'):.1f}x",
+        ),
+        ("certified gap (max)", lambda rs: pct(max(r["gap_to_bound"] for r in rs), 3)),
     ]
-    return table(head, out) + source("search_vs_dp_quality.json")
+    return columns(groups.values(), spec) + source("search_vs_dp_quality.json")
 
 
 def t_compare_methods() -> str:
     rows = load("compare_methods.json")["rows"]
     sizes = sorted({(r["num_layers"], r["cluster"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    out = []
-    for m in methods:
-        cells = [m]
-        for size in sizes:
-            rs = [
-                r
-                for r in rows
-                if r["method"] == m and (r["num_layers"], r["cluster"]) == size
-            ]
-            ratio = statistics.mean(r["cost_ratio"] for r in rs)
-            worst = max(r["worst_ratio"] for r in rs)
-            t = statistics.mean(r["time_ratio"] for r in rs)
-            cells.append(f"{ratio:.4f} ({worst:.4f}); {t:.2g}x")
-        out.append(cells)
-    head = ["method"] + [f"L={n} ({c})" for n, c in sizes]
+
+    def cell(method, size):
+        rs = [
+            r
+            for r in rows
+            if r["method"] == method and (r["num_layers"], r["cluster"]) == size
+        ]
+        ratio = statistics.mean(r["cost_ratio"] for r in rs)
+        worst = max(r["worst_ratio"] for r in rs)
+        t = statistics.mean(r["time_ratio"] for r in rs)
+        return f"{ratio:.4f} ({worst:.4f}); {t:.2g}x"
+
+    spec = [("method", lambda m: m)]
+    spec += [(f"L={n} ({c})", partial(cell, size=(n, c))) for n, c in sizes]
     return (
         "Each cell: plan cost / exact optimum, mean over two instances (worst run); "
         "search time / the exact DP's.\n\n"
-        + table(head, out)
+        + columns(methods, spec)
         + source("compare_methods.json")
     )
 
 
 def t_hetero() -> str:
     data = load("hetero_vs_alpa.json")
-    rows, limit = data["rows"], data["oracle_limit_s"]
-    # a cut-off exact search: its best plan so far and that plan's gap to the
-    # certified bound
-    out = [
-        [
-            r["instance"],
-            r["num_devices"],
-            f"{r['alpa_s']:.2f}",
-            f"{r['engine_cold_s']:.1f} / {r['engine_warm_s']:.1f}",
-            f"{r['oracle_s']:.2f}" if r["oracle_finished"] else f"> {limit:g}",
-            f"{r['alpa_cost'] / r['oracle_cost']:.3f}",
-            f"{r['engine_cost'] / r['oracle_cost']:.4f}",
-            f"{r.get('oracle_proven', 'cut off')}, "
-            + pct(r["oracle_cost"] / r["oracle_lower_bound"] - 1, 1),
-            pct(r["certified_gap"], 1),
-        ]
-        for r in rows
+    limit = data["oracle_limit_s"]
+    spec = [
+        ("instance", lambda r: r["instance"]),
+        ("devices", lambda r: r["num_devices"]),
+        ("Alpa's way s", lambda r: f"{r['alpa_s']:.2f}"),
+        (
+            "engine s cold / warm",
+            lambda r: f"{r['engine_cold_s']:.1f} / {r['engine_warm_s']:.1f}",
+        ),
+        (
+            "exact search s",
+            lambda r: (
+                f"{r['oracle_s']:.2f}" if r["oracle_finished"] else f"> {limit:g}"
+            ),
+        ),
+        (
+            "Alpa's way / exact search",
+            lambda r: f"{r['alpa_cost'] / r['oracle_cost']:.3f}",
+        ),
+        (
+            "engine / exact search",
+            lambda r: f"{r['engine_cost'] / r['oracle_cost']:.4f}",
+        ),
+        # a cut-off exact search: its best plan so far and that plan's gap to
+        # the certified bound
+        (
+            "exact search: proven, gap",
+            lambda r: (
+                f"{r.get('oracle_proven', 'cut off')}, "
+                + pct(r["oracle_cost"] / r["oracle_lower_bound"] - 1, 1)
+            ),
+        ),
+        ("engine: certified gap", lambda r: pct(r["certified_gap"], 1)),
     ]
-    head = [
-        "instance",
-        "devices",
-        "Alpa's way s",
-        "engine s cold / warm",
-        "exact search s",
-        "Alpa's way / exact search",
-        "engine / exact search",
-        "exact search: proven, gap",
-        "engine: certified gap",
-    ]
-    return table(head, out) + source("hetero_vs_alpa.json")
+    return columns(data["rows"], spec) + source("hetero_vs_alpa.json")
 
 
 def t_hetero_engine_versions() -> str:
@@ -447,223 +451,176 @@ def t_predict_runs() -> str:
     s = load("predict_real_runs.json")["summary"]
     names = {"gh200-opt350": "GH200, OPT-350M", "rtx-opt350": "RTX cluster, OPT-350M"}
 
-    def cell(e):
-        return (
-            "not fitted"
-            if e is None
-            else (f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}")
-        )
+    def errors(field):
+        def cell(v):
+            e = v[field]
+            if e is None:
+                return "not fitted"
+            return f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}"
 
-    out = [
-        [
-            names.get(k, k),
-            v["time_error"]["n"],
-            cell(v["time_error"]),
-            cell(v["loo_time_error"]),
-            cell(v["anchor_time_error"]),
-            cell(v["memory_error"]),
-            cell(v["anchor_memory_error"]),
-        ]
-        for k, v in s.items()
+        return cell
+
+    spec = [
+        ("runs", lambda v: v["runs"]),
+        ("n", lambda v: v["time_error"]["n"]),
+        ("time", errors("time_error")),
+        ("time, leave-one-out", errors("loo_time_error")),
+        ("time, Sailor's closed form", errors("anchor_time_error")),
+        ("memory", errors("memory_error")),
+        ("memory, Sailor's closed form", errors("anchor_memory_error")),
     ]
-    head = [
-        "runs",
-        "n",
-        "time",
-        "time, leave-one-out",
-        "time, Sailor's closed form",
-        "memory",
-        "memory, Sailor's closed form",
-    ]
+    records = [dict(v, runs=names.get(k, k)) for k, v in s.items()]
     return (
         "Absolute relative error, median / mean / max.\n\n"
-        + table(head, out)
+        + columns(records, spec)
         + source("predict_real_runs.json")
     )
 
 
 def t_plan_vs_sailor() -> str:
-    out = []
-    for s in load("plan_vs_sailor.json")["settings"]:
+    def setting(s):
         gpus = " + ".join(f"{n} {t}" for t, n in s["gpus"].items())
-        o = s["ours"]
-        sailor = s.get("sailor")
-        out.append(
-            [
-                f"{s['model']}, {gpus}, gbs {s['gbs']}",
-                o["plan"].split(" (")[0],
-                f"{o['predicted_s']:.3f}",
-                "yes" if o["proven_optimal_under_predictor"] else "no",
-                f"{sailor['predicted_by_us_s']:.3f}" if sailor else "",
-                f"{sailor['ours_over_sailor']:.3f}" if sailor else "",
-                f"{o['search_time_warm_s']:.2f}" if "search_time_warm_s" in o else "",
-            ]
-        )
-    head = [
-        "setting",
-        "our plan",
-        "predicted s",
-        "proven optimal",
-        "Sailor's plan, predicted s",
-        "ours / Sailor's",
-        "search s (warm)",
+        return f"{s['model']}, {gpus}, gbs {s['gbs']}"
+
+    def sailor(field):
+        return lambda s: f"{s['sailor'][field]:.3f}" if s.get("sailor") else ""
+
+    spec = [
+        ("setting", setting),
+        ("our plan", lambda s: s["ours"]["plan"].split(" (")[0]),
+        ("predicted s", lambda s: f"{s['ours']['predicted_s']:.3f}"),
+        (
+            "proven optimal",
+            lambda s: "yes" if s["ours"]["proven_optimal_under_predictor"] else "no",
+        ),
+        ("Sailor's plan, predicted s", sailor("predicted_by_us_s")),
+        ("ours / Sailor's", sailor("ours_over_sailor")),
+        (
+            "search s (warm)",
+            lambda s: (
+                f"{s['ours']['search_time_warm_s']:.2f}"
+                if "search_time_warm_s" in s["ours"]
+                else ""
+            ),
+        ),
     ]
-    return table(head, out) + source("plan_vs_sailor.json")
+    settings = load("plan_vs_sailor.json")["settings"]
+    return columns(settings, spec) + source("plan_vs_sailor.json")
 
 
 def t_mbs_choice() -> str:
-    s = load("mbs_choice.json")["summary"]
-    row = [
-        s["runs"],
-        s["settings"],
-        s["settings_mbs_changed"],
-        pct(s["gain_median"]),
-        pct(s["gain_mean"]),
-        pct(s["gain_max"]),
+    spec = [
+        ("measured runs", lambda s: s["runs"]),
+        ("distinct settings", lambda s: s["settings"]),
+        ("settings where the mbs changes", lambda s: s["settings_mbs_changed"]),
+        ("gain: median", lambda s: pct(s["gain_median"])),
+        ("mean", lambda s: pct(s["gain_mean"])),
+        ("max", lambda s: pct(s["gain_max"])),
     ]
-    head = [
-        "measured runs",
-        "distinct settings",
-        "settings where the mbs changes",
-        "gain: median",
-        "mean",
-        "max",
-    ]
-    return table(head, [row]) + source("mbs_choice.json")
+    summary = load("mbs_choice.json")["summary"]
+    return columns([summary], spec) + source("mbs_choice.json")
 
 
 def t_goodput_modes() -> str:
-    out = []
-    for r in load("goodput_modes.json")["rows"]:
+    def model(r):
         gpus = " + ".join(f"{n} {t}" for t, n in r["gpus"].items())
-        fixed = ", ".join(
+        return f"{r['model']}, {gpus}"
+
+    def fixed(r):
+        return ", ".join(
             f"{f['batch']}: {f['goodput']:.1f} (+{100 * f['goodput_mode_gain']:.0f}%)"
             for f in r["fixed"]
         )
-        out.append(
-            [
-                f"{r['model']}, {gpus}",
-                r["loss_nats"],
-                f"{r['noise_scale_samples']:.0f}",
-                r["best_batch"],
-                f"{r['goodput']:.1f}",
-                f"{r['planned']} of {r['candidates']}",
-                fixed,
-            ]
-        )
-    head = [
-        "model, GPUs",
-        "loss (nats)",
-        "noise scale",
-        "chosen batch",
-        "goodput",
-        "batches planned",
-        "fixed batch: goodput (goodput mode's gain)",
+
+    spec = [
+        ("model, GPUs", model),
+        ("loss (nats)", lambda r: r["loss_nats"]),
+        ("noise scale", lambda r: f"{r['noise_scale_samples']:.0f}"),
+        ("chosen batch", lambda r: r["best_batch"]),
+        ("goodput", lambda r: f"{r['goodput']:.1f}"),
+        ("batches planned", lambda r: f"{r['planned']} of {r['candidates']}"),
+        ("fixed batch: goodput (goodput mode's gain)", fixed),
     ]
-    return table(head, out) + source("goodput_modes.json")
+    rows = load("goodput_modes.json")["rows"]
+    return columns(rows, spec) + source("goodput_modes.json")
 
 
 def t_elastic_modes() -> str:
-    out = []
-    for r in load("elastic_modes.json")["results"]:
-        out.append(
-            [
-                r["model"],
-                r["mode"],
-                r["common_batch"],
-                "yes" if r["common_valid_for_all"] else "no",
-                pct(r["price_mean"]),
-                pct(r["price_worst"]),
-            ]
-        )
-    head = [
-        "model",
-        "mode",
-        "common batch",
-        "valid for every count",
-        "price: mean",
-        "worst",
+    spec = [
+        ("model", lambda r: r["model"]),
+        ("mode", lambda r: r["mode"]),
+        ("common batch", lambda r: r["common_batch"]),
+        (
+            "valid for every count",
+            lambda r: "yes" if r["common_valid_for_all"] else "no",
+        ),
+        ("price: mean", lambda r: pct(r["price_mean"])),
+        ("worst", lambda r: pct(r["price_worst"])),
     ]
-    return table(head, out) + source("elastic_modes.json")
+    results = load("elastic_modes.json")["results"]
+    return columns(results, spec) + source("elastic_modes.json")
 
 
 def t_pollux() -> str:
-    out = [
-        [
-            r["experiment"],
-            r["train"],
-            r["test"],
-            pct(r["test_median"]),
-            pct(r["test_max"]),
-        ]
-        for r in load("pollux_vs_predictor.json")["results"]
+    spec = [
+        ("experiment", lambda r: r["experiment"]),
+        ("plans fitted", lambda r: r["train"]),
+        ("plans tested", lambda r: r["test"]),
+        ("held-out error: median", lambda r: pct(r["test_median"])),
+        ("max", lambda r: pct(r["test_max"])),
     ]
-    head = [
-        "experiment",
-        "plans fitted",
-        "plans tested",
-        "held-out error: median",
-        "max",
-    ]
-    return table(head, out) + source("pollux_vs_predictor.json")
+    results = load("pollux_vs_predictor.json")["results"]
+    return columns(results, spec) + source("pollux_vs_predictor.json")
 
 
 def t_init_search() -> str:
-    out = []
-    for model, m in load("init_search.json")["models"].items():
-        for name, s in m["strategies"].items():
-            lo, hi = s["ci95"]["final_test_accuracy"]
-            out.append(
-                [
-                    f"`{model}`",
-                    name,
-                    f"{s['final_validation_loss']:.3f}",
-                    f"{s['final_test_loss']:.3f}",
-                    f"{100 * s['final_test_accuracy']:.2f}% "
-                    f"({100 * lo:.2f}-{100 * hi:.2f})",
-                    f"{s['gradient_evaluations']:,.0f}",
-                ]
-            )
-    head = [
-        "model",
-        "strategy",
-        "final val loss",
-        "final test loss",
-        "test accuracy (95% interval)",
-        "gradient evaluations",
+    def accuracy(s):
+        lo, hi = s["ci95"]["final_test_accuracy"]
+        return f"{100 * s['final_test_accuracy']:.2f}% ({100 * lo:.2f}-{100 * hi:.2f})"
+
+    spec = [
+        ("model", lambda s: f"`{s['model']}`"),
+        ("strategy", lambda s: s["strategy"]),
+        ("final val loss", lambda s: f"{s['final_validation_loss']:.3f}"),
+        ("final test loss", lambda s: f"{s['final_test_loss']:.3f}"),
+        ("test accuracy (95% interval)", accuracy),
+        ("gradient evaluations", lambda s: f"{s['gradient_evaluations']:,.0f}"),
     ]
-    return table(head, out) + source("init_search.json")
+    strategies = [
+        dict(s, model=model, strategy=name)
+        for model, m in load("init_search.json")["models"].items()
+        for name, s in m["strategies"].items()
+    ]
+    return columns(strategies, spec) + source("init_search.json")
 
 
 def t_layout() -> str:
-    rows = []
-    for name in ("layout_before_after.json", "layout_before_after_final.json"):
-        data = load(name)
-        after = data["after"]["commit"][:7]
-        for bench, c in data["comparison"].items():
-            sums = c.get("row_time_sums", {})
-            times = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in sums.items())
-            rows.append(
-                [
-                    f"`{name}` ({data['before']['commit'][:7]} -> {after})",
-                    bench,
-                    f"{c['rows_compared']} rows, {data['rounds']} round(s)",
-                    "yes" if c["identical"] else "NO",
-                    times,
-                    f"{c['subprocess_wall']['ratio']:.2f}x",
-                ]
-            )
-    head = [
-        "run",
-        "benchmark",
-        "compared",
-        "plans and costs identical",
-        "time after / before",
-        "process wall after / before",
+    def times(c):
+        sums = c.get("row_time_sums", {})
+        return ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in sums.items())
+
+    spec = [
+        ("run", lambda c: c["run"]),
+        ("benchmark", lambda c: c["benchmark"]),
+        ("compared", lambda c: f"{c['rows_compared']} rows, {c['rounds']} round(s)"),
+        ("plans and costs identical", lambda c: "yes" if c["identical"] else "NO"),
+        ("time after / before", times),
+        (
+            "process wall after / before",
+            lambda c: f"{c['subprocess_wall']['ratio']:.2f}x",
+        ),
     ]
-    return table(head, rows) + source(
-        "layout_before_after.json", "layout_before_after_final.json"
-    )
+    names = ("layout_before_after.json", "layout_before_after_final.json")
+    comparisons = []
+    for name in names:
+        data = load(name)
+        before, after = data["before"]["commit"][:7], data["after"]["commit"][:7]
+        run = f"`{name}` ({before} -> {after})"
+        comparisons += [
+            dict(c, run=run, benchmark=bench, rounds=data["rounds"])
+            for bench, c in data["comparison"].items()
+        ]
+    return columns(comparisons, spec) + source(*names)
 
 
 _STARTUP_NAMES = {
