@@ -26,7 +26,6 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +90,10 @@ def fit_errors(fit: dict, loo: dict) -> str:
         f"{pct(fit['max'])}; **leave-one-out: median {pct(loo['median'])}, max "
         f"{pct(loo['max'])}**"
     )
+
+
+def median_max(errors: dict) -> str:
+    return f"{pct(errors['median'])} / {pct(errors['max'])}"
 
 
 def span(values, fmt: Callable[[float], str]) -> str:
@@ -365,19 +368,22 @@ def t_compare_methods() -> str:
     sizes = sorted({(r["num_layers"], r["cluster"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
 
-    def cell(method, size):
-        rs = [
-            r
-            for r in rows
-            if r["method"] == method and (r["num_layers"], r["cluster"]) == size
-        ]
-        ratio = statistics.mean(r["cost_ratio"] for r in rs)
-        worst = max(r["worst_ratio"] for r in rs)
-        t = statistics.mean(r["time_ratio"] for r in rs)
-        return f"{ratio:.4f} ({worst:.4f}); {t:.2g}x"
+    def at(size):
+        def cell(method):
+            rs = [
+                r
+                for r in rows
+                if r["method"] == method and (r["num_layers"], r["cluster"]) == size
+            ]
+            ratio = statistics.mean(r["cost_ratio"] for r in rs)
+            worst = max(r["worst_ratio"] for r in rs)
+            t = statistics.mean(r["time_ratio"] for r in rs)
+            return f"{ratio:.4f} ({worst:.4f}); {t:.2g}x"
+
+        return cell
 
     spec = [("method", lambda m: m)]
-    spec += [(f"L={n} ({c})", partial(cell, size=(n, c))) for n, c in sizes]
+    spec += [(f"L={n} ({c})", at((n, c))) for n, c in sizes]
     return (
         "Each cell: plan cost / exact optimum, mean over two instances (worst run); "
         "search time / the exact DP's.\n\n"
@@ -638,21 +644,31 @@ def _startup(results: str) -> str:
     data = load(results)
     rows = {(r["tree"], r["command"]): r for r in data["rows"]}
     before = data["commits"].get("before")
-    head = ["process", "wall s", "CPU s", "target"]
-    if before:
-        head += [f"before ({before}): wall s", "CPU s"]
-    out = []
-    for name, shown in _STARTUP_NAMES.items():
+
+    def timed(tree, field):
+        def cell(name):
+            row = rows.get((tree, name))
+            return "" if row is None else f"{row[field]:.2f}"
+
+        return cell
+
+    def target(name):
         row = rows[("after", name)]
-        target = ""
-        if "target_s" in row:
-            met = "met" if row["met"] else "missed"
-            target = f"<= {row['target_s']} s ({met})"
-        line = [shown, f"{row['wall_s']:.2f}", f"{row['cpu_s']:.2f}", target]
-        if before:
-            old = rows.get(("before", name))
-            line += [f"{old['wall_s']:.2f}", f"{old['cpu_s']:.2f}"] if old else ["", ""]
-        out.append(line)
+        if "target_s" not in row:
+            return ""
+        return f"<= {row['target_s']} s ({'met' if row['met'] else 'missed'})"
+
+    spec = [
+        ("process", lambda name: _STARTUP_NAMES[name]),
+        ("wall s", timed("after", "wall_s")),
+        ("CPU s", timed("after", "cpu_s")),
+        ("target", target),
+    ]
+    if before:
+        spec += [
+            (f"before ({before}): wall s", timed("before", "wall_s")),
+            ("CPU s", timed("before", "cpu_s")),
+        ]
     runs = data["in_process"]
     loads = data["load_average"]
     note = (
@@ -667,7 +683,7 @@ def _startup(results: str) -> str:
         f"{runs['gpt1.3b-6layers-B128']['load_s']:.2f} s to read (the restricted "
         "unpickler's checks)."
     )
-    return note + "\n\n" + table(head, out) + source(results)
+    return note + "\n\n" + columns(_STARTUP_NAMES, spec) + source(results)
 
 
 def t_startup() -> str:
@@ -707,62 +723,59 @@ def t_published_runs() -> str:
 def t_opt350_no_profile() -> str:
     data = load("published_runs.json")["opt350"]
     names = {"gh200-opt350": "GH200", "rtx-opt350": "RTX cluster"}
+    sources = {"no_profile": "no OPT-350M profile", "profiles": "profiles"}
 
-    def cell(summary):
-        if summary is None:
-            return "not trusted"
-        return f"{pct(summary['median'])} / {pct(summary['max'])}"
+    def errors(field):
+        def cell(e):
+            return "not trusted" if e[field] is None else median_max(e[field])
 
-    rows = []
-    for cluster, entry in data.items():
-        for kind, label in (
-            ("no_profile", "no OPT-350M profile"),
-            ("profiles", "profiles"),
-        ):
-            rows.append(
-                [
-                    names.get(cluster, cluster),
-                    label,
-                    entry[kind]["time"]["count"],
-                    cell(entry[kind]["time"]),
-                    cell(entry[kind]["memory"]),
-                ]
-            )
-    head = ["runs", "costs from", "n", "time, abs. error median / max", "memory"]
-    return table(head, rows) + source("published_runs.json")
+        return cell
+
+    spec = [
+        ("runs", lambda e: names.get(e["cluster"], e["cluster"])),
+        ("costs from", lambda e: sources[e["source"]]),
+        ("n", lambda e: e["time"]["count"]),
+        ("time, abs. error median / max", errors("time")),
+        ("memory", errors("memory")),
+    ]
+    entries = [
+        dict(entry[kind], cluster=cluster, source=kind)
+        for cluster, entry in data.items()
+        for kind in sources
+    ]
+    return columns(entries, spec) + source("published_runs.json")
 
 
 def t_analytical_lomo() -> str:
     data = load("analytical_accuracy.json")["leave_one_model_out"]
-    rows = []
-    for model, entry in data.items():
-        for gpu, summary in entry["blocks"].items():
-            rows.append(
-                [
-                    model,
-                    gpu,
-                    summary["count"],
-                    f"{pct(summary['median'])} / {pct(summary['max'])}",
-                ]
-            )
-    head = [
-        "held-out model",
-        "GPU",
-        "entries",
-        "block fwd+bwd, abs. error median / max",
+    spec = [
+        ("held-out model", lambda s: s["model"]),
+        ("GPU", lambda s: s["gpu"]),
+        ("entries", lambda s: s["count"]),
+        ("block fwd+bwd, abs. error median / max", median_max),
     ]
-    return table(head, rows) + source("analytical_accuracy.json")
+    summaries = [
+        dict(summary, model=model, gpu=gpu)
+        for model, entry in data.items()
+        for gpu, summary in entry["blocks"].items()
+    ]
+    return columns(summaries, spec) + source("analytical_accuracy.json")
 
 
 def t_analytical_logo() -> str:
     data = load("analytical_accuracy.json")["leave_one_gpu_out"]
-    rows = []
-    for gpu, entry in data.items():
-        medians = [s["median"] for s in entry["blocks"].values()]
-        worst = max(s["max"] for s in entry["blocks"].values())
-        rows.append([gpu, len(medians), pct(statistics.median(medians)), pct(worst)])
-    head = ["held-out GPU type", "models", "median of medians", "max"]
-    return table(head, rows) + source("analytical_accuracy.json")
+
+    def blocks(field):
+        return lambda gpu: [s[field] for s in data[gpu]["blocks"].values()]
+
+    medians, maxima = blocks("median"), blocks("max")
+    spec = [
+        ("held-out GPU type", lambda gpu: gpu),
+        ("models", lambda gpu: len(medians(gpu))),
+        ("median of medians", lambda gpu: pct(statistics.median(medians(gpu)))),
+        ("max", lambda gpu: pct(max(maxima(gpu)))),
+    ]
+    return columns(data, spec) + source("analytical_accuracy.json")
 
 
 def t_check_exports() -> str:
@@ -775,59 +788,61 @@ def t_check_exports() -> str:
         "silent differences",
         "exports the real code rejects",
     ]
+    # a row a count, a column a target
     targets = data["targets"]
-    rows = [[key, *(targets[t][key] for t in targets)] for key in keys]
+
+    def count(target):
+        return lambda key: targets[target][key]
+
+    spec = [("", lambda key: key)]
+    spec += [(f"`{t}`", count(t)) for t in targets]
     versions = data["versions"]
     names = ("torch", "megatron imported", "deepspeed", "torchtitan")
     used = ", ".join(f"{n.split()[0]} {versions[n]}" for n in names)
-    head = ["", *(f"`{t}`" for t in targets)]
     return (
-        table(head, rows)
+        columns(keys, spec)
         + f"\n\n{data['random_plans']} seeded random plans and "
         + f"{data['planner_plans']} planner plans; {used}."
         + source("check_exports.json")
     )
 
 
-def _block_rows(data: dict, groups) -> list[list]:
+def _block_table(data: dict, groups) -> str:
+    """One row a group of the timed blocks: ``groups`` pairs a name with a
+    test of a block's config (None: the bf16 flash blocks measured at 1 ms or
+    more)."""
     ok = [r for r in data["rows"] if r["status"] == "ok"]
 
     def measured_ms(r):
         m = r["measured"]
         return m["forward_ms"]["median"] + m["backward_ms"]["median"]
 
-    rows = []
-    for name, keep in groups:
+    def chosen(keep):
         if keep is None:
-            chosen = [
+            return [
                 r
                 for r in ok
                 if r["config"]["precision"] == "bf16"
                 and r["config"]["flash_attention"]
                 and measured_ms(r) >= 1.0
             ]
-        else:
-            chosen = [r for r in ok if keep(r["config"])]
-        errors = [r["error"]["forward_backward"] for r in chosen]
-        rows.append(
-            [
-                name,
-                len(chosen),
-                pct(statistics.median(abs(e) for e in errors)),
-                pct(max(abs(e) for e in errors)),
-                signed(statistics.median(errors)),
-            ]
-        )
-    return rows
+        return [r for r in ok if keep(r["config"])]
 
-
-_BLOCK_HEAD = [
-    "blocks timed on the GPU",
-    "configs",
-    "fwd+bwd abs. error, median",
-    "max",
-    "signed median",
-]
+    spec = [
+        ("blocks timed on the GPU", lambda g: g["name"]),
+        ("configs", lambda g: len(g["errors"])),
+        (
+            "fwd+bwd abs. error, median",
+            lambda g: pct(statistics.median(abs(e) for e in g["errors"])),
+        ),
+        ("max", lambda g: pct(max(abs(e) for e in g["errors"]))),
+        ("signed median", lambda g: signed(statistics.median(g["errors"]))),
+    ]
+    records = [
+        {"name": name, "errors": [r["error"]["forward_backward"] for r in chosen(keep)]}
+        for name, keep in groups
+    ]
+    return columns(records, spec)
 
 
 def _block_device(data: dict, measured: str, repriced: str) -> str:
@@ -858,7 +873,7 @@ def t_gpu_blocks() -> str:
         ("Llama-style (GQA, SwiGLU, RMSNorm)", lambda c: c["style"] == "llama"),
         ("all", lambda c: True),
     ]
-    return table(_BLOCK_HEAD, _block_rows(data, groups)) + _block_device(
+    return _block_table(data, groups) + _block_device(
         data, "gpu_blocks.json", "gpu_blocks_repriced.json"
     )
 
@@ -871,7 +886,7 @@ def t_gpu_blocks_cudnn() -> str:
         ("GPT-style", lambda c: c["style"] == "gpt"),
         ("Llama-style (GQA, SwiGLU, RMSNorm)", lambda c: c["style"] == "llama"),
     ]
-    return table(_BLOCK_HEAD, _block_rows(data, groups)) + _block_device(
+    return _block_table(data, groups) + _block_device(
         data, "gpu_blocks_cudnn.json", "gpu_blocks_cudnn_repriced.json"
     )
 
@@ -924,29 +939,22 @@ def t_gpu_attention() -> str:
 def t_gpu_h100() -> str:
     attention = load("gpu_attention_h100.json")["repriced"]["errors"]["cudnn"]
     blocks = load("gpu_blocks_cudnn_h100_repriced.json")["summary"]
-
-    def stats(entry: dict) -> list[str]:
-        return [
-            pct(entry["median_abs"]),
-            pct(entry["max_abs"]),
-            signed(entry["median_signed"]),
-        ]
-
-    rows = [
-        ["cuDNN fused attention, forward (77 shapes)", *stats(attention["forward"])],
-        ["cuDNN fused attention, backward", *stats(attention["backward"])],
-        [
-            "bf16 blocks with cuDNN attention, fwd+bwd (41)",
-            *stats(blocks["bf16-flash"]["forward_backward"]),
-        ],
-        [
-            "of them Llama-style (8)",
-            *stats(blocks["style:llama"]["forward_backward"]),
-        ],
+    spec = [
+        ("on an H100 SXM, priced with today's constants", lambda e: e["label"]),
+        ("median", lambda e: pct(e["median_abs"])),
+        ("max", lambda e: pct(e["max_abs"])),
+        ("signed median", lambda e: signed(e["median_signed"])),
     ]
-    head = ["on an H100 SXM, priced with today's constants", "median", "max",
-            "signed median"]  # fmt: skip
-    return table(head, rows) + source(
+    entries = [
+        ("cuDNN fused attention, forward (77 shapes)", attention["forward"]),
+        ("cuDNN fused attention, backward", attention["backward"]),
+        (
+            "bf16 blocks with cuDNN attention, fwd+bwd (41)",
+            blocks["bf16-flash"]["forward_backward"],
+        ),
+        ("of them Llama-style (8)", blocks["style:llama"]["forward_backward"]),
+    ]
+    return columns([dict(e, label=label) for label, e in entries], spec) + source(
         "gpu_attention_h100.json", "gpu_blocks_cudnn_h100_repriced.json"
     )
 
@@ -1042,35 +1050,33 @@ def t_plan_knobs() -> str:
 
 def t_zero_bubble_split() -> str:
     data = load("gpu_zero_bubble_split_cudnn.json")
-    rows = []
-    for group, label in (
+    spec = [
+        ("blocks", lambda e: e["label"]),
+        ("n", lambda e: e["count"]),
+        (
+            "W share of the backward: error median / max",
+            lambda e: (
+                f"{e['share_pp']['median_abs']:.1f} / {e['share_pp']['max_abs']:.1f} pp"
+            ),
+        ),
+        (
+            "W, predicted / measured - 1 (median)",
+            lambda e: pct(e["weight_gradient"]["median_signed"]),
+        ),
+        (
+            "B, predicted / measured - 1 (median)",
+            lambda e: pct(e["input_backward"]["median_signed"]),
+        ),
+    ]
+    groups = [
         ("bf16-flash", "bf16, cuDNN fused attention"),
         ("bf16-unfused", "bf16, unfused attention"),
         ("fp32-unfused", "fp32 (TF32 off), unfused"),
         ("all", "all"),
-    ):
-        entry = data["split_summary"][group]
-        share, w, b = (
-            entry[k] for k in ("share_pp", "weight_gradient", "input_backward")
-        )
-        rows.append(
-            [
-                label,
-                entry["count"],
-                f"{share['median_abs']:.1f} / {share['max_abs']:.1f} pp",
-                f"{pct(w['median_signed'])}",
-                f"{pct(b['median_signed'])}",
-            ]
-        )
-    head = [
-        "blocks",
-        "n",
-        "W share of the backward: error median / max",
-        "W, predicted / measured - 1 (median)",
-        "B, predicted / measured - 1 (median)",
     ]
+    entries = [dict(data["split_summary"][g], label=label) for g, label in groups]
     return (
-        table(head, rows)
+        columns(entries, spec)
         + "\n\nPriced with the constants of the day it ran (the results file "
         + "names them)."
         + source("gpu_zero_bubble_split_cudnn.json")
@@ -1085,39 +1091,41 @@ def t_fp8_gemms() -> str:
         measured = row["measured"][precision]["median"] * 1e-3
         return row["predicted"][precision]["seconds"] / measured - 1
 
-    def line(label: str, chosen: list[dict]) -> list:
-        cells: list = [label, len(chosen)]
-        for precision in ("bf16", "fp8"):
-            errors = [error(r, precision) for r in chosen]
-            big = max(errors, key=abs)
-            cells.append(f"{pct(statistics.median(errors))} / {pct(big)}")
-        speed = [
+    def errors(precision):
+        def cell(g):
+            values = [error(r, precision) for r in g["rows"]]
+            return f"{pct(statistics.median(values))} / {pct(max(values, key=abs))}"
+
+        return cell
+
+    def speed_up(g):
+        measured = [
             r["measured"]["bf16"]["median"] / r["measured"]["fp8"]["median"]
-            for r in chosen
+            for r in g["rows"]
         ]
         model = [
             r["predicted"]["bf16"]["seconds"] / r["predicted"]["fp8"]["seconds"]
-            for r in chosen
+            for r in g["rows"]
         ]
-        cells.append(
-            f"{statistics.median(speed):.2f}x / {statistics.median(model):.2f}x"
-        )
-        return cells
+        return f"{statistics.median(measured):.2f}x / {statistics.median(model):.2f}x"
 
+    spec = [
+        ("GEMMs", lambda g: g["label"]),
+        ("n", lambda g: len(g["rows"])),
+        ("bf16, predicted / measured - 1: median / largest", errors("bf16")),
+        ("fp8, predicted / measured - 1: median / largest", errors("fp8")),
+        ("fp8 speed-up over bf16, median: measured / predicted", speed_up),
+    ]
     large = [r for r in rows if r["measured"]["bf16"]["median"] >= 0.25]
-    body = [
-        line(kind, [r for r in rows if r["kind"] == kind])
+    groups = [
+        {"label": kind, "rows": [r for r in rows if r["kind"] == kind]}
         for kind in ("forward", "dgrad", "wgrad")
     ]
-    body += [line("all", rows), line("all, bf16 >= 0.25 ms", large)]
-    head = [
-        "GEMMs",
-        "n",
-        "bf16, predicted / measured - 1: median / largest",
-        "fp8, predicted / measured - 1: median / largest",
-        "fp8 speed-up over bf16, median: measured / predicted",
+    groups += [
+        {"label": "all", "rows": rows},
+        {"label": "all, bf16 >= 0.25 ms", "rows": large},
     ]
-    return table(head, body) + source("gpu_fp8_gemms.json")
+    return columns(groups, spec) + source("gpu_fp8_gemms.json")
 
 
 #: The published and predicted tokens/s per GPU of a published run.
@@ -1312,10 +1320,6 @@ def t_sharded_planning() -> str:
     return table(head, rows) + source("sharded_planning.json")
 
 
-def _median_max(errors: dict) -> str:
-    return f"{pct(errors['median'])} / {pct(errors['max'])}"
-
-
 def t_cluster_calibration() -> str:
     data = load("cluster_calibration.json")
     names = {"gh200-opt350": "GH200 (15 runs)", "rtx-opt350": "RTX cluster (8 runs)"}
@@ -1329,18 +1333,18 @@ def t_cluster_calibration() -> str:
         rows.append(
             [
                 label,
-                _median_max(errors["default"]),
-                _median_max(errors["calibrated"]),
-                _median_max(runs["leave_one_run_out"]),
+                median_max(errors["default"]),
+                median_max(errors["calibrated"]),
+                median_max(runs["leave_one_run_out"]),
             ]
         )
     neo = data["gpt_neo_blocks_gh96"]
     rows.append(
         [
             "GPT-Neo-2.7 block profiles on GH-96 (every TP)",
-            _median_max(neo["default"]),
-            _median_max(neo["calibrated"]),
-            _median_max(neo["calibrated_and_runs"]),
+            median_max(neo["default"]),
+            median_max(neo["calibrated"]),
+            median_max(neo["calibrated_and_runs"]),
         ]
     )
     head = [
@@ -1352,7 +1356,7 @@ def t_cluster_calibration() -> str:
     counts = sorted(data["runs_fit"]["rtx-opt350"]["by_runs_used"], key=int)
     by_runs = [
         [names.get(cluster, cluster)]
-        + [_median_max(part["by_runs_used"][n]) for n in counts]
+        + [median_max(part["by_runs_used"][n]) for n in counts]
         for cluster, part in data["runs_fit"].items()
     ]
     gh = data["calibration"]["gpus"]["GH-96"]
