@@ -895,39 +895,56 @@ def t_gpu_attention() -> str:
     data = load("gpu_attention.json")
     extended = load("gpu_attention_extended.json")
     names = {"cudnn": "cuDNN fused attention", "flash": "FlashAttention-2"}
-    rows = []
+    passes = []
     for backend in ("cudnn", "flash"):
         fit = data["fit"][backend]
-        constants = fit["constants"]
+        c = fit["constants"]
         for kind in ("forward", "backward"):
-            before = data["summary"][backend][kind]
-            held = fit["held_out"][kind]
             field = "_backward" if kind == "backward" else ""
-            outside = extended["repriced"]["errors"][backend][kind]
-            rows.append(
-                [
-                    f"{names[backend]}, {kind}",
-                    f"{pct(before['median_abs'])} / {pct(before['max_abs'])}",
-                    f"{pct(held['median_abs'])} / {pct(held['max_abs'])}",
-                    f"{pct(outside['median_abs'])} / {pct(outside['max_abs'])}"
+            passes.append(
+                {
+                    "name": f"{names[backend]}, {kind}",
+                    "gemm": data["summary"][backend][kind],
+                    "held_out": fit["held_out"][kind],
+                    # only the planner's kernel was timed outside the grid
+                    "outside": extended["repriced"]["errors"][backend][kind]
                     if backend == "cudnn"
-                    else "- (not the planner's kernel)",
-                    f"{1e6 * constants[f'attention{field}_half_seconds']:.1f} us / "
-                    f"{constants[f'attention{field}_exponent']:.2f}",
-                    f"{constants['attention_softmax_exponentials']:.2f}",
-                ]
+                    else None,
+                    "half_s": c[f"attention{field}_half_seconds"],
+                    "exponent": c[f"attention{field}_exponent"],
+                    "exponentials": c["attention_softmax_exponentials"],
+                }
             )
-    head = [
-        "kernel (bf16, causal), pass",
-        "priced as a GEMM: abs. error median / max (77 shapes)",
-        "fused-attention rule fitted on half: held-out median / max",
-        "32 shapes outside the grid, held out: median / max",
-        "fitted floor h / exponent p",
-        "softmax, exponentials per score and product",
+
+    def errors(field):
+        def cell(p):
+            e = p[field]
+            if e is None:
+                return "- (not the planner's kernel)"
+            return f"{pct(e['median_abs'])} / {pct(e['max_abs'])}"
+
+        return cell
+
+    spec = [
+        ("kernel (bf16, causal), pass", lambda p: p["name"]),
+        ("priced as a GEMM: abs. error median / max (77 shapes)", errors("gemm")),
+        (
+            "fused-attention rule fitted on half: held-out median / max",
+            errors("held_out"),
+        ),
+        ("32 shapes outside the grid, held out: median / max", errors("outside")),
+        (
+            "fitted floor h / exponent p",
+            lambda p: f"{1e6 * p['half_s']:.1f} us / {p['exponent']:.2f}",
+        ),
+        (
+            "softmax, exponentials per score and product",
+            lambda p: f"{p['exponentials']:.2f}",
+        ),
     ]
     device = data["environment"]["device_name"]
     return (
-        table(head, rows)
+        columns(passes, spec)
         + f"\n\nDevice: {device}, torch {data['environment']['torch']}, "
         + f"cuDNN {data['environment'].get('cudnn')}; the planner's constants "
         + "are the cuDNN fit (`MEASURED_ATTENTION`); the shapes outside the "
@@ -1156,103 +1173,88 @@ def t_moe_published() -> str:
 
 
 def t_moe_planning() -> str:
-    data = load("moe_planning.json")
-    rows = []
-    for r in data["settings"]:
-        plan = r["plan"]
-        proof = (
-            "proven optimal"
-            if r["proven"]
-            else f"within {pct(r['iteration_time_s'] / r['lower_bound_s'] - 1)}"
+    def plan(r):
+        p, options = r["plan"], r["plan"]["options"]
+        vp = options["virtual_stages"]
+        return (
+            f"PP {p['pp']}"
+            + (f" x VP {vp}" if vp > 1 else "")
+            + f", TP {p['tp']}, DP {p['dp']}, EP {p['ep']}, mbs {p['mbs']}, "
+            f"recompute {options['recompute']}, "
+            f"{p.get('dispatcher', 'alltoall')} dispatcher"
+            + (", all-to-all overlapped" if p.get("a2a_overlap") else "")
         )
-        rows.append(
-            [
-                f"{r['model']} on {r['gpus']} H100, global batch {r['gbs']}",
-                f"{r['seconds']:.0f} s",
-                f"PP {plan['pp']}"
-                + (
-                    f" x VP {plan['options']['virtual_stages']}"
-                    if plan["options"]["virtual_stages"] > 1
-                    else ""
-                )
-                + f", TP {plan['tp']}, DP {plan['dp']}, EP {plan['ep']}, "
-                f"mbs {plan['mbs']}, recompute {plan['options']['recompute']}, "
-                f"{plan.get('dispatcher', 'alltoall')} dispatcher"
-                + (", all-to-all overlapped" if plan.get("a2a_overlap") else ""),
-                f"{r['iteration_time_s']:.2f} s ({r['tokens_per_s_per_gpu']:.0f})",
-                proof,
-            ]
-        )
-    head = [
-        "setting (seq 4096, bf16)",
-        "planning time",
-        "best plan",
-        "predicted iteration (tokens/s/GPU)",
-        "proof",
+
+    def proof(r):
+        if r["proven"]:
+            return "proven optimal"
+        return f"within {pct(r['iteration_time_s'] / r['lower_bound_s'] - 1)}"
+
+    spec = [
+        (
+            "setting (seq 4096, bf16)",
+            lambda r: f"{r['model']} on {r['gpus']} H100, global batch {r['gbs']}",
+        ),
+        ("planning time", lambda r: f"{r['seconds']:.0f} s"),
+        ("best plan", plan),
+        (
+            "predicted iteration (tokens/s/GPU)",
+            lambda r: (
+                f"{r['iteration_time_s']:.2f} s ({r['tokens_per_s_per_gpu']:.0f})"
+            ),
+        ),
+        ("proof", proof),
     ]
-    return table(head, rows) + source("moe_planning.json")
+    settings = load("moe_planning.json")["settings"]
+    return columns(settings, spec) + source("moe_planning.json")
 
 
 def t_moe_vs_published() -> str:
-    data = load("moe_planning.json")
-
     def shape(p: dict) -> str:
         vp = f" x VP {p['vp']}" if p["vp"] > 1 else ""
         return f"PP {p['pp']}{vp}, TP {p['tp']}, EP {p['ep']}, mbs {p['mbs']}"
 
-    rows = [
-        [
-            r["id"],
-            f"{r['published_tokens_per_s_per_gpu']:.0f}",
-            f"{r['given_tokens_per_s_per_gpu']:.0f} ({shape(r['given'])})",
-            f"{r['planned_tokens_per_s_per_gpu']:.0f} ({shape(r['planned'])}, "
-            f"recompute {r['planned']['recompute']})",
-            f"x{r['speedup']:.3f}",
-            "proven" if r["proven"] else "not proven",
-            f"{r['seconds']:.1f} s",
-        ]
-        for r in data["published"]
+    spec = [
+        ("published run", lambda r: r["id"]),
+        (
+            "published tokens/s/GPU",
+            lambda r: f"{r['published_tokens_per_s_per_gpu']:.0f}",
+        ),
+        (
+            "launch as predicted",
+            lambda r: f"{r['given_tokens_per_s_per_gpu']:.0f} ({shape(r['given'])})",
+        ),
+        (
+            "best plan, same settings and expert layout",
+            lambda r: (
+                f"{r['planned_tokens_per_s_per_gpu']:.0f} "
+                f"({shape(r['planned'])}, recompute {r['planned']['recompute']})"
+            ),
+        ),
+        ("speed-up", lambda r: f"x{r['speedup']:.3f}"),
+        ("proof", lambda r: "proven" if r["proven"] else "not proven"),
+        ("search", lambda r: f"{r['seconds']:.1f} s"),
     ]
-    head = [
-        "published run",
-        "published tokens/s/GPU",
-        "launch as predicted",
-        "best plan, same settings and expert layout",
-        "speed-up",
-        "proof",
-        "search",
-    ]
-    return table(head, rows) + source("moe_planning.json")
+    published = load("moe_planning.json")["published"]
+    return columns(published, spec) + source("moe_planning.json")
 
 
 def t_simulator_speed() -> str:
     data = load("simulator_speed.json")
-    rows = [
-        [
-            f"{r['stages']} x {r['microbatches']}",
-            "blocking" if r["blocking"] else "buffered",
-            f"{r['program_first_ms']:.1f}",
-            f"{r['program_cached_ms']:.1f}",
-            f"{r['steps_first_ms']:.1f}",
-            f"{r['steps_cached_ms']:.1f}",
-            "yes" if r["same_grids"] else "NO",
-        ]
-        for r in data["deepspeed"]
-    ]
-    head = [
-        "stages x micro-batches",
-        "links",
-        "program, built and run (ms)",
-        "program, cached (ms)",
-        "by steps, first (ms)",
-        "by steps, again (ms)",
-        "same grids",
+    spec = [
+        ("stages x micro-batches", lambda r: f"{r['stages']} x {r['microbatches']}"),
+        ("links", lambda r: "blocking" if r["blocking"] else "buffered"),
+        ("program, built and run (ms)", lambda r: f"{r['program_first_ms']:.1f}"),
+        ("program, cached (ms)", lambda r: f"{r['program_cached_ms']:.1f}"),
+        ("by steps, first (ms)", lambda r: f"{r['steps_first_ms']:.1f}"),
+        ("by steps, again (ms)", lambda r: f"{r['steps_cached_ms']:.1f}"),
+        ("same grids", lambda r: "yes" if r["same_grids"] else "NO"),
     ]
     orders = ", ".join(
         f"{r['schedule']} {r['build_ms']:.1f} ms" for r in data["orders_530b_shape"]
     )
     return (
-        table(head, rows)
+        columns(data["deepspeed"], spec)
         + f"\n\nBuilding every rank's command order for SC'21 530B's shape (35 ranks, "
         f"3 chunks, 280 micro-batches): {orders}." + source("simulator_speed.json")
     )
@@ -1287,83 +1289,86 @@ def t_torchtitan_published() -> str:
 
 
 def t_sharded_planning() -> str:
-    data = load("sharded_planning.json")
-    rows = [
-        [
+    def setting(r):
+        export = "" if r["export"] is None else f", `--export {r['export']}`"
+        return (
             f"{r['model']}, {r['seq_length']:,} tokens, {r['gpus']:,} H100, "
-            f"batch {r['global_batch']}"
-            + ("" if r["export"] is None else f", `--export {r['export']}`"),
-            f"`{r['plan']}`",
-            f"{r['options']['recompute']}"
-            + (
-                " (op)"
-                if r["options"]["recompute_modules"] == ["torchtitan_op"]
-                and r["options"]["recompute"] == "selective"
-                else ""
-            ),
-            f"{r['iteration_time_s']:.2f} s",
-            f"{r['tokens_per_s_per_gpu']:,.0f}",
-            ("proven" if r["proven"] else "not proven") + f" ({r['space']})",
-            f"{r['search_seconds']:.1f} s",
-        ]
-        for r in data["runs"]
+            f"batch {r['global_batch']}{export}"
+        )
+
+    def recompute(r):
+        options = r["options"]
+        op = (
+            options["recompute_modules"] == ["torchtitan_op"]
+            and options["recompute"] == "selective"
+        )
+        return f"{options['recompute']}" + (" (op)" if op else "")
+
+    spec = [
+        ("setting", setting),
+        ("best plan", lambda r: f"`{r['plan']}`"),
+        ("recompute", recompute),
+        ("iteration", lambda r: f"{r['iteration_time_s']:.2f} s"),
+        ("tokens/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+        (
+            "optimal under the predictor",
+            lambda r: ("proven" if r["proven"] else "not proven") + f" ({r['space']})",
+        ),
+        ("search", lambda r: f"{r['search_seconds']:.1f} s"),
     ]
-    head = [
-        "setting",
-        "best plan",
-        "recompute",
-        "iteration",
-        "tokens/s/GPU",
-        "optimal under the predictor",
-        "search",
-    ]
-    return table(head, rows) + source("sharded_planning.json")
+    runs = load("sharded_planning.json")["runs"]
+    return columns(runs, spec) + source("sharded_planning.json")
 
 
 def t_cluster_calibration() -> str:
     data = load("cluster_calibration.json")
     names = {"gh200-opt350": "GH200 (15 runs)", "rtx-opt350": "RTX cluster (8 runs)"}
-    rows = []
-    for cluster, errors in data["clusters"].items():
-        runs = data["runs_fit"][cluster]
-        label = {
-            "gh200-opt350": f"OPT-350 runs on GH200 ({len(runs['runs'])})",
-            "rtx-opt350": f"OPT-350 runs on the RTX cluster ({len(runs['runs'])})",
+    fits = data["runs_fit"]
+
+    def label(cluster):
+        n = len(fits[cluster]["runs"])
+        return {
+            "gh200-opt350": f"OPT-350 runs on GH200 ({n})",
+            "rtx-opt350": f"OPT-350 runs on the RTX cluster ({n})",
         }.get(cluster, cluster)
-        rows.append(
-            [
-                label,
-                median_max(errors["default"]),
-                median_max(errors["calibrated"]),
-                median_max(runs["leave_one_run_out"]),
-            ]
-        )
+
+    # a row a cluster's runs, and one of GPT-Neo's blocks: each pricing's errors
+    priced = [
+        {
+            "label": label(cluster),
+            "default": errors["default"],
+            "calibrated": errors["calibrated"],
+            "and_runs": fits[cluster]["leave_one_run_out"],
+        }
+        for cluster, errors in data["clusters"].items()
+    ]
     neo = data["gpt_neo_blocks_gh96"]
-    rows.append(
-        [
-            "GPT-Neo-2.7 block profiles on GH-96 (every TP)",
-            median_max(neo["default"]),
-            median_max(neo["calibrated"]),
-            median_max(neo["calibrated_and_runs"]),
-        ]
+    priced.append(
+        {
+            "label": "GPT-Neo-2.7 block profiles on GH-96 (every TP)",
+            "default": neo["default"],
+            "calibrated": neo["calibrated"],
+            "and_runs": neo["calibrated_and_runs"],
+        }
     )
-    head = [
-        "priced analytically",
-        "project's constants",
-        "calibrated on profiles",
-        "and on the other runs",
+    spec = [
+        ("priced analytically", lambda p: p["label"]),
+        ("project's constants", lambda p: median_max(p["default"])),
+        ("calibrated on profiles", lambda p: median_max(p["calibrated"])),
+        ("and on the other runs", lambda p: median_max(p["and_runs"])),
     ]
-    counts = sorted(data["runs_fit"]["rtx-opt350"]["by_runs_used"], key=int)
-    by_runs = [
-        [names.get(cluster, cluster)]
-        + [median_max(part["by_runs_used"][n]) for n in counts]
-        for cluster, part in data["runs_fit"].items()
-    ]
+
+    def runs_used(n):
+        return lambda cluster: median_max(fits[cluster]["by_runs_used"][n])
+
+    counts = sorted(fits["rtx-opt350"]["by_runs_used"], key=int)
+    by_runs = [("cluster", lambda cluster: names.get(cluster, cluster))]
+    by_runs += [(f"n = {n}", runs_used(n)) for n in counts]
     gh = data["calibration"]["gpus"]["GH-96"]
     values = ", ".join(f"`{k}` {v:.3g}" for k, v in gh["constants"].items())
     loo = gh["leave_one_out"]
     return (
-        table(head, rows)
+        columns(priced, spec)
         + "\n\n|error| median / max; the runs were not fitted on in the first "
         "two columns, the run priced was not in the third (leave one run out); "
         "GPT-Neo-2.7's blocks (never fitted on) with the profiles' calibration "
@@ -1374,7 +1379,7 @@ def t_cluster_calibration() -> str:
         f"{data['fit_seconds']:.0f} s.\n\nCalibrated on the profiles and "
         "n runs of a cluster, its other runs predicted (8 random draws of the "
         "n runs each):\n\n"
-        + table(["cluster"] + [f"n = {n}" for n in counts], by_runs)
+        + columns(fits, by_runs)
         + source("cluster_calibration.json")
     )
 
@@ -1419,11 +1424,12 @@ def t_capacity_planning() -> str:
 def t_capacity_sheet() -> str:
     data = load("capacity_sheet.json")
     q = data["question"]
-    rows = []
-    for row in data["frontier"]:
-        used = ", ".join(f"{g}:{n}" for g, n in row["used"].items())
-        chosen = "chosen" if row["used"] == data["chosen"]["used"] else ""
-        rows.append([used, f"{row['days']:.1f}", f"{row['cost']:,.0f}", chosen])
+    spec = [
+        ("rented", lambda r: ", ".join(f"{g}:{n}" for g, n in r["used"].items())),
+        ("days", lambda r: f"{r['days']:.1f}"),
+        ("cost (USD)", lambda r: f"{r['cost']:,.0f}"),
+        ("", lambda r: "chosen" if r["used"] == data["chosen"]["used"] else ""),
+    ]
     seconds = data["seconds"]
     slowest = data["slowest_pools"][0]
     pool = ", ".join(f"{g}:{n}" for g, n in slowest["pool"].items())
@@ -1451,7 +1457,7 @@ def t_capacity_sheet() -> str:
         f"their optimum, {data['not_proven']} of them not proven; {dominated} "
         f"dominated), least cost within "
         f"{q['deadline_days']:.0f} days; the Pareto frontier:\n\n"
-        + table(["rented", "days", "cost (USD)", ""], rows)
+        + columns(data["frontier"], spec)
         + f"\n\nAnswered in {seconds['2']:.0f} s with two local processes "
         f"(target: {data['target_s']} s){engines}. "
         f"{data['planning_s_summed']:.0f} s of planning summed over the pools; "
@@ -1462,28 +1468,38 @@ def t_capacity_sheet() -> str:
 
 def t_large_pools() -> str:
     data = load("large_pools.json")
-    rows = []
-    for row in data["settings"]:
+
+    def before(row):
         seconds = row["seconds"]
-        before = min(seconds["before"]) if "before" in seconds else None
-        after = min(seconds["after"])
-        refused = "refused" if "before_refused" in row else ""
-        rows.append(
-            [
-                row["model"],
-                f"{row['gpus']:,}",
-                refused if before is None else f"{before:.0f}",
-                f"{after:.0f}",
-                "" if before is None else f"x{before / after:.2f}",
-                f"{row['iteration_s']:.2f}",
-                {True: "yes", False: "NO"}.get(row.get("identical"), ""),
-                "yes" if row["proven"] else "no",
-            ]
-        )
-    head = ["model", "H100", "s before", "s after", "speed-up", "s / iteration"]
-    head += ["same plan", "proven"]
+        return min(seconds["before"]) if "before" in seconds else None
+
+    def after(row):
+        return min(row["seconds"]["after"])
+
+    def before_cell(row):
+        if before(row) is not None:
+            return f"{before(row):.0f}"
+        return "refused" if "before_refused" in row else ""
+
+    spec = [
+        ("model", lambda r: r["model"]),
+        ("H100", lambda r: f"{r['gpus']:,}"),
+        ("s before", before_cell),
+        ("s after", lambda r: f"{after(r):.0f}"),
+        (
+            "speed-up",
+            lambda r: "" if before(r) is None else f"x{before(r) / after(r):.2f}",
+        ),
+        ("s / iteration", lambda r: f"{r['iteration_s']:.2f}"),
+        (
+            "same plan",
+            lambda r: {True: "yes", False: "NO"}.get(r.get("identical"), ""),
+        ),
+        ("proven", lambda r: "yes" if r["proven"] else "no"),
+    ]
     return (
-        table(head, rows) + "\n\nEach planned in a fresh process, global batch "
+        columns(data["settings"], spec)
+        + "\n\nEach planned in a fresh process, global batch "
         "1,024 (16,384 on 131,072 GPUs), the code before and after the change "
         "side by side on one machine, its plans compared field by field "
         "(wall-clock fields and the per-knob outcomes aside); 'refused': the "
