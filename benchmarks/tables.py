@@ -114,6 +114,17 @@ def columns(records, spec: list[tuple[str, Callable[[Any], Any]]]) -> str:
     return table([head for head, _ in spec], rows)
 
 
+def field_cell(field: str, fmt: Callable[[Any], str], missing: str):
+    """The cell function that shows ``fmt`` of a record's ``field``, or
+    ``missing`` where that field is None."""
+
+    def cell(record) -> str:
+        value = record[field]
+        return missing if value is None else fmt(value)
+
+    return cell
+
+
 # --------------------------------------------------------------------- tables
 
 
@@ -457,14 +468,11 @@ def t_predict_runs() -> str:
     s = load("predict_real_runs.json")["summary"]
     names = {"gh200-opt350": "GH200, OPT-350M", "rtx-opt350": "RTX cluster, OPT-350M"}
 
-    def errors(field):
-        def cell(v):
-            e = v[field]
-            if e is None:
-                return "not fitted"
-            return f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}"
+    def median_mean_max(e):
+        return f"{pct(e['median'])} / {pct(e['mean'])} / {pct(e['max'])}"
 
-        return cell
+    def errors(field):
+        return field_cell(field, median_mean_max, "not fitted")
 
     spec = [
         ("runs", lambda v: v["runs"]),
@@ -726,10 +734,7 @@ def t_opt350_no_profile() -> str:
     sources = {"no_profile": "no OPT-350M profile", "profiles": "profiles"}
 
     def errors(field):
-        def cell(e):
-            return "not trusted" if e[field] is None else median_max(e[field])
-
-        return cell
+        return field_cell(field, median_max, "not trusted")
 
     spec = [
         ("runs", lambda e: names.get(e["cluster"], e["cluster"])),
@@ -916,14 +921,11 @@ def t_gpu_attention() -> str:
                 }
             )
 
-    def errors(field):
-        def cell(p):
-            e = p[field]
-            if e is None:
-                return "- (not the planner's kernel)"
-            return f"{pct(e['median_abs'])} / {pct(e['max_abs'])}"
+    def median_max_abs(e):
+        return f"{pct(e['median_abs'])} / {pct(e['max_abs'])}"
 
-        return cell
+    def errors(field):
+        return field_cell(field, median_max_abs, "- (not the planner's kernel)")
 
     spec = [
         ("kernel (bf16, causal), pass", lambda p: p["name"]),
