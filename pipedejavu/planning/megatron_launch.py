@@ -55,6 +55,7 @@ from pipedejavu.costmodel.megatron.interleaving import chunk_layers
 from pipedejavu.costmodel.megatron.predictor import Prediction, predict_plan
 from pipedejavu.costmodel.megatron.rules import recomputed_layers
 from pipedejavu.costmodel.megatron.sailor_data import ModelInfo
+from pipedejavu.costmodel.megatron.sheet_network import sheet_entry
 from pipedejavu.io.megatron_args import MegatronRun
 from pipedejavu.io.megatron_moe import MoeOptions
 from pipedejavu.planning.expert_search import layers_of
@@ -377,11 +378,7 @@ def sheet_gpu(sheet: Mapping[str, GpuSheetEntry], gpu_type: str) -> str:
     resolve = getattr(sheet, "resolve", None)
     if resolve is not None and gpu_type in sheet:
         gpu_type = resolve(gpu_type)
-    if gpu_type not in sheet:
-        raise ProblemError(
-            f"GPU type {gpu_type!r} is not on the GPU sheet (known: "
-            f"{', '.join(sorted(sheet))})"
-        )
+    sheet_entry(sheet, gpu_type)
     return gpu_type
 
 
