@@ -31,10 +31,10 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.costmodel.megatron.tables import plan_from_stages, usable_degrees
 
 __all__ = [
+    "EVERY_CONFIGURATION",
     "ConfigGroup",
     "Mix",
     "OneType",
-    "EVERY_CONFIGURATION",
     "SearchScope",
     "chain_counts",
     "config_groups",
@@ -114,12 +114,12 @@ def config_groups(
     docstring), grouped."""
     info = data.model_info(model)
     ep, etp = info.expert_axes
+    offered = scope.mbs_values
     out = []
     for gpu, count in gpus.items():
         table = data.profile(model, gpu)
         stages_cap = min(info.num_layers, scope.max_stages or info.num_layers)
         for mbs in sorted({m for m, _ in table}):
-            offered = scope.mbs_values
             if gbs % mbs or (offered is not None and mbs not in offered):
                 continue
             tps = usable_degrees(data, model, gpu, mbs, count)
@@ -224,9 +224,9 @@ def mixes(
     only, these plans having two stages or more)."""
     info = data.model_info(model)
     profiles = {gpu: data.profile(model, gpu) for gpu in gpus}
+    offered = scope.mbs_values
     out = []
     for mbs in sorted({m for table in profiles.values() for m, _ in table}):
-        offered = scope.mbs_values
         if gbs % mbs or (offered is not None and mbs not in offered):
             continue
         degrees = {
