@@ -20,7 +20,7 @@ from pipedejavu import Problem, get_submesh_choices
 from pipedejavu.core.moe import MoeSpec
 from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS, Plan3D, Replica, Stage3D
 from pipedejavu.core.problem import InfeasibleProblemError, ProblemError
-from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.core.transformer import DECODER_DESIGN, TransformerSpec
 from pipedejavu.costmodel.analytical import source as analytical_source
 from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
@@ -158,21 +158,10 @@ def fake_devices_env(count: int) -> dict[str, str]:
     )
 
 
-#: The layer design of today's open decoders (Llama, Qwen3, DeepSeek, OLMoE):
-#: a gated (SwiGLU) MLP, RMSNorm, rotary positions, untied embeddings and
-#: linear layers without biases.
-DECODER_DESIGN = dict(
-    gated_mlp=True,
-    norm="rmsnorm",
-    position="rotary",
-    tied_embeddings=False,
-    linear_bias=False,
-)
-
-
 def decoder_spec(**fields) -> TransformerSpec:
-    """The ``TransformerSpec`` of ``fields``, of :data:`DECODER_DESIGN` where
-    they do not say otherwise."""
+    """The ``TransformerSpec`` of ``fields``, of the package's
+    :data:`~pipedejavu.core.transformer.DECODER_DESIGN` where they do not say
+    otherwise."""
     return TransformerSpec(**{**DECODER_DESIGN, **fields})
 
 

@@ -31,13 +31,31 @@ from typing import Literal, get_args
 from pipedejavu.core import moe_counts
 from pipedejavu.core.moe import MlaSpec, MoeSpec
 
-__all__ = ["SPEC_LIMITS", "Norm", "Position", "QkNormScope", "TransformerSpec"]
+__all__ = [
+    "DECODER_DESIGN",
+    "SPEC_LIMITS",
+    "Norm",
+    "Position",
+    "QkNormScope",
+    "TransformerSpec",
+]
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rotary", "alibi", "none"]
 #: Query/key norms other than Megatron-Core's per-head ones (``qk_layernorm``
 #: ``True``): ``"projection"``, one norm over each whole projection (OLMoE).
 QkNormScope = Literal["projection"]
+
+#: The layer design of today's open decoders (Llama, Qwen3, DeepSeek, OLMoE):
+#: a gated (SwiGLU) MLP, RMSNorm, rotary positions, untied embeddings and
+#: linear layers without biases (:class:`TransformerSpec` fields).
+DECODER_DESIGN = {
+    "gated_mlp": True,
+    "norm": "rmsnorm",
+    "position": "rotary",
+    "tied_embeddings": False,
+    "linear_bias": False,
+}
 
 #: The largest value of each size field (well past any trained model: 10,000
 #: blocks, a 1 Mi-wide hidden state, 16 Mi tokens a sample): arrays of layers

@@ -60,7 +60,7 @@ from typing import Any
 
 from pipedejavu.core.errors import ProblemError
 from pipedejavu.core.moe import MlaSpec, MoeSpec, moe_layer_pattern
-from pipedejavu.core.transformer import TransformerSpec
+from pipedejavu.core.transformer import DECODER_DESIGN, TransformerSpec
 
 __all__ = [
     "LLAMA3_TOKENIZER_VOCAB",
@@ -362,15 +362,8 @@ def torchtitan_model(
         fields = _deepseek(spec_name, flavor, seq_len)
         _vocab(fields["vocab_size"], vocab_size, source, spec_name)
         attention = _DEEPSEEK[flavor][-1]
-    common = dict(
-        gated_mlp=True,
-        norm="rmsnorm",
-        position="rotary",
-        tied_embeddings=False,
-        linear_bias=False,
-    )
     try:
-        spec = TransformerSpec(**{**common, **fields})
+        spec = TransformerSpec(**{**DECODER_DESIGN, **fields})
     except ValueError as error:
         raise ProblemError(f"{source}: {error}") from None
     return TorchtitanModel(
