@@ -25,7 +25,10 @@ from pipedejavu.costmodel.analytical import source as analytical_source
 from pipedejavu.costmodel.analytical.roofline import FITTED_ANALYTICAL
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS
 from pipedejavu.costmodel.megatron.predictor import predict_plan
-from pipedejavu.costmodel.megatron.tables import plan_from_mixed_stages
+from pipedejavu.costmodel.megatron.tables import (
+    plan_from_mixed_stages,
+    plan_from_stages,
+)
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
 from pipedejavu.search.megatron.mixed import PlacedMix
@@ -560,3 +563,31 @@ def fitting_plan_bounds(bounds, plans):
         largest = largest_stage_bound(bounds, plan)
         assert largest <= prediction.iteration_time_s * (1 + 1e-12)
         yield plan, largest, prediction.iteration_time_s
+
+
+def h100_plan(model, stages, dp, mbs, steps, order=RANK_ORDERS[0]) -> Plan3D:
+    """A plan of ``(start, stop, tp)`` stages on 8-GPU H100-SXM nodes with
+    ``steps`` micro-batches of ``mbs`` per replica, placed in ``order``."""
+    return plan_from_stages(
+        stages,
+        gpu_type="H100-SXM",
+        dp=dp,
+        mbs=mbs,
+        gbs=steps * dp * mbs,
+        model=model,
+        gpus_per_node=8,
+        zone=DEFAULT_ZONE,
+        rank_order=order,
+    )
+
+
+def fitting_h100_plan(choice, stages, dp, mbs, steps, order=RANK_ORDERS[0]):
+    """``(plan, prediction)`` of :func:`h100_plan` under ``choice``'s costs,
+    or ``None`` where the plan cannot be built (mixed degrees that do not pack
+    into nodes) or does not fit in memory."""
+    try:
+        plan = h100_plan(choice.model, stages, dp, mbs, steps, order)
+        prediction = predict_plan(plan, choice.data, constants=FITTED_CONSTANTS)
+    except ProblemError:
+        return None
+    return (plan, prediction) if prediction.fits_memory else None

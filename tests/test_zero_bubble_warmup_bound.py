@@ -14,13 +14,11 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import largest_stage_bound
+from helpers import fitting_h100_plan, h100_plan, largest_stage_bound
 
-from pipedejavu.core.plan3d import DEFAULT_ZONE, RANK_ORDERS
-from pipedejavu.core.problem import ProblemError
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
-from pipedejavu.costmodel.megatron.tables import plan_from_stages
 from pipedejavu.planning.any_model import choose_cost_source
 from pipedejavu.search.megatron.bounds import stage_bounds
 from pipedejavu.search.megatron.chains import StageBounds
@@ -64,20 +62,6 @@ def _bounds(choice, group, size, order):
     )
 
 
-def _plan(choice, stages, dp, mbs, steps, order):
-    return plan_from_stages(
-        stages,
-        gpu_type=GPU,
-        dp=dp,
-        mbs=mbs,
-        gbs=steps * dp * mbs,
-        model=choice.model,
-        gpus_per_node=8,
-        zone=DEFAULT_ZONE,
-        rank_order=order,
-    )
-
-
 @pytest.mark.parametrize("options", RECOMPUTE, ids=str)
 def test_zero_bubble_bounds_are_below_every_prediction(options):
     """Random ZB-H1 plans of Llama-3-8B that fit: the largest stage bound
@@ -97,13 +81,10 @@ def test_zero_bubble_bounds_are_below_every_prediction(options):
         cuts = np.sort(rng.choice(np.arange(1, layers), count - 1, replace=False))
         edges = [0, *cuts.tolist(), layers]
         stages = [(edges[s], edges[s + 1], int(rng.choice(tps))) for s in range(count)]
-        try:  # mixed degrees may not pack into nodes
-            plan = _plan(choice, stages, dp, mbs, steps, order)
-            prediction = predict_plan(plan, choice.data, constants=C)
-        except ProblemError:
+        found = fitting_h100_plan(choice, stages, dp, mbs, steps, order)
+        if found is None:  # mixed degrees may not pack into nodes, or no fit
             continue
-        if not prediction.fits_memory:
-            continue
+        plan, prediction = found
         size = sum(t for *_, t in stages)
         group = ConfigGroup(GPU, mbs, dp, steps, tps, (size,))
         bounds, bare = _bounds(choice, group, size, order)
@@ -134,7 +115,7 @@ def test_warm_up_closes_the_configurations_gap():
     before = float(bare.bottleneck(count)[count, 0])
     edges = np.linspace(0, layers, count + 1).round().astype(int).tolist()
     stages = [(edges[s], edges[s + 1], 1) for s in range(count)]
-    plan = _plan(choice, stages, 1, 1, steps, RANK_ORDERS[0])
+    plan = h100_plan(choice.model, stages, 1, 1, steps)
     prediction = predict_plan(plan, choice.data, constants=C)
     assert prediction.fits_memory
     assert before * 1.1 < least <= prediction.iteration_time_s

@@ -61,6 +61,7 @@ from pipedejavu.search.megatron.transfers import (
     link_rows,
     links_key,
 )
+from pipedejavu.search.megatron.zero_bubble_paths import PathTimes, path_times
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 __all__ = [
@@ -140,6 +141,7 @@ class StageTable(NamedTuple):
     earlier: NDArray[np.float64] | None = None
     rerun: float = 0.0
     recomputed: Table | None = None
+    paths: PathTimes | None = None
 
 
 def stage_bounds(
@@ -218,6 +220,7 @@ def kind_bounds(
         data, model, constants, kinds, mbs, dp, cache, strides
     )
     sends, receives = transfers.sends, transfers.receives
+    hops = {k: float(row.min(initial=np.inf)) / 2 for k, row in receives.items()}
     links = link_rows(transfers.links, layers, times, steps)
     if not with_sends or placed is not None or zero_bubble:  # the caller adds them
         sends = {kind: np.zeros_like(row) for kind, row in sends.items()}
@@ -280,8 +283,11 @@ def kind_bounds(
         fwd[starts, stops] = stage_f + pairs
         after[starts, stops] = tail
         built = []
+        paths = None
         for rerun, kept in [bound_counts(data, info), *((n, n) for n in counts)]:
             again = spans_recompute(info, entry, starts, stops, rerun)
+            if zero_bubble and paths is None and entry.weight_grad is not None:
+                paths = path_times(entry, starts, stops, again, overhead, hops[kind])
             recomputed = np.zeros(shape)
             recomputed[starts, stops] = again
             compute = base + again
@@ -344,7 +350,7 @@ def kind_bounds(
                     recomputed=recomputed,
                 )
             )
-        out[kind] = built[0]._replace(variants=tuple(built[1:]) or None)
+        out[kind] = built[0]._replace(variants=tuple(built[1:]) or None, paths=paths)
     return out
 
 

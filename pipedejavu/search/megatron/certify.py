@@ -37,7 +37,11 @@ to settle it). Under the ZB-H1 schedule (the source's
 ``options.zero_bubble``) a stage's backward is split in ``B`` and ``W``, its
 sends do not block and its last command may be a ``W`` that no stage waits
 for: ``w = F + B busy + tail`` with ``busy`` its forward, backward and three
-overheads (no transfer bound; the warm-up's way back is input gradients).
+overheads (no transfer bound; the warm-up's way back is input gradients);
+with one TP degree a configuration's least bound is also at least that of
+paths through several stages
+(:mod:`~pipedejavu.search.megatron.zero_bubble_paths`, read per pipeline size
+by :meth:`~pipedejavu.search.megatron.chains.StageBounds.least`).
 Memory: DeepSpeed's 1F1B warm-up keeps at least
 ``min(stages after + 1, B)`` micro-batches in flight on a stage at its peak (the
 simulator's ``peak_in_flight``; ``tests/test_megatron_certify.py`` checks it),
@@ -415,7 +419,7 @@ def certify_predicted(
                 continue
         per_size = group_bounds(data, model, constants, group, cache, rank_order, sizes)
         for size, (bounds, g) in per_size.items():
-            value = float(g[size, 0])
+            value = bounds.least(g, size, best)
             if math.isfinite(value):
                 plans = functools.partial(
                     single_plans,

@@ -19,6 +19,7 @@ from pipedejavu.costmodel.megatron.sailor_data import SailorData
 from pipedejavu.search.megatron.bounds import StageTable
 from pipedejavu.search.megatron.space import ConfigGroup, type_plan
 from pipedejavu.search.megatron.transfers import SendRow
+from pipedejavu.search.megatron.zero_bubble_paths import ZeroBubblePaths
 from pipedejavu.simulation.zero_bubble import zero_bubble_in_flight
 
 __all__ = [
@@ -73,6 +74,7 @@ class StageBounds:
         self._chain_g: dict[int, NDArray[np.float64]] = {}
         self._g: dict[int, NDArray[np.float64]] = {}
         self._pipelines: dict[int, StageBounds] = {}
+        self._paths: dict[int, ZeroBubblePaths | None] = {}
 
     def pipeline(self, size: int) -> StageBounds:
         """The bounds of the group's pipelines of ``size`` GPUs: these, but
@@ -91,6 +93,35 @@ class StageBounds:
                 self.group, self.tables, self.overhead, True, need
             )
         return self._pipelines[need]
+
+    def paths(self, size: int) -> ZeroBubblePaths | None:
+        """Under ZB-H1 with one TP degree, the path bound of the pipelines
+        of ``size`` GPUs, two stages or more
+        (:mod:`~pipedejavu.search.megatron.zero_bubble_paths`; its memory rule
+        this object's); ``None`` otherwise."""
+        if not self.zero_bubble or len(self.tables) != 1:
+            return None
+        ((t, table),) = self.tables.items()
+        if table.paths is None:
+            return None
+        ranks, steps = size // t, self.group.steps
+        if ranks < 2 or table.tail is None:
+            return None
+        if ranks not in self._paths:
+            need = max(zero_bubble_in_flight(ranks, steps), self.in_flight)
+            times = np.where(table.cap >= need, table.paths.times, np.inf)
+            base = table.paths.work + 2 * ranks * self.overhead
+            base += 2 * (ranks - 1) * table.paths.hop
+            self._paths[ranks] = ZeroBubblePaths(times, table.tail, base, ranks, steps)
+        return self._paths[ranks]
+
+    def least(self, g: NDArray[np.float64], size: int, below: float) -> float:
+        """The least bound of the pipelines of ``size`` GPUs: ``g[size,
+        0]``, and where that is below ``below``, at least the path bound's
+        least (:meth:`paths`)."""
+        value = float(g[size, 0])
+        paths = self.paths(size) if value < below else None
+        return value if paths is None else max(value, paths.least())
 
     def weights(
         self, tp: int, left: int, send: tuple[Any, SendRow] | None = None
