@@ -146,6 +146,20 @@ def test_proven_plan_is_the_brute_force_optimum(model, pool, gbs, uniform):
     assert cut.predicted_lower_bound_s <= best * (1 + 1e-12)
     assert cut.proven == (cut.certificate.open == 0)
     assert cut.prediction.iteration_time_s >= best * (1 - 1e-12)
+    # cut during an enumeration: still below the optimum, and no lower than
+    # the bound cut before any
+    for budget in (1, 3, 10):
+        part = search_megatron(
+            DATA,
+            model,
+            pool,
+            gbs,
+            C,
+            MegatronSearchConfig(uniform_tp=uniform, certify_max_plans=budget),
+        )
+        lower = part.predicted_lower_bound_s
+        assert lower <= best * (1 + 1e-12)
+        assert lower >= cut.predicted_lower_bound_s * (1 - 1e-12)
     plain = search_megatron(
         DATA,
         model,
