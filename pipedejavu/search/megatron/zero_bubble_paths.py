@@ -127,11 +127,16 @@ def _commands(rank: int, ranks: int, count: int) -> list[tuple[str, int]]:
     ]
 
 
+def _tally(commands) -> NDArray[np.float64]:
+    """``(F, B, W)`` counts of ``commands``."""
+    return np.array([sum(1 for k, _ in commands if k == c) for c in "FBW"], float)
+
+
 def _between(commands, first, last) -> NDArray[np.float64]:
-    """``(F, B, W)`` counts of the commands from ``first`` to ``last``
-    (both run on the path; ``first`` runs before ``last`` in every use)."""
+    """:func:`_tally` of the commands from ``first`` to ``last`` (both run on
+    the path; ``first`` runs before ``last`` in every use)."""
     i, j = commands.index(first), commands.index(last)
-    return np.array([sum(1 for k, _ in commands[i : j + 1] if k == c) for c in "FBW"])
+    return _tally(commands[i : j + 1])
 
 
 @functools.cache
@@ -141,8 +146,7 @@ def path_counts(ranks: int, count: int) -> PathCounts:
     last, end = ranks - 1, count - 1
     orders = [_commands(r, ranks, count) for r in range(ranks)]
     zero = orders[0]
-    after = zero[zero.index(("B", end)) + 1 :]
-    trail = np.array([sum(1 for k, _ in after if k == c) for c in "FBW"], float)
+    trail = _tally(zero[zero.index(("B", end)) + 1 :])
     # The forward path (all of a rank's forwards, then the last micro-batch
     # through the later ranks) adds nothing on the last rank only when that
     # rank runs the last micro-batch's F and B back to back.
@@ -192,11 +196,14 @@ class ZeroBubblePaths:
     def __init__(
         self, times: Table, tail: Table, base: float, ranks: int, count: int
     ) -> None:
-        self.times, self.base, self.ranks = times, base, ranks
+        self.base, self.ranks = base, ranks
         self.counts = counts = path_counts(ranks, count)
         size = times.shape[1]
-        with np.errstate(invalid="ignore"):
-            self.trail = counts.trail @ times[:, 0, :] + tail[0]
+        # no stage where the forward is inf: the times read as 0 there (a
+        # command count of 0 times them is no command), the weights as inf
+        self._finite = np.where(np.isinf(times), 0.0, times)
+        self._blocked = np.isinf(times[0])
+        self.trail = self._weights(counts.trail, 0) + tail[0]
         # bottleneck tables of the rest, by first position n and layer p
         self.single_rest = np.full((ranks + 1, size), np.inf)
         self.late_rest = np.full((ranks + 1, count, size), np.inf)
@@ -211,11 +218,12 @@ class ZeroBubblePaths:
 
     def _weights(self, counts: NDArray[np.float64], start: int | None = None) -> Table:
         """``counts @ times`` (of the stages from ``start`` when given)."""
-        times = self.times if start is None else self.times[:, start]
-        with np.errstate(invalid="ignore"):  # 0 x inf: no command, no stage
-            out = np.tensordot(counts, np.where(np.isinf(times), 0.0, times), 1)
-        blocked = np.isinf(times[0])
-        out[..., blocked] = np.inf
+        if start is None:
+            out = np.tensordot(counts, self._finite, 1)
+            out[..., self._blocked] = np.inf
+        else:
+            out = np.tensordot(counts, self._finite[:, start], 1)
+            out[..., self._blocked[start]] = np.inf
         return out
 
     def least(self) -> float:
@@ -247,18 +255,17 @@ class ZeroBubblePaths:
             state.single, self._weights(counts.single[position], start).max(axis=0)
         )
         late = self._weights(counts.late[position], start)  # [M, L + 1]
-        with np.errstate(invalid="ignore"):  # -inf + inf: no stage either way
-            pair = np.maximum(state.pair, (state.early[:, None] + late).max(axis=0))
         early = np.maximum(
             state.early[:, None], self._weights(counts.early[position], start)
         )
-        ahead = np.maximum(
-            self.single_rest[position + 1],
-            (early + self.late_rest[position + 1]).max(axis=0),
-        )
-        trail = self.trail if position == 0 else state.trail
+        # -inf + inf (no earlier stage, or nothing left, beside a stage that
+        # cannot be): NaN, which the value reads as inf, as that stage is
         with np.errstate(invalid="ignore"):
-            value = self.base + trail + np.maximum(np.maximum(single, pair), ahead)
+            pair = np.maximum(state.pair, (state.early[:, None] + late).max(axis=0))
+            rest = (early + self.late_rest[position + 1]).max(axis=0)
+        ahead = np.maximum(self.single_rest[position + 1], rest)
+        trail = self.trail if position == 0 else state.trail
+        value = self.base + trail + np.maximum(np.maximum(single, pair), ahead)
         value[np.isnan(value)] = np.inf
         return value, (single, early, pair)
 
