@@ -114,6 +114,7 @@ def main() -> None:
         }
         if "before" in plans:
             row["identical"] = plans["before"]["plan"] == plans["after"]["plan"]
+            row["iteration_s_before"] = plans["before"]["iteration_s"]
             row["ratio"] = min(seconds["after"]) / min(seconds["before"])
         elif "before" in refused:
             del seconds["before"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -1478,6 +1479,18 @@ def t_large_pools() -> str:
     def after(row):
         return min(row["seconds"]["after"])
 
+    def iteration_cell(row):
+        earlier = row.get("iteration_s_before", row["iteration_s"])
+        if f"{earlier:.2f}" == f"{row['iteration_s']:.2f}":
+            return f"{row['iteration_s']:.2f}"
+        return f"{earlier:.2f} → {row['iteration_s']:.2f}"
+
+    def same_cell(row):
+        if row.get("identical") is not False:
+            return {True: "yes"}.get(row.get("identical"), "")
+        faster = row["iteration_s"] < row.get("iteration_s_before", math.inf)
+        return "no: faster" if faster else "NO"
+
     def before_cell(row):
         if before(row) is not None:
             return f"{before(row):.0f}"
@@ -1492,11 +1505,8 @@ def t_large_pools() -> str:
             "speed-up",
             lambda r: "" if before(r) is None else f"x{before(r) / after(r):.2f}",
         ),
-        ("s / iteration", lambda r: f"{r['iteration_s']:.2f}"),
-        (
-            "same plan",
-            lambda r: {True: "yes", False: "NO"}.get(r.get("identical"), ""),
-        ),
+        ("s / iteration", iteration_cell),
+        ("same plan", same_cell),
         ("proven", lambda r: "yes" if r["proven"] else "no"),
     ]
     return (
@@ -1662,6 +1672,22 @@ VALUES["calib_gh96_latency"] = Value(
     ("calibration", "gpus", "GH-96", "constants", "collective_latency_s"),
     lambda x: f"{x * 1e3:.2f} ms",
 )
+
+# ZB-H1 around the 16,384-GPU plan (benchmarks/zero_bubble_landscape.py).
+for _name, _path, _format in (
+    ("plan_s", ("plan_s",), lambda x: f"{x:.3f} s"),
+    ("equal_s", ("equal_stages_s",), lambda x: f"{x:.3f} s"),
+    ("least_s", ("configuration_least_bound_s",), lambda x: f"{x:.3f} s"),
+    ("near_01", ("samples", "near_plan", "within", "0.1%"), lambda x: pct(x, 0)),
+    ("near_1", ("samples", "near_plan", "within", "1%"), lambda x: pct(x, 0)),
+    ("near_chains", ("samples", "near_plan", "chains"), str),
+    (
+        "near_bound",
+        ("samples", "near_plan", "path_bound_over_prediction", "median"),
+        lambda x: pct(1 - x),
+    ),
+):
+    VALUES[f"zb16k_{_name}"] = Value("zero_bubble_landscape.json", _path, _format)
 
 # The per-stage recomputation benchmark's plans, bounds and search seconds.
 for _key, _setting in (("175b", "gpt3-175b"), ("70b", "llama3-70b")):

@@ -160,6 +160,11 @@ def test_proven_plan_is_the_brute_force_optimum(model, pool, gbs, uniform):
         lower = part.predicted_lower_bound_s
         assert lower <= best * (1 + 1e-12)
         assert lower >= cut.predicted_lower_bound_s * (1 - 1e-12)
+        # the plan polished after the budget: of the space, fits, no faster
+        # than the optimum, no slower than the proof cut before any
+        assert part.prediction.fits_memory
+        assert best * (1 - 1e-12) <= part.prediction.iteration_time_s
+        assert part.prediction.iteration_time_s <= cut.prediction.iteration_time_s
     plain = search_megatron(
         DATA,
         model,

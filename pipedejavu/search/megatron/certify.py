@@ -72,7 +72,8 @@ settle one taken earlier). Configurations are taken in increasing order of
 bound. When every configuration is settled the
 incumbent is the predictor's optimum over the search space (``proven``);
 otherwise (``max_plans`` predictions spent) the least bound of the unsettled
-configurations is a certified lower bound on every plan's predicted time.
+configurations is a certified lower bound on every plan's predicted time, and
+the best plan met is polished (:mod:`~pipedejavu.search.megatron.polish`).
 
 **Mixed GPU types** (``mixed_types``: one mbs, dp and TP degree, a type per
 stage). Per (mbs, dp, TP) a coarse DP over (layers covered, stages left per
@@ -123,6 +124,7 @@ from pipedejavu.search.megatron.mixed import (
     mixed_bottleneck,
     refine,
 )
+from pipedejavu.search.megatron.polish import polish_cuts
 from pipedejavu.search.megatron.settings import check_plan_size
 from pipedejavu.search.megatron.space import (
     EVERY_CONFIGURATION,
@@ -329,6 +331,7 @@ def certify_predicted(
     rank_order: str = RANK_ORDERS[0],
     cache: BoundCache | None = None,
     either_order: bool = False,
+    own_incumbent: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
     """Prove ``incumbent`` (or a better plan found) the predictor's optimum over
@@ -363,6 +366,11 @@ def certify_predicted(
             ``cache``: a configuration is first bounded least over both
             orders' placements (kept in ``cache``), and where that settles it,
             it is settled in both proofs with one set of tables.
+        own_incumbent: ``incumbent`` is a plan of this search space (the
+            search's): a proof left open polishes it
+            (:func:`~pipedejavu.search.megatron.polish.polish_cuts`, a third
+            of ``max_plans`` more predictions), as it does a better plan it
+            found of its own.
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -509,17 +517,21 @@ def certify_predicted(
     # configuration of lower bound but slower plans is not enumerated against
     # a poor incumbent (found on Llama-3-70B with full recomputation: the
     # budget was spent on TP 1 plans while a TP 2 plan was faster than all).
-    def consider(plan: Plan3D) -> None:
-        """Predict ``plan``: faster, and fitting, it becomes the incumbent."""
+    def consider(plan: Plan3D) -> float:
+        """Predict ``plan``: faster, and fitting, it becomes the incumbent.
+        Its time (``inf``: it does not fit, or a link is not priced)."""
         nonlocal best, best_plan, best_prediction, improved, predicted
         predicted += 1
         try:
             prediction = predict_plan(plan, data, constants=constants)
         except ProblemError:  # a link the network tables do not price
-            return
-        if prediction.fits_memory and prediction.iteration_time_s < best:
+            return math.inf
+        if not prediction.fits_memory:
+            return math.inf
+        if prediction.iteration_time_s < best:
             best, best_plan = prediction.iteration_time_s, plan
             best_prediction, improved = prediction, True
+        return prediction.iteration_time_s
 
     probed: dict[int, Plan3D] = {}
     for item in sorted(items):
@@ -563,6 +575,10 @@ def certify_predicted(
             left_open += 1
             lower = min(lower, value)
         report(items[0].bound if items else math.inf)
+    if left_open and (improved or own_incumbent) and best_prediction is not None:
+        fits = best_prediction.fits_memory  # (the budget spent)
+        start = best_prediction.iteration_time_s if fits else math.inf
+        polish_cuts(best_plan, start, consider, max_plans // 3)
     if not math.isfinite(best):
         raise ValueError("the incumbent does not fit in memory (and no cutoff)")
     return PredictedCertificate(

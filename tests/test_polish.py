@@ -1,0 +1,115 @@
+"""Polishing a plan's cuts where its proof was left open
+(:mod:`pipedejavu.search.megatron.polish`): single-layer moves reach the
+optimum of a separable convex cost (an exact oracle), respect the budget and
+memory, and on ZB-H1 plans of Llama-3-8B with fewer micro-batches than stages
+end at a plan no single move improves under the predictor."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from helpers import h100_plan
+
+from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
+from pipedejavu.costmodel.megatron.predictor import predict_plan
+from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.search.megatron.polish import polish_cuts, with_sizes
+
+GPU = "H100-SXM"
+
+
+def _sizes(plan):
+    return [stage.num_layers for stage in plan.stages]
+
+
+def _plan(sizes, model="Llama-3-8B", dp=1, steps=4):
+    edges = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    stages = [(edges[s], edges[s + 1], 1) for s in range(len(sizes))]
+    return h100_plan(model, stages, dp, 1, steps)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reaches_the_optimum_of_a_separable_convex_cost(seed):
+    """Cost ``sum_s a_s (n_s - t_s)^2`` over the stages' layer counts: moving
+    one layer at a time reaches its optimum ``n = t`` from any start (a
+    separable convex cost over a fixed total has no other local optimum)."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(2, 9))
+    target = rng.integers(1, 7, count)
+    weights = rng.uniform(0.5, 2.0, count)
+    start = rng.multinomial(int(target.sum()) - count, np.ones(count) / count) + 1
+
+    def cost(plan):
+        return float(np.sum(weights * (np.array(_sizes(plan)) - target) ** 2))
+
+    plan = _plan(start.tolist())
+    polished, time_s, used = polish_cuts(plan, cost(plan), cost, 10_000)
+    assert _sizes(polished) == target.tolist()
+    assert time_s == cost(polished) == 0.0
+    assert used < 10_000
+
+
+def test_budget_memory_and_no_gain():
+    """At most ``max_predictions`` calls; a move priced ``inf`` (does not fit)
+    is never taken; with nothing faster the start comes back unchanged."""
+    plan = _plan([3, 3, 3, 3])
+    calls = []
+
+    def flat(candidate):
+        calls.append(_sizes(candidate))
+        return 1.0
+
+    same, time_s, used = polish_cuts(plan, 1.0, flat, 10_000)
+    assert same is plan and time_s == 1.0
+    assert used == len(calls) == 12  # one round: every ordered pair of stages
+    assert calls[0] in ([2, 4, 3, 3], [4, 2, 3, 3])  # nearest stages first
+
+    def cheaper_but_too_big(candidate):
+        sizes = _sizes(candidate)
+        return math.inf if sizes[0] > 3 else 2.0 - sum(sizes[:2]) / 10
+
+    best, time_s, used = polish_cuts(plan, 1.4, cheaper_but_too_big, 5)
+    assert used == 5
+    assert _sizes(best)[0] <= 3 and time_s < 1.4
+
+
+def test_with_sizes_keeps_the_stages_gpus():
+    plan = _plan([8, 8, 9, 9])
+    moved = with_sizes(plan, [7, 9, 10, 8])
+    assert _sizes(moved) == [7, 9, 10, 8]
+    assert [s.replicas for s in moved.stages] == [s.replicas for s in plan.stages]
+    assert moved.layout == plan.layout and moved.gbs == plan.gbs
+
+
+def test_zero_bubble_plan_ends_at_a_local_optimum():
+    """Llama-3-8B under ZB-H1 on 8 stages with 4 micro-batches (M < P): from
+    equal stages the polish finds a faster plan that fits, and no single
+    layer moved between two of its stages is faster under the predictor."""
+    pool = {GPU: 8}
+    base = choose_cost_source("Llama-3-8B", pool, seq_length=2048)
+    options = dataclasses.replace(base.options, zero_bubble=True)
+    choice = choose_cost_source("Llama-3-8B", pool, seq_length=2048, options=options)
+    layers = choice.data.model_info(choice.model).num_layers
+    sizes = np.diff(np.linspace(0, layers, 9).round().astype(int)).tolist()
+
+    def predict(plan):
+        prediction = predict_plan(plan, choice.data, constants=C)
+        return prediction.iteration_time_s if prediction.fits_memory else math.inf
+
+    start = _plan(sizes)
+    start_s = predict(start)
+    assert math.isfinite(start_s)
+    polished, time_s, used = polish_cuts(start, start_s, predict, 5_000)
+    assert used < 5_000  # it stopped at a local optimum, not at the budget
+    assert time_s == predict(polished) < start_s
+    now = _sizes(polished)
+    for i in range(len(now)):
+        for j in range(len(now)):
+            if i != j and now[i] > 1:
+                moved = list(now)
+                moved[i] -= 1
+                moved[j] += 1
+                assert predict(with_sizes(polished, moved)) >= time_s
