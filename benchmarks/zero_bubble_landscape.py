@@ -26,6 +26,7 @@ import time
 import numpy as np
 import stamp
 
+from pipedejavu.core.plan3d import RANK_ORDERS
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.planning.any_model import choose_cost_source
@@ -61,7 +62,7 @@ def main() -> None:
     sizes = [stage.num_layers for stage in plan.stages]
     count, layers = len(sizes), sum(sizes)
     tp = plan.stages[0].replicas[0].tp
-    order = plan.layout.order
+    order = knobs.rank_order or RANK_ORDERS[0]  # (the proof's names)
     print(stamp.header())
     print(
         f"planned in {planned_s:.0f} s: {best:.4f} s, stages {sizes}, TP {tp}, "

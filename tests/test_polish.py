@@ -2,21 +2,26 @@
 (:mod:`pipedejavu.search.megatron.polish`): single-layer moves reach the
 optimum of a separable convex cost (an exact oracle), respect the budget and
 memory, and on ZB-H1 plans of Llama-3-8B with fewer micro-batches than stages
-end at a plan no single move improves under the predictor."""
+end at a plan no single move improves under the predictor, alone and at the
+end of a proof cut short."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 import pytest
 from helpers import h100_plan
 
+from pipedejavu.core.problem import ProblemError
 from pipedejavu.costmodel.megatron.constants import FITTED_CONSTANTS as C
 from pipedejavu.costmodel.megatron.predictor import predict_plan
 from pipedejavu.planning.any_model import choose_cost_source
+from pipedejavu.search.megatron.planner import search_megatron
 from pipedejavu.search.megatron.polish import polish_cuts, with_sizes
+from pipedejavu.search.megatron.settings import MegatronSearchConfig
 
 GPU = "H100-SXM"
 
@@ -113,3 +118,71 @@ def test_zero_bubble_plan_ends_at_a_local_optimum():
                 moved[i] -= 1
                 moved[j] += 1
                 assert predict(with_sizes(polished, moved)) >= time_s
+
+
+def test_with_sizes_refuses_other_totals():
+    plan = _plan([3, 3])
+    with pytest.raises(ProblemError, match="2 stage sizes adding up to 7"):
+        with_sizes(plan, [3, 4])
+    with pytest.raises(ProblemError, match="3 stage sizes"):
+        with_sizes(plan, [2, 2, 2])
+
+
+@functools.cache
+def _zero_bubble_8b():
+    pool = {GPU: 64}
+    base = choose_cost_source("Llama-3-8B", pool, seq_length=2048)
+    options = dataclasses.replace(base.options, zero_bubble=True)
+    return choose_cost_source("Llama-3-8B", pool, seq_length=2048, options=options)
+
+
+def _search(max_plans, polish):
+    choice = _zero_bubble_8b()
+    reports = []
+    config = MegatronSearchConfig(certify_max_plans=max_plans, polish_max_plans=polish)
+    result = search_megatron(
+        choice.data, choice.model, {GPU: 64}, 8, C, config, progress_fn=reports.append
+    )
+    return result, reports
+
+
+def test_an_open_proof_polishes_its_plan():
+    """Llama-3-8B under ZB-H1 on 64 H100 (8 micro-batches): the proof, cut at
+    300 predictions, is left open; polished, its plan is faster, of the same
+    configuration, fits, stays above the same certified bound, and no single
+    layer moved between two of its stages is faster; without the polish (0
+    predictions) the search keeps the plan it had, and the progress reports
+    count every prediction."""
+    plain, _ = _search(300, 0)
+    polished, reports = _search(300, 5_000)
+    assert not plain.proven and not polished.proven
+    assert plain.certificate.plans_predicted == 300
+    assert 300 < polished.certificate.plans_predicted < 5_300
+    assert reports[-1]["predicted"] == polished.certificate.plans_predicted
+    assert polished.certificate.improved
+    assert polished.predicted_lower_bound_s == plain.predicted_lower_bound_s
+    time_s = polished.prediction.iteration_time_s
+    assert (
+        polished.predicted_lower_bound_s <= time_s < plain.prediction.iteration_time_s
+    )
+    assert polished.prediction.fits_memory
+    assert polished.plan.num_stages == plain.plan.num_stages
+    assert polished.plan.dp == plain.plan.dp
+    data = _zero_bubble_8b().data
+    now = _sizes(polished.plan)
+    for i in range(len(now)):
+        for j in range(len(now)):
+            if i != j and now[i] > 1:
+                moved = list(now)
+                moved[i] -= 1
+                moved[j] += 1
+                other = predict_plan(
+                    with_sizes(polished.plan, moved), data, constants=C
+                )
+                assert not (other.fits_memory and other.iteration_time_s < time_s)
+    # the default: a third of the proof's budget
+    default, _ = _search(300, None)
+    assert default.certificate.plans_predicted <= 400
+    assert default.prediction.iteration_time_s < plain.prediction.iteration_time_s
+    with pytest.raises(ValueError, match="polish_max_plans must be >= 0"):
+        MegatronSearchConfig(polish_max_plans=-1)

@@ -514,6 +514,7 @@ def search_knobs(
             state.best[0].plan,
             config,
             max_plans=config.proof_budget,
+            polish_max_plans=config.polish_budget,
             mixed_types=mixes_types(choice, order),
             cutoff_s=min(state.best_s, outside_s),
             rank_order=order,

@@ -331,6 +331,7 @@ def certify_predicted(
     rank_order: str = RANK_ORDERS[0],
     cache: BoundCache | None = None,
     either_order: bool = False,
+    polish_max_plans: int = 0,
     own_incumbent: bool = False,
     progress_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> PredictedCertificate:
@@ -366,11 +367,11 @@ def certify_predicted(
             ``cache``: a configuration is first bounded least over both
             orders' placements (kept in ``cache``), and where that settles it,
             it is settled in both proofs with one set of tables.
-        own_incumbent: ``incumbent`` is a plan of this search space (the
-            search's): a proof left open polishes it
-            (:func:`~pipedejavu.search.megatron.polish.polish_cuts`, a third
-            of ``max_plans`` more predictions), as it does a better plan it
-            found of its own.
+        polish_max_plans, own_incumbent: a proof that spends ``max_plans``
+            polishes the best plan of this space it met with up to this many
+            more predictions (:func:`~pipedejavu.search.megatron.polish.
+            polish_cuts`): a better plan it found, or ``incumbent`` where it is
+            one (``own_incumbent``: the search's).
         progress_fn: called with ``{"phase": "proof", "settled", "open",
             "predicted", "best", "bound"}`` after each configuration settled
             and at least every second while one is enumerated (``bound``: the
@@ -575,10 +576,11 @@ def certify_predicted(
             left_open += 1
             lower = min(lower, value)
         report(items[0].bound if items else math.inf)
-    if left_open and (improved or own_incumbent) and best_prediction is not None:
-        fits = best_prediction.fits_memory  # (the budget spent)
-        start = best_prediction.iteration_time_s if fits else math.inf
-        polish_cuts(best_plan, start, consider, max_plans // 3)
+    start = best_prediction if improved or own_incumbent else None
+    if polish_max_plans and predicted >= max_plans and start and start.fits_memory:
+        tick = functools.partial(report, lower)  # (progress every second)
+        polish_cuts(best_plan, start.iteration_time_s, consider, polish_max_plans, tick)
+        report(lower)
     if not math.isfinite(best):
         raise ValueError("the incumbent does not fit in memory (and no cutoff)")
     return PredictedCertificate(

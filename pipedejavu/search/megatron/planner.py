@@ -329,6 +329,7 @@ def search_megatron(
         cache=bound_cache,
         progress_fn=progress_fn,
         cutoff_s=cutoff_s,
+        polish_max_plans=config.polish_budget,
         own_incumbent=True,
     )
     if certificate.improved:

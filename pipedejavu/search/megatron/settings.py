@@ -79,6 +79,10 @@ class MegatronSearchConfig(SearchScope):
             3000, or 10000 with ``mixed_types``, whose plans have more stages
             and whose proof needs more predictions: 3,600-5,000 on the RTX
             cluster of the measured runs).
+        polish_max_plans: predictor calls the polish of a proof that spent
+            ``certify_max_plans`` may make on top
+            (:mod:`~pipedejavu.search.megatron.polish`; ``None``: a third of
+            the proof's; 0: no polish).
         mixed_types: with several GPU types and ``uniform_tp``, also plans whose
             stages run on different types (``dp`` replicas of one type per
             stage); the proof's branch and bound searches them
@@ -93,6 +97,7 @@ class MegatronSearchConfig(SearchScope):
     certify: bool = True
     certify_max_plans: int | None = None
     mixed_types: bool = False
+    polish_max_plans: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("dp", "diff"):
@@ -112,10 +117,10 @@ class MegatronSearchConfig(SearchScope):
                 "mixed_types needs one TP degree for all stages (uniform_tp; "
                 "plans mixing GPU types and TP degrees are not searched)"
             )
-        if self.certify_max_plans is not None and self.certify_max_plans < 0:
-            raise ValueError(
-                f"certify_max_plans must be >= 0, got {self.certify_max_plans}"
-            )
+        for name in ("certify_max_plans", "polish_max_plans"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
     @property
     def proof_budget(self) -> int:
@@ -123,6 +128,13 @@ class MegatronSearchConfig(SearchScope):
         if self.certify_max_plans is not None:
             return self.certify_max_plans
         return 10_000 if self.mixed_types else 3000
+
+    @property
+    def polish_budget(self) -> int:
+        """``polish_max_plans``, its default filled in."""
+        if self.polish_max_plans is not None:
+            return self.polish_max_plans
+        return self.proof_budget // 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
