@@ -36,6 +36,24 @@ def _plan(sizes, model="Llama-3-8B", dp=1, steps=4):
     return h100_plan(model, stages, dp, 1, steps)
 
 
+def _time(data, plan):
+    """``plan``'s predicted time, ``inf`` where it does not fit."""
+    prediction = predict_plan(plan, data, constants=C)
+    return prediction.iteration_time_s if prediction.fits_memory else math.inf
+
+
+def _assert_no_move_faster(plan, time_s, predict):
+    """No single layer moved between two stages of ``plan`` is faster."""
+    now = _sizes(plan)
+    for i in range(len(now)):
+        for j in range(len(now)):
+            if i != j and now[i] > 1:
+                moved = list(now)
+                moved[i] -= 1
+                moved[j] += 1
+                assert predict(with_sizes(plan, moved)) >= time_s
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_reaches_the_optimum_of_a_separable_convex_cost(seed):
     """Cost ``sum_s a_s (n_s - t_s)^2`` over the stages' layer counts: moving
@@ -100,24 +118,14 @@ def test_zero_bubble_plan_ends_at_a_local_optimum():
     layers = choice.data.model_info(choice.model).num_layers
     sizes = np.diff(np.linspace(0, layers, 9).round().astype(int)).tolist()
 
-    def predict(plan):
-        prediction = predict_plan(plan, choice.data, constants=C)
-        return prediction.iteration_time_s if prediction.fits_memory else math.inf
-
+    predict = functools.partial(_time, choice.data)
     start = _plan(sizes)
     start_s = predict(start)
     assert math.isfinite(start_s)
     polished, time_s, used = polish_cuts(start, start_s, predict, 5_000)
     assert used < 5_000  # it stopped at a local optimum, not at the budget
     assert time_s == predict(polished) < start_s
-    now = _sizes(polished)
-    for i in range(len(now)):
-        for j in range(len(now)):
-            if i != j and now[i] > 1:
-                moved = list(now)
-                moved[i] -= 1
-                moved[j] += 1
-                assert predict(with_sizes(polished, moved)) >= time_s
+    _assert_no_move_faster(polished, time_s, predict)
 
 
 def test_with_sizes_refuses_other_totals():
@@ -168,18 +176,8 @@ def test_an_open_proof_polishes_its_plan():
     assert polished.prediction.fits_memory
     assert polished.plan.num_stages == plain.plan.num_stages
     assert polished.plan.dp == plain.plan.dp
-    data = _zero_bubble_8b().data
-    now = _sizes(polished.plan)
-    for i in range(len(now)):
-        for j in range(len(now)):
-            if i != j and now[i] > 1:
-                moved = list(now)
-                moved[i] -= 1
-                moved[j] += 1
-                other = predict_plan(
-                    with_sizes(polished.plan, moved), data, constants=C
-                )
-                assert not (other.fits_memory and other.iteration_time_s < time_s)
+    predict = functools.partial(_time, _zero_bubble_8b().data)
+    _assert_no_move_faster(polished.plan, time_s, predict)
     # the default: a third of the proof's budget
     default, _ = _search(300, None)
     assert default.certificate.plans_predicted <= 400
